@@ -1,0 +1,1 @@
+"""Step programs of the recovery workflow and what they share (config, run store, contracts)."""

@@ -1,0 +1,455 @@
+"""The job config: one frozen pydantic tree, parsed once at each entry point.
+
+Static rules here run without importing JAX (this is what ``validate-config`` runs); rules that
+need devices run in the trainer after ``jax.distributed.initialize()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from recovery_steps.contract import FailureClass
+from recovery_steps.tpu import LOCAL, TPU_TYPES
+
+_GCS_URL = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
+_NAMED = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
+_RUN_ID = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SliceConfig(_Section):
+    """Where the gang runs: a multi-host TPU slice on GKE, or local CPU processes."""
+
+    accelerator: str = Field(description=f"TPU type ({', '.join(TPU_TYPES)}) or '{LOCAL}' for CPU processes.")
+    topology: str | None = Field(
+        default=None, description="TPU topology such as '4x4' or '4x4x4'; required for TPU, unset for local."
+    )
+    hosts: int | None = Field(
+        default=None,
+        ge=1,
+        description="Number of hosts (one JAX process each). Required for local; derived from the topology "
+        "for TPU (if given, it must agree).",
+    )
+    devices_per_host: int = Field(
+        default=1, ge=1, le=8, description="Local only: CPU devices per process (XLA host platform devices)."
+    )
+    spot: bool = Field(default=False, description="Schedule on Spot VMs (preemptible; TPU only).")
+    reservation: str | None = Field(default=None, description="GKE reservation name to consume (TPU only).")
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> SliceConfig:
+        acc = self.accelerator
+        if acc == LOCAL:
+            if self.hosts is None:
+                raise ValueError("slice.hosts: required for accelerator 'local' (e.g. hosts: 4)")
+            if self.topology is not None:
+                raise ValueError(
+                    f"slice.topology: {self.topology!r} given for accelerator 'local'; remove it "
+                    "(local slices have only a host count)"
+                )
+            return self
+        tpu = TPU_TYPES.get(acc)
+        if tpu is None:
+            raise ValueError(
+                f"slice.accelerator: unknown accelerator {acc!r}; valid: {', '.join([*TPU_TYPES, LOCAL])}"
+            )
+        if self.topology is None:
+            raise ValueError(
+                f"slice.topology: required for {acc}; multi-host topologies: {', '.join(tpu.multi_host_topologies)}"
+            )
+        if self.topology in tpu.single_host_topologies:
+            raise ValueError(
+                f"slice.topology: {self.topology!r} is a single-host topology of {acc}, but this job is a "
+                f"multi-host gang; use one of {', '.join(tpu.multi_host_topologies)}"
+            )
+        if self.topology not in tpu.multi_host_topologies:
+            raise ValueError(
+                f"slice.topology: {self.topology!r} is not a valid {acc} topology; valid multi-host "
+                f"topologies: {', '.join(tpu.multi_host_topologies)}"
+            )
+        derived = tpu.hosts(self.topology)
+        if self.hosts is not None and self.hosts != derived:
+            raise ValueError(
+                f"slice.hosts: {self.hosts} contradicts topology {self.topology} of {acc} "
+                f"({tpu.chips(self.topology)} chips / {tpu.chips_per_vm} per VM = {derived} hosts); "
+                f"set hosts: {derived} or remove it"
+            )
+        return self
+
+    @property
+    def is_local(self) -> bool:
+        """True for the local CPU backend."""
+        return self.accelerator == LOCAL
+
+    @property
+    def num_hosts(self) -> int:
+        """Number of hosts (JAX processes) in the gang."""
+        if self.is_local:
+            assert self.hosts is not None
+            return self.hosts
+        return TPU_TYPES[self.accelerator].hosts(self.topology or "")
+
+    @property
+    def devices_per_process(self) -> int:
+        """Accelerator devices each process sees (TPU chips per VM, or local CPU devices)."""
+        return self.devices_per_host if self.is_local else TPU_TYPES[self.accelerator].chips_per_vm
+
+
+class StorageConfig(_Section):
+    """The run store: where config, checkpoints, ledger and reports live."""
+
+    root: str = Field(
+        description="'gs://bucket/prefix' on GKE, or a local directory (relative paths are relative to "
+        "the working directory)."
+    )
+
+    @field_validator("root")
+    @classmethod
+    def _check_root(cls, v: str) -> str:
+        if v.startswith("gs://"):
+            if not _GCS_URL.match(v):
+                raise ValueError(
+                    f"{v!r} is not a GCS bucket URL; expected gs://BUCKET[/PREFIX] with a bucket name of "
+                    "3-222 lowercase letters, digits, '-', '_' or '.'"
+                )
+            return v.rstrip("/")
+        if "://" in v:
+            raise ValueError(f"{v!r}: only gs:// URLs or local directories are supported")
+        if not v:
+            raise ValueError("empty; give gs://BUCKET/PREFIX or a local directory")
+        return v
+
+    @property
+    def is_gcs(self) -> bool:
+        """True when the run store is on GCS."""
+        return self.root.startswith("gs://")
+
+
+class ModelConfig(_Section):
+    """Decoder-only transformer language model sizes."""
+
+    vocab_size: int = Field(default=256, ge=2, description="Vocabulary size.")
+    d_model: int = Field(default=64, ge=8, description="Residual stream width.")
+    n_layers: int = Field(default=2, ge=1, description="Number of transformer blocks.")
+    n_heads: int = Field(default=4, ge=1, description="Attention heads per block.")
+    d_ff: int = Field(default=256, ge=8, description="Hidden width of the MLP.")
+    seq_len: int = Field(default=32, ge=2, description="Tokens per training sequence.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="Compute dtype; 'auto' is bfloat16 on TPU and float32 on the CPU."
+    )
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.n_heads: {self.n_heads} does not divide model.d_model {self.d_model}; "
+                "choose n_heads that divides d_model"
+            )
+        return self
+
+
+class OptimizerConfig(_Section):
+    """AdamW with linear warm-up, cosine decay and gradient clipping."""
+
+    name: Literal["adamw"] = Field(default="adamw", description="Optimizer type.")
+    learning_rate: float = Field(default=3e-3, gt=0, description="Peak learning rate.")
+    warmup_steps: int = Field(default=10, ge=0, description="Linear warm-up steps.")
+    end_learning_rate_fraction: float = Field(
+        default=0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak (cosine decay)."
+    )
+    weight_decay: float = Field(default=0.01, ge=0, description="Decoupled weight decay.")
+    b1: float = Field(default=0.9, gt=0, lt=1, description="Adam beta1.")
+    b2: float = Field(default=0.95, gt=0, lt=1, description="Adam beta2.")
+    grad_clip_norm: float = Field(default=1.0, gt=0, description="Global gradient norm clip.")
+
+
+class DataConfig(_Section):
+    """The deterministic input pipeline (grain over a generated token dataset)."""
+
+    dataset: Literal["synthetic"] = Field(
+        default="synthetic", description="Dataset kind; 'synthetic' generates token sequences from a seed."
+    )
+    dataset_version: str = Field(
+        default="synthetic-v1", description="Version recorded in every checkpoint; a change is incompatible."
+    )
+    num_records: int = Field(default=4096, ge=1, description="Sequences in the dataset (one epoch).")
+    global_batch_size: int = Field(default=16, ge=1, description="Sequences per step across all hosts.")
+    seed: int = Field(default=1234, description="Seed of the data order.")
+    resume_mode: Literal["exact", "reshuffle"] = Field(
+        default="exact",
+        description="'exact': resume at the same logical dataset position; 'reshuffle': a new order "
+        "seeded by the restored step.",
+    )
+    worker_count: int = Field(default=0, ge=0, description="grain worker processes per host (0: in-process).")
+
+
+class TrainingConfig(_Section):
+    """Length of training, parallelism, and the timeouts that make a failure visible fast."""
+
+    total_steps: int = Field(default=60, ge=1, description="Training ends (exit 0) after this many steps.")
+    seed: int = Field(default=0, description="Seed of parameter init and the step RNG.")
+    sharding: Literal["data", "fsdp"] = Field(
+        default="data", description="'data': replicated parameters; 'fsdp': parameters sharded over hosts."
+    )
+    heartbeat_timeout_s: int = Field(
+        default=5, ge=1, description="JAX coordination heartbeat timeout: a dead peer is noticed within it."
+    )
+    init_timeout_s: int = Field(
+        default=120, ge=5, description="How long jax.distributed.initialize waits for every process."
+    )
+    shutdown_timeout_s: int = Field(default=10, ge=1, description="JAX distributed shutdown barrier timeout.")
+    hang_timeout_s: int = Field(
+        default=60,
+        ge=1,
+        description="Watchdog: exit with the hang code when no step completes within this many seconds "
+        "(the first step's compilation is allowed compile_grace_s more).",
+    )
+    compile_grace_s: int = Field(default=240, ge=0, description="Extra watchdog time for the first step.")
+    compilation_cache_dir: str | None = Field(
+        default=None, description="Persistent XLA compilation cache directory (local path or gs://)."
+    )
+    step_delay_s: float = Field(
+        default=0.0, ge=0, description="Sleep after each step (local rehearsals: stretch a run to watch it)."
+    )
+
+
+class CheckpointConfig(_Section):
+    """Orbax checkpointing policy."""
+
+    interval_steps: int = Field(default=10, ge=1, description="Save every this many steps.")
+    keep: int = Field(default=3, ge=1, description="Keep this many newest checkpoints.")
+    async_save: bool = Field(default=True, description="Save in the background while training continues.")
+
+
+class BackoffConfig(_Section):
+    """Exponential, capped backoff before the next attempt."""
+
+    base_s: float = Field(default=10, ge=0, description="Backoff before the first retry of a class.")
+    factor: float = Field(default=2.0, ge=1, description="Multiplier per further retry of the same class.")
+    max_s: float = Field(default=600, ge=0, description="Cap on any backoff.")
+
+
+def _default_budgets() -> dict[FailureClass, int]:
+    return {
+        FailureClass.PREEMPTION: 20,
+        FailureClass.CAPACITY: 20,
+        FailureClass.INFRASTRUCTURE: 5,
+        FailureClass.HANG: 3,
+        FailureClass.APPLICATION: 1,
+        FailureClass.CONFIGURATION: 0,
+        FailureClass.UNKNOWN: 1,
+    }
+
+
+class RetryConfig(_Section):
+    """Retry budgets per failure class, backoff, and the no-progress guard."""
+
+    budgets: dict[FailureClass, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=_default_budgets,
+        description="Retries allowed per failure class over the whole run (classes left out keep defaults).",
+    )
+    backoff: dict[FailureClass, BackoffConfig] = Field(
+        default_factory=dict,
+        description="Backoff per failure class; classes left out use default_backoff.",
+    )
+    default_backoff: BackoffConfig = Field(
+        default_factory=BackoffConfig, description="Backoff for classes without their own."
+    )
+    no_progress_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Stop after this many consecutive failed attempts without the checkpoint step advancing.",
+    )
+    max_attempts: int = Field(default=50, ge=1, description="Hard cap on attempts of one run, whatever the class.")
+    provision_retry_limit: int = Field(
+        default=10, ge=0, description="provision-slice retries while capacity is not available yet."
+    )
+    provision_backoff_s: int = Field(default=30, ge=1, description="First provision-slice retry backoff.")
+
+    @field_validator("budgets", mode="after")
+    @classmethod
+    def _fill_budgets(cls, v: dict[FailureClass, int]) -> dict[FailureClass, int]:
+        return {**_default_budgets(), **v}
+
+    def budget(self, cls_: FailureClass) -> int:
+        """Retries allowed for ``cls_``."""
+        return self.budgets[cls_]
+
+    def backoff_for(self, cls_: FailureClass) -> BackoffConfig:
+        """Backoff policy of ``cls_``."""
+        return self.backoff.get(cls_, self.default_backoff)
+
+
+class MonitoringConfig(_Section):
+    """Metrics and alert thresholds."""
+
+    metrics_port: int = Field(
+        default=9431, ge=1024, le=65535, description="Port of each worker's Prometheus endpoint."
+    )
+    scrape_interval_s: int = Field(default=15, ge=1, description="PodMonitoring scrape interval.")
+    recovery_window_steps: int = Field(
+        default=200,
+        ge=1,
+        description="Alert when current step minus checkpoint step exceeds this (work a crash would lose).",
+    )
+    no_step_alert_minutes: int = Field(
+        default=10, ge=1, description="Alert when no step completes for this long while the run is active."
+    )
+    repeated_failures_threshold: int = Field(
+        default=3, ge=1, description="Alert when one failure class fails this many attempts within an hour."
+    )
+
+
+class JobConfig(_Section):
+    """A whole training job: what to train, where, and how to recover from failures."""
+
+    run_id: str = Field(
+        description="Run identifier (lowercase letters, digits, '-'; at most 40): names the run store "
+        "folder, the JobSets and the Workflow label."
+    )
+    namespace: str = Field(default="default", description="Kubernetes namespace of the workflow and JobSets.")
+    image: str = Field(description="Worker container image (trainer and step programs).")
+    service_account: str = Field(
+        default="jax-recovery",
+        description="Kubernetes ServiceAccount of steps and workers (bound to GCS by Workload Identity).",
+    )
+    slice: SliceConfig = Field(description="The slice of hosts the gang runs on.")
+    storage: StorageConfig = Field(description="The run store.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model sizes.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Input pipeline.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Training loop.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    retry: RetryConfig = Field(default_factory=RetryConfig, description="Recovery policy.")
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig, description="Metrics and alerts.")
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, v: str) -> str:
+        if not _RUN_ID.match(v):
+            raise ValueError(
+                f"{v!r} is not a valid run id; use 1-40 lowercase letters, digits and '-', starting and "
+                "ending with a letter or digit"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> JobConfig:
+        devices = self.slice.num_hosts * self.slice.devices_per_process
+        if self.data.global_batch_size % devices:
+            raise ValueError(
+                f"data.global_batch_size: {self.data.global_batch_size} is not divisible by the "
+                f"{devices} devices of the slice; use a multiple of {devices}"
+            )
+        return self
+
+    def config_hash(self) -> str:
+        """Stable hash of the whole config (sha256 of its canonical JSON)."""
+        return hashlib.sha256(canonical_json(self).encode()).hexdigest()
+
+
+def canonical_json(cfg: BaseModel) -> str:
+    """Canonical JSON of a config (sorted keys, no whitespace): what the hash is taken over."""
+    return json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+class ConfigError(Exception):
+    """A config that cannot be used. ``problems`` holds one readable line per problem."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+    def render(self) -> str:
+        """The message a user sees: one line per problem."""
+        lines = [f"invalid config {self.source}: {len(self.problems)} problem(s)"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-")))
+
+
+def _describe(err: dict[str, Any], data: Any) -> str:
+    loc = _loc(err["loc"])
+    kind = err["type"]
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+        # Model-level validators already name their field ("slice.topology: ...").
+        if not loc or _NAMED.match(msg):
+            return msg
+        return f"{loc}: {msg}"
+    if kind == "extra_forbidden":
+        parent = err["loc"][:-1]
+        allowed = _allowed_keys(parent)
+        hint = f"; valid keys here: {', '.join(allowed)}" if allowed else ""
+        return f"{loc}: unknown key{hint}"
+    if kind == "missing":
+        return f"{loc}: required field is missing"
+    value = err.get("input")
+    return f"{loc}: {msg} (got {value!r})"
+
+
+def _allowed_keys(parent: tuple[Any, ...]) -> list[str]:
+    model: Any = JobConfig
+    for part in parent:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+    return sorted(model.model_fields)
+
+
+def parse_config(data: Any, source: str = "<config>") -> JobConfig:
+    """Validate a config mapping; raise ConfigError with one message per problem."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, [f"top level must be a mapping of config sections, got {type(data).__name__}"])
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            line = _describe(err, data)
+            if line not in problems:
+                problems.append(line)
+        raise ConfigError(source, problems) from None
+
+
+def load_config(path: str | Path) -> JobConfig:
+    """Read and validate a YAML (or JSON) config file; raise ConfigError on any problem."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(str(p), [f"cannot read the file: {e.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(str(p), [f"YAML syntax error{where}: {problem}"]) from None
+    return parse_config(data, str(p))
+
+
+def config_from_json(text: str, source: str = "config.json") -> JobConfig:
+    """Parse the config as the run store holds it (``{"config": {...}, "hash": ...}`` or the bare tree)."""
+    data = json.loads(text)
+    if isinstance(data, dict) and "config" in data and "hash" in data:
+        data = data["config"]
+    return parse_config(data, source)

@@ -1,0 +1,118 @@
+"""The contracts between trainer, JobSet, and the recovery steps: exit codes and failure classes.
+
+This module is the single table the README documents, the trainer imports, the JobSet
+``podFailurePolicy`` is generated from, and ``classify-failure`` reads. It imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FailureClass(enum.StrEnum):
+    """Why an attempt failed. The values are the workflow interface (Argo output parameters)."""
+
+    PREEMPTION = "preemption"
+    INFRASTRUCTURE = "infrastructure"
+    HANG = "hang"
+    CAPACITY = "capacity"
+    APPLICATION = "application"
+    CONFIGURATION = "configuration"
+    UNKNOWN = "unknown"
+
+
+class Decision(enum.StrEnum):
+    """What ``classify-failure`` decides after a failed attempt."""
+
+    RETRY = "retry"
+    STOP = "stop"
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of the trainer and the step programs."""
+
+    OK = 0
+    CONFIGURATION = 2
+    INCOMPATIBLE_CHECKPOINT = 3
+    PEER_LOST = 20
+    HANG = 21
+    ACCELERATOR_INIT = 22
+    APPLICATION = 42
+    CAPACITY = 75
+    PREEMPTED = 143
+
+
+@dataclass(frozen=True)
+class ExitCodeInfo:
+    """One row of the exit-code table."""
+
+    code: ExitCode
+    meaning: str
+    usual_class: FailureClass | None
+    # What JobSet's podFailurePolicy does with a pod that exits with this code:
+    # "FailJob" ends the attempt at once (the usual case for a gang); "Ignore" would let the
+    # Job recreate the pod, which is never right for a multi-host gang, so nothing uses it.
+    pod_failure_action: str | None
+
+
+EXIT_CODES: tuple[ExitCodeInfo, ...] = (
+    ExitCodeInfo(ExitCode.OK, "training finished (all steps)", None, None),
+    ExitCodeInfo(
+        ExitCode.CONFIGURATION,
+        "configuration error or startup validation mismatch (process count, devices, topology)",
+        FailureClass.CONFIGURATION,
+        "FailJob",
+    ),
+    ExitCodeInfo(
+        ExitCode.INCOMPATIBLE_CHECKPOINT,
+        "checkpoint incompatible with the config",
+        FailureClass.CONFIGURATION,
+        "FailJob",
+    ),
+    ExitCodeInfo(
+        ExitCode.PEER_LOST,
+        "peer lost: a collective or the coordination service failed",
+        FailureClass.INFRASTRUCTURE,
+        "FailJob",
+    ),
+    ExitCodeInfo(
+        ExitCode.HANG, "hang: no step completed within the watchdog timeout", FailureClass.HANG, "FailJob"
+    ),
+    ExitCodeInfo(
+        ExitCode.ACCELERATOR_INIT,
+        "accelerator or runtime initialisation failed",
+        FailureClass.INFRASTRUCTURE,
+        "FailJob",
+    ),
+    ExitCodeInfo(
+        ExitCode.APPLICATION,
+        "application error: uncaught exception in training code, non-finite loss",
+        FailureClass.APPLICATION,
+        "FailJob",
+    ),
+    ExitCodeInfo(
+        ExitCode.CAPACITY,
+        "capacity not available yet (provision-slice; retry later)",
+        FailureClass.CAPACITY,
+        None,
+    ),
+    ExitCodeInfo(
+        ExitCode.PREEMPTED,
+        "SIGTERM received; state saved at the current step, then exited",
+        FailureClass.PREEMPTION,
+        "FailJob",
+    ),
+)
+
+_BY_CODE = {row.code.value: row for row in EXIT_CODES}
+
+
+def exit_code_info(code: int) -> ExitCodeInfo | None:
+    """Return the table row for ``code``, or None for a code outside the contract."""
+    return _BY_CODE.get(code)
+
+
+def trainer_exit_codes() -> list[int]:
+    """Codes the trainer itself may exit with (the ones a JobSet podFailurePolicy maps)."""
+    return [row.code.value for row in EXIT_CODES if row.pod_failure_action is not None]

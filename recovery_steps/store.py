@@ -1,0 +1,339 @@
+"""The run store: one interface over ``gs://bucket/prefix`` and a local directory.
+
+Layout under the configured root (see ``RunLayout``)::
+
+    runs/<run-id>/config.json                    validated config + its hash
+    runs/<run-id>/checkpoints/<step>/            orbax checkpoints with their manifest.json
+    runs/<run-id>/attempts/<n>/workers/<i>.json  each worker's exit report
+    runs/<run-id>/attempts/<n>/record.json       the attempt's classification, evidence, incident timings
+    runs/<run-id>/ledger.json                    attempts so far, by class (conditional writes)
+    runs/<run-id>/quarantine/<step>/             checkpoints that failed verification (moved, never deleted)
+
+JSON documents go through google-cloud-storage (or plain files); arrays go through orbax/tensorstore,
+which take ``RunStore.url(...)`` as their directory. Every write of a JSON document is atomic
+(a local temp file renamed into place; a single GCS object upload), and ``write_bytes`` accepts a
+generation precondition so that two writers cannot silently overwrite each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost a race: the object changed since it was read."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its path relative to the run, size in bytes, and generation."""
+
+    name: str
+    size: int
+    generation: int
+
+
+class RunLayout:
+    """Relative paths of the documents of one run (the contract between all parts)."""
+
+    CONFIG = "config.json"
+    LEDGER = "ledger.json"
+    CHECKPOINTS = "checkpoints"
+    QUARANTINE = "quarantine"
+    ATTEMPTS = "attempts"
+    MANIFEST = "manifest.json"
+
+    @staticmethod
+    def checkpoint(step: int) -> str:
+        """Directory of the checkpoint at ``step``."""
+        return f"checkpoints/{step}"
+
+    @staticmethod
+    def checkpoint_manifest(step: int) -> str:
+        """The manifest of the checkpoint at ``step`` (written last, after orbax committed)."""
+        return f"checkpoints/{step}/{RunLayout.MANIFEST}"
+
+    @staticmethod
+    def attempt(n: int) -> str:
+        """Directory of attempt ``n``."""
+        return f"attempts/{n}"
+
+    @staticmethod
+    def worker_report(n: int, process_index: int) -> str:
+        """Exit report of worker ``process_index`` in attempt ``n``."""
+        return f"attempts/{n}/workers/{process_index}.json"
+
+    @staticmethod
+    def attempt_record(n: int) -> str:
+        """The record ``classify-failure`` (or the exit handler) writes for attempt ``n``."""
+        return f"attempts/{n}/record.json"
+
+    @staticmethod
+    def local_slice(n: int) -> str:
+        """The local backend's record of the worker processes of attempt ``n``."""
+        return f"attempts/{n}/local-slice.json"
+
+    @staticmethod
+    def quarantine(step: int, suffix: str = "") -> str:
+        """Where a checkpoint that failed verification is moved."""
+        return f"quarantine/{step}{suffix}"
+
+
+class _Backend(Protocol):
+    def url(self, rel: str) -> str: ...
+    def read(self, rel: str) -> tuple[bytes, int] | None: ...
+    def write(self, rel: str, data: bytes, if_generation_match: int | None) -> int: ...
+    def list(self, prefix: str) -> list[ObjectInfo]: ...
+    def delete(self, rel: str) -> None: ...
+
+
+class LocalBackend:
+    """Plain files under a directory; generations are modification times in nanoseconds."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def url(self, rel: str) -> str:
+        return str(self.root / rel) if rel else str(self.root)
+
+    def read(self, rel: str) -> tuple[bytes, int] | None:
+        p = self.root / rel
+        try:
+            data = p.read_bytes()
+            return data, p.stat().st_mtime_ns
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def write(self, rel: str, data: bytes, if_generation_match: int | None) -> int:
+        p = self.root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with self._locked(p):
+            if if_generation_match is not None:
+                current = p.stat().st_mtime_ns if p.exists() else 0
+                if current != if_generation_match:
+                    raise PreconditionFailed(f"{p}: generation {current} != expected {if_generation_match}")
+            tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+            gen = p.stat().st_mtime_ns
+            if if_generation_match is not None and gen == if_generation_match:
+                # Same-nanosecond rewrite: bump so that the next reader sees a new generation.
+                os.utime(p, ns=(gen + 1, gen + 1))
+                gen += 1
+            return gen
+
+    @contextlib.contextmanager
+    def _locked(self, p: Path):
+        lock = p.with_name(f".{p.name}.lock")
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        base = self.root / prefix if prefix else self.root
+        if not base.exists():
+            return []
+        if base.is_file():
+            st = base.stat()
+            return [ObjectInfo(prefix, st.st_size, st.st_mtime_ns)]
+        out = []
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                if name.endswith(".lock") and name.startswith("."):
+                    continue
+                full = Path(dirpath) / name
+                st = full.stat()
+                out.append(ObjectInfo(str(full.relative_to(self.root)), st.st_size, st.st_mtime_ns))
+        return sorted(out, key=lambda o: o.name)
+
+    def delete(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / rel).unlink()
+
+
+class GcsBackend:
+    """Objects under ``gs://bucket/prefix`` through google-cloud-storage (honours STORAGE_EMULATOR_HOST)."""
+
+    def __init__(self, bucket: str, prefix: str, client: Any = None):
+        self.bucket_name = bucket
+        self.prefix = prefix.strip("/")
+        self._client = client
+        self._bucket = None
+
+    @property
+    def bucket(self):
+        if self._bucket is None:
+            if self._client is None:
+                self._client = make_gcs_client()
+            self._bucket = self._client.bucket(self.bucket_name)
+        return self._bucket
+
+    def _key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if rel else self.prefix
+
+    def url(self, rel: str) -> str:
+        return f"gs://{self.bucket_name}/{self._key(rel)}"
+
+    def read(self, rel: str) -> tuple[bytes, int] | None:
+        from google.api_core import exceptions
+
+        blob = self.bucket.blob(self._key(rel))
+        try:
+            data = blob.download_as_bytes()
+        except exceptions.NotFound:
+            return None
+        return data, int(blob.generation or 0)
+
+    def write(self, rel: str, data: bytes, if_generation_match: int | None) -> int:
+        from google.api_core import exceptions
+
+        blob = self.bucket.blob(self._key(rel))
+        try:
+            # Small uploads are multipart: the precondition is enforced (0 = "must not exist").
+            blob.upload_from_string(data, if_generation_match=if_generation_match)
+        except exceptions.PreconditionFailed as e:
+            raise PreconditionFailed(f"{self.url(rel)}: {e.message}") from None
+        return int(blob.generation or 0)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        key = self._key(prefix)
+        if prefix and not key.endswith("/"):
+            key += "/"
+        out = []
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        for blob in self.bucket.client.list_blobs(self.bucket_name, prefix=key):
+            out.append(ObjectInfo(blob.name[strip:], int(blob.size or 0), int(blob.generation or 0)))
+        return sorted(out, key=lambda o: o.name)
+
+    def delete(self, rel: str) -> None:
+        from google.api_core import exceptions
+
+        with contextlib.suppress(exceptions.NotFound):
+            self.bucket.blob(self._key(rel)).delete()
+
+
+def make_gcs_client():
+    """A google-cloud-storage client: Workload Identity (ADC) on GKE, anonymous against an emulator."""
+    from google.cloud import storage
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        from google.auth.credentials import AnonymousCredentials
+
+        return storage.Client(project=os.environ.get("GCS_PROJECT", "local"), credentials=AnonymousCredentials())
+    return storage.Client()
+
+
+def split_gcs_url(url: str) -> tuple[str, str]:
+    """``gs://bucket/a/b`` -> ``("bucket", "a/b")``."""
+    rest = url.removeprefix("gs://")
+    bucket, _, prefix = rest.partition("/")
+    return bucket, prefix.strip("/")
+
+
+class RunStore:
+    """The documents and checkpoints of one run, under ``<root>/runs/<run_id>/``."""
+
+    def __init__(self, root: str, run_id: str, *, gcs_client: Any = None):
+        self.root = root
+        self.run_id = run_id
+        if root.startswith("gs://"):
+            bucket, prefix = split_gcs_url(root)
+            run_prefix = "/".join(p for p in (prefix, "runs", run_id) if p)
+            self._b: _Backend = GcsBackend(bucket, run_prefix, gcs_client)
+        else:
+            self._b = LocalBackend(Path(root).resolve() / "runs" / run_id)
+
+    @classmethod
+    def for_config(cls, cfg: Any, **kw: Any) -> RunStore:
+        """The run store of a JobConfig."""
+        return cls(cfg.storage.root, cfg.run_id, **kw)
+
+    @property
+    def is_gcs(self) -> bool:
+        """True when the store is on GCS."""
+        return isinstance(self._b, GcsBackend)
+
+    def url(self, rel: str = "") -> str:
+        """Absolute location (``gs://...`` or a local path) of ``rel``, for orbax and for people."""
+        return self._b.url(rel)
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        """Contents of ``rel``, or None when absent."""
+        got = self._b.read(rel)
+        return None if got is None else got[0]
+
+    def read_json(self, rel: str) -> Any | None:
+        """Parsed JSON at ``rel``, or None when absent (raises ValueError when it is not JSON)."""
+        data = self.read_bytes(rel)
+        return None if data is None else json.loads(data)
+
+    def read_json_versioned(self, rel: str) -> tuple[Any | None, int]:
+        """Parsed JSON and its generation (0 when absent), for a later conditional write."""
+        got = self._b.read(rel)
+        if got is None:
+            return None, 0
+        return json.loads(got[0]), got[1]
+
+    def write_bytes(self, rel: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+        """Write ``rel`` atomically; with ``if_generation_match`` only if unchanged (0: only if absent)."""
+        return self._b.write(rel, data, if_generation_match)
+
+    def write_json(self, rel: str, obj: Any, *, if_generation_match: int | None = None) -> int:
+        """Write ``obj`` as indented, key-sorted JSON (see ``write_bytes``)."""
+        data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
+        return self.write_bytes(rel, data, if_generation_match=if_generation_match)
+
+    def exists(self, rel: str) -> bool:
+        """True when ``rel`` is an object or a non-empty directory."""
+        return self._b.read(rel) is not None or bool(self._b.list(rel))
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object under ``prefix`` (recursive), sorted by name, names relative to the run."""
+        return self._b.list(prefix)
+
+    def children(self, prefix: str) -> list[str]:
+        """Names of the immediate children (files or folders) of ``prefix``."""
+        base = prefix.rstrip("/") + "/"
+        names = {o.name[len(base) :].split("/", 1)[0] for o in self._b.list(prefix) if o.name.startswith(base)}
+        if not self.is_gcs:
+            # Empty local directories hold no objects but are still children.
+            d = Path(self.url(prefix))
+            if d.is_dir():
+                names |= {p.name for p in d.iterdir() if not p.name.startswith(".")}
+        return sorted(names)
+
+    def move(self, src_prefix: str, dst_prefix: str) -> int:
+        """Move every object under ``src_prefix`` to ``dst_prefix`` (copy first, then delete). Returns count."""
+        if not self.is_gcs:
+            src, dst = Path(self.url(src_prefix)), Path(self.url(dst_prefix))
+            if not src.exists():
+                return 0
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            n = sum(1 for _ in src.rglob("*") if _.is_file()) if src.is_dir() else 1
+            os.replace(src, dst)
+            return n
+        objs = self._b.list(src_prefix)
+        for o in objs:
+            data = self.read_bytes(o.name)
+            if data is None:
+                continue
+            self.write_bytes(dst_prefix + o.name[len(src_prefix) :], data)
+        for o in objs:
+            self._b.delete(o.name)
+        return len(objs)
+
+    def delete(self, rel: str) -> None:
+        """Delete one object (never used on checkpoints: those are moved to quarantine)."""
+        self._b.delete(rel)
