@@ -80,6 +80,11 @@ class RunLayout:
         return f"attempts/{n}/local-slice.json"
 
     @staticmethod
+    def incident(n: int) -> str:
+        """The incident record of the failure that ended attempt ``n`` (timings on one clock)."""
+        return f"attempts/{n}/incident.json"
+
+    @staticmethod
     def quarantine(step: int, suffix: str = "") -> str:
         """Where a checkpoint that failed verification is moved."""
         return f"quarantine/{step}{suffix}"
