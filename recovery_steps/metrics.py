@@ -1,5 +1,7 @@
-"""Every metric name the project exports, in one table (Prometheus conventions: base units,
-``_seconds``, ``_total``; labels ``run_id``, ``attempt``, ``process_index``, ``class``).
+"""Every metric name the project exports, in one table.
+
+Prometheus conventions: base units, ``_seconds``, ``_total``; labels ``run_id``, ``attempt``,
+``process_index``, ``class``.
 
 The trainer serves the per-worker metrics with prometheus-client; the per-run ones are Argo
 template metrics (Argo prefixes custom metrics with ``argo_workflows_``) and, locally, are served by

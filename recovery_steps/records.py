@@ -1,5 +1,6 @@
-"""Plain records exchanged through the run store: worker exit reports, checkpoint manifests,
-attempt records, incidents and the ledger.
+"""Plain records exchanged through the run store.
+
+Worker exit reports, checkpoint manifests, attempt records, incidents and the ledger.
 
 These are the data contracts between the trainer, the step programs and the local runner; the
 decisions made over them live elsewhere (``classify``, ``restore``, ``retry``).

@@ -92,10 +92,15 @@ class RunLayout:
 
 class _Backend(Protocol):
     def url(self, rel: str) -> str: ...
+        """Absolute location of ``rel``."""
     def read(self, rel: str) -> tuple[bytes, int] | None: ...
+        """Contents and generation of ``rel``, or None."""
     def write(self, rel: str, data: bytes, if_generation_match: int | None) -> int: ...
+        """Write ``rel`` atomically, honouring the generation precondition."""
     def list(self, prefix: str) -> list[ObjectInfo]: ...
+        """Objects under ``prefix``."""
     def delete(self, rel: str) -> None: ...
+        """Delete ``rel`` if present."""
 
 
 class LocalBackend:
@@ -105,9 +110,11 @@ class LocalBackend:
         self.root = root
 
     def url(self, rel: str) -> str:
+        """Absolute location of ``rel``."""
         return str(self.root / rel) if rel else str(self.root)
 
     def read(self, rel: str) -> tuple[bytes, int] | None:
+        """Contents and generation of ``rel``, or None."""
         p = self.root / rel
         try:
             data = p.read_bytes()
@@ -116,6 +123,7 @@ class LocalBackend:
             return None
 
     def write(self, rel: str, data: bytes, if_generation_match: int | None) -> int:
+        """Write ``rel`` atomically, honouring the generation precondition."""
         p = self.root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         with self._locked(p):
@@ -147,6 +155,7 @@ class LocalBackend:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
+        """Objects under ``prefix``."""
         base = self.root / prefix if prefix else self.root
         if not base.exists():
             return []
@@ -164,6 +173,7 @@ class LocalBackend:
         return sorted(out, key=lambda o: o.name)
 
     def delete(self, rel: str) -> None:
+        """Delete ``rel`` if present."""
         with contextlib.suppress(FileNotFoundError):
             (self.root / rel).unlink()
 
@@ -179,6 +189,7 @@ class GcsBackend:
 
     @property
     def bucket(self):
+        """The bucket handle (client built on first use)."""
         if self._bucket is None:
             if self._client is None:
                 self._client = make_gcs_client()
@@ -189,9 +200,11 @@ class GcsBackend:
         return f"{self.prefix}/{rel}" if rel else self.prefix
 
     def url(self, rel: str) -> str:
+        """Absolute location of ``rel``."""
         return f"gs://{self.bucket_name}/{self._key(rel)}"
 
     def read(self, rel: str) -> tuple[bytes, int] | None:
+        """Contents and generation of ``rel``, or None."""
         from google.api_core import exceptions
 
         blob = self.bucket.blob(self._key(rel))
@@ -202,6 +215,7 @@ class GcsBackend:
         return data, int(blob.generation or 0)
 
     def write(self, rel: str, data: bytes, if_generation_match: int | None) -> int:
+        """Write ``rel`` atomically, honouring the generation precondition."""
         from google.api_core import exceptions
 
         blob = self.bucket.blob(self._key(rel))
@@ -213,6 +227,7 @@ class GcsBackend:
         return int(blob.generation or 0)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
+        """Objects under ``prefix``."""
         key = self._key(prefix)
         if prefix and not key.endswith("/"):
             key += "/"
@@ -223,6 +238,7 @@ class GcsBackend:
         return sorted(out, key=lambda o: o.name)
 
     def delete(self, rel: str) -> None:
+        """Delete ``rel`` if present."""
         from google.api_core import exceptions
 
         with contextlib.suppress(exceptions.NotFound):
@@ -271,6 +287,7 @@ class RunStore:
         return isinstance(self._b, GcsBackend)
 
     def url(self, rel: str = "") -> str:
+        """Absolute location of ``rel``."""
         """Absolute location (``gs://...`` or a local path) of ``rel``, for orbax and for people."""
         return self._b.url(rel)
 
@@ -305,6 +322,7 @@ class RunStore:
         return self._b.read(rel) is not None or bool(self._b.list(rel))
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Objects under ``prefix``."""
         """Every object under ``prefix`` (recursive), sorted by name, names relative to the run."""
         return self._b.list(prefix)
 
@@ -340,5 +358,6 @@ class RunStore:
         return len(objs)
 
     def delete(self, rel: str) -> None:
+        """Delete ``rel`` if present."""
         """Delete one object (never used on checkpoints: those are moved to quarantine)."""
         self._b.delete(rel)
