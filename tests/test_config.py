@@ -1,0 +1,135 @@
+"""The config tree: TPU table, derived hosts, defaults, hashing, and one message per problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recovery_steps.config import ConfigError, JobConfig, load_config, parse_config
+from recovery_steps.contract import FailureClass
+from recovery_steps.tpu import TPU_TYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {
+    "run_id": "r1",
+    "image": "img:1",
+    "slice": {"accelerator": "v5e", "topology": "4x4"},
+    "storage": {"root": "gs://bucket-1/prefix"},
+}
+
+
+def with_(path: str, value):
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in BASE.items()}
+    *parents, leaf = path.split(".")
+    node = data
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+    return data
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("configs/*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_parses(path):
+    cfg = load_config(path)
+    assert cfg.slice.num_hosts >= 2
+    assert cfg.data.global_batch_size % (cfg.slice.num_hosts * cfg.slice.devices_per_process) == 0
+
+
+def test_example_shapes_match_their_names():
+    hosts = {p.stem: load_config(p).slice.num_hosts for p in ROOT.glob("configs/*.yaml")}
+    assert hosts["local-cpu"] == 4
+    assert hosts["v5e-4x4"] == 4
+    assert hosts["v5p-64"] == 16
+    assert load_config(ROOT / "configs/v6e-8x8.yaml").slice.accelerator == "v6e"
+
+
+@pytest.mark.parametrize(
+    ("acc", "topology", "hosts"),
+    [("v5e", "4x4", 4), ("v5e", "16x16", 64), ("v5p", "2x2x2", 2), ("v5p", "4x4x4", 16), ("v6e", "8x8", 16),
+     ("v4", "2x2x4", 4), ("tpu7x", "2x4x4", 8)],
+)  # fmt: skip
+def test_hosts_are_derived_from_the_tpu_table(acc, topology, hosts):
+    data = with_("slice", {"accelerator": acc, "topology": topology})
+    data["data"] = {"global_batch_size": 4 * hosts * 4}
+    cfg = parse_config(data)
+    assert cfg.slice.num_hosts == hosts
+    assert cfg.slice.devices_per_process == TPU_TYPES[acc].chips_per_vm
+
+
+def test_every_tpu_type_has_labels_and_only_multi_host_topologies_spanning_hosts():
+    for t in TPU_TYPES.values():
+        assert t.gke_accelerator and t.machine_type and t.chips_per_vm == 4
+        assert all(t.hosts(top) >= 2 for top in t.multi_host_topologies), t.name
+        assert all(t.chips(top) <= t.chips_per_vm * 2 for top in t.single_host_topologies), t.name
+
+
+@pytest.mark.parametrize(
+    ("data", "needles"),
+    [
+        (with_("slice", {"accelerator": "v9"}), ["slice.accelerator", "'v9'", "v5e", "local"]),
+        (with_("slice", {"accelerator": "v5e", "topology": "3x3"}), ["slice.topology", "'3x3'", "4x4"]),
+        (with_("slice", {"accelerator": "v6e", "topology": "2x2"}), ["single-host", "'2x2'", "8x8"]),
+        (with_("slice", {"accelerator": "v5e", "topology": "4x4", "hosts": 3}), ["slice.hosts", "3", "hosts: 4"]),
+        (with_("retry", {"budgets": {"hang": -1}}), ["retry.budgets.hang", "-1", "greater than or equal to 0"]),
+        (with_("retry", {"budgets": {"flaky": 2}}), ["retry.budgets", "flaky", "preemption"]),
+        (with_("storage", {"root": "gs://"}), ["storage.root", "gs://BUCKET"]),
+        (with_("storage", {"root": "s3://b/p"}), ["storage.root", "s3://b/p"]),
+        (with_("checkpoint", {"intervl_steps": 5}), ["checkpoint.intervl_steps", "unknown key", "interval_steps"]),
+        ({k: v for k, v in BASE.items() if k != "image"}, ["image", "required"]),
+        (with_("slice", {"accelerator": "local"}), ["slice.hosts", "required"]),
+        (with_("model", {"d_model": 30, "n_heads": 4}), ["model.n_heads", "d_model"]),
+        (with_("data", {"global_batch_size": 6}), ["data.global_batch_size", "16 devices"]),
+        (with_("run_id", "Bad_Run"), ["run_id", "'Bad_Run'", "lowercase"]),
+    ],
+)
+def test_bad_configs_get_one_clear_message_per_problem(data, needles):
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    text = err.value.render()
+    for needle in needles:
+        assert needle in text, (needle, text)
+    assert "Traceback" not in text
+
+
+def test_several_problems_are_all_reported():
+    data = with_("storage", {"root": "gs://X"})
+    data["bogus"] = 1
+    data["retry"] = {"budgets": {"application": -2}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert len(err.value.problems) == 3, err.value.problems
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("run_id: r1\nslice:\n  accelerator: [v5e\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert "YAML syntax error at line" in err.value.render()
+
+
+def test_config_is_frozen_and_hash_is_stable_and_sensitive():
+    a = parse_config(BASE)
+    assert a.config_hash() == parse_config(dict(BASE)).config_hash()
+    assert a.config_hash() != parse_config(with_("checkpoint", {"interval_steps": 7})).config_hash()
+    with pytest.raises(Exception):
+        a.run_id = "other"  # type: ignore[misc]
+
+
+def test_budgets_keep_defaults_for_classes_left_out():
+    cfg = parse_config(with_("retry", {"budgets": {"preemption": 99}}))
+    assert cfg.retry.budget(FailureClass.PREEMPTION) == 99
+    assert cfg.retry.budget(FailureClass.CONFIGURATION) == 0
+    assert set(cfg.retry.budgets) == set(FailureClass)
+
+
+def test_every_field_is_described():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, JobConfig.__mro__[1]) and ann is not model:
+                walk(ann)
+
+    walk(JobConfig)
