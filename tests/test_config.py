@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from recovery_steps.config import ConfigError, JobConfig, load_config, parse_config
 from recovery_steps.contract import FailureClass
@@ -113,7 +114,7 @@ def test_config_is_frozen_and_hash_is_stable_and_sensitive():
     a = parse_config(BASE)
     assert a.config_hash() == parse_config(dict(BASE)).config_hash()
     assert a.config_hash() != parse_config(with_("checkpoint", {"interval_steps": 7})).config_hash()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         a.run_id = "other"  # type: ignore[misc]
 
 
