@@ -1,0 +1,32 @@
+"""The README's tables agree with the tables in code, and its first two lines are the two commands."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from recovery_steps.contract import EXIT_CODES, FailureClass
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def test_readme_starts_with_the_two_commands():
+    block = re.search(r"```bash\n(.*?)```", README, re.S)
+    assert block and README.index("```bash") < 200
+    lines = [ln for ln in block.group(1).splitlines() if ln.strip()]
+    assert len(lines) == 2
+    assert "workflows.local argo/local-cpu.yaml --inject kill-worker" in lines[0]
+    assert lines[1].startswith(".venv/bin/python -m pytest")
+
+
+def test_readme_exit_code_table_matches_the_contract():
+    rows = dict(re.findall(r"^\| (\d+) \| (.+?) \| .+? \|$", README, re.M))
+    for info in EXIT_CODES:
+        assert str(info.code.value) in rows, info
+        assert rows[str(info.code.value)] == info.meaning, (rows[str(info.code.value)], info.meaning)
+    assert len(rows) == len(EXIT_CODES)
+
+
+def test_readme_names_every_failure_class():
+    for cls in FailureClass:
+        assert f"| `{cls.value}` |" in README, cls
