@@ -1,0 +1,73 @@
+"""Kubernetes client factory and the GKE label names shared by the JobSet and ``provision-slice``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# Labels every object of a run carries (Workflow, JobSet, pods) so that steps can find them.
+RUN_ID_LABEL = "jaxrec/run-id"
+ATTEMPT_LABEL = "jaxrec/attempt"
+
+# GKE node labels and the taints GKE puts on TPU nodes.
+TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+SPOT_LABEL = "cloud.google.com/gke-spot"
+RESERVATION_LABEL = "cloud.google.com/reservation-name"
+NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+TPU_RESOURCE = "google.com/tpu"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
+JOBSET_GROUP = "jobset.x-k8s.io"
+JOBSET_VERSION = "v1alpha2"
+JOBSET_PLURAL = "jobsets"
+
+
+def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
+    """Node labels a TPU slice's pods select (empty for the local backend).
+
+    The JobSet's ``nodeSelector`` and the node check of ``provision-slice`` both use this, so the
+    slice that is checked is the slice the pods land on.
+
+    Args:
+        slice_cfg: A ``SliceConfig``.
+
+    Returns:
+        Label name -> value, in a stable order.
+    """
+    if slice_cfg.is_local:
+        return {}
+    from recovery_steps.tpu import TPU_TYPES
+
+    sel = {
+        TPU_ACCELERATOR_LABEL: TPU_TYPES[slice_cfg.accelerator].gke_accelerator,
+        TPU_TOPOLOGY_LABEL: slice_cfg.topology,
+    }
+    if slice_cfg.spot:
+        sel[SPOT_LABEL] = "true"
+    if slice_cfg.reservation:
+        sel[RESERVATION_LABEL] = slice_cfg.reservation
+    return sel
+
+
+def make_api_client(host: str | None = None) -> Any:
+    """A kubernetes ``ApiClient``.
+
+    Args:
+        host: API server URL (tests point this at a local HTTP server). When None, the in-cluster
+            service-account config is used inside a pod, otherwise the local kubeconfig.
+
+    Returns:
+        A ``kubernetes.client.ApiClient``.
+    """
+    from kubernetes import client, config
+
+    if host:
+        cfg = client.Configuration(host=host)
+        cfg.retries = 0
+        return client.ApiClient(cfg)
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+    else:
+        config.load_kube_config()
+    return client.ApiClient()

@@ -1,0 +1,1 @@
+"""Argo workflow definitions (Hera) and the commands that build and run them."""

@@ -1,0 +1,140 @@
+"""The JobSet manifest of one training segment (the gang of workers), as the train-segment template creates it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recovery_steps.config import JobConfig
+from recovery_steps.contract import EXIT_CODES
+from recovery_steps.k8s import (
+    ATTEMPT_LABEL,
+    JOBSET_GROUP,
+    JOBSET_VERSION,
+    NODEPOOL_LABEL,
+    RUN_ID_LABEL,
+    SPOT_LABEL,
+    TPU_RESOURCE,
+    gke_node_selector,
+)
+from recovery_steps.tpu import TPU_TYPES
+
+REPLICATED_JOB = "workers"
+CONTAINER = "trainer"
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+COMPLETION_INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+# GKE gives Spot and preempted TPU VMs 30 s between SIGTERM and the kill; the trainer saves within it.
+TERMINATION_GRACE_S = 30
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """The Job ``podFailurePolicy``: one FailJob rule per trainer exit code, then disruptions.
+
+    One rule per code (in the order of the exit-code table) makes the Job's failure message name
+    the rule index, which ``classify-failure`` can read back as evidence.
+    """
+    rules: list[dict[str, Any]] = []
+    for row in EXIT_CODES:
+        if row.pod_failure_action is None:
+            continue
+        rules.append(
+            {
+                "action": row.pod_failure_action,
+                "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [int(row.code)]},
+            }
+        )
+    # A pod evicted or preempted (node drain, Spot reclaim, maintenance) ends the whole attempt too:
+    # "Ignore" would let the Job recreate one worker into a gang that cannot take it back.
+    rules.append({"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]})
+    return {"rules": rules}
+
+
+def jobset_manifest(
+    cfg: JobConfig,
+    *,
+    name: str,
+    run_id: str,
+    store_root: str,
+    attempt: str,
+    restore_step: str,
+    coordinator_port: str,
+    metrics_port: str,
+) -> dict[str, Any]:
+    """The JobSet of one attempt.
+
+    The string arguments are usually Argo placeholders (``{{inputs.parameters.attempt}}``); tests
+    pass realistic values to validate the result against the JobSet CRD.
+
+    Args:
+        cfg: The job config (slice shape, image, service account, namespace).
+        name: JobSet name (``<run-id>-a<attempt>``, from provision-slice).
+        run_id: Run id.
+        store_root: Run-store root.
+        attempt: Attempt number.
+        restore_step: Step every worker restores (``-1``: fresh start).
+        coordinator_port: Local backend: the JAX coordinator port.
+        metrics_port: Port of worker 0's metrics endpoint (local workers add their index).
+
+    Returns:
+        The manifest as a plain dict (stable key order).
+    """
+    sl = cfg.slice
+    hosts = sl.num_hosts
+    labels = {RUN_ID_LABEL: run_id, ATTEMPT_LABEL: attempt}
+    env: list[dict[str, Any]] = [
+        {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX_FIELD}}},
+    ]
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": cfg.image,
+        "command": ["python", "-m", "trainer"],
+        "args": [
+            "--store-root", store_root,
+            "--run-id", run_id,
+            "--attempt", attempt,
+            "--restore-step", restore_step,
+            "--metrics-port", metrics_port,
+        ],
+        "env": env,
+    }  # fmt: skip
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": cfg.service_account,
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "containers": [container],
+    }
+    jobset_meta: dict[str, Any] = {"name": name, "namespace": cfg.namespace, "labels": labels}
+    if sl.is_local:
+        env += [
+            {"name": "TRAINER_COORDINATOR_ADDRESS", "value": f"127.0.0.1:{coordinator_port}"},
+            {"name": "TRAINER_NUM_PROCESSES", "value": str(hosts)},
+            {"name": "JAX_PLATFORMS", "value": "cpu"},
+        ]
+    else:
+        chips = TPU_TYPES[sl.accelerator].chips_per_vm
+        container["ports"] = [{"name": "metrics", "containerPort": cfg.monitoring.metrics_port}]
+        container["resources"] = {"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}}
+        pod_spec["nodeSelector"] = gke_node_selector(sl)
+        tolerations = [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+        if sl.spot:
+            tolerations.append({"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+        pod_spec["tolerations"] = tolerations
+        jobset_meta["annotations"] = {EXCLUSIVE_TOPOLOGY: NODEPOOL_LABEL}
+    job_spec = {
+        "parallelism": hosts,
+        "completions": hosts,
+        "completionMode": "Indexed",
+        "backoffLimit": 0,
+        "podFailurePolicy": pod_failure_policy(),
+        "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+    }
+    return {
+        "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
+        "kind": "JobSet",
+        "metadata": jobset_meta,
+        "spec": {
+            "failurePolicy": {"maxRestarts": 0},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
+            "network": {"enableDNSHostnames": True},
+            "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": 1, "template": {"spec": job_spec}}],
+        },
+    }

@@ -1,0 +1,283 @@
+"""Hera definitions of the recovery workflow: step templates, the attempt DAG and the main DAG.
+
+Declarative only: every decision is made by the step programs (``python -m recovery_steps.<step>``);
+this module wires their outputs to the next step's inputs and to ``when`` conditions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from hera.workflows import (
+    DAG,
+    Container,
+    Counter,
+    Gauge,
+    Label,
+    Parameter,
+    RawArtifact,
+    Resource,
+    RetryStrategy,
+    Suspend,
+    Task,
+    Workflow,
+)
+from hera.workflows.models import Backoff, ValueFrom
+
+from recovery_steps.config import JobConfig
+from recovery_steps.k8s import ATTEMPT_LABEL, RUN_ID_LABEL
+from recovery_steps.metrics import spec as metric_spec
+from workflows.jobset import jobset_manifest
+
+OUTPUT_DIR = "/tmp/outputs"
+CONFIG_PATH = "/tmp/inputs/config.yaml"
+STORE_ROOT = "{{workflow.parameters.store-root}}"
+RUN_ID = "{{workflow.parameters.run-id}}"
+ATTEMPT_IN = "{{inputs.parameters.attempt}}"
+CAPACITY_EXIT = 75
+
+
+def _outputs(*names: str) -> list[Parameter]:
+    return [Parameter(name=n, value_from=ValueFrom(path=f"{OUTPUT_DIR}/{n}")) for n in names]
+
+
+def _step(
+    cfg: JobConfig,
+    name: str,
+    module: str,
+    args: list[str],
+    *,
+    inputs: list[str] = (),
+    outputs: list[str] = (),
+    output_dir: bool = True,
+    **kw: Any,
+) -> Container:
+    """A container template that runs ``python -m recovery_steps.<module>``."""
+    full_args = list(args) + (["--output-dir", OUTPUT_DIR] if output_dir else [])
+    labels = {RUN_ID_LABEL: RUN_ID}
+    if "attempt" in inputs:
+        labels[ATTEMPT_LABEL] = ATTEMPT_IN
+    return Container(
+        name=name,
+        image=cfg.image,
+        command=["python", "-m", f"recovery_steps.{module}"],
+        args=full_args,
+        inputs=[Parameter(name=n) for n in inputs] + kw.pop("input_artifacts", []),
+        outputs=_outputs(*outputs),
+        labels=labels,
+        **kw,
+    )
+
+
+def _metric_help(name: str) -> str:
+    return metric_spec(name).help
+
+
+def canonical_config_yaml(cfg: JobConfig) -> str:
+    """The config as validate-config receives it: every field, keys sorted."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=True, default_flow_style=False)
+
+
+def build_workflow(cfg: JobConfig) -> Workflow:
+    """The Workflow of one job config.
+
+    Args:
+        cfg: A validated job config.
+
+    Returns:
+        The Hera ``Workflow`` (``to_dict()`` gives the manifest ``argo submit`` takes).
+    """
+    manifest = jobset_manifest(
+        cfg,
+        name="{{inputs.parameters.jobset-name}}",
+        run_id=RUN_ID,
+        store_root=STORE_ROOT,
+        attempt=ATTEMPT_IN,
+        restore_step="{{inputs.parameters.restore-step}}",
+        coordinator_port="{{inputs.parameters.coordinator-port}}",
+        metrics_port="{{inputs.parameters.metrics-port}}",
+    )
+    with Workflow(
+        generate_name=f"{cfg.run_id}-",
+        namespace=cfg.namespace,
+        labels={RUN_ID_LABEL: cfg.run_id},
+        entrypoint="main",
+        on_exit="exit-handler",
+        service_account_name=cfg.service_account,
+        arguments=[
+            Parameter(name="store-root", value=cfg.storage.root),
+            Parameter(name="run-id", value=cfg.run_id),
+        ],
+    ) as w:
+        validate = _step(
+            cfg,
+            "validate-config",
+            "validate_config",
+            ["--config", CONFIG_PATH],
+            outputs=["run-id", "store-root", "config-hash", "hosts"],
+            input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
+        )
+        restore = _step(
+            cfg,
+            "restore-latest",
+            "restore_latest",
+            ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN],
+            inputs=["attempt"],
+            outputs=["restore-step", "restore-path", "skipped"],
+        )
+        provision = _step(
+            cfg,
+            "provision-slice",
+            "provision_slice",
+            ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN],
+            inputs=["attempt"],
+            outputs=["jobset-name", "coordinator-port", "metrics-port"],
+            # Exit 75 (capacity not there yet) is retried with backoff; exit 2 (configuration) is not.
+            retry_strategy=RetryStrategy(
+                limit=cfg.retry.provision_retry_limit,
+                retry_policy="Always",
+                backoff=Backoff(duration=f"{cfg.retry.provision_backoff_s}s", factor=2, max_duration="30m"),
+                expression=f"asInt(lastRetry.exitCode) == {CAPACITY_EXIT}",
+            ),
+        )
+        train = Resource(
+            name="train-segment",
+            action="create",
+            set_owner_reference=True,
+            manifest=yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False),
+            success_condition="status.terminalState == Completed",
+            failure_condition="status.terminalState == Failed",
+            inputs=[
+                Parameter(name=n)
+                for n in ("attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port")
+            ],
+        )
+        classify = _step(
+            cfg,
+            "classify-failure",
+            "classify_failure",
+            [
+                "--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN,
+                "--jobset", "{{inputs.parameters.jobset-name}}",
+            ],
+            inputs=["attempt", "jobset-name"],
+            outputs=["failure-class", "decision", "reason", "backoff-seconds", "attempts-by-class", "next-attempt"],
+            metrics=[
+                Counter(
+                    name="jaxrec_failures_total",
+                    help=_metric_help("jaxrec_failures_total"),
+                    labels=[Label(key="run_id", value=RUN_ID),
+                            Label(key="class", value="{{outputs.parameters.failure-class}}")],
+                    value="1",
+                ),
+                Gauge(
+                    name="jaxrec_last_failure_info",
+                    help=_metric_help("jaxrec_last_failure_info"),
+                    labels=[Label(key="run_id", value=RUN_ID),
+                            Label(key="class", value="{{outputs.parameters.failure-class}}"),
+                            Label(key="reason", value="{{outputs.parameters.reason}}")],
+                    realtime=False,
+                    value="1",
+                ),
+            ],
+        )  # fmt: skip
+        backoff = Suspend(
+            name="backoff",
+            inputs=[Parameter(name="seconds")],
+            duration="{{inputs.parameters.seconds}}",
+        )
+        give_up = _step(
+            cfg,
+            "give-up",
+            "give_up",
+            ["--failure-class", "{{inputs.parameters.failure-class}}", "--reason", "{{inputs.parameters.reason}}"],
+            inputs=["failure-class", "reason"],
+            output_dir=False,
+        )
+        finalize = _step(
+            cfg,
+            "exit-handler",
+            "finalize",
+            [
+                "--store-root", STORE_ROOT, "--run-id", RUN_ID,
+                "--status", "{{workflow.status}}", "--failures", "{{workflow.failures}}",
+            ],
+            outputs=["final-status"],
+            metrics=[
+                Gauge(
+                    name="jaxrec_run_status",
+                    help=_metric_help("jaxrec_run_status"),
+                    labels=[Label(key="run_id", value=RUN_ID), Label(key="status", value="{{workflow.status}}")],
+                    realtime=False,
+                    value="1",
+                )
+            ],
+        )  # fmt: skip
+
+        with DAG(
+            name="attempt",
+            inputs=[Parameter(name="attempt")],
+            metrics=[
+                Counter(
+                    name="jaxrec_attempts_total",
+                    help=_metric_help("jaxrec_attempts_total"),
+                    labels=[Label(key="run_id", value=RUN_ID)],
+                    value="1",
+                )
+            ],
+        ) as attempt:
+            t_restore = Task(name="restore-latest", template=restore, arguments={"attempt": ATTEMPT_IN})
+            t_provision = Task(name="provision-slice", template=provision, arguments={"attempt": ATTEMPT_IN})
+            prov_out = "{{tasks.provision-slice.outputs.parameters.%s}}"
+            t_train = Task(
+                name="train-segment",
+                template=train,
+                arguments={
+                    "attempt": ATTEMPT_IN,
+                    "jobset-name": prov_out % "jobset-name",
+                    "restore-step": "{{tasks.restore-latest.outputs.parameters.restore-step}}",
+                    "coordinator-port": prov_out % "coordinator-port",
+                    "metrics-port": prov_out % "metrics-port",
+                },
+            )
+            t_classify = Task(
+                name="classify-failure",
+                template=classify,
+                arguments={"attempt": ATTEMPT_IN, "jobset-name": prov_out % "jobset-name"},
+                depends="train-segment.Failed || train-segment.Errored",
+            )
+            out = "{{tasks.classify-failure.outputs.parameters.%s}}"
+            retry_when = f"'{out % 'decision'}' == 'retry'"
+            t_backoff = Task(
+                name="backoff",
+                template=backoff,
+                arguments={"seconds": out % "backoff-seconds"},
+                depends="classify-failure",
+                when=retry_when,
+            )
+            Task(
+                name="next-attempt",
+                template="attempt",
+                arguments={"attempt": out % "next-attempt"},
+                depends="backoff",
+                when=retry_when,
+            )
+            Task(
+                name="give-up",
+                template=give_up,
+                arguments={"failure-class": out % "failure-class", "reason": out % "reason"},
+                depends="classify-failure",
+                when=f"'{out % 'decision'}' == 'stop'",
+            )
+            t_restore >> t_provision >> t_train
+            del t_classify, t_backoff
+
+        with DAG(name="main"):
+            t_validate = Task(name="validate-config", template=validate)
+            t_first = Task(name="attempt", template=attempt, arguments={"attempt": "0"})
+            t_validate >> t_first
+
+    # Templates referenced only by name must still be listed once.
+    del finalize
+    return w
