@@ -62,7 +62,26 @@ METRICS: tuple[MetricSpec, ...] = (
 
 BY_NAME = {m.name: m for m in METRICS}
 
+# Argo Workflows exposes every custom (template or workflow) metric with this prefix; the
+# run-scope metrics above are therefore scraped on GKE as ``argo_workflows_<name>``.
+ARGO_PREFIX = "argo_workflows_"
+
 
 def spec(name: str) -> MetricSpec:
     """The spec of ``name`` (KeyError for a name outside the table)."""
     return BY_NAME[name]
+
+
+def exposed_name(name: str, *, argo: bool) -> str:
+    """The name a scrape sees for ``name``.
+
+    Args:
+        name: A metric name from the table.
+        argo: True when run-scope metrics come from Argo template metrics (GKE); False when the
+            local runner serves them itself.
+
+    Returns:
+        ``argo_workflows_<name>`` for a run-scope metric served by Argo, else ``name``.
+    """
+    m = spec(name)
+    return ARGO_PREFIX + m.name if argo and m.scope == "run" else m.name
