@@ -1,0 +1,331 @@
+"""Checkpoint listing and verification: an adapter that reads the run store, and a pure selection over its facts.
+
+``inspect_candidate`` reads one step directory (commit marker, manifest, files) into a plain
+``CandidateInfo``; ``judge`` and ``select_restore_step`` decide over those records without any I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from recovery_steps.checkpoints import crc32c_hex
+from recovery_steps.compat import check_compatible
+from recovery_steps.records import CheckpointManifest, Ledger
+from recovery_steps.store import ObjectInfo, RunLayout, RunStore
+
+TMP_MARK = ".orbax-checkpoint-tmp"
+"""Orbax names a local step directory ``<step>.orbax-checkpoint-tmp-<n>`` until the save is committed."""
+GCS_COMMIT = "commit_success.txt"
+"""On GCS orbax writes the step in place and this file last, in the step directory."""
+LOCAL_METADATA = "_CHECKPOINT_METADATA"
+"""Orbax's step metadata, present in every finished local step directory."""
+
+_STEP_NAME = re.compile(r"^(\d+)(.*)$")
+
+
+class SkipKind(enum.StrEnum):
+    """Why a step directory is not restored."""
+
+    TEMPORARY = "temporary"
+    EMPTY = "empty"
+    UNCOMMITTED = "uncommitted"
+    MANIFEST = "manifest"
+    CLOSED_ATTEMPT = "closed-attempt"
+    INCOMPATIBLE = "incompatible"
+    FILES = "files"
+    NOT_A_STEP = "not-a-step"
+
+
+@dataclass(frozen=True)
+class CandidateInfo:
+    """Facts about one directory under ``checkpoints/``, as read from the store (no decisions)."""
+
+    name: str
+    step: int | None
+    on_gcs: bool
+    temporary: bool = False
+    file_count: int = 0
+    committed: bool = False
+    manifest_problem: str | None = None
+    manifest_attempt: int | None = None
+    manifest_wall_time: float | None = None
+    compat_problems: tuple[str, ...] = ()
+    file_problems: tuple[str, ...] | None = None
+    """None until the files were read back and checked."""
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One directory that was not restored, why, and whether it is moved to quarantine."""
+
+    name: str
+    step: int | None
+    kind: SkipKind
+    reason: str
+    quarantine: bool
+
+    def as_output(self) -> dict[str, Any]:
+        """The ``{step, reason}`` entry of the ``skipped`` output."""
+        return {"step": self.step, "name": self.name, "reason": self.reason}
+
+
+@dataclass
+class Selection:
+    """What ``restore-latest`` decided."""
+
+    step: int = -1
+    name: str | None = None
+    skipped: list[Skip] = field(default_factory=list)
+
+    @property
+    def incompatible(self) -> bool:
+        """Checkpoints exist, none was selected, and at least one was skipped as incompatible with the config."""
+        return self.step < 0 and any(s.kind is SkipKind.INCOMPATIBLE for s in self.skipped)
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def judge(c: CandidateInfo, closed_at: Mapping[int, float]) -> Skip | None:
+    """Decide whether one candidate can be restored; None when it can.
+
+    Args:
+        c: Facts about the step directory.
+        closed_at: For each attempt the ledger closed, when it was closed (epoch seconds).
+
+    Returns:
+        None for a restorable checkpoint, else the ``Skip`` saying why and whether to quarantine it.
+        Checks run in this order: name, temporary, empty, committed, manifest, ledger, compatibility, files.
+    """
+
+    def skip(kind: SkipKind, reason: str, quarantine: bool) -> Skip:
+        return Skip(c.name, c.step, kind, reason, quarantine)
+
+    if c.step is None:
+        return skip(SkipKind.NOT_A_STEP, f"{c.name!r} is not a step directory (left in place)", False)
+    if c.temporary:
+        return skip(
+            SkipKind.TEMPORARY,
+            "temporary directory of an unfinished save (left in place: orbax removes it when it saves that step again)",
+            False,
+        )
+    if c.file_count == 0:
+        return skip(SkipKind.EMPTY, "empty step directory", not c.on_gcs)
+    if not c.committed:
+        if c.on_gcs:
+            return skip(
+                SkipKind.UNCOMMITTED,
+                f"no {GCS_COMMIT}: orbax never committed this save (left in place: orbax removes it when it "
+                "saves that step again)",
+                False,
+            )
+        return skip(SkipKind.UNCOMMITTED, f"no {LOCAL_METADATA}: not a finished orbax save", True)
+    if c.manifest_problem is not None:
+        return skip(SkipKind.MANIFEST, c.manifest_problem, True)
+    if c.manifest_attempt is not None and c.manifest_wall_time is not None:
+        closed = closed_at.get(c.manifest_attempt)
+        if closed is not None and c.manifest_wall_time > closed:
+            return skip(
+                SkipKind.CLOSED_ATTEMPT,
+                f"written by attempt {c.manifest_attempt} at {_when(c.manifest_wall_time)}, after the ledger "
+                f"closed that attempt at {_when(closed)} (a straggler's write)",
+                True,
+            )
+    if c.compat_problems:
+        return skip(SkipKind.INCOMPATIBLE, "incompatible with the config: " + "; ".join(c.compat_problems), True)
+    if c.file_problems:
+        shown = "; ".join(c.file_problems[:3])
+        more = f" (+{len(c.file_problems) - 3} more)" if len(c.file_problems) > 3 else ""
+        return skip(SkipKind.FILES, f"damaged data: {shown}{more}", True)
+    return None
+
+
+def order_newest_first(candidates: Iterable[CandidateInfo]) -> list[CandidateInfo]:
+    """Newest step first; at equal steps the final directory before temporary ones; unnamed last."""
+    return sorted(candidates, key=lambda c: (c.step is not None, c.step or 0, not c.temporary, c.name), reverse=True)
+
+
+def select_restore_step(candidates: list[CandidateInfo], closed_at: Mapping[int, float]) -> Selection:
+    """Pick the newest restorable checkpoint and say why each newer directory was skipped.
+
+    Args:
+        candidates: Facts about every directory under ``checkpoints/`` (any order). A candidate whose
+            ``file_problems`` is None was not read back; it is selected only if every other check passes,
+            so the adapter reads files of the one it is about to select.
+        closed_at: Attempt number -> when the ledger closed it.
+
+    Returns:
+        The selection: ``step`` -1 when nothing is restorable (a fresh start, or a stop when
+        ``incompatible``), and the skipped directories newer than the selected one.
+    """
+    sel = Selection()
+    for c in order_newest_first(candidates):
+        verdict = judge(c, closed_at)
+        if verdict is None:
+            assert c.step is not None
+            sel.step, sel.name = c.step, c.name
+            break
+        sel.skipped.append(verdict)
+    return sel
+
+
+# ---- adapter: the store -> CandidateInfo ---------------------------------------------------------
+
+
+def _parse_name(name: str) -> tuple[int | None, bool]:
+    m = _STEP_NAME.match(name)
+    if not m:
+        return None, False
+    rest = m.group(2)
+    if rest == "":
+        return int(m.group(1)), False
+    if rest.startswith(TMP_MARK):
+        return int(m.group(1)), True
+    return None, False
+
+
+def list_step_dirs(store: RunStore) -> dict[str, list[ObjectInfo]]:
+    """Every directory under ``checkpoints/`` with its objects (names relative to the step directory)."""
+    base = RunLayout.CHECKPOINTS + "/"
+    out: dict[str, list[ObjectInfo]] = {name: [] for name in store.children(RunLayout.CHECKPOINTS)}
+    for o in store.list(RunLayout.CHECKPOINTS):
+        rel = o.name[len(base) :]
+        name, _, inner = rel.partition("/")
+        if not inner or inner.endswith("/"):
+            continue  # a folder placeholder object, or a stray file at the top
+        out.setdefault(name, []).append(ObjectInfo(inner, o.size, o.generation))
+    return out
+
+
+def _read_manifest(store: RunStore, name: str, step: int, run_id: str) -> tuple[CheckpointManifest | None, str | None]:
+    rel = f"{RunLayout.CHECKPOINTS}/{name}/{RunLayout.MANIFEST}"
+    data = store.read_bytes(rel)
+    if data is None:
+        return None, f"no {RunLayout.MANIFEST}: the save never completed its transaction"
+    try:
+        m = CheckpointManifest.model_validate_json(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "document"
+        return None, f"{RunLayout.MANIFEST} is unreadable ({where}: {first['msg']})"
+    if m.step != step:
+        return None, f"{RunLayout.MANIFEST} is for step {m.step}, not {step}"
+    if m.run_id != run_id:
+        return None, f"{RunLayout.MANIFEST} is for run {m.run_id!r}, not {run_id!r}"
+    return m, None
+
+
+def manifest_compat_problems(manifest: CheckpointManifest, config: Mapping[str, Any], num_hosts: int) -> list[str]:
+    """Readable reasons why a checkpoint written as ``manifest`` cannot be restored under ``config``."""
+    problems = [p.render() for p in check_compatible(manifest.config, config)]
+    if manifest.process_count != num_hosts:
+        problems.append(
+            f"written by {manifest.process_count} processes, the slice has {num_hosts} (orbax could reshard, "
+            "but the per-host data state does not carry over)"
+        )
+    dataset_version = config.get("data", {}).get("dataset_version")
+    if manifest.dataset_version != dataset_version and not any(p.startswith("data.dataset_version") for p in problems):
+        problems.append(f"dataset version {manifest.dataset_version!r} -> {dataset_version!r}")
+    return problems
+
+
+def inspect_candidate(
+    store: RunStore, name: str, objects: list[ObjectInfo], config: Mapping[str, Any], num_hosts: int, run_id: str
+) -> CandidateInfo:
+    """Read the cheap facts of one step directory: name, commit marker, manifest, compatibility (not file data)."""
+    step, temporary = _parse_name(name)
+    c = CandidateInfo(name=name, step=step, on_gcs=store.is_gcs, temporary=temporary, file_count=len(objects))
+    if step is None or temporary or not objects:
+        return c
+    names = {o.name for o in objects}
+    committed = GCS_COMMIT in names if store.is_gcs else LOCAL_METADATA in names
+    c = replace(c, committed=committed)
+    if not committed:
+        return c
+    manifest, problem = _read_manifest(store, name, step, run_id)
+    if manifest is None:
+        return replace(c, manifest_problem=problem)
+    return replace(
+        c,
+        manifest_attempt=manifest.attempt,
+        manifest_wall_time=manifest.wall_time,
+        compat_problems=tuple(manifest_compat_problems(manifest, config, num_hosts)),
+    )
+
+
+def check_files(store: RunStore, name: str, objects: list[ObjectInfo], *, threads: int = 8) -> list[str]:
+    """Read back every file the manifest lists and compare size and CRC32C; one line per problem."""
+    manifest = CheckpointManifest.model_validate_json(
+        store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{RunLayout.MANIFEST}") or b""
+    )
+    sizes = {o.name: o.size for o in objects}
+    problems: list[str] = []
+    if not manifest.files:
+        return ["the manifest lists no files"]
+    to_read = []
+    for f in manifest.files:
+        if f.path not in sizes:
+            problems.append(f"{f.path} is missing")
+        elif sizes[f.path] != f.size:
+            problems.append(f"{f.path} has {sizes[f.path]} bytes, the manifest says {f.size}")
+        else:
+            to_read.append(f)
+
+    def crc(path: str) -> str | None:
+        data = store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{path}")
+        return None if data is None else crc32c_hex(data)
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for f, got in zip(to_read, pool.map(crc, [f.path for f in to_read]), strict=True):
+            if got is None:
+                problems.append(f"{f.path} vanished while being read")
+            elif got != f.crc32c:
+                problems.append(f"{f.path} has CRC32C {got}, the manifest says {f.crc32c}")
+    return problems
+
+
+def closed_attempts(store: RunStore) -> dict[int, float]:
+    """Attempt -> when the ledger closed it (empty when there is no ledger yet)."""
+    data = store.read_json(RunLayout.LEDGER)
+    if data is None:
+        return {}
+    ledger = Ledger.model_validate(data)
+    return {a.attempt: a.closed_at for a in ledger.attempts if a.closed_at is not None}
+
+
+def verify_checkpoints(
+    store: RunStore, config: Mapping[str, Any], num_hosts: int, closed_at: Mapping[int, float]
+) -> tuple[Selection, list[CandidateInfo]]:
+    """List the run's checkpoints, verify them newest first, and select the one to restore.
+
+    File contents are read back only for the candidate about to be selected, so a fallback reads the
+    data of each checkpoint it tries once and never touches older ones.
+
+    Args:
+        store: The run store.
+        config: The run's config (canonical dict).
+        num_hosts: Processes of the slice the restore is for.
+        closed_at: Attempt -> ledger close time.
+
+    Returns:
+        The selection and the candidates as inspected (newest first).
+    """
+    dirs = list_step_dirs(store)
+    cheap = [inspect_candidate(store, n, objs, config, num_hosts, store.run_id) for n, objs in dirs.items()]
+    inspected: list[CandidateInfo] = []
+    for c in order_newest_first(cheap):
+        if judge(c, closed_at) is None:
+            c = replace(c, file_problems=tuple(check_files(store, c.name, dirs[c.name])))
+        inspected.append(c)
+        if judge(c, closed_at) is None:
+            break
+    return select_restore_step(inspected, closed_at), inspected

@@ -1,0 +1,239 @@
+"""restore-latest against real orbax checkpoints, damaged in every way we know, on local disk and the GCS emulator."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from ckpt_factory import tiny_config, write_checkpoint, write_run_config
+
+from recovery_steps import restore_latest
+from recovery_steps.contract import ExitCode
+from recovery_steps.records import AttemptRecord, Ledger
+from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.verify import GCS_COMMIT, LOCAL_METADATA
+
+
+@pytest.fixture
+def run(store_root):
+    cfg = tiny_config()
+    store = RunStore(store_root, cfg.run_id)
+    write_run_config(store, cfg)
+    return store, cfg
+
+
+def _file(store: RunStore, step: int, part: str = "state/") -> str:
+    """The largest stored file of a step under ``part`` (an array data file)."""
+    objs = [o for o in store.list(RunLayout.checkpoint(step)) if f"/{part}" in o.name and "/d/" in o.name]
+    return max(objs, key=lambda o: o.size).name
+
+
+def _quarantined(store: RunStore) -> list[str]:
+    return store.children(RunLayout.QUARANTINE)
+
+
+def _restore(store, attempt=1):
+    return restore_latest.run(store, attempt)
+
+
+# ---- damage, each applied to step 20 while step 10 is good ----------------------------------------
+
+
+def no_commit_marker(store, cfg):
+    write_checkpoint(store, cfg, 20)
+    store.delete(f"checkpoints/20/{GCS_COMMIT if store.is_gcs else LOCAL_METADATA}")
+
+
+def array_file_missing(store, cfg):
+    write_checkpoint(store, cfg, 20)
+    store.delete(_file(store, 20))
+
+
+def truncated_file(store, cfg):
+    write_checkpoint(store, cfg, 20)
+    name = _file(store, 20)
+    store.write_bytes(name, store.read_bytes(name)[:-100])
+
+
+def flipped_bytes(store, cfg):
+    write_checkpoint(store, cfg, 20)
+    name = _file(store, 20)
+    data = bytearray(store.read_bytes(name))
+    data[len(data) // 2] ^= 0xFF
+    store.write_bytes(name, bytes(data))
+
+
+def manifest_missing(store, cfg):
+    write_checkpoint(store, cfg, 20, manifest=False)
+
+
+def manifest_garbled(store, cfg):
+    write_checkpoint(store, cfg, 20)
+    store.write_bytes(RunLayout.checkpoint_manifest(20), b'{"step": 20, "run_id": ')
+
+
+def manifest_of_another_config(store, cfg):
+    other = cfg.model_dump(mode="json")
+    other["model"]["d_model"] = 128
+    write_checkpoint(store, cfg, 20, config=other)
+
+
+def another_process_count(store, cfg):
+    write_checkpoint(store, cfg, 20, process_count=2)
+
+
+def written_after_attempt_closed(store, cfg):
+    closed = time.time() - 60
+    ledger = Ledger(run_id=cfg.run_id, attempts=[AttemptRecord(attempt=1, outcome="failed", closed_at=closed)])
+    store.write_json(RunLayout.LEDGER, ledger.model_dump(mode="json"))
+    write_checkpoint(store, cfg, 20, attempt=1, wall_time=closed + 30)
+
+
+CASES = {
+    # damage: (reason fragment, quarantined on local, quarantined on gcs)
+    no_commit_marker: ("never committed|not a finished orbax save", True, False),
+    array_file_missing: ("is missing", True, True),
+    truncated_file: ("bytes, the manifest says", True, True),
+    flipped_bytes: ("CRC32C", True, True),
+    manifest_missing: ("no manifest.json", True, True),
+    manifest_garbled: ("manifest.json is unreadable", True, True),
+    manifest_of_another_config: ("model.d_model: 128 -> 64", True, True),
+    another_process_count: ("written by 2 processes, the slice has 4", True, True),
+    written_after_attempt_closed: ("after the ledger closed that attempt", True, True),
+}
+
+
+@pytest.mark.parametrize("damage", list(CASES), ids=lambda f: f.__name__)
+def test_falls_back_to_newest_good_checkpoint(run, damage):
+    import re
+
+    store, cfg = run
+    write_checkpoint(store, cfg, 10)
+    damage(store, cfg)
+    fragment, q_local, q_gcs = CASES[damage]
+
+    r = _restore(store)
+
+    assert r.code == ExitCode.OK
+    assert r.selection.step == 10
+    assert r.restore_path == store.url("checkpoints/10")
+    [skip] = r.selection.skipped
+    assert skip.step == 20
+    assert re.search(fragment, skip.reason), skip.reason
+    quarantined = q_gcs if store.is_gcs else q_local
+    assert ("20" in _quarantined(store)) is quarantined
+    assert store.exists("checkpoints/20") is not quarantined
+    if quarantined:
+        reason = store.read_json(f"quarantine/20/{restore_latest.REASON_FILE}")
+        assert reason["step"] == 20 and reason["reason"] == skip.reason and reason["attempt"] == 1
+    record = store.read_json(restore_latest.restore_record_path(1))
+    assert record["restore_step"] == 10
+    assert record["skipped"][0]["step"] == 20
+
+
+def test_leftover_temporary_and_empty_directories_are_skipped(run):
+    store, cfg = run
+    write_checkpoint(store, cfg, 10)
+    store.write_bytes("checkpoints/30.orbax-checkpoint-tmp-1732900000/state/_METADATA", b"{}")
+    if store.is_gcs:
+        store.write_bytes("checkpoints/20/", b"")  # the folder placeholder some tools create
+    else:
+        (__import__("pathlib").Path(store.url("checkpoints")) / "20").mkdir()
+
+    r = _restore(store)
+
+    assert r.code == ExitCode.OK and r.selection.step == 10
+    assert [(s.name, s.kind.value) for s in r.selection.skipped] == [
+        ("30.orbax-checkpoint-tmp-1732900000", "temporary"),
+        ("20", "empty"),
+    ]
+    # A temporary directory may belong to a save still in progress: it stays where orbax expects it.
+    assert store.exists("checkpoints/30.orbax-checkpoint-tmp-1732900000/state/_METADATA")
+    assert "30.orbax-checkpoint-tmp-1732900000" not in _quarantined(store)
+
+
+def test_skips_every_newer_bad_one_in_order_and_restores_real_data(run):
+    store, cfg = run
+    state10 = write_checkpoint(store, cfg, 10)
+    write_checkpoint(store, cfg, 20, manifest=False)
+    flipped_bytes(store, cfg)  # rewrites step 20 (with a manifest) and damages it
+    write_checkpoint(store, cfg, 30, process_count=8)
+
+    r = _restore(store)
+
+    assert r.selection.step == 10
+    assert [s.step for s in r.selection.skipped] == [30, 20]
+    assert sorted(_quarantined(store)) == ["20", "30"]
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(store.url(RunLayout.CHECKPOINTS)) as mgr:
+        assert mgr.all_steps() == [10]
+        got = mgr.restore(10, args=ocp.args.Composite(state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
+    np.testing.assert_array_equal(got["state"]["params"]["w"], state10["params"]["w"])
+    assert got["data"] == {"position": 160}
+
+
+def test_quarantining_the_same_step_twice_keeps_both(run):
+    store, cfg = run
+    for attempt in (1, 2):
+        write_checkpoint(store, cfg, 20, manifest=False)
+        r = _restore(store, attempt)
+        assert r.selection.step == -1
+    names = _quarantined(store)
+    assert "20" in names and any(n.startswith("20.attempt2") for n in names)
+
+
+def test_no_checkpoints_is_a_fresh_start(run):
+    store, _ = run
+    r = _restore(store)
+    assert (r.code, r.selection.step, r.selection.skipped, r.restore_path) == (ExitCode.OK, -1, [], "")
+
+
+def test_only_damaged_checkpoints_is_a_fresh_start_with_reasons(run):
+    store, cfg = run
+    write_checkpoint(store, cfg, 10)
+    array_file_missing(store, cfg)
+    store.delete(_file(store, 10))
+    r = _restore(store)
+    assert r.code == ExitCode.OK and r.selection.step == -1
+    assert [s.step for s in r.selection.skipped] == [20, 10]
+    assert sorted(_quarantined(store)) == ["10", "20"]
+
+
+def test_only_incompatible_checkpoints_stop_with_exit_3_and_move_nothing(run):
+    store, cfg = run
+    other = cfg.model_dump(mode="json")
+    other["data"]["global_batch_size"] = 32
+    write_checkpoint(store, cfg, 10, config=other)
+
+    r = _restore(store)
+
+    assert r.code == ExitCode.INCOMPATIBLE_CHECKPOINT
+    assert "data.global_batch_size: 32 -> 16" in r.message
+    assert store.exists("checkpoints/10") and _quarantined(store) == []
+
+
+def test_cli_writes_outputs_and_exit_codes(run, tmp_path, capsys):
+    store, cfg = run
+    write_checkpoint(store, cfg, 10)
+    manifest_missing(store, cfg)
+    out = tmp_path / "out"
+    argv = ["--store-root", store.root, "--run-id", cfg.run_id, "--attempt", "3", "--output-dir", str(out)]
+
+    assert restore_latest.main(argv) == 0
+
+    assert (out / "restore-step").read_text() == "10"
+    assert (out / "restore-path").read_text() == store.url("checkpoints/10")
+    skipped = json.loads((out / "skipped").read_text())
+    assert [s["step"] for s in skipped] == [20] and "manifest" in skipped[0]["reason"]
+    assert store.read_json("attempts/3/restore.json")["restore_step"] == 10
+
+
+def test_cli_without_config_exits_2_without_traceback(store_root, tmp_path, capsys):
+    argv = ["--store-root", store_root, "--run-id", "nothing-here", "--attempt", "0", "--output-dir", str(tmp_path)]
+    assert restore_latest.main(argv) == ExitCode.CONFIGURATION
+    err = capsys.readouterr().err
+    assert "no config for run 'nothing-here'" in err and "validate-config" in err and "Traceback" not in err
