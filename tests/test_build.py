@@ -1,0 +1,81 @@
+"""`python -m workflows.build`: deterministic output, --check on stale files, bad configs, the extra-manifest hook."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+from workflows import build
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, **kw):
+    out = io.StringIO()
+    code = build.run(*args, out=out, **kw)
+    return code, out.getvalue()
+
+
+def test_committed_argo_folder_is_up_to_date():
+    code, text = _run(REPO / "configs", REPO / "argo", check=True)
+    assert code == 0, f"argo/ is stale; run `python -m workflows.build`:\n{text}"
+
+
+def test_build_is_deterministic_and_check_names_stale_files(tmp_path):
+    out = tmp_path / "argo"
+    assert _run(REPO / "configs", out)[0] == 0
+    first = {p.name: p.read_text() for p in out.iterdir()}
+    assert set(first) == {"local-cpu.yaml", "v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml", "rbac.yaml"}
+    assert all("creationTimestamp" not in t for t in first.values())
+    shutil.rmtree(out)
+    assert _run(REPO / "configs", out)[0] == 0
+    assert {p.name: p.read_text() for p in out.iterdir()} == first
+    assert _run(REPO / "configs", out, check=True)[0] == 0
+
+    (out / "v5e-4x4.yaml").write_text(first["v5e-4x4.yaml"].replace("maxRestarts: 0", "maxRestarts: 3"))
+    (out / "rbac.yaml").unlink()
+    (out / "old-job.yaml").write_text("kind: Workflow\n")
+    code, text = _run(REPO / "configs", out, check=True)
+    assert code == 1
+    assert "v5e-4x4.yaml" in text and "rbac.yaml" in text and "old-job.yaml" in text
+    assert "local-cpu.yaml" not in text
+    # --check writes nothing; a build repairs all three.
+    assert not (out / "rbac.yaml").exists()
+    assert _run(REPO / "configs", out)[0] == 0
+    assert {p.name: p.read_text() for p in out.iterdir()} == first
+
+
+def test_main_check_exit_code(tmp_path):
+    shutil.copy(REPO / "configs" / "local-cpu.yaml", tmp_path / "local-cpu.yaml")
+    out = tmp_path / "argo"
+    assert build.main(["--configs", str(tmp_path), "--out", str(out), "--check"]) == 1
+    assert build.main(["--configs", str(tmp_path), "--out", str(out)]) == 0
+    assert build.main(["--configs", str(tmp_path), "--out", str(out), "--check"]) == 0
+
+
+def test_bad_config_prints_its_problems_and_exits_2(tmp_path):
+    (tmp_path / "bad.yaml").write_text(
+        "run_id: Bad_Run\nimage: x\nslice: {accelerator: v5e, topology: 3x3}\nstorage: {root: /tmp/s}\nmodle: {}\n"
+    )
+    out = tmp_path / "argo"
+    code, text = _run(tmp_path, out)
+    assert code == 2
+    assert "invalid config" in text and "bad.yaml" in text
+    assert "run_id" in text and "slice.topology" in text and "modle: unknown key" in text
+    assert "Traceback" not in text
+    assert not out.exists()
+
+
+def test_extra_renderers_write_next_to_the_workflow(tmp_path):
+    def render(cfg):
+        return {} if cfg.slice.is_local else {f"{cfg.run_id}.monitoring.yaml": f"run: {cfg.run_id}\n"}
+
+    out = tmp_path / "argo"
+    assert _run(REPO / "configs", out, extra_renderers=[render])[0] == 0
+    assert (out / "lm-v5e-4x4.monitoring.yaml").read_text() == "run: lm-v5e-4x4\n"
+    assert not (out / "local-cpu.monitoring.yaml").exists()
+    assert _run(REPO / "configs", out, extra_renderers=[render], check=True)[0] == 0
+    # Without the renderer those files are no longer generated: stale.
+    code, text = _run(REPO / "configs", out, check=True)
+    assert code == 1 and "lm-v5e-4x4.monitoring.yaml" in text

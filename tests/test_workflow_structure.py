@@ -1,0 +1,202 @@
+"""The compiled Workflow's wiring: the DAG, retries, conditions, metrics and the JobSet of each config."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recovery_steps.config import load_config
+from recovery_steps.contract import trainer_exit_codes
+from recovery_steps.metrics import BY_NAME
+from recovery_steps.tpu import TPU_TYPES
+from workflows.templates import build_workflow
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def _wf(name: str) -> dict:
+    return build_workflow(load_config(REPO / "configs" / name)).to_dict()
+
+
+def _templates(wf: dict) -> dict[str, dict]:
+    return {t["name"]: t for t in wf["spec"]["templates"]}
+
+
+def _tasks(tpl: dict) -> dict[str, dict]:
+    return {t["name"]: t for t in tpl["dag"]["tasks"]}
+
+
+def _jobset(wf: dict) -> dict:
+    return yaml.safe_load(_templates(wf)["train-segment"]["resource"]["manifest"])
+
+
+@pytest.fixture(scope="module")
+def local():
+    return _wf("local-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    return _wf("v5e-4x4.yaml")
+
+
+def test_main_dag_validates_then_starts_attempt_zero(local):
+    spec = local["spec"]
+    assert spec["entrypoint"] == "main" and spec["onExit"] == "exit-handler"
+    tasks = _tasks(_templates(local)["main"])
+    assert set(tasks) == {"validate-config", "attempt"}
+    assert tasks["attempt"]["template"] == "attempt"
+    assert tasks["attempt"]["depends"] == "validate-config"
+    assert tasks["attempt"]["arguments"]["parameters"] == [{"name": "attempt", "value": "0"}]
+    assert {p["name"] for p in spec["arguments"]["parameters"]} == {"store-root", "run-id"}
+    assert local["metadata"]["labels"] == {"jaxrec/run-id": "local-cpu"}
+
+
+def test_attempt_dag_order_and_branches(local):
+    tasks = _tasks(_templates(local)["attempt"])
+    assert tasks["provision-slice"]["depends"] == "restore-latest"
+    assert tasks["train-segment"]["depends"] == "provision-slice"
+    assert tasks["classify-failure"]["depends"] == "train-segment.Failed || train-segment.Errored"
+    decision = "'{{tasks.classify-failure.outputs.parameters.decision}}'"
+    assert tasks["backoff"]["when"] == f"{decision} == 'retry'"
+    assert tasks["next-attempt"]["when"] == f"{decision} == 'retry'"
+    assert tasks["next-attempt"]["depends"] == "backoff"
+    assert tasks["give-up"]["when"] == f"{decision} == 'stop'"
+    # Recursion: the next attempt is the same template with the number classify-failure computed.
+    assert tasks["next-attempt"]["template"] == "attempt"
+    assert tasks["next-attempt"]["arguments"]["parameters"] == [
+        {"name": "attempt", "value": "{{tasks.classify-failure.outputs.parameters.next-attempt}}"}
+    ]
+    backoff = _templates(local)["backoff"]
+    assert backoff["suspend"]["duration"] == "{{inputs.parameters.seconds}}"
+    assert tasks["backoff"]["arguments"]["parameters"][0]["value"].endswith(".backoff-seconds}}")
+
+
+@pytest.mark.parametrize("cfg_path", CONFIGS, ids=lambda p: p.stem)
+def test_every_when_quotes_its_strings_and_every_retry_has_a_limit(cfg_path):
+    wf = build_workflow(load_config(cfg_path)).to_dict()
+    for tpl in wf["spec"]["templates"]:
+        for task in tpl.get("dag", {}).get("tasks", []):
+            if "when" in task:
+                assert re.fullmatch(r"'\{\{[^}]+\}\}' == '[a-z]+'", task["when"]), task["when"]
+        if "retryStrategy" in tpl:
+            assert isinstance(tpl["retryStrategy"]["limit"], int), tpl["name"]
+
+
+def test_provision_retries_capacity_only(local):
+    cfg = load_config(REPO / "configs" / "local-cpu.yaml")
+    rs = _templates(local)["provision-slice"]["retryStrategy"]
+    assert rs["limit"] == cfg.retry.provision_retry_limit
+    assert rs["expression"] == "asInt(lastRetry.exitCode) == 75"
+    assert rs["backoff"]["duration"] == f"{cfg.retry.provision_backoff_s}s"
+
+
+def test_steps_run_their_module_with_contract_args(local):
+    t = _templates(local)
+    for name, module in [("validate-config", "validate_config"), ("restore-latest", "restore_latest"),
+                         ("provision-slice", "provision_slice"), ("classify-failure", "classify_failure"),
+                         ("exit-handler", "finalize")]:  # fmt: skip
+        c = t[name]["container"]
+        assert c["command"] == ["python", "-m", f"recovery_steps.{module}"]
+        assert c["args"][-2:] == ["--output-dir", "/tmp/outputs"]
+        for out in t[name]["outputs"]["parameters"]:
+            assert out["valueFrom"]["path"] == f"/tmp/outputs/{out['name']}"
+    assert t["give-up"]["container"]["args"] == [
+        "--failure-class", "{{inputs.parameters.failure-class}}", "--reason", "{{inputs.parameters.reason}}",
+    ]  # fmt: skip
+    assert {o["name"] for o in t["classify-failure"]["outputs"]["parameters"]} >= {
+        "failure-class", "decision", "reason", "backoff-seconds", "next-attempt",
+    }  # fmt: skip
+    exit_args = t["exit-handler"]["container"]["args"]
+    assert exit_args[exit_args.index("--status") + 1] == "{{workflow.status}}"
+    assert exit_args[exit_args.index("--failures") + 1] == "{{workflow.failures}}"
+    (art,) = t["validate-config"]["inputs"]["artifacts"]
+    assert art["path"] == "/tmp/inputs/config.yaml"
+    assert yaml.safe_load(art["raw"]["data"])["run_id"] == "local-cpu"
+
+
+def test_template_metrics_use_the_metric_table(local):
+    t = _templates(local)
+    names = {
+        tpl_name: [m["name"] for m in t[tpl_name].get("metrics", {}).get("prometheus", [])]
+        for tpl_name in ("attempt", "classify-failure", "exit-handler")
+    }
+    assert names == {
+        "attempt": ["jaxrec_attempts_total"],
+        "classify-failure": ["jaxrec_failures_total", "jaxrec_last_failure_info"],
+        "exit-handler": ["jaxrec_run_status"],
+    }
+    for tpl_names in names.values():
+        for n in tpl_names:
+            assert n in BY_NAME
+    failures = t["classify-failure"]["metrics"]["prometheus"][0]
+    assert {"key": "class", "value": "{{outputs.parameters.failure-class}}"} in failures["labels"]
+
+
+def test_jobset_gang_shape_on_tpu(v5e):
+    js = _jobset(v5e)
+    cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
+    assert js["metadata"]["name"] == "{{inputs.parameters.jobset-name}}"
+    assert js["metadata"]["labels"]["jaxrec/run-id"] == "{{workflow.parameters.run-id}}"
+    assert js["metadata"]["annotations"] == {
+        "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"
+    }
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    (rj,) = js["spec"]["replicatedJobs"]
+    job = rj["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == 4 == cfg.slice.num_hosts
+    assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
+    codes = [c for r in job["podFailurePolicy"]["rules"] if "onExitCodes" in r for c in r["onExitCodes"]["values"]]
+    assert sorted(codes) == sorted(trainer_exit_codes())
+    assert any(r.get("onPodConditions") == [{"type": "DisruptionTarget", "status": "True"}]
+               for r in job["podFailurePolicy"]["rules"])  # fmt: skip
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+        "cloud.google.com/gke-tpu-topology": "4x4",
+        "cloud.google.com/gke-spot": "true",
+    }
+    (c,) = pod["containers"]
+    assert c["resources"]["limits"] == {"google.com/tpu": TPU_TYPES["v5e"].chips_per_vm}
+    assert c["command"] == ["python", "-m", "trainer"]
+    assert c["args"] == [
+        "--store-root", "{{workflow.parameters.store-root}}", "--run-id", "{{workflow.parameters.run-id}}",
+        "--attempt", "{{inputs.parameters.attempt}}", "--restore-step", "{{inputs.parameters.restore-step}}",
+        "--metrics-port", "{{inputs.parameters.metrics-port}}",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in c["env"]}
+    assert "TRAINER_COORDINATOR_ADDRESS" not in env
+    resource = _templates(v5e)["train-segment"]["resource"]
+    assert resource["action"] == "create" and resource["setOwnerReference"] is True
+    assert resource["successCondition"] == "status.terminalState == Completed"
+    assert resource["failureCondition"] == "status.terminalState == Failed"
+
+
+def test_reservation_selector_on_v5p():
+    pod = _jobset(_wf("v5p-64.yaml"))["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"]["cloud.google.com/reservation-name"] == "my-v5p-reservation"
+    assert "cloud.google.com/gke-spot" not in pod["nodeSelector"]
+    assert pod["containers"][0]["resources"]["limits"] == {"google.com/tpu": 4}
+
+
+def test_local_jobset_has_no_tpu_and_carries_the_local_env(local):
+    js = _jobset(local)
+    job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == 4
+    pod = job["template"]["spec"]
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    (c,) = pod["containers"]
+    assert "resources" not in c
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TRAINER_COORDINATOR_ADDRESS"]["value"] == "127.0.0.1:{{inputs.parameters.coordinator-port}}"
+    assert env["TRAINER_NUM_PROCESSES"]["value"] == "4"
+    assert env["JAX_PLATFORMS"]["value"] == "cpu"
+    assert env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    assert "annotations" not in js["metadata"]
