@@ -1,0 +1,294 @@
+"""Unit tests of the local Argo interpreter: expressions, depends, when, retries, recursion, exit handler."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from workflows import local_expr
+from workflows.local_engine import WorkflowRun, parse_duration, substitute
+from workflows.local_exec import LocalExecutor
+
+
+@pytest.mark.parametrize(
+    ("text", "names", "expected"),
+    [
+        ("'retry' == 'retry'", {}, True),
+        ("'stop' == 'retry'", {}, False),
+        ("'a' != 'b' && 3 < 5", {}, True),
+        ("1 > 2 || !(2 >= 3)", {}, True),
+        ("asInt(lastRetry.exitCode) == 75", {"lastRetry.exitCode": "75"}, True),
+        ("asInt(lastRetry.exitCode) == 75", {"lastRetry.exitCode": "1"}, False),
+        ("lastRetry.status == 'Error' or asInt(retries) < 2", {"lastRetry.status": "Failed", "retries": "1"}, True),
+        ("lastRetry.exitCode in ['1', '2']", {"lastRetry.exitCode": "2"}, True),
+        ("not (1 == 1)", {}, False),
+        ("2 == 2.0", {}, True),
+        ("'2' == 2", {}, False),
+        ("true && false", {}, False),
+    ],
+)
+def test_boolean_expressions(text, names, expected):
+    assert local_expr.evaluate_bool(text, names) is expected
+
+
+def test_arithmetic_and_functions():
+    assert local_expr.evaluate("asInt(inputs.parameters.attempt) + 1", {"inputs.parameters.attempt": "3"}) == 4
+    assert local_expr.evaluate("inputs.parameters['attempt'] + 'x'", {"inputs.parameters.attempt": "3"}) == "3x"
+    assert local_expr.evaluate("sprig.add(2, 3) * 2 - 1") == 9
+    assert local_expr.evaluate("-(7 % 4)") == -3
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["retry == 'retry'", "'a' ==", "(1 == 1", "'open == 'x'", "1 @ 2", "nosuch(1)", "1 < 'a'"],
+)
+def test_bad_expressions_raise_expr_error(text):
+    with pytest.raises(local_expr.ExprError):
+        local_expr.evaluate_bool(text, {})
+
+
+def test_unquoted_string_names_the_fix():
+    with pytest.raises(local_expr.ExprError, match="quote string values"):
+        local_expr.evaluate_bool("retry == 'retry'", {})
+
+
+@pytest.mark.parametrize(
+    ("depends", "phases", "expected"),
+    [
+        ("train-segment.Failed || train-segment.Errored", {"train-segment": "Failed"}, True),
+        ("train-segment.Failed || train-segment.Errored", {"train-segment": "Error"}, True),
+        ("train-segment.Failed || train-segment.Errored", {"train-segment": "Succeeded"}, False),
+        ("a", {"a": "Skipped"}, True),
+        ("a", {"a": "Failed"}, False),
+        ("a", {"a": "Omitted"}, False),
+        ("a.Succeeded && !b.Failed", {"a": "Succeeded", "b": "Succeeded"}, True),
+        ("a.Completed && b.Any", {"a": "Failed", "b": "Omitted"}, True),
+        ("(a.Skipped || a.Omitted) && b", {"a": "Omitted", "b": "Succeeded"}, True),
+    ],
+)
+def test_depends(depends, phases, expected):
+    assert local_expr.evaluate_depends(depends, phases) is expected
+
+
+def test_depends_tasks_in_order():
+    assert local_expr.depends_tasks("(b.Failed || a) && !c-d.Succeeded && b") == ["b", "a", "c-d"]
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("10", 10), ("10s", 10), ("2m", 120), ("1m30s", 90), ("500ms", 0.5)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+def test_substitute_names_and_expressions():
+    names = {"inputs.parameters.attempt": "2", "workflow.name": "w"}
+    assert substitute("{{workflow.name}}-{{=asInt(inputs.parameters.attempt) + 1}}", names) == "w-3"
+    with pytest.raises(Exception, match="unresolved reference"):
+        substitute("{{inputs.parameters.nope}}", names)
+
+
+# ---- tiny workflows run for real (python -c steps) -------------------------------------------------
+
+PY = sys.executable
+
+
+def _c(code: str, outputs: list[str] | None = None, inputs: list[str] | None = None, **extra):
+    return {
+        "inputs": {"parameters": [{"name": n} for n in inputs or []]},
+        "container": {"image": "x", "command": ["python", "-c", code]},
+        "outputs": {"parameters": [{"name": n, "valueFrom": {"path": f"/tmp/outputs/{n}"}} for n in outputs or []]},
+        **extra,
+    }
+
+
+def _wf(templates: dict, entry: str, on_exit: str | None = None, params: dict | None = None):
+    spec = {
+        "entrypoint": entry,
+        "templates": [{"name": k, **v} for k, v in templates.items()],
+        "arguments": {"parameters": [{"name": k, "value": v} for k, v in (params or {}).items()]},
+    }
+    if on_exit:
+        spec["onExit"] = on_exit
+    return {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": {"name": "t"}, "spec": spec}
+
+
+def _run(wf, tmp_path, **kw):
+    events = []
+    ex = LocalExecutor(repo_root=tmp_path, work_dir=tmp_path / "work")
+    run = WorkflowRun(
+        wf, ex, progress=lambda kind, node, res: events.append((kind, node.task, res and res.phase)), **kw
+    )
+    return run, run.run(), events
+
+
+WRITE = "import os,sys; os.makedirs('/tmp/outputs',exist_ok=True); open('/tmp/outputs/{n}','w').write({v})"
+
+
+def test_recursion_until_a_counter_reaches_three(tmp_path):
+    count = WRITE.format(n="next", v="str(int(sys.argv[1]) + 1)")
+    templates = {
+        "step": _c(count, outputs=["next"], inputs=["n"]),
+        "loop": {
+            "inputs": {"parameters": [{"name": "attempt"}]},
+            "dag": {
+                "tasks": [
+                    {
+                        "name": "count",
+                        "template": "step",
+                        "arguments": {"parameters": [{"name": "n", "value": "{{inputs.parameters.attempt}}"}]},
+                    },
+                    {
+                        "name": "again",
+                        "template": "loop",
+                        "depends": "count",
+                        "when": "{{tasks.count.outputs.parameters.next}} < 3",
+                        "arguments": {
+                            "parameters": [{"name": "attempt", "value": "{{tasks.count.outputs.parameters.next}}"}]
+                        },
+                    },
+                ]
+            },
+        },
+        "main": {
+            "dag": {
+                "tasks": [
+                    {
+                        "name": "first",
+                        "template": "loop",
+                        "arguments": {"parameters": [{"name": "attempt", "value": "0"}]},
+                    }
+                ]
+            }
+        },
+    }
+    templates["step"]["container"]["args"] = ["{{inputs.parameters.n}}"]
+    run, status, events = _run(_wf(templates, "main"), tmp_path)
+    assert status == "Succeeded"
+    ends = [e for e in events if e[0] == "end"]
+    assert [e[1] for e in ends] == ["count", "count", "count"]
+    assert [n.attempt for n, _ in run.nodes] == ["0", "1", "2"]
+
+
+def test_handled_failure_succeeds_and_give_up_fails(tmp_path):
+    def wf(decision):
+        return _wf(
+            {
+                "boom": _c("import sys; sys.exit(3)"),
+                "classify": _c(WRITE.format(n="decision", v=repr(decision)), outputs=["decision"]),
+                "give-up": _c("import sys; sys.exit(1)"),
+                "ok": _c("pass"),
+                "main": {
+                    "dag": {
+                        "tasks": [
+                            {"name": "train", "template": "boom"},
+                            {"name": "classify", "template": "classify", "depends": "train.Failed || train.Errored"},
+                            {
+                                "name": "retry",
+                                "template": "ok",
+                                "depends": "classify",
+                                "when": "'{{tasks.classify.outputs.parameters.decision}}' == 'retry'",
+                            },
+                            {
+                                "name": "give-up",
+                                "template": "give-up",
+                                "depends": "classify",
+                                "when": "'{{tasks.classify.outputs.parameters.decision}}' == 'stop'",
+                            },
+                        ]
+                    }
+                },
+            },
+            "main",
+        )
+
+    _, status, events = _run(wf("retry"), tmp_path / "a")
+    assert status == "Succeeded"
+    assert ("end", "give-up", "Succeeded") not in events
+    _, status, events = _run(wf("stop"), tmp_path / "b")
+    assert status == "Failed"
+    assert ("end", "give-up", "Failed") in events
+
+
+def test_retry_strategy_expression_limit_and_backoff(tmp_path):
+    marker = tmp_path / "count"
+    code = (
+        f"import sys,pathlib; p=pathlib.Path({str(marker)!r}); n=int(p.read_text()) if p.exists() else 0;"
+        f"p.write_text(str(n+1)); sys.exit(75 if n < 2 else 0)"
+    )
+    sleeps = []
+    tmpl = _c(
+        code,
+        retryStrategy={
+            "limit": "3",
+            "retryPolicy": "Always",
+            "backoff": {"duration": "1s", "factor": "2", "maxDuration": "1m"},
+            "expression": "asInt(lastRetry.exitCode) == 75",
+        },
+    )
+    run, status, _ = _run(_wf({"p": tmpl}, "p"), tmp_path, sleep=sleeps.append)
+    assert status == "Succeeded"
+    assert marker.read_text() == "3"
+    assert sleeps == [1.0, 2.0]
+    assert [n.retry for n, _ in run.nodes] == [0, 1, 2]
+
+
+def test_retry_expression_false_stops_and_limit_caps(tmp_path):
+    tmpl = _c("import sys; sys.exit(42)", retryStrategy={"limit": 5, "expression": "asInt(lastRetry.exitCode) == 75"})
+    run, status, _ = _run(_wf({"p": tmpl}, "p"), tmp_path / "a", sleep=lambda s: None)
+    assert status == "Failed" and len(run.nodes) == 1
+    tmpl = _c("import sys; sys.exit(75)", retryStrategy={"limit": 2, "expression": "asInt(lastRetry.exitCode) == 75"})
+    run, status, _ = _run(_wf({"p": tmpl}, "p"), tmp_path / "b", sleep=lambda s: None)
+    assert status == "Failed" and len(run.nodes) == 3
+
+
+def test_exit_handler_sees_status_and_failures(tmp_path):
+    out = tmp_path / "exit.json"
+    record = f"import sys,json; open({str(out)!r},'w').write(json.dumps(sys.argv[1:]))"
+    exit_t = _c(record)
+    exit_t["container"]["args"] = ["{{workflow.status}}", "{{workflow.failures}}", "{{workflow.parameters.p}}"]
+    wf = _wf({"main": _c("import sys; sys.exit(2)"), "exit": exit_t}, "main", on_exit="exit", params={"p": "v"})
+    _, status, _ = _run(wf, tmp_path)
+    assert status == "Failed"
+    st, failures, p = json.loads(out.read_text())
+    assert st == "Failed" and p == "v"
+    assert json.loads(failures)[0]["templateName"] == "main"
+
+
+def test_suspend_and_raw_artifacts(tmp_path):
+    sleeps = []
+    check = _c("import sys; sys.exit(0 if open('/tmp/inputs/c.yaml').read() == 'a: 1' else 9)")
+    check["inputs"]["artifacts"] = [{"name": "c", "path": "/tmp/inputs/c.yaml", "raw": {"data": "a: 1"}}]
+    wf = _wf(
+        {
+            "wait": {
+                "inputs": {"parameters": [{"name": "seconds"}]},
+                "suspend": {"duration": "{{inputs.parameters.seconds}}"},
+            },
+            "check": check,
+            "main": {
+                "dag": {
+                    "tasks": [
+                        {
+                            "name": "w",
+                            "template": "wait",
+                            "arguments": {"parameters": [{"name": "seconds", "value": "7"}]},
+                        },
+                        {"name": "c", "template": "check", "depends": "w"},
+                    ]
+                }
+            },
+        },
+        "main",
+    )
+    _, status, _ = _run(wf, tmp_path, sleep=sleeps.append)
+    assert status == "Succeeded"
+    assert sleeps == [7.0]
+
+
+def test_unknown_reference_is_an_error_not_a_traceback(tmp_path):
+    bad = _c("pass")
+    bad["container"]["args"] = ["{{inputs.parameters.missing}}"]
+    run, status, _ = _run(_wf({"m": bad}, "m"), tmp_path)
+    assert status == "Error"
+    assert "unresolved reference {{inputs.parameters.missing}}" in run.nodes[0][1].message

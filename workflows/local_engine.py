@@ -1,0 +1,505 @@
+"""An interpreter of compiled Argo Workflows: DAGs, steps, parameters, retries, suspend, exit handler.
+
+It decides what runs next and with which values; running a container or a resource is delegated to
+an executor (``workflows.local_exec``), so the same interpreter is tested with tiny ``python -c`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from workflows import local_expr
+
+SUCCEEDED, FAILED, ERROR, SKIPPED, OMITTED = "Succeeded", "Failed", "Error", "Skipped", "Omitted"
+_DONE_BAD = (FAILED, ERROR)
+_TEMPLATE_REF = re.compile(r"\{\{\s*(=?)\s*(.*?)\s*\}\}", re.S)
+
+
+class WorkflowError(Exception):
+    """The workflow cannot be interpreted (bad reference, unknown template, unparsable expression)."""
+
+
+class Aborted(Exception):
+    """The run was stopped from outside (``WorkflowRun.abort``)."""
+
+
+@dataclass
+class NodeResult:
+    """What one node (a template invocation) ended with."""
+
+    phase: str
+    outputs: dict[str, str] = field(default_factory=dict)
+    exit_code: int | None = None
+    message: str = ""
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def duration(self) -> float:
+        """Seconds the node ran."""
+        return max(0.0, self.finished_at - self.started_at)
+
+
+@dataclass
+class NodeInfo:
+    """A node as the executor and the progress printer see it."""
+
+    id: str
+    display: str
+    task: str
+    template: str
+    attempt: str | None
+    retry: int
+    started_at: float = 0.0
+
+
+class Executor(Protocol):
+    """Runs the leaf templates (containers and resources) of a workflow."""
+
+    def run_container(self, node: NodeInfo, template: Mapping[str, Any]) -> NodeResult:
+        """Run a container (or script) template whose fields are already substituted."""
+        ...
+
+    def run_resource(self, node: NodeInfo, template: Mapping[str, Any]) -> NodeResult:
+        """Run a resource template whose manifest is already substituted."""
+        ...
+
+    def stop_all(self) -> None:
+        """Stop every process started so far (the run is aborted)."""
+        ...
+
+
+def parse_duration(text: Any) -> float:
+    """Argo durations: ``"10"`` (seconds), ``"10s"``, ``"2m"``, ``"1h"``, ``"1m30s"``."""
+    s = str(text).strip()
+    if not s:
+        return 0.0
+    try:
+        return float(s)
+    except ValueError:
+        pass
+    total, pos = 0.0, 0
+    for m in re.finditer(r"(\d+(?:\.\d+)?)(ms|s|m|h)", s):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+        pos = m.end()
+    if pos != len(s):
+        raise WorkflowError(f"invalid duration {s!r}; use seconds or e.g. '30s', '2m', '1h'")
+    return total
+
+
+def substitute(text: str, names: Mapping[str, Any], *, strict: bool = True) -> str:
+    """Replace ``{{name}}`` and ``{{=expression}}`` in ``text``.
+
+    Args:
+        text: A template string.
+        names: Flat dotted names (``inputs.parameters.x``) to string values.
+        strict: Raise on an unknown name (otherwise leave the reference as it is).
+
+    Raises:
+        WorkflowError: on an unknown name (strict) or a bad expression.
+    """
+
+    def repl(m: re.Match) -> str:
+        is_expr, body = m.group(1), m.group(2)
+        if is_expr:
+            try:
+                return local_expr._to_str(local_expr.evaluate(body, names))
+            except local_expr.ExprError as e:
+                raise WorkflowError(f"expression {{{{={body}}}}}: {e}") from None
+        if body in names:
+            return str(names[body])
+        if strict:
+            raise WorkflowError(f"unresolved reference {{{{{body}}}}}")
+        return m.group(0)
+
+    return _TEMPLATE_REF.sub(repl, text)
+
+
+def substitute_tree(obj: Any, names: Mapping[str, Any], *, strict: bool = True) -> Any:
+    """``substitute`` applied to every string inside a JSON-like tree."""
+    if isinstance(obj, str):
+        return substitute(obj, names, strict=strict)
+    if isinstance(obj, list):
+        return [substitute_tree(x, names, strict=strict) for x in obj]
+    if isinstance(obj, dict):
+        return {k: substitute_tree(v, names, strict=strict) for k, v in obj.items()}
+    return obj
+
+
+ProgressHook = Callable[[str, NodeInfo, NodeResult | None], None]
+
+
+class WorkflowRun:
+    """One execution of a Workflow manifest."""
+
+    def __init__(
+        self,
+        workflow: Mapping[str, Any],
+        executor: Executor,
+        *,
+        parameters: Mapping[str, str] | None = None,
+        name: str | None = None,
+        progress: ProgressHook | None = None,
+        sleep: Callable[[float], None] | None = None,
+    ):
+        self.wf = workflow
+        self.spec = workflow.get("spec", {})
+        self.templates = {t["name"]: t for t in self.spec.get("templates", [])}
+        self.executor = executor
+        meta = workflow.get("metadata", {})
+        self.name = name or meta.get("name") or (meta.get("generateName", "workflow-") + "local")
+        self.params: dict[str, str] = {}
+        for p in self.spec.get("arguments", {}).get("parameters", []):
+            self.params[p["name"]] = str(p.get("value", p.get("default", "")))
+        for k, v in (parameters or {}).items():
+            self.params[k] = str(v)
+        self.progress = progress or (lambda *_: None)
+        self._abort = threading.Event()
+        self._sleep = sleep
+        self._ids = 0
+        self._lock = threading.Lock()
+        self.failures: list[dict[str, Any]] = []
+        self.status: str = "Running"
+        self.nodes: list[tuple[NodeInfo, NodeResult]] = []
+
+    # -- public ------------------------------------------------------------------------------------
+
+    def run(self) -> str:
+        """Run the entrypoint, then the exit handler; return ``Succeeded``, ``Failed`` or ``Error``."""
+        entry = self.spec.get("entrypoint")
+        if entry not in self.templates:
+            raise WorkflowError(f"spec.entrypoint: template {entry!r} not found")
+        try:
+            res = self._invoke(entry, {}, display=self.name, task=self.name, attempt=None)
+            self.status = SUCCEEDED if res.phase == SUCCEEDED else (ERROR if res.phase == ERROR else FAILED)
+        except Aborted:
+            self.status = FAILED
+            return self.status
+        on_exit = self.spec.get("onExit")
+        if on_exit and not self._abort.is_set():
+            try:
+                ex = self._invoke(on_exit, {}, display=f"{self.name}.onExit", task="onExit", attempt=None)
+            except Aborted:
+                return self.status
+            if ex.phase in _DONE_BAD:
+                self.status = FAILED
+        return self.status
+
+    def abort(self) -> None:
+        """Stop the run: no new node starts, running processes are stopped, sleeps end."""
+        self._abort.set()
+        self.executor.stop_all()
+
+    @property
+    def aborted(self) -> bool:
+        """True once ``abort`` was called."""
+        return self._abort.is_set()
+
+    # -- scopes ------------------------------------------------------------------------------------
+
+    def _global_names(self) -> dict[str, Any]:
+        names: dict[str, Any] = {f"workflow.parameters.{k}": v for k, v in self.params.items()}
+        names["workflow.name"] = self.name
+        names["workflow.namespace"] = self.wf.get("metadata", {}).get("namespace", "default")
+        names["workflow.uid"] = self.name
+        names["workflow.status"] = self.status
+        names["workflow.failures"] = json.dumps(self.failures)
+        return names
+
+    def _sleep_for(self, seconds: float) -> None:
+        if self._sleep is not None:
+            self._sleep(seconds)
+        elif self._abort.wait(max(0.0, seconds)):
+            raise Aborted()
+        if self._abort.is_set():
+            raise Aborted()
+
+    def _next_id(self) -> str:
+        with self._lock:
+            self._ids += 1
+            return f"n{self._ids:04d}"
+
+    # -- templates ---------------------------------------------------------------------------------
+
+    def _invoke(
+        self, template_name: str, args: Mapping[str, str], *, display: str, task: str, attempt: str | None
+    ) -> NodeResult:
+        if self._abort.is_set():
+            raise Aborted()
+        tmpl = self.templates.get(template_name)
+        if tmpl is None:
+            raise WorkflowError(f"{display}: template {template_name!r} not found")
+        inputs: dict[str, str] = {}
+        for p in tmpl.get("inputs", {}).get("parameters", []):
+            if p["name"] in args:
+                inputs[p["name"]] = str(args[p["name"]])
+            elif "value" in p or "default" in p:
+                inputs[p["name"]] = str(p.get("value", p.get("default")))
+            else:
+                raise WorkflowError(f"{display}: input parameter {p['name']!r} of {template_name!r} not supplied")
+        if "attempt" in inputs:
+            attempt = inputs["attempt"]
+        rs = tmpl.get("retryStrategy")
+        retries = 0
+        first_start = time.time()
+        while True:
+            res = self._invoke_once(tmpl, inputs, display, task, attempt, retries)
+            if res.phase == SUCCEEDED or rs is None:
+                return res
+            delay = self._retry_delay(rs, res, retries, first_start, inputs, display)
+            if delay is None:
+                return res
+            self._sleep_for(delay)
+            retries += 1
+
+    def _retry_delay(
+        self, rs: Mapping[str, Any], res: NodeResult, retries: int, first_start: float, inputs: dict, display: str
+    ) -> float | None:
+        """Seconds to wait before the next retry of a failed node, or None when it is not retried."""
+        names = {**self._global_names(), **{f"inputs.parameters.{k}": v for k, v in inputs.items()}}
+        if res.phase not in _DONE_BAD:
+            return None
+        if "limit" in rs and rs["limit"] is not None:
+            limit = int(substitute(str(rs["limit"]), names))
+            if retries >= limit:
+                return None
+        expression = rs.get("expression")
+        policy = rs.get("retryPolicy") or ("Always" if expression else "OnFailure")
+        if policy == "OnFailure" and res.phase != FAILED:
+            return None
+        if policy in ("OnError", "OnTransientError") and res.phase != ERROR:
+            return None
+        if expression:
+            env = {
+                "lastRetry.exitCode": str(res.exit_code if res.exit_code is not None else -1),
+                "lastRetry.status": res.phase,
+                "lastRetry.duration": str(int(res.duration)),
+                "lastRetry.message": res.message,
+                "retries": str(retries),
+            }
+            try:
+                if not local_expr.evaluate_bool(expression, env):
+                    return None
+            except local_expr.ExprError as e:
+                raise WorkflowError(f"{display}: retryStrategy.expression: {e}") from None
+        backoff = rs.get("backoff") or {}
+        delay = 0.0
+        if backoff.get("duration") is not None:
+            factor = float(substitute(str(backoff.get("factor", 1)), names) or 1)
+            delay = parse_duration(substitute(str(backoff["duration"]), names)) * factor**retries
+            if backoff.get("cap"):
+                delay = min(delay, parse_duration(backoff["cap"]))
+        if backoff.get("maxDuration"):
+            max_d = parse_duration(substitute(str(backoff["maxDuration"]), names))
+            if time.time() + delay - first_start > max_d:
+                return None
+        return delay
+
+    def _invoke_once(
+        self, tmpl: Mapping[str, Any], inputs: dict[str, str], display: str, task: str, attempt: str | None,
+        retries: int,
+    ) -> NodeResult:  # fmt: skip
+        node = NodeInfo(self._next_id(), display if not retries else f"{display}({retries})", task,
+                        tmpl["name"], attempt, retries, time.time())  # fmt: skip
+        leaf = any(k in tmpl for k in ("container", "script", "resource", "suspend"))
+        if leaf:
+            self.progress("start", node, None)
+        names = {**self._global_names(), **{f"inputs.parameters.{k}": v for k, v in inputs.items()}}
+        names["retries"] = str(retries)
+        names["pod.name"] = f"{self.name}-{node.id}"
+        started = node.started_at
+        try:
+            if "dag" in tmpl:
+                res = self._run_dag(tmpl, names, display, attempt)
+            elif "steps" in tmpl:
+                res = self._run_steps(tmpl, names, display, attempt)
+            elif "suspend" in tmpl:
+                dur = parse_duration(substitute(str(tmpl["suspend"].get("duration", "0")), names))
+                self._sleep_for(dur)
+                res = NodeResult(SUCCEEDED)
+            elif "resource" in tmpl:
+                body = dict(tmpl)
+                body["resource"] = substitute_tree(tmpl["resource"], names)
+                body["outputs"] = substitute_tree(tmpl.get("outputs", {}), names, strict=False)
+                res = self.executor.run_resource(node, body)
+            elif "container" in tmpl or "script" in tmpl:
+                body = substitute_tree({k: v for k, v in tmpl.items() if k not in ("metrics",)}, names)
+                res = self.executor.run_container(node, body)
+            else:
+                raise WorkflowError(f"{display}: template {tmpl['name']!r} has no type this runner knows")
+        except WorkflowError as e:
+            res = NodeResult(ERROR, message=str(e))
+        if self._abort.is_set():
+            raise Aborted()
+        res.started_at = res.started_at or started
+        res.finished_at = res.finished_at or time.time()
+        if leaf:
+            self.progress("end", node, res)
+            with self._lock:
+                self.nodes.append((node, res))
+                if res.phase in _DONE_BAD:
+                    self.failures.append({
+                        "displayName": node.display, "message": res.message, "templateName": tmpl["name"],
+                        "phase": res.phase, "podName": f"{self.name}-{node.id}",
+                        "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(res.finished_at)),
+                    })  # fmt: skip
+        return res
+
+    def _template_outputs(self, tmpl: Mapping[str, Any], names: Mapping[str, Any]) -> dict[str, str]:
+        out = {}
+        for p in tmpl.get("outputs", {}).get("parameters", []):
+            vf = p.get("valueFrom", {})
+            ref = vf.get("parameter")
+            if ref is None:
+                continue
+            try:
+                out[p["name"]] = substitute(ref, names)
+            except WorkflowError:
+                if "default" not in vf:
+                    raise
+                out[p["name"]] = str(vf["default"])
+        return out
+
+    def _task_names(self, prefix: str, name: str, res: NodeResult) -> dict[str, Any]:
+        names: dict[str, Any] = {f"{prefix}.{name}.outputs.parameters.{k}": v for k, v in res.outputs.items()}
+        names[f"{prefix}.{name}.status"] = res.phase
+        names[f"{prefix}.{name}.exitCode"] = "" if res.exit_code is None else str(res.exit_code)
+        return names
+
+    def _run_dag(
+        self, tmpl: Mapping[str, Any], scope: dict[str, Any], display: str, attempt: str | None
+    ) -> NodeResult:
+        tasks = {t["name"]: t for t in tmpl["dag"]["tasks"]}
+        deps: dict[str, list[str]] = {}
+        for name, t in tasks.items():
+            try:
+                deps[name] = local_expr.depends_tasks(t["depends"]) if t.get("depends") else list(
+                    t.get("dependencies", []))
+            except local_expr.ExprError as e:
+                raise WorkflowError(f"{display}.{name}: depends: {e}") from None
+            for d in deps[name]:
+                if d not in tasks:
+                    raise WorkflowError(f"{display}.{name}: depends on unknown task {d!r}")
+        results: dict[str, NodeResult] = {}
+        names = dict(scope)
+        running: dict[Future, str] = {}
+        with ThreadPoolExecutor(max_workers=max(1, len(tasks))) as pool:
+            while len(results) < len(tasks):
+                progressed = False
+                for name, t in tasks.items():
+                    if name in results or name in running.values():
+                        continue
+                    if not all(d in results for d in deps[name]):
+                        continue
+                    decision = self._task_gate(t, deps[name], results, names, f"{display}.{name}")
+                    if decision is not None:
+                        results[name] = NodeResult(decision)
+                        progressed = True
+                        continue
+                    args = self._task_args(t, names, f"{display}.{name}")
+                    fut = pool.submit(self._invoke, t["template"], args, display=f"{display}.{name}", task=name,
+                                      attempt=attempt)  # fmt: skip
+                    running[fut] = name
+                    progressed = True
+                if not running:
+                    if progressed:
+                        continue
+                    break
+                done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for fut in done:
+                    name = running.pop(fut)
+                    try:
+                        res = fut.result()
+                    except Aborted:
+                        self._abort.set()
+                        res = NodeResult(FAILED, message="aborted")
+                    results[name] = res
+                    names.update(self._task_names("tasks", name, res))
+                if self._abort.is_set():
+                    for f in running:
+                        f.cancel()
+                    raise Aborted()
+        phase = self._dag_phase(tasks, deps, results)
+        outputs = self._template_outputs(tmpl, names) if phase == SUCCEEDED else {}
+        failed = [n for n, r in results.items() if r.phase in _DONE_BAD]
+        return NodeResult(phase, outputs, message=f"failed: {', '.join(failed)}" if phase != SUCCEEDED else "")
+
+    def _task_gate(
+        self, t: Mapping[str, Any], deps: list[str], results: Mapping[str, NodeResult], names: Mapping[str, Any],
+        where: str,
+    ) -> str | None:  # fmt: skip
+        """None when the task should run; otherwise its phase without running (Omitted or Skipped)."""
+        phases = {d: results[d].phase for d in deps}
+        if t.get("depends"):
+            try:
+                ok = local_expr.evaluate_depends(t["depends"], phases)
+            except local_expr.ExprError as e:
+                raise WorkflowError(f"{where}: depends: {e}") from None
+        else:
+            ok = all(p in (SUCCEEDED, SKIPPED) for p in phases.values())
+        if not ok:
+            return OMITTED
+        if t.get("when") is not None:
+            text = substitute(str(t["when"]), names)
+            try:
+                if not local_expr.evaluate_bool(text, {}):
+                    return SKIPPED
+            except local_expr.ExprError as e:
+                raise WorkflowError(f"{where}: when: {e}") from None
+        return None
+
+    def _task_args(self, t: Mapping[str, Any], names: Mapping[str, Any], where: str) -> dict[str, str]:
+        args = {}
+        for p in t.get("arguments", {}).get("parameters", []):
+            args[p["name"]] = substitute(str(p.get("value", "")), names)
+        return args
+
+    @staticmethod
+    def _dag_phase(tasks: Mapping[str, Any], deps: Mapping[str, list[str]], results: Mapping[str, NodeResult]) -> str:
+        """A failed task fails the DAG unless a task that depends on it ran (its failure was handled)."""
+        phase = SUCCEEDED
+        for name, res in results.items():
+            if res.phase not in _DONE_BAD:
+                continue
+            handled = any(name in deps[other] and results.get(other, NodeResult(OMITTED)).phase not in
+                          (OMITTED,) for other in tasks)  # fmt: skip
+            if not handled:
+                phase = ERROR if res.phase == ERROR and phase == SUCCEEDED else FAILED
+        return phase
+
+    def _run_steps(
+        self, tmpl: Mapping[str, Any], scope: dict[str, Any], display: str, attempt: str | None
+    ) -> NodeResult:
+        names = dict(scope)
+        for group in tmpl["steps"]:
+            group = group if isinstance(group, list) else [group]
+            to_run = []
+            for s in group:
+                if s.get("when") is not None:
+                    text = substitute(str(s["when"]), names)
+                    try:
+                        if not local_expr.evaluate_bool(text, {}):
+                            names.update(self._task_names("steps", s["name"], NodeResult(SKIPPED)))
+                            continue
+                    except local_expr.ExprError as e:
+                        raise WorkflowError(f"{display}.{s['name']}: when: {e}") from None
+                to_run.append((s, self._task_args(s, names, f"{display}.{s['name']}")))
+            with ThreadPoolExecutor(max_workers=max(1, len(to_run))) as pool:
+                futs = [(s, pool.submit(self._invoke, s["template"], a, display=f"{display}.{s['name']}",
+                                        task=s["name"], attempt=attempt)) for s, a in to_run]  # fmt: skip
+                group_results = [(s, f.result()) for s, f in futs]
+            for s, res in group_results:
+                names.update(self._task_names("steps", s["name"], res))
+            bad = [s["name"] for s, r in group_results if r.phase in _DONE_BAD and not s.get("continueOn")]
+            if bad:
+                return NodeResult(FAILED, message=f"failed: {', '.join(bad)}")
+        return NodeResult(SUCCEEDED, self._template_outputs(tmpl, names))

@@ -1,0 +1,440 @@
+"""Runs the leaf templates of a Workflow on this machine: containers as processes, the JobSet as N workers.
+
+Container templates run the same command with ``python`` mapped to this interpreter and ``/tmp/outputs``,
+``/tmp/inputs`` mapped to a folder per node. The JobSet runs ``parallelism`` worker processes with the
+environment a pod would get, and keeps JobSet's semantics: the first failed worker fails the set and
+the others are stopped (SIGTERM, a grace period, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from workflows.local_engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult, WorkflowError
+
+_PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
+COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+
+
+def free_port() -> int:
+    """A TCP port free on localhost right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rewrite_arg(arg: str, node_dir: Path) -> str:
+    """Map the container paths ``/tmp/outputs`` and ``/tmp/inputs`` (anywhere in ``arg``) into ``node_dir``."""
+    for prefix in _PATH_PREFIXES:
+        arg = arg.replace(prefix, str(node_dir / prefix.removeprefix("/tmp/")))
+    return arg
+
+
+def local_command(command: list[str], node_dir: Path) -> list[str]:
+    """The container command as a local one: ``python`` is this interpreter; container paths mapped."""
+    out = [rewrite_arg(str(a), node_dir) for a in command]
+    if out and out[0] in ("python", "python3", "python3.11", "/usr/bin/python3", "/usr/local/bin/python"):
+        out[0] = sys.executable
+    return out
+
+
+def resolve_env(env: list[Mapping[str, Any]], field_values: Mapping[str, str]) -> dict[str, str]:
+    """A container's ``env`` list as a dict, ``valueFrom.fieldRef`` resolved from ``field_values``.
+
+    Raises:
+        WorkflowError: for a fieldRef this runner cannot resolve.
+    """
+    out = {}
+    for e in env or []:
+        if "value" in e:
+            out[e["name"]] = str(e["value"])
+            continue
+        ref = (e.get("valueFrom") or {}).get("fieldRef")
+        if ref is None:
+            continue  # secrets and config maps do not exist locally
+        path = ref["fieldPath"]
+        if path not in field_values:
+            raise WorkflowError(f"env {e['name']}: fieldRef {path!r} is not known to the local runner")
+        out[e["name"]] = field_values[path]
+    return out
+
+
+@dataclass
+class WorkerProc:
+    """One worker process of a local JobSet."""
+
+    index: int
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    pid: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    returncode: int | None = None
+    first_failure: bool = False
+    stopped_by_jobset: bool = False
+    restarts: int = 0
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code as Kubernetes reports it (128 + signal for a signalled process)."""
+        rc = self.returncode
+        if rc is None:
+            return None
+        return 128 - rc if rc < 0 else rc
+
+    @property
+    def signal_name(self) -> str | None:
+        """Name of the signal that ended the process, if any."""
+        rc = self.returncode
+        if rc is None or rc >= 0:
+            return None
+        try:
+            return signal.Signals(-rc).name
+        except ValueError:
+            return f"SIG{-rc}"
+
+
+@dataclass
+class LocalSlice:
+    """The worker processes of one train-segment attempt (what the injector acts on)."""
+
+    jobset: str
+    attempt: int
+    command: list[str]
+    cwd: str
+    log_dir: Path
+    workers: list[WorkerProc] = field(default_factory=list)
+    first_failure_index: int | None = None
+    ended_at: float | None = None
+    # Workers whose next exit is expected (restarted on purpose): not counted as the set's failure.
+    expected_exit: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def spawn(self, w: WorkerProc) -> None:
+        """Start (or start again) worker ``w``, appending to its log file."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"worker-{w.index}.log", "ab")  # noqa: SIM115 - handed to the child
+        w.proc = subprocess.Popen(self.command, env=w.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
+        log.close()
+        w.pid = w.proc.pid
+        w.started_at = w.started_at or time.time()
+        w.returncode = None
+        w.ended_at = None
+
+    def signal_worker(self, index: int, sig: int) -> None:
+        """Send ``sig`` to worker ``index`` (its whole process group)."""
+        w = self.workers[index]
+        if w.proc is not None and w.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.proc.pid, sig)
+
+    def restart(self, index: int) -> None:
+        """Kill worker ``index`` and start it again alone with the same environment (a container restart)."""
+        w = self.workers[index]
+        with self.lock:
+            self.expected_exit.add(index)
+            self.signal_worker(index, signal.SIGKILL)
+            if w.proc is not None:
+                w.proc.wait()
+            w.restarts += 1
+            self.spawn(w)
+            self.expected_exit.discard(index)
+
+    def record(self) -> dict[str, Any]:
+        """The local slice record (docs/CONTRACTS.md)."""
+        return {
+            "jobset": self.jobset,
+            "attempt": self.attempt,
+            "workers": [
+                {"index": w.index, "pid": w.pid, "exit_code": w.exit_code, "signal": w.signal_name,
+                 "started_at": w.started_at, "ended_at": w.ended_at, "first_failure": w.first_failure,
+                 "stopped_by_jobset": w.stopped_by_jobset, "restarts": w.restarts}
+                for w in self.workers
+            ],  # fmt: skip
+            "first_failure_index": self.first_failure_index,
+            "ended_at": self.ended_at,
+        }
+
+
+class SliceHooks:
+    """What the runner lets an injector do around a local slice (all optional)."""
+
+    def extra_env(self, attempt: int) -> dict[str, str]:
+        """Environment added to every worker of ``attempt``."""
+        return {}
+
+    def on_tick(self, sl: LocalSlice) -> None:
+        """Called about every 50 ms while the slice runs."""
+
+    def after_slice(self, sl: LocalSlice, phase: str) -> None:
+        """Called once every worker has exited, before the record is written and the next node runs."""
+
+
+def _arg_value(cmd: list[str], flag: str) -> str | None:
+    for i, a in enumerate(cmd):
+        if a == flag and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+class LocalExecutor:
+    """The executor of ``WorkflowRun`` on this machine."""
+
+    def __init__(
+        self,
+        *,
+        repo_root: Path,
+        work_dir: Path,
+        base_env: Mapping[str, str] | None = None,
+        hooks: SliceHooks | None = None,
+        events_dir: Path | None = None,
+        write_slice_record: Callable[[str, str, int, dict[str, Any]], None] | None = None,
+        grace_seconds: float = 3.0,
+    ):
+        self.repo_root = repo_root
+        self.work_dir = work_dir
+        self.base_env = dict(base_env or {})
+        self.hooks = hooks or SliceHooks()
+        self.events_dir = events_dir or (work_dir / "events")
+        self.write_slice_record = write_slice_record
+        self.grace_seconds = grace_seconds
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.slices: list[LocalSlice] = []
+
+    def _env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.base_env)
+        pp = env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(self.repo_root) + (os.pathsep + pp if pp else "")
+        env.update(extra)
+        return env
+
+    def _track(self, p: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.add(p)
+        if self._stopping.is_set():
+            self._kill(p)
+
+    @staticmethod
+    def _kill(p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        """SIGKILL every process this executor started (the whole local run is deleted)."""
+        self._stopping.set()
+        with self._lock:
+            procs = list(self._procs)
+        for p in procs:
+            self._kill(p)
+
+    # -- containers --------------------------------------------------------------------------------
+
+    def run_container(self, node: NodeInfo, template: Mapping[str, Any]) -> NodeResult:
+        """Run a container or script template as a local process; read its output parameters."""
+        node_dir = self.work_dir / "nodes" / f"{node.id}-{node.task}"
+        (node_dir / "outputs").mkdir(parents=True, exist_ok=True)
+        (node_dir / "inputs").mkdir(parents=True, exist_ok=True)
+        for art in template.get("inputs", {}).get("artifacts", []):
+            raw = art.get("raw")
+            if raw is None:
+                return NodeResult(ERROR, message=f"input artifact {art.get('name')!r}: only raw artifacts run locally")
+            dest = Path(rewrite_arg(art["path"], node_dir))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(raw.get("data", ""))
+        if "script" in template:
+            c = template["script"]
+            script = node_dir / "script"
+            script.write_text(c.get("source", ""))
+            command = [*c.get("command", ["python"]), str(script)]
+        else:
+            c = template["container"]
+            command = [*c.get("command", []), *c.get("args", [])]
+        if not command:
+            return NodeResult(ERROR, message="container has no command (images' entrypoints do not run locally)")
+        fields = {"metadata.name": f"{node.task}-{node.id}", "metadata.namespace": "default",
+                  "status.podIP": "127.0.0.1", "spec.nodeName": "localhost"}  # fmt: skip
+        env = self._env(resolve_env(c.get("env", []), fields))
+        log_path = self.work_dir / "logs" / f"{node.id}-{node.task}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        with open(log_path, "wb") as log:
+            p = subprocess.Popen(local_command(command, node_dir), env=env, cwd=self.repo_root, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self._track(p)
+            rc = p.wait()
+        outputs, missing = self._read_outputs(template, node_dir)
+        phase = SUCCEEDED if rc == 0 else FAILED
+        message = "" if rc == 0 else f"exit code {rc}; log: {log_path}{_tail(log_path)}"
+        if rc == 0 and missing:
+            phase, message = ERROR, f"output parameter file(s) missing: {', '.join(missing)}; log: {log_path}"
+        exit_code = 128 - rc if rc < 0 else rc
+        return NodeResult(phase, outputs, exit_code, message, started, time.time())
+
+    @staticmethod
+    def _read_outputs(template: Mapping[str, Any], node_dir: Path) -> tuple[dict[str, str], list[str]]:
+        outputs, missing = {}, []
+        for p in template.get("outputs", {}).get("parameters", []):
+            vf = p.get("valueFrom", {})
+            if "path" not in vf:
+                continue
+            f = Path(rewrite_arg(vf["path"], node_dir))
+            if f.is_file():
+                outputs[p["name"]] = f.read_text().strip()
+            elif "default" in vf:
+                outputs[p["name"]] = str(vf["default"])
+            else:
+                missing.append(p["name"])
+        return outputs, missing
+
+    # -- resources (the JobSet) --------------------------------------------------------------------
+
+    def run_resource(self, node: NodeInfo, template: Mapping[str, Any]) -> NodeResult:
+        """Run a JobSet resource as local worker processes with JobSet's failure semantics."""
+        res = template["resource"]
+        action = res.get("action", "create")
+        try:
+            manifest = yaml.safe_load(res.get("manifest", ""))
+        except yaml.YAMLError as e:
+            return NodeResult(ERROR, message=f"resource manifest is not YAML: {e}")
+        kind = (manifest or {}).get("kind")
+        if kind != "JobSet" or action not in ("create", "apply"):
+            return NodeResult(ERROR, message=f"resource {action} {kind}: only creating a JobSet runs locally")
+        try:
+            sl = self._build_slice(node, manifest)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            return NodeResult(ERROR, message=f"JobSet manifest: cannot read {e}")
+        started = time.time()
+        phase = self._run_slice(sl)
+        outputs = {}
+        for p in template.get("outputs", {}).get("parameters", []):
+            jp = (p.get("valueFrom") or {}).get("jsonPath")
+            if jp:
+                outputs[p["name"]] = _json_path(manifest, jp)
+        msg = ""
+        if phase != SUCCEEDED:
+            i = sl.first_failure_index
+            w = sl.workers[i] if i is not None else None
+            msg = (f"JobSet {sl.jobset} failed: worker {i} exited "
+                   f"{w.signal_name or w.exit_code if w else '?'}; logs: {sl.log_dir}")  # fmt: skip
+        exit_code = None if phase == SUCCEEDED else 1
+        return NodeResult(phase, outputs, exit_code if phase != SUCCEEDED else 0, msg, started, time.time())
+
+    def _build_slice(self, node: NodeInfo, manifest: Mapping[str, Any]) -> LocalSlice:
+        name = manifest["metadata"]["name"]
+        rj = manifest["spec"]["replicatedJobs"][0]
+        job_spec = rj["template"]["spec"]
+        n = int(job_spec.get("parallelism") or job_spec.get("completions") or 1) * int(rj.get("replicas", 1))
+        pod_spec = job_spec["template"]["spec"]
+        c = pod_spec["containers"][0]
+        node_dir = self.work_dir / "nodes" / f"{node.id}-{node.task}"
+        command = local_command([*c.get("command", []), *c.get("args", [])], node_dir)
+        attempt = int(_arg_value(command, "--attempt") or node.attempt or 0)
+        log_dir = self.work_dir / "logs" / f"attempt-{attempt}"
+        sl = LocalSlice(name, attempt, command, str(self.repo_root), log_dir)
+        port = free_port()
+        extra = self.hooks.extra_env(attempt)
+        for i in range(n):
+            pod = f"{name}-{rj.get('name', 'workers')}-0-{i}"
+            fields = {
+                f"metadata.annotations['{COMPLETION_INDEX_KEY}']": str(i),
+                f"metadata.labels['{COMPLETION_INDEX_KEY}']": str(i),
+                "metadata.name": pod, "metadata.namespace": manifest["metadata"].get("namespace", "default"),
+                "status.podIP": "127.0.0.1", "spec.nodeName": "localhost",
+            }  # fmt: skip
+            env = resolve_env(c.get("env", []), fields)
+            env.setdefault("TRAINER_COORDINATOR_ADDRESS", f"127.0.0.1:{port}")
+            env.setdefault("TRAINER_NUM_PROCESSES", str(n))
+            env["JOB_COMPLETION_INDEX"] = str(i)
+            env["HOSTNAME"] = pod
+            env.setdefault("TRAINER_EVENTS_DIR", str(self.events_dir))
+            env.setdefault("JAX_PLATFORMS", "cpu")
+            env.update(extra)
+            sl.workers.append(WorkerProc(i, self._env(env)))
+        return sl
+
+    def _run_slice(self, sl: LocalSlice) -> str:
+        self.slices.append(sl)
+        self.events_dir.mkdir(parents=True, exist_ok=True)
+        for w in sl.workers:
+            sl.spawn(w)
+            self._track(w.proc)
+        stop_deadline: float | None = None
+        while True:
+            with sl.lock:
+                for w in sl.workers:
+                    if w.returncode is not None or w.proc is None:
+                        continue
+                    rc = w.proc.poll()
+                    if rc is None:
+                        continue
+                    w.returncode, w.ended_at = rc, time.time()
+                    if rc != 0 and sl.first_failure_index is None:
+                        w.first_failure = True
+                        sl.first_failure_index = w.index
+                        stop_deadline = time.time() + self.grace_seconds
+                        for o in sl.workers:
+                            if o.returncode is None and o.proc.poll() is None:
+                                o.stopped_by_jobset = True
+                                sl.signal_worker(o.index, signal.SIGCONT)
+                                sl.signal_worker(o.index, signal.SIGTERM)
+                alive = [w for w in sl.workers if w.returncode is None]
+            if not alive:
+                break
+            if stop_deadline is not None and time.time() > stop_deadline:
+                for w in alive:
+                    sl.signal_worker(w.index, signal.SIGKILL)
+            if self._stopping.is_set():
+                for w in alive:
+                    sl.signal_worker(w.index, signal.SIGKILL)
+            self.hooks.on_tick(sl)
+            time.sleep(0.05)
+        sl.ended_at = max(w.ended_at or 0 for w in sl.workers)
+        phase = SUCCEEDED if sl.first_failure_index is None else FAILED
+        if not self._stopping.is_set():
+            self.hooks.after_slice(sl, phase)
+        if self.write_slice_record is not None:
+            self.write_slice_record(sl.jobset, _arg_value(sl.command, "--run-id") or "",
+                                    sl.attempt, sl.record())  # fmt: skip
+        return phase
+
+
+def _json_path(obj: Any, expr: str) -> str:
+    """The few JSONPath forms resource outputs use: ``{.metadata.name}``."""
+    path = expr.strip().removeprefix("{").removesuffix("}").strip(".")
+    cur = obj
+    for part in path.split(".") if path else []:
+        if not isinstance(cur, Mapping) or part not in cur:
+            return ""
+        cur = cur[part]
+    return cur if isinstance(cur, str) else json.dumps(cur)
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return ("\n    " + "\n    ".join(text)) if text else ""
+
