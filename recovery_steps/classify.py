@@ -1,0 +1,412 @@
+"""Pure failure classification: ``classify(evidence) -> Verdict``, decided from the first failure.
+
+JobSet stops the whole gang when one worker fails, so most exits of an attempt are collateral: the
+siblings' SIGTERM (143), their neighbours' peer-loss errors (20) and the coordination service's
+aborts (SIGABRT). The classifier orders the workers' failures in time, takes the first, and when
+that first one is only a symptom of a lost peer (20, SIGABRT) it looks for the cause among the rest.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from recovery_steps.contract import ExitCode, FailureClass, exit_code_info
+from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence
+from recovery_steps.records import WorkerExitReport
+
+SIGABRT, SIGKILL, SIGTERM = 6, 9, 15
+IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+CONTAINER_CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+SCHEDULING_EVENTS = ("FailedScheduling", "NotTriggerScaleUp", "FailedScaleUp")
+PEER_LOSS_MARKERS = ("gloo", "connection closed by peer", "coordination service", "heartbeat", "barrier timed out")
+NON_FINITE_MARKERS = ("non-finite", "nan", "inf loss", "floatingpointerror")
+COMPILE_MARKERS = ("compil", "resource_exhausted", "hlo")
+_JOB_POD = re.compile(r"for pod (?:[\w.-]+/)?([\w.-]+) failed with exit code (\d+)")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The classifier's answer: a class, a one-line reason for a person, and the evidence it used."""
+
+    failure_class: FailureClass
+    reason: str
+    evidence: list[str] = field(default_factory=list)
+    first_worker: int | None = None
+    cause_worker: int | None = None
+
+
+@dataclass
+class _Obs:
+    """One worker's failure as seen through pod status, exit report and the local slice record."""
+
+    index: int | None
+    pod: PodEvidence | None = None
+    node: NodeEvidence | None = None
+    at: float | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    term_reason: str | None = None
+    message: str | None = None
+    report: WorkerExitReport | None = None
+    collateral: bool = False
+    marked_first: bool = False
+    named_by_job: bool = False
+
+    @property
+    def who(self) -> str:
+        parts = [f"worker {self.index}" if self.index is not None else "a worker"]
+        if self.pod is not None:
+            parts.append(f"pod {self.pod.name}")
+        node = self.node.name if self.node else (self.pod.node if self.pod else None)
+        if node:
+            parts.append(f"node {node}")
+        elif self.report is not None and self.report.hostname:
+            parts.append(f"host {self.report.hostname}")
+        return parts[0] + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
+
+    def failed(self) -> bool:
+        disrupted = self.pod is not None and self.pod.disruption() is not None
+        node_down = self.node is not None and (self.node.ready is False or not self.node.found)
+        return bool(self.exit_code) or bool(self.signal) or disrupted or node_down
+
+
+@dataclass(frozen=True)
+class _Finding:
+    cls: FailureClass
+    what: str
+    secondary: bool = False
+
+
+def _hms(t: float | None) -> str:
+    if t is None:
+        return "time unknown"
+    return datetime.fromtimestamp(t, UTC).strftime("%H:%M:%S") + "Z"
+
+
+def _exit_text(o: _Obs) -> str:
+    if o.signal and not o.exit_code:
+        text = f"killed by signal {o.signal}"
+    elif o.exit_code is not None:
+        info = exit_code_info(o.exit_code)
+        text = f"exit {o.exit_code}" + (f" {info.code.name}" if info else "")
+        if o.signal:
+            text += f" (signal {o.signal})"
+    else:
+        text = "no exit recorded"
+    if o.term_reason and o.term_reason not in ("Error", "Completed"):
+        text += f" [{o.term_reason}]"
+    return text
+
+
+def _line(o: _Obs) -> str:
+    text = f"{o.who}: {_exit_text(o)} at {_hms(o.at)}"
+    d = o.pod.disruption() if o.pod else None
+    if d is not None:
+        text += f"; DisruptionTarget {d.reason}"
+    if o.node is not None and (o.node.ready is False or not o.node.found):
+        text += "; node gone" if not o.node.found else f"; node NotReady ({o.node.ready_reason})"
+    if o.report is not None and o.report.exception_type:
+        text += f"; {o.report.exception_type}: {_short(o.report.exception_message)}"
+    if o.report is not None and o.report.last_step is not None:
+        text += f"; last step {o.report.last_step}"
+    if o.collateral:
+        text += "; stopped by the gang"
+    return text
+
+
+def _short(text: str | None, n: int = 160) -> str:
+    if not text:
+        return ""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first if len(first) <= n else first[: n - 3] + "..."
+
+
+def _normalise(code: int | None, signal: int | None) -> tuple[int | None, int | None]:
+    """Negative codes (a local process killed by a signal) become signals; 134/137 imply SIGABRT/SIGKILL."""
+    if code is not None and code < 0:
+        return 128 - code, -code
+    if signal is None and code in (128 + SIGABRT, 128 + SIGKILL):
+        return code, code - 128
+    return code, signal
+
+
+def _observations(ev: Evidence) -> list[_Obs]:
+    by_index: dict[int, _Obs] = {}
+    loose: list[_Obs] = []
+    job_pods = set()
+    for j in ev.jobs:
+        m = _JOB_POD.search(j.failure_message or "")
+        if m:
+            job_pods.add(m.group(1))
+    for p in ev.pods:
+        c = p.trainer()
+        code, sig = _normalise(c.exit_code if c else None, c.signal if c else None)
+        o = _Obs(
+            index=p.worker_index,
+            pod=p,
+            node=ev.node(p.node),
+            at=c.finished_at if c else None,
+            exit_code=code,
+            signal=sig,
+            term_reason=c.reason if c else None,
+            message=(c.message if c else None) or p.message,
+            named_by_job=p.name in job_pods,
+        )
+        if o.at is None:
+            d = p.disruption()
+            o.at = d.at if d else (o.node.ready_since if o.node and o.node.ready is False else None)
+        if p.worker_index is None:
+            loose.append(o)
+        else:
+            by_index[p.worker_index] = o
+    if ev.local_slice is not None:
+        for w in ev.local_slice.workers:
+            code, sig = _normalise(w.exit_code, w.signal)
+            o = by_index.setdefault(w.index, _Obs(index=w.index))
+            o.exit_code = code if o.exit_code is None else o.exit_code
+            o.signal = sig if o.signal is None else o.signal
+            o.at = w.ended_at if o.at is None else o.at
+            o.collateral = w.stopped_by_jobset and not w.first_failure
+            o.marked_first = w.first_failure or ev.local_slice.first_failure_index == w.index
+    for r in ev.reports:
+        o = by_index.setdefault(r.process_index, _Obs(index=r.process_index))
+        o.report = r
+        if o.exit_code is None and o.signal is None:
+            o.exit_code = r.exit_code
+        if o.at is None:
+            o.at = r.ended_at
+    return sorted(by_index.values(), key=lambda o: o.index or 0) + loose
+
+
+def _rank(o: _Obs, f: _Finding) -> int:
+    """Within one second, a cause sorts before a symptom (k8s times have one-second resolution)."""
+    if f.secondary:
+        return 3
+    if o.exit_code == ExitCode.PREEMPTED and f.cls is FailureClass.PREEMPTION and not _disrupted(o):
+        return 2
+    return 0
+
+
+def _disrupted(o: _Obs) -> Condition | None:
+    return o.pod.disruption() if o.pod is not None else None
+
+
+def _report_text(r: WorkerExitReport | None) -> str:
+    if r is None:
+        return ""
+    return " ".join(x for x in (r.exception_type, r.exception_message, r.traceback) if x).lower()
+
+
+def _judge(o: _Obs) -> _Finding:
+    """What one worker's failure says on its own."""
+    code, sig, rep = o.exit_code, o.signal, _report_text(o.report)
+    node = o.node
+    if o.term_reason == "OOMKilled":
+        return _Finding(FailureClass.APPLICATION, "OOMKilled: host memory exhausted by the trainer process")
+    if code in (ExitCode.CONFIGURATION, ExitCode.INCOMPATIBLE_CHECKPOINT):
+        what = "startup validation or configuration error" if code == 2 else "checkpoint incompatible with config"
+        return _Finding(FailureClass.CONFIGURATION, what)
+    if code in (126, 127):
+        return _Finding(FailureClass.CONFIGURATION, "entrypoint not executable or not found in the image")
+    if code == ExitCode.APPLICATION:
+        if any(m in rep for m in PEER_LOSS_MARKERS):
+            return _Finding(FailureClass.INFRASTRUCTURE, "exception from a lost peer (collective failed)", True)
+        if any(m in rep for m in NON_FINITE_MARKERS):
+            return _Finding(FailureClass.APPLICATION, "non-finite loss")
+        if "xla" in rep and any(m in rep for m in COMPILE_MARKERS):
+            return _Finding(FailureClass.APPLICATION, "XLA compilation failed (will repeat with the same program)")
+        return _Finding(FailureClass.APPLICATION, "uncaught exception in training code")
+    if code == ExitCode.HANG:
+        return _Finding(FailureClass.HANG, "watchdog: no step completed within the hang timeout")
+    if code == ExitCode.ACCELERATOR_INIT:
+        return _Finding(FailureClass.INFRASTRUCTURE, "accelerator or runtime initialisation failed")
+    d = _disrupted(o)
+    if d is not None:
+        return _disruption(d, o)
+    if node is not None and not node.found:
+        return _Finding(FailureClass.INFRASTRUCTURE, "its node is gone from the cluster")
+    if node is not None and node.maintenance():
+        return _Finding(FailureClass.PREEMPTION, f"node reclaimed for maintenance ({node.maintenance()})")
+    if node is not None and node.ready is False:
+        if node.spot:
+            return _Finding(FailureClass.PREEMPTION, f"Spot node NotReady ({node.ready_reason}): reclaimed")
+        return _Finding(FailureClass.INFRASTRUCTURE, f"node NotReady ({node.ready_reason or 'no reason given'})")
+    if code == ExitCode.PREEMPTED or sig == SIGTERM:
+        return _Finding(FailureClass.PREEMPTION, "received SIGTERM first (node shutdown or preemption), state saved")
+    if sig == SIGKILL:
+        return _Finding(FailureClass.INFRASTRUCTURE, "SIGKILLed without OOMKilled (host or kubelet killed it)")
+    if code == ExitCode.PEER_LOST:
+        return _Finding(FailureClass.INFRASTRUCTURE, "lost a peer (collective or coordination service failed)", True)
+    if sig == SIGABRT:
+        return _Finding(FailureClass.INFRASTRUCTURE, "aborted by the JAX runtime (coordination heartbeat lost)", True)
+    if code == ExitCode.CAPACITY:
+        return _Finding(FailureClass.CAPACITY, "capacity not available")
+    if o.pod is not None and o.pod.reason in ("NodeLost", "NodeShutdown", "Terminated", "Shutdown"):
+        return _Finding(FailureClass.PREEMPTION, f"pod ended by node shutdown ({o.pod.reason})")
+    if o.report is not None and o.report.traceback:
+        return _Finding(FailureClass.APPLICATION, f"exit {code} with a Python traceback")
+    return _Finding(FailureClass.UNKNOWN, f"exit {code} is outside the exit-code contract" if code else "no cause")
+
+
+def _disruption(d: Condition, o: _Obs) -> _Finding:
+    msg = (d.message or "").lower() + " " + ((o.pod.message or "").lower() if o.pod else "")
+    if d.reason == "PreemptionByScheduler":
+        return _Finding(FailureClass.PREEMPTION, "preempted by the scheduler for a higher-priority pod")
+    if d.reason == "TerminationByKubelet":
+        if "low on resource: memory" in msg:
+            return _Finding(FailureClass.APPLICATION, "evicted by the kubelet: node low on memory")
+        spot = " (Spot VM reclaimed)" if o.node is not None and o.node.spot else ""
+        return _Finding(FailureClass.PREEMPTION, f"node shutting down{spot}: kubelet terminated the pod")
+    if d.reason == "EvictionByEvictionAPI":
+        return _Finding(FailureClass.PREEMPTION, "evicted through the Eviction API (node drain, maintenance)")
+    if d.reason == "DeletionByTaintManager":
+        if o.node is not None and o.node.maintenance():
+            return _Finding(FailureClass.PREEMPTION, f"deleted for node maintenance ({o.node.maintenance()})")
+        return _Finding(FailureClass.INFRASTRUCTURE, "deleted by the taint manager (node unreachable or NotReady)")
+    if d.reason == "DeletionByPodGC":
+        return _Finding(FailureClass.INFRASTRUCTURE, "garbage-collected: its node disappeared")
+    return _Finding(FailureClass.INFRASTRUCTURE, f"disrupted by Kubernetes ({d.reason})")
+
+
+def _precheck(ev: Evidence) -> Verdict | None:
+    """Failures of the whole attempt that precede any worker's exit: image, container config, capacity."""
+    for p in ev.pods:
+        for c in p.containers:
+            if c.waiting_reason in IMAGE_ERRORS or c.waiting_reason in CONTAINER_CONFIG_ERRORS:
+                fix = "check the image name and tag, and the node pool's pull access"
+                if c.waiting_reason in CONTAINER_CONFIG_ERRORS:
+                    fix = "check the pod's ConfigMaps, Secrets and env"
+                line = f"pod {p.name}: container {c.name} waiting: {c.waiting_reason}: {_short(c.waiting_message)}"
+                return Verdict(
+                    FailureClass.CONFIGURATION,
+                    f"worker {p.worker_index} (pod {p.name}) cannot start: {c.waiting_reason}"
+                    f" ({_short(c.waiting_message, 100)}); {fix}. Retrying will not help.",
+                    [line],
+                    first_worker=p.worker_index,
+                    cause_worker=p.worker_index,
+                )
+    pending = [p for p in ev.pods if p.phase == "Pending" and any(e.split(":", 1)[0] in SCHEDULING_EVENTS
+                                                                  for e in p.events)]  # fmt: skip
+    if pending:
+        p = pending[0]
+        msg = next(e for e in p.events if e.split(":", 1)[0] in SCHEDULING_EVENTS)
+        tpu = "google.com/tpu" in msg
+        lines = [f"pod {q.name}: Pending: {_short(next(iter(q.events)), 200)}" for q in pending]
+        return Verdict(
+            FailureClass.CAPACITY,
+            f"{len(pending)} of {len(ev.pods)} worker pods stayed Pending "
+            f"({'no free TPU slice of this shape' if tpu else 'unschedulable'}): {_short(msg, 120)}. "
+            "Nothing ran; the next attempt waits for capacity.",
+            lines,
+        )
+    if ev.step_exit_code is not None:
+        info = exit_code_info(ev.step_exit_code)
+        cls = info.usual_class if info and info.usual_class else FailureClass.UNKNOWN
+        meaning = info.meaning if info else "exit code outside the contract"
+        return Verdict(
+            cls,
+            f"the step before training exited {ev.step_exit_code}: {meaning}",
+            [f"step exit code {ev.step_exit_code}"],
+        )
+    return None
+
+
+def _first(obs: list[_Obs], judged: dict[int, _Finding]) -> _Obs:
+    marked = [o for o in obs if o.marked_first]
+    if marked:
+        return marked[0]
+
+    def key(o: _Obs) -> tuple:
+        t = o.at if o.at is not None else float("inf")
+        return (int(t) if t != float("inf") else t, _rank(o, judged[id(o)]), 0 if o.named_by_job else 1,
+                1 if o.collateral else 0, t)  # fmt: skip
+
+    return min(obs, key=key)
+
+
+def classify(evidence: Evidence) -> Verdict:
+    """Classify a failed attempt from its evidence (pure; no I/O).
+
+    Args:
+        evidence: what the adapters gathered (pods, nodes, Jobs, worker reports, local slice record).
+
+    Returns:
+        The class, a one-line reason naming the worker, node and code, and the evidence lines used.
+    """
+    pre = _precheck(evidence)
+    if pre is not None:
+        return pre
+    obs = [o for o in _observations(evidence) if o.failed()]
+    context = _context_lines(evidence)
+    if not obs:
+        js = evidence.jobset
+        cond = next((c for c in (js.conditions if js else []) if c.type == "Failed" and c.status == "True"), None)
+        why = f"JobSet failed ({cond.reason}: {_short(cond.message, 100)})" if cond else "no failed worker found"
+        return Verdict(
+            FailureClass.UNKNOWN,
+            f"{why}; no worker exit code, pod status or exit report explains attempt {evidence.attempt}. "
+            "Read the train-segment step logs.",
+            context,
+        )
+    judged = {id(o): _judge(o) for o in obs}
+    first = _first(obs, judged)
+    f = judged[id(first)]
+    cause, cf = first, f
+    if f.secondary:
+        # The first failure is a symptom of a lost peer: the cause is the earliest real finding elsewhere.
+        others = sorted((o for o in obs if o is not first and not judged[id(o)].secondary
+                         and not (_rank(o, judged[id(o)]) == 2)), key=lambda o: o.at or float("inf"))  # fmt: skip
+        if others:
+            cause, cf = others[0], judged[id(others[0])]
+    lines = [_line(cause)] + ([_line(first)] if cause is not first else [])
+    lines += [_line(o) for o in sorted(obs, key=lambda o: o.at or float("inf")) if o is not first and o is not cause]
+    return Verdict(
+        cf.cls,
+        _reason(cf, cause, first, f, obs, judged),
+        lines + context,
+        first_worker=first.index,
+        cause_worker=cause.index,
+    )
+
+
+def _reason(cf: _Finding, cause: _Obs, first: _Obs, f: _Finding, obs: list[_Obs], judged: dict[int, _Finding]) -> str:
+    text = f"{cause.who} {_exit_text(cause)} at {_hms(cause.at)}: {cf.what}"
+    if cause.report is not None and cause.report.exception_type:
+        text += f" ({cause.report.exception_type}: {_short(cause.report.exception_message, 100)}"
+        text += f", step {cause.report.last_step})" if cause.report.last_step is not None else ")"
+    same = [o for o in obs if judged[id(o)].cls is cf.cls and judged[id(o)].what == cf.what and o is not cause]
+    if same and cf.cls is FailureClass.APPLICATION:
+        text += f"; the same on {len(same) + 1} of {len(obs)} failed workers"
+    if cause is not first:
+        text += f"; {first.who} failed first with {_exit_text(first)} ({f.what}), a symptom"
+    elif f.secondary:
+        text += "; no application cause found on any worker"
+    return text + f". {_ADVICE[cf.cls]}"
+
+
+_ADVICE = {
+    FailureClass.PREEMPTION: "Not a bug: the next attempt resumes from the last checkpoint.",
+    FailureClass.INFRASTRUCTURE: "Host or network fault: retried on a fresh slice; repeated hits need a node check.",
+    FailureClass.HANG: "A collective or input stall: retried; if it repeats, take a stack dump from a live worker.",
+    FailureClass.CAPACITY: "Waiting for capacity.",
+    FailureClass.APPLICATION: "Will repeat if retried unchanged: fix the code or config first.",
+    FailureClass.CONFIGURATION: "Retrying will not help: fix the config or image.",
+    FailureClass.UNKNOWN: "Read the worker logs.",
+}
+
+
+def _context_lines(ev: Evidence) -> list[str]:
+    lines = []
+    if ev.jobset is not None:
+        for c in ev.jobset.conditions:
+            if c.status == "True" and c.type in ("Failed", "Suspended"):
+                lines.append(f"JobSet {ev.jobset.name} {c.type}: {c.reason}: {_short(c.message)}")
+    for j in ev.jobs:
+        if j.failed:
+            lines.append(f"Job {j.name} failed at {_hms(j.failed_at)}: {j.failure_reason}: {_short(j.failure_message)}")
+    if ev.local_slice is not None and ev.local_slice.first_failure_index is not None:
+        lines.append(f"local slice: first failure on worker {ev.local_slice.first_failure_index}")
+    lines += [f"note: {n}" for n in ev.notes]
+    return lines

@@ -1,0 +1,277 @@
+"""``classify-failure``: gather evidence of a failed attempt, classify it, close it in the ledger, decide retry or stop.
+
+Usage: ``python -m recovery_steps.classify_failure --store-root R --run-id ID --attempt N --jobset NAME
+--output-dir D``. Outputs: ``failure-class``, ``decision``, ``reason``, ``backoff-seconds``,
+``attempts-by-class`` (JSON), ``next-attempt``. Exits 0 whenever it classified (whatever the
+decision); exits 1 when it cannot read or write the run store, 2 when the run has no usable config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from recovery_steps.classify import Verdict, classify
+from recovery_steps.config import ConfigError, JobConfig, config_from_json
+from recovery_steps.evidence import Evidence, gather_kubernetes, gather_local_slice, gather_reports
+from recovery_steps.records import AttemptRecord, Ledger, now
+from recovery_steps.retry import RetryDecision, decide, update_ledger, with_attempt
+from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+
+log = logging.getLogger(__name__)
+
+
+class StepFailure(Exception):
+    """classify-failure itself could not do its job (store unreachable, no config). ``code`` is the exit code."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class ClassifyResult:
+    """What ``run`` decided and wrote."""
+
+    verdict: Verdict
+    decision: RetryDecision
+    record: AttemptRecord
+    ledger: Ledger
+    evidence: Evidence
+
+
+def load_run_config(store: RunStore) -> JobConfig:
+    """The run's validated config from the store; StepFailure(code 2) when it is missing or invalid."""
+    raw = store.read_bytes(RunLayout.CONFIG)
+    if raw is None:
+        raise StepFailure(f"{store.url(RunLayout.CONFIG)}: no config for run {store.run_id!r}; "
+                          "run validate-config first (or check --store-root and --run-id)", 2)  # fmt: skip
+    try:
+        return config_from_json(raw.decode(), store.url(RunLayout.CONFIG))
+    except ConfigError as e:
+        raise StepFailure(e.render(), 2) from None
+    except ValueError as e:
+        raise StepFailure(f"{store.url(RunLayout.CONFIG)}: not JSON ({e})", 2) from None
+
+
+def checkpoint_step_before(store: RunStore, attempt: int) -> int:
+    """The step attempt ``attempt`` restored (``attempts/<n>/restore.json``), or -1 (fresh start or unknown)."""
+    try:
+        data = store.read_json(f"{RunLayout.attempt(attempt)}/restore.json")
+    except ValueError:
+        return -1
+    if not isinstance(data, dict):
+        return -1
+    step = data.get("restore_step", data.get("restore-step", -1))
+    return int(step) if isinstance(step, int) or (isinstance(step, str) and step.lstrip("-").isdigit()) else -1
+
+
+def newest_checkpoint_step(store: RunStore) -> int:
+    """The newest checkpoint step that has a manifest (a complete checkpoint), or -1."""
+    steps = []
+    for obj in store.list(RunLayout.CHECKPOINTS):
+        parts = obj.name.split("/")
+        if len(parts) == 3 and parts[2] == RunLayout.MANIFEST and parts[1].isdigit():
+            steps.append(int(parts[1]))
+    return max(steps, default=-1)
+
+
+def _timings(ev: Evidence) -> tuple[float | None, float | None]:
+    starts: list[float] = []
+    ends: list[float] = []
+    for r in ev.reports:
+        starts += [r.started_at] if r.started_at else []
+        ends += [r.ended_at] if r.ended_at else []
+    if ev.local_slice is not None:
+        for w in ev.local_slice.workers:
+            starts += [w.started_at] if w.started_at else []
+            ends += [w.ended_at] if w.ended_at else []
+    for p in ev.pods:
+        for c in p.containers:
+            starts += [c.started_at] if c.started_at else []
+            ends += [c.finished_at] if c.finished_at else []
+    return (min(starts) if starts else None), (max(ends) if ends else None)
+
+
+def gather(
+    store: RunStore, cfg: JobConfig, attempt: int, jobset: str, *, api_client: Any = None,
+    step_exit_code: int | None = None,
+) -> Evidence:  # fmt: skip
+    """Every piece of evidence of the backend the config names (GKE or local), plus the worker reports."""
+    ev = Evidence(backend="local" if cfg.slice.is_local else "gke", attempt=attempt, step_exit_code=step_exit_code)
+    gather_reports(store, attempt, ev)
+    if cfg.slice.is_local:
+        gather_local_slice(store, attempt, ev)
+        return ev
+    if api_client is None:
+        from recovery_steps.k8s import make_api_client
+
+        try:
+            api_client = make_api_client()
+        except Exception as e:  # noqa: BLE001 - any config failure leaves the store's evidence usable
+            ev.notes.append(f"no Kubernetes client ({type(e).__name__}: {e}); classified from worker reports")
+            return ev
+    return gather_kubernetes(api_client, cfg.namespace, jobset, ev)
+
+
+def run(
+    store_root: str,
+    run_id: str,
+    attempt: int,
+    jobset: str,
+    output_dir: Path | None = None,
+    *,
+    api_client: Any = None,
+    step_exit_code: int | None = None,
+    clock: Callable[[], float] = now,
+) -> ClassifyResult:
+    """Classify attempt ``attempt`` of a run, close it in the ledger and decide what follows.
+
+    Args:
+        store_root: run-store root (``gs://bucket/prefix`` or a local directory).
+        run_id: the run.
+        attempt: the attempt that failed.
+        jobset: the attempt's JobSet name (GKE) or local slice name.
+        output_dir: where to write one file per output parameter (None: write nothing).
+        api_client: a kubernetes ApiClient (None: in-cluster config on GKE).
+        step_exit_code: exit code of a step that failed before the JobSet ran (e.g. 75), when known.
+        clock: epoch-seconds clock for ``closed_at``.
+
+    Returns:
+        The verdict, the decision, the attempt's record and the ledger as written.
+
+    Raises:
+        StepFailure: the store could not be read or written, or the run has no usable config.
+    """
+    store = RunStore(store_root, run_id)
+    try:
+        cfg = load_run_config(store)
+        ev = gather(store, cfg, attempt, jobset, api_client=api_client, step_exit_code=step_exit_code)
+        verdict = classify(ev)
+        before = checkpoint_step_before(store, attempt)
+        after = newest_checkpoint_step(store)
+        started, ended = _timings(ev)
+        base = AttemptRecord(
+            attempt=attempt,
+            outcome="failed",
+            failure_class=verdict.failure_class,
+            reason=verdict.reason,
+            evidence=verdict.evidence,
+            checkpoint_step_before=before,
+            checkpoint_step_after=after,
+            started_at=started,
+            ended_at=ended,
+            backend=ev.backend,
+            jobset=jobset,
+            first_worker=verdict.first_worker,
+            cause_worker=verdict.cause_worker,
+        )
+        holder: dict[str, Any] = {}
+
+        def close(led: Ledger) -> Ledger:
+            d = decide(led.attempts, base, cfg.retry)
+            rec = base.model_copy(update={"decision": d.decision, "backoff_seconds": d.backoff_seconds,
+                                          "decision_reason": d.reason, "closed_at": clock()})  # fmt: skip
+            holder["decision"], holder["record"] = d, rec
+            return with_attempt(led, rec)
+
+        ledger = update_ledger(store, close)
+        record: AttemptRecord = holder["record"]
+        store.write_json(RunLayout.attempt_record(attempt), record.model_dump(mode="json"))
+    except StepFailure:
+        raise
+    except (ValidationError, ValueError) as e:
+        raise StepFailure(f"{store.url(RunLayout.LEDGER)}: unreadable ledger ({str(e).splitlines()[0]})") from None
+    except PreconditionFailed as e:
+        raise StepFailure(f"could not update the ledger: {e}") from None
+    except store_errors() as e:
+        raise StepFailure(f"run store {store.url()} unreachable: {type(e).__name__}: {_first_line(e)}") from None
+    result = ClassifyResult(verdict, holder["decision"], record, ledger, ev)
+    if output_dir is not None:
+        write_outputs(Path(output_dir), result)
+    return result
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the run store cannot be reached (local files, GCS, its HTTP transport)."""
+    import requests
+    from google.api_core.exceptions import GoogleAPIError
+    from google.auth.exceptions import GoogleAuthError
+
+    return (OSError, GoogleAPIError, GoogleAuthError, requests.exceptions.RequestException)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else repr(e)
+
+
+def _one_line(text: str) -> str:
+    # Reasons travel as Argo parameters and metric labels: one line, no quotes that break `when` expressions.
+    return " ".join(text.split()).replace("'", "").replace('"', "")
+
+
+def write_outputs(output_dir: Path, r: ClassifyResult) -> None:
+    """One file per output parameter."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    d = r.decision
+    reason = r.verdict.reason if d.decision == "retry" else f"{d.reason}. Last failure: {r.verdict.reason}"
+    outputs = {
+        "failure-class": r.verdict.failure_class.value,
+        "decision": d.decision.value,
+        "reason": _one_line(reason),
+        "backoff-seconds": str(int(d.backoff_seconds)),
+        "attempts-by-class": json.dumps(d.attempts_by_class, sort_keys=True),
+        "next-attempt": str(r.record.attempt + 1),
+    }
+    for name, value in outputs.items():
+        (output_dir / name).write_text(value)
+
+
+def summary(r: ClassifyResult) -> str:
+    """A readable summary for the step's log."""
+    rec, d = r.record, r.decision
+    lines = [
+        f"attempt {rec.attempt} ({r.evidence.backend}): {rec.failure_class} -> {d.decision}"
+        + (f" in {d.backoff_seconds}s" if d.decision == "retry" else ""),
+        f"  reason:     {r.verdict.reason}",
+        f"  decision:   {d.reason}",
+        f"  checkpoint: step {rec.checkpoint_step_before} -> {rec.checkpoint_step_after}",
+        "  by class:   " + (", ".join(f"{k}={v}" for k, v in d.attempts_by_class.items() if v) or "none"),
+        "  evidence:",
+    ]
+    lines += [f"    - {e}" for e in rec.evidence] or ["    (none)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.classify_failure``."""
+    p = argparse.ArgumentParser(prog="python -m recovery_steps.classify_failure", description=__doc__)
+    p.add_argument("--store-root", required=True, help="gs://bucket/prefix or a local directory")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--attempt", required=True, type=int, help="the attempt that failed")
+    p.add_argument("--jobset", required=True, help="the attempt's JobSet name")
+    p.add_argument("--output-dir", type=Path, default=None, help="one file per output parameter")
+    p.add_argument("--step-exit-code", type=int, default=None, help="exit code of a step that failed earlier")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        r = run(args.store_root, args.run_id, args.attempt, args.jobset, args.output_dir,
+                step_exit_code=args.step_exit_code)  # fmt: skip
+    except StepFailure as e:
+        print(f"classify-failure: {e}", file=sys.stderr)
+        return e.code
+    print(summary(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

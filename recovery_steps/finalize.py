@@ -1,0 +1,188 @@
+"""``finalize`` (the workflow's exit handler): record the run's final status in the ledger and print its history.
+
+Usage: ``python -m recovery_steps.finalize --store-root R --run-id ID --status S [--failures JSON]
+[--output-dir D]``. ``S`` is Argo's ``{{workflow.status}}`` (Succeeded, Failed, Error); ``--failures``
+is ``{{workflow.failures}}``. Output: ``final-status``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step, store_errors
+from recovery_steps.records import AttemptRecord, Ledger, now
+from recovery_steps.retry import update_ledger, with_attempt
+from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+
+log = logging.getLogger(__name__)
+
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+
+
+@dataclass
+class FinalizeResult:
+    """What the exit handler recorded."""
+
+    final_status: str
+    final_reason: str
+    ledger: Ledger
+
+
+def parse_failures(text: str | None) -> list[dict[str, Any]]:
+    """Argo's ``{{workflow.failures}}`` (a JSON list of failed nodes) -> list; unparseable text -> one entry."""
+    if not text or text.startswith("{{"):
+        return []
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return [{"displayName": "workflow", "message": " ".join(text.split())[:300]}]
+    return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
+
+
+def _attempt_numbers(store: RunStore) -> list[int]:
+    return sorted(int(n) for n in store.children(RunLayout.ATTEMPTS) if n.isdigit())
+
+
+def _class_counts(ledger: Ledger) -> str:
+    counts = {k: v for k, v in ledger.by_class().items() if v}
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
+def final_reason(status: str, ledger: Ledger, failures: list[dict[str, Any]]) -> str:
+    """One line saying how the run ended (pure).
+
+    A Succeeded run is described as completed (never as failed); a Failed one names the budget or the
+    failed step that ended it.
+    """
+    failed = [a for a in ledger.attempts if a.outcome == "failed"]
+    if status == SUCCEEDED:
+        done = next((a for a in reversed(ledger.attempts) if a.outcome == "succeeded"), None)
+        text = "training completed" + (f" in attempt {done.attempt}" if done else "")
+        if failed:
+            text += f" after recovering from {len(failed)} interruption(s) ({_class_counts(ledger)})"
+        return text
+    stopped = next((a for a in reversed(ledger.attempts) if a.decision == "stop"), None)
+    if stopped is not None:
+        why = getattr(stopped, "decision_reason", None) or "budget spent"
+        return f"stopped after attempt {stopped.attempt}: {why}; last failure {stopped.failure_class}: {stopped.reason}"
+    if failures:
+        f = next((x for x in failures if x.get("displayName") == "give-up"), failures[0])
+        return f"{f.get('displayName') or f.get('templateName') or 'a step'} failed: {f.get('message') or 'no message'}"
+    if failed:
+        last = failed[-1]
+        return f"ended after attempt {last.attempt} ({last.failure_class}: {last.reason})"
+    return "the workflow ended before any attempt was classified; see the failed step in the Argo UI"
+
+
+def table(ledger: Ledger) -> str:
+    """Per-attempt summary: attempt, outcome/class, decision, checkpoint step before -> after."""
+    rows = [("attempt", "class", "decision", "checkpoint", "backoff")]
+    for a in ledger.attempts:
+        cls = a.failure_class.value if a.failure_class else a.outcome
+        dec = a.decision.value if a.decision else "-"
+        b = "-" if a.checkpoint_step_before is None else str(a.checkpoint_step_before)
+        af = "-" if a.checkpoint_step_after is None else str(a.checkpoint_step_after)
+        rows.append((str(a.attempt), cls, dec, f"{b} -> {af}", f"{int(a.backoff_seconds)}s" if a.decision else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def run(
+    store_root: str,
+    run_id: str,
+    status: str,
+    failures: str | None = None,
+    output_dir: Path | None = None,
+    *,
+    clock: Callable[[], float] = now,
+) -> FinalizeResult:
+    """Record the run's final status and reason in the ledger (conditional write).
+
+    On Succeeded, the attempt that completed (the newest one not yet in the ledger) is added with
+    outcome 'succeeded' and its checkpoint steps.
+
+    Args:
+        store_root: run-store root.
+        run_id: the run.
+        status: Argo's workflow status (Succeeded, Failed, Error).
+        failures: Argo's ``{{workflow.failures}}`` JSON, if any.
+        output_dir: where to write ``final-status`` (None: nowhere).
+        clock: epoch-seconds clock.
+
+    Returns:
+        The final status ('Succeeded' or 'Failed'), the reason and the ledger as written.
+
+    Raises:
+        RuntimeError: the run store cannot be read or written (message says which).
+    """
+    final = SUCCEEDED if status == SUCCEEDED else FAILED
+    store = RunStore(store_root, run_id)
+    failed_nodes = parse_failures(failures)
+    try:
+        done: AttemptRecord | None = None
+        if final == SUCCEEDED:
+            numbers = _attempt_numbers(store)
+            if numbers:
+                n = numbers[-1]
+                done = AttemptRecord(
+                    attempt=n,
+                    outcome="succeeded",
+                    reason="training completed",
+                    checkpoint_step_before=checkpoint_step_before(store, n),
+                    checkpoint_step_after=newest_checkpoint_step(store),
+                    closed_at=clock(),
+                )
+        holder: dict[str, str] = {}
+
+        def close(led: Ledger) -> Ledger:
+            if done is not None and not any(a.attempt == done.attempt and a.outcome == "failed" for a in led.attempts):
+                led = with_attempt(led, done)
+            reason = final_reason(final, led, failed_nodes)
+            holder["reason"] = reason
+            return led.model_copy(update={"final_status": final, "final_reason": reason, "argo_status": status})
+
+        ledger = update_ledger(store, close)
+    except (ValidationError, ValueError) as e:
+        raise RuntimeError(f"{store.url(RunLayout.LEDGER)}: unreadable ledger ({str(e).splitlines()[0]})") from None
+    except PreconditionFailed as e:
+        raise RuntimeError(f"could not update the ledger: {e}") from None
+    except store_errors() as e:
+        raise RuntimeError(f"run store {store.url()} unreachable: {type(e).__name__}: {e}") from None
+    if output_dir is not None:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / "final-status").write_text(final)
+    return FinalizeResult(final, holder["reason"], ledger)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.finalize``."""
+    p = argparse.ArgumentParser(prog="python -m recovery_steps.finalize", description=__doc__)
+    p.add_argument("--store-root", required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--status", required=True, help="Argo {{workflow.status}}")
+    p.add_argument("--failures", default=None, help="Argo {{workflow.failures}} (JSON)")
+    p.add_argument("--output-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        r = run(args.store_root, args.run_id, args.status, args.failures, args.output_dir)
+    except RuntimeError as e:
+        print(f"finalize: {e}", file=sys.stderr)
+        return 1
+    print(f"run {args.run_id}: {r.final_status}: {r.final_reason}")
+    print(table(r.ledger))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Retry budgets: the pure retry/stop decision over the ledger, and the ledger's conditional update.
+
+``decide(...)`` is pure: it sees the attempts already closed, the one being closed now and the
+``RetryConfig``. ``append_attempt(...)`` is the only I/O: a read-modify-write of ``ledger.json``
+guarded by the object's generation, retried when another writer got there first.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from recovery_steps.config import RetryConfig
+from recovery_steps.contract import Decision, FailureClass
+from recovery_steps.records import AttemptRecord, Ledger
+from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+
+log = logging.getLogger(__name__)
+
+# Classes whose failed attempts never ran training: they cannot be expected to advance the
+# checkpoint, so the no-progress guard does not count them (their own budget bounds them).
+NO_PROGRESS_EXEMPT = frozenset({FailureClass.CAPACITY})
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    """What happens after a failed attempt."""
+
+    decision: Decision
+    reason: str
+    backoff_seconds: int
+    attempts_by_class: dict[str, int]
+    failures_of_class: int
+
+
+def backoff_seconds(cfg: RetryConfig, cls: FailureClass, k: int) -> int:
+    """Backoff before retrying the ``k``-th failure (1-based) of ``cls``: base * factor^(k-1), capped.
+
+    Rounded up to whole seconds (Argo's suspend duration takes an integer).
+    """
+    b = cfg.backoff_for(cls)
+    raw = b.base_s * b.factor ** max(k - 1, 0)
+    return int(math.ceil(min(raw, b.max_s)))
+
+
+def _advanced(a: AttemptRecord) -> bool:
+    before = -1 if a.checkpoint_step_before is None else a.checkpoint_step_before
+    after = -1 if a.checkpoint_step_after is None else a.checkpoint_step_after
+    return after > before
+
+
+def stalled_attempts(attempts: Sequence[AttemptRecord]) -> int:
+    """Consecutive failed attempts, newest backwards, that did not advance the checkpoint step."""
+    n = 0
+    for a in sorted(attempts, key=lambda a: a.attempt, reverse=True):
+        if a.outcome != "failed" or a.failure_class in NO_PROGRESS_EXEMPT:
+            continue
+        if _advanced(a):
+            break
+        n += 1
+    return n
+
+
+def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: RetryConfig) -> RetryDecision:
+    """Retry or stop after ``current`` failed, given the attempts closed before it.
+
+    Args:
+        previous: the ledger's attempts (an entry with ``current.attempt`` is ignored: re-runs are idempotent).
+        current: the attempt being closed, with its class and checkpoint steps before and after.
+        cfg: budgets per class, backoff, no-progress guard and the attempt cap.
+
+    Returns:
+        The decision, a reason that names the budget when it stops, the backoff and the counts by class.
+    """
+    cls = current.failure_class or FailureClass.UNKNOWN
+    attempts = [a for a in previous if a.attempt != current.attempt] + [current]
+    counts = {c.value: 0 for c in FailureClass}
+    for a in attempts:
+        if a.outcome == "failed":
+            counts[(a.failure_class or FailureClass.UNKNOWN).value] += 1
+    k = counts[cls.value]
+    budget = cfg.budget(cls)
+    started = current.attempt + 1
+    stalled = stalled_attempts(attempts)
+
+    def stop(reason: str) -> RetryDecision:
+        return RetryDecision(Decision.STOP, reason, 0, counts, k)
+
+    if k > budget:
+        spent = "no retries" if budget == 0 else f"{budget} retr{'y' if budget == 1 else 'ies'}"
+        return stop(f"{cls.value} budget spent: {k} {cls.value} failure(s), budget allows {spent}")
+    if cls not in NO_PROGRESS_EXEMPT and stalled >= cfg.no_progress_attempts:
+        return stop(
+            f"no progress: {stalled} consecutive failed attempts without the checkpoint step advancing "
+            f"(guard retry.no_progress_attempts={cfg.no_progress_attempts})"
+        )
+    if started >= cfg.max_attempts:
+        return stop(f"attempt cap reached: {started} attempts (retry.max_attempts={cfg.max_attempts})")
+    wait = backoff_seconds(cfg, cls, k)
+    return RetryDecision(
+        Decision.RETRY,
+        f"{cls.value} retry {k} of {budget}, next attempt {current.attempt + 1} after {wait}s",
+        wait,
+        counts,
+        k,
+    )
+
+
+def update_ledger(
+    store: RunStore,
+    mutate: Callable[[Ledger], Ledger],
+    *,
+    tries: int = 20,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Ledger:
+    """Read-modify-write ``ledger.json`` under a generation precondition; retry when it lost a race.
+
+    Args:
+        store: the run store.
+        mutate: builds the new ledger from the current one (called again after each lost race).
+        tries: attempts before giving up.
+        sleep: pause between tries (a parameter so tests need not wait).
+
+    Returns:
+        The ledger as written.
+    """
+    for i in range(tries):
+        data, gen = store.read_json_versioned(RunLayout.LEDGER)
+        current = Ledger.model_validate(data) if data is not None else Ledger(run_id=store.run_id)
+        new = mutate(current)
+        try:
+            store.write_json(RunLayout.LEDGER, new.model_dump(mode="json"), if_generation_match=gen)
+            return new
+        except PreconditionFailed as e:
+            log.info("ledger changed while updating (%s); retrying", e)
+            sleep(min(0.05 * (i + 1), 0.5))
+    raise PreconditionFailed(f"{store.url(RunLayout.LEDGER)}: still contended after {tries} tries")
+
+
+def with_attempt(ledger: Ledger, record: AttemptRecord) -> Ledger:
+    """The ledger with ``record`` in it: appended, or replacing the entry of the same attempt."""
+    kept = [a for a in ledger.attempts if a.attempt != record.attempt]
+    attempts = sorted([*kept, record], key=lambda a: a.attempt)
+    return ledger.model_copy(update={"attempts": attempts})
+
+
+def append_attempt(store: RunStore, record: AttemptRecord, **kw) -> Ledger:
+    """Add ``record`` to the ledger with a conditional write (appending the same attempt twice is idempotent)."""
+    return update_ledger(store, lambda led: with_attempt(led, record), **kw)
