@@ -206,7 +206,8 @@ def list_step_dirs(store: RunStore) -> dict[str, list[ObjectInfo]]:
     return out
 
 
-def _read_manifest(store: RunStore, name: str, step: int, run_id: str) -> tuple[CheckpointManifest | None, str | None]:
+def read_manifest(store: RunStore, name: str, step: int, run_id: str) -> tuple[CheckpointManifest | None, str | None]:
+    """The manifest of step directory ``name``, or None and a readable reason why it is unusable."""
     rel = f"{RunLayout.CHECKPOINTS}/{name}/{RunLayout.MANIFEST}"
     data = store.read_bytes(rel)
     if data is None:
@@ -251,7 +252,7 @@ def inspect_candidate(
     c = replace(c, committed=committed)
     if not committed:
         return c
-    manifest, problem = _read_manifest(store, name, step, run_id)
+    manifest, problem = read_manifest(store, name, step, run_id)
     if manifest is None:
         return replace(c, manifest_problem=problem)
     return replace(

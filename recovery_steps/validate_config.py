@@ -1,0 +1,148 @@
+"""``validate-config``: validate a job config once, pin it in the run store, and check it against the run's past.
+
+Usage: ``python -m recovery_steps.validate_config --config FILE [--store-root R] [--accept-safe-changes]
+--output-dir D``. Outputs: ``run-id``, ``store-root``, ``config-hash``, ``hosts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recovery_steps.compat import diff_configs, is_safe, rule_for
+from recovery_steps.config import ConfigError, JobConfig, load_config
+from recovery_steps.contract import ExitCode
+from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+from recovery_steps.verify import list_step_dirs, manifest_compat_problems, read_manifest
+
+
+@dataclass
+class ValidateResult:
+    """What ``run`` decided: the exit code, the lines a user reads, and the outputs on success."""
+
+    code: ExitCode
+    messages: list[str] = field(default_factory=list)
+    outputs: dict[str, str] = field(default_factory=dict)
+
+
+def previous_config_path(config_hash: str) -> str:
+    """Where a replaced ``config.json`` is kept."""
+    return f"config.{config_hash}.json"
+
+
+def latest_manifest_step(store: RunStore) -> tuple[int, Any] | None:
+    """The newest step directory with a readable manifest, and the manifest (None when there is none)."""
+    steps = []
+    for name in list_step_dirs(store):
+        if name.isdigit():
+            steps.append(int(name))
+    for step in sorted(steps, reverse=True):
+        manifest, _ = read_manifest(store, str(step), step, store.run_id)
+        if manifest is not None:
+            return step, manifest
+    return None
+
+
+def _check_change(old: dict[str, Any], new: dict[str, Any], accept_safe: bool) -> tuple[bool, list[str]]:
+    changes = diff_configs(old, new)
+    lines = []
+    for c in changes:
+        rule = rule_for(c.path)
+        lines.append(f"  {c.render()}  [{'safe' if rule.safe else 'incompatible'}: {rule.reason}]")
+    all_safe = all(is_safe(c) for c in changes)
+    if accept_safe and all_safe:
+        return True, ["accepting safe changes to the run's config:", *lines]
+    head = "the config differs from the one this run was started with:"
+    if all_safe:
+        tail = "every change is safe for the checkpoints: rerun with --accept-safe-changes to accept them"
+    else:
+        tail = "some changes are incompatible with the run's checkpoints: revert them, or start a new run id"
+    return False, [head, *lines, tail]
+
+
+def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -> ValidateResult:
+    """Check ``cfg`` against the run's stored config and latest checkpoint, then pin it in the store.
+
+    Args:
+        cfg: The validated config.
+        store: The run store of ``cfg.run_id`` (possibly at an overridden root).
+        accept_safe_changes: Accept a changed config when every change is safe per the compatibility table.
+
+    Returns:
+        0 with the outputs, 2 when the config differs from the run's (and may not be accepted), 3 when
+        the latest checkpoint is incompatible with it.
+    """
+    new = cfg.model_dump(mode="json")
+    new_hash = cfg.config_hash()
+    doc = {"config": new, "hash": new_hash}
+    messages: list[str] = []
+
+    stored, generation = store.read_json_versioned(RunLayout.CONFIG)
+    replace_old: dict[str, Any] | None = None
+    if stored is not None and stored.get("hash") != new_hash:
+        ok, lines = _check_change(stored.get("config", {}), new, accept_safe_changes)
+        if not ok:
+            return ValidateResult(ExitCode.CONFIGURATION, [f"run {cfg.run_id!r} ({store.url()}):", *lines])
+        messages += lines
+        replace_old = stored
+
+    latest = latest_manifest_step(store)
+    if latest is not None:
+        step, manifest = latest
+        problems = manifest_compat_problems(manifest, new, cfg.slice.num_hosts)
+        if problems:
+            lines = [f"the latest checkpoint (step {step}) is incompatible with this config:"]
+            lines += [f"  {p}" for p in problems]
+            lines.append("revert these fields, or start a new run id")
+            return ValidateResult(ExitCode.INCOMPATIBLE_CHECKPOINT, messages + lines)
+
+    try:
+        if replace_old is not None:
+            store.write_json(previous_config_path(replace_old.get("hash", "unknown")), replace_old)
+            store.write_json(RunLayout.CONFIG, doc, if_generation_match=generation)
+        elif stored is None:
+            store.write_json(RunLayout.CONFIG, doc, if_generation_match=0)
+    except PreconditionFailed:
+        return ValidateResult(
+            ExitCode.CONFIGURATION,
+            [*messages, f"{store.url(RunLayout.CONFIG)} changed while being validated; run validate-config again"],
+        )
+    outputs = {
+        "run-id": cfg.run_id,
+        "store-root": store.root,
+        "config-hash": new_hash,
+        "hosts": str(cfg.slice.num_hosts),
+    }
+    return ValidateResult(ExitCode.OK, messages, outputs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.validate_config``."""
+    p = argparse.ArgumentParser(prog="python -m recovery_steps.validate_config", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, type=Path, help="the job config (YAML)")
+    p.add_argument("--store-root", help="override the config's storage.root (gs://bucket/prefix or a directory)")
+    p.add_argument("--accept-safe-changes", action="store_true", help="accept changes the checkpoints survive")
+    p.add_argument("--output-dir", required=True, type=Path)
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(e.render(), file=sys.stderr)
+        return int(ExitCode.CONFIGURATION)
+    store = RunStore(args.store_root or cfg.storage.root, cfg.run_id)
+    r = run(cfg, store, accept_safe_changes=args.accept_safe_changes)
+    for line in r.messages:
+        print(line, file=sys.stderr)
+    if r.code == ExitCode.OK:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        for name, value in r.outputs.items():
+            (args.output_dir / name).write_text(value)
+        print(f"config {r.outputs['config-hash'][:12]} of run {cfg.run_id} is valid ({cfg.slice.num_hosts} hosts)")
+    return int(r.code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
