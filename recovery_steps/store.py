@@ -339,7 +339,7 @@ class RunStore:
             if not src.exists():
                 return 0
             dst.parent.mkdir(parents=True, exist_ok=True)
-            n = sum(1 for _ in src.rglob("*") if _.is_file()) if src.is_dir() else 1
+            n = len(self._b.list(src_prefix))  # objects, as list() counts them (lock files excluded)
             os.replace(src, dst)
             return n
         objs = self._b.list(src_prefix)

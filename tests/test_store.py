@@ -1,0 +1,101 @@
+"""The run store against a local directory and the GCS emulator: documents, conditional writes, listing, moves."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+
+
+@pytest.fixture
+def store(store_root):
+    return RunStore(store_root, "run-a")
+
+
+def test_json_round_trip_and_absent_documents(store):
+    assert store.read_json("ledger.json") is None
+    assert store.read_json_versioned("ledger.json") == (None, 0)
+    store.write_json("ledger.json", {"run_id": "run-a", "attempts": [1, 2]})
+    assert store.read_json("ledger.json") == {"run_id": "run-a", "attempts": [1, 2]}
+    assert store.exists("ledger.json") and not store.exists("other.json")
+
+
+def test_write_if_absent_refuses_an_existing_object(store):
+    store.write_json("config.json", {"v": 1}, if_generation_match=0)
+    with pytest.raises(PreconditionFailed):
+        store.write_json("config.json", {"v": 2}, if_generation_match=0)
+    assert store.read_json("config.json") == {"v": 1}
+
+
+def test_two_writers_from_the_same_generation_one_loses(store):
+    store.write_json("ledger.json", {"n": 0})
+    _, gen_a = store.read_json_versioned("ledger.json")
+    _, gen_b = store.read_json_versioned("ledger.json")
+    assert gen_a == gen_b != 0
+    new_gen = store.write_json("ledger.json", {"n": "a"}, if_generation_match=gen_a)
+    assert new_gen != gen_a
+    with pytest.raises(PreconditionFailed):
+        store.write_json("ledger.json", {"n": "b"}, if_generation_match=gen_b)
+    assert store.read_json("ledger.json") == {"n": "a"}
+    # The loser re-reads and succeeds on the new generation.
+    doc, gen = store.read_json_versioned("ledger.json")
+    store.write_json("ledger.json", {"n": doc["n"] + "b"}, if_generation_match=gen)
+    assert store.read_json("ledger.json") == {"n": "ab"}
+
+
+def test_concurrent_read_modify_write_loses_no_update(store):
+    store.write_json("counter.json", {"n": 0})
+    losses = []
+
+    def bump(times: int) -> None:
+        for _ in range(times):
+            while True:
+                doc, gen = store.read_json_versioned("counter.json")
+                try:
+                    store.write_json("counter.json", {"n": doc["n"] + 1}, if_generation_match=gen)
+                    break
+                except PreconditionFailed:
+                    losses.append(1)
+
+    threads = [threading.Thread(target=bump, args=(5,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.read_json("counter.json") == {"n": 20}
+
+
+def test_list_children_and_url(store):
+    for rel in ("checkpoints/10/a.bin", "checkpoints/10/sub/b.bin", "checkpoints/20/c.bin", "ledger.json"):
+        store.write_bytes(rel, rel.encode())
+    listed = store.list("checkpoints")
+    assert [o.name for o in listed] == ["checkpoints/10/a.bin", "checkpoints/10/sub/b.bin", "checkpoints/20/c.bin"]
+    assert [o.size for o in listed] == [len(o.name) for o in listed]
+    assert store.children("checkpoints") == ["10", "20"]
+    assert store.children("checkpoints/10") == ["a.bin", "sub"]
+    assert store.children("nothing") == []
+    # A prefix is a folder, not a string prefix: "checkpoints/1" does not match "checkpoints/10".
+    assert store.list("checkpoints/1") == []
+    if store.is_gcs:
+        assert store.url("ledger.json") == f"{store.root}/runs/run-a/ledger.json"
+    else:
+        assert Path(store.url("ledger.json")) == (Path(store.root) / "runs/run-a/ledger.json").resolve()
+
+
+def test_move_to_quarantine_keeps_every_byte(store):
+    files = {"checkpoints/20/a.bin": b"x" * 1000, "checkpoints/20/state/b.bin": b"y" * 10}
+    for rel, data in files.items():
+        store.write_bytes(rel, data)
+    store.write_bytes("checkpoints/10/keep.bin", b"k")
+
+    moved = store.move(RunLayout.checkpoint(20), RunLayout.quarantine(20))
+
+    assert moved == 2
+    assert store.list("checkpoints/20") == [] and not store.exists("checkpoints/20")
+    assert store.children("checkpoints") == ["10"]
+    for rel, data in files.items():
+        assert store.read_bytes(rel.replace("checkpoints/", "quarantine/")) == data
+    assert store.move("checkpoints/99", "quarantine/99") == 0
