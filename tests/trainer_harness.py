@@ -1,0 +1,165 @@
+"""Launch N local trainer workers (``python -m trainer``) as a gang and collect their exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recovery_steps.config import JobConfig, parse_config
+from recovery_steps.store import RunLayout, RunStore
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_config(root: str, run_id: str = "trainer-test", hosts: int = 4, **sections: dict[str, Any]) -> JobConfig:
+    """A tiny local job: 2 layers, d_model 32, short sequences, fast failure detection."""
+    data: dict[str, Any] = {
+        "run_id": run_id,
+        "image": "jax-slice-recovery-worker:test",
+        "slice": {"accelerator": "local", "hosts": hosts},
+        "storage": {"root": root},
+        "model": {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "seq_len": 16},
+        "data": {"global_batch_size": 8, "num_records": 256},
+        "training": {"total_steps": 20, "heartbeat_timeout_s": 5, "hang_timeout_s": 20, "compile_grace_s": 60,
+                     "init_timeout_s": 60, "shutdown_timeout_s": 5},
+        "checkpoint": {"interval_steps": 5, "keep": 10, "async_save": True},
+    }  # fmt: skip
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values}
+    return parse_config(data)
+
+
+def write_config(cfg: JobConfig) -> RunStore:
+    """Write ``config.json`` the way validate-config does; return the run store."""
+    store = RunStore.for_config(cfg)
+    store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
+    return store
+
+
+@dataclass
+class Gang:
+    """The worker processes of one attempt."""
+
+    procs: list[subprocess.Popen]
+    events_dir: Path
+    logs: list[Path]
+    started: float = field(default_factory=time.time)
+
+    def wait(self, timeout: float) -> list[int | None]:
+        """Wait up to ``timeout`` s for every worker; return exit codes (None: still running, then killed)."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        codes = [p.poll() for p in self.procs]
+        self.kill()
+        return codes
+
+    def kill(self) -> None:
+        """SIGKILL every worker still running (and reap it)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def signal(self, index: int, sig: int = signal.SIGKILL) -> float:
+        """Send ``sig`` to worker ``index``; return when (epoch s)."""
+        t = time.time()
+        self.procs[index].send_signal(sig)
+        return t
+
+    def events(self, index: int) -> list[dict[str, Any]]:
+        """Events worker ``index`` wrote so far."""
+        path = self.events_dir / f"worker-{index}.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+        return out
+
+    def last_step(self, index: int) -> int:
+        """Last step worker ``index`` reported (-1: none)."""
+        steps = [e["step"] for e in self.events(index) if e["event"] == "step"]
+        return steps[-1] if steps else -1
+
+    def wait_for(self, index: int, event: str, step: int | None = None, timeout: float = 120) -> dict[str, Any]:
+        """Wait until worker ``index`` emitted ``event`` (at ``step`` or later when given)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.events(index):
+                if e["event"] == event and (step is None or (e["step"] is not None and e["step"] >= step)):
+                    return e
+            if self.procs[index].poll() is not None:
+                raise RuntimeError(f"worker {index} exited {self.procs[index].returncode} before {event}:\n"
+                                   + self.log(index)[-3000:])  # fmt: skip
+            time.sleep(0.05)
+        raise TimeoutError(f"worker {index}: no {event} within {timeout} s:\n" + self.log(index)[-3000:])
+
+    def log(self, index: int) -> str:
+        """Combined stdout/stderr of worker ``index``."""
+        return self.logs[index].read_text(errors="replace")
+
+
+def launch(
+    cfg: JobConfig,
+    attempt: int,
+    restore_step: int,
+    workdir: Path,
+    *,
+    fault: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    metrics_port: int = 0,
+) -> Gang:
+    """Start ``cfg.slice.hosts`` workers of ``attempt`` the way the local runner does."""
+    n = cfg.slice.num_hosts
+    port = free_port()
+    events_dir = workdir / f"events-{attempt}"
+    events_dir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for i in range(n):
+        env = {
+            **os.environ,
+            "TRAINER_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JOB_COMPLETION_INDEX": str(i),
+            "TRAINER_NUM_PROCESSES": str(n),
+            "TRAINER_EVENTS_DIR": str(events_dir),
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": str(REPO),
+            **(extra_env or {}),
+        }
+        env.pop("TRAINER_FAULT", None)
+        if fault:
+            env["TRAINER_FAULT"] = fault
+        log = workdir / f"worker-{attempt}-{i}.log"
+        logs.append(log)
+        cmd = [sys.executable, "-m", "trainer", "--store-root", cfg.storage.root, "--run-id", cfg.run_id,
+               "--attempt", str(attempt), "--restore-step", str(restore_step), "--metrics-port", str(metrics_port)]  # fmt: skip
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO))
+    return Gang(procs, events_dir, logs)
+
+
+def read_report(store: RunStore, attempt: int, index: int) -> dict[str, Any] | None:
+    """The exit report of worker ``index`` of ``attempt`` (None when absent)."""
+    return store.read_json(RunLayout.worker_report(attempt, index))

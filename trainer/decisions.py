@@ -1,0 +1,209 @@
+"""Pure decisions of the trainer: worker identity, start-up checks, faults, exit codes, compatibility."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from recovery_steps.config import JobConfig
+from recovery_steps.contract import ExitCode
+from recovery_steps.tpu import TPU_TYPES
+
+FAULT_KINDS = ("app-bug", "nan", "hang", "kill-during-save")
+
+
+class TrainerExit(Exception):
+    """A decided exit: the worker writes its report and leaves with ``code``."""
+
+    def __init__(self, code: ExitCode, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class LocalIdentity:
+    """How a local worker joins the gang (from the environment the local runner sets)."""
+
+    coordinator_address: str
+    process_id: int
+    num_processes: int
+
+
+def local_identity(env: Mapping[str, str]) -> LocalIdentity:
+    """Read the local backend's identity variables; raise TrainerExit(2) naming each missing one."""
+    problems = []
+    addr = env.get("TRAINER_COORDINATOR_ADDRESS", "")
+    if not addr:
+        problems.append("TRAINER_COORDINATOR_ADDRESS: not set; set it to 127.0.0.1:PORT of process 0")
+    ints = {}
+    for name, hint in (
+        ("JOB_COMPLETION_INDEX", "this worker's index 0..N-1"),
+        ("TRAINER_NUM_PROCESSES", "the number of worker processes N"),
+    ):
+        raw = env.get(name, "")
+        try:
+            ints[name] = int(raw)
+        except ValueError:
+            problems.append(f"{name}: {raw!r} is not an integer; set it to {hint}")
+    if not problems and not 0 <= ints["JOB_COMPLETION_INDEX"] < ints["TRAINER_NUM_PROCESSES"]:
+        problems.append(
+            f"JOB_COMPLETION_INDEX: {ints['JOB_COMPLETION_INDEX']} is outside 0..{ints['TRAINER_NUM_PROCESSES'] - 1}"
+        )
+    if problems:
+        raise TrainerExit(ExitCode.CONFIGURATION, "; ".join(problems))
+    return LocalIdentity(addr, ints["JOB_COMPLETION_INDEX"], ints["TRAINER_NUM_PROCESSES"])
+
+
+def topology_problems(
+    cfg: JobConfig, *, process_count: int, local_devices: int, global_devices: int, platform: str
+) -> list[str]:
+    """Compare what jax.distributed sees with the config; one line per mismatch (empty: all agree)."""
+    s = cfg.slice
+    out = []
+    if process_count != s.num_hosts:
+        out.append(
+            f"slice.hosts: the config expects {s.num_hosts} processes but jax.distributed has {process_count}; "
+            "start one worker per host or fix the slice shape"
+        )
+    if local_devices != s.devices_per_process:
+        out.append(
+            f"slice.devices_per_host: the config expects {s.devices_per_process} devices per process but this "
+            f"process sees {local_devices}"
+        )
+    expected_global = s.num_hosts * s.devices_per_process
+    if global_devices != expected_global:
+        out.append(f"slice: the config expects {expected_global} devices in all but the job has {global_devices}")
+    if s.is_local:
+        if platform != "cpu":
+            out.append(f"slice.accelerator: 'local' runs on the CPU, but the JAX platform is {platform!r}")
+    else:
+        if platform != "tpu":
+            out.append(f"slice.accelerator: {s.accelerator} needs TPU devices, but the JAX platform is {platform!r}")
+        chips = TPU_TYPES[s.accelerator].chips(s.topology or "")
+        if chips != global_devices:
+            out.append(f"slice.topology: {s.topology} has {chips} chips but the job has {global_devices} devices")
+    return out
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Faults a rehearsal asks the worker to inject: kind -> step."""
+
+    at: dict[str, int] = field(default_factory=dict)
+
+    def due(self, kind: str, step: int) -> bool:
+        """True when fault ``kind`` is set for ``step``."""
+        return self.at.get(kind) == step
+
+
+def parse_faults(text: str | None) -> Faults:
+    """Parse ``TRAINER_FAULT`` (``KIND@STEP[,KIND@STEP...]``); raise TrainerExit(2) on a bad entry."""
+    at: dict[str, int] = {}
+    problems = []
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        kind, sep, step = part.partition("@")
+        if kind not in FAULT_KINDS or not sep or not step.isdigit():
+            problems.append(
+                f"TRAINER_FAULT: {part!r} is not KIND@STEP with KIND one of {', '.join(FAULT_KINDS)} and STEP >= 0"
+            )
+            continue
+        at[kind] = int(step)
+    if problems:
+        raise TrainerExit(ExitCode.CONFIGURATION, "; ".join(problems))
+    return Faults(at)
+
+
+# Substrings of errors raised when another process of the gang or the coordination service is gone.
+_PEER_LOST_MARKERS = (
+    "gloo",
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "coordination service",
+    "coordinationservice",
+    "heartbeat",
+    "unavailable:",
+    "deadline_exceeded",
+    "barrier",
+    "socket closed",
+    "task has been shut down",
+    "distributed service",
+    "preempted",
+)
+
+
+def exit_code_for(exc: BaseException, *, during_init: bool = False) -> ExitCode:
+    """The contract code of an exception: decided exits keep theirs; init 22; peer loss 20; else 42."""
+    if isinstance(exc, TrainerExit):
+        return exc.code
+    if during_init:
+        return ExitCode.ACCELERATOR_INIT
+    text = f"{type(exc).__name__}: {exc}".lower()
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None:
+        text += f" {type(cause).__name__}: {cause}".lower()
+    if any(m in text for m in _PEER_LOST_MARKERS):
+        return ExitCode.PEER_LOST
+    return ExitCode.APPLICATION
+
+
+def watchdog_limit(hang_timeout_s: float, compile_grace_s: float, first_step_done: bool) -> float:
+    """Seconds without progress after which the worker is hung."""
+    return hang_timeout_s if first_step_done else hang_timeout_s + compile_grace_s
+
+
+_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len")
+
+
+def compatibility_problems(
+    saved_config: Mapping[str, Any], saved_process_count: int, cfg: JobConfig, process_count: int
+) -> list[str]:
+    """Why a checkpoint written under ``saved_config`` cannot be restored under ``cfg`` (empty: it can).
+
+    Compares what changes the shapes or meaning of the saved state: model dimensions, optimizer,
+    dataset version, process count (the per-process data state and bit-exact resume depend on it),
+    and, for ``exact`` resume, the global batch size and data seed.
+    """
+    out = []
+    saved_model = saved_config.get("model", {})
+    for name in _MODEL_FIELDS:
+        old, new = saved_model.get(name), getattr(cfg.model, name)
+        if old != new:
+            out.append(f"model.{name}: checkpoint has {old}, config has {new}; restore needs the same model shape")
+    old_opt = saved_config.get("optimizer", {}).get("name")
+    if old_opt != cfg.optimizer.name:
+        out.append(f"optimizer.name: checkpoint has {old_opt!r}, config has {cfg.optimizer.name!r}")
+    saved_data = saved_config.get("data", {})
+    old_ds = saved_data.get("dataset_version")
+    if old_ds != cfg.data.dataset_version:
+        out.append(f"data.dataset_version: checkpoint has {old_ds!r}, config has {cfg.data.dataset_version!r}")
+    if saved_process_count != process_count:
+        out.append(
+            f"slice.hosts: checkpoint was written by {saved_process_count} processes, this job has {process_count}"
+        )
+    if cfg.data.resume_mode == "exact":
+        for name in ("global_batch_size", "seed", "num_records"):
+            old, new = saved_data.get(name), getattr(cfg.data, name)
+            if old != new:
+                out.append(
+                    f"data.{name}: checkpoint has {old}, config has {new}; exact resume needs the same data order "
+                    "(or set data.resume_mode: reshuffle)"
+                )
+    return out
+
+
+def fsdp_axis(shape: tuple[int, ...], n: int) -> int | None:
+    """The dimension of a parameter to shard over ``n`` devices: the largest one divisible by ``n``."""
+    if n <= 1 or not shape or math.prod(shape) < n:
+        return None
+    best = None
+    for i, d in enumerate(shape):
+        if d % n == 0 and d >= n and (best is None or d > shape[best]):
+            best = i
+    return best

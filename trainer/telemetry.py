@@ -1,0 +1,98 @@
+"""What a worker tells the outside: event lines, Prometheus metrics, and its exit report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from recovery_steps.metrics import spec
+
+log = logging.getLogger(__name__)
+
+
+class Events:
+    """Appends JSON lines to ``<dir>/worker-<i>.jsonl`` (``TRAINER_EVENTS_DIR``); a no-op without a dir."""
+
+    def __init__(self, directory: str | None, attempt: int, process_index: int):
+        self.attempt = attempt
+        self.process_index = process_index
+        self._lock = threading.Lock()
+        self._f = None
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            self._f = open(Path(directory) / f"worker-{process_index}.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def emit(self, event: str, step: int | None = None, **fields: Any) -> None:
+        """Write one event line (flushed at once: the reader may be timing a kill)."""
+        if self._f is None:
+            return
+        rec = {"t": time.time(), "event": event, "attempt": self.attempt, "process_index": self.process_index,
+               "step": step, **fields}  # fmt: skip
+        with self._lock:
+            self._f.write(json.dumps(rec) + "\n")
+            self._f.flush()
+
+
+_WORKER_METRICS = (
+    "jaxrec_train_step",
+    "jaxrec_train_steps_per_second",
+    "jaxrec_train_loss",
+    "jaxrec_last_step_timestamp_seconds",
+    "jaxrec_checkpoint_step",
+    "jaxrec_checkpoint_age_seconds",
+    "jaxrec_checkpoint_last_commit_timestamp_seconds",
+    "jaxrec_checkpoint_duration_seconds",
+    "jaxrec_compile_seconds",
+    "jaxrec_worker_up",
+    "jaxrec_expected_workers",
+)
+
+
+class WorkerMetrics:
+    """The per-worker gauges of ``recovery_steps.metrics`` in a dedicated registry, labelled for this worker."""
+
+    def __init__(self, run_id: str, attempt: int, process_index: int):
+        from prometheus_client import CollectorRegistry, Gauge
+
+        self.registry = CollectorRegistry()
+        labels = {"run_id": run_id, "attempt": str(attempt), "process_index": str(process_index)}
+        self._g = {}
+        for name in _WORKER_METRICS:
+            s = spec(name)
+            self._g[name] = Gauge(name, s.help, list(s.labels), registry=self.registry).labels(**labels)
+        self._server = None
+
+    def set(self, name: str, value: float) -> None:
+        """Set gauge ``name`` (a name from the metric table)."""
+        self._g[name].set(value)
+
+    def serve(self, port: int) -> None:
+        """Serve /metrics on ``port`` (0: do not serve). A busy port is logged, never fatal."""
+        if port <= 0:
+            return
+        from prometheus_client import start_http_server
+
+        try:
+            self._server = start_http_server(port, registry=self.registry)
+            log.info("metrics on :%d", port)
+        except OSError as e:
+            log.warning("metrics server not started on :%d: %s", port, e)
+
+    def exposition(self) -> str:
+        """The metrics in the text exposition format (what a scrape returns)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write a local file atomically (temp file + rename)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
