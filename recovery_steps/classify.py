@@ -90,7 +90,8 @@ def _exit_text(o: _Obs) -> str:
         text = f"killed by signal {o.signal}"
     elif o.exit_code is not None:
         info = exit_code_info(o.exit_code)
-        text = f"exit {o.exit_code}" + (f" {info.code.name}" if info else "")
+        name = "SIGTERM" if o.exit_code == ExitCode.PREEMPTED else (info.code.name if info else "")
+        text = f"exit {o.exit_code}" + (f" {name}" if name else "")
         if o.signal:
             text += f" (signal {o.signal})"
     else:
@@ -348,7 +349,7 @@ def classify(evidence: Evidence) -> Verdict:
             FailureClass.UNKNOWN,
             f"{why}; no worker exit code, pod status or exit report explains attempt {evidence.attempt}. "
             "Read the train-segment step logs.",
-            context,
+            [_inventory(evidence)] + context,
         )
     judged = {id(o): _judge(o) for o in obs}
     first = _first(obs, judged)
@@ -383,6 +384,13 @@ def _reason(cf: _Finding, cause: _Obs, first: _Obs, f: _Finding, obs: list[_Obs]
         text += f"; {first.who} failed first with {_exit_text(first)} ({f.what}), a symptom"
     elif f.secondary:
         text += "; no application cause found on any worker"
+    rest = [o for o in obs if o is not cause and o is not first]
+    if rest:
+        kinds: dict[str, int] = {}
+        for o in rest:
+            k = _exit_text(o)
+            kinds[k] = kinds.get(k, 0) + 1
+        text += "; then " + ", ".join(f"{n}x {k}" for k, n in kinds.items())
     return text + f". {_ADVICE[cf.cls]}"
 
 
@@ -395,6 +403,12 @@ _ADVICE = {
     FailureClass.CONFIGURATION: "Retrying will not help: fix the config or image.",
     FailureClass.UNKNOWN: "Read the worker logs.",
 }
+
+
+def _inventory(ev: Evidence) -> str:
+    slice_ = "present" if ev.local_slice is not None else "absent"
+    return (f"looked at: {len(ev.pods)} pods, {len(ev.jobs)} Jobs, {len(ev.nodes)} nodes, "
+            f"{len(ev.reports)} worker reports, local slice record {slice_}")  # fmt: skip
 
 
 def _context_lines(ev: Evidence) -> list[str]:

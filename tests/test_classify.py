@@ -1,0 +1,252 @@
+"""A table of realistic failed attempts and the class each must get (the pure classifier)."""
+
+from __future__ import annotations
+
+import pytest
+
+from recovery_steps.classify import classify
+from recovery_steps.contract import FailureClass
+from recovery_steps.evidence import (
+    Condition,
+    ContainerState,
+    Evidence,
+    JobEvidence,
+    LocalSlice,
+    LocalWorker,
+    NodeEvidence,
+    PodEvidence,
+)
+from recovery_steps.records import WorkerExitReport
+
+T0 = 1_714_557_600.0  # 2024-05-01T10:00:00Z
+HOSTS = 4
+
+
+def pod(i, code=None, at=None, *, reason="Error", signal=None, disruption=None, waiting=None, phase="Failed",
+        events=(), node=None, message=None):  # fmt: skip
+    c = ContainerState(name="trainer")
+    if code is not None:
+        c = ContainerState(name="trainer", exit_code=code, signal=signal, reason=reason, started_at=T0,
+                           finished_at=T0 + at if at is not None else None)  # fmt: skip
+    if waiting:
+        c = ContainerState(name="trainer", waiting_reason=waiting[0], waiting_message=waiting[1])
+    conds = [Condition(type="DisruptionTarget", reason=disruption, message=f"{disruption} msg", at=T0 + (at or 0))] \
+        if disruption else []  # fmt: skip
+    return PodEvidence(name=f"js-workers-0-{i}-x{i}", worker_index=i, node=node or f"gke-tpu-{i}", phase=phase,
+                       containers=[c], conditions=conds, events=list(events), message=message)  # fmt: skip
+
+
+def node(i, *, ready=True, reason=None, spot=False, maint=None, taints=(), found=True):
+    labels = {"cloud.google.com/gke-spot": "true"} if spot else {}
+    if maint:
+        labels["cloud.google.com/active-node-maintenance"] = maint
+    return NodeEvidence(name=f"gke-tpu-{i}", ready=ready, ready_reason=reason, ready_since=T0 + 5,
+                        labels=labels, taints=list(taints), found=found)  # fmt: skip
+
+
+def report(i, code, at, *, exc=None, msg=None, step=None, tb=None):
+    names = {0: "OK", 2: "CONFIGURATION", 3: "INCOMPATIBLE_CHECKPOINT", 20: "PEER_LOST", 21: "HANG",
+             22: "ACCELERATOR_INIT", 42: "APPLICATION", 143: "PREEMPTED"}  # fmt: skip
+    return WorkerExitReport(run_id="r", attempt=0, process_index=i, process_count=HOSTS, exit_code=code,
+                            exit_name=names.get(code, str(code)), last_step=step, exception_type=exc,
+                            exception_message=msg, traceback=tb, started_at=T0, ended_at=T0 + at,
+                            hostname=f"host-{i}")  # fmt: skip
+
+
+def gke(pods, nodes=None, reports=(), jobs=()):
+    nodes = nodes if nodes is not None else [node(i) for i in range(HOSTS)]
+    return Evidence(backend="gke", attempt=0, pods=pods, nodes=nodes, reports=list(reports), jobs=list(jobs))
+
+
+def local(workers, first, reports=()):
+    ws = [LocalWorker(index=i, pid=1000 + i, exit_code=code, signal=sig, started_at=T0, ended_at=T0 + at,
+                      first_failure=(i == first), stopped_by_jobset=(i != first))
+          for i, (code, sig, at) in enumerate(workers)]  # fmt: skip
+    return Evidence(backend="local", attempt=0, local_slice=LocalSlice(jobset="local-0", workers=ws,
+                    first_failure_index=first, ended_at=T0 + 30), reports=list(reports))  # fmt: skip
+
+
+GLOO = "JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: Connection closed by peer"
+
+CASES = [
+    pytest.param(
+        gke([pod(0, 143, 12), pod(1, 143, 10, disruption="TerminationByKubelet"), pod(2, 143, 12), pod(3, 143, 12)],
+            [node(0, spot=True), node(1, spot=True, ready=False, reason="KubeletNotReady"), node(2, spot=True),
+             node(3, spot=True)]),
+        FailureClass.PREEMPTION, "worker 1", id="spot-preemption-termination-by-kubelet",
+    ),
+    pytest.param(
+        gke([pod(0, 143, 3, disruption="EvictionByEvictionAPI", node="gke-tpu-0"), pod(1, 143, 4), pod(2, 143, 4),
+             pod(3, 143, 4)], [node(0, maint="true"), node(1), node(2), node(3)]),
+        FailureClass.PREEMPTION, "Eviction API", id="maintenance-eviction",
+    ),
+    pytest.param(
+        gke([pod(0, 20, 8), pod(1, 20, 8), pod(2, phase="Running"), pod(3, 134, 14)],
+            [node(0), node(1), node(2, ready=False, reason="NodeStatusUnknown"), node(3)],
+            reports=[report(0, 20, 8.1, exc="JaxRuntimeError", msg=GLOO), report(1, 20, 8.2, exc="JaxRuntimeError",
+                                                                                 msg=GLOO)]),
+        FailureClass.INFRASTRUCTURE, "NotReady", id="node-not-ready",
+    ),
+    pytest.param(
+        gke([pod(0, 20, 10), pod(1, 137, 10, reason="OOMKilled"), pod(2, 20, 10), pod(3, 143, 12)]),
+        FailureClass.APPLICATION, "OOMKilled", id="oomkilled-same-second-as-peer-loss",
+    ),
+    pytest.param(
+        gke([pod(0, 143, 12), pod(1, 143, 12), pod(2, 137, 10, reason="OOMKilled"), pod(3, 143, 12)]),
+        FailureClass.APPLICATION, "worker 2", id="mixed-first-failure-oom-then-sigterm",
+    ),
+    pytest.param(
+        gke([pod(0, waiting=("ImagePullBackOff", 'Back-off pulling image "gcr.io/p/trainer:typo"'), phase="Pending"),
+             pod(1, waiting=("ErrImagePull", "manifest unknown"), phase="Pending"), pod(2, phase="Pending"),
+             pod(3, phase="Pending")]),
+        FailureClass.CONFIGURATION, "ImagePullBackOff", id="image-pull-failure",
+    ),
+    pytest.param(
+        gke([pod(i, 42, 20) for i in range(HOSTS)],
+            reports=[report(i, 42, 20 + i / 100, exc="ValueError", msg="shapes (16, 32) and (64,) not aligned",
+                            step=37, tb="Traceback ...\nValueError: shapes") for i in range(HOSTS)]),
+        FailureClass.APPLICATION, "4 of 4", id="traceback-same-step-every-worker",
+    ),
+    pytest.param(
+        gke([pod(0, 20, 10), pod(1, 137, 10, signal=9), pod(2, 20, 10), pod(3, 134, 16)],
+            reports=[report(0, 20, 10.2, exc="JaxRuntimeError", msg=GLOO),
+                     report(2, 20, 10.3, exc="JaxRuntimeError", msg=GLOO)]),
+        FailureClass.INFRASTRUCTURE, "worker 1", id="gloo-on-neighbours-of-sigkilled-worker",
+    ),
+    pytest.param(
+        local([(20, None, 10.2), (-9, 9, 10.0), (20, None, 10.3), (-6, 6, 16.0)], first=1,
+              reports=[report(0, 20, 10.2, exc="JaxRuntimeError", msg=GLOO),
+                       report(2, 20, 10.3, exc="JaxRuntimeError", msg=GLOO)]),
+        FailureClass.INFRASTRUCTURE, "worker 1", id="local-sigkill-neighbours-gloo-survivors-abort",
+    ),
+    pytest.param(
+        gke([pod(0, 20, 100), pod(1, 21, 100), pod(2, 20, 100), pod(3, 143, 102)],
+            reports=[report(1, 21, 100.0, exc="HangDetected", msg="no step for 60 s", step=240)]),
+        FailureClass.HANG, "worker 1", id="hang-watchdog",
+    ),
+    pytest.param(
+        gke([pod(i, phase="Pending", events=["FailedScheduling: 0/12 nodes are available: 12 Insufficient "
+                                             "google.com/tpu. preemption: 0/12 nodes are available"])
+             for i in range(HOSTS)], nodes=[]),
+        FailureClass.CAPACITY, "google.com/tpu", id="pending-for-tpu-capacity",
+    ),
+    pytest.param(
+        gke([pod(0, 143, 40), pod(1, 143, 30, disruption="DeletionByTaintManager"), pod(2, 143, 40), pod(3, 143, 40)],
+            [node(0), node(1, ready=False, reason="NodeStatusUnknown",
+                            taints=["node.kubernetes.io/unreachable:NoExecute"]), node(2), node(3)]),
+        FailureClass.INFRASTRUCTURE, "taint manager", id="taint-manager-deletion",
+    ),
+    pytest.param(
+        gke([pod(0, 20, 9), pod(1, disruption="DeletionByPodGC", at=5, phase="Failed"), pod(2, 20, 9),
+             pod(3, 134, 15)], [node(0), node(1, found=False), node(2), node(3)]),
+        FailureClass.INFRASTRUCTURE, "worker 1", id="pod-gc-node-gone",
+    ),
+    pytest.param(
+        gke([pod(0, 143, 50, disruption="PreemptionByScheduler"), pod(1, 143, 51), pod(2, 143, 51), pod(3, 143, 51)]),
+        FailureClass.PREEMPTION, "scheduler", id="preemption-by-scheduler",
+    ),
+    pytest.param(
+        local([(42, None, 30.0), (42, None, 30.01), (42, None, 30.02), (42, None, 30.03)], first=0,
+              reports=[report(i, 42, 30 + i / 100, exc="FloatingPointError", msg="non-finite loss nan at step 12",
+                              step=12) for i in range(HOSTS)]),
+        FailureClass.APPLICATION, "non-finite", id="non-finite-loss",
+    ),
+    pytest.param(
+        gke([pod(0, 2, 3), pod(1, 143, 4), pod(2, 143, 4), pod(3, 143, 4)],
+            reports=[report(0, 2, 3, exc="StartupMismatch", msg="expected 4 processes, jax sees 2")]),
+        FailureClass.CONFIGURATION, "expected 4 processes", id="startup-validation-mismatch",
+    ),
+    pytest.param(
+        local([(3, None, 5.0), (143, None, 5.5), (143, None, 5.5), (143, None, 5.5)], first=0),
+        FailureClass.CONFIGURATION, "incompatible", id="incompatible-checkpoint",
+    ),
+    pytest.param(
+        gke([pod(i, 127, 1) for i in range(HOSTS)]),
+        FailureClass.CONFIGURATION, "entrypoint", id="exit-127-entrypoint-missing",
+    ),
+    pytest.param(
+        gke([pod(0, waiting=("CreateContainerConfigError", 'secret "wandb" not found'), phase="Pending"),
+             pod(1, phase="Running"), pod(2, phase="Running"), pod(3, phase="Running")]),
+        FailureClass.CONFIGURATION, "CreateContainerConfigError", id="create-container-config-error",
+    ),
+    pytest.param(
+        gke([pod(0, 143, 3), pod(1, 143, 3), pod(2, 22, 2), pod(3, 143, 3)],
+            reports=[report(2, 22, 2.0, exc="RuntimeError", msg="TPU initialization failed: open(/dev/vfio/0)")]),
+        FailureClass.INFRASTRUCTURE, "initialisation", id="accelerator-init-failure",
+    ),
+    pytest.param(
+        local([(20, None, 10.0), (20, None, 10.1), (20, None, 10.1), (20, None, 10.2)], first=0),
+        FailureClass.INFRASTRUCTURE, "no application cause", id="peer-loss-without-cause",
+    ),
+    pytest.param(
+        local([(20, None, 10.0), (42, None, 10.15), (20, None, 10.1), (-6, 6, 16.0)], first=0,
+              reports=[report(1, 42, 10.15, exc="KeyError", msg="'labels'", step=3,
+                              tb="Traceback (most recent call last): ...")]),
+        FailureClass.APPLICATION, "KeyError", id="peer-loss-first-application-cause-on-other",
+    ),
+    pytest.param(
+        local([(143, None, 20.5), (143, None, 20.5), (143, None, 20.0), (143, None, 20.5)], first=2),
+        FailureClass.PREEMPTION, "worker 2", id="own-sigterm-first",
+    ),
+    pytest.param(
+        gke([pod(0, 42, 7), pod(1, 20, 7), pod(2, 20, 7), pod(3, 20, 7)],
+            reports=[report(0, 42, 7.0, exc="XlaRuntimeError",
+                            msg="RESOURCE_EXHAUSTED: XLA compilation ran out of memory in HLO pass")],
+            jobs=[JobEvidence(name="js-workers-0", failed=True, failure_reason="PodFailurePolicy",
+                              failure_message="Container trainer for pod default/js-workers-0-0-x0 failed with exit "
+                                              "code 42 matching FailJob rule at index 3")]),
+        FailureClass.APPLICATION, "XLA compilation", id="xla-compile-error",
+    ),
+    pytest.param(
+        Evidence(backend="gke", attempt=0, step_exit_code=75),
+        FailureClass.CAPACITY, "75", id="provision-capacity-exit",
+    ),
+    pytest.param(
+        gke([pod(0, 1, 5), pod(1, 143, 6), pod(2, 143, 6), pod(3, 143, 6)]),
+        FailureClass.UNKNOWN, "outside the exit-code contract", id="exit-1-outside-contract",
+    ),
+    pytest.param(Evidence(backend="local", attempt=0), FailureClass.UNKNOWN, "no failed worker", id="no-evidence"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("evidence", "expected", "in_reason"), CASES)
+def test_classify_table(evidence, expected, in_reason):
+    v = classify(evidence)
+    assert v.failure_class is expected, v.reason
+    assert in_reason in v.reason
+    assert "\n" not in v.reason
+    assert v.evidence, "a verdict must carry the evidence lines it used"
+
+
+def test_first_failure_decides_over_later_application_errors():
+    # Worker 3 is preempted at t=10; its siblings crash later while the gang is torn down.
+    ev = gke([pod(0, 42, 11), pod(1, 42, 11), pod(2, 42, 11), pod(3, 143, 10, disruption="TerminationByKubelet")],
+             [node(0), node(1), node(2), node(3, spot=True)])  # fmt: skip
+    v = classify(ev)
+    assert v.failure_class is FailureClass.PREEMPTION
+    assert v.first_worker == 3
+
+
+def test_secondary_first_points_at_cause_worker():
+    ev = CASES[7].values[0]
+    v = classify(ev)
+    assert (v.first_worker, v.cause_worker) == (1, 1)
+    assert v.evidence[0].startswith("worker 1 ")
+
+
+def test_job_failure_message_breaks_a_tie_in_the_same_second():
+    job = JobEvidence(name="js-workers-0", failed=True, failure_reason="PodFailurePolicy",
+                      failure_message="Container trainer for pod default/js-workers-0-2-x2 failed with exit code 21 "
+                                      "matching FailJob rule at index 2")  # fmt: skip
+    ev = gke([pod(0, 21, 50), pod(1, 143, 52), pod(2, 21, 50), pod(3, 143, 52)], jobs=[job])
+    v = classify(ev)
+    assert v.failure_class is FailureClass.HANG
+    assert v.first_worker == 2
+    assert any("matching FailJob rule" in line for line in v.evidence)
+
+
+def test_classify_is_pure():
+    ev = CASES[3].values[0]
+    before = ev.model_dump()
+    assert classify(ev) == classify(ev)
+    assert ev.model_dump() == before
