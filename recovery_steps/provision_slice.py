@@ -1,0 +1,426 @@
+"""``provision-slice``: clear what earlier attempts left behind and check that the slice can take the gang.
+
+GKE: delete the run's old JobSets, wait until their pods are gone, check the slice's TPU nodes.
+Local: stop leftover worker processes of the run and pick free ports.
+
+Outputs (``<output-dir>/<name>``): ``jobset-name``, ``coordinator-port``, ``metrics-port``.
+Exit codes: 0 ready; 75 capacity not there yet (Argo retries with backoff); 2 configuration
+(the run has no validated config, RBAC or the JobSet CRD missing: retrying cannot help).
+
+Zero matching nodes counts as ready by default: multi-host TPU node pools with autoscaling
+scale from zero as one unit when the JobSet's pods are pending. ``--require-nodes`` makes zero
+nodes a capacity problem (fixed-size node pools).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recovery_steps.config import ConfigError, JobConfig, config_from_json
+from recovery_steps.contract import ExitCode
+from recovery_steps.k8s import (
+    JOBSET_GROUP,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    NODEPOOL_LABEL,
+    RUN_ID_LABEL,
+    SPOT_LABEL,
+    TPU_RESOURCE,
+    gke_node_selector,
+)
+from recovery_steps.store import RunLayout, RunStore
+
+log = logging.getLogger(__name__)
+
+GKE_COORDINATOR_PORT = 8476
+# Labels GKE sets on a node while host maintenance runs (values other than these mean "active").
+MAINTENANCE_LABELS = ("cloud.google.com/active-node-maintenance",)
+_INACTIVE = {"", "false", "none", "0"}
+
+
+class ProvisionError(Exception):
+    """The slice cannot be provisioned now; ``code`` says whether retrying can help."""
+
+    def __init__(self, code: ExitCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def jobset_name(run_id: str, attempt: int) -> str:
+    """The deterministic JobSet name of an attempt (classify-failure finds it by this name)."""
+    return f"{run_id}-a{attempt}"
+
+
+# --- the node check: pure ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the node check needs to know about one node."""
+
+    name: str
+    pool: str
+    ready: bool
+    unschedulable: bool = False
+    taints: tuple[tuple[str, str], ...] = ()  # (key, effect)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SliceCheck:
+    """The verdict of the node check."""
+
+    ok: bool
+    reason: str
+
+
+def node_problems(node: NodeInfo, tolerated: Sequence[str]) -> list[str]:
+    """Why ``node`` cannot run a worker now (empty: healthy).
+
+    Args:
+        node: The node.
+        tolerated: Taint keys the workers tolerate (GKE's ``google.com/tpu`` taint, Spot).
+    """
+    problems = []
+    if not node.ready:
+        problems.append("not Ready")
+    if node.unschedulable:
+        problems.append("cordoned")
+    for key, effect in node.taints:
+        if effect in ("NoSchedule", "NoExecute") and key not in tolerated:
+            problems.append(f"taint {key}:{effect}")
+    for label in MAINTENANCE_LABELS:
+        value = node.labels.get(label)
+        if value is not None and value.lower() not in _INACTIVE:
+            problems.append(f"under maintenance ({label}={value})")
+    return problems
+
+
+def check_slice(nodes: Sequence[NodeInfo], hosts: int, tolerated: Sequence[str], *, require_nodes: bool) -> SliceCheck:
+    """Decide whether the matching nodes can host a gang of ``hosts`` workers.
+
+    Nodes are grouped by node pool (the exclusive-topology unit): one pool with ``hosts`` healthy
+    nodes is enough. No nodes at all is accepted unless ``require_nodes`` (autoscaled pools
+    scale up from zero for the pending pods).
+    """
+    if not nodes:
+        if require_nodes:
+            return SliceCheck(False, "no nodes match the slice's selectors")
+        return SliceCheck(True, "no nodes yet; the node pool scales up for the pending workers")
+    pools: dict[str, list[NodeInfo]] = {}
+    for n in nodes:
+        pools.setdefault(n.pool, []).append(n)
+    details = []
+    for pool, members in sorted(pools.items()):
+        healthy = [n for n in members if not node_problems(n, tolerated)]
+        if len(healthy) >= hosts:
+            return SliceCheck(True, f"node pool {pool}: {len(healthy)} healthy nodes for {hosts} hosts")
+        bad = [f"{n.name} {', '.join(node_problems(n, tolerated))}" for n in members if node_problems(n, tolerated)]
+        details.append(f"node pool {pool}: {len(healthy)}/{hosts} healthy" + (f" ({'; '.join(bad)})" if bad else ""))
+    return SliceCheck(False, "; ".join(details))
+
+
+# --- Kubernetes adapters --------------------------------------------------------------------------
+
+
+def node_info(node: Any) -> NodeInfo:
+    """A ``NodeInfo`` from a kubernetes ``V1Node``."""
+    labels = dict(node.metadata.labels or {})
+    conditions = (node.status.conditions if node.status else None) or []
+    ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+    taints = tuple((t.key, t.effect) for t in ((node.spec.taints if node.spec else None) or []))
+    return NodeInfo(
+        name=node.metadata.name,
+        pool=labels.get(NODEPOOL_LABEL, "<none>"),
+        ready=ready,
+        unschedulable=bool(node.spec and node.spec.unschedulable),
+        taints=taints,
+        labels=labels,
+    )
+
+
+def delete_old_jobsets(api_client: Any, namespace: str, run_id: str) -> list[str]:
+    """Delete every JobSet labelled with the run (earlier attempts); return their names."""
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api_client)
+    found = custom.list_namespaced_custom_object(
+        JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, label_selector=f"{RUN_ID_LABEL}={run_id}"
+    )
+    names = sorted(item["metadata"]["name"] for item in found.get("items", []))
+    for name in names:
+        try:
+            custom.delete_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name,
+                body=client.V1DeleteOptions(propagation_policy="Foreground"),
+            )  # fmt: skip
+        except client.ApiException as e:
+            if e.status != 404:  # already gone
+                raise
+        log.info("deleted JobSet %s/%s", namespace, name)
+    return names
+
+
+def wait_pods_gone(
+    api_client: Any,
+    namespace: str,
+    run_id: str,
+    *,
+    timeout_s: float,
+    poll_s: float = 2.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Wait until no worker pod of the run is left; raise ProvisionError (capacity) on timeout."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api_client)
+    selector = f"{RUN_ID_LABEL}={run_id},{JOBSET_NAME_LABEL}"
+    deadline = clock() + timeout_s
+    while True:
+        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+        if not pods:
+            return
+        if clock() >= deadline:
+            names = ", ".join(sorted(p.metadata.name for p in pods))
+            raise ProvisionError(ExitCode.CAPACITY, f"worker pods of earlier attempts still present: {names}")
+        sleep(poll_s)
+
+
+def list_slice_nodes(api_client: Any, selector: dict[str, str]) -> list[NodeInfo]:
+    """Nodes that carry every label of ``selector``."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api_client)
+    label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
+    return [node_info(n) for n in core.list_node(label_selector=label_selector).items]
+
+
+def provision_gke(
+    cfg: JobConfig, attempt: int, api_client: Any, *, require_nodes: bool = False, pod_timeout_s: float = 300
+) -> dict[str, str]:
+    """The GKE backend: clear old JobSets, check the nodes, return the outputs."""
+    import urllib3
+    from kubernetes import client
+
+    try:
+        delete_old_jobsets(api_client, cfg.namespace, cfg.run_id)
+        wait_pods_gone(api_client, cfg.namespace, cfg.run_id, timeout_s=pod_timeout_s)
+        nodes = list_slice_nodes(api_client, gke_node_selector(cfg.slice))
+    except client.ApiException as e:
+        if e.status in (401, 403, 404):
+            raise ProvisionError(
+                ExitCode.CONFIGURATION,
+                f"Kubernetes API refused {e.status} {e.reason}: check argo/rbac.yaml is applied and the "
+                "JobSet CRD is installed",
+            ) from None
+        raise ProvisionError(ExitCode.CAPACITY, f"Kubernetes API error {e.status} {e.reason}; retry later") from None
+    except urllib3.exceptions.HTTPError as e:
+        raise ProvisionError(ExitCode.CAPACITY, f"Kubernetes API unreachable ({e}); retry later") from None
+    tolerated = [TPU_RESOURCE] + ([SPOT_LABEL] if cfg.slice.spot else [])
+    verdict = check_slice(nodes, cfg.slice.num_hosts, tolerated, require_nodes=require_nodes)
+    if not verdict.ok:
+        raise ProvisionError(ExitCode.CAPACITY, f"slice not ready: {verdict.reason}")
+    log.info("slice ready: %s", verdict.reason)
+    return {
+        "jobset-name": jobset_name(cfg.run_id, attempt),
+        "coordinator-port": str(GKE_COORDINATOR_PORT),
+        "metrics-port": str(cfg.monitoring.metrics_port),
+    }
+
+
+# --- local adapters ---------------------------------------------------------------------------
+
+
+def _same_root(arg: str, cwd: str | None, root: str) -> bool:
+    if arg == root or root.startswith("gs://") or arg.startswith("gs://"):
+        return arg == root
+    base = cwd or os.getcwd()
+    return os.path.realpath(os.path.join(base, arg)) == os.path.realpath(root)
+
+
+def is_run_worker(cmdline: Sequence[str], cwd: str | None, run_id: str, store_root: str) -> bool:
+    """True when ``cmdline`` is a trainer worker (``python -m trainer``) of this run and store."""
+    args = list(cmdline)
+    is_trainer = any(a == "-m" and nxt == "trainer" for a, nxt in zip(args, args[1:], strict=False))
+
+    def value(flag: str) -> str | None:
+        return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
+
+    rid, root = value("--run-id"), value("--store-root")
+    return is_trainer and rid == run_id and root is not None and _same_root(root, cwd, store_root)
+
+
+def stop_leftover_workers(run_id: str, store_root: str, *, grace_s: float = 5.0) -> list[int]:
+    """Terminate (then kill) worker processes of the run left by earlier attempts; return their pids."""
+    import psutil
+
+    me = os.getpid()
+    victims = []
+    for proc in psutil.process_iter(["pid", "cmdline", "cwd"]):
+        info = proc.info
+        if info["pid"] == me or not info.get("cmdline"):
+            continue
+        if is_run_worker(info["cmdline"], info.get("cwd"), run_id, store_root):
+            victims.append(proc)
+    for proc in victims:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _gone, alive = psutil.wait_procs(victims, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    pids = sorted(p.pid for p in victims)
+    if pids:
+        log.info("stopped leftover workers of run %s: %s", run_id, pids)
+    return pids
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(count: int, *, attempts: int = 50, exclude: Sequence[int] = ()) -> int:
+    """A base port ``p`` such that ``p .. p+count-1`` are all free (and none in ``exclude``)."""
+    for _ in range(attempts):
+        base = free_port()
+        ports = range(base, base + count)
+        if base + count <= 65536 and not set(ports) & set(exclude) and all(_port_free(p) for p in ports):
+            return base
+    raise ProvisionError(ExitCode.CAPACITY, f"no {count} consecutive free ports found")
+
+
+def provision_local(cfg: JobConfig, attempt: int, store_root: str) -> dict[str, str]:
+    """The local backend: stop leftover workers of the run, pick the coordinator and metrics ports."""
+    stop_leftover_workers(cfg.run_id, store_root)
+    coordinator = free_port()
+    metrics = free_port_range(cfg.slice.num_hosts, exclude=[coordinator])
+    return {
+        "jobset-name": jobset_name(cfg.run_id, attempt),
+        "coordinator-port": str(coordinator),
+        "metrics-port": str(metrics),
+    }
+
+
+# --- the step program -------------------------------------------------------------------------
+
+
+def write_outputs(output_dir: Path, outputs: dict[str, str]) -> None:
+    """One file per output parameter."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for name, value in outputs.items():
+        (output_dir / name).write_text(value)
+
+
+def load_run_config(store_root: str, run_id: str) -> JobConfig:
+    """The validated config of the run from its store (ProvisionError, configuration, when absent/bad)."""
+    store = RunStore(store_root, run_id)
+    text = store.read_bytes(RunLayout.CONFIG)
+    if text is None:
+        raise ProvisionError(
+            ExitCode.CONFIGURATION, f"{store.url(RunLayout.CONFIG)} not found: run validate-config first"
+        )
+    try:
+        return config_from_json(text.decode(), store.url(RunLayout.CONFIG))
+    except ConfigError as e:
+        raise ProvisionError(ExitCode.CONFIGURATION, e.render()) from None
+    except ValueError as e:
+        raise ProvisionError(ExitCode.CONFIGURATION, f"{store.url(RunLayout.CONFIG)}: not valid JSON ({e})") from None
+
+
+def run(
+    store_root: str,
+    run_id: str,
+    attempt: int,
+    output_dir: Path,
+    *,
+    api_client: Any = None,
+    k8s_host: str | None = None,
+    require_nodes: bool = False,
+    pod_timeout_s: float = 300,
+) -> dict[str, str]:
+    """Provision the slice of ``attempt`` and write the outputs.
+
+    Args:
+        store_root: Run-store root.
+        run_id: Run id.
+        attempt: Attempt number.
+        output_dir: Where the output parameter files go.
+        api_client: A kubernetes ``ApiClient`` (GKE backend); built from ``k8s_host`` or the pod's
+            service account when None.
+        k8s_host: API server URL for the client built here.
+        require_nodes: Treat zero matching nodes as a capacity problem.
+        pod_timeout_s: How long to wait for old worker pods to disappear.
+
+    Returns:
+        The outputs written.
+
+    Raises:
+        ProvisionError: Not provisioned; its ``code`` is the exit code.
+    """
+    cfg = load_run_config(store_root, run_id)
+    if cfg.slice.is_local:
+        outputs = provision_local(cfg, attempt, store_root)
+    else:
+        if api_client is None:
+            from recovery_steps.k8s import make_api_client
+
+            api_client = make_api_client(k8s_host)
+        outputs = provision_gke(cfg, attempt, api_client, require_nodes=require_nodes, pod_timeout_s=pod_timeout_s)
+    write_outputs(output_dir, outputs)
+    return outputs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point."""
+    ap = argparse.ArgumentParser(prog="python -m recovery_steps.provision_slice", description=__doc__.split("\n")[0])
+    ap.add_argument("--store-root", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--attempt", type=int, required=True)
+    ap.add_argument("--output-dir", type=Path, default=Path("/tmp/outputs"))
+    ap.add_argument("--k8s-host", default=None, help="Kubernetes API URL (default: in-cluster config)")
+    ap.add_argument("--require-nodes", action="store_true", help="zero matching nodes is a capacity problem")
+    ap.add_argument("--pod-timeout", type=float, default=300, help="seconds to wait for old worker pods")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s provision-slice %(levelname)s %(message)s")
+    try:
+        outputs = run(
+            args.store_root, args.run_id, args.attempt, args.output_dir,
+            k8s_host=args.k8s_host, require_nodes=args.require_nodes, pod_timeout_s=args.pod_timeout,
+        )  # fmt: skip
+    except ProvisionError as e:
+        print(f"provision-slice: {e}", file=sys.stderr)
+        return int(e.code)
+    print(" ".join(f"{k}={v}" for k, v in outputs.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""provision-slice: the node check (pure), the Kubernetes side at its HTTP boundary, the local backend."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import psutil
+import pytest
+
+from recovery_steps import provision_slice as ps
+from recovery_steps.config import load_config
+from recovery_steps.store import RunLayout, RunStore
+
+REPO = Path(__file__).resolve().parents[1]
+NS = "training"
+JOBSETS = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
+TPU_LABELS = {
+    "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+    "cloud.google.com/gke-tpu-topology": "4x4",
+}
+MAINTENANCE = {"cloud.google.com/active-node-maintenance": "true"}
+
+
+def _store_config(root: str, name: str) -> str:
+    cfg = load_config(REPO / "configs" / name)
+    RunStore(root, cfg.run_id).write_json(
+        RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()}
+    )
+    return cfg.run_id
+
+
+def _node(name, *, pool="tpu-pool-a", ready=True, taints=(), labels=None, unschedulable=False, spot=True):
+    lbl = {**TPU_LABELS, "cloud.google.com/gke-nodepool": pool, **(labels or {})}
+    if spot:
+        lbl["cloud.google.com/gke-spot"] = "true"
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": lbl},
+        "spec": {"taints": [{"key": k, "effect": e, "value": "present"} for k, e in taints],
+                 "unschedulable": unschedulable},
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }  # fmt: skip
+
+
+class FakeKube:
+    """Answers the few Kubernetes API paths provision-slice uses, with the shapes the API server returns."""
+
+    def __init__(self, *, jobsets=(), nodes=(), pods_after_delete=1, jobset_status=200):
+        self.jobsets = list(jobsets)
+        self.nodes = list(nodes)
+        self.pods_left = 0
+        self.pods_after_delete = pods_after_delete
+        self.jobset_status = jobset_status
+        self.requests: list[tuple[str, str, dict]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                u = urlparse(self.path)
+                q = {k: v[0] for k, v in parse_qs(u.query).items()}
+                fake.requests.append(("GET", u.path, q))
+                self._send(*fake.get(u.path, q))
+
+            def do_DELETE(self):
+                u = urlparse(self.path)
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                fake.requests.append(("DELETE", u.path, body))
+                self._send(*fake.delete(u.path))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def get(self, path, q):
+        if path == JOBSETS:
+            if self.jobset_status != 200:
+                return self.jobset_status, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                            "reason": "Forbidden", "code": self.jobset_status}  # fmt: skip
+            items = [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                      "metadata": {"name": n, "namespace": NS, "labels": {"jaxrec/run-id": "lm-v5e-4x4"}}}
+                     for n in self.jobsets]  # fmt: skip
+            return 200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList", "metadata": {}, "items": items}
+        if path == f"/api/v1/namespaces/{NS}/pods":
+            items = [{"metadata": {"name": f"lm-v5e-4x4-a0-workers-0-{i}-x"}} for i in range(self.pods_left)]
+            self.pods_left = max(0, self.pods_left - 1)  # the garbage collector removes one per poll
+            return 200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
+        if path == "/api/v1/nodes":
+            want = dict(kv.split("=", 1) for kv in q.get("labelSelector", "").split(",") if kv)
+            items = [n for n in self.nodes if all(n["metadata"]["labels"].get(k) == v for k, v in want.items())]
+            return 200, {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": items}
+        return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
+
+    def delete(self, path):
+        name = path.rsplit("/", 1)[-1]
+        if path.startswith(JOBSETS + "/") and name in self.jobsets:
+            self.jobsets.remove(name)
+            self.pods_left += self.pods_after_delete
+            return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "details": {"name": name}}
+        return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def kube_factory():
+    made = []
+
+    def make(**kw):
+        made.append(FakeKube(**kw))
+        return made[-1]
+
+    yield make
+    for k in made:
+        k.close()
+
+
+def _main(root, run_id, out, kube, *extra):
+    return ps.main(["--store-root", root, "--run-id", run_id, "--attempt", "2", "--output-dir", str(out),
+                    "--k8s-host", kube.url, "--pod-timeout", "20", *extra])  # fmt: skip
+
+
+def test_gke_deletes_old_jobsets_waits_for_pods_and_checks_nodes(tmp_path, kube_factory):
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    kube = kube_factory(
+        jobsets=["lm-v5e-4x4-a0", "lm-v5e-4x4-a1"],
+        nodes=[_node(f"n{i}", taints=[("google.com/tpu", "NoSchedule")]) for i in range(4)],
+    )
+    out = tmp_path / "out"
+    assert _main(root, run_id, out, kube) == 0
+    assert (out / "jobset-name").read_text() == "lm-v5e-4x4-a2"
+    assert (out / "coordinator-port").read_text() == "8476"
+    assert (out / "metrics-port").read_text() == "9431"
+    deletes = [(p.rsplit("/", 1)[-1], body.get("propagationPolicy")) for m, p, body in kube.requests if m == "DELETE"]
+    assert deletes == [("lm-v5e-4x4-a0", "Foreground"), ("lm-v5e-4x4-a1", "Foreground")]
+    listed = [q for m, p, q in kube.requests if p == JOBSETS and m == "GET"]
+    assert listed[0]["labelSelector"] == "jaxrec/run-id=lm-v5e-4x4"
+    pod_polls = [q for m, p, q in kube.requests if p.endswith("/pods")]
+    assert len(pod_polls) >= 2 and kube.pods_left == 0  # waited until the pods were gone
+    (node_q,) = [q for m, p, q in kube.requests if p == "/api/v1/nodes"]
+    assert "cloud.google.com/gke-tpu-topology=4x4" in node_q["labelSelector"]
+    assert "cloud.google.com/gke-spot=true" in node_q["labelSelector"]
+
+
+@pytest.mark.parametrize(
+    "nodes, expect",
+    [
+        ([_node(f"n{i}") for i in range(3)] + [_node("n3", ready=False)], "n3 not Ready"),
+        ([_node(f"n{i}") for i in range(3)] + [_node("n3", labels=MAINTENANCE)],
+         "under maintenance"),
+        ([_node(f"n{i}") for i in range(3)] + [_node("n3", taints=[("node.kubernetes.io/unreachable", "NoExecute")])],
+         "taint node.kubernetes.io/unreachable"),
+        ([_node(f"n{i}") for i in range(3)], "3/4 healthy"),
+    ],
+    ids=["not-ready", "maintenance", "tainted", "too-few"],
+)
+def test_gke_unhealthy_slice_is_capacity(tmp_path, kube_factory, capsys, nodes, expect):
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    kube = kube_factory(nodes=nodes)
+    assert _main(root, run_id, tmp_path / "out", kube) == 75
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "jobset-name").exists()
+
+
+def test_gke_zero_nodes_is_a_documented_choice(tmp_path, kube_factory):
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    # Only nodes of another topology: nothing matches the slice's selector.
+    other = _node("other", labels={"cloud.google.com/gke-tpu-topology": "2x4"})
+    kube = kube_factory(nodes=[other])
+    assert _main(root, run_id, tmp_path / "out", kube) == 0
+    assert _main(root, run_id, tmp_path / "out2", kube, "--require-nodes") == 75
+
+
+def test_gke_forbidden_is_configuration(tmp_path, kube_factory, capsys):
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    kube = kube_factory(jobset_status=403)
+    assert _main(root, run_id, tmp_path / "out", kube) == 2
+    assert "rbac.yaml" in capsys.readouterr().err
+
+
+def test_gke_pods_that_never_go_are_capacity(tmp_path, kube_factory):
+    root = str(tmp_path / "store")
+    cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
+    _store_config(root, "v5e-4x4.yaml")
+    kube = kube_factory(jobsets=["lm-v5e-4x4-a0"], pods_after_delete=50, nodes=[_node(f"n{i}") for i in range(4)])
+    from recovery_steps.k8s import make_api_client
+
+    with pytest.raises(ps.ProvisionError) as e:
+        ps.provision_gke(cfg, 1, make_api_client(kube.url), pod_timeout_s=0.3)
+    assert e.value.code == 75 and "still present" in str(e.value)
+
+
+def test_missing_config_is_configuration(tmp_path, capsys):
+    code = ps.main(["--store-root", str(tmp_path), "--run-id", "nope", "--attempt", "0",
+                    "--output-dir", str(tmp_path / "out")])  # fmt: skip
+    assert code == 2
+    assert "validate-config" in capsys.readouterr().err
+
+
+def test_check_slice_table():
+    tol = ["google.com/tpu"]
+    healthy = [ps.NodeInfo(f"n{i}", "a", True, taints=(("google.com/tpu", "NoSchedule"),)) for i in range(4)]
+    assert ps.check_slice(healthy, 4, tol, require_nodes=True).ok
+    # A second pool with a broken node does not matter when one pool is whole.
+    broken = [ps.NodeInfo("m0", "b", False)]
+    assert ps.check_slice(broken + healthy, 4, tol, require_nodes=True).ok
+    # Healthy nodes split across pools do not make one slice.
+    split = healthy[:2] + [ps.NodeInfo(f"m{i}", "b", True) for i in range(2)]
+    verdict = ps.check_slice(split, 4, tol, require_nodes=True)
+    assert not verdict.ok and "node pool a: 2/4" in verdict.reason
+    assert not ps.check_slice([ps.NodeInfo("c", "a", True, unschedulable=True)] + healthy[:3], 4, tol,
+                              require_nodes=True).ok  # fmt: skip
+    assert ps.check_slice([], 4, tol, require_nodes=False).ok
+    assert not ps.check_slice([], 4, tol, require_nodes=True).ok
+    # PreferNoSchedule is not a blocker; maintenance "false" is not maintenance.
+    soft = [ps.NodeInfo(f"n{i}", "a", True, taints=(("x", "PreferNoSchedule"),),
+                        labels={"cloud.google.com/active-node-maintenance": "false"}) for i in range(4)]  # fmt: skip
+    assert ps.check_slice(soft, 4, tol, require_nodes=True).ok
+
+
+def test_is_run_worker_matches_only_this_runs_trainers(tmp_path):
+    root = str(tmp_path / "store")
+    cmd = ["python", "-m", "trainer", "--store-root", root, "--run-id", "r1", "--attempt", "0"]
+    assert ps.is_run_worker(cmd, None, "r1", root)
+    assert not ps.is_run_worker(cmd, None, "r2", root)
+    assert not ps.is_run_worker(cmd, None, "r1", str(tmp_path / "other"))
+    step = ["python", "-m", "recovery_steps.provision_slice", "--store-root", root, "--run-id", "r1"]
+    assert not ps.is_run_worker(step, None, "r1", root)
+    # A relative store root resolves against the worker's working directory.
+    rel = ["python", "-m", "trainer", "--store-root", "store", "--run-id", "r1"]
+    assert ps.is_run_worker(rel, str(tmp_path), "r1", root)
+
+
+def _sleeper(root: str, run_id: str) -> subprocess.Popen:
+    code = "import time; time.sleep(120)"
+    return subprocess.Popen([sys.executable, "-c", code, "-m", "trainer", "--store-root", root, "--run-id", run_id,
+                             "--attempt", "0"])  # fmt: skip
+
+
+def test_local_stops_leftover_workers_and_picks_free_ports(store_root, tmp_path):
+    run_id = _store_config(store_root, "local-cpu.yaml")
+    mine = [_sleeper(store_root, run_id) for _ in range(2)]
+    other = _sleeper(store_root, "another-run")
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+            "trainer" in psutil.Process(p.pid).cmdline() for p in [*mine, other]
+        ):
+            time.sleep(0.05)
+        out = ps.run(store_root, run_id, 3, tmp_path / "out")
+        for p in mine:
+            assert p.wait(10) is not None
+        assert other.poll() is None
+    finally:
+        for p in [*mine, other]:
+            p.kill()
+            p.wait()
+    assert out["jobset-name"] == f"{run_id}-a3"
+    coord, base = int(out["coordinator-port"]), int(out["metrics-port"])
+    assert coord not in range(base, base + 4)
+    for port in [coord, *range(base, base + 4)]:
+        assert ps._port_free(port)
+    assert (tmp_path / "out" / "metrics-port").read_text() == str(base)
