@@ -17,9 +17,7 @@ COPY pyproject.toml README.md ./
 COPY recovery_steps ./recovery_steps
 COPY trainer ./trainer
 COPY workflows ./workflows
-RUN pip install . \
-    && useradd --uid 1000 --create-home worker
+RUN pip install .
 
-USER 1000
 # Argo and the JobSet set the command (python -m recovery_steps.<step> / python -m trainer).
 CMD ["python", "-m", "trainer", "--help"]
