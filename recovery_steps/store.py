@@ -112,8 +112,10 @@ class LocalBackend:
         """Contents and generation of ``rel``, or None."""
         p = self.root / rel
         try:
-            data = p.read_bytes()
-            return data, p.stat().st_mtime_ns
+            # Contents and generation from one open file: a concurrent replace cannot pair new with old.
+            with open(p, "rb") as f:
+                gen = os.fstat(f.fileno()).st_mtime_ns
+                return f.read(), gen
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 
@@ -122,10 +124,9 @@ class LocalBackend:
         p = self.root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         with self._locked(p):
-            if if_generation_match is not None:
-                current = p.stat().st_mtime_ns if p.exists() else 0
-                if current != if_generation_match:
-                    raise PreconditionFailed(f"{p}: generation {current} != expected {if_generation_match}")
+            current = p.stat().st_mtime_ns if p.exists() else 0
+            if if_generation_match is not None and current != if_generation_match:
+                raise PreconditionFailed(f"{p}: generation {current} != expected {if_generation_match}")
             tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -133,10 +134,11 @@ class LocalBackend:
                 os.fsync(f.fileno())
             os.replace(tmp, p)
             gen = p.stat().st_mtime_ns
-            if if_generation_match is not None and gen == if_generation_match:
-                # Same-nanosecond rewrite: bump so that the next reader sees a new generation.
-                os.utime(p, ns=(gen + 1, gen + 1))
-                gen += 1
+            if gen <= current:
+                # File times are coarse (a clock tick): keep generations strictly increasing per file,
+                # else a rewrite within one tick would look unchanged to a conditional writer.
+                gen = current + 1
+                os.utime(p, ns=(gen, gen))
             return gen
 
     @contextlib.contextmanager
