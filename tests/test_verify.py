@@ -30,7 +30,7 @@ CASES = [
     (good(10, manifest_attempt=3, manifest_wall_time=50.0), {2: 40.0}, None, False),
     (good(10, compat_problems=("model.d_model: 64 -> 128",)), {}, SkipKind.INCOMPATIBLE, True),
     (good(10, file_problems=("a is missing",)), {}, SkipKind.FILES, True),
-    (good(0, name="notes", step=None), {}, SkipKind.NOT_A_STEP, False),
+    (CandidateInfo(name="notes", step=None, on_gcs=False), {}, SkipKind.NOT_A_STEP, False),
 ]
 
 
