@@ -16,10 +16,8 @@ from pathlib import Path
 import yaml
 
 from recovery_steps.config import ConfigError, JobConfig, load_config
+from recovery_steps.k8s import RUN_ID_LABEL  # on every worker pod of a run; the PodMonitoring selects on it
 from recovery_steps.metrics import METRICS, exposed_name
-
-RUN_ID_LABEL = "jaxrec/run-id"
-"""Pod label the workflow puts on every worker of a run; the PodMonitoring selects on it."""
 
 METRICS_PORT_NAME = "metrics"
 """Name of the worker container port that serves ``/metrics``."""
@@ -169,7 +167,7 @@ def run_alerts(cfg: JobConfig) -> list[AlertRule]:
         AlertRule(
             alert="JaxrecRunFailed",
             expr=(
-                f'max by (run_id) ({_n("jaxrec_run_status")}{{run_id="{rid}", status="Failed"}}) == 1'
+                f'max by (run_id) ({_n("jaxrec_run_status")}{{run_id="{rid}", status=~"Failed|Error"}}) == 1'
                 f' unless on (run_id) ({_n("jaxrec_budget_exhausted")}{{run_id="{rid}"}} == 1)'
             ),
             for_="0s",
@@ -629,11 +627,11 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
             ],
         },
         {
-            "name": "a run failed without a spent budget (no-progress guard) fires JaxrecRunFailed",
+            "name": "a run that ended in Error without a spent budget fires JaxrecRunFailed",
             "interval": "1m",
             "input_series": [
                 {"series": f'{_n("jaxrec_budget_exhausted")}{{run_id="{rid}",class="hang"}}', "values": "0x13"},
-                {"series": f'{_n("jaxrec_run_status")}{{run_id="{rid}",status="Failed"}}', "values": "0x3 1x10"},
+                {"series": f'{_n("jaxrec_run_status")}{{run_id="{rid}",status="Error"}}', "values": "0x3 1x10"},
                 {"series": f'{_n("jaxrec_run_status")}{{run_id="{rid}",status="Succeeded"}}', "values": "0x13"},
             ],
             "alert_rule_test": [
