@@ -114,6 +114,9 @@ def test_steps_run_their_module_with_contract_args(local):
     exit_args = t["exit-handler"]["container"]["args"]
     assert exit_args[exit_args.index("--status") + 1] == "{{workflow.status}}"
     assert exit_args[exit_args.index("--failures") + 1] == "{{workflow.failures}}"
+    assert t["validate-config"]["container"]["args"][:4] == [
+        "--config", "/tmp/inputs/config.yaml", "--store-root", "{{workflow.parameters.store-root}}",
+    ]  # fmt: skip
     (art,) = t["validate-config"]["inputs"]["artifacts"]
     assert art["path"] == "/tmp/inputs/config.yaml"
     assert yaml.safe_load(art["raw"]["data"])["run_id"] == "local-cpu"

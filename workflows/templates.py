@@ -114,7 +114,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             cfg,
             "validate-config",
             "validate_config",
-            ["--config", CONFIG_PATH],
+            ["--config", CONFIG_PATH, "--store-root", STORE_ROOT],
             outputs=["run-id", "store-root", "config-hash", "hosts"],
             input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
         )
