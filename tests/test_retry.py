@@ -1,0 +1,169 @@
+"""Retry budgets over sequences of attempts (pure), and the ledger's conditional append (local and emulator)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from recovery_steps.config import BackoffConfig, RetryConfig
+from recovery_steps.contract import Decision, FailureClass
+from recovery_steps.records import AttemptRecord, Ledger
+from recovery_steps.retry import append_attempt, backoff_seconds, decide, stalled_attempts, update_ledger
+from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+
+P, A, C, INF, H = (FailureClass.PREEMPTION, FailureClass.APPLICATION, FailureClass.CAPACITY,
+                 FailureClass.INFRASTRUCTURE, FailureClass.HANG)  # fmt: skip
+
+
+def rec(n: int, cls: FailureClass, before: int = -1, after: int | None = None) -> AttemptRecord:
+    """Attempt n failed with cls; by default it advanced the checkpoint by 10 steps."""
+    after = before + 10 if after is None else after
+    return AttemptRecord(attempt=n, outcome="failed", failure_class=cls, checkpoint_step_before=before,
+                         checkpoint_step_after=after)  # fmt: skip
+
+
+def run_sequence(classes_and_progress, cfg: RetryConfig):
+    """Feed attempts one by one, as classify-failure would; return each decision."""
+    ledger: list[AttemptRecord] = []
+    out = []
+    step = -1
+    for n, (cls, advances) in enumerate(classes_and_progress):
+        r = rec(n, cls, step, step + 10 if advances else step)
+        d = decide(ledger, r, cfg)
+        out.append(d)
+        ledger.append(r.model_copy(update={"decision": d.decision}))
+        step = r.checkpoint_step_after
+        if d.decision is Decision.STOP:
+            break
+    return out
+
+
+def test_preemptions_retry_with_exponential_capped_backoff():
+    cfg = RetryConfig(backoff={P: BackoffConfig(base_s=10, factor=2, max_s=45)})
+    ds = run_sequence([(P, True)] * 5, cfg)
+    assert [d.decision for d in ds] == [Decision.RETRY] * 5
+    assert [d.backoff_seconds for d in ds] == [10, 20, 40, 45, 45]
+    assert ds[-1].attempts_by_class["preemption"] == 5
+
+
+def test_backoff_counts_per_class_not_per_attempt():
+    cfg = RetryConfig(default_backoff=BackoffConfig(base_s=3, factor=3, max_s=1000))
+    ds = run_sequence([(P, True), (INF, True), (P, True), (INF, True), (INF, True)], cfg)
+    assert [d.backoff_seconds for d in ds] == [3, 3, 9, 9, 27]
+    assert backoff_seconds(cfg, INF, 1) == 3 and backoff_seconds(cfg, INF, 0) == 3
+
+
+def test_application_budget_one_then_stop_with_reason():
+    cfg = RetryConfig()
+    ds = run_sequence([(P, True), (A, True), (P, True), (A, True), (P, True)], cfg)
+    assert [d.decision for d in ds] == [Decision.RETRY, Decision.RETRY, Decision.RETRY, Decision.STOP]
+    assert ds[-1].reason.startswith("application budget spent: 2 application failure(s)")
+    assert "budget allows 1 retry" in ds[-1].reason
+    assert ds[-1].backoff_seconds == 0
+
+
+def test_configuration_stops_at_once():
+    d = decide([], rec(0, FailureClass.CONFIGURATION), RetryConfig())
+    assert d.decision is Decision.STOP
+    assert "configuration budget spent" in d.reason and "no retries" in d.reason
+
+
+def test_hang_budget_of_three():
+    ds = run_sequence([(H, True)] * 6, RetryConfig())
+    assert [d.decision for d in ds] == [Decision.RETRY] * 3 + [Decision.STOP]
+
+
+def test_no_progress_guard_trips_after_consecutive_stalls():
+    cfg = RetryConfig(no_progress_attempts=3)
+    ds = run_sequence([(P, True), (P, False), (INF, False), (P, False), (P, True)], cfg)
+    assert [d.decision for d in ds] == [Decision.RETRY, Decision.RETRY, Decision.RETRY, Decision.STOP]
+    assert ds[-1].reason.startswith("no progress: 3 consecutive failed attempts")
+
+
+def test_progress_resets_the_guard():
+    cfg = RetryConfig(no_progress_attempts=2)
+    ds = run_sequence([(P, False), (P, True), (P, False), (P, True), (P, False)], cfg)
+    assert all(d.decision is Decision.RETRY for d in ds)
+
+
+def test_capacity_waits_do_not_count_as_stalls():
+    cfg = RetryConfig(no_progress_attempts=2)
+    ds = run_sequence([(C, False)] * 6 + [(P, False)], cfg)
+    assert all(d.decision is Decision.RETRY for d in ds)
+    assert stalled_attempts([rec(0, C, -1, -1), rec(1, P, -1, -1)]) == 1
+
+
+def test_max_attempts_caps_the_run():
+    cfg = RetryConfig(max_attempts=4)
+    ds = run_sequence([(P, True)] * 10, cfg)
+    assert [d.decision for d in ds] == [Decision.RETRY] * 3 + [Decision.STOP]
+    assert "attempt cap reached: 4 attempts" in ds[-1].reason
+
+
+def test_deciding_twice_for_the_same_attempt_counts_it_once():
+    cfg = RetryConfig()
+    first = rec(0, A)
+    d1 = decide([], first, cfg)
+    d2 = decide([first.model_copy(update={"decision": d1.decision})], first, cfg)
+    assert d1.decision is d2.decision is Decision.RETRY
+    assert d2.attempts_by_class["application"] == 1
+
+
+def test_append_is_idempotent_and_ordered(store_root):
+    store = RunStore(store_root, "run-ledger")
+    append_attempt(store, rec(1, P))
+    append_attempt(store, rec(0, INF))
+    led = append_attempt(store, rec(1, P))
+    assert [a.attempt for a in led.attempts] == [0, 1]
+    stored = Ledger.model_validate(store.read_json(RunLayout.LEDGER))
+    assert [a.attempt for a in stored.attempts] == [0, 1]
+    assert stored.by_class()["preemption"] == 1 and stored.run_id == "run-ledger"
+
+
+def test_concurrent_appends_lose_nothing(store_root):
+    store = RunStore(store_root, "run-race")
+    errors = []
+
+    def worker(n):
+        try:
+            append_attempt(RunStore(store_root, "run-race"), rec(n, P), sleep=lambda s: None, tries=50)
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    stored = Ledger.model_validate(store.read_json(RunLayout.LEDGER))
+    assert sorted(a.attempt for a in stored.attempts) == list(range(6))
+
+
+def test_lost_race_is_retried_with_fresh_contents(store_root):
+    store = RunStore(store_root, "run-retry")
+    append_attempt(store, rec(0, P))
+    calls = []
+
+    def mutate(led: Ledger) -> Ledger:
+        calls.append(len(led.attempts))
+        if len(calls) == 1:
+            # Another writer closes attempt 1 between our read and our write.
+            append_attempt(RunStore(store_root, "run-retry"), rec(1, INF))
+        return led.model_copy(update={"final_status": "Failed"})
+
+    led = update_ledger(store, mutate, sleep=lambda s: None)
+    assert calls == [1, 2]
+    assert led.final_status == "Failed" and [a.attempt for a in led.attempts] == [0, 1]
+
+
+def test_update_gives_up_after_tries(tmp_path):
+    store = RunStore(str(tmp_path), "run-busy")
+
+    def always_race(led: Ledger) -> Ledger:
+        RunStore(str(tmp_path), "run-busy").write_json(RunLayout.LEDGER, {"run_id": "run-busy", "attempts": []})
+        return led
+
+    with pytest.raises(PreconditionFailed, match="still contended after 3 tries"):
+        update_ledger(store, always_race, tries=3, sleep=lambda s: None)
