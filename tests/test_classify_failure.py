@@ -1,0 +1,142 @@
+"""`python -m recovery_steps.classify_failure` end to end (local backend), on a local store and the emulator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from recovery_steps import classify_failure
+from recovery_steps.config import parse_config
+from recovery_steps.records import Ledger, WorkerExitReport
+from recovery_steps.store import RunLayout, RunStore
+
+RUN = "cf-run"
+T0 = 1_714_557_600.0
+HOSTS = 4
+
+
+def setup_run(root: str) -> RunStore:
+    cfg = parse_config({"run_id": RUN, "image": "trainer:local", "slice": {"accelerator": "local", "hosts": HOSTS},
+                        "storage": {"root": root},
+                        "retry": {"default_backoff": {"base_s": 2, "factor": 3, "max_s": 100}}})  # fmt: skip
+    store = RunStore(root, RUN)
+    store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
+    return store
+
+
+def write_attempt(store: RunStore, n: int, codes: list[int], first: int, *, restore: int, ckpt: int | None,
+                  exc: tuple[str, str] | None = None) -> None:  # fmt: skip
+    """What restore-latest, the trainer's workers and the local runner leave behind for attempt n."""
+    store.write_json(f"{RunLayout.attempt(n)}/restore.json", {"attempt": n, "restore_step": restore})
+    if ckpt is not None:
+        store.write_json(RunLayout.checkpoint_manifest(ckpt), {"step": ckpt})
+        store.write_bytes(f"{RunLayout.checkpoint(ckpt + 5)}/state/partial", b"x")  # no manifest: not a checkpoint
+    workers = []
+    for i, code in enumerate(codes):
+        ended = T0 + 100 * n + (10 if i == first else 11)
+        if code > 0:
+            r = WorkerExitReport(run_id=RUN, attempt=n, process_index=i, process_count=HOSTS, exit_code=code,
+                                 exit_name=str(code), last_step=ckpt, started_at=T0 + 100 * n, ended_at=ended,
+                                 exception_type=exc[0] if exc and i == first else None,
+                                 exception_message=exc[1] if exc and i == first else None)  # fmt: skip
+            store.write_json(RunLayout.worker_report(n, i), r.model_dump(mode="json"))
+        workers.append({"index": i, "pid": 4000 + i, "exit_code": code, "signal": -code if code < 0 else None,
+                        "started_at": T0 + 100 * n, "ended_at": ended, "first_failure": i == first,
+                        "stopped_by_jobset": i != first})  # fmt: skip
+    store.write_json(RunLayout.local_slice(n), {"jobset": f"{RUN}-a{n}", "workers": workers,
+                                                 "first_failure_index": first, "ended_at": T0 + 100 * n + 12})
+
+
+def outputs(d) -> dict[str, str]:
+    return {p.name: p.read_text() for p in d.iterdir()}
+
+
+def cli(store_root: str, n: int, out) -> int:
+    return classify_failure.main(["--store-root", store_root, "--run-id", RUN, "--attempt", str(n),
+                                  "--jobset", f"{RUN}-a{n}", "--output-dir", str(out)])  # fmt: skip
+
+
+def test_sequence_of_attempts_ends_with_stop(store_root, tmp_path, capsys):
+    store = setup_run(store_root)
+
+    # Attempt 0: worker 1 SIGKILLed, neighbours lose their peer -> infrastructure, retry.
+    write_attempt(store, 0, [20, -9, 20, -6], first=1, restore=-1, ckpt=10)
+    assert cli(store_root, 0, tmp_path / "o0") == 0
+    o = outputs(tmp_path / "o0")
+    assert (o["failure-class"], o["decision"], o["backoff-seconds"], o["next-attempt"]) == (
+        "infrastructure", "retry", "2", "1")
+    assert "worker 1" in o["reason"] and "\n" not in o["reason"]
+    printed = capsys.readouterr().out
+    assert "attempt 0 (local): infrastructure -> retry in 2s" in printed
+    assert "checkpoint: step -1 -> 10" in printed
+
+    # Attempt 1: an application error on every worker -> retry once (budget 1).
+    write_attempt(store, 1, [42, 42, 42, 42], first=2, restore=10, ckpt=20, exc=("ValueError", "bad shape"))
+    assert cli(store_root, 1, tmp_path / "o1") == 0
+    o = outputs(tmp_path / "o1")
+    assert (o["failure-class"], o["decision"], o["next-attempt"]) == ("application", "retry", "2")
+    assert json.loads(o["attempts-by-class"]) == {"preemption": 0, "capacity": 0, "infrastructure": 1, "hang": 0,
+                                                  "application": 1, "configuration": 0, "unknown": 0}
+
+    # Attempt 2: the same application error again -> stop, naming the budget.
+    write_attempt(store, 2, [42, 143, 143, 143], first=0, restore=20, ckpt=20, exc=("ValueError", "bad shape"))
+    assert cli(store_root, 2, tmp_path / "o2") == 0
+    o = outputs(tmp_path / "o2")
+    assert (o["failure-class"], o["decision"], o["backoff-seconds"]) == ("application", "stop", "0")
+    assert o["reason"].startswith("application budget spent: 2 application failure(s), budget allows 1 retry")
+    assert "ValueError: bad shape" in o["reason"]
+
+    ledger = Ledger.model_validate(store.read_json(RunLayout.LEDGER))
+    assert [(a.attempt, a.failure_class.value, a.decision.value) for a in ledger.attempts] == [
+        (0, "infrastructure", "retry"), (1, "application", "retry"), (2, "application", "stop")]
+    assert [(a.checkpoint_step_before, a.checkpoint_step_after) for a in ledger.attempts] == [(-1, 10), (10, 20),
+                                                                                             (20, 20)]
+    rec = store.read_json(RunLayout.attempt_record(2))
+    assert rec["decision"] == "stop" and rec["evidence"] and rec["started_at"] == T0 + 200
+
+    # Running classify-failure again for attempt 2 (an Argo step retry) changes nothing in the counts.
+    assert cli(store_root, 2, tmp_path / "o2b") == 0
+    assert outputs(tmp_path / "o2b")["attempts-by-class"] == o["attempts-by-class"]
+    assert len(Ledger.model_validate(store.read_json(RunLayout.LEDGER)).attempts) == 3
+
+
+def test_missing_local_slice_record_still_classifies_from_reports(store_root, tmp_path, capsys):
+    store = setup_run(store_root)
+    r = WorkerExitReport(run_id=RUN, attempt=0, process_index=3, process_count=HOSTS, exit_code=21, exit_name="HANG",
+                         ended_at=T0 + 5, last_step=7)  # fmt: skip
+    store.write_json(RunLayout.worker_report(0, 3), r.model_dump(mode="json"))
+    assert cli(store_root, 0, tmp_path / "o") == 0
+    o = outputs(tmp_path / "o")
+    assert (o["failure-class"], o["decision"]) == ("hang", "retry")
+    assert "no local slice record" in capsys.readouterr().out
+
+
+def test_missing_config_is_a_clear_error(tmp_path, capsys):
+    code = cli(str(tmp_path / "empty"), 0, tmp_path / "o")
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("classify-failure: ") and "run validate-config first" in err
+    assert "Traceback" not in err
+
+
+def test_store_write_failure_exits_nonzero_with_message(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    store = setup_run(root)
+    write_attempt(store, 0, [143, 143, 143, 143], first=0, restore=-1, ckpt=None)
+    (tmp_path / "store" / "runs" / RUN / RunLayout.attempt_record(0)).mkdir()  # the record cannot be written
+    code = cli(root, 0, tmp_path / "o")
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "classify-failure: run store" in err and "unreachable" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("bad", ["{not json", json.dumps({"run_id": RUN, "attempts": [{"attempt": "x"}]})])
+def test_unreadable_ledger_is_reported(tmp_path, capsys, bad):
+    root = str(tmp_path / "store")
+    store = setup_run(root)
+    write_attempt(store, 0, [143, 143, 143, 143], first=0, restore=-1, ckpt=None)
+    store.write_bytes(RunLayout.LEDGER, bad.encode())
+    assert cli(root, 0, tmp_path / "o") == 1
+    assert "unreadable ledger" in capsys.readouterr().err
