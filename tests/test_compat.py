@@ -131,3 +131,12 @@ def test_table_lists_every_rule():
     for r in RULES:
         assert f"`{r.path}`" in text
     assert "any other path" in text
+
+
+def test_checkpoints_doc_embeds_the_current_table():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "CHECKPOINTS.md").read_text()
+    start = doc.index("-->\n", doc.index("<!-- generated from recovery_steps.compat")) + len("-->\n")
+    end = doc.index("<!-- end of generated table -->")
+    assert doc[start:end].strip() == table_markdown(), "regenerate the table in docs/CHECKPOINTS.md"
