@@ -67,6 +67,7 @@ def _metric_names(expr: str) -> set[str]:
     stripped = re.sub(r"\{[^}]*\}", "", stripped)  # label matchers
     stripped = re.sub(r"\b(by|on|without|ignoring|group_left|group_right)\s*\([^)]*\)", "", stripped)
     stripped = re.sub(r"\[[^\]]*\]", "", stripped)  # range selectors
+    stripped = re.sub(r"\boffset\s+[0-9smhdwy]+", "", stripped)
     stripped = re.sub(r"\$\w+", "", stripped)  # dashboard variables
     words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", stripped))
     return words - PROMQL_WORDS

@@ -136,11 +136,14 @@ def run_alerts(cfg: JobConfig) -> list[AlertRule]:
     """
     m = cfg.monitoring
     rid = cfg.run_id
+    fail = f'{_n("jaxrec_failures_total")}{{run_id="{rid}"}}'
     return [
         AlertRule(
             alert="JaxrecRepeatedFailures",
             expr=(
-                f'sum by (run_id, class) (increase({_n("jaxrec_failures_total")}{{run_id="{rid}"}}[1h]))'
+                # A series born within the hour counts whole (Argo creates the counter at 1, which
+                # increase() cannot see); an older one counts its increase over the hour.
+                f"sum by (run_id, class) (({fail} unless {fail} offset 1h) or increase({fail}[1h]))"
                 f" >= {m.repeated_failures_threshold}"
             ),
             for_="0s",
@@ -589,6 +592,24 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
                 },
                 # Two hours later the hang failures have aged out of the window.
                 {"eval_time": f"{5 * thr + 5 + 120}m", "alertname": "JaxrecRepeatedFailures", "exp_alerts": []},
+            ],
+        },
+        {
+            "name": "a failure counter first seen at 1 (as Argo creates it) counts its first failure",
+            "interval": "5m",
+            "input_series": [
+                {
+                    "series": f'{_n("jaxrec_failures_total")}{{run_id="{rid}",class="capacity"}}',
+                    "values": f"_x2 1+1x{thr - 1} {thr}x20",
+                },
+            ],
+            "alert_rule_test": [
+                {"eval_time": f"{5 * thr}m", "alertname": "JaxrecRepeatedFailures", "exp_alerts": []},
+                {
+                    "eval_time": f"{5 * thr + 10}m",
+                    "alertname": "JaxrecRepeatedFailures",
+                    "exp_alerts": [ann(ra["JaxrecRepeatedFailures"], str(thr), **{"class": "capacity"})],
+                },
             ],
         },
         {
