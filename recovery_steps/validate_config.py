@@ -112,7 +112,8 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
         )
     outputs = {
         "run-id": cfg.run_id,
-        "store-root": store.root,
+        # Absolute for a local root: later steps may run from another working directory.
+        "store-root": store.root if store.is_gcs else str(Path(store.root).resolve()),
         "config-hash": new_hash,
         "hosts": str(cfg.slice.num_hosts),
     }
