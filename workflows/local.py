@@ -1,0 +1,442 @@
+"""Run a compiled Argo Workflow on this machine: ``python -m workflows.local argo/<job>.yaml [--inject ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from recovery_steps import records
+from recovery_steps.config import ConfigError, JobConfig, parse_config
+from recovery_steps.store import RunLayout, RunStore
+from workflows.local_engine import NodeInfo, NodeResult, WorkflowError, WorkflowRun
+from workflows.local_exec import LocalExecutor
+from workflows.local_incidents import EventTail, Segment, build_incidents
+from workflows.local_inject import SCENARIOS, Injector, parse_injections
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EMULATOR_BUCKET = "local-runs"
+SUMMARY = "local/summary.json"
+EVENTS_PREFIX = "local/events"
+_KEY_OUTPUTS = (
+    "restore-step",
+    "skipped",
+    "jobset-name",
+    "failure-class",
+    "decision",
+    "reason",
+    "backoff-seconds",
+    "next-attempt",
+    "final-status",
+    "config-hash",
+)
+
+
+class LocalRunError(Exception):
+    """Input the local runner cannot use; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+@dataclass
+class LocalRunResult:
+    """What a local run ended with."""
+
+    status: str
+    run_id: str
+    store_url: str
+    work_dir: Path
+    incidents: list[records.Incident] = field(default_factory=list)
+    params_digest: str | None = None
+    reference_digest: str | None = None
+    restarts: int = 0
+    ledger: records.Ledger | None = None
+    report_paths: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when the workflow Succeeded, 1 otherwise."""
+        return 0 if self.status == "Succeeded" else 1
+
+    @property
+    def params_match(self) -> bool | None:
+        """Whether the final parameters equal the reference run's (None without a reference)."""
+        if self.reference_digest is None or self.params_digest is None:
+            return None
+        return self.params_digest == self.reference_digest
+
+
+def load_workflow(path: Path) -> tuple[dict[str, Any], JobConfig]:
+    """Read a compiled Workflow and the job config it carries (the raw artifact of validate-config).
+
+    Raises:
+        LocalRunError: with one line per problem.
+    """
+    try:
+        wf = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise LocalRunError([f"{path}: cannot read the workflow: {e.strerror}"]) from None
+    except yaml.YAMLError as e:
+        raise LocalRunError([f"{path}: not YAML: {e}"]) from None
+    if not isinstance(wf, dict) or wf.get("kind") != "Workflow":
+        raise LocalRunError(
+            [f"{path}: not an Argo Workflow (kind: Workflow); build one with python -m workflows.build"]
+        )
+    art = _config_artifact(wf)
+    if art is None:
+        raise LocalRunError(
+            [f"{path}: no raw 'config' input artifact on a template; rebuild with python -m workflows.build"]
+        )
+    try:
+        cfg = parse_config(yaml.safe_load(art["raw"]["data"]), f"{path} (config artifact)")
+    except ConfigError as e:
+        raise LocalRunError(e.problems) from None
+    return wf, cfg
+
+
+def _config_artifact(wf: dict[str, Any]) -> dict[str, Any] | None:
+    for t in wf.get("spec", {}).get("templates", []):
+        for a in t.get("inputs", {}).get("artifacts", []) or []:
+            if a.get("name") == "config" and "raw" in a:
+                return a
+    return None
+
+
+def retarget(wf: dict[str, Any], run_id: str, store_root: str) -> dict[str, Any]:
+    """The workflow with its run id and store root replaced (parameters and the config artifact)."""
+    wf = json.loads(json.dumps(wf))
+    params = wf.setdefault("spec", {}).setdefault("arguments", {}).setdefault("parameters", [])
+    for name, value in (("run-id", run_id), ("store-root", store_root)):
+        for p in params:
+            if p["name"] == name:
+                p["value"] = value
+                break
+        else:
+            params.append({"name": name, "value": value})
+    art = _config_artifact(wf)
+    if art is not None:
+        data = yaml.safe_load(art["raw"]["data"])
+        data["run_id"] = run_id
+        data.setdefault("storage", {})["root"] = store_root
+        art["raw"]["data"] = yaml.safe_dump(data, sort_keys=True)
+    return wf
+
+
+class _Printer:
+    """One readable line per node start and end."""
+
+    def __init__(self, say: Callable[[str], None], t0: float):
+        self.say = say
+        self.t0 = t0
+
+    def __call__(self, kind: str, node: NodeInfo, res: NodeResult | None) -> None:
+        tag = f"[attempt {node.attempt}]" if node.attempt is not None else "[run]"
+        name = node.task + (f" (retry {node.retry})" if node.retry else "")
+        clock = f"{time.time() - self.t0:7.1f}s"
+        if res is None:
+            self.say(f"{clock} {tag:12} {name:24} started")
+            return
+        keys = " ".join(f"{k}={_short(v)}" for k, v in res.outputs.items() if k in _KEY_OUTPUTS)
+        msg = f"  {res.message.splitlines()[0]}" if res.message and res.phase != "Succeeded" else ""
+        self.say(f"{clock} {tag:12} {name:24} {res.phase:9} {res.duration:6.1f}s  {keys}{msg}")
+
+
+def _short(v: str, n: int = 60) -> str:
+    v = " ".join(v.split())
+    return v if len(v) <= n else v[: n - 3] + "..."
+
+
+def _read_ledger(store: RunStore) -> records.Ledger | None:
+    try:
+        data = store.read_json(RunLayout.LEDGER)
+    except ValueError:
+        return None
+    return records.Ledger.model_validate(data) if data else None
+
+
+def final_digest(store: RunStore) -> str | None:
+    """``params_digest`` of the newest worker-0 exit report that has one (the run's final parameters)."""
+    attempts = sorted((int(a) for a in store.children(RunLayout.ATTEMPTS) if a.isdigit()), reverse=True)
+    for n in attempts:
+        rep = store.read_json(RunLayout.worker_report(n, 0))
+        if rep and rep.get("params_digest") and rep.get("exit_code") == 0:
+            return rep["params_digest"]
+    return None
+
+
+def run(
+    workflow_path: Path,
+    *,
+    inject: Sequence[str] = (),
+    gcs_emulator: bool = False,
+    run_id: str | None = None,
+    store_root: str | None = None,
+    reference: bool = False,
+    reference_digest: str | None = None,
+    metrics_port: int | None = 0,
+    report: bool = True,
+    grace_seconds: float = 3.0,
+    say: Callable[[str], None] = print,
+) -> LocalRunResult:
+    """Run a compiled Workflow here, with faults injected; write incidents; print the report.
+
+    Args:
+        workflow_path: ``argo/<job>.yaml``.
+        inject: ``SCENARIO[@STEP]`` options.
+        gcs_emulator: Run against a fake-gcs-server bucket instead of a local directory.
+        run_id: Run id (default: the workflow's run id with a timestamp; reuse one to resume).
+        store_root: Run-store root (default: the workflow's ``store-root`` parameter).
+        reference: Run an uninterrupted reference run first and compare the final parameters.
+        reference_digest: The reference run's parameter digest, when already known.
+        metrics_port: Port of the run metrics server (0: any free port; None: no server).
+        report: Print the incident table and draw the timeline at the end.
+        grace_seconds: SIGTERM-to-SIGKILL grace when the local JobSet stops its workers.
+        say: Where progress lines go.
+
+    Raises:
+        LocalRunError: for unusable input.
+    """
+    wf, cfg = load_workflow(workflow_path)
+    injections, problems = parse_injections(list(inject), cfg.checkpoint.interval_steps)
+    if problems:
+        raise LocalRunError(problems)
+    params = {p["name"]: str(p.get("value", "")) for p in wf["spec"].get("arguments", {}).get("parameters", [])}
+    run_id = run_id or f"{params.get('run-id', cfg.run_id)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    with contextlib.ExitStack() as stack:
+        base_env: dict[str, str] = {}
+        if gcs_emulator:
+            from recovery_steps.emulator import GcsEmulator
+
+            em = stack.enter_context(GcsEmulator())
+            em.create_bucket(EMULATOR_BUCKET)
+            saved = {k: os.environ.get(k) for k in em.env}
+            em.apply()
+            stack.callback(_restore_env, saved)
+            base_env = em.env
+            store_root = store_root or f"gs://{EMULATOR_BUCKET}/local"
+            say(f"GCS emulator at {em.url}; run store gs://{EMULATOR_BUCKET}")
+        store_root = store_root or params.get("store-root", cfg.storage.root)
+        if reference and reference_digest is None:
+            say(f"reference run {run_id}-ref (no faults) ...")
+            ref = _run_once(wf, cfg, f"{run_id}-ref", store_root, [], base_env, None, grace_seconds, lambda _: None)
+            reference_digest = ref.params_digest
+            say(f"reference run {ref.status}: params digest {str(reference_digest)[:16]}")
+        result = _run_once(wf, cfg, run_id, store_root, injections, base_env, metrics_port, grace_seconds, say)
+        result.reference_digest = reference_digest
+        store = RunStore(store_root, run_id)
+        _finish(result, store, say)
+        if report:
+            from workflows import report as report_mod
+
+            result.report_paths = report_mod.run(store.url(), say=say)
+    return result
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _run_once(
+    wf: dict[str, Any],
+    cfg: JobConfig,
+    run_id: str,
+    store_root: str,
+    injections: list,
+    base_env: dict[str, str],
+    metrics_port: int | None,
+    grace_seconds: float,
+    say: Callable[[str], None],
+) -> LocalRunResult:
+    store = RunStore(store_root, run_id)
+    wf = retarget(wf, run_id, store_root)
+    work_dir = Path(store.url("local")) if not store.is_gcs else Path(".local-runs/emulator") / run_id / "local"
+    work_dir = work_dir.resolve()
+    events = EventTail(work_dir / "events")
+    deleted = threading.Event()
+    current: dict[str, WorkflowRun] = {}
+
+    def on_delete() -> None:
+        deleted.set()
+        threading.Thread(target=current["run"].abort, daemon=True).start()
+
+    injector = Injector(injections, events, lambda: store, on_delete=on_delete, say=lambda s: say(f"         {s}"))
+    metrics = None
+    if metrics_port is not None:
+        from workflows.local_metrics import RunMetricsServer
+
+        metrics = RunMetricsServer(run_id, cfg.retry)
+        port = metrics.start(metrics_port)
+        say(f"run {run_id}: store {store.url()}")
+        say(f"run metrics: http://127.0.0.1:{port}/metrics   worker logs: {work_dir / 'logs'}")
+    status = "Running"
+    stop_feed = threading.Event()
+
+    def feed() -> None:
+        while not stop_feed.wait(1.0):
+            ledger = _safe(lambda: _read_ledger(store))
+            if metrics is not None:
+                metrics.update(ledger or records.Ledger(run_id=run_id), status)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    t0 = time.time()
+    all_nodes: list[tuple[NodeInfo, NodeResult]] = []
+    executors: list[LocalExecutor] = []
+    restarts = 0
+    try:
+        while True:
+            ex = LocalExecutor(
+                repo_root=REPO_ROOT,
+                work_dir=work_dir,
+                base_env=base_env,
+                hooks=injector,
+                events_dir=work_dir / "events",
+                grace_seconds=grace_seconds,
+                write_slice_record=lambda _j, _r, n, rec: store.write_json(RunLayout.local_slice(n), rec),
+            )
+            executors.append(ex)
+            wrun = WorkflowRun(wf, ex, name=f"{run_id}-{restarts}" if restarts else run_id, progress=_Printer(say, t0))
+            current["run"] = wrun
+            try:
+                status = wrun.run()
+            except WorkflowError as e:
+                say(f"workflow error: {e}")
+                status = "Error"
+            all_nodes += wrun.nodes
+            if deleted.is_set() and restarts == 0:
+                deleted.clear()
+                restarts += 1
+                say(f"{time.time() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {run_id}")
+                continue
+            break
+    finally:
+        stop_feed.set()
+        feeder.join(timeout=5)
+    events.poll()
+    ledger = _read_ledger(store)
+    segments = []
+    deleted_attempts = [f for f in injector.fired if f.scenario == "delete-workflow"]
+    for ex in executors:
+        for sl in ex.slices:
+            started = min(w.started_at or sl.ended_at or t0 for w in sl.workers)
+            ended = sl.ended_at or time.time()
+            was_deleted = any(started <= f.at <= ended + 1 and f.attempt == sl.attempt for f in deleted_attempts)
+            first = sl.workers[sl.first_failure_index].ended_at if sl.first_failure_index is not None else None
+            segments.append(
+                Segment(
+                    sl.attempt, started, ended, sl.first_failure_index is not None or was_deleted, first, was_deleted
+                )
+            )
+    provision_done = [r.finished_at for n, r in all_nodes if n.template == "provision-slice" and r.phase == "Succeeded"]
+    classes = {a.attempt: a.failure_class for a in ledger.attempts} if ledger else {}
+    incidents = build_incidents(segments, events.events, provision_done, injector.fired, classes)
+    if metrics is not None:
+        metrics.update(ledger or records.Ledger(run_id=run_id), status, incidents)
+        metrics.stop()
+    result = LocalRunResult(
+        status,
+        run_id,
+        store.url(),
+        work_dir,
+        incidents,
+        _safe(lambda: final_digest(store)),
+        restarts=restarts,
+        ledger=ledger,
+    )
+    result.corrupted = injector.corrupted  # type: ignore[attr-defined]
+    result.fired = injector.fired  # type: ignore[attr-defined]
+    return result
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - a store read during a run must not stop the run
+        logging.getLogger(__name__).debug("store read failed", exc_info=True)
+        return None
+
+
+def _finish(result: LocalRunResult, store: RunStore, say: Callable[[str], None]) -> None:
+    """Write incidents, the run summary and (for GCS) the events into the run store."""
+    match = result.params_match
+    for inc in result.incidents:
+        if match is not None:
+            inc.params_match_reference = match  # type: ignore[attr-defined]
+        store.write_json(RunLayout.incident(inc.attempt), inc.model_dump(mode="json"))
+    if store.is_gcs:
+        for f in sorted((result.work_dir / "events").glob("worker-*.jsonl")):
+            store.write_bytes(f"{EVENTS_PREFIX}/{f.name}", f.read_bytes())
+    ledger = result.ledger
+    summary = {
+        "run_id": result.run_id,
+        "status": result.status,
+        "restarts": result.restarts,
+        "final_reason": ledger.final_reason if ledger else None,
+        "params_digest": result.params_digest,
+        "reference_digest": result.reference_digest,
+        "params_match_reference": match,
+        "injected": [f.__dict__ for f in getattr(result, "fired", [])],
+        "corrupted": getattr(result, "corrupted", []),
+        "attempts": len(ledger.attempts) if ledger else None,
+        "finished_at": time.time(),
+    }
+    store.write_json(SUMMARY, summary)
+    say(f"workflow {result.status}" + (f": {ledger.final_reason}" if ledger and ledger.final_reason else ""))
+    if match is not None:
+        say(f"final parameters {'equal' if match else 'DIFFER FROM'} the uninterrupted reference run")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m workflows.local``."""
+    p = argparse.ArgumentParser(prog="python -m workflows.local", description=__doc__)
+    p.add_argument("workflow", type=Path, help="compiled Workflow, e.g. argo/local-cpu.yaml")
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SCENARIO[@STEP]",
+        help="fault to inject (repeatable): " + "; ".join(f"{k}: {v}" for k, v in SCENARIOS.items()),
+    )
+    p.add_argument("--gcs-emulator", action="store_true", help="run against a local GCS emulator (gs://)")
+    p.add_argument("--run-id", help="run id (default: the workflow's, with a timestamp); reuse one to resume it")
+    p.add_argument("--store-root", help="run-store root (default: the workflow's store-root parameter)")
+    p.add_argument("--reference", action="store_true", help="also run without faults and compare final parameters")
+    p.add_argument("--metrics-port", type=int, default=0, help="run metrics port (default: any free port)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = run(
+            args.workflow,
+            inject=args.inject,
+            gcs_emulator=args.gcs_emulator,
+            run_id=args.run_id,
+            store_root=args.store_root,
+            reference=args.reference,
+            metrics_port=args.metrics_port,
+        )
+    except LocalRunError as e:
+        for line in e.problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Failure injection for local runs: ``--inject SCENARIO[@STEP]``.
+
+Scenarios act on the worker processes of a local slice when the trainer's events show a worker at
+STEP, or set ``TRAINER_FAULT`` so that the trainer injects the fault into itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from recovery_steps.store import RunLayout, RunStore
+from workflows.local_exec import LocalSlice, SliceHooks
+from workflows.local_incidents import EventTail, Injected
+
+log = logging.getLogger(__name__)
+
+SCENARIOS = {
+    "kill-worker": "SIGKILL one non-zero worker at STEP",
+    "restart-worker": "kill one worker and start it again alone (it cannot rejoin: the gang fails and recovers)",
+    "preempt": "SIGTERM every worker at STEP (graceful: state saved, no step lost)",
+    "freeze-worker": "SIGSTOP one worker at STEP (peers notice through heartbeats or the watchdog)",
+    "delete-workflow": "stop the whole local run at STEP and start it again with the same run id",
+    "corrupt-latest": "after a failure, damage the newest checkpoint (a kill at STEP unless another fault is given)",
+    "kill-during-save": "process 0 kills itself while the checkpoint of STEP is written (first attempt)",
+    "app-bug": "an exception in the training step at STEP on every attempt (ends Failed: application)",
+}
+_WATCHED = ("kill-worker", "restart-worker", "preempt", "freeze-worker", "delete-workflow")
+
+
+@dataclass
+class Injection:
+    """One requested fault and whether it fired."""
+
+    scenario: str
+    step: int
+    fired: list[Injected] = field(default_factory=list)
+
+
+def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], list[str]]:
+    """Parse ``SCENARIO[@STEP]`` options; return the injections and one problem line per bad option.
+
+    Without ``@STEP`` a scenario fires after the first checkpoint (interval + interval/2), or at the
+    second checkpoint for ``kill-during-save``.
+    """
+    out, problems = [], []
+    for spec in specs:
+        name, _, step_s = spec.partition("@")
+        if name not in SCENARIOS:
+            problems.append(f"--inject {spec}: unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
+            continue
+        if step_s:
+            if not step_s.isdigit() or int(step_s) < 1:
+                problems.append(f"--inject {spec}: STEP must be a positive integer (e.g. {name}@15)")
+                continue
+            step = int(step_s)
+        else:
+            step = 2 * interval if name == "kill-during-save" else interval + max(1, interval // 2)
+        out.append(Injection(name, step))
+    names = [i.scenario for i in out]
+    if "corrupt-latest" in names and not any(n in names for n in (*_WATCHED, "kill-during-save", "app-bug")):
+        step = next(i.step for i in out if i.scenario == "corrupt-latest")
+        out.append(Injection("kill-worker", step))
+    return out, problems
+
+
+def corrupt_newest_checkpoint(store: RunStore) -> str | None:
+    """Flip bytes in the largest array file of the newest checkpoint that has a manifest.
+
+    Returns:
+        What was damaged (``checkpoints/<step>/<file>``), or None when there is no checkpoint.
+    """
+    steps = sorted((int(s) for s in store.children(RunLayout.CHECKPOINTS) if s.isdigit()), reverse=True)
+    for step in steps:
+        if not store.exists(RunLayout.checkpoint_manifest(step)):
+            continue
+        files = [o for o in store.list(RunLayout.checkpoint(step))
+                 if not o.name.endswith(".json") and "METADATA" not in o.name.upper() and o.size > 0]  # fmt: skip
+        if not files:
+            continue
+        target = max(files, key=lambda o: o.size)
+        data = bytearray(store.read_bytes(target.name) or b"")
+        mid = len(data) // 2
+        for i in range(mid, min(len(data), mid + 16)):
+            data[i] ^= 0xFF
+        store.write_bytes(target.name, bytes(data))
+        return target.name
+    return None
+
+
+class Injector(SliceHooks):
+    """Fires the requested faults on the local slices of a run (shared by every workflow run of it)."""
+
+    def __init__(
+        self,
+        injections: list[Injection],
+        events: EventTail,
+        store: Callable[[], RunStore],
+        on_delete: Callable[[], None] | None = None,
+        say: Callable[[str], None] = print,
+    ):
+        self.injections = injections
+        self.events = events
+        self.store = store
+        self.on_delete = on_delete
+        self.say = say
+        self._first_attempt: int | None = None
+        self._slices_seen = 0
+        self.corrupted: list[str] = []
+
+    @property
+    def fired(self) -> list[Injected]:
+        """Every fault fired so far."""
+        return [f for i in self.injections for f in i.fired]
+
+    def _pending(self, scenario: str) -> Injection | None:
+        for i in self.injections:
+            if i.scenario == scenario and not i.fired:
+                return i
+        return None
+
+    def extra_env(self, attempt: int) -> dict[str, str]:
+        """``TRAINER_FAULT`` for the trainer-side scenarios."""
+        self._slices_seen += 1
+        faults = []
+        for i in self.injections:
+            if i.scenario == "app-bug":
+                faults.append(f"app-bug@{i.step}")
+            elif i.scenario == "kill-during-save" and self._slices_seen == 1:
+                faults.append(f"kill-during-save@{i.step}")
+        return {"TRAINER_FAULT": ",".join(faults)} if faults else {}
+
+    def on_tick(self, sl: LocalSlice) -> None:
+        """Fire the step-triggered scenarios once a worker of this slice has reached their step."""
+        self.events.poll()
+        pending = [i for i in self.injections if i.scenario in _WATCHED and not i.fired]
+        if not pending or sl.first_failure_index is not None:
+            return
+        steps = [e["step"] for e in self.events.events
+                 if e.get("attempt") == sl.attempt and e.get("event") == "step" and e.get("step") is not None
+                 and e["t"] >= (sl.workers[0].started_at or 0) - 1]  # fmt: skip
+        if not steps:
+            return
+        step = max(steps)
+        for inj in pending:
+            if step >= inj.step:
+                self._fire(inj, sl, step)
+
+    def _fire(self, inj: Injection, sl: LocalSlice, step: int) -> None:
+        victim = len(sl.workers) - 1
+        now = time.time()
+        inj.fired.append(Injected(inj.scenario, sl.attempt, now))
+        if inj.scenario == "kill-worker":
+            self.say(f"inject: SIGKILL worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
+            sl.signal_worker(victim, signal.SIGKILL)
+        elif inj.scenario == "restart-worker":
+            self.say(f"inject: kill worker {victim} at step {step} and start it again alone")
+            sl.restart(victim)
+        elif inj.scenario == "preempt":
+            self.say(f"inject: SIGTERM to every worker at step {step} (preemption notice)")
+            for w in sl.workers:
+                sl.signal_worker(w.index, signal.SIGTERM)
+        elif inj.scenario == "freeze-worker":
+            self.say(f"inject: SIGSTOP worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
+            sl.signal_worker(victim, signal.SIGSTOP)
+        elif inj.scenario == "delete-workflow":
+            self.say(f"inject: delete the whole local run at step {step}; it starts again with the same run id")
+            if self.on_delete is not None:
+                self.on_delete()
+
+    def after_slice(self, sl: LocalSlice, phase: str) -> None:
+        """Note the trainer-side faults; ``corrupt-latest``: damage the newest checkpoint after a failure."""
+        if phase != "Succeeded" and sl.first_failure_index is not None:
+            at = sl.workers[sl.first_failure_index].ended_at or time.time()
+            for i in self.injections:
+                if i.scenario == "app-bug" or (i.scenario == "kill-during-save" and self._slices_seen == 1):
+                    i.fired.append(Injected(i.scenario, sl.attempt, at))
+        inj = self._pending("corrupt-latest")
+        if inj is None or phase == "Succeeded":
+            return
+        damaged = corrupt_newest_checkpoint(self.store())
+        inj.fired.append(Injected("corrupt-latest", sl.attempt, time.time()))
+        if damaged:
+            self.corrupted.append(damaged)
+        self.say(f"inject: corrupted {damaged or 'nothing (no checkpoint yet)'}")

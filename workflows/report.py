@@ -1,0 +1,234 @@
+"""Incident table and timeline picture of a run: ``python -m workflows.report <run dir or gs:// run>``."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from recovery_steps.records import Incident, Ledger
+from recovery_steps.store import RunLayout, RunStore
+
+TIMELINE = "timeline.png"
+_EVENTS = "local/events"
+_SUMMARY = "local/summary.json"
+
+
+class ReportError(Exception):
+    """The target is not a run (one readable line)."""
+
+
+def open_run(target: str) -> RunStore:
+    """The run store of ``<root>/runs/<run-id>`` (a local directory or a ``gs://`` URL).
+
+    Raises:
+        ReportError: when the target does not name a run.
+    """
+    t = target.rstrip("/")
+    head, _, run_id = t.rpartition("/")
+    root, sep, _ = head.rpartition("/runs") if head.endswith("/runs") else ("", "", "")
+    if not sep or not run_id:
+        if not t.startswith("gs://") and Path(t).name and Path(t).parent.name == "runs":
+            root, run_id = str(Path(t).parent.parent), Path(t).name
+        else:
+            raise ReportError(f"{target}: not a run; give <store-root>/runs/<run-id> (a directory or gs:// URL)")
+    store = RunStore(root or ".", run_id)
+    if not store.exists(RunLayout.CONFIG) and not store.exists(RunLayout.ATTEMPTS):
+        raise ReportError(f"{target}: no run found there (no config.json or attempts/)")
+    return store
+
+
+def load_incidents(store: RunStore) -> list[Incident]:
+    """Every incident record of the run, by attempt."""
+    out = []
+    for a in store.children(RunLayout.ATTEMPTS):
+        if a.isdigit():
+            data = store.read_json(RunLayout.incident(int(a)))
+            if data:
+                out.append(Incident.model_validate(data))
+    return sorted(out, key=lambda i: (i.detected_at or i.stopped_at or 0, i.attempt))
+
+
+def load_events(store: RunStore) -> list[dict[str, Any]]:
+    """The workers' events saved with the run, sorted by time."""
+    events = []
+    for o in store.list(_EVENTS):
+        for line in (store.read_bytes(o.name) or b"").splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+    return sorted(events, key=lambda e: e.get("t", 0))
+
+
+def _d(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{b - a:.1f}"
+
+
+def incident_table(incidents: Sequence[Incident]) -> str:
+    """The incident table as aligned text (seconds measured from the failure)."""
+    head = (
+        "attempt",
+        "scenario",
+        "class",
+        "detect",
+        "stopped",
+        "ready",
+        "started",
+        "restored",
+        "1st step",
+        "recovered",
+        "pre",
+        "restored",
+        "lost",
+    )
+    rows = [head]
+    for i in incidents:
+        t0 = i.injected_at or i.detected_at
+        rows.append(
+            (
+                str(i.attempt),
+                i.scenario or "-",
+                i.failure_class.value if i.failure_class else "-",
+                _d(t0, i.detected_at),
+                _d(t0, i.stopped_at),
+                _d(t0, i.slice_ready_at),
+                _d(t0, i.workers_started_at),
+                _d(t0, i.restored_at),
+                _d(t0, i.first_step_at),
+                _d(t0, i.recovered_at),
+                "-" if i.pre_failure_step is None else str(i.pre_failure_step),
+                "-" if i.restored_step is None else str(i.restored_step),
+                "-" if i.steps_lost is None else str(i.steps_lost),
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    lines = [
+        "  ".join(v.rjust(w) if c not in (1, 2) else v.ljust(w) for c, (v, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines) + "\n(times in seconds after the failure was injected, or detected)"
+
+
+def draw_timeline(events: Sequence[dict[str, Any]], incidents: Sequence[Incident], title: str) -> bytes:
+    """A PNG: step against wall clock per attempt, failures, restores and checkpoints marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min((e["t"] for e in events), default=0.0)
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=100)
+    attempts = sorted({e.get("attempt", 0) for e in events})
+    for a in attempts:
+        pts = [
+            (e["t"] - t0, e["step"])
+            for e in events
+            if e.get("attempt") == a and e.get("process_index") == 0 and e.get("event") == "step"
+        ]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), lw=1.5, label=f"attempt {a}")
+    saves = [
+        (e["t"] - t0, e["step"])
+        for e in events
+        if e.get("event") == "save_committed" and e.get("process_index") == 0 and e.get("step") is not None
+    ]
+    if saves:
+        ax.scatter(*zip(*saves, strict=True), marker="s", s=18, color="tab:gray", zorder=3, label="checkpoint")
+    for n, i in enumerate(incidents):
+        when = i.injected_at or i.detected_at
+        if when is not None:
+            ax.axvline(when - t0, color="tab:red", ls="--", lw=1, label="failure" if n == 0 else None)
+        if i.restored_at is not None and i.restored_step is not None:
+            ax.scatter(
+                [i.restored_at - t0],
+                [i.restored_step],
+                marker="^",
+                s=50,
+                color="tab:green",
+                zorder=4,
+                label="restore" if n == 0 else None,
+            )
+        if i.recovered_at is not None and i.pre_failure_step is not None:
+            ax.scatter(
+                [i.recovered_at - t0],
+                [i.pre_failure_step],
+                marker="o",
+                s=30,
+                facecolors="none",
+                edgecolors="tab:green",
+                zorder=4,
+                label="back at pre-failure step" if n == 0 else None,
+            )
+    ax.set_xlabel("wall clock (s)")
+    ax.set_ylabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def run(target: str, *, say: Callable[[str], None] = print) -> list[str]:
+    """Print the run's summary and incident table; write the timeline PNG next to the run.
+
+    Returns:
+        Where the picture was written.
+
+    Raises:
+        ReportError: when the target is not a run.
+    """
+    store = open_run(target)
+    incidents = load_incidents(store)
+    events = load_events(store)
+    ledger_data = store.read_json(RunLayout.LEDGER)
+    ledger = Ledger.model_validate(ledger_data) if ledger_data else None
+    summary = store.read_json(_SUMMARY) or {}
+    status = summary.get("status") or (ledger.final_status if ledger else None) or "unknown"
+    say(f"run {store.run_id}: {status}" + (f" ({ledger.final_reason})" if ledger and ledger.final_reason else ""))
+    if ledger:
+        by = {k: v for k, v in ledger.by_class().items() if v}
+        say(f"attempts closed: {len(ledger.attempts)}; failures by class: {by or 'none'}")
+    if summary.get("params_match_reference") is not None:
+        say(f"final parameters equal the reference run: {summary['params_match_reference']}")
+    say(incident_table(incidents) if incidents else "no incidents")
+    png = draw_timeline(events, incidents, f"run {store.run_id}: {status}")
+    paths = []
+    if store.is_gcs:
+        store.write_bytes(TIMELINE, png)
+        local = Path(".local-runs/reports") / f"{store.run_id}-{TIMELINE}"
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(png)
+        paths += [store.url(TIMELINE), str(local)]
+    else:
+        p = Path(store.url(TIMELINE))
+        p.write_bytes(png)
+        paths.append(str(p))
+    say(f"report: python -m workflows.report {store.url()}")
+    say("timeline: " + "  ".join(paths))
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m workflows.report``."""
+    p = argparse.ArgumentParser(prog="python -m workflows.report", description=__doc__)
+    p.add_argument("run", help="<store-root>/runs/<run-id> (a directory or gs:// URL)")
+    args = p.parse_args(argv)
+    try:
+        run(args.run)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
