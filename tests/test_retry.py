@@ -167,3 +167,13 @@ def test_update_gives_up_after_tries(tmp_path):
 
     with pytest.raises(PreconditionFailed, match="still contended after 3 tries"):
         update_ledger(store, always_race, tries=3, sleep=lambda s: None)
+
+
+def test_failures_doc_budgets_match_the_defaults():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "FAILURES.md").read_text()
+    cfg = RetryConfig()
+    for cls in FailureClass:
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{cls.value}` |"))
+        assert row.split("|")[4].strip() == str(cfg.budget(cls)), row
