@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from recovery_steps.k8s import JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION, SPOT_LABEL
 from recovery_steps.records import WorkerExitReport
@@ -147,12 +148,24 @@ class LocalWorker(_Ev):
 
     index: int
     pid: int | None = None
-    exit_code: int | None = None
-    signal: int | None = None
+    exit_code: int | None = Field(default=None, description="As Kubernetes reports it: 128 + signal if signalled.")
+    signal: int | None = Field(default=None, description="Signal that ended the process ('SIGKILL' or 9).")
     started_at: float | None = None
     ended_at: float | None = None
     first_failure: bool = False
     stopped_by_jobset: bool = False
+
+    @field_validator("signal", mode="before")
+    @classmethod
+    def _signal_number(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            name = v.upper()
+            try:
+                return int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
+            except KeyError:
+                digits = name.removeprefix("SIG")
+                return int(digits) if digits.isdigit() else None
+        return v
 
 
 class LocalSlice(_Ev):

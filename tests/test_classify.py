@@ -245,6 +245,23 @@ def test_job_failure_message_breaks_a_tie_in_the_same_second():
     assert any("matching FailJob rule" in line for line in v.evidence)
 
 
+def test_local_record_with_signal_names_as_the_runner_writes_them():
+    ls = LocalSlice.model_validate({"jobset": "r-a0", "first_failure_index": 3, "ended_at": T0 + 9, "workers": [
+        {"index": 0, "pid": 10, "exit_code": 20, "signal": None, "started_at": T0, "ended_at": T0 + 5.2,
+         "first_failure": False, "stopped_by_jobset": True, "restarts": 0},
+        {"index": 1, "pid": 11, "exit_code": 134, "signal": "SIGABRT", "started_at": T0, "ended_at": T0 + 9,
+         "first_failure": False, "stopped_by_jobset": True, "restarts": 0},
+        {"index": 2, "pid": 12, "exit_code": 20, "signal": None, "started_at": T0, "ended_at": T0 + 5.3,
+         "first_failure": False, "stopped_by_jobset": True, "restarts": 0},
+        {"index": 3, "pid": 13, "exit_code": 137, "signal": "SIGKILL", "started_at": T0, "ended_at": T0 + 5,
+         "first_failure": True, "stopped_by_jobset": False, "restarts": 0},
+    ]})  # fmt: skip
+    assert [w.signal for w in ls.workers] == [None, 6, None, 9]
+    v = classify(Evidence(backend="local", attempt=0, local_slice=ls))
+    assert v.failure_class is FailureClass.INFRASTRUCTURE
+    assert v.reason.startswith("worker 3 exit 137 (signal 9)")
+
+
 def test_classify_is_pure():
     ev = CASES[3].values[0]
     before = ev.model_dump()

@@ -41,7 +41,9 @@ def write_attempt(store: RunStore, n: int, codes: list[int], first: int, *, rest
                                  exception_type=exc[0] if exc and i == first else None,
                                  exception_message=exc[1] if exc and i == first else None)  # fmt: skip
             store.write_json(RunLayout.worker_report(n, i), r.model_dump(mode="json"))
-        workers.append({"index": i, "pid": 4000 + i, "exit_code": code, "signal": -code if code < 0 else None,
+        # The shape the local runner writes: exit code as Kubernetes reports it, the signal by name.
+        sig = {-9: "SIGKILL", -6: "SIGABRT", -15: "SIGTERM"}.get(code)
+        workers.append({"index": i, "pid": 4000 + i, "exit_code": 128 - code if code < 0 else code, "signal": sig,
                         "started_at": T0 + 100 * n, "ended_at": ended, "first_failure": i == first,
                         "stopped_by_jobset": i != first})  # fmt: skip
     store.write_json(RunLayout.local_slice(n), {"jobset": f"{RUN}-a{n}", "workers": workers,
