@@ -26,7 +26,9 @@ def test_build_is_deterministic_and_check_names_stale_files(tmp_path):
     out = tmp_path / "argo"
     assert _run(REPO / "configs", out)[0] == 0
     first = {p.name: p.read_text() for p in out.iterdir()}
-    assert set(first) == {"local-cpu.yaml", "v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml", "rbac.yaml"}
+    gke = ("v5e-4x4", "v5p-64", "v6e-8x8")
+    monitoring = {f"{s}.{kind}" for s in gke for kind in ("monitoring.yaml", "rules.yaml", "dashboard.json")}
+    assert set(first) == {"local-cpu.yaml", *(f"{s}.yaml" for s in gke), "rbac.yaml", *monitoring}
     assert all("creationTimestamp" not in t for t in first.values())
     shutil.rmtree(out)
     assert _run(REPO / "configs", out)[0] == 0
@@ -68,14 +70,14 @@ def test_bad_config_prints_its_problems_and_exits_2(tmp_path):
 
 
 def test_extra_renderers_write_next_to_the_workflow(tmp_path):
-    def render(cfg):
-        return {} if cfg.slice.is_local else {f"{cfg.run_id}.monitoring.yaml": f"run: {cfg.run_id}\n"}
+    def render(cfg, stem):
+        return {} if cfg.slice.is_local else {f"{stem}.extra.yaml": f"run: {cfg.run_id}\n"}
 
     out = tmp_path / "argo"
     assert _run(REPO / "configs", out, extra_renderers=[render])[0] == 0
-    assert (out / "lm-v5e-4x4.monitoring.yaml").read_text() == "run: lm-v5e-4x4\n"
-    assert not (out / "local-cpu.monitoring.yaml").exists()
+    assert (out / "v5e-4x4.extra.yaml").read_text() == "run: lm-v5e-4x4\n"
+    assert not (out / "local-cpu.extra.yaml").exists()
     assert _run(REPO / "configs", out, extra_renderers=[render], check=True)[0] == 0
     # Without the renderer those files are no longer generated: stale.
     code, text = _run(REPO / "configs", out, check=True)
-    assert code == 1 and "lm-v5e-4x4.monitoring.yaml" in text
+    assert code == 1 and "v5e-4x4.extra.yaml" in text and "v5e-4x4.monitoring.yaml" in text

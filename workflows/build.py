@@ -10,17 +10,19 @@ from pathlib import Path
 import yaml
 
 from recovery_steps.config import ConfigError, JobConfig, load_config
+from workflows.monitoring import render_monitoring
 from workflows.rbac import rbac_objects
 from workflows.templates import build_workflow
 
 REPO = Path(__file__).resolve().parents[1]
 RBAC_FILE = "rbac.yaml"
 
-Renderer = Callable[[JobConfig], dict[str, str]]
-"""Extra per-config manifests: ``render(cfg) -> {file name: text}``, written next to the Workflow."""
+Renderer = Callable[[JobConfig, str], dict[str, str]]
+"""Extra per-config manifests: ``render(cfg, config_stem) -> {file name: text}``, written next to the Workflow."""
 
-# Extra per-config renderers (e.g. monitoring manifests for GKE configs) are added here.
-EXTRA_RENDERERS: tuple[Renderer, ...] = ()
+# Monitoring for GKE configs: PodMonitoring + alert rules, plain Prometheus rules, Grafana dashboard.
+EXTRA_RENDERERS: tuple[Renderer, ...] = (render_monitoring,)
+GENERATED_PATTERNS = ("*.yaml", "*.json")
 
 
 def _header(source: str) -> str:
@@ -61,7 +63,7 @@ def render_all(
         source = f"configs/{path.name}"
         files[f"{path.stem}.yaml"] = render_workflow(cfg, source)
         for render in extra_renderers:
-            for name, text in render(cfg).items():
+            for name, text in render(cfg, path.stem).items():
                 if name in files:
                     raise ValueError(f"{name}: generated twice (from {source})")
                 files[name] = text
@@ -72,7 +74,8 @@ def render_all(
 def stale_files(out_dir: Path, files: dict[str, str]) -> list[str]:
     """Names under ``out_dir`` that differ from ``files``: missing, changed, or no longer generated."""
     stale = [name for name, text in files.items() if _read(out_dir / name) != text]
-    stale += [p.name for p in out_dir.glob("*.yaml") if p.name not in files] if out_dir.is_dir() else []
+    if out_dir.is_dir():
+        stale += [p.name for pat in GENERATED_PATTERNS for p in out_dir.glob(pat) if p.name not in files]
     return sorted(stale)
 
 
