@@ -106,6 +106,11 @@ def gather(
     step_exit_code: int | None = None,
 ) -> Evidence:  # fmt: skip
     """Every piece of evidence of the backend the config names (GKE or local), plus the worker reports."""
+    if step_exit_code is None:
+        # provision-slice records its last try; a failed one means the attempt ended before training.
+        prov = store.read_json(RunLayout.provision_record(attempt)) or {}
+        if isinstance(prov.get("exit_code"), int) and prov["exit_code"] != 0:
+            step_exit_code = prov["exit_code"]
     ev = Evidence(backend="local" if cfg.slice.is_local else "gke", attempt=attempt, step_exit_code=step_exit_code)
     gather_reports(store, attempt, ev)
     if cfg.slice.is_local:

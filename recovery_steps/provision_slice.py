@@ -417,9 +417,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         )  # fmt: skip
     except ProvisionError as e:
         print(f"provision-slice: {e}", file=sys.stderr)
+        record_outcome(args.store_root, args.run_id, args.attempt, int(e.code), str(e))
         return int(e.code)
+    record_outcome(args.store_root, args.run_id, args.attempt, 0, "slice ready")
     print(" ".join(f"{k}={v}" for k, v in outputs.items()))
     return 0
+
+
+def record_outcome(store_root: str, run_id: str, attempt: int, code: int, message: str) -> None:
+    """Write this try's outcome where classify-failure finds it when the attempt ends before training."""
+    try:
+        RunStore(store_root, run_id).write_json(
+            RunLayout.provision_record(attempt), {"exit_code": code, "message": message, "at": time.time()}
+        )
+    except Exception as e:  # noqa: BLE001 - the exit code still tells Argo what happened
+        print(f"provision-slice: could not record the outcome in the run store: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,11 @@ class RunLayout:
         return f"attempts/{n}/local-slice.json"
 
     @staticmethod
+    def provision_record(n: int) -> str:
+        """provision-slice's outcome for attempt ``n`` (exit code and message of its last try)."""
+        return f"attempts/{n}/provision.json"
+
+    @staticmethod
     def incident(n: int) -> str:
         """The incident record of the failure that ended attempt ``n`` (timings on one clock)."""
         return f"attempts/{n}/incident.json"

@@ -1,7 +1,7 @@
 """``validate-config``: validate a job config once, pin it in the run store, and check it against the run's past.
 
 Usage: ``python -m recovery_steps.validate_config --config FILE [--store-root R] [--accept-safe-changes]
---output-dir D``. Outputs: ``run-id``, ``store-root``, ``config-hash``, ``hosts``.
+--output-dir D``. Outputs: ``run-id``, ``store-root``, ``config-hash``, ``hosts``, ``first-attempt``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,18 @@ def latest_manifest_step(store: RunStore) -> tuple[int, Any] | None:
         if manifest is not None:
             return step, manifest
     return None
+
+
+def next_attempt(store: RunStore) -> int:
+    """The first attempt number of a (re)submitted workflow: one past every attempt the run has seen.
+
+    A workflow resubmitted under the same run id continues the numbering, so its attempts never
+    overwrite earlier records or reset the budgets kept in the ledger.
+    """
+    seen = [int(n) for n in store.children(RunLayout.ATTEMPTS) if n.isdigit()]
+    ledger = store.read_json(RunLayout.LEDGER) or {}
+    seen += [int(a["attempt"]) for a in ledger.get("attempts", []) if isinstance(a.get("attempt"), int)]
+    return max(seen) + 1 if seen else 0
 
 
 def _check_change(old: dict[str, Any], new: dict[str, Any], accept_safe: bool) -> tuple[bool, list[str]]:
@@ -116,6 +128,7 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
         "store-root": store.root if store.is_gcs else str(Path(store.root).resolve()),
         "config-hash": new_hash,
         "hosts": str(cfg.slice.num_hosts),
+        "first-attempt": str(next_attempt(store)),
     }
     return ValidateResult(ExitCode.OK, messages, outputs)
 

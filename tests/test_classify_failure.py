@@ -142,3 +142,20 @@ def test_unreadable_ledger_is_reported(tmp_path, capsys, bad):
     store.write_bytes(RunLayout.LEDGER, bad.encode())
     assert cli(root, 0, tmp_path / "o") == 1
     assert "unreadable ledger" in capsys.readouterr().err
+
+
+def test_provision_failure_after_its_retries_is_classified_as_capacity(store_root, tmp_path, capsys):
+    from recovery_steps.provision_slice import record_outcome
+
+    store = setup_run(store_root)
+    store.write_json(f"{RunLayout.attempt(0)}/restore.json", {"attempt": 0, "restore_step": -1})
+    record_outcome(store_root, RUN, 0, 75, "2 of 4 TPU nodes Ready in pool tpu-pool")
+    assert cli(store_root, 0, tmp_path / "o") == 0
+    out = outputs(tmp_path / "o")
+    assert out["failure-class"] == "capacity", out
+    assert out["decision"] == "retry"
+    # A provision try that later succeeded leaves no capacity verdict behind.
+    record_outcome(store_root, RUN, 1, 0, "slice ready")
+    write_attempt(store, 1, [42, 42, 42, 42], 0, restore=-1, ckpt=None, exc=("ValueError", "bad shape"))
+    assert cli(store_root, 1, tmp_path / "o1") == 0
+    assert outputs(tmp_path / "o1")["failure-class"] == "application"

@@ -210,3 +210,16 @@ def test_latest_compatible_checkpoint_passes(store_root, tmp_path, capsys):
     cfg = load_config(path)
     write_checkpoint(RunStore(store_root, cfg.run_id), cfg, 10)
     assert _validate(path, store_root, tmp_path / "o") == 0
+
+
+def test_resubmitted_run_continues_the_attempt_numbering(store_root, tmp_path, capsys):
+    data = _load("local-cpu")
+    path = _write_cfg(tmp_path, data)
+    assert _validate(path, store_root, tmp_path / "o1") == 0
+    assert (tmp_path / "o1" / "first-attempt").read_text() == "0"
+    store = RunStore(store_root, data["run_id"])
+    # A first workflow ran attempts 0 and 1 (1 was cut short before it was closed in the ledger).
+    store.write_json(RunLayout.LEDGER, {"run_id": data["run_id"], "attempts": [{"attempt": 0, "outcome": "failed"}]})
+    store.write_json(RunLayout.worker_report(1, 0), {"attempt": 1})
+    assert _validate(path, store_root, tmp_path / "o2") == 0
+    assert (tmp_path / "o2" / "first-attempt").read_text() == "2"

@@ -44,14 +44,15 @@ def v5e():
     return _wf("v5e-4x4.yaml")
 
 
-def test_main_dag_validates_then_starts_attempt_zero(local):
+def test_main_dag_validates_then_starts_the_first_free_attempt(local):
     spec = local["spec"]
     assert spec["entrypoint"] == "main" and spec["onExit"] == "exit-handler"
     tasks = _tasks(_templates(local)["main"])
     assert set(tasks) == {"validate-config", "attempt"}
     assert tasks["attempt"]["template"] == "attempt"
     assert tasks["attempt"]["depends"] == "validate-config"
-    assert tasks["attempt"]["arguments"]["parameters"] == [{"name": "attempt", "value": "0"}]
+    first = "{{tasks.validate-config.outputs.parameters.first-attempt}}"
+    assert tasks["attempt"]["arguments"]["parameters"] == [{"name": "attempt", "value": first}]
     assert {p["name"] for p in spec["arguments"]["parameters"]} == {"store-root", "run-id"}
     assert local["metadata"]["labels"] == {"jaxrec/run-id": "local-cpu"}
 
@@ -60,7 +61,9 @@ def test_attempt_dag_order_and_branches(local):
     tasks = _tasks(_templates(local)["attempt"])
     assert tasks["provision-slice"]["depends"] == "restore-latest"
     assert tasks["train-segment"]["depends"] == "provision-slice"
-    assert tasks["classify-failure"]["depends"] == "train-segment.Failed || train-segment.Errored"
+    assert tasks["classify-failure"]["depends"] == (
+        "train-segment.Failed || train-segment.Errored || provision-slice.Failed || provision-slice.Errored"
+    )
     decision = "'{{tasks.classify-failure.outputs.parameters.decision}}'"
     assert tasks["backoff"]["when"] == f"{decision} == 'retry'"
     assert tasks["next-attempt"]["when"] == f"{decision} == 'retry'"

@@ -115,7 +115,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             "validate-config",
             "validate_config",
             ["--config", CONFIG_PATH, "--store-root", STORE_ROOT],
-            outputs=["run-id", "store-root", "config-hash", "hosts"],
+            outputs=["run-id", "store-root", "config-hash", "hosts", "first-attempt"],
             input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
         )
         restore = _step(
@@ -244,8 +244,13 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             t_classify = Task(
                 name="classify-failure",
                 template=classify,
-                arguments={"attempt": ATTEMPT_IN, "jobset-name": prov_out % "jobset-name"},
-                depends="train-segment.Failed || train-segment.Errored",
+                # provision-slice may have failed (capacity after its retries): name the JobSet the
+                # way provision-slice does instead of reading its outputs.
+                arguments={"attempt": ATTEMPT_IN, "jobset-name": f"{RUN_ID}-a{ATTEMPT_IN}"},
+                depends=(
+                    "train-segment.Failed || train-segment.Errored"
+                    " || provision-slice.Failed || provision-slice.Errored"
+                ),
             )
             out = "{{tasks.classify-failure.outputs.parameters.%s}}"
             retry_when = f"'{out % 'decision'}' == 'retry'"
@@ -275,7 +280,12 @@ def build_workflow(cfg: JobConfig) -> Workflow:
 
         with DAG(name="main"):
             t_validate = Task(name="validate-config", template=validate)
-            t_first = Task(name="attempt", template=attempt, arguments={"attempt": "0"})
+            # A resubmitted run continues its attempt numbering (validate-config reads the ledger).
+            t_first = Task(
+                name="attempt",
+                template=attempt,
+                arguments={"attempt": "{{tasks.validate-config.outputs.parameters.first-attempt}}"},
+            )
             t_validate >> t_first
 
     # Templates referenced only by name must still be listed once.
