@@ -1,0 +1,103 @@
+"""Incident building (pure), the report's table and picture, and the local runner's input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from recovery_steps.contract import FailureClass
+from recovery_steps.records import Incident
+from recovery_steps.store import RunLayout, RunStore
+from workflows import local, report
+from workflows.local_incidents import Injected, Segment, build_incidents
+from workflows.local_inject import parse_injections
+
+
+def _ev(t, event, attempt, i, step=None, **kw):
+    return {"t": t, "event": event, "attempt": attempt, "process_index": i, "step": step, **kw}
+
+
+def _events():
+    ev = []
+    for i in range(2):
+        ev += [_ev(100, "started", 0, i), _ev(105, "restored", 0, i, 0), _ev(110, "first_step", 0, i, 1)]
+        ev += [_ev(110 + s, "step", 0, i, s) for s in range(1, 16)]
+        ev += [_ev(130 + i, "started", 1, i), _ev(135 + i, "restored", 1, i, 10, restore_step=10),
+               _ev(140 + i, "first_step", 1, i, 11)]
+        ev += [_ev(140 + s - 10, "step", 1, i, s) for s in range(11, 21)]
+    return ev
+
+
+def test_incident_timings_from_events_and_segments():
+    segs = [Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)]
+    incs = build_incidents(segs, _events(), [128.0], [Injected("kill-worker", 0, 125.8)],
+                           {0: FailureClass.INFRASTRUCTURE})
+    assert len(incs) == 1
+    inc = incs[0]
+    assert (inc.pre_failure_step, inc.restored_step, inc.steps_lost) == (15, 10, 5)
+    assert inc.scenario == "kill-worker" and inc.failure_class == FailureClass.INFRASTRUCTURE
+    assert (inc.injected_at, inc.detected_at, inc.stopped_at, inc.slice_ready_at) == (125.8, 126.0, 126.5, 128.0)
+    assert (inc.workers_started_at, inc.restored_at, inc.first_step_at) == (131, 136, 141)
+    assert inc.recovered_at == 145  # first event at step 15 in attempt 1
+    assert inc.recovery_seconds == pytest.approx(145 - 125.8)
+
+
+def test_no_lost_step_means_recovered_at_first_step():
+    ev = [e for e in _events() if not (e["attempt"] == 0 and (e["step"] or 0) > 10)]
+    incs = build_incidents([Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)], ev, [], [])
+    assert incs[0].steps_lost == 0 and incs[0].recovered_at == incs[0].first_step_at
+
+
+def test_last_failure_without_a_next_attempt_has_no_recovery():
+    incs = build_incidents([Segment(0, 100, 126.5, True, 126.0)], _events(), [], [])
+    assert incs[0].recovered_at is None and incs[0].restored_step is None
+
+
+@pytest.mark.parametrize(
+    ("specs", "problem"),
+    [(["explode"], "unknown scenario 'explode'"), (["kill-worker@x"], "STEP must be a positive integer")],
+)
+def test_bad_injections_name_the_option(specs, problem):
+    _, problems = parse_injections(specs, 10)
+    assert len(problems) == 1 and problem in problems[0] and specs[0] in problems[0]
+
+
+def test_default_steps_and_corrupt_latest_brings_a_kill():
+    inj, problems = parse_injections(["corrupt-latest", "kill-during-save", "preempt@7"], 10)
+    assert not problems
+    assert [(i.scenario, i.step) for i in inj] == [("corrupt-latest", 15), ("kill-during-save", 20), ("preempt", 7)]
+    inj, _ = parse_injections(["corrupt-latest"], 10)
+    assert [(i.scenario, i.step) for i in inj] == [("corrupt-latest", 15), ("kill-worker", 15)]
+
+
+def test_report_prints_table_and_writes_timeline(store_root, capsys):
+    store = RunStore(store_root, "r1")
+    store.write_json(RunLayout.CONFIG, {"config": {}, "hash": "x"})
+    inc = Incident(attempt=0, scenario="kill-worker", failure_class=FailureClass.INFRASTRUCTURE, injected_at=125.8,
+                   detected_at=126.0, stopped_at=126.5, recovered_at=145, pre_failure_step=15, restored_step=10,
+                   steps_lost=5)
+    store.write_json(RunLayout.incident(0), inc.model_dump(mode="json"))
+    store.write_bytes("local/events/worker-0.jsonl", "\n".join(json.dumps(e) for e in _events()).encode() + b"\n")
+    lines: list[str] = []
+    paths = report.run(store.url(), say=lines.append)
+    text = "\n".join(lines)
+    assert "kill-worker" in text and "infrastructure" in text
+    row = next(line for line in text.splitlines() if "kill-worker" in line).split()
+    assert row[-3:] == ["15", "10", "5"] and "19.2" in row
+    assert store.read_bytes(report.TIMELINE)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert paths[0] == store.url(report.TIMELINE)
+
+
+def test_report_of_a_non_run_is_one_line(tmp_path, capsys):
+    assert report.main([str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not a run" in err
+
+
+def test_local_bad_input_is_one_line_per_problem(tmp_path, capsys):
+    assert local.main([str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read the workflow" in capsys.readouterr().err
+    assert local.main(["argo/local-cpu.yaml", "--inject", "nope", "--inject", "kill-worker@0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "unknown scenario 'nope'" in err[0] and "kill-worker@0" in err[1]
