@@ -154,7 +154,8 @@ def launch(
         log = workdir / f"worker-{attempt}-{i}.log"
         logs.append(log)
         cmd = [sys.executable, "-m", "trainer", "--store-root", cfg.storage.root, "--run-id", cfg.run_id,
-               "--attempt", str(attempt), "--restore-step", str(restore_step), "--metrics-port", str(metrics_port)]  # fmt: skip
+               "--attempt", str(attempt), "--restore-step", str(restore_step),
+               "--metrics-port", str(metrics_port)]  # fmt: skip
         with open(log, "wb") as f:
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO))
     return Gang(procs, events_dir, logs)

@@ -71,19 +71,13 @@ def configure_logging(process_index: int | str) -> None:
 
 
 @contextlib.contextmanager
-def _coordination_hooks(on_error: Any, shutdown_timeout_s: int):
-    """Make the distributed client call ``on_error`` on a coordination failure instead of aborting.
-
-    ``jax.distributed.initialize`` does not expose the client's ``missed_heartbeat_callback`` or
-    its shutdown timeout; without the callback the runtime aborts the process from C++ (SIGABRT),
-    which leaves no exit report and no contract code.
-    """
+def _client_shutdown_timeout(shutdown_timeout_s: int):
+    """Give the config's shutdown timeout to the distributed client too (``initialize`` passes it to the service)."""
     from jax._src import distributed as jd
 
     orig = jd._jax.get_distributed_runtime_client
 
     def client(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("missed_heartbeat_callback", on_error)
         kwargs.setdefault("shutdown_timeout", shutdown_timeout_s)
         return orig(*args, **kwargs)
 
@@ -92,6 +86,25 @@ def _coordination_hooks(on_error: Any, shutdown_timeout_s: int):
         yield
     finally:
         jd._jax.get_distributed_runtime_client = orig
+
+
+def install_abort_handler(on_abort: Any) -> Any:
+    """Run ``on_abort()`` when the runtime aborts the process (SIGABRT from C++), before it dies.
+
+    When the coordination service reports a lost peer or a lost service, the JAX runtime aborts
+    from a C++ thread; a Python-level signal handler would never run. A C-level handler (a ctypes
+    thunk) runs in the aborting thread, takes the GIL and can write the exit report and leave by
+    ``os._exit`` with the contract code. Returns the handler, which the caller must keep alive.
+    """
+    import ctypes
+
+    handler_t = ctypes.CFUNCTYPE(None, ctypes.c_int)
+    handler = handler_t(lambda signum: on_abort())
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, handler_t]
+    libc.signal(signal.SIGABRT, handler)
+    return handler
 
 
 class Worker:
@@ -124,6 +137,7 @@ class Worker:
         self._exit_lock = threading.Lock()
         self.exiting: int | None = None
         self.ckpt: Any = None
+        self._abort_handler: Any = None
 
     # --- exit path -------------------------------------------------------------------------------
 
@@ -164,11 +178,12 @@ class Worker:
         logging.shutdown()
         os._exit(int(code))
 
-    def on_coordination_error(self, *status: Any) -> None:
-        """The coordination service reports a dead peer or a lost service: leave as peer-lost."""
+    def on_abort(self) -> None:
+        """The runtime aborts (the coordination service lost a peer or itself): leave as peer-lost."""
         if self.exiting is not None:
-            return
-        self.exit_now(ExitCode.PEER_LOST, message=f"coordination service error: {status[0] if status else ''}")
+            os._exit(self.exiting)
+        self.exit_now(ExitCode.PEER_LOST, message="the JAX runtime aborted: the coordination service reported a lost "
+                      "peer or was lost itself (see the worker log)")
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         """Ask for a save at the current step; every process agrees on that step through the next step."""
@@ -230,7 +245,8 @@ class Worker:
                 num_processes=ident.num_processes,
                 process_id=ident.process_id,
             )
-        with _coordination_hooks(self.on_coordination_error, t.shutdown_timeout_s):
+        self._abort_handler = install_abort_handler(self.on_abort)
+        with _client_shutdown_timeout(t.shutdown_timeout_s):
             jax.distributed.initialize(**kw)
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         configure_logging(self.process_index)

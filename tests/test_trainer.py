@@ -1,0 +1,174 @@
+"""The trainer as real multi-process JAX gangs on the CPU: train, kill, resume, preempt, crash mid-save."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from trainer_harness import launch, read_report, tiny_config, write_config
+
+from recovery_steps.contract import ExitCode
+from recovery_steps.records import CheckpointManifest
+from recovery_steps.store import RunLayout, RunStore
+
+pytestmark = pytest.mark.slow
+
+N = 4
+TOTAL = 20
+CONTRACT = {int(c) for c in ExitCode}
+
+
+def committed_steps(store: RunStore) -> list[int]:
+    import orbax.checkpoint as ocp
+
+    mgr = ocp.CheckpointManager(store.url(RunLayout.CHECKPOINTS), options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        return sorted(mgr.all_steps())
+    finally:
+        mgr.close()
+
+
+def manifest(store: RunStore, step: int) -> CheckpointManifest | None:
+    raw = store.read_json(RunLayout.checkpoint_manifest(step))
+    return None if raw is None else CheckpointManifest.model_validate(raw)
+
+
+def digests(store: RunStore, attempt: int) -> set[str]:
+    return {read_report(store, attempt, i)["params_digest"] for i in range(N)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 4-process run of TOTAL steps: its store and final params digest."""
+    work = tmp_path_factory.mktemp("reference")
+    cfg = tiny_config(str(work / "store"), run_id="reference")
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, work)
+    codes = gang.wait(240)
+    assert codes == [0] * N, [gang.log(i)[-2000:] for i in range(N)]
+    (digest,) = digests(store, 0)  # every process ends with the same parameters
+    return cfg, store, digest
+
+
+def test_gang_trains_checkpoints_and_exits_zero(reference):
+    cfg, store, _ = reference
+    assert committed_steps(store) == [5, 10, 15, 20]
+    for step in (5, 10, 15, 20):
+        m = manifest(store, step)
+        assert m is not None and m.step == step
+        assert m.config_hash == cfg.config_hash() and m.process_count == N and m.mesh_shape == {"data": N}
+        assert {f.path.split("/")[0] for f in m.files} >= {"state", "data"}
+        assert m.save_seconds is not None and m.save_seconds >= 0
+    for i in range(N):
+        r = read_report(store, 0, i)
+        assert (r["exit_code"], r["exit_name"], r["last_step"], r["last_checkpoint_step"]) == (0, "OK", TOTAL, TOTAL)
+        assert r["compile_seconds"] > 0 and r["first_step_at"] >= r["restored_at"] >= r["initialized_at"]
+
+
+def test_sigkill_of_one_worker_then_resume_is_bit_identical(reference, tmp_path):
+    _, _, want = reference
+    cfg = tiny_config(str(tmp_path / "store"), run_id="killed", training={"step_delay_s": 0.05})
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, tmp_path)
+    gang.wait_for(0, "save_committed", 10)
+    gang.wait_for(2, "step", 12)
+    killed_at = gang.signal(2, signal.SIGKILL)
+    codes = gang.wait(30)
+    ends = [e["t"] for i in (0, 1, 3) for e in gang.events(i) if e["event"] == "exit"]
+    assert codes[2] == -signal.SIGKILL
+    assert all(codes[i] in CONTRACT - {0} for i in (0, 1, 3)), codes
+    assert len(ends) == 3 and max(ends) - killed_at < 15, (ends, killed_at)
+    for i in (0, 1, 3):
+        assert read_report(store, 0, i)["exit_code"] == codes[i]
+
+    restore = max(s for s in committed_steps(store) if manifest(store, s) is not None)
+    assert 10 <= restore < TOTAL
+    gang = launch(cfg, 1, restore, tmp_path)
+    assert gang.wait(240) == [0] * N, gang.log(0)[-3000:]
+    assert [e["step"] for e in gang.events(1) if e["event"] == "restored"] == [restore]
+    assert digests(store, 1) == {want}
+
+
+def test_sigkill_during_async_save_leaves_no_committed_step(tmp_path):
+    cfg = tiny_config(str(tmp_path / "store"), run_id="torn-save", hosts=2, training={"total_steps": 12})
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, tmp_path, fault="kill-during-save@10")
+    codes = gang.wait(180)
+    assert codes[0] == -signal.SIGKILL
+    assert all(c in CONTRACT - {0} for c in codes[1:]), codes
+    assert 10 not in committed_steps(store)
+    assert manifest(store, 10) is None
+    assert manifest(store, 5) is not None and 5 in committed_steps(store)
+
+
+def test_sigterm_saves_the_agreed_step_and_next_attempt_resumes_there(reference, tmp_path):
+    _, _, want = reference
+    cfg = tiny_config(str(tmp_path / "store"), run_id="preempted", training={"step_delay_s": 0.05})
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, tmp_path)
+    gang.wait_for(1, "step", 6)
+    sent_at_step = gang.last_step(1)
+    gang.signal(1, signal.SIGTERM)
+    time.sleep(0.1)
+    gang.signal(3, signal.SIGTERM)  # the others never get it: they stop through the agreement
+    codes = gang.wait(120)
+    assert codes == [ExitCode.PREEMPTED] * N, gang.log(1)[-3000:]
+    stops = {read_report(store, 0, i)["last_step"] for i in range(N)}
+    assert len(stops) == 1
+    (stop,) = stops
+    assert sent_at_step <= stop < TOTAL
+    assert manifest(store, stop) is not None and stop in committed_steps(store)
+    assert all(read_report(store, 0, i)["last_checkpoint_step"] == stop for i in range(N))
+
+    gang = launch(cfg, 1, stop, tmp_path)
+    assert gang.wait(240) == [0] * N, gang.log(0)[-3000:]
+    restored = [e for e in gang.events(0) if e["event"] == "restored"]
+    assert restored[0]["step"] == stop
+    assert digests(store, 1) == {want}  # no step lost or repeated
+
+
+def test_gang_on_the_gcs_emulator(gcs_emulator, tmp_path):
+    root = f"gs://test-bucket/trainer-{int(time.time() * 1000)}"
+    cfg = tiny_config(root, run_id="on-gcs", hosts=2, training={"total_steps": 6}, checkpoint={"interval_steps": 3})
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, tmp_path, extra_env=gcs_emulator.env)
+    assert gang.wait(180) == [0, 0], gang.log(0)[-3000:]
+    assert committed_steps(store) == [3, 6]
+    assert manifest(store, 6).process_count == 2
+
+
+def test_incompatible_restore_exits_3(reference, tmp_path):
+    ref_cfg, ref_store, _ = reference
+    cfg = tiny_config(ref_cfg.storage.root, run_id="reference", hosts=2, model={"d_model": 64})
+    # A second config in the same run: the saved checkpoints were written with d_model 32 by 4 processes.
+    store = RunStore(ref_cfg.storage.root, "reference")
+    saved = store.read_json(RunLayout.CONFIG)
+    write_config(cfg)
+    try:
+        gang = launch(cfg, 9, 20, tmp_path)
+        assert gang.wait(120) == [ExitCode.INCOMPATIBLE_CHECKPOINT] * 2
+        msg = read_report(store, 9, 0)["exception_message"]
+        assert "model.d_model" in msg and "slice.hosts" in msg
+    finally:
+        store.write_json(RunLayout.CONFIG, saved)
+    assert committed_steps(ref_store) == [5, 10, 15, 20]  # nothing moved or deleted
+
+
+def test_process_count_mismatch_exits_2(tmp_path):
+    cfg = tiny_config(str(tmp_path / "store"), run_id="mismatch", hosts=4)
+    store = write_config(cfg)
+    # Four workers are started but told the gang has two: 2 and 3 have no valid index, 0 and 1 form a
+    # 2-process gang where the config expects 4.
+    gang = launch(cfg, 0, -1, tmp_path, extra_env={"TRAINER_NUM_PROCESSES": "2"})
+    assert gang.wait(120) == [ExitCode.CONFIGURATION] * N
+    assert "slice.hosts" in read_report(store, 0, 0)["exception_message"]
+    assert "JOB_COMPLETION_INDEX" in read_report(store, 0, 3)["exception_message"]
+
+
+def test_injected_nan_exits_42(tmp_path):
+    cfg = tiny_config(str(tmp_path / "store"), run_id="nan", hosts=2, training={"total_steps": 6})
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, tmp_path, fault="nan@3")
+    assert gang.wait(120) == [ExitCode.APPLICATION] * 2
+    assert "non-finite loss" in read_report(store, 0, 1)["exception_message"]
