@@ -246,8 +246,12 @@ class Worker:
                 process_id=ident.process_id,
             )
         self._abort_handler = install_abort_handler(self.on_abort)
+        # SIGTERM is ours: the stop flag folded into each step makes every process save the same step.
+        # JAX's preemption service would install its own SIGTERM handler over it.
+        jax.config.update("jax_enable_preemption_service", False)
         with _client_shutdown_timeout(t.shutdown_timeout_s):
             jax.distributed.initialize(**kw)
+        signal.signal(signal.SIGTERM, self.on_sigterm)
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         configure_logging(self.process_index)
 
