@@ -283,8 +283,6 @@ class Worker:
         problems = []
         if manifest.step != step:
             problems.append(f"manifest step {manifest.step} != --restore-step {step}")
-        if manifest.run_id != cfg.run_id:
-            problems.append(f"run_id: checkpoint belongs to {manifest.run_id!r}, config is {cfg.run_id!r}")
         problems += compatibility_problems(manifest.config, manifest.process_count, cfg, self.process_count)
         if problems:
             raise TrainerExit(

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from recovery_steps.compat import check_compatible
 from recovery_steps.config import JobConfig
 from recovery_steps.contract import ExitCode
 from recovery_steps.tpu import TPU_TYPES
@@ -158,43 +159,20 @@ def watchdog_limit(hang_timeout_s: float, compile_grace_s: float, first_step_don
     return hang_timeout_s if first_step_done else hang_timeout_s + compile_grace_s
 
 
-_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len")
-
-
 def compatibility_problems(
     saved_config: Mapping[str, Any], saved_process_count: int, cfg: JobConfig, process_count: int
 ) -> list[str]:
     """Why a checkpoint written under ``saved_config`` cannot be restored under ``cfg`` (empty: it can).
 
-    Compares what changes the shapes or meaning of the saved state: model dimensions, optimizer,
-    dataset version, process count (the per-process data state and bit-exact resume depend on it),
-    and, for ``exact`` resume, the global batch size and data seed.
+    The config difference is judged by the shared compatibility table (``recovery_steps.compat``);
+    the process count that wrote the checkpoint must also equal the gang's (the per-process data
+    state and bit-exact resume depend on it).
     """
-    out = []
-    saved_model = saved_config.get("model", {})
-    for name in _MODEL_FIELDS:
-        old, new = saved_model.get(name), getattr(cfg.model, name)
-        if old != new:
-            out.append(f"model.{name}: checkpoint has {old}, config has {new}; restore needs the same model shape")
-    old_opt = saved_config.get("optimizer", {}).get("name")
-    if old_opt != cfg.optimizer.name:
-        out.append(f"optimizer.name: checkpoint has {old_opt!r}, config has {cfg.optimizer.name!r}")
-    saved_data = saved_config.get("data", {})
-    old_ds = saved_data.get("dataset_version")
-    if old_ds != cfg.data.dataset_version:
-        out.append(f"data.dataset_version: checkpoint has {old_ds!r}, config has {cfg.data.dataset_version!r}")
+    out = [p.render() for p in check_compatible(saved_config, cfg.model_dump(mode="json"))]
     if saved_process_count != process_count:
         out.append(
-            f"slice.hosts: checkpoint was written by {saved_process_count} processes, this job has {process_count}"
+            f"process_count: checkpoint was written by {saved_process_count} processes, this gang has {process_count}"
         )
-    if cfg.data.resume_mode == "exact":
-        for name in ("global_batch_size", "seed", "num_records"):
-            old, new = saved_data.get(name), getattr(cfg.data, name)
-            if old != new:
-                out.append(
-                    f"data.{name}: checkpoint has {old}, config has {new}; exact resume needs the same data order "
-                    "(or set data.resume_mode: reshuffle)"
-                )
     return out
 
 

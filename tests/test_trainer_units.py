@@ -1,0 +1,162 @@
+"""The trainer's pure decisions and single-process pieces: identity, checks, faults, exit codes, data, metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from trainer_harness import tiny_config
+
+from recovery_steps.contract import ExitCode
+from recovery_steps.metrics import METRICS
+from trainer.data import DataPosition, SyntheticSequences, build_dataset, resume_position
+from trainer.decisions import (
+    TrainerExit,
+    compatibility_problems,
+    exit_code_for,
+    fsdp_axis,
+    local_identity,
+    parse_faults,
+    topology_problems,
+    watchdog_limit,
+)
+from trainer.telemetry import WorkerMetrics
+
+
+def test_local_identity_reads_the_runner_environment():
+    ident = local_identity(
+        {"TRAINER_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JOB_COMPLETION_INDEX": "2", "TRAINER_NUM_PROCESSES": "4"}
+    )
+    assert (ident.coordinator_address, ident.process_id, ident.num_processes) == ("127.0.0.1:1234", 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({}, ["TRAINER_COORDINATOR_ADDRESS", "JOB_COMPLETION_INDEX", "TRAINER_NUM_PROCESSES"]),
+        ({"TRAINER_COORDINATOR_ADDRESS": "a:1", "JOB_COMPLETION_INDEX": "4", "TRAINER_NUM_PROCESSES": "4"},
+         ["JOB_COMPLETION_INDEX"]),
+        ({"TRAINER_COORDINATOR_ADDRESS": "a:1", "JOB_COMPLETION_INDEX": "x", "TRAINER_NUM_PROCESSES": "4"},
+         ["JOB_COMPLETION_INDEX"]),
+    ],
+)  # fmt: skip
+def test_local_identity_names_each_bad_variable(env, names):
+    with pytest.raises(TrainerExit) as e:
+        local_identity(env)
+    assert e.value.code == ExitCode.CONFIGURATION
+    for name in names:
+        assert name in str(e.value)
+
+
+def test_topology_agrees_and_disagrees(tmp_path):
+    cfg = tiny_config(str(tmp_path))
+    ok = dict(process_count=4, local_devices=1, global_devices=4, platform="cpu")
+    assert topology_problems(cfg, **ok) == []
+    bad = topology_problems(cfg, process_count=2, local_devices=2, global_devices=4, platform="tpu")
+    assert [p.split(":")[0] for p in bad] == ["slice.hosts", "slice.devices_per_host", "slice.accelerator"]
+
+
+def test_tpu_topology_checks_chips(tmp_path):
+    cfg = tiny_config(
+        str(tmp_path), slice={"accelerator": "v5e", "topology": "4x4", "hosts": None}, data={"global_batch_size": 16}
+    )
+    assert topology_problems(cfg, process_count=4, local_devices=4, global_devices=16, platform="tpu") == []
+    bad = topology_problems(cfg, process_count=4, local_devices=4, global_devices=8, platform="tpu")
+    assert any(p.startswith("slice.topology") for p in bad)
+
+
+def test_faults_parse_and_reject():
+    f = parse_faults("app-bug@7, kill-during-save@10")
+    assert f.due("app-bug", 7) and not f.due("app-bug", 8) and f.due("kill-during-save", 10)
+    assert parse_faults(None).at == {} and parse_faults("").at == {}
+    with pytest.raises(TrainerExit) as e:
+        parse_faults("explode@3,nan@x")
+    assert e.value.code == ExitCode.CONFIGURATION and "explode@3" in str(e.value) and "nan@x" in str(e.value)
+
+
+class JaxRuntimeError(RuntimeError):
+    """Same name as the runtime's error type."""
+
+
+@pytest.mark.parametrize(
+    ("exc", "during_init", "code"),
+    [
+        (JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: Connection closed by peer"), False, ExitCode.PEER_LOST),
+        (JaxRuntimeError("UNAVAILABLE: Failed to send RPC to coordination service"), False, ExitCode.PEER_LOST),
+        (RuntimeError("DEADLINE_EXCEEDED: Barrier timed out"), False, ExitCode.PEER_LOST),
+        (ValueError("shapes do not match"), False, ExitCode.APPLICATION),
+        (JaxRuntimeError("INTERNAL: unable to initialize backend"), True, ExitCode.ACCELERATOR_INIT),
+        (TrainerExit(ExitCode.INCOMPATIBLE_CHECKPOINT, "x"), False, ExitCode.INCOMPATIBLE_CHECKPOINT),
+        (TrainerExit(ExitCode.CONFIGURATION, "x"), True, ExitCode.CONFIGURATION),
+    ],
+)
+def test_exit_code_for(exc, during_init, code):
+    assert exit_code_for(exc, during_init=during_init) == code
+
+
+def test_watchdog_gives_the_first_step_compile_grace():
+    assert watchdog_limit(30, 120, first_step_done=False) == 150
+    assert watchdog_limit(30, 120, first_step_done=True) == 30
+
+
+def test_compatibility_uses_the_shared_table(tmp_path):
+    cfg = tiny_config(str(tmp_path))
+    saved = cfg.model_dump(mode="json")
+    assert compatibility_problems(saved, 4, cfg, 4) == []
+    other = tiny_config(str(tmp_path), model={"d_model": 64}, data={"dataset_version": "v2"})
+    problems = compatibility_problems(saved, 2, other, 4)
+    fields = sorted(p.split(":")[0] for p in problems)
+    assert fields == ["data.dataset_version", "model.d_model", "process_count"]
+    # Safe changes (timeouts, checkpoint interval, resume mode) are compatible.
+    safe = tiny_config(
+        str(tmp_path),
+        training={"hang_timeout_s": 99},
+        checkpoint={"interval_steps": 3},
+        data={"resume_mode": "reshuffle"},
+    )
+    assert compatibility_problems(saved, 4, safe, 4) == []
+
+
+@pytest.mark.parametrize(
+    ("shape", "n", "axis"),
+    [((64, 32), 4, 0), ((32, 64), 4, 1), ((3, 5), 4, None), ((), 4, None), ((8, 8), 1, None), ((6, 4), 4, 1)],
+)
+def test_fsdp_axis(shape, n, axis):
+    assert fsdp_axis(shape, n) == axis
+
+
+def test_resume_positions():
+    saved = DataPosition(order_seed=5, start_step=0, next_index=10)
+    assert resume_position("exact", 5, -1, None) == DataPosition(5, 0, 0)
+    assert resume_position("exact", 5, 10, saved) == saved
+    r1, r2 = resume_position("reshuffle", 5, 10, saved), resume_position("reshuffle", 5, 20, saved)
+    assert (r1.start_step, r1.next_index) == (10, 0) and r1.order_seed != r2.order_seed != 5
+    assert resume_position("reshuffle", 5, 10, saved) == r1  # deterministic
+
+
+def test_processes_read_disjoint_slices_that_make_up_the_global_batch(tmp_path):
+    cfg = tiny_config(str(tmp_path), data={"global_batch_size": 8, "num_records": 64})
+    one = build_dataset(cfg.data, cfg.model, 7, 0, 1)
+    four = [build_dataset(cfg.data, cfg.model, 7, p, 4) for p in range(4)]
+    for step in (0, 3, 9):  # 9 wraps into the second epoch
+        whole = {tuple(r) for r in one[step]}
+        parts = [{tuple(r) for r in ds[step]} for ds in four]
+        assert sum(len(p) for p in parts) == 8 and set().union(*parts) == whole
+    assert np.array_equal(one[3], build_dataset(cfg.data, cfg.model, 7, 0, 1)[3])
+    assert not np.array_equal(one[3], build_dataset(cfg.data, cfg.model, 8, 0, 1)[3])
+
+
+def test_synthetic_records_are_reproducible_progressions():
+    src = SyntheticSequences(seed=1, vocab_size=64, length=17)
+    a, b = src(42), src(42)
+    assert a.dtype == np.int32 and a.shape == (17,) and np.array_equal(a, b)
+    assert len({int(x) for x in np.diff(a.astype(np.int64)) % 64}) == 1
+
+
+def test_worker_metrics_cover_the_table():
+    m = WorkerMetrics("run-a", 3, 1)
+    m.set("jaxrec_train_step", 12)
+    text = m.exposition()
+    for spec in METRICS:
+        if spec.scope == "worker":
+            assert f"# TYPE {spec.name} gauge" in text
+    assert 'jaxrec_train_step{attempt="3",process_index="1",run_id="run-a"} 12.0' in text
