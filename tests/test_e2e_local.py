@@ -87,11 +87,6 @@ def test_worker_failures_recover_bit_identically(e2e_workflow, reference, scenar
         assert slice0["workers"][-1]["restarts"] == 1
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="jax.distributed.initialize installs XLA's preemption notifier, which takes SIGTERM from the trainer's "
-    "Python handler (installed before initialize); the trainer must install its handler again afterwards",
-)
 def test_preempt_loses_no_step(e2e_workflow, reference):
     res, store, out = _run(e2e_workflow, reference, "preempt", ["preempt@8"])
     _assert_recovered(res, out, max_lost=0)
