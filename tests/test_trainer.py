@@ -64,6 +64,7 @@ def test_gang_trains_checkpoints_and_exits_zero(reference):
         r = read_report(store, 0, i)
         assert (r["exit_code"], r["exit_name"], r["last_step"], r["last_checkpoint_step"]) == (0, "OK", TOTAL, TOTAL)
         assert r["compile_seconds"] > 0 and r["first_step_at"] >= r["restored_at"] >= r["initialized_at"]
+        assert r["peak_rss_mib"] < 1024
 
 
 def test_sigkill_of_one_worker_then_resume_is_bit_identical(reference, tmp_path):
@@ -172,3 +173,13 @@ def test_injected_nan_exits_42(tmp_path):
     gang = launch(cfg, 0, -1, tmp_path, fault="nan@3")
     assert gang.wait(120) == [ExitCode.APPLICATION] * 2
     assert "non-finite loss" in read_report(store, 0, 1)["exception_message"]
+
+
+def test_injected_hang_exits_21_by_the_watchdog(tmp_path):
+    cfg = tiny_config(str(tmp_path / "store"), run_id="hang", hosts=2,
+                      training={"total_steps": 6, "hang_timeout_s": 3})  # fmt: skip
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, tmp_path, fault="hang@3")
+    assert gang.wait(120) == [ExitCode.HANG] * 2
+    r = read_report(store, 0, 0)
+    assert r["last_step"] == 2 and "no step completed" in r["exception_message"]

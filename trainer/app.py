@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import os
+import resource
 import signal
 import socket
 import threading
@@ -148,6 +149,7 @@ class Worker:
         r.exit_name = ExitCode(code).name if code in ExitCode._value2member_map_ else str(code)
         r.ended_at = time.time()
         r.process_index, r.process_count = self.process_index, self.process_count
+        r.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if self.ckpt is not None and self.ckpt.last_committed is not None:
             r.last_checkpoint_step = self.ckpt.last_committed
         if exc is not None:
