@@ -76,7 +76,10 @@ def _client_shutdown_timeout(shutdown_timeout_s: int):
     """Give the config's shutdown timeout to the distributed client too (``initialize`` passes it to the service)."""
     from jax._src import distributed as jd
 
-    orig = jd._jax.get_distributed_runtime_client
+    orig = getattr(getattr(jd, "_jax", None), "get_distributed_runtime_client", None)
+    if orig is None:  # another JAX layout: the client keeps its default shutdown timeout
+        yield
+        return
 
     def client(*args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("shutdown_timeout", shutdown_timeout_s)
