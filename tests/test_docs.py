@@ -30,3 +30,17 @@ def test_readme_exit_code_table_matches_the_contract():
 def test_readme_names_every_failure_class():
     for cls in FailureClass:
         assert f"| `{cls.value}` |" in README, cls
+
+
+def test_readme_metric_table_is_generated_from_the_metric_table_in_code():
+    from workflows.monitoring import DOC_BEGIN, DOC_END, metric_table_markdown
+
+    current = README.split(DOC_BEGIN, 1)[1].split(DOC_END, 1)[0].strip()
+    assert current == metric_table_markdown(), "README metric table is stale: paste metric_table_markdown() output"
+
+
+def test_readme_links_resolve():
+    root = Path(__file__).resolve().parents[1]
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
+        if not target.startswith("http"):
+            assert (root / target).exists(), target
