@@ -2,7 +2,8 @@
 
 Usage: ``python -m recovery_steps.classify_failure --store-root R --run-id ID --attempt N --jobset NAME
 --output-dir D``. Outputs: ``failure-class``, ``decision``, ``reason``, ``backoff-seconds``,
-``attempts-by-class`` (JSON), ``next-attempt``. Exits 0 whenever it classified (whatever the
+``attempts-by-class`` (JSON), ``next-attempt``, ``budget-exhausted`` (``1`` when the run stops because
+the failure class spent its budget, else ``0``). Exits 0 whenever it classified (whatever the
 decision); exits 1 when it cannot read or write the run store, 2 when the run has no usable config.
 """
 
@@ -20,7 +21,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from recovery_steps.classify import Verdict, classify
-from recovery_steps.config import ConfigError, JobConfig, config_from_json
+from recovery_steps.config import ConfigError, JobConfig, RetryConfig, config_from_json
+from recovery_steps.contract import Decision, FailureClass
 from recovery_steps.evidence import Evidence, gather_kubernetes, gather_local_slice, gather_reports
 from recovery_steps.records import AttemptRecord, Ledger, now
 from recovery_steps.retry import RetryDecision, decide, update_ledger, with_attempt
@@ -46,6 +48,7 @@ class ClassifyResult:
     record: AttemptRecord
     ledger: Ledger
     evidence: Evidence
+    budget_exhausted: bool = False
 
 
 def load_run_config(store: RunStore) -> JobConfig:
@@ -199,7 +202,8 @@ def run(
         raise StepFailure(f"could not update the ledger: {e}") from None
     except store_errors() as e:
         raise StepFailure(f"run store {store.url()} unreachable: {type(e).__name__}: {_first_line(e)}") from None
-    result = ClassifyResult(verdict, holder["decision"], record, ledger, ev)
+    spent = budget_exhausted(holder["decision"], verdict.failure_class, cfg.retry)
+    result = ClassifyResult(verdict, holder["decision"], record, ledger, ev, spent)
     if output_dir is not None:
         write_outputs(Path(output_dir), result)
     return result
@@ -224,6 +228,19 @@ def _one_line(text: str) -> str:
     return " ".join(text.split()).replace("'", "").replace('"', "")
 
 
+def budget_exhausted(decision: RetryDecision, failure_class: FailureClass, retry: RetryConfig) -> bool:
+    """Whether the run stops because ``failure_class`` spent its budget (pure).
+
+    A stop for another reason (the no-progress guard, the attempt cap) is not a spent budget.
+
+    Args:
+        decision: The retry decision for the attempt.
+        failure_class: The attempt's failure class.
+        retry: The run's retry policy (budgets per class).
+    """
+    return decision.decision == Decision.STOP and decision.failures_of_class > retry.budget(failure_class)
+
+
 def write_outputs(output_dir: Path, r: ClassifyResult) -> None:
     """One file per output parameter."""
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -236,6 +253,7 @@ def write_outputs(output_dir: Path, r: ClassifyResult) -> None:
         "backoff-seconds": str(int(d.backoff_seconds)),
         "attempts-by-class": json.dumps(d.attempts_by_class, sort_keys=True),
         "next-attempt": str(r.record.attempt + 1),
+        "budget-exhausted": "1" if r.budget_exhausted else "0",
     }
     for name, value in outputs.items():
         (output_dir / name).write_text(value)

@@ -2,7 +2,10 @@
 
 Usage: ``python -m recovery_steps.finalize --store-root R --run-id ID --status S [--failures JSON]
 [--output-dir D]``. ``S`` is Argo's ``{{workflow.status}}`` (Succeeded, Failed, Error); ``--failures``
-is ``{{workflow.failures}}``. Output: ``final-status``.
+is ``{{workflow.failures}}``. Outputs: ``final-status``, ``steps-lost`` (steps recomputed because of
+failures, summed over the run's incidents) and ``recovery-seconds`` (failure to back-at-the-pre-failure
+step for the last incident that recovered; ``-1`` when none did), computed from the ledger and the
+workers' exit reports.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step, store_errors
-from recovery_steps.records import AttemptRecord, Ledger, now
+from recovery_steps.records import AttemptRecord, Ledger, WorkerExitReport, now
 from recovery_steps.retry import update_ledger, with_attempt
 from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
 
@@ -29,6 +32,29 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 
 
+@dataclass(frozen=True)
+class AttemptTrace:
+    """What the workers' exit reports and the ledger tell about one attempt (plain values, epoch seconds)."""
+
+    attempt: int
+    failed: bool
+    restore_step: int = -1
+    last_step: int | None = None
+    failed_at: float | None = None
+    restored_at: float | None = None
+    first_step_at: float | None = None
+    ended_at: float | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryTotals:
+    """The run's recovery figures: what ``jaxrec_steps_lost_total`` and ``jaxrec_recovery_duration_seconds`` say."""
+
+    steps_lost: int
+    recovery_seconds: float | None
+    incidents: int
+
+
 @dataclass
 class FinalizeResult:
     """What the exit handler recorded."""
@@ -36,6 +62,93 @@ class FinalizeResult:
     final_status: str
     final_reason: str
     ledger: Ledger
+    totals: RecoveryTotals | None = None
+
+
+def _recovered_at(pre: int, restored: int, nxt: AttemptTrace) -> float | None:
+    """When attempt ``nxt`` was back at step ``pre`` (estimated from its first and last step times)."""
+    if restored >= pre:
+        return nxt.first_step_at or nxt.restored_at
+    if nxt.last_step is None or nxt.last_step < pre or nxt.first_step_at is None:
+        return None
+    first = restored + 1  # the step first_step_at times
+    if nxt.last_step == first or nxt.ended_at is None or pre <= first:
+        return nxt.first_step_at
+    # Steps run at a steady rate between the first step and the last one the attempt reported.
+    rate = (nxt.ended_at - nxt.first_step_at) / (nxt.last_step - first)
+    return nxt.first_step_at + (pre - first) * rate
+
+
+def recovery_totals(traces: Sequence[AttemptTrace]) -> RecoveryTotals:
+    """Steps lost and the last recovery time over a run's attempts (pure).
+
+    Each failed attempt followed by another is an incident: it lost ``last_step - restore step of the
+    next attempt`` steps (a fresh restart restores step 0), and it recovered when the next attempt was
+    back at the failed attempt's last step. A failed attempt with no next one lost an unknown number of
+    steps and is not counted.
+
+    Args:
+        traces: One trace per attempt, any order.
+
+    Returns:
+        The steps lost summed over the incidents, the failure-to-recovered seconds of the newest incident
+        that recovered (None when none did), and the number of incidents counted.
+    """
+    ordered = sorted(traces, key=lambda t: t.attempt)
+    lost, incidents = 0, 0
+    recovery: float | None = None
+    for cur, nxt in zip(ordered, ordered[1:], strict=False):
+        if not cur.failed or cur.last_step is None:
+            continue
+        incidents += 1
+        restored = max(0, nxt.restore_step)
+        lost += max(0, cur.last_step - restored)
+        back = _recovered_at(cur.last_step, restored, nxt)
+        if back is not None and cur.failed_at is not None:
+            recovery = max(0.0, back - cur.failed_at)
+    return RecoveryTotals(lost, recovery, incidents)
+
+
+def _reports(store: RunStore, attempt: int) -> list[WorkerExitReport]:
+    out = []
+    folder = f"{RunLayout.attempt(attempt)}/workers"
+    for name in store.children(folder):
+        data = store.read_json(f"{folder}/{name}") if name.endswith(".json") else None
+        if isinstance(data, dict):
+            try:
+                out.append(WorkerExitReport.model_validate(data))
+            except ValidationError:
+                log.warning("attempt %d: unreadable worker report %s", attempt, name)
+    return out
+
+
+def attempt_traces(store: RunStore, ledger: Ledger) -> list[AttemptTrace]:
+    """The trace of every attempt of the run, from its workers' exit reports and its ledger record."""
+    records = {a.attempt: a for a in ledger.attempts}
+    traces = []
+    for n in sorted(set(_attempt_numbers(store)) | set(records)):
+        rec = records.get(n)
+        reps = _reports(store, n)
+        failed = rec.outcome == "failed" if rec is not None else any(r.exit_code != 0 for r in reps)
+        restore = [r.restore_step for r in reps if r.restore_step is not None]
+        if not restore and rec is not None and rec.checkpoint_step_before is not None:
+            restore = [rec.checkpoint_step_before]
+        bad_ends = [r.ended_at for r in reps if r.exit_code != 0 and r.ended_at]
+        if not bad_ends and rec is not None and rec.ended_at:
+            bad_ends = [rec.ended_at]
+        traces.append(
+            AttemptTrace(
+                attempt=n,
+                failed=failed,
+                restore_step=max(restore, default=-1),
+                last_step=max((r.last_step for r in reps if r.last_step is not None), default=None),
+                failed_at=min(bad_ends, default=None) if failed else None,
+                restored_at=max((r.restored_at for r in reps if r.restored_at), default=None),
+                first_step_at=max((r.first_step_at for r in reps if r.first_step_at), default=None),
+                ended_at=max((r.ended_at for r in reps if r.ended_at), default=None),
+            )
+        )
+    return traces
 
 
 def parse_failures(text: str | None) -> list[dict[str, Any]]:
@@ -158,10 +271,19 @@ def run(
         raise RuntimeError(f"could not update the ledger: {e}") from None
     except store_errors() as e:
         raise RuntimeError(f"run store {store.url()} unreachable: {type(e).__name__}: {e}") from None
+    try:
+        totals = recovery_totals(attempt_traces(store, ledger))
+    except store_errors() as e:
+        log.warning("run store %s: worker reports unreadable (%s); no recovery totals", store.url(), e)
+        totals = None
     if output_dir is not None:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(output_dir) / "final-status").write_text(final)
-    return FinalizeResult(final, holder["reason"], ledger)
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "final-status").write_text(final)
+        (out / "steps-lost").write_text(str(totals.steps_lost if totals else 0))
+        rec = totals.recovery_seconds if totals else None
+        (out / "recovery-seconds").write_text("-1" if rec is None else f"{rec:.3f}")
+    return FinalizeResult(final, holder["reason"], ledger, totals)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"run {args.run_id}: {r.final_status}: {r.final_reason}")
     print(table(r.ledger))
+    if r.totals is not None:
+        rec = "-" if r.totals.recovery_seconds is None else f"{r.totals.recovery_seconds:.1f}s"
+        print(f"incidents {r.totals.incidents}, steps lost {r.totals.steps_lost}, last recovery {rec}")
     return 0
 
 

@@ -133,14 +133,24 @@ def test_template_metrics_use_the_metric_table(local):
     }
     assert names == {
         "attempt": ["jaxrec_attempts_total"],
-        "classify-failure": ["jaxrec_failures_total", "jaxrec_last_failure_info"],
-        "exit-handler": ["jaxrec_run_status"],
+        "classify-failure": ["jaxrec_failures_total", "jaxrec_last_failure_info", "jaxrec_budget_exhausted"],
+        "exit-handler": ["jaxrec_run_status", "jaxrec_steps_lost_total", "jaxrec_recovery_duration_seconds"],
     }
     for tpl_names in names.values():
         for n in tpl_names:
             assert n in BY_NAME
     failures = t["classify-failure"]["metrics"]["prometheus"][0]
     assert {"key": "class", "value": "{{outputs.parameters.failure-class}}"} in failures["labels"]
+    exhausted = t["classify-failure"]["metrics"]["prometheus"][2]
+    assert exhausted["when"] == "{{outputs.parameters.budget-exhausted}} == 1"
+    assert {"name": "budget-exhausted", "valueFrom": {"path": "/tmp/outputs/budget-exhausted"}} in (
+        t["classify-failure"]["outputs"]["parameters"]
+    )
+    lost, recovery = t["exit-handler"]["metrics"]["prometheus"][1:]
+    assert lost["counter"]["value"] == "{{outputs.parameters.steps-lost}}"
+    assert recovery["when"] == "{{outputs.parameters.recovery-seconds}} >= 0"
+    outs = {p["name"] for p in t["exit-handler"]["outputs"]["parameters"]}
+    assert {"steps-lost", "recovery-seconds"} <= outs
 
 
 def test_jobset_gang_shape_on_tpu(v5e):

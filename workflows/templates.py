@@ -162,7 +162,8 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 "--jobset", "{{inputs.parameters.jobset-name}}",
             ],
             inputs=["attempt", "jobset-name"],
-            outputs=["failure-class", "decision", "reason", "backoff-seconds", "attempts-by-class", "next-attempt"],
+            outputs=["failure-class", "decision", "reason", "backoff-seconds", "attempts-by-class", "next-attempt",
+                     "budget-exhausted"],
             metrics=[
                 Counter(
                     name="jaxrec_failures_total",
@@ -177,6 +178,16 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                     labels=[Label(key="run_id", value=RUN_ID),
                             Label(key="class", value="{{outputs.parameters.failure-class}}"),
                             Label(key="reason", value="{{outputs.parameters.reason}}")],
+                    realtime=False,
+                    value="1",
+                ),
+                # Only a stop because the class spent its budget (not the no-progress guard or the cap).
+                Gauge(
+                    name="jaxrec_budget_exhausted",
+                    help=_metric_help("jaxrec_budget_exhausted"),
+                    labels=[Label(key="run_id", value=RUN_ID),
+                            Label(key="class", value="{{outputs.parameters.failure-class}}")],
+                    when="{{outputs.parameters.budget-exhausted}} == 1",
                     realtime=False,
                     value="1",
                 ),
@@ -203,7 +214,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 "--store-root", STORE_ROOT, "--run-id", RUN_ID,
                 "--status", "{{workflow.status}}", "--failures", "{{workflow.failures}}",
             ],
-            outputs=["final-status"],
+            outputs=["final-status", "steps-lost", "recovery-seconds"],
             metrics=[
                 Gauge(
                     name="jaxrec_run_status",
@@ -211,7 +222,22 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                     labels=[Label(key="run_id", value=RUN_ID), Label(key="status", value="{{workflow.status}}")],
                     realtime=False,
                     value="1",
-                )
+                ),
+                # Totals over the run's incidents, computed by finalize from the ledger and worker reports.
+                Counter(
+                    name="jaxrec_steps_lost_total",
+                    help=_metric_help("jaxrec_steps_lost_total"),
+                    labels=[Label(key="run_id", value=RUN_ID)],
+                    value="{{outputs.parameters.steps-lost}}",
+                ),
+                Gauge(
+                    name="jaxrec_recovery_duration_seconds",
+                    help=_metric_help("jaxrec_recovery_duration_seconds"),
+                    labels=[Label(key="run_id", value=RUN_ID)],
+                    when="{{outputs.parameters.recovery-seconds}} >= 0",
+                    realtime=False,
+                    value="{{outputs.parameters.recovery-seconds}}",
+                ),
             ],
         )  # fmt: skip
 
