@@ -1,7 +1,8 @@
 """Offline schema checks for generated manifests: Argo Workflows, JobSet, and core Kubernetes objects.
 
-The schemas live in ../shared next to the repository (see their README.txt files). Each validator is
-strict: unknown keys are errors, so a misspelt field fails instead of being silently dropped.
+The schemas are published upstream files, kept unmodified in tests/data/schemas (see their README.txt
+files: source, tag, sha256). Each validator is strict: unknown keys are errors, so a misspelt field
+fails instead of being silently dropped.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-ARGO_SCHEMA = SHARED / "argo" / "argo-workflows-v4.1.2-schema.json"
-JOBSET_CRD = SHARED / "k8s" / "jobset.x-k8s.io_jobsets.yaml"
+SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas"
+ARGO_SCHEMA = SCHEMAS / "argo" / "argo-workflows-v4.1.2-schema.json"
+JOBSET_CRD = SCHEMAS / "k8s" / "jobset.x-k8s.io_jobsets.yaml"
 K8S_VERSION = "1.33.0"
 
 # Values that stand in for Argo placeholders when a manifest is checked after substitution.
@@ -35,9 +36,9 @@ _PLACEHOLDER = re.compile(r"\{\{\s*([^}]+?)\s*\}\}")
 
 
 def require(path: Path) -> Path:
-    """Skip the calling test when a shared schema file is absent."""
+    """The schema file at ``path`` (a clear failure, not a skip, when it is missing)."""
     if not path.exists():
-        pytest.skip(f"shared schema {path} not found (expected ../shared next to the repository)")
+        pytest.fail(f"schema {path} is missing from the repository")
     return path
 
 

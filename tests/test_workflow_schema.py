@@ -87,3 +87,16 @@ def test_misspelt_key_fails_core_validation():
     role = copy.deepcopy(next(d for d in docs if d["kind"] == "Role"))
     role["rules"][0]["verb"] = role["rules"][0].pop("verbs")
     assert core_errors(role) != []
+
+
+def test_vendored_schemas_are_the_published_files():
+    import hashlib
+
+    from schemas import ARGO_SCHEMA, JOBSET_CRD
+
+    expected = {
+        ARGO_SCHEMA: "3f84c5722c48a5aa815fe69119a9375fc3635114f8046da20ede55a8596529f5",
+        JOBSET_CRD: "d022b87624512cf0b6741b31b24a2bea9945b5a838b50713af29332c878bb6fe",
+    }
+    for path, sha in expected.items():
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == sha, f"{path} differs from the published file"
