@@ -1,96 +1,209 @@
-"""Restore speed vs a plain read of the same bytes, from a local directory and from the GCS emulator.
+"""Restore speed vs a plain read of the same bytes, per storage backend and per checkpoint layout.
 
-Writes one orbax checkpoint of ``--mb`` MB (items ``state`` and ``data``, as the trainer does) into each
-store, then alternates, ``--repeats`` times: a plain parallel read of every file of the step, an orbax
-restore of the step, and restore-latest's verification (read back + CRC32C of every file). Prints
-medians and the ratio restore speed / read speed (target >= 0.8).
+For each backend (a local directory, the GCS emulator) and each layout of the ``state`` item it writes
+one orbax checkpoint of ``--mb`` MB (items ``state`` and ``data``, as the trainer does) plus its
+manifest, then runs ``--repeats`` interleaved rounds of:
 
-    .venv/bin/python bench/bench_restore.py [--mb 128] [--repeats 3]
+- ``read``: a plain parallel read (8 threads, the run store's client) of every file of the step
+  directory, i.e. every file orbax reads and a few small ones it does not (manifest, commit markers);
+- ``restore``: ``CheckpointManager.restore`` of the ``state`` item into an abstract target with a
+  sharding, as the trainer restores; the manager is built before the clock starts, and nothing is
+  compiled;
+- ``verify``: restore-latest's verification of the step (read back + CRC32C of every file).
+
+Both the read and the restore run warm: the page cache (local) and the emulator's memory hold the
+bytes, and one untimed read precedes the rounds (caches cannot be dropped on this machine). Each
+cell is the median of the rounds; ``cpu`` is the median process CPU time (all threads), which the
+other load on a shared machine disturbs far less than wall time. The ratio is restore speed / read
+speed (target >= 0.8).
+
+Layouts (save-side options; every layout is restored by the same restore code):
+
+- ``zstd-1chunk``: ``StandardCheckpointHandler()`` defaults (zarr2, zstd, one chunk per array shard);
+- ``raw-<n>MiB``: ``PyTreeCheckpointHandler(use_compression=False)`` and
+  ``SaveArgs(chunk_byte_size=n MiB)`` on every leaf.
+
+    .venv/bin/python bench/bench_restore.py [--mb 118] [--repeats 7] [--chunk-mib 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+STEP = 100
+
 
 def plain_read(store, step: int) -> int:
+    """Read every file of the step directory in 8 threads; return the byte count."""
     objs = store.list(f"checkpoints/{step}")
     with ThreadPoolExecutor(8) as pool:
         return sum(len(b or b"") for b in pool.map(store.read_bytes, [o.name for o in objs]))
 
 
-def orbax_restore(store, step: int) -> None:
+def make_state(floats: int, step: int) -> dict[str, Any]:
+    """The saved pytree: one large float32 array plus two small leaves (numpy)."""
+    import numpy as np
+
+    rng = np.random.default_rng(step)
+    return {
+        "params": {"w": rng.standard_normal(floats).astype(np.float32), "b": np.full((4,), step, np.float32)},
+        "step": np.asarray(step, np.int32),
+    }
+
+
+def save_step(store, cfg, step: int, state: dict[str, Any], chunk_mib: int | None) -> None:
+    """Save ``state`` (and a JSON ``data`` item) with the given layout, then the manifest, as the trainer does."""
     import jax
     import orbax.checkpoint as ocp
 
-    with ocp.CheckpointManager(store.url("checkpoints")) as mgr:
-        got = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
-    jax.block_until_ready(got["state"])
+    from recovery_steps.checkpoints import write_manifest
+    from recovery_steps.records import CheckpointManifest
+
+    if chunk_mib is None:
+        handler, state_args = ocp.StandardCheckpointHandler(), ocp.args.StandardSave(state)
+    else:
+        save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk_mib * 2**20), state)
+        handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+        state_args = ocp.args.PyTreeSave(state, save_args=save_args)
+    options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=False, create=True)
+    handlers = {"state": handler, "data": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(store.url("checkpoints"), options=options, item_handlers=handlers) as mgr:
+        mgr.save(step, args=ocp.args.Composite(state=state_args, data=ocp.args.JsonSave({"position": step})))
+        mgr.wait_until_finished()
+    cfg_dict = cfg.model_dump(mode="json")
+    write_manifest(
+        store,
+        CheckpointManifest(
+            step=step,
+            run_id=cfg.run_id,
+            attempt=0,
+            config_hash=cfg.config_hash(),
+            config=cfg_dict,
+            code_version="bench",
+            dataset_version=cfg_dict["data"]["dataset_version"],
+            process_count=cfg.slice.num_hosts,
+            mesh_shape={"data": cfg.slice.num_hosts},
+            library_versions={"orbax-checkpoint": ocp.__version__},
+            wall_time=time.time(),
+        ),
+    )
 
 
-def verify(store, cfg, step: int) -> None:
+def abstract_target(state: dict[str, Any]) -> Any:
+    """The trainer's kind of restore target: shapes, dtypes and a sharding, no data."""
+    import jax
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+
+
+def restorer(store, target: Any) -> Callable[[], None]:
+    """A restore of the ``state`` item of ``STEP`` into ``target``, with its manager built up front."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    mgr = ocp.CheckpointManager(store.url("checkpoints"), item_handlers={"state": ocp.StandardCheckpointHandler()})
+
+    def restore() -> None:
+        got = mgr.restore(STEP, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        jax.block_until_ready(got["state"])
+
+    return restore
+
+
+def verifier(store, cfg) -> Callable[[], None]:
+    """restore-latest's verification of the run (it must select ``STEP``)."""
     from recovery_steps.verify import closed_attempts, verify_checkpoints
 
-    sel, _ = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed_attempts(store))
-    assert sel.step == step, sel
+    def verify() -> None:
+        sel, _ = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed_attempts(store))
+        assert sel.step == STEP, sel
+
+    return verify
 
 
-def bench(label: str, store, cfg, mb: int, repeats: int) -> dict[str, float]:
-    from ckpt_factory import write_checkpoint
-
-    t = time.perf_counter()
-    write_checkpoint(store, cfg, 100, floats=mb * 2**20 // 4)
-    save_s = time.perf_counter() - t
-    nbytes = sum(o.size for o in store.list("checkpoints/100"))
-    times: dict[str, list[float]] = {"read": [], "restore": [], "verify": []}
+def run_rounds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, float]]:
+    """Interleave the measures ``repeats`` times; return name -> (median wall s, median CPU s)."""
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        for name, fn in (
-            ("read", lambda: plain_read(store, 100)),
-            ("restore", lambda: orbax_restore(store, 100)),
-            ("verify", lambda: verify(store, cfg, 100)),
-        ):
-            t = time.perf_counter()
+        for name, fn in fns.items():
+            c, t = time.process_time(), time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    mbs = {k: nbytes / 2**20 / v for k, v in med.items()}
-    print(
-        f"{label:<9} {nbytes / 2**20:7.1f} MB  save {save_s:6.2f} s | read {med['read']:6.2f} s {mbs['read']:7.1f} MB/s"
-        f" | restore {med['restore']:6.2f} s {mbs['restore']:7.1f} MB/s | verify {med['verify']:6.2f} s"
-        f" {mbs['verify']:7.1f} MB/s | restore/read speed {mbs['restore'] / mbs['read']:5.2f}"
-    )
-    return {"ratio": mbs["restore"] / mbs["read"]}
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mb", type=int, default=128, help="checkpoint size in MB (one float32 array)")
-    p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args(argv)
-
+def run(mb: int, repeats: int, chunk_mib: int) -> list[dict[str, Any]]:
+    """Measure every backend x layout; print the table; return its rows."""
     from ckpt_factory import tiny_config, write_run_config
 
     from recovery_steps.emulator import GcsEmulator
     from recovery_steps.store import RunStore
 
-    cfg = tiny_config()
-    print(f"orbax restore vs plain read of the same bytes, median of {args.repeats}, target ratio >= 0.8")
+    layouts: list[tuple[str, int | None]] = [("zstd-1chunk", None), (f"raw-{chunk_mib}MiB", chunk_mib)]
+    state = make_state(mb * 2**20 // 4, STEP)
+    target = abstract_target(state)
+    rows = []
+    print(
+        f"orbax restore vs plain read of the same bytes: {mb} MB, median of {repeats} interleaved rounds, both warm;"
+        f" load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; target ratio >= 0.8"
+    )
+    header = (
+        f"{'backend':<9} {'layout':<12} {'MB':>6} {'save s':>7} | {'read s':>7} {'cpu':>5} {'MB/s':>6}"
+        f" | {'restore s':>9} {'cpu':>5} {'MB/s':>6} | {'verify s':>8} | {'restore/read':>12}"
+    )
+    print(header)
+    print("-" * len(header))
     with tempfile.TemporaryDirectory() as tmp, GcsEmulator() as em:
         em.create_bucket("bench-bucket")
         em.apply()
-        for label, root in (("local", f"{tmp}/store"), ("emulator", "gs://bench-bucket/bench")):
-            store = RunStore(root, cfg.run_id)
-            write_run_config(store, cfg)
-            bench(label, store, cfg, args.mb, args.repeats)
+        for backend, root in (("local", f"{tmp}/store"), ("emulator", "gs://bench-bucket/bench")):
+            for layout, chunk in layouts:
+                cfg = tiny_config(run_id=f"bench-{layout.lower()}")
+                store = RunStore(root, cfg.run_id)
+                write_run_config(store, cfg)
+                t = time.perf_counter()
+                save_step(store, cfg, STEP, state, chunk)
+                save_s = time.perf_counter() - t
+                nbytes = plain_read(store, STEP)  # warm-up, untimed
+                fns = {"read": lambda s=store: plain_read(s, STEP), "restore": restorer(store, target)}
+                fns["verify"] = verifier(store, cfg)
+                fns["restore"]()  # warm-up, untimed
+                med = run_rounds(fns, repeats)
+                mbs = {k: nbytes / 2**20 / v[0] for k, v in med.items()}
+                ratio = mbs["restore"] / mbs["read"]
+                print(
+                    f"{backend:<9} {layout:<12} {nbytes / 2**20:6.1f} {save_s:7.2f} | {med['read'][0]:7.3f}"
+                    f" {med['read'][1]:5.2f} {mbs['read']:6.0f} | {med['restore'][0]:9.3f} {med['restore'][1]:5.2f}"
+                    f" {mbs['restore']:6.0f} | {med['verify'][0]:8.3f} | {ratio:12.2f}",
+                    flush=True,
+                )
+                rows.append({"backend": backend, "layout": layout, "ratio": ratio, **{k: v[0] for k, v in med.items()}})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments and print the table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=118, help="checkpoint size in MB (one float32 array)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds; each cell is their median")
+    p.add_argument("--chunk-mib", type=int, default=4, help="chunk_byte_size of the uncompressed layout, in MiB")
+    args = p.parse_args(argv)
+    run(args.mb, args.repeats, args.chunk_mib)
     return 0
 
 
