@@ -31,6 +31,7 @@ SUMMARY = "local/summary.json"
 EVENTS_PREFIX = "local/events"
 _KEY_OUTPUTS = (
     "restore-step",
+    "restore-path",
     "skipped",
     "jobset-name",
     "failure-class",
@@ -135,12 +136,19 @@ def retarget(wf: dict[str, Any], run_id: str, store_root: str) -> dict[str, Any]
     return wf
 
 
+def worker_metrics_line(attempt: int | None, base_port: int, hosts: int) -> str:
+    """The line announcing an attempt's worker metrics endpoints (worker ``i`` serves ``base_port + i``)."""
+    last = f"..{base_port + hosts - 1}" if hosts > 1 else ""
+    return f"worker metrics (attempt {attempt}): http://127.0.0.1:{base_port}/metrics (ports {base_port}{last})"
+
+
 class _Printer:
     """One readable line per node start and end."""
 
-    def __init__(self, say: Callable[[str], None], t0: float):
+    def __init__(self, say: Callable[[str], None], t0: float, hosts: int = 1):
         self.say = say
         self.t0 = t0
+        self.hosts = hosts
 
     def __call__(self, kind: str, node: NodeInfo, res: NodeResult | None) -> None:
         tag = f"[attempt {node.attempt}]" if node.attempt is not None else "[run]"
@@ -152,6 +160,9 @@ class _Printer:
         keys = " ".join(f"{k}={_short(v)}" for k, v in res.outputs.items() if k in _KEY_OUTPUTS)
         msg = f"  {res.message.splitlines()[0]}" if res.message and res.phase != "Succeeded" else ""
         self.say(f"{clock} {tag:12} {name:24} {res.phase:9} {res.duration:6.1f}s  {keys}{msg}")
+        port = res.outputs.get("metrics-port", "")
+        if node.template == "provision-slice" and res.phase == "Succeeded" and port.isdigit():
+            self.say(f"{'':8} {worker_metrics_line(node.attempt, int(port), self.hosts)}")
 
 
 def _short(v: str, n: int = 60) -> str:
@@ -242,7 +253,26 @@ def run(
             from workflows import report as report_mod
 
             result.report_paths = report_mod.run(store.url(), say=say)
+        if gcs_emulator and store.is_gcs:
+            # The emulator keeps its objects in memory: keep a copy of the run for later reports.
+            dest = (Path(".local-runs/emulator") / run_id / "store").resolve()
+            n = copy_run(store, dest)
+            result.local_copy = str(dest / "runs" / run_id)  # type: ignore[attr-defined]
+            say(f"the emulator stops now; {n} objects of the run copied to {dest}")
+            say(f"report: python -m workflows.report {result.local_copy}")  # type: ignore[attr-defined]
     return result
+
+
+def copy_run(store: RunStore, dest_root: Path) -> int:
+    """Copy every object of ``store``'s run under ``dest_root/runs/<run-id>``; return how many."""
+    dest = RunStore(str(dest_root), store.run_id)
+    n = 0
+    for obj in store.list():
+        data = store.read_bytes(obj.name)
+        if data is not None:
+            dest.write_bytes(obj.name, data)
+            n += 1
+    return n
 
 
 def _restore_env(saved: dict[str, str | None]) -> None:
@@ -312,7 +342,8 @@ def _run_once(
                 write_slice_record=lambda _j, _r, n, rec: store.write_json(RunLayout.local_slice(n), rec),
             )
             executors.append(ex)
-            wrun = WorkflowRun(wf, ex, name=f"{run_id}-{restarts}" if restarts else run_id, progress=_Printer(say, t0))
+            printer = _Printer(say, t0, cfg.slice.num_hosts)
+            wrun = WorkflowRun(wf, ex, name=f"{run_id}-{restarts}" if restarts else run_id, progress=printer)
             current["run"] = wrun
             try:
                 status = wrun.run()

@@ -1,0 +1,64 @@
+"""End to end: ``workflows.local --gcs-emulator`` runs the whole job against a gs:// run store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recovery_steps.config import load_config
+from recovery_steps.contract import FailureClass
+from recovery_steps.store import RunLayout, RunStore
+from workflows import local, report
+from workflows.build import render_workflow
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _workflow(d: Path) -> Path:
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["run_id"] = "gcs-e2e"
+    data["model"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
+    data["training"].update(total_steps=20, heartbeat_timeout_s=3, hang_timeout_s=20, compile_grace_s=90)
+    data["checkpoint"].update(interval_steps=5, keep=3)
+    data["retry"].update(default_backoff={"base_s": 0, "factor": 1, "max_s": 0}, no_progress_attempts=3)
+    cfg = d / "gcs.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    wf = d / "gcs-workflow.yaml"
+    wf.write_text(render_workflow(load_config(cfg), str(cfg)))
+    return wf
+
+
+def test_kill_worker_against_the_emulator_restores_from_gs_and_reports(tmp_path, monkeypatch):
+    wf = _workflow(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the runner's local files (.local-runs/...) go under tmp_path
+    lines: list[str] = []
+    res = local.run(wf, inject=["kill-worker@8"], gcs_emulator=True, run_id="gcs-e2e", metrics_port=None,
+                    say=lines.append)  # fmt: skip
+    out = "\n".join(lines)
+    assert res.status == "Succeeded", out
+    assert res.store_url.startswith("gs://local-runs/"), res.store_url
+    (inc,) = res.incidents
+    assert inc.failure_class == FailureClass.INFRASTRUCTURE
+    assert inc.restored_step == 5 and inc.steps_lost == 8 - 5, inc
+    assert "restore-step=5" in out and "restore-path=gs://local-runs/" in out, out
+    # The report ran on the gs:// run while the emulator was up: incident row and a timeline in the bucket.
+    assert any(p.startswith("gs://local-runs/") and p.endswith("timeline.png") for p in res.report_paths), out
+    assert any(line.lstrip().startswith("0  kill-worker  infrastructure") for line in lines), out
+
+    # The emulator is gone now; the copy of the run serves later reports.
+    copy = Path(res.local_copy)
+    store = RunStore(str(copy.parent.parent), "gcs-e2e")
+    restore = store.read_json(f"{RunLayout.attempt(1)}/restore.json")
+    assert restore and str(restore.get("restore_path", restore.get("restore-path", ""))).startswith("gs://"), restore
+    for i in range(4):
+        rep = store.read_json(RunLayout.worker_report(1, i))
+        assert rep["exit_code"] == 0 and rep["restore_step"] == 5 and rep["last_step"] == 20, rep
+    assert store.exists(RunLayout.checkpoint_manifest(20))
+    later: list[str] = []
+    paths = report.run(str(copy), say=later.append)
+    assert Path(paths[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any("kill-worker" in line and "infrastructure" in line for line in later), later
