@@ -424,7 +424,8 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     def note_commit(committed: int | None) -> None:
         if committed is None:
             return
-        w.events.emit("save_committed", committed, save_seconds=ckpt.last_duration)
+        w.events.emit("save_committed", committed, save_seconds=ckpt.last_duration,
+                      blocking_seconds=ckpt.last_blocking)  # fmt: skip
         m.set("jaxrec_checkpoint_step", committed)
         m.set("jaxrec_checkpoint_last_commit_timestamp_seconds", ckpt.last_commit_time or 0)
         m.set("jaxrec_checkpoint_duration_seconds", ckpt.last_duration or 0)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib.metadata
+import json
 import logging
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,75 @@ def code_version() -> str:
     return f"{version}+g{sha}" if sha else version
 
 
+# Replicated arrays smaller than this per replica are written whole by one replica: slicing them across
+# replicas costs one dispatched device op per array and slice on the training thread, for nothing.
+_MIN_REPLICA_PARALLEL_BYTES = 4 << 20
+
+
+def configure_orbax() -> None:
+    """Make orbax's blocking part of a save cheap (idempotent; call before building a manager).
+
+    * Barriers go through the coordination service (a key-value barrier) instead of a compiled
+      all-gather over every device: no compilation on the first save, no collective on the
+      training thread.
+    * Replicated arrays are split across replicas only when each slice is large.
+    """
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # orbax reads its flag only once absl flags count as parsed
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+    ocp.args.register_with_handler(DataIteratorHandler, for_save=True)(DataSave)
+    ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)(DataRestore)
+    try:
+        from orbax.checkpoint._src.metadata import array_metadata_store
+    except ImportError:  # another orbax layout: keep its default array handler
+        return
+    handler = ocp.type_handlers.ArrayHandler(
+        array_metadata_store=array_metadata_store.Store(),
+        min_slice_bytes_for_replica_parallel=_MIN_REPLICA_PARALLEL_BYTES,
+    )
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
+class DataIteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
+    """grain's iterator handler (same files, same restore) whose save writes in the background.
+
+    The iterator's state is captured on the calling thread (the iterator moves on right after);
+    the per-process JSON file is written by a commit future once orbax has created the item's
+    directory, so an asynchronous save does not wait for a store round trip on the training thread.
+    """
+
+    async def async_save(self, directory: Any, item: Any = None, args: Any = None) -> list[Any]:
+        """Capture the iterator state now; write ``process_<i>-of-<n>.json`` in the background."""
+        item = item or args.item
+        state = json.dumps(item.get_state(), indent=4)
+        path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+        async def write() -> None:
+            await asyncio.to_thread(path.write_text, state)
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="data_iterator_save")]
+
+    def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
+        """Synchronous save (grain's)."""
+        super().save(directory, item=item, args=args)
+
+
+@dataclass
+class DataSave(ocp.args.CheckpointArgs):
+    """Save a grain iterator with ``DataIteratorHandler``."""
+
+    item: Any
+
+
+@dataclass
+class DataRestore(ocp.args.CheckpointArgs):
+    """Restore a grain iterator with ``DataIteratorHandler``."""
+
+    item: Any
+
+
 @dataclass
 class PendingSave:
     """A save orbax has started but the manifest has not recorded yet."""
@@ -61,10 +133,19 @@ class PendingSave:
     step: int
     started: float
     attempt: int
+    blocking: float = 0.0  # seconds the training thread spent in orbax's save
+    committed: float | None = None  # when this worker saw orbax's commit
+    manifest: concurrent.futures.Future | None = field(default=None, repr=False)  # done: manifest written
 
 
 class Checkpointer:
-    """An orbax CheckpointManager at ``checkpoints/`` plus the manifest step of the transaction."""
+    """An orbax CheckpointManager at ``checkpoints/`` plus the manifest step of the transaction.
+
+    The training thread only starts saves and polls. Once orbax has committed a step, the primary
+    host writes its manifest on a single background thread (one at a time, in step order); the
+    step counts as committed only when its manifest is written. ``save`` and ``finish_pending``
+    wait for the previous save's commit and manifest first.
+    """
 
     def __init__(self, store: RunStore, cfg: JobConfig, attempt: int, mesh_shape: dict[str, int]):
         self.store = store
@@ -72,6 +153,7 @@ class Checkpointer:
         self.attempt = attempt
         self.mesh_shape = mesh_shape
         self.primary = jax.process_index() == 0
+        configure_orbax()
         opts = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.checkpoint.keep,
             enable_async_checkpointing=cfg.checkpoint.async_save,
@@ -80,14 +162,20 @@ class Checkpointer:
         self.mgr = ocp.CheckpointManager(
             store.url(RunLayout.CHECKPOINTS),
             options=opts,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()},
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": DataIteratorHandler()},
         )
         self.pending: PendingSave | None = None
         self.last_committed: int | None = None
         self.last_commit_time: float | None = None
         self.last_duration: float | None = None
+        self.last_blocking: float | None = None
         self._code_version = code_version() if self.primary else ""
         self._libs = library_versions()
+        self._writer = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
+            if self.primary
+            else None
+        )
 
     def steps(self) -> list[int]:
         """Committed steps orbax lists."""
@@ -100,29 +188,59 @@ class Checkpointer:
         self.mgr.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter)
+                state=ocp.args.StandardSave(state), data=DataSave(data_iter)
             ),
             force=True,
         )
+        self.pending.blocking = time.time() - self.pending.started
 
     def poll(self) -> int | None:
-        """Record a save that has committed since the last call; return its step (None: nothing new)."""
-        if self.pending is None or self.mgr.is_saving_in_progress():
+        """Record a save whose commit and manifest completed since the last call; never blocks.
+
+        Returns:
+            The step newly committed, or None.
+        """
+        p = self.pending
+        if p is None:
             return None
-        return self.finish_pending()
+        if p.manifest is None:
+            if self.mgr.is_saving_in_progress():
+                return None
+            self._committed(p)
+        if not p.manifest.done():
+            return None
+        return self._record(p)
 
     def finish_pending(self) -> int | None:
-        """Wait for the save in flight to commit, then write its manifest (primary host). Returns its step."""
-        if self.pending is None:
+        """Wait for the save in flight to commit and for its manifest (primary host). Returns its step."""
+        p = self.pending
+        if p is None:
             return None
-        self.mgr.wait_until_finished()
-        p, self.pending = self.pending, None
-        if self.primary and p.step not in self.mgr.all_steps():
+        if p.manifest is None:
+            self._committed(p)
+        return self._record(p)
+
+    def _committed(self, p: PendingSave) -> None:
+        """Orbax has committed (or failed) ``p``: raise its error, or start writing its manifest."""
+        self.mgr.wait_until_finished()  # returns at once after the commit; raises a failed save's error
+        p.committed = time.time()
+        if not self.primary:
+            p.manifest = concurrent.futures.Future()
+            p.manifest.set_result(None)
+            return
+        if p.step not in self.mgr.all_steps():
             raise RuntimeError(f"checkpoint of step {p.step} was not committed")
-        duration = time.time() - p.started
-        if self.primary:
-            write_manifest(self.store, self.manifest(p.step, duration))
+        assert self._writer is not None
+        p.manifest = self._writer.submit(write_manifest, self.store, self.manifest(p.step, p.committed - p.started))
+
+    def _record(self, p: PendingSave) -> int:
+        """Wait for ``p``'s manifest (raising its error) and record the step as committed."""
+        assert p.manifest is not None and p.committed is not None
+        p.manifest.result()
+        self.pending = None
+        duration = p.committed - p.started
         self.last_committed, self.last_commit_time, self.last_duration = p.step, time.time(), duration
+        self.last_blocking = p.blocking
         log.info("checkpoint %d committed in %.2f s", p.step, duration)
         return p.step
 
@@ -150,9 +268,11 @@ class Checkpointer:
 
     def restore_data(self, step: int, data_iter: Any) -> Any:
         """Restore this process's data-iterator state of ``step`` into ``data_iter``."""
-        got = self.mgr.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iter)))
+        got = self.mgr.restore(step, args=ocp.args.Composite(data=DataRestore(data_iter)))
         return got["data"]
 
     def close(self) -> None:
         """Wait for background work and release the manager."""
         self.mgr.close()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
