@@ -1,0 +1,86 @@
+"""The checkpoint transaction in one process: orbax commit, then the manifest from the background writer."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from trainer_harness import tiny_config
+
+from recovery_steps.records import CheckpointManifest
+from recovery_steps.store import RunLayout, RunStore
+from trainer import data as data_lib
+from trainer.checkpointing import Checkpointer
+
+
+@pytest.fixture
+def setup(tmp_path):
+    cfg = tiny_config(str(tmp_path / "store"), run_id="ckpt-unit", hosts=1, checkpoint={"keep": 5})
+    store = RunStore.for_config(cfg)
+    ckpt = Checkpointer(store, cfg, attempt=0, mesh_shape={"data": 1})
+    it = data_lib.make_iterator(cfg.data, cfg.model, data_lib.DataPosition(cfg.data.seed, 0, 0), 0, 1)
+    yield cfg, store, ckpt, it
+    ckpt.close()
+
+
+def state_at(step: int) -> dict:
+    return {"w": jnp.full((4, 8), float(step)), "step": jnp.asarray(step, jnp.int32)}
+
+
+def manifest_of(store: RunStore, step: int) -> CheckpointManifest | None:
+    raw = store.read_json(RunLayout.checkpoint_manifest(step))
+    return None if raw is None else CheckpointManifest.model_validate(raw)
+
+
+def test_poll_reports_a_step_only_with_its_manifest(setup):
+    _, store, ckpt, it = setup
+    for _ in range(3):
+        next(it)
+    ckpt.save(3, state_at(3), it)
+    assert ckpt.pending is not None and ckpt.pending.blocking >= 0
+    got, deadline = None, time.monotonic() + 60
+    while got is None and time.monotonic() < deadline:
+        got = ckpt.poll()
+        if got is None:
+            assert ckpt.last_committed is None
+            time.sleep(0.01)
+    assert got == 3 and ckpt.last_committed == 3 and ckpt.pending is None
+    m = manifest_of(store, 3)
+    assert m is not None and m.step == 3
+    paths = {f.path for f in m.files}
+    assert "data/process_0-of-1.json" in paths
+    assert any(p.startswith("state/") for p in paths)
+    assert ckpt.last_blocking is not None and ckpt.last_duration >= ckpt.last_blocking
+    assert ckpt.poll() is None
+
+
+def test_next_save_and_finish_wait_for_the_previous_manifest(setup):
+    _, store, ckpt, it = setup
+    ckpt.save(1, state_at(1), it)
+    ckpt.save(2, state_at(2), it)  # waits for step 1's commit and manifest first
+    assert manifest_of(store, 1) is not None
+    assert ckpt.last_committed == 1
+    assert ckpt.finish_pending() == 2
+    assert manifest_of(store, 2) is not None
+    assert ckpt.finish_pending() is None
+    assert ckpt.steps() == [1, 2]
+
+
+def test_restore_gives_back_the_state_and_the_data_position(setup):
+    cfg, _, ckpt, it = setup
+    for _ in range(5):
+        next(it)
+    expected = next(it)  # the batch after the save
+    it.set_state({"next_index": 5})
+    ckpt.save(5, state_at(5), it)
+    assert ckpt.finish_pending() == 5
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_at(0))
+    got = ckpt.restore_state(5, abstract)
+    assert int(got["step"]) == 5 and float(got["w"][0, 0]) == 5.0
+    fresh = data_lib.make_iterator(cfg.data, cfg.model, data_lib.DataPosition(cfg.data.seed, 0, 0), 0, 1)
+    fresh = ckpt.restore_data(5, fresh)
+    assert fresh.get_state()["next_index"] == 5
+    np.testing.assert_array_equal(next(fresh), expected)
