@@ -9,13 +9,15 @@ manifest, then runs ``--repeats`` interleaved rounds of:
 - ``restore``: ``CheckpointManager.restore`` of the ``state`` item into an abstract target with a
   sharding, as the trainer restores; the manager is built before the clock starts, and nothing is
   compiled;
+- ``place``: ``jax.device_put`` of the same arrays, already in memory, into the target's shardings
+  (not part of the ratio: it shows how much of a restore is placement rather than reading);
 - ``verify``: restore-latest's verification of the step (read back + CRC32C of every file).
 
 Both the read and the restore run warm: the page cache (local) and the emulator's memory hold the
 bytes, and one untimed read precedes the rounds (caches cannot be dropped on this machine). Each
 cell is the median of the rounds; ``cpu`` is the median process CPU time (all threads), which the
 other load on a shared machine disturbs far less than wall time. The ratio is restore speed / read
-speed (target >= 0.8).
+speed (target >= 0.8), from wall time and, in brackets, from CPU time.
 
 Layouts (save-side options; every layout is restored by the same restore code):
 
@@ -23,7 +25,7 @@ Layouts (save-side options; every layout is restored by the same restore code):
 - ``raw-<n>MiB``: ``PyTreeCheckpointHandler(use_compression=False)`` and
   ``SaveArgs(chunk_byte_size=n MiB)`` on every leaf.
 
-    .venv/bin/python bench/bench_restore.py [--mb 118] [--repeats 7] [--chunk-mib 4]
+    .venv/bin/python bench/bench_restore.py [--mb 118] [--repeats 7] [--chunk-mib 4 16]
 """
 
 from __future__ import annotations
@@ -123,6 +125,19 @@ def restorer(store, target: Any) -> Callable[[], None]:
     return restore
 
 
+def placer(state: dict[str, Any], target: Any) -> Callable[[], None]:
+    """``jax.device_put`` of the state, already in memory, into the target's shardings: the part of a
+    restore that a plain read does not do (a host copy on the CPU, a host-to-device transfer on a TPU)."""
+    import jax
+
+    shardings = jax.tree.map(lambda t: t.sharding, target)
+
+    def place() -> None:
+        jax.block_until_ready(jax.device_put(state, shardings))
+
+    return place
+
+
 def verifier(store, cfg) -> Callable[[], None]:
     """restore-latest's verification of the run (it must select ``STEP``)."""
     from recovery_steps.verify import closed_attempts, verify_checkpoints
@@ -147,14 +162,14 @@ def run_rounds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tup
     return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
 
 
-def run(mb: int, repeats: int, chunk_mib: int) -> list[dict[str, Any]]:
+def run(mb: int, repeats: int, chunk_mibs: list[int]) -> list[dict[str, Any]]:
     """Measure every backend x layout; print the table; return its rows."""
     from ckpt_factory import tiny_config, write_run_config
 
     from recovery_steps.emulator import GcsEmulator
     from recovery_steps.store import RunStore
 
-    layouts: list[tuple[str, int | None]] = [("zstd-1chunk", None), (f"raw-{chunk_mib}MiB", chunk_mib)]
+    layouts: list[tuple[str, int | None]] = [("zstd-1chunk", None)] + [(f"raw-{c}MiB", c) for c in chunk_mibs]
     state = make_state(mb * 2**20 // 4, STEP)
     target = abstract_target(state)
     rows = []
@@ -164,7 +179,8 @@ def run(mb: int, repeats: int, chunk_mib: int) -> list[dict[str, Any]]:
     )
     header = (
         f"{'backend':<9} {'layout':<12} {'MB':>6} {'save s':>7} | {'read s':>7} {'cpu':>5} {'MB/s':>6}"
-        f" | {'restore s':>9} {'cpu':>5} {'MB/s':>6} | {'verify s':>8} | {'restore/read':>12}"
+        f" | {'restore s':>9} {'cpu':>5} {'MB/s':>6} | {'place s':>7} {'cpu':>5} | {'verify s':>8}"
+        f" | {'restore/read':>12} {'(cpu)':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -181,6 +197,7 @@ def run(mb: int, repeats: int, chunk_mib: int) -> list[dict[str, Any]]:
                 save_s = time.perf_counter() - t
                 nbytes = plain_read(store, STEP)  # warm-up, untimed
                 fns = {"read": lambda s=store: plain_read(s, STEP), "restore": restorer(store, target)}
+                fns["place"] = placer(state, target)
                 fns["verify"] = verifier(store, cfg)
                 fns["restore"]()  # warm-up, untimed
                 med = run_rounds(fns, repeats)
@@ -189,7 +206,8 @@ def run(mb: int, repeats: int, chunk_mib: int) -> list[dict[str, Any]]:
                 print(
                     f"{backend:<9} {layout:<12} {nbytes / 2**20:6.1f} {save_s:7.2f} | {med['read'][0]:7.3f}"
                     f" {med['read'][1]:5.2f} {mbs['read']:6.0f} | {med['restore'][0]:9.3f} {med['restore'][1]:5.2f}"
-                    f" {mbs['restore']:6.0f} | {med['verify'][0]:8.3f} | {ratio:12.2f}",
+                    f" {mbs['restore']:6.0f} | {med['place'][0]:7.3f} {med['place'][1]:5.2f} | {med['verify'][0]:8.3f}"
+                    f" | {ratio:12.2f} {med['read'][1] / med['restore'][1]:6.2f}",
                     flush=True,
                 )
                 rows.append({"backend": backend, "layout": layout, "ratio": ratio, **{k: v[0] for k, v in med.items()}})
@@ -201,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=118, help="checkpoint size in MB (one float32 array)")
     p.add_argument("--repeats", type=int, default=7, help="interleaved rounds; each cell is their median")
-    p.add_argument("--chunk-mib", type=int, default=4, help="chunk_byte_size of the uncompressed layout, in MiB")
+    p.add_argument(
+        "--chunk-mib", type=int, nargs="+", default=[4, 16], help="chunk_byte_size of the uncompressed layouts, in MiB"
+    )
     args = p.parse_args(argv)
     run(args.mb, args.repeats, args.chunk_mib)
     return 0
