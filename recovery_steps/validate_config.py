@@ -133,12 +133,29 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
     return ValidateResult(ExitCode.OK, messages, outputs)
 
 
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; use true or false")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m recovery_steps.validate_config``."""
     p = argparse.ArgumentParser(prog="python -m recovery_steps.validate_config", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, type=Path, help="the job config (YAML)")
     p.add_argument("--store-root", help="override the config's storage.root (gs://bucket/prefix or a directory)")
-    p.add_argument("--accept-safe-changes", action="store_true", help="accept changes the checkpoints survive")
+    p.add_argument(
+        "--accept-safe-changes",
+        nargs="?",
+        const="true",
+        default="false",
+        type=_flag,
+        metavar="true|false",
+        help="accept config changes the checkpoints survive (a bare flag means true)",
+    )
     p.add_argument("--output-dir", required=True, type=Path)
     args = p.parse_args(argv)
     try:

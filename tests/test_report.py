@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,15 @@ def test_local_bad_input_is_one_line_per_problem(tmp_path, capsys):
     assert local.main(["argo/local-cpu.yaml", "--inject", "nope", "--inject", "kill-worker@0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "unknown scenario 'nope'" in err[0] and "kill-worker@0" in err[1]
+
+
+def test_local_parameters_are_checked_and_applied(capsys):
+    assert local.main(["argo/local-cpu.yaml", "-p", "accept-safe-changes"]) == 2
+    assert "expected NAME=VALUE" in capsys.readouterr().err
+    assert local.main(["argo/local-cpu.yaml", "-p", "acept-safe-changes=true"]) == 2
+    err = capsys.readouterr().err
+    assert "acept-safe-changes: the workflow has no such parameter" in err and "accept-safe-changes" in err
+    wf, _ = local.load_workflow(Path("argo/local-cpu.yaml"))
+    params = local.with_parameters(wf, {"accept-safe-changes": "true"})["spec"]["arguments"]["parameters"]
+    assert {"name": "accept-safe-changes", "value": "true"} in params
+    assert {"name": "accept-safe-changes", "value": "false"} in wf["spec"]["arguments"]["parameters"]

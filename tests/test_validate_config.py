@@ -181,8 +181,10 @@ def test_safe_changes_need_the_flag_and_keep_the_previous_config(store_root, tmp
     assert _validate(path, store_root, tmp_path / "o2") == ExitCode.CONFIGURATION
     err = capsys.readouterr().err
     assert "checkpoint.interval_steps: 10 -> 5" in err and "--accept-safe-changes" in err
+    # The workflow always passes the flag with its parameter's value ("false" unless submitted with true).
+    assert _validate(path, store_root, tmp_path / "o2", "--accept-safe-changes", "false") == ExitCode.CONFIGURATION
 
-    assert _validate(path, store_root, tmp_path / "o3", "--accept-safe-changes") == 0
+    assert _validate(path, store_root, tmp_path / "o3", "--accept-safe-changes", "true") == 0
     store = RunStore(store_root, data["run_id"])
     assert store.read_json(RunLayout.CONFIG)["hash"] == load_config(path).config_hash()
     assert store.read_json(validate_config.previous_config_path(old_hash))["hash"] == old_hash
@@ -223,3 +225,11 @@ def test_resubmitted_run_continues_the_attempt_numbering(store_root, tmp_path, c
     store.write_json(RunLayout.worker_report(1, 0), {"attempt": 1})
     assert _validate(path, store_root, tmp_path / "o2") == 0
     assert (tmp_path / "o2" / "first-attempt").read_text() == "2"
+
+
+def test_accept_flag_rejects_a_non_boolean(tmp_path, capsys):
+    path = _write_cfg(tmp_path, _load("local-cpu"))
+    with pytest.raises(SystemExit) as e:
+        _validate(path, str(tmp_path / "s"), tmp_path / "o", "--accept-safe-changes", "maybe")
+    assert e.value.code == 2
+    assert "'maybe' is not a boolean" in capsys.readouterr().err

@@ -53,7 +53,7 @@ def test_main_dag_validates_then_starts_the_first_free_attempt(local):
     assert tasks["attempt"]["depends"] == "validate-config"
     first = "{{tasks.validate-config.outputs.parameters.first-attempt}}"
     assert tasks["attempt"]["arguments"]["parameters"] == [{"name": "attempt", "value": first}]
-    assert {p["name"] for p in spec["arguments"]["parameters"]} == {"store-root", "run-id"}
+    assert {p["name"] for p in spec["arguments"]["parameters"]} == {"store-root", "run-id", "accept-safe-changes"}
     assert local["metadata"]["labels"] == {"jaxrec/run-id": "local-cpu"}
 
 

@@ -116,17 +116,23 @@ def _config_artifact(wf: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def retarget(wf: dict[str, Any], run_id: str, store_root: str) -> dict[str, Any]:
-    """The workflow with its run id and store root replaced (parameters and the config artifact)."""
+def with_parameters(wf: dict[str, Any], values: dict[str, str]) -> dict[str, Any]:
+    """A copy of the workflow with these workflow parameters set (like ``argo submit -p NAME=VALUE``)."""
     wf = json.loads(json.dumps(wf))
     params = wf.setdefault("spec", {}).setdefault("arguments", {}).setdefault("parameters", [])
-    for name, value in (("run-id", run_id), ("store-root", store_root)):
+    for name, value in values.items():
         for p in params:
             if p["name"] == name:
                 p["value"] = value
                 break
         else:
             params.append({"name": name, "value": value})
+    return wf
+
+
+def retarget(wf: dict[str, Any], run_id: str, store_root: str) -> dict[str, Any]:
+    """The workflow with its run id and store root replaced (parameters and the config artifact)."""
+    wf = with_parameters(wf, {"run-id": run_id, "store-root": store_root})
     art = _config_artifact(wf)
     if art is not None:
         data = yaml.safe_load(art["raw"]["data"])
@@ -198,6 +204,7 @@ def run(
     reference: bool = False,
     reference_digest: str | None = None,
     metrics_port: int | None = 0,
+    parameters: dict[str, str] | None = None,
     report: bool = True,
     grace_seconds: float = 3.0,
     say: Callable[[str], None] = print,
@@ -213,6 +220,7 @@ def run(
         reference: Run an uninterrupted reference run first and compare the final parameters.
         reference_digest: The reference run's parameter digest, when already known.
         metrics_port: Port of the run metrics server (0: any free port; None: no server).
+        parameters: Workflow parameters to set, as ``argo submit -p NAME=VALUE`` would.
         report: Print the incident table and draw the timeline at the end.
         grace_seconds: SIGTERM-to-SIGKILL grace when the local JobSet stops its workers.
         say: Where progress lines go.
@@ -222,8 +230,15 @@ def run(
     """
     wf, cfg = load_workflow(workflow_path)
     injections, problems = parse_injections(list(inject), cfg.checkpoint.interval_steps)
+    declared = {p["name"] for p in wf["spec"].get("arguments", {}).get("parameters", [])}
+    problems += [
+        f"-p {name}: the workflow has no such parameter; it has {', '.join(sorted(declared))}"
+        for name in (parameters or {})
+        if name not in declared
+    ]
     if problems:
         raise LocalRunError(problems)
+    wf = with_parameters(wf, parameters or {})
     params = {p["name"]: str(p.get("value", "")) for p in wf["spec"].get("arguments", {}).get("parameters", [])}
     run_id = run_id or f"{params.get('run-id', cfg.run_id)}-{time.strftime('%Y%m%d-%H%M%S')}"
     with contextlib.ExitStack() as stack:
@@ -450,7 +465,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--store-root", help="run-store root (default: the workflow's store-root parameter)")
     p.add_argument("--reference", action="store_true", help="also run without faults and compare final parameters")
     p.add_argument("--metrics-port", type=int, default=0, help="run metrics port (default: any free port)")
+    p.add_argument(
+        "-p",
+        "--parameter",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a workflow parameter, as `argo submit -p` does (e.g. accept-safe-changes=true)",
+    )
     args = p.parse_args(argv)
+    bad = [f"-p {x!r}: expected NAME=VALUE" for x in args.parameter if "=" not in x]
+    if bad:
+        for line in bad:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         result = run(
@@ -461,6 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             store_root=args.store_root,
             reference=args.reference,
             metrics_port=args.metrics_port,
+            parameters=dict(x.split("=", 1) for x in args.parameter),
         )
     except LocalRunError as e:
         for line in e.problems:

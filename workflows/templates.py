@@ -108,13 +108,18 @@ def build_workflow(cfg: JobConfig) -> Workflow:
         arguments=[
             Parameter(name="store-root", value=cfg.storage.root),
             Parameter(name="run-id", value=cfg.run_id),
+            # `argo submit ... -p accept-safe-changes=true` resumes a run whose config changed safely.
+            Parameter(name="accept-safe-changes", value="false"),
         ],
     ) as w:
         validate = _step(
             cfg,
             "validate-config",
             "validate_config",
-            ["--config", CONFIG_PATH, "--store-root", STORE_ROOT],
+            [
+                "--config", CONFIG_PATH, "--store-root", STORE_ROOT,
+                "--accept-safe-changes", "{{workflow.parameters.accept-safe-changes}}",
+            ],  # fmt: skip
             outputs=["run-id", "store-root", "config-hash", "hosts", "first-attempt"],
             input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
         )
