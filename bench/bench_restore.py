@@ -14,10 +14,10 @@ manifest, then runs ``--repeats`` interleaved rounds of:
 - ``verify``: restore-latest's verification of the step (read back + CRC32C of every file).
 
 Both the read and the restore run warm: the page cache (local) and the emulator's memory hold the
-bytes, and one untimed read precedes the rounds (caches cannot be dropped on this machine). Each
+bytes, and one untimed read and one untimed restore precede the rounds (caches cannot be dropped on this machine). Each
 cell is the median of the rounds; ``cpu`` is the median process CPU time (all threads), which the
 other load on a shared machine disturbs far less than wall time. The ratio is restore speed / read
-speed (target >= 0.8), from wall time and, in brackets, from CPU time.
+speed (target >= 0.8), from wall time and, in the ``(cpu)`` column, from CPU time.
 
 Layouts (save-side options; every layout is restored by the same restore code):
 
