@@ -135,16 +135,16 @@ class PendingSave:
     attempt: int
     blocking: float = 0.0  # seconds the training thread spent in orbax's save
     committed: float | None = None  # when this worker saw orbax's commit
-    manifest: concurrent.futures.Future | None = field(default=None, repr=False)  # done: manifest written
+    manifest: concurrent.futures.Future | None = field(default=None, repr=False)  # primary: commit + manifest
 
 
 class Checkpointer:
     """An orbax CheckpointManager at ``checkpoints/`` plus the manifest step of the transaction.
 
-    The training thread only starts saves and polls. Once orbax has committed a step, the primary
-    host writes its manifest on a single background thread (one at a time, in step order); the
-    step counts as committed only when its manifest is written. ``save`` and ``finish_pending``
-    wait for the previous save's commit and manifest first.
+    The training thread only starts saves and polls. On the primary host a single background
+    thread waits for orbax to commit each save and writes its manifest right away (one at a time,
+    in step order); the step counts as committed only when its manifest is written. ``save`` and
+    ``finish_pending`` wait for the previous save's commit and manifest first.
     """
 
     def __init__(self, store: RunStore, cfg: JobConfig, attempt: int, mesh_shape: dict[str, int]):
@@ -193,6 +193,8 @@ class Checkpointer:
             force=True,
         )
         self.pending.blocking = time.time() - self.pending.started
+        if self._writer is not None:
+            self.pending.manifest = self._writer.submit(self._commit_and_write_manifest, self.pending)
 
     def poll(self) -> int | None:
         """Record a save whose commit and manifest completed since the last call; never blocks.
@@ -203,13 +205,11 @@ class Checkpointer:
         p = self.pending
         if p is None:
             return None
-        if p.manifest is None:
-            if self.mgr.is_saving_in_progress():
-                return None
-            self._committed(p)
-        if not p.manifest.done():
+        if p.manifest is not None:  # primary host: the writer waits for the commit, then writes the manifest
+            return self._record(p) if p.manifest.done() else None
+        if self.mgr.is_saving_in_progress():
             return None
-        return self._record(p)
+        return self.finish_pending()
 
     def finish_pending(self) -> int | None:
         """Wait for the save in flight to commit and for its manifest (primary host). Returns its step."""
@@ -217,26 +217,23 @@ class Checkpointer:
         if p is None:
             return None
         if p.manifest is None:
-            self._committed(p)
+            self.mgr.wait_until_finished()  # raises a failed save's error
+            p.committed = time.time()
         return self._record(p)
 
-    def _committed(self, p: PendingSave) -> None:
-        """Orbax has committed (or failed) ``p``: raise its error, or start writing its manifest."""
-        self.mgr.wait_until_finished()  # returns at once after the commit; raises a failed save's error
+    def _commit_and_write_manifest(self, p: PendingSave) -> None:
+        """On the writer thread: wait for orbax to commit ``p``, then write its manifest at once."""
+        self.mgr.wait_until_finished()  # raises a failed save's error
         p.committed = time.time()
-        if not self.primary:
-            p.manifest = concurrent.futures.Future()
-            p.manifest.set_result(None)
-            return
         if p.step not in self.mgr.all_steps():
             raise RuntimeError(f"checkpoint of step {p.step} was not committed")
-        assert self._writer is not None
-        p.manifest = self._writer.submit(write_manifest, self.store, self.manifest(p.step, p.committed - p.started))
+        write_manifest(self.store, self.manifest(p.step, p.committed - p.started))
 
     def _record(self, p: PendingSave) -> int:
         """Wait for ``p``'s manifest (raising its error) and record the step as committed."""
-        assert p.manifest is not None and p.committed is not None
-        p.manifest.result()
+        if p.manifest is not None:
+            p.manifest.result()
+        assert p.committed is not None
         self.pending = None
         duration = p.committed - p.started
         self.last_committed, self.last_commit_time, self.last_duration = p.step, time.time(), duration
