@@ -21,9 +21,10 @@ speed (target >= 0.8), from wall time and, in the ``(cpu)`` column, from CPU tim
 
 Layouts (save-side options; every layout is restored by the same restore code):
 
-- ``zstd-1chunk``: ``StandardCheckpointHandler()`` defaults (zarr2, zstd, one chunk per array shard);
+- ``zstd-1chunk``: ``StandardCheckpointHandler()`` defaults (zarr2, zstd, one chunk per array shard),
+  the layout of checkpoints written before the trainer switched;
 - ``raw-<n>MiB``: ``PyTreeCheckpointHandler(use_compression=False)`` and
-  ``SaveArgs(chunk_byte_size=n MiB)`` on every leaf.
+  ``SaveArgs(chunk_byte_size=n MiB)`` on every leaf; ``raw-4MiB`` is what the trainer writes.
 
     .venv/bin/python bench/bench_restore.py [--mb 118] [--repeats 7] [--chunk-mib 4 16]
 """
