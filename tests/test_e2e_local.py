@@ -124,7 +124,7 @@ def test_app_bug_ends_failed_with_application_class_within_budget(e2e_workflow, 
 
 
 def test_delete_workflow_resumes_with_the_same_run_id(e2e_workflow, reference):
-    res, store, out = _run(e2e_workflow, reference, "deleted", ["delete-workflow@8"])
+    res, store, out = _run(e2e_workflow, reference, "deleted", ["delete-workflow@9"])
     assert res.restarts == 1, out
     _assert_recovered(res, out)
     _assert_restores_were_good(store, [])
