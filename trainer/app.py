@@ -242,6 +242,13 @@ class Worker:
         if cfg.slice.is_local:
             ident = local_identity(self.env)
             self.process_index, self.process_count = ident.process_id, ident.num_processes
+            if ident.num_processes != cfg.slice.num_hosts:
+                # Known before joining: every worker exits 2 alike instead of racing the gang's teardown.
+                raise TrainerExit(
+                    ExitCode.CONFIGURATION,
+                    f"slice.hosts: the config expects {cfg.slice.num_hosts} processes but the slice started "
+                    f"{ident.num_processes} (TRAINER_NUM_PROCESSES); start one worker per host or fix the slice",
+                )
             os.environ["JAX_PLATFORMS"] = "cpu"
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", cfg.slice.devices_per_host)
@@ -342,6 +349,43 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     raise AssertionError("unreachable")  # _train always exits
 
 
+def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int) -> tuple[Any, Any]:
+    """The training state and data iterator of checkpoint ``restore_step``, in the current sharding.
+
+    ``exact`` resumes the data iterator at its saved position (checked against the step);
+    ``reshuffle`` starts a new order seeded by the restored step.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from trainer import data as data_lib
+
+    state = ckpt.restore_state(restore_step, tr.abstract_state)
+    got_step = int(state["step"])
+    if got_step != restore_step:
+        raise TrainerExit(ExitCode.INCOMPATIBLE_CHECKPOINT, f"checkpoint {restore_step} holds step {got_step}")
+    saved = data_lib.DataPosition(
+        int(state["data_order_seed"]), int(state["data_start_step"]), restore_step - int(state["data_start_step"])
+    )
+    pos = data_lib.resume_position(cfg.data.resume_mode, cfg.data.seed, restore_step, saved)
+    start = data_lib.DataPosition(pos.order_seed, pos.start_step, 0)
+    it = data_lib.make_iterator(cfg.data, cfg.model, start, jax.process_index(), jax.process_count())
+    if cfg.data.resume_mode == "exact":
+        it = ckpt.restore_data(restore_step, it)
+        at = it.get_state().get("next_index")
+        if at != pos.next_index:
+            raise TrainerExit(
+                ExitCode.INCOMPATIBLE_CHECKPOINT,
+                f"checkpoint {restore_step}: data iterator at batch {at}, expected {pos.next_index}",
+            )
+    else:
+        state["data_order_seed"] = jax.device_put(jnp.asarray(pos.order_seed, jnp.int32), tr.replicated)
+        state["data_start_step"] = jax.device_put(jnp.asarray(pos.start_step, jnp.int32), tr.replicated)
+    ckpt.last_committed = restore_step
+    log.info("restored step %d (data order %d, batch %d)", restore_step, pos.order_seed, pos.next_index)
+    return state, it
+
+
 def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     import jax
     import jax.numpy as jnp
@@ -380,29 +424,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     pc, pi = jax.process_count(), jax.process_index()
 
     if manifest is not None:
-        state = ckpt.restore_state(restore_step, tr.abstract_state)
-        got_step = int(state["step"])
-        if got_step != restore_step:
-            raise TrainerExit(ExitCode.INCOMPATIBLE_CHECKPOINT, f"checkpoint {restore_step} holds step {got_step}")
-        saved = data_lib.DataPosition(
-            int(state["data_order_seed"]), int(state["data_start_step"]), restore_step - int(state["data_start_step"])
-        )
-        pos = data_lib.resume_position(cfg.data.resume_mode, cfg.data.seed, restore_step, saved)
-        it = data_lib.make_iterator(cfg.data, cfg.model, data_lib.DataPosition(pos.order_seed, pos.start_step, 0),
-                                    pi, pc)  # fmt: skip
-        if cfg.data.resume_mode == "exact":
-            it = ckpt.restore_data(restore_step, it)
-            at = it.get_state().get("next_index")
-            if at != pos.next_index:
-                raise TrainerExit(
-                    ExitCode.INCOMPATIBLE_CHECKPOINT,
-                    f"checkpoint {restore_step}: data iterator at batch {at}, expected {pos.next_index}",
-                )
-        else:
-            state["data_order_seed"] = jax.device_put(jnp.asarray(pos.order_seed, jnp.int32), tr.replicated)
-            state["data_start_step"] = jax.device_put(jnp.asarray(pos.start_step, jnp.int32), tr.replicated)
-        ckpt.last_committed = restore_step
-        log.info("restored step %d (data order %d, batch %d)", restore_step, pos.order_seed, pos.next_index)
+        state, it = _restore(cfg, tr, ckpt, restore_step)
     else:
         state = tr.init_fn(jnp.asarray(t.seed, jnp.int32))
         it = data_lib.make_iterator(cfg.data, cfg.model, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
