@@ -68,8 +68,13 @@ def test_default_steps_and_corrupt_latest_brings_a_kill():
     inj, problems = parse_injections(["corrupt-latest", "kill-during-save", "preempt@7"], 10)
     assert not problems
     assert [(i.scenario, i.step) for i in inj] == [("corrupt-latest", 15), ("kill-during-save", 20), ("preempt", 7)]
+    # A default step also waits for a committed checkpoint; an explicit @STEP fires at that step.
+    assert [i.after_commit for i in inj] == [True, False, False]
     inj, _ = parse_injections(["corrupt-latest"], 10)
-    assert [(i.scenario, i.step) for i in inj] == [("corrupt-latest", 15), ("kill-worker", 15)]
+    assert [(i.scenario, i.step, i.after_commit) for i in inj] == [
+        ("corrupt-latest", 15, True),
+        ("kill-worker", 15, True),
+    ]
 
 
 def test_report_prints_table_and_writes_timeline(store_root, capsys):

@@ -38,13 +38,16 @@ class Injection:
     scenario: str
     step: int
     fired: list[Injected] = field(default_factory=list)
+    # Without @STEP the fault waits for the attempt's first committed checkpoint as well as its step:
+    # an asynchronous commit can still be in flight at the step, most of all on a loaded machine.
+    after_commit: bool = False
 
 
 def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], list[str]]:
     """Parse ``SCENARIO[@STEP]`` options; return the injections and one problem line per bad option.
 
-    Without ``@STEP`` a scenario fires after the first checkpoint (interval + interval/2), or at the
-    second checkpoint for ``kill-during-save``.
+    Without ``@STEP`` a scenario fires after the first checkpoint (interval + interval/2, and not before
+    a checkpoint of the attempt committed), or at the second checkpoint for ``kill-during-save``.
     """
     out, problems = [], []
     for spec in specs:
@@ -56,14 +59,16 @@ def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], 
             if not step_s.isdigit() or int(step_s) < 1:
                 problems.append(f"--inject {spec}: STEP must be a positive integer (e.g. {name}@15)")
                 continue
-            step = int(step_s)
+            out.append(Injection(name, int(step_s)))
+        elif name == "kill-during-save":
+            out.append(Injection(name, 2 * interval))
         else:
-            step = 2 * interval if name == "kill-during-save" else interval + max(1, interval // 2)
-        out.append(Injection(name, step))
+            out.append(Injection(name, interval + max(1, interval // 2), after_commit=True))
     names = [i.scenario for i in out]
     if "corrupt-latest" in names and not any(n in names for n in (*_WATCHED, "kill-during-save", "app-bug")):
         step = next(i.step for i in out if i.scenario == "corrupt-latest")
-        out.append(Injection("kill-worker", step))
+        after = next(i.after_commit for i in out if i.scenario == "corrupt-latest")
+        out.append(Injection("kill-worker", step, after_commit=after))
     return out, problems
 
 
@@ -139,14 +144,15 @@ class Injector(SliceHooks):
         pending = [i for i in self.injections if i.scenario in _WATCHED and not i.fired]
         if not pending or sl.first_failure_index is not None:
             return
-        steps = [e["step"] for e in self.events.events
-                 if e.get("attempt") == sl.attempt and e.get("event") == "step" and e.get("step") is not None
-                 and e["t"] >= (sl.workers[0].started_at or 0) - 1]  # fmt: skip
+        mine = [e for e in self.events.events
+                if e.get("attempt") == sl.attempt and e["t"] >= (sl.workers[0].started_at or 0) - 1]  # fmt: skip
+        steps = [e["step"] for e in mine if e.get("event") == "step" and e.get("step") is not None]
         if not steps:
             return
         step = max(steps)
+        committed = any(e.get("event") == "save_committed" for e in mine)
         for inj in pending:
-            if step >= inj.step:
+            if step >= inj.step and (committed or not inj.after_commit):
                 self._fire(inj, sl, step)
 
     def _fire(self, inj: Injection, sl: LocalSlice, step: int) -> None:
