@@ -6,35 +6,17 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
+from local_job import shrunken_workflow
 
-from recovery_steps.config import load_config
 from recovery_steps.contract import FailureClass
 from recovery_steps.store import RunLayout, RunStore
 from workflows import local, report
-from workflows.build import render_workflow
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _workflow(d: Path) -> Path:
-    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
-    data["run_id"] = "gcs-e2e"
-    data["model"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
-    data["training"].update(total_steps=20, heartbeat_timeout_s=3, hang_timeout_s=20, compile_grace_s=90)
-    data["checkpoint"].update(interval_steps=5, keep=3)
-    data["retry"].update(default_backoff={"base_s": 0, "factor": 1, "max_s": 0}, no_progress_attempts=3)
-    cfg = d / "gcs.yaml"
-    cfg.write_text(yaml.safe_dump(data))
-    wf = d / "gcs-workflow.yaml"
-    wf.write_text(render_workflow(load_config(cfg), str(cfg)))
-    return wf
-
 
 def test_kill_worker_against_the_emulator_restores_from_gs_and_reports(tmp_path, monkeypatch):
-    wf = _workflow(tmp_path)
+    wf = shrunken_workflow(tmp_path, "gcs-e2e")
     monkeypatch.chdir(tmp_path)  # the runner's local files (.local-runs/...) go under tmp_path
     lines: list[str] = []
     res = local.run(wf, inject=["kill-worker@12"], gcs_emulator=True, run_id="gcs-e2e", metrics_port=None,

@@ -3,36 +3,19 @@
 from __future__ import annotations
 
 import pytest
-import yaml
+from local_job import INTERVAL, shrunken_workflow
 
-from recovery_steps.config import load_config
 from recovery_steps.contract import FailureClass
 from recovery_steps.store import RunLayout, RunStore
 from workflows import local
-from workflows.build import render_workflow
 
 pytestmark = pytest.mark.slow
-
-INTERVAL = 5
-TOTAL = 20
-
 
 @pytest.fixture(scope="session")
 def e2e_workflow(tmp_path_factory):
     """A 4-host, tiny-model, 20-step config compiled with the project's build functions."""
     d = tmp_path_factory.mktemp("e2e")
-    data = yaml.safe_load(open("configs/local-cpu.yaml"))
-    data["run_id"] = "e2e"
-    data["storage"]["root"] = str(d / "store")
-    data["model"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
-    data["training"].update(total_steps=TOTAL, heartbeat_timeout_s=3, hang_timeout_s=20, compile_grace_s=90)
-    data["checkpoint"].update(interval_steps=INTERVAL, keep=3)
-    data["retry"].update(default_backoff={"base_s": 0, "factor": 1, "max_s": 0}, no_progress_attempts=3)
-    cfg_path = d / "e2e.yaml"
-    cfg_path.write_text(yaml.safe_dump(data))
-    wf_path = d / "e2e-workflow.yaml"
-    wf_path.write_text(render_workflow(load_config(cfg_path), str(cfg_path)))
-    return wf_path, str(d / "store")
+    return shrunken_workflow(d, "e2e", store_root=str(d / "store")), str(d / "store")
 
 
 @pytest.fixture(scope="session")

@@ -11,36 +11,20 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
+from local_job import TOTAL, shrunken_workflow
 from prometheus_client.parser import text_string_to_metric_families
-
-from recovery_steps.config import load_config
-from workflows.build import render_workflow
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS = 4
-TOTAL = 20
 RUN_LINE = re.compile(r"run metrics: http://127\.0\.0\.1:(\d+)/metrics")
 WORKER_LINE = re.compile(r"worker metrics \(attempt (\d+)\): http://127\.0\.0\.1:(\d+)/metrics")
 
 
 def _workflow(d: Path) -> Path:
-    """A 4-host, tiny-model, 20-step config; 0.3 s after each step so scrapes land between checkpoints."""
-    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
-    data["run_id"] = "scrape"
-    data["storage"]["root"] = str(d / "store")
-    data["model"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
-    data["training"].update(total_steps=TOTAL, heartbeat_timeout_s=3, hang_timeout_s=20, compile_grace_s=90,
-                            step_delay_s=0.3)  # fmt: skip
-    data["checkpoint"].update(interval_steps=5, keep=3)
-    data["retry"].update(default_backoff={"base_s": 0, "factor": 1, "max_s": 0}, no_progress_attempts=3)
-    cfg = d / "scrape.yaml"
-    cfg.write_text(yaml.safe_dump(data))
-    wf = d / "scrape-workflow.yaml"
-    wf.write_text(render_workflow(load_config(cfg), str(cfg)))
-    return wf
+    """The shrunken job with 0.3 s after each step, so that scrapes land between checkpoints."""
+    return shrunken_workflow(d, "scrape", store_root=str(d / "store"), step_delay_s=0.3)
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:

@@ -1,0 +1,40 @@
+"""A shrunken local job (4 hosts, tiny model, 20 steps, a checkpoint every 5) compiled like configs/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from recovery_steps.config import load_config
+from workflows.build import render_workflow
+
+REPO = Path(__file__).resolve().parent.parent
+TOTAL = 20
+INTERVAL = 5
+
+
+def shrunken_workflow(d: Path, run_id: str, *, store_root: str | None = None, **training: Any) -> Path:
+    """Write the shrunken config and its compiled Workflow under ``d``; return the Workflow's path.
+
+    Args:
+        d: Folder for the config and the Workflow.
+        run_id: The config's run id.
+        store_root: The config's storage root (default: the local config's).
+        **training: Overrides of the ``training`` section (e.g. ``step_delay_s``).
+    """
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["run_id"] = run_id
+    if store_root is not None:
+        data["storage"]["root"] = store_root
+    data["model"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
+    data["training"].update(total_steps=TOTAL, heartbeat_timeout_s=3, hang_timeout_s=20, compile_grace_s=90)
+    data["training"].update(training)
+    data["checkpoint"].update(interval_steps=INTERVAL, keep=3)
+    data["retry"].update(default_backoff={"base_s": 0, "factor": 1, "max_s": 0}, no_progress_attempts=3)
+    cfg = d / f"{run_id}.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    wf = d / f"{run_id}-workflow.yaml"
+    wf.write_text(render_workflow(load_config(cfg), str(cfg)))
+    return wf
