@@ -18,15 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from recovery_steps.classify import Verdict, classify
 from recovery_steps.config import ConfigError, JobConfig, RetryConfig, config_from_json
 from recovery_steps.contract import Decision, FailureClass
 from recovery_steps.evidence import Evidence, gather_kubernetes, gather_local_slice, gather_reports
 from recovery_steps.records import AttemptRecord, Ledger, now
-from recovery_steps.retry import RetryDecision, decide, update_ledger, with_attempt
-from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+from recovery_steps.retry import RetryDecision, decide, ledger_errors, update_ledger, with_attempt
+from recovery_steps.store import RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +158,7 @@ def run(
         StepFailure: the store could not be read or written, or the run has no usable config.
     """
     store = RunStore(store_root, run_id)
-    try:
+    with ledger_errors(store, StepFailure):
         cfg = load_run_config(store)
         ev = gather(store, cfg, attempt, jobset, api_client=api_client, step_exit_code=step_exit_code)
         verdict = classify(ev)
@@ -194,33 +192,11 @@ def run(
         ledger = update_ledger(store, close)
         record: AttemptRecord = holder["record"]
         store.write_json(RunLayout.attempt_record(attempt), record.model_dump(mode="json"))
-    except StepFailure:
-        raise
-    except (ValidationError, ValueError) as e:
-        raise StepFailure(f"{store.url(RunLayout.LEDGER)}: unreadable ledger ({str(e).splitlines()[0]})") from None
-    except PreconditionFailed as e:
-        raise StepFailure(f"could not update the ledger: {e}") from None
-    except store_errors() as e:
-        raise StepFailure(f"run store {store.url()} unreachable: {type(e).__name__}: {_first_line(e)}") from None
     spent = budget_exhausted(holder["decision"], verdict.failure_class, cfg.retry)
     result = ClassifyResult(verdict, holder["decision"], record, ledger, ev, spent)
     if output_dir is not None:
         write_outputs(Path(output_dir), result)
     return result
-
-
-def store_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean the run store cannot be reached (local files, GCS, its HTTP transport)."""
-    import requests
-    from google.api_core.exceptions import GoogleAPIError
-    from google.auth.exceptions import GoogleAuthError
-
-    return (OSError, GoogleAPIError, GoogleAuthError, requests.exceptions.RequestException)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else repr(e)
 
 
 def _one_line(text: str) -> str:

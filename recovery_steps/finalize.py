@@ -21,10 +21,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step, store_errors
+from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.records import AttemptRecord, Ledger, WorkerExitReport, now
-from recovery_steps.retry import update_ledger, with_attempt
-from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
+from recovery_steps.store import RunLayout, RunStore, store_errors
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def run(
     final = SUCCEEDED if status == SUCCEEDED else FAILED
     store = RunStore(store_root, run_id)
     failed_nodes = parse_failures(failures)
-    try:
+    with ledger_errors(store, RuntimeError):
         done: AttemptRecord | None = None
         if final == SUCCEEDED:
             numbers = _attempt_numbers(store)
@@ -265,12 +265,6 @@ def run(
             return led.model_copy(update={"final_status": final, "final_reason": reason, "argo_status": status})
 
         ledger = update_ledger(store, close)
-    except (ValidationError, ValueError) as e:
-        raise RuntimeError(f"{store.url(RunLayout.LEDGER)}: unreadable ledger ({str(e).splitlines()[0]})") from None
-    except PreconditionFailed as e:
-        raise RuntimeError(f"could not update the ledger: {e}") from None
-    except store_errors() as e:
-        raise RuntimeError(f"run store {store.url()} unreachable: {type(e).__name__}: {e}") from None
     try:
         totals = recovery_totals(attempt_traces(store, ledger))
     except store_errors() as e:

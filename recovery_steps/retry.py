@@ -7,16 +7,19 @@ guarded by the object's generation, retried when another writer got there first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+from pydantic import ValidationError
 
 from recovery_steps.config import RetryConfig
 from recovery_steps.contract import Decision, FailureClass
 from recovery_steps.records import AttemptRecord, Ledger
-from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+from recovery_steps.store import PreconditionFailed, RunLayout, RunStore, store_errors
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +153,26 @@ def with_attempt(ledger: Ledger, record: AttemptRecord) -> Ledger:
 def append_attempt(store: RunStore, record: AttemptRecord, **kw) -> Ledger:
     """Add ``record`` to the ledger with a conditional write (appending the same attempt twice is idempotent)."""
     return update_ledger(store, lambda led: with_attempt(led, record), **kw)
+
+
+@contextlib.contextmanager
+def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterator[None]:
+    """Turn a failure to read or update the ledger into ``error(one-line message)``.
+
+    Args:
+        store: The run store the ledger lives in (named in the message).
+        error: Builds the exception the step raises (its own failure type).
+    """
+    try:
+        yield
+    except (ValidationError, ValueError) as e:
+        raise error(f"{store.url(RunLayout.LEDGER)}: unreadable ledger ({_first_line(e)})") from None
+    except PreconditionFailed as e:
+        raise error(f"could not update the ledger: {e}") from None
+    except store_errors() as e:
+        raise error(f"run store {store.url()} unreachable: {type(e).__name__}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else repr(e)

@@ -363,3 +363,12 @@ class RunStore:
         """Delete ``rel`` if present."""
         """Delete one object (never used on checkpoints: those are moved to quarantine)."""
         self._b.delete(rel)
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the run store cannot be reached (local files, GCS, its HTTP transport)."""
+    import requests
+    from google.api_core.exceptions import GoogleAPIError
+    from google.auth.exceptions import GoogleAuthError
+
+    return (OSError, GoogleAPIError, GoogleAuthError, requests.exceptions.RequestException)
