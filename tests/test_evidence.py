@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+from fake_http import JsonServer
 
 from recovery_steps import classify_failure
 from recovery_steps.classify import classify
@@ -35,29 +34,15 @@ class FakeApi:
         self.nodes: dict[str, dict] = {}
         self.events: list[dict] = []
         self.requests: list[str] = []
-        api = self
+        self.http = JsonServer(self._route)
+        self.url = self.http.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                api.requests.append(self.path)
-                status, body = api.answer(self.path)
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def _route(self, method: str, raw: str, body: dict) -> tuple[int, dict]:
+        self.requests.append(raw)
+        return self.answer(raw)
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
     @staticmethod
     def _not_found(kind: str, name: str) -> tuple[int, dict]:

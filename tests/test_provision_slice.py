@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import psutil
 import pytest
+from fake_http import JsonServer
 
 from recovery_steps import provision_slice as ps
 from recovery_steps.config import load_config
@@ -60,36 +58,17 @@ class FakeKube:
         self.pods_after_delete = pods_after_delete
         self.jobset_status = jobset_status
         self.requests: list[tuple[str, str, dict]] = []
-        fake = self
+        self.http = JsonServer(self._route)
+        self.url = self.http.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                u = urlparse(self.path)
-                q = {k: v[0] for k, v in parse_qs(u.query).items()}
-                fake.requests.append(("GET", u.path, q))
-                self._send(*fake.get(u.path, q))
-
-            def do_DELETE(self):
-                u = urlparse(self.path)
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
-                fake.requests.append(("DELETE", u.path, body))
-                self._send(*fake.delete(u.path))
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def _route(self, method: str, raw: str, body: dict) -> tuple[int, dict]:
+        u = urlparse(raw)
+        if method == "DELETE":
+            self.requests.append(("DELETE", u.path, body))
+            return self.delete(u.path)
+        q = {k: v[0] for k, v in parse_qs(u.query).items()}
+        self.requests.append(("GET", u.path, q))
+        return self.get(u.path, q)
 
     def get(self, path, q):
         if path == JOBSETS:
@@ -119,8 +98,7 @@ class FakeKube:
         return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 @pytest.fixture
