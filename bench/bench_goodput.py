@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from recovery_steps.config import load_config
+from recovery_steps.kernel.config import load_config
 from workflows import local
 from workflows.build import render_workflow
 from workflows.report import load_events, open_run
@@ -46,8 +46,13 @@ def measure(wf: Path, run_id: str, inject: list[str], total: int) -> dict:
     wall = time.time() - t0
     events = load_events(open_run(res.store_url))
     computed = steps_computed(events)
-    return {"status": res.status, "wall": wall, "computed": computed, "failures": len(res.incidents),
-            "goodput_steps": total / computed if computed else 0.0}
+    return {
+        "status": res.status,
+        "wall": wall,
+        "computed": computed,
+        "failures": len(res.incidents),
+        "goodput_steps": total / computed if computed else 0.0,
+    }
 
 
 def main() -> None:
@@ -67,12 +72,16 @@ def main() -> None:
             f"kill every {a.every}, from scratch": measure(scratch, "scratch", kills, a.total),
         }
     base = rows["no failures"]["wall"]
-    print(f"{a.total} steps, 4 local hosts, {len(kills)} kills; goodput = useful / computed steps, time = "
-          "uninterrupted wall / wall")
+    print(
+        f"{a.total} steps, 4 local hosts, {len(kills)} kills; goodput = useful / computed steps, time = "
+        "uninterrupted wall / wall"
+    )
     print(f"{'run':40} {'status':10} {'fails':>5} {'computed':>8} {'goodput':>8} {'wall s':>7} {'time':>6}")
     for name, r in rows.items():
-        print(f"{name:40} {r['status']:10} {r['failures']:5d} {r['computed']:8d} {r['goodput_steps']:8.2f} "
-              f"{r['wall']:7.1f} {base / r['wall']:6.2f}")
+        print(
+            f"{name:40} {r['status']:10} {r['failures']:5d} {r['computed']:8d} {r['goodput_steps']:8.2f} "
+            f"{r['wall']:7.1f} {base / r['wall']:6.2f}"
+        )
     bound = 1 - a.interval / 2 / a.every
     print("target (DESIGN): >= 0.95 of computed steps kept with a failure every 100 steps and a checkpoint every 10;")
     print(f"here a failure every {a.every} and a checkpoint every {a.interval}: expected about {bound:.2f}")

@@ -71,8 +71,8 @@ def save_step(store, cfg, step: int, state: dict[str, Any], chunk_mib: int | Non
     import jax
     import orbax.checkpoint as ocp
 
-    from recovery_steps.checkpoints import write_manifest
-    from recovery_steps.records import CheckpointManifest
+    from recovery_steps.kernel.checkpoints import write_manifest
+    from recovery_steps.kernel.records import CheckpointManifest
 
     if chunk_mib is None:
         handler, state_args = ocp.StandardCheckpointHandler(), ocp.args.StandardSave(state)
@@ -167,8 +167,8 @@ def run(mb: int, repeats: int, chunk_mibs: list[int]) -> list[dict[str, Any]]:
     """Measure every backend x layout; print the table; return its rows."""
     from ckpt_factory import tiny_config, write_run_config
 
-    from recovery_steps.emulator import GcsEmulator
-    from recovery_steps.store import RunStore
+    from recovery_steps.kernel.store import RunStore
+    from workflows.local.emulator import GcsEmulator
 
     layouts: list[tuple[str, int | None]] = [("zstd-1chunk", None)] + [(f"raw-{c}MiB", c) for c in chunk_mibs]
     state = make_state(mb * 2**20 // 4, STEP)

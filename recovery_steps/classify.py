@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from recovery_steps.contract import ExitCode, FailureClass, exit_code_info
 from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence
-from recovery_steps.records import WorkerExitReport
+from recovery_steps.kernel.contract import ExitCode, FailureClass, exit_code_info
+from recovery_steps.kernel.records import WorkerExitReport
 
 SIGABRT, SIGKILL, SIGTERM = 6, 9, 15
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from recovery_steps.classify import Verdict, classify
-from recovery_steps.config import ConfigError, JobConfig, RetryConfig, config_from_json
-from recovery_steps.contract import Decision, FailureClass
 from recovery_steps.evidence import Evidence, gather_kubernetes, gather_local_slice, gather_reports
-from recovery_steps.records import AttemptRecord, Ledger, now
+from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig, config_from_json
+from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.records import AttemptRecord, Ledger, now
+from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import RetryDecision, decide, ledger_errors, update_ledger, with_attempt
-from recovery_steps.store import RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def gather(
         gather_local_slice(store, attempt, ev)
         return ev
     if api_client is None:
-        from recovery_steps.k8s import make_api_client
+        from recovery_steps.kernel.k8s import make_api_client
 
         try:
             api_client = make_api_client()

@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from recovery_steps.k8s import JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION, SPOT_LABEL
-from recovery_steps.records import WorkerExitReport
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.k8s import JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION, SPOT_LABEL
+from recovery_steps.kernel.records import WorkerExitReport
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 
@@ -353,16 +353,16 @@ class KubernetesReader:
     def jobs(self, namespace: str, jobset: str) -> list[dict[str, Any]]:
         """The JobSet's child Jobs."""
         sel = f"{JOBSET_NAME_LABEL}={jobset}"
-        return self._json(
-            self._batch.list_namespaced_job(namespace, label_selector=sel, _preload_content=False)
-        ).get("items", [])
+        return self._json(self._batch.list_namespaced_job(namespace, label_selector=sel, _preload_content=False)).get(
+            "items", []
+        )
 
     def pods(self, namespace: str, jobset: str) -> list[dict[str, Any]]:
         """The JobSet's pods."""
         sel = f"{JOBSET_NAME_LABEL}={jobset}"
-        return self._json(
-            self._core.list_namespaced_pod(namespace, label_selector=sel, _preload_content=False)
-        ).get("items", [])
+        return self._json(self._core.list_namespaced_pod(namespace, label_selector=sel, _preload_content=False)).get(
+            "items", []
+        )
 
     def node(self, name: str) -> dict[str, Any] | None:
         """The node, or None when it is gone."""
@@ -378,9 +378,9 @@ class KubernetesReader:
     def events(self, namespace: str, pod: str) -> list[str]:
         """Warning events of a pod, as 'Reason: message'."""
         sel = f"involvedObject.name={pod},involvedObject.kind=Pod"
-        items = self._json(
-            self._core.list_namespaced_event(namespace, field_selector=sel, _preload_content=False)
-        ).get("items", [])
+        items = self._json(self._core.list_namespaced_event(namespace, field_selector=sel, _preload_content=False)).get(
+            "items", []
+        )
         return [f"{e.get('reason')}: {e.get('message')}" for e in items if e.get("type", "Warning") == "Warning"]
 
 

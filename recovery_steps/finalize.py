@@ -22,9 +22,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
-from recovery_steps.records import AttemptRecord, Ledger, WorkerExitReport, now
+from recovery_steps.kernel.records import AttemptRecord, Ledger, WorkerExitReport, now
+from recovery_steps.kernel.store import RunLayout, RunStore, store_errors
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
-from recovery_steps.store import RunLayout, RunStore, store_errors
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import TextIO
 
-from recovery_steps.contract import FailureClass
+from recovery_steps.kernel.contract import FailureClass
 
 
 def run(failure_class: str, reason: str, err: TextIO | None = None) -> int:

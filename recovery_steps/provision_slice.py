@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.config import ConfigError, JobConfig, config_from_json
-from recovery_steps.contract import ExitCode
-from recovery_steps.k8s import (
+from recovery_steps.kernel.config import ConfigError, JobConfig, config_from_json
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.k8s import (
     JOBSET_GROUP,
     JOBSET_NAME_LABEL,
     JOBSET_PLURAL,
@@ -38,7 +38,7 @@ from recovery_steps.k8s import (
     TPU_RESOURCE,
     gke_node_selector,
 )
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ def run(
         outputs = provision_local(cfg, attempt, store_root)
     else:
         if api_client is None:
-            from recovery_steps.k8s import make_api_client
+            from recovery_steps.kernel.k8s import make_api_client
 
             api_client = make_api_client(k8s_host)
         outputs = provision_gke(cfg, attempt, api_client, require_nodes=require_nodes, pod_timeout_s=pod_timeout_s)

@@ -17,10 +17,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recovery_steps.config import ConfigError, config_from_json
-from recovery_steps.contract import ExitCode
-from recovery_steps.records import now
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.config import ConfigError, config_from_json
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.records import now
+from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.verify import Selection, Skip, closed_attempts, verify_checkpoints
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from recovery_steps.config import RetryConfig
-from recovery_steps.contract import Decision, FailureClass
-from recovery_steps.records import AttemptRecord, Ledger
-from recovery_steps.store import PreconditionFailed, RunLayout, RunStore, store_errors
+from recovery_steps.kernel.config import RetryConfig
+from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.records import AttemptRecord, Ledger
+from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore, store_errors
 
 log = logging.getLogger(__name__)
 

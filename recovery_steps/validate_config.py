@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.compat import diff_configs, is_safe, rule_for
-from recovery_steps.config import ConfigError, JobConfig, load_config
-from recovery_steps.contract import ExitCode
-from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
+from recovery_steps.kernel.config import ConfigError, JobConfig, load_config
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore
 from recovery_steps.verify import list_step_dirs, manifest_compat_problems, read_manifest
 
 

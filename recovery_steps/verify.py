@@ -16,10 +16,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recovery_steps.checkpoints import crc32c_hex
-from recovery_steps.compat import check_compatible
-from recovery_steps.records import CheckpointManifest, Ledger
-from recovery_steps.store import ObjectInfo, RunLayout, RunStore
+from recovery_steps.kernel.checkpoints import crc32c_hex
+from recovery_steps.kernel.compat import check_compatible
+from recovery_steps.kernel.records import CheckpointManifest, Ledger
+from recovery_steps.kernel.store import ObjectInfo, RunLayout, RunStore
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 """Orbax names a local step directory ``<step>.orbax-checkpoint-tmp-<n>`` until the save is committed."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from recovery_steps.checkpoints import write_manifest
-from recovery_steps.config import JobConfig, load_config
-from recovery_steps.records import CheckpointManifest
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.checkpoints import write_manifest
+from recovery_steps.kernel.config import JobConfig, load_config
+from recovery_steps.kernel.records import CheckpointManifest
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 
 def tiny_config(**overrides: Any) -> JobConfig:

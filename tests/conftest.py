@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from recovery_steps.emulator import GcsEmulator
+from workflows.local.emulator import GcsEmulator
 
 BUCKET = "test-bucket"
 

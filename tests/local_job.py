@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from recovery_steps.config import load_config
+from recovery_steps.kernel.config import load_config
 from workflows.build import render_workflow
 
 REPO = Path(__file__).resolve().parent.parent

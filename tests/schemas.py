@@ -45,8 +45,10 @@ def require(path: Path) -> Path:
 def _strict(node: Any) -> None:
     """Set additionalProperties: false on every object schema that lists properties (in place)."""
     if isinstance(node, dict):
-        if "properties" in node and "additionalProperties" not in node and not node.get(
-            "x-kubernetes-preserve-unknown-fields"
+        if (
+            "properties" in node
+            and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")
         ):
             node["additionalProperties"] = False
         for v in node.values():

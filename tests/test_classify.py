@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from recovery_steps.classify import classify
-from recovery_steps.contract import FailureClass
 from recovery_steps.evidence import (
     Condition,
     ContainerState,
@@ -16,7 +15,8 @@ from recovery_steps.evidence import (
     NodeEvidence,
     PodEvidence,
 )
-from recovery_steps.records import WorkerExitReport
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.records import WorkerExitReport
 
 T0 = 1_714_557_600.0  # 2024-05-01T10:00:00Z
 HOSTS = 4

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from recovery_steps import classify_failure
-from recovery_steps.config import parse_config
-from recovery_steps.records import Ledger, WorkerExitReport
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.config import parse_config
+from recovery_steps.kernel.records import Ledger, WorkerExitReport
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 RUN = "cf-run"
 T0 = 1_714_557_600.0
@@ -46,8 +46,10 @@ def write_attempt(store: RunStore, n: int, codes: list[int], first: int, *, rest
         workers.append({"index": i, "pid": 4000 + i, "exit_code": 128 - code if code < 0 else code, "signal": sig,
                         "started_at": T0 + 100 * n, "ended_at": ended, "first_failure": i == first,
                         "stopped_by_jobset": i != first})  # fmt: skip
-    store.write_json(RunLayout.local_slice(n), {"jobset": f"{RUN}-a{n}", "workers": workers,
-                                                 "first_failure_index": first, "ended_at": T0 + 100 * n + 12})
+    store.write_json(
+        RunLayout.local_slice(n),
+        {"jobset": f"{RUN}-a{n}", "workers": workers, "first_failure_index": first, "ended_at": T0 + 100 * n + 12},
+    )
 
 
 def outputs(d) -> dict[str, str]:
@@ -67,7 +69,11 @@ def test_sequence_of_attempts_ends_with_stop(store_root, tmp_path, capsys):
     assert cli(store_root, 0, tmp_path / "o0") == 0
     o = outputs(tmp_path / "o0")
     assert (o["failure-class"], o["decision"], o["backoff-seconds"], o["next-attempt"]) == (
-        "infrastructure", "retry", "2", "1")
+        "infrastructure",
+        "retry",
+        "2",
+        "1",
+    )
     assert "worker 1" in o["reason"] and "\n" not in o["reason"]
     printed = capsys.readouterr().out
     assert "attempt 0 (local): infrastructure -> retry in 2s" in printed
@@ -78,8 +84,15 @@ def test_sequence_of_attempts_ends_with_stop(store_root, tmp_path, capsys):
     assert cli(store_root, 1, tmp_path / "o1") == 0
     o = outputs(tmp_path / "o1")
     assert (o["failure-class"], o["decision"], o["next-attempt"]) == ("application", "retry", "2")
-    assert json.loads(o["attempts-by-class"]) == {"preemption": 0, "capacity": 0, "infrastructure": 1, "hang": 0,
-                                                  "application": 1, "configuration": 0, "unknown": 0}
+    assert json.loads(o["attempts-by-class"]) == {
+        "preemption": 0,
+        "capacity": 0,
+        "infrastructure": 1,
+        "hang": 0,
+        "application": 1,
+        "configuration": 0,
+        "unknown": 0,
+    }
 
     # Attempt 2: the same application error again -> stop, naming the budget.
     write_attempt(store, 2, [42, 143, 143, 143], first=0, restore=20, ckpt=20, exc=("ValueError", "bad shape"))
@@ -91,9 +104,15 @@ def test_sequence_of_attempts_ends_with_stop(store_root, tmp_path, capsys):
 
     ledger = Ledger.model_validate(store.read_json(RunLayout.LEDGER))
     assert [(a.attempt, a.failure_class.value, a.decision.value) for a in ledger.attempts] == [
-        (0, "infrastructure", "retry"), (1, "application", "retry"), (2, "application", "stop")]
-    assert [(a.checkpoint_step_before, a.checkpoint_step_after) for a in ledger.attempts] == [(-1, 10), (10, 20),
-                                                                                             (20, 20)]
+        (0, "infrastructure", "retry"),
+        (1, "application", "retry"),
+        (2, "application", "stop"),
+    ]
+    assert [(a.checkpoint_step_before, a.checkpoint_step_after) for a in ledger.attempts] == [
+        (-1, 10),
+        (10, 20),
+        (20, 20),
+    ]
     rec = store.read_json(RunLayout.attempt_record(2))
     assert rec["decision"] == "stop" and rec["evidence"] and rec["started_at"] == T0 + 200
 

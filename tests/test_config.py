@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from recovery_steps.config import ConfigError, JobConfig, load_config, parse_config
-from recovery_steps.contract import FailureClass
-from recovery_steps.tpu import TPU_TYPES
+from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, parse_config
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.tpu import TPU_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {

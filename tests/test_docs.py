@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from recovery_steps.contract import EXIT_CODES, FailureClass
+from recovery_steps.kernel.contract import EXIT_CODES, FailureClass
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from local_job import shrunken_workflow
 
-from recovery_steps.contract import FailureClass
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local, report
 
 pytestmark = pytest.mark.slow

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from local_job import INTERVAL, shrunken_workflow
 
-from recovery_steps.contract import FailureClass
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local
 
 pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="session")
 def e2e_workflow(tmp_path_factory):
@@ -30,8 +31,9 @@ def reference(e2e_workflow):
 def _run(e2e_workflow, reference, run_id, inject):
     wf, root = e2e_workflow
     lines: list[str] = []
-    res = local.run(wf, inject=inject, run_id=run_id, store_root=root, reference_digest=reference,
-                    metrics_port=0, say=lines.append)
+    res = local.run(
+        wf, inject=inject, run_id=run_id, store_root=root, reference_digest=reference, metrics_port=0, say=lines.append
+    )
     return res, RunStore(root, run_id), "\n".join(lines)
 
 

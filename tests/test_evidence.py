@@ -12,12 +12,12 @@ from fake_http import JsonServer
 
 from recovery_steps import classify_failure
 from recovery_steps.classify import classify
-from recovery_steps.config import parse_config
-from recovery_steps.contract import FailureClass
 from recovery_steps.evidence import Evidence, gather_kubernetes, gather_reports
-from recovery_steps.k8s import make_api_client
-from recovery_steps.records import WorkerExitReport
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.config import parse_config
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.k8s import make_api_client
+from recovery_steps.kernel.records import WorkerExitReport
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 NS = "training"
 JS = "llm-a3"
@@ -115,17 +115,30 @@ def api_pod(i: int, *, code: int | None, at: int | None = None, reason: str = "E
             "name": name,
             "namespace": NS,
             "uid": f"uid-{i}",
-            "labels": {JS_LABEL: JS, "jobset.sigs.k8s.io/replicatedjob-name": "workers",
-                       "batch.kubernetes.io/job-completion-index": str(i), "job-name": f"{JS}-workers-0"},
+            "labels": {
+                JS_LABEL: JS,
+                "jobset.sigs.k8s.io/replicatedjob-name": "workers",
+                "batch.kubernetes.io/job-completion-index": str(i),
+                "job-name": f"{JS}-workers-0",
+            },
             "annotations": {"batch.kubernetes.io/job-completion-index": str(i)},
         },  # fmt: skip
         "spec": spec,
         "status": {
             "phase": phase,
             "conditions": conditions,
-            "containerStatuses": [{"name": "trainer", "state": state, "lastState": {}, "ready": False,
-                                   "restartCount": 0, "image": "gcr.io/p/trainer:1", "imageID": "",
-                                   "started": False}],
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "state": state,
+                    "lastState": {},
+                    "ready": False,
+                    "restartCount": 0,
+                    "image": "gcr.io/p/trainer:1",
+                    "imageID": "",
+                    "started": False,
+                }
+            ],
         },  # fmt: skip
     }
 
@@ -156,9 +169,17 @@ def api_jobset(failed: bool = True) -> dict:
         "metadata": {"name": JS, "namespace": NS},
         "spec": {"failurePolicy": {"maxRestarts": 0}, "replicatedJobs": [{"name": "workers", "replicas": 1}]},
         "status": {
-            "conditions": [{"type": "Failed", "status": "True", "reason": "FailedJobs",
-                            "message": "jobset failed due to one or more job failures",
-                            "lastTransitionTime": ts(11)}] if failed else [],
+            "conditions": [
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "FailedJobs",
+                    "message": "jobset failed due to one or more job failures",
+                    "lastTransitionTime": ts(11),
+                }
+            ]
+            if failed
+            else [],
             "terminalState": "Failed" if failed else None,
             "replicatedJobsStatus": [{"name": "workers", "ready": 0, "succeeded": 0, "failed": 1, "active": 0}],
         },  # fmt: skip

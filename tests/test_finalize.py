@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 from recovery_steps import finalize, give_up
-from recovery_steps.contract import Decision, FailureClass
-from recovery_steps.records import AttemptRecord, Ledger
+from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.records import AttemptRecord, Ledger
+from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import append_attempt
-from recovery_steps.store import RunLayout, RunStore
 
 RUN = "fin-run"
 
@@ -38,7 +38,11 @@ def test_succeeded_after_recoveries(store_root, tmp_path, capsys):
     assert "fail" not in led.final_reason.lower()
     done = led.attempts[-1]
     assert (done.attempt, done.outcome, done.checkpoint_step_before, done.checkpoint_step_after) == (
-        2, "succeeded", 40, 60)
+        2,
+        "succeeded",
+        40,
+        60,
+    )
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"run {RUN}: Succeeded: {led.final_reason}"
     table = out.splitlines()[1:]

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from workflows import local_expr
-from workflows.local_engine import WorkflowRun, parse_duration, substitute
-from workflows.local_exec import LocalExecutor
+from workflows.local import expr as local_expr
+from workflows.local.engine import WorkflowRun, parse_duration, substitute
+from workflows.local.executor import LocalExecutor
 
 
 @pytest.mark.parametrize(

@@ -125,7 +125,7 @@ def test_scrape_worker_and_run_metrics_during_a_run_with_a_killed_worker(tmp_pat
         # A later attempt starts at 0 and jumps to the restored step, whose age runs from its commit in
         # the earlier attempt: that jump is a restore, not a commit.
         first_commit = 1 if attempt == 0 else 2
-        for prev, cur in zip(steps[first_commit - 1:], steps[first_commit:], strict=False):
+        for prev, cur in zip(steps[first_commit - 1 :], steps[first_commit:], strict=False):
             before = [age for c, age in series if c == prev][-1]
             assert min(age for c, age in series if c == cur) < before, (attempt, prev, cur, series)
             commits += 1

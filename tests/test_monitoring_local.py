@@ -9,11 +9,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from recovery_steps import records
-from recovery_steps.config import RetryConfig
-from recovery_steps.contract import Decision, FailureClass
-from recovery_steps.metrics import METRICS
-from workflows.local_metrics import RunMetricsServer, run_samples
+from recovery_steps.kernel import records
+from recovery_steps.kernel.config import RetryConfig
+from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.metrics import METRICS
+from workflows.local.metrics import RunMetricsServer, run_samples
 
 RUN = "local-cpu"
 RUN_METRICS = {m.name for m in METRICS if m.scope == "run"}

@@ -13,8 +13,8 @@ import pytest
 from fake_http import JsonServer
 
 from recovery_steps import provision_slice as ps
-from recovery_steps.config import load_config
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "training"
@@ -146,10 +146,12 @@ def test_gke_deletes_old_jobsets_waits_for_pods_and_checks_nodes(tmp_path, kube_
     "nodes, expect",
     [
         ([_node(f"n{i}") for i in range(3)] + [_node("n3", ready=False)], "n3 not Ready"),
-        ([_node(f"n{i}") for i in range(3)] + [_node("n3", labels=MAINTENANCE)],
-         "under maintenance"),
-        ([_node(f"n{i}") for i in range(3)] + [_node("n3", taints=[("node.kubernetes.io/unreachable", "NoExecute")])],
-         "taint node.kubernetes.io/unreachable"),
+        ([_node(f"n{i}") for i in range(3)] + [_node("n3", labels=MAINTENANCE)], "under maintenance"),
+        (
+            [_node(f"n{i}") for i in range(3)]
+            + [_node("n3", taints=[("node.kubernetes.io/unreachable", "NoExecute")])],
+            "taint node.kubernetes.io/unreachable",
+        ),
         ([_node(f"n{i}") for i in range(3)], "3/4 healthy"),
     ],
     ids=["not-ready", "maintenance", "tainted", "too-few"],
@@ -187,7 +189,7 @@ def test_gke_pods_that_never_go_are_capacity(tmp_path, kube_factory):
     cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
     _store_config(root, "v5e-4x4.yaml")
     kube = kube_factory(jobsets=["lm-v5e-4x4-a0"], pods_after_delete=50, nodes=[_node(f"n{i}") for i in range(4)])
-    from recovery_steps.k8s import make_api_client
+    from recovery_steps.kernel.k8s import make_api_client
 
     with pytest.raises(ps.ProvisionError) as e:
         ps.provision_gke(cfg, 1, make_api_client(kube.url), pod_timeout_s=0.3)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from recovery_steps.contract import FailureClass
-from recovery_steps.records import Incident
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.records import Incident
+from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local, report
-from workflows.local_incidents import Injected, Segment, build_incidents
-from workflows.local_inject import parse_injections
+from workflows.local.incidents import Injected, Segment, build_incidents
+from workflows.local.inject import parse_injections
 
 
 def _ev(t, event, attempt, i, step=None, **kw):
@@ -24,16 +24,20 @@ def _events():
     for i in range(2):
         ev += [_ev(100, "started", 0, i), _ev(105, "restored", 0, i, 0), _ev(110, "first_step", 0, i, 1)]
         ev += [_ev(110 + s, "step", 0, i, s) for s in range(1, 16)]
-        ev += [_ev(130 + i, "started", 1, i), _ev(135 + i, "restored", 1, i, 10, restore_step=10),
-               _ev(140 + i, "first_step", 1, i, 11)]
+        ev += [
+            _ev(130 + i, "started", 1, i),
+            _ev(135 + i, "restored", 1, i, 10, restore_step=10),
+            _ev(140 + i, "first_step", 1, i, 11),
+        ]
         ev += [_ev(140 + s - 10, "step", 1, i, s) for s in range(11, 21)]
     return ev
 
 
 def test_incident_timings_from_events_and_segments():
     segs = [Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)]
-    incs = build_incidents(segs, _events(), [128.0], [Injected("kill-worker", 0, 125.8)],
-                           {0: FailureClass.INFRASTRUCTURE})
+    incs = build_incidents(
+        segs, _events(), [128.0], [Injected("kill-worker", 0, 125.8)], {0: FailureClass.INFRASTRUCTURE}
+    )
     assert len(incs) == 1
     inc = incs[0]
     assert (inc.pre_failure_step, inc.restored_step, inc.steps_lost) == (15, 10, 5)
@@ -80,9 +84,18 @@ def test_default_steps_and_corrupt_latest_brings_a_kill():
 def test_report_prints_table_and_writes_timeline(store_root, capsys):
     store = RunStore(store_root, "r1")
     store.write_json(RunLayout.CONFIG, {"config": {}, "hash": "x"})
-    inc = Incident(attempt=0, scenario="kill-worker", failure_class=FailureClass.INFRASTRUCTURE, injected_at=125.8,
-                   detected_at=126.0, stopped_at=126.5, recovered_at=145, pre_failure_step=15, restored_step=10,
-                   steps_lost=5)
+    inc = Incident(
+        attempt=0,
+        scenario="kill-worker",
+        failure_class=FailureClass.INFRASTRUCTURE,
+        injected_at=125.8,
+        detected_at=126.0,
+        stopped_at=126.5,
+        recovered_at=145,
+        pre_failure_step=15,
+        restored_step=10,
+        steps_lost=5,
+    )
     store.write_json(RunLayout.incident(0), inc.model_dump(mode="json"))
     store.write_bytes("local/events/worker-0.jsonl", "\n".join(json.dumps(e) for e in _events()).encode() + b"\n")
     lines: list[str] = []

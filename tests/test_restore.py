@@ -9,9 +9,9 @@ import pytest
 from ckpt_factory import tiny_config, write_checkpoint, write_run_config
 
 from recovery_steps import restore_latest
-from recovery_steps.contract import ExitCode
-from recovery_steps.records import AttemptRecord, Ledger
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.records import AttemptRecord, Ledger
+from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.verify import GCS_COMMIT, LOCAL_METADATA
 
 

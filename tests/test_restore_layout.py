@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 from ckpt_factory import tiny_config, write_run_config
 
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.checkpointing import Checkpointer
 
 CHUNK = 64 * 1024

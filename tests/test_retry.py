@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from recovery_steps.config import BackoffConfig, RetryConfig
-from recovery_steps.contract import Decision, FailureClass
-from recovery_steps.records import AttemptRecord, Ledger
+from recovery_steps.kernel.config import BackoffConfig, RetryConfig
+from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.records import AttemptRecord, Ledger
+from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore
 from recovery_steps.retry import append_attempt, backoff_seconds, decide, stalled_attempts, update_ledger
-from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
 
 P, A, C, INF, H = (FailureClass.PREEMPTION, FailureClass.APPLICATION, FailureClass.CAPACITY,
                  FailureClass.INFRASTRUCTURE, FailureClass.HANG)  # fmt: skip

@@ -6,12 +6,12 @@ import pytest
 
 from recovery_steps import finalize
 from recovery_steps.classify_failure import budget_exhausted
-from recovery_steps.config import RetryConfig
-from recovery_steps.contract import Decision, FailureClass
 from recovery_steps.finalize import AttemptTrace, recovery_totals
-from recovery_steps.records import AttemptRecord
+from recovery_steps.kernel.config import RetryConfig
+from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.records import AttemptRecord
+from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import RetryDecision, append_attempt
-from recovery_steps.store import RunLayout, RunStore
 
 RUN = "totals-run"
 

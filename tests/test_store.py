@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from recovery_steps.store import PreconditionFailed, RunLayout, RunStore
+from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import time
 import pytest
 from trainer_harness import launch, read_report, tiny_config, write_config
 
-from recovery_steps.contract import ExitCode
-from recovery_steps.records import CheckpointManifest
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.records import CheckpointManifest
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from trainer_harness import tiny_config
 
-from recovery_steps.records import CheckpointManifest
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.records import CheckpointManifest
+from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer import data as data_lib
 from trainer.checkpointing import Checkpointer
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from trainer_harness import tiny_config
 
-from recovery_steps.contract import ExitCode
-from recovery_steps.metrics import METRICS
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.metrics import METRICS
 from trainer.data import DataPosition, SyntheticSequences, build_dataset, resume_position
 from trainer.decisions import (
     TrainerExit,

@@ -12,9 +12,9 @@ import yaml
 from ckpt_factory import write_checkpoint
 
 from recovery_steps import validate_config
-from recovery_steps.config import load_config
-from recovery_steps.contract import ExitCode
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 

@@ -10,9 +10,7 @@ import yaml
 from schemas import argo_errors, core_errors, jobset_errors, substitute
 
 REPO = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = sorted(
-    p for p in (REPO / "argo").glob("*.yaml") if "\nkind: Workflow\n" in p.read_text()
-)
+WORKFLOW_FILES = sorted(p for p in (REPO / "argo").glob("*.yaml") if "\nkind: Workflow\n" in p.read_text())
 
 
 def _load(path: Path) -> dict:

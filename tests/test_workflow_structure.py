@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recovery_steps.config import load_config
-from recovery_steps.contract import trainer_exit_codes
-from recovery_steps.metrics import BY_NAME
-from recovery_steps.tpu import TPU_TYPES
+from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.contract import trainer_exit_codes
+from recovery_steps.kernel.metrics import BY_NAME
+from recovery_steps.kernel.tpu import TPU_TYPES
 from workflows.templates import build_workflow
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.config import JobConfig, parse_config
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.config import JobConfig, parse_config
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from recovery_steps.config import ConfigError, JobConfig, config_from_json
-from recovery_steps.contract import ExitCode
-from recovery_steps.records import CheckpointManifest, WorkerExitReport
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.config import ConfigError, JobConfig, config_from_json
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.records import CheckpointManifest, WorkerExitReport
+from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.decisions import (
     Faults,
     TrainerExit,
@@ -187,8 +187,11 @@ class Worker:
         """The runtime aborts (the coordination service lost a peer or itself): leave as peer-lost."""
         if self.exiting is not None:
             os._exit(self.exiting)
-        self.exit_now(ExitCode.PEER_LOST, message="the JAX runtime aborted: the coordination service reported a lost "
-                      "peer or was lost itself (see the worker log)")
+        self.exit_now(
+            ExitCode.PEER_LOST,
+            message="the JAX runtime aborted: the coordination service reported a lost "
+            "peer or was lost itself (see the worker log)",
+        )
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         """Ask for a save at the current step; every process agrees on that step through the next step."""

@@ -17,10 +17,10 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from recovery_steps.checkpoints import write_manifest
-from recovery_steps.config import JobConfig
-from recovery_steps.records import CheckpointManifest
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.checkpoints import write_manifest
+from recovery_steps.kernel.config import JobConfig
+from recovery_steps.kernel.records import CheckpointManifest
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 

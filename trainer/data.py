@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grain
 import numpy as np
 
-from recovery_steps.config import DataConfig, ModelConfig
+from recovery_steps.kernel.config import DataConfig, ModelConfig
 
 
 @dataclass(frozen=True)

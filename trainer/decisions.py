@@ -7,10 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from recovery_steps.compat import check_compatible
-from recovery_steps.config import JobConfig
-from recovery_steps.contract import ExitCode
-from recovery_steps.tpu import TPU_TYPES
+from recovery_steps.kernel.compat import check_compatible
+from recovery_steps.kernel.config import JobConfig
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.tpu import TPU_TYPES
 
 FAULT_KINDS = ("app-bug", "nan", "hang", "kill-during-save")
 
@@ -164,7 +164,7 @@ def compatibility_problems(
 ) -> list[str]:
     """Why a checkpoint written under ``saved_config`` cannot be restored under ``cfg`` (empty: it can).
 
-    The config difference is judged by the shared compatibility table (``recovery_steps.compat``);
+    The config difference is judged by the shared compatibility table (``recovery_steps.kernel.compat``);
     the process count that wrote the checkpoint must also equal the gang's (the per-process data
     state and bit-exact resume depend on it).
     """

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from recovery_steps.config import ModelConfig, OptimizerConfig
+from recovery_steps.kernel.config import ModelConfig, OptimizerConfig
 
 
 def compute_dtype(cfg: ModelConfig, platform: str) -> jnp.dtype:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.metrics import spec
+from recovery_steps.kernel.metrics import spec
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _WORKER_METRICS = (
 
 
 class WorkerMetrics:
-    """The per-worker gauges of ``recovery_steps.metrics`` in a dedicated registry, labelled for this worker."""
+    """The per-worker gauges of ``recovery_steps.kernel.metrics`` in a dedicated registry, labelled for this worker."""
 
     def __init__(self, run_id: str, attempt: int, process_index: int):
         from prometheus_client import CollectorRegistry, Gauge

@@ -13,7 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from recovery_steps.config import JobConfig
+from recovery_steps.kernel.config import JobConfig
 from trainer.decisions import fsdp_axis
 from trainer.model import DecoderLM, compute_dtype, lm_loss, make_optimizer
 

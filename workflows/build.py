@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from recovery_steps.config import ConfigError, JobConfig, load_config
+from recovery_steps.kernel.config import ConfigError, JobConfig, load_config
 from workflows.monitoring import render_monitoring
 from workflows.rbac import rbac_objects
 from workflows.templates import build_workflow
@@ -40,9 +40,7 @@ def render_rbac(cfgs: Sequence[JobConfig]) -> str:
     return _header("configs/*.yaml") + yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
 
 
-def render_all(
-    config_paths: Sequence[Path], extra_renderers: Sequence[Renderer] = EXTRA_RENDERERS
-) -> dict[str, str]:
+def render_all(config_paths: Sequence[Path], extra_renderers: Sequence[Renderer] = EXTRA_RENDERERS) -> dict[str, str]:
     """Every generated file, by name under argo/.
 
     Args:

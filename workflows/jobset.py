@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from recovery_steps.config import JobConfig
-from recovery_steps.contract import EXIT_CODES
-from recovery_steps.k8s import (
+from recovery_steps.kernel.config import JobConfig
+from recovery_steps.kernel.contract import EXIT_CODES
+from recovery_steps.kernel.k8s import (
     ATTEMPT_LABEL,
     JOBSET_GROUP,
     JOBSET_VERSION,
@@ -16,7 +16,7 @@ from recovery_steps.k8s import (
     TPU_RESOURCE,
     gke_node_selector,
 )
-from recovery_steps.tpu import TPU_TYPES
+from recovery_steps.kernel.tpu import TPU_TYPES
 
 REPLICATED_JOB = "workers"
 CONTAINER = "trainer"

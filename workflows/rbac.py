@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from recovery_steps.config import JobConfig
-from recovery_steps.k8s import JOBSET_GROUP
+from recovery_steps.kernel.config import JobConfig
+from recovery_steps.kernel.k8s import JOBSET_GROUP
 
 ROLE = "jaxrec-workflow"
 NODE_READER = "jaxrec-node-reader"

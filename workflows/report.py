@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.records import Incident, Ledger
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.records import Incident, Ledger
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 TIMELINE = "timeline.png"
 _EVENTS = "local/events"

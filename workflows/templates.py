@@ -25,9 +25,9 @@ from hera.workflows import (
 )
 from hera.workflows.models import Backoff, ValueFrom
 
-from recovery_steps.config import JobConfig
-from recovery_steps.k8s import ATTEMPT_LABEL, RUN_ID_LABEL
-from recovery_steps.metrics import spec as metric_spec
+from recovery_steps.kernel.config import JobConfig
+from recovery_steps.kernel.k8s import ATTEMPT_LABEL, RUN_ID_LABEL
+from recovery_steps.kernel.metrics import spec as metric_spec
 from workflows.jobset import jobset_manifest
 
 OUTPUT_DIR = "/tmp/outputs"
@@ -117,8 +117,12 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             "validate-config",
             "validate_config",
             [
-                "--config", CONFIG_PATH, "--store-root", STORE_ROOT,
-                "--accept-safe-changes", "{{workflow.parameters.accept-safe-changes}}",
+                "--config",
+                CONFIG_PATH,
+                "--store-root",
+                STORE_ROOT,
+                "--accept-safe-changes",
+                "{{workflow.parameters.accept-safe-changes}}",
             ],  # fmt: skip
             outputs=["run-id", "store-root", "config-hash", "hosts", "first-attempt"],
             input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
@@ -279,8 +283,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 # way provision-slice does instead of reading its outputs.
                 arguments={"attempt": ATTEMPT_IN, "jobset-name": f"{RUN_ID}-a{ATTEMPT_IN}"},
                 depends=(
-                    "train-segment.Failed || train-segment.Errored"
-                    " || provision-slice.Failed || provision-slice.Errored"
+                    "train-segment.Failed || train-segment.Errored || provision-slice.Failed || provision-slice.Errored"
                 ),
             )
             out = "{{tasks.classify-failure.outputs.parameters.%s}}"

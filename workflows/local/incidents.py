@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.contract import FailureClass
-from recovery_steps.records import Incident
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.records import Incident
 
 
 @dataclass(frozen=True)

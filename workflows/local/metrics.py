@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from recovery_steps import records
-from recovery_steps.config import RetryConfig
-from recovery_steps.contract import FailureClass
-from recovery_steps.metrics import spec
+from recovery_steps.kernel import records
+from recovery_steps.kernel.config import RetryConfig
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.metrics import spec
 
 RUN_STATUSES = ("Running", "Succeeded", "Failed")
 REASON_MAX_CHARS = 200

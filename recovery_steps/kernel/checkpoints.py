@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import google_crc32c
 
-from recovery_steps.records import CheckpointManifest, ManifestFile
-from recovery_steps.store import RunLayout, RunStore
+from recovery_steps.kernel.records import CheckpointManifest, ManifestFile
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 
 def crc32c_hex(data: bytes) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from recovery_steps.contract import Decision, FailureClass
+from recovery_steps.kernel.contract import Decision, FailureClass
 
 
 class _Record(BaseModel):

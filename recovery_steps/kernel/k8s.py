@@ -37,7 +37,7 @@ def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
     """
     if slice_cfg.is_local:
         return {}
-    from recovery_steps.tpu import TPU_TYPES
+    from recovery_steps.kernel.tpu import TPU_TYPES
 
     sel = {
         TPU_ACCELERATOR_LABEL: TPU_TYPES[slice_cfg.accelerator].gke_accelerator,

@@ -76,9 +76,7 @@ EXIT_CODES: tuple[ExitCodeInfo, ...] = (
         FailureClass.INFRASTRUCTURE,
         "FailJob",
     ),
-    ExitCodeInfo(
-        ExitCode.HANG, "hang: no step completed within the watchdog timeout", FailureClass.HANG, "FailJob"
-    ),
+    ExitCodeInfo(ExitCode.HANG, "hang: no step completed within the watchdog timeout", FailureClass.HANG, "FailJob"),
     ExitCodeInfo(
         ExitCode.ACCELERATOR_INIT,
         "accelerator or runtime initialisation failed",

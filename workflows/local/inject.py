@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from recovery_steps.store import RunLayout, RunStore
-from workflows.local_exec import LocalSlice, SliceHooks
-from workflows.local_incidents import EventTail, Injected
+from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows.local.executor import LocalSlice, SliceHooks
+from workflows.local.incidents import EventTail, Injected
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from recovery_steps.contract import FailureClass
-from recovery_steps.tpu import LOCAL, TPU_TYPES
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.tpu import LOCAL, TPU_TYPES
 
 _GCS_URL = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
 _NAMED = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
@@ -60,9 +60,7 @@ class SliceConfig(_Section):
             return self
         tpu = TPU_TYPES.get(acc)
         if tpu is None:
-            raise ValueError(
-                f"slice.accelerator: unknown accelerator {acc!r}; valid: {', '.join([*TPU_TYPES, LOCAL])}"
-            )
+            raise ValueError(f"slice.accelerator: unknown accelerator {acc!r}; valid: {', '.join([*TPU_TYPES, LOCAL])}")
         if self.topology is None:
             raise ValueError(
                 f"slice.topology: required for {acc}; multi-host topologies: {', '.join(tpu.multi_host_topologies)}"
@@ -293,9 +291,7 @@ class RetryConfig(_Section):
 class MonitoringConfig(_Section):
     """Metrics and alert thresholds."""
 
-    metrics_port: int = Field(
-        default=9431, ge=1024, le=65535, description="Port of each worker's Prometheus endpoint."
-    )
+    metrics_port: int = Field(default=9431, ge=1024, le=65535, description="Port of each worker's Prometheus endpoint.")
     scrape_interval_s: int = Field(default=15, ge=1, description="PodMonitoring scrape interval.")
     recovery_window_steps: int = Field(
         default=200,

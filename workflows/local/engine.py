@@ -1,7 +1,7 @@
 """An interpreter of compiled Argo Workflows: DAGs, steps, parameters, retries, suspend, exit handler.
 
 It decides what runs next and with which values; running a container or a resource is delegated to
-an executor (``workflows.local_exec``), so the same interpreter is tested with tiny ``python -c`` steps.
+an executor (``workflows.local.executor``), so the same interpreter is tested with tiny ``python -c`` steps.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workflows import local_expr
+from workflows.local import expr as local_expr
 
 SUCCEEDED, FAILED, ERROR, SKIPPED, OMITTED = "Succeeded", "Failed", "Error", "Skipped", "Omitted"
 _DONE_BAD = (FAILED, ERROR)
@@ -375,15 +375,14 @@ class WorkflowRun:
         names[f"{prefix}.{name}.exitCode"] = "" if res.exit_code is None else str(res.exit_code)
         return names
 
-    def _run_dag(
-        self, tmpl: Mapping[str, Any], scope: dict[str, Any], display: str, attempt: str | None
-    ) -> NodeResult:
+    def _run_dag(self, tmpl: Mapping[str, Any], scope: dict[str, Any], display: str, attempt: str | None) -> NodeResult:
         tasks = {t["name"]: t for t in tmpl["dag"]["tasks"]}
         deps: dict[str, list[str]] = {}
         for name, t in tasks.items():
             try:
-                deps[name] = local_expr.depends_tasks(t["depends"]) if t.get("depends") else list(
-                    t.get("dependencies", []))
+                deps[name] = (
+                    local_expr.depends_tasks(t["depends"]) if t.get("depends") else list(t.get("dependencies", []))
+                )
             except local_expr.ExprError as e:
                 raise WorkflowError(f"{display}.{name}: depends: {e}") from None
             for d in deps[name]:

@@ -17,15 +17,15 @@ from typing import Any
 
 import yaml
 
-from recovery_steps import records
-from recovery_steps.config import ConfigError, JobConfig, parse_config
-from recovery_steps.store import RunLayout, RunStore
-from workflows.local_engine import NodeInfo, NodeResult, WorkflowError, WorkflowRun
-from workflows.local_exec import LocalExecutor
-from workflows.local_incidents import EventTail, Segment, build_incidents
-from workflows.local_inject import SCENARIOS, Injector, parse_injections
+from recovery_steps.kernel import records
+from recovery_steps.kernel.config import ConfigError, JobConfig, parse_config
+from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows.local.engine import NodeInfo, NodeResult, WorkflowError, WorkflowRun
+from workflows.local.executor import LocalExecutor
+from workflows.local.incidents import EventTail, Segment, build_incidents
+from workflows.local.inject import SCENARIOS, Injector, parse_injections
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EMULATOR_BUCKET = "local-runs"
 SUMMARY = "local/summary.json"
 EVENTS_PREFIX = "local/events"
@@ -244,7 +244,7 @@ def run(
     with contextlib.ExitStack() as stack:
         base_env: dict[str, str] = {}
         if gcs_emulator:
-            from recovery_steps.emulator import GcsEmulator
+            from workflows.local.emulator import GcsEmulator
 
             em = stack.enter_context(GcsEmulator())
             em.create_bucket(EMULATOR_BUCKET)
@@ -324,7 +324,7 @@ def _run_once(
     injector = Injector(injections, events, lambda: store, on_delete=on_delete, say=lambda s: say(f"         {s}"))
     metrics = None
     if metrics_port is not None:
-        from workflows.local_metrics import RunMetricsServer
+        from workflows.local.metrics import RunMetricsServer
 
         metrics = RunMetricsServer(run_id, cfg.retry)
         port = metrics.start(metrics_port)
@@ -496,7 +496,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {line}", file=sys.stderr)
         return 2
     return result.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

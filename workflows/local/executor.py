@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from workflows.local_engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult, WorkflowError
+from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult, WorkflowError
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
@@ -161,9 +161,17 @@ class LocalSlice:
             "jobset": self.jobset,
             "attempt": self.attempt,
             "workers": [
-                {"index": w.index, "pid": w.pid, "exit_code": w.exit_code, "signal": w.signal_name,
-                 "started_at": w.started_at, "ended_at": w.ended_at, "first_failure": w.first_failure,
-                 "stopped_by_jobset": w.stopped_by_jobset, "restarts": w.restarts}
+                {
+                    "index": w.index,
+                    "pid": w.pid,
+                    "exit_code": w.exit_code,
+                    "signal": w.signal_name,
+                    "started_at": w.started_at,
+                    "ended_at": w.ended_at,
+                    "first_failure": w.first_failure,
+                    "stopped_by_jobset": w.stopped_by_jobset,
+                    "restarts": w.restarts,
+                }
                 for w in self.workers
             ],  # fmt: skip
             "first_failure_index": self.first_failure_index,
@@ -437,4 +445,3 @@ def _tail(path: Path, lines: int = 3) -> str:
     except OSError:
         return ""
     return ("\n    " + "\n    ".join(text)) if text else ""
-

@@ -1,0 +1,11 @@
+"""The local Argo interpreter: runs a compiled Workflow on this machine, with local processes for the JobSet.
+
+``python -m workflows.local argo/<job>.yaml [--inject ...]``. The parts: ``engine`` (the DAG and its
+expressions, ``expr``), ``executor`` (container and resource templates as local processes, the JobSet stand-in),
+``inject`` (faults), ``incidents`` and ``metrics`` (what a run cost and exports), ``emulator`` (a real GCS
+emulator) and ``runner`` (the command).
+"""
+
+from workflows.local.runner import LocalRunError, LocalRunResult, load_workflow, main, run, with_parameters
+
+__all__ = ["LocalRunError", "LocalRunResult", "load_workflow", "main", "run", "with_parameters"]
