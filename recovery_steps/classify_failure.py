@@ -10,7 +10,6 @@ decision); exits 1 when it cannot read or write the run store, 2 when the run ha
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from collections.abc import Callable
@@ -20,10 +19,12 @@ from typing import Any
 
 from recovery_steps.classify import Verdict, classify
 from recovery_steps.evidence import Evidence, gather_kubernetes, gather_local_slice, gather_reports
-from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig, config_from_json
+from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig
 from recovery_steps.kernel.contract import Decision, FailureClass
-from recovery_steps.kernel.records import AttemptRecord, Ledger, now
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.documents import read_run_config
+from recovery_steps.kernel.outputs import ClassifyOutputs
+from recovery_steps.kernel.records import AttemptRecord, Ledger, ProvisionRecord, RestoreRecord, now
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from recovery_steps.retry import RetryDecision, decide, ledger_errors, update_ledger, with_attempt
 
 log = logging.getLogger(__name__)
@@ -51,38 +52,23 @@ class ClassifyResult:
 
 def load_run_config(store: RunStore) -> JobConfig:
     """The run's validated config from the store; StepFailure(code 2) when it is missing or invalid."""
-    raw = store.read_bytes(RunLayout.CONFIG)
-    if raw is None:
-        raise StepFailure(f"{store.url(RunLayout.CONFIG)}: no config for run {store.run_id!r}; "
-                          "run validate-config first (or check --store-root and --run-id)", 2)  # fmt: skip
     try:
-        return config_from_json(raw.decode(), store.url(RunLayout.CONFIG))
+        return read_run_config(store)
     except ConfigError as e:
         raise StepFailure(e.render(), 2) from None
-    except ValueError as e:
-        raise StepFailure(f"{store.url(RunLayout.CONFIG)}: not JSON ({e})", 2) from None
+    except DocumentError as e:
+        raise StepFailure(f"{e} (check --store-root and --run-id)", 2) from None
 
 
 def checkpoint_step_before(store: RunStore, attempt: int) -> int:
-    """The step attempt ``attempt`` restored (``attempts/<n>/restore.json``), or -1 (fresh start or unknown)."""
-    try:
-        data = store.read_json(f"{RunLayout.attempt(attempt)}/restore.json")
-    except ValueError:
-        return -1
-    if not isinstance(data, dict):
-        return -1
-    step = data.get("restore_step", data.get("restore-step", -1))
-    return int(step) if isinstance(step, int) or (isinstance(step, str) and step.lstrip("-").isdigit()) else -1
+    """The step attempt ``attempt`` restored (its ``RestoreRecord``), or -1 (fresh start, or never decided)."""
+    rec = store.read_record(RunLayout.restore_record(attempt), RestoreRecord)
+    return rec.restore_step if rec is not None else -1
 
 
 def newest_checkpoint_step(store: RunStore) -> int:
     """The newest checkpoint step that has a manifest (a complete checkpoint), or -1."""
-    steps = []
-    for obj in store.list(RunLayout.CHECKPOINTS):
-        parts = obj.name.split("/")
-        if len(parts) == 3 and parts[2] == RunLayout.MANIFEST and parts[1].isdigit():
-            steps.append(int(parts[1]))
-    return max(steps, default=-1)
+    return max((s for s in store.checkpoint_steps() if store.exists(RunLayout.checkpoint_manifest(s))), default=-1)
 
 
 def _timings(ev: Evidence) -> tuple[float | None, float | None]:
@@ -109,9 +95,9 @@ def gather(
     """Every piece of evidence of the backend the config names (GKE or local), plus the worker reports."""
     if step_exit_code is None:
         # provision-slice records its last try; a failed one means the attempt ended before training.
-        prov = store.read_json(RunLayout.provision_record(attempt)) or {}
-        if isinstance(prov.get("exit_code"), int) and prov["exit_code"] != 0:
-            step_exit_code = prov["exit_code"]
+        prov = store.read_record(RunLayout.provision_record(attempt), ProvisionRecord)
+        if prov is not None and prov.exit_code != 0:
+            step_exit_code = prov.exit_code
     ev = Evidence(backend="local" if cfg.slice.is_local else "gke", attempt=attempt, step_exit_code=step_exit_code)
     gather_reports(store, attempt, ev)
     if cfg.slice.is_local:
@@ -191,7 +177,7 @@ def run(
 
         ledger = update_ledger(store, close)
         record: AttemptRecord = holder["record"]
-        store.write_json(RunLayout.attempt_record(attempt), record.model_dump(mode="json"))
+        store.write_record(RunLayout.attempt_record(attempt), record)
     spent = budget_exhausted(holder["decision"], verdict.failure_class, cfg.retry)
     result = ClassifyResult(verdict, holder["decision"], record, ledger, ev, spent)
     if output_dir is not None:
@@ -219,20 +205,17 @@ def budget_exhausted(decision: RetryDecision, failure_class: FailureClass, retry
 
 def write_outputs(output_dir: Path, r: ClassifyResult) -> None:
     """One file per output parameter."""
-    output_dir.mkdir(parents=True, exist_ok=True)
     d = r.decision
-    reason = r.verdict.reason if d.decision == "retry" else f"{d.reason}. Last failure: {r.verdict.reason}"
-    outputs = {
-        "failure-class": r.verdict.failure_class.value,
-        "decision": d.decision.value,
-        "reason": _one_line(reason),
-        "backoff-seconds": str(int(d.backoff_seconds)),
-        "attempts-by-class": json.dumps(d.attempts_by_class, sort_keys=True),
-        "next-attempt": str(r.record.attempt + 1),
-        "budget-exhausted": "1" if r.budget_exhausted else "0",
-    }
-    for name, value in outputs.items():
-        (output_dir / name).write_text(value)
+    reason = r.verdict.reason if d.decision == Decision.RETRY else f"{d.reason}. Last failure: {r.verdict.reason}"
+    ClassifyOutputs(
+        failure_class=r.verdict.failure_class,
+        decision=d.decision,
+        reason=_one_line(reason),
+        backoff_seconds=int(d.backoff_seconds),
+        attempts_by_class=d.attempts_by_class,
+        next_attempt=r.record.attempt + 1,
+        budget_exhausted=r.budget_exhausted,
+    ).write(output_dir)
 
 
 def summary(r: ClassifyResult) -> str:
@@ -240,7 +223,7 @@ def summary(r: ClassifyResult) -> str:
     rec, d = r.record, r.decision
     lines = [
         f"attempt {rec.attempt} ({r.evidence.backend}): {rec.failure_class} -> {d.decision}"
-        + (f" in {d.backoff_seconds}s" if d.decision == "retry" else ""),
+        + (f" in {d.backoff_seconds}s" if d.decision == Decision.RETRY else ""),
         f"  reason:     {r.verdict.reason}",
         f"  decision:   {d.reason}",
         f"  checkpoint: step {rec.checkpoint_step_before} -> {rec.checkpoint_step_after}",

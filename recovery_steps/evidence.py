@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
+from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.k8s import JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION, SPOT_LABEL
-from recovery_steps.kernel.records import WorkerExitReport
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.records import LocalSliceRecord, WorkerExitReport
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 
@@ -141,44 +141,6 @@ class JobSetEvidence(_Ev):
     terminal_state: str | None = None
 
 
-class LocalWorker(_Ev):
-    """One process of the local slice record (``attempts/<n>/local-slice.json``)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    index: int
-    pid: int | None = None
-    exit_code: int | None = Field(default=None, description="As Kubernetes reports it: 128 + signal if signalled.")
-    signal: int | None = Field(default=None, description="Signal that ended the process ('SIGKILL' or 9).")
-    started_at: float | None = None
-    ended_at: float | None = None
-    first_failure: bool = False
-    stopped_by_jobset: bool = False
-
-    @field_validator("signal", mode="before")
-    @classmethod
-    def _signal_number(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            name = v.upper()
-            try:
-                return int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
-            except KeyError:
-                digits = name.removeprefix("SIG")
-                return int(digits) if digits.isdigit() else None
-        return v
-
-
-class LocalSlice(_Ev):
-    """The local runner's record of one attempt's worker processes."""
-
-    model_config = ConfigDict(extra="allow")
-
-    jobset: str | None = None
-    workers: list[LocalWorker] = Field(default_factory=list)
-    first_failure_index: int | None = None
-    ended_at: float | None = None
-
-
 class Evidence(_Ev):
     """Everything known about a failed attempt: the pure classifier's only input."""
 
@@ -189,7 +151,7 @@ class Evidence(_Ev):
     pods: list[PodEvidence] = Field(default_factory=list)
     nodes: list[NodeEvidence] = Field(default_factory=list)
     reports: list[WorkerExitReport] = Field(default_factory=list)
-    local_slice: LocalSlice | None = None
+    local_slice: LocalSliceRecord | None = None
     step_exit_code: int | None = Field(
         default=None, description="Exit code of the step that failed before training started (provision-slice)."
     )
@@ -420,17 +382,10 @@ def gather_kubernetes(api_client: Any, namespace: str, jobset: str, evidence: Ev
 
 def gather_reports(store: RunStore, attempt: int, evidence: Evidence) -> Evidence:
     """Add every worker's exit report of ``attempt`` (unreadable ones are noted, not fatal)."""
-    prefix = f"{RunLayout.attempt(attempt)}/workers"
-    for obj in store.list(prefix):
-        if not obj.name.endswith(".json"):
-            continue
-        try:
-            data = store.read_json(obj.name)
-            if data is not None:
-                evidence.reports.append(WorkerExitReport.model_validate(data))
-        except (ValueError, ValidationError) as e:
-            evidence.notes.append(f"unreadable worker report {obj.name}: {str(e).splitlines()[0]}")
+    reports, problems = read_worker_reports(store, attempt)
+    evidence.reports.extend(reports)
     evidence.reports.sort(key=lambda r: r.process_index)
+    evidence.notes.extend(f"unreadable worker report {p}" for p in problems)
     return evidence
 
 
@@ -438,15 +393,12 @@ def gather_local_slice(store: RunStore, attempt: int, evidence: Evidence) -> Evi
     """Add the local runner's slice record of ``attempt``."""
     rel = RunLayout.local_slice(attempt)
     try:
-        data = store.read_json(rel)
-    except ValueError as e:
-        evidence.notes.append(f"unreadable local slice record {rel}: {e}")
+        rec = store.read_record(rel, LocalSliceRecord)
+    except DocumentError as e:
+        evidence.notes.append(f"unreadable local slice record {e}")
         return evidence
-    if data is None:
+    if rec is None:
         evidence.notes.append(f"no local slice record at {rel}")
         return evidence
-    try:
-        evidence.local_slice = LocalSlice.model_validate(data)
-    except ValidationError as e:
-        evidence.notes.append(f"invalid local slice record {rel}: {str(e).splitlines()[0]}")
+    evidence.local_slice = rec
     return evidence

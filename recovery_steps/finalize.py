@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
+from recovery_steps.kernel.documents import read_worker_reports
+from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Ledger, WorkerExitReport, now
-from recovery_steps.kernel.store import RunLayout, RunStore, store_errors
+from recovery_steps.kernel.store import RunStore, store_errors
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
 
 log = logging.getLogger(__name__)
@@ -110,23 +110,17 @@ def recovery_totals(traces: Sequence[AttemptTrace]) -> RecoveryTotals:
 
 
 def _reports(store: RunStore, attempt: int) -> list[WorkerExitReport]:
-    out = []
-    folder = f"{RunLayout.attempt(attempt)}/workers"
-    for name in store.children(folder):
-        data = store.read_json(f"{folder}/{name}") if name.endswith(".json") else None
-        if isinstance(data, dict):
-            try:
-                out.append(WorkerExitReport.model_validate(data))
-            except ValidationError:
-                log.warning("attempt %d: unreadable worker report %s", attempt, name)
-    return out
+    reports, problems = read_worker_reports(store, attempt)
+    for p in problems:
+        log.warning("attempt %d: unreadable worker report %s", attempt, p)
+    return reports
 
 
 def attempt_traces(store: RunStore, ledger: Ledger) -> list[AttemptTrace]:
     """The trace of every attempt of the run, from its workers' exit reports and its ledger record."""
     records = {a.attempt: a for a in ledger.attempts}
     traces = []
-    for n in sorted(set(_attempt_numbers(store)) | set(records)):
+    for n in sorted(set(store.attempts()) | set(records)):
         rec = records.get(n)
         reps = _reports(store, n)
         failed = rec.outcome == "failed" if rec is not None else any(r.exit_code != 0 for r in reps)
@@ -162,10 +156,6 @@ def parse_failures(text: str | None) -> list[dict[str, Any]]:
     return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
 
 
-def _attempt_numbers(store: RunStore) -> list[int]:
-    return sorted(int(n) for n in store.children(RunLayout.ATTEMPTS) if n.isdigit())
-
-
 def _class_counts(ledger: Ledger) -> str:
     counts = {k: v for k, v in ledger.by_class().items() if v}
     return ", ".join(f"{k} {v}" for k, v in counts.items())
@@ -186,7 +176,7 @@ def final_reason(status: str, ledger: Ledger, failures: list[dict[str, Any]]) ->
         return text
     stopped = next((a for a in reversed(ledger.attempts) if a.decision == "stop"), None)
     if stopped is not None:
-        why = getattr(stopped, "decision_reason", None) or "budget spent"
+        why = stopped.decision_reason or "budget spent"
         return f"stopped after attempt {stopped.attempt}: {why}; last failure {stopped.failure_class}: {stopped.reason}"
     if failures:
         f = next((x for x in failures if x.get("displayName") == "give-up"), failures[0])
@@ -244,7 +234,7 @@ def run(
     with ledger_errors(store, RuntimeError):
         done: AttemptRecord | None = None
         if final == SUCCEEDED:
-            numbers = _attempt_numbers(store)
+            numbers = store.attempts()
             if numbers:
                 n = numbers[-1]
                 done = AttemptRecord(
@@ -271,12 +261,12 @@ def run(
         log.warning("run store %s: worker reports unreadable (%s); no recovery totals", store.url(), e)
         totals = None
     if output_dir is not None:
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "final-status").write_text(final)
-        (out / "steps-lost").write_text(str(totals.steps_lost if totals else 0))
         rec = totals.recovery_seconds if totals else None
-        (out / "recovery-seconds").write_text("-1" if rec is None else f"{rec:.3f}")
+        FinalizeOutputs(
+            final_status=final,
+            steps_lost=totals.steps_lost if totals else 0,
+            recovery_seconds=-1 if rec is None else round(rec, 3),
+        ).write(Path(output_dir))
     return FinalizeResult(final, holder["reason"], ledger, totals)
 
 

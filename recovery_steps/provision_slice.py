@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.config import ConfigError, JobConfig, config_from_json
+from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.k8s import (
     JOBSET_GROUP,
     JOBSET_NAME_LABEL,
@@ -37,8 +38,11 @@ from recovery_steps.kernel.k8s import (
     SPOT_LABEL,
     TPU_RESOURCE,
     gke_node_selector,
+    jobset_name,
 )
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.outputs import ProvisionOutputs
+from recovery_steps.kernel.records import ProvisionRecord, now
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +58,6 @@ class ProvisionError(Exception):
     def __init__(self, code: ExitCode, message: str):
         super().__init__(message)
         self.code = code
-
-
-def jobset_name(run_id: str, attempt: int) -> str:
-    """The deterministic JobSet name of an attempt (classify-failure finds it by this name)."""
-    return f"{run_id}-a{attempt}"
 
 
 # --- the node check: pure ---------------------------------------------------------------------
@@ -208,7 +207,7 @@ def list_slice_nodes(api_client: Any, selector: dict[str, str]) -> list[NodeInfo
 
 def provision_gke(
     cfg: JobConfig, attempt: int, api_client: Any, *, require_nodes: bool = False, pod_timeout_s: float = 300
-) -> dict[str, str]:
+) -> ProvisionOutputs:
     """The GKE backend: clear old JobSets, check the nodes, return the outputs."""
     import urllib3
     from kubernetes import client
@@ -232,11 +231,11 @@ def provision_gke(
     if not verdict.ok:
         raise ProvisionError(ExitCode.CAPACITY, f"slice not ready: {verdict.reason}")
     log.info("slice ready: %s", verdict.reason)
-    return {
-        "jobset-name": jobset_name(cfg.run_id, attempt),
-        "coordinator-port": str(GKE_COORDINATOR_PORT),
-        "metrics-port": str(cfg.monitoring.metrics_port),
-    }
+    return ProvisionOutputs(
+        jobset_name=jobset_name(cfg.run_id, attempt),
+        coordinator_port=GKE_COORDINATOR_PORT,
+        metrics_port=cfg.monitoring.metrics_port,
+    )
 
 
 # --- local adapters ---------------------------------------------------------------------------
@@ -317,42 +316,27 @@ def free_port_range(count: int, *, attempts: int = 50, exclude: Sequence[int] = 
     raise ProvisionError(ExitCode.CAPACITY, f"no {count} consecutive free ports found")
 
 
-def provision_local(cfg: JobConfig, attempt: int, store_root: str) -> dict[str, str]:
+def provision_local(cfg: JobConfig, attempt: int, store_root: str) -> ProvisionOutputs:
     """The local backend: stop leftover workers of the run, pick the coordinator and metrics ports."""
     stop_leftover_workers(cfg.run_id, store_root)
     coordinator = free_port()
     metrics = free_port_range(cfg.slice.num_hosts, exclude=[coordinator])
-    return {
-        "jobset-name": jobset_name(cfg.run_id, attempt),
-        "coordinator-port": str(coordinator),
-        "metrics-port": str(metrics),
-    }
+    return ProvisionOutputs(
+        jobset_name=jobset_name(cfg.run_id, attempt), coordinator_port=coordinator, metrics_port=metrics
+    )
 
 
 # --- the step program -------------------------------------------------------------------------
 
 
-def write_outputs(output_dir: Path, outputs: dict[str, str]) -> None:
-    """One file per output parameter."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    for name, value in outputs.items():
-        (output_dir / name).write_text(value)
-
-
 def load_run_config(store_root: str, run_id: str) -> JobConfig:
     """The validated config of the run from its store (ProvisionError, configuration, when absent/bad)."""
-    store = RunStore(store_root, run_id)
-    text = store.read_bytes(RunLayout.CONFIG)
-    if text is None:
-        raise ProvisionError(
-            ExitCode.CONFIGURATION, f"{store.url(RunLayout.CONFIG)} not found: run validate-config first"
-        )
     try:
-        return config_from_json(text.decode(), store.url(RunLayout.CONFIG))
+        return read_run_config(RunStore(store_root, run_id))
     except ConfigError as e:
         raise ProvisionError(ExitCode.CONFIGURATION, e.render()) from None
-    except ValueError as e:
-        raise ProvisionError(ExitCode.CONFIGURATION, f"{store.url(RunLayout.CONFIG)}: not valid JSON ({e})") from None
+    except DocumentError as e:
+        raise ProvisionError(ExitCode.CONFIGURATION, str(e)) from None
 
 
 def run(
@@ -394,8 +378,8 @@ def run(
 
             api_client = make_api_client(k8s_host)
         outputs = provision_gke(cfg, attempt, api_client, require_nodes=require_nodes, pod_timeout_s=pod_timeout_s)
-    write_outputs(output_dir, outputs)
-    return outputs
+    outputs.write(output_dir)
+    return outputs.files()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -427,8 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def record_outcome(store_root: str, run_id: str, attempt: int, code: int, message: str) -> None:
     """Write this try's outcome where classify-failure finds it when the attempt ends before training."""
     try:
-        RunStore(store_root, run_id).write_json(
-            RunLayout.provision_record(attempt), {"exit_code": code, "message": message, "at": time.time()}
+        RunStore(store_root, run_id).write_record(
+            RunLayout.provision_record(attempt), ProvisionRecord(exit_code=code, message=message, at=now())
         )
     except Exception as e:  # noqa: BLE001 - the exit code still tells Argo what happened
         print(f"provision-slice: could not record the outcome in the run store: {e}", file=sys.stderr)

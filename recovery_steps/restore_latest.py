@@ -8,30 +8,20 @@ Outputs: ``restore-step`` (-1 for a fresh start), ``restore-path`` and ``skipped
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from pydantic import ValidationError
-
-from recovery_steps.kernel.config import ConfigError, config_from_json
+from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import now
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.documents import read_run_config
+from recovery_steps.kernel.outputs import RestoreOutputs
+from recovery_steps.kernel.records import QuarantineReason, RestoreRecord, SkippedStep, now
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from recovery_steps.verify import Selection, Skip, closed_attempts, verify_checkpoints
 
 log = logging.getLogger(__name__)
-
-REASON_FILE = "QUARANTINE_REASON.json"
-"""Written into every quarantined directory: why it was moved, from where, by which attempt."""
-
-
-def restore_record_path(attempt: int) -> str:
-    """Where the decision of attempt ``attempt`` is recorded."""
-    return f"{RunLayout.attempt(attempt)}/restore.json"
 
 
 @dataclass
@@ -61,18 +51,11 @@ def quarantine(store: RunStore, skip: Skip, attempt: int) -> str:
     target = _quarantine_target(store, skip.name, attempt)
     src = f"{RunLayout.CHECKPOINTS}/{skip.name}"
     moved = store.move(src, target)
-    store.write_json(
-        f"{target}/{REASON_FILE}",
-        {
-            "step": skip.step,
-            "from": store.url(src),
-            "kind": skip.kind.value,
-            "reason": skip.reason,
-            "attempt": attempt,
-            "objects": moved,
-            "moved_at": now(),
-        },
-    )
+    reason = QuarantineReason(
+        step=skip.step, from_=store.url(src), kind=skip.kind.value, reason=skip.reason, attempt=attempt,
+        objects=moved, moved_at=now(),
+    )  # fmt: skip
+    store.write_record(RunLayout.quarantine_reason(target), reason)
     return target
 
 
@@ -87,21 +70,13 @@ def run(store: RunStore, attempt: int) -> RestoreResult:
         The decision; ``code`` is 0 (restore or fresh start), 2 (the run's config is missing or
         unreadable) or 3 (checkpoints exist but none is compatible with the config: nothing is moved).
     """
-    raw = store.read_bytes(RunLayout.CONFIG)
-    if raw is None:
-        msg = f"{store.url(RunLayout.CONFIG)}: no config for run {store.run_id!r}; run validate-config first"
-        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], msg)
     try:
-        cfg = config_from_json(raw.decode(), store.url(RunLayout.CONFIG))
+        cfg = read_run_config(store)
+        closed = closed_attempts(store)
     except ConfigError as e:
         return RestoreResult(ExitCode.CONFIGURATION, None, "", [], e.render())
-    except ValueError as e:
-        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], f"{store.url(RunLayout.CONFIG)}: not JSON ({e})")
-    try:
-        closed = closed_attempts(store)
-    except (ValidationError, ValueError) as e:
-        msg = f"{store.url(RunLayout.LEDGER)}: unreadable ledger ({str(e).splitlines()[0]})"
-        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], msg)
+    except DocumentError as e:
+        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], str(e))
 
     sel, _ = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed)
     if sel.incompatible:
@@ -113,32 +88,34 @@ def run(store: RunStore, attempt: int) -> RestoreResult:
         moved = [quarantine(store, s, attempt) for s in sel.skipped if s.quarantine]
         path = store.url(RunLayout.checkpoint(sel.step)) if sel.step >= 0 else ""
         result = RestoreResult(ExitCode.OK, sel, path, moved)
-    store.write_json(restore_record_path(attempt), _record(store, attempt, cfg.config_hash(), result))
+    store.write_record(RunLayout.restore_record(attempt), _record(store, attempt, cfg.config_hash(), result))
     return result
 
 
-def _record(store: RunStore, attempt: int, config_hash: str, r: RestoreResult) -> dict[str, Any]:
+def _record(store: RunStore, attempt: int, config_hash: str, r: RestoreResult) -> RestoreRecord:
     assert r.selection is not None
-    return {
-        "attempt": attempt,
-        "run_id": store.run_id,
-        "config_hash": config_hash,
-        "exit_code": int(r.code),
-        "restore_step": r.selection.step,
-        "restore_path": r.restore_path,
-        "skipped": [{**s.as_output(), "kind": s.kind.value, "quarantined": s.quarantine} for s in r.selection.skipped],
-        "quarantined": r.quarantined,
-        "decided_at": now(),
-    }
+    return RestoreRecord(
+        attempt=attempt,
+        run_id=store.run_id,
+        config_hash=config_hash,
+        exit_code=int(r.code),
+        restore_step=r.selection.step,
+        restore_path=r.restore_path,
+        skipped=[
+            SkippedStep(step=s.step, name=s.name, reason=s.reason, kind=s.kind.value, quarantined=s.quarantine)
+            for s in r.selection.skipped
+        ],
+        quarantined=r.quarantined,
+        decided_at=now(),
+    )
 
 
-def write_outputs(output_dir: Path, r: RestoreResult) -> None:
-    """One file per output parameter."""
-    output_dir.mkdir(parents=True, exist_ok=True)
+def outputs(r: RestoreResult) -> RestoreOutputs:
+    """The step's output parameters."""
     sel = r.selection or Selection()
-    (output_dir / "restore-step").write_text(str(sel.step))
-    (output_dir / "restore-path").write_text(r.restore_path)
-    (output_dir / "skipped").write_text(json.dumps([s.as_output() for s in sel.skipped]))
+    return RestoreOutputs(
+        restore_step=sel.step, restore_path=r.restore_path, skipped=[s.as_output() for s in sel.skipped]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s restore-latest %(message)s")
     r = run(RunStore(args.store_root, args.run_id), args.attempt)
-    write_outputs(args.output_dir, r)
+    outputs(r).write(args.output_dir)
     if r.message:
         print(r.message, file=sys.stderr)
     if r.selection is not None:

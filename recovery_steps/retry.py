@@ -14,12 +14,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
 from recovery_steps.kernel.config import RetryConfig
 from recovery_steps.kernel.contract import Decision, FailureClass
 from recovery_steps.kernel.records import AttemptRecord, Ledger
-from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore, store_errors
+from recovery_steps.kernel.store import DocumentError, PreconditionFailed, RunLayout, RunStore, store_errors
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +129,10 @@ def update_ledger(
         The ledger as written.
     """
     for i in range(tries):
-        data, gen = store.read_json_versioned(RunLayout.LEDGER)
-        current = Ledger.model_validate(data) if data is not None else Ledger(run_id=store.run_id)
-        new = mutate(current)
+        current, gen = store.read_record_versioned(RunLayout.LEDGER, Ledger)
+        new = mutate(current if current is not None else Ledger(run_id=store.run_id))
         try:
-            store.write_json(RunLayout.LEDGER, new.model_dump(mode="json"), if_generation_match=gen)
+            store.write_record(RunLayout.LEDGER, new, if_generation_match=gen)
             return new
         except PreconditionFailed as e:
             log.info("ledger changed while updating (%s); retrying", e)
@@ -165,8 +162,8 @@ def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterato
     """
     try:
         yield
-    except (ValidationError, ValueError) as e:
-        raise error(f"{store.url(RunLayout.LEDGER)}: unreadable ledger ({_first_line(e)})") from None
+    except DocumentError as e:
+        raise error(str(e)) from None
     except PreconditionFailed as e:
         raise error(f"could not update the ledger: {e}") from None
     except store_errors() as e:

@@ -15,8 +15,11 @@ from typing import Any
 from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
 from recovery_steps.kernel.config import ConfigError, JobConfig, load_config
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore
-from recovery_steps.verify import list_step_dirs, manifest_compat_problems, read_manifest
+from recovery_steps.kernel.documents import read_ledger
+from recovery_steps.kernel.outputs import ValidateOutputs
+from recovery_steps.kernel.records import RunConfigDocument
+from recovery_steps.kernel.store import DocumentError, PreconditionFailed, RunLayout, RunStore
+from recovery_steps.verify import manifest_compat_problems, read_manifest
 
 
 @dataclass
@@ -25,7 +28,7 @@ class ValidateResult:
 
     code: ExitCode
     messages: list[str] = field(default_factory=list)
-    outputs: dict[str, str] = field(default_factory=dict)
+    outputs: ValidateOutputs | None = None
 
 
 def previous_config_path(config_hash: str) -> str:
@@ -35,11 +38,7 @@ def previous_config_path(config_hash: str) -> str:
 
 def latest_manifest_step(store: RunStore) -> tuple[int, Any] | None:
     """The newest step directory with a readable manifest, and the manifest (None when there is none)."""
-    steps = []
-    for name in list_step_dirs(store):
-        if name.isdigit():
-            steps.append(int(name))
-    for step in sorted(steps, reverse=True):
+    for step in reversed(store.checkpoint_steps()):
         manifest, _ = read_manifest(store, str(step), step, store.run_id)
         if manifest is not None:
             return step, manifest
@@ -52,9 +51,9 @@ def next_attempt(store: RunStore) -> int:
     A workflow resubmitted under the same run id continues the numbering, so its attempts never
     overwrite earlier records or reset the budgets kept in the ledger.
     """
-    seen = [int(n) for n in store.children(RunLayout.ATTEMPTS) if n.isdigit()]
-    ledger = store.read_json(RunLayout.LEDGER) or {}
-    seen += [int(a["attempt"]) for a in ledger.get("attempts", []) if isinstance(a.get("attempt"), int)]
+    seen = store.attempts()
+    ledger = read_ledger(store)
+    seen += [a.attempt for a in ledger.attempts] if ledger is not None else []
     return max(seen) + 1 if seen else 0
 
 
@@ -89,13 +88,19 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
     """
     new = cfg.model_dump(mode="json")
     new_hash = cfg.config_hash()
-    doc = {"config": new, "hash": new_hash}
+    doc = RunConfigDocument(config=new, hash=new_hash)
     messages: list[str] = []
 
-    stored, generation = store.read_json_versioned(RunLayout.CONFIG)
-    replace_old: dict[str, Any] | None = None
-    if stored is not None and stored.get("hash") != new_hash:
-        ok, lines = _check_change(stored.get("config", {}), new, accept_safe_changes)
+    try:
+        stored, generation = store.read_record_versioned(RunLayout.CONFIG, RunConfigDocument)
+        first_attempt = next_attempt(store)
+    except DocumentError as e:
+        return ValidateResult(
+            ExitCode.CONFIGURATION, [str(e), "restore it from the run's history, or start a new run id"]
+        )
+    replace_old: RunConfigDocument | None = None
+    if stored is not None and stored.hash != new_hash:
+        ok, lines = _check_change(stored.config, new, accept_safe_changes)
         if not ok:
             return ValidateResult(ExitCode.CONFIGURATION, [f"run {cfg.run_id!r} ({store.url()}):", *lines])
         messages += lines
@@ -113,23 +118,23 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
 
     try:
         if replace_old is not None:
-            store.write_json(previous_config_path(replace_old.get("hash", "unknown")), replace_old)
-            store.write_json(RunLayout.CONFIG, doc, if_generation_match=generation)
+            store.write_record(previous_config_path(replace_old.hash), replace_old)
+            store.write_record(RunLayout.CONFIG, doc, if_generation_match=generation)
         elif stored is None:
-            store.write_json(RunLayout.CONFIG, doc, if_generation_match=0)
+            store.write_record(RunLayout.CONFIG, doc, if_generation_match=0)
     except PreconditionFailed:
         return ValidateResult(
             ExitCode.CONFIGURATION,
             [*messages, f"{store.url(RunLayout.CONFIG)} changed while being validated; run validate-config again"],
         )
-    outputs = {
-        "run-id": cfg.run_id,
+    outputs = ValidateOutputs(
+        run_id=cfg.run_id,
         # Absolute for a local root: later steps may run from another working directory.
-        "store-root": store.root if store.is_gcs else str(Path(store.root).resolve()),
-        "config-hash": new_hash,
-        "hosts": str(cfg.slice.num_hosts),
-        "first-attempt": str(next_attempt(store)),
-    }
+        store_root=store.root if store.is_gcs else str(Path(store.root).resolve()),
+        config_hash=new_hash,
+        hosts=cfg.slice.num_hosts,
+        first_attempt=first_attempt,
+    )
     return ValidateResult(ExitCode.OK, messages, outputs)
 
 
@@ -168,10 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in r.messages:
         print(line, file=sys.stderr)
     if r.code == ExitCode.OK:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        for name, value in r.outputs.items():
-            (args.output_dir / name).write_text(value)
-        print(f"config {r.outputs['config-hash'][:12]} of run {cfg.run_id} is valid ({cfg.slice.num_hosts} hosts)")
+        r.outputs.write(args.output_dir)
+        print(f"config {r.outputs.config_hash[:12]} of run {cfg.run_id} is valid ({cfg.slice.num_hosts} hosts)")
     return int(r.code)
 
 

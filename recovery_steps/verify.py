@@ -296,10 +296,9 @@ def check_files(store: RunStore, name: str, objects: list[ObjectInfo], *, thread
 
 def closed_attempts(store: RunStore) -> dict[int, float]:
     """Attempt -> when the ledger closed it (empty when there is no ledger yet)."""
-    data = store.read_json(RunLayout.LEDGER)
-    if data is None:
+    ledger = store.read_record(RunLayout.LEDGER, Ledger)
+    if ledger is None:
         return {}
-    ledger = Ledger.model_validate(data)
     return {a.attempt: a.closed_at for a in ledger.attempts if a.closed_at is not None}
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from recovery_steps.kernel.checkpoints import write_manifest
 from recovery_steps.kernel.config import JobConfig, load_config
-from recovery_steps.kernel.records import CheckpointManifest
+from recovery_steps.kernel.records import CheckpointManifest, RestoreRecord
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 
@@ -74,3 +74,11 @@ def write_checkpoint(
             ),
         )
     return state
+
+
+def restore_record(store, attempt: int, step: int) -> None:
+    """What restore-latest records for ``attempt`` when it chose ``step`` (-1: fresh start)."""
+    path = store.url(RunLayout.checkpoint(step)) if step >= 0 else ""
+    rec = RestoreRecord(attempt=attempt, run_id=store.run_id, config_hash="test", exit_code=0, restore_step=step,
+                        restore_path=path, decided_at=0.0)  # fmt: skip
+    store.write_record(RunLayout.restore_record(attempt), rec)

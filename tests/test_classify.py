@@ -10,12 +10,12 @@ from recovery_steps.evidence import (
     ContainerState,
     Evidence,
     JobEvidence,
-    LocalSlice,
-    LocalWorker,
     NodeEvidence,
     PodEvidence,
 )
 from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.records import LocalSliceRecord as LocalSlice
+from recovery_steps.kernel.records import LocalWorkerRecord as LocalWorker
 from recovery_steps.kernel.records import WorkerExitReport
 
 T0 = 1_714_557_600.0  # 2024-05-01T10:00:00Z

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from ckpt_factory import restore_record
 
 from recovery_steps import classify_failure
 from recovery_steps.kernel.config import parse_config
@@ -28,7 +29,7 @@ def setup_run(root: str) -> RunStore:
 def write_attempt(store: RunStore, n: int, codes: list[int], first: int, *, restore: int, ckpt: int | None,
                   exc: tuple[str, str] | None = None) -> None:  # fmt: skip
     """What restore-latest, the trainer's workers and the local runner leave behind for attempt n."""
-    store.write_json(f"{RunLayout.attempt(n)}/restore.json", {"attempt": n, "restore_step": restore})
+    restore_record(store, n, restore)
     if ckpt is not None:
         store.write_json(RunLayout.checkpoint_manifest(ckpt), {"step": ckpt})
         store.write_bytes(f"{RunLayout.checkpoint(ckpt + 5)}/state/partial", b"x")  # no manifest: not a checkpoint
@@ -167,7 +168,7 @@ def test_provision_failure_after_its_retries_is_classified_as_capacity(store_roo
     from recovery_steps.provision_slice import record_outcome
 
     store = setup_run(store_root)
-    store.write_json(f"{RunLayout.attempt(0)}/restore.json", {"attempt": 0, "restore_step": -1})
+    restore_record(store, 0, -1)
     record_outcome(store_root, RUN, 0, 75, "2 of 4 TPU nodes Ready in pool tpu-pool")
     assert cli(store_root, 0, tmp_path / "o") == 0
     out = outputs(tmp_path / "o")

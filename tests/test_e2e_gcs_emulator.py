@@ -38,7 +38,7 @@ def test_kill_worker_against_the_emulator_restores_from_gs_and_reports(tmp_path,
     copy = Path(res.local_copy)
     store = RunStore(str(copy.parent.parent), "gcs-e2e")
     final = len(res.incidents)
-    restore = store.read_json(f"{RunLayout.attempt(final)}/restore.json")
+    restore = store.read_json(RunLayout.restore_record(final))
     assert restore and str(restore.get("restore_path", restore.get("restore-path", ""))).startswith("gs://"), restore
     for i in range(4):
         rep = store.read_json(RunLayout.worker_report(final, i))

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from ckpt_factory import restore_record
+
 from recovery_steps import finalize, give_up
 from recovery_steps.kernel.contract import Decision, FailureClass
 from recovery_steps.kernel.records import AttemptRecord, Ledger
@@ -26,7 +28,7 @@ def test_succeeded_after_recoveries(store_root, tmp_path, capsys):
     store = RunStore(store_root, RUN)
     append_attempt(store, failed(0, FailureClass.PREEMPTION, -1, 20))
     append_attempt(store, failed(1, FailureClass.INFRASTRUCTURE, 20, 40))
-    store.write_json(f"{RunLayout.attempt(2)}/restore.json", {"restore_step": 40})
+    restore_record(store, 2, 40)
     store.write_json(RunLayout.checkpoint_manifest(60), {"step": 60})
     code = finalize.main(["--store-root", store_root, "--run-id", RUN, "--status", "Succeeded",
                           "--failures", "null", "--output-dir", str(tmp_path / "o")])  # fmt: skip
@@ -80,7 +82,7 @@ def test_failed_before_any_attempt_uses_argo_failures(tmp_path):
 def test_finalize_twice_is_idempotent(tmp_path):
     root = str(tmp_path / "store")
     store = RunStore(root, RUN)
-    store.write_json(f"{RunLayout.attempt(0)}/restore.json", {"restore_step": -1})
+    restore_record(store, 0, -1)
     finalize.run(root, RUN, "Succeeded")
     finalize.run(root, RUN, "Succeeded")
     led = Ledger.model_validate(store.read_json(RunLayout.LEDGER))

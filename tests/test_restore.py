@@ -125,9 +125,9 @@ def test_falls_back_to_newest_good_checkpoint(run, damage):
     assert ("20" in _quarantined(store)) is quarantined
     assert store.exists("checkpoints/20") is not quarantined
     if quarantined:
-        reason = store.read_json(f"quarantine/20/{restore_latest.REASON_FILE}")
+        reason = store.read_json(RunLayout.quarantine_reason("quarantine/20"))
         assert reason["step"] == 20 and reason["reason"] == skip.reason and reason["attempt"] == 1
-    record = store.read_json(restore_latest.restore_record_path(1))
+    record = store.read_json(RunLayout.restore_record(1))
     assert record["restore_step"] == 10
     assert record["skipped"][0]["step"] == 20
 
@@ -229,7 +229,7 @@ def test_cli_writes_outputs_and_exit_codes(run, tmp_path, capsys):
     assert (out / "restore-path").read_text() == store.url("checkpoints/10")
     skipped = json.loads((out / "skipped").read_text())
     assert [s["step"] for s in skipped] == [20] and "manifest" in skipped[0]["reason"]
-    assert store.read_json("attempts/3/restore.json")["restore_step"] == 10
+    assert store.read_json(RunLayout.restore_record(3))["restore_step"] == 10
 
 
 def test_cli_without_config_exits_2_without_traceback(store_root, tmp_path, capsys):

@@ -17,10 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from recovery_steps.kernel.config import ConfigError, JobConfig, config_from_json
+from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.records import CheckpointManifest, WorkerExitReport
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from trainer.decisions import (
     Faults,
     TrainerExit,
@@ -163,8 +164,7 @@ class Worker:
         elif message:
             r.exception_message = message
         try:
-            self.store.write_json(RunLayout.worker_report(self.args.attempt, self.process_index),
-                                  r.model_dump(mode="json"))  # fmt: skip
+            self.store.write_record(RunLayout.worker_report(self.args.attempt, self.process_index), r)
         except Exception as e:  # noqa: BLE001 - the exit must happen whatever the store does
             log.error("could not write the exit report: %s", e)
 
@@ -219,18 +219,12 @@ class Worker:
 
     def load_config(self) -> JobConfig:
         """Read the validated config from the run store."""
-        raw = self.store.read_bytes(RunLayout.CONFIG)
-        if raw is None:
-            raise TrainerExit(
-                ExitCode.CONFIGURATION,
-                f"{self.store.url(RunLayout.CONFIG)}: no config; run validate-config for this run first",
-            )
         try:
-            return config_from_json(raw.decode(), self.store.url(RunLayout.CONFIG))
+            return read_run_config(self.store)
         except ConfigError as e:
             raise TrainerExit(ExitCode.CONFIGURATION, "; ".join(e.problems)) from None
-        except ValueError as e:
-            raise TrainerExit(ExitCode.CONFIGURATION, f"{self.store.url(RunLayout.CONFIG)}: not JSON: {e}") from None
+        except DocumentError as e:
+            raise TrainerExit(ExitCode.CONFIGURATION, str(e)) from None
 
     def initialize(self, cfg: JobConfig) -> None:
         """Join the gang with jax.distributed, using the config's timeouts."""
@@ -287,14 +281,16 @@ class Worker:
     def read_manifest(self, cfg: JobConfig, step: int) -> CheckpointManifest:
         """The manifest of the step to restore, checked for compatibility (exit 3 otherwise)."""
         rel = RunLayout.checkpoint_manifest(step)
-        raw = self.store.read_json(rel)
-        if raw is None:
+        try:
+            manifest = self.store.read_record(rel, CheckpointManifest)
+        except DocumentError as e:
+            raise TrainerExit(ExitCode.INCOMPATIBLE_CHECKPOINT, str(e)) from None
+        if manifest is None:
             raise TrainerExit(
                 ExitCode.INCOMPATIBLE_CHECKPOINT,
                 f"--restore-step {step}: {self.store.url(rel)} does not exist; restore only a step "
                 "restore-latest verified",
             )
-        manifest = CheckpointManifest.model_validate(raw)
         problems = []
         if manifest.step != step:
             problems.append(f"manifest step {manifest.step} != --restore-step {step}")
@@ -313,11 +309,11 @@ class Worker:
         from jax.experimental import multihost_utils
 
         if self.process_index == 0:
-            for name in self.store.children(RunLayout.CHECKPOINTS):
-                if name.isdigit() and int(name) > restore_step:
-                    dst = RunLayout.quarantine(int(name), f"-superseded-attempt{self.args.attempt}-{int(time.time())}")
-                    n = self.store.move(RunLayout.checkpoint(int(name)), dst)
-                    log.warning("checkpoint %s is newer than the restore step; moved %d objects to %s", name, n, dst)
+            for step in self.store.checkpoint_steps():
+                if step > restore_step:
+                    dst = RunLayout.quarantine(step, f"-superseded-attempt{self.args.attempt}-{int(time.time())}")
+                    n = self.store.move(RunLayout.checkpoint(step), dst)
+                    log.warning("checkpoint %d is newer than the restore step; moved %d objects to %s", step, n, dst)
         multihost_utils.sync_global_devices("trainer-set-aside-newer-steps")
 
 

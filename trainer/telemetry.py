@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from recovery_steps.kernel.metrics import spec
+from recovery_steps.kernel.records import WorkerEvent, now
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +30,10 @@ class Events:
         """Write one event line (flushed at once: the reader may be timing a kill)."""
         if self._f is None:
             return
-        rec = {"t": time.time(), "event": event, "attempt": self.attempt, "process_index": self.process_index,
-               "step": step, **fields}  # fmt: skip
+        rec = WorkerEvent(t=now(), event=event, attempt=self.attempt, process_index=self.process_index, step=step,
+                          **fields)  # fmt: skip
         with self._lock:
-            self._f.write(json.dumps(rec) + "\n")
+            self._f.write(rec.model_dump_json(exclude_none=True) + "\n")
             self._f.flush()
 
 

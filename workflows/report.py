@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.records import Incident, Ledger
+from recovery_steps.kernel.records import Incident, Ledger, LocalSummary, parse_event_line
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 TIMELINE = "timeline.png"
-_EVENTS = "local/events"
-_SUMMARY = "local/summary.json"
 
 
 class ReportError(Exception):
@@ -45,23 +42,21 @@ def open_run(target: str) -> RunStore:
 def load_incidents(store: RunStore) -> list[Incident]:
     """Every incident record of the run, by attempt."""
     out = []
-    for a in store.children(RunLayout.ATTEMPTS):
-        if a.isdigit():
-            data = store.read_json(RunLayout.incident(int(a)))
-            if data:
-                out.append(Incident.model_validate(data))
+    for a in store.attempts():
+        inc = store.read_record(RunLayout.incident(a), Incident)
+        if inc is not None:
+            out.append(inc)
     return sorted(out, key=lambda i: (i.detected_at or i.stopped_at or 0, i.attempt))
 
 
 def load_events(store: RunStore) -> list[dict[str, Any]]:
     """The workers' events saved with the run, sorted by time."""
     events = []
-    for o in store.list(_EVENTS):
+    for o in store.list(RunLayout.LOCAL_EVENTS):
         for line in (store.read_bytes(o.name) or b"").splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                continue
+            event = parse_event_line(line)
+            if event is not None:
+                events.append(event)
     return sorted(events, key=lambda e: e.get("t", 0))
 
 
@@ -189,16 +184,15 @@ def run(target: str, *, say: Callable[[str], None] = print) -> list[str]:
     store = open_run(target)
     incidents = load_incidents(store)
     events = load_events(store)
-    ledger_data = store.read_json(RunLayout.LEDGER)
-    ledger = Ledger.model_validate(ledger_data) if ledger_data else None
-    summary = store.read_json(_SUMMARY) or {}
-    status = summary.get("status") or (ledger.final_status if ledger else None) or "unknown"
+    ledger = store.read_record(RunLayout.LEDGER, Ledger)
+    summary = store.read_record(RunLayout.LOCAL_SUMMARY, LocalSummary)
+    status = (summary.status if summary else None) or (ledger.final_status if ledger else None) or "unknown"
     say(f"run {store.run_id}: {status}" + (f" ({ledger.final_reason})" if ledger and ledger.final_reason else ""))
     if ledger:
         by = {k: v for k, v in ledger.by_class().items() if v}
         say(f"attempts closed: {len(ledger.attempts)}; failures by class: {by or 'none'}")
-    if summary.get("params_match_reference") is not None:
-        say(f"final parameters equal the reference run: {summary['params_match_reference']}")
+    if summary is not None and summary.params_match_reference is not None:
+        say(f"final parameters equal the reference run: {summary.params_match_reference}")
     say(incident_table(incidents) if incidents else "no incidents")
     png = draw_timeline(events, incidents, f"run {store.run_id}: {status}")
     paths = []

@@ -26,8 +26,17 @@ from hera.workflows import (
 from hera.workflows.models import Backoff, ValueFrom
 
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.k8s import ATTEMPT_LABEL, RUN_ID_LABEL
+from recovery_steps.kernel.contract import Decision, ExitCode
+from recovery_steps.kernel.k8s import ATTEMPT_LABEL, RUN_ID_LABEL, jobset_name
 from recovery_steps.kernel.metrics import spec as metric_spec
+from recovery_steps.kernel.outputs import (
+    ClassifyOutputs,
+    FinalizeOutputs,
+    ProvisionOutputs,
+    RestoreOutputs,
+    StepOutputs,
+    ValidateOutputs,
+)
 from workflows.jobset import jobset_manifest
 
 OUTPUT_DIR = "/tmp/outputs"
@@ -35,11 +44,16 @@ CONFIG_PATH = "/tmp/inputs/config.yaml"
 STORE_ROOT = "{{workflow.parameters.store-root}}"
 RUN_ID = "{{workflow.parameters.run-id}}"
 ATTEMPT_IN = "{{inputs.parameters.attempt}}"
-CAPACITY_EXIT = 75
 
 
-def _outputs(*names: str) -> list[Parameter]:
-    return [Parameter(name=n, value_from=ValueFrom(path=f"{OUTPUT_DIR}/{n}")) for n in names]
+def _outputs(declared: type[StepOutputs] | None) -> list[Parameter]:
+    """The template's output parameters, from the step's one declaration."""
+    if declared is None:
+        return []
+    return [
+        Parameter(name=n, description=d, value_from=ValueFrom(path=f"{OUTPUT_DIR}/{n}"))
+        for n, d in declared.descriptions().items()
+    ]
 
 
 def _step(
@@ -49,12 +63,11 @@ def _step(
     args: list[str],
     *,
     inputs: list[str] = (),
-    outputs: list[str] = (),
-    output_dir: bool = True,
+    outputs: type[StepOutputs] | None = None,
     **kw: Any,
 ) -> Container:
     """A container template that runs ``python -m recovery_steps.<module>``."""
-    full_args = list(args) + (["--output-dir", OUTPUT_DIR] if output_dir else [])
+    full_args = list(args) + (["--output-dir", OUTPUT_DIR] if outputs is not None else [])
     labels = {RUN_ID_LABEL: RUN_ID}
     if "attempt" in inputs:
         labels[ATTEMPT_LABEL] = ATTEMPT_IN
@@ -64,7 +77,7 @@ def _step(
         command=["python", "-m", f"recovery_steps.{module}"],
         args=full_args,
         inputs=[Parameter(name=n) for n in inputs] + kw.pop("input_artifacts", []),
-        outputs=_outputs(*outputs),
+        outputs=_outputs(outputs),
         labels=labels,
         **kw,
     )
@@ -124,7 +137,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 "--accept-safe-changes",
                 "{{workflow.parameters.accept-safe-changes}}",
             ],  # fmt: skip
-            outputs=["run-id", "store-root", "config-hash", "hosts", "first-attempt"],
+            outputs=ValidateOutputs,
             input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
         )
         restore = _step(
@@ -133,7 +146,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             "restore_latest",
             ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN],
             inputs=["attempt"],
-            outputs=["restore-step", "restore-path", "skipped"],
+            outputs=RestoreOutputs,
         )
         provision = _step(
             cfg,
@@ -141,13 +154,13 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             "provision_slice",
             ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN],
             inputs=["attempt"],
-            outputs=["jobset-name", "coordinator-port", "metrics-port"],
+            outputs=ProvisionOutputs,
             # Exit 75 (capacity not there yet) is retried with backoff; exit 2 (configuration) is not.
             retry_strategy=RetryStrategy(
                 limit=cfg.retry.provision_retry_limit,
                 retry_policy="Always",
                 backoff=Backoff(duration=f"{cfg.retry.provision_backoff_s}s", factor=2, max_duration="30m"),
-                expression=f"asInt(lastRetry.exitCode) == {CAPACITY_EXIT}",
+                expression=f"asInt(lastRetry.exitCode) == {int(ExitCode.CAPACITY)}",
             ),
         )
         train = Resource(
@@ -171,8 +184,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 "--jobset", "{{inputs.parameters.jobset-name}}",
             ],
             inputs=["attempt", "jobset-name"],
-            outputs=["failure-class", "decision", "reason", "backoff-seconds", "attempts-by-class", "next-attempt",
-                     "budget-exhausted"],
+            outputs=ClassifyOutputs,
             metrics=[
                 Counter(
                     name="jaxrec_failures_total",
@@ -213,7 +225,6 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             "give_up",
             ["--failure-class", "{{inputs.parameters.failure-class}}", "--reason", "{{inputs.parameters.reason}}"],
             inputs=["failure-class", "reason"],
-            output_dir=False,
         )
         finalize = _step(
             cfg,
@@ -223,7 +234,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 "--store-root", STORE_ROOT, "--run-id", RUN_ID,
                 "--status", "{{workflow.status}}", "--failures", "{{workflow.failures}}",
             ],
-            outputs=["final-status", "steps-lost", "recovery-seconds"],
+            outputs=FinalizeOutputs,
             metrics=[
                 Gauge(
                     name="jaxrec_run_status",
@@ -281,13 +292,13 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 template=classify,
                 # provision-slice may have failed (capacity after its retries): name the JobSet the
                 # way provision-slice does instead of reading its outputs.
-                arguments={"attempt": ATTEMPT_IN, "jobset-name": f"{RUN_ID}-a{ATTEMPT_IN}"},
+                arguments={"attempt": ATTEMPT_IN, "jobset-name": jobset_name(RUN_ID, ATTEMPT_IN)},
                 depends=(
                     "train-segment.Failed || train-segment.Errored || provision-slice.Failed || provision-slice.Errored"
                 ),
             )
             out = "{{tasks.classify-failure.outputs.parameters.%s}}"
-            retry_when = f"'{out % 'decision'}' == 'retry'"
+            retry_when = f"'{out % 'decision'}' == '{Decision.RETRY.value}'"
             t_backoff = Task(
                 name="backoff",
                 template=backoff,
@@ -307,7 +318,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 template=give_up,
                 arguments={"failure-class": out % "failure-class", "reason": out % "reason"},
                 depends="classify-failure",
-                when=f"'{out % 'decision'}' == 'stop'",
+                when=f"'{out % 'decision'}' == '{Decision.STOP.value}'",
             )
             t_restore >> t_provision >> t_train
             del t_classify, t_backoff

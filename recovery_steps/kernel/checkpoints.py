@@ -36,4 +36,4 @@ def write_manifest(store: RunStore, manifest: CheckpointManifest) -> None:
     """Write ``checkpoints/<step>/manifest.json``, filling ``files`` from what is stored now."""
     if not manifest.files:
         manifest = manifest.model_copy(update={"files": step_files(store, manifest.step)})
-    store.write_json(RunLayout.checkpoint_manifest(manifest.step), manifest.model_dump(mode="json"))
+    store.write_record(RunLayout.checkpoint_manifest(manifest.step), manifest)

@@ -23,6 +23,16 @@ JOBSET_VERSION = "v1alpha2"
 JOBSET_PLURAL = "jobsets"
 
 
+def jobset_name(run_id: str, attempt: int | str) -> str:
+    """The deterministic JobSet name of an attempt, the one place it is spelled.
+
+    classify-failure finds the JobSet by this name even when the step that created it saved no outputs.
+
+    ``attempt`` may be an Argo expression (``{{inputs.parameters.attempt}}``) where the template names it.
+    """
+    return f"{run_id}-a{attempt}"
+
+
 def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
     """Node labels a TPU slice's pods select (empty for the local backend).
 

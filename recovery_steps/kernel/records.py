@@ -1,29 +1,38 @@
-"""Plain records exchanged through the run store.
+"""Every document the parts exchange through the run store, each declared once as a pydantic record.
 
-Worker exit reports, checkpoint manifests, attempt records, incidents and the ledger.
-
-These are the data contracts between the trainer, the step programs and the local runner; the
-decisions made over them live elsewhere (``classify``, ``restore``, ``retry``).
+Each record's path is one function of ``RunLayout`` (``recovery_steps.kernel.store``); writers and readers go
+through ``RunStore.write_record`` / ``RunStore.read_record``, which refuse an unreadable or wrong-shaped
+document with one line naming the file (``DocumentError``). The decisions made over these records live
+elsewhere (``classify``, ``verify``, ``retry``).
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from recovery_steps.kernel.contract import Decision, FailureClass
 
 
 class _Record(BaseModel):
-    # Records are read back by newer code: unknown fields are kept, not rejected.
-    model_config = ConfigDict(extra="allow")
+    # A field that exists is declared: a document with an unknown field is of the wrong shape and is refused
+    # (every part of one run runs the same image, so a reader never meets a newer writer's fields).
+    model_config = ConfigDict(extra="forbid")
 
 
 def now() -> float:
     """Wall-clock seconds since the epoch: the one clock every record uses."""
     return time.time()
+
+
+class RunConfigDocument(_Record):
+    """``config.json``: the validated config of the run and its hash (written by validate-config)."""
+
+    config: dict[str, Any] = Field(description="Every field of the JobConfig, as JSON.")
+    hash: str = Field(description="JobConfig.config_hash() of ``config``.")
 
 
 class WorkerExitReport(_Record):
@@ -50,6 +59,8 @@ class WorkerExitReport(_Record):
     ended_at: float | None = None
     compile_seconds: float | None = None
     steps_per_second: float | None = None
+    peak_rss_mib: float | None = Field(default=None, description="Peak resident memory of the worker process.")
+    params_digest: str | None = Field(default=None, description="Digest of the final parameters (finished runs).")
 
 
 class ManifestFile(_Record):
@@ -98,6 +109,9 @@ class Incident(_Record):
     pre_failure_step: int | None = None
     restored_step: int | None = None
     steps_lost: int | None = None
+    params_match_reference: bool | None = Field(
+        default=None, description="Local runs with --reference: the run's final parameters equal the reference's."
+    )
 
     @property
     def recovery_seconds(self) -> float | None:
@@ -117,12 +131,17 @@ class AttemptRecord(_Record):
     reason: str = ""
     evidence: list[str] = Field(default_factory=list, description="Evidence lines the verdict used.")
     decision: Decision | None = None
+    decision_reason: str | None = Field(default=None, description="Why classify-failure decided retry or stop.")
     backoff_seconds: float = 0
     checkpoint_step_before: int | None = None
     checkpoint_step_after: int | None = None
     started_at: float | None = None
     ended_at: float | None = None
     closed_at: float | None = Field(default=None, description="When the attempt was closed in the ledger.")
+    backend: str | None = Field(default=None, description="'gke' or 'local'.")
+    jobset: str | None = Field(default=None, description="The attempt's JobSet (or local slice) name.")
+    first_worker: int | None = Field(default=None, description="Index of the first worker that failed.")
+    cause_worker: int | None = Field(default=None, description="Index of the worker whose failure is the cause.")
 
 
 class Ledger(_Record):
@@ -132,6 +151,7 @@ class Ledger(_Record):
     attempts: list[AttemptRecord] = Field(default_factory=list)
     final_status: str | None = Field(default=None, description="'Succeeded' or 'Failed' once the run ended.")
     final_reason: str | None = None
+    argo_status: str | None = Field(default=None, description="``{{workflow.status}}`` the exit handler saw.")
 
     def by_class(self) -> dict[str, int]:
         """Failed attempts so far, by class (every class present, zero included)."""
@@ -144,3 +164,140 @@ class Ledger(_Record):
     def closed_attempts(self) -> set[int]:
         """Numbers of the attempts already closed (a checkpoint they write later is not trusted)."""
         return {a.attempt for a in self.attempts if a.closed_at is not None}
+
+
+class SkippedStep(_Record):
+    """One checkpoint restore-latest did not choose, and why."""
+
+    step: int
+    name: str = Field(description="The step directory's name under ``checkpoints/``.")
+    reason: str
+    kind: str = Field(description="SkipKind value: why it is not restorable.")
+    quarantined: bool = Field(description="Moved to ``quarantine/`` (False: left in place).")
+
+
+class RestoreRecord(_Record):
+    """``attempts/<n>/restore.json``: which step attempt ``n`` restores, decided by restore-latest."""
+
+    attempt: int
+    run_id: str
+    config_hash: str
+    exit_code: int
+    restore_step: int = Field(description="The step to restore; -1 for a fresh start.")
+    restore_path: str = Field(description="The step directory verified (empty for a fresh start).")
+    skipped: list[SkippedStep] = Field(default_factory=list)
+    quarantined: list[str] = Field(default_factory=list, description="Quarantine directories written.")
+    decided_at: float
+
+
+class QuarantineReason(_Record):
+    """``quarantine/<name>/QUARANTINE_REASON.json``: why a checkpoint was moved, from where, by which attempt."""
+
+    step: int
+    from_: str = Field(alias="from", description="Where the step directory was.")
+    kind: str
+    reason: str
+    attempt: int
+    objects: int = Field(description="Objects moved.")
+    moved_at: float
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ProvisionRecord(_Record):
+    """``attempts/<n>/provision.json``: provision-slice's last try (classify-failure reads it)."""
+
+    exit_code: int
+    message: str
+    at: float
+
+
+class LocalWorkerRecord(_Record):
+    """One process of the local slice record."""
+
+    index: int
+    pid: int | None = None
+    exit_code: int | None = Field(default=None, description="As Kubernetes reports it: 128 + signal if signalled.")
+    signal: int | None = Field(default=None, description="Signal number that ended the process.")
+    started_at: float | None = None
+    ended_at: float | None = None
+    first_failure: bool = False
+    stopped_by_jobset: bool = False
+    restarts: int = Field(default=0, description="Times the local slice restarted this process (local scenarios).")
+
+    @field_validator("signal", mode="before")
+    @classmethod
+    def _signal_number(cls, v: Any) -> Any:
+        # Written as a name ("SIGKILL") by the local slice; Kubernetes speaks numbers.
+        if isinstance(v, str):
+            name = v.upper()
+            try:
+                return int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
+            except KeyError:
+                digits = name.removeprefix("SIG")
+                return int(digits) if digits.isdigit() else None
+        return v
+
+
+class LocalSliceRecord(_Record):
+    """``attempts/<n>/local-slice.json``: the local JobSet stand-in's record of one attempt's processes."""
+
+    jobset: str | None = None
+    attempt: int | None = None
+    workers: list[LocalWorkerRecord] = Field(default_factory=list)
+    first_failure_index: int | None = None
+    ended_at: float | None = None
+
+
+class InjectedFault(_Record):
+    """One fault the local runner injected, and when."""
+
+    scenario: str
+    attempt: int
+    at: float
+
+
+class LocalSummary(_Record):
+    """``local/summary.json``: how a local run ended (written by ``workflows.local``)."""
+
+    run_id: str
+    status: str
+    restarts: int
+    final_reason: str | None = None
+    params_digest: str | None = None
+    reference_digest: str | None = None
+    params_match_reference: bool | None = None
+    injected: list[InjectedFault] = Field(default_factory=list)
+    corrupted: list[str] = Field(default_factory=list)
+    attempts: int | None = None
+    finished_at: float
+
+
+class WorkerEvent(_Record):
+    """One line of ``worker-<i>.jsonl`` (``TRAINER_EVENTS_DIR``; ``local/events/`` in a gs:// local run)."""
+
+    t: float = Field(description="When (the one clock, epoch seconds).")
+    event: str = Field(description="started, initialized, restored, first_step, step, save_started, ...")
+    attempt: int
+    process_index: int
+    step: int | None = None
+    code: int | None = Field(default=None, description="exit: the exit code.")
+    reason: str | None = Field(default=None, description="exit: why.")
+    process_count: int | None = Field(default=None, description="initialized: processes in the gang.")
+    devices: int | None = Field(default=None, description="initialized: devices in the gang.")
+    restore_step: int | None = Field(default=None, description="restored: the step restored (-1: fresh).")
+    loss: float | None = Field(default=None, description="step: the loss.")
+    compile_seconds: float | None = Field(default=None, description="first_step: compile time.")
+    save_seconds: float | None = Field(default=None, description="save_committed: save start to commit.")
+    blocking_seconds: float | None = Field(default=None, description="save_committed: time the loop was held.")
+
+
+def parse_event_line(line: bytes | str) -> dict[str, Any] | None:
+    """One ``WorkerEvent`` line as a plain dict (unset fields left out), or None for a torn or foreign line.
+
+    Event files are appended to while they are read; a line that is not a complete event is skipped.
+    """
+    try:
+        return WorkerEvent.model_validate_json(line).model_dump(exclude_none=True)
+    except ValueError:
+        return None

@@ -23,11 +23,63 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+R = TypeVar("R", bound=BaseModel)
 
 
 class PreconditionFailed(Exception):
     """A conditional write lost a race: the object changed since it was read."""
+
+
+class DocumentError(Exception):
+    """A run-store document is unreadable or of the wrong shape; ``str()`` is one line naming the file."""
+
+    def __init__(self, url: str, problem: str):
+        super().__init__(f"{url}: {problem}")
+        self.url = url
+        self.problem = problem
+
+
+def parse_document(data: bytes, model: type[R], url: str, *, run_id: str | None = None) -> R:
+    """Parse one stored document into its record, or raise ``DocumentError`` with one line.
+
+    Args:
+        data: The stored bytes.
+        model: The record type the document must be.
+        url: Where it was read from (named in the error).
+        run_id: When given and the record has a ``run_id``, it must be this run's.
+    """
+    what = _label(model.__name__)
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DocumentError(url, f"unreadable {what} (not JSON: {_first_line(e)})") from None
+    if not isinstance(obj, dict):
+        raise DocumentError(url, f"unreadable {what} (expected a JSON object, found {type(obj).__name__})")
+    try:
+        rec = model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "(document)"
+        more = f"; and {e.error_count() - 1} more" if e.error_count() > 1 else ""
+        raise DocumentError(url, f"unreadable {what} ({field}: {err['msg']}{more})") from None
+    other = getattr(rec, "run_id", None) if "run_id" in type(rec).model_fields else None
+    if run_id is not None and other is not None and other != run_id:
+        raise DocumentError(url, f"unreadable {what} (it belongs to run {other!r}, not {run_id!r})")
+    return rec
+
+
+def _label(name: str) -> str:
+    """``RestoreRecord`` -> ``restore record``: how a message names a document's type."""
+    return "".join(f" {c.lower()}" if c.isupper() else c for c in name).strip()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
 
 
 @dataclass(frozen=True)
@@ -50,6 +102,11 @@ class RunLayout:
     MANIFEST = "manifest.json"
 
     @staticmethod
+    def parse_step(name: str) -> int | None:
+        """The step of a ``checkpoints/`` (or ``attempts/``) child named ``name``, or None when it is not one."""
+        return int(name) if name.isdigit() else None
+
+    @staticmethod
     def checkpoint(step: int) -> str:
         """Directory of the checkpoint at ``step``."""
         return f"checkpoints/{step}"
@@ -65,14 +122,24 @@ class RunLayout:
         return f"attempts/{n}"
 
     @staticmethod
+    def worker_reports(n: int) -> str:
+        """Folder of the exit reports of attempt ``n``."""
+        return f"attempts/{n}/workers"
+
+    @staticmethod
     def worker_report(n: int, process_index: int) -> str:
         """Exit report of worker ``process_index`` in attempt ``n``."""
-        return f"attempts/{n}/workers/{process_index}.json"
+        return f"{RunLayout.worker_reports(n)}/{process_index}.json"
 
     @staticmethod
     def attempt_record(n: int) -> str:
         """The record ``classify-failure`` (or the exit handler) writes for attempt ``n``."""
         return f"attempts/{n}/record.json"
+
+    @staticmethod
+    def restore_record(n: int) -> str:
+        """restore-latest's decision for attempt ``n`` (``RestoreRecord``)."""
+        return f"attempts/{n}/restore.json"
 
     @staticmethod
     def local_slice(n: int) -> str:
@@ -93,6 +160,22 @@ class RunLayout:
     def quarantine(step: int, suffix: str = "") -> str:
         """Where a checkpoint that failed verification is moved."""
         return f"quarantine/{step}{suffix}"
+
+    @staticmethod
+    def quarantine_reason(target: str) -> str:
+        """The ``QuarantineReason`` inside quarantine directory ``target`` (a path under ``quarantine/``)."""
+        return f"{target}/QUARANTINE_REASON.json"
+
+    LOCAL_SUMMARY = "local/summary.json"
+    """``LocalSummary`` of a local run."""
+
+    LOCAL_EVENTS = "local/events"
+    """Copies of the workers' event files (``WorkerEvent`` lines) of a local run on gs://."""
+
+    @staticmethod
+    def local_events(name: str) -> str:
+        """One worker's event file copied into the run store."""
+        return f"local/events/{name}"
 
 
 class _Backend(Protocol):
@@ -318,6 +401,38 @@ class RunStore:
         """Write ``obj`` as indented, key-sorted JSON (see ``write_bytes``)."""
         data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
         return self.write_bytes(rel, data, if_generation_match=if_generation_match)
+
+    def read_record(self, rel: str, model: type[R]) -> R | None:
+        """The record at ``rel``, or None when absent.
+
+        Raises:
+            DocumentError: The document is not JSON, not a ``model``, or another run's.
+        """
+        data = self.read_bytes(rel)
+        return None if data is None else parse_document(data, model, self.url(rel), run_id=self.run_id)
+
+    def read_record_versioned(self, rel: str, model: type[R]) -> tuple[R | None, int]:
+        """The record at ``rel`` and its generation (None, 0 when absent), for a later conditional write."""
+        got = self._b.read(rel)
+        if got is None:
+            return None, 0
+        return parse_document(got[0], model, self.url(rel), run_id=self.run_id), got[1]
+
+    def write_record(self, rel: str, record: BaseModel, *, if_generation_match: int | None = None) -> int:
+        """Write ``record`` at ``rel`` as JSON (see ``write_bytes``)."""
+        return self.write_json(
+            rel, record.model_dump(mode="json", by_alias=True), if_generation_match=if_generation_match
+        )
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps of the directories under ``checkpoints/``, ascending (complete or not: verification decides)."""
+        return sorted(
+            s for s in (RunLayout.parse_step(n) for n in self.children(RunLayout.CHECKPOINTS)) if s is not None
+        )
+
+    def attempts(self) -> list[int]:
+        """Numbers of the attempts that have a folder under ``attempts/``, ascending."""
+        return sorted(a for a in (RunLayout.parse_step(n) for n in self.children(RunLayout.ATTEMPTS)) if a is not None)
 
     def exists(self, rel: str) -> bool:
         """True when ``rel`` is an object or a non-empty directory."""

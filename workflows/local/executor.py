@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord
 from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult, WorkflowError
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
@@ -155,28 +156,28 @@ class LocalSlice:
             self.spawn(w)
             self.expected_exit.discard(index)
 
-    def record(self) -> dict[str, Any]:
-        """The local slice record (docs/CONTRACTS.md)."""
-        return {
-            "jobset": self.jobset,
-            "attempt": self.attempt,
-            "workers": [
-                {
-                    "index": w.index,
-                    "pid": w.pid,
-                    "exit_code": w.exit_code,
-                    "signal": w.signal_name,
-                    "started_at": w.started_at,
-                    "ended_at": w.ended_at,
-                    "first_failure": w.first_failure,
-                    "stopped_by_jobset": w.stopped_by_jobset,
-                    "restarts": w.restarts,
-                }
+    def record(self) -> LocalSliceRecord:
+        """The local slice record (``attempts/<n>/local-slice.json``)."""
+        return LocalSliceRecord(
+            jobset=self.jobset,
+            attempt=self.attempt,
+            workers=[
+                LocalWorkerRecord(
+                    index=w.index,
+                    pid=w.pid,
+                    exit_code=w.exit_code,
+                    signal=w.signal_name,
+                    started_at=w.started_at,
+                    ended_at=w.ended_at,
+                    first_failure=w.first_failure,
+                    stopped_by_jobset=w.stopped_by_jobset,
+                    restarts=w.restarts,
+                )
                 for w in self.workers
             ],  # fmt: skip
-            "first_failure_index": self.first_failure_index,
-            "ended_at": self.ended_at,
-        }
+            first_failure_index=self.first_failure_index,
+            ended_at=self.ended_at,
+        )
 
 
 class SliceHooks:

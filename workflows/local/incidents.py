@@ -7,14 +7,13 @@ injections.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import Incident
+from recovery_steps.kernel.records import Incident, parse_event_line
 
 
 @dataclass(frozen=True)
@@ -61,10 +60,9 @@ class EventTail:
                 continue
             self._offsets[f] = off + end + 1
             for line in data[: end + 1].splitlines():
-                try:
-                    new.append(json.loads(line))
-                except ValueError:
-                    continue
+                event = parse_event_line(line)
+                if event is not None:
+                    new.append(event)
         self.events.extend(new)
         return new
 

@@ -78,8 +78,7 @@ def corrupt_newest_checkpoint(store: RunStore) -> str | None:
     Returns:
         What was damaged (``checkpoints/<step>/<file>``), or None when there is no checkpoint.
     """
-    steps = sorted((int(s) for s in store.children(RunLayout.CHECKPOINTS) if s.isdigit()), reverse=True)
-    for step in steps:
+    for step in reversed(store.checkpoint_steps()):
         if not store.exists(RunLayout.checkpoint_manifest(step)):
             continue
         files = [o for o in store.list(RunLayout.checkpoint(step))

@@ -19,7 +19,8 @@ import yaml
 
 from recovery_steps.kernel import records
 from recovery_steps.kernel.config import ConfigError, JobConfig, parse_config
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.outputs import STEP_OUTPUTS
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from workflows.local.engine import NodeInfo, NodeResult, WorkflowError, WorkflowRun
 from workflows.local.executor import LocalExecutor
 from workflows.local.incidents import EventTail, Segment, build_incidents
@@ -27,21 +28,7 @@ from workflows.local.inject import SCENARIOS, Injector, parse_injections
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMULATOR_BUCKET = "local-runs"
-SUMMARY = "local/summary.json"
-EVENTS_PREFIX = "local/events"
-_KEY_OUTPUTS = (
-    "restore-step",
-    "restore-path",
-    "skipped",
-    "jobset-name",
-    "failure-class",
-    "decision",
-    "reason",
-    "backoff-seconds",
-    "next-attempt",
-    "final-status",
-    "config-hash",
-)
+_KEY_OUTPUTS = frozenset(name for declared in STEP_OUTPUTS for name in declared.shown())
 
 
 class LocalRunError(Exception):
@@ -66,6 +53,9 @@ class LocalRunResult:
     restarts: int = 0
     ledger: records.Ledger | None = None
     report_paths: list[str] = field(default_factory=list)
+    fired: list[Any] = field(default_factory=list)  # injected faults that fired (inject.Injected)
+    corrupted: list[str] = field(default_factory=list)  # checkpoint files the corrupt-latest fault damaged
+    local_copy: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -178,19 +168,20 @@ def _short(v: str, n: int = 60) -> str:
 
 def _read_ledger(store: RunStore) -> records.Ledger | None:
     try:
-        data = store.read_json(RunLayout.LEDGER)
-    except ValueError:
+        return store.read_record(RunLayout.LEDGER, records.Ledger)
+    except DocumentError:
         return None
-    return records.Ledger.model_validate(data) if data else None
 
 
 def final_digest(store: RunStore) -> str | None:
     """``params_digest`` of the newest worker-0 exit report that has one (the run's final parameters)."""
-    attempts = sorted((int(a) for a in store.children(RunLayout.ATTEMPTS) if a.isdigit()), reverse=True)
-    for n in attempts:
-        rep = store.read_json(RunLayout.worker_report(n, 0))
-        if rep and rep.get("params_digest") and rep.get("exit_code") == 0:
-            return rep["params_digest"]
+    for n in reversed(store.attempts()):
+        try:
+            rep = store.read_record(RunLayout.worker_report(n, 0), records.WorkerExitReport)
+        except DocumentError:
+            continue
+        if rep is not None and rep.params_digest and rep.exit_code == 0:
+            return rep.params_digest
     return None
 
 
@@ -272,9 +263,9 @@ def run(
             # The emulator keeps its objects in memory: keep a copy of the run for later reports.
             dest = (Path(".local-runs/emulator") / run_id / "store").resolve()
             n = copy_run(store, dest)
-            result.local_copy = str(dest / "runs" / run_id)  # type: ignore[attr-defined]
+            result.local_copy = str(dest / "runs" / run_id)
             say(f"the emulator stops now; {n} objects of the run copied to {dest}")
-            say(f"report: python -m workflows.report {result.local_copy}")  # type: ignore[attr-defined]
+            say(f"report: python -m workflows.report {result.local_copy}")
     return result
 
 
@@ -354,7 +345,7 @@ def _run_once(
                 hooks=injector,
                 events_dir=work_dir / "events",
                 grace_seconds=grace_seconds,
-                write_slice_record=lambda _j, _r, n, rec: store.write_json(RunLayout.local_slice(n), rec),
+                write_slice_record=lambda _j, _r, n, rec: store.write_record(RunLayout.local_slice(n), rec),
             )
             executors.append(ex)
             printer = _Printer(say, t0, cfg.slice.num_hosts)
@@ -406,8 +397,8 @@ def _run_once(
         restarts=restarts,
         ledger=ledger,
     )
-    result.corrupted = injector.corrupted  # type: ignore[attr-defined]
-    result.fired = injector.fired  # type: ignore[attr-defined]
+    result.corrupted = injector.corrupted
+    result.fired = injector.fired
     return result
 
 
@@ -424,26 +415,26 @@ def _finish(result: LocalRunResult, store: RunStore, say: Callable[[str], None])
     match = result.params_match
     for inc in result.incidents:
         if match is not None:
-            inc.params_match_reference = match  # type: ignore[attr-defined]
-        store.write_json(RunLayout.incident(inc.attempt), inc.model_dump(mode="json"))
+            inc.params_match_reference = match
+        store.write_record(RunLayout.incident(inc.attempt), inc)
     if store.is_gcs:
         for f in sorted((result.work_dir / "events").glob("worker-*.jsonl")):
-            store.write_bytes(f"{EVENTS_PREFIX}/{f.name}", f.read_bytes())
+            store.write_bytes(RunLayout.local_events(f.name), f.read_bytes())
     ledger = result.ledger
-    summary = {
-        "run_id": result.run_id,
-        "status": result.status,
-        "restarts": result.restarts,
-        "final_reason": ledger.final_reason if ledger else None,
-        "params_digest": result.params_digest,
-        "reference_digest": result.reference_digest,
-        "params_match_reference": match,
-        "injected": [f.__dict__ for f in getattr(result, "fired", [])],
-        "corrupted": getattr(result, "corrupted", []),
-        "attempts": len(ledger.attempts) if ledger else None,
-        "finished_at": time.time(),
-    }
-    store.write_json(SUMMARY, summary)
+    summary = records.LocalSummary(
+        run_id=result.run_id,
+        status=result.status,
+        restarts=result.restarts,
+        final_reason=ledger.final_reason if ledger else None,
+        params_digest=result.params_digest,
+        reference_digest=result.reference_digest,
+        params_match_reference=match,
+        injected=[records.InjectedFault(scenario=f.scenario, attempt=f.attempt, at=f.at) for f in result.fired],
+        corrupted=result.corrupted,
+        attempts=len(ledger.attempts) if ledger else None,
+        finished_at=records.now(),
+    )
+    store.write_record(RunLayout.LOCAL_SUMMARY, summary)
     say(f"workflow {result.status}" + (f": {ledger.final_reason}" if ledger and ledger.final_reason else ""))
     if match is not None:
         say(f"final parameters {'equal' if match else 'DIFFER FROM'} the uninterrupted reference run")

@@ -1,0 +1,156 @@
+"""Every step's output parameters, declared once: name, type, description.
+
+Each step's declaration drives the Hera template's output parameters (``workflows.templates``), the step's
+writer (``StepOutputs.write``: one file per parameter, as Argo's ``valueFrom.path`` reads them) and every
+reader (``StepOutputs.read``: the local runner, the tests). A ``when`` condition compares the values of the
+enums in ``recovery_steps.kernel.contract``, never a literal typed twice.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from recovery_steps.kernel.contract import Decision, FailureClass
+
+
+def out(description: str, *, shown: bool = False) -> Any:
+    """Declare one output parameter; ``shown`` ones are printed in the local runner's one line per step."""
+    return Field(description=description, json_schema_extra={"shown": shown})
+
+
+def _dashed(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class StepOutputs(BaseModel):
+    """Base of one step's outputs: field ``restore_step`` is Argo output parameter ``restore-step``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=_dashed, populate_by_name=True)
+
+    TEMPLATE: ClassVar[str]
+    """The Argo template whose outputs these are."""
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Output parameter names, in declaration order."""
+        return [f.alias or n for n, f in cls.model_fields.items()]
+
+    @classmethod
+    def descriptions(cls) -> dict[str, str]:
+        """Output parameter name -> description."""
+        return {f.alias or n: f.description or "" for n, f in cls.model_fields.items()}
+
+    @classmethod
+    def shown(cls) -> list[str]:
+        """Output parameter names worth a place in a one-line summary of the step."""
+        return [f.alias or n for n, f in cls.model_fields.items() if (f.json_schema_extra or {}).get("shown")]
+
+    def files(self) -> dict[str, str]:
+        """Output parameter name -> the text Argo reads from its file."""
+        return {name: _render(value) for name, value in self.model_dump(by_alias=True).items()}
+
+    def write(self, output_dir: Path) -> None:
+        """Write one file per output parameter into ``output_dir``."""
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in self.files().items():
+            (output_dir / name).write_text(text)
+
+    @classmethod
+    def parse(cls, values: dict[str, str]) -> Self:
+        """The outputs from their texts (as Argo passes them on); raises pydantic's ValidationError."""
+        data: dict[str, Any] = {}
+        for n, f in cls.model_fields.items():
+            name = f.alias or n
+            if name in values:
+                text = values[name]
+                data[name] = text if _is_text(f.annotation) else json.loads(text)
+        return cls.model_validate(data)
+
+    @classmethod
+    def read(cls, output_dir: Path) -> Self:
+        """The outputs a step wrote into ``output_dir``."""
+        return cls.parse({n: (output_dir / n).read_text() for n in cls.names() if (output_dir / n).exists()})
+
+
+def _is_text(annotation: Any) -> bool:
+    return annotation is str or (isinstance(annotation, type) and issubclass(annotation, str))
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, int | float):
+        return str(value)
+    return json.dumps(value, sort_keys=True)
+
+
+class ValidateOutputs(StepOutputs):
+    """``validate-config``."""
+
+    TEMPLATE: ClassVar[str] = "validate-config"
+    run_id: str = out("The run id the config names.")
+    store_root: str = out("The run-store root (absolute for a local root).")
+    config_hash: str = out("Hash of the validated config, pinned in the run store.", shown=True)
+    hosts: int = out("Hosts (workers) of the slice.")
+    first_attempt: int = out("Number of the first attempt of this submission (resubmits continue).")
+
+
+class RestoreOutputs(StepOutputs):
+    """``restore-latest``."""
+
+    TEMPLATE: ClassVar[str] = "restore-latest"
+    restore_step: int = out("The checkpoint step every worker restores; -1 for a fresh start.", shown=True)
+    restore_path: str = out("The verified step directory (empty for a fresh start).", shown=True)
+    skipped: list[dict[str, Any]] = out("Checkpoints not chosen: JSON list of {step, name, reason}.", shown=True)
+
+
+class ProvisionOutputs(StepOutputs):
+    """``provision-slice``."""
+
+    TEMPLATE: ClassVar[str] = "provision-slice"
+    jobset_name: str = out("Name of the attempt's JobSet (jobset_name(run id, attempt)).", shown=True)
+    coordinator_port: int = out("Port of the JAX coordination service.")
+    metrics_port: int = out("First port of the workers' /metrics endpoints (local: one per host).")
+
+
+class ClassifyOutputs(StepOutputs):
+    """``classify-failure``."""
+
+    TEMPLATE: ClassVar[str] = "classify-failure"
+    failure_class: FailureClass = out("Why the attempt failed (closed vocabulary).", shown=True)
+    decision: Decision = out("retry or stop.", shown=True)
+    reason: str = out("One line: the verdict's reason (and the decision's, when stopping).", shown=True)
+    backoff_seconds: int = out("Seconds to wait before the next attempt.", shown=True)
+    attempts_by_class: dict[str, int] = out("Failed attempts so far, by class (JSON).")
+    next_attempt: int = out("Number of the next attempt.", shown=True)
+    budget_exhausted: bool = out("1 when the run stops because the class spent its budget, else 0.")
+
+
+class FinalizeOutputs(StepOutputs):
+    """``exit-handler`` (finalize)."""
+
+    TEMPLATE: ClassVar[str] = "exit-handler"
+    final_status: str = out("Succeeded or Failed.", shown=True)
+    steps_lost: int = out("Steps recomputed over the run's incidents.")
+    recovery_seconds: float = out("Seconds from the last failure to back at its step; -1 if none.")
+
+
+STEP_OUTPUTS: tuple[type[StepOutputs], ...] = (
+    ValidateOutputs,
+    RestoreOutputs,
+    ProvisionOutputs,
+    ClassifyOutputs,
+    FinalizeOutputs,
+)
+"""Every step that has outputs."""

@@ -1,0 +1,100 @@
+"""Every exchanged document is one typed record; every step's outputs are declared once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from recovery_steps.kernel import records
+from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.documents import read_run_config, read_worker_reports
+from recovery_steps.kernel.outputs import STEP_OUTPUTS, ClassifyOutputs, RestoreOutputs
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
+from workflows.templates import build_workflow
+
+RUN = "docs-run"
+
+
+@pytest.fixture
+def store(tmp_path) -> RunStore:
+    return RunStore(str(tmp_path), RUN)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"null", "expected a JSON object, found NoneType"),
+        (b"[]", "expected a JSON object, found list"),
+        (b"{not json", "not JSON"),
+        (b"\xff\xfe", "not JSON"),
+        (b'{"run_id": "docs-run", "attempts": "many"}', "attempts: Input should be a valid list"),
+        (b'{"run_id": "docs-run", "surprise": 1}', "surprise: Extra inputs are not permitted"),
+        (b'{"run_id": "another-run"}', "belongs to run 'another-run', not 'docs-run'"),
+    ],
+)
+def test_a_damaged_ledger_is_one_line_naming_the_file(store, body, says):
+    store.write_bytes(RunLayout.LEDGER, body)
+    with pytest.raises(DocumentError) as e:
+        store.read_record(RunLayout.LEDGER, records.Ledger)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(store.url(RunLayout.LEDGER) + ": unreadable ledger")
+    assert says in line
+
+
+def test_records_round_trip_through_their_paths(store):
+    rec = records.RestoreRecord(attempt=2, run_id=RUN, config_hash="h", exit_code=0, restore_step=30,
+                                restore_path=store.url(RunLayout.checkpoint(30)), decided_at=1.0)  # fmt: skip
+    store.write_record(RunLayout.restore_record(2), rec)
+    assert store.read_record(RunLayout.restore_record(2), records.RestoreRecord) == rec
+    reason = records.QuarantineReason(step=5, from_="x", kind="corrupt", reason="r", attempt=1, objects=3, moved_at=2)
+    store.write_record(RunLayout.quarantine_reason("quarantine/5"), reason)
+    assert json.loads(store.read_bytes("quarantine/5/QUARANTINE_REASON.json"))["from"] == "x"
+    assert store.read_record(RunLayout.quarantine_reason("quarantine/5"), records.QuarantineReason) == reason
+    assert store.read_record(RunLayout.provision_record(9), records.ProvisionRecord) is None
+
+
+def test_missing_config_names_the_step_to_run(store):
+    with pytest.raises(DocumentError, match="run validate-config first"):
+        read_run_config(store)
+
+
+def test_one_damaged_worker_report_does_not_hide_the_others(store):
+    good = records.WorkerExitReport(run_id=RUN, attempt=0, process_index=1, process_count=2, exit_code=20,
+                                    exit_name="PEER_LOST")  # fmt: skip
+    store.write_record(RunLayout.worker_report(0, 1), good)
+    store.write_bytes(RunLayout.worker_report(0, 0), b'{"run_id": "docs-run"}')
+    reports, problems = read_worker_reports(store, 0)
+    assert reports == [good]
+    assert len(problems) == 1 and "0.json: unreadable worker exit report" in problems[0]
+
+
+def test_store_lists_steps_and_attempts(store):
+    for rel in ("checkpoints/20/a", "checkpoints/3/a", "checkpoints/7.orbax-checkpoint-tmp/a", "attempts/0/x",
+                "attempts/11/x", "attempts/notes/x"):  # fmt: skip
+        store.write_bytes(rel, b"1")
+    assert store.checkpoint_steps() == [3, 20]
+    assert store.attempts() == [0, 11]
+
+
+def test_outputs_round_trip_and_render_as_argo_reads_them(tmp_path):
+    o = ClassifyOutputs(failure_class=FailureClass.HANG, decision=Decision.RETRY, reason="r", backoff_seconds=4,
+                        attempts_by_class={"hang": 1}, next_attempt=3, budget_exhausted=False)  # fmt: skip
+    o.write(tmp_path)
+    assert (tmp_path / "decision").read_text() == "retry"
+    assert (tmp_path / "budget-exhausted").read_text() == "0"
+    assert (tmp_path / "attempts-by-class").read_text() == '{"hang": 1}'
+    assert ClassifyOutputs.read(tmp_path) == o
+    r = RestoreOutputs(restore_step=-1, restore_path="", skipped=[{"step": 5, "name": "5", "reason": "x"}])
+    assert RestoreOutputs.parse(r.files()) == r
+
+
+@pytest.mark.parametrize("config", ["configs/local-cpu.yaml", "configs/v5e-4x4.yaml"])
+def test_templates_declare_exactly_the_outputs_the_steps_write(config):
+    wf = build_workflow(load_config(config)).to_dict()
+    templates = {t["name"]: t for t in wf["spec"]["templates"]}
+    for declared in STEP_OUTPUTS:
+        params = templates[declared.TEMPLATE]["outputs"]["parameters"]
+        assert [p["name"] for p in params] == declared.names()
+        assert all(p["valueFrom"]["path"].endswith("/" + p["name"]) and p["description"] for p in params)
