@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence
-from recovery_steps.kernel.contract import ExitCode, FailureClass, exit_code_info
+from recovery_steps.kernel.contract import PEER_LOSS_MARKERS, ExitCode, FailureClass, exit_code_info
 from recovery_steps.kernel.records import WorkerExitReport
 
 SIGABRT, SIGKILL, SIGTERM = 6, 9, 15
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONTAINER_CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
 SCHEDULING_EVENTS = ("FailedScheduling", "NotTriggerScaleUp", "FailedScaleUp")
-PEER_LOSS_MARKERS = ("gloo", "connection closed by peer", "coordination service", "heartbeat", "barrier timed out")
 NON_FINITE_MARKERS = ("non-finite", "nan", "inf loss", "floatingpointerror")
 COMPILE_MARKERS = ("compil", "resource_exhausted", "hlo")
 _JOB_POD = re.compile(r"for pod (?:[\w.-]+/)?([\w.-]+) failed with exit code (\d+)")
@@ -200,6 +199,14 @@ def _report_text(r: WorkerExitReport | None) -> str:
     return " ".join(x for x in (r.exception_type, r.exception_message, r.traceback) if x).lower()
 
 
+def usual_class(code: int) -> FailureClass:
+    """The failure class the exit-code table gives ``code`` (a code the table names with a class)."""
+    info = exit_code_info(code)
+    if info is None or info.usual_class is None:
+        raise ValueError(f"exit code {code} has no usual class in the exit-code table")
+    return info.usual_class
+
+
 def _judge(o: _Obs) -> _Finding:
     """What one worker's failure says on its own."""
     code, sig, rep = o.exit_code, o.signal, _report_text(o.report)
@@ -207,8 +214,12 @@ def _judge(o: _Obs) -> _Finding:
     if o.term_reason == "OOMKilled":
         return _Finding(FailureClass.APPLICATION, "OOMKilled: host memory exhausted by the trainer process")
     if code in (ExitCode.CONFIGURATION, ExitCode.INCOMPATIBLE_CHECKPOINT):
-        what = "startup validation or configuration error" if code == 2 else "checkpoint incompatible with config"
-        return _Finding(FailureClass.CONFIGURATION, what)
+        what = (
+            "startup validation or configuration error"
+            if code == ExitCode.CONFIGURATION
+            else "checkpoint incompatible with config"
+        )
+        return _Finding(usual_class(code), what)
     if code in (126, 127):
         return _Finding(FailureClass.CONFIGURATION, "entrypoint not executable or not found in the image")
     if code == ExitCode.APPLICATION:
@@ -220,9 +231,9 @@ def _judge(o: _Obs) -> _Finding:
             return _Finding(FailureClass.APPLICATION, "XLA compilation failed (will repeat with the same program)")
         return _Finding(FailureClass.APPLICATION, "uncaught exception in training code")
     if code == ExitCode.HANG:
-        return _Finding(FailureClass.HANG, "watchdog: no step completed within the hang timeout")
+        return _Finding(usual_class(code), "watchdog: no step completed within the hang timeout")
     if code == ExitCode.ACCELERATOR_INIT:
-        return _Finding(FailureClass.INFRASTRUCTURE, "accelerator or runtime initialisation failed")
+        return _Finding(usual_class(code), "accelerator or runtime initialisation failed")
     d = _disrupted(o)
     if d is not None:
         return _disruption(d, o)
@@ -235,15 +246,17 @@ def _judge(o: _Obs) -> _Finding:
             return _Finding(FailureClass.PREEMPTION, f"Spot node NotReady ({node.ready_reason}): reclaimed")
         return _Finding(FailureClass.INFRASTRUCTURE, f"node NotReady ({node.ready_reason or 'no reason given'})")
     if code == ExitCode.PREEMPTED or sig == SIGTERM:
-        return _Finding(FailureClass.PREEMPTION, "received SIGTERM first (node shutdown or preemption), state saved")
+        return _Finding(
+            usual_class(ExitCode.PREEMPTED), "received SIGTERM first (node shutdown or preemption), state saved"
+        )
     if sig == SIGKILL:
         return _Finding(FailureClass.INFRASTRUCTURE, "SIGKILLed without OOMKilled (host or kubelet killed it)")
     if code == ExitCode.PEER_LOST:
-        return _Finding(FailureClass.INFRASTRUCTURE, "lost a peer (collective or coordination service failed)", True)
+        return _Finding(usual_class(code), "lost a peer (collective or coordination service failed)", True)
     if sig == SIGABRT:
         return _Finding(FailureClass.INFRASTRUCTURE, "aborted by the JAX runtime (coordination heartbeat lost)", True)
     if code == ExitCode.CAPACITY:
-        return _Finding(FailureClass.CAPACITY, "capacity not available")
+        return _Finding(usual_class(code), "capacity not available")
     if o.pod is not None and o.pod.reason in ("NodeLost", "NodeShutdown", "Terminated", "Shutdown"):
         return _Finding(FailureClass.PREEMPTION, f"pod ended by node shutdown ({o.pod.reason})")
     if o.report is not None and o.report.traceback:

@@ -15,7 +15,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.documents import read_worker_reports
-from recovery_steps.kernel.k8s import JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION, SPOT_LABEL
+from recovery_steps.kernel.k8s import (
+    JOBSET_GROUP,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    MAINTENANCE_LABELS,
+    RECLAIM_TAINTS,
+    SPOT_LABEL,
+)
 from recovery_steps.kernel.records import LocalSliceRecord, WorkerExitReport
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 
@@ -24,17 +32,6 @@ log = logging.getLogger(__name__)
 COMPLETION_INDEX_KEYS = ("batch.kubernetes.io/job-completion-index",)
 TRAINER_CONTAINER = "trainer"
 
-# Node labels and taints that say a node is (about to be) taken away for maintenance or reclaimed.
-MAINTENANCE_LABELS = (
-    "cloud.google.com/active-node-maintenance",
-    "cloud.google.com/scheduled-maintenance-time",
-    "cloud.google.com/gke-tpu-maintenance",
-)
-RECLAIM_TAINTS = (
-    "cloud.google.com/impending-node-termination",
-    "cloud.google.com/active-node-maintenance",
-    "node.kubernetes.io/out-of-service",
-)
 SPOT_LABELS = (SPOT_LABEL, "cloud.google.com/gke-preemptible")
 
 

@@ -22,8 +22,9 @@ from typing import Any
 from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.outputs import FinalizeOutputs
-from recovery_steps.kernel.records import AttemptRecord, Ledger, WorkerExitReport, now
+from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, WorkerExitReport, now
 from recovery_steps.kernel.store import RunStore, store_errors
+from recovery_steps.kernel.totals import RunTotals, run_totals, steps_lost
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
 
 log = logging.getLogger(__name__)
@@ -46,15 +47,6 @@ class AttemptTrace:
     ended_at: float | None = None
 
 
-@dataclass(frozen=True)
-class RecoveryTotals:
-    """The run's recovery figures: what ``jaxrec_steps_lost_total`` and ``jaxrec_recovery_duration_seconds`` say."""
-
-    steps_lost: int
-    recovery_seconds: float | None
-    incidents: int
-
-
 @dataclass
 class FinalizeResult:
     """What the exit handler recorded."""
@@ -62,7 +54,7 @@ class FinalizeResult:
     final_status: str
     final_reason: str
     ledger: Ledger
-    totals: RecoveryTotals | None = None
+    totals: RunTotals | None = None
 
 
 def _recovered_at(pre: int, restored: int, nxt: AttemptTrace) -> float | None:
@@ -79,7 +71,7 @@ def _recovered_at(pre: int, restored: int, nxt: AttemptTrace) -> float | None:
     return nxt.first_step_at + (pre - first) * rate
 
 
-def recovery_totals(traces: Sequence[AttemptTrace]) -> RecoveryTotals:
+def recovery_totals(traces: Sequence[AttemptTrace]) -> RunTotals:
     """Steps lost and the last recovery time over a run's attempts (pure).
 
     Each failed attempt followed by another is an incident: it lost ``last_step - restore step of the
@@ -94,19 +86,29 @@ def recovery_totals(traces: Sequence[AttemptTrace]) -> RecoveryTotals:
         The steps lost summed over the incidents, the failure-to-recovered seconds of the newest incident
         that recovered (None when none did), and the number of incidents counted.
     """
+    return run_totals(incidents_from_traces(traces))
+
+
+def incidents_from_traces(traces: Sequence[AttemptTrace]) -> list[Incident]:
+    """One incident per failed attempt followed by another, timed from the workers' exit reports (pure)."""
     ordered = sorted(traces, key=lambda t: t.attempt)
-    lost, incidents = 0, 0
-    recovery: float | None = None
+    out = []
     for cur, nxt in zip(ordered, ordered[1:], strict=False):
         if not cur.failed or cur.last_step is None:
             continue
-        incidents += 1
         restored = max(0, nxt.restore_step)
-        lost += max(0, cur.last_step - restored)
         back = _recovered_at(cur.last_step, restored, nxt)
-        if back is not None and cur.failed_at is not None:
-            recovery = max(0.0, back - cur.failed_at)
-    return RecoveryTotals(lost, recovery, incidents)
+        out.append(
+            Incident(
+                attempt=cur.attempt,
+                detected_at=cur.failed_at,
+                recovered_at=back if cur.failed_at is not None else None,
+                pre_failure_step=cur.last_step,
+                restored_step=restored,
+                steps_lost=steps_lost(cur.last_step, restored),
+            )
+        )
+    return out
 
 
 def _reports(store: RunStore, attempt: int) -> list[WorkerExitReport]:

@@ -29,6 +29,7 @@ from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.k8s import (
+    ACTIVE_MAINTENANCE_LABEL,
     JOBSET_GROUP,
     JOBSET_NAME_LABEL,
     JOBSET_PLURAL,
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 GKE_COORDINATOR_PORT = 8476
 # Labels GKE sets on a node while host maintenance runs (values other than these mean "active").
-MAINTENANCE_LABELS = ("cloud.google.com/active-node-maintenance",)
+MAINTENANCE_LABELS = (ACTIVE_MAINTENANCE_LABEL,)
 _INACTIVE = {"", "false", "none", "0"}
 
 

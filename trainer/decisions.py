@@ -9,7 +9,7 @@ from typing import Any
 
 from recovery_steps.kernel.compat import check_compatible
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.contract import PEER_LOSS_MARKERS, ExitCode
 from recovery_steps.kernel.tpu import TPU_TYPES
 
 FAULT_KINDS = ("app-bug", "nan", "hang", "kill-during-save")
@@ -119,26 +119,6 @@ def parse_faults(text: str | None) -> Faults:
     return Faults(at)
 
 
-# Substrings of errors raised when another process of the gang or the coordination service is gone.
-_PEER_LOST_MARKERS = (
-    "gloo",
-    "connection closed",
-    "connection reset",
-    "connection refused",
-    "broken pipe",
-    "coordination service",
-    "coordinationservice",
-    "heartbeat",
-    "unavailable:",
-    "deadline_exceeded",
-    "barrier",
-    "socket closed",
-    "task has been shut down",
-    "distributed service",
-    "preempted",
-)
-
-
 def exit_code_for(exc: BaseException, *, during_init: bool = False) -> ExitCode:
     """The contract code of an exception: decided exits keep theirs; init 22; peer loss 20; else 42."""
     if isinstance(exc, TrainerExit):
@@ -149,7 +129,7 @@ def exit_code_for(exc: BaseException, *, during_init: bool = False) -> ExitCode:
     cause = exc.__cause__ or exc.__context__
     if cause is not None:
         text += f" {type(cause).__name__}: {cause}".lower()
-    if any(m in text for m in _PEER_LOST_MARKERS):
+    if any(m in text for m in PEER_LOSS_MARKERS):
         return ExitCode.PEER_LOST
     return ExitCode.APPLICATION
 

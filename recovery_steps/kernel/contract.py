@@ -9,6 +9,26 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+# Substrings (lower case) of errors raised when another process of the gang or the coordination service is gone:
+# the trainer exits 20 (peer lost) on them, and the classifier reads a traceback that has them as a lost peer.
+PEER_LOSS_MARKERS = (
+    "gloo",
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "coordination service",
+    "coordinationservice",
+    "heartbeat",
+    "unavailable:",
+    "deadline_exceeded",
+    "barrier",
+    "socket closed",
+    "task has been shut down",
+    "distributed service",
+    "preempted",
+)
+
 
 class FailureClass(enum.StrEnum):
     """Why an attempt failed. The values are the workflow interface (Argo output parameters)."""

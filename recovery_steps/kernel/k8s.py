@@ -16,6 +16,22 @@ SPOT_LABEL = "cloud.google.com/gke-spot"
 RESERVATION_LABEL = "cloud.google.com/reservation-name"
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 TPU_RESOURCE = "google.com/tpu"
+# GKE host maintenance (GKE docs "Handle disruption for GPU and TPU nodes"): the first is set while maintenance
+# runs, the second announces a scheduled one with its time.
+ACTIVE_MAINTENANCE_LABEL = "cloud.google.com/active-node-maintenance"
+SCHEDULED_MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"
+# Node labels and taints that say a node is (about to be) taken away for maintenance or reclaimed.
+MAINTENANCE_LABELS = (
+    ACTIVE_MAINTENANCE_LABEL,
+    SCHEDULED_MAINTENANCE_LABEL,
+    "cloud.google.com/gke-tpu-maintenance",
+)
+RECLAIM_TAINTS = (
+    "cloud.google.com/impending-node-termination",
+    "cloud.google.com/active-node-maintenance",
+    "node.kubernetes.io/out-of-service",
+)
+
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 
 JOBSET_GROUP = "jobset.x-k8s.io"

@@ -14,6 +14,7 @@ from typing import Any
 
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.records import Incident, parse_event_line
+from recovery_steps.kernel.totals import steps_lost
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def build_incidents(
             if restored:
                 inc.restored_step = max(0, int(restored[0].get("step") or 0))
             if pre is not None and inc.restored_step is not None:
-                inc.steps_lost = max(0, pre - inc.restored_step)
+                inc.steps_lost = steps_lost(pre, inc.restored_step)
                 if inc.restored_step >= pre:
                     inc.recovered_at = inc.first_step_at or inc.restored_at
                 else:

@@ -20,6 +20,7 @@ from recovery_steps.kernel import records
 from recovery_steps.kernel.config import RetryConfig
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.metrics import spec
+from recovery_steps.kernel.totals import run_totals
 
 RUN_STATUSES = ("Running", "Succeeded", "Failed")
 REASON_MAX_CHARS = 200
@@ -69,10 +70,8 @@ def run_samples(
     last = max(failed, key=lambda a: a.attempt) if failed else None
     last_failure = (last.failure_class.value, _one_line(last.reason)) if last and last.failure_class else None
     exhausted = {c.value: int(by_class[c.value] > retry.budget(c)) for c in FailureClass}
-    incidents = list(incidents or [])
-    recovered = [i for i in incidents if i.recovery_seconds is not None]
-    recovery = max(recovered, key=lambda i: i.attempt).recovery_seconds if recovered else None
-    steps_lost = sum(i.steps_lost or 0 for i in incidents)
+    totals = run_totals(list(incidents or []))
+    recovery, steps_lost = totals.recovery_seconds, totals.steps_lost
     statuses = {s: int(s == status) for s in (*RUN_STATUSES, status)}
     return RunSamples(attempts, by_class, last_failure, exhausted, recovery, steps_lost, statuses)
 
