@@ -44,3 +44,12 @@ def test_readme_links_resolve():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
         if not target.startswith("http"):
             assert (root / target).exists(), target
+
+
+def test_contracts_output_table_is_generated_from_the_declarations():
+    from recovery_steps.kernel.outputs import outputs_table_markdown
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "CONTRACTS.md").read_text()
+    begin = doc.index("-->\n", doc.index("<!-- generated from recovery_steps.kernel.outputs")) + len("-->\n")
+    current = doc[begin : doc.index("<!-- end of generated table -->")].strip()
+    assert current == outputs_table_markdown(), "docs/CONTRACTS.md step-output table is stale"

@@ -154,3 +154,13 @@ STEP_OUTPUTS: tuple[type[StepOutputs], ...] = (
     FinalizeOutputs,
 )
 """Every step that has outputs."""
+
+
+def outputs_table_markdown() -> str:
+    """The step-output table of docs/CONTRACTS.md, generated from the declarations above."""
+    rows = ["| template | output | type | meaning |", "|---|---|---|---|"]
+    for declared in STEP_OUTPUTS:
+        for n, f in declared.model_fields.items():
+            kind = getattr(f.annotation, "__name__", str(f.annotation))
+            rows.append(f"| `{declared.TEMPLATE}` | `{f.alias or n}` | {kind} | {f.description} |")
+    return "\n".join(rows)

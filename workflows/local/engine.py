@@ -15,6 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from recovery_steps.kernel.records import now
 from workflows.local import expr as local_expr
 
 SUCCEEDED, FAILED, ERROR, SKIPPED, OMITTED = "Succeeded", "Failed", "Error", "Skipped", "Omitted"
@@ -250,7 +251,7 @@ class WorkflowRun:
             attempt = inputs["attempt"]
         rs = tmpl.get("retryStrategy")
         retries = 0
-        first_start = time.time()
+        first_start = now()
         while True:
             res = self._invoke_once(tmpl, inputs, display, task, attempt, retries)
             if res.phase == SUCCEEDED or rs is None:
@@ -300,7 +301,7 @@ class WorkflowRun:
                 delay = min(delay, parse_duration(backoff["cap"]))
         if backoff.get("maxDuration"):
             max_d = parse_duration(substitute(str(backoff["maxDuration"]), names))
-            if time.time() + delay - first_start > max_d:
+            if now() + delay - first_start > max_d:
                 return None
         return delay
 
@@ -309,7 +310,7 @@ class WorkflowRun:
         retries: int,
     ) -> NodeResult:  # fmt: skip
         node = NodeInfo(self._next_id(), display if not retries else f"{display}({retries})", task,
-                        tmpl["name"], attempt, retries, time.time())  # fmt: skip
+                        tmpl["name"], attempt, retries, now())  # fmt: skip
         leaf = any(k in tmpl for k in ("container", "script", "resource", "suspend"))
         if leaf:
             self.progress("start", node, None)
@@ -341,7 +342,7 @@ class WorkflowRun:
         if self._abort.is_set():
             raise Aborted()
         res.started_at = res.started_at or started
-        res.finished_at = res.finished_at or time.time()
+        res.finished_at = res.finished_at or now()
         if leaf:
             self.progress("end", node, res)
             with self._lock:

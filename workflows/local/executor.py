@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord
+from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord, now
 from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult, WorkflowError
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
@@ -133,7 +133,7 @@ class LocalSlice:
                                   start_new_session=True)  # fmt: skip
         log.close()
         w.pid = w.proc.pid
-        w.started_at = w.started_at or time.time()
+        w.started_at = w.started_at or now()
         w.returncode = None
         w.ended_at = None
 
@@ -287,7 +287,7 @@ class LocalExecutor:
         env = self._env(resolve_env(c.get("env", []), fields))
         log_path = self.work_dir / "logs" / f"{node.id}-{node.task}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        started = time.time()
+        started = now()
         with open(log_path, "wb") as log:
             p = subprocess.Popen(local_command(command, node_dir), env=env, cwd=self.repo_root, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -299,7 +299,7 @@ class LocalExecutor:
         if rc == 0 and missing:
             phase, message = ERROR, f"output parameter file(s) missing: {', '.join(missing)}; log: {log_path}"
         exit_code = 128 - rc if rc < 0 else rc
-        return NodeResult(phase, outputs, exit_code, message, started, time.time())
+        return NodeResult(phase, outputs, exit_code, message, started, now())
 
     @staticmethod
     def _read_outputs(template: Mapping[str, Any], node_dir: Path) -> tuple[dict[str, str], list[str]]:
@@ -334,7 +334,7 @@ class LocalExecutor:
             sl = self._build_slice(node, manifest)
         except (KeyError, IndexError, TypeError, ValueError) as e:
             return NodeResult(ERROR, message=f"JobSet manifest: cannot read {e}")
-        started = time.time()
+        started = now()
         phase = self._run_slice(sl)
         outputs = {}
         for p in template.get("outputs", {}).get("parameters", []):
@@ -348,7 +348,7 @@ class LocalExecutor:
             msg = (f"JobSet {sl.jobset} failed: worker {i} exited "
                    f"{w.signal_name or w.exit_code if w else '?'}; logs: {sl.log_dir}")  # fmt: skip
         exit_code = None if phase == SUCCEEDED else 1
-        return NodeResult(phase, outputs, exit_code if phase != SUCCEEDED else 0, msg, started, time.time())
+        return NodeResult(phase, outputs, exit_code if phase != SUCCEEDED else 0, msg, started, now())
 
     def _build_slice(self, node: NodeInfo, manifest: Mapping[str, Any]) -> LocalSlice:
         name = manifest["metadata"]["name"]
@@ -398,11 +398,11 @@ class LocalExecutor:
                     rc = w.proc.poll()
                     if rc is None:
                         continue
-                    w.returncode, w.ended_at = rc, time.time()
+                    w.returncode, w.ended_at = rc, now()
                     if rc != 0 and sl.first_failure_index is None:
                         w.first_failure = True
                         sl.first_failure_index = w.index
-                        stop_deadline = time.time() + self.grace_seconds
+                        stop_deadline = now() + self.grace_seconds
                         for o in sl.workers:
                             if o.returncode is None and o.proc.poll() is None:
                                 o.stopped_by_jobset = True
@@ -411,7 +411,7 @@ class LocalExecutor:
                 alive = [w for w in sl.workers if w.returncode is None]
             if not alive:
                 break
-            if stop_deadline is not None and time.time() > stop_deadline:
+            if stop_deadline is not None and now() > stop_deadline:
                 for w in alive:
                     sl.signal_worker(w.index, signal.SIGKILL)
             if self._stopping.is_set():

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from recovery_steps.kernel.records import now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local.executor import LocalSlice, SliceHooks
 from workflows.local.incidents import EventTail, Injected
@@ -156,8 +156,8 @@ class Injector(SliceHooks):
 
     def _fire(self, inj: Injection, sl: LocalSlice, step: int) -> None:
         victim = len(sl.workers) - 1
-        now = time.time()
-        inj.fired.append(Injected(inj.scenario, sl.attempt, now))
+        at = now()
+        inj.fired.append(Injected(inj.scenario, sl.attempt, at))
         if inj.scenario == "kill-worker":
             self.say(f"inject: SIGKILL worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
             sl.signal_worker(victim, signal.SIGKILL)
@@ -179,7 +179,7 @@ class Injector(SliceHooks):
     def after_slice(self, sl: LocalSlice, phase: str) -> None:
         """Note the trainer-side faults; ``corrupt-latest``: damage the newest checkpoint after a failure."""
         if phase != "Succeeded" and sl.first_failure_index is not None:
-            at = sl.workers[sl.first_failure_index].ended_at or time.time()
+            at = sl.workers[sl.first_failure_index].ended_at or now()
             for i in self.injections:
                 if i.scenario == "app-bug" or (i.scenario == "kill-during-save" and self._slices_seen == 1):
                     i.fired.append(Injected(i.scenario, sl.attempt, at))
@@ -187,7 +187,7 @@ class Injector(SliceHooks):
         if inj is None or phase == "Succeeded":
             return
         damaged = corrupt_newest_checkpoint(self.store())
-        inj.fired.append(Injected("corrupt-latest", sl.attempt, time.time()))
+        inj.fired.append(Injected("corrupt-latest", sl.attempt, now()))
         if damaged:
             self.corrupted.append(damaged)
         self.say(f"inject: corrupted {damaged or 'nothing (no checkpoint yet)'}")

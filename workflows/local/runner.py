@@ -20,6 +20,7 @@ import yaml
 from recovery_steps.kernel import records
 from recovery_steps.kernel.config import ConfigError, JobConfig, parse_config
 from recovery_steps.kernel.outputs import STEP_OUTPUTS
+from recovery_steps.kernel.records import now
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from workflows.local.engine import NodeInfo, NodeResult, WorkflowError, WorkflowRun
 from workflows.local.executor import LocalExecutor
@@ -149,7 +150,7 @@ class _Printer:
     def __call__(self, kind: str, node: NodeInfo, res: NodeResult | None) -> None:
         tag = f"[attempt {node.attempt}]" if node.attempt is not None else "[run]"
         name = node.task + (f" (retry {node.retry})" if node.retry else "")
-        clock = f"{time.time() - self.t0:7.1f}s"
+        clock = f"{now() - self.t0:7.1f}s"
         if res is None:
             self.say(f"{clock} {tag:12} {name:24} started")
             return
@@ -332,7 +333,7 @@ def _run_once(
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
-    t0 = time.time()
+    t0 = now()
     all_nodes: list[tuple[NodeInfo, NodeResult]] = []
     executors: list[LocalExecutor] = []
     restarts = 0
@@ -360,7 +361,7 @@ def _run_once(
             if deleted.is_set() and restarts == 0:
                 deleted.clear()
                 restarts += 1
-                say(f"{time.time() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {run_id}")
+                say(f"{now() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {run_id}")
                 continue
             break
     finally:
@@ -373,7 +374,7 @@ def _run_once(
     for ex in executors:
         for sl in ex.slices:
             started = min(w.started_at or sl.ended_at or t0 for w in sl.workers)
-            ended = sl.ended_at or time.time()
+            ended = sl.ended_at or now()
             was_deleted = any(started <= f.at <= ended + 1 and f.attempt == sl.attempt for f in deleted_attempts)
             first = sl.workers[sl.first_failure_index].ended_at if sl.first_failure_index is not None else None
             segments.append(
