@@ -11,6 +11,7 @@ from typing import Any
 
 from recovery_steps.kernel.records import Incident, Ledger, LocalSummary, parse_event_line
 from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.totals import CATEGORIES, CATEGORY_HELP, Goodput, goodput, incident_badput
 
 TIMELINE = "timeline.png"
 
@@ -110,6 +111,32 @@ def incident_table(incidents: Sequence[Incident]) -> str:
     return "\n".join(lines) + "\n(times in seconds after the failure was injected, or detected)"
 
 
+def goodput_lines(g: Goodput) -> str:
+    """Time goodput and where the rest of the wall time went, one category a line."""
+    lines = [
+        f"time goodput {g.time_goodput:.2f} (productive {g.productive_seconds:.1f}s of {g.wall_seconds:.1f}s wall); "
+        f"step goodput {g.step_goodput:.2f} ({g.steps_kept} of {g.steps_computed} steps computed kept)"
+    ]
+    for cat in CATEGORIES:
+        v = g.badput[cat]
+        share = v / g.wall_seconds if g.wall_seconds else 0.0
+        lines.append(f"  {cat:22} {v:7.1f}s  {share:5.1%}  {CATEGORY_HELP[cat]}")
+    return "\n".join(lines)
+
+
+def incident_badput_table(incidents: Sequence[Incident]) -> str:
+    """Each incident's lost time by category (seconds, on the incident record's clock)."""
+    cats = ("detection", "waiting_for_resources", "startup_and_restore", "compilation", "recomputed", "total")
+    rows = [("attempt", *cats)]
+    for i in incidents:
+        b = incident_badput(i)
+        rows.append((str(i.attempt), *("-" if b[c] is None else f"{b[c]:.1f}" for c in cats)))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines) + "\n(lost time per incident, seconds, by category)"
+
+
 def draw_timeline(events: Sequence[dict[str, Any]], incidents: Sequence[Incident], title: str) -> bytes:
     """A PNG: step against wall clock per attempt, failures, restores and checkpoints marked."""
     import matplotlib
@@ -194,6 +221,10 @@ def run(target: str, *, say: Callable[[str], None] = print) -> list[str]:
     if summary is not None and summary.params_match_reference is not None:
         say(f"final parameters equal the reference run: {summary.params_match_reference}")
     say(incident_table(incidents) if incidents else "no incidents")
+    if incidents:
+        say(incident_badput_table(incidents))
+    if events:
+        say(goodput_lines(goodput(events)))
     png = draw_timeline(events, incidents, f"run {store.run_id}: {status}")
     paths = []
     if store.is_gcs:
