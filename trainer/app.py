@@ -5,14 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
-import resource
 import signal
 import socket
-import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -30,8 +26,10 @@ from trainer.decisions import (
     local_identity,
     parse_faults,
     topology_problems,
-    watchdog_limit,
 )
+from trainer.hooks import CheckpointHook, EventsHook, FaultHook, MetricsHook, PaceHook, ProgressHook, check_finite_loss
+from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler
+from trainer.loop import Hooks, Stepper, StepRecord, training_steps
 from trainer.telemetry import Events, WorkerMetrics
 
 log = logging.getLogger("trainer")
@@ -93,27 +91,8 @@ def _client_shutdown_timeout(shutdown_timeout_s: int):
         jd._jax.get_distributed_runtime_client = orig
 
 
-def install_abort_handler(on_abort: Any) -> Any:
-    """Run ``on_abort()`` when the runtime aborts the process (SIGABRT from C++), before it dies.
-
-    When the coordination service reports a lost peer or a lost service, the JAX runtime aborts
-    from a C++ thread; a Python-level signal handler would never run. A C-level handler (a ctypes
-    thunk) runs in the aborting thread, takes the GIL and can write the exit report and leave by
-    ``os._exit`` with the contract code. Returns the handler, which the caller must keep alive.
-    """
-    import ctypes
-
-    handler_t = ctypes.CFUNCTYPE(None, ctypes.c_int)
-    handler = handler_t(lambda signum: on_abort())
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.signal.restype = ctypes.c_void_p
-    libc.signal.argtypes = [ctypes.c_int, handler_t]
-    libc.signal(signal.SIGABRT, handler)
-    return handler
-
-
 class Worker:
-    """State of one worker process and its single exit path."""
+    """One worker process: its identity, what it reports, and the phases before the loop."""
 
     def __init__(self, args: RunArgs, env: Mapping[str, str]):
         self.args = args
@@ -136,62 +115,10 @@ class Worker:
             pid=os.getpid(),
             started_at=time.time(),
         )
+        self.exit = ExitPath(self.store, args.attempt, self.report, self.events)
+        self.watchdog: Watchdog | None = None
         self.stop_requested = False
-        self.first_step_done = False
-        self.last_progress = time.monotonic()
-        self._exit_lock = threading.Lock()
-        self.exiting: int | None = None
-        self.ckpt: Any = None
         self._abort_handler: Any = None
-
-    # --- exit path -------------------------------------------------------------------------------
-
-    def write_report(self, code: int, exc: BaseException | None = None, message: str | None = None) -> None:
-        """Write this worker's exit report to the run store (best effort: a store failure is logged)."""
-        r = self.report
-        r.exit_code = int(code)
-        r.exit_name = ExitCode(code).name if code in ExitCode._value2member_map_ else str(code)
-        r.ended_at = time.time()
-        r.process_index, r.process_count = self.process_index, self.process_count
-        r.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        if self.ckpt is not None and self.ckpt.last_committed is not None:
-            r.last_checkpoint_step = self.ckpt.last_committed
-        if exc is not None:
-            r.exception_type = type(exc).__name__
-            r.exception_message = str(exc)[:2000]
-            tb = "".join(traceback.format_exception(exc))
-            r.traceback = tb[-4000:]
-        elif message:
-            r.exception_message = message
-        try:
-            self.store.write_record(RunLayout.worker_report(self.args.attempt, self.process_index), r)
-        except Exception as e:  # noqa: BLE001 - the exit must happen whatever the store does
-            log.error("could not write the exit report: %s", e)
-
-    def exit_now(self, code: int, exc: BaseException | None = None, message: str | None = None) -> NoReturn:
-        """Write the report and leave at once with ``code`` (from any thread; the first caller wins)."""
-        if not self._exit_lock.acquire(blocking=True, timeout=30):
-            os._exit(code)
-        self.exiting = code
-        text = message or (f"{type(exc).__name__}: {exc}" if exc else "")
-        level = logging.INFO if code in (ExitCode.OK, ExitCode.PREEMPTED) else logging.ERROR
-        log.log(level, "exiting with %d (%s)%s", code, ExitCode(code).name, f": {text}" if text else "")
-        self.write_report(code, exc, message)
-        self.events.emit("exit", self.report.last_step, code=int(code), reason=text[:500])
-        if self.metrics is not None:
-            self.metrics.set("jaxrec_worker_up", 0)
-        logging.shutdown()
-        os._exit(int(code))
-
-    def on_abort(self) -> None:
-        """The runtime aborts (the coordination service lost a peer or itself): leave as peer-lost."""
-        if self.exiting is not None:
-            os._exit(self.exiting)
-        self.exit_now(
-            ExitCode.PEER_LOST,
-            message="the JAX runtime aborted: the coordination service reported a lost "
-            "peer or was lost itself (see the worker log)",
-        )
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         """Ask for a save at the current step; every process agrees on that step through the next step."""
@@ -199,21 +126,6 @@ class Worker:
             log.info("SIGTERM: saving at the end of the step in flight, then exiting %d", ExitCode.PREEMPTED)
             self.events.emit("sigterm", self.report.last_step)
         self.stop_requested = True
-
-    def touch(self) -> None:
-        """Record progress for the watchdog."""
-        self.last_progress = time.monotonic()
-
-    def watchdog(self) -> None:
-        """Exit with the hang code when no progress is made within the configured limit."""
-        assert self.cfg is not None
-        t = self.cfg.training
-        while self.exiting is None:
-            time.sleep(0.5)
-            limit = watchdog_limit(t.hang_timeout_s, t.compile_grace_s, self.first_step_done)
-            idle = time.monotonic() - self.last_progress
-            if idle > limit:
-                self.exit_now(ExitCode.HANG, message=f"no step completed for {idle:.0f} s (limit {limit:.0f} s)")
 
     # --- phases ----------------------------------------------------------------------------------
 
@@ -238,7 +150,7 @@ class Worker:
         )
         if cfg.slice.is_local:
             ident = local_identity(self.env)
-            self.process_index, self.process_count = ident.process_id, ident.num_processes
+            self._set_identity(ident.process_id, ident.num_processes)
             if ident.num_processes != cfg.slice.num_hosts:
                 # Known before joining: every worker exits 2 alike instead of racing the gang's teardown.
                 raise TrainerExit(
@@ -254,15 +166,19 @@ class Worker:
                 num_processes=ident.num_processes,
                 process_id=ident.process_id,
             )
-        self._abort_handler = install_abort_handler(self.on_abort)
+        self._abort_handler = install_abort_handler(self.exit.on_abort)
         # SIGTERM is ours: the stop flag folded into each step makes every process save the same step.
         # JAX's preemption service would install its own SIGTERM handler over it.
         jax.config.update("jax_enable_preemption_service", False)
         with _client_shutdown_timeout(t.shutdown_timeout_s):
             jax.distributed.initialize(**kw)
         signal.signal(signal.SIGTERM, self.on_sigterm)
-        self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        self._set_identity(jax.process_index(), jax.process_count())
         configure_logging(self.process_index)
+
+    def _set_identity(self, process_index: int, process_count: int) -> None:
+        self.process_index, self.process_count = process_index, process_count
+        self.report.process_index, self.report.process_count = process_index, process_count
 
     def check_topology(self, cfg: JobConfig) -> None:
         """Exit 2 when the gang jax.distributed formed is not the slice the config describes."""
@@ -321,6 +237,7 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     """Run one worker to its end; always leaves by ``os._exit`` with a contract code."""
     env = dict(os.environ if env is None else env)
     w = Worker(args, env)
+    out = w.exit
     configure_logging(w.process_index)
     w.events.emit("started")
     signal.signal(signal.SIGTERM, w.on_sigterm)
@@ -329,22 +246,22 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
         w.cfg = cfg
         faults = parse_faults(env.get("TRAINER_FAULT"))
     except TrainerExit as e:
-        w.exit_now(e.code, message=str(e))
+        out.exit_now(e.code, message=str(e))
     try:
         w.initialize(cfg)
     except TrainerExit as e:
-        w.exit_now(e.code, message=str(e))
+        out.exit_now(e.code, message=str(e))
     except Exception as e:  # noqa: BLE001 - any failure to start the runtime has one contract code
-        w.exit_now(exit_code_for(e, during_init=True), e)
+        out.exit_now(exit_code_for(e, during_init=True), e)
     w.report.initialized_at = time.time()
-    w.touch()
-    threading.Thread(target=w.watchdog, name="watchdog", daemon=True).start()
+    w.watchdog = Watchdog(cfg.training.hang_timeout_s, cfg.training.compile_grace_s, out)
+    w.watchdog.start()
     try:
         _train(w, cfg, faults)
     except TrainerExit as e:
-        w.exit_now(e.code, message=str(e))
+        out.exit_now(e.code, message=str(e))
     except Exception as e:  # noqa: BLE001 - every failure leaves with a contract code and a report
-        w.exit_now(exit_code_for(e), e)
+        out.exit_now(exit_code_for(e), e)
     raise AssertionError("unreachable")  # _train always exits
 
 
@@ -385,6 +302,50 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int) -> tuple[Any
     return state, it
 
 
+def _enable_compilation_cache(cfg: JobConfig) -> None:
+    import jax
+
+    t = cfg.training
+    if t.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", t.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _start_metrics(w: Worker, cfg: JobConfig) -> WorkerMetrics:
+    m = WorkerMetrics(cfg.run_id, w.args.attempt, w.process_index)
+    base_port = cfg.monitoring.metrics_port if w.args.metrics_port is None else w.args.metrics_port
+    if base_port > 0:
+        m.serve(base_port + (w.process_index if cfg.slice.is_local else 0))
+    m.set("jaxrec_expected_workers", cfg.slice.num_hosts)
+    m.set("jaxrec_worker_up", 1)
+    w.metrics = w.exit.metrics = m
+    return m
+
+
+def _hooks(w: Worker, cfg: JobConfig, faults: Faults, ckpt: Any, stepper: Stepper) -> tuple[Hooks, CheckpointHook]:
+    """The loop's subscribers, in the order they see each step."""
+    assert w.metrics is not None and w.watchdog is not None
+    fault = FaultHook(faults)
+    saving = CheckpointHook(
+        ckpt, stepper, interval_steps=cfg.checkpoint.interval_steps, total_steps=cfg.training.total_steps,
+        async_save=cfg.checkpoint.async_save, restore_step=w.args.restore_step,
+        kill_during_save=faults.at.get("kill-during-save") if w.process_index == 0 else None,
+        events=w.events, metrics=w.metrics, report=w.report, watchdog=w.watchdog,
+    )  # fmt: skip
+    hooks = Hooks()
+    hooks.before_step(fault.before_step)
+    hooks.add(fault.on_step)
+    hooks.add(check_finite_loss)
+    hooks.add(ProgressHook(w.report, w.watchdog).on_step)
+    hooks.add(EventsHook(w.events).on_step)
+    hooks.add(MetricsHook(w.metrics, ckpt, started=time.time()).on_step)
+    hooks.add(saving.on_step)
+    if cfg.training.step_delay_s:
+        hooks.add(PaceHook(cfg.training.step_delay_s).on_step)
+    return hooks, saving
+
+
 def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     import jax
     import jax.numpy as jnp
@@ -393,11 +354,9 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     from trainer import train_state
     from trainer.checkpointing import Checkpointer
 
+    assert w.watchdog is not None
     t = cfg.training
-    if t.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", t.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _enable_compilation_cache(cfg)
     w.check_topology(cfg)
     restore_step = w.args.restore_step
     log.info(
@@ -406,20 +365,14 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
         jax.devices()[0].platform, w.args.attempt, restore_step if restore_step >= 0 else "none (fresh start)",
     )  # fmt: skip
     w.events.emit("initialized", process_count=jax.process_count(), devices=jax.device_count())
-    w.metrics = WorkerMetrics(cfg.run_id, w.args.attempt, w.process_index)
-    base_port = cfg.monitoring.metrics_port if w.args.metrics_port is None else w.args.metrics_port
-    if base_port > 0:
-        w.metrics.serve(base_port + (w.process_index if cfg.slice.is_local else 0))
-    m = w.metrics
-    m.set("jaxrec_expected_workers", cfg.slice.num_hosts)
-    m.set("jaxrec_worker_up", 1)
+    m = _start_metrics(w, cfg)
 
     manifest = w.read_manifest(cfg, restore_step) if restore_step >= 0 else None
     w.set_aside_newer_steps(restore_step)
     mesh = train_state.make_mesh()
     tr = train_state.build(cfg, mesh)
     ckpt = Checkpointer(w.store, cfg, w.args.attempt, dict(mesh.shape))
-    w.ckpt = ckpt
+    w.exit.last_checkpoint = lambda: ckpt.last_committed
     pc, pi = jax.process_count(), jax.process_index()
 
     if manifest is not None:
@@ -429,110 +382,42 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
         it = data_lib.make_iterator(cfg.data, cfg.model, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
     w.report.restored_at = time.time()
     w.events.emit("restored", max(restore_step, 0), restore_step=restore_step)
-    w.touch()
+    w.watchdog.touch()
 
-    step = int(state["step"])
-    w.report.last_step = step
-    m.set("jaxrec_train_step", step)
+    stepper = Stepper(tr, state, it, pc)
+    start = int(state["step"])
+    w.report.last_step = start
+    m.set("jaxrec_train_step", start)
     if ckpt.last_committed is not None:
         m.set("jaxrec_checkpoint_step", ckpt.last_committed)
-    started = time.time()
-    compiled = None
-    window: list[float] = []
-    preempted = False
-    last_saved = restore_step
+    hooks, saving = _hooks(w, cfg, faults, ckpt, stepper)
+    last = StepRecord(start)
+    for last in training_steps(stepper, start, t.total_steps, lambda: w.stop_requested, hooks):
+        hooks.run(last)
+    saving.finish()
+    _finish(w, stepper, ckpt, last)
 
-    def note_commit(committed: int | None) -> None:
-        if committed is None:
-            return
-        w.events.emit("save_committed", committed, save_seconds=ckpt.last_duration,
-                      blocking_seconds=ckpt.last_blocking)  # fmt: skip
-        m.set("jaxrec_checkpoint_step", committed)
-        m.set("jaxrec_checkpoint_last_commit_timestamp_seconds", ckpt.last_commit_time or 0)
-        m.set("jaxrec_checkpoint_duration_seconds", ckpt.last_duration or 0)
-        w.report.last_checkpoint_step = committed
-        w.touch()
 
-    def save(at: int) -> None:
-        nonlocal last_saved
-        note_commit(ckpt.finish_pending())
-        kill = faults.due("kill-during-save", at) and pi == 0
-        w.events.emit("save_started", at)
-        w.touch()
-        if kill and not cfg.checkpoint.async_save:
-            os.kill(os.getpid(), signal.SIGKILL)
-        ckpt.save(at, state, it)
-        last_saved = at
-        if kill:  # the asynchronous write is in flight and not committed
-            os.kill(os.getpid(), signal.SIGKILL)
+def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord) -> NoReturn:
+    """Training ended (all steps, or a stop every process agreed on): report, leave together, exit by contract."""
+    import jax
 
-    while step < t.total_steps:
-        nxt = step + 1
-        if faults.due("hang", nxt):
-            log.warning("injected hang before step %d", nxt)
-            while True:
-                time.sleep(3600)
-        if faults.due("app-bug", nxt):
-            raise RuntimeError(f"injected application bug in step {nxt}")
-        batch = train_state.global_batch(tr, next(it), pc)
-        flags = train_state.stop_flags(tr, w.stop_requested)
-        t0 = time.time()
-        if compiled is None:
-            compiled = tr.step_fn.lower(state, batch, flags).compile()
-        state, loss, stop = compiled(state, batch, flags)
-        loss_v, stop_v = float(loss), int(stop)
-        step = nxt
-        now = time.time()
-        if faults.due("nan", step):
-            loss_v = float("nan")
-        if not math.isfinite(loss_v):
-            raise TrainerExit(ExitCode.APPLICATION, f"non-finite loss {loss_v} at step {step}")
-        w.report.last_step = step
-        w.touch()
-        if not w.first_step_done:
-            w.first_step_done = True
-            compile_s = now - t0
-            w.report.first_step_at, w.report.compile_seconds = now, compile_s
-            m.set("jaxrec_compile_seconds", compile_s)
-            w.events.emit("first_step", step, compile_seconds=compile_s)
-            log.info("first step %d done (compile + run %.2f s), loss %.4f", step, compile_s, loss_v)
-        else:
-            window = (window + [now])[-50:]
-        w.events.emit("step", step, loss=loss_v)
-        m.set("jaxrec_train_step", step)
-        m.set("jaxrec_train_loss", loss_v)
-        m.set("jaxrec_last_step_timestamp_seconds", now)
-        if len(window) > 1:
-            m.set("jaxrec_train_steps_per_second", (len(window) - 1) / max(window[-1] - window[0], 1e-9))
-        commit_t = ckpt.last_commit_time or started
-        m.set("jaxrec_checkpoint_age_seconds", now - commit_t)
-        note_commit(ckpt.poll())
-        if stop_v:
-            preempted = True
-            log.info("stop agreed by every process after step %d", step)
-            break
-        if step % cfg.checkpoint.interval_steps == 0 and step < t.total_steps:
-            save(step)
-        if t.step_delay_s:
-            time.sleep(t.step_delay_s)
+    from trainer import train_state
 
-    if last_saved != step:
-        save(step)
-    note_commit(ckpt.finish_pending())
-    elapsed = time.time() - (w.report.first_step_at or started)
-    done = step - (w.args.restore_step if w.args.restore_step >= 0 else 0) - 1
+    elapsed = time.time() - (w.report.first_step_at or w.report.restored_at or time.time())
+    done = last.step - max(w.args.restore_step, 0) - 1
     if done > 0 and elapsed > 0:
         w.report.steps_per_second = done / elapsed
-    w.report.params_digest = train_state.params_digest(state["params"])
-    code = ExitCode.PREEMPTED if preempted else ExitCode.OK
-    log.info("step %d reached; params digest %s", step, w.report.params_digest[:16])
-    w.write_report(code)
+    w.report.params_digest = train_state.params_digest(stepper.state["params"])
+    code = ExitCode.PREEMPTED if last.stop_agreed else ExitCode.OK
+    log.info("step %d reached; params digest %s", last.step, w.report.params_digest[:16])
+    w.exit.write_report(code)
     ckpt.close()
     # Leave together: process 0 hosts the coordination service and must not go first.
-    w.exiting = int(code)
+    w.exit.exiting = int(code)
     with contextlib.suppress(Exception):
         jax.distributed.shutdown()
-    w.exit_now(code)
+    w.exit.exit_now(code)
 
 
 def parse_args(argv: Sequence[str] | None) -> RunArgs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from recovery_steps.kernel.compat import check_compatible
@@ -137,6 +138,35 @@ def exit_code_for(exc: BaseException, *, during_init: bool = False) -> ExitCode:
 def watchdog_limit(hang_timeout_s: float, compile_grace_s: float, first_step_done: bool) -> float:
     """Seconds without progress after which the worker is hung."""
     return hang_timeout_s if first_step_done else hang_timeout_s + compile_grace_s
+
+
+class SaveReason(StrEnum):
+    """Why a step is saved (``NONE``: it is not)."""
+
+    NONE = "none"
+    INTERVAL = "interval"
+    PREEMPTION = "preemption"
+    FINAL = "final"
+
+
+def save_decision(
+    step: int, *, interval_steps: int, total_steps: int, stop_agreed: bool, last_saved: int | None
+) -> SaveReason:
+    """Whether to save after ``step`` completed, and why.
+
+    A stop every process agreed on saves the step it stopped at (a graceful exit loses no step);
+    the last step is always saved; otherwise every ``interval_steps``. A step already saved (the
+    restored one) is never saved again. Preemption and final saves are waited for before exiting.
+    """
+    if step == last_saved:
+        return SaveReason.NONE
+    if stop_agreed:
+        return SaveReason.PREEMPTION
+    if step >= total_steps:
+        return SaveReason.FINAL
+    if step % interval_steps == 0:
+        return SaveReason.INTERVAL
+    return SaveReason.NONE
 
 
 def compatibility_problems(

@@ -59,8 +59,10 @@ class WorkerExitReport(_Record):
     ended_at: float | None = None
     compile_seconds: float | None = None
     steps_per_second: float | None = None
-    peak_rss_mib: float | None = Field(default=None, description="Peak resident memory of the worker process.")
-    params_digest: str | None = Field(default=None, description="Digest of the final parameters (finished runs).")
+    peak_rss_mib: float | None = Field(default=None, description="Peak resident set size of the worker, MiB.")
+    params_digest: str | None = Field(
+        default=None, description="sha256 of the final parameters (exits 0 and 143): resumes compare it."
+    )
 
 
 class ManifestFile(_Record):

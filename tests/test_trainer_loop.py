@@ -1,0 +1,103 @@
+"""The training loop's pure parts: the save decision, the step records and hook frequencies."""
+
+from __future__ import annotations
+
+import pytest
+
+from recovery_steps.kernel.contract import ExitCode
+from trainer.decisions import SaveReason, TrainerExit, parse_faults, save_decision
+from trainer.hooks import FaultHook, check_finite_loss
+from trainer.loop import Hooks, StepRecord, training_steps
+
+NONE, INTERVAL, PREEMPTION, FINAL = SaveReason.NONE, SaveReason.INTERVAL, SaveReason.PREEMPTION, SaveReason.FINAL
+
+
+@pytest.mark.parametrize(
+    ("step", "interval", "total", "stop", "last_saved", "want"),
+    [
+        (3, 5, 20, False, None, NONE),  # between intervals
+        (5, 5, 20, False, None, INTERVAL),
+        (10, 5, 20, False, 5, INTERVAL),
+        (7, 5, 20, True, 5, PREEMPTION),  # a stop saves the step it stopped at
+        (10, 5, 20, True, 5, PREEMPTION),  # a stop on an interval step: one save, waited for
+        (20, 5, 20, False, 15, FINAL),  # the last step is saved even off the interval
+        (23, 10, 23, False, 20, FINAL),
+        (20, 5, 20, True, 15, PREEMPTION),  # stop agreed on the last step: exit 143, not 0
+        (15, 5, 20, False, 15, NONE),  # the restored step is not saved again
+        (15, 5, 20, True, 15, NONE),
+        (20, 5, 20, False, 20, NONE),
+        (1, 1, 3, False, None, INTERVAL),
+    ],
+)
+def test_save_decision(step, interval, total, stop, last_saved, want):
+    got = save_decision(step, interval_steps=interval, total_steps=total, stop_agreed=stop, last_saved=last_saved)
+    assert got is want
+
+
+class FakeStep:
+    """A step function over plain numbers: loss = 1 / step; stop agreed after ``stop_at``."""
+
+    def __init__(self, start: int, stop_at: int | None = None):
+        self.step = start
+        self.stop_at = stop_at
+        self.requests: list[bool] = []
+
+    def __call__(self, stop_requested: bool) -> tuple[float, bool]:
+        self.requests.append(stop_requested)
+        self.step += 1
+        return 1.0 / self.step, self.stop_at is not None and self.step >= self.stop_at
+
+
+def test_training_steps_yields_one_record_per_step_and_marks_first_and_last():
+    hooks = Hooks()
+    recs = list(training_steps(FakeStep(4), 4, 8, lambda: False, hooks))
+    assert [r.step for r in recs] == [5, 6, 7, 8]
+    assert [r.first for r in recs] == [True, False, False, False]
+    assert [r.last for r in recs] == [False, False, False, True]
+    assert [r.loss for r in recs] == [1 / 5, 1 / 6, 1 / 7, 1 / 8]
+    assert all(r.seconds >= 0 and not r.stop_agreed for r in recs)
+
+
+def test_training_steps_ends_after_the_agreed_stop_and_passes_the_request():
+    requested = {"now": False}
+    fake = FakeStep(0, stop_at=3)
+    recs = []
+    for rec in training_steps(fake, 0, 10, lambda: requested["now"], Hooks()):
+        recs.append(rec)
+        requested["now"] = rec.step >= 2
+    assert [(r.step, r.stop_agreed) for r in recs] == [(1, False), (2, False), (3, True)]
+    assert fake.requests == [False, False, True]
+
+
+def test_nothing_runs_when_the_restored_step_is_the_last():
+    assert list(training_steps(FakeStep(20), 20, 20, lambda: False, Hooks())) == []
+
+
+def test_hooks_run_at_their_frequency_and_at_the_end():
+    hooks = Hooks()
+    seen: dict[str, list[int]] = {"every1": [], "every3": [], "before": []}
+    hooks.before_step(seen["before"].append)
+    hooks.add(lambda r: seen["every1"].append(r.step))
+    hooks.add(lambda r: seen["every3"].append(r.step), every=3)
+    for rec in training_steps(FakeStep(0), 0, 7, lambda: False, hooks):
+        hooks.run(rec)
+    assert seen == {"every1": [1, 2, 3, 4, 5, 6, 7], "every3": [3, 6, 7], "before": [1, 2, 3, 4, 5, 6, 7]}
+    hooks.run(StepRecord(step=4, stop_agreed=True))  # a stop reaches every hook
+    assert seen["every3"][-1] == 4
+    with pytest.raises(ValueError, match="every"):
+        hooks.add(print, every=0)
+
+
+def test_fault_and_loss_guard_hooks():
+    with pytest.raises(TrainerExit, match="non-finite loss nan at step 4") as e:
+        check_finite_loss(StepRecord(step=4, loss=float("nan")))
+    assert e.value.code == ExitCode.APPLICATION
+    check_finite_loss(StepRecord(step=4, loss=0.5))
+
+    fault = FaultHook(parse_faults("nan@3,app-bug@5"))
+    fault.on_step(StepRecord(step=2, loss=0.5))
+    with pytest.raises(TrainerExit, match="non-finite loss"):
+        fault.on_step(StepRecord(step=3, loss=0.5))
+    fault.before_step(4)
+    with pytest.raises(RuntimeError, match="injected application bug in step 5"):
+        fault.before_step(5)

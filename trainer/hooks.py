@@ -1,0 +1,178 @@
+"""What subscribes to the loop's step records: loss guard, faults, progress, events, metrics, checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from typing import Any
+
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.records import WorkerExitReport
+from trainer.decisions import Faults, SaveReason, TrainerExit, save_decision
+from trainer.lifecycle import Watchdog
+from trainer.loop import Stepper, StepRecord
+from trainer.telemetry import Events, WorkerMetrics
+
+log = logging.getLogger("trainer")
+
+
+def check_finite_loss(rec: StepRecord) -> None:
+    """A non-finite loss is an application error (exit 42)."""
+    if not math.isfinite(rec.loss):
+        raise TrainerExit(ExitCode.APPLICATION, f"non-finite loss {rec.loss} at step {rec.step}")
+
+
+class FaultHook:
+    """Rehearsal faults of ``TRAINER_FAULT`` that concern the step (``kill-during-save`` is the checkpoint's)."""
+
+    def __init__(self, faults: Faults):
+        self.faults = faults
+
+    def before_step(self, step: int) -> None:
+        """``hang`` stops making progress and ``app-bug`` raises, before step ``step``."""
+        if self.faults.due("hang", step):
+            log.warning("injected hang before step %d", step)
+            while True:
+                time.sleep(3600)
+        if self.faults.due("app-bug", step):
+            raise RuntimeError(f"injected application bug in step {step}")
+
+    def on_step(self, rec: StepRecord) -> None:
+        """``nan``: the loss of that step is reported non-finite."""
+        if self.faults.due("nan", rec.step):
+            check_finite_loss(StepRecord(rec.step, float("nan")))
+
+
+class ProgressHook:
+    """The exit report's progress fields and the watchdog's clock."""
+
+    def __init__(self, report: WorkerExitReport, watchdog: Watchdog):
+        self.report = report
+        self.watchdog = watchdog
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Record the step; the first one also its compile-and-run time."""
+        self.report.last_step = rec.step
+        self.watchdog.touch()
+        if rec.first:
+            self.watchdog.first_step_done = True
+            self.report.first_step_at, self.report.compile_seconds = rec.finished_at, rec.seconds
+
+
+class EventsHook:
+    """The ``first_step`` and ``step`` event lines (the local runner times incidents from them)."""
+
+    def __init__(self, events: Events):
+        self.events = events
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Emit the step's events."""
+        if rec.first:
+            self.events.emit("first_step", rec.step, compile_seconds=rec.seconds)
+            log.info("first step %d done (compile + run %.2f s), loss %.4f", rec.step, rec.seconds, rec.loss)
+        self.events.emit("step", rec.step, loss=rec.loss)
+
+
+class MetricsHook:
+    """The per-step gauges: step, loss, last-step time, steps/s over the last 50 steps, checkpoint age."""
+
+    def __init__(self, metrics: WorkerMetrics, ckpt: Any, started: float):
+        self.metrics = metrics
+        self.ckpt = ckpt
+        self.started = started
+        self._window: list[float] = []
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Update the gauges (the first step, which compiles, stays out of the rate)."""
+        m, now = self.metrics, rec.finished_at
+        if rec.first:
+            m.set("jaxrec_compile_seconds", rec.seconds)
+        else:
+            self._window = (self._window + [now])[-50:]
+        m.set("jaxrec_train_step", rec.step)
+        m.set("jaxrec_train_loss", rec.loss)
+        m.set("jaxrec_last_step_timestamp_seconds", now)
+        if len(self._window) > 1:
+            w = self._window
+            m.set("jaxrec_train_steps_per_second", (len(w) - 1) / max(w[-1] - w[0], 1e-9))
+        m.set("jaxrec_checkpoint_age_seconds", now - (self.ckpt.last_commit_time or self.started))
+
+
+class CheckpointHook:
+    """Saves when ``save_decision`` says so and records each commit (event, gauges, report, watchdog).
+
+    Interval saves are left to complete in the background; a preemption or final save is waited
+    for (commit and manifest) so that exit 0 / 143 always leave a complete last checkpoint.
+    """
+
+    def __init__(self, ckpt: Any, stepper: Stepper, *, interval_steps: int, total_steps: int, async_save: bool,
+                 restore_step: int, kill_during_save: int | None, events: Events, metrics: WorkerMetrics,
+                 report: WorkerExitReport, watchdog: Watchdog):  # fmt: skip
+        self.ckpt = ckpt
+        self.stepper = stepper
+        self.interval_steps = interval_steps
+        self.total_steps = total_steps
+        self.async_save = async_save
+        self.last_saved: int | None = restore_step if restore_step >= 0 else None
+        self.kill_during_save = kill_during_save
+        self.events = events
+        self.metrics = metrics
+        self.report = report
+        self.watchdog = watchdog
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Record a commit seen since the last step, then save if this step is due."""
+        self.note_commit(self.ckpt.poll())
+        if rec.stop_agreed:
+            log.info("stop agreed by every process after step %d", rec.step)
+        reason = save_decision(rec.step, interval_steps=self.interval_steps, total_steps=self.total_steps,
+                               stop_agreed=rec.stop_agreed, last_saved=self.last_saved)  # fmt: skip
+        if reason is SaveReason.NONE:
+            return
+        self.save(rec.step)
+        if reason in (SaveReason.PREEMPTION, SaveReason.FINAL):
+            self.finish()
+
+    def save(self, step: int) -> None:
+        """Start saving ``step`` (after recording the previous save's commit)."""
+        self.note_commit(self.ckpt.finish_pending())
+        kill = self.kill_during_save == step
+        self.events.emit("save_started", step)
+        self.watchdog.touch()
+        if kill and not self.async_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.ckpt.save(step, self.stepper.state, self.stepper.data_iter)
+        self.last_saved = step
+        if kill:  # the asynchronous write is in flight and not committed
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def finish(self) -> None:
+        """Wait for the save in flight to commit with its manifest, and record it."""
+        self.note_commit(self.ckpt.finish_pending())
+
+    def note_commit(self, committed: int | None) -> None:
+        """Publish a newly committed step."""
+        if committed is None:
+            return
+        c = self.ckpt
+        self.events.emit("save_committed", committed, save_seconds=c.last_duration, blocking_seconds=c.last_blocking)
+        self.metrics.set("jaxrec_checkpoint_step", committed)
+        self.metrics.set("jaxrec_checkpoint_last_commit_timestamp_seconds", c.last_commit_time or 0)
+        self.metrics.set("jaxrec_checkpoint_duration_seconds", c.last_duration or 0)
+        self.report.last_checkpoint_step = committed
+        self.watchdog.touch()
+
+
+class PaceHook:
+    """``training.step_delay_s``: sleep after each step (local rehearsals stretch a run to watch it)."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Sleep, unless training ends at this step."""
+        if not (rec.stop_agreed or rec.last):
+            time.sleep(self.delay_s)

@@ -1,0 +1,138 @@
+"""How a worker ends: its single exit path (report, then ``os._exit`` by contract) and the step watchdog."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.records import WorkerExitReport
+from recovery_steps.kernel.store import RunLayout, RunStore
+from trainer.decisions import watchdog_limit
+from trainer.telemetry import Events
+
+log = logging.getLogger("trainer")
+
+
+def install_abort_handler(on_abort: Callable[[], None]) -> Any:
+    """Run ``on_abort()`` when the runtime aborts the process (SIGABRT from C++), before it dies.
+
+    When the coordination service reports a lost peer or a lost service, the JAX runtime aborts
+    from a C++ thread; a Python-level signal handler would never run. A C-level handler (a ctypes
+    thunk) runs in the aborting thread, takes the GIL and can write the exit report and leave by
+    ``os._exit`` with the contract code. Returns the handler, which the caller must keep alive.
+    """
+    import ctypes
+
+    handler_t = ctypes.CFUNCTYPE(None, ctypes.c_int)
+    handler = handler_t(lambda signum: on_abort())
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, handler_t]
+    libc.signal(signal.SIGABRT, handler)
+    return handler
+
+
+class ExitPath:
+    """The one way out of a worker: fill in and write the exit report, emit ``exit``, ``os._exit(code)``.
+
+    A survivor of a lost peer cannot leave by ``sys.exit`` (it waits in JAX's distributed shutdown
+    barrier until a timeout, then aborts), so every exit is ``os._exit`` with a contract code.
+    """
+
+    def __init__(self, store: RunStore, attempt: int, report: WorkerExitReport, events: Events):
+        self.store = store
+        self.attempt = attempt
+        self.report = report
+        self.events = events
+        self.exiting: int | None = None
+        self.metrics: Any = None  # WorkerMetrics once serving: worker_up goes to 0 on the way out
+        self.last_checkpoint: Callable[[], int | None] = lambda: None
+        self._lock = threading.Lock()
+
+    def write_report(self, code: int, exc: BaseException | None = None, message: str | None = None) -> None:
+        """Write this worker's exit report to the run store (best effort: a store failure is logged)."""
+        r = self.report
+        r.exit_code = int(code)
+        r.exit_name = ExitCode(code).name if code in ExitCode._value2member_map_ else str(code)
+        r.ended_at = time.time()
+        r.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        committed = self.last_checkpoint()
+        if committed is not None:
+            r.last_checkpoint_step = committed
+        if exc is not None:
+            r.exception_type = type(exc).__name__
+            r.exception_message = str(exc)[:2000]
+            r.traceback = "".join(traceback.format_exception(exc))[-4000:]
+        elif message:
+            r.exception_message = message
+        try:
+            self.store.write_record(RunLayout.worker_report(self.attempt, r.process_index), r)
+        except Exception as e:  # noqa: BLE001 - the exit must happen whatever the store does
+            log.error("could not write the exit report: %s", e)
+
+    def exit_now(self, code: int, exc: BaseException | None = None, message: str | None = None) -> NoReturn:
+        """Write the report and leave at once with ``code`` (from any thread; the first caller wins)."""
+        if not self._lock.acquire(blocking=True, timeout=30):
+            os._exit(code)
+        self.exiting = code
+        text = message or (f"{type(exc).__name__}: {exc}" if exc else "")
+        level = logging.INFO if code in (ExitCode.OK, ExitCode.PREEMPTED) else logging.ERROR
+        log.log(level, "exiting with %d (%s)%s", code, ExitCode(code).name, f": {text}" if text else "")
+        self.write_report(code, exc, message)
+        self.events.emit("exit", self.report.last_step, code=int(code), reason=text[:500])
+        if self.metrics is not None:
+            self.metrics.set("jaxrec_worker_up", 0)
+        logging.shutdown()
+        os._exit(int(code))
+
+    def on_abort(self) -> None:
+        """The runtime aborts (the coordination service lost a peer or itself): leave as peer-lost."""
+        if self.exiting is not None:
+            os._exit(self.exiting)
+        self.exit_now(
+            ExitCode.PEER_LOST,
+            message="the JAX runtime aborted: the coordination service reported a lost "
+            "peer or was lost itself (see the worker log)",
+        )
+
+
+class Watchdog:
+    """Exits with the hang code when no progress is recorded within the limit (a daemon thread).
+
+    A rank that is alive but stuck in a collective is not aborted by the coordination service
+    (one run with ``jax_enable_recoverability`` hung > 130 s undetected), so progress is watched here.
+    """
+
+    def __init__(self, hang_timeout_s: float, compile_grace_s: float, exit_path: ExitPath):
+        self.hang_timeout_s = hang_timeout_s
+        self.compile_grace_s = compile_grace_s
+        self.exit_path = exit_path
+        self.first_step_done = False
+        self.last_progress = time.monotonic()
+
+    def touch(self) -> None:
+        """Record progress."""
+        self.last_progress = time.monotonic()
+
+    def start(self) -> None:
+        """Start watching (the thread ends with the process)."""
+        self.touch()
+        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while self.exit_path.exiting is None:
+            time.sleep(0.5)
+            limit = watchdog_limit(self.hang_timeout_s, self.compile_grace_s, self.first_step_done)
+            idle = time.monotonic() - self.last_progress
+            if idle > limit:
+                self.exit_path.exit_now(
+                    ExitCode.HANG, message=f"no step completed for {idle:.0f} s (limit {limit:.0f} s)"
+                )
