@@ -93,6 +93,13 @@ def k8s_name(text: str) -> str:
     return text
 
 
+def http_url(text: str) -> str:
+    """An ``http://`` or ``https://`` URL (the Kubernetes API server)."""
+    if not re.match(r"^https?://[^\s/]+(/\S*)?$", text) or len(text) > 2048:
+        raise argparse.ArgumentTypeError(f"{_short(text)} is not an API server URL; use https://HOST[:PORT]")
+    return text
+
+
 def _local_path_problem(text: str) -> str | None:
     if not text:
         return "is empty"
@@ -189,7 +196,7 @@ def store_error_line(step: str, url: str, exc: BaseException) -> str:
         fix = "check that the store root is a writable directory"
     else:
         fix = "check that the store is reachable and retry"
-    return f"{step}: run store {url} cannot be used ({name}: {detail}); {fix}"
+    return f"{step}: run store {url} unreachable or unusable ({name}: {detail}); {fix}"
 
 
 def fail(step: str, line: str, code: int) -> int:

@@ -458,16 +458,6 @@ class JobConfig(_Section):
                 f"monitoring.metrics_port: {self.monitoring.metrics_port} + one port per local host "
                 f"({self.slice.num_hosts}) passes 65535; use a lower port"
             )
-        if self.optimizer.warmup_steps > tr.total_steps:
-            problems.append(
-                f"optimizer.warmup_steps: {self.optimizer.warmup_steps} exceeds training.total_steps "
-                f"{tr.total_steps}: the learning rate would never reach its peak; lower it"
-            )
-        if self.data.global_batch_size > self.data.num_records:
-            problems.append(
-                f"data.global_batch_size: {self.data.global_batch_size} exceeds data.num_records "
-                f"{self.data.num_records}: one step would need more than the whole dataset"
-            )
         if problems:
             raise ValueError("\n".join(problems))
         return self
