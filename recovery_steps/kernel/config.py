@@ -540,15 +540,15 @@ def parse_config(data: Any, source: str = "<config>") -> JobConfig:
     try:
         return JobConfig.model_validate(data)
     except ValidationError as e:
-        problems: list[str] = []
-        for err in e.errors():
+        errors = e.errors()
+        shown: dict[str, None] = {}  # ordered and unique
+        for i, err in enumerate(errors):
+            if len(shown) >= MAX_PROBLEMS:
+                shown[f"... and {len(errors) - i} more problem(s)"] = None
+                break
             for line in _describe(err, data):
-                line = _bounded(line)
-                if line not in problems:
-                    problems.append(line)
-        if len(problems) > MAX_PROBLEMS:
-            problems = [*problems[:MAX_PROBLEMS], f"... and {len(problems) - MAX_PROBLEMS} more problem(s)"]
-        raise ConfigError(source, problems) from None
+                shown[_bounded(line)] = None
+        raise ConfigError(source, list(shown)) from None
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -627,9 +627,9 @@ def load_config(path: str | Path) -> JobConfig:
         with open(p, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
-        raise ConfigError(_short(str(p), 200), [f"cannot read the file: {e.strerror or e}"]) from None
+        raise ConfigError(str(p)[:200], [f"cannot read the file: {e.strerror or e}"]) from None
     except ValueError as e:  # an embedded NUL in the path
-        raise ConfigError(_short(str(p), 200), [f"cannot read the file: {e}"]) from None
+        raise ConfigError(str(p)[:200], [f"cannot read the file: {e}"]) from None
     source = str(p)
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(source, [f"the file is larger than {MAX_CONFIG_BYTES} bytes; a job config is a few KB"])

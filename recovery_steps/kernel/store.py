@@ -557,7 +557,8 @@ class RunStore:
         """Move everything under ``src_prefix`` to ``dst_prefix``; return how many objects moved (0: nothing there).
 
         Local: one ``rename`` (atomic; POSIX rename(2) replaces an empty directory, so the destination is
-        first created empty and exclusively: ``FileExistsError`` when it is taken). A source another
+        first created empty and exclusively: ``FileExistsError`` when it is taken); a source that is a
+        link or a file is renamed into the new directory (``dst/<name>``). A source another
         process moved first is 0, not an error. GCS: every object is copied, then every object deleted;
         an object that vanished meanwhile (a concurrent mover got it) is skipped, so whichever mover
         deletes first has already copied everything it listed.
@@ -576,11 +577,13 @@ class RunStore:
                     dst.rmdir()
                     return 0
             else:
-                if os.path.lexists(dst):
-                    raise FileExistsError(errno.EEXIST, "destination exists", str(dst))
+                # A link or a file: moved into a new directory of its own, so that what is written
+                # into the quarantine entry afterwards (its reason) never goes through a link.
+                os.mkdir(dst)
                 try:
-                    os.rename(src, dst)
+                    os.rename(src, dst / src.name)
                 except FileNotFoundError:
+                    dst.rmdir()
                     return 0
             return max(n, 1)
         objs = self._b.list(src_prefix)
