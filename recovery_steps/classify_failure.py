@@ -9,7 +9,6 @@ decision); exits 1 when it cannot read or write the run store, 2 when the run ha
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 from recovery_steps.classify import Verdict, classify
 from recovery_steps.evidence import Evidence, gather_kubernetes, gather_local_slice, gather_reports
+from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig
 from recovery_steps.kernel.contract import Decision, FailureClass
 from recovery_steps.kernel.documents import read_run_config
@@ -236,13 +236,18 @@ def summary(r: ClassifyResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m recovery_steps.classify_failure``."""
-    p = argparse.ArgumentParser(prog="python -m recovery_steps.classify_failure", description=__doc__)
-    p.add_argument("--store-root", required=True, help="gs://bucket/prefix or a local directory")
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--attempt", required=True, type=int, help="the attempt that failed")
-    p.add_argument("--jobset", required=True, help="the attempt's JobSet name")
-    p.add_argument("--output-dir", type=Path, default=None, help="one file per output parameter")
-    p.add_argument("--step-exit-code", type=int, default=None, help="exit code of a step that failed earlier")
+    p = cli.StepArgumentParser(prog="python -m recovery_steps.classify_failure", description=__doc__)
+    p.add_argument("--store-root", required=True, type=cli.store_root, help="gs://bucket/prefix or a local directory")
+    p.add_argument("--run-id", required=True, type=cli.run_id)
+    p.add_argument("--attempt", required=True, type=cli.attempt, help="the attempt that failed")
+    p.add_argument("--jobset", required=True, type=cli.k8s_name, help="the attempt's JobSet name")
+    p.add_argument("--output-dir", type=cli.output_dir, default=None, help="one file per output parameter")
+    p.add_argument(
+        "--step-exit-code",
+        type=cli.bounded_int(-255, 255, "an exit code"),
+        default=None,
+        help="exit code of a step that failed earlier",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

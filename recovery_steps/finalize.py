@@ -10,7 +10,6 @@ workers' exit reports.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
+from recovery_steps.kernel import cli
 from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, WorkerExitReport, now
@@ -274,12 +274,17 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m recovery_steps.finalize``."""
-    p = argparse.ArgumentParser(prog="python -m recovery_steps.finalize", description=__doc__)
-    p.add_argument("--store-root", required=True)
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--status", required=True, help="Argo {{workflow.status}}")
-    p.add_argument("--failures", default=None, help="Argo {{workflow.failures}} (JSON)")
-    p.add_argument("--output-dir", type=Path, default=None)
+    p = cli.StepArgumentParser(prog="python -m recovery_steps.finalize", description=__doc__)
+    p.add_argument("--store-root", required=True, type=cli.store_root)
+    p.add_argument("--run-id", required=True, type=cli.run_id)
+    p.add_argument("--status", required=True, type=cli.bounded_text(64, "--status"), help="Argo {{workflow.status}}")
+    p.add_argument(
+        "--failures",
+        default=None,
+        type=cli.bounded_text(1 << 20, "--failures"),
+        help="Argo {{workflow.failures}} (JSON)",
+    )
+    p.add_argument("--output-dir", type=cli.output_dir, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -6,10 +6,10 @@ Usage: ``python -m recovery_steps.give_up --failure-class C --reason TEXT``. Pri
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import TextIO
 
+from recovery_steps.kernel import cli
 from recovery_steps.kernel.contract import FailureClass
 
 
@@ -33,9 +33,9 @@ def run(failure_class: str, reason: str, err: TextIO | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m recovery_steps.give_up``."""
-    p = argparse.ArgumentParser(prog="python -m recovery_steps.give_up", description=__doc__)
-    p.add_argument("--failure-class", required=True)
-    p.add_argument("--reason", required=True)
+    p = cli.StepArgumentParser(prog="python -m recovery_steps.give_up", description=__doc__)
+    p.add_argument("--failure-class", required=True, type=cli.bounded_text(64, "--failure-class"))
+    p.add_argument("--reason", required=True, type=cli.bounded_text(4096, "--reason"))
     args = p.parse_args(argv)
     return run(args.failure_class, args.reason)
 

@@ -14,7 +14,6 @@ nodes a capacity problem (fixed-size node pools).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import socket
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
@@ -43,7 +43,7 @@ from recovery_steps.kernel.k8s import (
 )
 from recovery_steps.kernel.outputs import ProvisionOutputs
 from recovery_steps.kernel.records import ProvisionRecord, now
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
 
 log = logging.getLogger(__name__)
 
@@ -385,14 +385,16 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    ap = argparse.ArgumentParser(prog="python -m recovery_steps.provision_slice", description=__doc__.split("\n")[0])
-    ap.add_argument("--store-root", required=True)
-    ap.add_argument("--run-id", required=True)
-    ap.add_argument("--attempt", type=int, required=True)
-    ap.add_argument("--output-dir", type=Path, default=Path("/tmp/outputs"))
-    ap.add_argument("--k8s-host", default=None, help="Kubernetes API URL (default: in-cluster config)")
+    ap = cli.StepArgumentParser(prog="python -m recovery_steps.provision_slice", description=__doc__.split("\n")[0])
+    ap.add_argument("--store-root", required=True, type=cli.store_root)
+    ap.add_argument("--run-id", required=True, type=cli.run_id)
+    ap.add_argument("--attempt", type=cli.attempt, required=True)
+    ap.add_argument("--output-dir", type=cli.output_dir, default=Path("/tmp/outputs"))
+    ap.add_argument(
+        "--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster config)"
+    )
     ap.add_argument("--require-nodes", action="store_true", help="zero matching nodes is a capacity problem")
-    ap.add_argument("--pod-timeout", type=float, default=300, help="seconds to wait for old worker pods")
+    ap.add_argument("--pod-timeout", type=cli.seconds, default=300, help="seconds to wait for old worker pods")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s provision-slice %(levelname)s %(message)s")
     try:
@@ -404,9 +406,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"provision-slice: {e}", file=sys.stderr)
         record_outcome(args.store_root, args.run_id, args.attempt, int(e.code), str(e))
         return int(e.code)
+    except store_errors() as e:
+        url = RunStore(args.store_root, args.run_id).url()
+        return cli.fail("provision-slice", cli.store_error_line("provision-slice", url, e), 1)
+    except k8s_config_errors() as e:
+        detail = " ".join(str(e).split())[:200]
+        line = f"no Kubernetes API: {type(e).__name__}: {detail}; run in the cluster or give --k8s-host"
+        record_outcome(args.store_root, args.run_id, args.attempt, int(ExitCode.CONFIGURATION), line)
+        return cli.fail("provision-slice", line, int(ExitCode.CONFIGURATION))
     record_outcome(args.store_root, args.run_id, args.attempt, 0, "slice ready")
     print(" ".join(f"{k}={v}" for k, v in outputs.items()))
     return 0
+
+
+def k8s_config_errors() -> tuple[type[BaseException], ...]:
+    """What building a Kubernetes client raises when there is no in-cluster config and no kubeconfig."""
+    from kubernetes.config.config_exception import ConfigException
+
+    return (ConfigException,)
 
 
 def record_outcome(store_root: str, run_id: str, attempt: int, code: int, message: str) -> None:

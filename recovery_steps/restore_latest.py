@@ -7,19 +7,25 @@ Outputs: ``restore-step`` (-1 for a fresh start), ``restore-path`` and ``skipped
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
+from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.outputs import RestoreOutputs
 from recovery_steps.kernel.records import QuarantineReason, RestoreRecord, SkippedStep, now
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
-from recovery_steps.verify import Selection, Skip, closed_attempts, verify_checkpoints
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
+from recovery_steps.verify import (
+    Selection,
+    Skip,
+    StoreLayoutError,
+    check_layout,
+    closed_attempts,
+    verify_checkpoints,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +41,39 @@ class RestoreResult:
     message: str = ""
 
 
-def _quarantine_target(store: RunStore, name: str, attempt: int) -> str:
-    target = f"{RunLayout.QUARANTINE}/{name}"
+def _quarantine_targets(store: RunStore, name: str, attempt: int):
+    """Candidate quarantine names for step directory ``name``: ``<name>``, then ``<name>.attempt<n>.<k>``."""
     existing = set(store.children(RunLayout.QUARANTINE))
     if name not in existing:
-        return target
-    n = 1
-    while f"{name}.attempt{attempt}.{n}" in existing:
-        n += 1
-    return f"{target}.attempt{attempt}.{n}"
+        yield f"{RunLayout.QUARANTINE}/{name}"
+    k = 1
+    while k < 1000:
+        if f"{name}.attempt{attempt}.{k}" not in existing:
+            yield f"{RunLayout.QUARANTINE}/{name}.attempt{attempt}.{k}"
+        k += 1
 
 
-def quarantine(store: RunStore, skip: Skip, attempt: int) -> str:
-    """Move one step directory to ``quarantine/`` (never deleted) and write its reason file; return the target."""
-    target = _quarantine_target(store, skip.name, attempt)
+def quarantine(store: RunStore, skip: Skip, attempt: int) -> str | None:
+    """Move one step directory to ``quarantine/`` (never deleted) and write its reason file.
+
+    Safe to run twice at once: locally the move is one rename onto a name created exclusively, so two
+    movers never share a target and the loser moves nothing; on GCS the copy-then-delete skips objects
+    a concurrent mover took. A mover that moved nothing writes no reason file (no empty entries).
+
+    Returns:
+        The quarantine path, or None when the directory was already gone (another mover took it).
+    """
     src = f"{RunLayout.CHECKPOINTS}/{skip.name}"
-    moved = store.move(src, target)
+    for target in _quarantine_targets(store, skip.name, attempt):
+        try:
+            moved = store.move(src, target)
+        except FileExistsError:
+            continue  # taken between listing and moving: the next name
+        break
+    else:
+        raise StoreLayoutError(f"{store.url(RunLayout.QUARANTINE)}: no free name for {skip.name!r}")
+    if moved == 0:
+        return None
     reason = QuarantineReason(
         step=skip.step, from_=store.url(src), kind=skip.kind.value, reason=skip.reason, attempt=attempt,
         objects=moved, moved_at=now(),
@@ -78,15 +101,22 @@ def run(store: RunStore, attempt: int) -> RestoreResult:
     except DocumentError as e:
         return RestoreResult(ExitCode.CONFIGURATION, None, "", [], str(e))
 
-    sel, _ = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed)
+    try:
+        sel, _ = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed)
+        if any(s.quarantine for s in sel.skipped) and not sel.incompatible:
+            check_layout(store, RunLayout.QUARANTINE)
+    except StoreLayoutError as e:
+        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], f"{e} (nothing was moved)")
     if sel.incompatible:
         lines = [f"checkpoints exist for run {store.run_id!r} but none is compatible with its config:"]
         lines += [f"  step {s.step}: {s.reason}" for s in sel.skipped]
         lines.append("restore the previous config, or start a new run id (nothing was moved)")
         result = RestoreResult(ExitCode.INCOMPATIBLE_CHECKPOINT, sel, "", [], "\n".join(lines))
     else:
-        moved = [quarantine(store, s, attempt) for s in sel.skipped if s.quarantine]
-        path = store.url(RunLayout.checkpoint(sel.step)) if sel.step >= 0 else ""
+        moved = [t for s in sel.skipped if s.quarantine and (t := quarantine(store, s, attempt)) is not None]
+        # The directory that was verified (only canonical names are selected, so it is also the
+        # path the trainer's orbax CheckpointManager builds for the step).
+        path = store.url(f"{RunLayout.CHECKPOINTS}/{sel.name}") if sel.step >= 0 else ""
         result = RestoreResult(ExitCode.OK, sel, path, moved)
     store.write_record(RunLayout.restore_record(attempt), _record(store, attempt, cfg.config_hash(), result))
     return result
@@ -120,14 +150,18 @@ def outputs(r: RestoreResult) -> RestoreOutputs:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m recovery_steps.restore_latest``."""
-    p = argparse.ArgumentParser(prog="python -m recovery_steps.restore_latest", description=__doc__.splitlines()[0])
-    p.add_argument("--store-root", required=True, help="gs://bucket/prefix or a local directory")
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--attempt", required=True, type=int, help="the attempt about to start")
-    p.add_argument("--output-dir", required=True, type=Path)
+    p = cli.StepArgumentParser(prog="python -m recovery_steps.restore_latest", description=__doc__.splitlines()[0])
+    p.add_argument("--store-root", required=True, type=cli.store_root, help="gs://bucket/prefix or a local directory")
+    p.add_argument("--run-id", required=True, type=cli.run_id)
+    p.add_argument("--attempt", required=True, type=cli.attempt, help="the attempt about to start")
+    p.add_argument("--output-dir", required=True, type=cli.output_dir)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s restore-latest %(message)s")
-    r = run(RunStore(args.store_root, args.run_id), args.attempt)
+    store = RunStore(args.store_root, args.run_id)
+    try:
+        r = run(store, args.attempt)
+    except store_errors() as e:
+        return cli.fail("restore-latest", cli.store_error_line("restore-latest", store.url(), e), 1)
     outputs(r).write(args.output_dir)
     if r.message:
         print(r.message, file=sys.stderr)

@@ -167,7 +167,9 @@ def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterato
     except PreconditionFailed as e:
         raise error(f"could not update the ledger: {e}") from None
     except store_errors() as e:
-        raise error(f"run store {store.url()} unreachable: {type(e).__name__}: {_first_line(e)}") from None
+        from recovery_steps.kernel.cli import store_error_line
+
+        raise error(store_error_line("run store", store.url(), e).removeprefix("run store: ")) from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -2,6 +2,7 @@
 
 Usage: ``python -m recovery_steps.validate_config --config FILE [--store-root R] [--accept-safe-changes]
 --output-dir D``. Outputs: ``run-id``, ``store-root``, ``config-hash``, ``hosts``, ``first-attempt``.
+``--offline`` validates the config alone and touches no store (outputs without ``first-attempt``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recovery_steps.kernel import cli
 from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
 from recovery_steps.kernel.config import ConfigError, JobConfig, load_config
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.outputs import ValidateOutputs
 from recovery_steps.kernel.records import RunConfigDocument
-from recovery_steps.kernel.store import DocumentError, PreconditionFailed, RunLayout, RunStore
+from recovery_steps.kernel.store import DocumentError, PreconditionFailed, RunLayout, RunStore, store_errors
 from recovery_steps.verify import manifest_compat_problems, read_manifest
 
 
@@ -144,14 +146,27 @@ def _flag(text: str) -> bool:
         return True
     if value in ("false", "no", "0", ""):
         return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean; use true or false")
+    raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a boolean; use true or false")
+
+
+def offline_outputs(cfg: JobConfig, store_root: str) -> dict[str, str]:
+    """The outputs that follow from the config alone (no ``first-attempt``: that needs the store)."""
+    local = not store_root.startswith("gs://")
+    return {
+        "run-id": cfg.run_id,
+        "store-root": str(Path(store_root).resolve()) if local else store_root,
+        "config-hash": cfg.config_hash(),
+        "hosts": str(cfg.slice.num_hosts),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m recovery_steps.validate_config``."""
-    p = argparse.ArgumentParser(prog="python -m recovery_steps.validate_config", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, type=Path, help="the job config (YAML)")
-    p.add_argument("--store-root", help="override the config's storage.root (gs://bucket/prefix or a directory)")
+    p = cli.StepArgumentParser(prog="python -m recovery_steps.validate_config", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, type=cli.bounded_text(cli.PATH_MAX, "--config"), help="the job config")
+    p.add_argument(
+        "--store-root", type=cli.store_root, help="override the config's storage.root (gs://bucket/prefix or a dir)"
+    )
     p.add_argument(
         "--accept-safe-changes",
         nargs="?",
@@ -161,20 +176,39 @@ def main(argv: list[str] | None = None) -> int:
         metavar="true|false",
         help="accept config changes the checkpoints survive (a bare flag means true)",
     )
-    p.add_argument("--output-dir", required=True, type=Path)
+    p.add_argument("--offline", action="store_true", help="validate the config only; read and write no store")
+    p.add_argument("--output-dir", type=cli.output_dir, help="one file per output parameter")
     args = p.parse_args(argv)
+    if args.output_dir is None and not args.offline:
+        p.error("--output-dir is required (unless --offline)")
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return int(ExitCode.CONFIGURATION)
-    store = RunStore(args.store_root or cfg.storage.root, cfg.run_id)
-    r = run(cfg, store, accept_safe_changes=args.accept_safe_changes)
+    root = args.store_root or cfg.storage.root
+    if args.offline:
+        r = ValidateResult(ExitCode.OK, [])
+    else:
+        store = RunStore(root, cfg.run_id)
+        try:
+            r = run(cfg, store, accept_safe_changes=args.accept_safe_changes)
+        except store_errors() as e:
+            line = cli.store_error_line("validate-config", store.url(), e)
+            return cli.fail("validate-config", f"{line}; or validate the config alone with --offline", 1)
     for line in r.messages:
         print(line, file=sys.stderr)
     if r.code == ExitCode.OK:
-        r.outputs.write(args.output_dir)
-        print(f"config {r.outputs.config_hash[:12]} of run {cfg.run_id} is valid ({cfg.slice.num_hosts} hosts)")
+        where = "offline, no store read" if args.offline else "pinned in the run store"
+        if args.offline:
+            if args.output_dir is not None:
+                args.output_dir.mkdir(parents=True, exist_ok=True)
+                for name, value in offline_outputs(cfg, root).items():
+                    (args.output_dir / name).write_text(value)
+        else:
+            r.outputs.write(args.output_dir)
+        short = cfg.config_hash()[:12]
+        print(f"config {short} of run {cfg.run_id} is valid ({cfg.slice.num_hosts} hosts, {where})")
     return int(r.code)
 
 

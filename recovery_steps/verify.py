@@ -31,6 +31,10 @@ LOCAL_METADATA = "_CHECKPOINT_METADATA"
 _STEP_NAME = re.compile(r"^(\d+)(.*)$")
 
 
+class StoreLayoutError(Exception):
+    """The run store is not laid out as a run store (a file where a directory must be): nothing can be decided."""
+
+
 class SkipKind(enum.StrEnum):
     """Why a step directory is not restored."""
 
@@ -42,6 +46,9 @@ class SkipKind(enum.StrEnum):
     INCOMPATIBLE = "incompatible"
     FILES = "files"
     NOT_A_STEP = "not-a-step"
+    NOT_A_DIRECTORY = "not-a-directory"
+    NAME = "non-canonical-name"
+    ODD_ENTRIES = "odd-entries"
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,12 @@ class CandidateInfo:
     step: int | None
     on_gcs: bool
     temporary: bool = False
+    entry_kind: str = "dir"
+    """What the entry under ``checkpoints/`` is: ``dir``, ``file``, ``link`` or ``other`` (links not followed)."""
+    canonical: bool = True
+    """False for a digits-only name with leading zeros (``060``)."""
+    odd: tuple[str, ...] = ()
+    """Symbolic links, special files and unreadable entries inside the step directory."""
     file_count: int = 0
     committed: bool = False
     manifest_problem: str | None = None
@@ -104,7 +117,8 @@ def judge(c: CandidateInfo, closed_at: Mapping[int, float]) -> Skip | None:
 
     Returns:
         None for a restorable checkpoint, else the ``Skip`` saying why and whether to quarantine it.
-        Checks run in this order: name, temporary, empty, committed, manifest, ledger, compatibility, files.
+        Checks run in this order: name, temporary, kind of entry, canonical name, odd entries, empty,
+        committed, manifest, ledger, compatibility, files.
     """
 
     def skip(kind: SkipKind, reason: str, quarantine: bool) -> Skip:
@@ -118,6 +132,28 @@ def judge(c: CandidateInfo, closed_at: Mapping[int, float]) -> Skip | None:
             "temporary directory of an unfinished save (left in place: orbax removes it when it saves that step again)",
             False,
         )
+    if c.entry_kind == "file" or c.entry_kind == "other":
+        return skip(
+            SkipKind.NOT_A_DIRECTORY,
+            f"{c.name!r} is a {'file' if c.entry_kind == 'file' else 'special file'}, not a step directory "
+            "(left in place: move it away from checkpoints/)",
+            False,
+        )
+    if not c.canonical:
+        # orbax reads a digits-only name as its integer (``step_from_checkpoint_name``: ``int(name)``) but
+        # builds a step's path from the integer (``60``), so the trainer would never open ``060``: it is
+        # not restorable, and left in place it would be a second step 60 to orbax's retention.
+        return skip(
+            SkipKind.NAME,
+            f"{c.name!r} is not orbax's name for step {c.step} (expected {str(c.step)!r}); the trainer would "
+            f"read checkpoints/{c.step}",
+            True,
+        )
+    if c.odd:
+        shown = "; ".join(c.odd[:3]) + (f" (+{len(c.odd) - 3} more)" if len(c.odd) > 3 else "")
+        # Links are not followed: orbax would read through them into data outside the verified tree.
+        # Moving a link moves the link, never what it points to.
+        return skip(SkipKind.ODD_ENTRIES, f"not a plain orbax step directory: {shown}", True)
     if c.file_count == 0:
         return skip(SkipKind.EMPTY, "empty step directory", not c.on_gcs)
     if not c.committed:
@@ -183,7 +219,7 @@ def select_restore_step(candidates: list[CandidateInfo], closed_at: Mapping[int,
 
 def _parse_name(name: str) -> tuple[int | None, bool]:
     m = _STEP_NAME.match(name)
-    if not m:
+    if not m or not m.group(1).isascii() or len(m.group(1)) > 10:
         return None, False
     rest = m.group(2)
     if rest == "":
@@ -193,8 +229,23 @@ def _parse_name(name: str) -> tuple[int | None, bool]:
     return None, False
 
 
+def check_layout(store: RunStore, rel: str) -> None:
+    """Raise ``StoreLayoutError`` unless ``rel`` is a directory or absent (links are not followed)."""
+    kind = store.kind(rel)
+    if kind not in ("dir", "absent"):
+        what = {"link": "a symbolic link (links are not followed)", "file": "a file"}.get(kind, "a special file")
+        raise StoreLayoutError(
+            f"{store.url(rel)} is {what}, not a directory; move it aside (or make it a directory) and rerun"
+        )
+
+
 def list_step_dirs(store: RunStore) -> dict[str, list[ObjectInfo]]:
-    """Every directory under ``checkpoints/`` with its objects (names relative to the step directory)."""
+    """Every directory under ``checkpoints/`` with its objects (names relative to the step directory).
+
+    Raises:
+        StoreLayoutError: ``checkpoints`` itself is a file or a link, not a directory.
+    """
+    check_layout(store, RunLayout.CHECKPOINTS)
     base = RunLayout.CHECKPOINTS + "/"
     out: dict[str, list[ObjectInfo]] = {name: [] for name in store.children(RunLayout.CHECKPOINTS)}
     for o in store.list(RunLayout.CHECKPOINTS):
@@ -245,7 +296,13 @@ def inspect_candidate(
     """Read the cheap facts of one step directory: name, commit marker, manifest, compatibility (not file data)."""
     step, temporary = _parse_name(name)
     c = CandidateInfo(name=name, step=step, on_gcs=store.is_gcs, temporary=temporary, file_count=len(objects))
-    if step is None or temporary or not objects:
+    if step is None or temporary:
+        return c
+    rel = f"{RunLayout.CHECKPOINTS}/{name}"
+    odd = tuple(store.odd(rel))
+    kind = "dir" if objects else store.kind(rel)  # a kind probe costs a request on GCS: only when in doubt
+    c = replace(c, entry_kind=kind, canonical=str(step) == name, odd=odd)
+    if kind in ("file", "other", "absent") or not c.canonical or c.odd or not objects:
         return c
     names = {o.name for o in objects}
     committed = GCS_COMMIT in names if store.is_gcs else LOCAL_METADATA in names
@@ -264,14 +321,32 @@ def inspect_candidate(
 
 
 def check_files(store: RunStore, name: str, objects: list[ObjectInfo], *, threads: int = 8) -> list[str]:
-    """Read back every file the manifest lists and compare size and CRC32C; one line per problem."""
-    manifest = CheckpointManifest.model_validate_json(
-        store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{RunLayout.MANIFEST}") or b""
-    )
+    """Check the step closed-world against its manifest; one line per problem.
+
+    Every file the manifest lists must be present with its size and CRC32C (read back), and every file
+    under the step must be listed: a file the manifest does not know (an extra array chunk, say) could
+    be read by orbax without ever having been checked. Nothing is exempt besides the manifest itself:
+    the manifest is written after orbax committed the step (``commit_success.txt`` on GCS, the
+    directory rename and ``_CHECKPOINT_METADATA`` locally are all in place before it), so it lists
+    orbax's metadata and marker files too. The run store's own lock file of the manifest write
+    (``.manifest.json.lock``) is not an object.
+    """
+    raw = store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{RunLayout.MANIFEST}")
+    if raw is None:
+        return [f"{RunLayout.MANIFEST} vanished while being checked"]
+    try:
+        manifest = CheckpointManifest.model_validate_json(raw)
+    except ValidationError:
+        return [f"{RunLayout.MANIFEST} changed while being checked and is unreadable"]
     sizes = {o.name: o.size for o in objects}
     problems: list[str] = []
     if not manifest.files:
         return ["the manifest lists no files"]
+    listed = [f.path for f in manifest.files]
+    twice = sorted({p for p in listed if listed.count(p) > 1})
+    problems += [f"{p} is listed twice in the manifest" for p in twice[:3]]
+    unlisted = sorted(set(sizes) - set(listed) - {RunLayout.MANIFEST})
+    problems += [f"{p} is not in the manifest (an unverified file)" for p in unlisted]
     to_read = []
     for f in manifest.files:
         if f.path not in sizes:

@@ -283,7 +283,7 @@ def test_unreachable_api_is_noted_not_fatal():
 def tpu_config(root: str):
     return parse_config({"run_id": "llm", "namespace": NS, "image": "gcr.io/p/trainer:1",
                          "slice": {"accelerator": "v5e", "topology": "4x4", "spot": True},
-                         "storage": {"root": root}})  # fmt: skip
+                         "storage": {"root": root, "durable_mount": True}})  # fmt: skip
 
 
 def test_classify_failure_on_gke_backend(api, tmp_path, capsys):

@@ -57,7 +57,10 @@ def test_topology_agrees_and_disagrees(tmp_path):
 
 def test_tpu_topology_checks_chips(tmp_path):
     cfg = tiny_config(
-        str(tmp_path), slice={"accelerator": "v5e", "topology": "4x4", "hosts": None}, data={"global_batch_size": 16}
+        str(tmp_path),
+        slice={"accelerator": "v5e", "topology": "4x4", "hosts": None},
+        data={"global_batch_size": 16},
+        storage={"durable_mount": True},
     )
     assert topology_problems(cfg, process_count=4, local_devices=4, global_devices=16, platform="tpu") == []
     bad = topology_problems(cfg, process_count=4, local_devices=4, global_devices=8, platform="tpu")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -422,14 +421,23 @@ def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord) -> NoRetur
 
 def parse_args(argv: Sequence[str] | None) -> RunArgs:
     """Parse the worker's command line."""
-    p = argparse.ArgumentParser(prog="python -m trainer", description="Run one worker of a training segment.")
-    p.add_argument("--store-root", required=True, help="Run store root: gs://bucket/prefix or a local directory.")
-    p.add_argument("--run-id", required=True, help="Run id (names runs/<run-id>/ in the store).")
-    p.add_argument("--attempt", type=int, required=True, help="Attempt number n (reports go to attempts/<n>/).")
-    p.add_argument("--restore-step", type=int, default=-1, help="Step to restore (-1: fresh start).")
+    from recovery_steps.kernel import cli
+
+    p = cli.StepArgumentParser(prog="python -m trainer", description="Run one worker of a training segment.")
+    p.add_argument(
+        "--store-root", required=True, type=cli.store_root, help="Run store root: gs://bucket/prefix or a directory."
+    )
+    p.add_argument("--run-id", required=True, type=cli.run_id, help="Run id (names runs/<run-id>/ in the store).")
+    p.add_argument("--attempt", type=cli.attempt, required=True, help="Attempt number n (reports go to attempts/<n>/).")
+    p.add_argument(
+        "--restore-step",
+        type=cli.bounded_int(-1, 2**31 - 1, "a step"),
+        default=-1,
+        help="Step to restore (-1: fresh start).",
+    )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=cli.bounded_int(0, 65535, "a port"),
         default=None,
         help="Prometheus port (local backend: + process index; 0: off). Default: from the config.",
     )

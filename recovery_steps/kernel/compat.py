@@ -35,6 +35,7 @@ RULES: tuple[Rule, ...] = (
     Rule("image", True, "a new image may fix a bug; the code version is recorded in every checkpoint"),
     Rule("service_account", True, "credentials only"),
     Rule("storage.root", True, "where the run store lives; checkpoints carry no absolute paths"),
+    Rule("storage.durable_mount", True, "a declaration about the volume behind a local root; the data is the same"),
     Rule("slice.spot", True, "capacity type only; the slice shape is unchanged"),
     Rule("slice.reservation", True, "capacity source only; the slice shape is unchanged"),
     Rule("slice.accelerator", False, "another chip changes numerics, memory layout and the device count"),

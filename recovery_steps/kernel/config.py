@@ -21,10 +21,57 @@ from recovery_steps.kernel.tpu import LOCAL, TPU_TYPES
 _GCS_URL = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
 _NAMED = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
 _RUN_ID = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+
+SEED_MAX = 2**31 - 1
+"""Seeds are kept as int32 JAX arrays in the training state (and numpy refuses negative seeds)."""
+MAX_CONFIG_BYTES = 1 << 20
+"""A job config is a few KB; anything beyond 1 MiB is refused unread."""
+MAX_DEPTH = 32
+"""Deepest YAML nesting accepted (the config tree is four levels deep)."""
+MAX_ALIASES = 32
+"""YAML aliases accepted per file: enough for shared anchors, too few for an alias bomb."""
+MAX_NODES = 20_000
+"""Values in the config after aliases are expanded."""
+MAX_PROBLEMS = 20
+"""Problems listed per rejected config; the rest are counted."""
+MAX_LINE = 300
+"""Characters per problem line."""
+
+
+def run_id_problem(value: str) -> str | None:
+    """Why ``value`` is not a valid run id, or None. The one run-id syntax of the project (config, CLIs, store)."""
+    if _RUN_ID.match(value):
+        return None
+    shown = value if len(value) <= 60 else value[:57] + "..."
+    return (
+        f"{shown!r} is not a valid run id; use 1-40 lowercase letters, digits and '-', starting and "
+        "ending with a letter or digit"
+    )
+
+
+INT_MAX = 2**31 - 1
+"""Largest integer any config field takes: steps, seeds and counters live in int32 arrays or Argo parameters."""
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: an infinite backoff or a NaN rate cannot be acted on; refuse it here.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded_ints(cls, v: Any) -> Any:
+        values = v.values() if isinstance(v, dict) else (v,)
+        for x in values:
+            if isinstance(x, int) and not isinstance(x, bool) and abs(x) > INT_MAX:
+                raise ValueError(f"{_short(x)} is out of range; integers here are at most {INT_MAX}")
+        return v
 
 
 class SliceConfig(_Section):
@@ -45,6 +92,14 @@ class SliceConfig(_Section):
     )
     spot: bool = Field(default=False, description="Schedule on Spot VMs (preemptible; TPU only).")
     reservation: str | None = Field(default=None, description="GKE reservation name to consume (TPU only).")
+
+    @field_validator("reservation")
+    @classmethod
+    def _check_reservation(cls, v: str | None) -> str | None:
+        # A GCE resource name (RFC 1035 label): it goes into a node selector value.
+        if v is not None and not re.match(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$", v):
+            raise ValueError(f"{_short(v)} is not a reservation name; use 1-63 lowercase letters, digits and '-'")
+        return v
 
     @model_validator(mode="after")
     def _check_shape(self) -> SliceConfig:
@@ -110,6 +165,11 @@ class StorageConfig(_Section):
         description="'gs://bucket/prefix' on GKE, or a local directory (relative paths are relative to "
         "the working directory)."
     )
+    durable_mount: bool = Field(
+        default=False,
+        description="Declare that a local root is a durable volume mounted at the same path in every pod "
+        "(for example Cloud Storage FUSE or Filestore); required for a local root on a TPU slice.",
+    )
 
     @field_validator("root")
     @classmethod
@@ -125,6 +185,8 @@ class StorageConfig(_Section):
             raise ValueError(f"{v!r}: only gs:// URLs or local directories are supported")
         if not v:
             raise ValueError("empty; give gs://BUCKET/PREFIX or a local directory")
+        if len(v) > 1024 or "\x00" in v:
+            raise ValueError(f"{_short(v)} is not a usable path; give a local directory of at most 1024 characters")
         return v
 
     @property
@@ -182,7 +244,7 @@ class DataConfig(_Section):
     )
     num_records: int = Field(default=4096, ge=1, description="Sequences in the dataset (one epoch).")
     global_batch_size: int = Field(default=16, ge=1, description="Sequences per step across all hosts.")
-    seed: int = Field(default=1234, description="Seed of the data order.")
+    seed: int = Field(default=1234, ge=0, le=SEED_MAX, description="Seed of the data order (0 to 2**31-1).")
     resume_mode: Literal["exact", "reshuffle"] = Field(
         default="exact",
         description="'exact': resume at the same logical dataset position; 'reshuffle': a new order "
@@ -195,7 +257,9 @@ class TrainingConfig(_Section):
     """Length of training, parallelism, and the timeouts that make a failure visible fast."""
 
     total_steps: int = Field(default=60, ge=1, description="Training ends (exit 0) after this many steps.")
-    seed: int = Field(default=0, description="Seed of parameter init and the step RNG.")
+    seed: int = Field(
+        default=0, ge=0, le=SEED_MAX, description="Seed of parameter init and the step RNG (0 to 2**31-1)."
+    )
     sharding: Literal["data", "fsdp"] = Field(
         default="data", description="'data': replicated parameters; 'fsdp': parameters sharded over hosts."
     )
@@ -234,7 +298,13 @@ class BackoffConfig(_Section):
 
     base_s: float = Field(default=10, ge=0, description="Backoff before the first retry of a class.")
     factor: float = Field(default=2.0, ge=1, description="Multiplier per further retry of the same class.")
-    max_s: float = Field(default=600, ge=0, description="Cap on any backoff.")
+    max_s: float = Field(default=600, ge=0, le=86_400, description="Cap on any backoff (at most a day).")
+
+    @model_validator(mode="after")
+    def _check_order(self) -> BackoffConfig:
+        if self.base_s > self.max_s:
+            raise ValueError(f"base_s {self.base_s} exceeds max_s {self.max_s}; make base_s <= max_s")
+        return self
 
 
 def _default_budgets() -> dict[FailureClass, int]:
@@ -332,11 +402,25 @@ class JobConfig(_Section):
     @field_validator("run_id")
     @classmethod
     def _check_run_id(cls, v: str) -> str:
-        if not _RUN_ID.match(v):
-            raise ValueError(
-                f"{v!r} is not a valid run id; use 1-40 lowercase letters, digits and '-', starting and "
-                "ending with a letter or digit"
-            )
+        problem = run_id_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("namespace", "service_account")
+    @classmethod
+    def _check_k8s_name(cls, v: str) -> str:
+        # Kubernetes names: namespaces are RFC 1123 labels, ServiceAccounts DNS subdomains (kubernetes
+        # docs "Object Names and IDs"); a label is the stricter of the two and fits both.
+        if not _DNS_LABEL.match(v):
+            raise ValueError(f"{_short(v)} is not a Kubernetes name; use 1-63 lowercase letters, digits and '-'")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _check_image(cls, v: str) -> str:
+        if not v or len(v) > 512 or any(ch.isspace() for ch in v):
+            raise ValueError(f"{_short(v)} is not a container image reference; e.g. REGISTRY/NAME:TAG")
         return v
 
     @model_validator(mode="after")
@@ -347,6 +431,35 @@ class JobConfig(_Section):
                 f"data.global_batch_size: {self.data.global_batch_size} is not divisible by the "
                 f"{devices} devices of the slice; use a multiple of {devices}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_contradictions(self) -> JobConfig:
+        problems = []
+        if not self.slice.is_local and not self.storage.is_gcs and not self.storage.durable_mount:
+            problems.append(
+                f"storage.root: {_short(self.storage.root)} is a local path on a TPU slice: the checkpoints "
+                "would live on the pods' disks and die with them; use gs://BUCKET/PREFIX, or declare a durable "
+                "volume mounted there in every pod with storage.durable_mount: true"
+            )
+        ck, tr = self.checkpoint, self.training
+        if ck.interval_steps > tr.total_steps:
+            problems.append(
+                f"checkpoint.interval_steps: {ck.interval_steps} exceeds training.total_steps {tr.total_steps}: "
+                "no checkpoint would be saved before the end; make it at most total_steps"
+            )
+        if ck.keep < 2:
+            problems.append(
+                f"checkpoint.keep: {ck.keep} leaves nothing to fall back to when the newest checkpoint is "
+                "damaged; keep at least 2"
+            )
+        if self.slice.is_local and self.monitoring.metrics_port + self.slice.num_hosts - 1 > 65535:
+            problems.append(
+                f"monitoring.metrics_port: {self.monitoring.metrics_port} + one port per local host "
+                f"({self.slice.num_hosts}) passes 65535; use a lower port"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     def config_hash(self) -> str:
@@ -375,28 +488,34 @@ class ConfigError(Exception):
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-")))
+    text = ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-")))
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _describe(err: dict[str, Any], data: Any) -> str:
+def _bounded(line: str) -> str:
+    line = " ".join(line.split())
+    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
+
+
+def _describe(err: dict[str, Any], data: Any) -> list[str]:
     loc = _loc(err["loc"])
     kind = err["type"]
     msg = err["msg"]
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
-        # Model-level validators already name their field ("slice.topology: ...").
-        if not loc or _NAMED.match(msg):
-            return msg
-        return f"{loc}: {msg}"
+        out = []
+        for part in msg[len("Value error, ") :].splitlines():
+            # Model-level validators already name their field ("slice.topology: ...").
+            out.append(part if not loc or _NAMED.match(part) else f"{loc}: {part}")
+        return out
     if kind == "extra_forbidden":
         parent = err["loc"][:-1]
         allowed = _allowed_keys(parent)
         hint = f"; valid keys here: {', '.join(allowed)}" if allowed else ""
-        return f"{loc}: unknown key{hint}"
+        return [f"{loc}: unknown key{hint}"]
     if kind == "missing":
-        return f"{loc}: required field is missing"
+        return [f"{loc}: required field is missing"]
     value = err.get("input")
-    return f"{loc}: {msg} (got {value!r})"
+    return [f"{loc}: {msg} (got {_short(value)})"]
 
 
 def _allowed_keys(parent: tuple[Any, ...]) -> list[str]:
@@ -412,35 +531,125 @@ def _allowed_keys(parent: tuple[Any, ...]) -> list[str]:
 
 
 def parse_config(data: Any, source: str = "<config>") -> JobConfig:
-    """Validate a config mapping; raise ConfigError with one message per problem."""
+    """Validate a config mapping; raise ConfigError with one message per problem (bounded in number and length)."""
     if not isinstance(data, dict):
         raise ConfigError(source, [f"top level must be a mapping of config sections, got {type(data).__name__}"])
+    bad_keys = [k for k in data if not isinstance(k, str)]
+    if bad_keys:
+        raise ConfigError(source, [f"top-level key {_short(bad_keys[0])} is not a string; use section names"])
     try:
         return JobConfig.model_validate(data)
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            line = _describe(err, data)
-            if line not in problems:
-                problems.append(line)
-        raise ConfigError(source, problems) from None
+        errors = e.errors()
+        shown: dict[str, None] = {}  # ordered and unique
+        for i, err in enumerate(errors):
+            if len(shown) >= MAX_PROBLEMS:
+                shown[f"... and {len(errors) - i} more problem(s)"] = None
+                break
+            for line in _describe(err, data):
+                shown[_bounded(line)] = None
+        raise ConfigError(source, list(shown)) from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A YAML loader for configs: duplicate keys, deep nesting and alias bombs are errors, not surprises.
+
+    PyYAML's ``SafeLoader`` keeps the last of two equal keys and expands aliases by reference, so a
+    few lines can stand for billions of values once pydantic walks them; its composer recurses once
+    per nesting level.
+    """
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+        self._aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:  # noqa: D102 - PyYAML hook
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                event = self.peek_event()
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"more than {MAX_ALIASES} aliases: refusing a possible alias bomb", event.start_mark
+                )
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:  # noqa: D102 - PyYAML hook
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be a plain value", key_node.start_mark
+                ) from None
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {_short(key)} (the first value would be silently lost)",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(data: Any, limit: int) -> int:
+    """Values in ``data`` counting shared (aliased) subtrees once per use; stops counting past ``limit``."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        x = stack.pop()
+        count += 1
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return count
 
 
 def load_config(path: str | Path) -> JobConfig:
-    """Read and validate a YAML (or JSON) config file; raise ConfigError on any problem."""
+    """Read and validate a YAML (or JSON) config file; raise ConfigError on any problem.
+
+    The file is refused unparsed when it is larger than ``MAX_CONFIG_BYTES`` or not UTF-8; the YAML
+    loader refuses duplicate keys, nesting deeper than ``MAX_DEPTH`` and more than ``MAX_ALIASES``
+    aliases, so a hostile file costs bounded memory and time and still gets one line.
+    """
     p = Path(path)
     try:
-        text = p.read_text()
+        with open(p, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
-        raise ConfigError(str(p), [f"cannot read the file: {e.strerror}"]) from None
+        raise ConfigError(str(p)[:200], [f"cannot read the file: {e.strerror or e}"]) from None
+    except ValueError as e:  # an embedded NUL in the path
+        raise ConfigError(str(p)[:200], [f"cannot read the file: {e}"]) from None
+    source = str(p)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(source, [f"the file is larger than {MAX_CONFIG_BYTES} bytes; a job config is a few KB"])
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        problem = f"not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}); save it as UTF-8"
+        raise ConfigError(source, [problem]) from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader is a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(str(p), [f"YAML syntax error{where}: {problem}"]) from None
-    return parse_config(data, str(p))
+        raise ConfigError(source, [_bounded(f"YAML syntax error{where}: {problem}")]) from None
+    except RecursionError:
+        raise ConfigError(source, [f"YAML nested too deeply; a job config is at most {MAX_DEPTH} levels"]) from None
+    if _expanded_size(data, MAX_NODES) > MAX_NODES:
+        raise ConfigError(source, [f"more than {MAX_NODES} values once aliases are expanded; not a job config"])
+    return parse_config(data, source)
 
 
 def config_from_json(text: str, source: str = "config.json") -> JobConfig:

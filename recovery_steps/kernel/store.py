@@ -18,9 +18,11 @@ generation precondition so that two writers cannot silently overwrite each other
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -184,6 +186,8 @@ class _Backend(Protocol):
     def write(self, rel: str, data: bytes, if_generation_match: int | None) -> int: ...
     def list(self, prefix: str) -> list[ObjectInfo]: ...
     def delete(self, rel: str) -> None: ...
+    def odd(self, prefix: str) -> list[str]: ...
+    def kind(self, rel: str) -> str: ...
 
 
 class LocalBackend:
@@ -240,22 +244,88 @@ class LocalBackend:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        """Objects under ``prefix``."""
+        """Regular files under ``prefix``; symbolic links and special files are not objects (see ``odd``).
+
+        A file that disappears while the tree is walked (a concurrent move) is left out, not an error.
+        """
         base = self.root / prefix if prefix else self.root
-        if not base.exists():
+        try:
+            st = base.lstat()
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        if base.is_file():
-            st = base.stat()
+        if stat.S_ISREG(st.st_mode):
             return [ObjectInfo(prefix, st.st_size, st.st_mtime_ns)]
+        if not stat.S_ISDIR(st.st_mode):
+            return []
         out = []
+        # followlinks=False (the default): a symlinked directory is not walked into.
         for dirpath, _dirs, files in os.walk(base):
             for name in files:
                 if name.endswith(".lock") and name.startswith("."):
                     continue
                 full = Path(dirpath) / name
-                st = full.stat()
-                out.append(ObjectInfo(str(full.relative_to(self.root)), st.st_size, st.st_mtime_ns))
+                try:
+                    st = full.lstat()
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    out.append(ObjectInfo(str(full.relative_to(self.root)), st.st_size, st.st_mtime_ns))
         return sorted(out, key=lambda o: o.name)
+
+    def odd(self, prefix: str) -> list[str]:
+        """What under ``prefix`` is neither a directory nor a regular file, or cannot be read; one line each."""
+        base = self.root / prefix
+        out: list[str] = []
+
+        def note(path: Path, what: str) -> None:
+            rel = os.path.relpath(path, base)
+            out.append(f"{'.' if rel == '.' else rel} {what}")
+
+        def target(path: Path) -> str:
+            try:
+                return repr(os.readlink(path))
+            except OSError:
+                return "?"
+
+        try:
+            st = base.lstat()
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        if stat.S_ISLNK(st.st_mode):
+            return [f". is a symbolic link (to {target(base)}; links are not followed)"]
+        if not stat.S_ISDIR(st.st_mode):
+            return []
+
+        def walk_error(e: OSError) -> None:
+            if e.errno != errno.ENOENT:
+                note(Path(e.filename or base), f"cannot be read ({e.strerror})")
+
+        for dirpath, dirs, files in os.walk(base, onerror=walk_error):
+            for name in [*dirs, *files]:
+                full = Path(dirpath) / name
+                try:
+                    st = full.lstat()
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISLNK(st.st_mode):
+                    note(full, f"is a symbolic link (to {target(full)}; links are not followed)")
+                elif not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                    note(full, "is not a regular file")
+                elif stat.S_ISREG(st.st_mode) and not os.access(full, os.R_OK):
+                    note(full, "cannot be read (permission denied)")
+        return sorted(out)
+
+    def kind(self, rel: str) -> str:
+        """``dir``, ``file``, ``link``, ``other`` or ``absent`` for ``rel`` (links not followed)."""
+        try:
+            st = (self.root / rel).lstat()
+        except (FileNotFoundError, NotADirectoryError):
+            return "absent"
+        if stat.S_ISLNK(st.st_mode):
+            return "link"
+        if stat.S_ISDIR(st.st_mode):
+            return "dir"
+        return "file" if stat.S_ISREG(st.st_mode) else "other"
 
     def delete(self, rel: str) -> None:
         """Delete ``rel`` if present."""
@@ -329,6 +399,21 @@ class GcsBackend:
         with contextlib.suppress(exceptions.NotFound):
             self.bucket.blob(self._key(rel)).delete()
 
+    def odd(self, prefix: str) -> list[str]:
+        """Nothing: GCS holds only objects (no links, no special files)."""
+        return []
+
+    def kind(self, rel: str) -> str:
+        """``file`` when an object has exactly this name, ``dir`` when objects lie under it, else ``absent``."""
+        if self.bucket.blob(self._key(rel)).exists():
+            return "file"
+        key = self._key(rel).rstrip("/") + "/"
+        return (
+            "dir"
+            if any(True for _ in self.bucket.client.list_blobs(self.bucket_name, prefix=key, max_results=1))
+            else "absent"
+        )
+
 
 def make_gcs_client():
     """A google-cloud-storage client: Workload Identity (ADC) on GKE, anonymous against an emulator."""
@@ -352,6 +437,12 @@ class RunStore:
     """The documents and checkpoints of one run, under ``<root>/runs/<run_id>/``."""
 
     def __init__(self, root: str, run_id: str, *, gcs_client: Any = None):
+        from recovery_steps.kernel.config import run_id_problem
+
+        # The run id names a folder: one syntax (the config's) keeps every write under runs/<run-id>/.
+        problem = run_id_problem(run_id)
+        if problem:
+            raise ValueError(f"run store: {problem}")
         self.root = root
         self.run_id = run_id
         if root.startswith("gs://"):
@@ -454,25 +545,58 @@ class RunStore:
                 names |= {p.name for p in d.iterdir() if not p.name.startswith(".")}
         return sorted(names)
 
+    def odd(self, prefix: str) -> list[str]:
+        """Entries under ``prefix`` that are not plain directories or readable regular files (local only)."""
+        return self._b.odd(prefix)
+
+    def kind(self, rel: str) -> str:
+        """What ``rel`` is: ``dir``, ``file``, ``link``, ``other`` or ``absent`` (links are not followed)."""
+        return self._b.kind(rel)
+
     def move(self, src_prefix: str, dst_prefix: str) -> int:
-        """Move every object under ``src_prefix`` to ``dst_prefix`` (copy first, then delete). Returns count."""
+        """Move everything under ``src_prefix`` to ``dst_prefix``; return how many objects moved (0: nothing there).
+
+        Local: one ``rename`` (atomic; POSIX rename(2) replaces an empty directory, so the destination is
+        first created empty and exclusively: ``FileExistsError`` when it is taken); a source that is a
+        link or a file is renamed into the new directory (``dst/<name>``). A source another
+        process moved first is 0, not an error. GCS: every object is copied, then every object deleted;
+        an object that vanished meanwhile (a concurrent mover got it) is skipped, so whichever mover
+        deletes first has already copied everything it listed.
+        """
         if not self.is_gcs:
             src, dst = Path(self.url(src_prefix)), Path(self.url(dst_prefix))
-            if not src.exists():
+            if not os.path.lexists(src):
                 return 0
-            dst.parent.mkdir(parents=True, exist_ok=True)
             n = len(self._b.list(src_prefix))  # objects, as list() counts them (lock files excluded)
-            os.replace(src, dst)
-            return n
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir() and not src.is_symlink():
+                os.mkdir(dst)  # exclusive: raises FileExistsError when the name is taken
+                try:
+                    os.rename(src, dst)
+                except FileNotFoundError:
+                    dst.rmdir()
+                    return 0
+            else:
+                # A link or a file: moved into a new directory of its own, so that what is written
+                # into the quarantine entry afterwards (its reason) never goes through a link.
+                os.mkdir(dst)
+                try:
+                    os.rename(src, dst / src.name)
+                except FileNotFoundError:
+                    dst.rmdir()
+                    return 0
+            return max(n, 1)
         objs = self._b.list(src_prefix)
+        copied = 0
         for o in objs:
             data = self.read_bytes(o.name)
             if data is None:
                 continue
             self.write_bytes(dst_prefix + o.name[len(src_prefix) :], data)
+            copied += 1
         for o in objs:
             self._b.delete(o.name)
-        return len(objs)
+        return copied
 
     def delete(self, rel: str) -> None:
         """Delete ``rel`` if present."""
