@@ -80,6 +80,7 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpoint", True, "save policy (interval, retention, async) only; the saved format is the same"),
     Rule("retry", True, "recovery policy only"),
     Rule("monitoring", True, "metrics and alerts only"),
+    Rule("supervision", True, "deadlines of the attempt's supervisor only"),
 )
 
 _BY_PATH = {r.path: r for r in RULES}

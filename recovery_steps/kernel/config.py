@@ -358,6 +358,71 @@ class RetryConfig(_Section):
         return self.backoff.get(cls_, self.default_backoff)
 
 
+class SupervisionConfig(_Section):
+    """Deadlines of the train-segment supervisor: when an attempt that has not ended is over anyway.
+
+    Kubernetes never fails a Job whose pod is Pending or pulling an image (no exit code, so no
+    ``podFailurePolicy`` rule matches), and a pod on an unreachable node stays Terminating: without
+    these deadlines such an attempt waits forever.
+    """
+
+    startup_deadline_s: float = Field(
+        default=900,
+        gt=0,
+        description="End the attempt (capacity) when a worker pod is still unscheduled this long after it was "
+        "created while the scheduler reports no room, or when the gang has fewer pods than hosts this long.",
+    )
+    image_pull_deadline_s: float = Field(
+        default=300,
+        gt=0,
+        description="End the attempt (configuration) when a worker container waits this long on an image pull "
+        "or container creation error (ErrImagePull, ImagePullBackOff, CreateContainerConfigError, ...).",
+    )
+    hang_timeout_s: float = Field(
+        default=600,
+        gt=0,
+        description="End the attempt (hang) when a worker's heartbeat shows no new step this long after its "
+        "first step.",
+    )
+    compile_grace_s: float = Field(
+        default=1800,
+        gt=0,
+        description="Before a worker's first step: how long after every worker runs it may take to report a "
+        "step (startup, restore and the first compilation) before the attempt counts as hung.",
+    )
+    force_delete_grace_s: float = Field(
+        default=60,
+        ge=0,
+        description="When stopping an attempt: how long a pod may stay Terminating on a NotReady or "
+        "unreachable node before it is force-deleted (grace period 0).",
+    )
+    heartbeat_interval_s: float = Field(
+        default=30,
+        gt=0,
+        description="Each worker writes its step and time to the run store at most this often.",
+    )
+    watch_interval_s: float = Field(
+        default=5,
+        gt=0,
+        description="The supervisor re-decides at least this often (and on every watch event).",
+    )
+    config_conditions: tuple[str, ...] = Field(
+        default=("ConfigIssue",),
+        description="Custom pod condition types (set True by an admission or policy controller) that mean the "
+        "pod can never start: the attempt ends at once as configuration.",
+    )
+
+    @model_validator(mode="after")
+    def _check_heartbeat(self) -> SupervisionConfig:
+        if self.hang_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"supervision.hang_timeout_s: {self.hang_timeout_s:g} is less than twice "
+                f"supervision.heartbeat_interval_s ({self.heartbeat_interval_s:g}); a healthy worker would look "
+                f"hung between heartbeats; use at least {2 * self.heartbeat_interval_s:g}"
+            )
+        return self
+
+
 class MonitoringConfig(_Section):
     """Metrics and alert thresholds."""
 
@@ -398,6 +463,9 @@ class JobConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     retry: RetryConfig = Field(default_factory=RetryConfig, description="Recovery policy.")
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig, description="Metrics and alerts.")
+    supervision: SupervisionConfig = Field(
+        default_factory=SupervisionConfig, description="Deadlines of the train-segment supervisor."
+    )
 
     @field_validator("run_id")
     @classmethod

@@ -1,0 +1,345 @@
+"""When is a training attempt over? One pure decision over a plain observation of its JobSet.
+
+``decide(observation, deadlines)`` is what the ``train-segment`` supervisor calls on every watch event
+and the local JobSet stand-in calls on every tick. It does no I/O and imports nothing heavy: the
+adapters (``recovery_steps.train_segment`` against the Kubernetes API, ``workflows.local.executor`` over
+local processes) build the ``Observation``.
+
+Why a supervisor has to decide at all (sources in ``docs/FAILURES.md``):
+
+- Job ``FailureTarget`` comes before ``Failed``, and ``Failed`` waits for every pod to be terminal
+  (Kubernetes >= 1.31, "Terminal Job conditions"); JobSet reacts to ``Failed`` only
+  (kubernetes-sigs/jobset ``jobset_controller.go``, jobset#979). A pod on an unreachable node never
+  becomes terminal, so ``FailureTarget`` is the failure.
+- A pod Pending on ``Insufficient google.com/tpu`` or a container waiting in ``ImagePullBackOff`` has no
+  exit code: no ``podFailurePolicy`` rule matches and the Job never fails.
+- A worker that is alive but makes no step fails nothing either; only its heartbeat tells.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from recovery_steps.kernel.config import SupervisionConfig
+
+# Container waiting reasons that mean the image or the container spec is wrong (kubelet
+# pkg/kubelet/images/types.go and kuberuntime): they loop with a back-off and never fail the pod.
+IMAGE_WAITING_REASONS = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "ErrImageNeverPull",
+        "InvalidImageName",
+        "RegistryUnavailable",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+    }
+)
+# Waiting reasons that cannot recover by waiting: no deadline needed.
+IMMEDIATE_WAITING_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+# The taint the node lifecycle controller puts on a node whose kubelet stopped reporting.
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+
+
+class _Rec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttemptState(enum.StrEnum):
+    """Where an attempt stands."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STALLED = "stalled"
+
+
+class StallKind(enum.StrEnum):
+    """Why a stalled attempt cannot end by itself. The values are written to the supervision record."""
+
+    CAPACITY = "capacity"
+    CONFIGURATION = "configuration"
+    HANG = "hang"
+    NODE_LOST = "node-lost"
+
+
+class PodCondition(_Rec):
+    """A pod condition (``status.conditions[]``)."""
+
+    type: str
+    status: str = "True"
+    reason: str | None = None
+    message: str | None = None
+    since: float | None = Field(default=None, description="lastTransitionTime, epoch seconds.")
+
+
+class PodObservation(_Rec):
+    """One worker pod as the supervisor last saw it."""
+
+    name: str
+    index: int | None = Field(default=None, description="Job completion index (the worker index).")
+    phase: str = Field(default="Pending", description="Pending, Running, Succeeded, Failed or Unknown.")
+    node: str | None = Field(default=None, description="spec.nodeName; None while unscheduled.")
+    created_at: float | None = None
+    conditions: tuple[PodCondition, ...] = ()
+    waiting_reason: str | None = Field(default=None, description="The trainer container's waiting reason.")
+    waiting_message: str | None = None
+    waiting_since: float | None = Field(default=None, description="When this waiting reason was first seen.")
+    running_since: float | None = Field(default=None, description="The trainer container's startedAt.")
+    exit_code: int | None = Field(default=None, description="The trainer container's terminated exit code.")
+    terminated_reason: str | None = None
+    deletion_timestamp: float | None = Field(default=None, description="Set once the pod is being deleted.")
+
+    def condition(self, type_: str) -> PodCondition | None:
+        """The condition of ``type_``, if the pod has it."""
+        return next((c for c in self.conditions if c.type == type_), None)
+
+    @property
+    def label(self) -> str:
+        """``worker <i>`` (or the pod name when the index is unknown)."""
+        return f"worker {self.index}" if self.index is not None else f"pod {self.name}"
+
+
+class NodeObservation(_Rec):
+    """One node a worker pod is bound to."""
+
+    name: str
+    ready: bool | None = Field(default=True, description="Ready condition: True, False, or None (Unknown).")
+    unreachable: bool = Field(default=False, description=f"Tainted {UNREACHABLE_TAINT}.")
+    since: float | None = Field(default=None, description="When Ready last changed.")
+    exists: bool = Field(default=True, description="False when the Node object is gone.")
+
+    @property
+    def lost(self) -> bool:
+        """True when the node cannot run (or confirm the end of) its pods."""
+        return not self.exists or self.unreachable or self.ready is not True
+
+
+class JobObservation(_Rec):
+    """One Job of the JobSet: the condition types it has with status True."""
+
+    name: str
+    conditions: tuple[PodCondition, ...] = ()
+
+    def has(self, type_: str) -> PodCondition | None:
+        """The True condition of ``type_``, if any."""
+        return next((c for c in self.conditions if c.type == type_ and c.status == "True"), None)
+
+
+class WorkerProgress(_Rec):
+    """A worker's newest heartbeat: its last completed step and when."""
+
+    index: int
+    step: int | None = Field(default=None, description="Last step completed (None: none yet).")
+    at: float = Field(description="When the heartbeat was written (epoch seconds).")
+    first_step_at: float | None = None
+
+
+class Observation(_Rec):
+    """Everything the decision looks at, at one instant."""
+
+    now: float
+    expected_workers: int = Field(ge=1)
+    created_at: float = Field(description="When the attempt's JobSet was created.")
+    jobset_exists: bool = True
+    jobset_terminal_state: str | None = Field(default=None, description="status.terminalState of the JobSet.")
+    jobset_conditions: tuple[PodCondition, ...] = ()
+    jobs: tuple[JobObservation, ...] = ()
+    pods: tuple[PodObservation, ...] = ()
+    nodes: tuple[NodeObservation, ...] = ()
+    progress: tuple[WorkerProgress, ...] = ()
+
+
+class Verdict(_Rec):
+    """The decision: the attempt's state, the stall kind when stalled, and one line saying why."""
+
+    state: AttemptState
+    kind: StallKind | None = None
+    reason: str
+    worker: int | None = Field(default=None, description="The worker the reason is about, if one.")
+
+    @property
+    def over(self) -> bool:
+        """True when the attempt has ended (the supervisor stops it and exits)."""
+        return self.state != AttemptState.RUNNING
+
+
+def _live(pods: tuple[PodObservation, ...]) -> list[PodObservation]:
+    # A pod being deleted while its node is healthy is on its way out; count what the Job counts.
+    return [p for p in pods if p.phase not in ("Succeeded", "Failed")]
+
+
+def _failed(obs: Observation) -> Verdict | None:
+    if not obs.jobset_exists:
+        return Verdict(state=AttemptState.FAILED, reason="the attempt's JobSet was deleted by someone else")
+    if obs.jobset_terminal_state == "Failed":
+        c = next((c for c in obs.jobset_conditions if c.type == "Failed" and c.status == "True"), None)
+        why = f": {c.reason}: {c.message}" if c and (c.reason or c.message) else ""
+        return Verdict(state=AttemptState.FAILED, reason=f"JobSet failed{why}")
+    for job in obs.jobs:
+        # FailureTarget is the Job controller's verdict; Failed only follows once every pod is terminal.
+        c = job.has("Failed") or job.has("FailureTarget")
+        if c is not None:
+            return Verdict(
+                state=AttemptState.FAILED,
+                reason=f"Job {job.name} {c.type}: {c.reason or '-'}: {c.message or 'no message'}",
+            )
+    for p in sorted(obs.pods, key=lambda p: (p.index is None, p.index or 0)):
+        if p.phase == "Failed":
+            code = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"
+            return Verdict(
+                state=AttemptState.FAILED,
+                reason=f"{p.label} failed ({code}{', ' + p.terminated_reason if p.terminated_reason else ''})",
+                worker=p.index,
+            )
+    return None
+
+
+def _succeeded(obs: Observation) -> Verdict | None:
+    if obs.jobset_terminal_state == "Completed":
+        return Verdict(state=AttemptState.SUCCEEDED, reason="JobSet completed")
+    if obs.jobs and all(j.has("Complete") for j in obs.jobs):
+        return Verdict(state=AttemptState.SUCCEEDED, reason="every Job completed")
+    done = {p.index for p in obs.pods if p.phase == "Succeeded"}
+    if len(done) >= obs.expected_workers and all(p.phase == "Succeeded" for p in obs.pods):
+        return Verdict(state=AttemptState.SUCCEEDED, reason=f"every worker succeeded ({len(done)}/{len(done)})")
+    return None
+
+
+def _configuration(obs: Observation, d: SupervisionConfig) -> Verdict | None:
+    for p in obs.pods:
+        for c in p.conditions:
+            if c.type in d.config_conditions and c.status == "True":
+                return Verdict(
+                    state=AttemptState.STALLED,
+                    kind=StallKind.CONFIGURATION,
+                    reason=f"{p.label}: pod condition {c.type}: {c.reason or '-'}: {c.message or 'no message'}",
+                    worker=p.index,
+                )
+        reason = p.waiting_reason
+        if reason in IMAGE_WAITING_REASONS:
+            waited = obs.now - (p.waiting_since if p.waiting_since is not None else obs.now)
+            if reason in IMMEDIATE_WAITING_REASONS or waited >= d.image_pull_deadline_s:
+                return Verdict(
+                    state=AttemptState.STALLED,
+                    kind=StallKind.CONFIGURATION,
+                    reason=f"{p.label}: container waiting {reason} for {waited:.0f} s "
+                    f"(deadline {d.image_pull_deadline_s:g} s): {p.waiting_message or 'no message'}",
+                    worker=p.index,
+                )
+    return None
+
+
+def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
+    nodes = {n.name: n for n in obs.nodes}
+    for p in _live(obs.pods):
+        n = nodes.get(p.node) if p.node else None
+        if n is not None and n.lost:
+            state = "gone" if not n.exists else ("unreachable" if n.unreachable else "NotReady")
+            terminating = " and its pod is stuck Terminating" if p.deletion_timestamp is not None else ""
+            return Verdict(
+                state=AttemptState.STALLED,
+                kind=StallKind.NODE_LOST,
+                reason=f"{p.label}: node {p.node} is {state}{terminating}",
+                worker=p.index,
+            )
+        if p.deletion_timestamp is not None and obs.now - p.deletion_timestamp >= d.force_delete_grace_s:
+            return Verdict(
+                state=AttemptState.STALLED,
+                kind=StallKind.NODE_LOST,
+                reason=f"{p.label}: pod Terminating for {obs.now - p.deletion_timestamp:.0f} s "
+                f"(grace {d.force_delete_grace_s:g} s) on node {p.node or '?'}",
+                worker=p.index,
+            )
+    return None
+
+
+def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
+    for p in obs.pods:
+        if p.phase != "Pending" or p.node is not None:
+            continue
+        sched = p.condition("PodScheduled")
+        waited = obs.now - (p.created_at if p.created_at is not None else obs.created_at)
+        if sched is not None and sched.status == "False" and waited >= d.startup_deadline_s:
+            return Verdict(
+                state=AttemptState.STALLED,
+                kind=StallKind.CAPACITY,
+                reason=f"{p.label}: unschedulable for {waited:.0f} s (deadline {d.startup_deadline_s:g} s): "
+                f"{sched.reason or '-'}: {sched.message or 'no message'}",
+                worker=p.index,
+            )
+    waited = obs.now - obs.created_at
+    if len(obs.pods) < obs.expected_workers and waited >= d.startup_deadline_s:
+        return Verdict(
+            state=AttemptState.STALLED,
+            kind=StallKind.CAPACITY,
+            reason=f"only {len(obs.pods)}/{obs.expected_workers} worker pods exist after {waited:.0f} s "
+            f"(deadline {d.startup_deadline_s:g} s)",
+        )
+    return None
+
+
+def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
+    running = [p for p in obs.pods if p.phase == "Running" and p.running_since is not None]
+    if len(running) < obs.expected_workers:
+        return None  # the gang is not up yet: startup deadlines apply, not the hang timeout
+    gang_up = max(p.running_since for p in running)
+    beats = {b.index: b for b in obs.progress}
+    for p in sorted(running, key=lambda p: p.index or 0):
+        b = beats.get(p.index) if p.index is not None else None
+        if b is None or b.step is None:
+            waited = obs.now - gang_up
+            if waited >= d.compile_grace_s:
+                return Verdict(
+                    state=AttemptState.STALLED,
+                    kind=StallKind.HANG,
+                    reason=f"{p.label}: no first step {waited:.0f} s after every worker started "
+                    f"(compile grace {d.compile_grace_s:g} s)",
+                    worker=p.index,
+                )
+            continue
+        # A heartbeat is written at most every heartbeat_interval_s: the last step may be that old.
+        silent = obs.now - b.at
+        if silent >= d.hang_timeout_s:
+            return Verdict(
+                state=AttemptState.STALLED,
+                kind=StallKind.HANG,
+                reason=f"{p.label}: no progress past step {b.step} for {silent:.0f} s "
+                f"(hang timeout {d.hang_timeout_s:g} s)",
+                worker=p.index,
+            )
+    return None
+
+
+def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
+    """The state of an attempt.
+
+    Order matters: an ended JobSet or a failed Job/pod wins over any stall (a pod stuck Terminating
+    after the Job's ``FailureTarget`` is a failure, not a node-lost stall); success needs every
+    worker; stalls are checked from the most specific evidence (a configuration error, a lost node)
+    to the least (no room, no progress).
+
+    Args:
+        obs: The attempt as last observed.
+        deadlines: The ``supervision`` section of the job config.
+
+    Returns:
+        The verdict; ``running`` with the gang's state as reason while nothing has ended.
+    """
+    for check in (_failed(obs), _succeeded(obs)):
+        if check is not None:
+            return check
+    for stall in (_configuration, _node_lost, _capacity, _hang):
+        v = stall(obs, deadlines)
+        if v is not None:
+            return v
+    scheduled = sum(1 for p in obs.pods if p.node is not None)
+    running = sum(1 for p in obs.pods if p.phase == "Running")
+    steps = [b.step for b in obs.progress if b.step is not None]
+    at = f", step {min(steps)}" if len(steps) == obs.expected_workers else ""
+    return Verdict(
+        state=AttemptState.RUNNING,
+        reason=f"scheduled {scheduled}/{obs.expected_workers}, running {running}/{obs.expected_workers}{at}",
+    )
