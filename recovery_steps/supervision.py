@@ -87,7 +87,9 @@ class PodObservation(_Rec):
     waiting_reason: str | None = Field(default=None, description="The trainer container's waiting reason.")
     waiting_message: str | None = None
     waiting_since: float | None = Field(default=None, description="When this waiting reason was first seen.")
-    running_since: float | None = Field(default=None, description="The trainer container's startedAt.")
+    running_since: float | None = Field(
+        default=None, description="The trainer container's startedAt (running or ended)."
+    )
     exit_code: int | None = Field(default=None, description="The trainer container's terminated exit code.")
     terminated_reason: str | None = None
     deletion_timestamp: float | None = Field(default=None, description="Set once the pod is being deleted.")

@@ -12,8 +12,15 @@ Route = Callable[[str, str, dict[str, Any]], tuple[int, Any]]
 """``route(method, raw_path, request_body) -> (status, response body)``."""
 
 
+class Stream:
+    """A response body sent as newline-delimited JSON, then the connection closes (a watch that ended)."""
+
+    def __init__(self, events: list[dict[str, Any]]):
+        self.events = events
+
+
 class JsonServer:
-    """Serves GET and DELETE on 127.0.0.1 (any free port), answering each request with ``route``."""
+    """Serves GET, POST and DELETE on 127.0.0.1 (any free port), answering each request with ``route``."""
 
     def __init__(self, route: Route):
         class Handler(BaseHTTPRequestHandler):
@@ -24,6 +31,14 @@ class JsonServer:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}") if length else {}
                 status, payload = route(method, self.path, body)
+                if isinstance(payload, Stream):
+                    # No Content-Length: the client reads lines until the server closes (HTTP/1.0 here).
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.end_headers()
+                    for ev in payload.events:
+                        self.wfile.write(json.dumps(ev).encode() + b"\n")
+                    return
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -36,6 +51,9 @@ class JsonServer:
 
             def do_DELETE(self):
                 self._answer("DELETE")
+
+            def do_POST(self):
+                self._answer("POST")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"

@@ -26,7 +26,16 @@ from trainer.decisions import (
     parse_faults,
     topology_problems,
 )
-from trainer.hooks import CheckpointHook, EventsHook, FaultHook, MetricsHook, PaceHook, ProgressHook, check_finite_loss
+from trainer.hooks import (
+    CheckpointHook,
+    EventsHook,
+    FaultHook,
+    HeartbeatHook,
+    MetricsHook,
+    PaceHook,
+    ProgressHook,
+    check_finite_loss,
+)
 from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
 from trainer.telemetry import Events, WorkerMetrics
@@ -254,7 +263,9 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
         out.exit_now(exit_code_for(e, during_init=True), e)
     w.report.initialized_at = time.time()
     w.watchdog = Watchdog(cfg.training.hang_timeout_s, cfg.training.compile_grace_s, out)
-    w.watchdog.start()
+    # TRAINER_WATCHDOG=off: rehearse a silent hang that only the supervisor's heartbeat deadline can see.
+    if env.get("TRAINER_WATCHDOG", "on") != "off":
+        w.watchdog.start()
     try:
         _train(w, cfg, faults)
     except TrainerExit as e:
@@ -338,6 +349,8 @@ def _hooks(w: Worker, cfg: JobConfig, faults: Faults, ckpt: Any, stepper: Steppe
     hooks.add(check_finite_loss)
     hooks.add(ProgressHook(w.report, w.watchdog).on_step)
     hooks.add(EventsHook(w.events).on_step)
+    hooks.add(HeartbeatHook(w.store, w.args.attempt, w.process_index, cfg.supervision.heartbeat_interval_s, ckpt,
+                            w.report).on_step)  # fmt: skip
     hooks.add(MetricsHook(w.metrics, ckpt, started=time.time()).on_step)
     hooks.add(saving.on_step)
     if cfg.training.step_delay_s:

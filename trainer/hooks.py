@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import WorkerExitReport
+from recovery_steps.kernel.records import WorkerExitReport, WorkerHeartbeat
+from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.decisions import Faults, SaveReason, TrainerExit, save_decision
 from trainer.lifecycle import Watchdog
 from trainer.loop import Stepper, StepRecord
@@ -60,6 +61,32 @@ class ProgressHook:
         if rec.first:
             self.watchdog.first_step_done = True
             self.report.first_step_at, self.report.compile_seconds = rec.finished_at, rec.seconds
+
+
+class HeartbeatHook:
+    """The worker's heartbeat (``WorkerHeartbeat``) in the run store: at most one write per interval.
+
+    The train-segment supervisor decides "no progress" from it; the first and the last step are always
+    written. One small write per interval costs the loop nothing measurable; a store failure is logged only.
+    """
+
+    def __init__(self, store: RunStore, attempt: int, process_index: int, interval_s: float, ckpt: Any,
+                 report: WorkerExitReport):  # fmt: skip
+        self.store, self.attempt, self.index, self.interval_s = store, attempt, process_index, interval_s
+        self.ckpt, self.report = ckpt, report
+        self._last = float("-inf")
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Write the step when the interval has passed (or on the first and last step)."""
+        if not (rec.first or rec.last) and rec.finished_at - self._last < self.interval_s:
+            return
+        self._last = rec.finished_at
+        beat = WorkerHeartbeat(process_index=self.index, step=rec.step, checkpoint_step=self.ckpt.last_committed,
+                               at=rec.finished_at, first_step_at=self.report.first_step_at)  # fmt: skip
+        try:
+            self.store.write_record(RunLayout.heartbeat(self.attempt, self.index), beat)
+        except Exception as e:  # noqa: BLE001 - progress reporting must never stop training
+            log.warning("could not write the heartbeat: %s", e)
 
 
 class EventsHook:

@@ -53,6 +53,7 @@ class ExitCode(enum.IntEnum):
     """Exit codes of the trainer and the step programs."""
 
     OK = 0
+    ATTEMPT_FAILED = 1
     CONFIGURATION = 2
     INCOMPATIBLE_CHECKPOINT = 3
     PEER_LOST = 20
@@ -78,6 +79,12 @@ class ExitCodeInfo:
 
 EXIT_CODES: tuple[ExitCodeInfo, ...] = (
     ExitCodeInfo(ExitCode.OK, "training finished (all steps)", None, None),
+    ExitCodeInfo(
+        ExitCode.ATTEMPT_FAILED,
+        "train-segment: the attempt failed or stalled and was stopped (classify-failure names the class)",
+        None,
+        None,
+    ),
     ExitCodeInfo(
         ExitCode.CONFIGURATION,
         "configuration error or startup validation mismatch (process count, devices, topology)",

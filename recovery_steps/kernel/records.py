@@ -303,3 +303,50 @@ def parse_event_line(line: bytes | str) -> dict[str, Any] | None:
         return WorkerEvent.model_validate_json(line).model_dump(exclude_none=True)
     except ValueError:
         return None
+
+
+class WorkerHeartbeat(_Record):
+    """``attempts/<n>/heartbeats/<i>.json``: one worker's newest progress, rewritten at most every interval.
+
+    The supervisor reads these from the run store rather than scraping the workers' metrics: the store
+    is reachable from the supervisor's pod whatever happens to a worker's node or network, it outlives
+    the worker, and it is the same path locally and on GKE.
+    """
+
+    process_index: int
+    step: int | None = Field(default=None, description="Last step completed (None before the first).")
+    checkpoint_step: int | None = Field(default=None, description="Newest committed checkpoint step.")
+    at: float = Field(description="When this heartbeat was written.")
+    first_step_at: float | None = Field(default=None, description="When the first step finished.")
+
+
+class WorkerSupervision(_Record):
+    """One worker as the supervisor saw it last (times on the one clock, None when never seen)."""
+
+    index: int
+    pod: str | None = None
+    node: str | None = None
+    scheduled_at: float | None = Field(default=None, description="PodScheduled became True.")
+    started_at: float | None = Field(default=None, description="The trainer container started running.")
+    first_step_at: float | None = Field(default=None, description="From the worker's heartbeat.")
+    last_step: int | None = None
+    last_state: str = Field(default="", description="Phase, waiting or terminated reason, deletion, node state.")
+
+
+class SupervisionRecord(_Record):
+    """``attempts/<n>/supervision.json``: how the supervisor saw the attempt end, and when it stopped it."""
+
+    attempt: int
+    jobset: str
+    outcome: str = Field(description="succeeded, failed or stalled (supervision.AttemptState).")
+    stall_kind: str | None = Field(default=None, description="capacity, configuration, hang or node-lost.")
+    reason: str = Field(description="One line: why the attempt is over.")
+    created_at: float | None = Field(default=None, description="The JobSet's creationTimestamp.")
+    reattached: bool = Field(default=False, description="The JobSet existed already: a retried supervisor.")
+    detected_at: float = Field(description="When the supervisor decided the attempt was over.")
+    stopped_at: float | None = Field(default=None, description="When no worker pod of the attempt was left.")
+    last_step: int | None = None
+    checkpoint_step: int | None = Field(default=None, description="Newest committed checkpoint any worker reported.")
+    workers: list[WorkerSupervision] = Field(default_factory=list)
+    evidence: list[str] = Field(default_factory=list, description="Each pod's and node's last state, before the stop.")
+    force_deleted: list[str] = Field(default_factory=list, description="Pods force-deleted on a lost node.")

@@ -159,6 +159,16 @@ class RunLayout:
         return f"attempts/{n}/incident.json"
 
     @staticmethod
+    def heartbeat(n: int, process_index: int) -> str:
+        """Worker ``process_index``'s newest progress in attempt ``n`` (step and time, throttled)."""
+        return f"attempts/{n}/heartbeats/{process_index}.json"
+
+    @staticmethod
+    def supervision(n: int) -> str:
+        """What the train-segment supervisor saw and did in attempt ``n``."""
+        return f"attempts/{n}/supervision.json"
+
+    @staticmethod
     def quarantine(step: int, suffix: str = "") -> str:
         """Where a checkpoint that failed verification is moved."""
         return f"quarantine/{step}{suffix}"

@@ -1,0 +1,233 @@
+"""train-segment, the attempt's supervisor, against the Kubernetes API faked at its HTTP boundary."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+from fake_k8s import FakeCluster, iso, node, pod
+
+from recovery_steps import train_segment as ts
+from recovery_steps.kernel.config import StorageConfig, SupervisionConfig, load_config
+from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat
+from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows.jobset import jobset_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+HOSTS = 4
+
+
+def _cfg(root: Path, **supervision):
+    cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
+    sup = {"watch_interval_s": 0.05, "heartbeat_interval_s": 1, "hang_timeout_s": 30, "compile_grace_s": 60,
+           "force_delete_grace_s": 0, **supervision}  # fmt: skip
+    cfg = cfg.model_copy(update={"storage": StorageConfig(root=str(root)), "supervision": SupervisionConfig(**sup)})
+    RunStore(str(root), cfg.run_id).write_json(
+        RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()}
+    )
+    return cfg
+
+
+def _manifest(cfg, attempt=0):
+    return jobset_manifest(cfg, name=f"{cfg.run_id}-a{attempt}", run_id=cfg.run_id, store_root=cfg.storage.root,
+                           attempt=str(attempt), restore_step="-1", coordinator_port="8476",
+                           metrics_port="9431")  # fmt: skip
+
+
+def _job(js, conditions=()):
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{js}-workers-0", "namespace": "training",
+                         "labels": {"jobset.sigs.k8s.io/jobset-name": js}},
+            "spec": {"parallelism": HOSTS, "completions": HOSTS, "completionMode": "Indexed", "backoffLimit": 0},
+            "status": {"conditions": list(conditions), "active": HOSTS}}  # fmt: skip
+
+
+def _beat(store, attempt, step, t, ckpt=None):
+    for i in range(HOSTS):
+        b = WorkerHeartbeat(process_index=i, step=step, checkpoint_step=ckpt, at=t, first_step_at=t)
+        store.write_json(RunLayout.heartbeat(attempt, i), b.model_dump())
+
+
+def _run(cfg, tmp_path, cluster, attempt=0):
+    lines: list[str] = []
+    progress = tmp_path / "progress"
+    rec = ts.run(cfg.storage.root, cfg.run_id, attempt, json.dumps(_manifest(cfg, attempt)), tmp_path / "out",
+                 k8s_host=cluster.url, progress_file=str(progress), say=lines.append)  # fmt: skip
+    return rec, lines, progress
+
+
+@pytest.fixture
+def cluster():
+    c = FakeCluster()
+    for i in range(HOSTS):
+        c.nodes[f"gke-tpu-{i}"] = node(f"gke-tpu-{i}")
+    yield c
+    c.close()
+
+
+def test_creates_the_jobset_and_follows_it_to_success(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    js = f"{cfg.run_id}-a0"
+    t0 = time.time()
+
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, t0))
+
+    def scheduled(c):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, t0 + 1, node=f"gke-tpu-{i}"))
+
+    def running(c):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, t0 + 2, node=f"gke-tpu-{i}", phase="Running", running=True))
+
+    def stepping(c):
+        _beat(store, 0, 5, time.time(), ckpt=None)
+
+    def done(c):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, t0 + 9, node=f"gke-tpu-{i}", phase="Succeeded", exit_code=0))
+        c.put("jobs", _job(js, [{"type": "Complete", "status": "True", "lastTransitionTime": iso(t0 + 9)}]))
+        obj = dict(c.objects["jobsets"][js])
+        c.put("jobsets", {**obj, "status": {"terminalState": "Completed"}})
+
+    cluster.on_create = created
+    cluster.script = [scheduled, running, stepping, lambda c: None, done]
+    rec, lines, progress = _run(cfg, tmp_path, cluster)
+
+    assert rec.outcome == "succeeded" and not rec.reattached
+    (post,) = cluster.requests_of("POST", "/jobsets")
+    assert post[2]["metadata"]["name"] == js and post[2]["spec"] == _manifest(cfg)["spec"]
+    assert not cluster.requests_of("DELETE", "/jobsets/")
+    assert {"workers scheduled 4/4", "workers running 4/4", "step 5"} <= set(lines)
+    assert progress.read_text() == f"5/{cfg.training.total_steps}"
+    saved = SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(0)))
+    assert saved == rec
+    assert all(w.scheduled_at and w.started_at and w.first_step_at and w.last_step == 5 for w in rec.workers)
+    assert (tmp_path / "out" / "outcome").read_text() == "succeeded"
+    assert (tmp_path / "out" / "last-step").read_text() == "5"
+
+
+def test_reattaches_and_ends_at_failure_target_force_deleting_the_pod_on_the_lost_node(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    js = f"{cfg.run_id}-a1"
+    t0 = time.time() - 100
+    manifest = _manifest(cfg, 1)
+    cluster.put("jobsets", {**manifest, "metadata": {**manifest["metadata"], "creationTimestamp": iso(t0)},
+                            "status": {"replicatedJobsStatus": [{"name": "workers", "active": 1}]}})  # fmt: skip
+    cluster.put("jobs", _job(js))
+    for i in range(HOSTS):
+        cluster.put("pods", pod(js, i, t0, node=f"gke-tpu-{i}", phase="Running", running=True, attempt="1"))
+    _beat(store, 1, 17, time.time(), ckpt=10)
+
+    def node_lost(c):
+        c.nodes["gke-tpu-3"] = node("gke-tpu-3", ready=None, unreachable=True)
+        msg = ("Container trainer for pod training/" + js + "-workers-0-2-x2z failed with exit code 20 matching "
+               "FailJob rule at index 3")  # fmt: skip
+        c.put("jobs", _job(js, [{"type": "FailureTarget", "status": "True", "reason": "PodFailurePolicy",
+                                 "message": msg, "lastTransitionTime": iso(time.time())}]))  # fmt: skip
+
+    node_lost(cluster)  # both are there when the supervisor (re-)attaches: FailureTarget decides
+    rec, lines, _ = _run(cfg, tmp_path, cluster, attempt=1)
+
+    assert not cluster.requests_of("POST", "/jobsets"), "a second gang was created"
+    assert rec.reattached and any("re-attached" in ln for ln in lines)
+    assert rec.outcome == "failed" and rec.stall_kind is None and "FailureTarget" in rec.reason
+    (delete,) = cluster.requests_of("DELETE", f"/jobsets/{js}")
+    q = parse_qs(urlparse(delete[1]).query)
+    assert "Foreground" in (q.get("propagationPolicy", []) + [delete[2].get("propagationPolicy")])
+    stuck = f"{js}-workers-0-3-x3z"
+    (forced,) = cluster.requests_of("DELETE", f"/pods/{stuck}")
+    assert parse_qs(urlparse(forced[1]).query)["gracePeriodSeconds"] == ["0"]
+    assert rec.force_deleted == [stuck] and rec.stopped_at is not None and rec.stopped_at >= rec.detected_at
+    assert "node gke-tpu-3: Ready=None unreachable" in rec.evidence
+    assert rec.checkpoint_step == 10 and rec.last_step == 17
+
+
+def test_a_worker_never_scheduled_is_a_capacity_stall_and_the_gang_is_deleted(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store", startup_deadline_s=0.3)
+    js = f"{cfg.run_id}-a0"
+
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        t = time.time()
+        for i in range(HOSTS - 1):
+            c.put("pods", pod(js, i, t, node=f"gke-tpu-{i}", phase="Running", running=True))
+        c.put("pods", pod(js, HOSTS - 1, t, unschedulable=True))
+
+    cluster.on_create = created
+    rec, lines, _ = _run(cfg, tmp_path, cluster)
+
+    assert (rec.outcome, rec.stall_kind) == ("stalled", "capacity")
+    assert "worker 3: unschedulable" in rec.reason and "Insufficient google.com/tpu" in rec.reason
+    assert cluster.requests_of("DELETE", f"/jobsets/{js}") and not cluster.objects["pods"]
+    assert rec.workers[3].scheduled_at is None and rec.workers[0].started_at is not None
+    assert (tmp_path / "out" / "stall-kind").read_text() == "capacity"
+
+
+def test_image_pull_backoff_past_its_deadline_is_a_configuration_stall(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store", image_pull_deadline_s=0.3)
+    js = f"{cfg.run_id}-a0"
+
+    def created(c, obj):
+        t = time.time()
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, t, node=f"gke-tpu-{i}", waiting=(
+                "ImagePullBackOff", 'Back-off pulling image "us-docker.pkg.dev/p/ml/worker:typo"')))  # fmt: skip
+
+    cluster.on_create = created
+    rec, _, _ = _run(cfg, tmp_path, cluster)
+    assert (rec.outcome, rec.stall_kind) == ("stalled", "configuration")
+    assert "ImagePullBackOff" in rec.reason and "worker:typo" in rec.reason
+
+
+def test_an_expired_watch_is_listed_again(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store")
+    js = f"{cfg.run_id}-a0"
+
+    def created(c, obj):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Running", running=True))
+
+    def expire(c):
+        c.compact("pods")  # this watch's resourceVersion is now too old: ERROR 410
+
+    def finish(c):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Succeeded", exit_code=0))
+
+    cluster.on_create = created
+    cluster.script = [lambda c: None, expire, finish]
+    rec, _, _ = _run(cfg, tmp_path, cluster)
+    lists = [r for r in cluster.requests_of("GET", "/pods?") if "watch=" not in r[1]]
+    assert len(lists) >= 2
+    assert rec.outcome == "succeeded"
+
+
+def test_the_jobset_of_another_attempt_is_refused(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store")
+    m = _manifest(cfg, 0)
+    m["metadata"]["labels"]["jaxrec/attempt"] = "7"
+    cluster.put("jobsets", m)
+    with pytest.raises(ts.SegmentError) as e:
+        _run(cfg, tmp_path, cluster)
+    assert "belongs to attempt 7" in str(e.value) and e.value.code == 2
+
+
+def test_unreachable_api_and_bad_manifest_are_one_line_each(tmp_path, capsys):
+    cfg = _cfg(tmp_path / "store")
+    common = ["--store-root", cfg.storage.root, "--run-id", cfg.run_id, "--attempt", "0",
+              "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    code = ts.main([*common, "--jobset-manifest", json.dumps(_manifest(cfg)), "--k8s-host", "http://127.0.0.1:9"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("train-segment: Kubernetes API unreachable")
+    code = ts.main([*common, "--jobset-manifest", "{kind: Job", "--k8s-host", "http://127.0.0.1:9"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--jobset-manifest" in err[0]
