@@ -284,8 +284,37 @@ def _disruption(d: Condition, o: _Obs) -> _Finding:
     return _Finding(FailureClass.INFRASTRUCTURE, f"disrupted by Kubernetes ({d.reason})")
 
 
+# What a stall the supervisor ended means. Once it stops the attempt every worker gets SIGTERM and exits
+# 143, which would otherwise read as a preemption: the supervisor's verdict comes first.
+STALL_CLASSES = {
+    "capacity": FailureClass.CAPACITY,
+    "configuration": FailureClass.CONFIGURATION,
+    "hang": FailureClass.HANG,
+    "node-lost": FailureClass.INFRASTRUCTURE,
+}
+
+
+def _supervised(ev: Evidence) -> Verdict | None:
+    s = ev.supervision
+    if s is None:
+        return None
+    if s.outcome == "error":
+        info = exit_code_info(s.exit_code) if s.exit_code is not None else None
+        cls = info.usual_class if info and info.usual_class else FailureClass.UNKNOWN
+        return Verdict(cls, f"train-segment could not supervise the attempt: {s.reason}",
+                       [f"train-segment exit code {s.exit_code}: {s.reason}"])  # fmt: skip
+    if s.outcome != "stalled" or s.stall_kind not in STALL_CLASSES:
+        return None
+    lines = [f"supervisor: stalled ({s.stall_kind}): {s.reason}", *s.evidence]
+    return Verdict(STALL_CLASSES[s.stall_kind], f"the attempt stalled ({s.stall_kind}) and was stopped: {s.reason}",
+                   lines, first_worker=s.worker, cause_worker=s.worker)  # fmt: skip
+
+
 def _precheck(ev: Evidence) -> Verdict | None:
-    """Failures of the whole attempt that precede any worker's exit: image, container config, capacity."""
+    """Failures of the whole attempt that precede any worker's exit: a supervised stall, image, config, capacity."""
+    supervised = _supervised(ev)
+    if supervised is not None:
+        return supervised
     for p in ev.pods:
         for c in p.containers:
             if c.waiting_reason in IMAGE_ERRORS or c.waiting_reason in CONTAINER_CONFIG_ERRORS:

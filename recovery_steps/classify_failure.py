@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from recovery_steps.classify import Verdict, classify
-from recovery_steps.evidence import Evidence, gather_kubernetes, gather_local_slice, gather_reports
+from recovery_steps.evidence import (
+    Evidence,
+    gather_kubernetes,
+    gather_local_slice,
+    gather_reports,
+    gather_supervision,
+)
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig
 from recovery_steps.kernel.contract import Decision, FailureClass
@@ -100,6 +106,7 @@ def gather(
             step_exit_code = prov.exit_code
     ev = Evidence(backend="local" if cfg.slice.is_local else "gke", attempt=attempt, step_exit_code=step_exit_code)
     gather_reports(store, attempt, ev)
+    gather_supervision(store, attempt, ev)
     if cfg.slice.is_local:
         gather_local_slice(store, attempt, ev)
         return ev

@@ -24,7 +24,7 @@ from recovery_steps.kernel.k8s import (
     RECLAIM_TAINTS,
     SPOT_LABEL,
 )
-from recovery_steps.kernel.records import LocalSliceRecord, WorkerExitReport
+from recovery_steps.kernel.records import LocalSliceRecord, SupervisionRecord, WorkerExitReport
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,9 @@ class Evidence(_Ev):
     local_slice: LocalSliceRecord | None = None
     step_exit_code: int | None = Field(
         default=None, description="Exit code of the step that failed before training started (provision-slice)."
+    )
+    supervision: SupervisionRecord | None = Field(
+        default=None, description="How train-segment's supervisor saw the attempt end (stall kind, reason)."
     )
     notes: list[str] = Field(default_factory=list, description="What an adapter could not read, and why.")
 
@@ -383,6 +386,15 @@ def gather_reports(store: RunStore, attempt: int, evidence: Evidence) -> Evidenc
     evidence.reports.extend(reports)
     evidence.reports.sort(key=lambda r: r.process_index)
     evidence.notes.extend(f"unreadable worker report {p}" for p in problems)
+    return evidence
+
+
+def gather_supervision(store: RunStore, attempt: int, evidence: Evidence) -> Evidence:
+    """Add the supervisor's record of the attempt (``attempts/<n>/supervision.json``), when it wrote one."""
+    try:
+        evidence.supervision = store.read_record(RunLayout.supervision(attempt), SupervisionRecord)
+    except DocumentError as e:
+        evidence.notes.append(f"unreadable supervision record {e}")
     return evidence
 
 

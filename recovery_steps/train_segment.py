@@ -549,7 +549,7 @@ class Supervisor:
             detected = self.clock()
             record = SupervisionRecord(
                 attempt=self.attempt, jobset=self.cluster.name, outcome=verdict.state.value,
-                stall_kind=verdict.kind.value if verdict.kind else None, reason=verdict.reason,
+                stall_kind=verdict.kind.value if verdict.kind else None, reason=verdict.reason, worker=verdict.worker,
                 created_at=self.created_at, reattached=self.reattached, detected_at=detected,
                 last_step=max((b.step for b in beats if b.step is not None), default=None),
                 checkpoint_step=max(ckpts) if ckpts else None, workers=_worker_records(obs, beats, self.hosts),
@@ -694,6 +694,18 @@ def run(
     return record
 
 
+def record_error(store_root: str, run_id: str, attempt: int, e: SegmentError) -> None:
+    """Leave the reason the attempt could not be supervised where classify-failure reads it."""
+    from recovery_steps.kernel.store import store_errors
+
+    rec = SupervisionRecord(attempt=attempt, jobset="", outcome="error", exit_code=int(e.code), reason=str(e),
+                            detected_at=time.time())  # fmt: skip
+    try:
+        RunStore(store_root, run_id).write_json(RunLayout.supervision(attempt), rec.model_dump(mode="json"))
+    except store_errors() as err:
+        print(f"train-segment: could not record the error in the run store: {err}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
     ap = argparse.ArgumentParser(prog="python -m recovery_steps.train_segment", description=__doc__.split("\n")[0])
@@ -713,6 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      progress_file=os.environ.get("ARGO_PROGRESS_FILE"))  # fmt: skip
     except SegmentError as e:
         print(f"train-segment: {e}", file=sys.stderr)
+        record_error(args.store_root, args.run_id, args.attempt, e)
         return int(e.code)
     except OSError as e:
         print(f"train-segment: {e}", file=sys.stderr)

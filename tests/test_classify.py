@@ -267,3 +267,36 @@ def test_classify_is_pure():
     before = ev.model_dump()
     assert classify(ev) == classify(ev)
     assert ev.model_dump() == before
+
+
+def _supervised(outcome, kind, reason, code=None):
+    from recovery_steps.kernel.records import SupervisionRecord
+
+    return SupervisionRecord(attempt=0, jobset="js", outcome=outcome, stall_kind=kind, reason=reason, worker=3,
+                             detected_at=T0 + 50, exit_code=code)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "cls"),
+    [("capacity", FailureClass.CAPACITY), ("configuration", FailureClass.CONFIGURATION),
+     ("hang", FailureClass.HANG), ("node-lost", FailureClass.INFRASTRUCTURE)],
+)  # fmt: skip
+def test_a_stall_the_supervisor_stopped_decides_over_the_sigterm_exits_it_caused(kind, cls):
+    # After the stop every worker exited 143 (SIGTERM): alone, that reads as a preemption.
+    pods = [pod(i, 143, 60) for i in range(HOSTS)]
+    ev = Evidence(backend="gke", attempt=0, pods=pods, supervision=_supervised("stalled", kind, "worker 3: why"))
+    v = classify(ev)
+    assert v.failure_class == cls and "worker 3: why" in v.reason and v.cause_worker == 3
+    assert classify(Evidence(backend="gke", attempt=0, pods=pods)).failure_class == FailureClass.PREEMPTION
+
+
+def test_a_supervisor_that_cannot_reach_the_api_is_configuration():
+    s = _supervised("error", None, "Kubernetes API unreachable: connection refused", code=2)
+    v = classify(Evidence(backend="gke", attempt=0, supervision=s))
+    assert v.failure_class == FailureClass.CONFIGURATION and "unreachable" in v.reason
+
+
+def test_a_supervised_ordinary_failure_is_classified_from_the_workers():
+    pods = [pod(0, 143, 61), pod(1, 143, 61), pod(2, 143, 61), pod(3, 42, 60)]
+    ev = Evidence(backend="gke", attempt=0, pods=pods, supervision=_supervised("failed", None, "Job failed"))
+    assert classify(ev).failure_class == FailureClass.APPLICATION

@@ -231,3 +231,39 @@ def test_unreachable_api_and_bad_manifest_are_one_line_each(tmp_path, capsys):
     code = ts.main([*common, "--jobset-manifest", "{kind: Job", "--k8s-host", "http://127.0.0.1:9"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--jobset-manifest" in err[0]
+
+
+def _verb(method: str, path: str) -> tuple[str, str, str]:
+    u = urlparse(path)
+    parts = u.path.strip("/").split("/")
+    group = "" if parts[0] == "api" else parts[1]
+    coll = next(p for p in ("jobsets", "jobs", "pods", "nodes") if p in parts)
+    item = parts.index(coll) + 1 < len(parts)
+    q = parse_qs(u.query)
+    verb = {"POST": "create", "DELETE": "delete"}.get(method) or (
+        "get" if item else ("watch" if q.get("watch", ["false"])[0].lower() == "true" else "list")
+    )
+    return group, coll, verb
+
+
+def test_rbac_grants_every_call_the_supervisor_makes(tmp_path, cluster):
+    from workflows.rbac import NODE_RULES, ROLE_RULES
+
+    cfg = _cfg(tmp_path / "store", startup_deadline_s=0.2)
+    js = f"{cfg.run_id}-a0"
+
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Running", running=True))
+        c.nodes["gke-tpu-0"] = node("gke-tpu-0", ready=None, unreachable=True)
+
+    cluster.on_create = created
+    rec, _, _ = _run(cfg, tmp_path, cluster)
+    assert rec.stall_kind == "node-lost" and rec.force_deleted
+    used = {_verb(m, p) for m, p, _ in cluster.requests}
+    assert {v for _, _, v in used} >= {"create", "get", "list", "watch", "delete"}
+    for group, res, verb in used:
+        rules = NODE_RULES if res == "nodes" else ROLE_RULES
+        assert any(group in r["apiGroups"] and res in r["resources"] and verb in r["verbs"] for r in rules), (
+            group, res, verb)  # fmt: skip

@@ -18,8 +18,9 @@ def _load(path: Path) -> dict:
 
 
 def _jobset(wf: dict) -> dict:
-    (tpl,) = [t for t in wf["spec"]["templates"] if "resource" in t]
-    return yaml.safe_load(substitute(tpl["resource"]["manifest"]))
+    (tpl,) = [t for t in wf["spec"]["templates"] if t["name"] == "train-segment"]
+    args = tpl["container"]["args"]
+    return yaml.safe_load(substitute(args[args.index("--jobset-manifest") + 1]))
 
 
 def test_every_config_has_a_workflow():

@@ -31,7 +31,8 @@ def _tasks(tpl: dict) -> dict[str, dict]:
 
 
 def _jobset(wf: dict) -> dict:
-    return yaml.safe_load(_templates(wf)["train-segment"]["resource"]["manifest"])
+    args = _templates(wf)["train-segment"]["container"]["args"]
+    return yaml.safe_load(args[args.index("--jobset-manifest") + 1])
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,10 @@ def test_main_dag_validates_then_starts_the_first_free_attempt(local):
 
 def test_attempt_dag_order_and_branches(local):
     tasks = _tasks(_templates(local)["attempt"])
-    assert tasks["provision-slice"]["depends"] == "restore-latest"
-    assert tasks["train-segment"]["depends"] == "provision-slice"
+    # The old gang is torn down (provision-slice) before restore-latest chooses the step.
+    assert tasks["restore-latest"]["depends"] == "provision-slice"
+    assert "depends" not in tasks["provision-slice"]
+    assert tasks["train-segment"]["depends"] == "restore-latest"
     assert tasks["classify-failure"]["depends"] == (
         "train-segment.Failed || train-segment.Errored || provision-slice.Failed || provision-slice.Errored"
     )
@@ -187,10 +190,15 @@ def test_jobset_gang_shape_on_tpu(v5e):
     ]  # fmt: skip
     env = {e["name"]: e for e in c["env"]}
     assert "TRAINER_COORDINATOR_ADDRESS" not in env
-    resource = _templates(v5e)["train-segment"]["resource"]
-    assert resource["action"] == "create" and resource["setOwnerReference"] is True
-    assert resource["successCondition"] == "status.terminalState == Completed"
-    assert resource["failureCondition"] == "status.terminalState == Failed"
+    # The supervisor, not a resource condition, ends the attempt; it is retried only when its own pod Errors.
+    train = _templates(v5e)["train-segment"]
+    assert "resource" not in train
+    assert train["container"]["command"] == ["python", "-m", "recovery_steps.train_segment"]
+    rs = train["retryStrategy"]
+    assert rs["expression"] == 'lastRetry.status == "Error"' and rs["retryPolicy"] == "Always"
+    assert int(rs["limit"]) >= 1
+    outs = {p["name"]: p["valueFrom"]["path"] for p in train["outputs"]["parameters"]}
+    assert outs == {n: f"/tmp/outputs/{n}" for n in ("outcome", "stall-kind", "reason", "last-step", "checkpoint-step")}
 
 
 def test_reservation_selector_on_v5p():

@@ -14,21 +14,25 @@ NODE_READER = "jaxrec-node-reader"
 # Namespaced rules, one line per reason.
 ROLE_RULES: list[dict[str, Any]] = [
     # Argo executor (emissary): watch its own pod, report outputs through WorkflowTaskResults.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
+    # train-segment (the supervisor) watches the gang's pods and force-deletes one stuck Terminating on a
+    # lost node (grace period 0): "delete".
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch", "delete"]},
     {"apiGroups": ["argoproj.io"], "resources": ["workflowtaskresults"], "verbs": ["create", "patch"]},
-    # train-segment (resource template) creates and watches the JobSet; provision-slice deletes old ones;
-    # classify-failure reads the JobSet status.
+    # train-segment creates (or re-attaches to), watches and deletes the attempt's JobSet; provision-slice
+    # deletes old ones; classify-failure reads the JobSet status.
     {
         "apiGroups": [JOBSET_GROUP],
         "resources": ["jobsets"],
         "verbs": ["create", "get", "list", "watch", "patch", "delete"],
     },
-    # classify-failure: the Jobs of the JobSet and the events of its pods.
-    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list"]},
+    # classify-failure: the Jobs of the JobSet and the events of its pods; train-segment watches the Jobs
+    # (their FailureTarget condition ends the attempt before JobSet does).
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["get", "list"]},
 ]
 
-# Cluster-scoped: provision-slice checks the slice's nodes, classify-failure reads node conditions.
+# Cluster-scoped: provision-slice checks the slice's nodes, classify-failure and train-segment read node
+# conditions (Ready, the unreachable taint).
 NODE_RULES: list[dict[str, Any]] = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]}]
 
 

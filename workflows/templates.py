@@ -6,6 +6,7 @@ this module wires their outputs to the next step's inputs and to ``when`` condit
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import yaml
@@ -17,7 +18,6 @@ from hera.workflows import (
     Label,
     Parameter,
     RawArtifact,
-    Resource,
     RetryStrategy,
     Suspend,
     Task,
@@ -34,6 +34,7 @@ from recovery_steps.kernel.outputs import (
     FinalizeOutputs,
     ProvisionOutputs,
     RestoreOutputs,
+    SegmentOutputs,
     StepOutputs,
     ValidateOutputs,
 )
@@ -44,6 +45,10 @@ CONFIG_PATH = "/tmp/inputs/config.yaml"
 STORE_ROOT = "{{workflow.parameters.store-root}}"
 RUN_ID = "{{workflow.parameters.run-id}}"
 ATTEMPT_IN = "{{inputs.parameters.attempt}}"
+# train-segment is retried only when its own pod Errors (evicted, node lost, OOM-killed: Argo reports
+# lastRetry.status "Error" with exitCode -1, workflow/controller/operator.go); the retry re-attaches to
+# the attempt's JobSet. A Failed supervisor (the attempt failed) goes to classify-failure instead.
+SUPERVISOR_RETRIES = 5
 
 
 def _outputs(declared: type[StepOutputs] | None) -> list[Parameter]:
@@ -163,18 +168,25 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 expression=f"asInt(lastRetry.exitCode) == {int(ExitCode.CAPACITY)}",
             ),
         )
-        train = Resource(
-            name="train-segment",
-            action="create",
-            set_owner_reference=True,
-            manifest=yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False),
-            success_condition="status.terminalState == Completed",
-            failure_condition="status.terminalState == Failed",
-            inputs=[
-                Parameter(name=n)
-                for n in ("attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port")
+        # The supervisor creates (or re-attaches to) this JobSet, decides when the attempt is over and
+        # stops it: a Resource template would wait without bound on a gang that can never end.
+        train = _step(
+            cfg,
+            "train-segment",
+            "train_segment",
+            [
+                "--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN,
+                "--jobset-manifest", json.dumps(manifest, separators=(",", ":")),
             ],
-        )
+            inputs=["attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port"],
+            outputs=SegmentOutputs,
+            retry_strategy=RetryStrategy(
+                limit=SUPERVISOR_RETRIES,
+                retry_policy="Always",
+                backoff=Backoff(duration="5s", factor=2, max_duration="10m"),
+                expression='lastRetry.status == "Error"',
+            ),
+        )  # fmt: skip
         classify = _step(
             cfg,
             "classify-failure",
@@ -320,7 +332,9 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 depends="classify-failure",
                 when=f"'{out % 'decision'}' == '{Decision.STOP.value}'",
             )
-            t_restore >> t_provision >> t_train
+            # provision-slice tears the previous gang down first, so restore-latest sees the checkpoint
+            # a SIGTERMed worker saved on its way out.
+            t_provision >> t_restore >> t_train
             del t_classify, t_backoff
 
         with DAG(name="main"):

@@ -124,6 +124,17 @@ class ProvisionOutputs(StepOutputs):
     metrics_port: int = out("First port of the workers' /metrics endpoints (local: one per host).")
 
 
+class SegmentOutputs(StepOutputs):
+    """``train-segment`` (the attempt's supervisor)."""
+
+    TEMPLATE: ClassVar[str] = "train-segment"
+    outcome: str = out("succeeded, failed or stalled (supervision.AttemptState).", shown=True)
+    stall_kind: str = out("capacity, configuration, hang or node-lost when stalled; empty otherwise.", shown=True)
+    reason: str = out("One line: why the attempt is over.", shown=True)
+    last_step: int = out("Newest step any worker reported (-1: none).")
+    checkpoint_step: int = out("Newest committed checkpoint step after the stop (-1: none).")
+
+
 class ClassifyOutputs(StepOutputs):
     """``classify-failure``."""
 
@@ -150,6 +161,7 @@ STEP_OUTPUTS: tuple[type[StepOutputs], ...] = (
     ValidateOutputs,
     RestoreOutputs,
     ProvisionOutputs,
+    SegmentOutputs,
     ClassifyOutputs,
     FinalizeOutputs,
 )

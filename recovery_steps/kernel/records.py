@@ -338,9 +338,14 @@ class SupervisionRecord(_Record):
 
     attempt: int
     jobset: str
-    outcome: str = Field(description="succeeded, failed or stalled (supervision.AttemptState).")
+    outcome: str = Field(
+        description="succeeded, failed or stalled (supervision.AttemptState), or error when the supervisor could "
+        "not supervise (exit_code says why)."
+    )
+    exit_code: int | None = Field(default=None, description="The supervisor's exit code when outcome is error.")
     stall_kind: str | None = Field(default=None, description="capacity, configuration, hang or node-lost.")
     reason: str = Field(description="One line: why the attempt is over.")
+    worker: int | None = Field(default=None, description="The worker the reason is about, if one.")
     created_at: float | None = Field(default=None, description="The JobSet's creationTimestamp.")
     reattached: bool = Field(default=False, description="The JobSet existed already: a retried supervisor.")
     detected_at: float = Field(description="When the supervisor decided the attempt was over.")
