@@ -404,7 +404,8 @@ class Progress:
         self._note("checkpoint", step, f"checkpoint {step}")
 
 
-def _worker_records(obs: Observation, beats: Sequence[WorkerHeartbeat], hosts: int) -> list[WorkerSupervision]:
+def worker_records(obs: Observation, beats: Sequence[WorkerHeartbeat], hosts: int) -> list[WorkerSupervision]:
+    """Per worker: pod, node, scheduled/started/first-step times, last step and last state."""
     pods = {p.index: p for p in obs.pods if p.index is not None}
     by_beat = {b.process_index: b for b in beats}
     nodes = {n.name: n for n in obs.nodes}
@@ -552,7 +553,7 @@ class Supervisor:
                 stall_kind=verdict.kind.value if verdict.kind else None, reason=verdict.reason, worker=verdict.worker,
                 created_at=self.created_at, reattached=self.reattached, detected_at=detected,
                 last_step=max((b.step for b in beats if b.step is not None), default=None),
-                checkpoint_step=max(ckpts) if ckpts else None, workers=_worker_records(obs, beats, self.hosts),
+                checkpoint_step=max(ckpts) if ckpts else None, workers=worker_records(obs, beats, self.hosts),
                 evidence=evidence_lines(obs),
             )  # fmt: skip
             if verdict.state != AttemptState.SUCCEEDED:

@@ -113,3 +113,62 @@ def test_delete_workflow_resumes_with_the_same_run_id(e2e_workflow, reference):
     assert res.restarts == 1, out
     _assert_recovered(res, out)
     _assert_restores_were_good(store, [])
+
+
+def _supervision(store: RunStore, attempt: int):
+    from recovery_steps.kernel.records import SupervisionRecord
+
+    return SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(attempt)))
+
+
+def test_stuck_pending_is_a_capacity_stall_and_the_next_attempt_trains(e2e_workflow, reference):
+    res, store, out = _run(e2e_workflow, reference, "pending", ["stuck-pending"])
+    assert res.status == "Succeeded" and res.params_match is True, out
+    rec = _supervision(store, 0)
+    assert (rec.outcome, rec.stall_kind) == ("stalled", "capacity"), rec
+    assert rec.workers[-1].scheduled_at is None and rec.workers[0].started_at is not None
+    assert res.ledger.by_class()["capacity"] == 1
+    inc = res.incidents[0]
+    assert inc.failure_class == FailureClass.CAPACITY and inc.detected_at == rec.detected_at
+    assert inc.stopped_at >= inc.detected_at
+
+
+def test_image_pull_is_a_configuration_stall_and_the_run_stops(e2e_workflow, reference):
+    res, store, out = _run(e2e_workflow, reference, "imagepull", ["image-pull"])
+    assert res.status == "Failed", out
+    rec = _supervision(store, 0)
+    assert (rec.outcome, rec.stall_kind) == ("stalled", "configuration") and "ImagePullBackOff" in rec.reason
+    assert res.ledger.by_class()["configuration"] == 1
+    assert "configuration" in (res.ledger.final_reason or "").lower() or "configuration" in out
+
+
+def test_node_lost_is_stopped_force_deleted_and_recovered(e2e_workflow, reference):
+    res, store, out = _run(e2e_workflow, reference, "nodelost", ["node-lost@8"])
+    _assert_recovered(res, out)
+    rec = _supervision(store, 0)
+    assert (rec.outcome, rec.stall_kind) == ("stalled", "node-lost"), rec
+    assert len(rec.force_deleted) == 1 and rec.force_deleted[0].endswith("-workers-0-3"), rec.force_deleted
+    assert res.incidents[0].failure_class == FailureClass.INFRASTRUCTURE
+    _assert_restores_were_good(store, [])
+
+
+def test_silent_hang_is_found_by_the_supervisor_alone(e2e_workflow, reference):
+    res, store, out = _run(e2e_workflow, reference, "silenthang", ["silent-hang@8"])
+    _assert_recovered(res, out)
+    rec = _supervision(store, 0)
+    assert (rec.outcome, rec.stall_kind) == ("stalled", "hang") and "no progress past step" in rec.reason, rec
+    assert res.incidents[0].failure_class == FailureClass.HANG
+    reports = [store.read_json(RunLayout.worker_report(0, i)) for i in range(4)]
+    assert not any(r and r["exit_code"] == 21 for r in reports), "the in-process watchdog was off"
+
+
+def test_supervisor_lost_reattaches_and_loses_nothing(e2e_workflow, reference):
+    from workflows.report import load_events
+
+    res, store, out = _run(e2e_workflow, reference, "suplost", ["supervisor-lost@8"])
+    assert res.status == "Succeeded" and res.params_match is True, out
+    assert not res.incidents and all(n == 0 for n in res.ledger.by_class().values()), out
+    assert _supervision(store, 0).outcome == "succeeded"
+    started = [e for e in load_events(store) if e.get("event") == "started" and e.get("attempt") == 0]
+    assert len(started) == 4, "one gang: the retried supervisor did not start a second one"
+    assert "train-segment (retry 1)" in out

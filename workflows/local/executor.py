@@ -24,10 +24,13 @@ from typing import Any
 
 import yaml
 
-from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord, now
+from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord, SupervisionRecord, now
+from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult, WorkflowError
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
+# The train-segment supervisor: run here as the local JobSet stand-in under the same decision.
+SUPERVISOR_MODULE = "recovery_steps.train_segment"
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 
 
@@ -124,6 +127,15 @@ class LocalSlice:
     # Workers whose next exit is expected (restarted on purpose): not counted as the set's failure.
     expected_exit: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    created_at: float = field(default_factory=time.time)
+    # Workers never started, and why ("Unschedulable": no room; "ImagePullBackOff": the image never comes).
+    withheld: dict[int, str] = field(default_factory=dict)
+    # Workers whose host was lost (frozen, its pod Terminating from the slice's point of view): since when.
+    lost: dict[int, float] = field(default_factory=dict)
+    # Set to make the supervisor's own "pod" go away while the workers keep running (it re-attaches).
+    supervisor_lost: threading.Event = field(default_factory=threading.Event)
+    detected_at: float | None = None
+    phase: str | None = None
 
     def spawn(self, w: WorkerProc) -> None:
         """Start (or start again) worker ``w``, appending to its log file."""
@@ -193,6 +205,10 @@ class SliceHooks:
     def after_slice(self, sl: LocalSlice, phase: str) -> None:
         """Called once every worker has exited, before the record is written and the next node runs."""
 
+    def withheld(self, attempt: int, hosts: int) -> dict[int, str]:
+        """Workers of ``attempt`` the slice does not start, and the reason their pod would show."""
+        return {}
+
 
 def _arg_value(cmd: list[str], flag: str) -> str | None:
     for i, a in enumerate(cmd):
@@ -228,6 +244,8 @@ class LocalExecutor:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.slices: list[LocalSlice] = []
+        # JobSets whose workers are still running: a retried supervisor re-attaches to them.
+        self.live: dict[str, LocalSlice] = {}
 
     def _env(self, extra: Mapping[str, str]) -> dict[str, str]:
         env = dict(os.environ)
@@ -282,6 +300,8 @@ class LocalExecutor:
             command = [*c.get("command", []), *c.get("args", [])]
         if not command:
             return NodeResult(ERROR, message="container has no command (images' entrypoints do not run locally)")
+        if _is_module(command, SUPERVISOR_MODULE):
+            return self.run_segment(node, template, local_command(command, node_dir), node_dir)
         fields = {"metadata.name": f"{node.task}-{node.id}", "metadata.namespace": "default",
                   "status.podIP": "127.0.0.1", "spec.nodeName": "localhost"}  # fmt: skip
         env = self._env(resolve_env(c.get("env", []), fields))
@@ -316,6 +336,175 @@ class LocalExecutor:
             else:
                 missing.append(p["name"])
         return outputs, missing
+
+    # -- train-segment: the supervisor over the local JobSet stand-in ------------------------------
+
+    def run_segment(
+        self, node: NodeInfo, template: Mapping[str, Any], command: list[str], node_dir: Path
+    ) -> NodeResult:
+        """Run ``python -m recovery_steps.train_segment`` here: the JobSet as local processes, supervised.
+
+        The same decision as on GKE (``recovery_steps.supervision.decide``) runs over an observation of
+        the processes; a JobSet of this attempt that is still running is re-attached, not started again.
+        """
+        from recovery_steps.provision_slice import ProvisionError, load_run_config
+
+        started = now()
+        try:
+            manifest = yaml.safe_load(_arg_value(command, "--jobset-manifest") or "")
+            store_root, run_id = _arg_value(command, "--store-root"), _arg_value(command, "--run-id")
+            cfg = load_run_config(store_root or "", run_id or "")
+            name = manifest["metadata"]["name"]
+        except ProvisionError as e:
+            return NodeResult(FAILED, exit_code=int(e.code), message=f"train-segment: {e}")
+        except (yaml.YAMLError, KeyError, TypeError) as e:
+            return NodeResult(FAILED, exit_code=2, message=f"train-segment: --jobset-manifest: cannot read {e}")
+        log_path = self.work_dir / "logs" / f"{node.id}-{node.task}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        sl = self.live.get(name)
+        with open(log_path, "a") as log:
+
+            def say(line: str) -> None:
+                log.write(f"{time.strftime('%H:%M:%S')} train-segment {line}\n")
+                log.flush()
+
+            if sl is not None:
+                say(f"re-attached to JobSet {name} (it already exists: not creating a second gang)")
+            else:
+                try:
+                    sl = self._build_slice(node, manifest)
+                except (KeyError, IndexError, TypeError, ValueError) as e:
+                    return NodeResult(ERROR, message=f"JobSet manifest: cannot read {e}")
+                sl.withheld = dict(self.hooks.withheld(sl.attempt, len(sl.workers)))
+                self.slices.append(sl)
+                self.live[name] = sl
+                self.events_dir.mkdir(parents=True, exist_ok=True)
+                for w in sl.workers:
+                    if w.index not in sl.withheld:
+                        sl.spawn(w)
+                        self._track(w.proc)
+                say(f"created JobSet {name}")
+            image = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+            res = self._supervise(sl, cfg, RunStore(store_root, run_id), node_dir, say, image.get("image", ""))
+        res.started_at = started
+        return res
+
+    def _supervise(self, sl: LocalSlice, cfg: Any, store: RunStore, node_dir: Path, say: Callable[[str], None],
+                   image: str) -> NodeResult:  # fmt: skip
+        from recovery_steps.supervision import AttemptState, decide
+        from recovery_steps.train_segment import (
+            Progress,
+            evidence_lines,
+            newest_committed_step,
+            outputs_of,
+            read_heartbeats,
+            worker_records,
+            write_outputs,
+        )
+        from workflows.local.supervise import slice_observation
+
+        hosts = len(sl.workers)
+        progress = Progress(hosts, cfg.training.total_steps, str(node_dir / "progress"), say)
+        beats: list = []
+        beats_at = 0.0
+        while True:
+            self._poll_exits(sl)
+            if self._stopping.is_set():
+                for w in sl.workers:
+                    sl.signal_worker(w.index, signal.SIGKILL)
+                self._wait_exits(sl, 10)
+                self.live.pop(sl.jobset, None)
+                return NodeResult(ERROR, message="the local run was stopped")
+            if sl.supervisor_lost.is_set():
+                # Its pod is gone, the gang is not: Argo retries the step (status Error) and it re-attaches.
+                sl.supervisor_lost.clear()
+                say("supervisor lost (rehearsal): the workers keep running")
+                return NodeResult(ERROR, exit_code=-1, message="pod deleted: the train-segment supervisor was lost")
+            t = now()
+            if t - beats_at >= min(0.5, cfg.supervision.heartbeat_interval_s):
+                beats, beats_at = read_heartbeats(store, sl.attempt, hosts), t
+            obs = slice_observation(sl, t, beats, image)
+            verdict = decide(obs, cfg.supervision)
+            progress.update(obs, verdict)
+            ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
+            progress.checkpoint(max(ckpts) if ckpts else None)
+            if verdict.over:
+                break
+            self.hooks.on_tick(sl)
+            time.sleep(0.05)
+        detected = now()
+        sl.detected_at, sl.phase = detected, SUCCEEDED if verdict.state == AttemptState.SUCCEEDED else FAILED
+        failed = [w for w in sl.workers if w.returncode not in (None, 0)]
+        if failed and sl.first_failure_index is None:
+            first = min(failed, key=lambda w: w.ended_at or detected)
+            first.first_failure, sl.first_failure_index = True, first.index
+        elif verdict.worker is not None and sl.first_failure_index is None and verdict.state != AttemptState.SUCCEEDED:
+            sl.first_failure_index = verdict.worker
+        evidence = evidence_lines(obs)
+        forced = self._stop_slice(sl, cfg.supervision.force_delete_grace_s, say) if sl.phase != SUCCEEDED else []
+        sl.ended_at = max((w.ended_at or detected for w in sl.workers), default=detected)
+        self.live.pop(sl.jobset, None)
+        if not self._stopping.is_set():
+            self.hooks.after_slice(sl, sl.phase)
+        if self.write_slice_record is not None:
+            self.write_slice_record(sl.jobset, store.run_id, sl.attempt, sl.record())
+        newest = newest_committed_step(store)
+        record = SupervisionRecord(
+            attempt=sl.attempt, jobset=sl.jobset, outcome=verdict.state.value,
+            stall_kind=verdict.kind.value if verdict.kind else None, reason=verdict.reason, worker=verdict.worker,
+            created_at=sl.created_at, reattached=False, detected_at=detected, stopped_at=sl.ended_at,
+            last_step=max((b.step for b in beats if b.step is not None), default=None),
+            checkpoint_step=newest, workers=worker_records(obs, beats, hosts), evidence=evidence,
+            force_deleted=forced,
+        )  # fmt: skip
+        store.write_json(RunLayout.supervision(sl.attempt), record.model_dump(mode="json"))
+        outputs = outputs_of(record)
+        write_outputs(node_dir / "outputs", outputs)
+        ok = sl.phase == SUCCEEDED
+        msg = "" if ok else f"JobSet {sl.jobset} {verdict.state.value}: {verdict.reason}; logs: {sl.log_dir}"
+        return NodeResult(sl.phase, outputs, 0 if ok else 1, msg, None, now())
+
+    @staticmethod
+    def _poll_exits(sl: LocalSlice) -> None:
+        with sl.lock:
+            for w in sl.workers:
+                if w.returncode is None and w.proc is not None and w.index not in sl.expected_exit:
+                    rc = w.proc.poll()
+                    if rc is not None:
+                        w.returncode, w.ended_at = rc, now()
+
+    def _wait_exits(self, sl: LocalSlice, timeout: float) -> None:
+        end = now() + timeout
+        while now() < end and any(w.returncode is None and w.proc is not None for w in sl.workers):
+            self._poll_exits(sl)
+            time.sleep(0.05)
+
+    def _stop_slice(self, sl: LocalSlice, force_grace: float, say: Callable[[str], None]) -> list[str]:
+        """Stop every worker as deleting the JobSet would; "force-delete" (SIGKILL) those on a lost host."""
+        from workflows.local.supervise import pod_name
+
+        say(f"stopping the attempt: deleting JobSet {sl.jobset}")
+        started = now()
+        for w in sl.workers:
+            if w.returncode is None and w.proc is not None and w.index not in sl.lost:
+                w.stopped_by_jobset = True
+                sl.signal_worker(w.index, signal.SIGCONT)
+                sl.signal_worker(w.index, signal.SIGTERM)
+        forced: list[str] = []
+        while any(w.returncode is None and w.proc is not None for w in sl.workers):
+            t = now()
+            for w in sl.workers:
+                if w.returncode is not None or w.proc is None:
+                    continue
+                if w.index in sl.lost and t - started >= force_grace and pod_name(sl.jobset, w.index) not in forced:
+                    say(f"force-deleting pod {pod_name(sl.jobset, w.index)}: its host is lost")
+                    forced.append(pod_name(sl.jobset, w.index))
+                    sl.signal_worker(w.index, signal.SIGKILL)
+                elif w.index not in sl.lost and t - started >= self.grace_seconds:
+                    sl.signal_worker(w.index, signal.SIGKILL)
+            self._poll_exits(sl)
+            time.sleep(0.05)
+        return forced
 
     # -- resources (the JobSet) --------------------------------------------------------------------
 
@@ -427,6 +616,10 @@ class LocalExecutor:
             self.write_slice_record(sl.jobset, _arg_value(sl.command, "--run-id") or "",
                                     sl.attempt, sl.record())  # fmt: skip
         return phase
+
+
+def _is_module(cmd: list[str], module: str) -> bool:
+    return any(a == "-m" and b == module for a, b in zip(cmd, cmd[1:], strict=False))
 
 
 def _json_path(obj: Any, expr: str) -> str:

@@ -27,8 +27,16 @@ SCENARIOS = {
     "corrupt-latest": "after a failure, damage the newest checkpoint (a kill at STEP unless another fault is given)",
     "kill-during-save": "process 0 kills itself while the checkpoint of STEP is written (first attempt)",
     "app-bug": "an exception in the training step at STEP on every attempt (ends Failed: application)",
+    "stuck-pending": "the first attempt's slice cannot place one worker (Pending, no room): capacity stall",
+    "image-pull": "one worker of the first attempt never starts (ImagePullBackOff): configuration stall",
+    "node-lost": "at STEP one worker's host is lost: frozen (SIGSTOP) and its pod Terminating: node-lost stall",
+    "silent-hang": "every worker stops stepping at STEP, alive, in-process watchdog off (first attempt): hang stall",
+    "supervisor-lost": "the train-segment supervisor is lost at STEP; its retry re-attaches to the running gang",
 }
-_WATCHED = ("kill-worker", "restart-worker", "preempt", "freeze-worker", "delete-workflow")
+_WATCHED = ("kill-worker", "restart-worker", "preempt", "freeze-worker", "delete-workflow", "node-lost",
+            "supervisor-lost")  # fmt: skip
+# Faults of the first attempt only that the slice itself plays (no worker process is signalled).
+_WITHHELD = {"stuck-pending": "Unschedulable", "image-pull": "ImagePullBackOff"}
 
 
 @dataclass
@@ -135,7 +143,29 @@ class Injector(SliceHooks):
                 faults.append(f"app-bug@{i.step}")
             elif i.scenario == "kill-during-save" and self._slices_seen == 1:
                 faults.append(f"kill-during-save@{i.step}")
-        return {"TRAINER_FAULT": ",".join(faults)} if faults else {}
+        env = {}
+        if any(i.scenario == "silent-hang" for i in self.injections) and self._slices_seen == 1:
+            # Every worker sleeps before STEP and nothing inside it notices: only the supervisor can.
+            hang = next(i for i in self.injections if i.scenario == "silent-hang")
+            faults.append(f"hang@{hang.step}")
+            env["TRAINER_WATCHDOG"] = "off"
+        if faults:
+            env["TRAINER_FAULT"] = ",".join(faults)
+        return env
+
+    def withheld(self, attempt: int, hosts: int) -> dict[int, str]:
+        """``stuck-pending`` / ``image-pull``: the last worker of the first attempt is never started."""
+        if self._first_attempt is None:
+            self._first_attempt = attempt
+        if attempt != self._first_attempt:
+            return {}
+        out = {}
+        for i in self.injections:
+            if i.scenario in _WITHHELD and not i.fired:
+                i.fired.append(Injected(i.scenario, attempt, now()))
+                self.say(f"inject: worker {hosts - 1} of attempt {attempt} is never started ({_WITHHELD[i.scenario]})")
+                out[hosts - 1] = _WITHHELD[i.scenario]
+        return out
 
     def on_tick(self, sl: LocalSlice) -> None:
         """Fire the step-triggered scenarios once a worker of this slice has reached their step."""
@@ -171,6 +201,13 @@ class Injector(SliceHooks):
         elif inj.scenario == "freeze-worker":
             self.say(f"inject: SIGSTOP worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
             sl.signal_worker(victim, signal.SIGSTOP)
+        elif inj.scenario == "node-lost":
+            self.say(f"inject: the host of worker {victim} is lost at step {step} (frozen; its pod Terminating)")
+            sl.signal_worker(victim, signal.SIGSTOP)
+            sl.lost[victim] = at
+        elif inj.scenario == "supervisor-lost":
+            self.say(f"inject: the train-segment supervisor is lost at step {step}; the workers keep running")
+            sl.supervisor_lost.set()
         elif inj.scenario == "delete-workflow":
             self.say(f"inject: delete the whole local run at step {step}; it starts again with the same run id")
             if self.on_delete is not None:
@@ -183,6 +220,11 @@ class Injector(SliceHooks):
             for i in self.injections:
                 if i.scenario == "app-bug" or (i.scenario == "kill-during-save" and self._slices_seen == 1):
                     i.fired.append(Injected(i.scenario, sl.attempt, at))
+        if phase != "Succeeded" and self._slices_seen == 1:
+            hang = self._pending("silent-hang")
+            if hang is not None:
+                # The hang began at the last heartbeat the supervisor saw; record when it was detected.
+                hang.fired.append(Injected("silent-hang", sl.attempt, sl.detected_at or now()))
         inj = self._pending("corrupt-latest")
         if inj is None or phase == "Succeeded":
             return

@@ -377,11 +377,10 @@ def _run_once(
             ended = sl.ended_at or now()
             was_deleted = any(started <= f.at <= ended + 1 and f.attempt == sl.attempt for f in deleted_attempts)
             first = sl.workers[sl.first_failure_index].ended_at if sl.first_failure_index is not None else None
-            segments.append(
-                Segment(
-                    sl.attempt, started, ended, sl.first_failure_index is not None or was_deleted, first, was_deleted
-                )
-            )
+            # The supervisor's decision is when the failure was detected (its supervision record's time).
+            detected = sl.detected_at if sl.phase == "Failed" else first
+            failed = sl.phase == "Failed" or sl.first_failure_index is not None or was_deleted
+            segments.append(Segment(sl.attempt, started, ended, failed, detected or first, was_deleted))
     provision_done = [r.finished_at for n, r in all_nodes if n.template == "provision-slice" and r.phase == "Succeeded"]
     classes = {a.attempt: a.failure_class for a in ledger.attempts} if ledger else {}
     incidents = build_incidents(segments, events.events, provision_done, injector.fired, classes)
