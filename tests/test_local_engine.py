@@ -292,3 +292,15 @@ def test_unknown_reference_is_an_error_not_a_traceback(tmp_path):
     run, status, _ = _run(_wf({"m": bad}, "m"), tmp_path)
     assert status == "Error"
     assert "unresolved reference {{inputs.parameters.missing}}" in run.nodes[0][1].message
+
+
+def test_a_gke_workflow_is_refused_in_one_line_naming_what_to_run(capsys):
+    from pathlib import Path
+
+    from workflows import local
+
+    path = Path(__file__).resolve().parents[1] / "argo" / "v5e-4x4.yaml"
+    assert local.main([str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "argo submit -n training" in err[0] and "python -m workflows.local argo/local-cpu.yaml" in err[0]

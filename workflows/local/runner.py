@@ -96,6 +96,13 @@ def load_workflow(path: Path) -> tuple[dict[str, Any], JobConfig]:
         cfg = parse_config(yaml.safe_load(art["raw"]["data"]), f"{path} (config artifact)")
     except ConfigError as e:
         raise LocalRunError(e.problems) from None
+    if not cfg.slice.is_local:
+        # Its workers need TPU nodes and its store is a real bucket: nothing here can stand in for them.
+        raise LocalRunError([
+            f"{path}: job {cfg.run_id!r} runs on a {cfg.slice.accelerator} {cfg.slice.topology} slice on GKE, not on "
+            f"local processes; submit it with `argo submit -n {cfg.namespace} {path}`, or rehearse the same "
+            "workflow here with `python -m workflows.local argo/local-cpu.yaml`"
+        ])  # fmt: skip
     return wf, cfg
 
 
