@@ -59,6 +59,8 @@ COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 OUTPUTS = ("outcome", "stall-kind", "reason", "last-step", "checkpoint-step")
 # The API server ends a watch after timeoutSeconds; a new one continues from the last resourceVersion.
 WATCH_TIMEOUT_S = 60
+# How long the first LIST of the JobSet, its Jobs and pods may take before the attempt cannot be supervised.
+SYNC_TIMEOUT_S = 300
 # How long the stop waits, beyond the pods' own termination grace, before it reports pods left over.
 STOP_SLACK_S = 30
 
@@ -392,10 +394,10 @@ class Progress:
         self._note("running", running, f"workers running {running}/{self.hosts}")
         steps = [b.step for b in obs.progress if b.step is not None]
         step = min(steps) if len(steps) == self.hosts else None
-        self._note("step", step, f"step {step}")
-        if step is not None and self.file:
+        if step is not None and step != self.seen.get("step") and self.file:
             with contextlib.suppress(OSError):
                 Path(self.file).write_text(f"{step}/{self.total}")
+        self._note("step", step, f"step {step}")
         if verdict.over:
             self._note("verdict", verdict.state, f"{verdict.state.value}: {verdict.reason}")
 
@@ -532,10 +534,16 @@ class Supervisor:
         for w in self.watch.values():
             w.start()
         try:
+            give_up = self.clock() + SYNC_TIMEOUT_S
             for w in self.watch.values():
                 while not w.synced.wait(1):
                     if w.error:
                         self.say(f"waiting for the {w.kind} watch: {w.error}")
+                    if self.clock() > give_up:
+                        raise SegmentError(
+                            ExitCode.CONFIGURATION,
+                            f"cannot list the attempt's {w.kind} for {SYNC_TIMEOUT_S} s: {w.error or 'no answer'}",
+                        )
             interval = self.cfg.supervision.watch_interval_s
             while True:
                 obs, beats = self.observe()

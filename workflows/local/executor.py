@@ -385,12 +385,25 @@ class LocalExecutor:
                         self._track(w.proc)
                 say(f"created JobSet {name}")
             image = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
-            res = self._supervise(sl, cfg, RunStore(store_root, run_id), node_dir, say, image.get("image", ""))
+            res = self.supervise_slice(sl, cfg, RunStore(store_root, run_id), node_dir, say, image.get("image", ""))
         res.started_at = started
         return res
 
-    def _supervise(self, sl: LocalSlice, cfg: Any, store: RunStore, node_dir: Path, say: Callable[[str], None],
-                   image: str) -> NodeResult:  # fmt: skip
+    def supervise_slice(self, sl: LocalSlice, cfg: Any, store: RunStore, node_dir: Path, say: Callable[[str], None],
+                        image: str) -> NodeResult:  # fmt: skip
+        """Decide over ``sl`` every tick until the attempt is over; stop it; write its record and outputs.
+
+        Args:
+            sl: The running (or re-attached) slice.
+            cfg: The run's ``JobConfig`` (its ``supervision`` deadlines).
+            store: The run store (heartbeats in, supervision record out).
+            node_dir: The step's folder (``outputs/``, the progress file).
+            say: Where the supervisor's one-line-per-change log goes.
+            image: The worker image (named in an image-pull stall's message).
+
+        Returns:
+            The step's result: Succeeded (exit 0), Failed (exit 1), or Error when the supervisor was lost.
+        """
         from recovery_steps.supervision import AttemptState, decide
         from recovery_steps.train_segment import (
             Progress,
