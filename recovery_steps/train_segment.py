@@ -19,7 +19,6 @@ bad, the Kubernetes API cannot be reached or refuses).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -34,11 +33,13 @@ from typing import Any
 
 import yaml
 
+from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.k8s import ATTEMPT_LABEL, JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION
+from recovery_steps.kernel.outputs import SegmentOutputs
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
     UNREACHABLE_TAINT,
     AttemptState,
@@ -360,11 +361,12 @@ def read_heartbeats(store: RunStore, attempt: int, hosts: int) -> list[WorkerHea
     out = []
     for i in range(hosts):
         try:
-            raw = store.read_json(RunLayout.heartbeat(attempt, i))
-            if raw is not None:
-                out.append(WorkerHeartbeat.model_validate(raw))
-        except (ValueError, OSError) as e:
+            beat = store.read_record(RunLayout.heartbeat(attempt, i), WorkerHeartbeat)
+        except (DocumentError, OSError) as e:
             log.warning("heartbeat of worker %d unreadable: %s", i, e)
+            continue
+        if beat is not None:
+            out.append(beat)
     return out
 
 
@@ -632,22 +634,15 @@ def load_manifest(text: str, attempt: int) -> dict[str, Any]:
     return manifest
 
 
-def outputs_of(record: SupervisionRecord) -> dict[str, str]:
-    """The output parameters of a supervision record."""
-    return {
-        "outcome": record.outcome,
-        "stall-kind": record.stall_kind or "",
-        "reason": record.reason,
-        "last-step": str(record.last_step if record.last_step is not None else -1),
-        "checkpoint-step": str(record.checkpoint_step if record.checkpoint_step is not None else -1),
-    }
-
-
-def write_outputs(output_dir: Path, outputs: Mapping[str, str]) -> None:
-    """One file per output parameter."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    for name, value in outputs.items():
-        (output_dir / name).write_text(value)
+def outputs_of(record: SupervisionRecord) -> SegmentOutputs:
+    """The step's declared outputs from its supervision record."""
+    return SegmentOutputs(
+        outcome=record.outcome,
+        stall_kind=record.stall_kind or "",
+        reason=record.reason,
+        last_step=record.last_step if record.last_step is not None else -1,
+        checkpoint_step=record.checkpoint_step if record.checkpoint_step is not None else -1,
+    )
 
 
 def run(
@@ -671,7 +666,7 @@ def run(
     import urllib3
     from kubernetes.client import ApiException
 
-    from recovery_steps.provision_slice import ProvisionError, load_run_config
+    from recovery_steps.provision_slice import ProvisionError, k8s_config_errors, load_run_config
 
     try:
         cfg = load_run_config(store_root, run_id)
@@ -684,8 +679,12 @@ def run(
 
         try:
             api_client = make_api_client(k8s_host)
-        except Exception as e:  # noqa: BLE001 - no kubeconfig / service account: one line, configuration
-            raise SegmentError(ExitCode.CONFIGURATION, f"no Kubernetes API configuration: {e}") from None
+        except k8s_config_errors() as e:
+            detail = " ".join(str(e).split())[:200]
+            raise SegmentError(
+                ExitCode.CONFIGURATION,
+                f"no Kubernetes API: {type(e).__name__}: {detail}; run in the cluster or give --k8s-host",
+            ) from None
     cluster = Cluster(api_client, manifest["metadata"].get("namespace") or cfg.namespace, manifest["metadata"]["name"])
     sup = Supervisor(cfg, attempt, cluster, store, clock=clock, progress_file=progress_file, say=say)
     try:
@@ -698,32 +697,32 @@ def run(
         ) from None
     except (urllib3.exceptions.HTTPError, OSError) as e:
         raise SegmentError(ExitCode.CONFIGURATION, f"Kubernetes API unreachable: {e}") from None
-    store.write_json(RunLayout.supervision(attempt), record.model_dump(mode="json"))
-    write_outputs(output_dir, outputs_of(record))
+    store.write_record(RunLayout.supervision(attempt), record)
+    outputs_of(record).write(output_dir)
     return record
 
 
 def record_error(store_root: str, run_id: str, attempt: int, e: SegmentError) -> None:
     """Leave the reason the attempt could not be supervised where classify-failure reads it."""
-    from recovery_steps.kernel.store import store_errors
-
     rec = SupervisionRecord(attempt=attempt, jobset="", outcome="error", exit_code=int(e.code), reason=str(e),
                             detected_at=time.time())  # fmt: skip
     try:
-        RunStore(store_root, run_id).write_json(RunLayout.supervision(attempt), rec.model_dump(mode="json"))
+        RunStore(store_root, run_id).write_record(RunLayout.supervision(attempt), rec)
     except store_errors() as err:
         print(f"train-segment: could not record the error in the run store: {err}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    ap = argparse.ArgumentParser(prog="python -m recovery_steps.train_segment", description=__doc__.split("\n")[0])
-    ap.add_argument("--store-root", required=True)
-    ap.add_argument("--run-id", required=True)
-    ap.add_argument("--attempt", type=int, required=True)
+    ap = cli.StepArgumentParser(prog="python -m recovery_steps.train_segment", description=__doc__.split("\n")[0])
+    ap.add_argument("--store-root", required=True, type=cli.store_root)
+    ap.add_argument("--run-id", required=True, type=cli.run_id)
+    ap.add_argument("--attempt", type=cli.attempt, required=True)
     ap.add_argument("--jobset-manifest", required=True, help="the JobSet manifest, JSON or YAML (or @FILE)")
-    ap.add_argument("--output-dir", type=Path, default=Path("/tmp/outputs"))
-    ap.add_argument("--k8s-host", default=None, help="Kubernetes API URL (default: in-cluster config)")
+    ap.add_argument("--output-dir", type=cli.output_dir, default=Path("/tmp/outputs"))
+    ap.add_argument(
+        "--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster config)"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s train-segment %(levelname)s %(message)s")
     text = args.jobset_manifest
@@ -736,10 +735,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"train-segment: {e}", file=sys.stderr)
         record_error(args.store_root, args.run_id, args.attempt, e)
         return int(e.code)
+    except store_errors() as e:
+        url = RunStore(args.store_root, args.run_id).url()
+        return cli.fail("train-segment", cli.store_error_line("train-segment", url, e), 1)
     except OSError as e:
-        print(f"train-segment: {e}", file=sys.stderr)
-        return int(ExitCode.CONFIGURATION)
-    print(" ".join(f"{k}={v}" for k, v in outputs_of(record).items()))
+        return cli.fail("train-segment", f"--jobset-manifest: {e.strerror or e}", int(ExitCode.CONFIGURATION))
+    print(" ".join(f"{k}={v}" for k, v in outputs_of(record).files().items()))
     return int(ExitCode.OK if record.outcome == AttemptState.SUCCEEDED else ExitCode.ATTEMPT_FAILED)
 
 

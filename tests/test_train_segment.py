@@ -24,7 +24,8 @@ def _cfg(root: Path, **supervision):
     cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
     sup = {"watch_interval_s": 0.05, "heartbeat_interval_s": 1, "hang_timeout_s": 30, "compile_grace_s": 60,
            "force_delete_grace_s": 0, **supervision}  # fmt: skip
-    cfg = cfg.model_copy(update={"storage": StorageConfig(root=str(root)), "supervision": SupervisionConfig(**sup)})
+    storage = StorageConfig(root=str(root), durable_mount=True)  # a local store stands in for the bucket
+    cfg = cfg.model_copy(update={"storage": storage, "supervision": SupervisionConfig(**sup)})
     RunStore(str(root), cfg.run_id).write_json(
         RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()}
     )

@@ -412,7 +412,6 @@ class LocalExecutor:
             outputs_of,
             read_heartbeats,
             worker_records,
-            write_outputs,
         )
         from workflows.local.supervise import slice_observation
 
@@ -470,9 +469,10 @@ class LocalExecutor:
             checkpoint_step=newest, workers=worker_records(obs, beats, hosts), evidence=evidence,
             force_deleted=forced,
         )  # fmt: skip
-        store.write_json(RunLayout.supervision(sl.attempt), record.model_dump(mode="json"))
-        outputs = outputs_of(record)
-        write_outputs(node_dir / "outputs", outputs)
+        store.write_record(RunLayout.supervision(sl.attempt), record)
+        declared = outputs_of(record)
+        declared.write(node_dir / "outputs")
+        outputs = declared.files()
         ok = sl.phase == SUCCEEDED
         msg = "" if ok else f"JobSet {sl.jobset} {verdict.state.value}: {verdict.reason}; logs: {sl.log_dir}"
         return NodeResult(sl.phase, outputs, 0 if ok else 1, msg, None, now())
