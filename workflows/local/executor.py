@@ -422,10 +422,19 @@ class LocalExecutor:
         while True:
             self._poll_exits(sl)
             if self._stopping.is_set():
+                # The whole run is deleted: the gang dies with it; the slice record still says how.
+                sl.detected_at, sl.phase = now(), FAILED
                 for w in sl.workers:
                     sl.signal_worker(w.index, signal.SIGKILL)
                 self._wait_exits(sl, 10)
+                failed = [w for w in sl.workers if w.returncode not in (None, 0)]
+                if failed and sl.first_failure_index is None:
+                    first = min(failed, key=lambda w: w.ended_at or now())
+                    first.first_failure, sl.first_failure_index = True, first.index
+                sl.ended_at = max((w.ended_at or sl.detected_at for w in sl.workers), default=sl.detected_at)
                 self.live.pop(sl.jobset, None)
+                if self.write_slice_record is not None:
+                    self.write_slice_record(sl.jobset, store.run_id, sl.attempt, sl.record())
                 return NodeResult(ERROR, message="the local run was stopped")
             if sl.supervisor_lost.is_set():
                 # Its pod is gone, the gang is not: Argo retries the step (status Error) and it re-attaches.
