@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from trainer_harness import REPO
 
 from recovery_steps.kernel.compat import check_compatible
 from recovery_steps.kernel.config import ConfigError, parse_config
 from recovery_steps.kernel.records import CheckpointManifest
 from trainer.decisions import task_problems
-from trainer_harness import REPO
 
 BASE = {"run_id": "t", "image": "i:1", "slice": {"accelerator": "local", "hosts": 2}, "storage": {"root": "/tmp/s"}}
 CLASSIFIER = "examples.image_classifier.task:TASK"
