@@ -20,6 +20,7 @@ from recovery_steps.kernel.checkpoints import crc32c_hex
 from recovery_steps.kernel.compat import check_compatible
 from recovery_steps.kernel.records import CheckpointManifest, Ledger
 from recovery_steps.kernel.store import ObjectInfo, RunLayout, RunStore
+from recovery_steps.kernel.tasks import TaskError, resolve_task
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 """Orbax names a local step directory ``<step>.orbax-checkpoint-tmp-<n>`` until the save is committed."""
@@ -284,9 +285,22 @@ def manifest_compat_problems(manifest: CheckpointManifest, config: Mapping[str, 
             f"written by {manifest.process_count} processes, the slice has {num_hosts} (orbax could reshard, "
             "but the per-host data state does not carry over)"
         )
-    dataset_version = config.get("data", {}).get("dataset_version")
-    if manifest.dataset_version != dataset_version and not any(p.startswith("data.dataset_version") for p in problems):
+    data = config.get("data", {})
+    dataset_version = data.get("dataset_version")
+    # Record files are versioned by their fingerprint, which only a reader of the files can compute: the
+    # trainer checks it at restore and refuses or reshuffles as data.resume_mode says.
+    if (
+        data.get("dataset") != "records"
+        and manifest.dataset_version != dataset_version
+        and not any(p.startswith("data.dataset_version") for p in problems)
+    ):
         problems.append(f"dataset version {manifest.dataset_version!r} -> {dataset_version!r}")
+    try:
+        spec = resolve_task((config.get("task") or {}).get("name", "lm"))
+    except TaskError:
+        spec = None  # the config diff already names a task that does not resolve
+    if spec is not None and manifest.task_name == spec.name and manifest.task_version != spec.version:
+        problems.append(f"task version {manifest.task_version!r} -> {spec.version!r} (the task's state changed)")
     return problems
 
 

@@ -15,20 +15,32 @@ TOTAL = 20
 INTERVAL = 5
 
 
-def shrunken_workflow(d: Path, run_id: str, *, store_root: str | None = None, **training: Any) -> Path:
+def shrunken_workflow(
+    d: Path,
+    run_id: str,
+    *,
+    store_root: str | None = None,
+    config: str = "local-cpu.yaml",
+    data_section: dict[str, Any] | None = None,
+    **training: Any,
+) -> Path:
     """Write the shrunken config and its compiled Workflow under ``d``; return the Workflow's path.
 
     Args:
         d: Folder for the config and the Workflow.
         run_id: The config's run id.
         store_root: The config's storage root (default: the local config's).
+        config: The config in ``configs/`` to shrink (its task is kept).
+        data_section: Overrides of the ``data`` section (e.g. record files).
         **training: Overrides of the ``training`` section (e.g. ``step_delay_s``).
     """
-    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data = yaml.safe_load((REPO / "configs" / config).read_text())
     data["run_id"] = run_id
     if store_root is not None:
         data["storage"]["root"] = store_root
-    data["model"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
+    if "model" in data:  # the built-in lm task's options
+        data["model"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
+    data["data"].update(data_section or {})
     data["training"].update(total_steps=TOTAL, heartbeat_timeout_s=3, hang_timeout_s=20, compile_grace_s=90)
     data["training"].update(training)
     data["checkpoint"].update(interval_steps=INTERVAL, keep=3)

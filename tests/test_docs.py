@@ -53,3 +53,39 @@ def test_contracts_output_table_is_generated_from_the_declarations():
     begin = doc.index("-->\n", doc.index("<!-- generated from recovery_steps.kernel.outputs")) + len("-->\n")
     current = doc[begin : doc.index("<!-- end of generated table -->")].strip()
     assert current == outputs_table_markdown(), "docs/CONTRACTS.md step-output table is stale"
+
+
+def test_your_training_guide_snippets_run(tmp_path, monkeypatch):
+    import sys
+
+    import yaml
+
+    from recovery_steps.kernel.config import ConfigError, parse_config
+
+    root = Path(__file__).resolve().parents[1]
+    guide = (root / "docs" / "YOUR-TRAINING.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    assert len(blocks) == 3
+    for block in blocks[:2]:  # the two modules, each named by its first line
+        name = block.splitlines()[0].removeprefix("# ").strip()
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(block)
+    (tmp_path / "mytask" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from mytask.spec import TASK  # noqa: PLC0415 - written just above
+
+    exec(compile(blocks[2], "YOUR-TRAINING.md", "exec"), {"TASK": TASK})  # noqa: S102 - the guide's own check
+    assert "jax" in sys.modules
+
+    snippet = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", guide, re.S)[0])
+    data = yaml.safe_load((root / "configs" / "local-image-classifier.yaml").read_text())
+    cfg = parse_config({**data, **snippet})
+    assert cfg.task_options().hidden == 16 and cfg.task.spec().name == "regression"
+    shown = re.search(r"`(task\.options\.hidden: .*?)`", guide).group(1)
+    bad = {**snippet, "task": {**snippet["task"], "options": {"hidden": 0}}}
+    try:
+        parse_config({**data, **bad})
+    except ConfigError as e:
+        assert e.problems == [shown]
+    else:
+        raise AssertionError("a bad option was accepted")

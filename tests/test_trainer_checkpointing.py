@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from trainer_harness import tiny_config
+from trainer_harness import lm_examples, tiny_config
 
 from recovery_steps.kernel.records import CheckpointManifest
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -21,7 +21,7 @@ def setup(tmp_path):
     cfg = tiny_config(str(tmp_path / "store"), run_id="ckpt-unit", hosts=1, checkpoint={"keep": 5})
     store = RunStore.for_config(cfg)
     ckpt = Checkpointer(store, cfg, attempt=0, mesh_shape={"data": 1})
-    it = data_lib.make_iterator(cfg.data, cfg.model, data_lib.DataPosition(cfg.data.seed, 0, 0), 0, 1)
+    it = data_lib.make_iterator(cfg.data, lm_examples(cfg), data_lib.DataPosition(cfg.data.seed, 0, 0), 0, 1)
     yield cfg, store, ckpt, it
     ckpt.close()
 
@@ -80,7 +80,7 @@ def test_restore_gives_back_the_state_and_the_data_position(setup):
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_at(0))
     got = ckpt.restore_state(5, abstract)
     assert int(got["step"]) == 5 and float(got["w"][0, 0]) == 5.0
-    fresh = data_lib.make_iterator(cfg.data, cfg.model, data_lib.DataPosition(cfg.data.seed, 0, 0), 0, 1)
+    fresh = data_lib.make_iterator(cfg.data, lm_examples(cfg), data_lib.DataPosition(cfg.data.seed, 0, 0), 0, 1)
     fresh = ckpt.restore_data(5, fresh)
     assert fresh.get_state()["next_index"] == 5
     np.testing.assert_array_equal(next(fresh), expected)

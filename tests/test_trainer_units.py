@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from trainer_harness import tiny_config
+from trainer_harness import lm_examples, tiny_config
 
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.metrics import METRICS
@@ -138,14 +138,14 @@ def test_resume_positions():
 
 def test_processes_read_disjoint_slices_that_make_up_the_global_batch(tmp_path):
     cfg = tiny_config(str(tmp_path), data={"global_batch_size": 8, "num_records": 64})
-    one = build_dataset(cfg.data, cfg.model, 7, 0, 1)
-    four = [build_dataset(cfg.data, cfg.model, 7, p, 4) for p in range(4)]
+    one = build_dataset(cfg.data, lm_examples(cfg), 7, 0, 1)
+    four = [build_dataset(cfg.data, lm_examples(cfg), 7, p, 4) for p in range(4)]
     for step in (0, 3, 9):  # 9 wraps into the second epoch
         whole = {tuple(r) for r in one[step]}
         parts = [{tuple(r) for r in ds[step]} for ds in four]
         assert sum(len(p) for p in parts) == 8 and set().union(*parts) == whole
-    assert np.array_equal(one[3], build_dataset(cfg.data, cfg.model, 7, 0, 1)[3])
-    assert not np.array_equal(one[3], build_dataset(cfg.data, cfg.model, 8, 0, 1)[3])
+    assert np.array_equal(one[3], build_dataset(cfg.data, lm_examples(cfg), 7, 0, 1)[3])
+    assert not np.array_equal(one[3], build_dataset(cfg.data, lm_examples(cfg), 8, 0, 1)[3])
 
 
 def test_synthetic_records_are_reproducible_progressions():

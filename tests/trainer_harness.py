@@ -44,6 +44,13 @@ def tiny_config(root: str, run_id: str = "trainer-test", hosts: int = 4, **secti
     return parse_config(data)
 
 
+def lm_examples(cfg: JobConfig):
+    """The built-in lm task's generated sequences for ``cfg`` (what its workers read)."""
+    from trainer.data import sequence_dataset
+
+    return sequence_dataset(cfg.data, cfg.model.vocab_size, cfg.model.seq_len)
+
+
 def write_config(cfg: JobConfig) -> RunStore:
     """Write ``config.json`` the way validate-config does; return the run store."""
     store = RunStore.for_config(cfg)

@@ -17,6 +17,7 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.records import CheckpointManifest, WorkerExitReport
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
+from recovery_steps.kernel.tasks import options_hash
 from trainer.decisions import (
     Faults,
     TrainerExit,
@@ -24,6 +25,7 @@ from trainer.decisions import (
     exit_code_for,
     local_identity,
     parse_faults,
+    task_problems,
     topology_problems,
 )
 from trainer.hooks import (
@@ -275,7 +277,7 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     raise AssertionError("unreachable")  # _train always exits
 
 
-def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int) -> tuple[Any, Any]:
+def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any) -> tuple[Any, Any]:
     """The training state and data iterator of checkpoint ``restore_step``, in the current sharding.
 
     ``exact`` resumes the data iterator at its saved position (checked against the step);
@@ -295,7 +297,7 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int) -> tuple[Any
     )
     pos = data_lib.resume_position(cfg.data.resume_mode, cfg.data.seed, restore_step, saved)
     start = data_lib.DataPosition(pos.order_seed, pos.start_step, 0)
-    it = data_lib.make_iterator(cfg.data, cfg.model, start, jax.process_index(), jax.process_count())
+    it = data_lib.make_iterator(cfg.data, source.examples, start, jax.process_index(), jax.process_count())
     if cfg.data.resume_mode == "exact":
         it = ckpt.restore_data(restore_step, it)
         at = it.get_state().get("next_index")
@@ -364,7 +366,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
 
     from trainer import data as data_lib
     from trainer import train_state
-    from trainer.checkpointing import Checkpointer
+    from trainer.checkpointing import Checkpointer, DataIdentity
 
     assert w.watchdog is not None
     t = cfg.training
@@ -379,19 +381,34 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     w.events.emit("initialized", process_count=jax.process_count(), devices=jax.device_count())
     m = _start_metrics(w, cfg)
 
+    spec = cfg.task.spec()
+    task = spec.build(cfg.task_options())
+    try:
+        source = data_lib.open_source(task, cfg.data)
+    except ValueError as e:  # data.files matches nothing: a configuration problem, one line
+        raise TrainerExit(ExitCode.CONFIGURATION, str(e)) from None
     manifest = w.read_manifest(cfg, restore_step) if restore_step >= 0 else None
+    if manifest is not None:
+        problems = task_problems(manifest, spec.name, spec.version, source.version, cfg.data.resume_mode)
+        if problems:
+            raise TrainerExit(
+                ExitCode.INCOMPATIBLE_CHECKPOINT, f"checkpoint {restore_step} is incompatible: " + "; ".join(problems)
+            )
+        if manifest.dataset_version != source.version:
+            log.warning("dataset changed (%s -> %s): reshuffling", manifest.dataset_version, source.version)
     w.set_aside_newer_steps(restore_step)
     mesh = train_state.make_mesh()
-    tr = train_state.build(cfg, mesh)
-    ckpt = Checkpointer(w.store, cfg, w.args.attempt, dict(mesh.shape))
+    tr = train_state.build(cfg, mesh, task)
+    identity = DataIdentity(source.version, spec.name, spec.version, options_hash(cfg.task_options().model_dump()))
+    ckpt = Checkpointer(w.store, cfg, w.args.attempt, dict(mesh.shape), identity)
     w.exit.last_checkpoint = lambda: ckpt.last_committed
     pc, pi = jax.process_count(), jax.process_index()
 
     if manifest is not None:
-        state, it = _restore(cfg, tr, ckpt, restore_step)
+        state, it = _restore(cfg, tr, ckpt, restore_step, source)
     else:
         state = tr.init_fn(jnp.asarray(t.seed, jnp.int32))
-        it = data_lib.make_iterator(cfg.data, cfg.model, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
+        it = data_lib.make_iterator(cfg.data, source.examples, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
     w.report.restored_at = time.time()
     w.events.emit("restored", max(restore_step, 0), restore_step=restore_step)
     w.watchdog.touch()

@@ -136,6 +136,16 @@ class DataRestore(ocp.args.CheckpointArgs):
     item: Any
 
 
+@dataclass(frozen=True)
+class DataIdentity:
+    """What the manifest records about the task and its data (the task's own, not the config's text)."""
+
+    dataset_version: str
+    task_name: str = "lm"
+    task_version: str = "1"
+    task_options_hash: str = ""
+
+
 @dataclass
 class PendingSave:
     """A save orbax has started but the manifest has not recorded yet."""
@@ -157,9 +167,17 @@ class Checkpointer:
     ``finish_pending`` wait for the previous save's commit and manifest first.
     """
 
-    def __init__(self, store: RunStore, cfg: JobConfig, attempt: int, mesh_shape: dict[str, int]):
+    def __init__(
+        self,
+        store: RunStore,
+        cfg: JobConfig,
+        attempt: int,
+        mesh_shape: dict[str, int],
+        identity: DataIdentity | None = None,
+    ):
         self.store = store
         self.cfg = cfg
+        self.identity = identity or DataIdentity(cfg.data.dataset_version)
         self.attempt = attempt
         self.mesh_shape = mesh_shape
         self.primary = jax.process_index() == 0
@@ -263,7 +281,10 @@ class Checkpointer:
             config_hash=self.cfg.config_hash(),
             config=self.cfg.model_dump(mode="json"),
             code_version=self._code_version,
-            dataset_version=self.cfg.data.dataset_version,
+            dataset_version=self.identity.dataset_version,
+            task_name=self.identity.task_name,
+            task_version=self.identity.task_version,
+            task_options_hash=self.identity.task_options_hash,
             process_count=jax.process_count(),
             mesh_shape=self.mesh_shape,
             library_versions=self._libs,

@@ -1,4 +1,4 @@
-"""The deterministic input pipeline: grain over a generated token dataset, sharded by process.
+"""The deterministic input pipeline: grain over a task's examples (generated or from record files), by process.
 
 Global batch ``k`` of an order is the slice ``[k*B, (k+1)*B)`` of the shuffled, repeated record
 indices; process ``p`` of ``P`` reads every ``P``-th element of it starting at ``p``, so the
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import grain
 import numpy as np
 
-from recovery_steps.kernel.config import DataConfig, ModelConfig
+from recovery_steps.kernel.config import DataConfig
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ class SyntheticSequences:
         rng = np.random.default_rng([self.seed, int(index)])
         start, stride = rng.integers(0, self.vocab_size, size=2)
         return ((start + stride * np.arange(self.length)) % self.vocab_size).astype(np.int32)
+
+
+def sequence_dataset(data: DataConfig, vocab_size: int, seq_len: int) -> grain.MapDataset:
+    """``data.num_records`` sequences of ``seq_len + 1`` tokens drawn from ``(data.seed, index)``."""
+    source = SyntheticSequences(seed=data.seed, vocab_size=vocab_size, length=seq_len + 1)
+    return grain.MapDataset.range(data.num_records).map(source)
 
 
 @dataclass(frozen=True)
@@ -76,21 +83,53 @@ def local_batch_size(cfg: DataConfig, process_count: int) -> int:
     return cfg.global_batch_size // process_count
 
 
+@dataclass(frozen=True)
+class _Lookup:
+    """Index -> example of ``source`` (a picklable callable, for grain worker processes)."""
+
+    source: Any
+
+    def __call__(self, index: int) -> Any:
+        return self.source[int(index)]
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """A task's examples, one per index, and the dataset version every checkpoint records."""
+
+    examples: grain.MapDataset
+    version: str
+
+
+def open_source(task: Any, data: DataConfig) -> DataSource:
+    """The examples training reads: the task's generated ones, or those of ``data.files``.
+
+    The version is ``data.dataset_version`` for generated examples and the fingerprint of the file
+    list (names, sizes, checksums or GCS generations) for record files.
+    """
+    if data.dataset == "records":
+        from trainer import records
+
+        assert data.files is not None  # DataConfig requires it
+        files = records.list_files(data.files)
+        return DataSource(records.record_dataset(files), records.fingerprint(files))
+    return DataSource(task.dataset(data), data.dataset_version)
+
+
 def build_dataset(
-    data: DataConfig, model: ModelConfig, order_seed: int, process_index: int, process_count: int
+    data: DataConfig, source: grain.MapDataset, order_seed: int, process_index: int, process_count: int
 ) -> grain.MapDataset:
-    """The dataset of one process's local batches (int32, shape (local_batch, seq_len + 1))."""
-    source = SyntheticSequences(seed=data.seed, vocab_size=model.vocab_size, length=model.seq_len + 1)
-    ds = grain.MapDataset.range(data.num_records).shuffle(seed=order_seed).repeat(None)
+    """The dataset of one process's local batches of ``source``'s examples (stacked along a new axis 0)."""
+    ds = grain.MapDataset.range(len(source)).shuffle(seed=order_seed).repeat(None)
     ds = ds[process_index::process_count]
-    return ds.map(source).batch(local_batch_size(data, process_count), drop_remainder=True)
+    return ds.map(_Lookup(source)).batch(local_batch_size(data, process_count), drop_remainder=True)
 
 
 def make_iterator(
-    data: DataConfig, model: ModelConfig, position: DataPosition, process_index: int, process_count: int
+    data: DataConfig, source: grain.MapDataset, position: DataPosition, process_index: int, process_count: int
 ) -> grain.DatasetIterator:
     """A grain iterator over this process's batches, positioned at ``position.next_index``."""
-    it = iter(build_dataset(data, model, position.order_seed, process_index, process_count).to_iter_dataset())
+    it = iter(build_dataset(data, source, position.order_seed, process_index, process_count).to_iter_dataset())
     if position.next_index:
         it.set_state({"next_index": position.next_index})
     return it

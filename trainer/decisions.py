@@ -11,6 +11,7 @@ from typing import Any
 from recovery_steps.kernel.compat import check_compatible
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import PEER_LOSS_MARKERS, ExitCode
+from recovery_steps.kernel.records import CheckpointManifest
 from recovery_steps.kernel.tpu import TPU_TYPES
 
 FAULT_KINDS = ("app-bug", "nan", "hang", "kill-during-save")
@@ -195,3 +196,29 @@ def fsdp_axis(shape: tuple[int, ...], n: int) -> int | None:
         if d % n == 0 and d >= n and (best is None or d > shape[best]):
             best = i
     return best
+
+
+def task_problems(
+    saved: CheckpointManifest, task_name: str, task_version: str, dataset_version: str, resume_mode: str
+) -> list[str]:
+    """Why a checkpoint's task or data does not fit the task and data in use now (empty: it fits).
+
+    The config diff already covers ``task.name`` and ``task.options``; this adds what only the
+    running code knows: the task's declared version, and the dataset's version (for record files,
+    the fingerprint of the files found now). Changed data is refused under ``exact`` (the saved
+    position would point into other data) and accepted under ``reshuffle`` (a new order starts).
+    """
+    out = []
+    if saved.task_name != task_name:
+        out.append(f"task: checkpoint of task {saved.task_name!r}, this run trains {task_name!r}")
+    elif saved.task_version != task_version:
+        out.append(
+            f"task version: {saved.task_version!r} -> {task_version!r} (incompatible: the task declared a change "
+            "of its state; start a new run id, or run the task version that wrote the checkpoint)"
+        )
+    if saved.dataset_version != dataset_version and resume_mode == "exact":
+        out.append(
+            f"data: dataset version {saved.dataset_version!r} -> {dataset_version!r} (the files changed since the "
+            "checkpoint): restore the files, or set data.resume_mode: reshuffle to start a new order over them"
+        )
+    return out

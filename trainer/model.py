@@ -1,13 +1,18 @@
-"""A small decoder-only transformer language model (flax.linen) and its AdamW optimizer."""
+"""The built-in task's model: a small decoder-only transformer language model (flax.linen)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
+import grain
 import jax
 import jax.numpy as jnp
 import optax
 
-from recovery_steps.kernel.config import ModelConfig, OptimizerConfig
+from recovery_steps.kernel.config import DataConfig, ModelConfig
+from trainer.data import sequence_dataset
+from trainer.task import TaskState
 
 
 def compute_dtype(cfg: ModelConfig, platform: str) -> jnp.dtype:
@@ -59,21 +64,31 @@ class DecoderLM(nn.Module):
         return embed.attend(x.astype(jnp.float32))
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay, after global-norm gradient clipping."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=max(total_steps, cfg.warmup_steps + 1),
-        end_value=cfg.learning_rate * cfg.end_learning_rate_fraction,
-    )
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip_norm),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
-    )
-
-
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+class LanguageModelTask:
+    """The built-in ``lm`` task: ``DecoderLM`` trained by next-token cross-entropy on generated sequences.
+
+    A batch is int32 tokens of shape (batch, seq_len + 1): inputs are the first ``seq_len``, targets
+    the last ``seq_len``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.model = DecoderLM(cfg, dtype=compute_dtype(cfg, jax.devices()[0].platform))
+
+    def init(self, key: jax.Array) -> TaskState:
+        """Parameters initialised from ``key``; no extra state."""
+        return TaskState(self.model.init(key, jnp.zeros((1, self.cfg.seq_len), jnp.int32))["params"])
+
+    def loss(self, params: Any, extra: Any, batch: jax.Array, key: jax.Array) -> tuple[jax.Array, Any]:
+        """Mean next-token cross-entropy of ``batch``."""
+        logits = self.model.apply({"params": params}, batch[:, :-1])
+        return lm_loss(logits, batch[:, 1:]), extra
+
+    def dataset(self, data: DataConfig) -> grain.MapDataset:
+        """``data.num_records`` token sequences drawn from ``(data.seed, index)``."""
+        return sequence_dataset(data, self.cfg.vocab_size, self.cfg.seq_len)

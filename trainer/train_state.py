@@ -1,4 +1,8 @@
-"""Training state on a global mesh: shardings (data parallel or FSDP), initialisation, the jitted step."""
+"""Training state on a global mesh: shardings (data parallel, FSDP or the task's), initialisation, the jitted step.
+
+The state is the task's (params and extra) wrapped in what the harness owns: optimizer state, step,
+step RNG and the data order. Any task plugs in through ``trainer.task.Task``; nothing here knows the model.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from recovery_steps.kernel.config import JobConfig
 from trainer.decisions import fsdp_axis
-from trainer.model import DecoderLM, compute_dtype, lm_loss, make_optimizer
+from trainer.optim import make_optimizer
+from trainer.task import Task, TaskState, partition_of
 
 AXIS = "data"
 
@@ -31,7 +36,6 @@ class Trainer:
     abstract_state: Any
     init_fn: Any
     step_fn: Any
-    seq_len: int
 
 
 def make_mesh() -> Mesh:
@@ -39,7 +43,11 @@ def make_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()), (AXIS,))
 
 
-def _spec(leaf: jax.ShapeDtypeStruct, mesh: Mesh, fsdp: bool) -> NamedSharding:
+def _spec(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct, mesh: Mesh, fsdp: bool, task: Any) -> NamedSharding:
+    # The task lays out its parameters (path relative to them); everything else follows training.sharding.
+    own = partition_of(task, path[1:], leaf, mesh) if path and getattr(path[0], "key", None) == "params" else None
+    if own is not None:
+        return NamedSharding(mesh, own)
     if not fsdp:
         return NamedSharding(mesh, P())
     axis = fsdp_axis(tuple(leaf.shape), mesh.size)
@@ -50,41 +58,45 @@ def _spec(leaf: jax.ShapeDtypeStruct, mesh: Mesh, fsdp: bool) -> NamedSharding:
     return NamedSharding(mesh, P(*parts))
 
 
-def build(cfg: JobConfig, mesh: Mesh) -> Trainer:
-    """Build the model, optimizer, shardings and jitted init/step for ``cfg`` on ``mesh``."""
-    platform = jax.devices()[0].platform
-    model = DecoderLM(cfg.model, dtype=compute_dtype(cfg.model, platform))
+def build(cfg: JobConfig, mesh: Mesh, task: Task) -> Trainer:
+    """Build the optimizer, shardings and jitted init/step of ``task`` for ``cfg`` on ``mesh``."""
     tx = make_optimizer(cfg.optimizer, cfg.training.total_steps)
-    seq = cfg.model.seq_len
 
     def init(seed: jax.Array) -> dict[str, Any]:
         key = jax.random.key(seed)
         init_key, step_key = jax.random.split(key)
-        params = model.init(init_key, jnp.zeros((1, seq), jnp.int32))["params"]
-        return {
-            "params": params,
-            "opt_state": tx.init(params),
+        ts = TaskState(*task.init(init_key))
+        state = {
+            "params": ts.params,
+            "opt_state": tx.init(ts.params),
             "step": jnp.zeros((), jnp.int32),
             "rng": jax.random.key_data(step_key),
             "data_order_seed": jnp.asarray(cfg.data.seed, jnp.int32),
             "data_start_step": jnp.zeros((), jnp.int32),
         }
+        if jax.tree.leaves(ts.extra):  # checkpointed only when the task has some
+            state["extra"] = ts.extra
+        return state
 
     abstract = jax.eval_shape(init, jnp.zeros((), jnp.int32))
-    shardings = jax.tree.map(lambda leaf: _spec(leaf, mesh, cfg.training.sharding == "fsdp"), abstract)
+    fsdp = cfg.training.sharding == "fsdp"
+    shardings = jax.tree_util.tree_map_with_path(lambda path, leaf: _spec(path, leaf, mesh, fsdp, task), abstract)
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P(AXIS))
 
-    def step(state: dict[str, Any], batch: jax.Array, stop_flags: jax.Array):
-        def loss_fn(params):
-            logits = model.apply({"params": params}, batch[:, :-1])
-            return lm_loss(logits, batch[:, 1:])
+    def step(state: dict[str, Any], batch: Any, stop_flags: jax.Array):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
 
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        def loss_fn(params):
+            return task.loss(params, state.get("extra"), batch, key)
+
+        (loss, extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"]))
-        new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}
+        new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1,
+                     "rng": jax.random.key_data(key)}  # fmt: skip
+        if "extra" in state:
+            new_state["extra"] = extra
         # The stop flags of every process, reduced inside the step: all processes agree on when to stop.
         return new_state, loss, jnp.max(stop_flags)
 
@@ -98,13 +110,16 @@ def build(cfg: JobConfig, mesh: Mesh) -> Trainer:
     abstract_with_shardings = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-    return Trainer(mesh, shardings, batch_sharding, replicated, abstract_with_shardings, init_fn, step_fn, seq)
+    return Trainer(mesh, shardings, batch_sharding, replicated, abstract_with_shardings, init_fn, step_fn)
 
 
-def global_batch(tr: Trainer, local: np.ndarray, process_count: int) -> jax.Array:
-    """Assemble the global batch from each process's local rows."""
-    shape = (local.shape[0] * process_count, *local.shape[1:])
-    return jax.make_array_from_process_local_data(tr.batch_sharding, local, shape)
+def global_batch(tr: Trainer, local: Any, process_count: int) -> Any:
+    """Assemble the global batch (an array or a pytree of arrays) from each process's local rows."""
+
+    def one(x: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(tr.batch_sharding, x, (x.shape[0] * process_count, *x.shape[1:]))
+
+    return jax.tree.map(one, local)
 
 
 def stop_flags(tr: Trainer, stop: bool) -> jax.Array:

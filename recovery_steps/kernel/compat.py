@@ -43,6 +43,13 @@ RULES: tuple[Rule, ...] = (
     Rule("slice.hosts", False, _RESHARD),
     Rule("slice.devices_per_host", False, _RESHARD),
     # What is trained: the state's shapes and meaning.
+    Rule("task.name", False, "another task: the saved state belongs to another model and data"),
+    Rule(
+        "task.options",
+        False,
+        "the task's options may shape its state; a task declares the options that are safe to change "
+        "(TaskSpec.safe_options)",
+    ),
     Rule("model", False, "parameter shapes or dtypes change: the saved state does not fit the model"),
     Rule("optimizer", True, "a hyperparameter: the optimizer state keeps its structure (the trajectory changes)"),
     Rule("optimizer.name", False, "another optimizer has another state structure"),
@@ -50,6 +57,12 @@ RULES: tuple[Rule, ...] = (
     Rule("data.dataset", False, "another dataset: the saved data position means nothing there"),
     Rule("data.dataset_version", False, "another dataset version: the saved data position means nothing there"),
     Rule("data.global_batch_size", False, "the step-to-sample mapping and the learning-rate schedule change"),
+    Rule(
+        "data.files",
+        True,
+        "where the record files are; what they hold is checked at restore by their fingerprint, which "
+        "data.resume_mode refuses ('exact') or starts a new order over ('reshuffle') when it changed",
+    ),
     Rule("data.num_records", False, "epoch boundaries move: the saved data position points elsewhere"),
     Rule("data.seed", False, "another data order: 'exact' resume would continue in a different order"),
     Rule("data.worker_count", False, "the saved grain iterator state is kept per worker process"),
@@ -88,11 +101,32 @@ _BY_PATH = {r.path: r for r in RULES}
 UNKNOWN_RULE = Rule("", False, "no rule covers this field: treated as incompatible")
 
 
-def rule_for(path: str) -> Rule:
-    """The most specific rule for a dotted config path (unknown paths: an unsafe default)."""
+def task_rules(config: Mapping[str, Any]) -> dict[str, Rule]:
+    """The rules the config's task declares for its own options (``TaskSpec.safe_options``).
+
+    An unresolvable task declares none: its options stay under the unsafe ``task.options`` rule.
+    """
+    from recovery_steps.kernel.tasks import TaskError, resolve_task
+
+    name = (config.get("task") or {}).get("name", "lm")
+    try:
+        spec = resolve_task(name)
+    except TaskError:
+        return {}
+    return {f"task.options.{k}": Rule(f"task.options.{k}", True, why) for k, why in spec.safe_options.items()}
+
+
+def rule_for(path: str, extra: Mapping[str, Rule] | None = None) -> Rule:
+    """The most specific rule for a dotted config path (unknown paths: an unsafe default).
+
+    Args:
+        path: The dotted config path.
+        extra: Rules that apply on top of the table (a task's own, from ``task_rules``).
+    """
     parts = path.split(".")
     for n in range(len(parts), 0, -1):
-        rule = _BY_PATH.get(".".join(parts[:n]))
+        key = ".".join(parts[:n])
+        rule = (extra or {}).get(key) or _BY_PATH.get(key)
         if rule is not None:
             return rule
     return Rule(path, UNKNOWN_RULE.safe, UNKNOWN_RULE.reason)
@@ -193,6 +227,9 @@ def is_safe(change: Change) -> bool:
 def check_compatible(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Problem]:
     """The changes from ``old`` to ``new`` that a checkpoint written under ``old`` does not survive.
 
+    The table's rules apply, plus the safe options the task of ``new`` declares (when both sides
+    name the same task; a change of task is refused by ``task.name`` whatever its options).
+
     Args:
         old: Config the checkpoint (or the run) was written with (canonical dict).
         new: Config in use now (canonical dict).
@@ -200,7 +237,13 @@ def check_compatible(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Pro
     Returns:
         One ``Problem`` per unsafe change; empty when the checkpoint can be restored under ``new``.
     """
-    return [Problem(c, rule_for(c.path).reason) for c in diff_configs(old, new) if not is_safe(c)]
+    extra = task_rules(new)
+    out = []
+    for c in diff_configs(old, new):
+        rule = rule_for(c.path, extra)
+        if not rule.safe:
+            out.append(Problem(c, rule.reason))
+    return out
 
 
 def table_markdown() -> str:

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.tasks import BUILTIN_TASKS, TaskError, TaskSpec, resolve_task, validate_options
 from recovery_steps.kernel.tpu import LOCAL, TPU_TYPES
 
 _GCS_URL = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
@@ -234,10 +235,17 @@ class OptimizerConfig(_Section):
 
 
 class DataConfig(_Section):
-    """The deterministic input pipeline (grain over a generated token dataset)."""
+    """The deterministic input pipeline: grain over the task's generated examples or over record files."""
 
-    dataset: Literal["synthetic"] = Field(
-        default="synthetic", description="Dataset kind; 'synthetic' generates token sequences from a seed."
+    dataset: Literal["synthetic", "records"] = Field(
+        default="synthetic",
+        description="'synthetic': the examples the task generates from data.seed (nothing is read); "
+        "'records': ArrayRecord files matched by data.files.",
+    )
+    files: str | None = Field(
+        default=None,
+        description="dataset 'records' only: a glob of ArrayRecord files, gs://BUCKET/PATH/*.array_record or "
+        "a local path; the files' fingerprint (names, sizes, checksums) is the dataset version.",
     )
     dataset_version: str = Field(
         default="synthetic-v1", description="Version recorded in every checkpoint; a change is incompatible."
@@ -251,6 +259,63 @@ class DataConfig(_Section):
         "seeded by the restored step.",
     )
     worker_count: int = Field(default=0, ge=0, description="grain worker processes per host (0: in-process).")
+
+    @model_validator(mode="after")
+    def _check_files(self) -> DataConfig:
+        if self.dataset == "records" and not self.files:
+            raise ValueError(
+                "data.files: required for dataset 'records'; give a glob such as gs://BUCKET/data/*.array_record "
+                "(write one with python -m trainer.write_records)"
+            )
+        if self.dataset != "records" and self.files:
+            raise ValueError("data.files: only read with dataset: records; remove it or set dataset: records")
+        if self.files and ("://" in self.files and not self.files.startswith("gs://")):
+            raise ValueError(f"data.files: {_short(self.files)}: only gs:// globs or local paths are supported")
+        return self
+
+
+class TaskConfig(_Section):
+    """What is trained: a built-in task or the user's ``package.module:ATTR`` TaskSpec, and its options."""
+
+    name: str = Field(
+        default="lm",
+        description=f"Built-in task ({', '.join(BUILTIN_TASKS)}) or 'package.module:ATTR' naming a TaskSpec in a "
+        "module that imports without JAX.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The task's options, validated by the task's own options model (the built-in lm task "
+        "reads its options from the model section instead).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve(cls, data: Any) -> Any:
+        # Resolved here, once: the options are replaced by their validated form (defaults filled in), so
+        # the config hash and the manifest's options hash do not depend on how they were spelt.
+        if not isinstance(data, dict) or not isinstance(data.get("name", "lm"), str):
+            return data
+        name = data.get("name", "lm")
+        options = data.get("options") or {}
+        if not isinstance(options, dict):
+            raise ValueError(f"task.options: must be a mapping of option names to values, got {_short(options)}")
+        try:
+            spec = resolve_task(name)
+            if name in BUILTIN_TASKS:
+                if options:
+                    raise TaskError(
+                        f"task.options: the built-in {name} task reads its options from the model section; "
+                        "move them there"
+                    )
+                return data
+            valid = validate_options(spec, options)
+        except TaskError as e:
+            raise ValueError(str(e)) from None
+        return {**data, "options": valid.model_dump(mode="json")}
+
+    def spec(self) -> TaskSpec:
+        """The TaskSpec ``name`` stands for (imports its JAX-free module)."""
+        return resolve_task(self.name)
 
 
 class TrainingConfig(_Section):
@@ -456,7 +521,10 @@ class JobConfig(_Section):
     )
     slice: SliceConfig = Field(description="The slice of hosts the gang runs on.")
     storage: StorageConfig = Field(description="The run store.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Model sizes.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="What is trained (the task) and its options.")
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="Options of the built-in lm task: the language model's sizes."
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
     data: DataConfig = Field(default_factory=DataConfig, description="Input pipeline.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Training loop.")
@@ -504,6 +572,12 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _check_contradictions(self) -> JobConfig:
         problems = []
+        # Compared with the defaults, not the keys given: config.json holds every section, defaults included.
+        if self.task.name not in BUILTIN_TASKS and self.model != ModelConfig():
+            problems.append(
+                f"model: the options of the built-in lm task, but task.name is {self.task.name!r}; remove the "
+                "model section and give the task's options under task.options"
+            )
         if not self.slice.is_local and not self.storage.is_gcs and not self.storage.durable_mount:
             problems.append(
                 f"storage.root: {_short(self.storage.root)} is a local path on a TPU slice: the checkpoints "
@@ -529,6 +603,12 @@ class JobConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def task_options(self) -> BaseModel:
+        """The task's validated options: the model section for the built-in lm task, else task.options."""
+        if self.task.name in BUILTIN_TASKS:
+            return self.model
+        return self.task.spec().options.model_validate(self.task.options)
 
     def config_hash(self) -> str:
         """Stable hash of the whole config (sha256 of its canonical JSON)."""

@@ -85,7 +85,12 @@ class CheckpointManifest(_Record):
     config_hash: str
     config: dict[str, Any] = Field(description="The full config the checkpoint was written under.")
     code_version: str
-    dataset_version: str
+    dataset_version: str = Field(
+        description="data.dataset_version for generated examples; the record files' fingerprint for data.files."
+    )
+    task_name: str = Field(default="lm", description="TaskSpec.name of the task whose state this is.")
+    task_version: str = Field(default="1", description="TaskSpec.version: the state's structure and meaning.")
+    task_options_hash: str = Field(default="", description="sha256 of the task's validated options.")
     process_count: int
     mesh_shape: dict[str, int]
     library_versions: dict[str, str]

@@ -1,0 +1,60 @@
+"""Recovery for tasks other than the built-in one: a flax NNX image classifier, and the lm task on record files."""
+
+from __future__ import annotations
+
+import pytest
+from local_job import INTERVAL, shrunken_workflow
+
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.records import CheckpointManifest
+from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows import local
+
+pytestmark = pytest.mark.slow
+
+
+def _reference_and_killed(wf, root: str):
+    ref = local.run(wf, run_id="reference", store_root=root, metrics_port=None, report=False, say=lambda _: None)
+    assert ref.status == "Succeeded" and ref.params_digest
+    lines: list[str] = []
+    res = local.run(wf, inject=["kill-worker@8"], run_id="killed", store_root=root,
+                    reference_digest=ref.params_digest, metrics_port=0, say=lines.append)  # fmt: skip
+    out = "\n".join(lines)
+    assert res.status == "Succeeded", out
+    assert res.params_match is True, out  # same final parameters as the uninterrupted run
+    assert res.incidents and res.incidents[0].failure_class == FailureClass.INFRASTRUCTURE, out
+    assert all(i.steps_lost is not None and i.steps_lost <= INTERVAL for i in res.incidents), res.incidents
+    return RunStore(root, "killed")
+
+
+def _last_manifest(store: RunStore) -> CheckpointManifest:
+    step = max(store.checkpoint_steps())
+    m = store.read_record(RunLayout.checkpoint_manifest(step), CheckpointManifest)
+    assert m is not None
+    return m
+
+
+def test_image_classifier_recovers_from_a_killed_worker_with_the_same_params(tmp_path):
+    wf = shrunken_workflow(tmp_path, "classifier", store_root=str(tmp_path / "store"),
+                           config="local-image-classifier.yaml")  # fmt: skip
+    store = _reference_and_killed(wf, str(tmp_path / "store"))
+    m = _last_manifest(store)
+    assert (m.task_name, m.task_version, m.dataset_version) == ("image-classifier", "1", "quadrant-images-v1")
+    assert len(m.task_options_hash) == 64
+    assert any(f.path.startswith("state/") for f in m.files)
+
+
+def test_lm_on_record_files_recovers_from_a_killed_worker_with_the_same_params(tmp_path):
+    from trainer import records, write_records
+
+    cfg_path = tmp_path / "writer.yaml"
+    wf = shrunken_workflow(tmp_path, "writer", store_root=str(tmp_path / "store"))
+    cfg_path.write_text((tmp_path / "writer.yaml").read_text())
+    files = write_records.run(str(cfg_path), str(tmp_path / "records"), num_files=3, num_records=300)
+    assert len(files) == 3
+    wf = shrunken_workflow(tmp_path, "on-files", store_root=str(tmp_path / "store"),
+                           data_section={"dataset": "records", "files": str(tmp_path / "records")})  # fmt: skip
+    store = _reference_and_killed(wf, str(tmp_path / "store"))
+    m = _last_manifest(store)
+    assert m.dataset_version == records.fingerprint(records.list_files(str(tmp_path / "records")))
+    assert m.task_name == "lm"
