@@ -187,7 +187,8 @@ def test_injected_hang_exits_21_by_the_watchdog(tmp_path):
 
 def test_every_process_of_a_restarted_gang_reads_the_compilation_cache(tmp_path):
     cfg = tiny_config(str(tmp_path / "store"), run_id="cache", hosts=2,
-                      training={"total_steps": 3, "compile_grace_s": 600})  # fmt: skip
+                      training={"total_steps": 3, "compile_grace_s": 600},
+                      checkpoint={"interval_steps": 3})  # fmt: skip
     store = write_config(cfg)
     for attempt in (0, 1):  # the same programs twice, the cache in its default place
         gang = launch(cfg, attempt, -1, tmp_path)
