@@ -183,3 +183,21 @@ def test_injected_hang_exits_21_by_the_watchdog(tmp_path):
     assert gang.wait(120) == [ExitCode.HANG] * 2
     r = read_report(store, 0, 0)
     assert r["last_step"] == 2 and "no step completed" in r["exception_message"]
+
+
+def test_every_process_of_a_restarted_gang_reads_the_compilation_cache(tmp_path):
+    cfg = tiny_config(str(tmp_path / "store"), run_id="cache", hosts=2,
+                      training={"total_steps": 3, "compile_grace_s": 600},
+                      checkpoint={"interval_steps": 3})  # fmt: skip
+    store = write_config(cfg)
+    for attempt in (0, 1):  # the same programs twice, the cache in its default place
+        gang = launch(cfg, attempt, -1, tmp_path)
+        assert gang.wait(240) == [0, 0], gang.log(1)[-3000:]
+    assert store.children(RunLayout.COMPILATION_CACHE)
+    cold = [read_report(store, 0, i) for i in range(2)]
+    warm = [read_report(store, 1, i) for i in range(2)]
+    assert cold[0]["compile_cache_hits"] == 0 and cold[1]["compile_cache_requests"] > 0
+    for r in warm:
+        # Only a program placed on one process's own device (a host constant) has a per-process key.
+        assert r["compile_cache_hits"] >= max(2, r["compile_cache_requests"] - 1), r
+    assert warm[1]["compile_cache_hits"] > cold[1]["compile_cache_hits"]

@@ -163,3 +163,19 @@ def test_worker_metrics_cover_the_table():
         if spec.scope == "worker":
             assert f"# TYPE {spec.name} gauge" in text
     assert 'jaxrec_train_step{attempt="3",process_index="1",run_id="run-a"} 12.0' in text
+
+
+def test_compilation_cache_is_on_by_default_under_the_run_store(tmp_path):
+    from recovery_steps.kernel.store import RunStore
+    from trainer.compile_cache import cache_dir
+
+    local = tiny_config(str(tmp_path / "store"), run_id="cache-run")
+    assert cache_dir(local, RunStore.for_config(local)) == str(
+        tmp_path / "store" / "runs" / "cache-run" / "compilation-cache"
+    )
+    gcs = tiny_config("gs://bucket/prefix", run_id="cache-run")
+    assert cache_dir(gcs, RunStore.for_config(gcs)) == "gs://bucket/prefix/runs/cache-run/compilation-cache"
+    explicit = tiny_config(str(tmp_path / "store"), training={"compilation_cache_dir": "/elsewhere"})
+    assert cache_dir(explicit, RunStore.for_config(explicit)) == "/elsewhere"
+    off = tiny_config(str(tmp_path / "store"), training={"compilation_cache": False, "compilation_cache_dir": "/x"})
+    assert cache_dir(off, RunStore.for_config(off)) is None

@@ -18,6 +18,8 @@ from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.records import CheckpointManifest, WorkerExitReport
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from recovery_steps.kernel.tasks import options_hash
+from trainer import compile_cache
+from trainer.compile_cache import CacheCounter
 from trainer.decisions import (
     Faults,
     TrainerExit,
@@ -314,14 +316,14 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any)
     return state, it
 
 
-def _enable_compilation_cache(cfg: JobConfig) -> None:
+def _enable_compilation_cache(w: Worker, cfg: JobConfig) -> CacheCounter | None:
     import jax
 
-    t = cfg.training
-    if t.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", t.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    directory = compile_cache.cache_dir(cfg, w.store)
+    if directory is None:
+        return None
+    log.info("persistent compilation cache at %s", directory)
+    return compile_cache.enable(directory, platform=jax.devices()[0].platform, process_count=jax.process_count())
 
 
 def _start_metrics(w: Worker, cfg: JobConfig) -> WorkerMetrics:
@@ -335,7 +337,9 @@ def _start_metrics(w: Worker, cfg: JobConfig) -> WorkerMetrics:
     return m
 
 
-def _hooks(w: Worker, cfg: JobConfig, faults: Faults, ckpt: Any, stepper: Stepper) -> tuple[Hooks, CheckpointHook]:
+def _hooks(
+    w: Worker, cfg: JobConfig, faults: Faults, ckpt: Any, stepper: Stepper, cache: CacheCounter | None
+) -> tuple[Hooks, CheckpointHook]:
     """The loop's subscribers, in the order they see each step."""
     assert w.metrics is not None and w.watchdog is not None
     fault = FaultHook(faults)
@@ -349,8 +353,8 @@ def _hooks(w: Worker, cfg: JobConfig, faults: Faults, ckpt: Any, stepper: Steppe
     hooks.before_step(fault.before_step)
     hooks.add(fault.on_step)
     hooks.add(check_finite_loss)
-    hooks.add(ProgressHook(w.report, w.watchdog).on_step)
-    hooks.add(EventsHook(w.events).on_step)
+    hooks.add(ProgressHook(w.report, w.watchdog, cache).on_step)
+    hooks.add(EventsHook(w.events, cache).on_step)
     hooks.add(HeartbeatHook(w.store, w.args.attempt, w.process_index, cfg.supervision.heartbeat_interval_s, ckpt,
                             w.report).on_step)  # fmt: skip
     hooks.add(MetricsHook(w.metrics, ckpt, started=time.time()).on_step)
@@ -370,8 +374,8 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
 
     assert w.watchdog is not None
     t = cfg.training
-    _enable_compilation_cache(cfg)
     w.check_topology(cfg)
+    cache = _enable_compilation_cache(w, cfg)
     restore_step = w.args.restore_step
     log.info(
         "process %d/%d, devices local %d global %d (%s), attempt %d, restore step %s",
@@ -404,13 +408,18 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     w.exit.last_checkpoint = lambda: ckpt.last_committed
     pc, pi = jax.process_count(), jax.process_index()
 
+    t0 = time.time()
     if manifest is not None:
         state, it = _restore(cfg, tr, ckpt, restore_step, source)
     else:
         state = tr.init_fn(jnp.asarray(t.seed, jnp.int32))
         it = data_lib.make_iterator(cfg.data, source.examples, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
+    jax.block_until_ready(state)
     w.report.restored_at = time.time()
-    w.events.emit("restored", max(restore_step, 0), restore_step=restore_step)
+    w.report.restore_seconds = w.report.restored_at - t0
+    w.events.emit("restored", max(restore_step, 0), restore_step=restore_step, restore_seconds=w.report.restore_seconds)
+    # Compiled ahead so that the first save does not compile on the training thread.
+    ckpt.prepare_snapshot(tr.abstract_state)
     w.watchdog.touch()
 
     stepper = Stepper(tr, state, it, pc)
@@ -419,7 +428,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     m.set("jaxrec_train_step", start)
     if ckpt.last_committed is not None:
         m.set("jaxrec_checkpoint_step", ckpt.last_committed)
-    hooks, saving = _hooks(w, cfg, faults, ckpt, stepper)
+    hooks, saving = _hooks(w, cfg, faults, ckpt, stepper, cache)
     last = StepRecord(start)
     for last in training_steps(stepper, start, t.total_steps, lambda: w.stop_requested, hooks):
         hooks.run(last)

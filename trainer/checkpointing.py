@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import logging
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any
 
 import grain
 import jax
+import jax.monitoring
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from recovery_steps.kernel.checkpoints import write_manifest
@@ -93,6 +96,17 @@ def configure_orbax() -> None:
     ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
+def _snapshot_fn(target: Any) -> Any:
+    """A jitted copy of the state into new device buffers with the same shardings.
+
+    Taken on the training thread and dispatched asynchronously: the next step donates the live
+    buffers, so orbax must read a copy. It holds one more copy of the state in device memory until
+    orbax has copied it to the host.
+    """
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    return jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
+
+
 def _save_args(state: Any) -> Any:
     """Per-array save options: uncompressed, chunked (see ``_CHUNK_BYTES``)."""
     return jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES), state)
@@ -118,8 +132,10 @@ class DataIteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpoin
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="data_iterator_save")]
 
     def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
-        """Synchronous save (grain's)."""
-        super().save(directory, item=item, args=args)
+        """Synchronous save: the file grain's handler writes for a dataset iterator, from the captured state."""
+        item = item or args.item
+        path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        path.write_text(json.dumps(item.get_state(), indent=4))
 
 
 @dataclass
@@ -146,25 +162,73 @@ class DataIdentity:
     task_options_hash: str = ""
 
 
+class _IteratorSnapshot:
+    """The data iterator's state captured on the training thread (the iterator moves on right after)."""
+
+    def __init__(self, state: dict[str, Any]):
+        self._state = state
+
+    def get_state(self) -> dict[str, Any]:
+        """The captured state (what grain's handler writes)."""
+        return self._state
+
+
 @dataclass
 class PendingSave:
-    """A save orbax has started but the manifest has not recorded yet."""
+    """A save handed to the saver thread and not yet recorded as committed."""
 
     step: int
     started: float
     attempt: int
-    blocking: float = 0.0  # seconds the training thread spent in orbax's save
+    blocking: float = 0.0  # seconds the training thread spent in save()
+    parts: dict[str, float] = field(default_factory=dict)  # where those seconds (and the saver's) went
     committed: float | None = None  # when this worker saw orbax's commit
-    manifest: concurrent.futures.Future | None = field(default=None, repr=False)  # primary: commit + manifest
+    writing: threading.Event = field(default_factory=threading.Event, repr=False)  # orbax's save() returned
+    done: concurrent.futures.Future | None = field(default=None, repr=False)  # commit (+ manifest on primary)
+
+
+class _OrbaxTimings:
+    """Collects the durations orbax reports (``jax.monitoring``) on one thread while a save runs there."""
+
+    _NAMES = {
+        "/jax/orbax/write/checkpoint_start_sync_duration_secs": "orbax start barriers",
+        "/jax/orbax/write/blocking_wait_prev_duration_secs": "orbax wait for previous",
+        "/jax/orbax/write/blocking_tree_map_duration_secs": "orbax tree map",
+        "/jax/orbax/write/blocking_d2h_duration_secs": "orbax device-to-host copy",
+        "/jax/orbax/write/directory_creation_secs": "orbax directory creation",
+        "/jax/orbax/write/blocking_duration_secs": "orbax save() blocking in all",
+    }
+
+    def __init__(self) -> None:
+        self._thread: int | None = None
+        self._into: dict[str, float] | None = None
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration: float, **kwargs: Any) -> None:
+        name = self._NAMES.get(event)
+        if name and self._into is not None and threading.get_ident() == self._thread:
+            self._into[name] = self._into.get(name, 0.0) + duration
+
+    def collect(self, into: dict[str, float]) -> None:
+        """Start collecting this thread's orbax durations into ``into`` (``stop()`` ends it)."""
+        self._thread, self._into = threading.get_ident(), into
+
+    def stop(self) -> None:
+        """Stop collecting."""
+        self._into = None
 
 
 class Checkpointer:
     """An orbax CheckpointManager at ``checkpoints/`` plus the manifest step of the transaction.
 
-    The training thread only starts saves and polls. On the primary host a single background
-    thread waits for orbax to commit each save and writes its manifest right away (one at a time,
-    in step order); the step counts as committed only when its manifest is written. ``save`` and
-    ``finish_pending`` wait for the previous save's commit and manifest first.
+    The training thread only takes a snapshot of the state (a copy on the device, dispatched
+    asynchronously, so the next step may donate the live buffers) and of the data iterator's position,
+    and hands both to a single saver thread. That thread runs orbax's save (its cross-process
+    barriers, directory creation, the device-to-host copy, starting the background writes), waits for
+    orbax's commit and, on the primary host, writes the manifest; the step counts as committed only
+    when its manifest is written. Saves are taken one at a time, in step order: ``save`` and
+    ``finish_pending`` wait for the previous save's commit and manifest first. With synchronous saves
+    the training thread waits until orbax has written the step.
     """
 
     def __init__(
@@ -181,10 +245,14 @@ class Checkpointer:
         self.attempt = attempt
         self.mesh_shape = mesh_shape
         self.primary = jax.process_index() == 0
+        self.async_save = cfg.checkpoint.async_save
         configure_orbax()
         opts = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.checkpoint.keep,
-            enable_async_checkpointing=cfg.checkpoint.async_save,
+            enable_async_checkpointing=self.async_save,
+            # orbax's default, named because the saver thread relies on it: the step directory is
+            # created by a commit future, not before orbax's save() returns (orbax 0.12.x options.py).
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=True),
             create=True,
         )
         self.mgr = ocp.CheckpointManager(
@@ -200,13 +268,17 @@ class Checkpointer:
         self.last_commit_time: float | None = None
         self.last_duration: float | None = None
         self.last_blocking: float | None = None
+        self.last_parts: dict[str, float] = {}
         self._code_version = code_version() if self.primary else ""
         self._libs = library_versions()
-        self._writer = (
-            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="manifest")
-            if self.primary
-            else None
-        )
+        self._orbax_timings = _OrbaxTimings()
+        self._snapshot: Any = None
+        self._saver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-saver")
+
+    def prepare_snapshot(self, abstract_state: Any) -> None:
+        """Compile the on-device copy of the state ahead of the first save (off the first save's time)."""
+        if self.async_save:
+            self._snapshot = _snapshot_fn(abstract_state).lower(abstract_state).compile()
 
     def steps(self) -> list[int]:
         """Committed steps orbax lists."""
@@ -214,61 +286,83 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_iter: Any) -> None:
         """Start saving ``step`` (after recording the previous save, which orbax would wait for anyway)."""
+        t0 = time.time()
         self.finish_pending()
-        self.pending = PendingSave(step, time.time(), self.attempt)
-        self.mgr.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state, save_args=_save_args(state)), data=DataSave(data_iter)
-            ),
-            force=True,
-        )
-        self.pending.blocking = time.time() - self.pending.started
-        if self._writer is not None:
-            self.pending.manifest = self._writer.submit(self._commit_and_write_manifest, self.pending)
+        t1 = time.time()
+        p = PendingSave(step, t1, self.attempt)
+        if self.async_save:
+            if self._snapshot is None:
+                self._snapshot = _snapshot_fn(state)
+            state = self._snapshot(state)
+        data = _IteratorSnapshot(data_iter.get_state())
+        t2 = time.time()
+        p.done = self._saver.submit(self._save_and_commit, p, state, data)
+        self.pending = p
+        if not self.async_save:
+            p.writing.wait()
+        t3 = time.time()
+        p.blocking = t3 - t0
+        p.parts.update({"wait for the previous save": t1 - t0, "snapshot of state and data position": t2 - t1,
+                        "hand-off to the saver thread": t3 - t2})  # fmt: skip
+
+    def wait_until_writing(self, timeout: float = 60) -> None:
+        """Wait until orbax's save of the pending step returned (its writes are in flight, not committed)."""
+        if self.pending is not None:
+            self.pending.writing.wait(timeout)
 
     def poll(self) -> int | None:
-        """Record a save whose commit and manifest completed since the last call; never blocks.
+        """Record a save whose commit (and manifest) completed since the last call; never blocks.
 
         Returns:
             The step newly committed, or None.
         """
         p = self.pending
-        if p is None:
+        if p is None or p.done is None or not p.done.done():
             return None
-        if p.manifest is not None:  # primary host: the writer waits for the commit, then writes the manifest
-            return self._record(p) if p.manifest.done() else None
-        if self.mgr.is_saving_in_progress():
-            return None
-        return self.finish_pending()
+        return self._record(p)
 
     def finish_pending(self) -> int | None:
         """Wait for the save in flight to commit and for its manifest (primary host). Returns its step."""
         p = self.pending
         if p is None:
             return None
-        if p.manifest is None:
-            self.mgr.wait_until_finished()  # raises a failed save's error
-            p.committed = time.time()
         return self._record(p)
 
-    def _commit_and_write_manifest(self, p: PendingSave) -> None:
-        """On the writer thread: wait for orbax to commit ``p``, then write its manifest at once."""
+    def _save_and_commit(self, p: PendingSave, state: Any, data: _IteratorSnapshot) -> None:
+        """On the saver thread: orbax's save, its commit, then (primary host) the manifest."""
+        saver: dict[str, float] = {}
+        self._orbax_timings.collect(saver)
+        try:
+            t0 = time.time()
+            self.mgr.save(
+                p.step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(state, save_args=_save_args(state)), data=DataSave(data)
+                ),
+                force=True,
+            )
+            saver["orbax save() on the saver thread"] = time.time() - t0
+        finally:
+            self._orbax_timings.stop()
+            p.writing.set()
+        p.parts.update({f"off the loop: {k}": v for k, v in saver.items()})
+        del state  # the snapshot's device buffers go once orbax has its host copy
         self.mgr.wait_until_finished()  # raises a failed save's error
         p.committed = time.time()
-        if p.step not in self.mgr.all_steps():
-            raise RuntimeError(f"checkpoint of step {p.step} was not committed")
-        write_manifest(self.store, self.manifest(p.step, p.committed - p.started))
+        if self.primary:
+            if p.step not in self.mgr.all_steps():
+                raise RuntimeError(f"checkpoint of step {p.step} was not committed")
+            write_manifest(self.store, self.manifest(p.step, p.committed - p.started))
 
     def _record(self, p: PendingSave) -> int:
-        """Wait for ``p``'s manifest (raising its error) and record the step as committed."""
-        if p.manifest is not None:
-            p.manifest.result()
+        """Wait for ``p``'s commit and manifest (raising its error) and record the step as committed."""
+        assert p.done is not None
+        p.done.result()
         assert p.committed is not None
         self.pending = None
         duration = p.committed - p.started
         self.last_committed, self.last_commit_time, self.last_duration = p.step, time.time(), duration
-        self.last_blocking = p.blocking
+        self.last_blocking, self.last_parts = p.blocking, dict(p.parts)
         log.info("checkpoint %d committed in %.2f s", p.step, duration)
         return p.step
 
@@ -308,6 +402,5 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for background work and release the manager."""
+        self._saver.shutdown(wait=True)
         self.mgr.close()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)

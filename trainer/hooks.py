@@ -12,6 +12,7 @@ from typing import Any
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import WorkerExitReport, WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
+from trainer.compile_cache import CacheCounter
 from trainer.decisions import Faults, SaveReason, TrainerExit, save_decision
 from trainer.lifecycle import Watchdog
 from trainer.loop import Stepper, StepRecord
@@ -48,11 +49,12 @@ class FaultHook:
 
 
 class ProgressHook:
-    """The exit report's progress fields and the watchdog's clock."""
+    """The exit report's progress fields (and, on the first step, the compilation cache's use), the watchdog's clock."""
 
-    def __init__(self, report: WorkerExitReport, watchdog: Watchdog):
+    def __init__(self, report: WorkerExitReport, watchdog: Watchdog, cache: CacheCounter | None = None):
         self.report = report
         self.watchdog = watchdog
+        self.cache = cache
 
     def on_step(self, rec: StepRecord) -> None:
         """Record the step; the first one also its compile-and-run time."""
@@ -61,6 +63,11 @@ class ProgressHook:
         if rec.first:
             self.watchdog.first_step_done = True
             self.report.first_step_at, self.report.compile_seconds = rec.finished_at, rec.seconds
+            if self.cache is not None:
+                self.report.compile_cache_requests, self.report.compile_cache_hits = (
+                    self.cache.requests,
+                    self.cache.hits,
+                )
 
 
 class HeartbeatHook:
@@ -92,13 +99,15 @@ class HeartbeatHook:
 class EventsHook:
     """The ``first_step`` and ``step`` event lines (the local runner times incidents from them)."""
 
-    def __init__(self, events: Events):
+    def __init__(self, events: Events, cache: CacheCounter | None = None):
         self.events = events
+        self.cache = cache
 
     def on_step(self, rec: StepRecord) -> None:
-        """Emit the step's events."""
+        """Emit the step's events (``first_step`` with the compilation cache's requests and hits so far)."""
         if rec.first:
-            self.events.emit("first_step", rec.step, compile_seconds=rec.seconds)
+            cache = {} if self.cache is None else {"cache_requests": self.cache.requests, "cache_hits": self.cache.hits}
+            self.events.emit("first_step", rec.step, compile_seconds=rec.seconds, **cache)
             log.info("first step %d done (compile + run %.2f s), loss %.4f", rec.step, rec.seconds, rec.loss)
         self.events.emit("step", rec.step, loss=rec.loss)
 
@@ -173,7 +182,8 @@ class CheckpointHook:
             os.kill(os.getpid(), signal.SIGKILL)
         self.ckpt.save(step, self.stepper.state, self.stepper.data_iter)
         self.last_saved = step
-        if kill:  # the asynchronous write is in flight and not committed
+        if kill:  # once orbax's writes are in flight, before they are committed
+            self.ckpt.wait_until_writing()
             os.kill(os.getpid(), signal.SIGKILL)
 
     def finish(self) -> None:
@@ -185,7 +195,8 @@ class CheckpointHook:
         if committed is None:
             return
         c = self.ckpt
-        self.events.emit("save_committed", committed, save_seconds=c.last_duration, blocking_seconds=c.last_blocking)
+        self.events.emit("save_committed", committed, save_seconds=c.last_duration, blocking_seconds=c.last_blocking,
+                         blocking_parts=c.last_parts)  # fmt: skip
         self.metrics.set("jaxrec_checkpoint_step", committed)
         self.metrics.set("jaxrec_checkpoint_last_commit_timestamp_seconds", c.last_commit_time or 0)
         self.metrics.set("jaxrec_checkpoint_duration_seconds", c.last_duration or 0)

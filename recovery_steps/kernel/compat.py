@@ -87,6 +87,7 @@ RULES: tuple[Rule, ...] = (
     Rule("training.shutdown_timeout_s", True, "a timeout"),
     Rule("training.hang_timeout_s", True, "a timeout"),
     Rule("training.compile_grace_s", True, "a timeout"),
+    Rule("training.compilation_cache", True, "a cache: compiled programs are rebuilt when absent"),
     Rule("training.compilation_cache_dir", True, "a cache: compiled programs are rebuilt when absent"),
     Rule("training.step_delay_s", True, "pacing of local rehearsals only"),
     # Policies around the state.

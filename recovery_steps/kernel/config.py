@@ -342,8 +342,15 @@ class TrainingConfig(_Section):
         "(the first step's compilation is allowed compile_grace_s more).",
     )
     compile_grace_s: int = Field(default=240, ge=0, description="Extra watchdog time for the first step.")
+    compilation_cache: bool = Field(
+        default=True,
+        description="JAX's persistent compilation cache, on unless false: the next attempt reuses the compiled "
+        "step instead of compiling it again.",
+    )
     compilation_cache_dir: str | None = Field(
-        default=None, description="Persistent XLA compilation cache directory (local path or gs://)."
+        default=None,
+        description="Where the compilation cache lives (local path or gs://); default "
+        "<storage.root>/runs/<run_id>/compilation-cache.",
     )
     step_delay_s: float = Field(
         default=0.0, ge=0, description="Sleep after each step (local rehearsals: stretch a run to watch it)."

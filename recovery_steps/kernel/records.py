@@ -59,6 +59,13 @@ class WorkerExitReport(_Record):
     ended_at: float | None = None
     compile_seconds: float | None = None
     steps_per_second: float | None = None
+    restore_seconds: float | None = Field(
+        default=None, description="Restoring the checkpoint (or building the fresh state)."
+    )
+    compile_cache_requests: int | None = Field(
+        default=None, description="Compilations that asked the persistent cache, up to the first step."
+    )
+    compile_cache_hits: int | None = Field(default=None, description="Of those, the ones the cache answered.")
     peak_rss_mib: float | None = Field(default=None, description="Peak resident set size of the worker, MiB.")
     params_digest: str | None = Field(
         default=None, description="sha256 of the final parameters (exits 0 and 143): resumes compare it."
@@ -297,6 +304,12 @@ class WorkerEvent(_Record):
     compile_seconds: float | None = Field(default=None, description="first_step: compile time.")
     save_seconds: float | None = Field(default=None, description="save_committed: save start to commit.")
     blocking_seconds: float | None = Field(default=None, description="save_committed: time the loop was held.")
+    blocking_parts: dict[str, float] | None = Field(
+        default=None, description="save_committed: where the blocking time went, and what ran off the loop."
+    )
+    restore_seconds: float | None = Field(default=None, description="restored: restoring (or building) the state.")
+    cache_requests: int | None = Field(default=None, description="first_step: compilations that asked the cache.")
+    cache_hits: int | None = Field(default=None, description="first_step: of those, answered by the cache.")
 
 
 def parse_event_line(line: bytes | str) -> dict[str, Any] | None:

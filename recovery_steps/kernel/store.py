@@ -102,6 +102,7 @@ class RunLayout:
     QUARANTINE = "quarantine"
     ATTEMPTS = "attempts"
     MANIFEST = "manifest.json"
+    COMPILATION_CACHE = "compilation-cache"  # JAX's persistent cache (training.compilation_cache)
 
     @staticmethod
     def parse_step(name: str) -> int | None:

@@ -1,0 +1,102 @@
+"""JAX's persistent compilation cache: on unless turned off, under the run store, one key for the whole gang.
+
+Why the key differs per process on a local CPU gang, and what is done about it: JAX's cache key
+(``jax/_src/cache_key.py``, ``get``) hashes, among the program, the compile options and the flags, an
+"accelerator_config" entry: the fingerprint of ``xla_client.get_topology_for_devices(devices)``. On the
+CPU that topology is the PjRt CPU client's own (``xla/pjrt/plugin/xla_cpu/cpu_topology_description.cc``:
+``Fingerprint()`` is a hash of the ``CpuTopology`` proto, which lists this client's devices with their
+process id), so each process of a gang hashes a different topology and gets a different key, while every
+other entry of the key is identical (measured: 4 processes, one jitted step, every entry but
+``accelerator_config`` equal). Only process 0 writes cache entries (``compiler.py`` ``_cache_write``), so
+processes 1..N-1 never find their key. JAX has no option for this (the GPU path strips the device
+assignment from the key, nothing does the same for the CPU topology). On TPU the topology is the whole
+slice, the same on every host, and nothing here changes the key there.
+
+For a multi-process CPU gang the trainer therefore replaces that one entry of the key by the global
+device assignment the program is compiled for (platform, kind, id and process of every device), which
+every process of the gang computes alike and which still separates gangs of another shape. Every
+process then reads the entry process 0 wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from recovery_steps.kernel.config import JobConfig
+from recovery_steps.kernel.store import RunLayout, RunStore
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir(cfg: JobConfig, store: RunStore) -> str | None:
+    """Where the cache lives: ``training.compilation_cache_dir``, else ``<root>/runs/<run-id>/compilation-cache``.
+
+    ``None`` when ``training.compilation_cache`` is off. A ``gs://`` root gives a ``gs://`` directory.
+    """
+    t = cfg.training
+    if not t.compilation_cache:
+        return None
+    return t.compilation_cache_dir or store.url(RunLayout.COMPILATION_CACHE)
+
+
+def _hash_global_devices(hash_obj: Any, devices: Any) -> None:
+    for d in devices.flat:
+        hash_obj.update(f"{d.platform}/{d.device_kind}/{d.id}/{d.process_index};".encode())
+
+
+def _use_gang_wide_cpu_key() -> bool:
+    """Key the CPU accelerator config by the global device assignment (see the module docstring)."""
+    try:
+        from jax._src import cache_key
+    except ImportError:
+        return False
+    original = getattr(cache_key, "_hash_accelerator_config", None)
+    if original is None:
+        return False
+    if getattr(original, "gang_wide", False):
+        return True
+
+    def hash_accelerator_config(hash_obj: Any, accelerators: Any) -> None:
+        if all(d.platform == "cpu" for d in accelerators.flat):
+            _hash_global_devices(hash_obj, accelerators)
+        else:
+            original(hash_obj, accelerators)
+
+    hash_accelerator_config.gang_wide = True  # type: ignore[attr-defined]
+    cache_key._hash_accelerator_config = hash_accelerator_config
+    return True
+
+
+class CacheCounter:
+    """Counts this process's persistent-cache requests and hits (JAX's ``/jax/compilation_cache/*`` events)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.hits = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, **kwargs: Any) -> None:
+        """A jax.monitoring event listener."""
+        if event == "/jax/compilation_cache/compile_requests_use_cache":
+            with self._lock:
+                self.requests += 1
+        elif event == "/jax/compilation_cache/cache_hits":
+            with self._lock:
+                self.hits += 1
+
+
+def enable(directory: str, *, platform: str, process_count: int) -> CacheCounter:
+    """Turn the cache on at ``directory`` for every compilation, however short; return its counter."""
+    import jax
+    import jax.monitoring
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if platform == "cpu" and process_count > 1 and not _use_gang_wide_cpu_key():
+        log.warning("this JAX has no cache_key._hash_accelerator_config: only process 0 gets cache hits")
+    counter = CacheCounter()
+    jax.monitoring.register_event_listener(counter)
+    return counter
