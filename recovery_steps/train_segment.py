@@ -38,7 +38,7 @@ from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.k8s import ATTEMPT_LABEL, JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION
 from recovery_steps.kernel.outputs import SegmentOutputs
-from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision
+from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
     UNREACHABLE_TAINT,
@@ -705,7 +705,7 @@ def run(
 def record_error(store_root: str, run_id: str, attempt: int, e: SegmentError) -> None:
     """Leave the reason the attempt could not be supervised where classify-failure reads it."""
     rec = SupervisionRecord(attempt=attempt, jobset="", outcome="error", exit_code=int(e.code), reason=str(e),
-                            detected_at=time.time())  # fmt: skip
+                            detected_at=now())  # fmt: skip
     try:
         RunStore(store_root, run_id).write_record(RunLayout.supervision(attempt), rec)
     except store_errors() as err:

@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import socket
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -15,7 +14,7 @@ from typing import Any, NoReturn
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
-from recovery_steps.kernel.records import CheckpointManifest, WorkerExitReport
+from recovery_steps.kernel.records import CheckpointManifest, WorkerExitReport, now
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from recovery_steps.kernel.tasks import options_hash
 from trainer import compile_cache
@@ -125,7 +124,7 @@ class Worker:
             restore_step=args.restore_step if args.restore_step >= 0 else None,
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            started_at=time.time(),
+            started_at=now(),
         )
         self.exit = ExitPath(self.store, args.attempt, self.report, self.events)
         self.watchdog: Watchdog | None = None
@@ -239,7 +238,7 @@ class Worker:
         if self.process_index == 0:
             for step in self.store.checkpoint_steps():
                 if step > restore_step:
-                    dst = RunLayout.quarantine(step, f"-superseded-attempt{self.args.attempt}-{int(time.time())}")
+                    dst = RunLayout.quarantine(step, f"-superseded-attempt{self.args.attempt}-{int(now())}")
                     n = self.store.move(RunLayout.checkpoint(step), dst)
                     log.warning("checkpoint %d is newer than the restore step; moved %d objects to %s", step, n, dst)
         multihost_utils.sync_global_devices("trainer-set-aside-newer-steps")
@@ -265,7 +264,7 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
         out.exit_now(e.code, message=str(e))
     except Exception as e:  # noqa: BLE001 - any failure to start the runtime has one contract code
         out.exit_now(exit_code_for(e, during_init=True), e)
-    w.report.initialized_at = time.time()
+    w.report.initialized_at = now()
     w.watchdog = Watchdog(cfg.training.hang_timeout_s, cfg.training.compile_grace_s, out)
     # TRAINER_WATCHDOG=off: rehearse a silent hang that only the supervisor's heartbeat deadline can see.
     if env.get("TRAINER_WATCHDOG", "on") != "off":
@@ -357,7 +356,7 @@ def _hooks(
     hooks.add(EventsHook(w.events, cache).on_step)
     hooks.add(HeartbeatHook(w.store, w.args.attempt, w.process_index, cfg.supervision.heartbeat_interval_s, ckpt,
                             w.report).on_step)  # fmt: skip
-    hooks.add(MetricsHook(w.metrics, ckpt, started=time.time()).on_step)
+    hooks.add(MetricsHook(w.metrics, ckpt, started=now()).on_step)
     hooks.add(saving.on_step)
     if cfg.training.step_delay_s:
         hooks.add(PaceHook(cfg.training.step_delay_s).on_step)
@@ -408,14 +407,14 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     w.exit.last_checkpoint = lambda: ckpt.last_committed
     pc, pi = jax.process_count(), jax.process_index()
 
-    t0 = time.time()
+    t0 = now()
     if manifest is not None:
         state, it = _restore(cfg, tr, ckpt, restore_step, source)
     else:
         state = tr.init_fn(jnp.asarray(t.seed, jnp.int32))
         it = data_lib.make_iterator(cfg.data, source.examples, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
     jax.block_until_ready(state)
-    w.report.restored_at = time.time()
+    w.report.restored_at = now()
     w.report.restore_seconds = w.report.restored_at - t0
     w.events.emit("restored", max(restore_step, 0), restore_step=restore_step, restore_seconds=w.report.restore_seconds)
     # Compiled ahead so that the first save does not compile on the training thread.
@@ -442,7 +441,7 @@ def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord) -> NoRetur
 
     from trainer import train_state
 
-    elapsed = time.time() - (w.report.first_step_at or w.report.restored_at or time.time())
+    elapsed = now() - (w.report.first_step_at or w.report.restored_at or now())
     done = last.step - max(w.args.restore_step, 0) - 1
     if done > 0 and elapsed > 0:
         w.report.steps_per_second = done / elapsed

@@ -9,7 +9,6 @@ import json
 import logging
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import orbax.checkpoint as ocp
 
 from recovery_steps.kernel.checkpoints import write_manifest
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.records import CheckpointManifest
+from recovery_steps.kernel.records import CheckpointManifest, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 log = logging.getLogger(__name__)
@@ -286,21 +285,21 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_iter: Any) -> None:
         """Start saving ``step`` (after recording the previous save, which orbax would wait for anyway)."""
-        t0 = time.time()
+        t0 = now()
         self.finish_pending()
-        t1 = time.time()
+        t1 = now()
         p = PendingSave(step, t1, self.attempt)
         if self.async_save:
             if self._snapshot is None:
                 self._snapshot = _snapshot_fn(state)
             state = self._snapshot(state)
         data = _IteratorSnapshot(data_iter.get_state())
-        t2 = time.time()
+        t2 = now()
         p.done = self._saver.submit(self._save_and_commit, p, state, data)
         self.pending = p
         if not self.async_save:
             p.writing.wait()
-        t3 = time.time()
+        t3 = now()
         p.blocking = t3 - t0
         p.parts.update({"wait for the previous save": t1 - t0, "snapshot of state and data position": t2 - t1,
                         "hand-off to the saver thread": t3 - t2})  # fmt: skip
@@ -333,7 +332,7 @@ class Checkpointer:
         saver: dict[str, float] = {}
         self._orbax_timings.collect(saver)
         try:
-            t0 = time.time()
+            t0 = now()
             self.mgr.save(
                 p.step,
                 args=ocp.args.Composite(
@@ -341,14 +340,14 @@ class Checkpointer:
                 ),
                 force=True,
             )
-            saver["orbax save() on the saver thread"] = time.time() - t0
+            saver["orbax save() on the saver thread"] = now() - t0
         finally:
             self._orbax_timings.stop()
             p.writing.set()
         p.parts.update({f"off the loop: {k}": v for k, v in saver.items()})
         del state  # the snapshot's device buffers go once orbax has its host copy
         self.mgr.wait_until_finished()  # raises a failed save's error
-        p.committed = time.time()
+        p.committed = now()
         if self.primary:
             if p.step not in self.mgr.all_steps():
                 raise RuntimeError(f"checkpoint of step {p.step} was not committed")
@@ -361,7 +360,7 @@ class Checkpointer:
         assert p.committed is not None
         self.pending = None
         duration = p.committed - p.started
-        self.last_committed, self.last_commit_time, self.last_duration = p.step, time.time(), duration
+        self.last_committed, self.last_commit_time, self.last_duration = p.step, now(), duration
         self.last_blocking, self.last_parts = p.blocking, dict(p.parts)
         log.info("checkpoint %d committed in %.2f s", p.step, duration)
         return p.step
@@ -382,7 +381,7 @@ class Checkpointer:
             process_count=jax.process_count(),
             mesh_shape=self.mesh_shape,
             library_versions=self._libs,
-            wall_time=time.time(),
+            wall_time=now(),
             save_seconds=save_seconds,
         )
 

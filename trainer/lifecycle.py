@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import WorkerExitReport
+from recovery_steps.kernel.records import WorkerExitReport, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.decisions import watchdog_limit
 from trainer.telemetry import Events
@@ -62,7 +62,7 @@ class ExitPath:
         r = self.report
         r.exit_code = int(code)
         r.exit_name = ExitCode(code).name if code in ExitCode._value2member_map_ else str(code)
-        r.ended_at = time.time()
+        r.ended_at = now()
         r.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         committed = self.last_checkpoint()
         if committed is not None:

@@ -7,10 +7,11 @@ before the next step starts (so a hook may read the state the step produced).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from recovery_steps.kernel.records import now
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,10 @@ def training_steps(
     step = start_step
     while step < total_steps:
         hooks.run_before(step + 1)
-        t0 = time.time()
+        t0 = now()
         loss, stop = run_step(stop_requested())
         step += 1
-        yield StepRecord(step, loss, t0, time.time(), first=step == start_step + 1, stop_agreed=stop,
+        yield StepRecord(step, loss, t0, now(), first=step == start_step + 1, stop_agreed=stop,
                          last=step >= total_steps)  # fmt: skip
         if stop:
             return
