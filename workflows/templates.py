@@ -141,6 +141,9 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 STORE_ROOT,
                 "--accept-safe-changes",
                 "{{workflow.parameters.accept-safe-changes}}",
+                # Permissions and cluster objects are checked before any slice is provisioned.
+                "--preflight",
+                "true",
             ],  # fmt: skip
             outputs=ValidateOutputs,
             input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],

@@ -34,6 +34,7 @@ RULES: tuple[Rule, ...] = (
     Rule("namespace", True, "Kubernetes placement only"),
     Rule("image", True, "a new image may fix a bug; the code version is recorded in every checkpoint"),
     Rule("service_account", True, "credentials only"),
+    Rule("worker_service_account", True, "credentials only"),
     Rule("storage.root", True, "where the run store lives; checkpoints carry no absolute paths"),
     Rule("storage.durable_mount", True, "a declaration about the volume behind a local root; the data is the same"),
     Rule("slice.spot", True, "capacity type only; the slice shape is unchanged"),

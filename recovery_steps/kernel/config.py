@@ -517,7 +517,12 @@ class JobConfig(_Section):
     image: str = Field(description="Worker container image (trainer and step programs).")
     service_account: str = Field(
         default="jax-recovery",
-        description="Kubernetes ServiceAccount of steps and workers (bound to GCS by Workload Identity).",
+        description="Kubernetes ServiceAccount of the workflow's steps (RBAC of argo/rbac.yaml; the run store).",
+    )
+    worker_service_account: str = Field(
+        default="jax-recovery-worker",
+        description="Kubernetes ServiceAccount of the workers: no Kubernetes API access, only the bucket "
+        "(Workload Identity).",
     )
     slice: SliceConfig = Field(description="The slice of hosts the gang runs on.")
     storage: StorageConfig = Field(description="The run store.")

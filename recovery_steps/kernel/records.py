@@ -219,6 +219,14 @@ class ProvisionRecord(_Record):
     at: float
 
 
+class PreflightCheck(_Record):
+    """``preflight.json``: what the preflight of the latest submission found (validate-config writes it)."""
+
+    ok: bool = Field(description="True when every check passed.")
+    problems: list[str] = Field(default_factory=list, description="One line per missing permission or object.")
+    at: float = Field(default_factory=now, description="When the checks ran.")
+
+
 class LocalWorkerRecord(_Record):
     """One process of the local slice record."""
 

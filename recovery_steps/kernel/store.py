@@ -178,6 +178,12 @@ class RunLayout:
         """The ``QuarantineReason`` inside quarantine directory ``target`` (a path under ``quarantine/``)."""
         return f"{target}/QUARANTINE_REASON.json"
 
+    PREFLIGHT = "preflight.json"
+    """``PreflightCheck`` of the latest submission (written by validate-config's preflight)."""
+
+    PREFLIGHT_PROBES = "preflight/probes"
+    """Where the preflight writes, reads and deletes its probe objects."""
+
     LOCAL_SUMMARY = "local/summary.json"
     """``LocalSummary`` of a local run."""
 
