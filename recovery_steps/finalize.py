@@ -20,10 +20,11 @@ from typing import Any
 
 from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel import cli
+from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, WorkerExitReport, now
-from recovery_steps.kernel.store import RunStore, store_errors
+from recovery_steps.kernel.store import RunStore, StoreUnavailable, store_errors
 from recovery_steps.kernel.totals import RunTotals, run_totals, steps_lost
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
 
@@ -292,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"finalize: {e}", file=sys.stderr)
         return 1
+    except StoreUnavailable as e:
+        print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
+        return int(ExitCode.TRANSIENT)
     print(f"run {args.run_id}: {r.final_status}: {r.final_reason}")
     print(table(r.ledger))
     if r.totals is not None:

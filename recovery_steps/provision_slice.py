@@ -224,9 +224,11 @@ def provision_gke(
                 f"Kubernetes API refused {e.status} {e.reason}: check argo/rbac.yaml is applied and the "
                 "JobSet CRD is installed",
             ) from None
+        if e.status == 429 or e.status >= 500:
+            raise ProvisionError(ExitCode.TRANSIENT, f"Kubernetes API answered {e.status} {e.reason}") from None
         raise ProvisionError(ExitCode.CAPACITY, f"Kubernetes API error {e.status} {e.reason}; retry later") from None
     except urllib3.exceptions.HTTPError as e:
-        raise ProvisionError(ExitCode.CAPACITY, f"Kubernetes API unreachable ({e}); retry later") from None
+        raise ProvisionError(ExitCode.TRANSIENT, f"Kubernetes API unreachable ({e})") from None
     tolerated = [TPU_RESOURCE] + ([SPOT_LABEL] if cfg.slice.spot else [])
     verdict = check_slice(nodes, cfg.slice.num_hosts, tolerated, require_nodes=require_nodes)
     if not verdict.ok:

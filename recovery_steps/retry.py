@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from recovery_steps.kernel.config import RetryConfig
 from recovery_steps.kernel.contract import Decision, FailureClass
 from recovery_steps.kernel.records import AttemptRecord, Ledger
-from recovery_steps.kernel.store import DocumentError, PreconditionFailed, RunLayout, RunStore, store_errors
+from recovery_steps.kernel.store import (
+    DocumentError,
+    PreconditionFailed,
+    RunLayout,
+    RunStore,
+    StoreUnavailable,
+    is_transient,
+    store_errors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +164,9 @@ def append_attempt(store: RunStore, record: AttemptRecord, **kw) -> Ledger:
 def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterator[None]:
     """Turn a failure to read or update the ledger into ``error(one-line message)``.
 
+    A transient one (unreachable, HTTP 429/5xx) becomes ``StoreUnavailable``: the step exits ``transient`` and
+    Argo retries it, outside every failure-class budget.
+
     Args:
         store: The run store the ledger lives in (named in the message).
         error: Builds the exception the step raises (its own failure type).
@@ -167,6 +178,10 @@ def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterato
     except PreconditionFailed as e:
         raise error(f"could not update the ledger: {e}") from None
     except store_errors() as e:
+        if is_transient(e):
+            raise StoreUnavailable(
+                f"run store {store.url()} unreachable: {type(e).__name__}: {_first_line(e)}"
+            ) from None
         from recovery_steps.kernel.cli import store_error_line
 
         raise error(store_error_line("run store", store.url(), e).removeprefix("run store: ")) from None

@@ -51,6 +51,21 @@ ATTEMPT_IN = "{{inputs.parameters.attempt}}"
 SUPERVISOR_RETRIES = 5
 
 
+# Argo reports an Errored pod (evicted, node lost) with lastRetry.status "Error" and exitCode "-1"
+# (workflow/controller/operator.go): retried like the step's own transient exit, never by a failure class.
+TRANSIENT_RETRY = f"lastRetry.status == 'Error' || asInt(lastRetry.exitCode) == {int(ExitCode.TRANSIENT)}"
+
+
+def transient_retry(cfg: JobConfig, *, also: str | None = None, limit: int | None = None) -> RetryStrategy:
+    """The bounded retry of a step whose pod Errored or that exited transient (``also``: a further condition)."""
+    return RetryStrategy(
+        limit=cfg.retry.transient_retry_limit if limit is None else limit,
+        retry_policy="Always",
+        backoff=Backoff(duration=f"{cfg.retry.transient_backoff_s}s", factor=2, max_duration="30m"),
+        expression=f"{also} || {TRANSIENT_RETRY}" if also else TRANSIENT_RETRY,
+    )
+
+
 def _outputs(declared: type[StepOutputs] | None) -> list[Parameter]:
     """The template's output parameters, from the step's one declaration."""
     if declared is None:
@@ -73,6 +88,7 @@ def _step(
 ) -> Container:
     """A container template that runs ``python -m recovery_steps.<module>``."""
     full_args = list(args) + (["--output-dir", OUTPUT_DIR] if outputs is not None else [])
+    kw.setdefault("retry_strategy", transient_retry(cfg))
     labels = {RUN_ID_LABEL: RUN_ID}
     if "attempt" in inputs:
         labels[ATTEMPT_LABEL] = ATTEMPT_IN
@@ -163,12 +179,13 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN],
             inputs=["attempt"],
             outputs=ProvisionOutputs,
-            # Exit 75 (capacity not there yet) is retried with backoff; exit 2 (configuration) is not.
+            # Exit 75 (capacity not there yet) is retried with backoff, like an Errored pod or a transient exit;
+            # exit 2 (configuration) is not.
             retry_strategy=RetryStrategy(
                 limit=cfg.retry.provision_retry_limit,
                 retry_policy="Always",
                 backoff=Backoff(duration=f"{cfg.retry.provision_backoff_s}s", factor=2, max_duration="30m"),
-                expression=f"asInt(lastRetry.exitCode) == {int(ExitCode.CAPACITY)}",
+                expression=f"asInt(lastRetry.exitCode) == {int(ExitCode.CAPACITY)} || {TRANSIENT_RETRY}",
             ),
         )
         # The supervisor creates (or re-attaches to) this JobSet, decides when the attempt is over and

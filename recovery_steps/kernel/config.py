@@ -408,6 +408,13 @@ class RetryConfig(_Section):
         default=10, ge=0, description="provision-slice retries while capacity is not available yet."
     )
     provision_backoff_s: int = Field(default=30, ge=1, description="First provision-slice retry backoff.")
+    transient_retry_limit: int = Field(
+        default=5,
+        ge=0,
+        description="Retries of one step whose pod Errored (evicted, node lost) or that exited transient (store or "
+        "API unreachable, HTTP 429/5xx); retried in place, never counted against a failure class.",
+    )
+    transient_backoff_s: int = Field(default=10, ge=1, description="First backoff of a transient retry (doubles).")
 
     @field_validator("budgets", mode="after")
     @classmethod
