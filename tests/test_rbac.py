@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 from recovery_steps.kernel.k8s import STEP_VERBS
 from workflows.rbac import NODE_RULES, ROLE_RULES
 
@@ -45,3 +47,12 @@ def test_each_granted_verb_has_the_step_that_needs_it():
     for verb in ("patch", "update", "deletecollection", "*"):
         assert not any(v == verb for g, r, v in _granted(ROLE_RULES) if r != "workflowtaskresults")
     assert not _granted(NODE_RULES) - {("", "nodes", "get"), ("", "nodes", "list"), ("", "namespaces", "get")}
+
+
+def test_workers_have_their_own_account_with_no_api_access():
+    docs = list(yaml.safe_load_all((REPO / "argo" / "rbac.yaml").read_text()))
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert set(accounts) == {"jax-recovery", "jax-recovery-worker"}
+    assert accounts["jax-recovery-worker"]["automountServiceAccountToken"] is False
+    bound = {s["name"] for d in docs if d["kind"].endswith("Binding") for s in d["subjects"]}
+    assert bound == {"jax-recovery"}

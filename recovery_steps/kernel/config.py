@@ -93,6 +93,15 @@ class SliceConfig(_Section):
     )
     spot: bool = Field(default=False, description="Schedule on Spot VMs (preemptible; TPU only).")
     reservation: str | None = Field(default=None, description="GKE reservation name to consume (TPU only).")
+    worker_cpu: float | None = Field(
+        default=None,
+        gt=0,
+        description="CPU request of each worker pod (TPU only; default: 80% of the machine type's vCPUs, from the "
+        "TPU table). google.com/tpu alone does not count for QoS: without it a worker is BestEffort.",
+    )
+    worker_memory_gib: float | None = Field(
+        default=None, gt=0, description="Memory request of each worker pod in GiB (TPU only; default: 80% of the VM)."
+    )
 
     @field_validator("reservation")
     @classmethod
@@ -152,6 +161,15 @@ class SliceConfig(_Section):
             assert self.hosts is not None
             return self.hosts
         return TPU_TYPES[self.accelerator].hosts(self.topology or "")
+
+    def worker_requests(self) -> dict[str, str]:
+        """CPU and memory requests of one worker pod (empty for the local backend)."""
+        if self.is_local:
+            return {}
+        tpu = TPU_TYPES[self.accelerator]
+        cpu = self.worker_cpu if self.worker_cpu is not None else tpu.worker_cpu
+        mem = self.worker_memory_gib if self.worker_memory_gib is not None else tpu.worker_memory_gib
+        return {"cpu": f"{cpu:g}", "memory": f"{mem:g}Gi"}
 
     @property
     def devices_per_process(self) -> int:
