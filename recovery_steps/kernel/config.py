@@ -347,10 +347,15 @@ class TrainingConfig(_Section):
         default="data", description="'data': replicated parameters; 'fsdp': parameters sharded over hosts."
     )
     heartbeat_timeout_s: int = Field(
-        default=5, ge=1, description="JAX coordination heartbeat timeout: a dead peer is noticed within it."
+        default=5,
+        ge=1,
+        description="JAX coordination heartbeat timeout: a dead peer is noticed within it. Default 5 locally, "
+        "1200 on TPU (TPU_TIMEOUT_DEFAULTS).",
     )
     init_timeout_s: int = Field(
-        default=120, ge=5, description="How long jax.distributed.initialize waits for every process."
+        default=120,
+        ge=5,
+        description="How long jax.distributed.initialize waits for every process. Default 120 locally, 1800 on TPU.",
     )
     shutdown_timeout_s: int = Field(default=10, ge=1, description="JAX distributed shutdown barrier timeout.")
     hang_timeout_s: int = Field(
@@ -531,8 +536,28 @@ class MonitoringConfig(_Section):
     )
 
 
+# Timeouts a TPU job gets unless its config sets them. JAX's own heartbeat default is 100 s; a long XLA compile
+# or a slow host start on a large slice has tripped it, and GoogleCloudPlatform/ml-auto-solutions#1166 raised it
+# to 1200 s. A dead peer is still noticed at once on GKE: JobSet stops the whole gang on the first worker exit,
+# and the step watchdog (hang_timeout_s) ends a silent hang. init: every pod of a large slice must be scheduled,
+# pulled and started before jax.distributed.initialize returns.
+TPU_TIMEOUT_DEFAULTS = {"heartbeat_timeout_s": 1200, "init_timeout_s": 1800}
+
+
 class JobConfig(_Section):
     """A whole training job: what to train, where, and how to recover from failures."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tpu_timeout_defaults(cls, data: Any) -> Any:
+        """On TPU, timeouts the config leaves out take TPU_TIMEOUT_DEFAULTS (local runs keep the short ones)."""
+        if not isinstance(data, dict):
+            return data
+        sl = data.get("slice")
+        training = data.get("training", {})
+        if not isinstance(sl, dict) or sl.get("accelerator", LOCAL) == LOCAL or not isinstance(training, dict):
+            return data
+        return {**data, "training": {**TPU_TIMEOUT_DEFAULTS, **training}}
 
     run_id: str = Field(
         description="Run identifier (lowercase letters, digits, '-'; at most 40): names the run store "
