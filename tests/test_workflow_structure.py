@@ -252,3 +252,14 @@ def test_local_jobset_has_no_tpu_and_carries_the_local_env(local):
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     )
     assert "annotations" not in js["metadata"]
+
+
+@pytest.mark.parametrize("cfg_path", CONFIGS, ids=lambda p: p.stem)
+def test_workflow_keeps_failed_pods_and_the_finished_run_for_inspection(cfg_path):
+    cfg = load_config(cfg_path)
+    wf = build_workflow(cfg).to_dict()
+    assert wf["spec"]["podGC"] == {"strategy": "OnPodSuccess"}
+    ttl = wf["spec"]["ttlStrategy"]
+    assert ttl["secondsAfterFailure"] >= ttl["secondsAfterSuccess"] >= 7 * 24 * 3600
+    # The namespace comes from the config, in the Workflow and in the JobSet it creates.
+    assert wf["metadata"]["namespace"] == cfg.namespace == _jobset(wf)["metadata"]["namespace"]

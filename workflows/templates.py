@@ -23,7 +23,7 @@ from hera.workflows import (
     Task,
     Workflow,
 )
-from hera.workflows.models import Backoff, ValueFrom
+from hera.workflows.models import Backoff, PodGC, TTLStrategy, ValueFrom
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import Decision, ExitCode
@@ -49,6 +49,11 @@ ATTEMPT_IN = "{{inputs.parameters.attempt}}"
 # lastRetry.status "Error" with exitCode -1, workflow/controller/operator.go); the retry re-attaches to
 # the attempt's JobSet. A Failed supervisor (the attempt failed) goes to classify-failure instead.
 SUPERVISOR_RETRIES = 5
+# Pods of steps that succeeded are deleted as they finish (a weeks-long run makes hundreds); failed and errored
+# ones stay for their logs until the Workflow goes (argo docs "Pod GC": OnPodSuccess). The finished Workflow is
+# kept a week after success and a month after failure so every attempt can be inspected (argo docs "TTL").
+POD_GC = PodGC(strategy="OnPodSuccess")
+TTL = TTLStrategy(seconds_after_success=7 * 24 * 3600, seconds_after_failure=30 * 24 * 3600)
 
 
 # Argo reports an Errored pod (evicted, node lost) with lastRetry.status "Error" and exitCode "-1"
@@ -139,6 +144,8 @@ def build_workflow(cfg: JobConfig) -> Workflow:
         entrypoint="main",
         on_exit="exit-handler",
         service_account_name=cfg.service_account,
+        pod_gc=POD_GC,
+        ttl_strategy=TTL,
         arguments=[
             Parameter(name="store-root", value=cfg.storage.root),
             Parameter(name="run-id", value=cfg.run_id),

@@ -39,6 +39,8 @@ RULES: tuple[Rule, ...] = (
     Rule("storage.durable_mount", True, "a declaration about the volume behind a local root; the data is the same"),
     Rule("slice.spot", True, "capacity type only; the slice shape is unchanged"),
     Rule("slice.reservation", True, "capacity source only; the slice shape is unchanged"),
+    Rule("slice.maintenance_window_s", True, "a provisioning policy only"),
+    Rule("slice.on_scheduled_maintenance", True, "a provisioning policy only"),
     Rule("slice.worker_cpu", True, "a pod request only; the slice shape is unchanged"),
     Rule("slice.worker_memory_gib", True, "a pod request only; the slice shape is unchanged"),
     Rule("slice.accelerator", False, "another chip changes numerics, memory layout and the device count"),

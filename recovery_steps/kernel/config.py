@@ -93,6 +93,17 @@ class SliceConfig(_Section):
     )
     spot: bool = Field(default=False, description="Schedule on Spot VMs (preemptible; TPU only).")
     reservation: str | None = Field(default=None, description="GKE reservation name to consume (TPU only).")
+    maintenance_window_s: int = Field(
+        default=7200,
+        ge=0,
+        description="provision-slice: a node whose scheduled maintenance (cloud.google.com/scheduled-maintenance-time) "
+        "falls within this many seconds is not used (see on_scheduled_maintenance).",
+    )
+    on_scheduled_maintenance: Literal["wait", "proceed"] = Field(
+        default="wait",
+        description="'wait': provision-slice exits 75 (capacity, retried with backoff) while maintenance is due "
+        "within maintenance_window_s; 'proceed': start anyway (the attempt may be cut short).",
+    )
     worker_cpu: float | None = Field(
         default=None,
         gt=0,
