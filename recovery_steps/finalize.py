@@ -286,8 +286,17 @@ def main(argv: list[str] | None = None) -> int:
         help="Argo {{workflow.failures}} (JSON)",
     )
     p.add_argument("--output-dir", type=cli.output_dir, default=None)
+    p.add_argument("--holder", default=None, help="this workflow's uid: act only if it holds the run lease")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.holder:
+        from recovery_steps import lease
+
+        store = RunStore(args.store_root, args.run_id)
+        if not lease.holds(store, args.holder):
+            # A second submission that never got the run: the run's ledger belongs to the holder.
+            print(f"finalize: this workflow does not hold run {args.run_id!r}; its ledger is left as it is")
+            return 0
     try:
         r = run(args.store_root, args.run_id, args.status, args.failures, args.output_dir)
     except RuntimeError as e:
@@ -296,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     except StoreUnavailable as e:
         print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
         return int(ExitCode.TRANSIENT)
+    if args.holder:
+        from recovery_steps import lease
+
+        lease.release(RunStore(args.store_root, args.run_id), args.holder)
     print(f"run {args.run_id}: {r.final_status}: {r.final_reason}")
     print(table(r.ledger))
     if r.totals is not None:

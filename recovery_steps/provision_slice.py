@@ -453,6 +453,8 @@ def run(
     k8s_host: str | None = None,
     require_nodes: bool = False,
     pod_timeout_s: float = 300,
+    holder: str | None = None,
+    holder_name: str | None = None,
 ) -> dict[str, str]:
     """Provision the slice of ``attempt`` and write the outputs.
 
@@ -466,6 +468,9 @@ def run(
         k8s_host: API server URL for the client built here.
         require_nodes: Treat zero matching nodes as a capacity problem.
         pod_timeout_s: How long to wait for old worker pods to disappear.
+        holder: The workflow's uid: the run lease is renewed for it before anything is deleted (another live
+            holder: ProvisionError, configuration, and nothing is touched).
+        holder_name: The workflow's name (for the message another submission gets).
 
     Returns:
         The outputs written.
@@ -474,6 +479,20 @@ def run(
         ProvisionError: Not provisioned; its ``code`` is the exit code.
     """
     cfg = load_run_config(store_root, run_id)
+    if holder:
+        from recovery_steps import lease
+
+        alive = None
+        if not cfg.slice.is_local:
+            from recovery_steps.kernel.k8s import make_api_client
+
+            api_client = api_client or make_api_client(k8s_host)
+            alive = lease.workflow_alive(api_client, cfg.namespace)
+        try:
+            lease.acquire(RunStore(store_root, run_id), holder, holder_name or holder, cfg.retry.lease_ttl_s,
+                          is_alive=alive)  # fmt: skip
+        except lease.LeaseHeld as e:
+            raise ProvisionError(ExitCode.CONFIGURATION, str(e)) from None
     if cfg.slice.is_local:
         outputs = provision_local(cfg, attempt, store_root)
     else:
@@ -498,12 +517,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--require-nodes", action="store_true", help="zero matching nodes is a capacity problem")
     ap.add_argument("--pod-timeout", type=cli.seconds, default=300, help="seconds to wait for old worker pods")
+    ap.add_argument("--holder", default=None, help="renew the run lease for this workflow uid first")
+    ap.add_argument("--holder-name", default=None, help="the workflow's name")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s provision-slice %(levelname)s %(message)s")
     try:
         outputs = run(
             args.store_root, args.run_id, args.attempt, args.output_dir,
             k8s_host=args.k8s_host, require_nodes=args.require_nodes, pod_timeout_s=args.pod_timeout,
+            holder=args.holder, holder_name=args.holder_name,
         )  # fmt: skip
     except ProvisionError as e:
         print(f"provision-slice: {e}", file=sys.stderr)

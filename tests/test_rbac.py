@@ -29,6 +29,7 @@ EXPECTED = {
     ("", "events", "list"): "classify-failure",
     ("", "nodes", "get"): "train-segment",
     ("", "namespaces", "get"): "preflight",
+    ("argoproj.io", "workflows", "get"): "validate-config",
     ("", "serviceaccounts", "get"): "preflight",
 }
 

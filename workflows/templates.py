@@ -23,7 +23,7 @@ from hera.workflows import (
     Task,
     Workflow,
 )
-from hera.workflows.models import Backoff, PodGC, TTLStrategy, ValueFrom
+from hera.workflows.models import Backoff, Mutex, PodGC, Synchronization, TTLStrategy, ValueFrom
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import Decision, ExitCode
@@ -49,6 +49,7 @@ ATTEMPT_IN = "{{inputs.parameters.attempt}}"
 # lastRetry.status "Error" with exitCode -1, workflow/controller/operator.go); the retry re-attaches to
 # the attempt's JobSet. A Failed supervisor (the attempt failed) goes to classify-failure instead.
 SUPERVISOR_RETRIES = 5
+HOLDER = ["--holder", "{{workflow.uid}}", "--holder-name", "{{workflow.name}}"]
 # Pods of steps that succeeded are deleted as they finish (a weeks-long run makes hundreds); failed and errored
 # ones stay for their logs until the Workflow goes (argo docs "Pod GC": OnPodSuccess). The finished Workflow is
 # kept a week after success and a month after failure so every attempt can be inspected (argo docs "TTL").
@@ -145,6 +146,8 @@ def build_workflow(cfg: JobConfig) -> Workflow:
         on_exit="exit-handler",
         service_account_name=cfg.service_account,
         pod_gc=POD_GC,
+        # One live workflow per run id in this controller: a second submission waits (argo docs "Synchronization").
+        synchronization=Synchronization(mutexes=[Mutex(name="jaxrec-run-{{workflow.parameters.run-id}}")]),
         ttl_strategy=TTL,
         arguments=[
             Parameter(name="store-root", value=cfg.storage.root),
@@ -167,6 +170,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 # Permissions and cluster objects are checked before any slice is provisioned.
                 "--preflight",
                 "true",
+                *HOLDER,
             ],  # fmt: skip
             outputs=ValidateOutputs,
             input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
@@ -183,7 +187,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             cfg,
             "provision-slice",
             "provision_slice",
-            ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN],
+            ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN, *HOLDER],
             inputs=["attempt"],
             outputs=ProvisionOutputs,
             # Exit 75 (capacity not there yet) is retried with backoff, like an Errored pod or a transient exit;
@@ -272,6 +276,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             [
                 "--store-root", STORE_ROOT, "--run-id", RUN_ID,
                 "--status", "{{workflow.status}}", "--failures", "{{workflow.failures}}",
+                "--holder", "{{workflow.uid}}",
             ],
             outputs=FinalizeOutputs,
             metrics=[

@@ -442,6 +442,12 @@ class RetryConfig(_Section):
         default=10, ge=0, description="provision-slice retries while capacity is not available yet."
     )
     provision_backoff_s: int = Field(default=30, ge=1, description="First provision-slice retry backoff.")
+    lease_ttl_s: int = Field(
+        default=86400,
+        ge=60,
+        description="The run lease expires this long after its last renewal (validate-config, provision-slice, "
+        "classify-failure renew it); a crashed controller's run can be taken over after it.",
+    )
     transient_retry_limit: int = Field(
         default=5,
         ge=0,

@@ -78,6 +78,7 @@ STEP_VERBS: tuple[VerbUse, ...] = (
     VerbUse("classify-failure", "batch", "jobs", "list", "read the JobSet's Jobs and their conditions"),
     VerbUse("classify-failure", "", "events", "list", "read the events of the workers' pods"),
     VerbUse("classify-failure", "", "nodes", "get", "read the condition of a worker's node", cluster_scoped=True),
+    VerbUse("validate-config", "argoproj.io", "workflows", "get", "is the run lease's holder workflow still there"),
     VerbUse("preflight", "", "namespaces", "get", "check the run's namespace exists", cluster_scoped=True),
     VerbUse("preflight", "", "serviceaccounts", "get", "check the steps' and workers' ServiceAccounts exist"),
 )

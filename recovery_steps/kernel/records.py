@@ -219,6 +219,18 @@ class ProvisionRecord(_Record):
     at: float
 
 
+class RunLease(_Record):
+    """``lease.json``: which workflow acts for the run (generation-checked writes; ``recovery_steps.lease``)."""
+
+    run_id: str
+    holder: str = Field(description="The holding workflow's uid ({{workflow.uid}}).")
+    holder_name: str = Field(description="The holding workflow's name, for people and `argo stop`.")
+    acquired_at: float
+    renewed_at: float = Field(description="Last renewal; the lease expires at renewed_at + ttl_s.")
+    ttl_s: float
+    released: bool = Field(default=False, description="Set by the holder's exit handler.")
+
+
 class PreflightCheck(_Record):
     """``preflight.json``: what the preflight of the latest submission found (validate-config writes it)."""
 

@@ -182,6 +182,9 @@ class RunLayout:
         """The ``QuarantineReason`` inside quarantine directory ``target`` (a path under ``quarantine/``)."""
         return f"{target}/QUARANTINE_REASON.json"
 
+    LEASE = "lease.json"
+    """``RunLease``: the one workflow that acts for the run."""
+
     PREFLIGHT = "preflight.json"
     """``PreflightCheck`` of the latest submission (written by validate-config's preflight)."""
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from recovery_steps import lease
 from recovery_steps.kernel import records
 from recovery_steps.kernel.config import ConfigError, JobConfig, parse_config
 from recovery_steps.kernel.outputs import STEP_OUTPUTS
@@ -387,6 +388,8 @@ def _run_once(
             all_nodes += wrun.nodes
             if deleted.is_set() and restarts == 0:
                 deleted.clear()
+                # Argo deletes the Workflow object: its lease is free for the next submission at once.
+                _safe(lambda w=wrun: lease.release(store, w.uid))
                 restarts += 1
                 say(f"{now() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {run_id}")
                 continue
