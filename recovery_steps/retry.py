@@ -73,6 +73,21 @@ def stalled_attempts(attempts: Sequence[AttemptRecord]) -> int:
     return n
 
 
+def failures_in_scope(attempts: Sequence[AttemptRecord], cls: FailureClass, scope: str) -> int:
+    """Failed attempts of ``cls`` that count against its budget.
+
+    ``run``: all of them. ``since_progress``: newest backwards, up to and including the newest attempt that
+    advanced the checkpoint step (its failure came after the progress it made).
+    """
+    n = 0
+    for a in sorted(attempts, key=lambda a: a.attempt, reverse=True):
+        if a.outcome == "failed" and (a.failure_class or FailureClass.UNKNOWN) == cls:
+            n += 1
+        if scope == "since_progress" and a.outcome == "failed" and _advanced(a):
+            break
+    return n
+
+
 def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: RetryConfig) -> RetryDecision:
     """Retry or stop after ``current`` failed, given the attempts closed before it.
 
@@ -90,7 +105,9 @@ def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: Retry
     for a in attempts:
         if a.outcome == "failed":
             counts[(a.failure_class or FailureClass.UNKNOWN).value] += 1
-    k = counts[cls.value]
+    k = counts[cls.value]  # over the whole run: drives the backoff
+    scope = cfg.scope(cls)
+    spent_k = failures_in_scope(attempts, cls, scope)
     budget = cfg.budget(cls)
     started = current.attempt + 1
     stalled = stalled_attempts(attempts)
@@ -98,20 +115,22 @@ def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: Retry
     def stop(reason: str) -> RetryDecision:
         return RetryDecision(Decision.STOP, reason, 0, counts, k)
 
-    if k > budget:
+    if spent_k > budget:
         spent = "no retries" if budget == 0 else f"{budget} retr{'y' if budget == 1 else 'ies'}"
-        return stop(f"{cls.value} budget spent: {k} {cls.value} failure(s), budget allows {spent}")
+        where = " since the last progress" if scope == "since_progress" else ""
+        return stop(f"{cls.value} budget spent: {spent_k} {cls.value} failure(s){where}, budget allows {spent}")
     if cls not in NO_PROGRESS_EXEMPT and stalled >= cfg.no_progress_attempts:
         return stop(
             f"no progress: {stalled} consecutive failed attempts without the checkpoint step advancing "
             f"(guard retry.no_progress_attempts={cfg.no_progress_attempts})"
         )
-    if started >= cfg.max_attempts:
+    if cfg.max_attempts is not None and started >= cfg.max_attempts:
         return stop(f"attempt cap reached: {started} attempts (retry.max_attempts={cfg.max_attempts})")
     wait = backoff_seconds(cfg, cls, k)
+    since = " since progress" if scope == "since_progress" else ""
     return RetryDecision(
         Decision.RETRY,
-        f"{cls.value} retry {k} of {budget}, next attempt {current.attempt + 1} after {wait}s",
+        f"{cls.value} retry {spent_k} of {budget}{since}, next attempt {current.attempt + 1} after {wait}s",
         wait,
         counts,
         k,

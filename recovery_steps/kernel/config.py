@@ -418,12 +418,35 @@ def _default_budgets() -> dict[FailureClass, int]:
     }
 
 
+BudgetScope = Literal["run", "since_progress"]
+
+
+def _default_scopes() -> dict[FailureClass, str]:
+    # Preemption and capacity are the platform's doing and expected on Spot for as long as the run lasts: they
+    # are budgeted since the last progress, so a run that keeps checkpointing never runs out of them. The rest
+    # say something about the job or its hosts that progress does not cure: whole run.
+    return {
+        FailureClass.PREEMPTION: "since_progress",
+        FailureClass.CAPACITY: "since_progress",
+        FailureClass.INFRASTRUCTURE: "run",
+        FailureClass.HANG: "run",
+        FailureClass.APPLICATION: "run",
+        FailureClass.CONFIGURATION: "run",
+        FailureClass.UNKNOWN: "run",
+    }
+
+
 class RetryConfig(_Section):
     """Retry budgets per failure class, backoff, and the no-progress guard."""
 
     budgets: dict[FailureClass, Annotated[int, Field(ge=0)]] = Field(
         default_factory=_default_budgets,
-        description="Retries allowed per failure class over the whole run (classes left out keep defaults).",
+        description="Retries allowed per failure class, counted over budget_scopes (classes left out keep defaults).",
+    )
+    budget_scopes: dict[FailureClass, BudgetScope] = Field(
+        default_factory=_default_scopes,
+        description="Per class: 'run' counts its failures over the whole run; 'since_progress' only those since "
+        "the last attempt that advanced the checkpoint step (default for preemption and capacity).",
     )
     backoff: dict[FailureClass, BackoffConfig] = Field(
         default_factory=dict,
@@ -437,7 +460,12 @@ class RetryConfig(_Section):
         ge=1,
         description="Stop after this many consecutive failed attempts without the checkpoint step advancing.",
     )
-    max_attempts: int = Field(default=50, ge=1, description="Hard cap on attempts of one run, whatever the class.")
+    max_attempts: int | None = Field(
+        default=None,
+        ge=1,
+        description="Optional hard cap on attempts of one run, whatever the class (None: no cap; the budgets and "
+        "the no-progress guard bound a run, so one that keeps progressing is never stopped by arithmetic).",
+    )
     provision_retry_limit: int = Field(
         default=10, ge=0, description="provision-slice retries while capacity is not available yet."
     )
@@ -460,6 +488,15 @@ class RetryConfig(_Section):
     @classmethod
     def _fill_budgets(cls, v: dict[FailureClass, int]) -> dict[FailureClass, int]:
         return {**_default_budgets(), **v}
+
+    @field_validator("budget_scopes", mode="after")
+    @classmethod
+    def _fill_scopes(cls, v: dict[FailureClass, str]) -> dict[FailureClass, str]:
+        return {**_default_scopes(), **v}
+
+    def scope(self, cls_: FailureClass) -> str:
+        """Over what ``cls_``'s budget is counted: 'run' or 'since_progress'."""
+        return self.budget_scopes[cls_]
 
     def budget(self, cls_: FailureClass) -> int:
         """Retries allowed for ``cls_``."""
