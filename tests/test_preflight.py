@@ -222,7 +222,7 @@ def cluster_factory():
 
 def test_a_ready_cluster_passes_and_every_verb_is_reviewed(cluster_factory, tmp_path):
     kube = cluster_factory()
-    cfg = _cfg(str(tmp_path / "store"))
+    cfg = _cfg(f"gs://{BUCKET}/cluster-only")
     assert preflight.check_cluster(cfg, make_api_client(kube.url)) == []
     asked = {(r["verb"], r["resource"], r.get("namespace")) for r in kube.reviews}
     for use in STEP_VERBS:
@@ -242,7 +242,7 @@ def test_a_ready_cluster_passes_and_every_verb_is_reviewed(cluster_factory, tmp_
 )  # fmt: skip
 def test_a_missing_cluster_object_or_verb_is_one_line(cluster_factory, tmp_path, kw, missing, fix):
     kube = cluster_factory(**kw)
-    cfg = _cfg(str(tmp_path / "store"))
+    cfg = _cfg(f"gs://{BUCKET}/cluster-only")
     problems = preflight.check_cluster(cfg, make_api_client(kube.url))
     assert [p.missing for p in problems] == [missing]
     assert fix in problems[0].line()
