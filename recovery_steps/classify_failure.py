@@ -26,11 +26,11 @@ from recovery_steps.evidence import (
 )
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig
-from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.outputs import ClassifyOutputs
 from recovery_steps.kernel.records import AttemptRecord, Ledger, ProvisionRecord, RestoreRecord, now
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, StoreUnavailable
 from recovery_steps.retry import RetryDecision, decide, ledger_errors, update_ledger, with_attempt
 
 log = logging.getLogger(__name__)
@@ -263,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     except StepFailure as e:
         print(f"classify-failure: {e}", file=sys.stderr)
         return e.code
+    except StoreUnavailable as e:
+        print(f"classify-failure: {e}; transient, Argo retries this step", file=sys.stderr)
+        return int(ExitCode.TRANSIENT)
     print(summary(r))
     return 0
 

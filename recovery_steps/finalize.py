@@ -20,10 +20,11 @@ from typing import Any
 
 from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel import cli
+from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, WorkerExitReport, now
-from recovery_steps.kernel.store import RunStore, store_errors
+from recovery_steps.kernel.store import RunStore, StoreUnavailable, store_errors
 from recovery_steps.kernel.totals import RunTotals, run_totals, steps_lost
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
 
@@ -285,13 +286,29 @@ def main(argv: list[str] | None = None) -> int:
         help="Argo {{workflow.failures}} (JSON)",
     )
     p.add_argument("--output-dir", type=cli.output_dir, default=None)
+    p.add_argument("--holder", default=None, help="this workflow's uid: act only if it holds the run lease")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.holder:
+        from recovery_steps import lease
+
+        store = RunStore(args.store_root, args.run_id)
+        if not lease.holds(store, args.holder):
+            # A second submission that never got the run: the run's ledger belongs to the holder.
+            print(f"finalize: this workflow does not hold run {args.run_id!r}; its ledger is left as it is")
+            return 0
     try:
         r = run(args.store_root, args.run_id, args.status, args.failures, args.output_dir)
     except RuntimeError as e:
         print(f"finalize: {e}", file=sys.stderr)
         return 1
+    except StoreUnavailable as e:
+        print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
+        return int(ExitCode.TRANSIENT)
+    if args.holder:
+        from recovery_steps import lease
+
+        lease.release(RunStore(args.store_root, args.run_id), args.holder)
     print(f"run {args.run_id}: {r.final_status}: {r.final_reason}")
     print(table(r.ledger))
     if r.totals is not None:

@@ -36,6 +36,7 @@ from recovery_steps.kernel.k8s import (
     JOBSET_VERSION,
     NODEPOOL_LABEL,
     RUN_ID_LABEL,
+    SCHEDULED_MAINTENANCE_LABEL,
     SPOT_LABEL,
     TPU_RESOURCE,
     gke_node_selector,
@@ -74,6 +75,40 @@ class NodeInfo:
     unschedulable: bool = False
     taints: tuple[tuple[str, str], ...] = ()  # (key, effect)
     labels: dict[str, str] = field(default_factory=dict)
+    # status.allocatable's google.com/tpu (0 when the device plugin reports none); None when the node object
+    # carries no allocatable at all (not checked).
+    allocatable_tpu: int | None = None
+    # Pods of other runs of this namespace on the node (their run ids).
+    other_runs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SlicePolicy:
+    """What the node check requires beyond health: chips per host and the maintenance window."""
+
+    chips_per_host: int = 0
+    now: float = 0.0
+    maintenance_window_s: float = 0.0
+    wait_for_maintenance: bool = True
+
+
+def maintenance_due(node: NodeInfo, policy: SlicePolicy) -> str | None:
+    """Why ``node``'s scheduled maintenance rules it out now, or None.
+
+    GKE sets ``cloud.google.com/scheduled-maintenance-time`` to the epoch seconds of the scheduled start (GKE docs
+    "Handle disruption for GPU and TPU nodes"); a time already past still means maintenance is imminent.
+    """
+    value = node.labels.get(SCHEDULED_MAINTENANCE_LABEL)
+    if value is None or not policy.wait_for_maintenance:
+        return None
+    try:
+        at = float(value)
+    except ValueError:
+        return f"scheduled maintenance ({SCHEDULED_MAINTENANCE_LABEL}={value})"
+    if at - policy.now <= policy.maintenance_window_s:
+        minutes = max(0, int((at - policy.now) // 60))
+        return f"maintenance scheduled in {minutes} min (within {int(policy.maintenance_window_s)} s)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -84,12 +119,13 @@ class SliceCheck:
     reason: str
 
 
-def node_problems(node: NodeInfo, tolerated: Sequence[str]) -> list[str]:
+def node_problems(node: NodeInfo, tolerated: Sequence[str], policy: SlicePolicy | None = None) -> list[str]:
     """Why ``node`` cannot run a worker now (empty: healthy).
 
     Args:
         node: The node.
         tolerated: Taint keys the workers tolerate (GKE's ``google.com/tpu`` taint, Spot).
+        policy: Chips each worker needs and the maintenance window (None: health only).
     """
     problems = []
     if not node.ready:
@@ -103,10 +139,25 @@ def node_problems(node: NodeInfo, tolerated: Sequence[str]) -> list[str]:
         value = node.labels.get(label)
         if value is not None and value.lower() not in _INACTIVE:
             problems.append(f"under maintenance ({label}={value})")
+    if policy is not None:
+        if node.allocatable_tpu is not None and node.allocatable_tpu < policy.chips_per_host:
+            problems.append(f"allocatable {TPU_RESOURCE} {node.allocatable_tpu} < {policy.chips_per_host}")
+        if node.other_runs:
+            problems.append(f"running pods of run(s) {', '.join(sorted(set(node.other_runs)))}")
+        due = maintenance_due(node, policy)
+        if due:
+            problems.append(due)
     return problems
 
 
-def check_slice(nodes: Sequence[NodeInfo], hosts: int, tolerated: Sequence[str], *, require_nodes: bool) -> SliceCheck:
+def check_slice(
+    nodes: Sequence[NodeInfo],
+    hosts: int,
+    tolerated: Sequence[str],
+    *,
+    require_nodes: bool,
+    policy: SlicePolicy | None = None,
+) -> SliceCheck:
     """Decide whether the matching nodes can host a gang of ``hosts`` workers.
 
     Nodes are grouped by node pool (the exclusive-topology unit): one pool with ``hosts`` healthy
@@ -122,10 +173,14 @@ def check_slice(nodes: Sequence[NodeInfo], hosts: int, tolerated: Sequence[str],
         pools.setdefault(n.pool, []).append(n)
     details = []
     for pool, members in sorted(pools.items()):
-        healthy = [n for n in members if not node_problems(n, tolerated)]
+        healthy = [n for n in members if not node_problems(n, tolerated, policy)]
         if len(healthy) >= hosts:
             return SliceCheck(True, f"node pool {pool}: {len(healthy)} healthy nodes for {hosts} hosts")
-        bad = [f"{n.name} {', '.join(node_problems(n, tolerated))}" for n in members if node_problems(n, tolerated)]
+        bad = [
+            f"{n.name} {', '.join(node_problems(n, tolerated, policy))}"
+            for n in members
+            if node_problems(n, tolerated, policy)
+        ]
         details.append(f"node pool {pool}: {len(healthy)}/{hosts} healthy" + (f" ({'; '.join(bad)})" if bad else ""))
     return SliceCheck(False, "; ".join(details))
 
@@ -139,6 +194,8 @@ def node_info(node: Any) -> NodeInfo:
     conditions = (node.status.conditions if node.status else None) or []
     ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
     taints = tuple((t.key, t.effect) for t in ((node.spec.taints if node.spec else None) or []))
+    allocatable = node.status.allocatable if node.status else None
+    tpu = None if allocatable is None else _quantity_int(allocatable.get(TPU_RESOURCE, "0"))
     return NodeInfo(
         name=node.metadata.name,
         pool=labels.get(NODEPOOL_LABEL, "<none>"),
@@ -146,7 +203,16 @@ def node_info(node: Any) -> NodeInfo:
         unschedulable=bool(node.spec and node.spec.unschedulable),
         taints=taints,
         labels=labels,
+        allocatable_tpu=tpu,
     )
+
+
+def _quantity_int(q: Any) -> int:
+    """An integer resource quantity (``google.com/tpu`` is a whole count: ``"4"``)."""
+    try:
+        return int(str(q))
+    except ValueError:
+        return 0
 
 
 def delete_old_jobsets(api_client: Any, namespace: str, run_id: str) -> list[str]:
@@ -206,8 +272,35 @@ def list_slice_nodes(api_client: Any, selector: dict[str, str]) -> list[NodeInfo
     return [node_info(n) for n in core.list_node(label_selector=label_selector).items]
 
 
+def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[NodeInfo]) -> list[NodeInfo]:
+    """``nodes`` with the other runs whose live worker pods (of this namespace) sit on them.
+
+    Only the run's namespace is read (the Role's pods list); another namespace's pods hold their TPUs through the
+    scheduler's accounting, which the allocatable check cannot see: those show as Pending pods (capacity).
+    """
+    from dataclasses import replace
+
+    from kubernetes import client
+
+    core = client.CoreV1Api(api_client)
+    pods = core.list_namespaced_pod(namespace, label_selector=f"{RUN_ID_LABEL},{RUN_ID_LABEL}!={run_id}").items
+    by_node: dict[str, list[str]] = {}
+    for p in pods:
+        node = p.spec.node_name if p.spec else None
+        phase = p.status.phase if p.status else None
+        if node and phase not in ("Succeeded", "Failed"):
+            by_node.setdefault(node, []).append((p.metadata.labels or {}).get(RUN_ID_LABEL, "?"))
+    return [replace(n, other_runs=tuple(by_node.get(n.name, ()))) for n in nodes]
+
+
 def provision_gke(
-    cfg: JobConfig, attempt: int, api_client: Any, *, require_nodes: bool = False, pod_timeout_s: float = 300
+    cfg: JobConfig,
+    attempt: int,
+    api_client: Any,
+    *,
+    require_nodes: bool = False,
+    pod_timeout_s: float = 300,
+    clock: Callable[[], float] = time.time,
 ) -> ProvisionOutputs:
     """The GKE backend: clear old JobSets, check the nodes, return the outputs."""
     import urllib3
@@ -216,7 +309,9 @@ def provision_gke(
     try:
         delete_old_jobsets(api_client, cfg.namespace, cfg.run_id)
         wait_pods_gone(api_client, cfg.namespace, cfg.run_id, timeout_s=pod_timeout_s)
-        nodes = list_slice_nodes(api_client, gke_node_selector(cfg.slice))
+        nodes = with_other_runs(
+            api_client, cfg.namespace, cfg.run_id, list_slice_nodes(api_client, gke_node_selector(cfg.slice))
+        )
     except client.ApiException as e:
         if e.status in (401, 403, 404):
             raise ProvisionError(
@@ -224,11 +319,19 @@ def provision_gke(
                 f"Kubernetes API refused {e.status} {e.reason}: check argo/rbac.yaml is applied and the "
                 "JobSet CRD is installed",
             ) from None
+        if e.status == 429 or e.status >= 500:
+            raise ProvisionError(ExitCode.TRANSIENT, f"Kubernetes API answered {e.status} {e.reason}") from None
         raise ProvisionError(ExitCode.CAPACITY, f"Kubernetes API error {e.status} {e.reason}; retry later") from None
     except urllib3.exceptions.HTTPError as e:
-        raise ProvisionError(ExitCode.CAPACITY, f"Kubernetes API unreachable ({e}); retry later") from None
+        raise ProvisionError(ExitCode.TRANSIENT, f"Kubernetes API unreachable ({e})") from None
     tolerated = [TPU_RESOURCE] + ([SPOT_LABEL] if cfg.slice.spot else [])
-    verdict = check_slice(nodes, cfg.slice.num_hosts, tolerated, require_nodes=require_nodes)
+    policy = SlicePolicy(
+        chips_per_host=cfg.slice.devices_per_process,
+        now=clock(),
+        maintenance_window_s=cfg.slice.maintenance_window_s,
+        wait_for_maintenance=cfg.slice.on_scheduled_maintenance == "wait",
+    )
+    verdict = check_slice(nodes, cfg.slice.num_hosts, tolerated, require_nodes=require_nodes, policy=policy)
     if not verdict.ok:
         raise ProvisionError(ExitCode.CAPACITY, f"slice not ready: {verdict.reason}")
     log.info("slice ready: %s", verdict.reason)
@@ -350,6 +453,8 @@ def run(
     k8s_host: str | None = None,
     require_nodes: bool = False,
     pod_timeout_s: float = 300,
+    holder: str | None = None,
+    holder_name: str | None = None,
 ) -> dict[str, str]:
     """Provision the slice of ``attempt`` and write the outputs.
 
@@ -363,6 +468,9 @@ def run(
         k8s_host: API server URL for the client built here.
         require_nodes: Treat zero matching nodes as a capacity problem.
         pod_timeout_s: How long to wait for old worker pods to disappear.
+        holder: The workflow's uid: the run lease is renewed for it before anything is deleted (another live
+            holder: ProvisionError, configuration, and nothing is touched).
+        holder_name: The workflow's name (for the message another submission gets).
 
     Returns:
         The outputs written.
@@ -371,6 +479,20 @@ def run(
         ProvisionError: Not provisioned; its ``code`` is the exit code.
     """
     cfg = load_run_config(store_root, run_id)
+    if holder:
+        from recovery_steps import lease
+
+        alive = None
+        if not cfg.slice.is_local:
+            from recovery_steps.kernel.k8s import make_api_client
+
+            api_client = api_client or make_api_client(k8s_host)
+            alive = lease.workflow_alive(api_client, cfg.namespace)
+        try:
+            lease.acquire(RunStore(store_root, run_id), holder, holder_name or holder, cfg.retry.lease_ttl_s,
+                          is_alive=alive)  # fmt: skip
+        except lease.LeaseHeld as e:
+            raise ProvisionError(ExitCode.CONFIGURATION, str(e)) from None
     if cfg.slice.is_local:
         outputs = provision_local(cfg, attempt, store_root)
     else:
@@ -395,12 +517,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--require-nodes", action="store_true", help="zero matching nodes is a capacity problem")
     ap.add_argument("--pod-timeout", type=cli.seconds, default=300, help="seconds to wait for old worker pods")
+    ap.add_argument("--holder", default=None, help="renew the run lease for this workflow uid first")
+    ap.add_argument("--holder-name", default=None, help="the workflow's name")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s provision-slice %(levelname)s %(message)s")
     try:
         outputs = run(
             args.store_root, args.run_id, args.attempt, args.output_dir,
             k8s_host=args.k8s_host, require_nodes=args.require_nodes, pod_timeout_s=args.pod_timeout,
+            holder=args.holder, holder_name=args.holder_name,
         )  # fmt: skip
     except ProvisionError as e:
         print(f"provision-slice: {e}", file=sys.stderr)

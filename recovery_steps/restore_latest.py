@@ -17,7 +17,14 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.outputs import RestoreOutputs
 from recovery_steps.kernel.records import QuarantineReason, RestoreRecord, SkippedStep, now
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
+from recovery_steps.kernel.store import (
+    DocumentError,
+    RunLayout,
+    RunStore,
+    StoreUnavailable,
+    store_errors,
+    transient_as_unavailable,
+)
 from recovery_steps.verify import (
     Selection,
     Skip,
@@ -159,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s restore-latest %(message)s")
     store = RunStore(args.store_root, args.run_id)
     try:
-        r = run(store, args.attempt)
+        with transient_as_unavailable(store.url()):
+            r = run(store, args.attempt)
+    except StoreUnavailable as e:
+        print(f"restore-latest: {e}; transient, Argo retries this step", file=sys.stderr)
+        return int(ExitCode.TRANSIENT)
     except store_errors() as e:
         return cli.fail("restore-latest", cli.store_error_line("restore-latest", store.url(), e), 1)
     outputs(r).write(args.output_dir)

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from recovery_steps.kernel.config import RetryConfig
 from recovery_steps.kernel.contract import Decision, FailureClass
 from recovery_steps.kernel.records import AttemptRecord, Ledger
-from recovery_steps.kernel.store import DocumentError, PreconditionFailed, RunLayout, RunStore, store_errors
+from recovery_steps.kernel.store import (
+    DocumentError,
+    PreconditionFailed,
+    RunLayout,
+    RunStore,
+    StoreUnavailable,
+    is_transient,
+    store_errors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +73,21 @@ def stalled_attempts(attempts: Sequence[AttemptRecord]) -> int:
     return n
 
 
+def failures_in_scope(attempts: Sequence[AttemptRecord], cls: FailureClass, scope: str) -> int:
+    """Failed attempts of ``cls`` that count against its budget.
+
+    ``run``: all of them. ``since_progress``: newest backwards, up to and including the newest attempt that
+    advanced the checkpoint step (its failure came after the progress it made).
+    """
+    n = 0
+    for a in sorted(attempts, key=lambda a: a.attempt, reverse=True):
+        if a.outcome == "failed" and (a.failure_class or FailureClass.UNKNOWN) == cls:
+            n += 1
+        if scope == "since_progress" and a.outcome == "failed" and _advanced(a):
+            break
+    return n
+
+
 def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: RetryConfig) -> RetryDecision:
     """Retry or stop after ``current`` failed, given the attempts closed before it.
 
@@ -82,7 +105,9 @@ def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: Retry
     for a in attempts:
         if a.outcome == "failed":
             counts[(a.failure_class or FailureClass.UNKNOWN).value] += 1
-    k = counts[cls.value]
+    k = counts[cls.value]  # over the whole run: drives the backoff
+    scope = cfg.scope(cls)
+    spent_k = failures_in_scope(attempts, cls, scope)
     budget = cfg.budget(cls)
     started = current.attempt + 1
     stalled = stalled_attempts(attempts)
@@ -90,20 +115,22 @@ def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: Retry
     def stop(reason: str) -> RetryDecision:
         return RetryDecision(Decision.STOP, reason, 0, counts, k)
 
-    if k > budget:
+    if spent_k > budget:
         spent = "no retries" if budget == 0 else f"{budget} retr{'y' if budget == 1 else 'ies'}"
-        return stop(f"{cls.value} budget spent: {k} {cls.value} failure(s), budget allows {spent}")
+        where = " since the last progress" if scope == "since_progress" else ""
+        return stop(f"{cls.value} budget spent: {spent_k} {cls.value} failure(s){where}, budget allows {spent}")
     if cls not in NO_PROGRESS_EXEMPT and stalled >= cfg.no_progress_attempts:
         return stop(
             f"no progress: {stalled} consecutive failed attempts without the checkpoint step advancing "
             f"(guard retry.no_progress_attempts={cfg.no_progress_attempts})"
         )
-    if started >= cfg.max_attempts:
+    if cfg.max_attempts is not None and started >= cfg.max_attempts:
         return stop(f"attempt cap reached: {started} attempts (retry.max_attempts={cfg.max_attempts})")
     wait = backoff_seconds(cfg, cls, k)
+    since = " since progress" if scope == "since_progress" else ""
     return RetryDecision(
         Decision.RETRY,
-        f"{cls.value} retry {k} of {budget}, next attempt {current.attempt + 1} after {wait}s",
+        f"{cls.value} retry {spent_k} of {budget}{since}, next attempt {current.attempt + 1} after {wait}s",
         wait,
         counts,
         k,
@@ -156,6 +183,9 @@ def append_attempt(store: RunStore, record: AttemptRecord, **kw) -> Ledger:
 def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterator[None]:
     """Turn a failure to read or update the ledger into ``error(one-line message)``.
 
+    A transient one (unreachable, HTTP 429/5xx) becomes ``StoreUnavailable``: the step exits ``transient`` and
+    Argo retries it, outside every failure-class budget.
+
     Args:
         store: The run store the ledger lives in (named in the message).
         error: Builds the exception the step raises (its own failure type).
@@ -167,6 +197,10 @@ def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterato
     except PreconditionFailed as e:
         raise error(f"could not update the ledger: {e}") from None
     except store_errors() as e:
+        if is_transient(e):
+            raise StoreUnavailable(
+                f"run store {store.url()} unreachable: {type(e).__name__}: {_first_line(e)}"
+            ) from None
         from recovery_steps.kernel.cli import store_error_line
 
         raise error(store_error_line("run store", store.url(), e).removeprefix("run store: ")) from None

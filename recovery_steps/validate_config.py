@@ -3,6 +3,9 @@
 Usage: ``python -m recovery_steps.validate_config --config FILE [--store-root R] [--accept-safe-changes]
 --output-dir D``. Outputs: ``run-id``, ``store-root``, ``config-hash``, ``hosts``, ``first-attempt``.
 ``--offline`` validates the config alone and touches no store (outputs without ``first-attempt``).
+With ``--preflight true`` (the workflow's template) it first checks the permissions and cluster objects the
+run needs (``recovery_steps.preflight``), before any slice is provisioned; with ``--holder`` it takes the run
+lease (``recovery_steps.lease``) for that workflow.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.outputs import ValidateOutputs
 from recovery_steps.kernel.records import RunConfigDocument
-from recovery_steps.kernel.store import DocumentError, PreconditionFailed, RunLayout, RunStore, store_errors
+from recovery_steps.kernel.store import (
+    DocumentError,
+    PreconditionFailed,
+    RunLayout,
+    RunStore,
+    StoreUnavailable,
+    store_errors,
+    transient_as_unavailable,
+)
 from recovery_steps.verify import manifest_compat_problems, read_manifest
 
 
@@ -177,6 +188,16 @@ def main(argv: list[str] | None = None) -> int:
         help="accept config changes the checkpoints survive (a bare flag means true)",
     )
     p.add_argument("--offline", action="store_true", help="validate the config only; read and write no store")
+    p.add_argument(
+        "--preflight",
+        default="false",
+        type=_flag,
+        metavar="true|false",
+        help="check the store's and the cluster's permissions first (the workflow sets it)",
+    )
+    p.add_argument("--holder", default=None, help="take the run lease for this workflow uid ({{workflow.uid}})")
+    p.add_argument("--holder-name", default=None, help="the workflow's name ({{workflow.name}})")
+    p.add_argument("--k8s-host", default=None, help="Kubernetes API URL for the preflight (default: in-cluster)")
     p.add_argument("--output-dir", type=cli.output_dir, help="one file per output parameter")
     args = p.parse_args(argv)
     if args.output_dir is None and not args.offline:
@@ -191,8 +212,25 @@ def main(argv: list[str] | None = None) -> int:
         r = ValidateResult(ExitCode.OK, [])
     else:
         store = RunStore(root, cfg.run_id)
+        if args.preflight:
+            code = _preflight(cfg, store, args.k8s_host)
+            if code != ExitCode.OK:
+                return int(code)
         try:
-            r = run(cfg, store, accept_safe_changes=args.accept_safe_changes)
+            with transient_as_unavailable(store.url()):
+                if args.holder:
+                    from recovery_steps import lease
+
+                    try:
+                        lease.acquire(store, args.holder, args.holder_name or args.holder, cfg.retry.lease_ttl_s,
+                                      is_alive=_holder_alive(cfg, args.k8s_host))  # fmt: skip
+                    except lease.LeaseHeld as e:
+                        print(f"configuration: {e}", file=sys.stderr)
+                        return int(ExitCode.CONFIGURATION)
+                r = run(cfg, store, accept_safe_changes=args.accept_safe_changes)
+        except StoreUnavailable as e:
+            print(f"validate-config: {e}; transient, Argo retries this step", file=sys.stderr)
+            return int(ExitCode.TRANSIENT)
         except store_errors() as e:
             line = cli.store_error_line("validate-config", store.url(), e)
             return cli.fail("validate-config", f"{line}; or validate the config alone with --offline", 1)
@@ -210,6 +248,33 @@ def main(argv: list[str] | None = None) -> int:
         short = cfg.config_hash()[:12]
         print(f"config {short} of run {cfg.run_id} is valid ({cfg.slice.num_hosts} hosts, {where})")
     return int(r.code)
+
+
+def _holder_alive(cfg: JobConfig, k8s_host: str | None):
+    """On GKE, how to ask whether another lease holder's Workflow still exists (None locally: the TTL decides)."""
+    if cfg.slice.is_local:
+        return None
+    from recovery_steps.kernel.k8s import make_api_client
+    from recovery_steps.lease import workflow_alive
+
+    try:
+        return workflow_alive(make_api_client(k8s_host), cfg.namespace)
+    except Exception:  # noqa: BLE001 - no client: the TTL decides
+        return None
+
+
+def _preflight(cfg: JobConfig, store: RunStore, k8s_host: str | None) -> ExitCode:
+    """Run the preflight; print one line per problem; the exit code it calls for."""
+    from recovery_steps import preflight
+
+    try:
+        problems = preflight.run(cfg, store, k8s_host=k8s_host)
+    except preflight.PreflightUnreachable as e:
+        print(f"preflight: {e}; retry later", file=sys.stderr)
+        return ExitCode.TRANSIENT
+    for problem in problems:
+        print(f"configuration: {problem.line()}", file=sys.stderr)
+    return preflight.exit_code(problems)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, parse_config
@@ -134,3 +135,23 @@ def test_every_field_is_described():
                 walk(ann)
 
     walk(JobConfig)
+
+
+@pytest.mark.parametrize("name", ["v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"])
+def test_tpu_configs_get_timeouts_a_long_compile_cannot_trip(name):
+    from recovery_steps.kernel.config import TPU_TIMEOUT_DEFAULTS
+
+    t = load_config(ROOT / "configs" / name).training
+    assert t.heartbeat_timeout_s == TPU_TIMEOUT_DEFAULTS["heartbeat_timeout_s"] >= 1200 > 100  # JAX's default: 100
+    assert t.init_timeout_s == TPU_TIMEOUT_DEFAULTS["init_timeout_s"]
+
+
+def test_local_rehearsals_keep_short_timeouts_and_explicit_values_win():
+    local = load_config(ROOT / "configs" / "local-cpu.yaml").training
+    assert local.heartbeat_timeout_s <= 10 and local.init_timeout_s <= 120
+    data = yaml.safe_load((ROOT / "configs" / "v5e-4x4.yaml").read_text())
+    data["training"]["heartbeat_timeout_s"] = 300
+    t = parse_config(data).training
+    assert t.heartbeat_timeout_s == 300 and t.init_timeout_s == 1800
+    data["training"] = {"total_steps": data["training"]["total_steps"]}
+    assert parse_config(data).training.heartbeat_timeout_s == 1200

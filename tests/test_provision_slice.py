@@ -51,7 +51,8 @@ def _node(name, *, pool="tpu-pool-a", ready=True, taints=(), labels=None, unsche
 class FakeKube:
     """Answers the few Kubernetes API paths provision-slice uses, with the shapes the API server returns."""
 
-    def __init__(self, *, jobsets=(), nodes=(), pods_after_delete=1, jobset_status=200):
+    def __init__(self, *, jobsets=(), nodes=(), pods_after_delete=1, jobset_status=200, other_pods=()):
+        self.other_pods = list(other_pods)
         self.jobsets = list(jobsets)
         self.nodes = list(nodes)
         self.pods_left = 0
@@ -79,6 +80,11 @@ class FakeKube:
                       "metadata": {"name": n, "namespace": NS, "labels": {"jaxrec/run-id": "lm-v5e-4x4"}}}
                      for n in self.jobsets]  # fmt: skip
             return 200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList", "metadata": {}, "items": items}
+        if path == f"/api/v1/namespaces/{NS}/pods" and "!=" in q.get("labelSelector", ""):
+            # Other runs' pods (selector "jaxrec/run-id,jaxrec/run-id!=<this run>").
+            mine = q["labelSelector"].split("!=", 1)[1]
+            items = [p for p in self.other_pods if p["metadata"]["labels"]["jaxrec/run-id"] != mine]
+            return 200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
         if path == f"/api/v1/namespaces/{NS}/pods":
             items = [{"metadata": {"name": f"lm-v5e-4x4-a0-workers-0-{i}-x"}} for i in range(self.pods_left)]
             self.pods_left = max(0, self.pods_left - 1)  # the garbage collector removes one per poll
@@ -267,3 +273,63 @@ def test_local_stops_leftover_workers_and_picks_free_ports(store_root, tmp_path)
     for port in [coord, *range(base, base + 4)]:
         assert ps._port_free(port)
     assert (tmp_path / "out" / "metrics-port").read_text() == str(base)
+
+
+def _tpu_node(name, *, tpu="4", labels=None):
+    n = _node(name, taints=[("google.com/tpu", "NoSchedule")], labels=labels)
+    n["status"]["allocatable"] = {"cpu": "111500m", "memory": "190Gi", "google.com/tpu": tpu}
+    return n
+
+
+def _other_run_pod(node, run="other-run", phase="Running"):
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{run}-a0-workers-0-0-x", "namespace": NS,
+                         "labels": {"jaxrec/run-id": run, "jobset.sigs.k8s.io/jobset-name": f"{run}-a0"}},
+            "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "x"}]},
+            "status": {"phase": phase}}  # fmt: skip
+
+
+SOON = str(int(time.time()) + 600)
+LATER = str(int(time.time()) + 86400)
+
+
+@pytest.mark.parametrize(
+    "nodes, other_pods, expect",
+    [
+        ([_tpu_node(f"n{i}") for i in range(3)] + [_tpu_node("n3", tpu="0")], [], "allocatable google.com/tpu 0 < 4"),
+        ([_tpu_node(f"n{i}") for i in range(4)], [_other_run_pod("n2")], "running pods of run(s) other-run"),
+        ([_tpu_node(f"n{i}") for i in range(3)]
+         + [_tpu_node("n3", labels={"cloud.google.com/scheduled-maintenance-time": SOON})], [],
+         "maintenance scheduled in"),
+    ],
+    ids=["no-allocatable-tpu", "another-runs-pods", "maintenance-soon"],
+)  # fmt: skip
+def test_gke_checks_what_it_provisions(tmp_path, kube_factory, capsys, nodes, other_pods, expect):
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    kube = kube_factory(nodes=nodes, other_pods=other_pods)
+    assert _main(root, run_id, tmp_path / "out", kube) == 75
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err
+
+
+def test_gke_passes_a_whole_slice_and_ignores_far_maintenance_and_finished_pods(tmp_path, kube_factory):
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    far = {"cloud.google.com/scheduled-maintenance-time": LATER}
+    nodes = [_tpu_node(f"n{i}", labels=far) for i in range(4)]
+    kube = kube_factory(nodes=nodes, other_pods=[_other_run_pod("n1", phase="Succeeded")])
+    assert _main(root, run_id, tmp_path / "out", kube) == 0
+    (q,) = [q for m, p, q in kube.requests if p.endswith("/pods") and "!=" in q.get("labelSelector", "")]
+    assert q["labelSelector"] == f"jaxrec/run-id,jaxrec/run-id!={run_id}"
+
+
+def test_maintenance_policy_proceed_uses_the_node():
+    soon = ps.NodeInfo("n", "a", True, labels={"cloud.google.com/scheduled-maintenance-time": "1000"})
+    wait = ps.SlicePolicy(chips_per_host=4, now=900, maintenance_window_s=3600, wait_for_maintenance=True)
+    assert ps.maintenance_due(soon, wait) == "maintenance scheduled in 1 min (within 3600 s)"
+    assert ps.maintenance_due(soon, ps.SlicePolicy(now=900, maintenance_window_s=60)) is None
+    proceed = ps.SlicePolicy(now=900, maintenance_window_s=3600, wait_for_maintenance=False)
+    assert ps.maintenance_due(soon, proceed) is None
+    past = ps.NodeInfo("n", "a", True, labels={"cloud.google.com/scheduled-maintenance-time": "800"})
+    assert ps.maintenance_due(past, wait) is not None

@@ -177,3 +177,31 @@ def test_failures_doc_budgets_match_the_defaults():
     for cls in FailureClass:
         row = next(line for line in doc.splitlines() if line.startswith(f"| `{cls.value}` |"))
         assert row.split("|")[4].strip() == str(cfg.budget(cls)), row
+
+
+def test_300_preemptions_with_progress_keep_the_run_going():
+    ds = run_sequence([(P, True)] * 300, RetryConfig())
+    assert len(ds) == 300 and all(d.decision is Decision.RETRY for d in ds)
+    assert ds[-1].attempts_by_class["preemption"] == 300 and "retry 1 of 20 since progress" in ds[-1].reason
+
+
+def test_300_preemptions_without_progress_stop_at_the_guard():
+    ds = run_sequence([(P, False)] * 300, RetryConfig())
+    assert [d.decision for d in ds] == [Decision.RETRY] * 2 + [Decision.STOP]
+    assert ds[-1].reason.startswith("no progress: 3 consecutive failed attempts")
+
+
+def test_since_progress_budget_still_stops_a_stalled_storm_and_run_scope_counts_everything():
+    cfg = RetryConfig(no_progress_attempts=1000, budgets={P: 5})
+    ds = run_sequence([(P, True)] + [(P, False)] * 10, cfg)
+    assert [d.decision for d in ds] == [Decision.RETRY] * 5 + [Decision.STOP]
+    assert "6 preemption failure(s) since the last progress, budget allows 5 retries" in ds[-1].reason
+    whole = RetryConfig(budgets={P: 5}, budget_scopes={P: "run"})
+    ds = run_sequence([(P, True)] * 10, whole)
+    assert [d.decision for d in ds] == [Decision.RETRY] * 5 + [Decision.STOP]
+
+
+def test_default_scopes_and_no_attempt_cap():
+    cfg = RetryConfig()
+    assert {c for c in FailureClass if cfg.scope(c) == "since_progress"} == {P, C}
+    assert cfg.max_attempts is None

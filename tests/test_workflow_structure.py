@@ -97,8 +97,37 @@ def test_provision_retries_capacity_only(local):
     cfg = load_config(REPO / "configs" / "local-cpu.yaml")
     rs = _templates(local)["provision-slice"]["retryStrategy"]
     assert rs["limit"] == cfg.retry.provision_retry_limit
-    assert rs["expression"] == "asInt(lastRetry.exitCode) == 75"
+    # Capacity (75) is retried; configuration (2) is not. Errored pods and transient exits are retried too.
+    assert _retried(rs, "75") and not _retried(rs, "2")
+    assert _retried(rs, "69") and _retried(rs, "-1", "Error")
     assert rs["backoff"]["duration"] == f"{cfg.retry.provision_backoff_s}s"
+
+
+def _retried(rs, code: str, status: str = "Failed") -> bool:
+    from workflows.local.expr import evaluate_bool
+
+    env = {"lastRetry.exitCode": code, "lastRetry.status": status, "lastRetry.duration": "1",
+           "lastRetry.message": "", "retries": "0"}  # fmt: skip
+    return rs["retryPolicy"] == "Always" and evaluate_bool(rs["expression"], env)
+
+
+@pytest.mark.parametrize("cfg_path", CONFIGS, ids=lambda p: p.stem)
+def test_every_step_retries_errored_pods_and_transient_exits_only(cfg_path):
+    cfg = load_config(cfg_path)
+    t = _templates(build_workflow(cfg).to_dict())
+    # train-segment (the supervisor) has its own retry: only an Errored pod, which re-attaches to the JobSet.
+    steps = [n for n, tpl in t.items() if "container" in tpl and n != "train-segment"]
+    assert set(steps) >= {"validate-config", "restore-latest", "provision-slice", "classify-failure", "give-up",
+                          "exit-handler"}  # fmt: skip
+    for name in steps:
+        rs = t[name]["retryStrategy"]
+        assert isinstance(rs["limit"], int) and rs["limit"] >= 1, name
+        assert _retried(rs, "-1", "Error") and _retried(rs, "69"), name
+        for code in ("1", "2", "3", "42"):
+            assert not _retried(rs, code), (name, code)
+        if name != "provision-slice":
+            assert rs["limit"] == cfg.retry.transient_retry_limit, name
+            assert rs["backoff"]["duration"] == f"{cfg.retry.transient_backoff_s}s", name
 
 
 def test_steps_run_their_module_with_contract_args(local):
@@ -224,3 +253,14 @@ def test_local_jobset_has_no_tpu_and_carries_the_local_env(local):
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     )
     assert "annotations" not in js["metadata"]
+
+
+@pytest.mark.parametrize("cfg_path", CONFIGS, ids=lambda p: p.stem)
+def test_workflow_keeps_failed_pods_and_the_finished_run_for_inspection(cfg_path):
+    cfg = load_config(cfg_path)
+    wf = build_workflow(cfg).to_dict()
+    assert wf["spec"]["podGC"] == {"strategy": "OnPodSuccess"}
+    ttl = wf["spec"]["ttlStrategy"]
+    assert ttl["secondsAfterFailure"] >= ttl["secondsAfterSuccess"] >= 7 * 24 * 3600
+    # The namespace comes from the config, in the Workflow and in the JobSet it creates.
+    assert wf["metadata"]["namespace"] == cfg.namespace == _jobset(wf)["metadata"]["namespace"]

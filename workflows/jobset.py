@@ -97,7 +97,8 @@ def jobset_manifest(
         "env": env,
     }  # fmt: skip
     pod_spec: dict[str, Any] = {
-        "serviceAccountName": cfg.service_account,
+        # The workers' own account: no Kubernetes API access, only the bucket through Workload Identity.
+        "serviceAccountName": cfg.worker_service_account,
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "containers": [container],
@@ -112,7 +113,11 @@ def jobset_manifest(
     else:
         chips = TPU_TYPES[sl.accelerator].chips_per_vm
         container["ports"] = [{"name": "metrics", "containerPort": cfg.monitoring.metrics_port}]
-        container["resources"] = {"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}}
+        # CPU and memory requests keep the workers out of BestEffort (extended resources such as google.com/tpu
+        # do not count for QoS; Kubernetes docs "Pod Quality of Service Classes"), so node memory pressure evicts
+        # other pods first. No CPU limit: CFS throttling would slow the input pipeline.
+        requests: dict[str, Any] = {**sl.worker_requests(), TPU_RESOURCE: chips}
+        container["resources"] = {"requests": requests, "limits": {TPU_RESOURCE: chips}}
         pod_spec["nodeSelector"] = gke_node_selector(sl)
         tolerations = [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
         if sl.spot:

@@ -6,39 +6,38 @@ from collections.abc import Iterable
 from typing import Any
 
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.k8s import JOBSET_GROUP
+from recovery_steps.kernel.k8s import STEP_VERBS
 
 ROLE = "jaxrec-workflow"
 NODE_READER = "jaxrec-node-reader"
 
-# Namespaced rules, one line per reason.
-ROLE_RULES: list[dict[str, Any]] = [
-    # Argo executor (emissary): watch its own pod, report outputs through WorkflowTaskResults.
-    # train-segment (the supervisor) watches the gang's pods and force-deletes one stuck Terminating on a
-    # lost node (grace period 0): "delete".
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch", "delete"]},
-    {"apiGroups": ["argoproj.io"], "resources": ["workflowtaskresults"], "verbs": ["create", "patch"]},
-    # train-segment creates (or re-attaches to), watches and deletes the attempt's JobSet; provision-slice
-    # deletes old ones; classify-failure reads the JobSet status.
-    {
-        "apiGroups": [JOBSET_GROUP],
-        "resources": ["jobsets"],
-        "verbs": ["create", "get", "list", "watch", "patch", "delete"],
-    },
-    # classify-failure: the Jobs of the JobSet and the events of its pods; train-segment watches the Jobs
-    # (their FailureTarget condition ends the attempt before JobSet does).
-    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["get", "list"]},
-]
 
-# Cluster-scoped: provision-slice checks the slice's nodes, classify-failure and train-segment read node
-# conditions (Ready, the unreachable taint).
-NODE_RULES: list[dict[str, Any]] = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]}]
+def _rules(cluster_scoped: bool) -> list[dict[str, Any]]:
+    """RBAC rules from the kernel's table of verbs: one rule per (API group, resource), verbs in table order."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for use in STEP_VERBS:
+        if use.cluster_scoped == cluster_scoped:
+            verbs = grouped.setdefault((use.group, use.resource), [])
+            if use.verb not in verbs:
+                verbs.append(use.verb)
+    return [{"apiGroups": [g], "resources": [r], "verbs": v} for (g, r), v in grouped.items()]
+
+
+# Namespaced: what the steps and the Argo executor do in the run's namespace (see STEP_VERBS for who and why).
+ROLE_RULES: list[dict[str, Any]] = _rules(cluster_scoped=False)
+
+# Cluster-scoped: nodes (provision-slice, classify-failure) and the run's namespace (preflight).
+NODE_RULES: list[dict[str, Any]] = _rules(cluster_scoped=True)
 
 
 def _accounts(cfgs: Iterable[JobConfig]) -> list[tuple[str, str]]:
-    """Distinct (namespace, service account) pairs of the GKE configs, sorted."""
+    """Distinct (namespace, service account) pairs of the GKE configs' steps, sorted."""
     return sorted({(c.namespace, c.service_account) for c in cfgs if not c.slice.is_local})
+
+
+def _worker_accounts(cfgs: Iterable[JobConfig]) -> list[tuple[str, str]]:
+    """Distinct (namespace, worker service account) pairs of the GKE configs, sorted."""
+    return sorted({(c.namespace, c.worker_service_account) for c in cfgs if not c.slice.is_local})
 
 
 def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:
@@ -52,10 +51,16 @@ def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:
     Returns:
         Kubernetes objects in apply order.
     """
+    cfgs = list(cfgs)
     accounts = _accounts(cfgs)
     objs: list[dict[str, Any]] = []
     for ns, sa in accounts:
         objs.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}})
+    # The workers' accounts get no Role and no API token: they only reach the bucket (Workload Identity).
+    for ns, sa in _worker_accounts(cfgs):
+        if (ns, sa) not in accounts:
+            objs.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns},
+                         "automountServiceAccountToken": False})  # fmt: skip
     for ns in sorted({ns for ns, _ in accounts}):
         objs.append(
             {

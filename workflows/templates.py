@@ -23,7 +23,7 @@ from hera.workflows import (
     Task,
     Workflow,
 )
-from hera.workflows.models import Backoff, ValueFrom
+from hera.workflows.models import Backoff, Mutex, PodGC, Synchronization, TTLStrategy, ValueFrom
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import Decision, ExitCode
@@ -49,6 +49,27 @@ ATTEMPT_IN = "{{inputs.parameters.attempt}}"
 # lastRetry.status "Error" with exitCode -1, workflow/controller/operator.go); the retry re-attaches to
 # the attempt's JobSet. A Failed supervisor (the attempt failed) goes to classify-failure instead.
 SUPERVISOR_RETRIES = 5
+HOLDER = ["--holder", "{{workflow.uid}}", "--holder-name", "{{workflow.name}}"]
+# Pods of steps that succeeded are deleted as they finish (a weeks-long run makes hundreds); failed and errored
+# ones stay for their logs until the Workflow goes (argo docs "Pod GC": OnPodSuccess). The finished Workflow is
+# kept a week after success and a month after failure so every attempt can be inspected (argo docs "TTL").
+POD_GC = PodGC(strategy="OnPodSuccess")
+TTL = TTLStrategy(seconds_after_success=7 * 24 * 3600, seconds_after_failure=30 * 24 * 3600)
+
+
+# Argo reports an Errored pod (evicted, node lost) with lastRetry.status "Error" and exitCode "-1"
+# (workflow/controller/operator.go): retried like the step's own transient exit, never by a failure class.
+TRANSIENT_RETRY = f"lastRetry.status == 'Error' || asInt(lastRetry.exitCode) == {int(ExitCode.TRANSIENT)}"
+
+
+def transient_retry(cfg: JobConfig, *, also: str | None = None, limit: int | None = None) -> RetryStrategy:
+    """The bounded retry of a step whose pod Errored or that exited transient (``also``: a further condition)."""
+    return RetryStrategy(
+        limit=cfg.retry.transient_retry_limit if limit is None else limit,
+        retry_policy="Always",
+        backoff=Backoff(duration=f"{cfg.retry.transient_backoff_s}s", factor=2, max_duration="30m"),
+        expression=f"{also} || {TRANSIENT_RETRY}" if also else TRANSIENT_RETRY,
+    )
 
 
 def _outputs(declared: type[StepOutputs] | None) -> list[Parameter]:
@@ -73,6 +94,7 @@ def _step(
 ) -> Container:
     """A container template that runs ``python -m recovery_steps.<module>``."""
     full_args = list(args) + (["--output-dir", OUTPUT_DIR] if outputs is not None else [])
+    kw.setdefault("retry_strategy", transient_retry(cfg))
     labels = {RUN_ID_LABEL: RUN_ID}
     if "attempt" in inputs:
         labels[ATTEMPT_LABEL] = ATTEMPT_IN
@@ -123,6 +145,10 @@ def build_workflow(cfg: JobConfig) -> Workflow:
         entrypoint="main",
         on_exit="exit-handler",
         service_account_name=cfg.service_account,
+        pod_gc=POD_GC,
+        # One live workflow per run id in this controller: a second submission waits (argo docs "Synchronization").
+        synchronization=Synchronization(mutexes=[Mutex(name="jaxrec-run-{{workflow.parameters.run-id}}")]),
+        ttl_strategy=TTL,
         arguments=[
             Parameter(name="store-root", value=cfg.storage.root),
             Parameter(name="run-id", value=cfg.run_id),
@@ -141,6 +167,10 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                 STORE_ROOT,
                 "--accept-safe-changes",
                 "{{workflow.parameters.accept-safe-changes}}",
+                # Permissions and cluster objects are checked before any slice is provisioned.
+                "--preflight",
+                "true",
+                *HOLDER,
             ],  # fmt: skip
             outputs=ValidateOutputs,
             input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
@@ -157,15 +187,16 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             cfg,
             "provision-slice",
             "provision_slice",
-            ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN],
+            ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN, *HOLDER],
             inputs=["attempt"],
             outputs=ProvisionOutputs,
-            # Exit 75 (capacity not there yet) is retried with backoff; exit 2 (configuration) is not.
+            # Exit 75 (capacity not there yet) is retried with backoff, like an Errored pod or a transient exit;
+            # exit 2 (configuration) is not.
             retry_strategy=RetryStrategy(
                 limit=cfg.retry.provision_retry_limit,
                 retry_policy="Always",
                 backoff=Backoff(duration=f"{cfg.retry.provision_backoff_s}s", factor=2, max_duration="30m"),
-                expression=f"asInt(lastRetry.exitCode) == {int(ExitCode.CAPACITY)}",
+                expression=f"asInt(lastRetry.exitCode) == {int(ExitCode.CAPACITY)} || {TRANSIENT_RETRY}",
             ),
         )
         # The supervisor creates (or re-attaches to) this JobSet, decides when the attempt is over and
@@ -245,6 +276,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             [
                 "--store-root", STORE_ROOT, "--run-id", RUN_ID,
                 "--status", "{{workflow.status}}", "--failures", "{{workflow.failures}}",
+                "--holder", "{{workflow.uid}}",
             ],
             outputs=FinalizeOutputs,
             metrics=[

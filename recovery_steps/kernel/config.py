@@ -93,6 +93,26 @@ class SliceConfig(_Section):
     )
     spot: bool = Field(default=False, description="Schedule on Spot VMs (preemptible; TPU only).")
     reservation: str | None = Field(default=None, description="GKE reservation name to consume (TPU only).")
+    maintenance_window_s: int = Field(
+        default=7200,
+        ge=0,
+        description="provision-slice: a node whose scheduled maintenance (cloud.google.com/scheduled-maintenance-time) "
+        "falls within this many seconds is not used (see on_scheduled_maintenance).",
+    )
+    on_scheduled_maintenance: Literal["wait", "proceed"] = Field(
+        default="wait",
+        description="'wait': provision-slice exits 75 (capacity, retried with backoff) while maintenance is due "
+        "within maintenance_window_s; 'proceed': start anyway (the attempt may be cut short).",
+    )
+    worker_cpu: float | None = Field(
+        default=None,
+        gt=0,
+        description="CPU request of each worker pod (TPU only; default: 80% of the machine type's vCPUs, from the "
+        "TPU table). google.com/tpu alone does not count for QoS: without it a worker is BestEffort.",
+    )
+    worker_memory_gib: float | None = Field(
+        default=None, gt=0, description="Memory request of each worker pod in GiB (TPU only; default: 80% of the VM)."
+    )
 
     @field_validator("reservation")
     @classmethod
@@ -152,6 +172,15 @@ class SliceConfig(_Section):
             assert self.hosts is not None
             return self.hosts
         return TPU_TYPES[self.accelerator].hosts(self.topology or "")
+
+    def worker_requests(self) -> dict[str, str]:
+        """CPU and memory requests of one worker pod (empty for the local backend)."""
+        if self.is_local:
+            return {}
+        tpu = TPU_TYPES[self.accelerator]
+        cpu = self.worker_cpu if self.worker_cpu is not None else tpu.worker_cpu
+        mem = self.worker_memory_gib if self.worker_memory_gib is not None else tpu.worker_memory_gib
+        return {"cpu": f"{cpu:g}", "memory": f"{mem:g}Gi"}
 
     @property
     def devices_per_process(self) -> int:
@@ -329,10 +358,15 @@ class TrainingConfig(_Section):
         default="data", description="'data': replicated parameters; 'fsdp': parameters sharded over hosts."
     )
     heartbeat_timeout_s: int = Field(
-        default=5, ge=1, description="JAX coordination heartbeat timeout: a dead peer is noticed within it."
+        default=5,
+        ge=1,
+        description="JAX coordination heartbeat timeout: a dead peer is noticed within it. Default 5 locally, "
+        "1200 on TPU (TPU_TIMEOUT_DEFAULTS).",
     )
     init_timeout_s: int = Field(
-        default=120, ge=5, description="How long jax.distributed.initialize waits for every process."
+        default=120,
+        ge=5,
+        description="How long jax.distributed.initialize waits for every process. Default 120 locally, 1800 on TPU.",
     )
     shutdown_timeout_s: int = Field(default=10, ge=1, description="JAX distributed shutdown barrier timeout.")
     hang_timeout_s: int = Field(
@@ -391,12 +425,35 @@ def _default_budgets() -> dict[FailureClass, int]:
     }
 
 
+BudgetScope = Literal["run", "since_progress"]
+
+
+def _default_scopes() -> dict[FailureClass, str]:
+    # Preemption and capacity are the platform's doing and expected on Spot for as long as the run lasts: they
+    # are budgeted since the last progress, so a run that keeps checkpointing never runs out of them. The rest
+    # say something about the job or its hosts that progress does not cure: whole run.
+    return {
+        FailureClass.PREEMPTION: "since_progress",
+        FailureClass.CAPACITY: "since_progress",
+        FailureClass.INFRASTRUCTURE: "run",
+        FailureClass.HANG: "run",
+        FailureClass.APPLICATION: "run",
+        FailureClass.CONFIGURATION: "run",
+        FailureClass.UNKNOWN: "run",
+    }
+
+
 class RetryConfig(_Section):
     """Retry budgets per failure class, backoff, and the no-progress guard."""
 
     budgets: dict[FailureClass, Annotated[int, Field(ge=0)]] = Field(
         default_factory=_default_budgets,
-        description="Retries allowed per failure class over the whole run (classes left out keep defaults).",
+        description="Retries allowed per failure class, counted over budget_scopes (classes left out keep defaults).",
+    )
+    budget_scopes: dict[FailureClass, BudgetScope] = Field(
+        default_factory=_default_scopes,
+        description="Per class: 'run' counts its failures over the whole run; 'since_progress' only those since "
+        "the last attempt that advanced the checkpoint step (default for preemption and capacity).",
     )
     backoff: dict[FailureClass, BackoffConfig] = Field(
         default_factory=dict,
@@ -410,16 +467,43 @@ class RetryConfig(_Section):
         ge=1,
         description="Stop after this many consecutive failed attempts without the checkpoint step advancing.",
     )
-    max_attempts: int = Field(default=50, ge=1, description="Hard cap on attempts of one run, whatever the class.")
+    max_attempts: int | None = Field(
+        default=None,
+        ge=1,
+        description="Optional hard cap on attempts of one run, whatever the class (None: no cap; the budgets and "
+        "the no-progress guard bound a run, so one that keeps progressing is never stopped by arithmetic).",
+    )
     provision_retry_limit: int = Field(
         default=10, ge=0, description="provision-slice retries while capacity is not available yet."
     )
     provision_backoff_s: int = Field(default=30, ge=1, description="First provision-slice retry backoff.")
+    lease_ttl_s: int = Field(
+        default=86400,
+        ge=60,
+        description="The run lease expires this long after its last renewal (validate-config, provision-slice, "
+        "classify-failure renew it); a crashed controller's run can be taken over after it.",
+    )
+    transient_retry_limit: int = Field(
+        default=5,
+        ge=0,
+        description="Retries of one step whose pod Errored (evicted, node lost) or that exited transient (store or "
+        "API unreachable, HTTP 429/5xx); retried in place, never counted against a failure class.",
+    )
+    transient_backoff_s: int = Field(default=10, ge=1, description="First backoff of a transient retry (doubles).")
 
     @field_validator("budgets", mode="after")
     @classmethod
     def _fill_budgets(cls, v: dict[FailureClass, int]) -> dict[FailureClass, int]:
         return {**_default_budgets(), **v}
+
+    @field_validator("budget_scopes", mode="after")
+    @classmethod
+    def _fill_scopes(cls, v: dict[FailureClass, str]) -> dict[FailureClass, str]:
+        return {**_default_scopes(), **v}
+
+    def scope(self, cls_: FailureClass) -> str:
+        """Over what ``cls_``'s budget is counted: 'run' or 'since_progress'."""
+        return self.budget_scopes[cls_]
 
     def budget(self, cls_: FailureClass) -> int:
         """Retries allowed for ``cls_``."""
@@ -513,8 +597,28 @@ class MonitoringConfig(_Section):
     )
 
 
+# Timeouts a TPU job gets unless its config sets them. JAX's own heartbeat default is 100 s; a long XLA compile
+# or a slow host start on a large slice has tripped it, and GoogleCloudPlatform/ml-auto-solutions#1166 raised it
+# to 1200 s. A dead peer is still noticed at once on GKE: JobSet stops the whole gang on the first worker exit,
+# and the step watchdog (hang_timeout_s) ends a silent hang. init: every pod of a large slice must be scheduled,
+# pulled and started before jax.distributed.initialize returns.
+TPU_TIMEOUT_DEFAULTS = {"heartbeat_timeout_s": 1200, "init_timeout_s": 1800}
+
+
 class JobConfig(_Section):
     """A whole training job: what to train, where, and how to recover from failures."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tpu_timeout_defaults(cls, data: Any) -> Any:
+        """On TPU, timeouts the config leaves out take TPU_TIMEOUT_DEFAULTS (local runs keep the short ones)."""
+        if not isinstance(data, dict):
+            return data
+        sl = data.get("slice")
+        training = data.get("training", {})
+        if not isinstance(sl, dict) or sl.get("accelerator", LOCAL) == LOCAL or not isinstance(training, dict):
+            return data
+        return {**data, "training": {**TPU_TIMEOUT_DEFAULTS, **training}}
 
     run_id: str = Field(
         description="Run identifier (lowercase letters, digits, '-'; at most 40): names the run store "
@@ -524,7 +628,12 @@ class JobConfig(_Section):
     image: str = Field(description="Worker container image (trainer and step programs).")
     service_account: str = Field(
         default="jax-recovery",
-        description="Kubernetes ServiceAccount of steps and workers (bound to GCS by Workload Identity).",
+        description="Kubernetes ServiceAccount of the workflow's steps (RBAC of argo/rbac.yaml; the run store).",
+    )
+    worker_service_account: str = Field(
+        default="jax-recovery-worker",
+        description="Kubernetes ServiceAccount of the workers: no Kubernetes API access, only the bucket "
+        "(Workload Identity).",
     )
     slice: SliceConfig = Field(description="The slice of hosts the gang runs on.")
     storage: StorageConfig = Field(description="The run store.")

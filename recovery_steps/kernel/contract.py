@@ -60,6 +60,7 @@ class ExitCode(enum.IntEnum):
     HANG = 21
     ACCELERATOR_INIT = 22
     APPLICATION = 42
+    TRANSIENT = 69
     CAPACITY = 75
     PREEMPTED = 143
 
@@ -115,6 +116,14 @@ EXIT_CODES: tuple[ExitCodeInfo, ...] = (
         "application error: uncaught exception in training code, non-finite loss",
         FailureClass.APPLICATION,
         "FailJob",
+    ),
+    # sysexits EX_UNAVAILABLE. Every step template retries it in place (Argo retryStrategy), outside the
+    # failure-class budgets; only a step that still fails after its retries reaches classify-failure.
+    ExitCodeInfo(
+        ExitCode.TRANSIENT,
+        "transient: run store or Kubernetes API unreachable, HTTP 429/5xx (the step is retried in place)",
+        FailureClass.INFRASTRUCTURE,
+        None,
     ),
     ExitCodeInfo(
         ExitCode.CAPACITY,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 # Labels every object of a run carries (Workflow, JobSet, pods) so that steps can find them.
@@ -37,6 +38,50 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 JOBSET_GROUP = "jobset.x-k8s.io"
 JOBSET_VERSION = "v1alpha2"
 JOBSET_PLURAL = "jobsets"
+
+
+@dataclass(frozen=True)
+class VerbUse:
+    """One Kubernetes verb one part of the workflow uses: the RBAC rules are built from these, nothing more."""
+
+    step: str
+    group: str
+    resource: str
+    verb: str
+    why: str
+    cluster_scoped: bool = False
+
+
+# Every verb the workflow's ServiceAccount needs, with the step that uses it (workflows.rbac builds the Role and
+# ClusterRole from this table; preflight asks the API server about each by SelfSubjectAccessReview).
+STEP_VERBS: tuple[VerbUse, ...] = (
+    # Argo's executor reports outputs through WorkflowTaskResults (v3.4+; argo docs "Workflow RBAC"); it does
+    # not need pods watch/patch.
+    VerbUse("argo-executor", "argoproj.io", "workflowtaskresults", "create", "report a step's outputs"),
+    VerbUse("argo-executor", "argoproj.io", "workflowtaskresults", "patch", "update a step's outputs"),
+    VerbUse("train-segment", JOBSET_GROUP, JOBSET_PLURAL, "create", "create the attempt's JobSet"),
+    VerbUse("train-segment", JOBSET_GROUP, JOBSET_PLURAL, "get", "read the JobSet's status for the conditions"),
+    VerbUse("train-segment", JOBSET_GROUP, JOBSET_PLURAL, "watch", "wait on the JobSet's status"),
+    VerbUse("train-segment", JOBSET_GROUP, JOBSET_PLURAL, "delete", "end an attempt the supervisor stopped"),
+    VerbUse("train-segment", "", "pods", "list", "the gang's pods (supervisor)"),
+    VerbUse("train-segment", "", "pods", "watch", "follow the gang's pods (supervisor)"),
+    VerbUse("train-segment", "", "pods", "delete", "force-delete a pod stuck Terminating on a lost node"),
+    VerbUse("train-segment", "batch", "jobs", "list", "the JobSet's Jobs (supervisor)"),
+    VerbUse("train-segment", "batch", "jobs", "watch", "a Job's FailureTarget ends the attempt before JobSet"),
+    VerbUse("train-segment", "", "nodes", "get", "a worker node's Ready condition", cluster_scoped=True),
+    VerbUse("provision-slice", JOBSET_GROUP, JOBSET_PLURAL, "list", "find the JobSets earlier attempts left"),
+    VerbUse("provision-slice", JOBSET_GROUP, JOBSET_PLURAL, "delete", "tear down earlier attempts' gangs"),
+    VerbUse("provision-slice", "", "pods", "list", "wait until earlier workers are gone; pods on the slice"),
+    VerbUse("provision-slice", "", "nodes", "list", "check the slice's nodes", cluster_scoped=True),
+    VerbUse("classify-failure", JOBSET_GROUP, JOBSET_PLURAL, "get", "read the attempt's JobSet and its conditions"),
+    VerbUse("classify-failure", "", "pods", "list", "read the workers' pod statuses"),
+    VerbUse("classify-failure", "batch", "jobs", "list", "read the JobSet's Jobs and their conditions"),
+    VerbUse("classify-failure", "", "events", "list", "read the events of the workers' pods"),
+    VerbUse("classify-failure", "", "nodes", "get", "read the condition of a worker's node", cluster_scoped=True),
+    VerbUse("validate-config", "argoproj.io", "workflows", "get", "is the run lease's holder workflow still there"),
+    VerbUse("preflight", "", "namespaces", "get", "check the run's namespace exists", cluster_scoped=True),
+    VerbUse("preflight", "", "serviceaccounts", "get", "check the steps' and workers' ServiceAccounts exist"),
+)
 
 
 def jobset_name(run_id: str, attempt: int | str) -> str:

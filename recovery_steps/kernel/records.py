@@ -226,6 +226,26 @@ class ProvisionRecord(_Record):
     at: float
 
 
+class RunLease(_Record):
+    """``lease.json``: which workflow acts for the run (generation-checked writes; ``recovery_steps.lease``)."""
+
+    run_id: str
+    holder: str = Field(description="The holding workflow's uid ({{workflow.uid}}).")
+    holder_name: str = Field(description="The holding workflow's name, for people and `argo stop`.")
+    acquired_at: float
+    renewed_at: float = Field(description="Last renewal; the lease expires at renewed_at + ttl_s.")
+    ttl_s: float
+    released: bool = Field(default=False, description="Set by the holder's exit handler.")
+
+
+class PreflightCheck(_Record):
+    """``preflight.json``: what the preflight of the latest submission found (validate-config writes it)."""
+
+    ok: bool = Field(description="True when every check passed.")
+    problems: list[str] = Field(default_factory=list, description="One line per missing permission or object.")
+    at: float = Field(default_factory=now, description="When the checks ran.")
+
+
 class LocalWorkerRecord(_Record):
     """One process of the local slice record."""
 

@@ -36,6 +36,10 @@ class PreconditionFailed(Exception):
     """A conditional write lost a race: the object changed since it was read."""
 
 
+class StoreUnavailable(Exception):
+    """The run store did not answer (network, HTTP 429/5xx): the step exits ``transient`` and Argo retries it."""
+
+
 class DocumentError(Exception):
     """A run-store document is unreadable or of the wrong shape; ``str()`` is one line naming the file."""
 
@@ -178,6 +182,15 @@ class RunLayout:
     def quarantine_reason(target: str) -> str:
         """The ``QuarantineReason`` inside quarantine directory ``target`` (a path under ``quarantine/``)."""
         return f"{target}/QUARANTINE_REASON.json"
+
+    LEASE = "lease.json"
+    """``RunLease``: the one workflow that acts for the run."""
+
+    PREFLIGHT = "preflight.json"
+    """``PreflightCheck`` of the latest submission (written by validate-config's preflight)."""
+
+    PREFLIGHT_PROBES = "preflight/probes"
+    """Where the preflight writes, reads and deletes its probe objects."""
 
     LOCAL_SUMMARY = "local/summary.json"
     """``LocalSummary`` of a local run."""
@@ -344,6 +357,23 @@ class LocalBackend:
             (self.root / rel).unlink()
 
 
+STORE_RETRY_DEADLINE_ENV = "JAXREC_STORE_RETRY_DEADLINE_S"
+DEFAULT_STORE_RETRY_DEADLINE_S = 60.0
+
+
+def store_retry_deadline_s() -> float:
+    """How long one store call retries 429/5xx and connection errors before the step gives up (exits transient).
+
+    google-cloud-storage retries those for up to 120 s by default (``google.cloud.storage.retry.DEFAULT_RETRY``);
+    a shorter bound hands a longer outage to Argo's retryStrategy, which backs off between pods. Local rehearsals
+    shorten it further with ``JAXREC_STORE_RETRY_DEADLINE_S``.
+    """
+    try:
+        return float(os.environ.get(STORE_RETRY_DEADLINE_ENV, DEFAULT_STORE_RETRY_DEADLINE_S))
+    except ValueError:
+        return DEFAULT_STORE_RETRY_DEADLINE_S
+
+
 class GcsBackend:
     """Objects under ``gs://bucket/prefix`` through google-cloud-storage (honours STORAGE_EMULATOR_HOST)."""
 
@@ -352,6 +382,16 @@ class GcsBackend:
         self.prefix = prefix.strip("/")
         self._client = client
         self._bucket = None
+        self._retry = None
+
+    @property
+    def retry(self):
+        """The retry policy of every call: the library's, with this store's deadline."""
+        if self._retry is None:
+            from google.cloud.storage.retry import DEFAULT_RETRY
+
+            self._retry = DEFAULT_RETRY.with_deadline(store_retry_deadline_s())
+        return self._retry
 
     @property
     def bucket(self):
@@ -375,7 +415,7 @@ class GcsBackend:
 
         blob = self.bucket.blob(self._key(rel))
         try:
-            data = blob.download_as_bytes()
+            data = blob.download_as_bytes(retry=self.retry)
         except exceptions.NotFound:
             return None
         return data, int(blob.generation or 0)
@@ -387,7 +427,9 @@ class GcsBackend:
         blob = self.bucket.blob(self._key(rel))
         try:
             # Small uploads are multipart: the precondition is enforced (0 = "must not exist").
-            blob.upload_from_string(data, if_generation_match=if_generation_match)
+            # Retried only when conditional (a retried unconditional upload could overwrite a newer writer).
+            retry = self.retry if if_generation_match is not None else None
+            blob.upload_from_string(data, if_generation_match=if_generation_match, retry=retry)
         except exceptions.PreconditionFailed as e:
             raise PreconditionFailed(f"{self.url(rel)}: {e.message}") from None
         return int(blob.generation or 0)
@@ -399,7 +441,7 @@ class GcsBackend:
             key += "/"
         out = []
         strip = len(self.prefix) + 1 if self.prefix else 0
-        for blob in self.bucket.client.list_blobs(self.bucket_name, prefix=key):
+        for blob in self.bucket.client.list_blobs(self.bucket_name, prefix=key, retry=self.retry):
             out.append(ObjectInfo(blob.name[strip:], int(blob.size or 0), int(blob.generation or 0)))
         return sorted(out, key=lambda o: o.name)
 
@@ -408,7 +450,7 @@ class GcsBackend:
         from google.api_core import exceptions
 
         with contextlib.suppress(exceptions.NotFound):
-            self.bucket.blob(self._key(rel)).delete()
+            self.bucket.blob(self._key(rel)).delete(retry=self.retry)
 
     def odd(self, prefix: str) -> list[str]:
         """Nothing: GCS holds only objects (no links, no special files)."""
@@ -622,3 +664,33 @@ def store_errors() -> tuple[type[BaseException], ...]:
     from google.auth.exceptions import GoogleAuthError
 
     return (OSError, GoogleAPIError, GoogleAuthError, requests.exceptions.RequestException)
+
+
+def is_transient(e: BaseException) -> bool:
+    """True when ``e`` says the store was unreachable or overloaded (retrying can help), not refused or absent."""
+    import errno
+
+    import requests
+    from google.api_core import exceptions as gexc
+    from google.auth.exceptions import TransportError
+
+    if isinstance(e, (gexc.TooManyRequests, gexc.ServerError, gexc.RetryError, TransportError)):
+        return True
+    if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError, TimeoutError)):
+        return True
+    # A local store on a network filesystem that went away (stale handle, I/O error, not connected).
+    return isinstance(e, OSError) and e.errno in (errno.EIO, errno.ESTALE, errno.ENOTCONN, errno.EHOSTDOWN)
+
+
+@contextlib.contextmanager
+def transient_as_unavailable(where: str):
+    """Turn a transient store failure into ``StoreUnavailable`` with one line naming ``where``."""
+    try:
+        yield
+    except store_errors() as e:
+        if not is_transient(e):
+            raise
+        text = str(e).strip().splitlines()
+        raise StoreUnavailable(
+            f"run store {where} unreachable: {type(e).__name__}: {text[0][:200] if text else ''}"
+        ) from None

@@ -20,6 +20,18 @@ class TpuType:
     chips_per_vm: int
     single_host_topologies: tuple[str, ...]
     multi_host_topologies: tuple[str, ...]
+    vm_vcpus: int
+    vm_memory_gib: int
+
+    @property
+    def worker_cpu(self) -> float:
+        """Default CPU request of one worker pod: 80% of the VM, leaving room for kubelet and GKE's DaemonSets."""
+        return float(int(self.vm_vcpus * 0.8))
+
+    @property
+    def worker_memory_gib(self) -> float:
+        """Default memory request of one worker pod: 80% of the VM (GKE reserves part of it for the node)."""
+        return float(int(self.vm_memory_gib * 0.8))
 
     def chips(self, topology: str) -> int:
         """Number of chips in ``topology`` (product of its dimensions)."""
@@ -43,7 +55,9 @@ _3D_MULTI = (
 TPU_TYPES: dict[str, TpuType] = {
     t.name: t
     for t in (
-        TpuType("v4", "tpu-v4-podslice", "ct4p-hightpu-4t", 4, ("2x2x1",), _3D_MULTI),
+        # vCPUs and memory of each machine type: Compute Engine docs "Accelerator-optimized machine family"
+        # and the TPU version pages (ct4p: 240/407 GB, ct5lp: 112/192 GB, ct5p: 208/448 GB, ct6e: 180/720 GB).
+        TpuType("v4", "tpu-v4-podslice", "ct4p-hightpu-4t", 4, ("2x2x1",), _3D_MULTI, 240, 407),
         TpuType(
             "v5e",
             "tpu-v5-lite-podslice",
@@ -51,8 +65,10 @@ TPU_TYPES: dict[str, TpuType] = {
             4,
             ("1x1", "2x2", "2x4"),
             ("4x4", "4x8", "8x8", "8x16", "16x16"),
+            112,
+            192,
         ),
-        TpuType("v5p", "tpu-v5p-slice", "ct5p-hightpu-4t", 4, ("2x2x1",), _3D_MULTI),
+        TpuType("v5p", "tpu-v5p-slice", "ct5p-hightpu-4t", 4, ("2x2x1",), _3D_MULTI, 208, 448),
         TpuType(
             "v6e",
             "tpu-v6e-slice",
@@ -60,8 +76,10 @@ TPU_TYPES: dict[str, TpuType] = {
             4,
             ("1x1", "2x2", "2x4"),
             ("4x4", "4x8", "8x8", "8x16", "16x16"),
+            180,
+            720,
         ),
-        TpuType("tpu7x", "tpu7x", "tpu7x-standard-4t", 4, ("2x2x1",), _3D_MULTI),
+        TpuType("tpu7x", "tpu7x", "tpu7x-standard-4t", 4, ("2x2x1",), _3D_MULTI, 224, 960),
     )
 }
 

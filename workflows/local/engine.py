@@ -10,6 +10,7 @@ import json
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -167,6 +168,7 @@ class WorkflowRun:
         self._abort = threading.Event()
         self._sleep = sleep
         self._ids = 0
+        self.uid = str(uuid.uuid4())
         self._lock = threading.Lock()
         self.failures: list[dict[str, Any]] = []
         self.status: str = "Running"
@@ -211,7 +213,8 @@ class WorkflowRun:
         names: dict[str, Any] = {f"workflow.parameters.{k}": v for k, v in self.params.items()}
         names["workflow.name"] = self.name
         names["workflow.namespace"] = self.wf.get("metadata", {}).get("namespace", "default")
-        names["workflow.uid"] = self.name
+        # Unique per run, as Argo's uid is per Workflow object: two local runs of one run id are two holders.
+        names["workflow.uid"] = self.uid
         names["workflow.status"] = self.status
         names["workflow.failures"] = json.dumps(self.failures)
         return names

@@ -17,15 +17,17 @@ from typing import Any
 
 import yaml
 
+from recovery_steps import lease
 from recovery_steps.kernel import records
 from recovery_steps.kernel.config import ConfigError, JobConfig, parse_config
 from recovery_steps.kernel.outputs import STEP_OUTPUTS
 from recovery_steps.kernel.records import now
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
+from recovery_steps.kernel.store import STORE_RETRY_DEADLINE_ENV, DocumentError, RunLayout, RunStore
 from workflows.local.engine import NodeInfo, NodeResult, WorkflowError, WorkflowRun
 from workflows.local.executor import LocalExecutor
 from workflows.local.incidents import EventTail, Segment, build_incidents
 from workflows.local.inject import SCENARIOS, Injector, parse_injections
+from workflows.local.outage import OutagePlan, OutageProxy, parse_outages
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMULATOR_BUCKET = "local-runs"
@@ -206,6 +208,7 @@ def run(
     parameters: dict[str, str] | None = None,
     report: bool = True,
     grace_seconds: float = 3.0,
+    store_outages: Sequence[str] = (),
     say: Callable[[str], None] = print,
 ) -> LocalRunResult:
     """Run a compiled Workflow here, with faults injected; write incidents; print the report.
@@ -222,6 +225,8 @@ def run(
         parameters: Workflow parameters to set, as ``argo submit -p NAME=VALUE`` would.
         report: Print the incident table and draw the timeline at the end.
         grace_seconds: SIGTERM-to-SIGKILL grace when the local JobSet stops its workers.
+        store_outages: ``TEMPLATE=SECONDS``: the store answers 503 for that long from the start of the
+            template's first node (needs ``gcs_emulator``; steps reach the emulator through ``OutageProxy``).
         say: Where progress lines go.
 
     Raises:
@@ -235,9 +240,14 @@ def run(
         for name in (parameters or {})
         if name not in declared
     ]
+    outage_plan, outage_problems = parse_outages(list(store_outages))
+    problems += outage_problems
+    if outage_plan and not gcs_emulator:
+        problems.append("--store-outage needs --gcs-emulator (the outage is a proxy in front of the emulator)")
     if problems:
         raise LocalRunError(problems)
     wf = with_parameters(wf, parameters or {})
+    outages: OutagePlan | None = None
     params = {p["name"]: str(p.get("value", "")) for p in wf["spec"].get("arguments", {}).get("parameters", [])}
     run_id = run_id or f"{params.get('run-id', cfg.run_id)}-{time.strftime('%Y%m%d-%H%M%S')}"
     with contextlib.ExitStack() as stack:
@@ -251,6 +261,13 @@ def run(
             em.apply()
             stack.callback(_restore_env, saved)
             base_env = em.env
+            if outage_plan:
+                proxy = OutageProxy(em.url)
+                stack.callback(proxy.close)
+                # The steps and workers go through the proxy; this process reads the emulator directly.
+                # A short client deadline hands an outage to the templates' retryStrategy within seconds.
+                base_env = {**proxy.env(em.env), STORE_RETRY_DEADLINE_ENV: "1"}
+                outages = OutagePlan(proxy, outage_plan, say=say)
             store_root = store_root or f"gs://{EMULATOR_BUCKET}/local"
             say(f"GCS emulator at {em.url}; run store gs://{EMULATOR_BUCKET}")
         store_root = store_root or params.get("store-root", cfg.storage.root)
@@ -259,7 +276,8 @@ def run(
             ref = _run_once(wf, cfg, f"{run_id}-ref", store_root, [], base_env, None, grace_seconds, lambda _: None)
             reference_digest = ref.params_digest
             say(f"reference run {ref.status}: params digest {str(reference_digest)[:16]}")
-        result = _run_once(wf, cfg, run_id, store_root, injections, base_env, metrics_port, grace_seconds, say)
+        result = _run_once(wf, cfg, run_id, store_root, injections, base_env, metrics_port, grace_seconds, say,
+                           outages=outages)  # fmt: skip
         result.reference_digest = reference_digest
         store = RunStore(store_root, run_id)
         _finish(result, store, say)
@@ -307,6 +325,8 @@ def _run_once(
     metrics_port: int | None,
     grace_seconds: float,
     say: Callable[[str], None],
+    *,
+    outages: OutagePlan | None = None,
 ) -> LocalRunResult:
     store = RunStore(store_root, run_id)
     wf = retarget(wf, run_id, store_root)
@@ -357,7 +377,8 @@ def _run_once(
             )
             executors.append(ex)
             printer = _Printer(say, t0, cfg.slice.num_hosts)
-            wrun = WorkflowRun(wf, ex, name=f"{run_id}-{restarts}" if restarts else run_id, progress=printer)
+            progress = outages.wrap(printer) if outages is not None else printer
+            wrun = WorkflowRun(wf, ex, name=f"{run_id}-{restarts}" if restarts else run_id, progress=progress)
             current["run"] = wrun
             try:
                 status = wrun.run()
@@ -367,6 +388,8 @@ def _run_once(
             all_nodes += wrun.nodes
             if deleted.is_set() and restarts == 0:
                 deleted.clear()
+                # Argo deletes the Workflow object: its lease is free for the next submission at once.
+                _safe(lambda w=wrun: lease.release(store, w.uid))
                 restarts += 1
                 say(f"{now() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {run_id}")
                 continue
@@ -459,6 +482,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="fault to inject (repeatable): " + "; ".join(f"{k}: {v}" for k, v in SCENARIOS.items()),
     )
     p.add_argument("--gcs-emulator", action="store_true", help="run against a local GCS emulator (gs://)")
+    p.add_argument(
+        "--store-outage",
+        action="append",
+        default=[],
+        metavar="TEMPLATE=SECONDS",
+        help="with --gcs-emulator: the store answers 503 for SECONDS from the start of TEMPLATE (repeatable)",
+    )
     p.add_argument("--run-id", help="run id (default: the workflow's, with a timestamp); reuse one to resume it")
     p.add_argument("--store-root", help="run-store root (default: the workflow's store-root parameter)")
     p.add_argument("--reference", action="store_true", help="also run without faults and compare final parameters")
@@ -488,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             reference=args.reference,
             metrics_port=args.metrics_port,
             parameters=dict(x.split("=", 1) for x in args.parameter),
+            store_outages=args.store_outage,
         )
     except LocalRunError as e:
         for line in e.problems:

@@ -1,0 +1,283 @@
+"""Preflight: before the slice is paid for, check that the run can use its store and its cluster objects.
+
+Run by ``validate-config --preflight true`` (the first step of every submission). Checks:
+
+- the run store: read the bucket's metadata (``storage.buckets.get``: orbax's ``CheckpointManager`` calls it when
+  it opens an existing checkpoint directory and after deleting old steps, orbax-checkpoint 0.12.x
+  ``_src/path/gcs_utils.py`` and ``step.py``), then write, read and delete one object under the run;
+- on GKE: the namespace, the JobSet CRD, the workflow's and the workers' ServiceAccounts, and (by
+  ``SelfSubjectAccessReview``, which every authenticated identity may create) each verb the steps use.
+
+A missing permission or object is class ``configuration``: one line names it and the command that fixes it.
+An unreachable store or API server is ``transient`` (Argo retries the step). The decisions over the results
+are pure (``verdict``); the adapters do the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from recovery_steps.kernel.config import JobConfig
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.k8s import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
+from recovery_steps.kernel.records import PreflightCheck
+from recovery_steps.kernel.store import RunLayout, RunStore, split_gcs_url
+
+log = logging.getLogger(__name__)
+
+JOBSET_INSTALL = (
+    "kubectl apply --server-side -f https://github.com/kubernetes-sigs/jobset/releases/download/v0.12.0/manifests.yaml"
+)
+RBAC_APPLY = "kubectl apply -f argo/rbac.yaml"
+
+# The role that grants each storage permission the run needs on its bucket (GCS IAM roles:
+# roles/storage.objectUser has storage.objects.*, not storage.buckets.get; roles/storage.legacyBucketReader
+# has storage.buckets.get and storage.objects.list).
+ROLE_FOR_PERMISSION = {
+    "storage.buckets.get": "roles/storage.legacyBucketReader",
+    "storage.objects.create": "roles/storage.objectUser",
+    "storage.objects.get": "roles/storage.objectUser",
+    "storage.objects.delete": "roles/storage.objectUser",
+    "storage.objects.list": "roles/storage.objectUser",
+}
+# GCS 403 bodies name the permission: "... does not have storage.buckets.get access to ..." and
+# "Permission 'storage.buckets.get' denied on resource (or it may not exist)."
+_PERMISSION_IN_MESSAGE = re.compile(r"(?:Permission '|does not have )(storage\.[a-zA-Z.]+)")
+
+
+class PreflightUnreachable(Exception):
+    """The store or the API server could not be asked: retrying the step can help."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One failed check: what is missing, and the one command that fixes it."""
+
+    check: str
+    missing: str
+    fix: str
+
+    def line(self) -> str:
+        """The one line a user reads."""
+        return f"preflight {self.check}: missing {self.missing}; fix: {self.fix}"
+
+
+def workload_principal(cfg: JobConfig, service_account: str) -> str:
+    """The Workload Identity principal of a Kubernetes ServiceAccount (GKE docs "Workload Identity Federation").
+
+    ``PROJECT_NUMBER`` and ``PROJECT`` are left for the user: nothing in the config names the project.
+    """
+    return (
+        "principal://iam.googleapis.com/projects/PROJECT_NUMBER/locations/global/workloadIdentityPools/"
+        f"PROJECT.svc.id.goog/subject/ns/{cfg.namespace}/sa/{service_account}"
+    )
+
+
+def grant_command(cfg: JobConfig, permission: str) -> str:
+    """The gcloud command that grants ``permission`` on the run's bucket to the steps' and workers' identities."""
+    bucket, _ = split_gcs_url(cfg.storage.root)
+    role = ROLE_FOR_PERMISSION.get(permission, "roles/storage.objectUser")
+    return (
+        f"gcloud storage buckets add-iam-policy-binding gs://{bucket} --role={role} "
+        f"--member={workload_principal(cfg, cfg.service_account)}"
+    )
+
+
+def permission_from_403(message: str, default: str) -> str:
+    """The permission a GCS 403 message names (``default`` when it names none)."""
+    m = _PERMISSION_IN_MESSAGE.search(message or "")
+    return m.group(1).rstrip(".") if m else default
+
+
+# --- the run store ----------------------------------------------------------------------------------
+
+
+def check_store(cfg: JobConfig, store: RunStore, *, gcs_client: Any = None) -> list[Problem]:
+    """Bucket metadata, then write, read and delete one object under the run.
+
+    Raises:
+        PreflightUnreachable: The store did not answer (network, HTTP 429/5xx).
+    """
+    if not store.is_gcs:
+        return _check_local_store(store)
+    from google.api_core import exceptions
+    from google.cloud import storage
+
+    from recovery_steps.kernel.store import make_gcs_client, store_errors
+
+    client = gcs_client or make_gcs_client()
+    bucket_name, _ = split_gcs_url(cfg.storage.root)
+    probe = f"{RunLayout.PREFLIGHT_PROBES}/{secrets.token_hex(6)}"
+    steps = [
+        ("storage.buckets.get", lambda: storage.Bucket(client, bucket_name).reload()),
+        ("storage.objects.create", lambda: store.write_bytes(probe, b"preflight", if_generation_match=0)),
+        ("storage.objects.get", lambda: store.read_bytes(probe)),
+        ("storage.objects.delete", lambda: store.delete(probe)),
+    ]
+    problems = []
+    for permission, op in steps:
+        try:
+            op()
+        except exceptions.NotFound as e:
+            if permission == "storage.buckets.get":
+                return [Problem("store", f"bucket gs://{bucket_name} ({e.code})",
+                                f"gcloud storage buckets create gs://{bucket_name} --location=REGION")]  # fmt: skip
+        except exceptions.Forbidden as e:
+            perm = permission_from_403(e.message, permission)
+            problems.append(Problem("store", f"{perm} on gs://{bucket_name}", grant_command(cfg, perm)))
+        except (exceptions.TooManyRequests, exceptions.ServerError) as e:
+            raise PreflightUnreachable(f"run store {store.url()}: HTTP {e.code} {e.message}") from None
+        except store_errors() as e:
+            raise PreflightUnreachable(f"run store {store.url()} unreachable: {type(e).__name__}: {e}") from None
+    return problems
+
+
+def _check_local_store(store: RunStore) -> list[Problem]:
+    probe = f"{RunLayout.PREFLIGHT_PROBES}/{secrets.token_hex(6)}"
+    try:
+        store.write_bytes(probe, b"preflight", if_generation_match=0)
+        ok = store.read_bytes(probe) == b"preflight"
+        store.delete(probe)
+    except OSError as e:
+        return [Problem("store", f"write access to {store.url()} ({e.strerror})", f"make {store.url()} writable")]
+    if not ok:
+        return [Problem("store", f"read-back of {store.url(probe)}", f"check the filesystem of {store.url()}")]
+    return []
+
+
+# --- the cluster ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApiAnswer:
+    """One Kubernetes API answer: HTTP status and the ``Status`` reason (``NotFound``, ``Forbidden``)."""
+
+    status: int
+    reason: str = ""
+    allowed: bool | None = None
+
+
+def cluster_problems(cfg: JobConfig, answers: dict[str, ApiAnswer]) -> list[Problem]:
+    """Pure: the problems the API's answers show (keys as ``cluster_queries`` names them).
+
+    Args:
+        cfg: The job config (namespace, service accounts).
+        answers: Query key -> what the API answered.
+    """
+    ns = cfg.namespace
+    problems = []
+    a = answers.get("namespace")
+    if a is not None and a.status == 404:
+        problems.append(Problem("cluster", f"namespace {ns}", f"kubectl create namespace {ns}"))
+    a = answers.get("jobset-crd")
+    if a is not None and a.status == 404:
+        problems.append(Problem("cluster", "the JobSet CRD (jobsets.jobset.x-k8s.io)", JOBSET_INSTALL))
+    for sa in sorted({cfg.service_account, cfg.worker_service_account}):
+        a = answers.get(f"serviceaccount/{sa}")
+        if a is not None and a.status == 404:
+            problems.append(Problem("cluster", f"ServiceAccount {ns}/{sa}", RBAC_APPLY))
+    for key, ans in sorted(answers.items()):
+        if key.startswith("can/") and ans.allowed is False:
+            problems.append(Problem("cluster", f"RBAC {key[4:]} for ServiceAccount {ns}/{cfg.service_account}",
+                                    RBAC_APPLY))  # fmt: skip
+        elif ans.status == 403:
+            problems.append(Problem("cluster", f"RBAC to read {key} ({ans.reason})", RBAC_APPLY))
+    return problems
+
+
+def check_cluster(cfg: JobConfig, api_client: Any) -> list[Problem]:
+    """Ask the API server what ``cluster_problems`` needs.
+
+    Raises:
+        PreflightUnreachable: The API server did not answer or answered 429/5xx.
+    """
+    import urllib3
+    from kubernetes import client
+
+    core = client.CoreV1Api(api_client)
+    custom = client.CustomObjectsApi(api_client)
+    authz = client.AuthorizationV1Api(api_client)
+    ns = cfg.namespace
+    queries: dict[str, Any] = {
+        "namespace": lambda: core.read_namespace(ns),
+        # Listing in the namespace answers 404 "the server could not find the requested resource" when the
+        # CRD is not installed, and needs only the list verb the steps have anyway.
+        "jobset-crd": lambda: custom.list_namespaced_custom_object(
+            JOBSET_GROUP, JOBSET_VERSION, ns, JOBSET_PLURAL, limit=1
+        ),
+    }
+    for sa in sorted({cfg.service_account, cfg.worker_service_account}):
+        queries[f"serviceaccount/{sa}"] = lambda sa=sa: core.read_namespaced_service_account(sa, ns)
+    answers: dict[str, ApiAnswer] = {}
+    try:
+        for key, q in queries.items():
+            try:
+                q()
+                answers[key] = ApiAnswer(200)
+            except client.ApiException as e:
+                if e.status in (429,) or e.status >= 500:
+                    raise PreflightUnreachable(f"Kubernetes API answered {e.status} {e.reason}") from None
+                answers[key] = ApiAnswer(e.status, _status_reason(e))
+        for use in STEP_VERBS:
+            if use.group == JOBSET_GROUP and answers.get("jobset-crd", ApiAnswer(200)).status == 404:
+                continue
+            review = client.V1SelfSubjectAccessReview(
+                spec=client.V1SelfSubjectAccessReviewSpec(
+                    resource_attributes=client.V1ResourceAttributes(
+                        group=use.group, resource=use.resource, verb=use.verb,
+                        namespace=None if use.cluster_scoped else ns,
+                    )
+                )
+            )  # fmt: skip
+            got = authz.create_self_subject_access_review(review)
+            key = f"can/{use.verb} {use.resource}"
+            answers[key] = ApiAnswer(201, allowed=bool(got.status and got.status.allowed))
+    except client.ApiException as e:
+        raise PreflightUnreachable(f"Kubernetes API answered {e.status} {e.reason}") from None
+    except urllib3.exceptions.HTTPError as e:
+        raise PreflightUnreachable(f"Kubernetes API unreachable: {e}") from None
+    return cluster_problems(cfg, answers)
+
+
+def _status_reason(e: Any) -> str:
+    try:
+        return str(json.loads(e.body).get("reason") or e.reason)
+    except (TypeError, ValueError):
+        return str(e.reason)
+
+
+# --- the step's part --------------------------------------------------------------------------------
+
+
+def run(
+    cfg: JobConfig, store: RunStore, *, api_client: Any = None, k8s_host: str | None = None, gcs_client: Any = None
+) -> list[Problem]:
+    """Every check that applies to ``cfg``; the problems found (empty: ready), recorded in the run store.
+
+    Raises:
+        PreflightUnreachable: The store or the API server could not be asked.
+    """
+    problems = check_store(cfg, store, gcs_client=gcs_client)
+    if not cfg.slice.is_local:
+        if api_client is None:
+            from recovery_steps.kernel.k8s import make_api_client
+
+            api_client = make_api_client(k8s_host)
+        problems += check_cluster(cfg, api_client)
+    if not any(p.check == "store" for p in problems):
+        record = PreflightCheck(ok=not problems, problems=[p.line() for p in problems])
+        store.write_record(RunLayout.PREFLIGHT, record)
+    for p in problems:
+        log.error("%s", p.line())
+    return problems
+
+
+def exit_code(problems: Sequence[Problem]) -> ExitCode:
+    """Configuration when anything is missing (retrying cannot help), else OK."""
+    return ExitCode.CONFIGURATION if problems else ExitCode.OK

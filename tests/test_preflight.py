@@ -1,0 +1,280 @@
+"""Preflight: the store on the real GCS emulator (behind an IAM-denying proxy); the cluster at its HTTP boundary."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+from fake_http import JsonServer
+
+from recovery_steps import preflight, validate_config
+from recovery_steps.kernel.config import load_config, parse_config
+from recovery_steps.kernel.k8s import STEP_VERBS, make_api_client
+from recovery_steps.kernel.records import PreflightCheck
+from recovery_steps.kernel.store import RunLayout, RunStore
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = "test-bucket"
+NS = "training"
+
+
+def _gcs_error_403(permission: str) -> dict:
+    """The body GCS answers a request whose caller lacks ``permission`` with (JSON API error format)."""
+    message = (
+        f"jax-recovery@my-project.iam.gserviceaccount.com does not have {permission} access to the Google Cloud "
+        f"Storage bucket. Permission '{permission}' denied on resource (or it may not exist)."
+    )
+    return {"error": {"code": 403, "message": message,
+                      "errors": [{"message": message, "domain": "global", "reason": "forbidden"}]}}  # fmt: skip
+
+
+def _permission_of(method: str, path: str) -> str | None:
+    """Which GCS permission a JSON API request needs (GCS docs "IAM permissions for JSON methods")."""
+    if path.startswith("/upload/"):
+        return "storage.objects.create"
+    if path.startswith("/download/") or (method == "GET" and "/o/" in path):
+        return "storage.objects.get"
+    if method == "DELETE" and "/o/" in path:
+        return "storage.objects.delete"
+    if method == "GET" and path.rstrip("/").endswith("/o"):
+        return "storage.objects.list"
+    if method == "GET" and path.startswith("/storage/v1/b/"):
+        return "storage.buckets.get"
+    return None
+
+
+class IamProxy:
+    """Forwards every request to the real emulator, except those needing a denied permission (403 as GCS answers)."""
+
+    def __init__(self, upstream: str, denied: set[str]):
+        up = urlparse(upstream)
+        self.denied = denied
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                perm = _permission_of(self.command, urlparse(self.path).path)
+                if perm in denied:
+                    data, status, ctype = json.dumps(_gcs_error_403(perm)).encode(), 403, "application/json"
+                else:
+                    conn = http.client.HTTPConnection(up.hostname, up.port, timeout=10)
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    r = conn.getresponse()
+                    data, status, ctype = r.read(), r.status, r.getheader("Content-Type", "application/json")
+                    conn.close()
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def client(self):
+        """A google-cloud-storage client that talks to the proxy."""
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        return storage.Client(project="local", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": self.url})  # fmt: skip
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _cfg(root: str, name: str = "v5e-4x4.yaml", **top):
+    data = yaml.safe_load((REPO / "configs" / name).read_text())
+    data["storage"]["root"] = root
+    data.update(top)
+    return parse_config(data)
+
+
+@pytest.fixture
+def proxy_factory(gcs_emulator):
+    made = []
+
+    def make(denied=()):
+        made.append(IamProxy(gcs_emulator.url, set(denied)))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def _gcs_root(request) -> str:
+    return f"gs://{BUCKET}/preflight-{request.node.name.replace('[', '-').replace(']', '')}-{os.getpid()}"
+
+
+def test_store_checks_pass_against_the_emulator_and_leave_no_probe(gcs_emulator, request):
+    cfg = _cfg(_gcs_root(request), "local-cpu.yaml")
+    store = RunStore.for_config(cfg)
+    assert preflight.run(cfg, store) == []
+    assert store.list(RunLayout.PREFLIGHT_PROBES) == []
+    assert store.read_record(RunLayout.PREFLIGHT, PreflightCheck).ok
+
+
+@pytest.mark.parametrize(
+    "denied, role",
+    [
+        ("storage.buckets.get", "roles/storage.legacyBucketReader"),
+        ("storage.objects.create", "roles/storage.objectUser"),
+        ("storage.objects.delete", "roles/storage.objectUser"),
+    ],
+)
+def test_a_denied_storage_permission_names_itself_and_the_grant(proxy_factory, request, denied, role):
+    proxy = proxy_factory([denied])
+    cfg = _cfg(_gcs_root(request), "local-cpu.yaml")
+    client = proxy.client()
+    store = RunStore.for_config(cfg, gcs_client=client)
+    problems = preflight.check_store(cfg, store, gcs_client=client)
+    assert [p.missing for p in problems] == [f"{denied} on gs://{BUCKET}"]
+    line = problems[0].line()
+    assert "\n" not in line
+    assert f"gcloud storage buckets add-iam-policy-binding gs://{BUCKET} --role={role}" in line
+    assert "subject/ns/default/sa/jax-recovery" in line
+    assert preflight.exit_code(problems) == 2
+
+
+def test_local_store_write_read_delete(tmp_path):
+    cfg = _cfg(str(tmp_path / "store"), "local-cpu.yaml")
+    store = RunStore.for_config(cfg)
+    assert preflight.run(cfg, store) == []
+    assert store.list(RunLayout.PREFLIGHT_PROBES) == []
+
+
+# --- the cluster --------------------------------------------------------------------------------
+
+
+def _status(code: int, reason: str, message: str, **details) -> dict:
+    """A Kubernetes ``Status`` object as the API server returns it for a refused request."""
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "details": details, "code": code}  # fmt: skip
+
+
+class FakeCluster:
+    """The API paths the preflight reads, answering as the API server does."""
+
+    def __init__(self, *, namespace=True, crd=True, accounts=("jax-recovery", "jax-recovery-worker"), denied=()):
+        self.namespace, self.crd, self.accounts, self.denied = namespace, crd, set(accounts), set(denied)
+        self.reviews: list[dict] = []
+        self.http = JsonServer(self._route)
+        self.url = self.http.url
+
+    def _route(self, method, raw, body):
+        path = urlparse(raw).path
+        if method == "POST" and path == "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews":
+            attrs = body["spec"]["resourceAttributes"]
+            self.reviews.append(attrs)
+            allowed = (attrs["verb"], attrs["resource"]) not in self.denied
+            return 201, {**body, "status": {"allowed": allowed, **({} if allowed else {"reason": ""})}}
+        if path == f"/api/v1/namespaces/{NS}":
+            if self.namespace:
+                return 200, {"kind": "Namespace", "apiVersion": "v1", "metadata": {"name": NS}}
+            return 404, _status(404, "NotFound", f'namespaces "{NS}" not found', name=NS, kind="namespaces")
+        if path == f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets":
+            if self.crd:
+                return 200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList", "metadata": {},
+                             "items": []}  # fmt: skip
+            return 404, _status(404, "NotFound", "the server could not find the requested resource")
+        prefix = f"/api/v1/namespaces/{NS}/serviceaccounts/"
+        if path.startswith(prefix):
+            name = path[len(prefix) :]
+            if name in self.accounts:
+                return 200, {"kind": "ServiceAccount", "apiVersion": "v1", "metadata": {"name": name, "namespace": NS}}
+            return 404, _status(404, "NotFound", f'serviceaccounts "{name}" not found', name=name,
+                                kind="serviceaccounts")  # fmt: skip
+        return 404, _status(404, "NotFound", "the server could not find the requested resource")
+
+    def close(self):
+        self.http.close()
+
+
+@pytest.fixture
+def cluster_factory():
+    made = []
+
+    def make(**kw):
+        made.append(FakeCluster(**kw))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_a_ready_cluster_passes_and_every_verb_is_reviewed(cluster_factory, tmp_path):
+    kube = cluster_factory()
+    cfg = _cfg(f"gs://{BUCKET}/cluster-only")
+    assert preflight.check_cluster(cfg, make_api_client(kube.url)) == []
+    asked = {(r["verb"], r["resource"], r.get("namespace")) for r in kube.reviews}
+    for use in STEP_VERBS:
+        assert (use.verb, use.resource, None if use.cluster_scoped else NS) in asked, use
+
+
+@pytest.mark.parametrize(
+    "kw, missing, fix",
+    [
+        ({"crd": False}, "the JobSet CRD (jobsets.jobset.x-k8s.io)", "kubectl apply --server-side -f https://"),
+        ({"namespace": False}, f"namespace {NS}", f"kubectl create namespace {NS}"),
+        ({"accounts": ["jax-recovery"]}, f"ServiceAccount {NS}/jax-recovery-worker", "kubectl apply -f argo/rbac.yaml"),
+        ({"denied": [("delete", "jobsets")]}, f"RBAC delete jobsets for ServiceAccount {NS}/jax-recovery",
+         "kubectl apply -f argo/rbac.yaml"),
+    ],
+    ids=["no-crd", "no-namespace", "no-worker-account", "no-delete-verb"],
+)  # fmt: skip
+def test_a_missing_cluster_object_or_verb_is_one_line(cluster_factory, tmp_path, kw, missing, fix):
+    kube = cluster_factory(**kw)
+    cfg = _cfg(f"gs://{BUCKET}/cluster-only")
+    problems = preflight.check_cluster(cfg, make_api_client(kube.url))
+    assert [p.missing for p in problems] == [missing]
+    assert fix in problems[0].line()
+
+
+def test_validate_config_preflight_exits_2_with_one_line_per_problem(cluster_factory, tmp_path, capsys):
+    kube = cluster_factory(crd=False)
+    cfg_file = tmp_path / "job.yaml"
+    cfg_file.write_text((REPO / "configs" / "v5e-4x4.yaml").read_text())
+    args = ["--config", str(cfg_file), "--store-root", str(tmp_path / "store"), "--output-dir", str(tmp_path / "o"),
+            "--preflight", "true", "--k8s-host", kube.url]  # fmt: skip
+    assert validate_config.main(args) == 2
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.strip()]
+    assert line.startswith("configuration: preflight cluster: missing the JobSet CRD") and "Traceback" not in err
+    assert not (tmp_path / "o" / "first-attempt").exists()
+    rec = RunStore(str(tmp_path / "store"), load_config(cfg_file).run_id).read_record(RunLayout.PREFLIGHT,
+                                                                                      PreflightCheck)  # fmt: skip
+    assert rec is not None and not rec.ok and "JobSet CRD" in rec.problems[0]
+
+
+def test_validate_config_preflight_unreachable_api_is_transient(tmp_path, capsys):
+    cfg_file = tmp_path / "job.yaml"
+    cfg_file.write_text((REPO / "configs" / "v5e-4x4.yaml").read_text())
+    args = ["--config", str(cfg_file), "--store-root", str(tmp_path / "store"), "--output-dir", str(tmp_path / "o"),
+            "--preflight", "true", "--k8s-host", "http://127.0.0.1:9"]  # fmt: skip
+    assert validate_config.main(args) == 69
+    err = capsys.readouterr().err
+    assert "Kubernetes API unreachable" in err and "Traceback" not in err
+
+
+def test_permission_from_403_reads_the_gcs_message():
+    msg = _gcs_error_403("storage.buckets.get")["error"]["message"]
+    assert preflight.permission_from_403(msg, "x") == "storage.buckets.get"
+    assert preflight.permission_from_403("Forbidden", "storage.objects.get") == "storage.objects.get"

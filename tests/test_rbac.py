@@ -1,0 +1,59 @@
+"""RBAC: every verb the workflow's ServiceAccount holds is one a named step uses, and nothing more."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from recovery_steps.kernel.k8s import STEP_VERBS
+from workflows.rbac import NODE_RULES, ROLE_RULES
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Each verb the workflow's ServiceAccount may use, with the step that needs it (read off the steps' API calls).
+EXPECTED = {
+    ("argoproj.io", "workflowtaskresults", "create"): "argo-executor",
+    ("argoproj.io", "workflowtaskresults", "patch"): "argo-executor",
+    ("jobset.x-k8s.io", "jobsets", "create"): "train-segment",
+    ("jobset.x-k8s.io", "jobsets", "get"): "train-segment",
+    ("jobset.x-k8s.io", "jobsets", "watch"): "train-segment",
+    ("jobset.x-k8s.io", "jobsets", "list"): "provision-slice",
+    ("jobset.x-k8s.io", "jobsets", "delete"): "train-segment",
+    ("", "pods", "list"): "train-segment",
+    ("", "pods", "watch"): "train-segment",
+    ("", "pods", "delete"): "train-segment",
+    ("", "nodes", "list"): "provision-slice",
+    ("batch", "jobs", "list"): "train-segment",
+    ("batch", "jobs", "watch"): "train-segment",
+    ("", "events", "list"): "classify-failure",
+    ("", "nodes", "get"): "train-segment",
+    ("", "namespaces", "get"): "preflight",
+    ("argoproj.io", "workflows", "get"): "validate-config",
+    ("", "serviceaccounts", "get"): "preflight",
+}
+
+
+def _granted(rules):
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_each_granted_verb_has_the_step_that_needs_it():
+    first_user = {}
+    for use in STEP_VERBS:
+        first_user.setdefault((use.group, use.resource, use.verb), use.step)
+    assert first_user == EXPECTED
+    assert _granted(ROLE_RULES) | _granted(NODE_RULES) == set(EXPECTED)
+    # Nothing the steps never call: no pod patch, no writes to Jobs or nodes.
+    for verb in ("patch", "update", "deletecollection", "*"):
+        assert not any(v == verb for g, r, v in _granted(ROLE_RULES) if r != "workflowtaskresults")
+    assert not _granted(NODE_RULES) - {("", "nodes", "get"), ("", "nodes", "list"), ("", "namespaces", "get")}
+
+
+def test_workers_have_their_own_account_with_no_api_access():
+    docs = list(yaml.safe_load_all((REPO / "argo" / "rbac.yaml").read_text()))
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert set(accounts) == {"jax-recovery", "jax-recovery-worker"}
+    assert accounts["jax-recovery-worker"]["automountServiceAccountToken"] is False
+    bound = {s["name"] for d in docs if d["kind"].endswith("Binding") for s in d["subjects"]}
+    assert bound == {"jax-recovery"}

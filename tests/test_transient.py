@@ -1,0 +1,64 @@
+"""Transient store failures: which errors are retried in place, and the exit code the steps give them."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import requests
+from google.api_core import exceptions as gexc
+
+from recovery_steps import restore_latest
+from recovery_steps.kernel.store import StoreUnavailable, is_transient, transient_as_unavailable
+from workflows.local.outage import OutageProxy, parse_outages
+
+
+@pytest.mark.parametrize(
+    "exc, transient",
+    [
+        (gexc.ServiceUnavailable("backendError"), True),
+        (gexc.TooManyRequests("rateLimitExceeded"), True),
+        (gexc.InternalServerError("internal"), True),
+        (gexc.RetryError("deadline", cause=None), True),
+        (requests.exceptions.ConnectionError("refused"), True),
+        (OSError(errno.ESTALE, "stale file handle"), True),
+        (gexc.Forbidden("no storage.objects.get"), False),
+        (gexc.NotFound("no such bucket"), False),
+        (OSError(errno.ENOSPC, "no space"), False),
+        (PermissionError(errno.EACCES, "denied"), False),
+    ],
+)
+def test_is_transient_table(exc, transient):
+    assert is_transient(exc) is transient
+
+
+def test_transient_becomes_one_line_and_others_pass_through():
+    with pytest.raises(StoreUnavailable) as e, transient_as_unavailable("gs://b/p"):
+        raise gexc.ServiceUnavailable("We encountered an internal error.\nPlease try again.")
+    assert "\n" not in str(e.value) and str(e.value).startswith("run store gs://b/p unreachable: ServiceUnavailable")
+    with pytest.raises(gexc.Forbidden), transient_as_unavailable("gs://b/p"):
+        raise gexc.Forbidden("denied")
+
+
+def test_restore_latest_exits_transient_while_the_store_answers_503(gcs_emulator, tmp_path, monkeypatch, capsys):
+    proxy = OutageProxy(gcs_emulator.url)
+    try:
+        for k, v in proxy.env(gcs_emulator.env).items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("JAXREC_STORE_RETRY_DEADLINE_S", "0.5")
+        proxy.down_for(60)
+        code = restore_latest.main(["--store-root", "gs://test-bucket/outage", "--run-id", "r1", "--attempt", "0",
+                                    "--output-dir", str(tmp_path / "o")])  # fmt: skip
+    finally:
+        proxy.close()
+    err = capsys.readouterr().err
+    assert code == 69 and "transient" in err and "Traceback" not in err
+    assert proxy.refused >= 1
+
+
+def test_parse_outages():
+    assert parse_outages(["restore-latest=4", "classify-failure=2.5"]) == (
+        {"restore-latest": 4.0, "classify-failure": 2.5}, [],
+    )  # fmt: skip
+    plan, problems = parse_outages(["restore-latest", "x=0"])
+    assert plan == {} and len(problems) == 2 and "TEMPLATE=SECONDS" in problems[0]

@@ -1,0 +1,60 @@
+"""Worker pods: CPU and memory requests from the TPU table (not BestEffort), overridable; their own account."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recovery_steps.kernel.config import parse_config
+from recovery_steps.kernel.tpu import TPU_TYPES
+from workflows.jobset import jobset_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+TPU_CONFIGS = ["v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"]
+
+
+def _pod(cfg):
+    js = jobset_manifest(cfg, name="r-a0", run_id="r", store_root="gs://b/p", attempt="0", restore_step="-1",
+                         coordinator_port="8476", metrics_port="9431")  # fmt: skip
+    return js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+
+
+def _data(name):
+    return yaml.safe_load((REPO / "configs" / name).read_text())
+
+
+def _qos(pod) -> str:
+    """The QoS class Kubernetes gives the pod (docs "Pod Quality of Service Classes"; extended resources ignored)."""
+    (c,) = pod["containers"]
+    req = {k: v for k, v in c.get("resources", {}).get("requests", {}).items() if k in ("cpu", "memory")}
+    lim = {k: v for k, v in c.get("resources", {}).get("limits", {}).items() if k in ("cpu", "memory")}
+    if not req and not lim:
+        return "BestEffort"
+    return "Guaranteed" if req == lim and set(req) == {"cpu", "memory"} else "Burstable"
+
+
+@pytest.mark.parametrize("name", TPU_CONFIGS)
+def test_tpu_workers_request_cpu_and_memory_from_the_tpu_table(name):
+    cfg = parse_config(_data(name))
+    pod = _pod(cfg)
+    tpu = TPU_TYPES[cfg.slice.accelerator]
+    req = pod["containers"][0]["resources"]["requests"]
+    assert req["cpu"] == f"{int(tpu.vm_vcpus * 0.8)}" and req["memory"] == f"{int(tpu.vm_memory_gib * 0.8)}Gi"
+    assert 0 < float(req["cpu"]) < tpu.vm_vcpus
+    assert req["google.com/tpu"] == tpu.chips_per_vm
+    assert _qos(pod) != "BestEffort"
+    assert pod["serviceAccountName"] == cfg.worker_service_account != cfg.service_account
+
+
+def test_requests_are_overridable_in_the_config():
+    data = _data("v5e-4x4.yaml")
+    data["slice"].update(worker_cpu=40, worker_memory_gib=96.5)
+    req = _pod(parse_config(data))["containers"][0]["resources"]["requests"]
+    assert (req["cpu"], req["memory"]) == ("40", "96.5Gi")
+
+
+def test_local_workers_request_nothing():
+    pod = _pod(parse_config(_data("local-cpu.yaml")))
+    assert "resources" not in pod["containers"][0]
