@@ -17,7 +17,7 @@ def _reference_and_killed(wf, root: str):
     ref = local.run(wf, run_id="reference", store_root=root, metrics_port=None, report=False, say=lambda _: None)
     assert ref.status == "Succeeded" and ref.params_digest
     lines: list[str] = []
-    res = local.run(wf, inject=["kill-worker@8"], run_id="killed", store_root=root,
+    res = local.run(wf, inject=["kill-worker"], run_id="killed", store_root=root,
                     reference_digest=ref.params_digest, metrics_port=0, say=lines.append)  # fmt: skip
     out = "\n".join(lines)
     assert res.status == "Succeeded", out
