@@ -23,6 +23,7 @@ from recovery_steps.kernel.store import (
     RunLayout,
     RunStore,
     StoreUnavailable,
+    first_line,
     is_transient,
     store_errors,
 )
@@ -199,13 +200,8 @@ def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterato
     except store_errors() as e:
         if is_transient(e):
             raise StoreUnavailable(
-                f"run store {store.url()} unreachable: {type(e).__name__}: {_first_line(e)}"
+                f"run store {store.url()} unreachable: {type(e).__name__}: {first_line(e)}"
             ) from None
         from recovery_steps.kernel.cli import store_error_line
 
         raise error(store_error_line("run store", store.url(), e).removeprefix("run store: ")) from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else repr(e)

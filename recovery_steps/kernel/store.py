@@ -62,7 +62,7 @@ def parse_document(data: bytes, model: type[R], url: str, *, run_id: str | None 
     try:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
-        raise DocumentError(url, f"unreadable {what} (not JSON: {_first_line(e)})") from None
+        raise DocumentError(url, f"unreadable {what} (not JSON: {first_line(e)})") from None
     if not isinstance(obj, dict):
         raise DocumentError(url, f"unreadable {what} (expected a JSON object, found {type(obj).__name__})")
     try:
@@ -83,7 +83,8 @@ def _label(name: str) -> str:
     return "".join(f" {c.lower()}" if c.isupper() else c for c in name).strip()
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (at most 200 characters), or its type's name."""
     text = str(e).strip().splitlines()
     return text[0][:200] if text else type(e).__name__
 
@@ -690,7 +691,4 @@ def transient_as_unavailable(where: str):
     except store_errors() as e:
         if not is_transient(e):
             raise
-        text = str(e).strip().splitlines()
-        raise StoreUnavailable(
-            f"run store {where} unreachable: {type(e).__name__}: {text[0][:200] if text else ''}"
-        ) from None
+        raise StoreUnavailable(f"run store {where} unreachable: {type(e).__name__}: {first_line(e)}") from None
