@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import WorkerExitReport, WorkerHeartbeat
+from recovery_steps.kernel.records import WorkerExitReport, WorkerHeartbeat, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.compile_cache import CacheCounter
 from trainer.decisions import Faults, SaveReason, TrainerExit, save_decision
@@ -200,6 +200,9 @@ class CheckpointHook:
         self.metrics.set("jaxrec_checkpoint_step", committed)
         self.metrics.set("jaxrec_checkpoint_last_commit_timestamp_seconds", c.last_commit_time or 0)
         self.metrics.set("jaxrec_checkpoint_duration_seconds", c.last_duration or 0)
+        # The age drops when the commit is seen, not one step later: a worker stopped (or killed) right
+        # after a commit would otherwise leave the previous checkpoint's age on its endpoint.
+        self.metrics.set("jaxrec_checkpoint_age_seconds", now() - c.last_commit_time if c.last_commit_time else 0.0)
         self.report.last_checkpoint_step = committed
         self.watchdog.touch()
 
