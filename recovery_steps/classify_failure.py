@@ -130,6 +130,7 @@ def run(
     *,
     api_client: Any = None,
     step_exit_code: int | None = None,
+    workflow: str | None = None,
     clock: Callable[[], float] = now,
 ) -> ClassifyResult:
     """Classify attempt ``attempt`` of a run, close it in the ledger and decide what follows.
@@ -142,6 +143,7 @@ def run(
         output_dir: where to write one file per output parameter (None: write nothing).
         api_client: a kubernetes ApiClient (None: in-cluster config on GKE).
         step_exit_code: exit code of a step that failed before the JobSet ran (e.g. 75), when known.
+        workflow: name of the Workflow running the attempt (its attempts are counted for the hand-over).
         clock: epoch-seconds clock for ``closed_at``.
 
     Returns:
@@ -172,6 +174,7 @@ def run(
             jobset=jobset,
             first_worker=verdict.first_worker,
             cause_worker=verdict.cause_worker,
+            workflow=workflow,
         )
         holder: dict[str, Any] = {}
 
@@ -213,7 +216,7 @@ def budget_exhausted(decision: RetryDecision, failure_class: FailureClass, retry
 def write_outputs(output_dir: Path, r: ClassifyResult) -> None:
     """One file per output parameter."""
     d = r.decision
-    reason = r.verdict.reason if d.decision == Decision.RETRY else f"{d.reason}. Last failure: {r.verdict.reason}"
+    reason = r.verdict.reason if d.decision != Decision.STOP else f"{d.reason}. Last failure: {r.verdict.reason}"
     ClassifyOutputs(
         failure_class=r.verdict.failure_class,
         decision=d.decision,
@@ -230,7 +233,7 @@ def summary(r: ClassifyResult) -> str:
     rec, d = r.record, r.decision
     lines = [
         f"attempt {rec.attempt} ({r.evidence.backend}): {rec.failure_class} -> {d.decision}"
-        + (f" in {d.backoff_seconds}s" if d.decision == Decision.RETRY else ""),
+        + (f" in {d.backoff_seconds}s" if d.decision != Decision.STOP else ""),
         f"  reason:     {r.verdict.reason}",
         f"  decision:   {d.reason}",
         f"  checkpoint: step {rec.checkpoint_step_before} -> {rec.checkpoint_step_after}",
@@ -255,11 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="exit code of a step that failed earlier",
     )
+    p.add_argument(
+        "--workflow",
+        type=cli.k8s_name,
+        default=None,
+        help="name of the Workflow running the attempt ({{workflow.name}}): counts its attempts for the hand-over",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         r = run(args.store_root, args.run_id, args.attempt, args.jobset, args.output_dir,
-                step_exit_code=args.step_exit_code)  # fmt: skip
+                step_exit_code=args.step_exit_code, workflow=args.workflow)  # fmt: skip
     except StepFailure as e:
         print(f"classify-failure: {e}", file=sys.stderr)
         return e.code

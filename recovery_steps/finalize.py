@@ -24,7 +24,14 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, WorkerExitReport, now
-from recovery_steps.kernel.store import RunStore, StoreUnavailable, store_errors
+from recovery_steps.kernel.store import (
+    DocumentError,
+    RunLayout,
+    RunStore,
+    StoreUnavailable,
+    store_errors,
+    transient_as_unavailable,
+)
 from recovery_steps.kernel.totals import RunTotals, run_totals, steps_lost
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
 
@@ -32,6 +39,8 @@ log = logging.getLogger(__name__)
 
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
+HANDED_OVER = "HandedOver"
+NOT_HOLDER = "NotHolder"
 
 
 @dataclass(frozen=True)
@@ -273,6 +282,19 @@ def run(
     return FinalizeResult(final, holder["reason"], ledger, totals)
 
 
+def not_holder_status(ledger: Ledger | None, holder: str, run_id: str) -> tuple[str, str]:
+    """The exit handler's status and line when this Workflow does not hold the run (pure).
+
+    ``HandedOver`` when it passed the run to a continuation (the ledger says so); otherwise ``NotHolder``: a
+    second submission that never got the run. Either way the ledger belongs to the holder and is left alone.
+    """
+    gave = [h for h in (ledger.hand_overs if ledger else []) if h.from_uid == holder]
+    if gave:
+        h = gave[-1]
+        return HANDED_OVER, f"run {run_id!r} continues in workflow {h.to_workflow} from attempt {h.next_attempt}"
+    return NOT_HOLDER, f"this workflow does not hold run {run_id!r}; its ledger is left as it is"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m recovery_steps.finalize``."""
     p = cli.StepArgumentParser(prog="python -m recovery_steps.finalize", description=__doc__)
@@ -293,9 +315,21 @@ def main(argv: list[str] | None = None) -> int:
         from recovery_steps import lease
 
         store = RunStore(args.store_root, args.run_id)
-        if not lease.holds(store, args.holder):
-            # A second submission that never got the run: the run's ledger belongs to the holder.
-            print(f"finalize: this workflow does not hold run {args.run_id!r}; its ledger is left as it is")
+        try:
+            with transient_as_unavailable(store.url()):
+                held = lease.holds(store, args.holder)
+                ledger = store.read_record(RunLayout.LEDGER, Ledger) if not held else None
+        except StoreUnavailable as e:
+            print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
+            return int(ExitCode.TRANSIENT)
+        except (DocumentError, *store_errors()) as e:
+            print(f"finalize: {store.url()}: {e}", file=sys.stderr)
+            return 1
+        if not held:
+            status, line = not_holder_status(ledger, args.holder, args.run_id)
+            print(f"finalize: {line}")
+            if args.output_dir is not None:
+                FinalizeOutputs(final_status=status, steps_lost=0, recovery_seconds=-1).write(Path(args.output_dir))
             return 0
     try:
         r = run(args.store_root, args.run_id, args.status, args.failures, args.output_dir)

@@ -98,7 +98,9 @@ def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: Retry
         cfg: budgets per class, backoff, no-progress guard and the attempt cap.
 
     Returns:
-        The decision, a reason that names the budget when it stops, the backoff and the counts by class.
+        The decision, a reason that names the budget when it stops, the backoff and the counts by class. A
+        retry after ``cfg.attempts_per_workflow`` attempts of ``current.workflow`` is ``HAND_OVER``: the same
+        retry, in a continuation Workflow of the run id.
     """
     cls = current.failure_class or FailureClass.UNKNOWN
     attempts = [a for a in previous if a.attempt != current.attempt] + [current]
@@ -129,13 +131,23 @@ def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: Retry
         return stop(f"attempt cap reached: {started} attempts (retry.max_attempts={cfg.max_attempts})")
     wait = backoff_seconds(cfg, cls, k)
     since = " since progress" if scope == "since_progress" else ""
-    return RetryDecision(
-        Decision.RETRY,
-        f"{cls.value} retry {spent_k} of {budget}{since}, next attempt {current.attempt + 1} after {wait}s",
-        wait,
-        counts,
-        k,
-    )
+    reason = f"{cls.value} retry {spent_k} of {budget}{since}, next attempt {current.attempt + 1} after {wait}s"
+    ran = workflow_attempts(attempts, current.workflow)
+    if ran >= cfg.attempts_per_workflow:
+        # Every attempt nests one template call deeper: the next one runs in a continuation Workflow.
+        reason += (
+            f", in a continuation Workflow ({ran} attempts ran in {current.workflow}; "
+            f"retry.attempts_per_workflow={cfg.attempts_per_workflow})"
+        )
+        return RetryDecision(Decision.HAND_OVER, reason, wait, counts, k)
+    return RetryDecision(Decision.RETRY, reason, wait, counts, k)
+
+
+def workflow_attempts(attempts: Sequence[AttemptRecord], workflow: str | None) -> int:
+    """Attempts the Workflow ``workflow`` ran (0 when the Workflow is not known: nothing to hand over)."""
+    if workflow is None:
+        return 0
+    return sum(1 for a in attempts if a.workflow == workflow)
 
 
 def update_ledger(

@@ -22,6 +22,7 @@ def shrunken_workflow(
     store_root: str | None = None,
     config: str = "local-cpu.yaml",
     data_section: dict[str, Any] | None = None,
+    retry_section: dict[str, Any] | None = None,
     **training: Any,
 ) -> Path:
     """Write the shrunken config and its compiled Workflow under ``d``; return the Workflow's path.
@@ -32,6 +33,7 @@ def shrunken_workflow(
         store_root: The config's storage root (default: the local config's).
         config: The config in ``configs/`` to shrink (its task is kept).
         data_section: Overrides of the ``data`` section (e.g. record files).
+        retry_section: Overrides of the ``retry`` section.
         **training: Overrides of the ``training`` section (e.g. ``step_delay_s``).
     """
     data = yaml.safe_load((REPO / "configs" / config).read_text())
@@ -45,6 +47,7 @@ def shrunken_workflow(
     data["training"].update(training)
     data["checkpoint"].update(interval_steps=INTERVAL, keep=3)
     data["retry"].update(default_backoff={"base_s": 0, "factor": 1, "max_s": 0}, no_progress_attempts=3)
+    data["retry"].update(retry_section or {})
     cfg = d / f"{run_id}.yaml"
     cfg.write_text(yaml.safe_dump(data))
     wf = d / f"{run_id}-workflow.yaml"

@@ -172,3 +172,30 @@ def test_supervisor_lost_reattaches_and_loses_nothing(e2e_workflow, reference):
     started = [e for e in load_events(store) if e.get("event") == "started" and e.get("attempt") == 0]
     assert len(started) == 4, "one gang: the retried supervisor did not start a second one"
     assert "train-segment (retry 1)" in out
+
+
+def test_a_workflow_past_its_attempts_hands_the_run_to_a_continuation(tmp_path, reference):
+    """After retry.attempts_per_workflow attempts the next one runs in a continuation Workflow of the run id."""
+    from recovery_steps.kernel.contract import Decision
+    from recovery_steps.kernel.records import Ledger, RunLease
+
+    root = str(tmp_path / "store")
+    wf = shrunken_workflow(tmp_path, "e2e", store_root=root, retry_section={"attempts_per_workflow": 1})
+    lines: list[str] = []
+    res = local.run(wf, inject=["kill-worker@12"], run_id="handover", store_root=root, reference_digest=reference,
+                    metrics_port=None, report=False, say=lines.append)  # fmt: skip
+    out = "\n".join(lines)
+    assert res.status == "Succeeded" and res.params_match is True, out
+    assert res.workflows == ["handover", "handover-c1"], out
+    store = RunStore(root, "handover")
+    led = store.read_record(RunLayout.LEDGER, Ledger)
+    (h,) = led.hand_overs
+    assert (h.from_workflow, h.to_workflow, h.next_attempt, h.backend) == ("handover", "handover-c1", 1, "local")
+    first, second = led.attempts
+    assert (first.attempt, first.workflow, first.decision) == (0, "handover", Decision.HAND_OVER)
+    assert (second.attempt, second.outcome) == (1, "succeeded")
+    assert led.final_status == "Succeeded"
+    # The continuation held the run from the hand-over on, and its exit handler released it.
+    held = store.read_record(RunLayout.LEASE, RunLease)
+    assert (held.holder, held.holder_name, held.released) == (h.to_uid, "handover-c1", True)
+    assert "handed the run over: workflow handover-c1 continues from attempt 1" in out

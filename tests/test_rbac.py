@@ -30,6 +30,7 @@ EXPECTED = {
     ("", "nodes", "get"): "train-segment",
     ("", "namespaces", "get"): "preflight",
     ("argoproj.io", "workflows", "get"): "validate-config",
+    ("argoproj.io", "workflows", "create"): "hand-over",
     ("", "serviceaccounts", "get"): "preflight",
 }
 

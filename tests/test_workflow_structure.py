@@ -68,10 +68,22 @@ def test_attempt_dag_order_and_branches(local):
         "train-segment.Failed || train-segment.Errored || provision-slice.Failed || provision-slice.Errored"
     )
     decision = "'{{tasks.classify-failure.outputs.parameters.decision}}'"
-    assert tasks["backoff"]["when"] == f"{decision} == 'retry'"
+    assert tasks["backoff"]["when"] == f"{decision} == 'retry' || {decision} == 'hand-over'"
     assert tasks["next-attempt"]["when"] == f"{decision} == 'retry'"
     assert tasks["next-attempt"]["depends"] == "backoff"
     assert tasks["give-up"]["when"] == f"{decision} == 'stop'"
+    # After retry.attempts_per_workflow attempts the retry runs in a continuation Workflow instead of nesting.
+    assert tasks["hand-over"]["when"] == f"{decision} == 'hand-over'"
+    assert tasks["hand-over"]["depends"] == "backoff"
+    assert tasks["hand-over"]["template"] == "hand-over"
+    assert tasks["hand-over"]["arguments"]["parameters"] == [
+        {"name": "attempt", "value": "{{tasks.classify-failure.outputs.parameters.next-attempt}}"}
+    ]
+    args = _templates(local)["hand-over"]["container"]["args"]
+    assert args[args.index("--workflow") + 1] == "{{workflow.name}}"
+    assert args[args.index("--workflow-uid") + 1] == "{{workflow.uid}}"
+    classify = _templates(local)["classify-failure"]["container"]["args"]
+    assert classify[classify.index("--workflow") + 1] == "{{workflow.name}}"
     # Recursion: the next attempt is the same template with the number classify-failure computed.
     assert tasks["next-attempt"]["template"] == "attempt"
     assert tasks["next-attempt"]["arguments"]["parameters"] == [
@@ -88,7 +100,8 @@ def test_every_when_quotes_its_strings_and_every_retry_has_a_limit(cfg_path):
     for tpl in wf["spec"]["templates"]:
         for task in tpl.get("dag", {}).get("tasks", []):
             if "when" in task:
-                assert re.fullmatch(r"'\{\{[^}]+\}\}' == '[a-z]+'", task["when"]), task["when"]
+                one = r"'\{\{[^}]+\}\}' == '[a-z-]+'"
+                assert re.fullmatch(f"{one}( \\|\\| {one})*", task["when"]), task["when"]
         if "retryStrategy" in tpl:
             assert isinstance(tpl["retryStrategy"]["limit"], int), tpl["name"]
 

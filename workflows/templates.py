@@ -32,6 +32,7 @@ from recovery_steps.kernel.metrics import spec as metric_spec
 from recovery_steps.kernel.outputs import (
     ClassifyOutputs,
     FinalizeOutputs,
+    HandOverOutputs,
     ProvisionOutputs,
     RestoreOutputs,
     SegmentOutputs,
@@ -224,7 +225,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             "classify_failure",
             [
                 "--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN,
-                "--jobset", "{{inputs.parameters.jobset-name}}",
+                "--jobset", "{{inputs.parameters.jobset-name}}", "--workflow", "{{workflow.name}}",
             ],
             inputs=["attempt", "jobset-name"],
             outputs=ClassifyOutputs,
@@ -262,6 +263,17 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             inputs=[Parameter(name="seconds")],
             duration="{{inputs.parameters.seconds}}",
         )
+        hand_over = _step(
+            cfg,
+            "hand-over",
+            "hand_over",
+            [
+                "--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN,
+                "--workflow", "{{workflow.name}}", "--workflow-uid", "{{workflow.uid}}",
+            ],
+            inputs=["attempt"],
+            outputs=HandOverOutputs,
+        )  # fmt: skip
         give_up = _step(
             cfg,
             "give-up",
@@ -343,12 +355,22 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             )
             out = "{{tasks.classify-failure.outputs.parameters.%s}}"
             retry_when = f"'{out % 'decision'}' == '{Decision.RETRY.value}'"
+            hand_over_when = f"'{out % 'decision'}' == '{Decision.HAND_OVER.value}'"
             t_backoff = Task(
                 name="backoff",
                 template=backoff,
                 arguments={"seconds": out % "backoff-seconds"},
                 depends="classify-failure",
-                when=retry_when,
+                when=f"{retry_when} || {hand_over_when}",
+            )
+            # Each attempt nests one call deeper (Argo refuses more than 100): after retry.attempts_per_workflow
+            # attempts the run continues in a new Workflow of the same run id instead.
+            Task(
+                name="hand-over",
+                template=hand_over,
+                arguments={"attempt": out % "next-attempt"},
+                depends="backoff",
+                when=hand_over_when,
             )
             Task(
                 name="next-attempt",

@@ -473,6 +473,14 @@ class RetryConfig(_Section):
         description="Optional hard cap on attempts of one run, whatever the class (None: no cap; the budgets and "
         "the no-progress guard bound a run, so one that keeps progressing is never stopped by arithmetic).",
     )
+    attempts_per_workflow: int = Field(
+        default=30,
+        ge=1,
+        le=90,
+        description="Attempts one Workflow runs before it hands the run over to a continuation Workflow of the "
+        "same run id (each attempt nests one template call deeper and Argo refuses more than 100; the Workflow "
+        "object also grows by every attempt's nodes). Numbering, budgets and history carry over in the ledger.",
+    )
     provision_retry_limit: int = Field(
         default=10, ge=0, description="provision-slice retries while capacity is not available yet."
     )

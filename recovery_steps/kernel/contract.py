@@ -47,6 +47,8 @@ class Decision(enum.StrEnum):
 
     RETRY = "retry"
     STOP = "stop"
+    # Retry, in a continuation Workflow of the same run id: this one has run retry.attempts_per_workflow attempts.
+    HAND_OVER = "hand-over"
 
 
 class ExitCode(enum.IntEnum):

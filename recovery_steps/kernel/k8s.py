@@ -9,6 +9,12 @@ from typing import Any
 # Labels every object of a run carries (Workflow, JobSet, pods) so that steps can find them.
 RUN_ID_LABEL = "jaxrec/run-id"
 ATTEMPT_LABEL = "jaxrec/attempt"
+# A continuation Workflow names the Workflow it continues (``argo list -l jaxrec/continues=NAME``).
+CONTINUES_LABEL = "jaxrec/continues"
+# Shown in the Argo UI's workflow list, Markdown allowed (argo docs "Title and Description").
+TITLE_ANNOTATION = "workflows.argoproj.io/title"
+DESCRIPTION_ANNOTATION = "workflows.argoproj.io/description"
+ARGO_GROUP, ARGO_VERSION, WORKFLOW_PLURAL = "argoproj.io", "v1alpha1", "workflows"
 
 # GKE node labels and the taints GKE puts on TPU nodes.
 TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -79,9 +85,20 @@ STEP_VERBS: tuple[VerbUse, ...] = (
     VerbUse("classify-failure", "", "events", "list", "read the events of the workers' pods"),
     VerbUse("classify-failure", "", "nodes", "get", "read the condition of a worker's node", cluster_scoped=True),
     VerbUse("validate-config", "argoproj.io", "workflows", "get", "is the run lease's holder workflow still there"),
+    VerbUse("hand-over", "argoproj.io", "workflows", "get", "read this Workflow's spec to continue it"),
+    VerbUse("hand-over", "argoproj.io", "workflows", "create", "start the run's continuation Workflow"),
     VerbUse("preflight", "", "namespaces", "get", "check the run's namespace exists", cluster_scoped=True),
     VerbUse("preflight", "", "serviceaccounts", "get", "check the steps' and workers' ServiceAccounts exist"),
 )
+
+
+def continuation_name(run_id: str, attempt: int) -> str:
+    """The deterministic name of the Workflow that continues run ``run_id`` from ``attempt``.
+
+    Deterministic so that a retried hand-over finds the Workflow it created instead of making a second one
+    (at most 40 + 8 characters: within the 63 that Argo's pod labels allow for a Workflow name).
+    """
+    return f"{run_id}-c{attempt}"
 
 
 def jobset_name(run_id: str, attempt: int | str) -> str:

@@ -140,7 +140,7 @@ class ClassifyOutputs(StepOutputs):
 
     TEMPLATE: ClassVar[str] = "classify-failure"
     failure_class: FailureClass = out("Why the attempt failed (closed vocabulary).", shown=True)
-    decision: Decision = out("retry or stop.", shown=True)
+    decision: Decision = out("retry, stop, or hand-over (retry in a continuation Workflow).", shown=True)
     reason: str = out("One line: the verdict's reason (and the decision's, when stopping).", shown=True)
     backoff_seconds: int = out("Seconds to wait before the next attempt.", shown=True)
     attempts_by_class: dict[str, int] = out("Failed attempts so far, by class (JSON).")
@@ -148,11 +148,23 @@ class ClassifyOutputs(StepOutputs):
     budget_exhausted: bool = out("1 when the run stops because the class spent its budget, else 0.")
 
 
+class HandOverOutputs(StepOutputs):
+    """``hand-over``."""
+
+    TEMPLATE: ClassVar[str] = "hand-over"
+    continuation: str = out("Name of the Workflow that continues the run.", shown=True)
+    continuation_uid: str = out("Its uid: the run lease's holder from now on.")
+
+
 class FinalizeOutputs(StepOutputs):
     """``exit-handler`` (finalize)."""
 
     TEMPLATE: ClassVar[str] = "exit-handler"
-    final_status: str = out("Succeeded or Failed.", shown=True)
+    final_status: str = out(
+        "Succeeded or Failed; HandedOver when a continuation Workflow carries the run on; NotHolder when another "
+        "Workflow holds the run.",
+        shown=True,
+    )
     steps_lost: int = out("Steps recomputed over the run's incidents.")
     recovery_seconds: float = out("Seconds from the last failure to back at its step; -1 if none.")
 
@@ -163,6 +175,7 @@ STEP_OUTPUTS: tuple[type[StepOutputs], ...] = (
     ProvisionOutputs,
     SegmentOutputs,
     ClassifyOutputs,
+    HandOverOutputs,
     FinalizeOutputs,
 )
 """Every step that has outputs."""

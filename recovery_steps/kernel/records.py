@@ -156,6 +156,19 @@ class AttemptRecord(_Record):
     jobset: str | None = Field(default=None, description="The attempt's JobSet (or local slice) name.")
     first_worker: int | None = Field(default=None, description="Index of the first worker that failed.")
     cause_worker: int | None = Field(default=None, description="Index of the worker whose failure is the cause.")
+    workflow: str | None = Field(default=None, description="Name of the Workflow that ran the attempt.")
+
+
+class HandOver(_Record):
+    """One entry of ``Ledger.hand_overs``: a Workflow passed the run to a continuation Workflow of the run id."""
+
+    from_workflow: str = Field(description="Name of the Workflow that handed the run over.")
+    from_uid: str
+    to_workflow: str = Field(description="Name of the continuation Workflow (deterministic: <run-id>-c<attempt>).")
+    to_uid: str = Field(description="Its uid: the run lease passes to it before the first Workflow ends.")
+    next_attempt: int = Field(description="The attempt the continuation starts with.")
+    at: float
+    backend: str = Field(description="'gke' (created through the Kubernetes API) or 'local' (the local runner).")
 
 
 class Ledger(_Record):
@@ -166,6 +179,9 @@ class Ledger(_Record):
     final_status: str | None = Field(default=None, description="'Succeeded' or 'Failed' once the run ended.")
     final_reason: str | None = None
     argo_status: str | None = Field(default=None, description="``{{workflow.status}}`` the exit handler saw.")
+    hand_overs: list[HandOver] = Field(
+        default_factory=list, description="Continuation Workflows of the run, in order (empty: one Workflow)."
+    )
 
     def by_class(self) -> dict[str, int]:
         """Failed attempts so far, by class (every class present, zero included)."""

@@ -21,6 +21,9 @@ from workflows.local import expr as local_expr
 
 SUCCEEDED, FAILED, ERROR, SKIPPED, OMITTED = "Succeeded", "Failed", "Error", "Skipped", "Omitted"
 _DONE_BAD = (FAILED, ERROR)
+# Argo's controller refuses a template call nested deeper than this (maxAllowedStackDepth = 100 in
+# workflow/controller/controller.go): a recursive DAG that goes deeper Errors there, and here.
+MAX_STACK_DEPTH = 100
 _TEMPLATE_REF = re.compile(r"\{\{\s*(=?)\s*(.*?)\s*\}\}", re.S)
 
 
@@ -152,6 +155,7 @@ class WorkflowRun:
         name: str | None = None,
         progress: ProgressHook | None = None,
         sleep: Callable[[float], None] | None = None,
+        uid: str | None = None,
     ):
         self.wf = workflow
         self.spec = workflow.get("spec", {})
@@ -168,7 +172,7 @@ class WorkflowRun:
         self._abort = threading.Event()
         self._sleep = sleep
         self._ids = 0
-        self.uid = str(uuid.uuid4())
+        self.uid = uid or str(uuid.uuid4())
         self._lock = threading.Lock()
         self.failures: list[dict[str, Any]] = []
         self.status: str = "Running"
@@ -235,13 +239,23 @@ class WorkflowRun:
     # -- templates ---------------------------------------------------------------------------------
 
     def _invoke(
-        self, template_name: str, args: Mapping[str, str], *, display: str, task: str, attempt: str | None
-    ) -> NodeResult:
+        self, template_name: str, args: Mapping[str, str], *, display: str, task: str, attempt: str | None,
+        depth: int = 1,
+    ) -> NodeResult:  # fmt: skip
         if self._abort.is_set():
             raise Aborted()
         tmpl = self.templates.get(template_name)
         if tmpl is None:
             raise WorkflowError(f"{display}: template {template_name!r} not found")
+        if depth > MAX_STACK_DEPTH:
+            # Argo's controller errors the node at this depth (maxAllowedStackDepth, workflow/controller).
+            node = NodeInfo(self._next_id(), display, task, tmpl["name"], attempt, 0, now())
+            res = NodeResult(ERROR, message=f"Maximum recursion depth exceeded ({MAX_STACK_DEPTH} nested calls)")
+            with self._lock:
+                self.nodes.append((node, res))
+                self.failures.append({"displayName": display, "templateName": tmpl["name"], "message": res.message,
+                                      "phase": ERROR})  # fmt: skip
+            return res
         inputs: dict[str, str] = {}
         for p in tmpl.get("inputs", {}).get("parameters", []):
             if p["name"] in args:
@@ -256,7 +270,7 @@ class WorkflowRun:
         retries = 0
         first_start = now()
         while True:
-            res = self._invoke_once(tmpl, inputs, display, task, attempt, retries)
+            res = self._invoke_once(tmpl, inputs, display, task, attempt, retries, depth)
             if res.phase == SUCCEEDED or rs is None:
                 return res
             delay = self._retry_delay(rs, res, retries, first_start, inputs, display)
@@ -310,7 +324,7 @@ class WorkflowRun:
 
     def _invoke_once(
         self, tmpl: Mapping[str, Any], inputs: dict[str, str], display: str, task: str, attempt: str | None,
-        retries: int,
+        retries: int, depth: int = 1,
     ) -> NodeResult:  # fmt: skip
         node = NodeInfo(self._next_id(), display if not retries else f"{display}({retries})", task,
                         tmpl["name"], attempt, retries, now())  # fmt: skip
@@ -323,9 +337,9 @@ class WorkflowRun:
         started = node.started_at
         try:
             if "dag" in tmpl:
-                res = self._run_dag(tmpl, names, display, attempt)
+                res = self._run_dag(tmpl, names, display, attempt, depth)
             elif "steps" in tmpl:
-                res = self._run_steps(tmpl, names, display, attempt)
+                res = self._run_steps(tmpl, names, display, attempt, depth)
             elif "suspend" in tmpl:
                 dur = parse_duration(substitute(str(tmpl["suspend"].get("duration", "0")), names))
                 self._sleep_for(dur)
@@ -379,7 +393,9 @@ class WorkflowRun:
         names[f"{prefix}.{name}.exitCode"] = "" if res.exit_code is None else str(res.exit_code)
         return names
 
-    def _run_dag(self, tmpl: Mapping[str, Any], scope: dict[str, Any], display: str, attempt: str | None) -> NodeResult:
+    def _run_dag(
+        self, tmpl: Mapping[str, Any], scope: dict[str, Any], display: str, attempt: str | None, depth: int = 1
+    ) -> NodeResult:
         tasks = {t["name"]: t for t in tmpl["dag"]["tasks"]}
         deps: dict[str, list[str]] = {}
         for name, t in tasks.items():
@@ -410,7 +426,7 @@ class WorkflowRun:
                         continue
                     args = self._task_args(t, names, f"{display}.{name}")
                     fut = pool.submit(self._invoke, t["template"], args, display=f"{display}.{name}", task=name,
-                                      attempt=attempt)  # fmt: skip
+                                      attempt=attempt, depth=depth + 1)  # fmt: skip
                     running[fut] = name
                     progressed = True
                 if not running:
@@ -480,7 +496,7 @@ class WorkflowRun:
         return phase
 
     def _run_steps(
-        self, tmpl: Mapping[str, Any], scope: dict[str, Any], display: str, attempt: str | None
+        self, tmpl: Mapping[str, Any], scope: dict[str, Any], display: str, attempt: str | None, depth: int = 1
     ) -> NodeResult:
         names = dict(scope)
         for group in tmpl["steps"]:
@@ -498,7 +514,8 @@ class WorkflowRun:
                 to_run.append((s, self._task_args(s, names, f"{display}.{s['name']}")))
             with ThreadPoolExecutor(max_workers=max(1, len(to_run))) as pool:
                 futs = [(s, pool.submit(self._invoke, s["template"], a, display=f"{display}.{s['name']}",
-                                        task=s["name"], attempt=attempt)) for s, a in to_run]  # fmt: skip
+                                        task=s["name"], attempt=attempt, depth=depth + 1))
+                        for s, a in to_run]  # fmt: skip
                 group_results = [(s, f.result()) for s, f in futs]
             for s, res in group_results:
                 names.update(self._task_names("steps", s["name"], res))

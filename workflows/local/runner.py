@@ -54,6 +54,7 @@ class LocalRunResult:
     params_digest: str | None = None
     reference_digest: str | None = None
     restarts: int = 0
+    workflows: list[str] = field(default_factory=list)  # every Workflow that ran, continuations included
     ledger: records.Ledger | None = None
     report_paths: list[str] = field(default_factory=list)
     fired: list[Any] = field(default_factory=list)  # injected faults that fired (inject.Injected)
@@ -364,6 +365,9 @@ def _run_once(
     all_nodes: list[tuple[NodeInfo, NodeResult]] = []
     executors: list[LocalExecutor] = []
     restarts = 0
+    names: list[str] = []
+    # The next Workflow to run: (name, uid); a continuation's are the ones its hand-over step recorded.
+    nxt: tuple[str, str | None] = (run_id, None)
     try:
         while True:
             ex = LocalExecutor(
@@ -378,7 +382,8 @@ def _run_once(
             executors.append(ex)
             printer = _Printer(say, t0, cfg.slice.num_hosts)
             progress = outages.wrap(printer) if outages is not None else printer
-            wrun = WorkflowRun(wf, ex, name=f"{run_id}-{restarts}" if restarts else run_id, progress=progress)
+            wrun = WorkflowRun(wf, ex, name=nxt[0], uid=nxt[1], progress=progress)
+            names.append(wrun.name)
             current["run"] = wrun
             try:
                 status = wrun.run()
@@ -392,6 +397,15 @@ def _run_once(
                 _safe(lambda w=wrun: lease.release(store, w.uid))
                 restarts += 1
                 say(f"{now() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {run_id}")
+                nxt = (f"{run_id}-{restarts}", None)
+                continue
+            handed = _safe(lambda w=wrun: _hand_over_from(store, w.uid)) if status == "Succeeded" else None
+            if handed is not None:
+                # The local runner plays the API server: the Workflow the hand-over step created starts now,
+                # after this one ended, as the run's Argo mutex lets it on a cluster.
+                say(f"{now() - t0:7.1f}s [run]        {wrun.name} handed the run over: workflow "
+                    f"{handed.to_workflow} continues from attempt {handed.next_attempt}")  # fmt: skip
+                nxt = (handed.to_workflow, handed.to_uid)
                 continue
             break
     finally:
@@ -425,11 +439,18 @@ def _run_once(
         incidents,
         _safe(lambda: final_digest(store)),
         restarts=restarts,
+        workflows=names,
         ledger=ledger,
     )
     result.corrupted = injector.corrupted
     result.fired = injector.fired
     return result
+
+
+def _hand_over_from(store: RunStore, uid: str) -> records.HandOver | None:
+    """The hand-over the Workflow with ``uid`` recorded in the ledger, if it handed the run over."""
+    ledger = _read_ledger(store)
+    return next((h for h in reversed(ledger.hand_overs) if h.from_uid == uid), None) if ledger else None
 
 
 def _safe(fn: Callable[[], Any]) -> Any:

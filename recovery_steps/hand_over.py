@@ -1,0 +1,287 @@
+"""``hand-over``: continue the run in a new Workflow of the same run id before this one nests too deep.
+
+Every attempt of a Workflow is one template call deeper than the one before, and Argo refuses more than 100
+nested calls (``maxAllowedStackDepth`` in the workflow controller); every attempt also adds its nodes to the
+Workflow object. After ``retry.attempts_per_workflow`` attempts classify-failure decides ``hand-over`` instead
+of ``retry``, and this step:
+
+1. creates the continuation Workflow ``<run-id>-c<attempt>`` from this Workflow's own spec (same arguments,
+   same config), labelled with the run id and ``jaxrec/continues=<this workflow>``, with an Argo UI title and a
+   description that links back; a retried hand-over finds the one it created (the name is deterministic);
+2. names the continuation in its output parameter ``continuation`` (shown on this Workflow's hand-over node;
+   patching this Workflow's own description would need ``workflows patch``, a right the steps do without);
+3. passes the run lease to the continuation's uid, so this Workflow's exit handler leaves the run's ledger
+   alone and the continuation's validate-config renews the lease instead of waiting for it;
+4. appends the hand-over to the ledger: validate-config of the continuation continues the attempt numbering
+   from the ledger, the budgets count the ledger's attempts, and the history stays in one place.
+
+The continuation waits on the run's Argo mutex until this Workflow has ended (argo docs "Synchronization").
+Locally the runner stands in for the API server: this step names the continuation and makes its uid, and the
+runner starts it when this Workflow has ended.
+
+Exit codes: 0 handed over; 2 configuration (the API refused: RBAC, or the name is taken by another Workflow);
+69 transient (API or store unreachable, HTTP 429/5xx: Argo retries the step, outside every budget).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recovery_steps import lease
+from recovery_steps.kernel import cli
+from recovery_steps.kernel.config import ConfigError, JobConfig
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.documents import read_run_config
+from recovery_steps.kernel.k8s import (
+    ARGO_GROUP,
+    ARGO_VERSION,
+    CONTINUES_LABEL,
+    DESCRIPTION_ANNOTATION,
+    RUN_ID_LABEL,
+    TITLE_ANNOTATION,
+    WORKFLOW_PLURAL,
+    continuation_name,
+)
+from recovery_steps.kernel.outputs import HandOverOutputs
+from recovery_steps.kernel.records import HandOver, Ledger, RunLease, now
+from recovery_steps.kernel.store import (
+    PreconditionFailed,
+    RunLayout,
+    RunStore,
+    StoreUnavailable,
+    store_errors,
+    transient_as_unavailable,
+)
+from recovery_steps.retry import ledger_errors, update_ledger
+
+log = logging.getLogger(__name__)
+
+# Spec fields a controller or a user sets on a live Workflow that the continuation must not inherit.
+_LIVE_SPEC_FIELDS = ("shutdown", "suspend")
+# Labels and annotations under this prefix are the controller's own (phase, completed, ...).
+_CONTROLLER_PREFIX = "workflows.argoproj.io/"
+
+
+class HandOverError(Exception):
+    """The hand-over cannot be done; ``code`` is the exit code, ``str()`` the one line a user reads."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.CONFIGURATION):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The Workflow that carries the run on."""
+
+    name: str
+    uid: str
+
+
+def ui_link(namespace: str, name: str) -> str:
+    """A Markdown link to a Workflow in the Argo UI (its path is ``/workflows/<namespace>/<name>``)."""
+    return f"[{name}](/workflows/{namespace}/{name})"
+
+
+def continuation_manifest(own: Mapping[str, Any], name: str, run_id: str, attempt: int) -> dict[str, Any]:
+    """The continuation Workflow of ``own`` (a Workflow object as the API returns it), pure.
+
+    The spec is ``own``'s (entrypoint, templates, arguments, mutex, exit handler) without the fields that stop
+    or suspend a live Workflow; the user's labels and annotations carry over, the controller's do not.
+    """
+    meta = own.get("metadata", {})
+    namespace = meta.get("namespace", "default")
+    own_name = meta.get("name", "")
+    spec = copy.deepcopy(dict(own.get("spec", {})))
+    for k in _LIVE_SPEC_FIELDS:
+        spec.pop(k, None)
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if not k.startswith(_CONTROLLER_PREFIX)}
+    labels.update({RUN_ID_LABEL: run_id, CONTINUES_LABEL: own_name})
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if not k.startswith(_CONTROLLER_PREFIX)}
+    annotations[TITLE_ANNOTATION] = f"{run_id} from attempt {attempt}"
+    annotations[DESCRIPTION_ANNOTATION] = (
+        f"Run `{run_id}` continued from attempt {attempt}; earlier attempts: {ui_link(namespace, own_name)}"
+    )
+    return {
+        "apiVersion": f"{ARGO_GROUP}/{ARGO_VERSION}",
+        "kind": "Workflow",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
+        "spec": spec,
+    }
+
+
+def _api_error(e: Any, what: str) -> HandOverError:
+    if e.status == 429 or (e.status or 0) >= 500:
+        return HandOverError(f"Kubernetes API answered {e.status} {e.reason} to {what}", ExitCode.TRANSIENT)
+    if e.status in (401, 403):
+        return HandOverError(
+            f"Kubernetes API refused {what} ({e.status} {e.reason}): the workflow's ServiceAccount needs "
+            "workflows get and create (apply argo/rbac.yaml)"
+        )
+    return HandOverError(f"Kubernetes API error {e.status} {e.reason} on {what}")
+
+
+def create_on_gke(api_client: Any, namespace: str, own_name: str, own_uid: str, run_id: str,
+                  attempt: int) -> Continuation:  # fmt: skip
+    """Create (or find, when a retried hand-over made it already) the continuation Workflow on the cluster."""
+    import urllib3
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api_client)
+    args = (ARGO_GROUP, ARGO_VERSION, namespace, WORKFLOW_PLURAL)
+    name = continuation_name(run_id, attempt)
+    try:
+        try:
+            own = custom.get_namespaced_custom_object(*args, own_name)
+        except client.ApiException as e:
+            raise _api_error(e, f"get workflow {own_name}") from None
+        if own.get("metadata", {}).get("uid") != own_uid:
+            raise HandOverError(f"workflow {own_name} has uid {own.get('metadata', {}).get('uid')}, not {own_uid}")
+        body = continuation_manifest(own, name, run_id, attempt)
+        try:
+            made = custom.create_namespaced_custom_object(*args, body)
+        except client.ApiException as e:
+            if e.status != 409:
+                raise _api_error(e, f"create workflow {name}") from None
+            try:
+                made = custom.get_namespaced_custom_object(*args, name)
+            except client.ApiException as e2:
+                raise _api_error(e2, f"get workflow {name}") from None
+            continues = (made.get("metadata", {}).get("labels") or {}).get(CONTINUES_LABEL)
+            if continues != own_name:
+                raise HandOverError(
+                    f"workflow {name} exists and does not continue {own_name} (its {CONTINUES_LABEL} is "
+                    f"{continues!r}): delete it (argo delete {name}) and retry this step"
+                ) from None
+            log.info("continuation %s already exists (a retried hand-over)", name)
+    except urllib3.exceptions.HTTPError as e:
+        raise HandOverError(f"Kubernetes API unreachable ({type(e).__name__})", ExitCode.TRANSIENT) from None
+    return Continuation(made["metadata"]["name"], made["metadata"]["uid"])
+
+
+def local_continuation(ledger: Ledger | None, own_uid: str, run_id: str, attempt: int) -> Continuation:
+    """The local runner's continuation: the one an earlier try of this step named, or a new uid."""
+    name = continuation_name(run_id, attempt)
+    for h in ledger.hand_overs if ledger else []:
+        if h.from_uid == own_uid and h.to_workflow == name:
+            return Continuation(name, h.to_uid)
+    return Continuation(name, str(uuid.uuid4()))
+
+
+def pass_lease(store: RunStore, own_uid: str, to: Continuation, ttl_s: float, *, clock: Callable[[], float] = now,
+               tries: int = 5) -> RunLease:  # fmt: skip
+    """Give the run lease from ``own_uid`` to the continuation (idempotent: already given is fine).
+
+    Raises:
+        HandOverError: another workflow holds the run, or the lease was released.
+    """
+    for _ in range(tries):
+        current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
+        if current is not None and current.holder == to.uid and not current.released:
+            return current
+        if current is not None and (current.holder != own_uid or current.released):
+            raise HandOverError(
+                f"this workflow no longer holds run {store.run_id!r} (holder {current.holder_name}, released "
+                f"{current.released}); the continuation {to.name} will wait for the lease"
+            )
+        t = clock()
+        new = RunLease(run_id=store.run_id, holder=to.uid, holder_name=to.name, ttl_s=ttl_s,
+                       acquired_at=t, renewed_at=t)  # fmt: skip
+        try:
+            store.write_record(RunLayout.LEASE, new, if_generation_match=gen)
+            return new
+        except PreconditionFailed:
+            continue
+    raise HandOverError(f"{store.url(RunLayout.LEASE)}: still contended after {tries} tries", ExitCode.TRANSIENT)
+
+
+def record(store: RunStore, entry: HandOver) -> Ledger:
+    """Append ``entry`` to the ledger's hand-overs (once: a retried step does not add it twice)."""
+
+    def add(led: Ledger) -> Ledger:
+        if any(h.to_workflow == entry.to_workflow and h.from_uid == entry.from_uid for h in led.hand_overs):
+            return led
+        return led.model_copy(update={"hand_overs": [*led.hand_overs, entry]})
+
+    return update_ledger(store, add)
+
+
+def run(
+    store_root: str,
+    run_id: str,
+    attempt: int,
+    workflow: str,
+    workflow_uid: str,
+    output_dir: Path | None = None,
+    *,
+    api_client: Any = None,
+    clock: Callable[[], float] = now,
+) -> Continuation:
+    """Hand the run over to its continuation Workflow, starting at ``attempt``.
+
+    Raises:
+        HandOverError: with the exit code and the one line to print.
+        StoreUnavailable: the run store is unreachable (transient).
+    """
+    store = RunStore(store_root, run_id)
+    with ledger_errors(store, HandOverError), transient_as_unavailable(store.url()):
+        try:
+            cfg: JobConfig = read_run_config(store)
+        except ConfigError as e:
+            raise HandOverError(f"the run's config is not valid: {'; '.join(e.problems)}") from None
+        if cfg.slice.is_local:
+            to = local_continuation(store.read_record(RunLayout.LEDGER, Ledger), workflow_uid, run_id, attempt)
+        else:
+            if api_client is None:
+                from recovery_steps.kernel.k8s import make_api_client
+
+                try:
+                    api_client = make_api_client()
+                except Exception as e:  # noqa: BLE001 - no in-cluster config and no kubeconfig
+                    raise HandOverError(f"no Kubernetes API: {type(e).__name__}: {e}; run in the cluster") from None
+            to = create_on_gke(api_client, cfg.namespace, workflow, workflow_uid, run_id, attempt)
+        pass_lease(store, workflow_uid, to, cfg.retry.lease_ttl_s, clock=clock)
+        backend = "local" if cfg.slice.is_local else "gke"
+        record(store, HandOver(from_workflow=workflow, from_uid=workflow_uid, to_workflow=to.name, to_uid=to.uid,
+                               next_attempt=attempt, at=clock(), backend=backend))  # fmt: skip
+    if output_dir is not None:
+        HandOverOutputs(continuation=to.name, continuation_uid=to.uid).write(Path(output_dir))
+    return to
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.hand_over``."""
+    p = cli.StepArgumentParser(prog="python -m recovery_steps.hand_over", description=__doc__.split("\n")[0])
+    p.add_argument("--store-root", required=True, type=cli.store_root)
+    p.add_argument("--run-id", required=True, type=cli.run_id)
+    p.add_argument("--attempt", required=True, type=cli.attempt, help="the attempt the continuation starts with")
+    p.add_argument("--workflow", required=True, type=cli.k8s_name, help="this Workflow's name ({{workflow.name}})")
+    p.add_argument("--workflow-uid", required=True, type=cli.bounded_text(64, "--workflow-uid"),
+                   help="this Workflow's uid ({{workflow.uid}}): the run lease's holder")  # fmt: skip
+    p.add_argument("--output-dir", type=cli.output_dir, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        to = run(args.store_root, args.run_id, args.attempt, args.workflow, args.workflow_uid, args.output_dir)
+    except HandOverError as e:
+        return cli.fail("hand-over", str(e), int(e.code))
+    except StoreUnavailable as e:
+        return cli.fail("hand-over", f"{e}; transient, Argo retries this step", int(ExitCode.TRANSIENT))
+    except lease.LeaseHeld as e:
+        return cli.fail("hand-over", str(e), int(ExitCode.CONFIGURATION))
+    except store_errors() as e:
+        url = RunStore(args.store_root, args.run_id).url()
+        return cli.fail("hand-over", cli.store_error_line("hand-over", url, e), 1)
+    print(f"run {args.run_id}: attempt {args.attempt} continues in workflow {to.name} (uid {to.uid})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The hand-over to a continuation Workflow: decided by the budgets, done through Argo's API, rehearsed locally."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+
+import pytest
+from fake_http import JsonServer
+from fake_k8s import status
+from test_provision_slice import _store_config
+
+from recovery_steps import finalize, hand_over, lease
+from recovery_steps.kernel.config import RetryConfig
+from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
+from recovery_steps.kernel.k8s import continuation_name, make_api_client
+from recovery_steps.kernel.outputs import FinalizeOutputs, HandOverOutputs
+from recovery_steps.kernel.records import AttemptRecord, Ledger, RunLease
+from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.retry import decide
+from workflows.local.engine import ERROR, MAX_STACK_DEPTH, WorkflowRun
+
+P = FailureClass.PREEMPTION
+# Argo nests the main DAG, then one level per attempt, then the attempt's step pods.
+NESTING_AROUND_ATTEMPTS = 2
+
+
+def _simulate(progress: list[bool], cfg: RetryConfig, run_id: str = "long-run"):
+    """Drive failed attempts through the retry decision and the hand-over, as the workflows would run them.
+
+    Returns the decisions, the attempts each Workflow ran, and the Workflow names in order.
+    """
+    ledger: list[AttemptRecord] = []
+    workflow, ran = run_id + "-x7k2q", {}
+    decisions, order, step = [], [workflow], 0
+    for n, advanced in enumerate(progress):
+        before, step = step, step + (10 if advanced else 0)
+        cur = AttemptRecord(attempt=n, outcome="failed", failure_class=P, checkpoint_step_before=before,
+                            checkpoint_step_after=step, workflow=workflow)  # fmt: skip
+        d = decide(ledger, cur, cfg)
+        ledger.append(cur)
+        ran[workflow] = ran.get(workflow, 0) + 1
+        decisions.append(d)
+        if d.decision is Decision.STOP:
+            break
+        if d.decision is Decision.HAND_OVER:
+            workflow = continuation_name(run_id, n + 1)
+            order.append(workflow)
+    return decisions, ran, order
+
+
+def test_300_preemptions_with_progress_hand_over_and_keep_going():
+    cfg = RetryConfig()
+    decisions, ran, order = _simulate([True] * 300, cfg)
+    assert len(decisions) == 300 and all(d.decision is not Decision.STOP for d in decisions)
+    # Every Workflow stays far inside Argo's nesting limit; the run needs ten of them.
+    assert max(ran.values()) == cfg.attempts_per_workflow == 30
+    assert max(ran.values()) + NESTING_AROUND_ATTEMPTS < MAX_STACK_DEPTH
+    assert len(order) == 11 and order[1] == "long-run-c30" and order[-1] == "long-run-c300"
+    hand_overs = [i for i, d in enumerate(decisions) if d.decision is Decision.HAND_OVER]
+    assert hand_overs == list(range(29, 300, 30))
+    assert "in a continuation Workflow (30 attempts ran in long-run-x7k2q" in decisions[29].reason
+    # Budgets run across Workflows: the preemption count is the run's, and the backoff keeps its place.
+    assert decisions[-1].attempts_by_class["preemption"] == 300
+
+
+def test_300_preemptions_without_progress_stop_at_the_guard_in_the_first_workflow():
+    decisions, ran, order = _simulate([False] * 300, RetryConfig())
+    assert decisions[-1].decision is Decision.STOP and "no progress" in decisions[-1].reason
+    assert len(decisions) == 3 and order == ["long-run-x7k2q"]
+
+
+def test_an_attempt_with_no_workflow_name_never_hands_over():
+    cfg = RetryConfig(attempts_per_workflow=1)
+    cur = AttemptRecord(attempt=0, outcome="failed", failure_class=P, checkpoint_step_before=-1,
+                        checkpoint_step_after=10)  # fmt: skip
+    assert decide([], cur, cfg).decision is Decision.RETRY
+    assert decide([], cur.model_copy(update={"workflow": "w"}), cfg).decision is Decision.HAND_OVER
+
+
+def test_attempts_per_workflow_is_bounded_below_the_nesting_limit():
+    from recovery_steps.kernel.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as e:
+        parse_config({"run_id": "r", "retry": {"attempts_per_workflow": 200}}, "cfg.yaml")
+    assert any("retry.attempts_per_workflow" in p for p in e.value.problems)
+
+
+# --- the GKE path, against the Argo API faked at its HTTP boundary ------------------------------------------
+
+
+def _running_workflow(name: str, uid: str, run_id: str) -> dict:
+    """A Workflow object as the API server returns it while it runs."""
+    return {
+        "apiVersion": "argoproj.io/v1alpha1",
+        "kind": "Workflow",
+        "metadata": {
+            "name": name, "generateName": f"{run_id}-", "namespace": "training", "uid": uid,
+            "resourceVersion": "81234", "generation": 41, "creationTimestamp": "2026-11-02T08:00:00Z",
+            "labels": {"jaxrec/run-id": run_id, "workflows.argoproj.io/phase": "Running",
+                       "workflows.argoproj.io/resubmitted-from-workflow": "old"},
+            "annotations": {"workflows.argoproj.io/pod-name-format": "v2", "team": "ml-infra"},
+            "managedFields": [{"manager": "workflow-controller", "operation": "Update"}],
+        },
+        "spec": {
+            "entrypoint": "main", "onExit": "exit-handler", "serviceAccountName": "jax-recovery",
+            "arguments": {"parameters": [{"name": "run-id", "value": run_id},
+                                         {"name": "store-root", "value": "gs://bucket/jaxrec"}]},
+            "synchronization": {"mutexes": [{"name": f"jaxrec-run-{run_id}"}]},
+            "templates": [{"name": "main", "dag": {"tasks": []}}],
+            "shutdown": "Stop",
+        },
+        "status": {"phase": "Running", "startedAt": "2026-11-02T08:00:01Z", "nodes": {"x": {"phase": "Running"}}},
+    }  # fmt: skip
+
+
+class _Argo:
+    """Workflows get and create (argoproj.io/v1alpha1) as the API server answers them; ``fail`` forces a status."""
+
+    PREFIX = "/apis/argoproj.io/v1alpha1/namespaces/training/workflows"
+
+    def __init__(self, workflows: dict[str, dict]):
+        self.workflows = workflows
+        self.requests: list[tuple[str, str, dict]] = []
+        self.fail: dict[str, tuple[int, str]] = {}
+        self.http = JsonServer(self._route)
+
+    def _route(self, method, raw, body):
+        self.requests.append((method, raw, body))
+        path = raw.split("?")[0]
+        if method in self.fail:
+            code, reason = self.fail[method]
+            return code, status(code, reason, f"forced {reason}")
+        if method == "POST" and path == self.PREFIX:
+            name = body["metadata"]["name"]
+            if name in self.workflows:
+                return 409, status(409, "AlreadyExists", f'workflows.argoproj.io "{name}" already exists')
+            made = copy.deepcopy(body)
+            made["metadata"].update(uid=str(uuid.uuid4()), resourceVersion="90001", generation=1,
+                                    creationTimestamp="2026-11-20T10:00:00Z")  # fmt: skip
+            self.workflows[name] = made
+            return 201, made
+        name = path.rsplit("/", 1)[-1]
+        if method == "GET" and path.startswith(self.PREFIX + "/") and name in self.workflows:
+            return 200, self.workflows[name]
+        return 404, status(404, "NotFound", f'workflows.argoproj.io "{name}" not found')
+
+    def close(self):
+        self.http.close()
+
+
+@pytest.fixture
+def gke_run(tmp_path):
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    store = RunStore(root, run_id)
+    lease.acquire(store, "uid-a", "wf-a", 3600)
+    argo = _Argo({"wf-a": _running_workflow("wf-a", "uid-a", run_id)})
+    yield root, run_id, store, argo
+    argo.close()
+
+
+def _hand_over(root, run_id, argo, out, attempt=30):
+    return hand_over.run(root, run_id, attempt, "wf-a", "uid-a", out, api_client=make_api_client(argo.http.url))
+
+
+def test_gke_hand_over_creates_the_continuation_passes_the_lease_and_records_it(gke_run, tmp_path):
+    root, run_id, store, argo = gke_run
+    to = _hand_over(root, run_id, argo, tmp_path / "out")
+    name = continuation_name(run_id, 30)
+    assert to.name == name and to.uid == argo.workflows[name]["metadata"]["uid"]
+    (posted,) = [b for m, _, b in argo.requests if m == "POST"]
+    meta, spec = posted["metadata"], posted["spec"]
+    # The run's own spec (arguments, mutex, exit handler), never the stop that a live Workflow may carry.
+    own = _running_workflow("wf-a", "uid-a", run_id)["spec"]
+    assert spec == {k: v for k, v in own.items() if k != "shutdown"}
+    assert meta["labels"] == {"jaxrec/run-id": run_id, "jaxrec/continues": "wf-a"}
+    notes = meta["annotations"]
+    assert notes["team"] == "ml-infra" and "workflows.argoproj.io/pod-name-format" not in notes
+    assert meta["annotations"]["workflows.argoproj.io/title"] == f"{run_id} from attempt 30"
+    assert "[wf-a](/workflows/training/wf-a)" in meta["annotations"]["workflows.argoproj.io/description"]
+    assert set(meta) == {"name", "namespace", "labels", "annotations"}
+    # The lease is the continuation's: this Workflow's exit handler leaves the ledger alone.
+    held = store.read_record(RunLayout.LEASE, RunLease)
+    assert (held.holder, held.holder_name, held.released) == (to.uid, name, False)
+    (h,) = store.read_record(RunLayout.LEDGER, Ledger).hand_overs
+    assert (h.from_workflow, h.to_workflow, h.to_uid, h.next_attempt, h.backend) == ("wf-a", name, to.uid, 30, "gke")
+    assert HandOverOutputs.read(tmp_path / "out") == HandOverOutputs(continuation=name, continuation_uid=to.uid)
+
+
+def test_a_retried_hand_over_finds_its_continuation_and_records_it_once(gke_run, tmp_path):
+    root, run_id, store, argo = gke_run
+    first = _hand_over(root, run_id, argo, None)
+    again = _hand_over(root, run_id, argo, None)
+    assert again == first
+    assert [m for m, _, _ in argo.requests].count("POST") == 2 and len(argo.workflows) == 2
+    assert len(store.read_record(RunLayout.LEDGER, Ledger).hand_overs) == 1
+
+
+def test_a_name_taken_by_another_workflow_is_a_configuration_error(gke_run, capsys):
+    root, run_id, store, argo = gke_run
+    name = continuation_name(run_id, 30)
+    argo.workflows[name] = {"metadata": {"name": name, "uid": "u-x", "labels": {"jaxrec/continues": "someone"}}}
+    with pytest.raises(hand_over.HandOverError) as e:
+        _hand_over(root, run_id, argo, None)
+    assert e.value.code == ExitCode.CONFIGURATION and f"argo delete {name}" in str(e.value)
+    assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"  # nothing passed on
+
+
+@pytest.mark.parametrize(
+    "method, code, reason, exit_code, words",
+    [
+        ("POST", 403, "Forbidden", ExitCode.CONFIGURATION, "workflows get and create"),
+        ("GET", 500, "InternalError", ExitCode.TRANSIENT, "500"),
+        ("POST", 429, "TooManyRequests", ExitCode.TRANSIENT, "429"),
+    ],
+)
+def test_api_refusals_name_the_fix_and_outages_are_transient(gke_run, tmp_path, capsys, method, code, reason,
+                                                              exit_code, words):  # fmt: skip
+    root, run_id, store, argo = gke_run
+    argo.fail[method] = (code, reason)
+    with pytest.raises(hand_over.HandOverError) as e:
+        _hand_over(root, run_id, argo, None)
+    assert e.value.code == exit_code and words in str(e.value) and "\n" not in str(e.value)
+    assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"
+
+
+def test_the_old_exit_handler_says_handed_over_and_the_continuation_takes_the_run(gke_run, tmp_path, capsys):
+    root, run_id, store, argo = gke_run
+    to = _hand_over(root, run_id, argo, None)
+    out = tmp_path / "fin"
+    assert finalize.main(["--store-root", root, "--run-id", run_id, "--status", "Succeeded", "--holder", "uid-a",
+                          "--output-dir", str(out)]) == 0  # fmt: skip
+    assert f"continues in workflow {to.name} from attempt 30" in capsys.readouterr().out
+    assert FinalizeOutputs.read(out).final_status == "HandedOver"
+    led = store.read_record(RunLayout.LEDGER, Ledger)
+    assert led.final_status is None  # the run has not ended
+    # The continuation's validate-config renews the lease it was given (no waiting for a TTL).
+    assert lease.acquire(store, to.uid, to.name, 3600).holder == to.uid
+    with pytest.raises(lease.LeaseHeld):
+        lease.acquire(store, "uid-a", "wf-a", 3600)
+
+
+def test_a_hand_over_by_a_workflow_that_lost_the_run_passes_nothing(gke_run):
+    root, run_id, store, argo = gke_run
+    lease.release(store, "uid-a")
+    with pytest.raises(hand_over.HandOverError) as e:
+        _hand_over(root, run_id, argo, None)
+    assert "no longer holds run" in str(e.value)
+    assert store.read_record(RunLayout.LEDGER, Ledger) is None
+
+
+# --- the local interpreter enforces Argo's nesting limit ---------------------------------------------------
+
+
+def test_local_engine_errors_a_recursion_past_argos_limit_as_the_controller_does():
+    forever = {
+        "metadata": {"name": "deep"},
+        "spec": {
+            "entrypoint": "main",
+            "templates": [
+                {"name": "main", "dag": {"tasks": [{"name": "go", "template": "level"}]}},
+                {"name": "level", "dag": {"tasks": [{"name": "again", "template": "level"}]}},
+            ],
+        },
+    }
+    run = WorkflowRun(forever, executor=None)
+    assert run.run() == ERROR
+    (failure,) = run.failures
+    assert failure["phase"] == ERROR and "Maximum recursion depth exceeded" in failure["message"]
+    # main, go and 98 levels of "again" run: the call one deeper than MAX_STACK_DEPTH is the one refused.
+    assert failure["displayName"].count(".") == MAX_STACK_DEPTH
