@@ -1,4 +1,8 @@
-"""A shrunken local job (4 hosts, tiny model, 20 steps, a checkpoint every 5) compiled like configs/."""
+"""A shrunken local job (2 hosts, tiny model, 20 steps, a checkpoint every 5) compiled like configs/.
+
+Two processes form one job as four do (one coordinator, a gang that fails together); the README job and the
+trainer's own tests run four. Two halve each attempt's start-up on a 2-core machine.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from workflows.build import render_workflow
 REPO = Path(__file__).resolve().parent.parent
 TOTAL = 20
 INTERVAL = 5
+HOSTS = 2
 
 
 def shrunken_workflow(
@@ -23,6 +28,7 @@ def shrunken_workflow(
     config: str = "local-cpu.yaml",
     data_section: dict[str, Any] | None = None,
     retry_section: dict[str, Any] | None = None,
+    hosts: int = HOSTS,
     **training: Any,
 ) -> Path:
     """Write the shrunken config and its compiled Workflow under ``d``; return the Workflow's path.
@@ -34,10 +40,12 @@ def shrunken_workflow(
         config: The config in ``configs/`` to shrink (its task is kept).
         data_section: Overrides of the ``data`` section (e.g. record files).
         retry_section: Overrides of the ``retry`` section.
+        hosts: Worker processes of the local slice.
         **training: Overrides of the ``training`` section (e.g. ``step_delay_s``).
     """
     data = yaml.safe_load((REPO / "configs" / config).read_text())
     data["run_id"] = run_id
+    data["slice"]["hosts"] = hosts
     if store_root is not None:
         data["storage"]["root"] = store_root
     if "model" in data:  # the built-in lm task's options

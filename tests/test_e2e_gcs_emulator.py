@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from local_job import shrunken_workflow
+from local_job import HOSTS, shrunken_workflow
 
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -40,7 +40,7 @@ def test_kill_worker_against_the_emulator_restores_from_gs_and_reports(tmp_path,
     final = len(res.incidents)
     restore = store.read_json(RunLayout.restore_record(final))
     assert restore and str(restore.get("restore_path", restore.get("restore-path", ""))).startswith("gs://"), restore
-    for i in range(4):
+    for i in range(HOSTS):
         rep = store.read_json(RunLayout.worker_report(final, i))
         assert rep["exit_code"] == 0 and rep["restore_step"] >= inc.restored_step and rep["last_step"] == 20, rep
     assert store.exists(RunLayout.checkpoint_manifest(20))

@@ -11,13 +11,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from local_job import shrunken_workflow
+from local_job import HOSTS, shrunken_workflow
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-HOSTS = 4
 RUN_LINE = re.compile(r"run metrics: http://127\.0\.0\.1:(\d+)/metrics")
 WORKER_LINE = re.compile(r"worker metrics \(attempt (\d+)\): http://127\.0\.0\.1:(\d+)/metrics")
 

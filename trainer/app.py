@@ -315,6 +315,38 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any)
     return state, it
 
 
+def _compile_ahead(cfg: JobConfig, tr: Any, source: Any, process_index: int, process_count: int) -> Any:
+    """Start compiling the step on a thread from abstract inputs (None when one batch's shapes cannot be read)."""
+    from trainer import data as data_lib
+    from trainer.ahead import AheadCompile, abstract_inputs
+
+    try:
+        local = data_lib.build_dataset(cfg.data, source.examples, cfg.data.seed, process_index, process_count)[0]
+        return AheadCompile(tr, *abstract_inputs(tr, local, process_count))
+    except Exception as e:  # noqa: BLE001 - the first step compiles it the usual way instead
+        log.warning("not compiling the step ahead (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _compiled_step(w: Worker, ahead: Any, restore_started: float) -> Any:
+    """Wait for the step compiled ahead; record how long it took and how much of it ran beside the restore."""
+    from trainer.ahead import overlap_seconds
+
+    if ahead is None:
+        return None
+    res = ahead.result()
+    restored = w.report.restored_at or now()
+    waited = max(0.0, res.finished_at - restored)
+    overlap = overlap_seconds(restore_started, restored, res.started_at, res.finished_at)
+    if res.compiled is not None:
+        w.report.compile_seconds = res.seconds
+    w.events.emit("compiled", compile_seconds=round(res.seconds, 4), overlap_seconds=round(overlap, 4),
+                  waited_seconds=round(waited, 4), reason=res.error)  # fmt: skip
+    log.info("step compiled ahead in %.2f s (%.2f s beside the restore, %.2f s waited after it)", res.seconds,
+             overlap, waited)  # fmt: skip
+    return res.compiled
+
+
 def _enable_compilation_cache(w: Worker, cfg: JobConfig) -> CacheCounter | None:
     import jax
 
@@ -407,6 +439,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     w.exit.last_checkpoint = lambda: ckpt.last_committed
     pc, pi = jax.process_count(), jax.process_index()
 
+    ahead = _compile_ahead(cfg, tr, source, pi, pc)
     t0 = now()
     if manifest is not None:
         state, it = _restore(cfg, tr, ckpt, restore_step, source)
@@ -417,11 +450,12 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     w.report.restored_at = now()
     w.report.restore_seconds = w.report.restored_at - t0
     w.events.emit("restored", max(restore_step, 0), restore_step=restore_step, restore_seconds=w.report.restore_seconds)
+    compiled = _compiled_step(w, ahead, t0)
     # Compiled ahead so that the first save does not compile on the training thread.
     ckpt.prepare_snapshot(tr.abstract_state)
     w.watchdog.touch()
 
-    stepper = Stepper(tr, state, it, pc)
+    stepper = Stepper(tr, state, it, pc, compiled=compiled)
     start = int(state["step"])
     w.report.last_step = start
     m.set("jaxrec_train_step", start)

@@ -62,7 +62,9 @@ class ProgressHook:
         self.watchdog.touch()
         if rec.first:
             self.watchdog.first_step_done = True
-            self.report.first_step_at, self.report.compile_seconds = rec.finished_at, rec.seconds
+            self.report.first_step_at = rec.finished_at
+            if self.report.compile_seconds is None:  # not compiled ahead: the first step compiled
+                self.report.compile_seconds = rec.seconds
             if self.cache is not None:
                 self.report.compile_cache_requests, self.report.compile_cache_hits = (
                     self.cache.requests,

@@ -7,11 +7,14 @@ before the next step starts (so a hook may read the state the step produced).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from recovery_steps.kernel.records import now
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Stepper:
         self.data_iter = data_iter
         self.process_count = process_count
         self.compiled = compiled
+        self._checked = False
 
     def __call__(self, stop_requested: bool) -> tuple[float, bool]:
         """Run one step on the next global batch; return its loss and whether every process agreed to stop."""
@@ -86,6 +90,19 @@ class Stepper:
         flags = train_state.stop_flags(self.tr, stop_requested)
         if self.compiled is None:
             self.compiled = self.tr.step_fn.lower(self.state, batch, flags).compile()
+        elif not self._checked:
+            # An executable compiled ahead from abstract inputs checks the real ones before it runs anything
+            # (nothing is donated yet): one that does not fit them is compiled again from the real inputs.
+            try:
+                out = self.compiled(self.state, batch, flags)
+            except (TypeError, ValueError) as e:
+                log.warning("the step compiled ahead does not fit the inputs (%s); compiling it again", e)
+                self.compiled = self.tr.step_fn.lower(self.state, batch, flags).compile()
+                out = self.compiled(self.state, batch, flags)
+            self._checked = True
+            self.state, loss, stop = out
+            return float(loss), bool(int(stop))
+        self._checked = True
         self.state, loss, stop = self.compiled(self.state, batch, flags)
         return float(loss), bool(int(stop))
 

@@ -119,6 +119,12 @@ class Incident(_Record):
     workers_started_at: float | None = Field(default=None, description="Every worker of the next attempt up.")
     restored_at: float | None = Field(default=None, description="Checkpoint restored on every worker.")
     first_step_at: float | None = Field(default=None, description="First step compiled and done.")
+    compile_seconds: float | None = Field(
+        default=None, description="The next attempt's step compilation (slowest worker), started before the restore."
+    )
+    compile_overlap_seconds: float | None = Field(
+        default=None, description="Of that compilation, the seconds that ran beside the restore (hidden by it)."
+    )
     recovered_at: float | None = Field(default=None, description="Back at the pre-failure step.")
     pre_failure_step: int | None = None
     restored_step: int | None = None
@@ -327,7 +333,7 @@ class WorkerEvent(_Record):
     """One line of ``worker-<i>.jsonl`` (``TRAINER_EVENTS_DIR``; ``local/events/`` in a gs:// local run)."""
 
     t: float = Field(description="When (the one clock, epoch seconds).")
-    event: str = Field(description="started, initialized, restored, first_step, step, save_started, ...")
+    event: str = Field(description="started, initialized, restored, compiled, first_step, step, save_started, ...")
     attempt: int
     process_index: int
     step: int | None = None
@@ -337,7 +343,15 @@ class WorkerEvent(_Record):
     devices: int | None = Field(default=None, description="initialized: devices in the gang.")
     restore_step: int | None = Field(default=None, description="restored: the step restored (-1: fresh).")
     loss: float | None = Field(default=None, description="step: the loss.")
-    compile_seconds: float | None = Field(default=None, description="first_step: compile time.")
+    compile_seconds: float | None = Field(
+        default=None, description="first_step: compile and run time; compiled: the step's compilation ahead."
+    )
+    overlap_seconds: float | None = Field(
+        default=None, description="compiled: of the compilation, the seconds it ran beside the restore."
+    )
+    waited_seconds: float | None = Field(
+        default=None, description="compiled: seconds the worker waited for it after the state was restored."
+    )
     save_seconds: float | None = Field(default=None, description="save_committed: save start to commit.")
     blocking_seconds: float | None = Field(default=None, description="save_committed: time the loop was held.")
     blocking_parts: dict[str, float] | None = Field(

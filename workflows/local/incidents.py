@@ -137,6 +137,11 @@ def build_incidents(
             inc.workers_started_at = _last_of_first(theirs, "started")
             inc.restored_at = _last_of_first(theirs, "restored")
             inc.first_step_at = _last_of_first(theirs, "first_step")
+            compiled = [e for e in theirs if e.get("event") == "compiled"]
+            if compiled:  # the slowest worker's compilation, and how much of it ran beside its restore
+                slowest = max(compiled, key=lambda e: e.get("compile_seconds") or 0)
+                inc.compile_seconds = slowest.get("compile_seconds")
+                inc.compile_overlap_seconds = slowest.get("overlap_seconds")
             restored = [e for e in theirs if e.get("event") == "restored"]
             if restored:
                 inc.restored_step = max(0, int(restored[0].get("step") or 0))
