@@ -320,7 +320,9 @@ def preemption_plan(
         return PreemptionPlan(action, reason, budget_s, elapsed_s, estimate_s, save_in_flight)
 
     if left <= 0:
-        return plan(PreemptionAction.EXIT, f"no budget left ({elapsed_s:.2f} s since SIGTERM of {budget_s:.2f} s)")
+        est = "none measured" if estimate_s is None else f"{estimate_s:.2f} s"
+        why = f"no budget left ({elapsed_s:.2f} s since SIGTERM of {budget_s:.2f} s; save estimate {est})"
+        return plan(PreemptionAction.EXIT, why)
     if estimate_s is None:
         return plan(PreemptionAction.SAVE, f"no save time measured yet: saving with {left:.2f} s left")
     need = estimate_s * SAVE_SAFETY_FACTOR

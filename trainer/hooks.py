@@ -187,7 +187,7 @@ class CheckpointHook:
         in_flight = self.ckpt.pending is not None
         plan = self.agreement.decide(rec.step, rec.sigterm_age_s or 0.0, self.estimate_s, in_flight)
         self.note_plan(plan)
-        self.events.emit("preemption_plan", rec.step, reason=plan.reason, action=plan.action.value)
+        self.events.emit("preemption_plan", rec.step, reason=f"{plan.action.value}: {plan.reason}")
         if plan.action is PreemptionAction.SAVE:
             self.save(rec.step)
             self.finish()

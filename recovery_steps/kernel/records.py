@@ -361,7 +361,7 @@ class WorkerEvent(_Record):
     process_index: int
     step: int | None = None
     code: int | None = Field(default=None, description="exit: the exit code.")
-    reason: str | None = Field(default=None, description="exit: why.")
+    reason: str | None = Field(default=None, description="exit: why; preemption_plan: the action and why.")
     process_count: int | None = Field(default=None, description="initialized: processes in the gang.")
     devices: int | None = Field(default=None, description="initialized: devices in the gang.")
     restore_step: int | None = Field(default=None, description="restored: the step restored (-1: fresh).")
