@@ -295,7 +295,7 @@ def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path)
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)
     sl = LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js)
-    assert sl.grace_seconds == pod["terminationGracePeriodSeconds"] == 3
+    assert sl.grace_seconds == pod["terminationGracePeriodSeconds"] == cfg.slice.termination_grace_s
     pod["terminationGracePeriodSeconds"] = 17
     assert LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js).grace_seconds == 17
     del pod["terminationGracePeriodSeconds"]  # the Kubernetes default

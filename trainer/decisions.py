@@ -229,7 +229,8 @@ def task_problems(
 EXIT_MARGIN_S = 1.0
 """Seconds of the shutdown window kept for leaving after the save: the exit report (one small document),
 closing the checkpoint manager and JAX's distributed shutdown barrier, which every process reaches
-together. Locally these take about 0.1-0.3 s; a save is budgeted on the window minus this."""
+together (measured locally under load: 0.05 s from the last commit to the exit). A save is budgeted
+on the window minus this."""
 
 SAVE_SAFETY_FACTOR = 1.5
 """A save is started only when its estimate times this fits the budget left: a save's duration varies

@@ -78,7 +78,7 @@ class WorkerExitReport(_Record):
     compile_cache_hits: int | None = Field(default=None, description="Of those, the ones the cache answered.")
     peak_rss_mib: float | None = Field(default=None, description="Peak resident set size of the worker, MiB.")
     params_digest: str | None = Field(
-        default=None, description="sha256 of the final parameters (exits 0 and 143): resumes compare it."
+        default=None, description="sha256 of the final parameters (exit 0): resumes compare it."
     )
     preemption_save: PreemptionSave = Field(
         default=PreemptionSave.NONE,
