@@ -74,6 +74,8 @@ SAFE = [
     ("data.resume_mode", "reshuffle"),
     ("optimizer.learning_rate", 1e-4),
     ("slice.spot", True),
+    ("slice.termination_grace_s", 120),
+    ("slice.shutdown_window_s", 15),
 ]
 
 UNSAFE = [

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import Incident
+from recovery_steps.kernel.records import Incident, PreemptionSave, WorkerExitReport
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local, report
 from workflows.local.incidents import Injected, Segment, build_incidents
@@ -98,9 +98,18 @@ def test_report_prints_table_and_writes_timeline(store_root, capsys):
     )
     store.write_json(RunLayout.incident(0), inc.model_dump(mode="json"))
     store.write_bytes("local/events/worker-0.jsonl", "\n".join(json.dumps(e) for e in _events()).encode() + b"\n")
+    for i in range(2):  # attempt 1 was preempted and its save did not fit the window
+        rep = WorkerExitReport(run_id="r1", attempt=1, process_index=i, process_count=2, exit_code=143,
+                               exit_name="PREEMPTED", last_step=17, preemption_save=PreemptionSave.SKIPPED,
+                               preemption_reason="the save does not fit: 21.00 s > 13.50 s left",
+                               preemption_budget_s=14.0, preemption_estimate_s=14.0)  # fmt: skip
+        store.write_record(RunLayout.worker_report(1, i), rep)
     lines: list[str] = []
     paths = report.run(store.url(), say=lines.append)
     text = "\n".join(lines)
+    assert ("attempt 1: SIGTERM stop after step 17: skipped (budget 14.00 s, save estimate 14.00 s; the save does "
+            "not fit: 21.00 s > 13.50 s left)") in lines  # fmt: skip
+    assert not any(line.startswith("attempt 0: SIGTERM") for line in lines)
     assert "kill-worker" in text and "infrastructure" in text
     row = next(line for line in text.splitlines() if "kill-worker" in line).split()
     assert row[-3:] == ["15", "10", "5"] and "19.2" in row

@@ -9,8 +9,9 @@ import pytest
 from trainer_harness import launch, read_report, tiny_config, write_config
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import CheckpointManifest
+from recovery_steps.kernel.records import CheckpointManifest, PreemptionSave
 from recovery_steps.kernel.store import RunLayout, RunStore
+from trainer.decisions import save_budget
 
 pytestmark = pytest.mark.slow
 
@@ -105,14 +106,16 @@ def test_sigkill_during_async_save_leaves_no_committed_step(tmp_path):
 
 def test_sigterm_saves_the_agreed_step_and_next_attempt_resumes_there(reference, tmp_path):
     _, _, want = reference
-    cfg = tiny_config(str(tmp_path / "store"), run_id="preempted", training={"step_delay_s": 0.05})
+    grace = 10  # the window (unset) is the grace: a budget of 9 s, far more than a local save takes
+    cfg = tiny_config(str(tmp_path / "store"), run_id="preempted", training={"step_delay_s": 0.05},
+                      slice={"termination_grace_s": grace})  # fmt: skip
     store = write_config(cfg)
     gang = launch(cfg, 0, -1, tmp_path)
     gang.wait_for(1, "step", 6)
     sent_at_step = gang.last_step(1)
-    gang.signal(1, signal.SIGTERM)
+    gang.preempt([1], grace)  # SIGTERM, then SIGKILL after the grace, as the kubelet does
     time.sleep(0.1)
-    gang.signal(3, signal.SIGTERM)  # the others never get it: they stop through the agreement
+    gang.preempt([3], grace)  # the others never get it: they stop through the agreement
     codes = gang.wait(120)
     assert codes == [ExitCode.PREEMPTED] * N, gang.log(1)[-3000:]
     stops = {read_report(store, 0, i)["last_step"] for i in range(N)}
@@ -121,12 +124,48 @@ def test_sigterm_saves_the_agreed_step_and_next_attempt_resumes_there(reference,
     assert sent_at_step <= stop < TOTAL
     assert manifest(store, stop) is not None and stop in committed_steps(store)
     assert all(read_report(store, 0, i)["last_checkpoint_step"] == stop for i in range(N))
+    # Process 0 (which got no SIGTERM) decided from the age of worker 1's SIGTERM; every process followed.
+    plans = {(r["preemption_save"], r["preemption_reason"], r["preemption_budget_s"], r["preemption_estimate_s"])
+             for r in (read_report(store, 0, i) for i in range(N))}  # fmt: skip
+    assert len(plans) == 1, plans
+    ((saved, reason, budget, estimate),) = plans
+    assert saved == PreemptionSave.SAVED and budget == save_budget(grace) and "fits" in reason
+    assert estimate is not None and estimate > 0  # the step-5 save's own measured duration
 
     gang = launch(cfg, 1, stop, tmp_path)
     assert gang.wait(240) == [0] * N, gang.log(0)[-3000:]
     restored = [e for e in gang.events(0) if e["event"] == "restored"]
     assert restored[0]["step"] == stop
     assert digests(store, 1) == {want}  # no step lost or repeated
+
+
+def test_sigterm_with_a_window_too_short_for_the_save_exits_at_once_without_saving(tmp_path):
+    from recovery_steps import restore_latest
+
+    # The pod's grace is long, but the node gives 1 s: a budget of 0 s, shorter than any measured save.
+    grace = 10
+    cfg = tiny_config(str(tmp_path / "store"), run_id="preempt-skip", training={"step_delay_s": 0.05},
+                      slice={"termination_grace_s": grace, "shutdown_window_s": 1})  # fmt: skip
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, tmp_path)
+    gang.wait_for(0, "save_committed", 5, timeout=240)  # compilation is slow on a loaded machine
+    gang.wait_for(0, "save_started", 10)  # the step-10 save is (most likely) in flight: it is abandoned too
+    gang.preempt(list(range(N)), grace)
+    codes = gang.wait(120)
+    assert codes == [ExitCode.PREEMPTED] * N, gang.log(0)[-3000:]
+    reports = [read_report(store, 0, i) for i in range(N)]
+    (stop,) = {r["last_step"] for r in reports}
+    for r in reports:
+        assert r["preemption_save"] == PreemptionSave.SKIPPED, r
+        assert r["preemption_budget_s"] == 0.0 and r["preemption_estimate_s"] > 0, r
+        assert "no budget left" in r["preemption_reason"]
+        assert not any(e["event"] == "save_started" and e["step"] == stop for e in gang.events(r["process_index"]))
+    # No save of the agreed step was started: every committed step is an interval save from before the stop.
+    assert stop not in committed_steps(store) and manifest(store, stop) is None
+    assert all(s < stop and s % 5 == 0 for s in committed_steps(store)), (stop, committed_steps(store))
+    # What the next attempt restores is a verified step, never a half-written one.
+    chosen = restore_latest.run(store, 1).selection.step
+    assert 5 <= chosen < stop and manifest(store, chosen) is not None and chosen in committed_steps(store)
 
 
 def test_gang_on_the_gcs_emulator(gcs_emulator, tmp_path):

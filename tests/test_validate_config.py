@@ -76,6 +76,24 @@ BAD = {
         ["training.hang_timeout", "unknown key", "hang_timeout_s"],
     ),
     "missing-required": ("local-cpu", "image", _DELETE, ["image", "required field is missing"]),
+    "window-longer-than-grace": (
+        "v5e-4x4",
+        "slice.shutdown_window_s",
+        60,
+        ["slice.shutdown_window_s", "60", "exceeds slice.termination_grace_s 30", "at most 30"],
+    ),
+    "grace-not-positive": (
+        "local-cpu",
+        "slice.termination_grace_s",
+        0,
+        ["slice.termination_grace_s", "greater than or equal to 1", "got 0"],
+    ),
+    "grace-not-an-integer": (
+        "local-cpu",
+        "slice.termination_grace_s",
+        "thirty",
+        ["slice.termination_grace_s", "integer", "'thirty'"],
+    ),
     "bad-enum": ("local-cpu", "data.resume_mode", "rewind", ["data.resume_mode", "'rewind'", "'exact'", "'reshuffle'"]),
 }
 

@@ -217,6 +217,9 @@ def test_jobset_gang_shape_on_tpu(v5e):
                for r in job["podFailurePolicy"]["rules"])  # fmt: skip
     pod = job["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
+    # Spot: the pod's grace is the 30 s notice; the trainer budgets its save on the 15 s the node gives.
+    assert pod["terminationGracePeriodSeconds"] == cfg.slice.termination_grace_s == 30
+    assert cfg.slice.preemption_window_s == 15
     assert pod["nodeSelector"] == {
         "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
         "cloud.google.com/gke-tpu-topology": "4x4",
@@ -256,6 +259,8 @@ def test_local_jobset_has_no_tpu_and_carries_the_local_env(local):
     assert job["parallelism"] == job["completions"] == 4
     pod = job["template"]["spec"]
     assert "nodeSelector" not in pod and "tolerations" not in pod
+    grace = load_config(REPO / "configs" / "local-cpu.yaml").slice.termination_grace_s
+    assert pod["terminationGracePeriodSeconds"] == grace
     (c,) = pod["containers"]
     assert "resources" not in c
     env = {e["name"]: e for e in c["env"]}
@@ -277,3 +282,23 @@ def test_workflow_keeps_failed_pods_and_the_finished_run_for_inspection(cfg_path
     assert ttl["secondsAfterFailure"] >= ttl["secondsAfterSuccess"] >= 7 * 24 * 3600
     # The namespace comes from the config, in the Workflow and in the JobSet it creates.
     assert wf["metadata"]["namespace"] == cfg.namespace == _jobset(wf)["metadata"]["namespace"]
+
+
+def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path):
+    from workflows.jobset import jobset_manifest
+    from workflows.local.engine import NodeInfo
+    from workflows.local.executor import LocalExecutor
+
+    cfg = load_config(REPO / "configs" / "local-cpu.yaml")
+    js = jobset_manifest(cfg, name="r-a0", run_id="r", store_root=str(tmp_path), attempt="0", restore_step="-1",
+                         coordinator_port="1234", metrics_port="0")  # fmt: skip
+    pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)
+    sl = LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js)
+    assert sl.grace_seconds == pod["terminationGracePeriodSeconds"] == cfg.slice.termination_grace_s
+    pod["terminationGracePeriodSeconds"] = 17
+    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js).grace_seconds == 17
+    del pod["terminationGracePeriodSeconds"]  # the Kubernetes default
+    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js).grace_seconds == 30
+    # A benchmark may still pin the grace for every slice.
+    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path, grace_seconds=2)._build_slice(node, js).grace_seconds == 2

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,26 @@ class Gang:
         """Send ``sig`` to worker ``index``; return when (epoch s)."""
         t = time.time()
         self.procs[index].send_signal(sig)
+        return t
+
+    def preempt(self, indices: list[int], grace_s: float) -> float:
+        """SIGTERM workers ``indices`` and SIGKILL those still running ``grace_s`` later, as the kubelet does.
+
+        Returns:
+            When the SIGTERMs were sent (epoch s).
+        """
+        t = time.time()
+        for i in indices:
+            self.procs[i].send_signal(signal.SIGTERM)
+
+        def kill() -> None:
+            for i in indices:
+                if self.procs[i].poll() is None:
+                    self.procs[i].send_signal(signal.SIGKILL)
+
+        timer = threading.Timer(grace_s, kill)
+        timer.daemon = True
+        timer.start()
         return t
 
     def events(self, index: int) -> list[dict[str, Any]]:

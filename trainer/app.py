@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -26,6 +27,7 @@ from trainer.decisions import (
     exit_code_for,
     local_identity,
     parse_faults,
+    stop_flag,
     task_problems,
     topology_problems,
 )
@@ -41,6 +43,7 @@ from trainer.hooks import (
 )
 from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
+from trainer.preemption import PreemptionAgreement, distributed_client
 from trainer.telemetry import Events, WorkerMetrics
 
 log = logging.getLogger("trainer")
@@ -129,14 +132,21 @@ class Worker:
         self.exit = ExitPath(self.store, args.attempt, self.report, self.events)
         self.watchdog: Watchdog | None = None
         self.stop_requested = False
+        self.sigterm_at: float | None = None  # time.monotonic() of the first SIGTERM
         self._abort_handler: Any = None
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
-        """Ask for a save at the current step; every process agrees on that step through the next step."""
+        """Ask the gang to stop after the next step; there it decides whether a save fits the window."""
         if not self.stop_requested:
-            log.info("SIGTERM: saving at the end of the step in flight, then exiting %d", ExitCode.PREEMPTED)
+            self.sigterm_at = time.monotonic()
+            log.info("SIGTERM: stopping after the next step, saving only if it fits the shutdown window; exit %d",
+                     ExitCode.PREEMPTED)  # fmt: skip
             self.events.emit("sigterm", self.report.last_step)
         self.stop_requested = True
+
+    def stop_flag(self) -> int:
+        """The stop flag of this process for the next step (0, or 1 + milliseconds since its SIGTERM)."""
+        return stop_flag(None if self.sigterm_at is None else time.monotonic() - self.sigterm_at)
 
     # --- phases ----------------------------------------------------------------------------------
 
@@ -369,16 +379,26 @@ def _start_metrics(w: Worker, cfg: JobConfig) -> WorkerMetrics:
 
 
 def _hooks(
-    w: Worker, cfg: JobConfig, faults: Faults, ckpt: Any, stepper: Stepper, cache: CacheCounter | None
+    w: Worker,
+    cfg: JobConfig,
+    faults: Faults,
+    ckpt: Any,
+    stepper: Stepper,
+    cache: CacheCounter | None,
+    manifest: CheckpointManifest | None,
 ) -> tuple[Hooks, CheckpointHook]:
     """The loop's subscribers, in the order they see each step."""
     assert w.metrics is not None and w.watchdog is not None
     fault = FaultHook(faults)
+    agreement = PreemptionAgreement(w.args.attempt, w.process_index, cfg.slice.preemption_window_s,
+                                    distributed_client())  # fmt: skip
     saving = CheckpointHook(
         ckpt, stepper, interval_steps=cfg.checkpoint.interval_steps, total_steps=cfg.training.total_steps,
         async_save=cfg.checkpoint.async_save, restore_step=w.args.restore_step,
         kill_during_save=faults.at.get("kill-during-save") if w.process_index == 0 else None,
-        events=w.events, metrics=w.metrics, report=w.report, watchdog=w.watchdog,
+        events=w.events, metrics=w.metrics, report=w.report, watchdog=w.watchdog, agreement=agreement,
+        # The restored step's own save time is the first estimate, until this attempt commits a save.
+        estimate_s=manifest.save_seconds if manifest is not None else None,
     )  # fmt: skip
     hooks = Hooks()
     hooks.before_step(fault.before_step)
@@ -461,16 +481,23 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     m.set("jaxrec_train_step", start)
     if ckpt.last_committed is not None:
         m.set("jaxrec_checkpoint_step", ckpt.last_committed)
-    hooks, saving = _hooks(w, cfg, faults, ckpt, stepper, cache)
+    hooks, saving = _hooks(w, cfg, faults, ckpt, stepper, cache, manifest)
     last = StepRecord(start)
-    for last in training_steps(stepper, start, t.total_steps, lambda: w.stop_requested, hooks):
+    for last in training_steps(stepper, start, t.total_steps, w.stop_flag, hooks):
         hooks.run(last)
-    saving.finish()
-    _finish(w, stepper, ckpt, last)
+    if not saving.abandoned:
+        saving.finish()
+    _finish(w, stepper, ckpt, last, abandoned=saving.abandoned)
 
 
-def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord) -> NoReturn:
-    """Training ended (all steps, or a stop every process agreed on): report, leave together, exit by contract."""
+def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord, *, abandoned: bool = False) -> NoReturn:
+    """Training ended (all steps, or a stop every process agreed on): report, leave together, exit by contract.
+
+    ``abandoned``: a SIGTERM stop whose save did not fit the window: no wait for a save in flight (it is
+    cut and never restored); the report is written and the gang leaves at once. The parameter digest
+    gathers every parameter onto every host (0.9 s for the tiny local model on a loaded machine, far more
+    for a real one), so it is taken only at the end of training, never inside a shutdown window.
+    """
     import jax
 
     from trainer import train_state
@@ -479,11 +506,13 @@ def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord) -> NoRetur
     done = last.step - max(w.args.restore_step, 0) - 1
     if done > 0 and elapsed > 0:
         w.report.steps_per_second = done / elapsed
-    w.report.params_digest = train_state.params_digest(stepper.state["params"])
     code = ExitCode.PREEMPTED if last.stop_agreed else ExitCode.OK
-    log.info("step %d reached; params digest %s", last.step, w.report.params_digest[:16])
+    if code == ExitCode.OK:
+        w.report.params_digest = train_state.params_digest(stepper.state["params"])
+        log.info("step %d reached; params digest %s", last.step, w.report.params_digest[:16])
     w.exit.write_report(code)
-    ckpt.close()
+    if not abandoned:
+        ckpt.close()
     # Leave together: process 0 hosts the coordination service and must not go first.
     w.exit.exiting = int(code)
     with contextlib.suppress(Exception):

@@ -222,3 +222,119 @@ def task_problems(
             "checkpoint): restore the files, or set data.resume_mode: reshuffle to start a new order over them"
         )
     return out
+
+
+# --- the save on SIGTERM ---------------------------------------------------------------------------
+
+EXIT_MARGIN_S = 1.0
+"""Seconds of the shutdown window kept for leaving after the save: the exit report (one small document),
+closing the checkpoint manager and JAX's distributed shutdown barrier, which every process reaches
+together (measured locally under load: 0.05 s from the last commit to the exit). A save is budgeted
+on the window minus this."""
+
+SAVE_SAFETY_FACTOR = 1.5
+"""A save is started only when its estimate times this fits the budget left: a save's duration varies
+with the store's latency and the host's load, and a save cut by the kill is lost work and a lost exit
+report, while a skipped one costs only the steps since the last checkpoint."""
+
+_STOP_FLAG_MAX = 2**31 - 1
+
+
+def stop_flag(sigterm_age_s: float | None) -> int:
+    """The stop flag of a process for the next step: 0, or 1 + milliseconds since its SIGTERM.
+
+    The step reduces the flags with a max, so every process learns, with the agreement itself, how long
+    ago the gang's first SIGTERM arrived (each process measures on its own clock: no clocks are compared).
+    """
+    if sigterm_age_s is None:
+        return 0
+    return min(1 + max(0, int(sigterm_age_s * 1000)), _STOP_FLAG_MAX)
+
+
+def sigterm_age(flag: int) -> float | None:
+    """Seconds since the gang's first SIGTERM, read from a reduced stop flag (None: no stop)."""
+    return None if flag <= 0 else (flag - 1) / 1000
+
+
+class PreemptionAction(StrEnum):
+    """What the gang does with its state once a SIGTERM stop is agreed."""
+
+    SAVE = "save"  # (wait for the save in flight, then) save the agreed step and commit it
+    FINISH_IN_FLIGHT = "finish-in-flight"  # commit the interval save in flight; do not start another
+    EXIT = "exit"  # leave at once: no save started, a save in flight is abandoned (never restored)
+
+
+@dataclass(frozen=True)
+class PreemptionPlan:
+    """One decision over the save on SIGTERM, with what it was decided from."""
+
+    action: PreemptionAction
+    reason: str
+    budget_s: float
+    elapsed_s: float
+    estimate_s: float | None
+    in_flight: bool
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as a JSON object (what process 0 publishes to the others)."""
+        return {"action": self.action.value, "reason": self.reason, "budget_s": self.budget_s,
+                "elapsed_s": self.elapsed_s, "estimate_s": self.estimate_s, "in_flight": self.in_flight}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PreemptionPlan:
+        """The plan ``to_json`` wrote."""
+        return cls(PreemptionAction(d["action"]), str(d["reason"]), float(d["budget_s"]), float(d["elapsed_s"]),
+                   None if d["estimate_s"] is None else float(d["estimate_s"]), bool(d["in_flight"]))  # fmt: skip
+
+
+def save_budget(window_s: float) -> float:
+    """Seconds a save may take after SIGTERM: the shutdown window minus the exit margin (never negative)."""
+    return max(0.0, window_s - EXIT_MARGIN_S)
+
+
+def preemption_plan(
+    *, budget_s: float, elapsed_s: float, estimate_s: float | None, save_in_flight: bool
+) -> PreemptionPlan:
+    """Whether the agreed step is saved inside the shutdown window, and what happens to a save in flight.
+
+    A save in flight costs (at most) one more save time before the agreed step's save can start, since
+    saves are taken one at a time. The remaining budget is ``budget_s - elapsed_s``; a save is counted as
+    ``estimate_s * SAVE_SAFETY_FACTOR``.
+
+    With no estimate (a fresh run before its first committed save, or a manifest without
+    ``save_seconds``) the save is attempted while any budget is left: there is nothing saved to fall back
+    to but the run's start, and a save cut by the kill is never restored (orbax commits a step atomically
+    and restore-latest restores only a step with a verified manifest), so trying risks only the exit report.
+
+    Args:
+        budget_s: Save budget after SIGTERM (``save_budget(window)``).
+        elapsed_s: Seconds since the gang's first SIGTERM.
+        estimate_s: Estimated seconds of one save (the newest measured), or None.
+        save_in_flight: An interval save has not committed yet.
+
+    Returns:
+        The plan, with its one-line reason.
+    """
+    left = budget_s - elapsed_s
+
+    def plan(action: PreemptionAction, reason: str) -> PreemptionPlan:
+        return PreemptionPlan(action, reason, budget_s, elapsed_s, estimate_s, save_in_flight)
+
+    if left <= 0:
+        est = "none measured" if estimate_s is None else f"{estimate_s:.2f} s"
+        why = f"no budget left ({elapsed_s:.2f} s since SIGTERM of {budget_s:.2f} s; save estimate {est})"
+        return plan(PreemptionAction.EXIT, why)
+    if estimate_s is None:
+        return plan(PreemptionAction.SAVE, f"no save time measured yet: saving with {left:.2f} s left")
+    need = estimate_s * SAVE_SAFETY_FACTOR
+    if save_in_flight:
+        if 2 * need <= left:
+            return plan(PreemptionAction.SAVE,
+                        f"the save in flight and one more fit: 2 x {need:.2f} s <= {left:.2f} s left")  # fmt: skip
+        if need <= left:
+            why = f"only the save in flight fits: {need:.2f} s <= {left:.2f} s left < 2 x {need:.2f} s"
+            return plan(PreemptionAction.FINISH_IN_FLIGHT, why)
+        return plan(PreemptionAction.EXIT, f"not even the save in flight fits: {need:.2f} s > {left:.2f} s left")
+    if need <= left:
+        return plan(PreemptionAction.SAVE, f"the save fits: {need:.2f} s <= {left:.2f} s left")
+    return plan(PreemptionAction.EXIT, f"the save does not fit: {need:.2f} s > {left:.2f} s left")

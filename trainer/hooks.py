@@ -10,10 +10,10 @@ import time
 from typing import Any
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import WorkerExitReport, WorkerHeartbeat, now
+from recovery_steps.kernel.records import PreemptionSave, WorkerExitReport, WorkerHeartbeat, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.compile_cache import CacheCounter
-from trainer.decisions import Faults, SaveReason, TrainerExit, save_decision
+from trainer.decisions import Faults, PreemptionAction, PreemptionPlan, SaveReason, TrainerExit, save_decision
 from trainer.lifecycle import Watchdog
 from trainer.loop import Stepper, StepRecord
 from trainer.telemetry import Events, WorkerMetrics
@@ -142,13 +142,16 @@ class MetricsHook:
 class CheckpointHook:
     """Saves when ``save_decision`` says so and records each commit (event, gauges, report, watchdog).
 
-    Interval saves are left to complete in the background; a preemption or final save is waited
-    for (commit and manifest) so that exit 0 / 143 always leave a complete last checkpoint.
+    Interval saves are left to complete in the background; a final save is waited for (commit and
+    manifest) so that exit 0 always leaves a complete last checkpoint. A SIGTERM stop saves only what
+    fits the shutdown window, as the gang's ``PreemptionAgreement`` decides: the agreed step (waited
+    for), only the save in flight, or nothing (``abandoned``: leave at once, wait for no save).
     """
 
     def __init__(self, ckpt: Any, stepper: Stepper, *, interval_steps: int, total_steps: int, async_save: bool,
                  restore_step: int, kill_during_save: int | None, events: Events, metrics: WorkerMetrics,
-                 report: WorkerExitReport, watchdog: Watchdog):  # fmt: skip
+                 report: WorkerExitReport, watchdog: Watchdog, agreement: Any = None,
+                 estimate_s: float | None = None):  # fmt: skip
         self.ckpt = ckpt
         self.stepper = stepper
         self.interval_steps = interval_steps
@@ -160,6 +163,10 @@ class CheckpointHook:
         self.metrics = metrics
         self.report = report
         self.watchdog = watchdog
+        self.agreement = agreement
+        # Seconds one save takes: the restored checkpoint's save_seconds first, then each commit's own.
+        self.estimate_s = estimate_s
+        self.abandoned = False  # a SIGTERM stop with no save that fits: nothing more is waited for
 
     def on_step(self, rec: StepRecord) -> None:
         """Record a commit seen since the last step, then save if this step is due."""
@@ -170,9 +177,35 @@ class CheckpointHook:
                                stop_agreed=rec.stop_agreed, last_saved=self.last_saved)  # fmt: skip
         if reason is SaveReason.NONE:
             return
+        if reason is SaveReason.PREEMPTION and self.agreement is not None:
+            self.on_preemption(rec)
+            return
         self.save(rec.step)
         if reason in (SaveReason.PREEMPTION, SaveReason.FINAL):
             self.finish()
+
+    def on_preemption(self, rec: StepRecord) -> None:
+        """Carry out the gang's plan for the SIGTERM stop agreed at ``rec`` and record it in the exit report."""
+        in_flight = self.ckpt.pending is not None
+        plan = self.agreement.decide(rec.step, rec.sigterm_age_s or 0.0, self.estimate_s, in_flight)
+        self.note_plan(plan)
+        self.events.emit("preemption_plan", rec.step, reason=f"{plan.action.value}: {plan.reason}")
+        if plan.action is PreemptionAction.SAVE:
+            self.save(rec.step)
+            self.finish()
+            self.report.preemption_save = PreemptionSave.SAVED
+        elif plan.action is PreemptionAction.FINISH_IN_FLIGHT:
+            self.finish()
+            self.report.preemption_save = PreemptionSave.IN_FLIGHT_ONLY
+        else:
+            self.abandoned = True
+            self.report.preemption_save = PreemptionSave.SKIPPED
+
+    def note_plan(self, plan: PreemptionPlan) -> None:
+        """Copy what the plan was decided from into the exit report."""
+        r = self.report
+        r.preemption_reason, r.preemption_budget_s, r.preemption_elapsed_s = plan.reason, plan.budget_s, plan.elapsed_s
+        r.preemption_estimate_s, r.preemption_in_flight = plan.estimate_s, plan.in_flight
 
     def save(self, step: int) -> None:
         """Start saving ``step`` (after recording the previous save's commit)."""
@@ -206,6 +239,8 @@ class CheckpointHook:
         # after a commit would otherwise leave the previous checkpoint's age on its endpoint.
         self.metrics.set("jaxrec_checkpoint_age_seconds", now() - c.last_commit_time if c.last_commit_time else 0.0)
         self.report.last_checkpoint_step = committed
+        if c.last_duration is not None:
+            self.estimate_s = c.last_duration
         self.watchdog.touch()
 
 

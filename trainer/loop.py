@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recovery_steps.kernel.records import now
+from trainer.decisions import sigterm_age
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class StepRecord:
     finished_at: float = 0.0  # wall clock when its loss was on the host
     first: bool = False  # the first step of this worker (its time includes compilation)
     stop_agreed: bool = False  # every process agreed, inside this step, to stop after it
+    sigterm_age_s: float | None = None  # with a stop: seconds since the gang's first SIGTERM, now
     last: bool = False  # the final step of training
 
     @property
@@ -82,8 +84,12 @@ class Stepper:
         self.compiled = compiled
         self._checked = False
 
-    def __call__(self, stop_requested: bool) -> tuple[float, bool]:
-        """Run one step on the next global batch; return its loss and whether every process agreed to stop."""
+    def __call__(self, stop_requested: int) -> tuple[float, int]:
+        """Run one step on the next global batch; return its loss and the reduced stop flag (0: no stop).
+
+        ``stop_requested`` is this process's flag (``decisions.stop_flag``); the step returns the max
+        over every process.
+        """
         from trainer import train_state
 
         batch = train_state.global_batch(self.tr, next(self.data_iter), self.process_count)
@@ -104,19 +110,21 @@ class Stepper:
             return float(loss), bool(int(stop))
         self._checked = True
         self.state, loss, stop = self.compiled(self.state, batch, flags)
-        return float(loss), bool(int(stop))
+        return float(loss), int(stop)
 
 
 def training_steps(
-    run_step: Callable[[bool], tuple[float, bool]],
+    run_step: Callable[[int], tuple[float, int]],
     start_step: int,
     total_steps: int,
-    stop_requested: Callable[[], bool],
+    stop_requested: Callable[[], int],
     hooks: Hooks,
 ) -> Iterator[StepRecord]:
     """Run steps ``start_step + 1 .. total_steps`` (or until a stop is agreed), yielding each one's record.
 
-    The caller runs ``hooks.run(record)`` on each record; the before-step hooks run here.
+    The caller runs ``hooks.run(record)`` on each record; the before-step hooks run here. A stop flag is
+    0 (no stop) or 1 + milliseconds since SIGTERM when the step was started (``decisions.stop_flag``); a
+    bool counts as a flag of age 0.
     """
     step = start_step
     while step < total_steps:
@@ -124,7 +132,10 @@ def training_steps(
         t0 = now()
         loss, stop = run_step(stop_requested())
         step += 1
-        yield StepRecord(step, loss, t0, now(), first=step == start_step + 1, stop_agreed=stop,
+        t1 = now()
+        age = sigterm_age(int(stop))
+        yield StepRecord(step, loss, t0, t1, first=step == start_step + 1, stop_agreed=bool(stop),
+                         sigterm_age_s=None if age is None else age + (t1 - t0),
                          last=step >= total_steps)  # fmt: skip
         if stop:
             return

@@ -122,8 +122,8 @@ def global_batch(tr: Trainer, local: Any, process_count: int) -> Any:
     return jax.tree.map(one, local)
 
 
-def stop_flags(tr: Trainer, stop: bool) -> jax.Array:
-    """One flag per device of the mesh, this process's devices set to its own stop request."""
+def stop_flags(tr: Trainer, stop: int) -> jax.Array:
+    """One flag per device of the mesh, this process's devices set to its own stop flag (0: no stop)."""
     n_local = len(tr.mesh.local_devices)
     return jax.make_array_from_process_local_data(
         tr.batch_sharding, np.full((n_local,), int(stop), np.int32), (tr.mesh.size,)

@@ -22,8 +22,6 @@ REPLICATED_JOB = "workers"
 CONTAINER = "trainer"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 COMPLETION_INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-# GKE gives Spot and preempted TPU VMs 30 s between SIGTERM and the kill; the trainer saves within it.
-TERMINATION_GRACE_S = 30
 
 
 def pod_failure_policy() -> dict[str, Any]:
@@ -100,7 +98,9 @@ def jobset_manifest(
         # The workers' own account: no Kubernetes API access, only the bucket through Workload Identity.
         "serviceAccountName": cfg.worker_service_account,
         "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        # SIGTERM to SIGKILL when the pod is deleted (JobSet teardown, eviction); a node shutdown may give less
+        # (slice.shutdown_window_s, which the trainer budgets its save on; GKE docs "Spot VMs").
+        "terminationGracePeriodSeconds": sl.termination_grace_s,
         "containers": [container],
     }
     jobset_meta: dict[str, Any] = {"name": name, "namespace": cfg.namespace, "labels": labels}

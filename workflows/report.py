@@ -9,7 +9,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.records import Incident, Ledger, LocalSummary, parse_event_line
+from recovery_steps.kernel.documents import read_worker_reports
+from recovery_steps.kernel.records import (
+    Incident,
+    Ledger,
+    LocalSummary,
+    PreemptionSave,
+    WorkerExitReport,
+    parse_event_line,
+)
 from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.kernel.totals import CATEGORIES, CATEGORY_HELP, Goodput, goodput, incident_badput
 
@@ -124,6 +132,21 @@ def goodput_lines(g: Goodput) -> str:
     return "\n".join(lines)
 
 
+def preemption_line(attempt: int, reports: Sequence[WorkerExitReport]) -> str | None:
+    """What the gang of ``attempt`` did with its state on SIGTERM, from the deciding worker's report (None: no stop).
+
+    Process 0 decides for the gang; its report is shown (another's when process 0 left none).
+    """
+    stopped = [r for r in reports if r.preemption_save != PreemptionSave.NONE]
+    if not stopped:
+        return None
+    r = min(stopped, key=lambda r: r.process_index)
+    est = "none measured" if r.preemption_estimate_s is None else f"{r.preemption_estimate_s:.2f} s"
+    budget = "?" if r.preemption_budget_s is None else f"{r.preemption_budget_s:.2f} s"
+    return (f"attempt {attempt}: SIGTERM stop after step {r.last_step}: {r.preemption_save.value} "
+            f"(budget {budget}, save estimate {est}; {r.preemption_reason})")  # fmt: skip
+
+
 def incident_badput_table(incidents: Sequence[Incident]) -> str:
     """Each incident's lost time by category (seconds, on the incident record's clock)."""
     cats = ("detection", "waiting_for_resources", "startup_and_restore", "compilation", "recomputed", "total")
@@ -221,6 +244,10 @@ def run(target: str, *, say: Callable[[str], None] = print) -> list[str]:
     if summary is not None and summary.params_match_reference is not None:
         say(f"final parameters equal the reference run: {summary.params_match_reference}")
     say(incident_table(incidents) if incidents else "no incidents")
+    for n in store.attempts():
+        line = preemption_line(n, read_worker_reports(store, n)[0])
+        if line:
+            say(line)
     if incidents:
         say(incident_badput_table(incidents))
     if events:

@@ -43,6 +43,8 @@ RULES: tuple[Rule, ...] = (
     Rule("slice.on_scheduled_maintenance", True, "a provisioning policy only"),
     Rule("slice.worker_cpu", True, "a pod request only; the slice shape is unchanged"),
     Rule("slice.worker_memory_gib", True, "a pod request only; the slice shape is unchanged"),
+    Rule("slice.termination_grace_s", True, "a timeout: the pod's SIGTERM-to-SIGKILL grace; the state is the same"),
+    Rule("slice.shutdown_window_s", True, "a timeout: the save budget on SIGTERM; the state is the same"),
     Rule("slice.accelerator", False, "another chip changes numerics, memory layout and the device count"),
     Rule("slice.topology", False, _RESHARD),
     Rule("slice.hosts", False, _RESHARD),

@@ -52,6 +52,9 @@ def run_id_problem(value: str) -> str | None:
     )
 
 
+MAX_TERMINATION_GRACE_S = 3600
+"""Longest pod grace accepted: GKE's node shutdown gives at most 120 s; a deleted pod waits its full grace."""
+
 INT_MAX = 2**31 - 1
 """Largest integer any config field takes: steps, seeds and counters live in int32 arrays or Argo parameters."""
 
@@ -113,6 +116,23 @@ class SliceConfig(_Section):
     worker_memory_gib: float | None = Field(
         default=None, gt=0, description="Memory request of each worker pod in GiB (TPU only; default: 80% of the VM)."
     )
+    termination_grace_s: int = Field(
+        default=30,
+        ge=1,
+        le=MAX_TERMINATION_GRACE_S,
+        description="terminationGracePeriodSeconds of each worker pod: SIGTERM to SIGKILL when the pod is deleted "
+        "(JobSet teardown, eviction). GKE Spot VMs get a 30 s preemption notice; host errors and auto-repair give "
+        "no graceful shutdown at all (GKE docs 'Spot VMs', 'Handle disruption for GPU and TPU nodes').",
+    )
+    shutdown_window_s: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TERMINATION_GRACE_S,
+        description="Seconds the node really gives a worker between SIGTERM and the kill on a node shutdown "
+        "(unset: termination_grace_s). On Spot, non-system pods get the first 15 s of the 30 s notice unless "
+        "graceful node shutdown is configured longer (GKE >= 1.35 node system config, up to 120 s). The trainer "
+        "saves on SIGTERM only when its measured save time fits this window.",
+    )
 
     @field_validator("reservation")
     @classmethod
@@ -121,6 +141,24 @@ class SliceConfig(_Section):
         if v is not None and not re.match(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$", v):
             raise ValueError(f"{_short(v)} is not a reservation name; use 1-63 lowercase letters, digits and '-'")
         return v
+
+    @model_validator(mode="after")
+    def _check_shutdown_window(self) -> SliceConfig:
+        w = self.shutdown_window_s
+        if w is not None and w > self.termination_grace_s:
+            # The kubelet kills the container after the pod's grace period whatever the node would allow
+            # (Kubernetes docs "Graceful node shutdown": pods get min(their grace, the node's period)).
+            raise ValueError(
+                f"slice.shutdown_window_s: {w} exceeds slice.termination_grace_s {self.termination_grace_s}; "
+                "the pod is killed after its grace period whatever the node gives: make it at most "
+                f"{self.termination_grace_s} or raise termination_grace_s"
+            )
+        return self
+
+    @property
+    def preemption_window_s(self) -> int:
+        """Seconds between SIGTERM and the kill a worker can count on (the node's window, else the pod's grace)."""
+        return self.termination_grace_s if self.shutdown_window_s is None else self.shutdown_window_s
 
     @model_validator(mode="after")
     def _check_shape(self) -> SliceConfig:

@@ -135,7 +135,7 @@ EXIT_CODES: tuple[ExitCodeInfo, ...] = (
     ),
     ExitCodeInfo(
         ExitCode.PREEMPTED,
-        "SIGTERM received; state saved at the current step, then exited",
+        "SIGTERM received; state saved at the agreed step when the save fits the shutdown window, then exited",
         FailureClass.PREEMPTION,
         "FailJob",
     ),

@@ -8,6 +8,7 @@ elsewhere (``classify``, ``verify``, ``retry``).
 
 from __future__ import annotations
 
+import enum
 import signal
 import time
 from typing import Any
@@ -33,6 +34,15 @@ class RunConfigDocument(_Record):
 
     config: dict[str, Any] = Field(description="Every field of the JobConfig, as JSON.")
     hash: str = Field(description="JobConfig.config_hash() of ``config``.")
+
+
+class PreemptionSave(enum.StrEnum):
+    """What a worker did with its state after a SIGTERM stop (the exit report's ``preemption_save``)."""
+
+    SAVED = "saved"  # the agreed step was saved and committed inside the window
+    IN_FLIGHT_ONLY = "in-flight-only"  # the interval save in flight was committed; the agreed step was not saved
+    SKIPPED = "skipped"  # no save fitted the window: exited at once without starting one
+    NONE = "none"  # not stopped by SIGTERM (or stopped before any decision was made)
 
 
 class WorkerExitReport(_Record):
@@ -68,7 +78,26 @@ class WorkerExitReport(_Record):
     compile_cache_hits: int | None = Field(default=None, description="Of those, the ones the cache answered.")
     peak_rss_mib: float | None = Field(default=None, description="Peak resident set size of the worker, MiB.")
     params_digest: str | None = Field(
-        default=None, description="sha256 of the final parameters (exits 0 and 143): resumes compare it."
+        default=None, description="sha256 of the final parameters (exit 0): resumes compare it."
+    )
+    preemption_save: PreemptionSave = Field(
+        default=PreemptionSave.NONE,
+        description="After a SIGTERM stop: saved, in-flight-only, skipped (no save fitted the window) or none.",
+    )
+    preemption_reason: str | None = Field(
+        default=None, description="One line: why that was decided (estimate against the budget left)."
+    )
+    preemption_budget_s: float | None = Field(
+        default=None, description="Save budget: the shutdown window minus the exit margin (seconds)."
+    )
+    preemption_elapsed_s: float | None = Field(
+        default=None, description="Seconds from the gang's first SIGTERM to the decision."
+    )
+    preemption_estimate_s: float | None = Field(
+        default=None, description="Estimated save time used (newest measured save; None: none measured yet)."
+    )
+    preemption_in_flight: bool | None = Field(
+        default=None, description="An interval save was still in flight when the stop was agreed."
     )
 
 
@@ -338,7 +367,7 @@ class WorkerEvent(_Record):
     process_index: int
     step: int | None = None
     code: int | None = Field(default=None, description="exit: the exit code.")
-    reason: str | None = Field(default=None, description="exit: why.")
+    reason: str | None = Field(default=None, description="exit: why; preemption_plan: the action and why.")
     process_count: int | None = Field(default=None, description="initialized: processes in the gang.")
     devices: int | None = Field(default=None, description="initialized: devices in the gang.")
     restore_step: int | None = Field(default=None, description="restored: the step restored (-1: fresh).")

@@ -3,7 +3,8 @@
 Container templates run the same command with ``python`` mapped to this interpreter and ``/tmp/outputs``,
 ``/tmp/inputs`` mapped to a folder per node. The JobSet runs ``parallelism`` worker processes with the
 environment a pod would get, and keeps JobSet's semantics: the first failed worker fails the set and
-the others are stopped (SIGTERM, a grace period, then SIGKILL).
+the others are stopped (SIGTERM, the pod's ``terminationGracePeriodSeconds``, then SIGKILL, as the kubelet
+does when a pod is deleted: Kubernetes docs "Pod Lifecycle", termination of pods).
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ class LocalSlice:
     command: list[str]
     cwd: str
     log_dir: Path
+    # SIGTERM to SIGKILL when the slice is stopped: the pod spec's terminationGracePeriodSeconds.
+    grace_seconds: float = 30.0
     workers: list[WorkerProc] = field(default_factory=list)
     first_failure_index: int | None = None
     ended_at: float | None = None
@@ -231,7 +234,7 @@ class LocalExecutor:
         hooks: SliceHooks | None = None,
         events_dir: Path | None = None,
         write_slice_record: Callable[[str, str, int, dict[str, Any]], None] | None = None,
-        grace_seconds: float = 3.0,
+        grace_seconds: float | None = None,
     ):
         self.repo_root = repo_root
         self.work_dir = work_dir
@@ -239,6 +242,7 @@ class LocalExecutor:
         self.hooks = hooks or SliceHooks()
         self.events_dir = events_dir or (work_dir / "events")
         self.write_slice_record = write_slice_record
+        # None: each JobSet's own terminationGracePeriodSeconds (a number overrides it, for benchmarks).
         self.grace_seconds = grace_seconds
         self._procs: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
@@ -522,7 +526,7 @@ class LocalExecutor:
                     say(f"force-deleting pod {pod_name(sl.jobset, w.index)}: its host is lost")
                     forced.append(pod_name(sl.jobset, w.index))
                     sl.signal_worker(w.index, signal.SIGKILL)
-                elif w.index not in sl.lost and t - started >= self.grace_seconds:
+                elif w.index not in sl.lost and t - started >= sl.grace_seconds:
                     sl.signal_worker(w.index, signal.SIGKILL)
             self._poll_exits(sl)
             time.sleep(0.05)
@@ -573,6 +577,9 @@ class LocalExecutor:
         attempt = int(_arg_value(command, "--attempt") or node.attempt or 0)
         log_dir = self.work_dir / "logs" / f"attempt-{attempt}"
         sl = LocalSlice(name, attempt, command, str(self.repo_root), log_dir)
+        # The kubelet's default grace is 30 s when the pod spec names none (Kubernetes API PodSpec).
+        grace = pod_spec.get("terminationGracePeriodSeconds", 30)
+        sl.grace_seconds = float(grace if self.grace_seconds is None else self.grace_seconds)
         port = free_port()
         extra = self.hooks.extra_env(attempt)
         for i in range(n):
@@ -613,7 +620,7 @@ class LocalExecutor:
                     if rc != 0 and sl.first_failure_index is None:
                         w.first_failure = True
                         sl.first_failure_index = w.index
-                        stop_deadline = now() + self.grace_seconds
+                        stop_deadline = now() + sl.grace_seconds
                         for o in sl.workers:
                             if o.returncode is None and o.proc.poll() is None:
                                 o.stopped_by_jobset = True

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 SCENARIOS = {
     "kill-worker": "SIGKILL one non-zero worker at STEP",
     "restart-worker": "kill one worker and start it again alone (it cannot rejoin: the gang fails and recovers)",
-    "preempt": "SIGTERM every worker at STEP (graceful: state saved, no step lost)",
+    "preempt": "SIGTERM every worker at STEP, SIGKILL after the shutdown window (saved if it fits: no step lost)",
     "freeze-worker": "SIGSTOP one worker at STEP (peers notice through heartbeats or the watchdog)",
     "delete-workflow": "stop the whole local run at STEP and start it again with the same run id",
     "corrupt-latest": "after a failure, damage the newest checkpoint (a kill at STEP unless another fault is given)",
@@ -122,6 +122,8 @@ class Injector(SliceHooks):
         self._first_attempt: int | None = None
         self._slices_seen = 0
         self.corrupted: list[str] = []
+        # Preempted slices and when their node's shutdown window ends (the kill after the notice).
+        self._kill_at: list[tuple[LocalSlice, float]] = []
 
     @property
     def fired(self) -> list[Injected]:
@@ -170,6 +172,12 @@ class Injector(SliceHooks):
     def on_tick(self, sl: LocalSlice) -> None:
         """Fire the step-triggered scenarios once a worker of this slice has reached their step."""
         self.events.poll()
+        for preempted, at in self._kill_at:
+            if preempted is sl and now() >= at:
+                for w in sl.workers:
+                    if w.returncode is None and w.proc is not None and w.proc.poll() is None:
+                        self.say(f"inject: shutdown window over: SIGKILL worker {w.index}")
+                        sl.signal_worker(w.index, signal.SIGKILL)
         pending = [i for i in self.injections if i.scenario in _WATCHED and not i.fired]
         if not pending or sl.first_failure_index is not None:
             return
@@ -195,9 +203,13 @@ class Injector(SliceHooks):
             self.say(f"inject: kill worker {victim} at step {step} and start it again alone")
             sl.restart(victim)
         elif inj.scenario == "preempt":
-            self.say(f"inject: SIGTERM to every worker at step {step} (preemption notice)")
+            window = self._shutdown_window()
+            self.say(f"inject: SIGTERM to every worker at step {step} (preemption notice; killed after {window} s)")
             for w in sl.workers:
                 sl.signal_worker(w.index, signal.SIGTERM)
+            # The node goes away at the end of its shutdown window, whatever the pods' grace says
+            # (GKE docs "Spot VMs": the notice is 30 s, non-system pods get its first 15 s by default).
+            self._kill_at.append((sl, at + window))
         elif inj.scenario == "freeze-worker":
             self.say(f"inject: SIGSTOP worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
             sl.signal_worker(victim, signal.SIGSTOP)
@@ -212,6 +224,16 @@ class Injector(SliceHooks):
             self.say(f"inject: delete the whole local run at step {step}; it starts again with the same run id")
             if self.on_delete is not None:
                 self.on_delete()
+
+    def _shutdown_window(self) -> float:
+        """The run's ``slice.preemption_window_s`` (30 s, the Spot notice, when the config cannot be read)."""
+        from recovery_steps.kernel.documents import read_run_config
+
+        try:
+            return float(read_run_config(self.store()).slice.preemption_window_s)
+        except Exception as e:  # noqa: BLE001 - the rehearsal goes on with the Spot default
+            log.warning("preempt: cannot read the run config (%s); assuming a 30 s window", e)
+            return 30.0
 
     def after_slice(self, sl: LocalSlice, phase: str) -> None:
         """Note the trainer-side faults; ``corrupt-latest``: damage the newest checkpoint after a failure."""

@@ -208,7 +208,7 @@ def run(
     metrics_port: int | None = 0,
     parameters: dict[str, str] | None = None,
     report: bool = True,
-    grace_seconds: float = 3.0,
+    grace_seconds: float | None = None,
     store_outages: Sequence[str] = (),
     say: Callable[[str], None] = print,
 ) -> LocalRunResult:
@@ -225,7 +225,8 @@ def run(
         metrics_port: Port of the run metrics server (0: any free port; None: no server).
         parameters: Workflow parameters to set, as ``argo submit -p NAME=VALUE`` would.
         report: Print the incident table and draw the timeline at the end.
-        grace_seconds: SIGTERM-to-SIGKILL grace when the local JobSet stops its workers.
+        grace_seconds: SIGTERM-to-SIGKILL grace when the local JobSet stops its workers (default: the
+            manifest's ``terminationGracePeriodSeconds``, as on the cluster).
         store_outages: ``TEMPLATE=SECONDS``: the store answers 503 for that long from the start of the
             template's first node (needs ``gcs_emulator``; steps reach the emulator through ``OutageProxy``).
         say: Where progress lines go.
@@ -324,7 +325,7 @@ def _run_once(
     injections: list,
     base_env: dict[str, str],
     metrics_port: int | None,
-    grace_seconds: float,
+    grace_seconds: float | None,
     say: Callable[[str], None],
     *,
     outages: OutagePlan | None = None,

@@ -1,0 +1,84 @@
+"""The save on SIGTERM, decided once for the gang: process 0 plans, the others read its plan.
+
+orbax's save is collective (barriers across every process): a process that saves while another exits
+waits in a barrier until the kill. So the plan (``decisions.preemption_plan``) is made by process 0
+alone and published in the JAX distributed runtime's key-value store, the coordination service every
+worker already talks to (orbax's own multihost utilities use it the same way:
+``orbax/checkpoint/_src/multihost/multihost.py``, ``key_value_set`` / ``key_value_dir_get``). Nothing is
+compiled and no collective runs on the devices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from trainer.decisions import PreemptionAction, PreemptionPlan, preemption_plan, save_budget
+
+log = logging.getLogger("trainer")
+
+AGREEMENT_MIN_WAIT_S = 0.5
+"""Shortest wait for process 0's plan: it is published within milliseconds of the agreed step, so even
+with no budget left a follower waits this long rather than leave alone while process 0 might be saving."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def distributed_client() -> Any:
+    """The JAX distributed runtime client of this process (None before ``jax.distributed.initialize``)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+class PreemptionAgreement:
+    """One plan per agreed stop, made by process 0 and followed by every process.
+
+    Args:
+        attempt: The attempt number (names the key, so a later attempt never reads an old plan).
+        process_index: This process's index; process 0 plans.
+        window_s: The shutdown window the node gives (``SliceConfig.preemption_window_s``).
+        client: The key-value store (``distributed_client()``); None for a gang of one process.
+    """
+
+    def __init__(self, attempt: int, process_index: int, window_s: float, client: Any):
+        self.attempt = attempt
+        self.process_index = process_index
+        self.budget_s = save_budget(window_s)
+        self.client = client
+
+    def key(self, step: int) -> str:
+        """The key of the plan for a stop agreed at ``step``."""
+        return f"jaxrec/preemption/attempt-{self.attempt}/step-{step}"
+
+    def decide(self, step: int, elapsed_s: float, estimate_s: float | None, save_in_flight: bool) -> PreemptionPlan:
+        """The gang's plan for the stop agreed at ``step`` (process 0 decides and publishes; others wait for it).
+
+        A follower waits at most the budget left (at least ``AGREEMENT_MIN_WAIT_S``); without a plan by
+        then it leaves without saving, as does process 0 when it cannot publish its plan.
+        """
+        if self.process_index == 0:
+            plan = preemption_plan(budget_s=self.budget_s, elapsed_s=elapsed_s, estimate_s=estimate_s,
+                                   save_in_flight=save_in_flight)  # fmt: skip
+            if self.client is not None:
+                try:
+                    self.client.key_value_set(self.key(step), json.dumps(plan.to_json()))
+                except Exception as e:  # noqa: BLE001 - the others cannot hear us: nobody may start a save
+                    plan = PreemptionPlan(PreemptionAction.EXIT, f"could not publish the plan ({_first_line(e)})",
+                                          plan.budget_s, elapsed_s, estimate_s, save_in_flight)  # fmt: skip
+            log.info("preemption at step %d: %s (%s)", step, plan.action.value, plan.reason)
+            return plan
+        wait_s = max(self.budget_s - elapsed_s, AGREEMENT_MIN_WAIT_S)
+        try:
+            raw = self.client.blocking_key_value_get(self.key(step), int(wait_s * 1000))
+            plan = PreemptionPlan.from_json(json.loads(raw))
+        except Exception as e:  # noqa: BLE001 - no plan: leaving is the one choice that cannot hang the gang
+            plan = PreemptionPlan(PreemptionAction.EXIT,
+                                  f"no plan from process 0 within {wait_s:.2f} s ({_first_line(e)})",
+                                  self.budget_s, elapsed_s, estimate_s, save_in_flight)  # fmt: skip
+        log.info("preemption at step %d: %s, as process 0 decided (%s)", step, plan.action.value, plan.reason)
+        return plan
