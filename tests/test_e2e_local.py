@@ -92,7 +92,7 @@ def test_worker_failures_recover_bit_identically(e2e_workflow, reference, scenar
     inc = res.incidents[0]
     assert inc.compile_seconds is not None and 0 < inc.compile_overlap_seconds <= inc.compile_seconds, inc
     reports = [store.read_json(RunLayout.worker_report(1, i)) for i in range(HOSTS)]
-    assert all(r["compile_seconds"] is not None and r["restore_step"] >= 0 for r in reports), reports
+    assert all(r["compile_seconds"] is not None for r in reports), reports
 
 
 def test_preempt_loses_no_step(e2e_workflow, reference):

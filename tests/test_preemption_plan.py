@@ -7,12 +7,14 @@ import pytest
 from trainer.decisions import (
     EXIT_MARGIN_S,
     SAVE_SAFETY_FACTOR,
+    STUCK_AFTER_SIGTERM_MIN_S,
     PreemptionAction,
     PreemptionPlan,
     preemption_plan,
     save_budget,
     sigterm_age,
     stop_flag,
+    stuck_after_sigterm_s,
 )
 from trainer.loop import Hooks, training_steps
 
@@ -81,3 +83,11 @@ def test_the_step_record_carries_the_age_of_the_sigterm_at_the_end_of_the_step()
     assert [(r.step, r.stop_agreed) for r in recs] == [(1, False), (2, False), (3, True)]
     assert recs[0].sigterm_age_s is None and recs[1].sigterm_age_s is None
     assert recs[2].sigterm_age_s == pytest.approx(0.5 + recs[2].seconds)
+
+
+@pytest.mark.parametrize(
+    "last_step_seconds, expected",
+    [(None, STUCK_AFTER_SIGTERM_MIN_S), (0.01, STUCK_AFTER_SIGTERM_MIN_S), (2.0, 6.0)],
+)
+def test_a_gang_that_cannot_step_after_sigterm_is_left_after_three_step_times(last_step_seconds, expected):
+    assert stuck_after_sigterm_s(last_step_seconds) == expected

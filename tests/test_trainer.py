@@ -112,6 +112,8 @@ def test_sigterm_saves_the_agreed_step_and_next_attempt_resumes_there(reference,
     store = write_config(cfg)
     gang = launch(cfg, 0, -1, tmp_path)
     gang.wait_for(1, "step", 6)
+    # Process 0 decides from the save time it measured: wait until it has seen the step-5 commit.
+    gang.wait_for(0, "save_committed", 5)
     sent_at_step = gang.last_step(1)
     gang.preempt([1], grace)  # SIGTERM, then SIGKILL after the grace, as the kubelet does
     time.sleep(0.1)

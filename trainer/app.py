@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any, NoReturn
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
-from recovery_steps.kernel.records import CheckpointManifest, WorkerExitReport, now
+from recovery_steps.kernel.records import CheckpointManifest, PreemptionSave, WorkerExitReport, now
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from recovery_steps.kernel.tasks import options_hash
 from trainer import compile_cache
@@ -28,6 +29,7 @@ from trainer.decisions import (
     local_identity,
     parse_faults,
     stop_flag,
+    stuck_after_sigterm_s,
     task_problems,
     topology_problems,
 )
@@ -105,6 +107,19 @@ def _client_shutdown_timeout(shutdown_timeout_s: int):
         jd._jax.get_distributed_runtime_client = orig
 
 
+class StepPace:
+    """Keeps ``Worker.last_step_seconds``: the time between the last two completed steps (pauses included)."""
+
+    def __init__(self, w: Worker):
+        self.w = w
+        self.prev: float | None = None
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Record the interval since the previous step (the first step's own time, compile included)."""
+        self.w.last_step_seconds = rec.seconds if self.prev is None else rec.finished_at - self.prev
+        self.prev = rec.finished_at
+
+
 class Worker:
     """One worker process: its identity, what it reports, and the phases before the loop."""
 
@@ -133,6 +148,8 @@ class Worker:
         self.watchdog: Watchdog | None = None
         self.stop_requested = False
         self.sigterm_at: float | None = None  # time.monotonic() of the first SIGTERM
+        self.last_step_seconds: float | None = None  # wall time of the newest step (the first includes its compile)
+        self.saving: Any = None  # the CheckpointHook, once the loop runs
         self._abort_handler: Any = None
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
@@ -142,7 +159,34 @@ class Worker:
             log.info("SIGTERM: stopping after the next step, saving only if it fits the shutdown window; exit %d",
                      ExitCode.PREEMPTED)  # fmt: skip
             self.events.emit("sigterm", self.report.last_step)
+            threading.Thread(target=self._leave_if_stuck, args=(self.report.last_step,), daemon=True).start()
         self.stop_requested = True
+
+    def _leave_if_stuck(self, step_at_sigterm: int | None) -> None:
+        """Leave at once when no step completes soon after SIGTERM: the stop can never be agreed.
+
+        A gang whose peer died blocks in the step's collective; JobSet then SIGTERMs the survivors, and without
+        this they would sit out the whole grace period (30 s on GKE) until SIGKILL. A save needs every process,
+        so none can happen: leave with the report written. A save running on the training thread is waited for.
+        """
+        wait = stuck_after_sigterm_s(self.last_step_seconds)
+        deadline = time.monotonic() + wait
+        while True:
+            time.sleep(max(0.05, min(0.25, deadline - time.monotonic())))
+            if self.exit.exiting is not None or self.report.last_step != step_at_sigterm:
+                return  # a step completed: the gang agrees on the stop and plans its save
+            if self.saving is not None and self.saving.busy:
+                deadline = time.monotonic() + wait
+                continue
+            if time.monotonic() >= deadline:
+                break
+        r = self.report
+        r.preemption_save = PreemptionSave.SKIPPED
+        r.preemption_reason = (
+            f"no step completed within {wait:.1f} s of SIGTERM (a peer is gone, or the gang is still starting): "
+            "no save is possible without every process"
+        )
+        self.exit.exit_now(ExitCode.PREEMPTED, message=r.preemption_reason)
 
     def stop_flag(self) -> int:
         """The stop flag of this process for the next step (0, or 1 + milliseconds since its SIGTERM)."""
@@ -412,6 +456,8 @@ def _hooks(
     hooks.add(saving.on_step)
     if cfg.training.step_delay_s:
         hooks.add(PaceHook(cfg.training.step_delay_s).on_step)
+    hooks.add(StepPace(w).on_step)
+    w.saving = saving
     return hooks, saving
 
 

@@ -338,3 +338,20 @@ def preemption_plan(
     if need <= left:
         return plan(PreemptionAction.SAVE, f"the save fits: {need:.2f} s <= {left:.2f} s left")
     return plan(PreemptionAction.EXIT, f"the save does not fit: {need:.2f} s > {left:.2f} s left")
+
+
+STUCK_AFTER_SIGTERM_MIN_S = 1.0
+"""Shortest wait for a step after SIGTERM before a worker decides its gang cannot step (local steps take ms)."""
+STUCK_AFTER_SIGTERM_STEPS = 3
+"""Step times to wait: a step that takes three times the last one is not coming (the collective is blocked)."""
+
+
+def stuck_after_sigterm_s(last_step_seconds: float | None) -> float:
+    """Seconds without a completed step after SIGTERM after which the worker leaves without a save (pure).
+
+    Args:
+        last_step_seconds: Wall time of the newest step (None before the first one: nothing to save yet).
+    """
+    if last_step_seconds is None:
+        return STUCK_AFTER_SIGTERM_MIN_S
+    return max(STUCK_AFTER_SIGTERM_MIN_S, STUCK_AFTER_SIGTERM_STEPS * last_step_seconds)

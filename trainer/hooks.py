@@ -167,6 +167,7 @@ class CheckpointHook:
         # Seconds one save takes: the restored checkpoint's save_seconds first, then each commit's own.
         self.estimate_s = estimate_s
         self.abandoned = False  # a SIGTERM stop with no save that fits: nothing more is waited for
+        self.busy = False  # saving or waiting for a commit on the training thread (no step completes meanwhile)
 
     def on_step(self, rec: StepRecord) -> None:
         """Record a commit seen since the last step, then save if this step is due."""
@@ -209,6 +210,13 @@ class CheckpointHook:
 
     def save(self, step: int) -> None:
         """Start saving ``step`` (after recording the previous save's commit)."""
+        self.busy = True
+        try:
+            self._save(step)
+        finally:
+            self.busy = False
+
+    def _save(self, step: int) -> None:
         self.note_commit(self.ckpt.finish_pending())
         kill = self.kill_during_save == step
         self.events.emit("save_started", step)
@@ -223,7 +231,11 @@ class CheckpointHook:
 
     def finish(self) -> None:
         """Wait for the save in flight to commit with its manifest, and record it."""
-        self.note_commit(self.ckpt.finish_pending())
+        self.busy = True
+        try:
+            self.note_commit(self.ckpt.finish_pending())
+        finally:
+            self.busy = False
 
     def note_commit(self, committed: int | None) -> None:
         """Publish a newly committed step."""
