@@ -136,6 +136,7 @@ def test_sigterm_saves_the_agreed_step_and_next_attempt_resumes_there(task, tmp_
     store = write_config(cfg)
     n = cfg.slice.num_hosts
     gang = launch(cfg, 0, -1, tmp_path)
+    gang.wait_for(0, "save_committed", 5)  # its measured duration is the estimate the stop decides by
     gang.wait_for(1, "step", 6)
     # Process 0 decides from the save time it measured: wait until it has seen the step-5 commit.
     gang.wait_for(0, "save_committed", 5)
