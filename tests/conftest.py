@@ -1,10 +1,11 @@
-"""Shared fixtures: a real GCS emulator process, and run-store roots on disk and in the emulator."""
+"""Shared fixtures: a real GCS emulator process, run-store roots on disk and in the emulator, task reference runs."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from local_job import shrunken_workflow
 
 from workflows.local.emulator import GcsEmulator
 
@@ -34,3 +35,19 @@ def store_root(request, tmp_path):
         return str(tmp_path / "store")
     request.getfixturevalue("gcs_emulator")
     return f"gs://{BUCKET}/{request.node.name.replace('[', '-').replace(']', '')}-{os.getpid()}"
+
+
+@pytest.fixture(scope="session")
+def classifier_job(tmp_path_factory):
+    """The example image classifier's shrunken job (2 hosts) and the final params digest of an uninterrupted run.
+
+    Returns ``((workflow, store_root), digest)``, the shape of the lm job's fixtures in test_e2e_local.
+    """
+    from workflows import local
+
+    d = tmp_path_factory.mktemp("classifier-e2e")
+    root = str(d / "store")
+    wf = shrunken_workflow(d, "classifier", store_root=root, config="local-image-classifier.yaml", hosts=2)
+    ref = local.run(wf, run_id="reference", store_root=root, metrics_port=None, report=False, say=lambda _: None)
+    assert ref.status == "Succeeded" and ref.params_digest
+    return (wf, root), ref.params_digest

@@ -28,6 +28,14 @@ def reference(e2e_workflow):
     return res.params_digest
 
 
+@pytest.fixture(params=["lm", "image-classifier"])
+def job(request):
+    """The job of each task and its uninterrupted run's digest: the lm's (4 hosts) or the classifier's (2)."""
+    if request.param == "lm":
+        return request.getfixturevalue("e2e_workflow"), request.getfixturevalue("reference")
+    return request.getfixturevalue("classifier_job")
+
+
 def _run(e2e_workflow, reference, run_id, inject):
     wf, root = e2e_workflow
     lines: list[str] = []
@@ -95,15 +103,15 @@ def test_worker_failures_recover_bit_identically(e2e_workflow, reference, scenar
     assert all(r["compile_seconds"] is not None for r in reports), reports
 
 
-def test_preempt_loses_no_step(e2e_workflow, reference):
-    res, store, out = _run(e2e_workflow, reference, "preempt", ["preempt@8"])
+def test_preempt_loses_no_step(job):
+    res, store, out = _run(*job, "preempt", ["preempt@8"])
     _assert_recovered(res, out, max_lost=0)
     assert res.incidents[0].failure_class == FailureClass.PREEMPTION
     assert res.incidents[0].restored_step == res.incidents[0].pre_failure_step
 
 
-def test_corrupt_latest_falls_back_to_an_older_checkpoint(e2e_workflow, reference):
-    res, store, out = _run(e2e_workflow, reference, "corrupt", ["kill-worker@12", "corrupt-latest"])
+def test_corrupt_latest_falls_back_to_an_older_checkpoint(job):
+    res, store, out = _run(*job, "corrupt", ["kill-worker@12", "corrupt-latest"])
     assert res.status == "Succeeded", out
     assert res.params_match is True
     damaged = res.corrupted

@@ -13,12 +13,16 @@ from workflows import local
 pytestmark = pytest.mark.slow
 
 
-def _reference_and_killed(wf, root: str):
+def _reference(wf, root: str) -> str:
     ref = local.run(wf, run_id="reference", store_root=root, metrics_port=None, report=False, say=lambda _: None)
     assert ref.status == "Succeeded" and ref.params_digest
+    return ref.params_digest
+
+
+def _killed(wf, root: str, reference: str):
     lines: list[str] = []
     res = local.run(wf, inject=["kill-worker"], run_id="killed", store_root=root,
-                    reference_digest=ref.params_digest, metrics_port=0, say=lines.append)  # fmt: skip
+                    reference_digest=reference, metrics_port=0, say=lines.append)  # fmt: skip
     out = "\n".join(lines)
     assert res.status == "Succeeded", out
     assert res.params_match is True, out  # same final parameters as the uninterrupted run
@@ -34,10 +38,9 @@ def _last_manifest(store: RunStore) -> CheckpointManifest:
     return m
 
 
-def test_image_classifier_recovers_from_a_killed_worker_with_the_same_params(tmp_path):
-    wf = shrunken_workflow(tmp_path, "classifier", store_root=str(tmp_path / "store"),
-                           config="local-image-classifier.yaml")  # fmt: skip
-    store = _reference_and_killed(wf, str(tmp_path / "store"))
+def test_image_classifier_recovers_from_a_killed_worker_with_the_same_params(classifier_job):
+    (wf, root), reference = classifier_job  # shared with test_e2e_local's preempt and corruption cases
+    store = _killed(wf, root, reference)
     m = _last_manifest(store)
     assert (m.task_name, m.task_version, m.dataset_version) == ("image-classifier", "1", "quadrant-images-v1")
     assert len(m.task_options_hash) == 64
@@ -52,9 +55,9 @@ def test_lm_on_record_files_recovers_from_a_killed_worker_with_the_same_params(t
     cfg_path.write_text((tmp_path / "writer.yaml").read_text())
     files = write_records.run(str(cfg_path), str(tmp_path / "records"), num_files=3, num_records=300)
     assert len(files) == 3
-    wf = shrunken_workflow(tmp_path, "on-files", store_root=str(tmp_path / "store"),
+    wf = shrunken_workflow(tmp_path, "on-files", store_root=str(tmp_path / "store"), hosts=2,
                            data_section={"dataset": "records", "files": str(tmp_path / "records")})  # fmt: skip
-    store = _reference_and_killed(wf, str(tmp_path / "store"))
+    store = _killed(wf, str(tmp_path / "store"), _reference(wf, str(tmp_path / "store")))
     m = _last_manifest(store)
     assert m.dataset_version == records.fingerprint(records.list_files(str(tmp_path / "records")))
     assert m.task_name == "lm"

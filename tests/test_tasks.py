@@ -118,3 +118,36 @@ def test_records_dataset_needs_files_and_only_then():
         _cfg(data={"dataset": "records"})
     with pytest.raises(ConfigError, match="data.files: only read with dataset: records"):
         _cfg(data={"files": "/tmp/x"})
+
+
+def test_gcs_record_files_are_listed_one_level_deep_copied_by_generation_and_fingerprinted(
+    gcs_emulator, tmp_path, monkeypatch
+):
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    from recovery_steps.kernel.store import make_gcs_client
+    from trainer import records
+
+    examples = [np.full((2,), i, np.int32) for i in range(6)]
+    local = records.write_records(examples, tmp_path / "d", num_files=2)
+    bucket, prefix = "test-bucket", f"listing-{int(time.time() * 1000)}"
+    b = make_gcs_client().bucket(bucket)
+    for p in local:
+        b.blob(f"{prefix}/{p.name}").upload_from_filename(str(p))
+    # An older copy one level down: a gs:// glob's '*' stops at '/', as a local glob's does (and gcloud storage's).
+    b.blob(f"{prefix}/old/{local[0].name}").upload_from_filename(str(local[0]))
+    monkeypatch.setenv("TRAINER_DATA_CACHE", str(tmp_path / "cache"))
+    files = records.list_files(f"gs://{bucket}/{prefix}/*.array_record")
+    assert [f.name for f in files] == [f"gs://{bucket}/{prefix}/{p.name}" for p in local]
+    assert [f.name for f in records.list_files(f"gs://{bucket}/{prefix}/")] == [f.name for f in files]
+    assert [Path(f.local_path).read_bytes() for f in files] == [p.read_bytes() for p in local]
+    ds = records.record_dataset(files)
+    assert [int(ds[i][0]) for i in range(len(ds))] == list(range(6))
+    before = records.fingerprint(files)
+    b.blob(f"{prefix}/{local[1].name}").upload_from_filename(str(local[1]))  # the same bytes, a new generation
+    again = records.list_files(f"gs://{bucket}/{prefix}/*.array_record")
+    assert records.fingerprint(again) != before
+    assert again[1].local_path != files[1].local_path and again[0].local_path == files[0].local_path

@@ -27,9 +27,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_config(root: str, run_id: str = "trainer-test", hosts: int = 4, **sections: dict[str, Any]) -> JobConfig:
-    """A tiny local job: 2 layers, d_model 32, short sequences, fast failure detection."""
-    data: dict[str, Any] = {
+def _tiny_data(root: str, run_id: str, hosts: int) -> dict[str, Any]:
+    return {
         "run_id": run_id,
         "image": "jax-slice-recovery-worker:test",
         "slice": {"accelerator": "local", "hosts": hosts},
@@ -40,9 +39,31 @@ def tiny_config(root: str, run_id: str = "trainer-test", hosts: int = 4, **secti
                      "init_timeout_s": 60, "shutdown_timeout_s": 5},
         "checkpoint": {"interval_steps": 5, "keep": 10, "async_save": True},
     }  # fmt: skip
+
+
+def _parse(data: dict[str, Any], sections: dict[str, dict[str, Any]]) -> JobConfig:
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}
     return parse_config(data)
+
+
+def tiny_config(root: str, run_id: str = "trainer-test", hosts: int = 4, **sections: dict[str, Any]) -> JobConfig:
+    """A tiny local job: 2 layers, d_model 32, short sequences, fast failure detection."""
+    return _parse(_tiny_data(root, run_id, hosts), sections)
+
+
+CLASSIFIER = "examples.image_classifier.task:TASK"
+
+
+def tiny_classifier_config(
+    root: str, run_id: str = "classifier-test", hosts: int = 2, **sections: dict[str, Any]
+) -> JobConfig:
+    """``tiny_config`` with the example image classifier (8x8 images, 4 channels) as the task instead of the lm."""
+    data = _tiny_data(root, run_id, hosts)
+    del data["model"]  # the lm task's options; the classifier's are task.options
+    data["task"] = {"name": CLASSIFIER, "options": {"image_size": 8, "num_classes": 4, "channels": 4}}
+    data["data"]["dataset_version"] = "quadrant-images-v1"
+    return _parse(data, sections)
 
 
 def lm_examples(cfg: JobConfig):

@@ -17,11 +17,11 @@ generation, and read from there.
 
 from __future__ import annotations
 
-import fnmatch
 import glob
 import hashlib
 import io
 import os
+import re
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -103,13 +103,42 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TRAINER_DATA_CACHE") or tempfile.gettempdir()) / "jaxrec-data"
 
 
+def _glob_regex(key_glob: str) -> re.Pattern[str]:
+    """An object-name glob as a regex: ``*`` and ``?`` stay within one ``/`` level, ``**`` crosses levels.
+
+    The same as a local glob and as gcloud storage's wildcards ("Wildcard names" in the Cloud Storage docs);
+    ``fnmatch``'s ``*`` would also match ``/`` and read the files of every folder below.
+    """
+    out, i, n = [], 0, len(key_glob)
+    while i < n:
+        c = key_glob[i]
+        if key_glob.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and (end := key_glob.find("]", i + 2)) != -1:
+            body = key_glob[i + 1 : end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
+            i = end + 1
+            continue
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out))
+
+
 def _list_gcs(pattern: str) -> list[RecordFile]:
     bucket, key_glob = split_gcs_url(pattern)
     prefix = key_glob.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0]
     client = make_gcs_client()
     out = []
+    match = _glob_regex(key_glob).fullmatch
     for blob in sorted(client.list_blobs(bucket, prefix=prefix), key=lambda b: b.name):
-        if not fnmatch.fnmatchcase(blob.name, key_glob):
+        if not match(blob.name):
             continue
         name = f"gs://{bucket}/{blob.name}"
         local = _cache_dir() / bucket / f"{blob.name}.g{blob.generation}"
