@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 from local_job import shrunken_workflow
@@ -10,6 +11,11 @@ from local_job import shrunken_workflow
 from workflows.local.emulator import GcsEmulator
 
 BUCKET = "test-bucket"
+
+# One compilation cache for every job this session starts (workers inherit it through the config): each
+# program shape compiles cold once, not once per test. A fresh folder per session, so no run is warmed by
+# an earlier session.
+os.environ.setdefault("JAXREC_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxrec-test-compile-cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ trainer's own tests run four. Two halve each attempt's start-up on a 2-core mach
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,10 @@ def shrunken_workflow(
     data["data"].update(data_section or {})
     data["training"].update(total_steps=TOTAL, heartbeat_timeout_s=3, hang_timeout_s=20, compile_grace_s=90)
     data["training"].update(training)
+    if os.environ.get("JAXREC_TEST_COMPILE_CACHE"):  # the session's shared cache (tests/conftest.py)
+        data["training"].setdefault("compilation_cache_dir", os.environ["JAXREC_TEST_COMPILE_CACHE"])
+    # The supervisor's no-progress deadline: steps here take milliseconds, heartbeats come every second.
+    data.setdefault("supervision", {})["hang_timeout_s"] = 8
     data["checkpoint"].update(interval_steps=INTERVAL, keep=3)
     data["retry"].update(default_backoff={"base_s": 0, "factor": 1, "max_s": 0}, no_progress_attempts=3)
     data["retry"].update(retry_section or {})

@@ -255,7 +255,7 @@ def test_injected_hang_exits_21_by_the_watchdog(tmp_path):
 
 
 def test_every_process_of_a_restarted_gang_reads_the_compilation_cache(tmp_path):
-    cfg = tiny_config(str(tmp_path / "store"), run_id="cache", hosts=2,
+    cfg = tiny_config(str(tmp_path / "store"), run_id="cache", hosts=2, share_compile_cache=False,
                       training={"total_steps": 3, "compile_grace_s": 600},
                       checkpoint={"interval_steps": 3})  # fmt: skip
     store = write_config(cfg)

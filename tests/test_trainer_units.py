@@ -169,11 +169,11 @@ def test_compilation_cache_is_on_by_default_under_the_run_store(tmp_path):
     from recovery_steps.kernel.store import RunStore
     from trainer.compile_cache import cache_dir
 
-    local = tiny_config(str(tmp_path / "store"), run_id="cache-run")
+    local = tiny_config(str(tmp_path / "store"), run_id="cache-run", share_compile_cache=False)
     assert cache_dir(local, RunStore.for_config(local)) == str(
         tmp_path / "store" / "runs" / "cache-run" / "compilation-cache"
     )
-    gcs = tiny_config("gs://bucket/prefix", run_id="cache-run")
+    gcs = tiny_config("gs://bucket/prefix", run_id="cache-run", share_compile_cache=False)
     assert cache_dir(gcs, RunStore.for_config(gcs)) == "gs://bucket/prefix/runs/cache-run/compilation-cache"
     explicit = tiny_config(str(tmp_path / "store"), training={"compilation_cache_dir": "/elsewhere"})
     assert cache_dir(explicit, RunStore.for_config(explicit)) == "/elsewhere"

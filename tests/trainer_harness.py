@@ -27,6 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def shared_compile_cache() -> str | None:
+    """The compilation cache every test job of this session shares (``JAXREC_TEST_COMPILE_CACHE``, set by conftest).
+
+    Compiled programs are keyed by their content, devices and options, so jobs of one shape share entries and
+    only the first of them compiles cold; a test that measures the cache itself opts out.
+    """
+    return os.environ.get("JAXREC_TEST_COMPILE_CACHE") or None
+
+
 def _tiny_data(root: str, run_id: str, hosts: int) -> dict[str, Any]:
     return {
         "run_id": run_id,
@@ -41,15 +50,23 @@ def _tiny_data(root: str, run_id: str, hosts: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _with_shared_cache(data: dict[str, Any], share: bool) -> dict[str, Any]:
+    cache = shared_compile_cache() if share else None
+    if cache:
+        data["training"]["compilation_cache_dir"] = cache
+    return data
+
+
 def _parse(data: dict[str, Any], sections: dict[str, dict[str, Any]]) -> JobConfig:
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}
     return parse_config(data)
 
 
-def tiny_config(root: str, run_id: str = "trainer-test", hosts: int = 4, **sections: dict[str, Any]) -> JobConfig:
-    """A tiny local job: 2 layers, d_model 32, short sequences, fast failure detection."""
-    return _parse(_tiny_data(root, run_id, hosts), sections)
+def tiny_config(root: str, run_id: str = "trainer-test", hosts: int = 4, *, share_compile_cache: bool = True,
+                **sections: dict[str, Any]) -> JobConfig:  # fmt: skip
+    """A tiny local job: 2 layers, d_model 32, short sequences, fast failure detection (the session's cache)."""
+    return _parse(_with_shared_cache(_tiny_data(root, run_id, hosts), share_compile_cache), sections)
 
 
 CLASSIFIER = "examples.image_classifier.task:TASK"
@@ -59,7 +76,7 @@ def tiny_classifier_config(
     root: str, run_id: str = "classifier-test", hosts: int = 2, **sections: dict[str, Any]
 ) -> JobConfig:
     """``tiny_config`` with the example image classifier (8x8 images, 4 channels) as the task instead of the lm."""
-    data = _tiny_data(root, run_id, hosts)
+    data = _with_shared_cache(_tiny_data(root, run_id, hosts), True)
     del data["model"]  # the lm task's options; the classifier's are task.options
     data["task"] = {"name": CLASSIFIER, "options": {"image_size": 8, "num_classes": 4, "channels": 4}}
     data["data"]["dataset_version"] = "quadrant-images-v1"
