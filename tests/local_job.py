@@ -57,7 +57,8 @@ def shrunken_workflow(
     if os.environ.get("JAXREC_TEST_COMPILE_CACHE"):  # the session's shared cache (tests/conftest.py)
         data["training"].setdefault("compilation_cache_dir", os.environ["JAXREC_TEST_COMPILE_CACHE"])
     # The supervisor's no-progress deadline: steps here take milliseconds, heartbeats come every second.
-    data.setdefault("supervision", {})["hang_timeout_s"] = 8
+    if "supervision" in data:  # configs with local supervision deadlines (heartbeats every second)
+        data["supervision"]["hang_timeout_s"] = 8
     data["checkpoint"].update(interval_steps=INTERVAL, keep=3)
     data["retry"].update(default_backoff={"base_s": 0, "factor": 1, "max_s": 0}, no_progress_attempts=3)
     data["retry"].update(retry_section or {})

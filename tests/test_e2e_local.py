@@ -59,11 +59,15 @@ def _assert_restores_were_good(store: RunStore, damaged: list[str]):
 
 
 def _committed_before(store: RunStore, attempt: int, t: float) -> int:
-    """The newest step attempt ``attempt`` had committed before ``t`` (0: none)."""
+    """The newest step attempt ``attempt`` had committed, manifest included, before ``t`` (0: none).
+
+    Process 0 writes the manifest that completes a step's transaction, so its commit event is the one that counts.
+    """
     from workflows.report import load_events
 
     steps = [e["step"] for e in load_events(store)
-             if e.get("event") == "save_committed" and e.get("attempt") == attempt and e["t"] < t]  # fmt: skip
+             if e.get("event") == "save_committed" and e.get("attempt") == attempt and e["t"] < t
+             and e.get("process_index") == 0]  # fmt: skip
     return max(steps, default=0)
 
 

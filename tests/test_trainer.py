@@ -249,8 +249,11 @@ def test_injected_hang_exits_21_by_the_watchdog(tmp_path):
                       training={"total_steps": 6, "hang_timeout_s": 3})  # fmt: skip
     store = write_config(cfg)
     gang = launch(cfg, 0, -1, tmp_path, fault="hang@3")
-    assert gang.wait(120) == [ExitCode.HANG] * 2
-    r = read_report(store, 0, 0)
+    codes = gang.wait(120)
+    # Every process hangs; the first watchdog to fire exits 21, and a process whose own watchdog comes a few
+    # milliseconds later may first see its peer gone (exit 20): both are the contract's answers.
+    assert ExitCode.HANG in codes and set(codes) <= {ExitCode.HANG, ExitCode.PEER_LOST}, codes
+    r = read_report(store, 0, codes.index(ExitCode.HANG))
     assert r["last_step"] == 2 and "no step completed" in r["exception_message"]
 
 
