@@ -13,7 +13,9 @@ from typing import Any
 import yaml
 
 from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.store import RunStore
 from workflows.build import render_workflow
+from workflows.report import load_events
 
 REPO = Path(__file__).resolve().parent.parent
 TOTAL = 20
@@ -67,3 +69,24 @@ def shrunken_workflow(
     wf = d / f"{run_id}-workflow.yaml"
     wf.write_text(render_workflow(load_config(cfg), str(cfg)))
     return wf
+
+
+def committed_before(store: RunStore, attempt: int, t: float) -> int:
+    """The newest step attempt ``attempt`` had committed, manifest included, before ``t`` (0: none).
+
+    Process 0 writes the manifest that completes a step's transaction, so its commit event is the one that counts.
+    """
+    steps = [e["step"] for e in load_events(store)
+             if e.get("event") == "save_committed" and e.get("attempt") == attempt and e["t"] < t
+             and e.get("process_index") == 0]  # fmt: skip
+    return max(steps, default=0)
+
+
+def steps_lost_bound(store: RunStore, inc: Any, max_lost: int = INTERVAL) -> int:
+    """The most steps incident ``inc`` may lose: ``max_lost``, or more where the failure came before the
+    asynchronous save of the interval had committed (then: the steps since the newest step committed before it).
+    """
+    if inc.pre_failure_step is None:
+        return max_lost
+    failed = inc.injected_at or inc.detected_at
+    return max(max_lost, inc.pre_failure_step - committed_before(store, inc.attempt, failed))

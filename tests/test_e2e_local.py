@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from local_job import HOSTS, INTERVAL, shrunken_workflow
+from local_job import HOSTS, INTERVAL, shrunken_workflow, steps_lost_bound
 
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -63,19 +63,6 @@ def _assert_restores_were_good(store: RunStore, damaged: list[str]):
     return restores
 
 
-def _committed_before(store: RunStore, attempt: int, t: float) -> int:
-    """The newest step attempt ``attempt`` had committed, manifest included, before ``t`` (0: none).
-
-    Process 0 writes the manifest that completes a step's transaction, so its commit event is the one that counts.
-    """
-    from workflows.report import load_events
-
-    steps = [e["step"] for e in load_events(store)
-             if e.get("event") == "save_committed" and e.get("attempt") == attempt and e["t"] < t
-             and e.get("process_index") == 0]  # fmt: skip
-    return max(steps, default=0)
-
-
 def _assert_recovered(res, out, *, max_lost=INTERVAL, store: RunStore | None = None):
     """Succeeded with the reference's parameters, every incident recovered, losing at most ``max_lost`` steps.
 
@@ -86,10 +73,7 @@ def _assert_recovered(res, out, *, max_lost=INTERVAL, store: RunStore | None = N
     assert res.params_match is True, out
     assert res.incidents, out
     for inc in res.incidents:
-        bound = max_lost
-        if store is not None and inc.pre_failure_step is not None:
-            failed = inc.injected_at or inc.detected_at
-            bound = max(max_lost, inc.pre_failure_step - _committed_before(store, inc.attempt, failed))
+        bound = max_lost if store is None else steps_lost_bound(store, inc, max_lost)
         assert inc.steps_lost is not None and inc.steps_lost <= bound, inc
         assert inc.recovered_at is not None and inc.stopped_at >= inc.detected_at
 
