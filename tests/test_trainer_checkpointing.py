@@ -78,9 +78,11 @@ def test_restore_gives_back_the_state_and_the_data_position(setup):
     ckpt.save(5, state_at(5), it)
     assert ckpt.finish_pending() == 5
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_at(0))
-    got = ckpt.restore_state(5, abstract)
+    got, saved_iter = ckpt.restore(5, abstract)  # state and data position in one orbax restore
     assert int(got["step"]) == 5 and float(got["w"][0, 0]) == 5.0
+    assert saved_iter == {"next_index": 5}
+    assert ckpt.restore(5, abstract, with_data=False)[1] is None
     fresh = data_lib.make_iterator(cfg.data, lm_examples(cfg), data_lib.DataPosition(cfg.data.seed, 0, 0), 0, 1)
-    fresh = ckpt.restore_data(5, fresh)
+    fresh.set_state(saved_iter)
     assert fresh.get_state()["next_index"] == 5
     np.testing.assert_array_equal(next(fresh), expected)

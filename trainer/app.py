@@ -45,7 +45,7 @@ from trainer.hooks import (
 )
 from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
-from trainer.preemption import PreemptionAgreement, distributed_client
+from trainer.preemption import PeerLossNotice, PreemptionAgreement, distributed_client
 from trainer.telemetry import Events, WorkerMetrics
 
 log = logging.getLogger("trainer")
@@ -150,6 +150,7 @@ class Worker:
         self.sigterm_at: float | None = None  # time.monotonic() of the first SIGTERM
         self.last_step_seconds: float | None = None  # wall time of the newest step (the first includes its compile)
         self.saving: Any = None  # the CheckpointHook, once the loop runs
+        self.peer_notice: PeerLossNotice | None = None  # once the distributed runtime is up
         self._abort_handler: Any = None
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
@@ -172,9 +173,15 @@ class Worker:
         wait = stuck_after_sigterm_s(self.last_step_seconds)
         deadline = time.monotonic() + wait
         while True:
-            time.sleep(max(0.05, min(0.25, deadline - time.monotonic())))
+            time.sleep(0.05)
             if self.exit.exiting is not None or self.report.last_step != step_at_sigterm:
                 return  # a step completed: the gang agrees on the stop and plans its save
+            notice = self.peer_notice.heard() if self.peer_notice is not None else None
+            if notice is not None and not (self.saving is not None and self.saving.busy):
+                r = self.report
+                r.preemption_save = PreemptionSave.SKIPPED
+                r.preemption_reason = f"a peer is gone ({notice}): no save is possible without every process"
+                self.exit.exit_now(ExitCode.PREEMPTED, message=r.preemption_reason)
             if self.saving is not None and self.saving.busy:
                 deadline = time.monotonic() + wait
                 continue
@@ -240,6 +247,8 @@ class Worker:
         signal.signal(signal.SIGTERM, self.on_sigterm)
         self._set_identity(jax.process_index(), jax.process_count())
         configure_logging(self.process_index)
+        self.peer_notice = PeerLossNotice(self.args.attempt, self.process_index, distributed_client())
+        self.exit.on_peer_lost = self.peer_notice.announce
 
     def _set_identity(self, process_index: int, process_count: int) -> None:
         self.process_index, self.process_count = process_index, process_count
@@ -320,6 +329,8 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
         out.exit_now(exit_code_for(e, during_init=True), e)
     w.report.initialized_at = now()
     w.watchdog = Watchdog(cfg.training.hang_timeout_s, cfg.training.compile_grace_s, out)
+    if w.peer_notice is not None:
+        w.watchdog.peer_lost = w.peer_notice.heard
     # TRAINER_WATCHDOG=off: rehearse a silent hang that only the supervisor's heartbeat deadline can see.
     if env.get("TRAINER_WATCHDOG", "on") != "off":
         w.watchdog.start()
@@ -343,7 +354,8 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any)
 
     from trainer import data as data_lib
 
-    state = ckpt.restore_state(restore_step, tr.abstract_state)
+    exact = cfg.data.resume_mode == "exact"
+    state, saved_iter = ckpt.restore(restore_step, tr.abstract_state, with_data=exact)
     got_step = int(state["step"])
     if got_step != restore_step:
         raise TrainerExit(ExitCode.INCOMPATIBLE_CHECKPOINT, f"checkpoint {restore_step} holds step {got_step}")
@@ -353,8 +365,10 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any)
     pos = data_lib.resume_position(cfg.data.resume_mode, cfg.data.seed, restore_step, saved)
     start = data_lib.DataPosition(pos.order_seed, pos.start_step, 0)
     it = data_lib.make_iterator(cfg.data, source.examples, start, jax.process_index(), jax.process_count())
-    if cfg.data.resume_mode == "exact":
-        it = ckpt.restore_data(restore_step, it)
+    if exact:
+        assert saved_iter is not None
+        it.set_state(saved_iter)
+        it.start_prefetch()  # as grain's own restore does: the first batch is under way before the first step
         at = it.get_state().get("next_index")
         if at != pos.next_index:
             raise TrainerExit(

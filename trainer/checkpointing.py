@@ -130,6 +130,17 @@ class DataIteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpoin
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="data_iterator_save")]
 
+    def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
+        """Restore as grain does; a bare ``_IteratorSnapshot`` gets the file's JSON state (grain gives it bytes)."""
+        item = item or args.item
+        if not isinstance(item, _IteratorSnapshot):
+            return super().restore(directory, item=item, args=args)
+        path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        if not path.exists():
+            raise ValueError(f"File {path} does not exist.")
+        item.set_state(json.loads(path.read_text()))
+        return item
+
     def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
         """Synchronous save: the file grain's handler writes for a dataset iterator, from the captured state."""
         item = item or args.item
@@ -162,7 +173,11 @@ class DataIdentity:
 
 
 class _IteratorSnapshot:
-    """The data iterator's state captured on the training thread (the iterator moves on right after)."""
+    """A data iterator's state without the iterator.
+
+    Captured on the training thread for a save (the iterator moves on right after), or filled by a
+    restore before the iterator can be built.
+    """
 
     def __init__(self, state: dict[str, Any]):
         self._state = state
@@ -170,6 +185,10 @@ class _IteratorSnapshot:
     def get_state(self) -> dict[str, Any]:
         """The captured state (what grain's handler writes)."""
         return self._state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Take the state a restore read."""
+        self._state = dict(state)
 
 
 @dataclass
@@ -385,19 +404,24 @@ class Checkpointer:
             save_seconds=save_seconds,
         )
 
+    def restore(self, step: int, abstract_state: Any, *, with_data: bool = True) -> tuple[Any, dict | None]:
+        """Restore ``step``'s state and, with ``with_data``, this process's data-iterator state, in one orbax restore.
+
+        One restore is one set of orbax's cross-process barriers. The state comes in the shardings of
+        ``abstract_state``. The iterator state comes back as a dict (grain's ``get_state``), not inside an iterator: the
+        iterator's order depends on the restored state, so the caller builds it afterwards.
+        """
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        items: dict[str, Any] = {"state": ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args)}
+        position = _IteratorSnapshot({}) if with_data else None
+        if position is not None:
+            items["data"] = DataRestore(position)
+        got = self.mgr.restore(step, args=ocp.args.Composite(**items))
+        return got["state"], (position.get_state() if position is not None else None)
+
     def restore_state(self, step: int, abstract_state: Any) -> Any:
         """Restore the ``state`` item of ``step`` into the shardings of ``abstract_state``."""
-        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-        got = self.mgr.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args)),
-        )
-        return got["state"]
-
-    def restore_data(self, step: int, data_iter: Any) -> Any:
-        """Restore this process's data-iterator state of ``step`` into ``data_iter``."""
-        got = self.mgr.restore(step, args=ocp.args.Composite(data=DataRestore(data_iter)))
-        return got["data"]
+        return self.restore(step, abstract_state, with_data=False)[0]
 
     def close(self) -> None:
         """Wait for background work and release the manager."""

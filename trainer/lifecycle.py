@@ -55,6 +55,8 @@ class ExitPath:
         self.exiting: int | None = None
         self.metrics: Any = None  # WorkerMetrics once serving: worker_up goes to 0 on the way out
         self.last_checkpoint: Callable[[], int | None] = lambda: None
+        # Tells the rest of the gang a peer is gone (``PeerLossNotice.announce``) once the runtime is up.
+        self.on_peer_lost: Callable[[str], None] | None = None
         self._lock = threading.Lock()
 
     def write_report(self, code: int, exc: BaseException | None = None, message: str | None = None) -> None:
@@ -78,14 +80,21 @@ class ExitPath:
         except Exception as e:  # noqa: BLE001 - the exit must happen whatever the store does
             log.error("could not write the exit report: %s", e)
 
-    def exit_now(self, code: int, exc: BaseException | None = None, message: str | None = None) -> NoReturn:
-        """Write the report and leave at once with ``code`` (from any thread; the first caller wins)."""
+    def exit_now(
+        self, code: int, exc: BaseException | None = None, message: str | None = None, *, announce: bool = True
+    ) -> NoReturn:
+        """Write the report and leave at once with ``code`` (from any thread; the first caller wins).
+
+        A peer-lost exit first tells the other workers (``announce``; skipped when the service itself is gone).
+        """
         if not self._lock.acquire(blocking=True, timeout=30):
             os._exit(code)
         self.exiting = code
         text = message or (f"{type(exc).__name__}: {exc}" if exc else "")
         level = logging.INFO if code in (ExitCode.OK, ExitCode.PREEMPTED) else logging.ERROR
         log.log(level, "exiting with %d (%s)%s", code, ExitCode(code).name, f": {text}" if text else "")
+        if code == ExitCode.PEER_LOST and announce and self.on_peer_lost is not None:
+            self.on_peer_lost(text.splitlines()[0] if text else "peer lost")
         self.write_report(code, exc, message)
         self.events.emit("exit", self.report.last_step, code=int(code), reason=text[:500])
         if self.metrics is not None:
@@ -101,7 +110,12 @@ class ExitPath:
             ExitCode.PEER_LOST,
             message="the JAX runtime aborted: the coordination service reported a lost "
             "peer or was lost itself (see the worker log)",
+            announce=False,  # every process hears the same from the service
         )
+
+
+PEER_POLL_AFTER_S = 1.0
+"""How long without a completed step before the watchdog reads the gang's peer-lost notice (each 0.5 s)."""
 
 
 class Watchdog:
@@ -117,6 +131,9 @@ class Watchdog:
         self.exit_path = exit_path
         self.first_step_done = False
         self.last_progress = time.monotonic()
+        # Another worker's notice that a peer is gone (``PeerLossNotice.heard``), read only while no step
+        # has completed for ``PEER_POLL_AFTER_S``: a worker blocked in a collective leaves within a poll.
+        self.peer_lost: Callable[[], str | None] | None = None
 
     def touch(self) -> None:
         """Record progress."""
@@ -132,6 +149,13 @@ class Watchdog:
             time.sleep(0.5)
             limit = watchdog_limit(self.hang_timeout_s, self.compile_grace_s, self.first_step_done)
             idle = time.monotonic() - self.last_progress
+            if self.peer_lost is not None and idle >= PEER_POLL_AFTER_S:
+                notice = self.peer_lost()
+                if notice is not None:
+                    self.exit_path.exit_now(
+                        ExitCode.PEER_LOST, message=f"no step for {idle:.1f} s and a peer is gone ({notice})",
+                        announce=False,
+                    )  # fmt: skip
             if idle > limit:
                 self.exit_path.exit_now(
                     ExitCode.HANG, message=f"no step completed for {idle:.0f} s (limit {limit:.0f} s)"

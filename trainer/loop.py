@@ -107,7 +107,7 @@ class Stepper:
                 out = self.compiled(self.state, batch, flags)
             self._checked = True
             self.state, loss, stop = out
-            return float(loss), bool(int(stop))
+            return float(loss), int(stop)
         self._checked = True
         self.state, loss, stop = self.compiled(self.state, batch, flags)
         return float(loss), int(stop)

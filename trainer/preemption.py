@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import Any
 
 from trainer.decisions import PreemptionAction, PreemptionPlan, preemption_plan, save_budget
@@ -82,3 +83,57 @@ class PreemptionAgreement:
                                   self.budget_s, elapsed_s, estimate_s, save_in_flight)  # fmt: skip
         log.info("preemption at step %d: %s, as process 0 decided (%s)", step, plan.action.value, plan.reason)
         return plan
+
+
+PEER_NOTICE_TIMEOUT_S = 0.25
+"""The longest a worker's exit waits to tell the others a peer is gone (a lost service must not hold it)."""
+
+
+class PeerLossNotice:
+    """The first survivor that sees a peer gone tells the others, through the same key-value store.
+
+    When a worker dies, only its ring neighbours see the step's collective fail (within ~0.2 s); the
+    others block in the collective until the coordination heartbeat times out, or, after SIGTERM, until
+    no step has completed for a while. A neighbour that leaves as peer-lost sets one key per attempt; a
+    blocked worker that reads it leaves at once instead. Nothing is read while steps complete.
+
+    Args:
+        attempt: The attempt number (names the key; each attempt has its own coordination service anyway).
+        process_index: This process's index (named in the notice).
+        client: The key-value store (``distributed_client()``); None for a gang of one process.
+    """
+
+    def __init__(self, attempt: int, process_index: int, client: Any):
+        self.attempt = attempt
+        self.process_index = process_index
+        self.client = client
+
+    @property
+    def key(self) -> str:
+        """The attempt's notice key."""
+        return f"jaxrec/peer-lost/{self.attempt}"
+
+    def announce(self, reason: str) -> None:
+        """Publish that this process saw a peer gone; waits at most ``PEER_NOTICE_TIMEOUT_S``."""
+        if self.client is None:
+            return
+        value = f"process {self.process_index}: {reason}"[:300]
+
+        def publish() -> None:
+            try:
+                self.client.key_value_set(self.key, value)
+            except Exception as e:  # noqa: BLE001 - another process told first, or the service is gone
+                log.debug("peer-lost notice not published (%s)", _first_line(e))
+
+        t = threading.Thread(target=publish, name="peer-lost-notice", daemon=True)
+        t.start()
+        t.join(PEER_NOTICE_TIMEOUT_S)
+
+    def heard(self) -> str | None:
+        """The notice another process published for this attempt, or None (never blocks)."""
+        if self.client is None:
+            return None
+        try:
+            return self.client.key_value_try_get(self.key)
+        except Exception:  # noqa: BLE001 - not set (NOT_FOUND), or the service is gone: nothing heard
+            return None
