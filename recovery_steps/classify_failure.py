@@ -1,7 +1,7 @@
 """``classify-failure``: gather evidence of a failed attempt, classify it, close it in the ledger, decide retry or stop.
 
 Usage: ``python -m recovery_steps.classify_failure --store-root R --run-id ID --attempt N --jobset NAME
---output-dir D``. Outputs: ``failure-class``, ``decision``, ``reason``, ``backoff-seconds``,
+--output-dir D``. Outputs: ``failure-class``, ``decision``, ``reason``, ``backoff-seconds``, ``backoff-wait``,
 ``attempts-by-class`` (JSON), ``next-attempt``, ``budget-exhausted`` (``1`` when the run stops because
 the failure class spent its budget, else ``0``). Exits 0 whenever it classified (whatever the
 decision); exits 1 when it cannot read or write the run store, 2 when the run has no usable config.
@@ -31,7 +31,15 @@ from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.outputs import ClassifyOutputs
 from recovery_steps.kernel.records import AttemptRecord, Ledger, ProvisionRecord, RestoreRecord, now
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, StoreUnavailable
-from recovery_steps.retry import RetryDecision, decide, ledger_errors, update_ledger, with_attempt
+from recovery_steps.retry import (
+    RetryDecision,
+    argo_duration,
+    backoff_wait,
+    decide,
+    ledger_errors,
+    update_ledger,
+    with_attempt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +188,11 @@ def run(
 
         def close(led: Ledger) -> Ledger:
             d = decide(led.attempts, base, cfg.retry)
+            closed = clock()
+            wait = backoff_wait(d.backoff_seconds, base.ended_at, closed) if d.decision != Decision.STOP else 0.0
             rec = base.model_copy(update={"decision": d.decision, "backoff_seconds": d.backoff_seconds,
-                                          "decision_reason": d.reason, "closed_at": clock()})  # fmt: skip
+                                          "backoff_wait_seconds": round(wait, 3), "decision_reason": d.reason,
+                                          "closed_at": closed})  # fmt: skip
             holder["decision"], holder["record"] = d, rec
             return with_attempt(led, rec)
 
@@ -222,6 +233,7 @@ def write_outputs(output_dir: Path, r: ClassifyResult) -> None:
         decision=d.decision,
         reason=_one_line(reason),
         backoff_seconds=int(d.backoff_seconds),
+        backoff_wait=argo_duration(r.record.backoff_wait_seconds or 0.0),
         attempts_by_class=d.attempts_by_class,
         next_attempt=r.record.attempt + 1,
         budget_exhausted=r.budget_exhausted,
@@ -233,7 +245,11 @@ def summary(r: ClassifyResult) -> str:
     rec, d = r.record, r.decision
     lines = [
         f"attempt {rec.attempt} ({r.evidence.backend}): {rec.failure_class} -> {d.decision}"
-        + (f" in {d.backoff_seconds}s" if d.decision != Decision.STOP else ""),
+        + (
+            f" after a {d.backoff_seconds}s backoff ({rec.backoff_wait_seconds or 0:.1f}s left of it)"
+            if d.decision != Decision.STOP
+            else ""
+        ),
         f"  reason:     {r.verdict.reason}",
         f"  decision:   {d.reason}",
         f"  checkpoint: step {rec.checkpoint_step_before} -> {rec.checkpoint_step_after}",

@@ -56,6 +56,23 @@ def backoff_seconds(cfg: RetryConfig, cls: FailureClass, k: int) -> int:
     return int(math.ceil(min(raw, b.max_s)))
 
 
+def backoff_wait(backoff_s: float, ended_at: float | None, now: float) -> float:
+    """The part of a backoff still to wait at ``now``: the backoff counts from the attempt's end.
+
+    Detection, teardown and classification already took time since the gang stopped; a backoff of 10 s
+    after a failure means the next attempt starts no sooner than 10 s after it, as the Kubernetes Job
+    controller counts a pod's backoff from its finish time. Without the end time, the whole backoff.
+    """
+    if ended_at is None:
+        return float(backoff_s)
+    return max(0.0, float(backoff_s) - max(0.0, now - ended_at))
+
+
+def argo_duration(seconds: float) -> str:
+    """``seconds`` as Argo's suspend duration reads it (whole milliseconds, rounded up: never shorter)."""
+    return f"{int(math.ceil(round(seconds * 1000, 6)))}ms"
+
+
 def _advanced(a: AttemptRecord) -> bool:
     before = -1 if a.checkpoint_step_before is None else a.checkpoint_step_before
     after = -1 if a.checkpoint_step_after is None else a.checkpoint_step_after

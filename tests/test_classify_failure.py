@@ -75,9 +75,10 @@ def test_sequence_of_attempts_ends_with_stop(store_root, tmp_path, capsys):
         "2",
         "1",
     )
+    assert o["backoff-wait"] == "0ms"  # the attempt ended long before this classification: nothing left to wait
     assert "worker 1" in o["reason"] and "\n" not in o["reason"]
     printed = capsys.readouterr().out
-    assert "attempt 0 (local): infrastructure -> retry in 2s" in printed
+    assert "attempt 0 (local): infrastructure -> retry after a 2s backoff (0.0s left of it)" in printed
     assert "checkpoint: step -1 -> 10" in printed
 
     # Attempt 1: an application error on every worker -> retry once (budget 1).

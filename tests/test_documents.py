@@ -80,9 +80,10 @@ def test_store_lists_steps_and_attempts(store):
 
 def test_outputs_round_trip_and_render_as_argo_reads_them(tmp_path):
     o = ClassifyOutputs(failure_class=FailureClass.HANG, decision=Decision.RETRY, reason="r", backoff_seconds=4,
-                        attempts_by_class={"hang": 1}, next_attempt=3, budget_exhausted=False)  # fmt: skip
+                        backoff_wait="1500ms", attempts_by_class={"hang": 1}, next_attempt=3,
+                        budget_exhausted=False)  # fmt: skip
     o.write(tmp_path)
-    assert (tmp_path / "decision").read_text() == "retry"
+    assert (tmp_path / "decision").read_text() == "retry" and (tmp_path / "backoff-wait").read_text() == "1500ms"
     assert (tmp_path / "budget-exhausted").read_text() == "0"
     assert (tmp_path / "attempts-by-class").read_text() == '{"hang": 1}'
     assert ClassifyOutputs.read(tmp_path) == o

@@ -10,7 +10,15 @@ from recovery_steps.kernel.config import BackoffConfig, RetryConfig
 from recovery_steps.kernel.contract import Decision, FailureClass
 from recovery_steps.kernel.records import AttemptRecord, Ledger
 from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore
-from recovery_steps.retry import append_attempt, backoff_seconds, decide, stalled_attempts, update_ledger
+from recovery_steps.retry import (
+    append_attempt,
+    argo_duration,
+    backoff_seconds,
+    backoff_wait,
+    decide,
+    stalled_attempts,
+    update_ledger,
+)
 
 P, A, C, INF, H = (FailureClass.PREEMPTION, FailureClass.APPLICATION, FailureClass.CAPACITY,
                  FailureClass.INFRASTRUCTURE, FailureClass.HANG)  # fmt: skip
@@ -205,3 +213,21 @@ def test_default_scopes_and_no_attempt_cap():
     cfg = RetryConfig()
     assert {c for c in FailureClass if cfg.scope(c) == "since_progress"} == {P, C}
     assert cfg.max_attempts is None
+
+
+@pytest.mark.parametrize(
+    ("backoff", "ended", "now", "left"),
+    [
+        (10, 100.0, 103.5, 6.5),  # detection, teardown and classification took 3.5 s of it
+        (10, 100.0, 130.0, 0.0),  # all of it already passed
+        (10, None, 130.0, 10.0),  # no end time known: the whole backoff
+        (10, 100.0, 99.0, 10.0),  # a clock behind the end never lengthens it
+        (0, 100.0, 100.0, 0.0),
+    ],
+)
+def test_the_backoff_counts_from_the_attempts_end(backoff, ended, now, left):
+    assert backoff_wait(backoff, ended, now) == pytest.approx(left)
+
+
+def test_the_wait_is_an_argo_duration_never_shorter_than_asked():
+    assert [argo_duration(s) for s in (0.0, 0.4, 6.5, 0.0004, 2)] == ["0ms", "400ms", "6500ms", "1ms", "2000ms"]

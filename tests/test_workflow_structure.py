@@ -90,8 +90,8 @@ def test_attempt_dag_order_and_branches(local):
         {"name": "attempt", "value": "{{tasks.classify-failure.outputs.parameters.next-attempt}}"}
     ]
     backoff = _templates(local)["backoff"]
-    assert backoff["suspend"]["duration"] == "{{inputs.parameters.seconds}}"
-    assert tasks["backoff"]["arguments"]["parameters"][0]["value"].endswith(".backoff-seconds}}")
+    assert backoff["suspend"]["duration"] == "{{inputs.parameters.duration}}"
+    assert tasks["backoff"]["arguments"]["parameters"][0]["value"].endswith(".backoff-wait}}")
 
 
 @pytest.mark.parametrize("cfg_path", CONFIGS, ids=lambda p: p.stem)

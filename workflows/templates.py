@@ -260,8 +260,8 @@ def build_workflow(cfg: JobConfig) -> Workflow:
         )  # fmt: skip
         backoff = Suspend(
             name="backoff",
-            inputs=[Parameter(name="seconds")],
-            duration="{{inputs.parameters.seconds}}",
+            inputs=[Parameter(name="duration")],
+            duration="{{inputs.parameters.duration}}",
         )
         hand_over = _step(
             cfg,
@@ -359,7 +359,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             t_backoff = Task(
                 name="backoff",
                 template=backoff,
-                arguments={"seconds": out % "backoff-seconds"},
+                arguments={"duration": out % "backoff-wait"},
                 depends="classify-failure",
                 when=f"{retry_when} || {hand_over_when}",
             )

@@ -181,7 +181,10 @@ class AttemptRecord(_Record):
     evidence: list[str] = Field(default_factory=list, description="Evidence lines the verdict used.")
     decision: Decision | None = None
     decision_reason: str | None = Field(default=None, description="Why classify-failure decided retry or stop.")
-    backoff_seconds: float = 0
+    backoff_seconds: float = Field(default=0, description="The retry policy's backoff for this failure.")
+    backoff_wait_seconds: float | None = Field(
+        default=None, description="What was left of the backoff when the attempt was closed (it counts from ended_at)."
+    )
     checkpoint_step_before: int | None = None
     checkpoint_step_after: int | None = None
     started_at: float | None = None
