@@ -313,7 +313,7 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     w = Worker(args, env)
     out = w.exit
     configure_logging(w.process_index)
-    w.events.emit("started")
+    w.events.emit("started", cpu_s=round(time.process_time(), 3))
     signal.signal(signal.SIGTERM, w.on_sigterm)
     try:
         cfg = w.load_config()
@@ -493,7 +493,9 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
         jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
         jax.devices()[0].platform, w.args.attempt, restore_step if restore_step >= 0 else "none (fresh start)",
     )  # fmt: skip
-    w.events.emit("initialized", process_count=jax.process_count(), devices=jax.device_count())
+    # cpu_s (this process's CPU seconds so far, every thread) shows where start-up is CPU work and where waiting.
+    w.events.emit("initialized", process_count=jax.process_count(), devices=jax.device_count(),
+                  cpu_s=round(time.process_time(), 3))  # fmt: skip
     m = _start_metrics(w, cfg)
 
     spec = cfg.task.spec()
@@ -529,7 +531,8 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     jax.block_until_ready(state)
     w.report.restored_at = now()
     w.report.restore_seconds = w.report.restored_at - t0
-    w.events.emit("restored", max(restore_step, 0), restore_step=restore_step, restore_seconds=w.report.restore_seconds)
+    w.events.emit("restored", max(restore_step, 0), restore_step=restore_step, restore_seconds=w.report.restore_seconds,
+                  cpu_s=round(time.process_time(), 3))  # fmt: skip
     compiled = _compiled_step(w, ahead, t0)
     # Compiled ahead so that the first save does not compile on the training thread.
     ckpt.prepare_snapshot(tr.abstract_state)

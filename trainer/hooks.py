@@ -109,7 +109,8 @@ class EventsHook:
         """Emit the step's events (``first_step`` with the compilation cache's requests and hits so far)."""
         if rec.first:
             cache = {} if self.cache is None else {"cache_requests": self.cache.requests, "cache_hits": self.cache.hits}
-            self.events.emit("first_step", rec.step, compile_seconds=rec.seconds, **cache)
+            self.events.emit("first_step", rec.step, compile_seconds=rec.seconds, cpu_s=round(time.process_time(), 3),
+                             **cache)  # fmt: skip
             log.info("first step %d done (compile + run %.2f s), loss %.4f", rec.step, rec.seconds, rec.loss)
         self.events.emit("step", rec.step, loss=rec.loss)
 

@@ -390,6 +390,10 @@ class WorkerEvent(_Record):
         default=None, description="save_committed: where the blocking time went, and what ran off the loop."
     )
     restore_seconds: float | None = Field(default=None, description="restored: restoring (or building) the state.")
+    cpu_s: float | None = Field(
+        default=None,
+        description="started, initialized, restored, first_step: the worker's CPU seconds so far (all threads).",
+    )
     cache_requests: int | None = Field(default=None, description="first_step: compilations that asked the cache.")
     cache_hits: int | None = Field(default=None, description="first_step: of those, answered by the cache.")
 
