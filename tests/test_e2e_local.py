@@ -49,8 +49,11 @@ def _assert_restores_were_good(store: RunStore, damaged: list[str]):
     """Every restored step had completed its transaction and was not damaged.
 
     Completed: a save_committed event before the restore, or, for a worker killed between its commit and the
-    poll that would have reported it, the step's manifest (written only after orbax committed the step).
+    poll that would have reported it, the step's manifest (written only after orbax committed the step):
+    still there, or verified by that attempt's restore-latest before a later save let orbax delete the step
+    (``checkpoint.keep``).
     """
+    from recovery_steps.kernel.records import RestoreRecord
     from workflows.report import load_events
 
     events = load_events(store)
@@ -58,7 +61,9 @@ def _assert_restores_were_good(store: RunStore, damaged: list[str]):
     for r in restores:
         committed = [e for e in events if e.get("event") == "save_committed" and e["t"] < r["t"]]
         seen = any(e["step"] == r["step"] for e in committed)
-        assert seen or store.exists(RunLayout.checkpoint_manifest(r["step"])), r
+        decided = store.read_record(RunLayout.restore_record(r["attempt"]), RestoreRecord)
+        verified = decided is not None and decided.exit_code == 0 and decided.restore_step == r["step"]
+        assert seen or verified or store.exists(RunLayout.checkpoint_manifest(r["step"])), (r, decided)
         assert not any(d.startswith(f"checkpoints/{r['step']}/") for d in damaged), (r, damaged)
     return restores
 
