@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from workflows.local import expr as local_expr
-from workflows.local.engine import WorkflowRun, parse_duration, substitute
+from workflows.local.engine import WorkflowError, WorkflowRun, parse_duration, substitute
 from workflows.local.executor import LocalExecutor
 
 
@@ -76,9 +76,17 @@ def test_depends_tasks_in_order():
     assert local_expr.depends_tasks("(b.Failed || a) && !c-d.Succeeded && b") == ["b", "a", "c-d"]
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("10", 10), ("10s", 10), ("2m", 120), ("1m30s", 90), ("500ms", 0.5)])
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("10", 10), ("10s", 10), ("2m", 120), ("1m30s", 90), ("500ms", 0.5), ("1.5s", 1.5)]
+)
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0.5", "1.5x", "s"])
+def test_durations_argo_cannot_parse_are_refused(text):
+    with pytest.raises(WorkflowError, match="invalid duration"):
+        parse_duration(text)
 
 
 def test_substitute_names_and_expressions():

@@ -82,14 +82,16 @@ class Executor(Protocol):
 
 
 def parse_duration(text: Any) -> float:
-    """Argo durations: ``"10"`` (seconds), ``"10s"``, ``"2m"``, ``"1h"``, ``"1m30s"``."""
+    """Argo durations: ``"10"`` (whole seconds), ``"10s"``, ``"1.5s"``, ``"400ms"``, ``"2m"``, ``"1h"``, ``"1m30s"``.
+
+    As Argo's ``ParseStringToDuration`` (``pkg/apis/workflow/v1alpha1/utils.go``): a bare number must be an
+    integer; anything else is a Go duration with units, so ``"0.5"`` is an error there and here.
+    """
     s = str(text).strip()
     if not s:
         return 0.0
-    try:
-        return float(s)
-    except ValueError:
-        pass
+    if re.fullmatch(r"[+-]?\d+", s):
+        return float(int(s))
     total, pos = 0.0, 0
     for m in re.finditer(r"(\d+(?:\.\d+)?)(ms|s|m|h)", s):
         if m.start() != pos:
