@@ -47,6 +47,12 @@ def _uninterrupted(work, cfg):
     codes = gang.wait(240)
     assert codes == [0] * n, [gang.log(i)[-2000:] for i in range(n)]
     (digest,) = digests(store, 0, n)  # every process ends with the same parameters
+    # Every process counts a step as committed only once process 0 has written its manifest.
+    commits = [e for i in range(n) for e in gang.events(i) if e["event"] == "save_committed"]
+    assert len(commits) == n * len(committed_steps(store)), commits
+    for e in commits:
+        m = manifest(store, e["step"])
+        assert m is not None and e["t"] >= m.wall_time, (e, m and m.wall_time)
     return cfg, store, digest
 
 

@@ -23,6 +23,7 @@ from recovery_steps.kernel.checkpoints import write_manifest
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.records import CheckpointManifest, now
 from recovery_steps.kernel.store import RunLayout, RunStore
+from trainer.preemption import distributed_client
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,10 @@ def configure_orbax() -> None:
         min_slice_bytes_for_replica_parallel=_MIN_REPLICA_PARALLEL_BYTES,
     )
     ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
+MANIFEST_WAIT_S = 120.0
+"""How long a non-primary process waits for process 0's manifest before it leaves the step uncounted."""
 
 
 def _snapshot_fn(target: Any) -> Any:
@@ -201,6 +206,7 @@ class PendingSave:
     blocking: float = 0.0  # seconds the training thread spent in save()
     parts: dict[str, float] = field(default_factory=dict)  # where those seconds (and the saver's) went
     committed: float | None = None  # when this worker saw orbax's commit
+    incomplete: str | None = None  # why the transaction is not known complete (process 0's manifest not heard of)
     writing: threading.Event = field(default_factory=threading.Event, repr=False)  # orbax's save() returned
     done: concurrent.futures.Future | None = field(default=None, repr=False)  # commit (+ manifest on primary)
 
@@ -244,9 +250,10 @@ class Checkpointer:
     and hands both to a single saver thread. That thread runs orbax's save (its cross-process
     barriers, directory creation, the device-to-host copy, starting the background writes), waits for
     orbax's commit and, on the primary host, writes the manifest; the step counts as committed only
-    when its manifest is written. Saves are taken one at a time, in step order: ``save`` and
-    ``finish_pending`` wait for the previous save's commit and manifest first. With synchronous saves
-    the training thread waits until orbax has written the step.
+    when its manifest is written, on every process: process 0 says so through the coordination
+    service's key-value store, and the others count the step only once they heard it. Saves are taken
+    one at a time, in step order: ``save`` and ``finish_pending`` wait for the previous save's commit
+    and manifest first. With synchronous saves the training thread waits until orbax has written the step.
     """
 
     def __init__(
@@ -291,7 +298,9 @@ class Checkpointer:
         self._libs = library_versions()
         self._orbax_timings = _OrbaxTimings()
         self._snapshot: Any = None
+        self._announced: int | None = None  # the step whose manifest key process 0 set last
         self._saver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-saver")
+        self._kv = distributed_client() if jax.process_count() > 1 else None
 
     def prepare_snapshot(self, abstract_state: Any) -> None:
         """Compile the on-device copy of the state ahead of the first save (off the first save's time)."""
@@ -340,7 +349,7 @@ class Checkpointer:
         return self._record(p)
 
     def finish_pending(self) -> int | None:
-        """Wait for the save in flight to commit and for its manifest (primary host). Returns its step."""
+        """Wait for the save in flight to commit and for process 0's manifest; its step, or None if not complete."""
         p = self.pending
         if p is None:
             return None
@@ -371,13 +380,44 @@ class Checkpointer:
             if p.step not in self.mgr.all_steps():
                 raise RuntimeError(f"checkpoint of step {p.step} was not committed")
             write_manifest(self.store, self.manifest(p.step, p.committed - p.started))
+            self._announce_manifest(p.step)
+        else:
+            p.incomplete = self._await_manifest(p.step)
 
-    def _record(self, p: PendingSave) -> int:
+    def _manifest_key(self, step: int) -> str:
+        return f"jaxrec/manifest/{self.attempt}/{step}"
+
+    def _announce_manifest(self, step: int) -> None:
+        """Process 0: tell the others the step's manifest is written (its transaction is complete)."""
+        if self._kv is None:
+            return
+        try:
+            self._kv.key_value_set(self._manifest_key(step), "1")
+            if self._announced is not None:  # every process read it before this step's barriers let us commit
+                self._kv.key_value_delete(self._manifest_key(self._announced))
+            self._announced = step
+        except Exception as e:  # noqa: BLE001 - the others then do not count the step; it is still restorable
+            log.warning("could not tell the other processes that checkpoint %d is complete: %s", step, e)
+
+    def _await_manifest(self, step: int) -> str | None:
+        """Other processes: wait (on the saver thread) until process 0 wrote the manifest; None when it did."""
+        if self._kv is None:
+            return None
+        try:
+            self._kv.blocking_key_value_get(self._manifest_key(step), int(MANIFEST_WAIT_S * 1000))
+            return None
+        except Exception as e:  # noqa: BLE001 - process 0 gone or slow: the step is not known complete here
+            return f"process 0 did not report the manifest of step {step} within {MANIFEST_WAIT_S:.0f} s ({e})"
+
+    def _record(self, p: PendingSave) -> int | None:
         """Wait for ``p``'s commit and manifest (raising its error) and record the step as committed."""
         assert p.done is not None
         p.done.result()
         assert p.committed is not None
         self.pending = None
+        if p.incomplete is not None:
+            log.warning("checkpoint %d committed by orbax, not counted: %s", p.step, p.incomplete)
+            return None
         duration = p.committed - p.started
         self.last_committed, self.last_commit_time, self.last_duration = p.step, now(), duration
         self.last_blocking, self.last_parts = p.blocking, dict(p.parts)
