@@ -6,7 +6,7 @@ import os
 import tempfile
 
 import pytest
-from local_job import shrunken_workflow
+from local_job import reference_digest, shrunken_workflow
 
 from workflows.local.emulator import GcsEmulator
 
@@ -49,11 +49,7 @@ def classifier_job(tmp_path_factory):
 
     Returns ``((workflow, store_root), digest)``, the shape of the lm job's fixtures in test_e2e_local.
     """
-    from workflows import local
-
     d = tmp_path_factory.mktemp("classifier-e2e")
     root = str(d / "store")
     wf = shrunken_workflow(d, "classifier", store_root=root, config="local-image-classifier.yaml", hosts=2)
-    ref = local.run(wf, run_id="reference", store_root=root, metrics_port=None, report=False, say=lambda _: None)
-    assert ref.status == "Succeeded" and ref.params_digest
-    return (wf, root), ref.params_digest
+    return (wf, root), reference_digest(wf, root)

@@ -71,6 +71,15 @@ def shrunken_workflow(
     return wf
 
 
+def reference_digest(wf: Path, root: str) -> str:
+    """Run ``wf`` uninterrupted as run ``reference`` under ``root``; the final parameters' digest."""
+    from workflows import local
+
+    ref = local.run(wf, run_id="reference", store_root=root, metrics_port=None, report=False, say=lambda _: None)
+    assert ref.status == "Succeeded" and ref.params_digest
+    return ref.params_digest
+
+
 def committed_before(store: RunStore, attempt: int, t: float) -> int:
     """The newest step attempt ``attempt`` had committed, manifest included, before ``t`` (0: none).
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from local_job import HOSTS, INTERVAL, shrunken_workflow, steps_lost_bound
+from local_job import HOSTS, INTERVAL, reference_digest, shrunken_workflow, steps_lost_bound
 
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -21,11 +21,7 @@ def e2e_workflow(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(e2e_workflow):
-    wf, root = e2e_workflow
-    res = local.run(wf, run_id="reference", store_root=root, metrics_port=None, report=False, say=lambda _: None)
-    assert res.status == "Succeeded"
-    assert res.params_digest
-    return res.params_digest
+    return reference_digest(*e2e_workflow)
 
 
 @pytest.fixture(params=["lm", "image-classifier"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from local_job import shrunken_workflow, steps_lost_bound
+from local_job import reference_digest, shrunken_workflow, steps_lost_bound
 
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.records import CheckpointManifest
@@ -11,12 +11,6 @@ from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local
 
 pytestmark = pytest.mark.slow
-
-
-def _reference(wf, root: str) -> str:
-    ref = local.run(wf, run_id="reference", store_root=root, metrics_port=None, report=False, say=lambda _: None)
-    assert ref.status == "Succeeded" and ref.params_digest
-    return ref.params_digest
 
 
 def _killed(wf, root: str, reference: str):
@@ -60,7 +54,7 @@ def test_lm_on_record_files_recovers_from_a_killed_worker_with_the_same_params(t
     assert len(files) == 3
     wf = shrunken_workflow(tmp_path, "on-files", store_root=str(tmp_path / "store"), hosts=2,
                            data_section={"dataset": "records", "files": str(tmp_path / "records")})  # fmt: skip
-    store = _killed(wf, str(tmp_path / "store"), _reference(wf, str(tmp_path / "store")))
+    store = _killed(wf, str(tmp_path / "store"), reference_digest(wf, str(tmp_path / "store")))
     m = _last_manifest(store)
     assert m.dataset_version == records.fingerprint(records.list_files(str(tmp_path / "records")))
     assert m.task_name == "lm"

@@ -46,7 +46,7 @@ from trainer.hooks import (
 from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
 from trainer.preemption import PeerLossNotice, PreemptionAgreement, distributed_client
-from trainer.telemetry import Events, WorkerMetrics
+from trainer.telemetry import Events, WorkerMetrics, cpu_seconds
 
 log = logging.getLogger("trainer")
 
@@ -176,23 +176,22 @@ class Worker:
             time.sleep(0.05)
             if self.exit.exiting is not None or self.report.last_step != step_at_sigterm:
                 return  # a step completed: the gang agrees on the stop and plans its save
-            notice = self.peer_notice.heard() if self.peer_notice is not None else None
-            if notice is not None and not (self.saving is not None and self.saving.busy):
-                r = self.report
-                r.preemption_save = PreemptionSave.SKIPPED
-                r.preemption_reason = f"a peer is gone ({notice}): no save is possible without every process"
-                self.exit.exit_now(ExitCode.PREEMPTED, message=r.preemption_reason)
             if self.saving is not None and self.saving.busy:
                 deadline = time.monotonic() + wait
                 continue
+            notice = self.peer_notice.heard() if self.peer_notice is not None else None
+            if notice is not None:
+                self._leave_without_save(f"a peer is gone ({notice})")
             if time.monotonic() >= deadline:
-                break
+                self._leave_without_save(
+                    f"no step completed within {wait:.1f} s of SIGTERM (a peer is gone, or the gang is still starting)"
+                )
+
+    def _leave_without_save(self, why: str) -> NoReturn:
+        """Exit 143 with ``preemption_save: skipped``: no save is possible without every process."""
         r = self.report
         r.preemption_save = PreemptionSave.SKIPPED
-        r.preemption_reason = (
-            f"no step completed within {wait:.1f} s of SIGTERM (a peer is gone, or the gang is still starting): "
-            "no save is possible without every process"
-        )
+        r.preemption_reason = f"{why}: no save is possible without every process"
         self.exit.exit_now(ExitCode.PREEMPTED, message=r.preemption_reason)
 
     def stop_flag(self) -> int:
@@ -313,7 +312,7 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     w = Worker(args, env)
     out = w.exit
     configure_logging(w.process_index)
-    w.events.emit("started", cpu_s=round(time.process_time(), 3))
+    w.events.emit("started", cpu_s=cpu_seconds())
     signal.signal(signal.SIGTERM, w.on_sigterm)
     try:
         cfg = w.load_config()
@@ -495,7 +494,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     )  # fmt: skip
     # cpu_s (this process's CPU seconds so far, every thread) shows where start-up is CPU work and where waiting.
     w.events.emit("initialized", process_count=jax.process_count(), devices=jax.device_count(),
-                  cpu_s=round(time.process_time(), 3))  # fmt: skip
+                  cpu_s=cpu_seconds())  # fmt: skip
     m = _start_metrics(w, cfg)
 
     spec = cfg.task.spec()
@@ -532,7 +531,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     w.report.restored_at = now()
     w.report.restore_seconds = w.report.restored_at - t0
     w.events.emit("restored", max(restore_step, 0), restore_step=restore_step, restore_seconds=w.report.restore_seconds,
-                  cpu_s=round(time.process_time(), 3))  # fmt: skip
+                  cpu_s=cpu_seconds())  # fmt: skip
     compiled = _compiled_step(w, ahead, t0)
     # Compiled ahead so that the first save does not compile on the training thread.
     ckpt.prepare_snapshot(tr.abstract_state)

@@ -116,6 +116,11 @@ def _save_args(state: Any) -> Any:
     return jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES), state)
 
 
+def _state_file(directory: Any) -> Any:
+    """The iterator-state file of this process in the item's directory (grain's own name for it)."""
+    return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+
 class DataIteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
     """grain's iterator handler (same files, same restore) whose save writes in the background.
 
@@ -128,7 +133,7 @@ class DataIteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpoin
         """Capture the iterator state now; write ``process_<i>-of-<n>.json`` in the background."""
         item = item or args.item
         state = json.dumps(item.get_state(), indent=4)
-        path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        path = _state_file(directory)
 
         async def write() -> None:
             await asyncio.to_thread(path.write_text, state)
@@ -140,7 +145,7 @@ class DataIteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpoin
         item = item or args.item
         if not isinstance(item, _IteratorSnapshot):
             return super().restore(directory, item=item, args=args)
-        path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        path = _state_file(directory)
         if not path.exists():
             raise ValueError(f"File {path} does not exist.")
         item.set_state(json.loads(path.read_text()))
@@ -149,7 +154,7 @@ class DataIteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpoin
     def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
         """Synchronous save: the file grain's handler writes for a dataset iterator, from the captured state."""
         item = item or args.item
-        path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        path = _state_file(directory)
         path.write_text(json.dumps(item.get_state(), indent=4))
 
 

@@ -16,7 +16,7 @@ from trainer.compile_cache import CacheCounter
 from trainer.decisions import Faults, PreemptionAction, PreemptionPlan, SaveReason, TrainerExit, save_decision
 from trainer.lifecycle import Watchdog
 from trainer.loop import Stepper, StepRecord
-from trainer.telemetry import Events, WorkerMetrics
+from trainer.telemetry import Events, WorkerMetrics, cpu_seconds
 
 log = logging.getLogger("trainer")
 
@@ -109,7 +109,7 @@ class EventsHook:
         """Emit the step's events (``first_step`` with the compilation cache's requests and hits so far)."""
         if rec.first:
             cache = {} if self.cache is None else {"cache_requests": self.cache.requests, "cache_hits": self.cache.hits}
-            self.events.emit("first_step", rec.step, compile_seconds=rec.seconds, cpu_s=round(time.process_time(), 3),
+            self.events.emit("first_step", rec.step, compile_seconds=rec.seconds, cpu_s=cpu_seconds(),
                              **cache)  # fmt: skip
             log.info("first step %d done (compile + run %.2f s), loss %.4f", rec.step, rec.seconds, rec.loss)
         self.events.emit("step", rec.step, loss=rec.loss)

@@ -95,8 +95,10 @@ class Stepper:
         batch = train_state.global_batch(self.tr, next(self.data_iter), self.process_count)
         flags = train_state.stop_flags(self.tr, stop_requested)
         if self.compiled is None:
-            self.compiled = self.tr.step_fn.lower(self.state, batch, flags).compile()
-        elif not self._checked:
+            self.compiled, self._checked = self.tr.step_fn.lower(self.state, batch, flags).compile(), True
+        if self._checked:
+            out = self.compiled(self.state, batch, flags)
+        else:
             # An executable compiled ahead from abstract inputs checks the real ones before it runs anything
             # (nothing is donated yet): one that does not fit them is compiled again from the real inputs.
             try:
@@ -106,10 +108,7 @@ class Stepper:
                 self.compiled = self.tr.step_fn.lower(self.state, batch, flags).compile()
                 out = self.compiled(self.state, batch, flags)
             self._checked = True
-            self.state, loss, stop = out
-            return float(loss), int(stop)
-        self._checked = True
-        self.state, loss, stop = self.compiled(self.state, batch, flags)
+        self.state, loss, stop = out
         return float(loss), int(stop)
 
 

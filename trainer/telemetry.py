@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,11 @@ class WorkerMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry).decode()
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process so far, every thread (the ``cpu_s`` of the start-up events)."""
+    return round(time.process_time(), 3)
 
 
 def write_text_atomic(path: str, text: str) -> None:

@@ -140,6 +140,14 @@ class LocalSlice:
     detected_at: float | None = None
     phase: str | None = None
 
+    def mark_stopped(self, detected: float) -> None:
+        """Stamp the slice stopped: its last worker's exit, never before the supervisor ``detected`` the end.
+
+        As train_segment's stop_attempt stamps it: a gang that exited within one poll must not read as
+        stopped before detected.
+        """
+        self.ended_at = max([detected, *(w.ended_at or detected for w in self.workers)])
+
     def spawn(self, w: WorkerProc) -> None:
         """Start (or start again) worker ``w``, appending to its log file."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -435,7 +443,7 @@ class LocalExecutor:
                 if failed and sl.first_failure_index is None:
                     first = min(failed, key=lambda w: w.ended_at or now())
                     first.first_failure, sl.first_failure_index = True, first.index
-                sl.ended_at = max([sl.detected_at, *(w.ended_at or sl.detected_at for w in sl.workers)])
+                sl.mark_stopped(sl.detected_at)
                 self.live.pop(sl.jobset, None)
                 if self.write_slice_record is not None:
                     self.write_slice_record(sl.jobset, store.run_id, sl.attempt, sl.record())
@@ -467,9 +475,7 @@ class LocalExecutor:
             sl.first_failure_index = verdict.worker
         evidence = evidence_lines(obs)
         forced = self._stop_slice(sl, cfg.supervision.force_delete_grace_s, say) if sl.phase != SUCCEEDED else []
-        # Stopped = no worker left as the supervisor sees it, never before it decided (as train_segment's
-        # stop_attempt stamps it): a gang that exited within one poll must not read as stopped before detected.
-        sl.ended_at = max([detected, *(w.ended_at or detected for w in sl.workers)])
+        sl.mark_stopped(detected)
         self.live.pop(sl.jobset, None)
         if not self._stopping.is_set():
             self.hooks.after_slice(sl, sl.phase)
