@@ -25,6 +25,7 @@ from recovery_steps.evidence import (
     gather_supervision,
 )
 from recovery_steps.kernel import cli
+from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig
 from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
 from recovery_steps.kernel.documents import read_run_config
@@ -82,7 +83,8 @@ def checkpoint_step_before(store: RunStore, attempt: int) -> int:
 
 def newest_checkpoint_step(store: RunStore) -> int:
     """The newest checkpoint step that has a manifest (a complete checkpoint), or -1."""
-    return max((s for s in store.checkpoint_steps() if store.exists(RunLayout.checkpoint_manifest(s))), default=-1)
+    newest = newest_complete_step(store)
+    return -1 if newest is None else newest
 
 
 def _timings(ev: Evidence) -> tuple[float | None, float | None]:

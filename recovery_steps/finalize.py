@@ -20,7 +20,7 @@ from typing import Any
 
 from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel import cli
-from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.contract import Decision, ExitCode
 from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, WorkerExitReport, now
@@ -186,7 +186,7 @@ def final_reason(status: str, ledger: Ledger, failures: list[dict[str, Any]]) ->
         if failed:
             text += f" after recovering from {len(failed)} interruption(s) ({_class_counts(ledger)})"
         return text
-    stopped = next((a for a in reversed(ledger.attempts) if a.decision == "stop"), None)
+    stopped = next((a for a in reversed(ledger.attempts) if a.decision == Decision.STOP), None)
     if stopped is not None:
         why = stopped.decision_reason or "budget spent"
         return f"stopped after attempt {stopped.attempt}: {why}; last failure {stopped.failure_class}: {stopped.reason}"

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from recovery_steps.kernel import cli
+from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.k8s import ATTEMPT_LABEL, JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION
@@ -370,12 +371,6 @@ def read_heartbeats(store: RunStore, attempt: int, hosts: int) -> list[WorkerHea
     return out
 
 
-def newest_committed_step(store: RunStore) -> int | None:
-    """The newest checkpoint step whose manifest exists (the manifest is written last: see docs/CHECKPOINTS.md)."""
-    steps = sorted((int(s) for s in store.children(RunLayout.CHECKPOINTS) if s.isdigit()), reverse=True)
-    return next((s for s in steps if store.exists(RunLayout.checkpoint_manifest(s))), None)
-
-
 class Progress:
     """One log line per change of the gang's state, and Argo's progress file."""
 
@@ -571,7 +566,7 @@ class Supervisor:
             else:
                 record = record.model_copy(update={"stopped_at": detected})
             # After the stop: a worker that got SIGTERM saved its step on the way out.
-            newest = newest_committed_step(self.store)
+            newest = newest_complete_step(self.store)
             if newest is not None and (record.checkpoint_step is None or newest > record.checkpoint_step):
                 record = record.model_copy(update={"checkpoint_step": newest})
             return record

@@ -32,6 +32,11 @@ def step_files(store: RunStore, step: int) -> list[ManifestFile]:
     return out
 
 
+def newest_complete_step(store: RunStore) -> int | None:
+    """The newest checkpoint step whose manifest exists (written last: the step's transaction is complete)."""
+    return max((s for s in store.checkpoint_steps() if store.exists(RunLayout.checkpoint_manifest(s))), default=None)
+
+
 def write_manifest(store: RunStore, manifest: CheckpointManifest) -> None:
     """Write ``checkpoints/<step>/manifest.json``, filling ``files`` from what is stored now."""
     if not manifest.files:

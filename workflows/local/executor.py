@@ -416,11 +416,11 @@ class LocalExecutor:
         Returns:
             The step's result: Succeeded (exit 0), Failed (exit 1), or Error when the supervisor was lost.
         """
+        from recovery_steps.kernel.checkpoints import newest_complete_step
         from recovery_steps.supervision import AttemptState, decide
         from recovery_steps.train_segment import (
             Progress,
             evidence_lines,
-            newest_committed_step,
             outputs_of,
             read_heartbeats,
             worker_records,
@@ -481,7 +481,7 @@ class LocalExecutor:
             self.hooks.after_slice(sl, sl.phase)
         if self.write_slice_record is not None:
             self.write_slice_record(sl.jobset, store.run_id, sl.attempt, sl.record())
-        newest = newest_committed_step(store)
+        newest = newest_complete_step(store)
         record = SupervisionRecord(
             attempt=sl.attempt, jobset=sl.jobset, outcome=verdict.state.value,
             stall_kind=verdict.kind.value if verdict.kind else None, reason=verdict.reason, worker=verdict.worker,
