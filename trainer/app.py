@@ -9,7 +9,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -49,6 +49,9 @@ from trainer.preemption import PeerLossNotice, PreemptionAgreement, distributed_
 from trainer.telemetry import Events, WorkerMetrics, cpu_seconds
 
 log = logging.getLogger("trainer")
+
+REFUSE_TOGETHER_S = 10.0
+"""How long a worker refusing the restore waits for the others to reach the same verdict before it leaves."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,25 @@ class Worker:
         configure_logging(self.process_index)
         self.peer_notice = PeerLossNotice(self.args.attempt, self.process_index, distributed_client())
         self.exit.on_peer_lost = self.peer_notice.announce
+
+    @contextlib.contextmanager
+    def refusing_together(self) -> Iterator[None]:
+        """A refusal raised inside (``TrainerExit``) waits, bounded, until every process reached its verdict.
+
+        Every process checks the same config, manifest and files, so they refuse alike; but process 0 hosts the
+        coordination service, and if it left first the others would abort as peer-lost (exit 20) before their
+        own verdict. So a refusing process waits at one barrier (at most ``REFUSE_TOGETHER_S``), then leaves.
+        """
+        try:
+            yield
+        except TrainerExit:
+            client = distributed_client()
+            if client is not None and self.process_count > 1:
+                try:
+                    client.wait_at_barrier(f"jaxrec/refused/{self.args.attempt}", int(REFUSE_TOGETHER_S * 1000))
+                except Exception as e:  # noqa: BLE001 - another process did not refuse (or is gone): leave anyway
+                    log.warning("not every process refused alike (%s); leaving", str(e).splitlines()[0][:200])
+            raise
 
     def _set_identity(self, process_index: int, process_count: int) -> None:
         self.process_index, self.process_count = process_index, process_count
@@ -499,19 +521,21 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
 
     spec = cfg.task.spec()
     task = spec.build(cfg.task_options())
-    try:
-        source = data_lib.open_source(task, cfg.data)
-    except ValueError as e:  # data.files matches nothing: a configuration problem, one line
-        raise TrainerExit(ExitCode.CONFIGURATION, str(e)) from None
-    manifest = w.read_manifest(cfg, restore_step) if restore_step >= 0 else None
-    if manifest is not None:
-        problems = task_problems(manifest, spec.name, spec.version, source.version, cfg.data.resume_mode)
-        if problems:
-            raise TrainerExit(
-                ExitCode.INCOMPATIBLE_CHECKPOINT, f"checkpoint {restore_step} is incompatible: " + "; ".join(problems)
-            )
-        if manifest.dataset_version != source.version:
-            log.warning("dataset changed (%s -> %s): reshuffling", manifest.dataset_version, source.version)
+    with w.refusing_together():
+        try:
+            source = data_lib.open_source(task, cfg.data)
+        except ValueError as e:  # data.files matches nothing: a configuration problem, one line
+            raise TrainerExit(ExitCode.CONFIGURATION, str(e)) from None
+        manifest = w.read_manifest(cfg, restore_step) if restore_step >= 0 else None
+        if manifest is not None:
+            problems = task_problems(manifest, spec.name, spec.version, source.version, cfg.data.resume_mode)
+            if problems:
+                raise TrainerExit(
+                    ExitCode.INCOMPATIBLE_CHECKPOINT,
+                    f"checkpoint {restore_step} is incompatible: " + "; ".join(problems),
+                )
+    if manifest is not None and manifest.dataset_version != source.version:
+        log.warning("dataset changed (%s -> %s): reshuffling", manifest.dataset_version, source.version)
     w.set_aside_newer_steps(restore_step)
     mesh = train_state.make_mesh()
     tr = train_state.build(cfg, mesh, task)
