@@ -10,8 +10,10 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.metrics import METRICS
 from trainer.data import DataPosition, SyntheticSequences, build_dataset, resume_position
 from trainer.decisions import (
+    LocalIdentity,
     TrainerExit,
     compatibility_problems,
+    coordinator_to_wait_for,
     exit_code_for,
     fsdp_axis,
     local_identity,
@@ -19,6 +21,7 @@ from trainer.decisions import (
     topology_problems,
     watchdog_limit,
 )
+from trainer.lifecycle import wait_for_listener
 from trainer.telemetry import WorkerMetrics
 
 
@@ -45,6 +48,57 @@ def test_local_identity_names_each_bad_variable(env, names):
     assert e.value.code == ExitCode.CONFIGURATION
     for name in names:
         assert name in str(e.value)
+
+
+GKE = {"TPU_WORKER_HOSTNAMES": "lm-a3-workers-0-0.lm-a3, lm-a3-workers-0-1.lm-a3", "TPU_WORKER_ID": "1"}
+
+
+@pytest.mark.parametrize(
+    ("env", "local", "expected"),
+    [
+        ({}, LocalIdentity("127.0.0.1:9", 0, 4), None),  # process 0 hosts the service
+        ({}, LocalIdentity("127.0.0.1:9", 3, 4), "127.0.0.1:9"),
+        (GKE, None, "lm-a3-workers-0-0.lm-a3:8482"),  # JAX's cloud-TPU coordinator port
+        ({**GKE, "JAX_COORDINATOR_PORT": "9000"}, None, "lm-a3-workers-0-0.lm-a3:9000"),
+        ({**GKE, "TPU_WORKER_ID": "0"}, None, None),
+        ({**GKE, "MEGASCALE_COORDINATOR_ADDRESS": "s0-w0:8080"}, None, "s0-w0:8482"),
+        ({**GKE, "TPU_WORKER_ID": "0", "MEGASCALE_COORDINATOR_ADDRESS": "s0-w0", "MEGASCALE_SLICE_ID": "1"},
+         None, "s0-w0:8482"),  # worker 0 of another slice joins slice 0's coordinator
+        ({"TPU_WORKER_ID": "1"}, None, None),  # no host list: JAX detects it, nothing to wait for first
+        ({**GKE, "TPU_WORKER_ID": "x"}, None, None),
+    ],
+)  # fmt: skip
+def test_coordinator_to_wait_for(env, local, expected):
+    assert coordinator_to_wait_for(env, local) == expected
+
+
+def test_wait_for_listener_returns_once_the_port_listens_and_gives_up_in_time():
+    import socket
+    import threading
+    import time
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a free port, refused until the thread below listens on it
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def listen_late() -> None:
+        time.sleep(0.3)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    threading.Thread(target=listen_late, daemon=True).start()
+    try:
+        waited = wait_for_listener(f"127.0.0.1:{port}", timeout_s=10)
+        assert waited is not None and 0.25 <= waited < 2.0
+    finally:
+        server.close()
+    t0 = time.monotonic()
+    assert wait_for_listener(f"127.0.0.1:{port}", timeout_s=0.2) is None
+    assert time.monotonic() - t0 < 1.5
+    assert wait_for_listener("no-such-host.invalid:8482", timeout_s=0.1) is None
 
 
 def test_topology_agrees_and_disagrees(tmp_path):

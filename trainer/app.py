@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from trainer.decisions import (
     Faults,
     TrainerExit,
     compatibility_problems,
+    coordinator_to_wait_for,
     exit_code_for,
     local_identity,
     parse_faults,
@@ -43,7 +45,7 @@ from trainer.hooks import (
     ProgressHook,
     check_finite_loss,
 )
-from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler
+from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler, wait_for_listener
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
 from trainer.preemption import PeerLossNotice, PreemptionAgreement, distributed_client
 from trainer.telemetry import Events, WorkerMetrics, cpu_seconds
@@ -222,6 +224,7 @@ class Worker:
             heartbeat_timeout_seconds=t.heartbeat_timeout_s,
             shutdown_timeout_seconds=t.shutdown_timeout_s,
         )
+        ident = None
         if cfg.slice.is_local:
             ident = local_identity(self.env)
             self._set_identity(ident.process_id, ident.num_processes)
@@ -244,6 +247,13 @@ class Worker:
         # SIGTERM is ours: the stop flag folded into each step makes every process save the same step.
         # JAX's preemption service would install its own SIGTERM handler over it.
         jax.config.update("jax_enable_preemption_service", False)
+        coordinator = coordinator_to_wait_for(self.env, ident)
+        if coordinator is not None:
+            waited = wait_for_listener(coordinator, t.init_timeout_s)
+            state = "not listening yet; joining anyway" if waited is None else f"listening after {waited:.2f} s"
+            log.info("coordinator %s %s", coordinator, state)
+            # One start-up budget: what the wait took is not given to JAX's own initialization wait again.
+            kw["initialization_timeout"] = max(1, math.ceil(t.init_timeout_s - (waited or t.init_timeout_s)))
         with _client_shutdown_timeout(t.shutdown_timeout_s):
             jax.distributed.initialize(**kw)
         signal.signal(signal.SIGTERM, self.on_sigterm)

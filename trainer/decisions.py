@@ -59,6 +59,37 @@ def local_identity(env: Mapping[str, str]) -> LocalIdentity:
     return LocalIdentity(addr, ints["JOB_COMPLETION_INDEX"], ints["TRAINER_NUM_PROCESSES"])
 
 
+# JAX's coordinator port on Cloud TPU (jax._src.clusters.cloud_tpu_cluster.coordinator_port), unless
+# JAX_COORDINATOR_PORT overrides it as it does for jax.distributed.initialize's own detection.
+TPU_COORDINATOR_PORT = "8482"
+
+
+def coordinator_to_wait_for(env: Mapping[str, str], local: LocalIdentity | None) -> str | None:
+    """The ``host:port`` of the coordination service this process should see listening before it joins.
+
+    Process 0 hosts the service; every other process that calls ``jax.distributed.initialize`` before the
+    service listens has its first connection refused, and gRPC retries only after its initial reconnect
+    backoff (1 s, growing by 1.6 each time; grpc doc/connection-backoff.md). Waiting for the listener
+    with a fine poll instead joins within a poll of process 0 being ready. ``None``: this process is the
+    coordinator, or the address is not known before JAX detects it.
+
+    Local gangs pass their identity; on GKE the TPU webhook's ``TPU_WORKER_ID`` and ``TPU_WORKER_HOSTNAMES``
+    (or ``MEGASCALE_COORDINATOR_ADDRESS`` on multislice) name it as JAX's cloud-TPU detection reads them.
+    """
+    if local is not None:
+        return None if local.process_id == 0 else local.coordinator_address
+    worker = env.get("TPU_WORKER_ID", "").strip()
+    hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    megascale = env.get("MEGASCALE_COORDINATOR_ADDRESS", "").strip()
+    slice_id = env.get("MEGASCALE_SLICE_ID", "0").strip() or "0"
+    if not worker.isdigit() or not (hosts or megascale):
+        return None
+    if int(worker) == 0 and slice_id == "0":
+        return None
+    host = (megascale or hosts[0]).split(":")[0]
+    return f"{host}:{env.get('JAX_COORDINATOR_PORT') or TPU_COORDINATOR_PORT}"
+
+
 def topology_problems(
     cfg: JobConfig, *, process_count: int, local_devices: int, global_devices: int, platform: str
 ) -> list[str]:

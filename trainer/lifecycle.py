@@ -1,4 +1,4 @@
-"""How a worker ends: its single exit path (report, then ``os._exit`` by contract) and the step watchdog."""
+"""How a worker joins and ends: the coordinator wait, the exit path (report, ``os._exit`` by contract), the watchdog."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -19,6 +20,25 @@ from trainer.decisions import watchdog_limit
 from trainer.telemetry import Events
 
 log = logging.getLogger("trainer")
+
+
+def wait_for_listener(address: str, timeout_s: float, poll_s: float = 0.02) -> float | None:
+    """Wait until ``address`` (``host:port``) accepts a TCP connection; return the seconds waited, or None.
+
+    A name that does not resolve yet (a pod's DNS record comes with its IP) and a refused connection are
+    both "not yet". None: still not listening after ``timeout_s``; the caller joins anyway and JAX reports
+    the failure in its own words.
+    """
+    host, _, port = address.rpartition(":")
+    start = time.monotonic()
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=max(poll_s, 0.5)):
+                return time.monotonic() - start
+        except OSError:
+            if time.monotonic() - start >= timeout_s:
+                return None
+            time.sleep(poll_s)
 
 
 def install_abort_handler(on_abort: Callable[[], None]) -> Any:
