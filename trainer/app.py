@@ -322,20 +322,22 @@ class Worker:
             )
         return manifest
 
-    def set_aside_newer_steps(self, restore_step: int) -> None:
+    def set_aside_newer_steps(self, restore_step: int, timeout_s: float) -> None:
         """Move step directories newer than the restored one to quarantine (primary host), so saves never collide.
 
-        Those steps were skipped by restore-latest (no manifest, or written by a closed attempt).
+        Those steps were skipped by restore-latest (no manifest, or written by a closed attempt). The others wait
+        at a coordination-service barrier (at most ``timeout_s``), not a device collective: nothing is compiled
+        for it and no gloo all-gather runs before the first step.
         """
-        from jax.experimental import multihost_utils
-
         if self.process_index == 0:
             for step in self.store.checkpoint_steps():
                 if step > restore_step:
                     dst = RunLayout.quarantine(step, f"-superseded-attempt{self.args.attempt}-{int(now())}")
                     n = self.store.move(RunLayout.checkpoint(step), dst)
                     log.warning("checkpoint %d is newer than the restore step; moved %d objects to %s", step, n, dst)
-        multihost_utils.sync_global_devices("trainer-set-aside-newer-steps")
+        client = distributed_client()
+        if client is not None and self.process_count > 1:
+            client.wait_at_barrier(f"jaxrec/set-aside/{self.args.attempt}", int(timeout_s * 1000))
 
 
 def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
@@ -546,7 +548,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
                 )
     if manifest is not None and manifest.dataset_version != source.version:
         log.warning("dataset changed (%s -> %s): reshuffling", manifest.dataset_version, source.version)
-    w.set_aside_newer_steps(restore_step)
+    w.set_aside_newer_steps(restore_step, t.init_timeout_s)
     mesh = train_state.make_mesh()
     tr = train_state.build(cfg, mesh, task)
     identity = DataIdentity(source.version, spec.name, spec.version, options_hash(cfg.task_options().model_dump()))

@@ -129,7 +129,10 @@ def make_iterator(
     data: DataConfig, source: grain.MapDataset, position: DataPosition, process_index: int, process_count: int
 ) -> grain.DatasetIterator:
     """A grain iterator over this process's batches, positioned at ``position.next_index``."""
-    it = iter(build_dataset(data, source, position.order_seed, process_index, process_count).to_iter_dataset())
+    # Elements here are whole local batches: the read options bound how many steps ahead they are prepared.
+    options = grain.ReadOptions(num_threads=data.read_threads, prefetch_buffer_size=data.prefetch_batches)
+    ds = build_dataset(data, source, position.order_seed, process_index, process_count)
+    it = iter(ds.to_iter_dataset(options))
     if position.next_index:
         it.set_state({"next_index": position.next_index})
     return it

@@ -73,6 +73,8 @@ RULES: tuple[Rule, ...] = (
     Rule("data.num_records", False, "epoch boundaries move: the saved data position points elsewhere"),
     Rule("data.seed", False, "another data order: 'exact' resume would continue in a different order"),
     Rule("data.worker_count", False, "the saved grain iterator state is kept per worker process"),
+    Rule("data.read_threads", True, "how many threads prepare batches; the order and the saved position are the same"),
+    Rule("data.prefetch_batches", True, "how far ahead batches are prepared; the saved position is the next batch"),
     Rule(
         "data.resume_mode",
         True,

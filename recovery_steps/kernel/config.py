@@ -326,6 +326,16 @@ class DataConfig(_Section):
         "seeded by the restored step.",
     )
     worker_count: int = Field(default=0, ge=0, description="grain worker processes per host (0: in-process).")
+    read_threads: int = Field(
+        default=4, ge=1, le=64, description="Threads per host preparing local batches ahead of the step."
+    )
+    prefetch_batches: int = Field(
+        default=8,
+        ge=1,
+        le=4096,
+        description="Local batches prepared ahead of the step per host. Each prefetched element is a whole "
+        "batch; grain's default buffer of 500 would prepare 500 steps ahead at every (re)start.",
+    )
 
     @model_validator(mode="after")
     def _check_files(self) -> DataConfig:
