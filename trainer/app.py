@@ -383,7 +383,7 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any)
     ``reshuffle`` starts a new order seeded by the restored step.
     """
     import jax
-    import jax.numpy as jnp
+    import numpy as np
 
     from trainer import data as data_lib
 
@@ -409,8 +409,9 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any)
                 f"checkpoint {restore_step}: data iterator at batch {at}, expected {pos.next_index}",
             )
     else:
-        state["data_order_seed"] = jax.device_put(jnp.asarray(pos.order_seed, jnp.int32), tr.replicated)
-        state["data_start_step"] = jax.device_put(jnp.asarray(pos.start_step, jnp.int32), tr.replicated)
+        # Host values (numpy): a jnp value would compile an op on this process's own device first.
+        state["data_order_seed"] = jax.device_put(np.int32(pos.order_seed), tr.replicated)
+        state["data_start_step"] = jax.device_put(np.int32(pos.start_step), tr.replicated)
     ckpt.last_committed = restore_step
     log.info("restored step %d (data order %d, batch %d)", restore_step, pos.order_seed, pos.next_index)
     return state, it
@@ -510,7 +511,7 @@ def _hooks(
 
 def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     import jax
-    import jax.numpy as jnp
+    import numpy as np
 
     from trainer import data as data_lib
     from trainer import train_state
@@ -561,7 +562,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     if manifest is not None:
         state, it = _restore(cfg, tr, ckpt, restore_step, source)
     else:
-        state = tr.init_fn(jnp.asarray(t.seed, jnp.int32))
+        state = tr.init_fn(np.int32(t.seed))
         it = data_lib.make_iterator(cfg.data, source.examples, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
     jax.block_until_ready(state)
     w.report.restored_at = now()

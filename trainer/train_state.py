@@ -78,7 +78,9 @@ def build(cfg: JobConfig, mesh: Mesh, task: Task) -> Trainer:
             state["extra"] = ts.extra
         return state
 
-    abstract = jax.eval_shape(init, jnp.zeros((), jnp.int32))
+    # An abstract seed: a concrete jnp.zeros would compile and run an op on this process's own device, a
+    # program whose cache key differs per process and that only process 0 writes to the persistent cache.
+    abstract = jax.eval_shape(init, jax.ShapeDtypeStruct((), jnp.int32))
     fsdp = cfg.training.sharding == "fsdp"
     shardings = jax.tree_util.tree_map_with_path(lambda path, leaf: _spec(path, leaf, mesh, fsdp, task), abstract)
     replicated = NamedSharding(mesh, P())
