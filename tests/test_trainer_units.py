@@ -65,6 +65,7 @@ GKE = {"TPU_WORKER_HOSTNAMES": "lm-a3-workers-0-0.lm-a3, lm-a3-workers-0-1.lm-a3
         ({**GKE, "TPU_WORKER_ID": "0", "MEGASCALE_COORDINATOR_ADDRESS": "s0-w0", "MEGASCALE_SLICE_ID": "1"},
          None, "s0-w0:8482"),  # worker 0 of another slice joins slice 0's coordinator
         ({"TPU_WORKER_ID": "1"}, None, None),  # no host list: JAX detects it, nothing to wait for first
+        ({**GKE, "JAX_COORDINATOR_ADDRESS": "coord:1234"}, None, "coord:1234"),  # JAX joins the explicit one
         ({**GKE, "TPU_WORKER_ID": "x"}, None, None),
     ],
 )  # fmt: skip

@@ -249,11 +249,13 @@ class Worker:
         jax.config.update("jax_enable_preemption_service", False)
         coordinator = coordinator_to_wait_for(self.env, ident)
         if coordinator is not None:
-            waited = wait_for_listener(coordinator, t.init_timeout_s)
+            # One start-up budget: the wait takes at most half of it, and JAX's own wait gets the rest (so a
+            # coordinator this probe cannot reach but JAX can still leaves JAX half the budget).
+            waited = wait_for_listener(coordinator, t.init_timeout_s / 2)
             state = "not listening yet; joining anyway" if waited is None else f"listening after {waited:.2f} s"
             log.info("coordinator %s %s", coordinator, state)
-            # One start-up budget: what the wait took is not given to JAX's own initialization wait again.
-            kw["initialization_timeout"] = max(1, math.ceil(t.init_timeout_s - (waited or t.init_timeout_s)))
+            spent = t.init_timeout_s / 2 if waited is None else waited
+            kw["initialization_timeout"] = max(1, math.ceil(t.init_timeout_s - spent))
         with _client_shutdown_timeout(t.shutdown_timeout_s):
             jax.distributed.initialize(**kw)
         signal.signal(signal.SIGTERM, self.on_sigterm)

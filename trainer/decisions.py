@@ -79,13 +79,16 @@ def coordinator_to_wait_for(env: Mapping[str, str], local: LocalIdentity | None)
     if local is not None:
         return None if local.process_id == 0 else local.coordinator_address
     worker = env.get("TPU_WORKER_ID", "").strip()
+    explicit = env.get("JAX_COORDINATOR_ADDRESS", "").strip()  # JAX joins this one before any detection
     hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     megascale = env.get("MEGASCALE_COORDINATOR_ADDRESS", "").strip()
     slice_id = env.get("MEGASCALE_SLICE_ID", "0").strip() or "0"
-    if not worker.isdigit() or not (hosts or megascale):
+    if not worker.isdigit() or not (hosts or megascale or explicit):
         return None
     if int(worker) == 0 and slice_id == "0":
         return None
+    if explicit:
+        return explicit
     host = (megascale or hosts[0]).split(":")[0]
     return f"{host}:{env.get('JAX_COORDINATOR_PORT') or TPU_COORDINATOR_PORT}"
 
