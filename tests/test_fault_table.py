@@ -615,6 +615,8 @@ CONFIGS: list[tuple[str, str | bytes, str | None]] = [
     ("zero hosts", _with("slice.hosts", 0), r"slice\.hosts"),
     ("nine devices per host", _with("slice.devices_per_host", 9), r"slice\.devices_per_host"),
     ("batch not divisible by devices", _with("data.global_batch_size", 6), r"data\.global_batch_size: 6"),
+    ("grain worker processes", _with("data.worker_count", 2), r"data\.worker_count"),
+    ("no batch prefetched", _with("data.prefetch_batches", 0), r"data\.prefetch_batches"),
     ("unknown key", _with("checkpoint.intervl", 5), r"checkpoint\.intervl: unknown key"),
     ("not UTF-8", b"run_id: caf\xe9\n", r"not UTF-8 text \(byte 11"),
     ("UTF-16 file", LOCAL.encode("utf-16"), r"not UTF-8"),

@@ -325,7 +325,9 @@ class DataConfig(_Section):
         description="'exact': resume at the same logical dataset position; 'reshuffle': a new order "
         "seeded by the restored step.",
     )
-    worker_count: int = Field(default=0, ge=0, description="grain worker processes per host (0: in-process).")
+    worker_count: int = Field(
+        default=0, ge=0, description="grain worker processes per host: only 0 (in-process) is supported."
+    )
     read_threads: int = Field(
         default=4, ge=1, le=64, description="Threads per host preparing local batches ahead of the step."
     )
@@ -348,6 +350,11 @@ class DataConfig(_Section):
             raise ValueError("data.files: only read with dataset: records; remove it or set dataset: records")
         if self.files and ("://" in self.files and not self.files.startswith("gs://")):
             raise ValueError(f"data.files: {_short(self.files)}: only gs:// globs or local paths are supported")
+        if self.worker_count:
+            raise ValueError(
+                f"data.worker_count: {self.worker_count}: grain worker processes are not used by this trainer "
+                "(batches are prepared in-process by data.read_threads threads); set it to 0"
+            )
         return self
 
 
