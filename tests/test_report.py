@@ -54,6 +54,19 @@ def test_no_lost_step_means_recovered_at_first_step():
     assert incs[0].steps_lost == 0 and incs[0].recovered_at == incs[0].first_step_at
 
 
+def test_a_failure_before_the_first_step_loses_nothing_beyond_its_start():
+    # Attempt 0 restored (fresh: step 0) and died before any step; attempt 1 starts from step 0 again.
+    ev = [e for e in _events() if e["attempt"] == 1 or e["event"] in ("started", "restored")]
+    ev = [{**e, "step": 0, "restore_step": -1} if e["attempt"] == 1 and e["event"] == "restored" else e for e in ev]
+    incs = build_incidents([Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)], ev, [], [])
+    assert (incs[0].pre_failure_step, incs[0].restored_step, incs[0].steps_lost) == (0, 0, 0)
+    assert incs[0].recovered_at == incs[0].first_step_at
+    # Died before even restoring: what it had is unknown from its events, and nothing is claimed.
+    ev = [e for e in ev if e["attempt"] == 1 or e["event"] == "started"]
+    incs = build_incidents([Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)], ev, [], [])
+    assert incs[0].pre_failure_step is None and incs[0].steps_lost is None
+
+
 def test_last_failure_without_a_next_attempt_has_no_recovery():
     incs = build_incidents([Segment(0, 100, 126.5, True, 126.0)], _events(), [], [])
     assert incs[0].recovered_at is None and incs[0].restored_step is None

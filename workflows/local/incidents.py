@@ -120,6 +120,9 @@ def build_incidents(
             continue
         mine = _window(events, seg)
         pre = max_step(mine)
+        if pre is None:  # failed before its first step: the progress it had is the step it started from
+            start = [e for e in mine if e.get("event") == "restored"]
+            pre = max(0, int(start[0].get("step") or 0)) if start else None
         inj = [i for i in injections if i.attempt == seg.attempt and seg.started_at - 1 <= i.at <= seg.ended_at + 1]
         inc = Incident(
             attempt=seg.attempt,
