@@ -86,7 +86,7 @@ def floor_worker(store_root: str, run_id: str, out: str) -> None:
 
 
 def _launch_floor(cfg, work: Path, tag: str) -> tuple[float, list[subprocess.Popen], list[Path]]:
-    from trainer_harness import free_port
+    from trainer_harness import free_port, gang_env
 
     port, n = free_port(), cfg.slice.num_hosts
     procs, outs = [], []
@@ -94,10 +94,9 @@ def _launch_floor(cfg, work: Path, tag: str) -> tuple[float, list[subprocess.Pop
     for i in range(n):
         out = work / f"floor-{tag}-{i}.json"
         outs.append(out)
-        env = {**os.environ, "TRAINER_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JOB_COMPLETION_INDEX": str(i),
-               "TRAINER_NUM_PROCESSES": str(n), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}  # fmt: skip
         cmd = [sys.executable, str(Path(__file__)), "--floor-worker", cfg.storage.root, cfg.run_id, str(out)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(cmd, env=gang_env(port, i, n, work / f"floor-events-{tag}"), cwd=REPO,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))  # fmt: skip
     return t0, procs, outs
 
 

@@ -187,6 +187,19 @@ class Gang:
         return self.logs[index].read_text(errors="replace")
 
 
+def gang_env(port: int, index: int, n: int, events_dir: Path) -> dict[str, str]:
+    """The environment of worker ``index`` of ``n`` on localhost, as the local runner sets it."""
+    return {
+        **os.environ,
+        "TRAINER_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "JOB_COMPLETION_INDEX": str(index),
+        "TRAINER_NUM_PROCESSES": str(n),
+        "TRAINER_EVENTS_DIR": str(events_dir),
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(REPO),
+    }
+
+
 def launch(
     cfg: JobConfig,
     attempt: int,
@@ -204,16 +217,7 @@ def launch(
     events_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for i in range(n):
-        env = {
-            **os.environ,
-            "TRAINER_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-            "JOB_COMPLETION_INDEX": str(i),
-            "TRAINER_NUM_PROCESSES": str(n),
-            "TRAINER_EVENTS_DIR": str(events_dir),
-            "JAX_PLATFORMS": "cpu",
-            "PYTHONPATH": str(REPO),
-            **(extra_env or {}),
-        }
+        env = {**gang_env(port, i, n, events_dir), **(extra_env or {})}
         env.pop("TRAINER_FAULT", None)
         if fault:
             env["TRAINER_FAULT"] = fault

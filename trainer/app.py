@@ -275,13 +275,20 @@ class Worker:
         try:
             yield
         except TrainerExit:
-            client = distributed_client()
-            if client is not None and self.process_count > 1:
-                try:
-                    client.wait_at_barrier(f"jaxrec/refused/{self.args.attempt}", int(REFUSE_TOGETHER_S * 1000))
-                except Exception as e:  # noqa: BLE001 - another process did not refuse (or is gone): leave anyway
-                    log.warning("not every process refused alike (%s); leaving", str(e).splitlines()[0][:200])
+            try:
+                self.gang_barrier("refused", REFUSE_TOGETHER_S)
+            except Exception as e:  # noqa: BLE001 - another process did not refuse (or is gone): leave anyway
+                log.warning("not every process refused alike (%s); leaving", str(e).splitlines()[0][:200])
             raise
+
+    def gang_barrier(self, name: str, timeout_s: float) -> None:
+        """Wait until every process of this attempt reached barrier ``name``; raise after ``timeout_s``.
+
+        A coordination-service barrier, not a device collective. Nothing to wait for in a gang of one process.
+        """
+        client = distributed_client()
+        if client is not None and self.process_count > 1:
+            client.wait_at_barrier(f"jaxrec/{name}/{self.args.attempt}", int(timeout_s * 1000))
 
     def _set_identity(self, process_index: int, process_count: int) -> None:
         self.process_index, self.process_count = process_index, process_count
@@ -337,9 +344,7 @@ class Worker:
                     dst = RunLayout.quarantine(step, f"-superseded-attempt{self.args.attempt}-{int(now())}")
                     n = self.store.move(RunLayout.checkpoint(step), dst)
                     log.warning("checkpoint %d is newer than the restore step; moved %d objects to %s", step, n, dst)
-        client = distributed_client()
-        if client is not None and self.process_count > 1:
-            client.wait_at_barrier(f"jaxrec/set-aside/{self.args.attempt}", int(timeout_s * 1000))
+        self.gang_barrier("set-aside", timeout_s)
 
 
 def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
