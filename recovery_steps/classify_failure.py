@@ -23,6 +23,7 @@ from recovery_steps.evidence import (
     gather_local_slice,
     gather_reports,
     gather_supervision,
+    use_supervisor_snapshot,
 )
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.checkpoints import newest_complete_step
@@ -127,8 +128,8 @@ def gather(
             api_client = make_api_client()
         except Exception as e:  # noqa: BLE001 - any config failure leaves the store's evidence usable
             ev.notes.append(f"no Kubernetes client ({type(e).__name__}: {e}); classified from worker reports")
-            return ev
-    return gather_kubernetes(api_client, cfg.namespace, jobset, ev)
+            return use_supervisor_snapshot(ev)
+    return use_supervisor_snapshot(gather_kubernetes(api_client, cfg.namespace, jobset, ev))
 
 
 def run(

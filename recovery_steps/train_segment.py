@@ -40,6 +40,14 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.k8s import ATTEMPT_LABEL, JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION
 from recovery_steps.kernel.outputs import SegmentOutputs
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
+from recovery_steps.kernel.snapshot import (
+    ClusterSnapshot,
+    NodeEvidence,
+    job_from_api,
+    jobset_from_api,
+    node_from_api,
+    pod_from_api,
+)
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
     UNREACHABLE_TAINT,
@@ -525,6 +533,18 @@ class Supervisor:
                           waiting_since=self.waiting_since, created_at=self.created_at)  # fmt: skip
         return obs, beats
 
+    def snapshot(self) -> ClusterSnapshot:
+        """The JobSet, its Jobs, pods and their nodes as the watches hold them now (recorded before the stop)."""
+        js = self.watch["jobset"].snapshot()
+        return ClusterSnapshot(
+            taken_at=self.clock(),
+            jobset=jobset_from_api(js[0]) if js else None,
+            jobs=[job_from_api(j) for j in self.watch["jobs"].snapshot()],
+            pods=[pod_from_api(p) for p in self.watch["pods"].snapshot()],
+            nodes=[node_from_api(n) if n is not None else NodeEvidence(name=name, found=False)
+                   for name, n in sorted(self.node_cache.items())],
+        )  # fmt: skip
+
     def run(self, manifest: Mapping[str, Any]) -> SupervisionRecord:
         """Create or re-attach, supervise until over, stop, and record. Returns the supervision record."""
         self.ensure_jobset(manifest)
@@ -559,7 +579,7 @@ class Supervisor:
                 created_at=self.created_at, reattached=self.reattached, detected_at=detected,
                 last_step=max((b.step for b in beats if b.step is not None), default=None),
                 checkpoint_step=max(ckpts) if ckpts else None, workers=worker_records(obs, beats, self.hosts),
-                evidence=evidence_lines(obs),
+                evidence=evidence_lines(obs), snapshot=self.snapshot(),
             )  # fmt: skip
             if verdict.state != AttemptState.SUCCEEDED:
                 record = self.stop_attempt(record)

@@ -301,3 +301,97 @@ def test_classify_failure_on_gke_backend(api, tmp_path, capsys):
     rec = store.read_json(RunLayout.attempt_record(3))
     assert rec["failure_class"] == "preemption" and rec["jobset"] == JS
     assert Path(store.url(RunLayout.LEDGER)).exists()
+
+
+def _failed_attempt_snapshot(code: int):
+    from recovery_steps.kernel.snapshot import ClusterSnapshot, job_from_api, node_from_api, pod_from_api
+
+    pods = []
+    for i in range(4):
+        term = i == 2
+        state = (
+            {
+                "terminated": {
+                    "exitCode": code,
+                    "reason": "Error",
+                    "startedAt": "2026-01-01T00:00:00Z",
+                    "finishedAt": "2026-01-01T00:05:00Z",
+                }
+            }
+            if term
+            else {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
+        )
+        pods.append(
+            pod_from_api(
+                {
+                    "metadata": {
+                        "name": f"{JS}-workers-0-{i}-x",
+                        "labels": {"batch.kubernetes.io/job-completion-index": str(i)},
+                    },
+                    "spec": {"nodeName": f"n{i}"},
+                    "status": {
+                        "phase": "Failed" if term else "Running",
+                        "containerStatuses": [{"name": "trainer", "state": state}],
+                    },
+                }
+            )
+        )
+    msg = (
+        f"Container trainer for pod {NS}/{JS}-workers-0-2-x failed with exit code {code} matching FailJob rule "
+        "at index 5"
+    )
+    job = job_from_api(
+        {
+            "metadata": {"name": f"{JS}-workers-0"},
+            "status": {
+                "conditions": [
+                    {
+                        "type": "FailureTarget",
+                        "status": "True",
+                        "reason": "PodFailurePolicy",
+                        "message": msg,
+                        "lastTransitionTime": "2026-01-01T00:05:01Z",
+                    }
+                ]
+            },
+        }
+    )
+    nodes = [
+        node_from_api({"metadata": {"name": f"n{i}"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+        for i in range(4)
+    ]
+    return ClusterSnapshot(taken_at=1.0, jobs=[job], pods=pods, nodes=nodes)
+
+
+def test_a_job_at_failure_target_counts_as_failed_with_its_rule_message():
+    snap = _failed_attempt_snapshot(42)
+    (job,) = snap.jobs
+    assert job.failed and job.failure_reason == "PodFailurePolicy" and "exit code 42" in job.failure_message
+
+
+@pytest.mark.parametrize(("code", "cls"), [(42, FailureClass.APPLICATION), (2, FailureClass.CONFIGURATION),
+                                           (20, FailureClass.INFRASTRUCTURE), (21, FailureClass.HANG)])  # fmt: skip
+def test_the_supervisors_snapshot_is_the_evidence_when_its_stop_left_nothing_in_the_api(code, cls):
+    from recovery_steps.evidence import use_supervisor_snapshot
+    from recovery_steps.kernel.records import SupervisionRecord
+
+    sup = SupervisionRecord(attempt=3, jobset=JS, outcome="failed", reason="FailureTarget", detected_at=2.0,
+                            snapshot=_failed_attempt_snapshot(code))  # fmt: skip
+    empty = Evidence(backend="gke", attempt=3, supervision=sup)
+    assert classify(empty.model_copy(update={"supervision": sup.model_copy(update={"snapshot": None})}))\
+        .failure_class == FailureClass.UNKNOWN  # fmt: skip
+    ev = use_supervisor_snapshot(empty)
+    assert len(ev.pods) == 4 and any("before its stop" in n for n in ev.notes)
+    assert classify(ev).failure_class == cls
+
+
+def test_pods_the_api_still_has_win_over_the_snapshot():
+    from recovery_steps.evidence import use_supervisor_snapshot
+    from recovery_steps.kernel.records import SupervisionRecord
+    from recovery_steps.kernel.snapshot import PodEvidence
+
+    sup = SupervisionRecord(attempt=3, jobset=JS, outcome="failed", reason="x", detected_at=2.0,
+                            snapshot=_failed_attempt_snapshot(42))  # fmt: skip
+    live = [PodEvidence(name="still-here", worker_index=0, phase="Failed")]
+    ev = use_supervisor_snapshot(Evidence(backend="gke", attempt=3, supervision=sup, pods=live))
+    assert [p.name for p in ev.pods] == ["still-here"] and not ev.notes

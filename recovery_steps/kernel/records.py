@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.snapshot import ClusterSnapshot
 
 
 class _Record(BaseModel):
@@ -459,3 +460,8 @@ class SupervisionRecord(_Record):
     workers: list[WorkerSupervision] = Field(default_factory=list)
     evidence: list[str] = Field(default_factory=list, description="Each pod's and node's last state, before the stop.")
     force_deleted: list[str] = Field(default_factory=list, description="Pods force-deleted on a lost node.")
+    snapshot: ClusterSnapshot | None = Field(
+        default=None,
+        description="The JobSet, Jobs, pods and nodes as the supervisor last saw them before the stop (which "
+        "deletes them): classify-failure's evidence when the API has nothing left.",
+    )

@@ -1,0 +1,259 @@
+"""What the Kubernetes API said about an attempt: its JobSet, Jobs, pods and nodes, as plain records.
+
+Built from raw API JSON (the client's ``_preload_content=False``), so the fields read are exactly those the API
+returns. classify-failure reads them from the API; train-segment records them before it stops the attempt (the stop
+deletes the objects), so the evidence survives the stop.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from recovery_steps.kernel.k8s import MAINTENANCE_LABELS, RECLAIM_TAINTS, SPOT_LABEL
+
+COMPLETION_INDEX_KEYS = ("batch.kubernetes.io/job-completion-index",)
+TRAINER_CONTAINER = "trainer"
+
+SPOT_LABELS = (SPOT_LABEL, "cloud.google.com/gke-preemptible")
+
+
+class _Ev(BaseModel):  # noqa: D101
+    model_config = ConfigDict(extra="forbid")
+
+
+class Condition(_Ev):
+    """A Kubernetes status condition (JobSet, Job, pod or node)."""
+
+    type: str
+    status: str = "True"
+    reason: str | None = None
+    message: str | None = None
+    at: float | None = Field(default=None, description="lastTransitionTime, epoch seconds.")
+
+
+class ContainerState(_Ev):
+    """One container of a pod: how it ended, or why it is waiting."""
+
+    name: str
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str | None = Field(default=None, description="Terminated reason (OOMKilled, Error, ...).")
+    message: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    waiting_reason: str | None = Field(default=None, description="ErrImagePull, ImagePullBackOff, ...")
+    waiting_message: str | None = None
+
+
+class PodEvidence(_Ev):
+    """One worker pod."""
+
+    name: str
+    worker_index: int | None = None
+    node: str | None = None
+    phase: str | None = None
+    reason: str | None = Field(default=None, description="Pod status reason (Evicted, NodeLost, ...).")
+    message: str | None = None
+    containers: list[ContainerState] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list)
+    events: list[str] = Field(default_factory=list, description="'Reason: message' of warning events.")
+
+    def disruption(self) -> Condition | None:
+        """The pod's DisruptionTarget condition, if Kubernetes set one."""
+        for c in self.conditions:
+            if c.type == "DisruptionTarget" and c.status == "True":
+                return c
+        return None
+
+    def trainer(self) -> ContainerState | None:
+        """The trainer container (or the only/first container)."""
+        for c in self.containers:
+            if c.name == TRAINER_CONTAINER:
+                return c
+        return self.containers[0] if self.containers else None
+
+
+class NodeEvidence(_Ev):
+    """A node a worker ran on."""
+
+    name: str
+    ready: bool | None = Field(default=None, description="Ready condition (None: unknown or node gone).")
+    ready_reason: str | None = None
+    ready_message: str | None = None
+    ready_since: float | None = None
+    taints: list[str] = Field(default_factory=list, description="'key=value:effect'.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Maintenance and spot labels only.")
+    found: bool = True
+
+    @property
+    def spot(self) -> bool:
+        """True on a Spot or preemptible VM."""
+        return any(self.labels.get(k) == "true" for k in SPOT_LABELS)
+
+    def maintenance(self) -> str | None:
+        """A label or taint that says the node is under maintenance or being reclaimed, or None."""
+        for t in self.taints:
+            if t.split("=", 1)[0].split(":", 1)[0] in RECLAIM_TAINTS:
+                return f"taint {t}"
+        for k in MAINTENANCE_LABELS:
+            if k in self.labels:
+                return f"label {k}={self.labels[k]}"
+        return None
+
+
+class JobEvidence(_Ev):
+    """A child Job of the JobSet."""
+
+    name: str
+    failed: bool = False
+    failure_reason: str | None = Field(default=None, description="PodFailurePolicy, BackoffLimitExceeded, ...")
+    failure_message: str | None = None
+    failed_at: float | None = None
+
+
+class JobSetEvidence(_Ev):
+    """The JobSet of the attempt."""
+
+    name: str
+    found: bool = True
+    conditions: list[Condition] = Field(default_factory=list)
+    terminal_state: str | None = None
+
+
+class ClusterSnapshot(_Ev):
+    """The attempt's objects as one observer saw them at one time."""
+
+    taken_at: float = Field(description="Epoch seconds.")
+    jobset: JobSetEvidence | None = None
+    jobs: list[JobEvidence] = Field(default_factory=list)
+    pods: list[PodEvidence] = Field(default_factory=list)
+    nodes: list[NodeEvidence] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- raw API JSON -> records
+
+
+def parse_time(value: str | None) -> float | None:
+    """RFC 3339 time as the API writes it (``2024-05-01T10:00:12Z``) -> epoch seconds."""
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _conditions(obj: dict[str, Any]) -> list[Condition]:
+    out = []
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        out.append(
+            Condition(
+                type=str(c.get("type", "")),
+                status=str(c.get("status", "")),
+                reason=c.get("reason"),
+                message=c.get("message"),
+                at=parse_time(c.get("lastTransitionTime") or c.get("lastProbeTime")),
+            )
+        )
+    return out
+
+
+def jobset_from_api(obj: dict[str, Any]) -> JobSetEvidence:
+    """A JobSet object (jobset.x-k8s.io/v1alpha2) -> JobSetEvidence."""
+    status = obj.get("status") or {}
+    return JobSetEvidence(
+        name=(obj.get("metadata") or {}).get("name", ""),
+        conditions=_conditions(obj),
+        terminal_state=status.get("terminalState"),
+    )
+
+
+def job_from_api(obj: dict[str, Any]) -> JobEvidence:
+    """A batch/v1 Job -> JobEvidence (its Failed condition, or the FailureTarget that precedes it).
+
+    Since Kubernetes 1.31 the Job controller sets FailureTarget when a podFailurePolicy rule matches and adds
+    Failed only once every pod is terminal (kubernetes ``pkg/controller/job/job_controller.go``); a Job seen
+    between the two, or deleted before Failed, has already failed for the same reason and message.
+    """
+    conds = _conditions(obj)
+    failed = next((c for c in conds if c.type == "Failed" and c.status == "True"), None) or next(
+        (c for c in conds if c.type == "FailureTarget" and c.status == "True"), None
+    )
+    return JobEvidence(
+        name=(obj.get("metadata") or {}).get("name", ""),
+        failed=failed is not None,
+        failure_reason=failed.reason if failed else None,
+        failure_message=failed.message if failed else None,
+        failed_at=failed.at if failed else None,
+    )
+
+
+def _container(cs: dict[str, Any]) -> ContainerState:
+    state = cs.get("state") or {}
+    term = state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
+    wait = state.get("waiting") or {}
+    out = ContainerState(
+        name=cs.get("name", ""), waiting_reason=wait.get("reason"), waiting_message=wait.get("message")
+    )
+    if term:
+        out.exit_code = term.get("exitCode")
+        out.signal = term.get("signal")
+        out.reason = term.get("reason")
+        out.message = term.get("message")
+        out.started_at = parse_time(term.get("startedAt"))
+        out.finished_at = parse_time(term.get("finishedAt"))
+    return out
+
+
+def _worker_index(meta: dict[str, Any]) -> int | None:
+    for where in (meta.get("labels") or {}, meta.get("annotations") or {}):
+        for k in COMPLETION_INDEX_KEYS:
+            if k in where:
+                try:
+                    return int(where[k])
+                except (TypeError, ValueError):
+                    return None
+    return None
+
+
+def pod_from_api(obj: dict[str, Any], events: list[str] | None = None) -> PodEvidence:
+    """A core/v1 Pod -> PodEvidence (worker index from the Job completion index)."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+    return PodEvidence(
+        name=meta.get("name", ""),
+        worker_index=_worker_index(meta),
+        node=spec.get("nodeName"),
+        phase=status.get("phase"),
+        reason=status.get("reason"),
+        message=status.get("message"),
+        containers=[_container(cs) for cs in statuses],
+        conditions=_conditions(obj),
+        events=list(events or []),
+    )
+
+
+def node_from_api(obj: dict[str, Any]) -> NodeEvidence:
+    """A core/v1 Node -> NodeEvidence (Ready condition, taints, maintenance and spot labels)."""
+    meta = obj.get("metadata") or {}
+    ready = next((c for c in _conditions(obj) if c.type == "Ready"), None)
+    labels = meta.get("labels") or {}
+    keep = {k: str(v) for k, v in labels.items() if k in MAINTENANCE_LABELS or k in SPOT_LABELS}
+    taints = []
+    for t in (obj.get("spec") or {}).get("taints") or []:
+        value = f"={t['value']}" if t.get("value") else ""
+        taints.append(f"{t.get('key', '')}{value}:{t.get('effect', '')}")
+    return NodeEvidence(
+        name=meta.get("name", ""),
+        ready=None if ready is None or ready.status == "Unknown" else ready.status == "True",
+        ready_reason=ready.reason if ready else None,
+        ready_message=ready.message if ready else None,
+        ready_since=ready.at if ready else None,
+        taints=taints,
+        labels=keep,
+    )
