@@ -14,7 +14,8 @@ progress file (``ARGO_PROGRESS_FILE``, argo docs "Progress").
 
 Outputs (``<output-dir>/<name>``): ``outcome``, ``stall-kind``, ``reason``, ``last-step``, ``checkpoint-step``.
 Exit codes: 0 succeeded; 1 the attempt failed or stalled; 2 configuration (no config, the manifest is
-bad, the Kubernetes API cannot be reached or refuses).
+bad, the Kubernetes API refuses with 4xx); 69 transient (the API answers 429/5xx or cannot be reached, a watch
+fails for minutes, the run store cannot be written): the gang is left as it is and the retry re-attaches.
 """
 
 from __future__ import annotations
@@ -37,7 +38,17 @@ from recovery_steps.kernel import cli
 from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.k8s import ATTEMPT_LABEL, JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION
+from recovery_steps.kernel.k8s import (
+    API_TIMEOUT_S,
+    ATTEMPT_LABEL,
+    CONNECT_TIMEOUT_S,
+    JOBSET_GROUP,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    api_error_line,
+    api_exit_code,
+)
 from recovery_steps.kernel.outputs import SegmentOutputs
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
 from recovery_steps.kernel.snapshot import (
@@ -69,10 +80,28 @@ COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 OUTPUTS = ("outcome", "stall-kind", "reason", "last-step", "checkpoint-step")
 # The API server ends a watch after timeoutSeconds; a new one continues from the last resourceVersion.
 WATCH_TIMEOUT_S = 60
-# How long the first LIST of the JobSet, its Jobs and pods may take before the attempt cannot be supervised.
+# How long the first LIST of the JobSet, its Jobs and pods may take, and how long a watcher may stay in error
+# later, before the supervisor leaves with exit 69 (transient: Argo retries it and the retry re-attaches)
+# rather than decide on a view it cannot refresh.
 SYNC_TIMEOUT_S = 300
 # How long the stop waits, beyond the pods' own termination grace, before it reports pods left over.
 STOP_SLACK_S = 30
+
+
+class AlreadyDecided(Exception):
+    """An earlier try of this step already decided the attempt (its record is ``record``)."""
+
+    def __init__(self, record: SupervisionRecord):
+        super().__init__(record.reason)
+        self.record = record
+
+
+def recorded_verdict(store: RunStore, attempt: int) -> SupervisionRecord | None:
+    """The attempt's supervision verdict (succeeded, failed or stalled) if a supervisor recorded one."""
+    rec = store.read_record(RunLayout.supervision(attempt), SupervisionRecord)
+    if rec is not None and rec.outcome in {s.value for s in AttemptState if s != AttemptState.RUNNING}:
+        return rec
+    return None
 
 
 class SegmentError(Exception):
@@ -225,14 +254,28 @@ class Watcher(threading.Thread):
         self.synced = threading.Event()
         self.relists = 0
         self.error: str | None = None
+        self.error_since: float | None = None  # monotonic time of the first error since the last success
+        self.last_heard = time.monotonic()
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The objects now, sorted by name."""
         with self.lock:
             return [self.objects[k] for k in sorted(self.objects)]
 
+    def failing_for(self) -> float:
+        """Seconds this watcher has been unable to list or watch (0 when it is fine)."""
+        return 0.0 if self.error_since is None else time.monotonic() - self.error_since
+
+    def _ok(self) -> None:
+        self.error, self.error_since, self.last_heard = None, None, time.monotonic()
+
+    def _failed(self, what: str) -> None:
+        self.error = what
+        if self.error_since is None:
+            self.error_since = time.monotonic()
+
     def _relist(self) -> str:
-        resp = self.list_call(_preload_content=False)
+        resp = self.list_call(_preload_content=False, _request_timeout=API_TIMEOUT_S)
         body = json.loads(resp.data)
         with self.lock:
             self.objects = {o["metadata"]["name"]: o for o in body.get("items") or []}
@@ -250,10 +293,15 @@ class Watcher(threading.Thread):
             try:
                 if rv is None:
                     rv = self._relist()
+                self._ok()
+                # The read timeout bounds the silence between chunks: the server ends the watch after
+                # WATCH_TIMEOUT_S and sends bookmarks meanwhile, so a longer silence is a dead connection.
                 resp = self.list_call(watch=True, resource_version=rv, timeout_seconds=WATCH_TIMEOUT_S,
-                                      allow_watch_bookmarks=True, _preload_content=False)  # fmt: skip
+                                      allow_watch_bookmarks=True, _preload_content=False,
+                                      _request_timeout=(CONNECT_TIMEOUT_S, WATCH_TIMEOUT_S + 15))  # fmt: skip
                 events = 0
                 for line in _lines(resp):
+                    self.last_heard = time.monotonic()
                     ev = json.loads(line)
                     obj, kind = ev.get("object") or {}, ev.get("type")
                     if kind == "ERROR":
@@ -272,17 +320,19 @@ class Watcher(threading.Thread):
                             self.objects[obj["metadata"]["name"]] = obj
                     self.changed.set()
                 resp.release_conn()
-                self.error = None
+                self._ok()
                 if not events:
                     self.stop.wait(0.2)  # a watch that ended at once: do not spin against the server
             except ApiException as e:
                 if e.status == 410:
                     rv = None
                     continue
-                self.error = f"{e.status} {e.reason}"
+                self._failed(f"{e.status} {e.reason}")
+                rv = None  # list again once the API answers: events may have been missed
                 self.stop.wait(1)
             except Exception as e:  # noqa: BLE001 - the API may drop for a while; keep the last view
-                self.error = f"{type(e).__name__}: {e}"
+                self._failed(f"{type(e).__name__}: {e}")
+                rv = None
                 self.stop.wait(1)
 
 
@@ -304,7 +354,8 @@ class Cluster:
 
         try:
             resp = self.custom.get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL,
-                                                            self.name, _preload_content=False)  # fmt: skip
+                                                            self.name, _preload_content=False,
+                                                            _request_timeout=API_TIMEOUT_S)  # fmt: skip
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -314,7 +365,8 @@ class Cluster:
     def create_jobset(self, manifest: Mapping[str, Any]) -> None:
         """Create the JobSet (409 Conflict is returned to the caller as ApiException)."""
         self.custom.create_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL,
-                                                    dict(manifest), _preload_content=False)  # fmt: skip
+                                                    dict(manifest), _preload_content=False,
+                                                    _request_timeout=API_TIMEOUT_S)  # fmt: skip
 
     def delete_jobset(self) -> None:
         """Delete the JobSet; foreground propagation removes its Jobs and pods before the JobSet itself."""
@@ -323,21 +375,24 @@ class Cluster:
         with contextlib.suppress(ApiException):
             self.custom.delete_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL,
                                                         self.name, propagation_policy="Foreground",
-                                                        _preload_content=False)  # fmt: skip
+                                                        _preload_content=False,
+                                                        _request_timeout=API_TIMEOUT_S)  # fmt: skip
 
     def force_delete_pod(self, name: str) -> None:
         """Delete a pod with grace period 0: the API removes it without the kubelet's confirmation."""
         from kubernetes.client import ApiException
 
         with contextlib.suppress(ApiException):
-            self.core.delete_namespaced_pod(name, self.ns, grace_period_seconds=0, _preload_content=False)
+            self.core.delete_namespaced_pod(
+                name, self.ns, grace_period_seconds=0, _preload_content=False, _request_timeout=API_TIMEOUT_S
+            )
 
     def get_node(self, name: str) -> dict[str, Any] | None:
         """A node, or None when the Node object is gone."""
         from kubernetes.client import ApiException
 
         try:
-            return json.loads(self.core.read_node(name, _preload_content=False).data)
+            return json.loads(self.core.read_node(name, _preload_content=False, _request_timeout=API_TIMEOUT_S).data)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -365,15 +420,23 @@ class Cluster:
 # --- the supervisor ------------------------------------------------------------------------------
 
 
-def read_heartbeats(store: RunStore, attempt: int, hosts: int) -> list[WorkerHeartbeat]:
-    """Every worker's newest heartbeat that exists and parses (a torn or missing one is skipped)."""
+def read_heartbeats(
+    store: RunStore, attempt: int, hosts: int, last: Mapping[int, WorkerHeartbeat] | None = None
+) -> list[WorkerHeartbeat]:
+    """Every worker's newest heartbeat.
+
+    A heartbeat that cannot be read now (torn, the store or its credentials unreachable) is the last one read
+    (``last``): a store outage is not a worker that stopped stepping, and never escapes the supervision loop.
+    A worker with no readable heartbeat yet has none.
+    """
+    last = last or {}
     out = []
     for i in range(hosts):
         try:
             beat = store.read_record(RunLayout.heartbeat(attempt, i), WorkerHeartbeat)
-        except (DocumentError, OSError) as e:
-            log.warning("heartbeat of worker %d unreadable: %s", i, e)
-            continue
+        except (DocumentError, *store_errors()) as e:
+            log.warning("heartbeat of worker %d unreadable (keeping the last one read): %s", i, e)
+            beat = last.get(i)
         if beat is not None:
             out.append(beat)
     return out
@@ -489,13 +552,22 @@ class Supervisor:
         self.node_cache: dict[str, dict[str, Any] | None] = {}
         self.created_at = self.clock()
         self.reattached = False
+        self.beats: dict[int, WorkerHeartbeat] = {}
 
     def ensure_jobset(self, manifest: Mapping[str, Any]) -> None:
-        """Create the attempt's JobSet, or re-attach when it already exists (the supervisor's pod was lost)."""
+        """Create the attempt's JobSet, or re-attach when it already exists (the supervisor's pod was lost).
+
+        Raises:
+            AlreadyDecided: The JobSet is gone and this attempt's verdict is in the store: an earlier try of
+                this step decided and stopped it (never create a second gang for a decided attempt).
+        """
         from kubernetes.client import ApiException
 
         existing = self.cluster.get_jobset()
         if existing is None:
+            decided = recorded_verdict(self.store, self.attempt)
+            if decided is not None:
+                raise AlreadyDecided(decided)
             try:
                 self.cluster.create_jobset(manifest)
                 self.say(f"created JobSet {self.cluster.name}")
@@ -515,6 +587,16 @@ class Supervisor:
         self.created_at = _ts(((existing or {}).get("metadata") or {}).get("creationTimestamp")) or self.clock()
         self.say(f"re-attached to JobSet {self.cluster.name} (it already exists: not creating a second gang)")
 
+    def check_watchers(self) -> None:
+        """Leave transient (exit 69, retried; the retry re-attaches) when a watcher has failed too long."""
+        for w in self.watch.values():
+            if w.failing_for() > SYNC_TIMEOUT_S:
+                raise SegmentError(
+                    ExitCode.TRANSIENT,
+                    f"the {w.kind} watch has failed for {w.failing_for():.0f} s ({w.error}): not deciding on a "
+                    "stale view; the gang is left running for the retry to re-attach",
+                )
+
     def observe(self) -> tuple[Observation, list[WorkerHeartbeat]]:
         """The attempt now."""
         now = self.clock()
@@ -526,7 +608,8 @@ class Supervisor:
         for name in sorted({n for p in pods if (n := (p.get("spec") or {}).get("nodeName"))}):
             with contextlib.suppress(Exception):  # an unreadable node keeps its last known state
                 self.node_cache[name] = self.cluster.get_node(name)
-        beats = read_heartbeats(self.store, self.attempt, self.hosts)
+        beats = read_heartbeats(self.store, self.attempt, self.hosts, self.beats)
+        self.beats = {b.process_index: b for b in beats}
         js = self.watch["jobset"].snapshot()
         obs = observation(now=now, expected=self.hosts, jobset=js[0] if js else None,
                           jobs=self.watch["jobs"].snapshot(), pods=pods, nodes=dict(self.node_cache), beats=beats,
@@ -558,11 +641,13 @@ class Supervisor:
                         self.say(f"waiting for the {w.kind} watch: {w.error}")
                     if self.clock() > give_up:
                         raise SegmentError(
-                            ExitCode.CONFIGURATION,
-                            f"cannot list the attempt's {w.kind} for {SYNC_TIMEOUT_S} s: {w.error or 'no answer'}",
+                            ExitCode.TRANSIENT,
+                            f"cannot list the attempt's {w.kind} for {SYNC_TIMEOUT_S} s: {w.error or 'no answer'}; "
+                            "the gang is left running for the retry to re-attach",
                         )
             interval = self.cfg.supervision.watch_interval_s
             while True:
+                self.check_watchers()
                 obs, beats = self.observe()
                 verdict = decide(obs, self.cfg.supervision)
                 self.progress.update(obs, verdict)
@@ -581,6 +666,10 @@ class Supervisor:
                 checkpoint_step=max(ckpts) if ckpts else None, workers=worker_records(obs, beats, self.hosts),
                 evidence=evidence_lines(obs), snapshot=self.snapshot(),
             )  # fmt: skip
+            # The verdict is in the store before anything is stopped: a supervisor that cannot report does not
+            # act (its retry re-attaches to the gang and decides again), and one lost during the stop leaves
+            # its verdict for the retry (``recorded_verdict``) instead of a deleted gang it would re-create.
+            self.store.write_record(RunLayout.supervision(self.attempt), record)
             if verdict.state != AttemptState.SUCCEEDED:
                 record = self.stop_attempt(record)
             else:
@@ -704,14 +793,17 @@ def run(
     sup = Supervisor(cfg, attempt, cluster, store, clock=clock, progress_file=progress_file, say=say)
     try:
         record = sup.run(manifest)
-    except ApiException as e:
-        raise SegmentError(
-            ExitCode.CONFIGURATION,
-            f"Kubernetes API refused {e.status} {e.reason}: check argo/rbac.yaml is applied and the JobSet CRD "
-            "is installed",
-        ) from None
-    except (urllib3.exceptions.HTTPError, OSError) as e:
-        raise SegmentError(ExitCode.CONFIGURATION, f"Kubernetes API unreachable: {e}") from None
+    except AlreadyDecided as done:
+        say(f"attempt {attempt} was decided by an earlier try of this step ({done.record.outcome}); its JobSet is gone")
+        record = done.record
+    except (ApiException, urllib3.exceptions.HTTPError, OSError) as e:
+        code = ExitCode(api_exit_code(e))
+        hint = (
+            "; retried in place (the retry re-attaches to a gang already created)"
+            if code == ExitCode.TRANSIENT
+            else ": check argo/rbac.yaml is applied and the JobSet CRD is installed"
+        )
+        raise SegmentError(code, api_error_line(e) + hint) from None
     store.write_record(RunLayout.supervision(attempt), record)
     outputs_of(record).write(output_dir)
     return record
@@ -741,9 +833,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s train-segment %(levelname)s %(message)s")
     text = args.jobset_manifest
-    try:
-        if text.startswith("@"):
+    if text.startswith("@"):
+        try:
             text = Path(text[1:]).read_text()
+        except OSError as e:
+            return cli.fail("train-segment", f"--jobset-manifest: {e.strerror or e}", int(ExitCode.CONFIGURATION))
+    try:
         record = run(args.store_root, args.run_id, args.attempt, text, args.output_dir, k8s_host=args.k8s_host,
                      progress_file=os.environ.get("ARGO_PROGRESS_FILE"))  # fmt: skip
     except SegmentError as e:
@@ -751,10 +846,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         record_error(args.store_root, args.run_id, args.attempt, e)
         return int(e.code)
     except store_errors() as e:
+        # The verdict is written before the stop: a retry re-attaches to a gang still there, or finds the verdict.
         url = RunStore(args.store_root, args.run_id).url()
-        return cli.fail("train-segment", cli.store_error_line("train-segment", url, e), 1)
-    except OSError as e:
-        return cli.fail("train-segment", f"--jobset-manifest: {e.strerror or e}", int(ExitCode.CONFIGURATION))
+        return cli.fail("train-segment", cli.store_error_line("train-segment", url, e), int(ExitCode.TRANSIENT))
     print(" ".join(f"{k}={v}" for k, v in outputs_of(record).files().items()))
     return int(ExitCode.OK if record.outcome == AttemptState.SUCCEEDED else ExitCode.ATTEMPT_FAILED)
 

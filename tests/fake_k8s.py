@@ -117,6 +117,8 @@ class FakeCluster:
         self.requests: list[tuple[str, str, dict[str, Any]]] = []
         self.lock = threading.RLock()
         self.on_create: Callable[[FakeCluster, dict[str, Any]], None] | None = None
+        # (status, body) every create answers instead (an admission webhook failing closed, a 429, RBAC).
+        self.fail_create: tuple[int, dict[str, Any]] | None = None
         self.server = JsonServer(self.route)
         self.url = self.server.url
 
@@ -202,6 +204,8 @@ class FakeCluster:
                 o = self.objects[coll].get(tail[0])
                 return (200, o) if o else (404, status(404, "NotFound", f'{coll} "{tail[0]}" not found'))
             if method == "POST":
+                if self.fail_create is not None:
+                    return self.fail_create
                 name = body["metadata"]["name"]
                 if name in self.objects[coll]:
                     return 409, status(409, "AlreadyExists", f'{coll} "{name}" already exists')

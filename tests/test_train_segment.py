@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from fake_k8s import FakeCluster, iso, node, pod
+from fake_k8s import FakeCluster, iso, node, pod, status
 
 from recovery_steps import train_segment as ts
 from recovery_steps.kernel.config import StorageConfig, SupervisionConfig, load_config
@@ -228,7 +228,10 @@ def test_unreachable_api_and_bad_manifest_are_one_line_each(tmp_path, capsys):
               "--output-dir", str(tmp_path / "out")]  # fmt: skip
     code = ts.main([*common, "--jobset-manifest", json.dumps(_manifest(cfg)), "--k8s-host", "http://127.0.0.1:9"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith("train-segment: Kubernetes API unreachable")
+    # No answer at all is transient (69): Argo retries the step in place.
+    assert code == 69 and len(err) == 1 and err[0].startswith("train-segment: Kubernetes API unreachable")
+    assert json.loads((Path(cfg.storage.root) / "runs" / cfg.run_id / RunLayout.supervision(0)).read_text())[
+        "exit_code"] == 69  # fmt: skip
     code = ts.main([*common, "--jobset-manifest", "{kind: Job", "--k8s-host", "http://127.0.0.1:9"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--jobset-manifest" in err[0]
@@ -268,3 +271,38 @@ def test_rbac_grants_every_call_the_supervisor_makes(tmp_path, cluster):
         rules = NODE_RULES if res == "nodes" else ROLE_RULES
         assert any(group in r["apiGroups"] and res in r["resources"] and verb in r["verbs"] for r in rules), (
             group, res, verb)  # fmt: skip
+
+
+@pytest.mark.parametrize(("answer", "code"), [(500, 69), (429, 69), (503, 69), (403, 2), (422, 2)])
+def test_a_refused_create_is_transient_or_configuration_by_its_status(tmp_path, cluster, capsys, answer, code):
+    cfg = _cfg(tmp_path / "store")
+    cluster.fail_create = (answer, status(answer, "InternalError" if answer >= 500 else "Forbidden", "no"))
+    common = ["--store-root", cfg.storage.root, "--run-id", cfg.run_id, "--attempt", "0",
+              "--output-dir", str(tmp_path / "out"), "--k8s-host", cluster.url]  # fmt: skip
+    assert ts.main([*common, "--jobset-manifest", json.dumps(_manifest(cfg))]) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"answered {answer}" in err[0]
+    assert not cluster.objects["jobsets"]
+
+
+def test_an_unreadable_heartbeat_keeps_the_last_one_read(tmp_path):
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    _beat(store, 0, 9, 1000.0)
+    last = {b.process_index: b for b in ts.read_heartbeats(store, 0, HOSTS)}
+    beat0 = Path(cfg.storage.root) / "runs" / cfg.run_id / RunLayout.heartbeat(0, 0)
+    beat0.write_text("{torn")
+    beats = ts.read_heartbeats(store, 0, HOSTS, last)
+    assert [b.step for b in beats] == [9] * HOSTS and beats[0] == last[0]
+    assert [b.process_index for b in ts.read_heartbeats(store, 0, HOSTS)] == [1, 2, 3]  # nothing read before
+
+
+def test_a_retry_after_the_stop_reports_the_recorded_verdict_and_creates_no_gang(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    decided = SupervisionRecord(attempt=0, jobset=f"{cfg.run_id}-a0", outcome="failed", reason="exit 42",
+                                detected_at=time.time())  # fmt: skip
+    store.write_record(RunLayout.supervision(0), decided)
+    rec, lines, _ = _run(cfg, tmp_path, cluster)
+    assert rec.outcome == "failed" and rec.reason == "exit 42"
+    assert not cluster.requests_of("POST", "/jobsets") and any("decided by an earlier try" in ln for ln in lines)

@@ -138,6 +138,45 @@ def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
     return sel
 
 
+# Client-side timeouts: the API server's watch timeoutSeconds does not protect a half-open connection (after a
+# control-plane upgrade a watch can hang forever: kubernetes-client/python#1148, #2462 and its
+# examples/watch/timeout-settings.md). Every call passes one of these as ``_request_timeout``.
+API_TIMEOUT_S = 30
+CONNECT_TIMEOUT_S = 10
+
+
+def api_exit_code(e: BaseException) -> int:
+    """The one mapping of a Kubernetes API failure to a step's exit code.
+
+    429 (API priority and fairness), 5xx (a webhook that fails closed while its controller restarts answers 500
+    "failed calling webhook"; jobset v0.12.0 ``config/components/webhook/manifests.yaml`` has ``failurePolicy:
+    Fail``), no answer at all and every transport error are transient (69, retried in place); any other refusal
+    (401, 403, 404, 422, ...) is configuration (2).
+    """
+    from recovery_steps.kernel.contract import ExitCode
+
+    status = getattr(e, "status", None)
+    if type(e).__name__ == "ApiException" and status not in (None, 0):
+        return int(ExitCode.TRANSIENT if status == 429 or status >= 500 else ExitCode.CONFIGURATION)
+    return int(ExitCode.TRANSIENT)
+
+
+def api_error_line(e: BaseException) -> str:
+    """One line saying what the API answered (status, reason and the Status message), or how it failed."""
+    status = getattr(e, "status", None)
+    if type(e).__name__ == "ApiException" and status not in (None, 0):
+        import json
+
+        message = ""
+        try:
+            message = json.loads(getattr(e, "body", "") or "{}").get("message") or ""
+        except (ValueError, AttributeError):
+            pass
+        detail = f": {message[:300]}" if message else ""
+        return f"Kubernetes API answered {status} {getattr(e, 'reason', '')}{detail}"
+    return f"Kubernetes API unreachable: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
 def make_api_client(host: str | None = None) -> Any:
     """A kubernetes ``ApiClient``.
 
