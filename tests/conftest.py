@@ -53,3 +53,21 @@ def classifier_job(tmp_path_factory):
     root = str(d / "store")
     wf = shrunken_workflow(d, "classifier", store_root=root, config="local-image-classifier.yaml", hosts=2)
     return (wf, root), reference_digest(wf, root)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """One line when the real-controller tier (tests/k8s) did not run, with how to run it."""
+    ran = any(
+        "tests/k8s/" in r.nodeid or r.nodeid.startswith("k8s/")
+        for key in ("passed", "failed", "error", "skipped")
+        for r in terminalreporter.stats.get(key, [])
+        if hasattr(r, "nodeid")
+    )
+    if ran:
+        return
+    import shutil
+
+    why = "Go found" if shutil.which("go") else "no Go toolchain here"
+    terminalreporter.write_line(
+        f"real-controller tier not run ({why}): tools/k8s/build.sh && .venv/bin/python -m pytest -m k8s"
+    )

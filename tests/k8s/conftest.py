@@ -1,0 +1,137 @@
+"""Fixtures of the real-controller tier (``pytest -m k8s``): one real control plane per test run, one namespace and
+one TPU node pool per test, the project's RBAC applied for real, control-plane log tails on every failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+
+import pytest
+import realcluster
+from realcluster import RealCluster, TierUnavailable
+from tier import HOSTS, Run, apply_rbac, tier_config
+
+from recovery_steps.kernel.config import JobConfig
+from recovery_steps.kernel.store import RunLayout, RunStore
+
+_STARTED: dict[str, RealCluster] = {}
+
+
+def _required() -> bool:
+    """In CI a missing control plane is a failure, never a skip."""
+    return bool(os.environ.get("JAXREC_K8S_REQUIRED") or os.environ.get("CI"))
+
+
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory) -> Iterator[RealCluster]:
+    """A real control plane on loopback for the whole test run; stopped (every process) when the run ends."""
+    try:
+        bin_dir = realcluster.find_binaries()
+    except TierUnavailable as e:
+        if _required():
+            pytest.fail(f"real-controller tier required but unavailable: {e}", pytrace=False)
+        pytest.skip(f"real-controller tier not run: {e}")
+    rc = realcluster.start(tmp_path_factory.mktemp("control-plane"), bin_dir)
+    _STARTED["cluster"] = rc
+    try:
+        yield rc
+    finally:
+        rc.stop()
+
+
+@pytest.fixture
+def namespace(real_cluster: RealCluster) -> Iterator[str]:
+    """A namespace of this test's own, deleted after it."""
+    ns = real_cluster.namespace()
+    yield ns
+    real_cluster.delete_namespace(ns)
+
+
+@pytest.fixture
+def tpu_nodes(real_cluster: RealCluster, namespace: str) -> Iterator[Callable[..., list[str]]]:
+    """``add(count, cfg)``: KWOK nodes of one GKE TPU node pool (named after the test's namespace) matching the
+    config's slice (accelerator and topology labels, chips, Spot); every node is deleted after the test."""
+    from recovery_steps.kernel.k8s import gke_node_selector
+    from recovery_steps.kernel.tpu import TPU_TYPES
+
+    made: list[str] = []
+
+    def add(count: int, cfg: JobConfig) -> list[str]:
+        sel = gke_node_selector(cfg.slice)
+        names = real_cluster.add_tpu_nodes(
+            f"{namespace}-p{len(made)}",
+            count,
+            accelerator=sel["cloud.google.com/gke-tpu-accelerator"],
+            topology=sel["cloud.google.com/gke-tpu-topology"],
+            chips=TPU_TYPES[cfg.slice.accelerator].chips_per_vm,
+            spot=cfg.slice.spot,
+        )
+        made.extend(names)
+        return names
+
+    try:
+        yield add
+    finally:
+        real_cluster.delete_nodes(made)
+
+
+def pytest_runtest_makereport(item, call):
+    """Attach the control plane's log tails to a failing tier test's report."""
+    if call.when != "call" or call.excinfo is None or "cluster" not in _STARTED:
+        return
+    item.add_report_section("call", "control-plane logs", _STARTED["cluster"].tails(25))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say how long the control plane took to start."""
+    rc = _STARTED.get("cluster")
+    if rc is not None:
+        terminalreporter.write_line(
+            f"real-controller tier: control plane ({', '.join(rc.components)}) started in {rc.started_in_s:.1f} s"
+        )
+
+
+@pytest.fixture(scope="session")
+def argo_crds(real_cluster: RealCluster) -> list[str]:
+    """Argo's CRDs (the full ones, with schemas), read from the Go module cache and applied; their names."""
+    import yaml
+
+    d = realcluster.module_dir(real_cluster.bin_dir, realcluster.ARGO_MODULE) / "manifests/base/crds/full"
+    names = []
+    for f in sorted(d.glob("*.yaml")):
+        if f.name == "kustomization.yaml":
+            continue
+        crd = yaml.safe_load(f.read_text())
+        real_cluster.apply(crd)
+        names.append(crd["metadata"]["name"])
+    for n in names:
+        realcluster.wait_for(f"CRD {n} Established", lambda n=n: real_cluster.crd_established(n), 30)
+    return names
+
+
+@pytest.fixture
+def run(real_cluster, namespace, tpu_nodes, tmp_path, request) -> Iterator[Run]:
+    """The v5e-4x4 config in this test's namespace (supervision overrides from ``@pytest.mark.supervision``),
+    its RBAC applied, a token of its steps' ServiceAccount and, unless marked ``nodes(n)``, a 4-node pool."""
+    marker = request.node.get_closest_marker("supervision")
+    overrides = marker.kwargs if marker else {}
+    image = request.node.get_closest_marker("image")
+    cfg = tier_config(tmp_path / "store", namespace, **overrides)
+    if image:
+        cfg = cfg.model_copy(update={"image": image.args[0]})
+        RunStore(cfg.storage.root, cfg.run_id).write_json(
+            RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()}
+        )
+    apply_rbac(real_cluster, cfg)
+    token = real_cluster.token_for(namespace, cfg.service_account)
+    nodes = request.node.get_closest_marker("nodes")
+    tpu_nodes(nodes.args[0] if nodes else HOSTS, cfg)
+    r = Run(real_cluster, cfg, tmp_path, real_cluster.kubeconfig(tmp_path / "steps.kubeconfig", token), token)
+    try:
+        yield r
+    finally:
+        for p in r.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)

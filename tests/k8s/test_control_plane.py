@@ -1,0 +1,31 @@
+"""The tier's own promises: every component is a real, running process listening on loopback only."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.k8s
+
+
+def test_every_component_listens_on_loopback_only(real_cluster):
+    real_cluster.check_alive()
+    listening = {}
+    for name, comp in real_cluster.components.items():
+        procs = [psutil.Process(comp.proc.pid), *psutil.Process(comp.proc.pid).children(recursive=True)]
+        addrs = {(c.laddr.ip, c.laddr.port) for p in procs for c in p.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN}  # fmt: skip
+        listening[name] = addrs
+        assert all(ip in ("127.0.0.1", "::1") for ip, _ in addrs), f"{name} listens beyond loopback: {addrs}"
+    # Those that serve (the controller-manager and the scheduler run with --secure-port=0 and serve nothing).
+    assert all(listening[n] for n in ("etcd", "kube-apiserver", "jobset", "kwok")), listening
+    assert ("127.0.0.1", int(real_cluster.server.rsplit(":", 1)[1])) in listening["kube-apiserver"]
+
+
+def test_the_apiserver_is_the_version_the_tools_module_pins(real_cluster):
+    from kubernetes import client
+    from tier import REPO
+
+    pinned = next(line.split()[1] for line in (REPO / "tools/k8s/go.mod").read_text().splitlines()
+                  if line.strip().startswith("k8s.io/kubernetes "))  # fmt: skip
+    assert client.VersionApi(real_cluster.admin).get_code().git_version == pinned

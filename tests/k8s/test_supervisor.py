@@ -1,0 +1,200 @@
+"""train-segment (the supervisor), provision-slice and classify-failure against the real API server, Job controller,
+JobSet controller and webhooks, scheduler and node-lifecycle controllers.
+
+Each step runs as its own process (``python -m recovery_steps.<step>``) with a kubeconfig holding a bound token of
+the steps' ServiceAccount, under the Role ``workflows.rbac`` generates (as in ``argo/rbac.yaml``): a verb the Role
+lacks fails the test. Worker pods run on KWOK nodes; a test makes a worker's container exit with a code
+(simulated kubelet report, tests/k8s/kwok-stages.yaml); every reaction to it is the real controllers'.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from realcluster import NEVER_PULLS_IMAGE, wait_for
+from tier import HOSTS
+
+from recovery_steps.kernel.k8s import jobset_name
+
+pytestmark = pytest.mark.k8s
+
+
+def test_success_the_real_job_and_jobset_complete_and_the_supervisor_says_succeeded(run):
+    sup = run.supervise(0)
+    pods = run.workers(0)
+    # Exclusive placement (JobSet's pod webhooks): the whole gang on one node pool, one pod per node.
+    assert len({p["spec"]["nodeName"] for p in pods}) == HOSTS
+    run.beat(0, 5, checkpoint=5)
+    for p in pods:
+        run.rc.exit_pod(run.ns, p["metadata"]["name"], 0)
+    code, log = run.finish(sup)
+    assert code == 0, log
+    rec = run.record(0)
+    assert rec.outcome == "succeeded" and not rec.reattached and rec.last_step == 5
+    assert (sup.out_dir / "outcome").read_text() == "succeeded"
+    assert "created JobSet" in log
+    # The real JobSet controller completes the JobSet (successPolicy All); a succeeded attempt is left as it is.
+    name = jobset_name(run.cfg.run_id, 0)
+    wait_for(
+        "JobSet Completed",
+        lambda: (run.rc.jobset(run.ns, name).get("status") or {}).get("terminalState") == "Completed",
+        30,
+    )
+
+
+# The class the README's failure table gives each trainer exit code (exit-code table, podFailurePolicy).
+EXIT_CLASSES = {
+    2: "configuration",
+    3: "configuration",
+    20: "infrastructure",
+    21: "hang",
+    22: "infrastructure",
+    42: "application",
+    143: "preemption",
+}
+
+
+@pytest.mark.parametrize("code", [*sorted(EXIT_CLASSES), 1])
+def test_the_real_job_controller_matches_each_exit_code_to_its_pod_failure_policy_rule(run, code):
+    """Without a supervisor: the JobSet as train-segment creates it, one worker exits with ``code``."""
+    from workflows.jobset import pod_failure_policy
+
+    run.rc.apply(run.manifest(0), api=run.rc.api(run.token))  # as the steps' ServiceAccount
+    pods = run.workers(0)
+    run.rc.exit_pod(run.ns, pods[1]["metadata"]["name"], code)
+
+    def job_failed():
+        (job,) = run.rc.jobs(run.ns)
+        conds = {c["type"]: c for c in job["status"].get("conditions") or [] if c["status"] == "True"}
+        return conds if "Failed" in conds else None
+
+    conds = wait_for("the Job Failed", job_failed, 60)
+    rules = pod_failure_policy()["rules"]
+    index = next((i for i, r in enumerate(rules) if code in (r.get("onExitCodes") or {}).get("values", [])), None)
+    if index is None:  # no rule: backoffLimit 0 fails the Job on the first failed pod
+        assert conds["Failed"]["reason"] == "BackoffLimitExceeded", conds
+    else:
+        # FailureTarget first, then Failed once every pod is terminal (pkg/controller/job, Kubernetes >= 1.31).
+        assert conds["FailureTarget"]["reason"] == conds["Failed"]["reason"] == "PodFailurePolicy", conds
+        assert f"exit code {code} matching FailJob rule at index {index}" in conds["Failed"]["message"], conds
+    # JobSet reacts to the failed Job: maxRestarts 0 fails the whole JobSet (jobset_controller.go).
+    name = jobset_name(run.cfg.run_id, 0)
+    wait_for(
+        "JobSet Failed", lambda: (run.rc.jobset(run.ns, name).get("status") or {}).get("terminalState") == "Failed", 30
+    )
+
+
+@pytest.mark.parametrize("code", sorted(EXIT_CLASSES))
+def test_a_worker_exit_code_is_matched_by_the_real_pod_failure_policy_and_classified(run, code):
+    sup = run.supervise(0)
+    pods = run.workers(0)
+    run.beat(0, 7)
+    victim = pods[2]["metadata"]["name"]
+    run.rc.exit_pod(run.ns, victim, code)
+    rc, log = run.finish(sup)
+    assert rc == 1, log
+    rec = run.record(0)
+    assert rec.outcome == "failed" and f"exit code {code}" in rec.reason, rec.reason
+    assert any(p.name == victim and p.trainer().exit_code == code for p in rec.snapshot.pods), rec.snapshot
+    assert "stopping the attempt" in log
+    wait_for("the stopped attempt's JobSet and pods gone", lambda: run.gone(0), 60)
+    result = run.classify(0)
+    assert result.verdict.failure_class == EXIT_CLASSES[code], (result.verdict, result.evidence)
+
+
+@pytest.mark.nodes(4)
+def test_a_lost_node_is_seen_by_the_real_node_lifecycle_and_its_stuck_pod_force_deleted(run):
+    sup = run.supervise(0)
+    pods = run.workers(0)
+    run.beat(0, 3)
+    lost = pods[3]["spec"]["nodeName"]
+    run.rc.lose_node(lost)
+    code, log = run.finish(sup, timeout=180)
+    assert code == 1, log
+    rec = run.record(0)
+    assert rec.outcome == "stalled" and rec.stall_kind == "node-lost", rec
+    assert rec.force_deleted == [pods[3]["metadata"]["name"]], (rec, log)
+    # The real node-lifecycle controller marked the node: Ready Unknown and the unreachable NoExecute taint.
+    node = run.rc.node(lost)
+    ready = next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "Unknown"
+    assert any(t["key"] == "node.kubernetes.io/unreachable" for t in node["spec"].get("taints") or [])
+    wait_for("the stopped attempt's JobSet and pods gone", lambda: run.gone(0), 60)
+    result = run.classify(0)
+    assert result.verdict.failure_class == "infrastructure", (result.verdict, result.evidence)
+
+
+@pytest.mark.nodes(2)
+@pytest.mark.supervision(startup_deadline_s=8)
+def test_too_few_tpu_nodes_is_the_real_schedulers_unschedulable_and_ends_as_capacity(run):
+    sup = run.supervise(0)
+    code, log = run.finish(sup, timeout=120)
+    assert code == 1, log
+    rec = run.record(0)
+    assert rec.outcome == "stalled" and rec.stall_kind == "capacity", rec
+    evidence = " ".join(rec.evidence)
+    assert "unschedulable" in evidence and "nodes are available" in evidence, evidence
+    wait_for("the stopped attempt's JobSet and pods gone", lambda: run.gone(0), 60)
+    result = run.classify(0)
+    assert result.verdict.failure_class == "capacity", (result.verdict, result.evidence)
+
+
+@pytest.mark.image(NEVER_PULLS_IMAGE)
+@pytest.mark.supervision(image_pull_deadline_s=4)
+def test_an_image_that_never_pulls_ends_as_configuration(run):
+    """Simulated: KWOK reports ImagePullBackOff for this image (no kubelet pulls anything here)."""
+    sup = run.supervise(0)
+    code, log = run.finish(sup, timeout=120)
+    assert code == 1, log
+    rec = run.record(0)
+    assert rec.outcome == "stalled" and rec.stall_kind == "configuration", rec
+    wait_for("the stopped attempt's JobSet and pods gone", lambda: run.gone(0), 60)
+    result = run.classify(0)
+    assert result.verdict.failure_class == "configuration", (result.verdict, result.evidence)
+
+
+def test_a_supervisor_killed_and_started_again_reattaches_to_the_live_jobset(run):
+    first = run.supervise(0)
+    pods = run.workers(0)
+    run.beat(0, 4)
+    wait_for(
+        "the first supervisor reports the gang running", lambda: "workers running 4/4" in first.log_path.read_text(), 30
+    )
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(10)
+    # The gang lives on without its supervisor.
+    assert [p["metadata"]["uid"] for p in run.workers(0)] == [p["metadata"]["uid"] for p in pods]
+    second = run.supervise(0)
+    wait_for("the second supervisor re-attached", lambda: "re-attached" in second.log_path.read_text(), 30)
+    run.rc.exit_pod(run.ns, pods[1]["metadata"]["name"], 42)
+    code, log = run.finish(second)
+    assert code == 1, log
+    rec = run.record(0)
+    assert rec.reattached and rec.outcome == "failed"
+    assert len(run.rc.jobs(run.ns)) <= 1  # never a second gang
+    result = run.classify(0)
+    assert result.verdict.failure_class == "application", (result.verdict, result.evidence)
+
+
+def test_provision_slice_deletes_the_earlier_attempts_jobset_and_waits_for_its_pods(run):
+    sup = run.supervise(0)
+    run.workers(0)
+    os.killpg(sup.pid, signal.SIGKILL)  # an attempt left running (its supervisor gone)
+    sup.wait(10)
+    out = run.tmp / "prov-out"
+    p = run.step(
+        "recovery_steps.provision_slice",
+        "--store-root",
+        run.cfg.storage.root,
+        "--run-id",
+        run.cfg.run_id,
+        "--attempt",
+        "1",
+        "--output-dir",
+        str(out),
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert run.gone(0), "provision-slice returned before the earlier attempt's JobSet and pods were gone"
+    assert (out / "jobset-name").read_text() == jobset_name(run.cfg.run_id, 1)

@@ -1,0 +1,173 @@
+"""The project's side of the real-controller tier: a run of a GKE config in a test's namespace, its RBAC and
+credentials, and its step programs run as processes under that ServiceAccount."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from realcluster import RealCluster, wait_for
+
+from recovery_steps import classify_failure
+from recovery_steps.kernel.config import JobConfig, StorageConfig, SupervisionConfig, load_config
+from recovery_steps.kernel.k8s import jobset_name
+from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat
+from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows.jobset import jobset_manifest
+from workflows.rbac import rbac_objects
+
+REPO = Path(__file__).resolve().parents[2]
+HOSTS = 4
+INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+def tier_config(root: Path, namespace: str, config: str = "v5e-4x4.yaml", **supervision) -> JobConfig:
+    """A GKE config of configs/ in ``namespace``, with a local run store and shortened supervision deadlines;
+    validated (written with its hash) into the store as validate-config would."""
+    cfg = load_config(REPO / "configs" / config)
+    sup = {
+        "watch_interval_s": 0.5,
+        "heartbeat_interval_s": 1,
+        "hang_timeout_s": 120,
+        "compile_grace_s": 300,
+        "force_delete_grace_s": 2,
+        **supervision,
+    }
+    cfg = cfg.model_copy(
+        update={
+            "namespace": namespace,
+            "storage": StorageConfig(root=str(root), durable_mount=True),  # a local store stands in for the bucket
+            "supervision": SupervisionConfig(**sup),
+        }
+    )
+    RunStore(str(root), cfg.run_id).write_json(
+        RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()}
+    )
+    return cfg
+
+
+def apply_rbac(rc: RealCluster, cfg: JobConfig) -> None:
+    """The project's ServiceAccounts, Role and bindings (``workflows.rbac``, as in ``argo/rbac.yaml``) for the
+    config's namespace. Cluster-scoped objects are replaced: tests run one at a time."""
+    for obj in rbac_objects([cfg]):
+        rc.apply(obj)
+
+
+@dataclass
+class Run:
+    """One run of the v5e-4x4 config in the test's namespace, with its steps' credentials."""
+
+    rc: RealCluster
+    cfg: JobConfig
+    tmp: Path
+    kubeconfig: Path
+    token: str
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def ns(self) -> str:
+        return self.cfg.namespace
+
+    @property
+    def store(self) -> RunStore:
+        return RunStore(self.cfg.storage.root, self.cfg.run_id)
+
+    def manifest(self, attempt: int) -> dict:
+        return jobset_manifest(
+            self.cfg,
+            name=jobset_name(self.cfg.run_id, attempt),
+            run_id=self.cfg.run_id,
+            store_root=self.cfg.storage.root,
+            attempt=str(attempt),
+            restore_step="-1",
+            coordinator_port="8476",
+            metrics_port="9431",
+        )
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+        return {**env, "KUBECONFIG": str(self.kubeconfig)}
+
+    def supervise(self, attempt: int) -> subprocess.Popen:
+        """Start train-segment for ``attempt`` as the steps' ServiceAccount (its output in supervisor-<n>.log)."""
+        out = self.tmp / f"out-{attempt}-{len(self.procs)}"
+        log = (self.tmp / f"supervisor-{attempt}-{len(self.procs)}.log").open("wb")
+        argv = [
+            sys.executable,
+            "-m",
+            "recovery_steps.train_segment",
+            "--store-root",
+            self.cfg.storage.root,
+            "--run-id",
+            self.cfg.run_id,
+            "--attempt",
+            str(attempt),
+            "--jobset-manifest",
+            json.dumps(self.manifest(attempt)),
+            "--output-dir",
+            str(out),
+        ]
+        p = subprocess.Popen(argv, env=self._env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p.log_path = Path(log.name)  # type: ignore[attr-defined]
+        p.out_dir = out  # type: ignore[attr-defined]
+        self.procs.append(p)
+        return p
+
+    def finish(self, p: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+        """Wait for a supervisor to exit; its exit code and its log."""
+        try:
+            code = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            raise AssertionError(f"train-segment did not end within {timeout} s:\n{p.log_path.read_text()}") from None
+        return code, p.log_path.read_text()
+
+    def step(self, module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run another step program as the steps' ServiceAccount."""
+        return subprocess.run(
+            [sys.executable, "-m", module, *args],
+            env=self._env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def classify(self, attempt: int) -> classify_failure.ClassifyResult:
+        return classify_failure.run(
+            self.cfg.storage.root,
+            self.cfg.run_id,
+            attempt,
+            jobset_name(self.cfg.run_id, attempt),
+            api_client=self.rc.api(self.token),
+        )
+
+    def workers(self, attempt: int, phase: str | None = "Running", count: int = HOSTS, timeout: float = 60) -> list:
+        """Wait until ``count`` worker pods of the attempt are in ``phase``; returns them by completion index."""
+        sel = f"jobset.sigs.k8s.io/jobset-name={jobset_name(self.cfg.run_id, attempt)}"
+
+        def ready():
+            pods = [p for p in self.rc.pods(self.ns, sel) if phase is None or p["status"].get("phase") == phase]
+            return sorted(pods, key=lambda p: int(p["metadata"]["labels"][INDEX])) if len(pods) >= count else None
+
+        return wait_for(f"{count} worker pods {phase or ''} of attempt {attempt}", ready, timeout)
+
+    def beat(self, attempt: int, step: int, checkpoint: int | None = None) -> None:
+        """Every worker's heartbeat at ``step`` (what the trainer writes to the run store)."""
+        t = time.time()
+        for i in range(HOSTS):
+            b = WorkerHeartbeat(process_index=i, step=step, checkpoint_step=checkpoint, at=t, first_step_at=t)
+            self.store.write_json(RunLayout.heartbeat(attempt, i), b.model_dump())
+
+    def record(self, attempt: int) -> SupervisionRecord:
+        return SupervisionRecord.model_validate(self.store.read_json(RunLayout.supervision(attempt)))
+
+    def gone(self, attempt: int) -> bool:
+        sel = f"jobset.sigs.k8s.io/jobset-name={jobset_name(self.cfg.run_id, attempt)}"
+        return self.rc.jobset(self.ns, jobset_name(self.cfg.run_id, attempt)) is None and not self.rc.pods(self.ns, sel)
