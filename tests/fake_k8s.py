@@ -39,8 +39,9 @@ def pod(jobset: str, i: int, t: float, *, node: str | None = None, phase: str = 
     """A worker pod of a JobSet as the API returns it."""
     conds = []
     if unschedulable:
-        msg = ("0/4 nodes are available: 4 Insufficient google.com/tpu. preemption: 0/4 nodes are available: "
-               "4 No preemption victims found for incoming pod.")  # fmt: skip
+        # The scheduler's text as kube-scheduler v1.36 writes it (real-controller tier, too few TPU nodes).
+        msg = ("0/4 nodes are available: 4 Insufficient google.com/tpu. no new claims to deallocate, preemption: "
+               "0/4 nodes are available: 4 No preemption victims found for incoming pod.")  # fmt: skip
         conds.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                       "lastTransitionTime": iso(t), "message": msg})  # fmt: skip
     elif node:
