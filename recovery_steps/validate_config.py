@@ -18,7 +18,7 @@ from typing import Any
 
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
-from recovery_steps.kernel.config import ConfigError, JobConfig, load_config
+from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, run_id_pod_name_problem
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.outputs import ValidateOutputs
@@ -96,8 +96,9 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
         accept_safe_changes: Accept a changed config when every change is safe per the compatibility table.
 
     Returns:
-        0 with the outputs, 2 when the config differs from the run's (and may not be accepted), 3 when
-        the latest checkpoint is incompatible with it.
+        0 with the outputs, 2 when the config differs from the run's (and may not be accepted) or when a
+        resubmission's attempt numbers make the run id too long for its pod names, 3 when the latest checkpoint
+        is incompatible with it.
     """
     new = cfg.model_dump(mode="json")
     new_hash = cfg.config_hash()
@@ -111,6 +112,10 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
         return ValidateResult(
             ExitCode.CONFIGURATION, [str(e), "restore it from the run's history, or start a new run id"]
         )
+    # A resubmission continues the attempt numbering: its first attempt may need more digits than the policy's.
+    problem = run_id_pod_name_problem(cfg, first_attempt)
+    if problem:
+        return ValidateResult(ExitCode.CONFIGURATION, [problem])
     replace_old: RunConfigDocument | None = None
     if stored is not None and stored.hash != new_hash:
         ok, lines = _check_change(stored.config, new, accept_safe_changes)
@@ -206,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
+        return int(ExitCode.CONFIGURATION)
+    # Refused before any store or cluster is touched: JobSet's webhook would refuse the attempt's JobSet (422).
+    problem = run_id_pod_name_problem(cfg)
+    if problem:
+        print(f"invalid config {args.config}: {problem}", file=sys.stderr)
         return int(ExitCode.CONFIGURATION)
     root = args.store_root or cfg.storage.root
     if args.offline:

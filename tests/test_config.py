@@ -155,3 +155,105 @@ def test_local_rehearsals_keep_short_timeouts_and_explicit_values_win():
     assert t.heartbeat_timeout_s == 300 and t.init_timeout_s == 1800
     data["training"] = {"total_steps": data["training"]["total_steps"]}
     assert parse_config(data).training.heartbeat_timeout_s == 1200
+
+
+# ---- run ids and the worker pod names JobSet admits ------------------------------------------------
+
+
+def _webhooks_longest_pod_name(manifest: dict) -> str:
+    """The name jobset v0.12.0's webhook checks: GenPodName(js, rjob, replicas-1, completions-1) + "-abcde"."""
+    rj = manifest["spec"]["replicatedJobs"][0]
+    last_pod = rj["template"]["spec"]["completions"] - 1
+    return f"{manifest['metadata']['name']}-{rj['name']}-{rj['replicas'] - 1}-{last_pod}-abcde"
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"])
+def test_longest_pod_name_is_the_one_the_webhook_checks_in_the_manifest(name):
+    from recovery_steps.kernel.k8s import jobset_name, longest_pod_name
+    from workflows.jobset import jobset_manifest
+
+    cfg = load_config(ROOT / "configs" / name)
+    manifest = jobset_manifest(cfg, name=jobset_name(cfg.run_id, 99999), run_id=cfg.run_id, store_root="gs://b/p",
+                               attempt="99999", restore_step="-1", coordinator_port="1", metrics_port="2")  # fmt: skip
+    assert _webhooks_longest_pod_name(manifest) == longest_pod_name(cfg.run_id, 99999, cfg.slice.num_hosts)
+
+
+def test_largest_attempt_follows_the_retry_policy():
+    from recovery_steps.kernel.config import ATTEMPT_CEILING, largest_attempt
+
+    def retry(**kw):
+        return parse_config(with_("retry", kw)).retry
+
+    assert largest_attempt(retry()) == ATTEMPT_CEILING == 99_999  # preemption and capacity: since_progress
+    assert largest_attempt(retry(max_attempts=10)) == 9  # decide() stops after attempt max_attempts - 1
+    assert largest_attempt(retry(max_attempts=10**9)) == ATTEMPT_CEILING
+    every_run = {c.value: "run" for c in FailureClass}
+    budgets = {"preemption": 3, "capacity": 2, "infrastructure": 1, "hang": 0, "application": 0, "unknown": 0}
+    assert largest_attempt(retry(budget_scopes=every_run, budgets=budgets)) == 6
+    assert largest_attempt(retry(budget_scopes=every_run, budgets=budgets, max_attempts=4)) == 3
+    # A resubmitted run continues the numbering: its first attempt is reached whatever the policy says.
+    assert largest_attempt(retry(max_attempts=10), first_attempt=12) == 12
+
+
+@pytest.mark.parametrize(
+    ("slice_", "retry", "longest"),
+    [
+        ({"accelerator": "v5e", "topology": "4x4"}, {}, 38),  # 4 hosts, attempt 99999
+        ({"accelerator": "local", "hosts": 4}, {}, 38),  # rehearsed locally as on the cluster
+        ({"accelerator": "v5p", "topology": "4x4x4"}, {}, 37),  # 16 hosts: two-digit pod index
+        ({"accelerator": "v5e", "topology": "4x4"}, {"max_attempts": 1000}, 40),  # attempt 999
+        ({"accelerator": "v5p", "topology": "4x4x4"}, {"max_attempts": 1000}, 39),
+        ({"accelerator": "v5p", "topology": "4x4x4"}, {"max_attempts": 100}, 40),
+        ({"accelerator": "v5e", "topology": "4x4"}, {"budget_scopes": {c.value: "run" for c in FailureClass}}, 40),
+    ],
+)
+def test_run_id_is_checked_against_the_pod_names_of_the_highest_attempt(slice_, retry, longest):
+    from recovery_steps.kernel.config import largest_attempt, longest_run_id, run_id_pod_name_problem
+    from recovery_steps.kernel.k8s import POD_NAME_MAX, longest_pod_name
+
+    def cfg(run_id):
+        data = {**BASE, "run_id": run_id, "slice": slice_, "retry": retry, "data": {"global_batch_size": 64}}
+        return parse_config(data)
+
+    fits = cfg("r" * longest)
+    attempt = largest_attempt(fits.retry)
+    assert longest_run_id(fits.slice.num_hosts, attempt) == longest
+    assert run_id_pod_name_problem(fits) is None
+    assert len(longest_pod_name(fits.run_id, attempt, fits.slice.num_hosts)) <= POD_NAME_MAX
+    if longest == 40:
+        return  # the run-id syntax is the limit here
+    problem = run_id_pod_name_problem(cfg("r" * (longest + 1)))
+    assert problem is not None and "\n" not in problem and len(problem) <= 300
+    assert problem.startswith("run_id: ") and f"at most {longest} characters" in problem
+    assert f"at attempt {attempt}" in problem and "JobSet admits 63" in problem
+
+
+def test_the_fix_names_the_attempt_cap_that_would_do():
+    from recovery_steps.kernel.config import run_id_pod_name_problem
+
+    problem = run_id_pod_name_problem(parse_config({**BASE, "run_id": "r" * 40}))
+    assert problem is not None and "retry.max_attempts to at most 1000" in problem
+    assert run_id_pod_name_problem(parse_config({**BASE, "run_id": "r" * 40, "retry": {"max_attempts": 1000}})) is None
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "local-image-classifier.yaml", "v5p-64.yaml"])
+@pytest.mark.parametrize("reference", [False, True])
+def test_local_runner_run_ids_stay_within_the_limits(name, reference):
+    import time
+
+    from recovery_steps.kernel.config import largest_attempt, longest_run_id, run_id_pod_name_problem, run_id_problem
+    from workflows.local.runner import REFERENCE_SUFFIX, run_id_problems, stamped_run_id
+
+    cfg = load_config(ROOT / "configs" / name)
+    stamp = "-19700101-000000"
+    for base in (cfg.run_id, "b" * 40, "b" * 30 + "-" + "c" * 9):
+        run_id = stamped_run_id(base, cfg, reference=reference, at=time.gmtime(0))
+        assert run_id.endswith(stamp) and base.startswith(run_id.removesuffix(stamp))
+        for rid in [run_id, run_id + REFERENCE_SUFFIX] if reference else [run_id]:
+            assert run_id_problem(rid) is None
+            assert run_id_pod_name_problem(cfg.model_copy(update={"run_id": rid})) is None
+        assert run_id_problems(cfg, run_id, reference=reference) == []
+    # The shipped configs keep their whole run id, except where the reference run's suffix needs the room.
+    shortened = stamped_run_id(cfg.run_id, cfg, reference=reference, at=time.gmtime(0)) != cfg.run_id + stamp
+    longest = longest_run_id(cfg.slice.num_hosts, largest_attempt(cfg.retry))
+    assert shortened == (len(cfg.run_id + stamp + (REFERENCE_SUFFIX if reference else "")) > longest)

@@ -30,8 +30,10 @@ from recovery_steps import classify_failure, finalize, give_up, provision_slice,
 from recovery_steps.kernel.checkpoints import crc32c_hex
 from recovery_steps.kernel.store import RunStore
 from recovery_steps.verify import LOCAL_METADATA
+from workflows.local import runner as local_runner
 
 ROOT = Path(__file__).resolve().parents[1]
+LOCAL_WF = str(ROOT / "argo/local-cpu.yaml")
 STEPS = (40, 50, 60)
 RUN = tiny_config().run_id
 
@@ -418,7 +420,7 @@ def cli_env(tmp_path, monkeypatch):
 
 LONG = "x" * 5000
 BAD_RUN_IDS = ["../../escape", "..", "UPPER", "", LONG, "a/b", "-lead", "trail-", "sp ace", "\u00fcml", "a" * 41]
-BAD_ATTEMPTS = ["-1", "1" * 30, "abc", "1.5", "", "0x10", " ", "\u0663", "100001", "1e3"]
+BAD_ATTEMPTS = ["-1", "1" * 30, "abc", "1.5", "", "0x10", " ", "\u0663", "100001", "1e3", "100000"]
 
 
 def _cli_cases(box: Path) -> list[tuple[str, Callable, list[str], int, str]]:
@@ -485,6 +487,14 @@ def _cli_cases(box: Path) -> list[tuple[str, Callable, list[str], int, str]]:
          str(box / "afile")], 2, "not a directory"),  # fmt: skip
         ("validate-config --accept-safe-changes maybe", validate_config.main, ["--config", "x.yaml", "--offline",
          "--accept-safe-changes", "maybe"], 2, "not a boolean"),  # fmt: skip
+        # The local runner adds to run ids (a timestamp, the reference run's suffix): an id it cannot use is one line.
+        ("local runner --run-id too long for its pod names", local_runner.main, [LOCAL_WF, "--run-id", "r" * 39], 2,
+         r"--run-id: run_id: 'r{39}' is too long: .* at most 38 characters"),
+        ("local runner --reference beside a 35-character --run-id", local_runner.main,
+         [LOCAL_WF, "--run-id", "r" * 35, "--reference"], 2,
+         r"--reference: the reference run's id 'r{35}-ref' would have 39 characters.* at most 34 characters"),
+        ("local runner --run-id not a run id", local_runner.main, [LOCAL_WF, "--run-id", "../x"], 2,
+         r"--run-id: .*not a valid run id"),
         # Unreachable or unauthenticated stores: one line naming the store and the fix.
         ("validate-config, GCS store without credentials", validate_config.main,
          ["--config", str(ROOT / "configs/v5e-4x4.yaml"), "--output-dir", out], 1,
@@ -638,6 +648,22 @@ CONFIGS: list[tuple[str, str | bytes, str | None]] = [
     ("file over 1 MiB", LOCAL + "#" * (1 << 20) + "\n", r"larger than 1048576 bytes"),
     ("several problems, one line each", _with("checkpoint", {"keep": 1, "interval_steps": 100}),
      r"interval_steps: 100 exceeds(.|\n)*keep: 1"),
+    # JobSet admits worker pod names <run-id>-a<attempt>-workers-0-<host>-<5 random> of at most 63 characters.
+    ("run id too long for its pod names at attempt 99999", _with("run_id", "r" * 39),
+     r"run_id: 'r{39}' is too long: at attempt 99999 .* at most 38 characters, or set retry\.max_attempts"),
+    ("run id at the pod-name limit of 4 hosts", _with("run_id", "r" * 38), None),
+    ("run id too long for the pod names of 16 hosts",
+     yaml.safe_dump({**_base(), "run_id": "r" * 38, "slice": {"accelerator": "v5p", "topology": "4x4x4"},
+                     "storage": {"root": "gs://b-1/p"}, "data": {**_base()["data"], "global_batch_size": 64}}),
+     r"run_id: .* on 16 hosts .* at most 37 characters"),
+    ("40-character run id, attempts capped at 1000",
+     yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "max_attempts": 1000}}), None),
+    ("40-character run id, attempts capped at 1001",
+     yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "max_attempts": 1001}}),
+     r"at attempt 1000 .* at most 39 characters, or set retry\.max_attempts to at most 1000"),
+    ("40-character run id, every budget counted over the run",
+     yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "budget_scopes": {
+         "preemption": "run", "capacity": "run"}}}), None),
 ]  # fmt: skip
 
 

@@ -251,3 +251,38 @@ def test_accept_flag_rejects_a_non_boolean(tmp_path, capsys):
         _validate(path, str(tmp_path / "s"), tmp_path / "o", "--accept-safe-changes", "maybe")
     assert e.value.code == 2
     assert "'maybe' is not a boolean" in capsys.readouterr().err
+
+
+# ---- run ids and the worker pod names JobSet admits ------------------------------------------------
+
+
+def test_run_id_too_long_for_the_pod_names_is_refused_in_one_line_before_the_store(tmp_path, capsys):
+    data = _set(_load("v5e-4x4"), "run_id", "r" * 39)  # attempt 99999 on 4 hosts leaves room for 38
+    path = _write_cfg(tmp_path, data)
+    store = tmp_path / "store"
+
+    code = _validate(path, str(store), tmp_path / "o")
+
+    lines = capsys.readouterr().err.splitlines()
+    assert code == ExitCode.CONFIGURATION and len(lines) == 1, lines
+    assert "run_id: " in lines[0] and "at most 38 characters" in lines[0] and "retry.max_attempts" in lines[0]
+    assert not store.exists() and not (tmp_path / "o").exists()
+    assert _validate(_write_cfg(tmp_path, _set(data, "run_id", "r" * 38), "ok.yaml"), str(store), tmp_path / "o") == 0
+
+
+def test_resubmission_whose_attempts_pass_the_pod_name_limit_is_refused(store_root, tmp_path, capsys):
+    # 40 characters fit attempts up to 999 on 4 hosts: max_attempts 1000 stops the run before attempt 1000.
+    data = _set(_set(_load("local-cpu"), "run_id", "r" * 40), "retry.max_attempts", 1000)
+    path = _write_cfg(tmp_path, data)
+    assert _validate(path, store_root, tmp_path / "o1") == 0
+    store = RunStore(store_root, data["run_id"])
+    # The run stopped at its cap after attempt 999; a resubmission would start attempt 1000.
+    store.write_json(RunLayout.LEDGER, {"run_id": data["run_id"], "attempts": [{"attempt": 999, "outcome": "failed"}]})
+    capsys.readouterr()
+
+    code = _validate(path, store_root, tmp_path / "o2")
+
+    lines = capsys.readouterr().err.splitlines()
+    assert code == ExitCode.CONFIGURATION and len(lines) == 1, lines
+    assert "at attempt 1000" in lines[0] and "at most 39 characters" in lines[0]
+    assert not (tmp_path / "o2").exists()

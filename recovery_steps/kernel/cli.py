@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from recovery_steps.kernel.config import StorageConfig, run_id_problem
+from recovery_steps.kernel.config import ATTEMPT_CEILING, StorageConfig, run_id_problem
 
-ATTEMPT_MAX = 100_000
-"""Highest attempt number accepted; ``retry.max_attempts`` stops a run long before."""
+ATTEMPT_MAX = ATTEMPT_CEILING
+"""Highest attempt number accepted: the one validate-config checks the run id's pod names against."""
 PATH_MAX = 1024
 """Longest store root or output directory accepted (Linux PATH_MAX is 4096; GCS object names 1024 bytes)."""
 MESSAGE_MAX = 300

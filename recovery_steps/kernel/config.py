@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.k8s import POD_NAME_MAX, longest_pod_name
 from recovery_steps.kernel.tasks import BUILTIN_TASKS, TaskError, TaskSpec, resolve_task, validate_options
 from recovery_steps.kernel.tpu import LOCAL, TPU_TYPES
 
@@ -25,6 +26,12 @@ _RUN_ID = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 
+RUN_ID_MAX = 40
+"""Longest run id (``_RUN_ID``); the slice's pod names may allow fewer (``run_id_pod_name_problem``)."""
+ATTEMPT_CEILING = 99_999
+"""Highest attempt number of any run: the step programs refuse a larger one. A run whose retry policy sets no
+lower bound (a class budgeted ``since_progress``: a run that keeps checkpointing keeps retrying) must allow
+attempt numbers of this many digits in its pod names."""
 SEED_MAX = 2**31 - 1
 """Seeds are kept as int32 JAX arrays in the training state (and numpy refuses negative seeds)."""
 MAX_CONFIG_BYTES = 1 << 20
@@ -685,7 +692,10 @@ class JobConfig(_Section):
 
     run_id: str = Field(
         description="Run identifier (lowercase letters, digits, '-'; at most 40): names the run store "
-        "folder, the JobSets and the Workflow label."
+        "folder, the JobSets and the Workflow label. validate-config also refuses a run id whose worker pod names "
+        "(<run-id>-a<attempt>-workers-0-<host> and a 5-character suffix) would pass JobSet's 63 characters at the "
+        "highest attempt the retry policy allows (attempt 99999 unless retry.max_attempts or run-scoped budgets "
+        "bound it): at most 38 characters for up to 10 hosts then."
     )
     namespace: str = Field(default="default", description="Kubernetes namespace of the workflow and JobSets.")
     image: str = Field(description="Worker container image (trainer and step programs).")
@@ -792,6 +802,51 @@ class JobConfig(_Section):
     def config_hash(self) -> str:
         """Stable hash of the whole config (sha256 of its canonical JSON)."""
         return hashlib.sha256(canonical_json(self).encode()).hexdigest()
+
+
+def largest_attempt(retry: RetryConfig, first_attempt: int = 0) -> int:
+    """The highest attempt number a run with this retry policy can reach (attempts are numbered from 0).
+
+    ``retry.max_attempts`` stops the run after attempt ``max_attempts - 1`` (``recovery_steps/retry.py``
+    ``decide``). When every class is budgeted over the whole run, the run stops at the first class failing once
+    more than its budget, so at most ``sum(budgets)`` failed attempts come before the last one. Otherwise (a class
+    budgeted ``since_progress``, the default for preemption and capacity) nothing but ``ATTEMPT_CEILING`` bounds
+    the number. Hand-over continuations continue the numbering and add no attempts; a resubmitted run continues
+    it too, so its first attempt (``first_attempt``, read from the run store) is reached in any case.
+    """
+    bound = ATTEMPT_CEILING
+    if retry.max_attempts is not None:
+        bound = min(bound, retry.max_attempts - 1)
+    if all(retry.scope(c) == "run" for c in FailureClass):
+        bound = min(bound, sum(retry.budget(c) for c in FailureClass))
+    return min(ATTEMPT_CEILING, max(bound, first_attempt))
+
+
+def longest_run_id(hosts: int, attempt: int) -> int:
+    """The longest run id whose worker pod names fit JobSet's limit up to attempt ``attempt`` (at most 40)."""
+    return min(RUN_ID_MAX, POD_NAME_MAX - len(longest_pod_name("", attempt, hosts)))
+
+
+def run_id_pod_name_problem(cfg: JobConfig, first_attempt: int = 0) -> str | None:
+    """Why ``cfg.run_id`` is too long for some worker pod name the run can reach, or None.
+
+    Checked by ``validate-config`` when a run is submitted, not at every parse: a run already under way keeps its
+    ``config.json`` readable by every step and the trainer.
+    """
+    attempt = largest_attempt(cfg.retry, first_attempt)
+    hosts = cfg.slice.num_hosts
+    name = longest_pod_name(cfg.run_id, attempt, hosts)
+    if len(name) <= POD_NAME_MAX:
+        return None
+    longest = longest_run_id(hosts, attempt)
+    # The attempt digits this run id leaves room for: a cap on the attempts below them is the other fix.
+    digits = POD_NAME_MAX - len(longest_pod_name(cfg.run_id, "", hosts))
+    cap = f", or set retry.max_attempts to at most {10**digits}" if 0 < digits and first_attempt < 10**digits else ""
+    return (
+        f"run_id: {cfg.run_id!r} is too long: at attempt {attempt} its pod names on {hosts} hosts would have "
+        f"{len(name)} characters, JobSet admits {POD_NAME_MAX} (<run-id>-a<attempt>-workers-0-<host>-<5 random>); "
+        f"use a run id of at most {longest} characters{cap}"
+    )
 
 
 def canonical_json(cfg: BaseModel) -> str:

@@ -89,6 +89,12 @@ STEP_VERBS: tuple[VerbUse, ...] = (
     VerbUse("hand-over", "argoproj.io", "workflows", "create", "start the run's continuation Workflow"),
     VerbUse("preflight", "", "namespaces", "get", "check the run's namespace exists", cluster_scoped=True),
     VerbUse("preflight", "", "serviceaccounts", "get", "check the steps' and workers' ServiceAccounts exist"),
+    # The run lease (recovery_steps.lease): the cluster id is kube-system's uid; a holder's Workflow is read by name.
+    VerbUse("validate-config", "", "namespaces", "get", "the lease's cluster id: kube-system uid", cluster_scoped=True),
+    VerbUse("provision-slice", "", "namespaces", "get", "the lease's cluster id: kube-system uid", cluster_scoped=True),
+    VerbUse("provision-slice", "argoproj.io", "workflows", "get", "is the run lease's holder workflow still there"),
+    VerbUse("exit-handler", JOBSET_GROUP, JOBSET_PLURAL, "list", "find the gang of a run that ends not Succeeded"),
+    VerbUse("exit-handler", JOBSET_GROUP, JOBSET_PLURAL, "delete", "stop the gang of a stopped or failed run"),
 )
 
 
@@ -109,6 +115,23 @@ def jobset_name(run_id: str, attempt: int | str) -> str:
     ``attempt`` may be an Argo expression (``{{inputs.parameters.attempt}}``) where the template names it.
     """
     return f"{run_id}-a{attempt}"
+
+
+POD_NAME_MAX = 63
+"""Longest worker pod name JobSet admits, the Job controller's random suffix included (a DNS-1035 label)."""
+
+
+def longest_pod_name(run_id: str, attempt: int | str, hosts: int, replicated_job: str = "workers") -> str:
+    """The longest worker pod name of an attempt, as JobSet's admission webhook checks it.
+
+    kubernetes-sigs/jobset v0.12.0 ``pkg/webhooks/jobset_webhook.go`` (``ValidateCreate``, lines 243-254) refuses a
+    JobSet (422) unless ``placement.GenPodName(jobset, replicatedJob, maxJobIndex, maxPodIndex) + "-abcde"`` (the
+    Job controller's 5-character random pod suffix) is a DNS-1035 label of at most 63 characters; ``GenPodName``
+    is ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>`` (``pkg/util/placement/placement.go``). The run's
+    JobSet has one Job (index 0) of ``hosts`` pods (indices 0 to hosts-1) in the replicated job ``workers``
+    (``workflows/jobset.py`` ``REPLICATED_JOB``).
+    """
+    return f"{jobset_name(run_id, attempt)}-{replicated_job}-0-{hosts - 1}-abcde"
 
 
 def gke_node_selector(slice_cfg: Any) -> dict[str, str]:

@@ -19,7 +19,15 @@ import yaml
 
 from recovery_steps import lease
 from recovery_steps.kernel import records
-from recovery_steps.kernel.config import ConfigError, JobConfig, parse_config
+from recovery_steps.kernel.config import (
+    ConfigError,
+    JobConfig,
+    largest_attempt,
+    longest_run_id,
+    parse_config,
+    run_id_pod_name_problem,
+    run_id_problem,
+)
 from recovery_steps.kernel.outputs import STEP_OUTPUTS
 from recovery_steps.kernel.records import now
 from recovery_steps.kernel.store import STORE_RETRY_DEADLINE_ENV, DocumentError, RunLayout, RunStore
@@ -31,6 +39,10 @@ from workflows.local.outage import OutagePlan, OutageProxy, parse_outages
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMULATOR_BUCKET = "local-runs"
+RUN_ID_STAMP = "%Y%m%d-%H%M%S"
+"""The timestamp a default local run id ends with (after a '-')."""
+REFERENCE_SUFFIX = "-ref"
+"""What the uninterrupted reference run's id adds to the run id."""
 _KEY_OUTPUTS = frozenset(name for declared in STEP_OUTPUTS for name in declared.shown())
 
 
@@ -143,6 +155,33 @@ def retarget(wf: dict[str, Any], run_id: str, store_root: str) -> dict[str, Any]
     return wf
 
 
+def stamped_run_id(base: str, cfg: JobConfig, *, reference: bool, at: time.struct_time | None = None) -> str:
+    """The default run id of a local run: ``base`` with a timestamp, ``base`` shortened so that it fits.
+
+    It fits the run-id syntax and the job's worker pod names (``run_id_pod_name_problem``), with room for the
+    reference run's suffix when there is one.
+    """
+    stamp = "-" + time.strftime(RUN_ID_STAMP, at or time.localtime())
+    room = longest_run_id(cfg.slice.num_hosts, largest_attempt(cfg.retry)) - len(stamp)
+    room -= len(REFERENCE_SUFFIX) if reference else 0
+    return base[: max(room, 1)].rstrip("-") + stamp
+
+
+def run_id_problems(cfg: JobConfig, run_id: str, *, reference: bool) -> list[str]:
+    """One line per run id of this local run (the run's, the reference run's) that its job could not use."""
+    problem = run_id_problem(run_id) or run_id_pod_name_problem(cfg.model_copy(update={"run_id": run_id}))
+    if problem:
+        return [f"--run-id: {problem}"]
+    ref = run_id + REFERENCE_SUFFIX
+    longest = longest_run_id(cfg.slice.num_hosts, largest_attempt(cfg.retry))
+    if reference and len(ref) > longest:
+        return [
+            f"--reference: the reference run's id {ref!r} would have {len(ref)} characters, this job allows "
+            f"{longest}; give a --run-id of at most {longest - len(REFERENCE_SUFFIX)} characters"
+        ]
+    return []
+
+
 def worker_metrics_line(attempt: int | None, base_port: int, hosts: int) -> str:
     """The line announcing an attempt's worker metrics endpoints (worker ``i`` serves ``base_port + i``)."""
     last = f"..{base_port + hosts - 1}" if hosts > 1 else ""
@@ -251,7 +290,11 @@ def run(
     wf = with_parameters(wf, parameters or {})
     outages: OutagePlan | None = None
     params = {p["name"]: str(p.get("value", "")) for p in wf["spec"].get("arguments", {}).get("parameters", [])}
-    run_id = run_id or f"{params.get('run-id', cfg.run_id)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    with_reference = reference and reference_digest is None
+    run_id = run_id or stamped_run_id(params.get("run-id", cfg.run_id), cfg, reference=with_reference)
+    problems = run_id_problems(cfg, run_id, reference=with_reference)
+    if problems:
+        raise LocalRunError(problems)
     with contextlib.ExitStack() as stack:
         base_env: dict[str, str] = {}
         if gcs_emulator:
@@ -273,9 +316,10 @@ def run(
             store_root = store_root or f"gs://{EMULATOR_BUCKET}/local"
             say(f"GCS emulator at {em.url}; run store gs://{EMULATOR_BUCKET}")
         store_root = store_root or params.get("store-root", cfg.storage.root)
-        if reference and reference_digest is None:
-            say(f"reference run {run_id}-ref (no faults) ...")
-            ref = _run_once(wf, cfg, f"{run_id}-ref", store_root, [], base_env, None, grace_seconds, lambda _: None)
+        if with_reference:
+            ref_id = run_id + REFERENCE_SUFFIX
+            say(f"reference run {ref_id} (no faults) ...")
+            ref = _run_once(wf, cfg, ref_id, store_root, [], base_env, None, grace_seconds, lambda _: None)
             reference_digest = ref.params_digest
             say(f"reference run {ref.status}: params digest {str(reference_digest)[:16]}")
         result = _run_once(wf, cfg, run_id, store_root, injections, base_env, metrics_port, grace_seconds, say,
