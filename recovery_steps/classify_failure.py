@@ -31,7 +31,14 @@ from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig
 from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.outputs import ClassifyOutputs
-from recovery_steps.kernel.records import AttemptRecord, Ledger, ProvisionRecord, RestoreRecord, now
+from recovery_steps.kernel.records import (
+    AttemptRecord,
+    Ledger,
+    ProvisionRecord,
+    RestoreRecord,
+    SupervisorLosses,
+    now,
+)
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, StoreUnavailable
 from recovery_steps.retry import (
     RetryDecision,
@@ -76,6 +83,34 @@ def load_run_config(store: RunStore) -> JobConfig:
         raise StepFailure(f"{e} (check --store-root and --run-id)", 2) from None
 
 
+# A supervisor lost this often in one attempt is not bad luck: the attempt is closed (class from the evidence).
+MAX_SUPERVISOR_LOSSES = 10
+# The supervision outcomes that are a verdict on the attempt (recovery_steps.supervision.AttemptState).
+VERDICTS = frozenset({"succeeded", "failed", "stalled"})
+
+
+def orphaned_gang(ev: Evidence) -> str | None:
+    """Why the attempt's gang is alive without a supervisor's verdict, or None (pure).
+
+    The JobSet exists and has not finished, and no supervisor recorded a verdict (none at all: its pod was
+    evicted, drained, shut down with its node or OOM-killed, past Argo's retries; or it left transient). Closing
+    the attempt would let the next attempt's provision-slice delete a healthy gang: supervise it again instead.
+    """
+    js = ev.jobset
+    if ev.backend != "gke" or js is None or not js.found:
+        return None
+    finished = js.terminal_state or any(c.type in ("Completed", "Failed") and c.status == "True" for c in js.conditions)
+    if finished:
+        return None
+    sup = ev.supervision
+    if sup is not None and (
+        sup.outcome in VERDICTS or (sup.outcome == "error" and sup.exit_code != ExitCode.TRANSIENT)
+    ):
+        return None
+    why = "no supervision record" if sup is None else f"the supervisor left transient ({sup.reason})"
+    return f"JobSet {js.name} is running and {why}: its supervisor was lost"
+
+
 def checkpoint_step_before(store: RunStore, attempt: int) -> int:
     """The step attempt ``attempt`` restored (its ``RestoreRecord``), or -1 (fresh start, or never decided)."""
     rec = store.read_record(RunLayout.restore_record(attempt), RestoreRecord)
@@ -115,12 +150,13 @@ def gather(
         prov = store.read_record(RunLayout.provision_record(attempt), ProvisionRecord)
         if prov is not None and prov.exit_code != 0:
             step_exit_code = prov.exit_code
+
     ev = Evidence(backend="local" if cfg.slice.is_local else "gke", attempt=attempt, step_exit_code=step_exit_code)
     gather_reports(store, attempt, ev)
     gather_supervision(store, attempt, ev)
     if cfg.slice.is_local:
         gather_local_slice(store, attempt, ev)
-        return ev
+        return _restore_never_decided(store, ev)
     if api_client is None:
         from recovery_steps.kernel.k8s import make_api_client
 
@@ -128,8 +164,26 @@ def gather(
             api_client = make_api_client()
         except Exception as e:  # noqa: BLE001 - any config failure leaves the store's evidence usable
             ev.notes.append(f"no Kubernetes client ({type(e).__name__}: {e}); classified from worker reports")
-            return use_supervisor_snapshot(ev)
-    return use_supervisor_snapshot(gather_kubernetes(api_client, cfg.namespace, jobset, ev))
+            return _restore_never_decided(store, use_supervisor_snapshot(ev))
+    return _restore_never_decided(
+        store, use_supervisor_snapshot(gather_kubernetes(api_client, cfg.namespace, jobset, ev))
+    )
+
+
+def _restore_never_decided(store: RunStore, ev: Evidence) -> Evidence:
+    """An attempt that ended before its gang ran and without a step decided: restore-latest spent its retries.
+
+    restore-latest records every decision, and provision-slice every failure: with neither, no gang, no worker
+    report and no supervision record, the run store was out of reach through restore-latest's retries (a
+    transient cause, exit 69); nothing trained.
+    """
+    gang = ev.pods or ev.reports or ev.supervision or ev.local_slice or (ev.jobset is not None and ev.jobset.found)
+    if ev.step_exit_code is not None or gang:
+        return ev
+    if store.read_record(RunLayout.restore_record(ev.attempt), RestoreRecord) is None:
+        ev.step_exit_code = int(ExitCode.TRANSIENT)
+        ev.notes.append("restore-latest decided no step and no gang ran: its retries were spent (transient)")
+    return ev
 
 
 def run(
@@ -167,6 +221,15 @@ def run(
     with ledger_errors(store, StepFailure):
         cfg = load_run_config(store)
         ev = gather(store, cfg, attempt, jobset, api_client=api_client, step_exit_code=step_exit_code)
+        lost = orphaned_gang(ev)
+        if lost is not None:
+            losses = store.read_record(RunLayout.supervisor_losses(attempt), SupervisorLosses)
+            losses = losses or SupervisorLosses(attempt=attempt)
+            if len(losses.at) < MAX_SUPERVISOR_LOSSES:
+                losses = losses.model_copy(update={"at": [*losses.at, clock()], "reasons": [*losses.reasons, lost]})
+                store.write_record(RunLayout.supervisor_losses(attempt), losses)
+                return _resupervise(store, cfg, attempt, jobset, ev, lost, len(losses.at), output_dir, workflow)
+            ev.notes.append(f"{lost}; lost {len(losses.at)} times already: the attempt is closed")
         verdict = classify(ev)
         before = checkpoint_step_before(store, attempt)
         after = newest_checkpoint_step(store)
@@ -204,6 +267,22 @@ def run(
         store.write_record(RunLayout.attempt_record(attempt), record)
     spent = budget_exhausted(holder["decision"], verdict.failure_class, cfg.retry)
     result = ClassifyResult(verdict, holder["decision"], record, ledger, ev, spent)
+    if output_dir is not None:
+        write_outputs(Path(output_dir), result)
+    return result
+
+
+def _resupervise(store: RunStore, cfg: JobConfig, attempt: int, jobset: str, ev: Evidence, lost: str, n: int,
+                 output_dir: Path | None, workflow: str | None) -> ClassifyResult:  # fmt: skip
+    """The decision for a gang that lost its supervisor: supervise the same attempt again; the ledger is unchanged."""
+    reason = f"{lost} ({n} of at most {MAX_SUPERVISOR_LOSSES}); supervising attempt {attempt} again"
+    verdict = Verdict(FailureClass.UNKNOWN, reason, [reason, *ev.notes])
+    ledger = store.read_record(RunLayout.LEDGER, Ledger) or Ledger(run_id=cfg.run_id)
+    decision = RetryDecision(Decision.RESUPERVISE, reason, 0, {}, 0)
+    record = AttemptRecord(attempt=attempt, outcome="running", failure_class=FailureClass.UNKNOWN, reason=reason,
+                           evidence=verdict.evidence, backend=ev.backend, jobset=jobset, workflow=workflow,
+                           decision=Decision.RESUPERVISE, decision_reason=reason)  # fmt: skip
+    result = ClassifyResult(verdict, decision, record, ledger, ev)
     if output_dir is not None:
         write_outputs(Path(output_dir), result)
     return result

@@ -30,6 +30,8 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.k8s import (
     ACTIVE_MAINTENANCE_LABEL,
+    API_TIMEOUT_S,
+    ATTEMPT_LABEL,
     JOBSET_GROUP,
     JOBSET_NAME_LABEL,
     JOBSET_PLURAL,
@@ -215,26 +217,78 @@ def _quantity_int(q: Any) -> int:
         return 0
 
 
-def delete_old_jobsets(api_client: Any, namespace: str, run_id: str) -> list[str]:
-    """Delete every JobSet labelled with the run (earlier attempts); return their names."""
+def jobset_finished(obj: dict[str, Any]) -> bool:
+    """Whether a JobSet has ended (its terminalState, or a Completed or Failed condition)."""
+    status = obj.get("status") or {}
+    return bool(status.get("terminalState")) or any(
+        c.get("type") in ("Completed", "Failed") and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+
+
+def delete_old_jobsets(
+    api_client: Any, namespace: str, run_id: str, keep: Callable[[dict[str, Any]], bool] = lambda _: False
+) -> list[str]:
+    """Delete every JobSet labelled with the run (earlier attempts) unless ``keep`` says so; return the kept ones."""
     from kubernetes import client
 
     custom = client.CustomObjectsApi(api_client)
     found = custom.list_namespaced_custom_object(
-        JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, label_selector=f"{RUN_ID_LABEL}={run_id}"
-    )
-    names = sorted(item["metadata"]["name"] for item in found.get("items", []))
-    for name in names:
+        JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, label_selector=f"{RUN_ID_LABEL}={run_id}",
+        _request_timeout=API_TIMEOUT_S,
+    )  # fmt: skip
+    kept = []
+    for item in sorted(found.get("items", []), key=lambda i: i["metadata"]["name"]):
+        name = item["metadata"]["name"]
+        if keep(item):
+            kept.append(name)
+            continue
         try:
             custom.delete_namespaced_custom_object(
                 JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name,
-                body=client.V1DeleteOptions(propagation_policy="Foreground"),
+                body=client.V1DeleteOptions(propagation_policy="Foreground"), _request_timeout=API_TIMEOUT_S,
             )  # fmt: skip
         except client.ApiException as e:
             if e.status != 404:  # already gone
                 raise
         log.info("deleted JobSet %s/%s", namespace, name)
-    return names
+    return kept
+
+
+def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]], bool]:
+    """``keep`` for delete_old_jobsets: never delete a live gang that no supervisor has decided.
+
+    A running JobSet of this very attempt (a resubmitted run continues at the attempt its lost Workflow left
+    unclosed) is kept: train-segment re-attaches to it. A running JobSet of an earlier attempt that is neither
+    decided by a supervisor nor closed in the ledger is a gang nothing watches: ProvisionError (configuration),
+    naming it, instead of killing what may be healthy work.
+    """
+    from recovery_steps.kernel.records import Ledger, SupervisionRecord
+
+    def keep(obj: dict[str, Any]) -> bool:
+        if jobset_finished(obj):
+            return False
+        meta = obj.get("metadata") or {}
+        label = (meta.get("labels") or {}).get(ATTEMPT_LABEL, "")
+        if not label.isdigit():
+            return False
+        k = int(label)
+        if k == attempt:
+            log.info("JobSet %s of this attempt is running: kept for train-segment to re-attach", meta.get("name"))
+            return True
+        sup = store.read_record(RunLayout.supervision(k), SupervisionRecord)
+        if sup is not None and sup.outcome in ("succeeded", "failed", "stalled"):
+            return False
+        ledger = store.read_record(RunLayout.LEDGER, Ledger)
+        if ledger is not None and any(a.attempt == k for a in ledger.attempts):
+            return False
+        raise ProvisionError(
+            ExitCode.CONFIGURATION,
+            f"JobSet {meta.get('name')} of attempt {k} is running and no supervisor decided it nor was the attempt "
+            f"closed: not deleting what may be healthy work. If nothing supervises it, delete it "
+            f"(kubectl -n {meta.get('namespace')} delete jobset {meta.get('name')}) and resubmit",
+        )
+
+    return keep
 
 
 def wait_pods_gone(
@@ -246,12 +300,19 @@ def wait_pods_gone(
     poll_s: float = 2.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    keep: Sequence[str] = (),
 ) -> None:
-    """Wait until no worker pod of the run is left; raise ProvisionError (capacity) on timeout."""
+    """Wait until no worker pod of the run is left but those of the ``keep`` JobSets.
+
+    Raises:
+        ProvisionError: (capacity) on timeout.
+    """
     from kubernetes import client
 
     core = client.CoreV1Api(api_client)
     selector = f"{RUN_ID_LABEL}={run_id},{JOBSET_NAME_LABEL}"
+    if keep:
+        selector += f",{JOBSET_NAME_LABEL} notin ({','.join(keep)})"
     deadline = clock() + timeout_s
     while True:
         pods = core.list_namespaced_pod(namespace, label_selector=selector).items
@@ -307,8 +368,9 @@ def provision_gke(
     from kubernetes import client
 
     try:
-        delete_old_jobsets(api_client, cfg.namespace, cfg.run_id)
-        wait_pods_gone(api_client, cfg.namespace, cfg.run_id, timeout_s=pod_timeout_s)
+        kept = delete_old_jobsets(api_client, cfg.namespace, cfg.run_id,
+                                  unsupervised_gang(RunStore(cfg.storage.root, cfg.run_id), attempt))  # fmt: skip
+        wait_pods_gone(api_client, cfg.namespace, cfg.run_id, timeout_s=pod_timeout_s, keep=kept)
         nodes = with_other_runs(
             api_client, cfg.namespace, cfg.run_id, list_slice_nodes(api_client, gke_node_selector(cfg.slice))
         )
@@ -490,7 +552,7 @@ def run(
             alive = lease.workflow_alive(api_client, cfg.namespace)
         try:
             lease.acquire(RunStore(store_root, run_id), holder, holder_name or holder, cfg.retry.lease_ttl_s,
-                          is_alive=alive)  # fmt: skip
+                          site=site, is_alive=alive)  # fmt: skip
         except lease.LeaseHeld as e:
             raise ProvisionError(ExitCode.CONFIGURATION, str(e)) from None
     if cfg.slice.is_local:

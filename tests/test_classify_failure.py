@@ -180,3 +180,16 @@ def test_provision_failure_after_its_retries_is_classified_as_capacity(store_roo
     write_attempt(store, 1, [42, 42, 42, 42], 0, restore=-1, ckpt=None, exc=("ValueError", "bad shape"))
     assert cli(store_root, 1, tmp_path / "o1") == 0
     assert outputs(tmp_path / "o1")["failure-class"] == "application"
+
+
+def test_a_restore_latest_that_spent_its_retries_is_classified_as_a_transient_infrastructure_failure(
+    store_root, tmp_path
+):
+    from recovery_steps.provision_slice import record_outcome
+
+    setup_run(store_root)
+    record_outcome(store_root, RUN, 0, 0, "slice ready")  # provision-slice succeeded; restore-latest never decided
+    assert cli(store_root, 0, tmp_path / "o") == 0
+    out = outputs(tmp_path / "o")
+    assert out["failure-class"] == "infrastructure" and out["decision"] == "retry", out
+    assert "69" in out["reason"] or "transient" in out["reason"].lower(), out

@@ -395,3 +395,64 @@ def test_pods_the_api_still_has_win_over_the_snapshot():
     live = [PodEvidence(name="still-here", worker_index=0, phase="Failed")]
     ev = use_supervisor_snapshot(Evidence(backend="gke", attempt=3, supervision=sup, pods=live))
     assert [p.name for p in ev.pods] == ["still-here"] and not ev.notes
+
+
+def _running_gang(api: FakeApi) -> None:
+    api.jobsets[JS] = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                       "metadata": {"name": JS, "namespace": NS}, "status": {"replicatedJobsStatus": []}}  # fmt: skip
+    api.pods = [api_pod(i, code=None, phase="Running") for i in range(4)]
+
+
+def _gke_run(tmp_path):
+    cfg = tpu_config(str(tmp_path / "store"))
+    store = RunStore.for_config(cfg)
+    store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
+    return cfg, store
+
+
+def test_a_running_gang_whose_supervisor_left_no_verdict_is_supervised_again_not_closed(api, tmp_path):
+    from recovery_steps.kernel.records import Ledger, SupervisionRecord, SupervisorLosses
+
+    _running_gang(api)
+    cfg, store = _gke_run(tmp_path)
+    out = tmp_path / "out"
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, out, api_client=make_api_client(api.url))
+    assert (out / "decision").read_text() == "resupervise" and "supervisor was lost" in (out / "reason").read_text()
+    # The attempt is not closed: no ledger entry, no budget spent; the loss is counted.
+    assert store.read_record(RunLayout.LEDGER, Ledger) is None
+    assert len(store.read_record(RunLayout.supervisor_losses(3), SupervisorLosses).at) == 1
+    assert r.decision.decision == "resupervise"
+    # A supervisor that left transient (69) decided nothing either; one that recorded a verdict did.
+    store.write_record(RunLayout.supervision(3), SupervisionRecord(attempt=3, jobset=JS, outcome="error",
+                                                                   exit_code=69, reason="API 503",
+                                                                   detected_at=1.0))  # fmt: skip
+    assert classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None,
+                                api_client=make_api_client(api.url)).decision.decision == "resupervise"  # fmt: skip
+    store.write_record(RunLayout.supervision(3), SupervisionRecord(attempt=3, jobset=JS, outcome="stalled",
+                                                                   stall_kind="hang", reason="no step",
+                                                                   detected_at=1.0))  # fmt: skip
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    assert r.decision.decision == "retry" and r.verdict.failure_class == "hang"
+
+
+def test_a_supervisor_lost_again_and_again_closes_the_attempt(api, tmp_path):
+    from recovery_steps.kernel.records import Ledger, SupervisorLosses
+
+    _running_gang(api)
+    cfg, store = _gke_run(tmp_path)
+    losses = SupervisorLosses(attempt=3, at=[1.0] * classify_failure.MAX_SUPERVISOR_LOSSES)
+    store.write_record(RunLayout.supervisor_losses(3), losses)
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    assert r.decision.decision != "resupervise"
+    assert [a.attempt for a in store.read_record(RunLayout.LEDGER, Ledger).attempts] == [3]
+    assert any("lost 10 times" in n for n in r.evidence.notes)
+
+
+def test_a_finished_or_missing_jobset_is_never_resupervised(api, tmp_path):
+    cfg, _ = _gke_run(tmp_path)
+    spot_preemption(api)  # the JobSet failed
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    assert r.decision.decision == "retry"
+    api.jobsets.clear()
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 4, JS, None, api_client=make_api_client(api.url))
+    assert r.decision.decision != "resupervise"

@@ -333,3 +333,38 @@ def test_maintenance_policy_proceed_uses_the_node():
     assert ps.maintenance_due(soon, proceed) is None
     past = ps.NodeInfo("n", "a", True, labels={"cloud.google.com/scheduled-maintenance-time": "800"})
     assert ps.maintenance_due(past, wait) is not None
+
+
+def _js(name: str, attempt: int, terminal: str | None = None) -> dict:
+    status = {"terminalState": terminal} if terminal else {}
+    return {"metadata": {"name": name, "namespace": NS, "labels": {"jaxrec/run-id": "lm-v5e-4x4",
+                                                                    "jaxrec/attempt": str(attempt)}},
+            "status": status}  # fmt: skip
+
+
+def test_a_live_gang_nothing_decided_is_never_deleted(tmp_path):
+    from recovery_steps.kernel.records import AttemptRecord, Ledger, SupervisionRecord
+
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    store = RunStore(root, run_id)
+    keep = ps.unsupervised_gang(store, attempt=5)
+    # Finished gangs and decided or closed attempts go; the attempt's own live gang stays (train-segment
+    # re-attaches to it).
+    assert not keep(_js("lm-v5e-4x4-a1", 1, terminal="Failed"))
+    assert keep(_js("lm-v5e-4x4-a5", 5))
+    decided = SupervisionRecord(attempt=2, jobset="lm-v5e-4x4-a2", outcome="stalled", reason="x", detected_at=1.0)
+    store.write_record(RunLayout.supervision(2), decided)
+    assert not keep(_js("lm-v5e-4x4-a2", 2))
+    store.write_record(RunLayout.LEDGER, Ledger(run_id=run_id, attempts=[AttemptRecord(attempt=3, outcome="failed")]))
+    assert not keep(_js("lm-v5e-4x4-a3", 3))
+    # A live gang of an earlier attempt that nothing decided: refused, named, nothing deleted.
+    with pytest.raises(ps.ProvisionError) as e:
+        keep(_js("lm-v5e-4x4-a4", 4))
+    assert e.value.code == 2 and "lm-v5e-4x4-a4" in str(e.value) and "kubectl" in str(e.value)
+    # An error record that is not a verdict (the supervisor left transient) decides nothing.
+    store.write_record(RunLayout.supervision(4), SupervisionRecord(attempt=4, jobset="lm-v5e-4x4-a4",
+                                                                   outcome="error", exit_code=69, reason="x",
+                                                                   detected_at=1.0))  # fmt: skip
+    with pytest.raises(ps.ProvisionError):
+        keep(_js("lm-v5e-4x4-a4", 4))

@@ -58,15 +58,7 @@ def test_main_dag_validates_then_starts_the_first_free_attempt(local):
     assert local["metadata"]["labels"] == {"jaxrec/run-id": "local-cpu"}
 
 
-def test_attempt_dag_order_and_branches(local):
-    tasks = _tasks(_templates(local)["attempt"])
-    # The old gang is torn down (provision-slice) before restore-latest chooses the step.
-    assert tasks["restore-latest"]["depends"] == "provision-slice"
-    assert "depends" not in tasks["provision-slice"]
-    assert tasks["train-segment"]["depends"] == "restore-latest"
-    assert tasks["classify-failure"]["depends"] == (
-        "train-segment.Failed || train-segment.Errored || provision-slice.Failed || provision-slice.Errored"
-    )
+def _routes(tasks, resupervise: bool):
     decision = "'{{tasks.classify-failure.outputs.parameters.decision}}'"
     assert tasks["backoff"]["when"] == f"{decision} == 'retry' || {decision} == 'hand-over'"
     assert tasks["next-attempt"]["when"] == f"{decision} == 'retry'"
@@ -79,19 +71,46 @@ def test_attempt_dag_order_and_branches(local):
     assert tasks["hand-over"]["arguments"]["parameters"] == [
         {"name": "attempt", "value": "{{tasks.classify-failure.outputs.parameters.next-attempt}}"}
     ]
-    args = _templates(local)["hand-over"]["container"]["args"]
-    assert args[args.index("--workflow") + 1] == "{{workflow.name}}"
-    assert args[args.index("--workflow-uid") + 1] == "{{workflow.uid}}"
-    classify = _templates(local)["classify-failure"]["container"]["args"]
-    assert classify[classify.index("--workflow") + 1] == "{{workflow.name}}"
     # Recursion: the next attempt is the same template with the number classify-failure computed.
     assert tasks["next-attempt"]["template"] == "attempt"
     assert tasks["next-attempt"]["arguments"]["parameters"] == [
         {"name": "attempt", "value": "{{tasks.classify-failure.outputs.parameters.next-attempt}}"}
     ]
-    backoff = _templates(local)["backoff"]
-    assert backoff["suspend"]["duration"] == "{{inputs.parameters.duration}}"
     assert tasks["backoff"]["arguments"]["parameters"][0]["value"].endswith(".backoff-wait}}")
+    assert ("resupervise" in tasks) == resupervise
+    if resupervise:
+        # A gang that lost its supervisor gets another one for the same attempt, with the same inputs.
+        assert tasks["resupervise"]["when"] == f"{decision} == 'resupervise'"
+        assert tasks["resupervise"]["template"] == "segment"
+        assert [p["value"] for p in tasks["resupervise"]["arguments"]["parameters"]] == [
+            f"{{{{inputs.parameters.{n}}}}}"
+            for n in ("attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port")
+        ]
+
+
+def test_attempt_dag_order_and_branches(local):
+    templates = _templates(local)
+    tasks = _tasks(templates["attempt"])
+    # The old gang is torn down (provision-slice) before restore-latest chooses the step.
+    assert tasks["restore-latest"]["depends"] == "provision-slice"
+    assert "depends" not in tasks["provision-slice"]
+    assert tasks["segment"]["depends"] == "restore-latest" and tasks["segment"]["template"] == "segment"
+    # A step before training that spent its retries is classified and decided like a failed gang.
+    assert tasks["classify-failure"]["depends"] == (
+        "provision-slice.Failed || provision-slice.Errored || restore-latest.Failed || restore-latest.Errored"
+    )
+    _routes(tasks, resupervise=False)
+    seg = _tasks(templates["segment"])
+    assert "depends" not in seg["train-segment"]
+    assert seg["classify-failure"]["depends"] == "train-segment.Failed || train-segment.Errored"
+    assert seg["classify-failure"]["arguments"]["parameters"][1]["value"] == "{{inputs.parameters.jobset-name}}"
+    _routes(seg, resupervise=True)
+    args = templates["hand-over"]["container"]["args"]
+    assert args[args.index("--workflow") + 1] == "{{workflow.name}}"
+    assert args[args.index("--workflow-uid") + 1] == "{{workflow.uid}}"
+    classify = templates["classify-failure"]["container"]["args"]
+    assert classify[classify.index("--workflow") + 1] == "{{workflow.name}}"
+    assert templates["backoff"]["suspend"]["duration"] == "{{inputs.parameters.duration}}"
 
 
 @pytest.mark.parametrize("cfg_path", CONFIGS, ids=lambda p: p.stem)
@@ -128,19 +147,31 @@ def _retried(rs, code: str, status: str = "Failed") -> bool:
 def test_every_step_retries_errored_pods_and_transient_exits_only(cfg_path):
     cfg = load_config(cfg_path)
     t = _templates(build_workflow(cfg).to_dict())
-    # train-segment (the supervisor) has its own retry: only an Errored pod, which re-attaches to the JobSet.
     steps = [n for n, tpl in t.items() if "container" in tpl and n != "train-segment"]
     assert set(steps) >= {"validate-config", "restore-latest", "provision-slice", "classify-failure", "give-up",
                           "exit-handler"}  # fmt: skip
     for name in steps:
         rs = t[name]["retryStrategy"]
         assert isinstance(rs["limit"], int) and rs["limit"] >= 1, name
+        # A vanished pod (Error, -1), an evicted, drained or OOM-killed one (Failed, 143 or 137), a transient exit.
         assert _retried(rs, "-1", "Error") and _retried(rs, "69"), name
+        assert _retried(rs, "137") and _retried(rs, "143"), name
         for code in ("1", "2", "3", "42"):
             assert not _retried(rs, code), (name, code)
+        # Never maxDuration: Argo counts it from the first try and makes it the retry's deadline.
+        assert "maxDuration" not in rs["backoff"] and rs["backoff"]["cap"], name
         if name != "provision-slice":
             assert rs["limit"] == cfg.retry.transient_retry_limit, name
             assert rs["backoff"]["duration"] == f"{cfg.retry.transient_backoff_s}s", name
+
+
+@pytest.mark.parametrize("cfg_path", CONFIGS, ids=lambda p: p.stem)
+def test_the_supervisor_is_retried_however_its_pod_dies_and_never_on_its_verdicts(cfg_path):
+    rs = _templates(build_workflow(load_config(cfg_path)).to_dict())["train-segment"]["retryStrategy"]
+    for code, status in (("-1", "Error"), ("-1", "Failed"), ("137", "Failed"), ("143", "Failed"), ("69", "Failed")):
+        assert _retried(rs, code, status), (code, status)
+    assert not _retried(rs, "1") and not _retried(rs, "2")
+    assert "maxDuration" not in rs["backoff"] and rs["limit"] >= 10
 
 
 def test_steps_run_their_module_with_contract_args(local):
@@ -235,13 +266,11 @@ def test_jobset_gang_shape_on_tpu(v5e):
     ]  # fmt: skip
     env = {e["name"]: e for e in c["env"]}
     assert "TRAINER_COORDINATOR_ADDRESS" not in env
-    # The supervisor, not a resource condition, ends the attempt; it is retried only when its own pod Errors.
+    # The supervisor, not a resource condition, ends the attempt (its retry: the test above).
     train = _templates(v5e)["train-segment"]
     assert "resource" not in train
     assert train["container"]["command"] == ["python", "-m", "recovery_steps.train_segment"]
-    rs = train["retryStrategy"]
-    assert rs["expression"] == 'lastRetry.status == "Error"' and rs["retryPolicy"] == "Always"
-    assert int(rs["limit"]) >= 1
+    assert train["retryStrategy"]["retryPolicy"] == "Always"
     outs = {p["name"]: p["valueFrom"]["path"] for p in train["outputs"]["parameters"]}
     assert outs == {n: f"/tmp/outputs/{n}" for n in ("outcome", "stall-kind", "reason", "last-step", "checkpoint-step")}
 

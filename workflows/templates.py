@@ -46,10 +46,18 @@ CONFIG_PATH = "/tmp/inputs/config.yaml"
 STORE_ROOT = "{{workflow.parameters.store-root}}"
 RUN_ID = "{{workflow.parameters.run-id}}"
 ATTEMPT_IN = "{{inputs.parameters.attempt}}"
-# train-segment is retried only when its own pod Errors (evicted, node lost, OOM-killed: Argo reports
-# lastRetry.status "Error" with exitCode -1, workflow/controller/operator.go); the retry re-attaches to
-# the attempt's JobSet. A Failed supervisor (the attempt failed) goes to classify-failure instead.
-SUPERVISOR_RETRIES = 5
+# train-segment is retried however its own pod dies, for the whole segment, and never on its own verdicts
+# (1: the attempt failed or stalled; 2: configuration). Argo ends a pod that was evicted, drained, shut down
+# with its node or OOM-killed as Failed with the container's code (137, 143) or -1, and only a pod that
+# vanished unseen as Error (argo-workflows v4.1.2 workflow/controller/operator.go inferFailedReason), so the
+# expression keys on the exit code, not on the status. No maxDuration: Argo measures it from the first try's
+# start and makes it the retry's deadline (operator.go processNodeRetries, ARGO_DEADLINE), which would kill
+# a supervisor of a long segment; ``cap`` bounds the backoff instead. The retry re-attaches to the gang.
+SUPERVISOR_RETRIES = 20
+SUPERVISOR_RETRY = (
+    f"asInt(lastRetry.exitCode) != {int(ExitCode.ATTEMPT_FAILED)} && "
+    f"asInt(lastRetry.exitCode) != {int(ExitCode.CONFIGURATION)}"
+)
 HOLDER = ["--holder", "{{workflow.uid}}", "--holder-name", "{{workflow.name}}"]
 # Pods of steps that succeeded are deleted as they finish (a weeks-long run makes hundreds); failed and errored
 # ones stay for their logs until the Workflow goes (argo docs "Pod GC": OnPodSuccess). The finished Workflow is
@@ -58,9 +66,16 @@ POD_GC = PodGC(strategy="OnPodSuccess")
 TTL = TTLStrategy(seconds_after_success=7 * 24 * 3600, seconds_after_failure=30 * 24 * 3600)
 
 
-# Argo reports an Errored pod (evicted, node lost) with lastRetry.status "Error" and exitCode "-1"
-# (workflow/controller/operator.go): retried like the step's own transient exit, never by a failure class.
-TRANSIENT_RETRY = f"lastRetry.status == 'Error' || asInt(lastRetry.exitCode) == {int(ExitCode.TRANSIENT)}"
+# A step whose pod vanished (Argo: Error, exit code -1), was killed with its container (an eviction, a drain or
+# a node shutdown SIGTERMs it: 143; the OOM killer or the end of the grace period SIGKILLs it: 137; Argo reports
+# both as Failed, operator.go inferFailedReason) or exited transient (69) is retried in place; the steps never
+# exit 137 or 143 by a verdict of their own.
+TRANSIENT_RETRY = (
+    f"lastRetry.status == 'Error' || asInt(lastRetry.exitCode) == {int(ExitCode.TRANSIENT)} || "
+    "asInt(lastRetry.exitCode) == 137 || asInt(lastRetry.exitCode) == 143"
+)
+# Backoffs are capped, never bounded by maxDuration (measured from the first try and made the retry's deadline).
+BACKOFF_CAP = "5m"
 
 
 def transient_retry(cfg: JobConfig, *, also: str | None = None, limit: int | None = None) -> RetryStrategy:
@@ -68,7 +83,7 @@ def transient_retry(cfg: JobConfig, *, also: str | None = None, limit: int | Non
     return RetryStrategy(
         limit=cfg.retry.transient_retry_limit if limit is None else limit,
         retry_policy="Always",
-        backoff=Backoff(duration=f"{cfg.retry.transient_backoff_s}s", factor=2, max_duration="30m"),
+        backoff=Backoff(duration=f"{cfg.retry.transient_backoff_s}s", factor=2, cap=BACKOFF_CAP),
         expression=f"{also} || {TRANSIENT_RETRY}" if also else TRANSIENT_RETRY,
     )
 
@@ -118,6 +133,34 @@ def _metric_help(name: str) -> str:
 def canonical_config_yaml(cfg: JobConfig) -> str:
     """The config as validate-config receives it: every field, keys sorted."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=True, default_flow_style=False)
+
+
+def _route(classify: Task, backoff: Suspend, hand_over: Container, give_up: Container,
+           resupervise: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Wire what follows classify-failure, by its decision.
+
+    The next attempt or a continuation Workflow after the backoff, a stop, or (``resupervise``: the segment's
+    inputs) another supervisor of the same attempt.
+    """
+    out = "{{tasks." + classify.name + ".outputs.parameters.%s}}"
+    decision = out % "decision"
+
+    def is_(d: Decision) -> str:
+        return f"'{decision}' == '{d.value}'"
+
+    Task(name="backoff", template=backoff, arguments={"duration": out % "backoff-wait"},
+         depends=classify.name, when=f"{is_(Decision.RETRY)} || {is_(Decision.HAND_OVER)}")  # fmt: skip
+    # Each attempt nests one call deeper (Argo refuses more than 100): after retry.attempts_per_workflow
+    # attempts the run continues in a new Workflow of the same run id instead.
+    Task(name="hand-over", template=hand_over, arguments={"attempt": out % "next-attempt"}, depends="backoff",
+         when=is_(Decision.HAND_OVER))  # fmt: skip
+    Task(name="next-attempt", template="attempt", arguments={"attempt": out % "next-attempt"}, depends="backoff",
+         when=is_(Decision.RETRY))  # fmt: skip
+    Task(name="give-up", template=give_up, depends=classify.name, when=is_(Decision.STOP),
+         arguments={"failure-class": out % "failure-class", "reason": out % "reason"})  # fmt: skip
+    if resupervise is not None:
+        Task(name="resupervise", template="segment", arguments=resupervise, depends=classify.name,
+             when=is_(Decision.RESUPERVISE))  # fmt: skip
 
 
 def build_workflow(cfg: JobConfig) -> Workflow:
@@ -196,7 +239,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             retry_strategy=RetryStrategy(
                 limit=cfg.retry.provision_retry_limit,
                 retry_policy="Always",
-                backoff=Backoff(duration=f"{cfg.retry.provision_backoff_s}s", factor=2, max_duration="30m"),
+                backoff=Backoff(duration=f"{cfg.retry.provision_backoff_s}s", factor=2, cap=BACKOFF_CAP),
                 expression=f"asInt(lastRetry.exitCode) == {int(ExitCode.CAPACITY)} || {TRANSIENT_RETRY}",
             ),
         )
@@ -215,8 +258,8 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             retry_strategy=RetryStrategy(
                 limit=SUPERVISOR_RETRIES,
                 retry_policy="Always",
-                backoff=Backoff(duration="5s", factor=2, max_duration="10m"),
-                expression='lastRetry.status == "Error"',
+                backoff=Backoff(duration="5s", factor=2, cap="2m"),
+                expression=SUPERVISOR_RETRY,
             ),
         )  # fmt: skip
         classify = _step(
@@ -235,6 +278,8 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                     help=_metric_help("jaxrec_failures_total"),
                     labels=[Label(key="run_id", value=RUN_ID),
                             Label(key="class", value="{{outputs.parameters.failure-class}}")],
+                    # A lost supervisor is not a failed attempt.
+                    when=f"'{{{{outputs.parameters.decision}}}}' != '{Decision.RESUPERVISE.value}'",
                     value="1",
                 ),
                 Gauge(
@@ -317,6 +362,29 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             ],
         )  # fmt: skip
 
+        segment_inputs = ["attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port"]
+        # One segment: train-segment supervises the attempt's gang; classify-failure decides what follows. A
+        # supervisor that left no verdict while the gang still runs (its pod lost for good) is followed by
+        # another supervisor of the same attempt, never by a new attempt that would delete the live gang.
+        with DAG(name="segment", inputs=[Parameter(name=n) for n in segment_inputs]) as segment:
+            Task(
+                name="train-segment",
+                template=train,
+                arguments={n: f"{{{{inputs.parameters.{n}}}}}" for n in segment_inputs},
+            )
+            _route(
+                Task(
+                    name="classify-failure",
+                    template=classify,
+                    arguments={"attempt": ATTEMPT_IN, "jobset-name": "{{inputs.parameters.jobset-name}}"},
+                    depends="train-segment.Failed || train-segment.Errored",
+                ),
+                backoff,
+                hand_over,
+                give_up,
+                resupervise={n: f"{{{{inputs.parameters.{n}}}}}" for n in segment_inputs},
+            )
+
         with DAG(
             name="attempt",
             inputs=[Parameter(name="attempt")],
@@ -332,9 +400,9 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             t_restore = Task(name="restore-latest", template=restore, arguments={"attempt": ATTEMPT_IN})
             t_provision = Task(name="provision-slice", template=provision, arguments={"attempt": ATTEMPT_IN})
             prov_out = "{{tasks.provision-slice.outputs.parameters.%s}}"
-            t_train = Task(
-                name="train-segment",
-                template=train,
+            t_segment = Task(
+                name="segment",
+                template=segment,
                 arguments={
                     "attempt": ATTEMPT_IN,
                     "jobset-name": prov_out % "jobset-name",
@@ -343,53 +411,26 @@ def build_workflow(cfg: JobConfig) -> Workflow:
                     "metrics-port": prov_out % "metrics-port",
                 },
             )
-            t_classify = Task(
-                name="classify-failure",
-                template=classify,
-                # provision-slice may have failed (capacity after its retries): name the JobSet the
-                # way provision-slice does instead of reading its outputs.
-                arguments={"attempt": ATTEMPT_IN, "jobset-name": jobset_name(RUN_ID, ATTEMPT_IN)},
-                depends=(
-                    "train-segment.Failed || train-segment.Errored || provision-slice.Failed || provision-slice.Errored"
+            # A step before training that spent its retries (capacity after provision-slice's, a store outage
+            # through restore-latest's) ends the attempt like a failed gang: classified and decided.
+            _route(
+                Task(
+                    name="classify-failure",
+                    template=classify,
+                    # provision-slice may have failed: name the JobSet the way it does instead of reading outputs.
+                    arguments={"attempt": ATTEMPT_IN, "jobset-name": jobset_name(RUN_ID, ATTEMPT_IN)},
+                    depends=(
+                        "provision-slice.Failed || provision-slice.Errored || "
+                        "restore-latest.Failed || restore-latest.Errored"
+                    ),
                 ),
-            )
-            out = "{{tasks.classify-failure.outputs.parameters.%s}}"
-            retry_when = f"'{out % 'decision'}' == '{Decision.RETRY.value}'"
-            hand_over_when = f"'{out % 'decision'}' == '{Decision.HAND_OVER.value}'"
-            t_backoff = Task(
-                name="backoff",
-                template=backoff,
-                arguments={"duration": out % "backoff-wait"},
-                depends="classify-failure",
-                when=f"{retry_when} || {hand_over_when}",
-            )
-            # Each attempt nests one call deeper (Argo refuses more than 100): after retry.attempts_per_workflow
-            # attempts the run continues in a new Workflow of the same run id instead.
-            Task(
-                name="hand-over",
-                template=hand_over,
-                arguments={"attempt": out % "next-attempt"},
-                depends="backoff",
-                when=hand_over_when,
-            )
-            Task(
-                name="next-attempt",
-                template="attempt",
-                arguments={"attempt": out % "next-attempt"},
-                depends="backoff",
-                when=retry_when,
-            )
-            Task(
-                name="give-up",
-                template=give_up,
-                arguments={"failure-class": out % "failure-class", "reason": out % "reason"},
-                depends="classify-failure",
-                when=f"'{out % 'decision'}' == '{Decision.STOP.value}'",
+                backoff,
+                hand_over,
+                give_up,
             )
             # provision-slice tears the previous gang down first, so restore-latest sees the checkpoint
             # a SIGTERMed worker saved on its way out.
-            t_provision >> t_restore >> t_train
-            del t_classify, t_backoff
+            t_provision >> t_restore >> t_segment
 
         with DAG(name="main"):
             t_validate = Task(name="validate-config", template=validate)

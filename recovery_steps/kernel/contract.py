@@ -49,6 +49,9 @@ class Decision(enum.StrEnum):
     STOP = "stop"
     # Retry, in a continuation Workflow of the same run id: this one has run retry.attempts_per_workflow attempts.
     HAND_OVER = "hand-over"
+    # Not a failed attempt: its supervisor was lost and left no verdict while the gang still runs; supervise the
+    # same attempt again (the attempt is not closed and no budget is spent).
+    RESUPERVISE = "resupervise"
 
 
 class ExitCode(enum.IntEnum):

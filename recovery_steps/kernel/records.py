@@ -465,3 +465,14 @@ class SupervisionRecord(_Record):
         description="The JobSet, Jobs, pods and nodes as the supervisor last saw them before the stop (which "
         "deletes them): classify-failure's evidence when the API has nothing left.",
     )
+
+
+class SupervisorLosses(_Record):
+    """``attempts/<n>/supervisor-losses.json``: the attempt's gang found running with no supervisor's verdict.
+
+    Each time classify-failure had it supervised again (bounded: a supervisor that keeps dying ends the attempt).
+    """
+
+    attempt: int
+    at: list[float] = Field(default_factory=list, description="When each loss was found (epoch seconds).")
+    reasons: list[str] = Field(default_factory=list, description="One line each: what was found.")

@@ -155,6 +155,11 @@ class RunLayout:
         return f"attempts/{n}/local-slice.json"
 
     @staticmethod
+    def supervisor_losses(n: int) -> str:
+        """When attempt ``n``'s gang was found running with no supervisor's verdict (``SupervisorLosses``)."""
+        return f"attempts/{n}/supervisor-losses.json"
+
+    @staticmethod
     def provision_record(n: int) -> str:
         """provision-slice's outcome for attempt ``n`` (exit code and message of its last try)."""
         return f"attempts/{n}/provision.json"

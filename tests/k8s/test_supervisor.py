@@ -159,13 +159,16 @@ def test_a_supervisor_killed_and_started_again_reattaches_to_the_live_jobset(run
     first = run.supervise(0)
     pods = run.workers(0)
     run.beat(0, 4)
-    wait_for(
-        "the first supervisor reports the gang running", lambda: "workers running 4/4" in first.log_path.read_text(), 30
-    )
+    wait_for("the first supervisor reports the gang running", lambda: "workers running 4/4" in
+             first.log_path.read_text(), 30)  # fmt: skip
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(10)
-    # The gang lives on without its supervisor.
+    # The gang lives on without its supervisor, and classify-failure does not close the attempt: it has the
+    # same attempt supervised again (the next attempt's provision-slice would delete a healthy gang).
     assert [p["metadata"]["uid"] for p in run.workers(0)] == [p["metadata"]["uid"] for p in pods]
+    result = run.classify(0)
+    assert result.decision.decision == "resupervise", result.verdict
+    assert run.rc.jobset(run.ns, jobset_name(run.cfg.run_id, 0)) is not None
     second = run.supervise(0)
     wait_for("the second supervisor re-attached", lambda: "re-attached" in second.log_path.read_text(), 30)
     run.rc.exit_pod(run.ns, pods[1]["metadata"]["name"], 42)
@@ -178,23 +181,41 @@ def test_a_supervisor_killed_and_started_again_reattaches_to_the_live_jobset(run
     assert result.verdict.failure_class == "application", (result.verdict, result.evidence)
 
 
-def test_provision_slice_deletes_the_earlier_attempts_jobset_and_waits_for_its_pods(run):
+def _provision(run, attempt: int):
+    out = run.tmp / f"prov-out-{attempt}"
+    p = run.step("recovery_steps.provision_slice", "--store-root", run.cfg.storage.root, "--run-id",
+                 run.cfg.run_id, "--attempt", str(attempt), "--output-dir", str(out))  # fmt: skip
+    return p, out
+
+
+def test_provision_slice_deletes_the_earlier_attempts_finished_jobset_and_waits_for_its_pods(run):
     sup = run.supervise(0)
-    run.workers(0)
-    os.killpg(sup.pid, signal.SIGKILL)  # an attempt left running (its supervisor gone)
+    pods = run.workers(0)
+    os.killpg(sup.pid, signal.SIGKILL)  # the supervisor is gone; then the gang fails by itself
     sup.wait(10)
-    out = run.tmp / "prov-out"
-    p = run.step(
-        "recovery_steps.provision_slice",
-        "--store-root",
-        run.cfg.storage.root,
-        "--run-id",
-        run.cfg.run_id,
-        "--attempt",
-        "1",
-        "--output-dir",
-        str(out),
+    run.rc.exit_pod(run.ns, pods[0]["metadata"]["name"], 42)
+    name = jobset_name(run.cfg.run_id, 0)
+    wait_for(
+        "JobSet Failed", lambda: (run.rc.jobset(run.ns, name).get("status") or {}).get("terminalState") == "Failed", 60
     )
+    # JobSet deletes only the active Jobs of a failed JobSet: the failed Job's pods are still there.
+    assert run.rc.pods(run.ns, f"jobset.sigs.k8s.io/jobset-name={name}")
+    p, out = _provision(run, 1)
     assert p.returncode == 0, p.stdout + p.stderr
     assert run.gone(0), "provision-slice returned before the earlier attempt's JobSet and pods were gone"
     assert (out / "jobset-name").read_text() == jobset_name(run.cfg.run_id, 1)
+
+
+def test_provision_slice_never_deletes_a_live_gang_nothing_decided(run):
+    sup = run.supervise(0)
+    run.workers(0)
+    os.killpg(sup.pid, signal.SIGKILL)
+    sup.wait(10)
+    p, _ = _provision(run, 1)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "no supervisor decided it" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert len(run.workers(0)) == HOSTS  # the gang is untouched
+    # The attempt's own live gang is kept for train-segment to re-attach (a resubmitted run continues there).
+    p, _ = _provision(run, 0)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert len(run.workers(0)) == HOSTS
