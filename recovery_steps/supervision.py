@@ -14,31 +14,62 @@ Why a supervisor has to decide at all (sources in ``docs/FAILURES.md``):
 - A pod Pending on ``Insufficient google.com/tpu`` or a container waiting in ``ImagePullBackOff`` has no
   exit code: no ``podFailurePolicy`` rule matches and the Job never fails.
 - A worker that is alive but makes no step fails nothing either; only its heartbeat tells.
+
+What a supervisor must not take for an end (sources in ``docs/FAILURES.md``):
+
+- A node NotReady is not lost yet: the kubelet reports "node is shutting down" as a graceful shutdown (Spot
+  reclaim, maintenance) begins, while the workers still save, and a kubelet restart flaps Ready; the pods'
+  failure follows within the shutdown window. Kubernetes itself waits 300 s before evicting.
+- A waiting reason is the kubelet's cached last failure while it retries a pull: it says nothing about how long
+  the current pull has taken.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.config import SupervisionConfig
 
-# Container waiting reasons that mean the image or the container spec is wrong (kubelet
+# Container waiting reasons of an image pull or a container creation that failed (kubelet
 # pkg/kubelet/images/types.go and kuberuntime): they loop with a back-off and never fail the pod.
-IMAGE_WAITING_REASONS = frozenset(
+PULL_WAITING_REASONS = frozenset(
     {
         "ErrImagePull",
         "ImagePullBackOff",
         "ErrImageNeverPull",
         "InvalidImageName",
         "RegistryUnavailable",
-        "CreateContainerConfigError",
-        "CreateContainerError",
+        "SignatureValidationFailed",
     }
 )
+IMAGE_WAITING_REASONS = PULL_WAITING_REASONS | {"CreateContainerConfigError", "CreateContainerError"}
 # Waiting reasons that cannot recover by waiting: no deadline needed.
 IMMEDIATE_WAITING_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+# Waiting reasons that are the job's own doing whatever their message: a Secret, ConfigMap or key the pod names is
+# missing; the image's signature is refused by the node's policy.
+PERMANENT_WAITING_REASONS = frozenset({"CreateContainerConfigError", "SignatureValidationFailed"})
+# What a registry or runtime says when the image or the right to pull it is not there: waiting cannot heal it.
+# Any other failure (5xx, i/o timeout, connection reset, a runtime timeout in CreateContainerError) may.
+PERMANENT_PULL_MARKERS = (
+    "not found",
+    "manifest unknown",
+    "unauthorized",
+    "denied",
+    "403 forbidden",
+    "invalid reference format",
+    "invalidimagename",
+    "errimageneverpull",
+)
+# The kubelet's back-off wrapper. Since Kubernetes 1.32 it repeats the failed pull's error
+# ('Back-off pulling image "X": ErrImagePull: <error>'; pkg/kubelet/images/image_manager.go, prevPullErrMsg);
+# before, it is only 'Back-off pulling image "X"'.
+_BACK_OFF = re.compile(r'^Back-off pulling image "[^"]*":?\s*')
+_CAUSE_TAG = re.compile(r"^(?:ErrImagePull|RegistryUnavailable|SignatureValidationFailed):\s*")
+# Addresses, ports and request ids change from one try to the next; the failure does not.
+_DIGITS = re.compile(r"\d+")
 # The taint the node lifecycle controller puts on a node whose kubelet stopped reporting.
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 
@@ -62,6 +93,8 @@ class StallKind(enum.StrEnum):
     CAPACITY = "capacity"
     CONFIGURATION = "configuration"
     HANG = "hang"
+    # An image pull or container creation that keeps failing for a reason waiting may cure (class infrastructure).
+    IMAGE_PULL = "image-pull"
     NODE_LOST = "node-lost"
 
 
@@ -86,7 +119,16 @@ class PodObservation(_Rec):
     conditions: tuple[PodCondition, ...] = ()
     waiting_reason: str | None = Field(default=None, description="The trainer container's waiting reason.")
     waiting_message: str | None = None
-    waiting_since: float | None = Field(default=None, description="When this waiting reason was first seen.")
+    waiting_since: float | None = Field(
+        default=None,
+        description="When the container's current failure was first seen (``wait_clock``: the same pull failing "
+        "again keeps the time; another failure, or a container that started, starts it again).",
+    )
+    waiting_cause: str | None = Field(
+        default=None,
+        description="The failure behind the waiting reason as the adapter last saw it: an ImagePullBackOff message "
+        "of a kubelet before 1.32 does not repeat the pull's error, the ErrImagePull before it did.",
+    )
     running_since: float | None = Field(
         default=None, description="The trainer container's startedAt (running or ended)."
     )
@@ -110,13 +152,49 @@ class NodeObservation(_Rec):
     name: str
     ready: bool | None = Field(default=True, description="Ready condition: True, False, or None (Unknown).")
     unreachable: bool = Field(default=False, description=f"Tainted {UNREACHABLE_TAINT}.")
-    since: float | None = Field(default=None, description="When Ready last changed.")
+    since: float | None = Field(default=None, description="When Ready last changed (its lastTransitionTime).")
     exists: bool = Field(default=True, description="False when the Node object is gone.")
+    ready_reason: str | None = Field(default=None, description="The Ready condition's reason (KubeletNotReady, ...).")
+    ready_message: str | None = Field(
+        default=None, description="The Ready condition's message ('node is shutting down' in a graceful shutdown)."
+    )
+    seen_lost_at: float | None = Field(
+        default=None,
+        description="When the supervisor first saw the node lost: the grace counts from it when the Ready condition "
+        "gives no time (the Node is gone, or Ready is True while the unreachable taint is on).",
+    )
+    spot: bool = Field(default=False, description="A Spot or preemptible VM (its GKE label is 'true').")
+    maintenance: str | None = Field(
+        default=None, description="A maintenance label or reclaim taint of the node ('taint k:effect', 'label k=v')."
+    )
 
     @property
     def lost(self) -> bool:
         """True when the node cannot run (or confirm the end of) its pods."""
         return not self.exists or self.unreachable or self.ready is not True
+
+    @property
+    def shutting_down(self) -> bool:
+        """True when the kubelet reports a graceful node shutdown (pkg/kubelet/nodeshutdown ``ShutdownStatus``)."""
+        text = f"{self.ready_reason or ''} {self.ready_message or ''}".lower()
+        return "shutting down" in text or "shutdown" in text
+
+    def lost_since(self, now: float) -> float:
+        """When the node was lost: its Ready transition, else when it was first seen lost, else ``now``."""
+        if self.exists and self.ready is not True and self.since is not None:
+            return self.since
+        return self.seen_lost_at if self.seen_lost_at is not None else now
+
+    @property
+    def state(self) -> str:
+        """``gone``, ``unreachable``, ``NotReady`` or ``Ready``, then what the node says about it."""
+        state = "gone" if not self.exists else ("unreachable" if self.unreachable else "NotReady")
+        if not self.lost:
+            state = "Ready"
+        facts = [f"{self.ready_reason or '-'}: {self.ready_message}" if self.ready_message else self.ready_reason]
+        facts += ["Spot" if self.spot else None, self.maintenance]
+        told = ", ".join(f for f in facts if f and self.exists)
+        return f"{state} ({told})" if told else state
 
 
 class JobObservation(_Rec):
@@ -168,6 +246,65 @@ class Verdict(_Rec):
         return self.state != AttemptState.RUNNING
 
 
+def waiting_cause(reason: str | None, message: str | None) -> str:
+    """The failure behind a waiting container: its message without the kubelet's back-off wrapper.
+
+    ``ImagePullBackOff`` and ``ErrImagePull`` alternate while the kubelet retries one failing pull; both give the
+    same cause. Empty when the message names none (a back-off message of a kubelet before 1.32).
+    """
+    text = (message or "").strip()
+    if reason == "ImagePullBackOff":
+        text = _BACK_OFF.sub("", text, count=1)
+    return _CAUSE_TAG.sub("", text, count=1).strip()
+
+
+def pull_failure_is_permanent(reason: str | None, cause: str | None) -> bool:
+    """True when waiting cannot heal this pull or container creation failure (the image or the right is missing)."""
+    if reason in IMMEDIATE_WAITING_REASONS or reason in PERMANENT_WAITING_REASONS:
+        return True
+    text = (cause or "").lower()
+    return any(m in text for m in PERMANENT_PULL_MARKERS)
+
+
+class WaitClock(_Rec):
+    """How long one container has waited on one failure; the adapter keeps it from one observation to the next."""
+
+    key: str = Field(description="The failure: pull or the creation reason, and its cause with digits masked.")
+    since: float = Field(description="When this failure was first seen.")
+    cause: str = Field(default="", description="The failure's own text (``waiting_cause``).")
+
+
+def wait_clock(prev: WaitClock | None, reason: str | None, message: str | None, now: float) -> WaitClock | None:
+    """The clock of a container's image-pull or creation failure after one more look at its waiting state.
+
+    The kubelet reports its last pull failure, cached, while it retries the pull: one registry error followed by a
+    slow multi-GB pull reads as one long failure. So the clock restarts whenever the failure changes (another
+    reason family or another cause), and stops when the container no longer waits on such a failure (it started,
+    or is being created). ``ErrImagePull`` and ``ImagePullBackOff`` of the same cause are one failure: the kubelet
+    alternates them on every try. A back-off message that names no cause (kubelet before 1.32) is the back-off of
+    the last pull error seen.
+
+    Args:
+        prev: The clock after the previous observation of this container (None: none running).
+        reason: The container's waiting reason now (None when it is not waiting).
+        message: The waiting message now.
+        now: The observation's time.
+
+    Returns:
+        The clock now, or None when the container is not waiting on a pull or creation failure.
+    """
+    if reason not in IMAGE_WAITING_REASONS:
+        return None
+    family = "pull" if reason in PULL_WAITING_REASONS else reason
+    cause = waiting_cause(reason, message)
+    if not cause and prev is not None and prev.key.startswith(f"{family}:"):
+        cause = prev.cause
+    key = f"{family}:{_DIGITS.sub('#', cause)}"
+    if prev is not None and prev.key == key:
+        return prev
+    return WaitClock(key=key, since=now, cause=cause)
+
+
 def _live(pods: tuple[PodObservation, ...]) -> list[PodObservation]:
     # A pod being deleted while its node is healthy is on its way out; count what the Job counts.
     return [p for p in pods if p.phase not in ("Succeeded", "Failed")]
@@ -210,7 +347,7 @@ def _succeeded(obs: Observation) -> Verdict | None:
     return None
 
 
-def _configuration(obs: Observation, d: SupervisionConfig) -> Verdict | None:
+def _container(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     for p in obs.pods:
         for c in p.conditions:
             if c.type in d.config_conditions and c.status == "True":
@@ -221,33 +358,50 @@ def _configuration(obs: Observation, d: SupervisionConfig) -> Verdict | None:
                     worker=p.index,
                 )
         reason = p.waiting_reason
-        if reason in IMAGE_WAITING_REASONS:
-            waited = obs.now - (p.waiting_since if p.waiting_since is not None else obs.now)
-            if reason in IMMEDIATE_WAITING_REASONS or waited >= d.image_pull_deadline_s:
-                return Verdict(
-                    state=AttemptState.STALLED,
-                    kind=StallKind.CONFIGURATION,
-                    reason=f"{p.label}: container waiting {reason} for {waited:.0f} s "
-                    f"(deadline {d.image_pull_deadline_s:g} s): {p.waiting_message or 'no message'}",
-                    worker=p.index,
-                )
+        if reason not in IMAGE_WAITING_REASONS:
+            continue
+        waited = obs.now - (p.waiting_since if p.waiting_since is not None else obs.now)
+        cause = p.waiting_cause or waiting_cause(reason, p.waiting_message)
+        permanent = pull_failure_is_permanent(reason, cause)
+        if reason in IMMEDIATE_WAITING_REASONS:
+            deadline = 0.0
+        else:
+            deadline = d.image_pull_deadline_s if permanent else d.transient_pull_deadline_s
+        if waited >= deadline:
+            said = p.waiting_message or "no message"
+            told = f" (last error: {cause})" if cause and cause not in said else ""
+            return Verdict(
+                state=AttemptState.STALLED,
+                kind=StallKind.CONFIGURATION if permanent else StallKind.IMAGE_PULL,
+                reason=f"{p.label}: container waiting {reason} for {waited:.0f} s (deadline {deadline:g} s for a "
+                f"{'permanent' if permanent else 'transient'} failure): {said}{told}",
+                worker=p.index,
+            )
     return None
 
 
 def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
+    # A node lost for less than the grace ends nothing: a graceful shutdown marks it NotReady while the workers
+    # still save, and the pods' failure (or the Job's FailureTarget, checked before this) follows; a kubelet
+    # restart turns it Ready again.
     nodes = {n.name: n for n in obs.nodes}
     for p in _live(obs.pods):
         n = nodes.get(p.node) if p.node else None
+        terminating = p.deletion_timestamp is not None
+        stuck = terminating and obs.now - p.deletion_timestamp >= d.force_delete_grace_s
         if n is not None and n.lost:
-            state = "gone" if not n.exists else ("unreachable" if n.unreachable else "NotReady")
-            terminating = " and its pod is stuck Terminating" if p.deletion_timestamp is not None else ""
+            lost_for = obs.now - n.lost_since(obs.now)
+            if lost_for < d.node_lost_grace_s and not stuck:
+                continue
+            pod = f"; its pod Terminating for {obs.now - p.deletion_timestamp:.0f} s" if terminating else ""
             return Verdict(
                 state=AttemptState.STALLED,
                 kind=StallKind.NODE_LOST,
-                reason=f"{p.label}: node {p.node} is {state}{terminating}",
+                reason=f"{p.label}: node {p.node} is {n.state} for {lost_for:.0f} s "
+                f"(grace {d.node_lost_grace_s:g} s){pod}",
                 worker=p.index,
             )
-        if p.deletion_timestamp is not None and obs.now - p.deletion_timestamp >= d.force_delete_grace_s:
+        if stuck:
             return Verdict(
                 state=AttemptState.STALLED,
                 kind=StallKind.NODE_LOST,
@@ -319,9 +473,10 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
     """The state of an attempt.
 
     Order matters: an ended JobSet or a failed Job/pod wins over any stall (a pod stuck Terminating
-    after the Job's ``FailureTarget`` is a failure, not a node-lost stall); success needs every
-    worker; stalls are checked from the most specific evidence (a configuration error, a lost node)
-    to the least (no room, no progress).
+    after the Job's ``FailureTarget`` is a failure, not a node-lost stall; a pod the kubelet failed in a
+    node shutdown is a failure, not a lost node); success needs every worker; stalls are checked from the
+    most specific evidence (a container that cannot start, a node lost past its grace) to the least (no
+    room, no progress).
 
     Args:
         obs: The attempt as last observed.
@@ -333,7 +488,7 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
     for check in (_failed(obs), _succeeded(obs)):
         if check is not None:
             return check
-    for stall in (_configuration, _node_lost, _capacity, _hang):
+    for stall in (_container, _node_lost, _capacity, _hang):
         v = stall(obs, deadlines)
         if v is not None:
             return v

@@ -13,8 +13,12 @@ from recovery_steps.supervision import (
     PodCondition,
     PodObservation,
     StallKind,
+    WaitClock,
     WorkerProgress,
     decide,
+    pull_failure_is_permanent,
+    wait_clock,
+    waiting_cause,
 )
 
 T0 = 1_714_557_600.0  # 2024-05-01T10:00:00Z: the JobSet was created
@@ -26,6 +30,8 @@ D = SupervisionConfig(
     compile_grace_s=900,
     force_delete_grace_s=60,
     heartbeat_interval_s=30,
+    transient_pull_deadline_s=900,
+    node_lost_grace_s=120,
 )
 UNSCHEDULABLE = PodCondition(
     type="PodScheduled",
@@ -77,6 +83,32 @@ def nodes(*lost: int, unreachable: bool = True) -> tuple[NodeObservation, ...]:
 def obs(now: float, pods=(), *, jobs=(), progress=(), node_list=None, **kw) -> Observation:
     return Observation(now=T0 + now, expected_workers=HOSTS, created_at=T0, pods=tuple(pods), jobs=tuple(jobs),
                        progress=tuple(progress), nodes=nodes() if node_list is None else node_list, **kw)  # fmt: skip
+
+
+IMAGE = "us-docker.pkg.dev/p/ml/worker:typo"
+# Kubelet >= 1.32 waiting messages (pkg/kubelet/images/image_manager.go): the back-off repeats the pull's error.
+NOT_FOUND = (f'rpc error: code = NotFound desc = failed to pull and unpack image "{IMAGE}": failed to resolve '
+             f'reference "{IMAGE}": {IMAGE}: not found')  # fmt: skip
+BACK_OFF_NOT_FOUND = f'Back-off pulling image "{IMAGE}": ErrImagePull: {NOT_FOUND}'
+UNAVAILABLE = (f'rpc error: code = Unknown desc = failed to pull and unpack image "{IMAGE}": failed to copy: '
+               "httpReadSeeker: failed open: unexpected status code https://us-docker.pkg.dev/v2/p/ml/worker/blobs/"
+               "sha256:9f2c: 503 Service Unavailable")  # fmt: skip
+BACK_OFF_UNAVAILABLE = f'Back-off pulling image "{IMAGE}": ErrImagePull: {UNAVAILABLE}'
+
+
+def shutting_down(i: int, since: float, **kw) -> NodeObservation:
+    """The node as the kubelet reports it once a graceful shutdown starts (pkg/kubelet/nodeshutdown)."""
+    return NodeObservation(name=f"gke-tpu-{i}", ready=False, since=since, ready_reason="KubeletNotReady",
+                           ready_message="node is shutting down", **kw)  # fmt: skip
+
+
+def with_node(node: NodeObservation) -> tuple[NodeObservation, ...]:
+    return tuple(node if n.name == node.name else n for n in nodes())
+
+
+def pulling(i: int, reason: str, message: str, since: float, **kw) -> PodObservation:
+    return pending(i, node=f"gke-tpu-{i}", conditions=(), waiting_reason=reason, waiting_message=message,
+                   waiting_since=since, **kw)  # fmt: skip
 
 
 ALL_RUNNING = [running(i) for i in range(HOSTS)]
@@ -188,7 +220,8 @@ CASES = [
             ALL_RUNNING,
             progress=STEPPING,
             node_list=tuple(
-                n if n.name != "gke-tpu-1" else NodeObservation(name="gke-tpu-1", exists=False) for n in nodes()
+                n if n.name != "gke-tpu-1" else NodeObservation(name="gke-tpu-1", exists=False, seen_lost_at=T0 + 550)
+                for n in nodes()
             ),
         ),  # fmt: skip
         AttemptState.STALLED,
@@ -230,13 +263,13 @@ CASES = [
                     conditions=(),
                     waiting_reason="ImagePullBackOff",
                     waiting_since=T0 + 110,
-                    waiting_message='Back-off pulling image "gcr.io/x/worker:typo"',
+                    waiting_message=BACK_OFF_NOT_FOUND,
                 ),
             ],
         ),
         AttemptState.STALLED,
         StallKind.CONFIGURATION,
-        "ImagePullBackOff for 310 s",
+        "ImagePullBackOff for 310 s (deadline 300 s for a permanent failure)",
     ),
     (
         "invalid-image-name-at-once",
@@ -296,6 +329,148 @@ CASES = [
         None,
         "deleted",
     ),
+    # A node NotReady is not lost before its grace: a graceful shutdown fails the pods first.
+    (
+        "node-shutting-down-within-grace",
+        obs(600, ALL_RUNNING, progress=STEPPING, node_list=with_node(shutting_down(2, T0 + 590, spot=True))),
+        AttemptState.RUNNING,
+        None,
+        "running 4/4",
+    ),
+    (
+        "node-shutting-down-then-pod-failed-by-the-kubelet",
+        obs(
+            620,
+            [*ALL_RUNNING[:2], running(2, phase="Failed", exit_code=143, terminated_reason="Error"), running(3)],
+            progress=STEPPING,
+            node_list=with_node(shutting_down(2, T0 + 590, spot=True)),
+        ),
+        AttemptState.FAILED,
+        None,
+        "worker 2 failed (exit code 143",
+    ),
+    (
+        "node-shutting-down-then-job-failure-target",
+        obs(
+            620, ALL_RUNNING, jobs=[FAILURE_TARGET], progress=STEPPING, node_list=with_node(shutting_down(3, T0 + 590))
+        ),
+        AttemptState.FAILED,
+        None,
+        "FailureTarget",
+    ),
+    (
+        "node-shutting-down-past-grace-names-its-ready-message-and-labels",
+        obs(
+            711,
+            ALL_RUNNING,
+            progress=STEPPING,
+            node_list=with_node(
+                shutting_down(2, T0 + 590, spot=True, maintenance="taint cloud.google.com/impending-node-termination")
+            ),
+        ),
+        AttemptState.STALLED,
+        StallKind.NODE_LOST,
+        "node gke-tpu-2 is NotReady (KubeletNotReady: node is shutting down, Spot, taint "
+        "cloud.google.com/impending-node-termination) for 121 s (grace 120 s)",
+    ),
+    (
+        "node-not-ready-flap-back-to-ready-ends-nothing",
+        obs(
+            900,
+            ALL_RUNNING,
+            progress=[beat(i, 60, T0 + 890) for i in range(HOSTS)],
+            node_list=with_node(NodeObservation(name="gke-tpu-1", ready=True, since=T0 + 640)),
+        ),
+        AttemptState.RUNNING,
+        None,
+        "step 60",
+    ),
+    (
+        "node-gone-within-grace-from-first-seen",
+        obs(
+            600,
+            ALL_RUNNING,
+            progress=STEPPING,
+            node_list=with_node(NodeObservation(name="gke-tpu-1", exists=False, seen_lost_at=T0 + 560)),
+        ),
+        AttemptState.RUNNING,
+        None,
+        "",
+    ),
+    (
+        "node-unreachable-but-ready-counts-from-first-seen",
+        obs(
+            700,
+            ALL_RUNNING,
+            progress=[beat(i, 44, T0 + 690) for i in range(HOSTS)],
+            node_list=with_node(
+                NodeObservation(name="gke-tpu-1", ready=True, unreachable=True, since=T0 - 9000, seen_lost_at=T0 + 650)
+            ),
+        ),
+        AttemptState.RUNNING,
+        None,
+        "",
+    ),
+    (
+        "node-not-ready-within-grace-but-its-pod-stuck-terminating",
+        obs(
+            700,
+            [*ALL_RUNNING[:3], running(3, deletion_timestamp=T0 + 620)],
+            progress=STEPPING,
+            node_list=with_node(NodeObservation(name="gke-tpu-3", ready=None, unreachable=True, since=T0 + 650)),
+        ),
+        AttemptState.STALLED,
+        StallKind.NODE_LOST,
+        "node gke-tpu-3 is unreachable for 50 s (grace 120 s); its pod Terminating for 80 s",
+    ),
+    # Image pulls: the clock is the current failure's (wait_clock); only a failure that cannot heal is configuration.
+    (
+        "transient-pull-error-past-the-permanent-deadline-keeps-waiting",
+        obs(700, [*ALL_RUNNING[:3], pulling(3, "ImagePullBackOff", BACK_OFF_UNAVAILABLE, T0 + 100)]),
+        AttemptState.RUNNING,
+        None,
+        "running 3/4",
+    ),
+    (
+        "transient-pull-error-past-its-own-deadline-is-an-image-pull-stall",
+        obs(1001, [*ALL_RUNNING[:3], pulling(3, "ErrImagePull", UNAVAILABLE, T0 + 100)]),
+        AttemptState.STALLED,
+        StallKind.IMAGE_PULL,
+        "ErrImagePull for 901 s (deadline 900 s for a transient failure)",
+    ),
+    (
+        "old-kubelet-back-off-judged-by-the-pull-error-seen-before-it",
+        obs(
+            420,
+            [
+                *ALL_RUNNING[:3],
+                pulling(
+                    3,
+                    "ImagePullBackOff",
+                    f'Back-off pulling image "{IMAGE}"',
+                    T0 + 110,
+                    waiting_cause=f"{IMAGE}: not found",
+                ),
+            ],
+        ),
+        AttemptState.STALLED,
+        StallKind.CONFIGURATION,
+        "(last error: us-docker.pkg.dev/p/ml/worker:typo: not found)",
+    ),
+    (
+        "create-container-error-timeout-is-transient",
+        obs(420, [*ALL_RUNNING[:3], pulling(3, "CreateContainerError", "context deadline exceeded", T0 + 10)]),
+        AttemptState.RUNNING,
+        None,
+        "",
+    ),
+    (
+        "missing-secret-is-configuration-after-the-deadline",
+        obs(420, [*ALL_RUNNING[:3], pulling(3, "CreateContainerConfigError", 'secret "wandb" not found', T0 + 110)]),
+        AttemptState.STALLED,
+        StallKind.CONFIGURATION,
+        "CreateContainerConfigError for 310 s",
+    ),
 ]
 
 
@@ -320,3 +495,105 @@ def test_hang_timeout_below_two_heartbeats_is_one_line_naming_both_fields():
         parse_config(data)
     (line,) = e.value.problems
     assert line.startswith("supervision.hang_timeout_s: 10 is less than twice supervision.heartbeat_interval_s")
+
+
+TIMEOUT = "dial tcp 142.250.1.1:443: i/o timeout"
+# (id, the container's waiting states in turn as (reason, message, now), the clock's start after each; None: no clock)
+CLOCKS = [
+    (
+        "one-transient-error-then-a-slow-pull-one-clock-until-the-container-starts",
+        [("ErrImagePull", UNAVAILABLE, 10), ("ImagePullBackOff", BACK_OFF_UNAVAILABLE, 20),
+         ("ImagePullBackOff", BACK_OFF_UNAVAILABLE, 400), (None, None, 800)],
+        [10, 10, 10, None],
+    ),
+    (
+        "another-failure-restarts-the-clock",
+        [("ErrImagePull", UNAVAILABLE, 10), ("ErrImagePull", TIMEOUT, 50), ("ImagePullBackOff", BACK_OFF_NOT_FOUND, 90),
+         ("ErrImagePull", NOT_FOUND, 120)],
+        [10, 50, 90, 90],
+    ),
+    (
+        "addresses-that-change-between-tries-are-the-same-failure",
+        [("ErrImagePull", TIMEOUT, 10), ("ErrImagePull", TIMEOUT.replace("142.250.1.1", "142.250.9.77"), 70)],
+        [10, 10],
+    ),
+    (
+        "an-old-kubelets-back-off-is-the-back-off-of-the-pull-error-before-it",
+        [("ErrImagePull", NOT_FOUND, 5), ("ImagePullBackOff", f'Back-off pulling image "{IMAGE}"', 15),
+         ("ErrImagePull", NOT_FOUND, 40)],
+        [5, 5, 5],
+    ),
+    (
+        "not-waiting-on-a-failure-in-between-starts-over",
+        [("ErrImagePull", UNAVAILABLE, 10), ("ContainerCreating", None, 30), ("ErrImagePull", UNAVAILABLE, 60)],
+        [10, None, 60],
+    ),
+    (
+        "a-creation-failure-after-a-pull-failure-is-another-failure",
+        [("ErrImagePull", UNAVAILABLE, 10), ("CreateContainerError", "context deadline exceeded", 300),
+         ("CreateContainerError", "context deadline exceeded", 500)],
+        [10, 300, 300],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "states", "starts"), CLOCKS, ids=[c[0] for c in CLOCKS])
+def test_wait_clock(case, states, starts):
+    clock: WaitClock | None = None
+    seen = []
+    for reason, message, now in states:
+        clock = wait_clock(clock, reason, message, T0 + now)
+        seen.append(None if clock is None else clock.since - T0)
+    assert seen == starts
+
+
+def test_an_old_kubelets_back_off_keeps_the_cause_and_decide_uses_it():
+    clock = wait_clock(None, "ErrImagePull", NOT_FOUND, T0)
+    clock = wait_clock(clock, "ImagePullBackOff", f'Back-off pulling image "{IMAGE}"', T0 + 10)
+    assert clock is not None and clock.cause == NOT_FOUND
+    pod = pulling(3, "ImagePullBackOff", f'Back-off pulling image "{IMAGE}"', clock.since, waiting_cause=clock.cause)
+    v = decide(obs(301, [*ALL_RUNNING[:3], pod]), D)
+    assert (v.state, v.kind) == (AttemptState.STALLED, StallKind.CONFIGURATION), v.reason
+
+
+@pytest.mark.parametrize(
+    ("reason", "message", "cause"),
+    [
+        ("ImagePullBackOff", BACK_OFF_NOT_FOUND, NOT_FOUND),
+        ("ErrImagePull", NOT_FOUND, NOT_FOUND),
+        ("ImagePullBackOff", f'Back-off pulling image "{IMAGE}"', ""),
+        ("ImagePullBackOff", f'Back-off pulling image "{IMAGE}": RegistryUnavailable: image pull failed for {IMAGE} '
+         "because the registry is unavailable", f"image pull failed for {IMAGE} because the registry is unavailable"),
+        ("RegistryUnavailable", f"image pull failed for {IMAGE} because the registry is unavailable",
+         f"image pull failed for {IMAGE} because the registry is unavailable"),
+        ("CreateContainerError", "context deadline exceeded", "context deadline exceeded"),
+        ("ErrImagePull", None, ""),
+    ],
+)  # fmt: skip
+def test_waiting_cause_is_the_same_for_a_pull_error_and_its_back_off(reason, message, cause):
+    assert waiting_cause(reason, message) == cause
+
+
+@pytest.mark.parametrize(
+    ("reason", "cause", "permanent"),
+    [
+        ("ErrImagePull", NOT_FOUND, True),
+        ("ErrImagePull", 'manifest unknown: Failed to fetch "typo"', True),
+        ("ErrImagePull", "failed to authorize: failed to fetch oauth token: unexpected status: 401 Unauthorized", True),
+        ("ErrImagePull", 'denied: Permission "artifactregistry.repositories.downloadArtifacts" denied on resource',
+         True),
+        ("ErrImagePull", "unexpected status from HEAD request to https://us-docker.pkg.dev/v2/: 403 Forbidden", True),
+        ("InvalidImageName", 'couldn\'t parse image reference "Worker:1": invalid reference format', True),
+        ("ErrImageNeverPull", 'Container image "w:1" is not present with pull policy of Never', True),
+        ("CreateContainerConfigError", 'configmap "trainer-env" not found', True),
+        ("SignatureValidationFailed", "image pull failed for w:1 because the signature validation failed", True),
+        ("ErrImagePull", UNAVAILABLE, False),
+        ("ErrImagePull", TIMEOUT, False),
+        ("ErrImagePull", "read tcp 10.0.0.2:51234->142.250.1.1:443: read: connection reset by peer", False),
+        ("ImagePullBackOff", "", False),
+        ("RegistryUnavailable", "image pull failed for w:1 because the registry is unavailable", False),
+        ("CreateContainerError", "context deadline exceeded", False),
+    ],
+)  # fmt: skip
+def test_only_a_failure_waiting_cannot_heal_is_permanent(reason, cause, permanent):
+    assert pull_failure_is_permanent(reason, cause) is permanent

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.k8s import STEP_VERBS
+from recovery_steps.kernel.k8s import STEP_PRIORITY_CLASS, STEP_VERBS
 
 ROLE = "jaxrec-workflow"
 NODE_READER = "jaxrec-node-reader"
@@ -97,6 +97,19 @@ def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:
                 "metadata": {"name": NODE_READER},
                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NODE_READER},
                 "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns} for ns, sa in accounts],
+            }
+        )
+        objs.append(
+            {
+                "apiVersion": "scheduling.k8s.io/v1",
+                "kind": "PriorityClass",
+                "metadata": {"name": STEP_PRIORITY_CLASS},
+                # Above ordinary pods (0), far below the system classes (2e9): the kubelet evicts the supervisor
+                # of a gang after other pods under memory pressure. It never preempts anyone to be scheduled.
+                "value": 100000,
+                "preemptionPolicy": "Never",
+                "globalDefault": False,
+                "description": "train-segment: the pod that supervises a training gang (jax-slice-recovery).",
             }
         )
     return objs

@@ -18,6 +18,7 @@ from hera.workflows import (
     Label,
     Parameter,
     RawArtifact,
+    Resources,
     RetryStrategy,
     Suspend,
     Task,
@@ -27,7 +28,7 @@ from hera.workflows.models import Backoff, Mutex, PodGC, Synchronization, TTLStr
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import Decision, ExitCode
-from recovery_steps.kernel.k8s import ATTEMPT_LABEL, RUN_ID_LABEL, jobset_name
+from recovery_steps.kernel.k8s import ATTEMPT_LABEL, RUN_ID_LABEL, STEP_PRIORITY_CLASS, jobset_name
 from recovery_steps.kernel.metrics import spec as metric_spec
 from recovery_steps.kernel.outputs import (
     ClassifyOutputs,
@@ -54,6 +55,7 @@ ATTEMPT_IN = "{{inputs.parameters.attempt}}"
 # start and makes it the retry's deadline (operator.go processNodeRetries, ARGO_DEADLINE), which would kill
 # a supervisor of a long segment; ``cap`` bounds the backoff instead. The retry re-attaches to the gang.
 SUPERVISOR_RETRIES = 20
+SUPERVISOR_RESOURCES = Resources(cpu_request="500m", cpu_limit="500m", memory_request="1Gi", memory_limit="1Gi")
 SUPERVISOR_RETRY = (
     f"asInt(lastRetry.exitCode) != {int(ExitCode.ATTEMPT_FAILED)} && "
     f"asInt(lastRetry.exitCode) != {int(ExitCode.CONFIGURATION)}"
@@ -255,6 +257,11 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             ],
             inputs=["attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port"],
             outputs=SegmentOutputs,
+            # Guaranteed QoS (requests equal limits) and a PriorityClass: the kubelet evicts it after BestEffort
+            # and Burstable pods and lower priorities under node pressure (Kubernetes docs "Node-pressure
+            # Eviction"). A drain or a node shutdown still ends it: the retry and classify's resupervise cover that.
+            resources=None if cfg.slice.is_local else SUPERVISOR_RESOURCES,
+            priority_class_name=None if cfg.slice.is_local else STEP_PRIORITY_CLASS,
             retry_strategy=RetryStrategy(
                 limit=SUPERVISOR_RETRIES,
                 retry_policy="Always",

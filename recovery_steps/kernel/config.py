@@ -589,7 +589,8 @@ class SupervisionConfig(_Section):
 
     Kubernetes never fails a Job whose pod is Pending or pulling an image (no exit code, so no
     ``podFailurePolicy`` rule matches), and a pod on an unreachable node stays Terminating: without
-    these deadlines such an attempt waits forever.
+    these deadlines such an attempt waits forever. The graces keep it from ending an attempt that
+    Kubernetes is about to end itself (a node shutting down) or that recovers (a kubelet restart).
     """
 
     startup_deadline_s: float = Field(
@@ -601,8 +602,28 @@ class SupervisionConfig(_Section):
     image_pull_deadline_s: float = Field(
         default=300,
         gt=0,
-        description="End the attempt (configuration) when a worker container waits this long on an image pull "
-        "or container creation error (ErrImagePull, ImagePullBackOff, CreateContainerConfigError, ...).",
+        description="End the attempt (configuration) when a worker container has waited this long on a failure "
+        "that waiting cannot heal: an image pull refused as not found, manifest unknown, unauthorized or denied, "
+        "or CreateContainerConfigError (InvalidImageName and ErrImageNeverPull end it at once). The clock restarts "
+        "when the failure changes or the container starts.",
+    )
+    transient_pull_deadline_s: float = Field(
+        default=900,
+        gt=0,
+        description="End the attempt (stall kind image-pull, class infrastructure) when a worker container has "
+        "waited this long on any other image pull or container creation failure (registry 5xx, i/o timeout, a "
+        "runtime timeout). The kubelet keeps reporting its last pull failure while it retries, also through a slow "
+        "multi-GB pull that follows one transient error: this must exceed the image's pull time.",
+    )
+    node_lost_grace_s: float = Field(
+        default=120,
+        ge=0,
+        description="End the attempt (node-lost) only once a worker's node has been NotReady, unreachable or gone "
+        "this long (from its Ready condition's lastTransitionTime, else from when the supervisor first saw it "
+        "lost); a failed worker pod or a Job's FailureTarget ends it earlier. The kubelet marks its node NotReady "
+        "('node is shutting down') as a graceful shutdown begins, while the workers still save "
+        "(pkg/kubelet/nodeshutdown), and a kubelet restart flaps Ready; Kubernetes itself waits 300 s (the default "
+        "tolerationSeconds for not-ready and unreachable nodes) before evicting pods.",
     )
     hang_timeout_s: float = Field(
         default=600,

@@ -40,6 +40,9 @@ RECLAIM_TAINTS = (
 )
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+# The PriorityClass of the step pod that owns a gang (train-segment), shipped in argo/rbac.yaml: under node
+# memory pressure the kubelet evicts lower priorities first (Kubernetes docs "Node-pressure Eviction").
+STEP_PRIORITY_CLASS = "jaxrec-supervisor"
 
 JOBSET_GROUP = "jobset.x-k8s.io"
 JOBSET_VERSION = "v1alpha2"
