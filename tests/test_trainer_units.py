@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from trainer_harness import lm_examples, tiny_config
@@ -234,3 +236,139 @@ def test_compilation_cache_is_on_by_default_under_the_run_store(tmp_path):
     assert cache_dir(explicit, RunStore.for_config(explicit)) == "/elsewhere"
     off = tiny_config(str(tmp_path / "store"), training={"compilation_cache": False, "compilation_cache_dir": "/x"})
     assert cache_dir(off, RunStore.for_config(off)) is None
+
+
+# ---- the workers' own bucket rights, checked at start ----------------------------------------------
+
+
+def _gcs_error(code: int, message: str) -> dict:
+    return {"error": {"code": code, "message": message, "errors": [{"message": message, "reason": "x"}]}}
+
+
+@pytest.fixture
+def gcs_answering(monkeypatch):
+    """A local HTTP server standing in for GCS, reached through STORAGE_EMULATOR_HOST: it answers every
+    request with the status and GCS error body given, and counts the requests."""
+    from fake_http import JsonServer
+
+    from recovery_steps.kernel.store import STORE_RETRY_DEADLINE_ENV
+
+    servers, seen = [], []
+
+    def make(status: int, message: str) -> list[str]:
+        def route(method, path, body):
+            seen.append(f"{method} {path}")
+            return status, _gcs_error(status, message)
+
+        servers.append(JsonServer(route))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", servers[-1].url)
+        monkeypatch.setenv(STORE_RETRY_DEADLINE_ENV, "1")
+        return seen
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def _bucket_errors():
+    import requests
+    from google.api_core import exceptions as g
+    from google.auth.exceptions import DefaultCredentialsError, TransportError
+
+    return [
+        (g.Forbidden("Permission 'storage.buckets.get' denied on resource"), "lacks storage.buckets.get"),
+        (g.Forbidden("Forbidden"), "lacks storage.buckets.get"),  # a 403 naming no permission: the one checked
+        (g.NotFound("bucket gone"), "cannot read the metadata"),
+        (g.Unauthorized("no token"), "cannot read the metadata"),
+        (DefaultCredentialsError("no credentials"), "Workload Identity"),
+        (g.ServiceUnavailable("backend error"), None),
+        (g.InternalServerError("oops"), None),
+        (g.TooManyRequests("slow down"), None),
+        (g.RetryError("deadline", cause=None), None),
+        (requests.exceptions.ConnectionError("refused"), None),
+        (requests.exceptions.Timeout("read timed out"), None),
+        (TransportError("metadata server unreachable"), None),
+        (ValueError("not a store error"), None),
+    ]
+
+
+def _case_id(x) -> str:
+    return "goes-on" if x is None else type(x).__name__ if isinstance(x, Exception) else "exit-2"
+
+
+@pytest.mark.parametrize(("exc", "says"), _bucket_errors(), ids=_case_id)
+def test_bucket_check_exit_refused_or_absent_is_configuration_transient_is_not(exc, says):
+    from trainer.decisions import bucket_check_exit
+
+    cfg = tiny_config("gs://b-1/p", hosts=2)
+    verdict = bucket_check_exit(exc, cfg, "b-1")
+    if says is None:
+        assert verdict is None
+    else:
+        assert verdict is not None and verdict.code == ExitCode.CONFIGURATION and says in str(verdict)
+        assert "gs://b-1" in str(verdict) and "\n" not in str(verdict)
+
+
+def _worker(root: str):
+    from trainer.app import RunArgs, Worker
+
+    cfg = tiny_config(root, hosts=2)
+    return Worker(RunArgs(root, cfg.run_id, 0, -1), env={}), cfg
+
+
+def test_bucket_check_passes_against_the_real_emulator_and_skips_a_local_root(gcs_emulator, tmp_path):
+    from conftest import BUCKET
+
+    w, cfg = _worker(f"gs://{BUCKET}/bucket-check")
+    w.check_bucket(cfg)  # the bucket's metadata reads: nothing to say
+    w, cfg = _worker(f"gs://no-such-bucket-{os.getpid()}/p")
+    with pytest.raises(TrainerExit) as e:
+        w.check_bucket(cfg)  # the emulator answers 404: refused or absent is configuration
+    assert e.value.code == ExitCode.CONFIGURATION and "cannot read the metadata of gs://no-such-bucket" in str(e.value)
+    w, cfg = _worker(str(tmp_path / "store"))
+    w.check_bucket(cfg)  # a local root has no bucket
+
+
+def test_bucket_check_403_exits_2_naming_the_permission_and_the_grant(gcs_answering):
+    perm = "storage.buckets.get"
+    seen = gcs_answering(403, f"w@p.iam.gserviceaccount.com does not have {perm} access to the Google Cloud Storage "
+                              f"bucket. Permission '{perm}' denied on resource (or it may not exist).")  # fmt: skip
+    w, cfg = _worker("gs://run-bucket/prefix")
+    with pytest.raises(TrainerExit) as e:
+        w.check_bucket(cfg)
+    line = str(e.value)
+    assert e.value.code == ExitCode.CONFIGURATION and "\n" not in line and len(line) < 600
+    assert f"{cfg.namespace}/{cfg.worker_service_account} lacks storage.buckets.get on gs://run-bucket" in line
+    assert "--role=roles/storage.legacyBucketReader" in line and f"/sa/{cfg.worker_service_account}" in line
+    assert seen and seen[0].startswith("GET /storage/v1/b/run-bucket")
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_bucket_check_transient_answer_is_not_a_configuration_error(gcs_answering, caplog, status):
+    seen = gcs_answering(status, "Backend Error")
+    w, cfg = _worker("gs://run-bucket/prefix")
+    w.check_bucket(cfg)  # goes on: the store's own retries decide later
+    assert len(seen) >= 2  # retried within the store's deadline first
+    assert "could not read the metadata of gs://run-bucket" in caplog.text and "going on" in caplog.text
+
+
+def test_worker_without_bucket_metadata_rights_exits_2_before_joining_the_gang(gcs_emulator, tmp_path):
+    from conftest import BUCKET
+    from test_preflight import IamProxy
+    from trainer_harness import launch, read_report, write_config
+
+    cfg = tiny_config(f"gs://{BUCKET}/bucket-rights-{os.getpid()}", hosts=2)
+    store = write_config(cfg)
+    proxy = IamProxy(gcs_emulator.url, {"storage.buckets.get"})  # every other call reaches the emulator
+    try:
+        gang = launch(cfg, 0, -1, tmp_path, extra_env={"STORAGE_EMULATOR_HOST": proxy.url})
+        codes = gang.wait(120)
+    finally:
+        proxy.close()
+    assert codes == [ExitCode.CONFIGURATION] * 2, [gang.log(i)[-2000:] for i in range(2)]
+    for i in range(2):
+        report = read_report(store, 0, i)
+        assert report["exit_code"] == 2 and report["initialized_at"] is None  # left before jax.distributed
+        assert "lacks storage.buckets.get" in report["exception_message"]
+        lines = [ln for ln in gang.log(i).splitlines() if "exiting with 2" in ln]
+        assert len(lines) == 1 and "roles/storage.legacyBucketReader" in lines[0] and "Traceback" not in gang.log(i)

@@ -25,6 +25,7 @@ from trainer.compile_cache import CacheCounter
 from trainer.decisions import (
     Faults,
     TrainerExit,
+    bucket_check_exit,
     compatibility_problems,
     coordinator_to_wait_for,
     exit_code_for,
@@ -214,6 +215,32 @@ class Worker:
         except DocumentError as e:
             raise TrainerExit(ExitCode.CONFIGURATION, str(e)) from None
 
+    def check_bucket(self, cfg: JobConfig) -> None:
+        """Read the run bucket's metadata as this worker; raise TrainerExit(2) when the bucket refuses it.
+
+        The preflight checks the bucket as the workflow's ServiceAccount, not the workers'; orbax needs
+        ``storage.buckets.get``, which roles/storage.objectUser lacks, and without this check the first save
+        or restore would fail as an application error (42). Done before joining the gang: every worker has the
+        same identity and refuses alike, and none waits for a gang that could not checkpoint.
+        """
+        if not self.store.is_gcs:
+            return
+        from google.cloud import storage
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        from recovery_steps.kernel.store import make_gcs_client, split_gcs_url, store_retry_deadline_s
+
+        bucket, _ = split_gcs_url(self.args.store_root)
+        retry = DEFAULT_RETRY.with_deadline(store_retry_deadline_s())
+        try:
+            storage.Bucket(make_gcs_client(), bucket).reload(retry=retry)
+        except Exception as e:  # noqa: BLE001 - bucket_check_exit decides; anything else is left to later calls
+            verdict = bucket_check_exit(e, cfg, bucket)
+            if verdict is not None:
+                raise verdict from None
+            log.warning("could not read the metadata of gs://%s (%s: %s); going on", bucket, type(e).__name__,
+                        str(e).splitlines()[0][:200] if str(e) else "")  # fmt: skip
+
     def initialize(self, cfg: JobConfig) -> None:
         """Join the gang with jax.distributed, using the config's timeouts."""
         import jax
@@ -359,6 +386,7 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
         cfg = w.load_config()
         w.cfg = cfg
         faults = parse_faults(env.get("TRAINER_FAULT"))
+        w.check_bucket(cfg)
     except TrainerExit as e:
         out.exit_now(e.code, message=str(e))
     try:

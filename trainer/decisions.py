@@ -170,6 +170,41 @@ def exit_code_for(exc: BaseException, *, during_init: bool = False) -> ExitCode:
     return ExitCode.APPLICATION
 
 
+def bucket_check_exit(exc: BaseException, cfg: JobConfig, bucket: str) -> TrainerExit | None:
+    """The exit a failed read of the run bucket's metadata calls for at start, or None to go on.
+
+    Refused or absent (403, 401, 404, no credentials) is configuration: orbax reads the bucket's metadata
+    (``storage.buckets.get``) when it opens a checkpoint directory and after deleting old steps, so the
+    attempt could never checkpoint; the line names the permission and the grant for the workers'
+    ServiceAccount. A transient failure (429, 5xx, timeout, no answer: ``store.is_transient``) is not:
+    the worker goes on and the store's own retries decide later. So does anything that is not a store
+    error (the check must not turn a bug of its own into a verdict).
+    """
+    from google.api_core import exceptions
+
+    from recovery_steps.kernel.store import first_line, is_transient, store_errors
+    from recovery_steps.preflight import ROLE_FOR_PERMISSION, permission_from_403, workload_principal
+
+    if not isinstance(exc, store_errors()) or is_transient(exc):
+        return None
+    ksa = f"{cfg.namespace}/{cfg.worker_service_account}"
+    if isinstance(exc, exceptions.Forbidden):
+        perm = permission_from_403(exc.message, "storage.buckets.get")
+        role = ROLE_FOR_PERMISSION.get(perm, "roles/storage.objectUser")
+        return TrainerExit(
+            ExitCode.CONFIGURATION,
+            f"the workers' ServiceAccount {ksa} lacks {perm} on gs://{bucket} (orbax reads the bucket's metadata; "
+            f"roles/storage.objectUser does not grant it); fix: gcloud storage buckets add-iam-policy-binding "
+            f"gs://{bucket} --role={role} --member={workload_principal(cfg, cfg.worker_service_account)}",
+        )
+    return TrainerExit(
+        ExitCode.CONFIGURATION,
+        f"the workers' ServiceAccount {ksa} cannot read the metadata of gs://{bucket} ({type(exc).__name__}: "
+        f"{first_line(exc)[:200]}); check that the bucket exists and that the workers have Google credentials "
+        "(Workload Identity)",
+    )
+
+
 def watchdog_limit(hang_timeout_s: float, compile_grace_s: float, first_step_done: bool) -> float:
     """Seconds without progress after which the worker is hung."""
     return hang_timeout_s if first_step_done else hang_timeout_s + compile_grace_s
