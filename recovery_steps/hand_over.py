@@ -179,6 +179,9 @@ def pass_lease(store: RunStore, own_uid: str, to: Continuation, ttl_s: float, *,
                tries: int = 5) -> RunLease:  # fmt: skip
     """Give the run lease from ``own_uid`` to the continuation (idempotent: already given is fine).
 
+    The continuation's lease keeps this one's namespace and cluster, so a later submission can still tell
+    whether the continuation's Workflow is alive.
+
     Raises:
         HandOverError: another workflow holds the run, or the lease was released.
     """
@@ -192,8 +195,10 @@ def pass_lease(store: RunStore, own_uid: str, to: Continuation, ttl_s: float, *,
                 f"{current.released}); the continuation {to.name} will wait for the lease"
             )
         t = clock()
-        new = RunLease(run_id=store.run_id, holder=to.uid, holder_name=to.name, ttl_s=ttl_s,
-                       acquired_at=t, renewed_at=t)  # fmt: skip
+        # The continuation runs where this Workflow runs (same namespace, same cluster).
+        new = RunLease(run_id=store.run_id, holder=to.uid, holder_name=to.name, ttl_s=ttl_s, acquired_at=t,
+                       renewed_at=t, namespace=current.namespace if current else None,
+                       cluster=current.cluster if current else None)  # fmt: skip
         try:
             store.write_record(RunLayout.LEASE, new, if_generation_match=gen)
             return new

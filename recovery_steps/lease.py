@@ -1,22 +1,54 @@
-"""The run lease: at most one live workflow acts for a run id.
+"""The run lease: at most one live workflow acts for a run id, so at most one gang writes the run's checkpoints.
 
 Argo's ``synchronization`` mutex (keyed by run id) makes a second submission wait in the same controller; the
-lease in the run store (``RunLease`` at ``RunLayout.LEASE``) also holds across controllers, namespaces and the
-local runner. The holder is the workflow's uid. validate-config acquires it, provision-slice renews it before it
-deletes anything (a second submission never deletes a live gang), classify-failure renews it, the exit handler
-releases it. Every write carries a generation precondition, so two submissions cannot both win.
+lease in the run store (``RunLease`` at ``RunLayout.LEASE``) also holds across controllers, namespaces, clusters
+and the local runner. The holder is the workflow's uid; the lease names its namespace and cluster (the uid of the
+cluster's kube-system namespace). validate-config takes it, provision-slice renews it before it deletes anything
+(a second submission never deletes a live gang), the supervisor renews it while a segment runs
+(``renew_if_due``), hand-over passes it to the continuation, the exit handler releases it. Every write carries a
+generation precondition, so two submissions cannot both win.
 
-``decide(...)`` is pure; ``acquire(...)`` and ``release(...)`` are the I/O.
+Another workflow may take the lease when it was released, when the holder's Workflow is known to be gone (read by
+name, which only answers for the same cluster and namespace: elsewhere a 404 says nothing), or when its TTL ran
+out and the holder is not known to be alive. It never takes it over a holder known alive.
+
+What it does not do: it is no fence on the checkpoint writes themselves. A holder cut off from the store for a
+whole TTL, in a cluster the taker cannot see, keeps its gang writing until its supervisor's next renewal reports
+the lease lost. And a gang whose Workflow went without its exit handler (``argo delete``, ``argo terminate``)
+keeps running until the run's next provision-slice deletes it.
+
+``decide(...)`` is pure; ``acquire``, ``renew_if_due``, ``release`` and the Kubernetes reads are the I/O.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from recovery_steps.kernel.records import RunLease, now
-from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore
+from recovery_steps.kernel.store import (
+    DocumentError,
+    PreconditionFailed,
+    RunLayout,
+    RunStore,
+    StoreUnavailable,
+    first_line,
+    store_errors,
+)
+
+log = logging.getLogger(__name__)
+
+IsAlive = Callable[[RunLease], bool | None]
+"""Whether another holder's workflow still runs: True, False (gone or finished), None (unknown: the TTL decides)."""
+
+# The supervisor renews the lease this often at most (and at least six times per TTL), so a lease read by someone
+# else is never older than this while a segment runs; a failed renewal is tried again after RENEW_RETRY_S.
+RENEW_EVERY_S = 600.0
+RENEW_RETRY_S = 60.0
+KUBE_SYSTEM = "kube-system"
 
 
 class LeaseHeld(Exception):
@@ -31,11 +63,33 @@ class LeaseDecision:
     reason: str
 
 
+@dataclass(frozen=True)
+class Site:
+    """Where a workflow runs: its namespace and its cluster's id (the kube-system namespace's uid); None: unknown."""
+
+    namespace: str | None = None
+    cluster: str | None = None
+
+
+LOCAL = Site()
+"""The local runner: no namespace, no cluster; another holder's liveness is never known and the TTL decides."""
+
+
+def _stop_command(lease: RunLease) -> str:
+    ns = f"-n {lease.namespace} " if lease.namespace else ""
+    return f"argo stop {ns}{lease.holder_name}"
+
+
+def _where(lease: RunLease) -> str:
+    return f", namespace {lease.namespace}" if lease.namespace else ""
+
+
 def decide(current: RunLease | None, holder: str, at: float, holder_alive: bool | None = None) -> LeaseDecision:
     """Whether ``holder`` may take or renew the lease at time ``at`` (pure).
 
-    Free when there is none, it was released, it expired, it is already ``holder``'s, or the holding workflow is
-    known to be gone (``holder_alive`` False: deleted, or finished without its exit handler).
+    Free when there is none, it was released, it is already ``holder``'s, the holding workflow is known to be
+    gone (``holder_alive`` False: deleted, or finished without its exit handler), or it expired and the holding
+    workflow is not known to be alive. Never free while the holder is known alive, expired or not.
     """
     if current is None:
         return LeaseDecision(True, "no lease yet")
@@ -46,13 +100,19 @@ def decide(current: RunLease | None, holder: str, at: float, holder_alive: bool 
     if holder_alive is False:
         return LeaseDecision(True, f"holder workflow {current.holder_name} is gone")
     expires = current.renewed_at + current.ttl_s
+    held = f"run {current.run_id!r} is held by workflow {current.holder_name} (uid {current.holder}{_where(current)}"
+    if holder_alive is True and at >= expires:
+        return LeaseDecision(
+            False,
+            f"{held}), which is still running although its lease expired {int(at - expires)} s ago: stop that workflow "
+            f"({_stop_command(current)}) or wait for it to end; nothing was deleted",
+        )
     if at >= expires:
         return LeaseDecision(True, f"expired {int(at - expires)} s ago (was {current.holder_name})")
     return LeaseDecision(
         False,
-        f"run {current.run_id!r} is held by workflow {current.holder_name} (uid {current.holder}, renewed "
-        f"{int(at - current.renewed_at)} s ago, expires in {int(expires - at)} s): stop that workflow "
-        f"(argo stop {current.holder_name}) or wait for it to end; nothing was deleted",
+        f"{held}, renewed {int(at - current.renewed_at)} s ago, expires in {int(expires - at)} s): stop that workflow "
+        f"({_stop_command(current)}) or wait for it to end; nothing was deleted",
     )
 
 
@@ -62,7 +122,8 @@ def acquire(
     holder_name: str,
     ttl_s: float,
     *,
-    is_alive: Callable[[RunLease], bool | None] | None = None,
+    site: Site = LOCAL,
+    is_alive: IsAlive | None = None,
     clock: Callable[[], float] = now,
     tries: int = 5,
 ) -> RunLease:
@@ -73,14 +134,16 @@ def acquire(
         holder: This workflow's uid.
         holder_name: This workflow's name.
         ttl_s: Lease lifetime after this renewal.
-        is_alive: Asks whether another holder's workflow still exists (None: unknown, the TTL decides).
+        site: Where this workflow runs (written into the lease; a renewal keeps what it cannot read now).
+        is_alive: Asks whether another holder's workflow still runs (None: unknown, the TTL decides).
         clock: Epoch seconds.
         tries: Conditional-write attempts.
     """
     for _ in range(tries):
         current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
         t = clock()
-        alive = is_alive(current) if is_alive and current is not None and current.holder != holder else None
+        other = current is not None and current.holder != holder and not current.released
+        alive = is_alive(current) if is_alive is not None and other else None
         verdict = decide(current, holder, t, alive)
         if not verdict.ok:
             raise LeaseHeld(verdict.reason)
@@ -88,6 +151,8 @@ def acquire(
         lease = RunLease(
             run_id=store.run_id, holder=holder, holder_name=holder_name, ttl_s=ttl_s,
             acquired_at=current.acquired_at if mine else t, renewed_at=t,
+            namespace=site.namespace or (current.namespace if mine else None),
+            cluster=site.cluster or (current.cluster if mine else None),
         )  # fmt: skip
         try:
             store.write_record(RunLayout.LEASE, lease, if_generation_match=gen)
@@ -95,6 +160,87 @@ def acquire(
         except PreconditionFailed:
             continue  # another submission wrote first: decide again on what it wrote
     raise LeaseHeld(f"{store.url(RunLayout.LEASE)}: still contended after {tries} tries")
+
+
+class RenewStatus(enum.StrEnum):
+    """What ``renew_if_due`` did."""
+
+    NOT_DUE = "not-due"  # nothing read or written
+    RENEWED = "renewed"
+    LOST = "lost"  # another workflow holds the run now, or the lease was released or removed
+    UNAVAILABLE = "unavailable"  # the store did not answer (or the write stayed contended): tried again later
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """The outcome of one ``renew_if_due`` call; pass ``next_at`` to the next call."""
+
+    status: RenewStatus
+    next_at: float
+    line: str = ""
+
+
+def renew_every(ttl_s: float) -> float:
+    """Seconds between the supervisor's renewals: six per TTL, and at least every ``RENEW_EVERY_S``."""
+    return min(ttl_s / 6, RENEW_EVERY_S)
+
+
+def renew_if_due(
+    store: RunStore, holder: str, ttl_s: float, at: float, *, next_at: float = 0.0, tries: int = 3
+) -> Renewal:
+    """Renew ``holder``'s lease when ``at`` reached ``next_at``; never raises for the store.
+
+    Meant for a loop that runs every few seconds: before ``next_at`` it returns ``NOT_DUE`` at once, reading
+    nothing. A renewal only extends the lease ``holder`` still has; it never takes one.
+
+    Args:
+        store: The run store.
+        holder: This workflow's uid.
+        ttl_s: Lease lifetime after this renewal (the config's ``retry.lease_ttl_s``).
+        at: Epoch seconds now.
+        next_at: ``next_at`` of the previous call's result (0: due now).
+        tries: Conditional-write attempts.
+
+    Returns:
+        The status, when the next call is due (``renew_every(ttl_s)`` after a renewal or a loss,
+        ``RENEW_RETRY_S`` after a store failure) and one line to log (empty when not due).
+    """
+    if at < next_at:
+        return Renewal(RenewStatus.NOT_DUE, next_at)
+    every = renew_every(ttl_s)
+    try:
+        for _ in range(tries):
+            current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
+            if current is None or current.released or current.holder != holder:
+                return Renewal(RenewStatus.LOST, at + every, lost_line(store.run_id, current))
+            try:
+                store.write_record(RunLayout.LEASE, current.model_copy(update={"renewed_at": at, "ttl_s": ttl_s}),
+                                   if_generation_match=gen)  # fmt: skip
+            except PreconditionFailed:
+                continue
+            line = f"renewed the lease of run {store.run_id!r} for {ttl_s:.0f} s"
+            return Renewal(RenewStatus.RENEWED, at + every, line)
+        problem = f"still contended after {tries} tries"
+    except (DocumentError, StoreUnavailable, *store_errors()) as e:
+        problem = f"{type(e).__name__}: {first_line(e)}"
+    retry = min(RENEW_RETRY_S, every)
+    return Renewal(
+        RenewStatus.UNAVAILABLE,
+        at + retry,
+        f"could not renew the lease of run {store.run_id!r} ({problem}); trying again in {retry:.0f} s",
+    )
+
+
+def lost_line(run_id: str, current: RunLease | None) -> str:
+    """One line saying why a holder no longer has the run (pure)."""
+    if current is None:
+        return f"run {run_id!r} has no lease any more: this workflow no longer holds it"
+    if current.released:
+        return f"the lease of run {run_id!r} was released by {current.holder_name}: this workflow no longer holds it"
+    return (
+        f"run {run_id!r} is now held by workflow {current.holder_name} (uid {current.holder}{_where(current)}): "
+        "this workflow no longer holds it"
+    )
 
 
 def release(store: RunStore, holder: str) -> bool:
@@ -109,32 +255,71 @@ def release(store: RunStore, holder: str) -> bool:
     return True
 
 
+def held_by(current: RunLease | None, holder: str) -> bool:
+    """True when ``current`` names ``holder`` and is not released (pure)."""
+    return current is not None and current.holder == holder and not current.released
+
+
 def holds(store: RunStore, holder: str) -> bool:
     """True when ``holder`` has the lease now (unreleased), or nobody ever took one."""
     current = store.read_record(RunLayout.LEASE, RunLease)
-    return current is None or (current.holder == holder and not current.released)
+    return current is None or held_by(current, holder)
 
 
-def workflow_alive(api_client: Any, namespace: str) -> Callable[[RunLease], bool | None]:
-    """``is_alive`` on GKE: the holder's Workflow object exists with its uid and has not finished.
+# --- GKE ------------------------------------------------------------------------------------------
 
-    A deleted Workflow never runs its exit handler, so its lease would otherwise block a resubmission until it
-    expired. Any other API answer is "unknown" (the TTL decides).
+
+def cluster_id(api_client: Any) -> str | None:
+    """The cluster's id: the uid of its kube-system namespace (None when it cannot be read).
+
+    kube-system exists in every cluster and keeps its uid for the cluster's life; two clusters never share one.
+    Needs ``namespaces get`` (the ClusterRole in ``argo/rbac.yaml``).
     """
     from kubernetes import client
+
+    from recovery_steps.kernel.k8s import API_TIMEOUT_S
+
+    try:
+        ns = client.CoreV1Api(api_client).read_namespace(KUBE_SYSTEM, _request_timeout=API_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - an unknown cluster: no 404 is trusted, the TTL decides
+        log.warning("cannot read namespace %s for the cluster id (%s): the run lease's TTL decides", KUBE_SYSTEM, e)
+        return None
+    return (ns.metadata.uid if ns.metadata else None) or None
+
+
+def workflow_alive(api_client: Any, site: Site) -> IsAlive:
+    """``is_alive`` on GKE: the holder's Workflow object exists with its uid and has not finished.
+
+    Only a holder of this workflow's own cluster and namespace is read: there a 404 means the Workflow is gone
+    (deleted: it never ran its exit handler, so its lease would otherwise block a resubmission until it expired).
+    A holder elsewhere, or whose lease names no cluster, and any other API answer are "unknown": the TTL decides.
+    """
+    from kubernetes import client
+
+    from recovery_steps.kernel.k8s import API_TIMEOUT_S, ARGO_GROUP, ARGO_VERSION, WORKFLOW_PLURAL
 
     custom = client.CustomObjectsApi(api_client)
 
     def alive(lease: RunLease) -> bool | None:
+        if site.cluster is None or site.namespace is None:
+            return None
+        if lease.cluster != site.cluster or lease.namespace != site.namespace:
+            return None
         try:
-            wf = custom.get_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows",
-                                                     lease.holder_name)  # fmt: skip
+            wf = custom.get_namespaced_custom_object(ARGO_GROUP, ARGO_VERSION, site.namespace, WORKFLOW_PLURAL,
+                                                     lease.holder_name, _request_timeout=API_TIMEOUT_S)  # fmt: skip
         except client.ApiException as e:
             return False if e.status == 404 else None
         except Exception:  # noqa: BLE001 - unreachable API: unknown, the TTL decides
             return None
         if wf.get("metadata", {}).get("uid") != lease.holder:
-            return False
+            return False  # another Workflow of the same name: the holder is gone
         return wf.get("status", {}).get("phase") not in ("Succeeded", "Failed", "Error")
 
     return alive
+
+
+def on_gke(api_client: Any, namespace: str) -> tuple[Site, IsAlive]:
+    """The site of a workflow in ``namespace`` (the cluster id read once, here) and its ``is_alive`` check."""
+    site = Site(namespace=namespace, cluster=cluster_id(api_client))
+    return site, workflow_alive(api_client, site)

@@ -544,12 +544,12 @@ def run(
     if holder:
         from recovery_steps import lease
 
-        alive = None
+        site, alive = lease.LOCAL, None
         if not cfg.slice.is_local:
             from recovery_steps.kernel.k8s import make_api_client
 
             api_client = api_client or make_api_client(k8s_host)
-            alive = lease.workflow_alive(api_client, cfg.namespace)
+            site, alive = lease.on_gke(api_client, cfg.namespace)
         try:
             lease.acquire(RunStore(store_root, run_id), holder, holder_name or holder, cfg.retry.lease_ttl_s,
                           site=site, is_alive=alive)  # fmt: skip

@@ -231,9 +231,10 @@ def main(argv: list[str] | None = None) -> int:
                 if args.holder:
                     from recovery_steps import lease
 
+                    site, alive = _holder_check(cfg, args.k8s_host)
                     try:
                         lease.acquire(store, args.holder, args.holder_name or args.holder, cfg.retry.lease_ttl_s,
-                                      is_alive=_holder_alive(cfg, args.k8s_host))  # fmt: skip
+                                      site=site, is_alive=alive)  # fmt: skip
                     except lease.LeaseHeld as e:
                         print(f"configuration: {e}", file=sys.stderr)
                         return int(ExitCode.CONFIGURATION)
@@ -260,17 +261,22 @@ def main(argv: list[str] | None = None) -> int:
     return int(r.code)
 
 
-def _holder_alive(cfg: JobConfig, k8s_host: str | None):
-    """On GKE, how to ask whether another lease holder's Workflow still exists (None locally: the TTL decides)."""
+def _holder_check(cfg: JobConfig, k8s_host: str | None):
+    """Where this workflow runs and how to ask whether another lease holder's Workflow is alive (None: the TTL decides).
+
+    Locally there is no cluster: the lease names none and the TTL decides.
+    """
+    from recovery_steps import lease
+
     if cfg.slice.is_local:
-        return None
+        return lease.LOCAL, None
     from recovery_steps.kernel.k8s import make_api_client
-    from recovery_steps.lease import workflow_alive
 
     try:
-        return workflow_alive(make_api_client(k8s_host), cfg.namespace)
+        api_client = make_api_client(k8s_host)
     except Exception:  # noqa: BLE001 - no client: the TTL decides
-        return None
+        return lease.Site(namespace=cfg.namespace), None
+    return lease.on_gke(api_client, cfg.namespace)
 
 
 def _preflight(cfg: JobConfig, store: RunStore, k8s_host: str | None) -> ExitCode:

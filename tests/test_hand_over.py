@@ -154,7 +154,7 @@ def gke_run(tmp_path):
     root = str(tmp_path / "store")
     run_id = _store_config(root, "v5e-4x4.yaml")
     store = RunStore(root, run_id)
-    lease.acquire(store, "uid-a", "wf-a", 3600)
+    lease.acquire(store, "uid-a", "wf-a", 3600, site=lease.Site("training", "kube-system-uid"))
     argo = _Argo({"wf-a": _running_workflow("wf-a", "uid-a", run_id)})
     yield root, run_id, store, argo
     argo.close()
@@ -180,9 +180,11 @@ def test_gke_hand_over_creates_the_continuation_passes_the_lease_and_records_it(
     assert meta["annotations"]["workflows.argoproj.io/title"] == f"{run_id} from attempt 30"
     assert "[wf-a](/workflows/training/wf-a)" in meta["annotations"]["workflows.argoproj.io/description"]
     assert set(meta) == {"name", "namespace", "labels", "annotations"}
-    # The lease is the continuation's: this Workflow's exit handler leaves the ledger alone.
+    # The lease is the continuation's: this Workflow's exit handler leaves the ledger alone. The continuation runs
+    # where this Workflow runs, so a later submission can still ask whether it is alive.
     held = store.read_record(RunLayout.LEASE, RunLease)
     assert (held.holder, held.holder_name, held.released) == (to.uid, name, False)
+    assert (held.namespace, held.cluster) == ("training", "kube-system-uid")
     (h,) = store.read_record(RunLayout.LEDGER, Ledger).hand_overs
     assert (h.from_workflow, h.to_workflow, h.to_uid, h.next_attempt, h.backend) == ("wf-a", name, to.uid, 30, "gke")
     assert HandOverOutputs.read(tmp_path / "out") == HandOverOutputs(continuation=name, continuation_uid=to.uid)

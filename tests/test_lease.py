@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from fake_http import JsonServer
+from fake_k8s import status
 from test_provision_slice import FakeKube, _node, _store_config
 
 from recovery_steps import finalize, lease, provision_slice, validate_config
@@ -13,13 +14,16 @@ from recovery_steps.kernel.k8s import make_api_client
 from recovery_steps.kernel.records import Ledger, RunLease
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local.engine import WorkflowRun
+from workflows.local.outage import OutageProxy
 
 REPO = Path(__file__).resolve().parents[1]
+CLUSTER = "0b6f6d3e-kube-system-uid"
+HERE = lease.Site(namespace="training", cluster=CLUSTER)
 
 
-def _lease(holder="uid-a", renewed=1000.0, ttl=600.0, released=False):
+def _lease(holder="uid-a", renewed=1000.0, ttl=600.0, released=False, namespace=None, cluster=None):
     return RunLease(run_id="r", holder=holder, holder_name=f"wf-{holder}", acquired_at=900.0, renewed_at=renewed,
-                    ttl_s=ttl, released=released)  # fmt: skip
+                    ttl_s=ttl, released=released, namespace=namespace, cluster=cluster)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -32,6 +36,8 @@ def _lease(holder="uid-a", renewed=1000.0, ttl=600.0, released=False):
         (_lease(released=True), "uid-b", 1100, None, True),
         (_lease(), "uid-b", 1100, False, True),  # the holder's Workflow is gone
         (_lease(), "uid-b", 1100, True, False),
+        (_lease(), "uid-b", 1600, True, False),  # expired, but its Workflow is known to run: never taken over
+        (_lease(), "uid-b", 1600, False, True),
     ],
 )
 def test_decide_table(current, holder, at, alive, ok):
@@ -43,6 +49,9 @@ def test_a_refusal_is_one_line_naming_the_holder_and_the_way_out():
     assert (
         "\n" not in reason and "wf-uid-a" in reason and "argo stop wf-uid-a" in reason and "expires in 500 s" in reason
     )
+    alive = lease.decide(_lease(namespace="training"), "uid-b", 1700, holder_alive=True).reason
+    assert "\n" not in alive and "still running although its lease expired 100 s ago" in alive
+    assert "namespace training" in alive and "argo stop -n training wf-uid-a" in alive
 
 
 def test_two_holders_cannot_both_win_and_release_frees_it(store_root):
@@ -90,52 +99,157 @@ def test_local_workflow_runs_have_distinct_uids():
 
 
 class _Argo:
-    """The Argo Workflow object the lease's holder check reads (argoproj.io/v1alpha1)."""
+    """The Argo Workflow objects and the kube-system namespace the lease's checks read."""
 
-    def __init__(self, workflows: dict[str, dict]):
+    def __init__(self, workflows: dict[str, dict], cluster: str | None = CLUSTER):
         self.workflows = workflows
+        self.cluster = cluster
+        self.requests: list[str] = []
         self.http = JsonServer(self._route)
 
     def _route(self, method, raw, body):
-        name = raw.split("?")[0].rsplit("/", 1)[-1]
-        if "/apis/argoproj.io/v1alpha1/namespaces/training/workflows/" in raw and name in self.workflows:
+        self.requests.append(raw)
+        path = raw.split("?")[0]
+        name = path.rsplit("/", 1)[-1]
+        if path == "/api/v1/namespaces/kube-system":
+            if self.cluster is None:
+                return 403, status(403, "Forbidden", 'namespaces "kube-system" is forbidden')
+            return 200, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system",
+                                                                               "uid": self.cluster}}  # fmt: skip
+        if "/apis/argoproj.io/v1alpha1/namespaces/training/workflows/" in path and name in self.workflows:
             return 200, self.workflows[name]
-        return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404,
-                     "message": f'workflows.argoproj.io "{name}" not found'}  # fmt: skip
+        return 404, status(404, "NotFound", f'workflows.argoproj.io "{name}" not found')
 
 
-def test_workflow_alive_reads_the_holders_workflow_object():
+def test_workflow_alive_reads_the_holders_workflow_object_in_its_own_cluster_and_namespace():
     running = {"metadata": {"name": "wf-uid-a", "uid": "uid-a"}, "status": {"phase": "Running"}}
     argo = _Argo({"wf-uid-a": running})
+    here = _lease(namespace="training", cluster=CLUSTER)
     try:
-        alive = lease.workflow_alive(make_api_client(argo.http.url), "training")
-        assert alive(_lease()) is True
+        site, alive = lease.on_gke(make_api_client(argo.http.url), "training")
+        assert site == HERE
+        assert alive(here) is True
         argo.workflows["wf-uid-a"] = {**running, "status": {"phase": "Failed"}}
-        assert alive(_lease()) is False
+        assert alive(here) is False
         argo.workflows["wf-uid-a"] = {**running, "metadata": {"name": "wf-uid-a", "uid": "other"}}
-        assert alive(_lease()) is False  # resubmitted under the same name: another object
+        assert alive(here) is False  # resubmitted under the same name: another object
         del argo.workflows["wf-uid-a"]
-        assert alive(_lease()) is False
+        assert alive(here) is False  # deleted: its exit handler never ran
+        # Elsewhere the same 404 says nothing: another cluster, another namespace, a lease naming no cluster.
+        asked = len(argo.requests)
+        for there in (
+            _lease(namespace="training", cluster="another-cluster"),
+            _lease(namespace="research", cluster=CLUSTER),
+            _lease(namespace="training"),
+            _lease(),
+        ):
+            assert alive(there) is None
+        assert len(argo.requests) == asked  # not even asked
     finally:
         argo.http.close()
 
 
+def test_an_unreadable_cluster_id_trusts_no_404():
+    argo = _Argo({}, cluster=None)
+    try:
+        site, alive = lease.on_gke(make_api_client(argo.http.url), "training")
+        assert site == lease.Site(namespace="training") and lease.cluster_id(make_api_client(argo.http.url)) is None
+        assert alive(_lease(namespace="training", cluster=CLUSTER)) is None
+    finally:
+        argo.http.close()
+
+
+def test_the_lease_names_the_holders_namespace_and_cluster_and_a_renewal_keeps_them(store_root):
+    store = RunStore(store_root, "r")
+    clock = iter([1000.0, 1100.0, 1200.0]).__next__
+    lease.acquire(store, "uid-a", "wf-a", 600, site=HERE, clock=clock)
+    lease.acquire(store, "uid-a", "wf-a", 600, site=lease.Site(namespace="training"), clock=clock)  # id unreadable
+    held = store.read_record(RunLayout.LEASE, RunLease)
+    assert (held.namespace, held.cluster, held.acquired_at, held.renewed_at) == ("training", CLUSTER, 1000.0, 1100.0)
+    # Another cluster's workflow cannot tell whether uid-a runs: the TTL decides, never a 404.
+    with pytest.raises(lease.LeaseHeld):
+        lease.acquire(store, "uid-b", "wf-b", 600, site=lease.Site("training", "other"), is_alive=lambda _: None,
+                      clock=clock)  # fmt: skip
+
+
+# --- renewal while a segment runs ------------------------------------------------------------------
+
+
+def test_renew_if_due_reads_nothing_before_it_is_due_and_then_renews(tmp_path):
+    store = RunStore(str(tmp_path / "store"), "r")
+    lease.acquire(store, "uid-a", "wf-a", 3600, site=HERE, clock=lambda: 1000.0)
+    first = lease.renew_if_due(store, "uid-a", 3600, 1010.0)
+    assert first.status is lease.RenewStatus.RENEWED and first.next_at == 1010.0 + 600
+    assert store.read_record(RunLayout.LEASE, RunLease).renewed_at == 1010.0
+    # Not due: nothing is read, so not even a damaged lease is noticed.
+    store.write_bytes(RunLayout.LEASE, b'{"run_id": "r", "holder"')
+    quiet = lease.renew_if_due(store, "uid-a", 3600, 1500.0, next_at=first.next_at)
+    assert (quiet.status, quiet.next_at, quiet.line) == (lease.RenewStatus.NOT_DUE, first.next_at, "")
+    # Due, and the lease cannot be read: a status, never an exception; tried again a minute later.
+    failed = lease.renew_if_due(store, "uid-a", 3600, 1700.0, next_at=quiet.next_at)
+    assert failed.status is lease.RenewStatus.UNAVAILABLE and failed.next_at == 1760.0
+    assert "could not renew the lease of run 'r'" in failed.line and "\n" not in failed.line
+
+
+def test_renew_if_due_never_takes_a_lease_it_lost(store_root):
+    store = RunStore(store_root, "r")
+    lease.acquire(store, "uid-a", "wf-a", 60, clock=lambda: 1000.0)
+    lease.acquire(store, "uid-b", "wf-b", 60, site=HERE, clock=lambda: 2000.0)  # expired, taken over elsewhere
+    lost = lease.renew_if_due(store, "uid-a", 60, 2001.0)
+    assert lost.status is lease.RenewStatus.LOST and lost.next_at == 2011.0  # ttl/6
+    assert "now held by workflow wf-b (uid uid-b, namespace training)" in lost.line
+    assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
+    lease.release(store, "uid-b")
+    assert lease.renew_if_due(store, "uid-b", 60, 2002.0).status is lease.RenewStatus.LOST
+
+
+def test_renew_if_due_rides_out_a_store_outage(gcs_emulator, monkeypatch):
+    proxy = OutageProxy(gcs_emulator.url)
+    try:
+        for k, v in proxy.env(gcs_emulator.env).items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("JAXREC_STORE_RETRY_DEADLINE_S", "0.5")
+        store = RunStore(f"gs://test-bucket/renew-outage-{id(proxy)}", "r")
+        lease.acquire(store, "uid-a", "wf-a", 3600, clock=lambda: 1000.0)
+        proxy.down_for(60)
+        down = lease.renew_if_due(store, "uid-a", 3600, 1700.0)
+        assert down.status is lease.RenewStatus.UNAVAILABLE and proxy.refused >= 1
+        proxy.down_for(0)
+        back = lease.renew_if_due(store, "uid-a", 3600, down.next_at)
+        assert back.status is lease.RenewStatus.RENEWED
+        assert store.read_record(RunLayout.LEASE, RunLease).renewed_at == down.next_at
+    finally:
+        proxy.close()
+
+
 class _KubeWithWorkflow(FakeKube):
-    """provision-slice's API paths plus the lease holder's Workflow object (Running)."""
+    """provision-slice's API paths plus the cluster id and the lease holder's Workflow object (Running)."""
 
     def get(self, path, q):
+        if path == "/api/v1/namespaces/kube-system":
+            return 200, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system", "uid": CLUSTER}}
         if path == "/apis/argoproj.io/v1alpha1/namespaces/training/workflows/wf-a" and self.holder_running:
             return 200, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
                          "metadata": {"name": "wf-a", "uid": "uid-a"}, "status": {"phase": "Running"}}  # fmt: skip
         return super().get(path, q)
 
 
-@pytest.mark.parametrize("holder_running", [True, False], ids=["holder-running", "holder-deleted"])
-def test_provision_slice_of_a_second_submission_deletes_no_live_gang(tmp_path, capsys, holder_running):
+@pytest.mark.parametrize(
+    "holder_site, holder_running, taken",
+    [
+        (HERE, True, False),
+        (HERE, False, True),  # deleted: its exit handler never ran
+        (lease.Site("training", "another-cluster"), False, False),  # a 404 here says nothing about it
+        (lease.Site("research", CLUSTER), False, False),
+    ],
+    ids=["holder-running", "holder-deleted", "holder-in-another-cluster", "holder-in-another-namespace"],
+)
+def test_provision_slice_of_a_second_submission_deletes_no_live_gang(tmp_path, capsys, holder_site, holder_running,
+                                                                     taken):  # fmt: skip
     root = str(tmp_path / "store")
     run_id = _store_config(root, "v5e-4x4.yaml")
     store = RunStore(root, run_id)
-    lease.acquire(store, "uid-a", "wf-a", 3600)
+    lease.acquire(store, "uid-a", "wf-a", 3600, site=holder_site)
     kube = _KubeWithWorkflow(jobsets=["lm-v5e-4x4-a0"], nodes=[_node(f"n{i}") for i in range(4)])
     kube.holder_running = holder_running
     try:
@@ -145,10 +259,36 @@ def test_provision_slice_of_a_second_submission_deletes_no_live_gang(tmp_path, c
     finally:
         kube.close()
     deletes = [r for r in kube.requests if r[0] == "DELETE"]
-    if holder_running:
+    if not taken:
         assert code == 2 and "held by workflow wf-a" in capsys.readouterr().err
         assert not deletes and kube.jobsets == ["lm-v5e-4x4-a0"]
+        assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"
     else:
-        # The holder's Workflow was deleted (its exit handler never ran): the run is taken over.
         assert code == 0 and len(deletes) == 1
+        held = store.read_record(RunLayout.LEASE, RunLease)
+        assert (held.holder, held.namespace, held.cluster) == ("uid-b", "training", CLUSTER)
+
+
+def test_validate_config_on_gke_names_the_site_and_takes_over_only_a_holder_known_gone(tmp_path, capsys):
+    cfg_file = REPO / "configs" / "v5e-4x4.yaml"
+    root = str(tmp_path / "store")
+    argo = _Argo({})
+    try:
+        args = ["--config", str(cfg_file), "--store-root", root, "--k8s-host", argo.http.url]
+        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o1"), "--holder", "uid-a",
+                                     "--holder-name", "wf-uid-a"]) == 0  # fmt: skip
+        store = RunStore(root, "lm-v5e-4x4")
+        held = store.read_record(RunLayout.LEASE, RunLease)
+        assert (held.holder, held.namespace, held.cluster) == ("uid-a", "training", CLUSTER)
+        # Another cluster cannot see wf-uid-a: its 404 is no proof, so the lease stands.
+        argo.cluster = "another-cluster"
+        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o2"), "--holder", "uid-b",
+                                     "--holder-name", "wf-uid-b"]) == 2  # fmt: skip
+        assert "held by workflow wf-uid-a (uid uid-a, namespace training" in capsys.readouterr().err
+        # The same cluster and namespace: wf-uid-a is not there (deleted), so the run is taken over.
+        argo.cluster = CLUSTER
+        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o3"), "--holder", "uid-b",
+                                     "--holder-name", "wf-uid-b"]) == 0  # fmt: skip
         assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
+    finally:
+        argo.http.close()

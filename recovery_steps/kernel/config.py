@@ -550,8 +550,10 @@ class RetryConfig(_Section):
     lease_ttl_s: int = Field(
         default=86400,
         ge=60,
-        description="The run lease expires this long after its last renewal (validate-config, provision-slice, "
-        "classify-failure renew it); a crashed controller's run can be taken over after it.",
+        description="The run lease expires this long after its last renewal (validate-config and provision-slice "
+        "renew it, and train-segment while a segment runs, every min(ttl/6, 10 min)). An expired lease is taken "
+        "over only when its holder's Workflow is not known to be alive (a holder in another cluster or namespace: "
+        "never known), so keep it well above the longest backoff between attempts.",
     )
     transient_retry_limit: int = Field(
         default=5,

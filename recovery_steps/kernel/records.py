@@ -291,6 +291,15 @@ class RunLease(_Record):
     renewed_at: float = Field(description="Last renewal; the lease expires at renewed_at + ttl_s.")
     ttl_s: float
     released: bool = Field(default=False, description="Set by the holder's exit handler.")
+    namespace: str | None = Field(
+        default=None,
+        description="The holding workflow's namespace (None: the local runner, or not known).",
+    )
+    cluster: str | None = Field(
+        default=None,
+        description="The holding workflow's cluster: the uid of its kube-system namespace (None: the local runner, "
+        "or not readable). Another holder finds the workflow by name only in the same cluster and namespace.",
+    )
 
 
 class PreflightCheck(_Record):
