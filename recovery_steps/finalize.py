@@ -6,6 +6,14 @@ is ``{{workflow.failures}}``. Outputs: ``final-status``, ``steps-lost`` (steps r
 failures, summed over the run's incidents) and ``recovery-seconds`` (failure to back-at-the-pre-failure
 step for the last incident that recovered; ``-1`` when none did), computed from the ledger and the
 workers' exit reports.
+
+With ``--holder`` (``{{workflow.uid}}``) it acts only when this Workflow holds the run lease, and then, when
+the run ends other than Succeeded (``argo stop`` too: Argo runs the exit handler after a stop), it stops the
+run's gang before it releases the lease: it deletes the JobSets labelled ``jaxrec/run-id=<run-id>`` in the
+config's namespace (foreground propagation) and says in one line which. It never deletes after a hand-over
+or while another workflow holds the lease. ``argo terminate`` and ``argo delete`` run no exit handler
+(argo-workflows ``ShutdownStrategy.ShouldExecute``: Terminate runs nothing): the run's next provision-slice
+deletes that gang (docs/DEPLOY.md).
 """
 
 from __future__ import annotations
@@ -18,17 +26,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recovery_steps import lease
 from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel import cli
+from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import Decision, ExitCode
-from recovery_steps.kernel.documents import read_worker_reports
+from recovery_steps.kernel.documents import read_run_config, read_worker_reports
+from recovery_steps.kernel.k8s import (
+    API_TIMEOUT_S,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    RUN_ID_LABEL,
+    api_error_line,
+    api_exit_code,
+)
 from recovery_steps.kernel.outputs import FinalizeOutputs
-from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, WorkerExitReport, now
+from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, RunLease, WorkerExitReport, now
 from recovery_steps.kernel.store import (
     DocumentError,
     RunLayout,
     RunStore,
     StoreUnavailable,
+    first_line,
     store_errors,
     transient_as_unavailable,
 )
@@ -295,6 +315,140 @@ def not_holder_status(ledger: Ledger | None, holder: str, run_id: str) -> tuple[
     return NOT_HOLDER, f"this workflow does not hold run {run_id!r}; its ledger is left as it is"
 
 
+class GangStopError(Exception):
+    """The run's gang could not be stopped; ``code`` is the exit code, ``str()`` the one line to print."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def stops_gang(status: str, current: RunLease | None, holder: str | None, ledger: Ledger | None) -> bool:
+    """Whether the exit handler deletes the run's JobSets (pure).
+
+    Only the lease's holder does, only when the run did not succeed, and never once it handed the run over:
+    the gang then belongs to the continuation or to whoever holds the lease.
+    """
+    if not holder or status == SUCCEEDED or not lease.held_by(current, holder):
+        return False
+    return not any(h.from_uid == holder for h in (ledger.hand_overs if ledger else []))
+
+
+def delete_gang(api_client: Any, namespace: str, run_id: str) -> tuple[list[str], list[str]]:
+    """Delete the run's JobSets in ``namespace`` with foreground propagation.
+
+    Foreground: the JobSet object stays (with a deletionTimestamp) until its Jobs and their pods are gone, so
+    ``kubectl get jobsets`` shows the gang until its TPUs are free (Kubernetes "Garbage Collection").
+
+    Returns:
+        The JobSets deleted now and those already being deleted (left alone), each sorted by name.
+    """
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api_client)
+    where = (JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL)
+    found = custom.list_namespaced_custom_object(*where, label_selector=f"{RUN_ID_LABEL}={run_id}",
+                                                 _request_timeout=API_TIMEOUT_S)  # fmt: skip
+    deleted, going = [], []
+    for item in sorted(found.get("items", []), key=lambda i: i["metadata"]["name"]):
+        name = item["metadata"]["name"]
+        if item["metadata"].get("deletionTimestamp"):
+            going.append(name)
+            continue
+        foreground = client.V1DeleteOptions(propagation_policy="Foreground")
+        try:
+            custom.delete_namespaced_custom_object(*where, name, body=foreground, _request_timeout=API_TIMEOUT_S)
+        except client.ApiException as e:
+            if e.status != 404:  # 404: gone in between
+                raise
+            continue
+        deleted.append(name)
+    return deleted, going
+
+
+def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host: str | None = None) -> str | None:
+    """Delete the run's JobSets on GKE; the one line saying what was deleted (None for the local backend).
+
+    Raises:
+        GangStopError: The API is unreachable or refused (exit 69 when retrying can help), with the command
+            that deletes the gang by hand.
+        StoreUnavailable: The run's config could not be read (transient).
+    """
+    import urllib3
+    from kubernetes import client
+    from kubernetes.config.config_exception import ConfigException
+
+    run_id = store.run_id
+    try:
+        with transient_as_unavailable(store.url()):
+            cfg = read_run_config(store)
+    except (DocumentError, ConfigError) as e:
+        return f"run {run_id} ended {status}: no JobSet looked for, the run's config is not readable ({first_line(e)})"
+    if cfg.slice.is_local:
+        return None
+    ns = cfg.namespace
+    by_hand = f"delete the gang by hand: kubectl delete jobsets -n {ns} -l {RUN_ID_LABEL}={run_id}"
+    try:
+        if api_client is None:
+            from recovery_steps.kernel.k8s import make_api_client
+
+            api_client = make_api_client(k8s_host)
+        deleted, going = delete_gang(api_client, ns, run_id)
+    except ConfigException as e:
+        raise GangStopError(f"no Kubernetes API ({e}): {by_hand}", int(ExitCode.CONFIGURATION)) from None
+    except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
+        code = api_exit_code(e)
+        then = "Argo retries this step" if code == ExitCode.TRANSIENT else by_hand
+        raise GangStopError(f"could not stop run {run_id}'s gang: {api_error_line(e)}; {then}", code) from None
+    if deleted:
+        line = f"run {run_id} ended {status}: deleted JobSet {', '.join(deleted)} in namespace {ns} (foreground)"
+    else:
+        line = f"run {run_id} ended {status}: no JobSet of the run left to delete in namespace {ns}"
+    return line + (f"; already being deleted: {', '.join(going)}" if going else "")
+
+
+def _not_holder(args: Any) -> int | None:
+    """The exit code when this Workflow does not hold the run (its line printed), or None when it does."""
+    store = RunStore(args.store_root, args.run_id)
+    try:
+        with transient_as_unavailable(store.url()):
+            held = lease.holds(store, args.holder)
+            ledger = store.read_record(RunLayout.LEDGER, Ledger) if not held else None
+    except StoreUnavailable as e:
+        print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
+        return int(ExitCode.TRANSIENT)
+    except (DocumentError, *store_errors()) as e:
+        print(f"finalize: {store.url()}: {e}", file=sys.stderr)
+        return 1
+    if held:
+        return None
+    status, line = not_holder_status(ledger, args.holder, args.run_id)
+    print(f"finalize: {line}")
+    if args.output_dir is not None:
+        FinalizeOutputs(final_status=status, steps_lost=0, recovery_seconds=-1).write(Path(args.output_dir))
+    return 0
+
+
+def _stop_gang_if_holder(args: Any, ledger: Ledger) -> tuple[int, str | None]:
+    """Stop the run's gang when ``stops_gang`` says so: (exit code, the line to print)."""
+    store = RunStore(args.store_root, args.run_id)
+    try:
+        with transient_as_unavailable(store.url()):
+            current = store.read_record(RunLayout.LEASE, RunLease)  # read again: the lease as it is now
+        if not stops_gang(args.status, current, args.holder, ledger):
+            return 0, None
+        return 0, stop_gang(store, args.status, k8s_host=args.k8s_host)
+    except StoreUnavailable as e:
+        print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
+        return int(ExitCode.TRANSIENT), None
+    except (DocumentError, *store_errors()) as e:
+        print(f"finalize: {store.url()}: {e}; the run's gang was not stopped", file=sys.stderr)
+        return 1, None
+    except GangStopError as e:
+        print(f"finalize: {e}", file=sys.stderr)
+        return e.code, None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m recovery_steps.finalize``."""
     p = cli.StepArgumentParser(prog="python -m recovery_steps.finalize", description=__doc__)
@@ -309,28 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--output-dir", type=cli.output_dir, default=None)
     p.add_argument("--holder", default=None, help="this workflow's uid: act only if it holds the run lease")
+    p.add_argument("--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.holder:
-        from recovery_steps import lease
-
-        store = RunStore(args.store_root, args.run_id)
-        try:
-            with transient_as_unavailable(store.url()):
-                held = lease.holds(store, args.holder)
-                ledger = store.read_record(RunLayout.LEDGER, Ledger) if not held else None
-        except StoreUnavailable as e:
-            print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
-            return int(ExitCode.TRANSIENT)
-        except (DocumentError, *store_errors()) as e:
-            print(f"finalize: {store.url()}: {e}", file=sys.stderr)
-            return 1
-        if not held:
-            status, line = not_holder_status(ledger, args.holder, args.run_id)
-            print(f"finalize: {line}")
-            if args.output_dir is not None:
-                FinalizeOutputs(final_status=status, steps_lost=0, recovery_seconds=-1).write(Path(args.output_dir))
-            return 0
+    if args.holder and (code := _not_holder(args)) is not None:
+        return code
     try:
         r = run(args.store_root, args.run_id, args.status, args.failures, args.output_dir)
     except RuntimeError as e:
@@ -339,16 +476,19 @@ def main(argv: list[str] | None = None) -> int:
     except StoreUnavailable as e:
         print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
         return int(ExitCode.TRANSIENT)
+    code, gang = _stop_gang_if_holder(args, r.ledger) if args.holder else (0, None)
+    if code == ExitCode.TRANSIENT:
+        return code  # the retry stops the gang, then releases the lease (the ledger write is idempotent)
     if args.holder:
-        from recovery_steps import lease
-
         lease.release(RunStore(args.store_root, args.run_id), args.holder)
     print(f"run {args.run_id}: {r.final_status}: {r.final_reason}")
     print(table(r.ledger))
     if r.totals is not None:
         rec = "-" if r.totals.recovery_seconds is None else f"{r.totals.recovery_seconds:.1f}s"
         print(f"incidents {r.totals.incidents}, steps lost {r.totals.steps_lost}, last recovery {rec}")
-    return 0
+    if gang:
+        print(f"finalize: {gang}")
+    return code
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The exit handler (finalize) and give-up."""
+"""The exit handler (finalize): the ledger, the lease, the gang of a run that did not succeed; and give-up."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import json
 import subprocess
 import sys
 
+import pytest
 from ckpt_factory import restore_record
+from fake_k8s import FakeCluster, status
+from test_provision_slice import _store_config
 
-from recovery_steps import finalize, give_up
+from recovery_steps import finalize, give_up, hand_over, lease
 from recovery_steps.kernel.contract import Decision, FailureClass
-from recovery_steps.kernel.records import AttemptRecord, Ledger
+from recovery_steps.kernel.records import AttemptRecord, HandOver, Ledger, RunLease
 from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import append_attempt
 
@@ -110,3 +113,147 @@ def test_give_up_as_a_program():
     assert p.returncode == 1
     assert p.stderr.strip() == "giving up: class hang: hang budget spent"
     assert p.stdout == ""
+
+
+# --- a run that ends other than Succeeded stops its gang --------------------------------------------------
+
+GKE_RUN = "lm-v5e-4x4"
+
+
+def _lease(holder="uid-a", released=False):
+    return RunLease(run_id=GKE_RUN, holder=holder, holder_name=f"wf-{holder}", acquired_at=1.0, renewed_at=1.0,
+                    ttl_s=3600, released=released)  # fmt: skip
+
+
+def _handed(holder):
+    h = HandOver(from_workflow="wf-a", from_uid=holder, to_workflow="c30", to_uid="uid-c", next_attempt=30, at=1.0,
+                 backend="gke")  # fmt: skip
+    return Ledger(run_id=GKE_RUN, hand_overs=[h])
+
+
+@pytest.mark.parametrize(
+    "status, current, holder, ledger, stops",
+    [
+        ("Failed", _lease(), "uid-a", None, True),  # argo stop: Argo runs the exit handler with status Failed
+        ("Error", _lease(), "uid-a", Ledger(run_id=GKE_RUN), True),
+        ("Succeeded", _lease(), "uid-a", None, False),
+        ("Failed", _lease("uid-b"), "uid-a", None, False),  # another workflow holds the run
+        ("Failed", _lease(released=True), "uid-a", None, False),
+        ("Failed", None, "uid-a", None, False),  # no lease was ever taken: this workflow started no gang
+        ("Failed", _lease(), None, None, False),
+        ("Failed", _lease(), "uid-a", _handed("uid-a"), False),  # handed over: the continuation's gang
+        ("Failed", _lease(), "uid-a", _handed("uid-z"), True),
+    ],
+)
+def test_stops_gang_table(status, current, holder, ledger, stops):
+    assert finalize.stops_gang(status, current, holder, ledger) is stops
+
+
+class _Cluster(FakeCluster):
+    """The fake API, and an answer every JobSet request gets instead while ``fail`` is set."""
+
+    fail: tuple[int, str] | None = None
+
+    def route(self, method, raw, body):
+        if self.fail and "/jobsets" in raw:
+            self.requests.append((method, raw, body))
+            return self.fail[0], status(self.fail[0], self.fail[1], "refused")
+        return super().route(method, raw, body)
+
+
+def _jobset(name, run_id, deleting=False):
+    meta = {"name": name, "namespace": "training", "labels": {"jaxrec/run-id": run_id}}
+    if deleting:
+        meta["deletionTimestamp"] = "2024-05-01T10:00:00Z"
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta, "spec": {}, "status": {}}
+
+
+@pytest.fixture
+def gke(tmp_path):
+    """A GKE run held by workflow uid-a, its gang (attempt 2, attempt 1 still going) and another run's JobSet."""
+    root = str(tmp_path / "store")
+    _store_config(root, "v5e-4x4.yaml")
+    store = RunStore(root, GKE_RUN)
+    lease.acquire(store, "uid-a", "wf-a", 3600)
+    cluster = _Cluster()
+    for js in (
+        _jobset(f"{GKE_RUN}-a2", GKE_RUN),
+        _jobset(f"{GKE_RUN}-a1", GKE_RUN, deleting=True),
+        _jobset("other-run-a0", "other-run"),
+    ):
+        cluster.put("jobsets", js)  # fmt: skip
+    yield root, store, cluster
+    cluster.close()
+
+
+def _finalize(root, cluster, status="Failed", holder="uid-a"):
+    return finalize.main(["--store-root", root, "--run-id", GKE_RUN, "--status", status, "--holder", holder,
+                          "--k8s-host", cluster.url])  # fmt: skip
+
+
+def test_a_stopped_run_deletes_its_gang_and_says_which_in_one_line(gke, capsys):
+    root, store, cluster = gke
+    assert _finalize(root, cluster) == 0
+    (delete,) = cluster.requests_of("DELETE", "/jobsets")
+    assert delete[1].startswith(f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/training/jobsets/{GKE_RUN}-a2")
+    assert delete[2]["propagationPolicy"] == "Foreground"
+    assert sorted(cluster.objects["jobsets"]) == [f"{GKE_RUN}-a1", "other-run-a0"]
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "JobSet" in ln]
+    assert line == (f"finalize: run {GKE_RUN} ended Failed: deleted JobSet {GKE_RUN}-a2 in namespace training "
+                    f"(foreground); already being deleted: {GKE_RUN}-a1")  # fmt: skip
+    assert store.read_record(RunLayout.LEASE, RunLease).released
+    assert store.read_record(RunLayout.LEDGER, Ledger).final_status == "Failed"
+
+
+@pytest.mark.parametrize("case", ["succeeded", "another-holder", "handed-over"])
+def test_the_gang_is_left_alone_when_the_run_succeeded_or_is_not_this_workflows(gke, capsys, case):
+    root, store, cluster = gke
+    if case == "another-holder":
+        lease.release(store, "uid-a")
+        lease.acquire(store, "uid-b", "wf-b", 3600)  # a live submission that took the run
+    if case == "handed-over":
+        hand_over.pass_lease(store, "uid-a", hand_over.Continuation(f"{GKE_RUN}-c30", "uid-c"), 3600)
+        hand_over.record(store, HandOver(from_workflow="wf-a", from_uid="uid-a", to_workflow=f"{GKE_RUN}-c30",
+                                         to_uid="uid-c", next_attempt=30, at=1.0, backend="gke"))  # fmt: skip
+    assert _finalize(root, cluster, "Succeeded" if case == "succeeded" else "Failed") == 0
+    assert cluster.requests == []  # not even listed
+    assert len(cluster.objects["jobsets"]) == 3
+
+
+def test_an_api_outage_leaves_the_lease_held_for_the_retry_that_stops_the_gang(gke, capsys):
+    root, store, cluster = gke
+    cluster.fail = (503, "ServiceUnavailable")
+    assert _finalize(root, cluster) == 69
+    err = capsys.readouterr().err
+    assert "could not stop run lm-v5e-4x4's gang: Kubernetes API answered 503" in err and "Argo retries" in err
+    assert not store.read_record(RunLayout.LEASE, RunLease).released
+    cluster.fail = None
+    assert _finalize(root, cluster) == 0  # Argo's retry of the exit handler
+    assert sorted(cluster.objects["jobsets"]) == [f"{GKE_RUN}-a1", "other-run-a0"]
+    assert store.read_record(RunLayout.LEASE, RunLease).released
+    assert store.read_record(RunLayout.LEDGER, Ledger).final_status == "Failed"
+
+
+def test_a_refused_delete_names_the_command_that_stops_the_gang_by_hand(gke, capsys):
+    root, store, cluster = gke
+    cluster.fail = (403, "Forbidden")
+    assert _finalize(root, cluster) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "Kubernetes API answered 403" in line
+    assert line.endswith("delete the gang by hand: kubectl delete jobsets -n training -l jaxrec/run-id=lm-v5e-4x4")
+    assert store.read_record(RunLayout.LEASE, RunLease).released  # no retry comes: the next submission takes over
+
+
+def test_a_local_run_has_no_jobset_to_delete(tmp_path, capsys):
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "local-cpu.yaml")
+    store = RunStore(root, run_id)
+    lease.acquire(store, "uid-a", "wf-a", 3600)
+    cluster = _Cluster()
+    try:
+        assert finalize.main(["--store-root", root, "--run-id", run_id, "--status", "Failed", "--holder", "uid-a",
+                              "--k8s-host", cluster.url]) == 0  # fmt: skip
+    finally:
+        cluster.close()
+    assert cluster.requests == [] and "JobSet" not in capsys.readouterr().out
+    assert store.read_record(RunLayout.LEASE, RunLease).released

@@ -58,3 +58,15 @@ def test_workers_have_their_own_account_with_no_api_access():
     assert accounts["jax-recovery-worker"]["automountServiceAccountToken"] is False
     bound = {s["name"] for d in docs if d["kind"].endswith("Binding") for s in d["subjects"]}
     assert bound == {"jax-recovery"}
+
+
+def test_the_lease_and_the_exit_handler_have_their_verbs_in_the_table():
+    uses = {(u.step, u.group, u.resource, u.verb, u.cluster_scoped) for u in STEP_VERBS}
+    # The run lease's cluster id (kube-system's uid) and its holder check, wherever the lease is taken.
+    for step in ("validate-config", "provision-slice"):
+        assert (step, "", "namespaces", "get", True) in uses
+        assert (step, "argoproj.io", "workflows", "get", False) in uses
+    # The exit handler stops the gang of a run that did not succeed.
+    assert {("exit-handler", "jobset.x-k8s.io", "jobsets", v, False) for v in ("list", "delete")} <= uses
+    granted = _granted(ROLE_RULES) | _granted(NODE_RULES)
+    assert {(g, r, v) for _, g, r, v, _ in uses} <= granted
