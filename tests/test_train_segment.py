@@ -276,7 +276,11 @@ def test_rbac_grants_every_call_the_supervisor_makes(tmp_path, cluster):
 @pytest.mark.parametrize(("answer", "code"), [(500, 69), (429, 69), (503, 69), (403, 2), (422, 2)])
 def test_a_refused_create_is_transient_or_configuration_by_its_status(tmp_path, cluster, capsys, answer, code):
     cfg = _cfg(tmp_path / "store")
-    cluster.fail_create = (answer, status(answer, "InternalError" if answer >= 500 else "Forbidden", "no"))
+    # The 500 is what the real API server answers while JobSet's webhook server is down (real-controller tier).
+    msg = ('Internal error occurred: failed calling webhook "mjobset.kb.io": failed to call webhook: Post '
+           '"https://jobset-webhook-service.jobset-system.svc:443/mutate-jobset-x-k8s-io-v1alpha2-jobset?timeout=10s":'
+           " dial tcp 10.96.12.7:443: connect: connection refused") if answer == 500 else "no"  # fmt: skip
+    cluster.fail_create = (answer, status(answer, "InternalError" if answer >= 500 else "Forbidden", msg))
     common = ["--store-root", cfg.storage.root, "--run-id", cfg.run_id, "--attempt", "0",
               "--output-dir", str(tmp_path / "out"), "--k8s-host", cluster.url]  # fmt: skip
     assert ts.main([*common, "--jobset-manifest", json.dumps(_manifest(cfg))]) == code

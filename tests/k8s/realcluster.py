@@ -387,6 +387,25 @@ class RealCluster:
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
+    def wait_jobset_webhooks(self, timeout: float = 60) -> None:
+        """Until a JobSet can be created: the webhooks answer once the JobSet controller's server is up (a
+        server-side dry run goes through them)."""
+        probe = {
+            "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+            "metadata": {"name": "tier-probe", "namespace": "default"},
+            "spec": {"replicatedJobs": [{"name": "w", "replicas": 1, "template": {"spec": {"template": {"spec": {
+                "restartPolicy": "Never", "containers": [{"name": "c", "image": "x"}]}}}}}]},
+        }  # fmt: skip
+        wait_for("JobSet webhooks answering (dry-run create)", lambda: self.apply(probe, dry_run=True), timeout, 0.5)
+
+    def restart(self, name: str) -> None:
+        """Start a stopped component again with the same flags (ports, certificates, data)."""
+        comp = self.components[name]
+        comp.stop()
+        comp.start()
+        if name == "jobset":
+            self.wait_jobset_webhooks()
+
     def tails(self, lines: int = 30) -> str:
         return "\n".join(f"----- {c.name} ({c.log}) -----\n{c.tail(lines)}" for c in self.components.values())
 
@@ -561,28 +580,7 @@ def _start(rc: RealCluster, logs: Path) -> None:
         lambda: rc.core().read_namespaced_service_account("default", "default"),
         60,
     )
-    probe = {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {"name": "tier-probe", "namespace": "default"},
-        "spec": {
-            "replicatedJobs": [
-                {
-                    "name": "w",
-                    "replicas": 1,
-                    "template": {
-                        "spec": {
-                            "template": {
-                                "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x"}]}
-                            }
-                        }
-                    },
-                }
-            ]
-        },
-    }
-    # The webhooks answer once the JobSet controller's server is up: a server-side dry run goes through them.
-    wait_for("JobSet webhooks answering (dry-run create)", lambda: rc.apply(probe, dry_run=True), 60, 0.5)
+    rc.wait_jobset_webhooks()
     rc.check_alive()
 
 

@@ -181,6 +181,24 @@ def test_a_supervisor_killed_and_started_again_reattaches_to_the_live_jobset(run
     assert result.verdict.failure_class == "application", (result.verdict, result.evidence)
 
 
+def test_the_jobset_webhook_down_is_transient_and_the_retry_creates_the_gang(run):
+    """JobSet's webhooks fail closed (failurePolicy: Fail) while its one controller pod restarts: the create is
+    answered 500. That is exit 69 (Argo retries in place), never configuration (budget 0)."""
+    run.rc.components["jobset"].stop()
+    try:
+        sup = run.supervise(0)
+        code, log = run.finish(sup, timeout=120)
+        assert code == 69, log
+        assert "answered 500" in log and "failed calling webhook" in log, log
+        assert run.rc.jobset(run.ns, jobset_name(run.cfg.run_id, 0)) is None
+        assert run.record(0).outcome == "error" and run.record(0).exit_code == 69
+    finally:
+        run.rc.restart("jobset")
+    retry = run.supervise(0)
+    run.workers(0)
+    assert "created JobSet" in retry.log_path.read_text()
+
+
 def _provision(run, attempt: int):
     out = run.tmp / f"prov-out-{attempt}"
     p = run.step("recovery_steps.provision_slice", "--store-root", run.cfg.storage.root, "--run-id",
