@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -69,8 +70,10 @@ from recovery_steps.supervision import (
     PodCondition,
     PodObservation,
     Verdict,
+    WaitClock,
     WorkerProgress,
     decide,
+    wait_clock,
 )
 
 log = logging.getLogger(__name__)
@@ -145,7 +148,7 @@ def _index(pod: Mapping[str, Any]) -> int | None:
 
 
 def pod_observation(pod: Mapping[str, Any], waiting_since: float | None) -> PodObservation:
-    """One pod's API JSON as the decision sees it (``waiting_since``: when its waiting reason was first seen)."""
+    """One pod's API JSON as the decision sees it (``waiting_since``: when its current failure was first seen)."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     cs = next((c for c in status.get("containerStatuses") or [] if c.get("name") == TRAINER_CONTAINER), None)
     state = (cs or {}).get("state") or {}
@@ -167,18 +170,28 @@ def pod_observation(pod: Mapping[str, Any], waiting_since: float | None) -> PodO
     )
 
 
-def node_observation(name: str, node: Mapping[str, Any] | None) -> NodeObservation:
-    """A node's API JSON (None: the Node object is gone) as the decision sees it."""
+def node_observation(name: str, node: Mapping[str, Any] | None, seen_lost_at: float | None = None) -> NodeObservation:
+    """A node's API JSON (None: the Node object is gone) as the decision sees it.
+
+    Its Spot label and maintenance labels or taints are read as the snapshot reads them (``node_from_api``), so the
+    verdict and classify-failure name the same facts.
+    """
     if node is None:
-        return NodeObservation(name=name, ready=None, exists=False)
+        return NodeObservation(name=name, ready=None, exists=False, seen_lost_at=seen_lost_at)
     ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
     taints = {t.get("key") for t in (node.get("spec") or {}).get("taints") or []}
     status = (ready or {}).get("status")
+    seen = node_from_api(dict(node))
     return NodeObservation(
         name=name,
         ready=True if status == "True" else (False if status == "False" else None),
         unreachable=UNREACHABLE_TAINT in taints,
         since=_ts((ready or {}).get("lastTransitionTime")),
+        ready_reason=(ready or {}).get("reason"),
+        ready_message=(ready or {}).get("message"),
+        seen_lost_at=seen_lost_at,
+        spot=seen.spot,
+        maintenance=seen.maintenance(),
     )
 
 
@@ -191,16 +204,22 @@ def observation(
     pods: Sequence[Mapping[str, Any]],
     nodes: Mapping[str, Mapping[str, Any] | None],
     beats: Sequence[WorkerHeartbeat],
-    waiting_since: Mapping[tuple[str, str], float],
+    waits: Mapping[str, WaitClock],
     created_at: float,
+    lost_seen: Mapping[str, float] | None = None,
 ) -> Observation:
-    """The decision's input from the API objects the watches hold and the heartbeats in the store."""
+    """The decision's input from the API objects the watches hold and the heartbeats in the store.
+
+    ``waits``: each pod's clock of its current pull or creation failure (``wait_clock``); ``lost_seen``: when the
+    supervisor first saw each lost node lost.
+    """
+    lost_seen = lost_seen or {}
     obs_pods = []
     for p in pods:
-        name = (p.get("metadata") or {}).get("name", "?")
         po = pod_observation(p, None)
-        since = waiting_since.get((name, po.waiting_reason or ""))
-        obs_pods.append(po.model_copy(update={"waiting_since": since if po.waiting_reason else None}))
+        clock = waits.get(po.name) if po.waiting_reason else None
+        obs_pods.append(po.model_copy(update={"waiting_since": clock.since if clock else None,
+                                              "waiting_cause": clock.cause if clock else None}))  # fmt: skip
     js_status = (jobset or {}).get("status") or {}
     return Observation(
         now=now,
@@ -213,7 +232,7 @@ def observation(
             JobObservation(name=(j.get("metadata") or {}).get("name", "?"), conditions=_conditions(j)) for j in jobs
         ),  # fmt: skip
         pods=tuple(obs_pods),
-        nodes=tuple(node_observation(n, body) for n, body in sorted(nodes.items())),
+        nodes=tuple(node_observation(n, body, lost_seen.get(n)) for n, body in sorted(nodes.items())),
         progress=tuple(
             WorkerProgress(index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at) for b in beats
         ),  # fmt: skip
@@ -548,7 +567,8 @@ class Supervisor:
         self.changed = threading.Event()
         self.stop = threading.Event()
         self.watch = cluster.watchers(self.changed, self.stop)
-        self.waiting_since: dict[tuple[str, str], float] = {}
+        self.waits: dict[str, WaitClock] = {}
+        self.lost_seen: dict[str, float] = {}
         self.node_cache: dict[str, dict[str, Any] | None] = {}
         self.created_at = self.clock()
         self.reattached = False
@@ -601,19 +621,31 @@ class Supervisor:
         """The attempt now."""
         now = self.clock()
         pods = self.watch["pods"].snapshot()
+        waits: dict[str, WaitClock] = {}
         for p in pods:
             po = pod_observation(p, None)
-            if po.waiting_reason:
-                self.waiting_since.setdefault((po.name, po.waiting_reason), now)
+            # The clock of a pod's current pull or creation failure: kept while the same failure repeats, started
+            # again when it changes, dropped once the container starts.
+            clock = wait_clock(self.waits.get(po.name), po.waiting_reason, po.waiting_message, now)
+            if clock is not None:
+                waits[po.name] = clock
+        self.waits = waits
         for name in sorted({n for p in pods if (n := (p.get("spec") or {}).get("nodeName"))}):
             with contextlib.suppress(Exception):  # an unreadable node keeps its last known state
                 self.node_cache[name] = self.cluster.get_node(name)
+        # When each lost node was first seen lost: the grace counts from it when the node's Ready condition gives no
+        # time (the Node is gone). A node seen healthy again starts over.
+        for name, body in self.node_cache.items():
+            if node_observation(name, body).lost:
+                self.lost_seen.setdefault(name, now)
+            else:
+                self.lost_seen.pop(name, None)
         beats = read_heartbeats(self.store, self.attempt, self.hosts, self.beats)
         self.beats = {b.process_index: b for b in beats}
         js = self.watch["jobset"].snapshot()
         obs = observation(now=now, expected=self.hosts, jobset=js[0] if js else None,
                           jobs=self.watch["jobs"].snapshot(), pods=pods, nodes=dict(self.node_cache), beats=beats,
-                          waiting_since=self.waiting_since, created_at=self.created_at)  # fmt: skip
+                          waits=self.waits, created_at=self.created_at, lost_seen=self.lost_seen)  # fmt: skip
         return obs, beats
 
     def snapshot(self) -> ClusterSnapshot:
@@ -819,6 +851,28 @@ def record_error(store_root: str, run_id: str, attempt: int, e: SegmentError) ->
         print(f"train-segment: could not record the error in the run store: {err}", file=sys.stderr)
 
 
+class Terminated(BaseException):
+    """SIGTERM reached the supervisor (a BaseException: no handler of the loop swallows it)."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def left_behind(store_root: str, run_id: str, attempt: int) -> str:
+    """One line for a supervisor stopped by SIGTERM: what it leaves and who takes it over."""
+    with contextlib.suppress(Exception):
+        decided = recorded_verdict(RunStore(store_root, run_id), attempt)
+        if decided is not None:
+            return (
+                f"SIGTERM after the verdict on attempt {attempt} ({decided.outcome}: {decided.reason}); its stop may "
+                "be unfinished: a retry finds the verdict, provision-slice deletes what is left"
+            )
+    return (f"SIGTERM: the gang of attempt {attempt} is left running without a verdict; a retry of this step "
+            "re-attaches to it, classify-failure has it supervised again, and the exit handler of a stopped run "
+            "deletes it")  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
     ap = cli.StepArgumentParser(prog="python -m recovery_steps.train_segment", description=__doc__.split("\n")[0])
@@ -838,9 +892,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             text = Path(text[1:]).read_text()
         except OSError as e:
             return cli.fail("train-segment", f"--jobset-manifest: {e.strerror or e}", int(ExitCode.CONFIGURATION))
+    # `argo stop`/`argo terminate`, a drain or an eviction SIGTERMs this pod: say what is left behind.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         record = run(args.store_root, args.run_id, args.attempt, text, args.output_dir, k8s_host=args.k8s_host,
                      progress_file=os.environ.get("ARGO_PROGRESS_FILE"))  # fmt: skip
+    except Terminated:
+        print(f"train-segment: {left_behind(args.store_root, args.run_id, args.attempt)}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except SegmentError as e:
         print(f"train-segment: {e}", file=sys.stderr)
         record_error(args.store_root, args.run_id, args.attempt, e)

@@ -199,6 +199,17 @@ def test_the_jobset_webhook_down_is_transient_and_the_retry_creates_the_gang(run
     assert "created JobSet" in retry.log_path.read_text()
 
 
+def test_a_sigtermed_supervisor_says_what_it_leaves_and_leaves_the_gang(run):
+    sup = run.supervise(0)
+    run.workers(0)
+    wait_for("the supervisor follows the gang", lambda: "workers running 4/4" in sup.log_path.read_text(), 30)
+    sup.send_signal(signal.SIGTERM)  # argo stop / terminate, a drain, an eviction
+    code, log = run.finish(sup, timeout=30)
+    assert code == 143, log
+    assert "left running without a verdict" in log.strip().splitlines()[-1], log
+    assert len(run.workers(0)) == HOSTS and run.rc.jobset(run.ns, jobset_name(run.cfg.run_id, 0)) is not None
+
+
 def _provision(run, attempt: int):
     out = run.tmp / f"prov-out-{attempt}"
     p = run.step("recovery_steps.provision_slice", "--store-root", run.cfg.storage.root, "--run-id",
