@@ -14,7 +14,8 @@ from datetime import UTC, datetime
 
 from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence
 from recovery_steps.kernel.contract import PEER_LOSS_MARKERS, ExitCode, FailureClass, exit_code_info
-from recovery_steps.kernel.records import WorkerExitReport
+from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
+from recovery_steps.supervision import pull_failure_is_permanent, waiting_cause
 
 SIGABRT, SIGKILL, SIGTERM = 6, 9, 15
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
@@ -23,6 +24,14 @@ SCHEDULING_EVENTS = ("FailedScheduling", "NotTriggerScaleUp", "FailedScaleUp")
 NON_FINITE_MARKERS = ("non-finite", "nan", "inf loss", "floatingpointerror")
 COMPILE_MARKERS = ("compil", "resource_exhausted", "hlo")
 _JOB_POD = re.compile(r"for pod (?:[\w.-]+/)?([\w.-]+) failed with exit code (\d+)")
+# The kubelet's placeholder for a container it cannot account for when the pod ends: exit 137, whether or not the
+# container ever ran ("we do not know whether the container was successful, always report an error";
+# kubernetes pkg/kubelet/status/status_manager.go TerminatePod). It is not a SIGKILL of the trainer.
+PLACEHOLDER_REASON = "ContainerStatusUnknown"
+# Kubelet event reasons of a pull that failed (pkg/kubelet/events): "Failed" also names a container that
+# could not be created ("Error: ...").
+PULL_EVENTS = ("ErrImagePull", "ImagePullBackOff", "InspectFailed", "ErrImageNeverPull")
+_EVENT_ONLY_REASON = re.compile(r"^Error: (ErrImagePull|ImagePullBackOff)$")
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,8 @@ class _Obs:
     collateral: bool = False
     marked_first: bool = False
     named_by_job: bool = False
+    placeholder: bool = False  # the exit code is the kubelet's placeholder (ContainerStatusUnknown), not the trainer's
+    slice_spot: bool = False  # some node of the gang is a Spot VM (a TPU slice's node pool is all Spot or none)
 
     @property
     def who(self) -> str:
@@ -68,7 +79,9 @@ class _Obs:
     def failed(self) -> bool:
         disrupted = self.pod is not None and self.pod.disruption() is not None
         node_down = self.node is not None and (self.node.ready is False or not self.node.found)
-        return bool(self.exit_code) or bool(self.signal) or disrupted or node_down
+        # A placeholder alone says only that the gang was torn down; the pod's events may say why it never ran.
+        explained = self.placeholder and _event_finding(self.pod) is not None
+        return bool(self.exit_code) or bool(self.signal) or disrupted or node_down or explained
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,8 @@ def _hms(t: float | None) -> str:
 
 
 def _exit_text(o: _Obs) -> str:
+    if o.placeholder and o.exit_code is None and o.signal is None:
+        return f"no exit of its own [{PLACEHOLDER_REASON}]"
     if o.signal and not o.exit_code:
         text = f"killed by signal {o.signal}"
     elif o.exit_code is not None:
@@ -140,9 +155,11 @@ def _observations(ev: Evidence) -> list[_Obs]:
         m = _JOB_POD.search(j.failure_message or "")
         if m:
             job_pods.add(m.group(1))
+    spot = any(n.spot for n in ev.nodes)
     for p in ev.pods:
         c = p.trainer()
-        code, sig = _normalise(c.exit_code if c else None, c.signal if c else None)
+        placeholder = c is not None and c.reason == PLACEHOLDER_REASON
+        code, sig = (None, None) if placeholder else _normalise(c.exit_code if c else None, c.signal if c else None)
         o = _Obs(
             index=p.worker_index,
             pod=p,
@@ -153,6 +170,8 @@ def _observations(ev: Evidence) -> list[_Obs]:
             term_reason=c.reason if c else None,
             message=(c.message if c else None) or p.message,
             named_by_job=p.name in job_pods,
+            placeholder=placeholder,
+            slice_spot=spot,
         )
         if o.at is None:
             d = p.disruption()
@@ -238,10 +257,14 @@ def _judge(o: _Obs) -> _Finding:
     if d is not None:
         return _disruption(d, o)
     if node is not None and not node.found:
+        if o.slice_spot:
+            return _Finding(FailureClass.PREEMPTION, "its node, a Spot VM of the slice, is gone: reclaimed")
         return _Finding(FailureClass.INFRASTRUCTURE, "its node is gone from the cluster")
     if node is not None and node.maintenance():
         return _Finding(FailureClass.PREEMPTION, f"node reclaimed for maintenance ({node.maintenance()})")
     if node is not None and node.ready is False:
+        if _shutting_down(node):
+            return _Finding(FailureClass.PREEMPTION, f"node shutting down ({_ready_text(node)})")
         if node.spot:
             return _Finding(FailureClass.PREEMPTION, f"Spot node NotReady ({node.ready_reason}): reclaimed")
         return _Finding(FailureClass.INFRASTRUCTURE, f"node NotReady ({node.ready_reason or 'no reason given'})")
@@ -261,7 +284,43 @@ def _judge(o: _Obs) -> _Finding:
         return _Finding(FailureClass.PREEMPTION, f"pod ended by node shutdown ({o.pod.reason})")
     if o.report is not None and o.report.traceback:
         return _Finding(FailureClass.APPLICATION, f"exit {code} with a Python traceback")
+    if o.placeholder and code is None:
+        found = _event_finding(o.pod)
+        if found is not None:
+            return found
+        return _Finding(FailureClass.UNKNOWN, "torn down before it ran; no event says why")
     return _Finding(FailureClass.UNKNOWN, f"exit {code} is outside the exit-code contract" if code else "no cause")
+
+
+def _shutting_down(node: NodeEvidence) -> bool:
+    """The kubelet's Ready condition in a graceful node shutdown (pkg/kubelet/nodeshutdown ``ShutdownStatus``)."""
+    text = f"{node.ready_reason or ''} {node.ready_message or ''}".lower()
+    return "shutting down" in text or "shutdown" in text
+
+
+def _ready_text(node: NodeEvidence) -> str:
+    return f"{node.ready_reason or '-'}: {node.ready_message}" if node.ready_message else node.ready_reason or "-"
+
+
+def _event_finding(p: PodEvidence | None) -> _Finding | None:
+    """What a pod's warning events say about a container that never ran: a pull or creation that failed."""
+    if p is None:
+        return None
+    found: list[_Finding] = []
+    for e in p.events:
+        reason, _, msg = e.partition(": ")
+        if _EVENT_ONLY_REASON.match(msg.strip()):
+            continue  # the waiting reason again; the event before it has the error
+        pull = reason in PULL_EVENTS or (reason == "Failed" and "pull" in msg.lower())
+        if pull or reason in ("Failed", "FailedMount", "FailedCreatePodSandBox"):
+            what = "its image cannot be pulled" if pull else f"its container could not start ({reason})"
+            if pull_failure_is_permanent("ErrImagePull", msg):
+                found.append(_Finding(FailureClass.CONFIGURATION, f"{what}: {_short(msg, 120)}"))
+            else:
+                why = "a registry or network fault" if pull else "a node or runtime fault"
+                found.append(_Finding(FailureClass.INFRASTRUCTURE, f"{what}, {why}: {_short(msg, 120)}"))
+    found.sort(key=lambda f: f.cls is not FailureClass.CONFIGURATION)
+    return found[0] if found else None
 
 
 def _disruption(d: Condition, o: _Obs) -> _Finding:
@@ -290,8 +349,43 @@ STALL_CLASSES = {
     "capacity": FailureClass.CAPACITY,
     "configuration": FailureClass.CONFIGURATION,
     "hang": FailureClass.HANG,
+    "image-pull": FailureClass.INFRASTRUCTURE,
     "node-lost": FailureClass.INFRASTRUCTURE,
 }
+
+
+def _reclaimed(ev: Evidence, s: SupervisionRecord) -> list[str]:
+    """Why a node-lost stall is a preemption: what the lost node and the workers said (empty: it is not).
+
+    A graceful node shutdown marks the node NotReady ("node is shutting down") before its pods fail
+    (kubernetes pkg/kubelet/nodeshutdown); a Spot VM or a node under maintenance is taken back by the platform;
+    a worker that exited 143 (SIGTERM) before the supervisor's own stop was told to leave by its node.
+    """
+    snap = s.snapshot
+    pods = [*ev.pods, *(snap.pods if snap else [])]
+    nodes = [*ev.nodes, *(snap.nodes if snap else [])]
+    names = {p.node for p in pods if p.node and s.worker is not None and p.worker_index == s.worker}
+    lost = [n for n in nodes if n.name in names] or [n for n in nodes if not n.found or n.ready is not True]
+    why: list[str] = []
+    for n in lost:
+        if _shutting_down(n):
+            why.append(f"node {n.name} was shutting down ({_ready_text(n)})")
+        if n.spot:
+            why.append(f"node {n.name} is a Spot VM")
+        if n.maintenance():
+            why.append(f"node {n.name} is under maintenance ({n.maintenance()})")
+    if not why and "node is shutting down" in s.reason.lower():
+        why.append("the supervisor saw the node shutting down")
+    if not why and any(not n.found for n in lost):
+        spot = next((n for n in nodes if n.found and n.spot), None)
+        if spot is not None:
+            why.append(f"the slice's nodes are Spot VMs (node {spot.name}) and the lost one is gone")
+    sigterm = sorted({r.process_index for r in ev.reports if r.exit_code == ExitCode.PREEMPTED
+                      and (r.ended_at is None or r.ended_at <= s.detected_at)})  # fmt: skip
+    if sigterm:
+        who = ", ".join(str(i) for i in sigterm)
+        why.append(f"worker {who} exited 143 (SIGTERM) before the supervisor stopped the attempt")
+    return list(dict.fromkeys(why))
 
 
 def _supervised(ev: Evidence) -> Verdict | None:
@@ -306,30 +400,26 @@ def _supervised(ev: Evidence) -> Verdict | None:
     if s.outcome != "stalled" or s.stall_kind not in STALL_CLASSES:
         return None
     lines = [f"supervisor: stalled ({s.stall_kind}): {s.reason}", *s.evidence]
-    return Verdict(STALL_CLASSES[s.stall_kind], f"the attempt stalled ({s.stall_kind}) and was stopped: {s.reason}",
-                   lines, first_worker=s.worker, cause_worker=s.worker)  # fmt: skip
+    cls, reason = STALL_CLASSES[s.stall_kind], f"the attempt stalled ({s.stall_kind}) and was stopped: {s.reason}"
+    if s.stall_kind == "node-lost":
+        reclaimed = _reclaimed(ev, s)
+        if reclaimed:
+            cls, reason = FailureClass.PREEMPTION, f"{reason}; a preemption: {'; '.join(reclaimed)}"
+        lines += [f"preemption: {r}" for r in reclaimed]
+    return Verdict(cls, reason, lines, first_worker=s.worker, cause_worker=s.worker)
 
 
 def _precheck(ev: Evidence) -> Verdict | None:
-    """Failures of the whole attempt that precede any worker's exit: a supervised stall, image, config, capacity."""
+    """Failures of the whole attempt that precede any worker's exit.
+
+    A supervised stall, an image or container that cannot start, capacity.
+    """
     supervised = _supervised(ev)
     if supervised is not None:
         return supervised
-    for p in ev.pods:
-        for c in p.containers:
-            if c.waiting_reason in IMAGE_ERRORS or c.waiting_reason in CONTAINER_CONFIG_ERRORS:
-                fix = "check the image name and tag, and the node pool's pull access"
-                if c.waiting_reason in CONTAINER_CONFIG_ERRORS:
-                    fix = "check the pod's ConfigMaps, Secrets and env"
-                line = f"pod {p.name}: container {c.name} waiting: {c.waiting_reason}: {_short(c.waiting_message)}"
-                return Verdict(
-                    FailureClass.CONFIGURATION,
-                    f"worker {p.worker_index} (pod {p.name}) cannot start: {c.waiting_reason}"
-                    f" ({_short(c.waiting_message, 100)}); {fix}. Retrying will not help.",
-                    [line],
-                    first_worker=p.worker_index,
-                    cause_worker=p.worker_index,
-                )
+    waiting = _cannot_start(ev, permanent=True) or _never_ran(ev)
+    if waiting is not None:
+        return waiting
     pending = [p for p in ev.pods if p.phase == "Pending" and any(e.split(":", 1)[0] in SCHEDULING_EVENTS
                                                                   for e in p.events)]  # fmt: skip
     if pending:
@@ -353,6 +443,61 @@ def _precheck(ev: Evidence) -> Verdict | None:
             f"the step before training exited {ev.step_exit_code}: {meaning}",
             [f"step exit code {ev.step_exit_code}"],
         )
+    return None
+
+
+def _cannot_start(ev: Evidence, *, permanent: bool) -> Verdict | None:
+    """A worker container waiting on an image pull or creation failure.
+
+    ``permanent``: one waiting cannot heal (configuration); otherwise one it may (infrastructure: the kubelet was
+    retrying a registry or runtime fault).
+    """
+    for p in ev.pods:
+        for c in p.containers:
+            if c.waiting_reason not in IMAGE_ERRORS and c.waiting_reason not in CONTAINER_CONFIG_ERRORS:
+                continue
+            cause = waiting_cause(c.waiting_reason, c.waiting_message)
+            if pull_failure_is_permanent(c.waiting_reason, cause) != permanent:
+                continue
+            line = f"pod {p.name}: container {c.name} waiting: {c.waiting_reason}: {_short(c.waiting_message)}"
+            if not permanent:
+                return Verdict(
+                    FailureClass.INFRASTRUCTURE,
+                    f"worker {p.worker_index} (pod {p.name}) could not start: {c.waiting_reason}"
+                    f" ({_short(c.waiting_message, 100)}); a registry, network or runtime fault the kubelet was "
+                    "still retrying. Retried on a fresh slice.",
+                    [line],
+                    first_worker=p.worker_index,
+                    cause_worker=p.worker_index,
+                )
+            fix = "check the image name and tag, and the node pool's pull access"
+            if c.waiting_reason in CONTAINER_CONFIG_ERRORS:
+                fix = "check the pod's ConfigMaps, Secrets and env"
+            return Verdict(
+                FailureClass.CONFIGURATION,
+                f"worker {p.worker_index} (pod {p.name}) cannot start: {c.waiting_reason}"
+                f" ({_short(c.waiting_message, 100)}); {fix}. Retrying will not help.",
+                [line],
+                first_worker=p.worker_index,
+                cause_worker=p.worker_index,
+            )
+    return None
+
+
+def _never_ran(ev: Evidence) -> Verdict | None:
+    """A worker container torn down before it ran whose events say it never could (its image cannot be pulled)."""
+    for p in ev.pods:
+        c = p.trainer()
+        found = _event_finding(p) if c is not None and c.reason == PLACEHOLDER_REASON else None
+        if found is not None and found.cls is FailureClass.CONFIGURATION:
+            events = "; ".join(_short(e, 200) for e in p.events)
+            return Verdict(
+                FailureClass.CONFIGURATION,
+                f"worker {p.worker_index} (pod {p.name}) never ran: {found.what}. Retrying will not help.",
+                [f"pod {p.name}: container {c.name} never ran ({PLACEHOLDER_REASON}); events: {events}"],
+                first_worker=p.worker_index,
+                cause_worker=p.worker_index,
+            )
     return None
 
 
@@ -384,6 +529,11 @@ def classify(evidence: Evidence) -> Verdict:
     obs = [o for o in _observations(evidence) if o.failed()]
     context = _context_lines(evidence)
     if not obs:
+        # A pull the kubelet was still retrying explains an attempt only when no worker failed.
+        waiting = _cannot_start(evidence, permanent=False)
+        if waiting is not None:
+            return Verdict(waiting.failure_class, waiting.reason, waiting.evidence + context,
+                           waiting.first_worker, waiting.cause_worker)  # fmt: skip
         js = evidence.jobset
         cond = next((c for c in (js.conditions if js else []) if c.type == "Failed" and c.status == "True"), None)
         why = f"JobSet failed ({cond.reason}: {_short(cond.message, 100)})" if cond else "no failed worker found"

@@ -36,12 +36,33 @@ def pod(i, code=None, at=None, *, reason="Error", signal=None, disruption=None, 
                        containers=[c], conditions=conds, events=list(events), message=message)  # fmt: skip
 
 
-def node(i, *, ready=True, reason=None, spot=False, maint=None, taints=(), found=True):
+def node(i, *, ready=True, reason=None, spot=False, maint=None, taints=(), found=True, message=None,
+         preemptible=False):  # fmt: skip
     labels = {"cloud.google.com/gke-spot": "true"} if spot else {}
+    if preemptible:
+        labels["cloud.google.com/gke-preemptible"] = "true"
     if maint:
         labels["cloud.google.com/active-node-maintenance"] = maint
-    return NodeEvidence(name=f"gke-tpu-{i}", ready=ready, ready_reason=reason, ready_since=T0 + 5,
-                        labels=labels, taints=list(taints), found=found)  # fmt: skip
+    if not found:
+        return NodeEvidence(name=f"gke-tpu-{i}", found=False)
+    return NodeEvidence(name=f"gke-tpu-{i}", ready=ready, ready_reason=reason, ready_message=message,
+                        ready_since=T0 + 5, labels=labels, taints=list(taints), found=found)  # fmt: skip
+
+
+def torn_down(i, *, at=None, events=()):
+    """A worker whose container never ran, as the kubelet reports it once the pod ends (status_manager.go)."""
+    c = ContainerState(name="trainer", exit_code=137, reason="ContainerStatusUnknown", finished_at=None,
+                       message="The container could not be located when the pod was terminated")  # fmt: skip
+    return PodEvidence(name=f"js-workers-0-{i}-x{i}", worker_index=i, node=f"gke-tpu-{i}", phase="Failed",
+                       containers=[c], events=list(events))  # fmt: skip
+
+
+TYPO = "us-docker.pkg.dev/p/ml/worker:typo"
+TYPO_NOT_FOUND = (f'rpc error: code = NotFound desc = failed to pull and unpack image "{TYPO}": failed to resolve '
+                  f'reference "{TYPO}": {TYPO}: not found')  # fmt: skip
+REGISTRY_503 = (f'rpc error: code = Unknown desc = failed to pull and unpack image "{TYPO}": failed to copy: '
+                "httpReadSeeker: failed open: unexpected status code https://us-docker.pkg.dev/v2/: 503 Service "
+                "Unavailable")  # fmt: skip
 
 
 def report(i, code, at, *, exc=None, msg=None, step=None, tb=None):
@@ -96,10 +117,43 @@ CASES = [
         FailureClass.APPLICATION, "worker 2", id="mixed-first-failure-oom-then-sigterm",
     ),
     pytest.param(
-        gke([pod(0, waiting=("ImagePullBackOff", 'Back-off pulling image "gcr.io/p/trainer:typo"'), phase="Pending"),
+        gke([pod(0, waiting=("ImagePullBackOff", f'Back-off pulling image "{TYPO}": ErrImagePull: {TYPO_NOT_FOUND}'),
+                 phase="Pending"),
              pod(1, waiting=("ErrImagePull", "manifest unknown"), phase="Pending"), pod(2, phase="Pending"),
              pod(3, phase="Pending")]),
         FailureClass.CONFIGURATION, "ImagePullBackOff", id="image-pull-failure",
+    ),
+    pytest.param(
+        gke([pod(0, waiting=("ImagePullBackOff", f'Back-off pulling image "{TYPO}": ErrImagePull: {REGISTRY_503}'),
+                 phase="Pending"), pod(1, phase="Running"), pod(2, phase="Running"), pod(3, phase="Running")]),
+        FailureClass.INFRASTRUCTURE, "registry, network or runtime fault", id="image-pull-transient-registry-error",
+    ),
+    pytest.param(
+        gke([pod(0, 42, 20), pod(1, 143, 21), pod(2, 143, 21),
+             pod(3, waiting=("ErrImagePull", REGISTRY_503), phase="Pending")],
+            reports=[report(0, 42, 20, exc="KeyError", msg="'labels'", step=3, tb="Traceback ...")]),
+        FailureClass.APPLICATION, "KeyError", id="a-transient-pull-does-not-hide-a-workers-failure",
+    ),
+    pytest.param(
+        gke([pod(0, 143, 30), pod(1, 143, 30), pod(2, 143, 30), torn_down(3, events=[
+            f"Failed: Failed to pull image \"{TYPO}\": {TYPO_NOT_FOUND}", "Failed: Error: ErrImagePull"])]),
+        FailureClass.CONFIGURATION, "its image cannot be pulled", id="never-ran-137-placeholder-events-say-not-found",
+    ),
+    pytest.param(
+        gke([pod(0, 42, 20), pod(1, 143, 21), pod(2, 143, 21), torn_down(3, at=19)],
+            reports=[report(0, 42, 20, exc="ValueError", msg="bad shape", step=5, tb="Traceback ...")]),
+        FailureClass.APPLICATION, "worker 0", id="never-ran-137-placeholder-is-not-a-sigkill",
+    ),
+    pytest.param(
+        gke([torn_down(i, events=[f"Failed: Failed to pull image \"{TYPO}\": {REGISTRY_503}"] if i == 2 else ())
+             for i in range(HOSTS)]),
+        FailureClass.INFRASTRUCTURE, "registry or network fault", id="never-ran-placeholders-events-say-503",
+    ),
+    pytest.param(
+        gke([pod(0, 143, 12), pod(1, 143, 12), pod(2, 143, 12), pod(3, 143, 10)],
+            [node(0), node(1), node(2), node(3, ready=False, reason="KubeletNotReady",
+                                            message="node is shutting down")]),
+        FailureClass.PREEMPTION, "node shutting down", id="on-demand-node-shutting-down",
     ),
     pytest.param(
         gke([pod(i, 42, 20) for i in range(HOSTS)],
@@ -227,8 +281,12 @@ def test_first_failure_decides_over_later_application_errors():
     assert v.first_worker == 3
 
 
+def case(name):
+    return next(c.values[0] for c in CASES if c.id == name)
+
+
 def test_secondary_first_points_at_cause_worker():
-    ev = CASES[7].values[0]
+    ev = case("gloo-on-neighbours-of-sigkilled-worker")
     v = classify(ev)
     assert (v.first_worker, v.cause_worker) == (1, 1)
     assert v.evidence[0].startswith("worker 1 ")
@@ -263,23 +321,24 @@ def test_local_record_with_signal_names_as_the_runner_writes_them():
 
 
 def test_classify_is_pure():
-    ev = CASES[3].values[0]
+    ev = case("oomkilled-same-second-as-peer-loss")
     before = ev.model_dump()
     assert classify(ev) == classify(ev)
     assert ev.model_dump() == before
 
 
-def _supervised(outcome, kind, reason, code=None):
+def _supervised(outcome, kind, reason, code=None, snapshot=None):
     from recovery_steps.kernel.records import SupervisionRecord
 
     return SupervisionRecord(attempt=0, jobset="js", outcome=outcome, stall_kind=kind, reason=reason, worker=3,
-                             detected_at=T0 + 50, exit_code=code)  # fmt: skip
+                             detected_at=T0 + 50, exit_code=code, snapshot=snapshot)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("kind", "cls"),
     [("capacity", FailureClass.CAPACITY), ("configuration", FailureClass.CONFIGURATION),
-     ("hang", FailureClass.HANG), ("node-lost", FailureClass.INFRASTRUCTURE)],
+     ("hang", FailureClass.HANG), ("node-lost", FailureClass.INFRASTRUCTURE),
+     ("image-pull", FailureClass.INFRASTRUCTURE)],
 )  # fmt: skip
 def test_a_stall_the_supervisor_stopped_decides_over_the_sigterm_exits_it_caused(kind, cls):
     # After the stop every worker exited 143 (SIGTERM): alone, that reads as a preemption.
@@ -300,3 +359,51 @@ def test_a_supervised_ordinary_failure_is_classified_from_the_workers():
     pods = [pod(0, 143, 61), pod(1, 143, 61), pod(2, 143, 61), pod(3, 42, 60)]
     ev = Evidence(backend="gke", attempt=0, pods=pods, supervision=_supervised("failed", None, "Job failed"))
     assert classify(ev).failure_class == FailureClass.APPLICATION
+
+
+IMPENDING = "cloud.google.com/impending-node-termination:NoSchedule"
+# A node-lost stall, as the supervisor recorded it with its snapshot (worker 3 on gke-tpu-3), and the class it is.
+# (id, the snapshot's nodes, the workers' exit reports, the stall's reason, class, a fragment of the reason)
+NODE_LOST = [
+    ("node-shutting-down", [node(3, ready=False, reason="KubeletNotReady", message="node is shutting down")], [],
+     "worker 3: node gke-tpu-3 is NotReady for 121 s", FailureClass.PREEMPTION, "gke-tpu-3 was shutting down"),
+    ("spot-node-unreachable", [node(3, ready=None, reason="NodeStatusUnknown", spot=True)], [],
+     "worker 3: node gke-tpu-3 is unreachable", FailureClass.PREEMPTION, "gke-tpu-3 is a Spot VM"),
+    ("preemptible-node", [node(3, ready=None, preemptible=True)], [], "worker 3: node gke-tpu-3 is unreachable",
+     FailureClass.PREEMPTION, "Spot VM"),
+    ("reclaim-taint", [node(3, ready=False, reason="KubeletNotReady", taints=[IMPENDING])], [],
+     "worker 3: node gke-tpu-3 is NotReady", FailureClass.PREEMPTION, "maintenance (taint cloud.google.com/impending"),
+    ("maintenance-label", [node(3, ready=False, maint="true")], [], "worker 3: node gke-tpu-3 is NotReady",
+     FailureClass.PREEMPTION, "label cloud.google.com/active-node-maintenance=true"),
+    ("worker-sigterm-before-the-stop", [node(3, ready=None)], [report(3, 143, 40, step=30)],
+     "worker 3: node gke-tpu-3 is unreachable", FailureClass.PREEMPTION, "worker 3 exited 143 (SIGTERM) before"),
+    ("sigterm-from-the-supervisors-own-stop", [node(3, ready=None)], [report(i, 143, 60) for i in range(3)],
+     "worker 3: node gke-tpu-3 is unreachable", FailureClass.INFRASTRUCTURE, "stalled (node-lost)"),
+    ("gone-node-of-a-spot-slice", [node(0, spot=True), node(3, found=False)], [], "worker 3: node gke-tpu-3 is gone",
+     FailureClass.PREEMPTION, "the slice's nodes are Spot VMs (node gke-tpu-0)"),
+    ("on-demand-node-unreachable", [node(0), node(3, ready=None, reason="NodeStatusUnknown")], [],
+     "worker 3: node gke-tpu-3 is unreachable", FailureClass.INFRASTRUCTURE, "unreachable"),
+    ("on-demand-node-gone", [node(0), node(3, found=False)], [], "worker 3: node gke-tpu-3 is gone",
+     FailureClass.INFRASTRUCTURE, "gone"),
+    ("no-snapshot-the-recorded-ready-message-says-it", None, [],
+     "worker 3: node gke-tpu-3 is NotReady (KubeletNotReady: node is shutting down) for 130 s",
+     FailureClass.PREEMPTION, "the supervisor saw the node shutting down"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "nodes", "reports", "why", "cls", "fragment"), NODE_LOST,
+                         ids=[c[0] for c in NODE_LOST])  # fmt: skip
+def test_a_node_lost_stall_is_a_preemption_when_the_node_or_the_workers_say_so(case, nodes, reports, why, cls,
+                                                                               fragment):  # fmt: skip
+    from recovery_steps.kernel.snapshot import ClusterSnapshot
+
+    snap = None
+    if nodes is not None:
+        snap = ClusterSnapshot(taken_at=T0 + 50, nodes=nodes, pods=[pod(i, phase="Running") for i in range(HOSTS)])
+    after_stop = [pod(i, 143, 60) for i in range(HOSTS)]  # every worker got the stop's SIGTERM
+    ev = Evidence(backend="gke", attempt=0, pods=after_stop, reports=list(reports),
+                  supervision=_supervised("stalled", "node-lost", why, snapshot=snap))  # fmt: skip
+    v = classify(ev)
+    assert v.failure_class is cls, v.reason
+    assert fragment in v.reason and v.cause_worker == 3
+    assert "\n" not in v.reason and v.evidence[0].startswith("supervisor: stalled (node-lost)")
