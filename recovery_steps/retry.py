@@ -30,9 +30,13 @@ from recovery_steps.kernel.store import (
 
 log = logging.getLogger(__name__)
 
-# Classes whose failed attempts never ran training: they cannot be expected to advance the
-# checkpoint, so the no-progress guard does not count them (their own budget bounds them).
-NO_PROGRESS_EXEMPT = frozenset({FailureClass.CAPACITY})
+# Classes the no-progress guard does not count; their own budgets, counted since the last progress by default,
+# bound them instead. A capacity attempt never ran training, so it cannot advance the checkpoint. A preemption is
+# the platform's doing: on Spot, several in a row can come faster than ``checkpoint.interval_steps``, and the guard
+# (3 by default) would stop the run long before the preemption budget (20, or the 50-100 a Spot config sets) that
+# exists to bound exactly that. Counting only attempts that reached their first step would not help: a preemption
+# after a few steps but before the next checkpoint still advances nothing.
+NO_PROGRESS_EXEMPT = frozenset({FailureClass.CAPACITY, FailureClass.PREEMPTION})
 
 
 @dataclass(frozen=True)
@@ -80,14 +84,19 @@ def _advanced(a: AttemptRecord) -> bool:
 
 
 def stalled_attempts(attempts: Sequence[AttemptRecord]) -> int:
-    """Consecutive failed attempts, newest backwards, that did not advance the checkpoint step."""
+    """Consecutive failed attempts, newest backwards, that did not advance the checkpoint step.
+
+    Attempts of a ``NO_PROGRESS_EXEMPT`` class are not counted, but one that advanced the checkpoint (a preemption
+    that saved on its way out) is progress all the same and ends the run of stalls.
+    """
     n = 0
     for a in sorted(attempts, key=lambda a: a.attempt, reverse=True):
-        if a.outcome != "failed" or a.failure_class in NO_PROGRESS_EXEMPT:
+        if a.outcome != "failed":
             continue
         if _advanced(a):
             break
-        n += 1
+        if a.failure_class not in NO_PROGRESS_EXEMPT:
+            n += 1
     return n
 
 

@@ -84,8 +84,8 @@ def test_hang_budget_of_three():
 
 def test_no_progress_guard_trips_after_consecutive_stalls():
     cfg = RetryConfig(no_progress_attempts=3)
-    ds = run_sequence([(P, True), (P, False), (INF, False), (P, False), (P, True)], cfg)
-    assert [d.decision for d in ds] == [Decision.RETRY, Decision.RETRY, Decision.RETRY, Decision.STOP]
+    ds = run_sequence([(P, True), (INF, False), (P, False), (H, False), (INF, False), (INF, True)], cfg)
+    assert [d.decision for d in ds] == [Decision.RETRY] * 4 + [Decision.STOP]
     assert ds[-1].reason.startswith("no progress: 3 consecutive failed attempts")
 
 
@@ -97,9 +97,36 @@ def test_progress_resets_the_guard():
 
 def test_capacity_waits_do_not_count_as_stalls():
     cfg = RetryConfig(no_progress_attempts=2)
-    ds = run_sequence([(C, False)] * 6 + [(P, False)], cfg)
+    ds = run_sequence([(C, False)] * 6 + [(INF, False)], cfg)
     assert all(d.decision is Decision.RETRY for d in ds)
-    assert stalled_attempts([rec(0, C, -1, -1), rec(1, P, -1, -1)]) == 1
+    assert stalled_attempts([rec(0, C, -1, -1), rec(1, INF, -1, -1)]) == 1
+
+
+# (id, attempts oldest first as (class, advanced the checkpoint), consecutive stalls the guard counts)
+STALLS = [
+    ("preemptions-are-not-counted", [(P, False)] * 5, 0),
+    ("capacity-is-not-counted", [(C, False)] * 5, 0),
+    ("preemptions-between-stalls-neither-count-nor-break-them", [(INF, False), (P, False), (H, False), (P, False)], 2),
+    ("a-preemption-that-saved-on-its-way-out-is-progress", [(INF, False), (H, False), (P, True), (INF, False)], 1),
+    ("progress-of-any-class-ends-the-run-of-stalls", [(INF, False), (INF, True), (A, False)], 1),
+]
+
+
+@pytest.mark.parametrize(("case", "attempts", "stalled"), STALLS, ids=[c[0] for c in STALLS])
+def test_stalled_attempts(case, attempts, stalled):
+    records = [rec(n, cls, 0, 10 if advanced else 0) for n, (cls, advanced) in enumerate(attempts)]
+    assert stalled_attempts(records) == stalled
+
+
+def test_quick_preemptions_on_spot_are_bounded_by_their_budget_not_the_guard():
+    # A Spot run preempted faster than it checkpoints: the preemption budget (since progress) decides.
+    cfg = RetryConfig(budgets={P: 50})
+    ds = run_sequence([(P, False)] * 60, cfg)
+    assert [d.decision for d in ds] == [Decision.RETRY] * 50 + [Decision.STOP]
+    assert ds[-1].reason.startswith("preemption budget spent: 51 preemption failure(s) since the last progress")
+    # One failure of another kind after them is the guard's first stall, not its fourth.
+    ds = run_sequence([(P, False)] * 10 + [(INF, False)], cfg)
+    assert all(d.decision is Decision.RETRY for d in ds)
 
 
 def test_max_attempts_caps_the_run():
@@ -193,10 +220,10 @@ def test_300_preemptions_with_progress_keep_the_run_going():
     assert ds[-1].attempts_by_class["preemption"] == 300 and "retry 1 of 20 since progress" in ds[-1].reason
 
 
-def test_300_preemptions_without_progress_stop_at_the_guard():
+def test_300_preemptions_without_progress_stop_at_the_preemption_budget():
     ds = run_sequence([(P, False)] * 300, RetryConfig())
-    assert [d.decision for d in ds] == [Decision.RETRY] * 2 + [Decision.STOP]
-    assert ds[-1].reason.startswith("no progress: 3 consecutive failed attempts")
+    assert [d.decision for d in ds] == [Decision.RETRY] * 20 + [Decision.STOP]
+    assert ds[-1].reason.startswith("preemption budget spent: 21 preemption failure(s) since the last progress")
 
 
 def test_since_progress_budget_still_stops_a_stalled_storm_and_run_scope_counts_everything():

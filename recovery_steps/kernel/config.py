@@ -527,7 +527,9 @@ class RetryConfig(_Section):
     no_progress_attempts: int = Field(
         default=3,
         ge=1,
-        description="Stop after this many consecutive failed attempts without the checkpoint step advancing.",
+        description="Stop after this many consecutive failed attempts without the checkpoint step advancing "
+        "(capacity and preemption failures are not counted: their budgets, counted since the last progress, bound "
+        "them).",
     )
     max_attempts: int | None = Field(
         default=None,
