@@ -310,3 +310,126 @@ def test_a_retry_after_the_stop_reports_the_recorded_verdict_and_creates_no_gang
     rec, lines, _ = _run(cfg, tmp_path, cluster)
     assert rec.outcome == "failed" and rec.reason == "exit 42"
     assert not cluster.requests_of("POST", "/jobsets") and any("decided by an earlier try" in ln for ln in lines)
+
+
+# --- a node shutting down, and image pulls that fail for a while -------------------------------------------------
+
+
+def _shutting_down(name, since, *, spot=True):
+    """A node as its kubelet reports it once a graceful shutdown starts (kubernetes pkg/kubelet/nodeshutdown)."""
+    n = node(name, ready=False)
+    n["status"]["conditions"][0].update(reason="KubeletNotReady", message="node is shutting down",
+                                        lastTransitionTime=iso(since))  # fmt: skip
+    if spot:
+        n["metadata"]["labels"]["cloud.google.com/gke-spot"] = "true"
+    return n
+
+
+def _running_gang(js):
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Running", running=True))
+
+    return created
+
+
+def test_a_node_shutting_down_is_not_lost_before_its_grace_the_failed_pod_ends_the_attempt(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store")  # node_lost_grace_s: the default 120 s
+    js = f"{cfg.run_id}-a0"
+
+    def shutdown(c):
+        c.nodes["gke-tpu-3"] = _shutting_down("gke-tpu-3", time.time())
+
+    def killed(c):
+        time.sleep(0.5)  # the supervisor decides several times while the node is NotReady
+        c.put("pods", pod(js, 3, time.time(), node="gke-tpu-3", phase="Failed", exit_code=143))
+
+    cluster.on_create = _running_gang(js)
+    cluster.script = [shutdown, lambda c: None, killed]
+    rec, _, _ = _run(cfg, tmp_path, cluster)
+    assert (rec.outcome, rec.stall_kind) == ("failed", None), rec.reason
+    assert "worker 3 failed (exit code 143" in rec.reason
+    (n3,) = [n for n in rec.snapshot.nodes if n.name == "gke-tpu-3"]
+    assert (n3.ready, n3.ready_message, n3.spot) == (False, "node is shutting down", True)
+
+
+def test_a_node_lost_past_its_grace_names_the_kubelets_reason_and_classifies_as_a_preemption(tmp_path, cluster):
+    from recovery_steps.classify import classify
+    from recovery_steps.evidence import Evidence
+
+    cfg = _cfg(tmp_path / "store", node_lost_grace_s=1)
+    js = f"{cfg.run_id}-a0"
+
+    def shutdown(c):
+        c.nodes["gke-tpu-2"] = _shutting_down("gke-tpu-2", time.time())
+
+    cluster.on_create = _running_gang(js)
+    cluster.script = [shutdown]
+    rec, _, _ = _run(cfg, tmp_path, cluster)
+    assert (rec.outcome, rec.stall_kind) == ("stalled", "node-lost")
+    assert "node gke-tpu-2 is NotReady (KubeletNotReady: node is shutting down, Spot)" in rec.reason
+    assert "(grace 1 s)" in rec.reason
+    v = classify(Evidence(backend="gke", attempt=0, supervision=rec))
+    assert v.failure_class == "preemption" and "gke-tpu-2 was shutting down" in v.reason, v.reason
+
+
+REGISTRY_503 = ('rpc error: code = Unknown desc = failed to pull and unpack image "us-docker.pkg.dev/p/ml/worker:1": '
+                "unexpected status code https://us-docker.pkg.dev/v2/p/ml/worker/blobs/sha256:9f2c: 503 Service "
+                "Unavailable")  # fmt: skip
+
+
+def test_a_transient_pull_error_then_a_slow_pull_is_not_a_configuration_stall(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store", image_pull_deadline_s=0.3)  # transient_pull_deadline_s: the default 900 s
+    js = f"{cfg.run_id}-a0"
+    back_off = f'Back-off pulling image "us-docker.pkg.dev/p/ml/worker:1": ErrImagePull: {REGISTRY_503}'
+
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", waiting=("ErrImagePull", REGISTRY_503)))
+
+    def backing_off(c):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", waiting=("ImagePullBackOff", back_off)))
+
+    def slow_pull(c):
+        time.sleep(0.8)  # the kubelet pulls; the pods still show the cached back-off, past image_pull_deadline_s
+
+    def running(c):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Running", running=True))
+
+    def done(c):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Succeeded", exit_code=0))
+
+    cluster.on_create = created
+    cluster.script = [backing_off, slow_pull, running, done]
+    rec, _, _ = _run(cfg, tmp_path, cluster)
+    assert rec.outcome == "succeeded", rec.reason
+
+
+def test_an_image_not_found_is_configuration_even_when_the_back_off_no_longer_says_why(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store", image_pull_deadline_s=0.6)
+    js = f"{cfg.run_id}-a0"
+    image = "us-docker.pkg.dev/p/ml/worker:typo"
+    not_found = f'failed to pull and unpack image "{image}": failed to resolve reference "{image}": {image}: not found'
+
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", waiting=("ErrImagePull", not_found)))
+
+    def old_kubelet_back_off(c):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}",
+                              waiting=("ImagePullBackOff", f'Back-off pulling image "{image}"')))  # fmt: skip
+
+    cluster.on_create = created
+    cluster.script = [lambda c: time.sleep(0.2), old_kubelet_back_off]
+    rec, _, _ = _run(cfg, tmp_path, cluster)
+    assert (rec.outcome, rec.stall_kind) == ("stalled", "configuration"), rec.reason
+    # The bare back-off (a kubelet before 1.32) is judged, and timed, by the pull error seen before it.
+    assert "waiting ImagePullBackOff" in rec.reason and "deadline 0.6 s for a permanent failure" in rec.reason
+    assert f"(last error: {not_found})" in rec.reason
