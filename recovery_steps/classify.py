@@ -337,8 +337,12 @@ def _disruption(d: Condition, o: _Obs) -> _Finding:
     if d.reason == "DeletionByTaintManager":
         if o.node is not None and o.node.maintenance():
             return _Finding(FailureClass.PREEMPTION, f"deleted for node maintenance ({o.node.maintenance()})")
+        if o.node is not None and o.node.spot:
+            return _Finding(FailureClass.PREEMPTION, "deleted by the taint manager: its Spot node was reclaimed")
         return _Finding(FailureClass.INFRASTRUCTURE, "deleted by the taint manager (node unreachable or NotReady)")
     if d.reason == "DeletionByPodGC":
+        if o.slice_spot:
+            return _Finding(FailureClass.PREEMPTION, "garbage-collected: its node, a Spot VM of the slice, disappeared")
         return _Finding(FailureClass.INFRASTRUCTURE, "garbage-collected: its node disappeared")
     return _Finding(FailureClass.INFRASTRUCTURE, f"disrupted by Kubernetes ({d.reason})")
 

@@ -150,6 +150,24 @@ CASES = [
         FailureClass.INFRASTRUCTURE, "registry or network fault", id="never-ran-placeholders-events-say-503",
     ),
     pytest.param(
+        gke([pod(0, 20, 9), pod(1, disruption="DeletionByPodGC", at=5, phase="Failed"), pod(2, 20, 9),
+             pod(3, 134, 15)], [node(0, spot=True), node(1, found=False), node(2, spot=True), node(3, spot=True)]),
+        FailureClass.PREEMPTION, "Spot VM of the slice", id="pod-gc-spot-node-gone",
+    ),
+    pytest.param(
+        gke([pod(0, 143, 40), pod(1, 143, 30, disruption="DeletionByTaintManager"), pod(2, 143, 40), pod(3, 143, 40)],
+            [node(0, spot=True), node(1, ready=None, reason="NodeStatusUnknown", spot=True,
+                                    taints=["node.kubernetes.io/unreachable:NoExecute"]),
+             node(2, spot=True), node(3, spot=True)]),
+        FailureClass.PREEMPTION, "Spot node was reclaimed", id="taint-manager-deletion-on-spot",
+    ),
+    pytest.param(
+        gke([pod(0, 20, 9), pod(1, 20, 9), pod(2, 20, 9), pod(3, phase="Running")],
+            [node(0, spot=True), node(1, spot=True), node(2, spot=True), node(3, found=False)],
+            reports=[report(i, 20, 9.1, exc="JaxRuntimeError", msg=GLOO) for i in range(3)]),
+        FailureClass.PREEMPTION, "a Spot VM of the slice, is gone", id="spot-slice-node-gone-peers-lost",
+    ),
+    pytest.param(
         gke([pod(0, 143, 12), pod(1, 143, 12), pod(2, 143, 12), pod(3, 143, 10)],
             [node(0), node(1), node(2), node(3, ready=False, reason="KubeletNotReady",
                                             message="node is shutting down")]),
