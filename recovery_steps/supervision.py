@@ -64,7 +64,8 @@ PERMANENT_PULL_MARKERS = (
     "errimageneverpull",
 )
 # The kubelet's back-off wrapper. Since Kubernetes 1.32 it repeats the failed pull's error
-# ('Back-off pulling image "X": ErrImagePull: <error>'; pkg/kubelet/images/image_manager.go, prevPullErrMsg);
+# ('Back-off pulling image "X": ErrImagePull: <error>'; pkg/kubelet/images/image_manager.go prevPullErrMsg,
+# kubernetes#127918);
 # before, it is only 'Back-off pulling image "X"'.
 _BACK_OFF = re.compile(r'^Back-off pulling image "[^"]*":?\s*')
 _CAUSE_TAG = re.compile(r"^(?:ErrImagePull|RegistryUnavailable|SignatureValidationFailed):\s*")
