@@ -558,8 +558,10 @@ class Supervisor:
         clock: Callable[[], float] = time.time,
         progress_file: str | None = None,
         say: Callable[[str], None] = log.info,
+        renew: Callable[[float], str | None] | None = None,
     ):
         self.cfg, self.attempt, self.cluster, self.store = cfg, attempt, cluster, store
+        self.renew = renew
         self.clock = clock
         self.hosts = cfg.slice.num_hosts
         self.progress = Progress(self.hosts, cfg.training.total_steps, progress_file, say)
@@ -680,6 +682,11 @@ class Supervisor:
             interval = self.cfg.supervision.watch_interval_s
             while True:
                 self.check_watchers()
+                lost = self.renew(self.clock()) if self.renew is not None else None
+                if lost is not None:
+                    self.say(f"{lost}: deleting this Workflow's gang, the run belongs to another one now")
+                    self.cluster.delete_jobset()
+                    raise SegmentError(ExitCode.CONFIGURATION, f"{lost}; this Workflow's JobSet was deleted")
                 obs, beats = self.observe()
                 verdict = decide(obs, self.cfg.supervision)
                 self.progress.update(obs, verdict)
@@ -770,6 +777,24 @@ def load_manifest(text: str, attempt: int) -> dict[str, Any]:
     return manifest
 
 
+def lease_renewal(
+    store: RunStore, holder: str, ttl_s: float, say: Callable[[str], None]
+) -> Callable[[float], str | None]:
+    """A per-loop call that renews the run lease when due; it returns a line when the lease was lost."""
+    from recovery_steps import lease
+
+    state = {"next_at": 0.0}
+
+    def renew(at: float) -> str | None:
+        r = lease.renew_if_due(store, holder, ttl_s, at, next_at=state["next_at"])
+        state["next_at"] = r.next_at
+        if r.line:
+            say(r.line)
+        return (r.line or "the run lease is lost") if r.status == lease.RenewStatus.LOST else None
+
+    return renew
+
+
 def outputs_of(record: SupervisionRecord) -> SegmentOutputs:
     """The step's declared outputs from its supervision record."""
     return SegmentOutputs(
@@ -793,8 +818,12 @@ def run(
     clock: Callable[[], float] = time.time,
     progress_file: str | None = None,
     say: Callable[[str], None] = log.info,
+    holder: str | None = None,
 ) -> SupervisionRecord:
     """Supervise attempt ``attempt`` of the run to its end; write the record and the outputs.
+
+    ``holder`` (the Workflow's uid) renews the run lease while the segment runs (``lease.renew_if_due``): a
+    segment outlives the lease's TTL. A lease another Workflow holds now ends this one's gang (exit 2).
 
     Raises:
         SegmentError: The attempt cannot be supervised (its ``code`` is the exit code).
@@ -822,7 +851,8 @@ def run(
                 f"no Kubernetes API: {type(e).__name__}: {detail}; run in the cluster or give --k8s-host",
             ) from None
     cluster = Cluster(api_client, manifest["metadata"].get("namespace") or cfg.namespace, manifest["metadata"]["name"])
-    sup = Supervisor(cfg, attempt, cluster, store, clock=clock, progress_file=progress_file, say=say)
+    sup = Supervisor(cfg, attempt, cluster, store, clock=clock, progress_file=progress_file, say=say,
+                     renew=lease_renewal(store, holder, cfg.retry.lease_ttl_s, say) if holder else None)  # fmt: skip
     try:
         record = sup.run(manifest)
     except AlreadyDecided as done:
@@ -884,6 +914,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster config)"
     )
+    ap.add_argument("--holder", default=None, help="the Workflow's uid: renew the run lease while the segment runs")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s train-segment %(levelname)s %(message)s")
     text = args.jobset_manifest
@@ -896,7 +927,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminated)
     try:
         record = run(args.store_root, args.run_id, args.attempt, text, args.output_dir, k8s_host=args.k8s_host,
-                     progress_file=os.environ.get("ARGO_PROGRESS_FILE"))  # fmt: skip
+                     progress_file=os.environ.get("ARGO_PROGRESS_FILE"), holder=args.holder)  # fmt: skip
     except Terminated:
         print(f"train-segment: {left_behind(args.store_root, args.run_id, args.attempt)}", file=sys.stderr)
         return 128 + signal.SIGTERM

@@ -181,7 +181,8 @@ def test_image_pull_backoff_past_its_deadline_is_a_configuration_stall(tmp_path,
         t = time.time()
         for i in range(HOSTS):
             c.put("pods", pod(js, i, t, node=f"gke-tpu-{i}", waiting=(
-                "ImagePullBackOff", 'Back-off pulling image "us-docker.pkg.dev/p/ml/worker:typo"')))  # fmt: skip
+                "ImagePullBackOff", 'Back-off pulling image "us-docker.pkg.dev/p/ml/worker:typo": ErrImagePull: '
+                'failed to resolve reference "us-docker.pkg.dev/p/ml/worker:typo": not found')))  # fmt: skip
 
     cluster.on_create = created
     rec, _, _ = _run(cfg, tmp_path, cluster)
@@ -310,6 +311,43 @@ def test_a_retry_after_the_stop_reports_the_recorded_verdict_and_creates_no_gang
     rec, lines, _ = _run(cfg, tmp_path, cluster)
     assert rec.outcome == "failed" and rec.reason == "exit 42"
     assert not cluster.requests_of("POST", "/jobsets") and any("decided by an earlier try" in ln for ln in lines)
+
+
+def test_a_lease_held_by_another_workflow_ends_this_ones_gang(tmp_path, cluster):
+    from recovery_steps import lease
+
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    lease.acquire(store, "uid-other", "wf-other", 3600)
+    with pytest.raises(ts.SegmentError) as e:
+        ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out", k8s_host=cluster.url,
+               holder="uid-mine", say=lambda _: None)  # fmt: skip
+    assert e.value.code == 2 and "wf-other" in str(e.value) and "deleted" in str(e.value)
+    assert cluster.requests_of("DELETE", "/jobsets/")
+
+
+def test_the_supervisor_renews_the_lease_it_holds(tmp_path, cluster):
+    from recovery_steps import lease
+    from recovery_steps.kernel.records import RunLease
+
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    lease.acquire(store, "uid-mine", "wf-mine", 3600)
+    before = store.read_record(RunLayout.LEASE, RunLease).renewed_at
+    js = f"{cfg.run_id}-a0"
+    t0 = time.time()
+
+    def done(c):
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, t0, node=f"gke-tpu-{i}", phase="Succeeded", exit_code=0))
+        c.put("jobsets", {**c.objects["jobsets"][js], "status": {"terminalState": "Completed"}})
+
+    cluster.script = [lambda c: time.sleep(0.05), done]
+    rec = ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out", k8s_host=cluster.url,
+                 holder="uid-mine", say=lambda _: None)  # fmt: skip
+    assert rec.outcome == "succeeded"
+    after = store.read_record(RunLayout.LEASE, RunLease)
+    assert after.holder == "uid-mine" and after.renewed_at > before
 
 
 # --- a node shutting down, and image pulls that fail for a while -------------------------------------------------

@@ -253,7 +253,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             "train_segment",
             [
                 "--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN,
-                "--jobset-manifest", json.dumps(manifest, separators=(",", ":")),
+                "--jobset-manifest", json.dumps(manifest, separators=(",", ":")), "--holder", "{{workflow.uid}}",
             ],
             inputs=["attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port"],
             outputs=SegmentOutputs,

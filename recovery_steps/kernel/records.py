@@ -457,7 +457,7 @@ class SupervisionRecord(_Record):
         "not supervise (exit_code says why)."
     )
     exit_code: int | None = Field(default=None, description="The supervisor's exit code when outcome is error.")
-    stall_kind: str | None = Field(default=None, description="capacity, configuration, hang or node-lost.")
+    stall_kind: str | None = Field(default=None, description="capacity, configuration, image-pull, hang or node-lost.")
     reason: str = Field(description="One line: why the attempt is over.")
     worker: int | None = Field(default=None, description="The worker the reason is about, if one.")
     created_at: float | None = Field(default=None, description="The JobSet's creationTimestamp.")

@@ -117,9 +117,13 @@ def run(real_cluster, namespace, tpu_nodes, tmp_path, request) -> Iterator[Run]:
     marker = request.node.get_closest_marker("supervision")
     overrides = marker.kwargs if marker else {}
     image = request.node.get_closest_marker("image")
+    on_demand = request.node.get_closest_marker("on_demand")
     cfg = tier_config(tmp_path / "store", namespace, **overrides)
-    if image:
-        cfg = cfg.model_copy(update={"image": image.args[0]})
+    if image or on_demand:
+        update = {"image": image.args[0]} if image else {}
+        if on_demand:  # the slice on on-demand VMs (the shipped v5e-4x4 config is Spot)
+            update["slice"] = cfg.slice.model_copy(update={"spot": False})
+        cfg = cfg.model_copy(update=update)
         RunStore(cfg.storage.root, cfg.run_id).write_json(
             RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()}
         )

@@ -104,8 +104,9 @@ def test_a_worker_exit_code_is_matched_by_the_real_pod_failure_policy_and_classi
     assert result.verdict.failure_class == EXIT_CLASSES[code], (result.verdict, result.evidence)
 
 
-@pytest.mark.nodes(4)
-def test_a_lost_node_is_seen_by_the_real_node_lifecycle_and_its_stuck_pod_force_deleted(run):
+@pytest.mark.parametrize("spot", [pytest.param(False, marks=pytest.mark.on_demand), True], ids=["on-demand", "spot"])
+@pytest.mark.supervision(node_lost_grace_s=20)
+def test_a_lost_node_is_seen_by_the_real_node_lifecycle_and_its_stuck_pod_force_deleted(run, spot):
     sup = run.supervise(0)
     pods = run.workers(0)
     run.beat(0, 3)
@@ -123,7 +124,8 @@ def test_a_lost_node_is_seen_by_the_real_node_lifecycle_and_its_stuck_pod_force_
     assert any(t["key"] == "node.kubernetes.io/unreachable" for t in node["spec"].get("taints") or [])
     wait_for("the stopped attempt's JobSet and pods gone", lambda: run.gone(0), 60)
     result = run.classify(0)
-    assert result.verdict.failure_class == "infrastructure", (result.verdict, result.evidence)
+    # A Spot VM that vanished was reclaimed (GKE docs "Spot VMs"); an on-demand one failed.
+    assert result.verdict.failure_class == ("preemption" if spot else "infrastructure"), result.verdict
 
 
 @pytest.mark.nodes(2)

@@ -44,9 +44,11 @@ def slice_observation(sl: LocalSlice, now: float, beats: Sequence[WorkerHeartbea
                                 message=room)  # fmt: skip
             pods.append(PodObservation(name=name, index=w.index, created_at=sl.created_at, conditions=(cond,)))
         elif held == IMAGE_PULL:
+            # The message as kubelet >= 1.32 writes it: the back-off repeats the pull's error (kubernetes#127918).
+            pulled = f'Back-off pulling image "{image}": ErrImagePull: failed to resolve reference "{image}": not found'
             pods.append(PodObservation(
                 name=name, index=w.index, node=node, created_at=sl.created_at, waiting_reason=IMAGE_PULL,
-                waiting_since=sl.created_at, waiting_message=f'Back-off pulling image "{image}" (rehearsal)',
+                waiting_since=sl.created_at, waiting_message=f"{pulled} (rehearsal)",
                 conditions=(PodCondition(type="PodScheduled", since=sl.created_at),),
             ))  # fmt: skip
         elif w.proc is None:
