@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.documents import read_worker_reports
-from recovery_steps.kernel.k8s import JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION
+from recovery_steps.kernel.k8s import API_TIMEOUT_S, JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION
 from recovery_steps.kernel.records import LocalSliceRecord, SupervisionRecord, WorkerExitReport
 from recovery_steps.kernel.snapshot import (
     Condition,
@@ -93,7 +93,13 @@ class KubernetesReader:
         try:
             return self._json(
                 self._custom.get_namespaced_custom_object(
-                    JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name, _preload_content=False
+                    JOBSET_GROUP,
+                    JOBSET_VERSION,
+                    namespace,
+                    JOBSET_PLURAL,
+                    name,
+                    _preload_content=False,
+                    _request_timeout=API_TIMEOUT_S,
                 )
             )
         except ApiException as e:
@@ -104,23 +110,27 @@ class KubernetesReader:
     def jobs(self, namespace: str, jobset: str) -> list[dict[str, Any]]:
         """The JobSet's child Jobs."""
         sel = f"{JOBSET_NAME_LABEL}={jobset}"
-        return self._json(self._batch.list_namespaced_job(namespace, label_selector=sel, _preload_content=False)).get(
-            "items", []
-        )
+        return self._json(
+            self._batch.list_namespaced_job(
+                namespace, label_selector=sel, _preload_content=False, _request_timeout=API_TIMEOUT_S
+            )
+        ).get("items", [])
 
     def pods(self, namespace: str, jobset: str) -> list[dict[str, Any]]:
         """The JobSet's pods."""
         sel = f"{JOBSET_NAME_LABEL}={jobset}"
-        return self._json(self._core.list_namespaced_pod(namespace, label_selector=sel, _preload_content=False)).get(
-            "items", []
-        )
+        return self._json(
+            self._core.list_namespaced_pod(
+                namespace, label_selector=sel, _preload_content=False, _request_timeout=API_TIMEOUT_S
+            )
+        ).get("items", [])
 
     def node(self, name: str) -> dict[str, Any] | None:
         """The node, or None when it is gone."""
         from kubernetes.client.exceptions import ApiException
 
         try:
-            return self._json(self._core.read_node(name, _preload_content=False))
+            return self._json(self._core.read_node(name, _preload_content=False, _request_timeout=API_TIMEOUT_S))
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -129,9 +139,11 @@ class KubernetesReader:
     def events(self, namespace: str, pod: str) -> list[str]:
         """Warning events of a pod, as 'Reason: message'."""
         sel = f"involvedObject.name={pod},involvedObject.kind=Pod"
-        items = self._json(self._core.list_namespaced_event(namespace, field_selector=sel, _preload_content=False)).get(
-            "items", []
-        )
+        items = self._json(
+            self._core.list_namespaced_event(
+                namespace, field_selector=sel, _preload_content=False, _request_timeout=API_TIMEOUT_S
+            )
+        ).get("items", [])
         return [f"{e.get('reason')}: {e.get('message')}" for e in items if e.get("type", "Warning") == "Warning"]
 
 

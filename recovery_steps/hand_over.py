@@ -40,6 +40,7 @@ from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.k8s import (
+    API_TIMEOUT_S,
     ARGO_GROUP,
     ARGO_VERSION,
     CONTINUES_LABEL,
@@ -139,19 +140,19 @@ def create_on_gke(api_client: Any, namespace: str, own_name: str, own_uid: str, 
     name = continuation_name(run_id, attempt)
     try:
         try:
-            own = custom.get_namespaced_custom_object(*args, own_name)
+            own = custom.get_namespaced_custom_object(*args, own_name, _request_timeout=API_TIMEOUT_S)
         except client.ApiException as e:
             raise _api_error(e, f"get workflow {own_name}") from None
         if own.get("metadata", {}).get("uid") != own_uid:
             raise HandOverError(f"workflow {own_name} has uid {own.get('metadata', {}).get('uid')}, not {own_uid}")
         body = continuation_manifest(own, name, run_id, attempt)
         try:
-            made = custom.create_namespaced_custom_object(*args, body)
+            made = custom.create_namespaced_custom_object(*args, body, _request_timeout=API_TIMEOUT_S)
         except client.ApiException as e:
             if e.status != 409:
                 raise _api_error(e, f"create workflow {name}") from None
             try:
-                made = custom.get_namespaced_custom_object(*args, name)
+                made = custom.get_namespaced_custom_object(*args, name, _request_timeout=API_TIMEOUT_S)
             except client.ApiException as e2:
                 raise _api_error(e2, f"get workflow {name}") from None
             continues = (made.get("metadata", {}).get("labels") or {}).get(CONTINUES_LABEL)

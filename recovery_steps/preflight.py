@@ -25,7 +25,7 @@ from typing import Any
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.k8s import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
+from recovery_steps.kernel.k8s import API_TIMEOUT_S, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
 from recovery_steps.kernel.records import PreflightCheck
 from recovery_steps.kernel.store import RunLayout, RunStore, split_gcs_url
 
@@ -205,15 +205,17 @@ def check_cluster(cfg: JobConfig, api_client: Any) -> list[Problem]:
     authz = client.AuthorizationV1Api(api_client)
     ns = cfg.namespace
     queries: dict[str, Any] = {
-        "namespace": lambda: core.read_namespace(ns),
+        "namespace": lambda: core.read_namespace(ns, _request_timeout=API_TIMEOUT_S),
         # Listing in the namespace answers 404 "the server could not find the requested resource" when the
         # CRD is not installed, and needs only the list verb the steps have anyway.
         "jobset-crd": lambda: custom.list_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, ns, JOBSET_PLURAL, limit=1
+            JOBSET_GROUP, JOBSET_VERSION, ns, JOBSET_PLURAL, limit=1, _request_timeout=API_TIMEOUT_S
         ),
     }
     for sa in sorted({cfg.service_account, cfg.worker_service_account}):
-        queries[f"serviceaccount/{sa}"] = lambda sa=sa: core.read_namespaced_service_account(sa, ns)
+        queries[f"serviceaccount/{sa}"] = lambda sa=sa: core.read_namespaced_service_account(
+            sa, ns, _request_timeout=API_TIMEOUT_S
+        )
     answers: dict[str, ApiAnswer] = {}
     try:
         for key, q in queries.items():
@@ -235,7 +237,7 @@ def check_cluster(cfg: JobConfig, api_client: Any) -> list[Problem]:
                     )
                 )
             )  # fmt: skip
-            got = authz.create_self_subject_access_review(review)
+            got = authz.create_self_subject_access_review(review, _request_timeout=API_TIMEOUT_S)
             key = f"can/{use.verb} {use.resource}"
             answers[key] = ApiAnswer(201, allowed=bool(got.status and got.status.allowed))
     except client.ApiException as e:

@@ -315,7 +315,7 @@ def wait_pods_gone(
         selector += f",{JOBSET_NAME_LABEL} notin ({','.join(keep)})"
     deadline = clock() + timeout_s
     while True:
-        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+        pods = core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=API_TIMEOUT_S).items
         if not pods:
             return
         if clock() >= deadline:
@@ -330,7 +330,7 @@ def list_slice_nodes(api_client: Any, selector: dict[str, str]) -> list[NodeInfo
 
     core = client.CoreV1Api(api_client)
     label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
-    return [node_info(n) for n in core.list_node(label_selector=label_selector).items]
+    return [node_info(n) for n in core.list_node(label_selector=label_selector, _request_timeout=API_TIMEOUT_S).items]
 
 
 def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[NodeInfo]) -> list[NodeInfo]:
@@ -344,7 +344,9 @@ def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[No
     from kubernetes import client
 
     core = client.CoreV1Api(api_client)
-    pods = core.list_namespaced_pod(namespace, label_selector=f"{RUN_ID_LABEL},{RUN_ID_LABEL}!={run_id}").items
+    pods = core.list_namespaced_pod(
+        namespace, label_selector=f"{RUN_ID_LABEL},{RUN_ID_LABEL}!={run_id}", _request_timeout=API_TIMEOUT_S
+    ).items
     by_node: dict[str, list[str]] = {}
     for p in pods:
         node = p.spec.node_name if p.spec else None

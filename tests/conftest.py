@@ -34,6 +34,13 @@ def gcs_emulator():
             os.environ[k] = v
 
 
+@pytest.fixture
+def gcs_bucket(gcs_emulator) -> str:
+    """The emulator's bucket (a fixture: test modules never import this conftest, which shares its module name
+    with tests/k8s/conftest.py)."""
+    return BUCKET
+
+
 @pytest.fixture(params=["local", "gcs"])
 def store_root(request, tmp_path):
     """A run-store root: a local directory, then a gs:// prefix in the emulator (unique per test)."""

@@ -94,12 +94,16 @@ def pod(jobset: str, i: int, t: float, *, node: str | None = None, phase: str = 
 def node(name: str, *, ready: bool | None = True, unreachable: bool = False) -> dict[str, Any]:
     """A node as the API returns it (Ready Unknown and the unreachable taint when its kubelet is gone)."""
     s = "True" if ready else ("False" if ready is False else "Unknown")
-    taints = [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": iso(0)}] if unreachable \
-        else []  # fmt: skip
+    # As the node-lifecycle controller of kube-controller-manager v1.36 leaves a node whose kubelet went silent
+    # (real-controller tier): Ready Unknown with this message, and both unreachable taints.
+    taints = [{"key": "node.kubernetes.io/unreachable", "effect": e, "timeAdded": iso(0)}
+              for e in ("NoSchedule", "NoExecute")] if unreachable else []  # fmt: skip
+    cond = {"type": "Ready", "status": s, "reason": "NodeStatusUnknown" if not ready else "KubeletReady",
+            "lastTransitionTime": iso(0)}  # fmt: skip
+    if ready is None:
+        cond["message"] = "Kubelet stopped posting node status."
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {}},
-            "spec": {"taints": taints},
-            "status": {"conditions": [{"type": "Ready", "status": s, "reason": "NodeStatusUnknown" if not ready
-                                       else "KubeletReady", "lastTransitionTime": iso(0)}]}}  # fmt: skip
+            "spec": {"taints": taints}, "status": {"conditions": [cond]}}  # fmt: skip
 
 
 class FakeCluster:

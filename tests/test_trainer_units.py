@@ -316,10 +316,8 @@ def _worker(root: str):
     return Worker(RunArgs(root, cfg.run_id, 0, -1), env={}), cfg
 
 
-def test_bucket_check_passes_against_the_real_emulator_and_skips_a_local_root(gcs_emulator, tmp_path):
-    from conftest import BUCKET
-
-    w, cfg = _worker(f"gs://{BUCKET}/bucket-check")
+def test_bucket_check_passes_against_the_real_emulator_and_skips_a_local_root(gcs_bucket, tmp_path):
+    w, cfg = _worker(f"gs://{gcs_bucket}/bucket-check")
     w.check_bucket(cfg)  # the bucket's metadata reads: nothing to say
     w, cfg = _worker(f"gs://no-such-bucket-{os.getpid()}/p")
     with pytest.raises(TrainerExit) as e:
@@ -352,12 +350,11 @@ def test_bucket_check_transient_answer_is_not_a_configuration_error(gcs_answerin
     assert "could not read the metadata of gs://run-bucket" in caplog.text and "going on" in caplog.text
 
 
-def test_worker_without_bucket_metadata_rights_exits_2_before_joining_the_gang(gcs_emulator, tmp_path):
-    from conftest import BUCKET
+def test_worker_without_bucket_metadata_rights_exits_2_before_joining_the_gang(gcs_emulator, gcs_bucket, tmp_path):
     from test_preflight import IamProxy
     from trainer_harness import launch, read_report, write_config
 
-    cfg = tiny_config(f"gs://{BUCKET}/bucket-rights-{os.getpid()}", hosts=2)
+    cfg = tiny_config(f"gs://{gcs_bucket}/bucket-rights-{os.getpid()}", hosts=2)
     store = write_config(cfg)
     proxy = IamProxy(gcs_emulator.url, {"storage.buckets.get"})  # every other call reaches the emulator
     try:

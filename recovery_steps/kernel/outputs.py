@@ -129,7 +129,9 @@ class SegmentOutputs(StepOutputs):
 
     TEMPLATE: ClassVar[str] = "train-segment"
     outcome: str = out("succeeded, failed or stalled (supervision.AttemptState).", shown=True)
-    stall_kind: str = out("capacity, configuration, image-pull, hang or node-lost when stalled; empty otherwise.", shown=True)
+    stall_kind: str = out(
+        "capacity, configuration, image-pull, hang or node-lost when stalled; empty otherwise.", shown=True
+    )
     reason: str = out("One line: why the attempt is over.", shown=True)
     last_step: int = out("Newest step any worker reported (-1: none).")
     checkpoint_step: int = out("Newest committed checkpoint step after the stop (-1: none).")

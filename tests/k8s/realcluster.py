@@ -43,6 +43,7 @@ BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 # Lease and stops reporting its pods, as a dead kubelet would).
 KWOK_LABEL = "jaxrec.test/kwok"
 EXIT_CODE_ANNOTATION = "jaxrec.test/exit-code"
+EXIT_REASON_ANNOTATION = "jaxrec.test/exit-reason"
 NEVER_PULLS_IMAGE = "registry.invalid/never-pulls:0"
 NODE_LEASE_S = 4  # KWOK renews every lease/4 s
 NODE_MONITOR_GRACE_S = 8  # NotReady (Unknown) after this long without a renewal
@@ -379,11 +380,11 @@ class RealCluster:
         """Take a node away from KWOK: its Lease is no longer renewed and its pods are no longer reported."""
         self.core().patch_node(name, {"metadata": {"labels": {KWOK_LABEL: None}}})
 
-    def exit_pod(self, namespace: str, pod: str, code: int) -> None:
-        """Make the pod's container exit with ``code`` (the KWOK stage reports it as the kubelet would)."""
-        self.core().patch_namespaced_pod(
-            pod, namespace, {"metadata": {"annotations": {EXIT_CODE_ANNOTATION: str(code)}}}
-        )
+    def exit_pod(self, namespace: str, pod: str, code: int, reason: str | None = None) -> None:
+        """Make the pod's container exit with ``code`` (and the terminated ``reason``, e.g. OOMKilled); the KWOK
+        stage reports it as the kubelet would."""
+        notes = {EXIT_CODE_ANNOTATION: str(code), **({EXIT_REASON_ANNOTATION: reason} if reason else {})}
+        self.core().patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": notes}})
 
     # --- lifecycle ---------------------------------------------------------------------------------
 

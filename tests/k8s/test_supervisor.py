@@ -86,6 +86,24 @@ def test_the_real_job_controller_matches_each_exit_code_to_its_pod_failure_polic
     )
 
 
+# Exits outside the podFailurePolicy (the Job fails on backoffLimit 0): the class comes from the pod's own state,
+# which only the supervisor's record keeps once its stop deleted the gang.
+UNLISTED_EXITS = [(137, "OOMKilled", "application"), (127, "Error", "configuration"), (126, "Error", "configuration")]
+
+
+@pytest.mark.parametrize(("code", "reason", "cls"), UNLISTED_EXITS, ids=[f"{c}-{r}" for c, r, _ in UNLISTED_EXITS])
+def test_an_oom_kill_or_a_missing_entrypoint_is_classified_from_the_record_of_the_stopped_gang(run, code, reason, cls):
+    sup = run.supervise(0)
+    pods = run.workers(0)
+    run.beat(0, 7)
+    run.rc.exit_pod(run.ns, pods[3]["metadata"]["name"], code, reason)
+    rc, log = run.finish(sup)
+    assert rc == 1, log
+    wait_for("the stopped attempt's JobSet and pods gone", lambda: run.gone(0), 60)
+    result = run.classify(0)
+    assert result.verdict.failure_class == cls, (result.verdict, result.evidence)
+
+
 @pytest.mark.parametrize("code", sorted(EXIT_CLASSES))
 def test_a_worker_exit_code_is_matched_by_the_real_pod_failure_policy_and_classified(run, code):
     sup = run.supervise(0)
@@ -128,33 +146,32 @@ def test_a_lost_node_is_seen_by_the_real_node_lifecycle_and_its_stuck_pod_force_
     assert result.verdict.failure_class == ("preemption" if spot else "infrastructure"), result.verdict
 
 
-@pytest.mark.nodes(2)
-@pytest.mark.supervision(startup_deadline_s=8)
-def test_too_few_tpu_nodes_is_the_real_schedulers_unschedulable_and_ends_as_capacity(run):
+def _stalls_and_is_classified(run, kind: str, cls: str):
+    """Supervise attempt 0 until the supervisor ends it as a ``kind`` stall; classify-failure says ``cls``."""
     sup = run.supervise(0)
     code, log = run.finish(sup, timeout=120)
     assert code == 1, log
     rec = run.record(0)
-    assert rec.outcome == "stalled" and rec.stall_kind == "capacity", rec
-    evidence = " ".join(rec.evidence)
-    assert "unschedulable" in evidence and "nodes are available" in evidence, evidence
+    assert rec.outcome == "stalled" and rec.stall_kind == kind, rec
     wait_for("the stopped attempt's JobSet and pods gone", lambda: run.gone(0), 60)
     result = run.classify(0)
-    assert result.verdict.failure_class == "capacity", (result.verdict, result.evidence)
+    assert result.verdict.failure_class == cls, (result.verdict, result.evidence)
+    return rec
+
+
+@pytest.mark.nodes(2)
+@pytest.mark.supervision(startup_deadline_s=8)
+def test_too_few_tpu_nodes_is_the_real_schedulers_unschedulable_and_ends_as_capacity(run):
+    rec = _stalls_and_is_classified(run, "capacity", "capacity")
+    evidence = " ".join(rec.evidence)
+    assert "unschedulable" in evidence and "nodes are available" in evidence, evidence
 
 
 @pytest.mark.image(NEVER_PULLS_IMAGE)
 @pytest.mark.supervision(image_pull_deadline_s=4)
 def test_an_image_that_never_pulls_ends_as_configuration(run):
-    """Simulated: KWOK reports ImagePullBackOff for this image (no kubelet pulls anything here)."""
-    sup = run.supervise(0)
-    code, log = run.finish(sup, timeout=120)
-    assert code == 1, log
-    rec = run.record(0)
-    assert rec.outcome == "stalled" and rec.stall_kind == "configuration", rec
-    wait_for("the stopped attempt's JobSet and pods gone", lambda: run.gone(0), 60)
-    result = run.classify(0)
-    assert result.verdict.failure_class == "configuration", (result.verdict, result.evidence)
+    """Simulated: KWOK reports ImagePullBackOff ("not found") for this image (no kubelet pulls anything here)."""
+    _stalls_and_is_classified(run, "configuration", "configuration")
 
 
 def test_a_supervisor_killed_and_started_again_reattaches_to_the_live_jobset(run):
