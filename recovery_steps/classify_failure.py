@@ -85,8 +85,6 @@ def load_run_config(store: RunStore) -> JobConfig:
 
 # A supervisor lost this often in one attempt is not bad luck: the attempt is closed (class from the evidence).
 MAX_SUPERVISOR_LOSSES = 10
-# The supervision outcomes that are a verdict on the attempt (recovery_steps.supervision.AttemptState).
-VERDICTS = frozenset({"succeeded", "failed", "stalled"})
 
 
 def orphaned_gang(ev: Evidence) -> str | None:
@@ -99,13 +97,10 @@ def orphaned_gang(ev: Evidence) -> str | None:
     js = ev.jobset
     if ev.backend != "gke" or js is None or not js.found:
         return None
-    finished = js.terminal_state or any(c.type in ("Completed", "Failed") and c.status == "True" for c in js.conditions)
-    if finished:
+    if js.finished:
         return None
     sup = ev.supervision
-    if sup is not None and (
-        sup.outcome in VERDICTS or (sup.outcome == "error" and sup.exit_code != ExitCode.TRANSIENT)
-    ):
+    if sup is not None and (sup.decided or (sup.outcome == "error" and sup.exit_code != ExitCode.TRANSIENT)):
         return None
     why = "no supervision record" if sup is None else f"the supervisor left transient ({sup.reason})"
     return f"JobSet {js.name} is running and {why}: its supervisor was lost"

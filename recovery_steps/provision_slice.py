@@ -217,14 +217,6 @@ def _quantity_int(q: Any) -> int:
         return 0
 
 
-def jobset_finished(obj: dict[str, Any]) -> bool:
-    """Whether a JobSet has ended (its terminalState, or a Completed or Failed condition)."""
-    status = obj.get("status") or {}
-    return bool(status.get("terminalState")) or any(
-        c.get("type") in ("Completed", "Failed") and c.get("status") == "True" for c in status.get("conditions") or []
-    )
-
-
 def delete_old_jobsets(
     api_client: Any, namespace: str, run_id: str, keep: Callable[[dict[str, Any]], bool] = lambda _: False
 ) -> list[str]:
@@ -263,9 +255,10 @@ def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]
     naming it, instead of killing what may be healthy work.
     """
     from recovery_steps.kernel.records import Ledger, SupervisionRecord
+    from recovery_steps.kernel.snapshot import jobset_from_api
 
     def keep(obj: dict[str, Any]) -> bool:
-        if jobset_finished(obj):
+        if jobset_from_api(obj).finished:
             return False
         meta = obj.get("metadata") or {}
         label = (meta.get("labels") or {}).get(ATTEMPT_LABEL, "")
@@ -276,7 +269,7 @@ def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]
             log.info("JobSet %s of this attempt is running: kept for train-segment to re-attach", meta.get("name"))
             return True
         sup = store.read_record(RunLayout.supervision(k), SupervisionRecord)
-        if sup is not None and sup.outcome in ("succeeded", "failed", "stalled"):
+        if sup is not None and sup.decided:
             return False
         ledger = store.read_record(RunLayout.LEDGER, Ledger)
         if ledger is not None and any(a.attempt == k for a in ledger.attempts):

@@ -102,7 +102,7 @@ class AlreadyDecided(Exception):
 def recorded_verdict(store: RunStore, attempt: int) -> SupervisionRecord | None:
     """The attempt's supervision verdict (succeeded, failed or stalled) if a supervisor recorded one."""
     rec = store.read_record(RunLayout.supervision(attempt), SupervisionRecord)
-    if rec is not None and rec.outcome in {s.value for s in AttemptState if s != AttemptState.RUNNING}:
+    if rec is not None and rec.decided:
         return rec
     return None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import signal
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -485,3 +485,12 @@ class SupervisorLosses(_Record):
     attempt: int
     at: list[float] = Field(default_factory=list, description="When each loss was found (epoch seconds).")
     reasons: list[str] = Field(default_factory=list, description="One line each: what was found.")
+    # The outcomes that are a verdict on the attempt (recovery_steps.supervision.AttemptState other than
+    # running); "error" says only that this supervisor could not supervise.
+    VERDICTS: ClassVar[frozenset[str]] = frozenset({"succeeded", "failed", "stalled"})
+
+    @property
+    def decided(self) -> bool:
+        """A supervisor decided the attempt (succeeded, failed or stalled)."""
+        return self.outcome in self.VERDICTS
+

@@ -122,6 +122,13 @@ class JobSetEvidence(_Ev):
     conditions: list[Condition] = Field(default_factory=list)
     terminal_state: str | None = None
 
+    @property
+    def finished(self) -> bool:
+        """The JobSet ended: its terminalState, or a Completed or Failed condition."""
+        return bool(self.terminal_state) or any(
+            c.type in ("Completed", "Failed") and c.status == "True" for c in self.conditions
+        )
+
 
 class ClusterSnapshot(_Ev):
     """The attempt's objects as one observer saw them at one time."""
