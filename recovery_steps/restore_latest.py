@@ -109,7 +109,10 @@ def run(store: RunStore, attempt: int) -> RestoreResult:
         return RestoreResult(ExitCode.CONFIGURATION, None, "", [], str(e))
 
     try:
-        sel, _ = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed)
+        sel, inspected = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed)
+        for c in inspected:
+            if c.file_basis is not None:
+                log.info("%s: files checked by %s", c.name, c.file_basis)
         if any(s.quarantine for s in sel.skipped) and not sel.incompatible:
             check_layout(store, RunLayout.QUARANTINE)
     except StoreLayoutError as e:

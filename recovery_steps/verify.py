@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -16,7 +17,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recovery_steps.kernel.checkpoints import crc32c_hex
 from recovery_steps.kernel.compat import check_compatible
 from recovery_steps.kernel.records import CheckpointManifest, Ledger
 from recovery_steps.kernel.store import ObjectInfo, RunLayout, RunStore
@@ -73,7 +73,9 @@ class CandidateInfo:
     manifest_wall_time: float | None = None
     compat_problems: tuple[str, ...] = ()
     file_problems: tuple[str, ...] | None = None
-    """None until the files were read back and checked."""
+    """None until the files were checked against the manifest."""
+    file_basis: str | None = None
+    """How the files were checked (``integrity_basis``), once they were."""
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,7 @@ def list_step_dirs(store: RunStore) -> dict[str, list[ObjectInfo]]:
         name, _, inner = rel.partition("/")
         if not inner or inner.endswith("/"):
             continue  # a folder placeholder object, or a stray file at the top
-        out.setdefault(name, []).append(ObjectInfo(inner, o.size, o.generation))
+        out.setdefault(name, []).append(ObjectInfo(inner, o.size, o.generation, o.crc32c))
     return out
 
 
@@ -334,48 +336,88 @@ def inspect_candidate(
     )
 
 
+def integrity_basis(manifest: CheckpointManifest, on_gcs: bool) -> str:
+    """How a step's files are checked against ``manifest``: one line for the log and the tests."""
+    if not on_gcs:
+        return "size and CRC32C, streamed from each file"
+    if manifest.files and all(f.generation is not None for f in manifest.files):
+        return "size, CRC32C and generation from one listing (no bytes read)"
+    return (
+        "size and CRC32C from one listing (no bytes read); the manifest records no generations (written before "
+        "they were recorded), so a rewrite with the same bytes is not told apart"
+    )
+
+
 def check_files(store: RunStore, name: str, objects: list[ObjectInfo], *, threads: int = 8) -> list[str]:
     """Check the step closed-world against its manifest; one line per problem.
 
-    Every file the manifest lists must be present with its size and CRC32C (read back), and every file
-    under the step must be listed: a file the manifest does not know (an extra array chunk, say) could
-    be read by orbax without ever having been checked. Nothing is exempt besides the manifest itself:
-    the manifest is written after orbax committed the step (``commit_success.txt`` on GCS, the
-    directory rename and ``_CHECKPOINT_METADATA`` locally are all in place before it), so it lists
-    orbax's metadata and marker files too. The run store's own lock file of the manifest write
-    (``.manifest.json.lock``) is not an object.
+    Every file the manifest lists must be present with its size and CRC32C (and, where the manifest
+    records one, its GCS generation), and every file under the step must be listed: a file the manifest
+    does not know (an extra array chunk, say) could be read by orbax without ever having been checked.
+    Nothing is exempt besides the manifest itself: the manifest is written after orbax committed the step
+    (``commit_success.txt`` on GCS, the directory rename and ``_CHECKPOINT_METADATA`` locally are all in
+    place before it), so it lists orbax's metadata and marker files too. The run store's own lock file of
+    the manifest write (``.manifest.json.lock``) is not an object.
+
+    Cost: on GCS the listing in ``objects`` carries each object's size, CRC32C and generation, so no byte
+    is read whatever the checkpoint's size (O(files)). Locally each file is streamed through CRC32C in
+    ``CRC_CHUNK`` pieces on ``threads`` threads: memory stays at a few MiB.
     """
+    return check_step(store, name, objects, threads=threads)[0]
+
+
+def check_step(
+    store: RunStore, name: str, objects: list[ObjectInfo], *, threads: int = 8
+) -> tuple[list[str], str | None]:
+    """``check_files``'s problems and how the files were checked (``integrity_basis``; None without a manifest)."""
     raw = store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{RunLayout.MANIFEST}")
     if raw is None:
-        return [f"{RunLayout.MANIFEST} vanished while being checked"]
+        return [f"{RunLayout.MANIFEST} vanished while being checked"], None
     try:
         manifest = CheckpointManifest.model_validate_json(raw)
     except ValidationError:
-        return [f"{RunLayout.MANIFEST} changed while being checked and is unreadable"]
-    sizes = {o.name: o.size for o in objects}
+        return [f"{RunLayout.MANIFEST} changed while being checked and is unreadable"], None
+    problems = file_problems(store, name, manifest, objects, threads=threads)
+    return problems, integrity_basis(manifest, store.is_gcs)
+
+
+def file_problems(
+    store: RunStore, name: str, manifest: CheckpointManifest, objects: list[ObjectInfo], *, threads: int = 8
+) -> list[str]:
+    """The problems of step directory ``name`` (objects as listed) against ``manifest``; see ``check_files``."""
+    by_name = {o.name: o for o in objects}
     problems: list[str] = []
     if not manifest.files:
         return ["the manifest lists no files"]
-    listed = [f.path for f in manifest.files]
-    twice = sorted({p for p in listed if listed.count(p) > 1})
+    counts = Counter(f.path for f in manifest.files)
+    twice = sorted(p for p, n in counts.items() if n > 1)
     problems += [f"{p} is listed twice in the manifest" for p in twice[:3]]
-    unlisted = sorted(set(sizes) - set(listed) - {RunLayout.MANIFEST})
+    unlisted = sorted(set(by_name) - set(counts) - {RunLayout.MANIFEST})
     problems += [f"{p} is not in the manifest (an unverified file)" for p in unlisted]
-    to_read = []
+    to_sum = []
     for f in manifest.files:
-        if f.path not in sizes:
+        o = by_name.get(f.path)
+        if o is None:
             problems.append(f"{f.path} is missing")
-        elif sizes[f.path] != f.size:
-            problems.append(f"{f.path} has {sizes[f.path]} bytes, the manifest says {f.size}")
-        else:
-            to_read.append(f)
+        elif o.size != f.size:
+            problems.append(f"{f.path} has {o.size} bytes, the manifest says {f.size}")
+        elif o.crc32c is not None and o.crc32c != f.crc32c:
+            problems.append(f"{f.path} has CRC32C {o.crc32c}, the manifest says {f.crc32c}")
+        elif f.generation is not None and o.generation != f.generation:
+            # Same size and CRC32C, another object: a copy from another step, or a rewrite after the commit.
+            problems.append(
+                f"{f.path} is generation {o.generation}, the manifest says {f.generation} (rewritten or replaced "
+                "after the step was committed)"
+            )
+        elif o.crc32c is None:
+            to_sum.append(f)
 
     def crc(path: str) -> str | None:
-        data = store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{path}")
-        return None if data is None else crc32c_hex(data)
+        got = store.crc32c(f"{RunLayout.CHECKPOINTS}/{name}/{path}")
+        return None if got is None else got[0]
 
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for f, got in zip(to_read, pool.map(crc, [f.path for f in to_read]), strict=True):
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for f, got in zip(to_sum, pool.map(crc, [f.path for f in to_sum]), strict=True):
             if got is None:
                 problems.append(f"{f.path} vanished while being read")
             elif got != f.crc32c:
@@ -396,8 +438,8 @@ def verify_checkpoints(
 ) -> tuple[Selection, list[CandidateInfo]]:
     """List the run's checkpoints, verify them newest first, and select the one to restore.
 
-    File contents are read back only for the candidate about to be selected, so a fallback reads the
-    data of each checkpoint it tries once and never touches older ones.
+    Files are checked only for the candidate about to be selected: on GCS from the listing already made
+    (no bytes read), locally by streaming each file of that candidate once; older steps are never touched.
 
     Args:
         store: The run store.
@@ -413,7 +455,8 @@ def verify_checkpoints(
     inspected: list[CandidateInfo] = []
     for c in order_newest_first(cheap):
         if judge(c, closed_at) is None:
-            c = replace(c, file_problems=tuple(check_files(store, c.name, dirs[c.name])))
+            problems, basis = check_step(store, c.name, dirs[c.name])
+            c = replace(c, file_problems=tuple(problems), file_basis=basis)
         inspected.append(c)
         if judge(c, closed_at) is None:
             break

@@ -237,3 +237,60 @@ def test_cli_without_config_exits_2_without_traceback(store_root, tmp_path, caps
     assert restore_latest.main(argv) == ExitCode.CONFIGURATION
     err = capsys.readouterr().err
     assert "no config for run 'nothing-here'" in err and "validate-config" in err and "Traceback" not in err
+
+
+# ---- integrity from metadata: what the manifest pins and how restore-latest checks it --------------
+
+
+def test_manifest_pins_what_the_store_holds(run):
+    """Each entry is the file's size and CRC32C (and its GCS generation), whoever computed them."""
+    from recovery_steps.kernel.checkpoints import crc32c_hex
+    from recovery_steps.kernel.records import CheckpointManifest
+
+    store, cfg = run
+    write_checkpoint(store, cfg, 10, floats=300_000)  # an array file over CRC_CHUNK: streamed in pieces locally
+    manifest = store.read_record(RunLayout.checkpoint_manifest(10), CheckpointManifest)
+    listed = {o.name.removeprefix("checkpoints/10/"): o for o in store.list(RunLayout.checkpoint(10))}
+    assert {f.path for f in manifest.files} == set(listed) - {RunLayout.MANIFEST}
+    for f in manifest.files:
+        data = store.read_bytes(f"checkpoints/10/{f.path}")
+        assert (f.size, f.crc32c) == (len(data), crc32c_hex(data)), f.path
+        assert f.generation == (listed[f.path].generation if store.is_gcs else None)
+    assert max(f.size for f in manifest.files) > (1 << 20)
+
+
+def test_same_bytes_rewritten_on_gcs_are_not_the_committed_object(run):
+    """A copy with the same size and CRC32C (another step's file, a rewrite) fails by its generation on GCS."""
+    store, cfg = run
+    write_checkpoint(store, cfg, 10)
+    write_checkpoint(store, cfg, 20)
+    name = _file(store, 20)
+    store.write_bytes(name, store.read_bytes(name))  # same bytes, a new object
+    r = _restore(store)
+    if store.is_gcs:
+        assert r.selection.step == 10
+        [skip] = r.selection.skipped
+        assert "generation" in skip.reason and "rewritten or replaced" in skip.reason
+    else:
+        assert r.selection.step == 20  # locally the bytes are what is checked
+
+
+def test_manifest_without_generations_still_verifies_and_says_so(run, caplog):
+    """A manifest written before generations were recorded verifies by size and CRC32C, and the log says so."""
+    from recovery_steps.kernel.records import CheckpointManifest
+
+    store, cfg = run
+    write_checkpoint(store, cfg, 10)
+    rel = RunLayout.checkpoint_manifest(10)
+    m = store.read_record(rel, CheckpointManifest)
+    old = m.model_dump(mode="json", by_alias=True)
+    for f in old["files"]:
+        del f["generation"]
+    store.write_json(rel, old)
+    with caplog.at_level("INFO", logger="recovery_steps.restore_latest"):
+        r = _restore(store)
+    assert r.selection.step == 10 and not r.selection.skipped
+    if store.is_gcs:
+        assert "records no generations" in caplog.text and "no bytes read" in caplog.text
+    else:
+        assert "streamed" in caplog.text

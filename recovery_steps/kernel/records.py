@@ -107,7 +107,16 @@ class ManifestFile(_Record):
 
     path: str = Field(description="Path relative to the checkpoint step directory.")
     size: int
-    crc32c: str = Field(description="CRC32C of the contents, hex.")
+    crc32c: str = Field(
+        description="CRC32C of the contents, hex: on GCS the one the store computed on upload and lists; on a "
+        "local directory computed by the writing host, streamed."
+    )
+    generation: int | None = Field(
+        default=None,
+        description="GCS object generation as listed when the manifest was written: pins the object itself, so "
+        "a rewrite or a copy with the same bytes does not pass. None locally and in manifests written before "
+        "generations were recorded (those verify by size and CRC32C only).",
+    )
 
 
 class CheckpointManifest(_Record):
