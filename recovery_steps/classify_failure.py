@@ -29,7 +29,7 @@ from recovery_steps.kernel import cli
 from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig
 from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
-from recovery_steps.kernel.documents import read_run_config
+from recovery_steps.kernel.documents import read_ledger, read_run_config
 from recovery_steps.kernel.outputs import ClassifyOutputs
 from recovery_steps.kernel.records import (
     AttemptRecord,
@@ -215,6 +215,7 @@ def run(
     store = RunStore(store_root, run_id)
     with ledger_errors(store, StepFailure):
         cfg = load_run_config(store)
+        read_ledger(store)  # a damaged ledger is refused before anything is written
         ev = gather(store, cfg, attempt, jobset, api_client=api_client, step_exit_code=step_exit_code)
         lost = orphaned_gang(ev)
         if lost is not None:

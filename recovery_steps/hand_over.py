@@ -38,7 +38,7 @@ from recovery_steps import lease
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.documents import read_run_config
+from recovery_steps.kernel.documents import read_ledger, read_run_config
 from recovery_steps.kernel.k8s import (
     API_TIMEOUT_S,
     ARGO_GROUP,
@@ -242,6 +242,7 @@ def run(
             cfg: JobConfig = read_run_config(store)
         except ConfigError as e:
             raise HandOverError(f"the run's config is not valid: {'; '.join(e.problems)}") from None
+        read_ledger(store)  # a damaged ledger is refused before a continuation is created
         if cfg.slice.is_local:
             to = local_continuation(store.read_record(RunLayout.LEDGER, Ledger), workflow_uid, run_id, attempt)
         else:

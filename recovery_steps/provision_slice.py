@@ -27,7 +27,7 @@ from typing import Any
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.documents import read_run_config
+from recovery_steps.kernel.documents import read_ledger, read_run_config
 from recovery_steps.kernel.k8s import (
     ACTIVE_MAINTENANCE_LABEL,
     API_TIMEOUT_S,
@@ -493,7 +493,10 @@ def provision_local(cfg: JobConfig, attempt: int, store_root: str) -> ProvisionO
 def load_run_config(store_root: str, run_id: str) -> JobConfig:
     """The validated config of the run from its store (ProvisionError, configuration, when absent/bad)."""
     try:
-        return read_run_config(RunStore(store_root, run_id))
+        store = RunStore(store_root, run_id)
+        cfg = read_run_config(store)
+        read_ledger(store)  # a damaged ledger is refused before anything is deleted
+        return cfg
     except ConfigError as e:
         raise ProvisionError(ExitCode.CONFIGURATION, e.render()) from None
     except DocumentError as e:

@@ -110,7 +110,7 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
         first_attempt = next_attempt(store)
     except DocumentError as e:
         return ValidateResult(
-            ExitCode.CONFIGURATION, [str(e), "restore it from the run's history, or start a new run id"]
+            ExitCode.CONFIGURATION, [f"{e}; or restore it from the run's history, or start a new run id"]
         )
     # A resubmission continues the attempt numbering: its first attempt may need more digits than the policy's.
     problem = run_id_pod_name_problem(cfg, first_attempt)
