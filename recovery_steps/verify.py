@@ -282,6 +282,11 @@ def read_manifest(store: RunStore, name: str, step: int, run_id: str) -> tuple[C
 def manifest_compat_problems(manifest: CheckpointManifest, config: Mapping[str, Any], num_hosts: int) -> list[str]:
     """Readable reasons why a checkpoint written as ``manifest`` cannot be restored under ``config``."""
     problems = [p.render() for p in check_compatible(manifest.config, config)]
+    total = (config.get("training") or {}).get("total_steps")
+    if isinstance(total, int) and manifest.step > total:
+        # Training under this config ends at total_steps: a later step is another config's (or not a step
+        # this run could have written), and restoring it would start past the end.
+        problems.append(f"step {manifest.step} is beyond training.total_steps {total}")
     if manifest.process_count != num_hosts:
         problems.append(
             f"written by {manifest.process_count} processes, the slice has {num_hosts} (orbax could reshard, "

@@ -294,3 +294,13 @@ def test_manifest_without_generations_still_verifies_and_says_so(run, caplog):
         assert "records no generations" in caplog.text and "no bytes read" in caplog.text
     else:
         assert "streamed" in caplog.text
+
+
+def test_step_beyond_total_steps_is_refused(run):
+    store, cfg = run
+    write_checkpoint(store, cfg, 10)
+    write_checkpoint(store, cfg, cfg.training.total_steps + 10)
+    r = _restore(store)
+    assert r.selection.step == 10
+    [skip] = r.selection.skipped
+    assert f"beyond training.total_steps {cfg.training.total_steps}" in skip.reason
