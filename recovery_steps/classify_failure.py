@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         help="name of the Workflow running the attempt ({{workflow.name}}): counts its attempts for the hand-over",
     )
     args = p.parse_args(argv)
+    cli.ready_output_dir(p, args.output_dir, ClassifyOutputs.names())  # before the ledger is written
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         r = run(args.store_root, args.run_id, args.attempt, args.jobset, args.output_dir,

@@ -465,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--holder", default=None, help="this workflow's uid: act only if it holds the run lease")
     p.add_argument("--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster)")
     args = p.parse_args(argv)
+    cli.ready_output_dir(p, args.output_dir, FinalizeOutputs.names())  # before the ledger or the cluster is touched
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.holder and (code := _not_holder(args)) is not None:
         return code

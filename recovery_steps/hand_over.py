@@ -274,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="this Workflow's uid ({{workflow.uid}}): the run lease's holder")  # fmt: skip
     p.add_argument("--output-dir", type=cli.output_dir, default=None)
     args = p.parse_args(argv)
+    cli.ready_output_dir(p, args.output_dir, HandOverOutputs.names())  # before a continuation is created
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         to = run(args.store_root, args.run_id, args.attempt, args.workflow, args.workflow_uid, args.output_dir)

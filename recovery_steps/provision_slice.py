@@ -580,6 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--holder", default=None, help="renew the run lease for this workflow uid first")
     ap.add_argument("--holder-name", default=None, help="the workflow's name")
     args = ap.parse_args(argv)
+    cli.ready_output_dir(ap, args.output_dir, ProvisionOutputs.names())  # before the lease is taken or a gang deleted
     logging.basicConfig(level=logging.INFO, format="%(asctime)s provision-slice %(levelname)s %(message)s")
     try:
         outputs = run(

@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attempt", required=True, type=cli.attempt, help="the attempt about to start")
     p.add_argument("--output-dir", required=True, type=cli.output_dir)
     args = p.parse_args(argv)
+    cli.ready_output_dir(p, args.output_dir, RestoreOutputs.names())  # before anything is moved or recorded
     logging.basicConfig(level=logging.INFO, format="%(asctime)s restore-latest %(message)s")
     store = RunStore(args.store_root, args.run_id)
     try:

@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.output_dir is None and not args.offline:
         p.error("--output-dir is required (unless --offline)")
+    cli.ready_output_dir(p, args.output_dir, ValidateOutputs.names())  # before the lease or the config is written
     try:
         cfg = load_config(args.config)
     except ConfigError as e:

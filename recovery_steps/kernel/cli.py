@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -164,6 +165,49 @@ def output_dir(text: str) -> Path:
     except OSError as e:
         raise argparse.ArgumentTypeError(f"output directory {_short(text)} cannot be used ({e})") from None
     return p
+
+
+def ready_output_dir(parser: argparse.ArgumentParser, path: Path | None, names: Iterable[str]) -> None:
+    """Create the output directory and every output file now, before the step acts; refuse in one line if it cannot.
+
+    ``access()`` proves nothing: a pseudo file system (``/sys``) or a name over the file system's limit passes it and
+    fails the write, and a step that found out after acting would have changed the store or the cluster, then
+    crashed. What is created here is removed again (the tree is left as it was found): Argo reads a failed step's
+    unwritten output as missing, not as empty, and a refused step leaves no directory behind.
+
+    Args:
+        parser: The step's parser (its ``error`` prints the line and exits 2).
+        path: The ``--output-dir`` given (None: the step writes no outputs).
+        names: The output parameter files the step will write (``StepOutputs.names()``).
+    """
+    if path is None:
+        return
+    made: list[Path] = []
+    try:
+        missing = [path, *path.parents]
+        missing = missing[: next((i for i, p in enumerate(missing) if os.path.lexists(p)), len(missing))]
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+        for name in names:
+            f = path / name
+            existed = os.path.lexists(f)
+            with open(f, "a"):
+                pass
+            if not existed:
+                f.unlink()
+    except OSError as e:
+        where = f" ({_short(e.filename, 80)})" if isinstance(e.filename, str) and e.filename != str(path) else ""
+        parser.error(
+            f"--output-dir: output directory {_short(str(path))} cannot be written{where}: {e.strerror or e}; "
+            "give a writable directory"
+        )
+    finally:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
 
 def bounded_text(limit: int, what: str):
