@@ -18,6 +18,7 @@ deletes that gang (docs/DEPLOY.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -259,11 +260,19 @@ def run(
 
     Raises:
         RuntimeError: the run store cannot be read or written (message says which).
+        NoRun: the run was never validated (no ``config.json``): nothing is recorded.
     """
     final = SUCCEEDED if status == SUCCEEDED else FAILED
     store = RunStore(store_root, run_id)
     failed_nodes = parse_failures(failures)
     with ledger_errors(store, RuntimeError):
+        if store.read_bytes(RunLayout.CONFIG) is None:
+            # A ledger here would be the first document of a run that does not exist (a mistyped root or id).
+            why = f" ({final_reason(final, Ledger(run_id=run_id), failed_nodes)})" if failed_nodes else ""
+            raise NoRun(
+                f"{store.url(RunLayout.CONFIG)}: no config for run {run_id!r}: it was never validated{why}, nothing "
+                "is recorded; check --store-root and --run-id"
+            )
         done: AttemptRecord | None = None
         if final == SUCCEEDED:
             numbers = store.attempts()
@@ -313,6 +322,10 @@ def not_holder_status(ledger: Ledger | None, holder: str, run_id: str) -> tuple[
         h = gave[-1]
         return HANDED_OVER, f"run {run_id!r} continues in workflow {h.to_workflow} from attempt {h.next_attempt}"
     return NOT_HOLDER, f"this workflow does not hold run {run_id!r}; its ledger is left as it is"
+
+
+class NoRun(RuntimeError):
+    """finalize was pointed at a run that validate-config never pinned; ``str()`` is the one line a user reads."""
 
 
 class GangStopError(Exception):
@@ -471,6 +484,11 @@ def main(argv: list[str] | None = None) -> int:
         return code
     try:
         r = run(args.store_root, args.run_id, args.status, args.failures, args.output_dir)
+    except NoRun as e:
+        if args.holder:  # a lease taken by a validate-config that then refused: released, nothing else written
+            with contextlib.suppress(DocumentError, *store_errors()):
+                lease.release(RunStore(args.store_root, args.run_id), args.holder)
+        return cli.fail("finalize", str(e), int(ExitCode.CONFIGURATION))
     except RuntimeError as e:
         print(f"finalize: {e}", file=sys.stderr)
         return 1

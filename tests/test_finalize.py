@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from ckpt_factory import restore_record
+from ckpt_factory import restore_record, tiny_config, write_run_config
 from fake_k8s import FakeCluster, status
 from test_provision_slice import _store_config
 
@@ -21,6 +21,12 @@ from recovery_steps.retry import append_attempt
 RUN = "fin-run"
 
 
+def validated(store: RunStore) -> RunStore:
+    """The run as validate-config leaves it (finalize records nothing for a run that was never validated)."""
+    write_run_config(store, tiny_config(run_id=store.run_id))
+    return store
+
+
 def failed(n, cls, before, after, decision=Decision.RETRY, **extra):
     return AttemptRecord(attempt=n, outcome="failed", failure_class=cls, reason=f"{cls.value} on worker {n}",
                          decision=decision, backoff_seconds=4 * (n + 1), checkpoint_step_before=before,
@@ -28,7 +34,7 @@ def failed(n, cls, before, after, decision=Decision.RETRY, **extra):
 
 
 def test_succeeded_after_recoveries(store_root, tmp_path, capsys):
-    store = RunStore(store_root, RUN)
+    store = validated(RunStore(store_root, RUN))
     append_attempt(store, failed(0, FailureClass.PREEMPTION, -1, 20))
     append_attempt(store, failed(1, FailureClass.INFRASTRUCTURE, 20, 40))
     restore_record(store, 2, 40)
@@ -58,7 +64,7 @@ def test_succeeded_after_recoveries(store_root, tmp_path, capsys):
 
 def test_failed_after_budget_spent(tmp_path, capsys):
     root = str(tmp_path / "store")
-    store = RunStore(root, RUN)
+    store = validated(RunStore(root, RUN))
     append_attempt(store, failed(0, FailureClass.APPLICATION, -1, 10))
     append_attempt(store, failed(1, FailureClass.APPLICATION, 10, 10, Decision.STOP,
                                  decision_reason="application budget spent: 2 application failure(s)"))  # fmt: skip
@@ -75,16 +81,33 @@ def test_failed_after_budget_spent(tmp_path, capsys):
 
 def test_failed_before_any_attempt_uses_argo_failures(tmp_path):
     root = str(tmp_path / "store")
-    nodes = json.dumps([{"displayName": "validate-config", "message": "Error (exit code 2)", "phase": "Failed"}])
+    validated(RunStore(root, RUN))
+    nodes = json.dumps([{"displayName": "provision-slice", "message": "Error (exit code 2)", "phase": "Failed"}])
     r = finalize.run(root, RUN, "Error", nodes)
-    assert (r.final_status, r.final_reason) == ("Failed", "validate-config failed: Error (exit code 2)")
+    assert (r.final_status, r.final_reason) == ("Failed", "provision-slice failed: Error (exit code 2)")
     r2 = finalize.run(root, RUN, "Failed", "{{workflow.failures}}")
     assert r2.final_reason.startswith("the workflow ended before any attempt was classified")
 
 
+def test_a_run_never_validated_gets_no_ledger_and_one_line(tmp_path, capsys):
+    root = tmp_path / "store"
+    nodes = json.dumps([{"displayName": "validate-config", "message": "Error (exit code 2)", "phase": "Failed"}])
+    store = RunStore(str(root), RUN)
+    lease.acquire(store, "uid-a", "wf-a", 600)  # validate-config took the lease, then refused the config
+    argv = ["--store-root", str(root), "--run-id", RUN, "--status", "Failed", "--failures", nodes]
+    assert finalize.main([*argv, "--holder", "uid-a", "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "never validated" in err and "validate-config failed" in err, err
+    assert sorted(p.name for p in (root / "runs" / RUN).iterdir() if not p.name.startswith(".")) == ["lease.json"]
+    assert store.read_record(RunLayout.LEASE, RunLease).released  # the lease is not left held
+    assert not (tmp_path / "o").exists()
+    assert finalize.main(["--store-root", str(tmp_path / "elsewhere"), "--run-id", RUN, "--status", "Failed"]) == 2
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_finalize_twice_is_idempotent(tmp_path):
     root = str(tmp_path / "store")
-    store = RunStore(root, RUN)
+    store = validated(RunStore(root, RUN))
     restore_record(store, 0, -1)
     finalize.run(root, RUN, "Succeeded")
     finalize.run(root, RUN, "Succeeded")
@@ -95,7 +118,7 @@ def test_finalize_twice_is_idempotent(tmp_path):
 
 def test_unreadable_ledger_exits_with_message(tmp_path, capsys):
     root = str(tmp_path / "store")
-    RunStore(root, RUN).write_bytes(RunLayout.LEDGER, b"[1, 2")
+    validated(RunStore(root, RUN)).write_bytes(RunLayout.LEDGER, b"[1, 2")
     assert finalize.main(["--store-root", root, "--run-id", RUN, "--status", "Failed"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("finalize: ") and "unreadable ledger" in err
