@@ -1,6 +1,6 @@
 """An interpreter of compiled Argo Workflows: DAGs, steps, parameters, retries, suspend, exit handler.
 
-It decides what runs next and with which values; running a container or a resource is delegated to
+It decides what runs next and with which values; running a container is delegated to
 an executor (``workflows.local.executor``), so the same interpreter is tested with tiny ``python -c`` steps.
 """
 
@@ -66,14 +66,10 @@ class NodeInfo:
 
 
 class Executor(Protocol):
-    """Runs the leaf templates (containers and resources) of a workflow."""
+    """Runs the leaf templates (containers) of a workflow."""
 
     def run_container(self, node: NodeInfo, template: Mapping[str, Any]) -> NodeResult:
         """Run a container (or script) template whose fields are already substituted."""
-        ...
-
-    def run_resource(self, node: NodeInfo, template: Mapping[str, Any]) -> NodeResult:
-        """Run a resource template whose manifest is already substituted."""
         ...
 
     def stop_all(self) -> None:
@@ -330,7 +326,7 @@ class WorkflowRun:
     ) -> NodeResult:  # fmt: skip
         node = NodeInfo(self._next_id(), display if not retries else f"{display}({retries})", task,
                         tmpl["name"], attempt, retries, now())  # fmt: skip
-        leaf = any(k in tmpl for k in ("container", "script", "resource", "suspend"))
+        leaf = any(k in tmpl for k in ("container", "script", "suspend"))
         if leaf:
             self.progress("start", node, None)
         names = {**self._global_names(), **{f"inputs.parameters.{k}": v for k, v in inputs.items()}}
@@ -346,11 +342,6 @@ class WorkflowRun:
                 dur = parse_duration(substitute(str(tmpl["suspend"].get("duration", "0")), names))
                 self._sleep_for(dur)
                 res = NodeResult(SUCCEEDED)
-            elif "resource" in tmpl:
-                body = dict(tmpl)
-                body["resource"] = substitute_tree(tmpl["resource"], names)
-                body["outputs"] = substitute_tree(tmpl.get("outputs", {}), names, strict=False)
-                res = self.executor.run_resource(node, body)
             elif "container" in tmpl or "script" in tmpl:
                 body = substitute_tree({k: v for k, v in tmpl.items() if k not in ("metrics",)}, names)
                 res = self.executor.run_container(node, body)

@@ -10,7 +10,6 @@ does when a pod is deleted: Kubernetes docs "Pod Lifecycle", termination of pods
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -540,39 +539,6 @@ class LocalExecutor:
             time.sleep(0.05)
         return forced
 
-    # -- resources (the JobSet) --------------------------------------------------------------------
-
-    def run_resource(self, node: NodeInfo, template: Mapping[str, Any]) -> NodeResult:
-        """Run a JobSet resource as local worker processes with JobSet's failure semantics."""
-        res = template["resource"]
-        action = res.get("action", "create")
-        try:
-            manifest = yaml.safe_load(res.get("manifest", ""))
-        except yaml.YAMLError as e:
-            return NodeResult(ERROR, message=f"resource manifest is not YAML: {e}")
-        kind = (manifest or {}).get("kind")
-        if kind != "JobSet" or action not in ("create", "apply"):
-            return NodeResult(ERROR, message=f"resource {action} {kind}: only creating a JobSet runs locally")
-        try:
-            sl = self._build_slice(node, manifest)
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            return NodeResult(ERROR, message=f"JobSet manifest: cannot read {e}")
-        started = now()
-        phase = self._run_slice(sl)
-        outputs = {}
-        for p in template.get("outputs", {}).get("parameters", []):
-            jp = (p.get("valueFrom") or {}).get("jsonPath")
-            if jp:
-                outputs[p["name"]] = _json_path(manifest, jp)
-        msg = ""
-        if phase != SUCCEEDED:
-            i = sl.first_failure_index
-            w = sl.workers[i] if i is not None else None
-            msg = (f"JobSet {sl.jobset} failed: worker {i} exited "
-                   f"{w.signal_name or w.exit_code if w else '?'}; logs: {sl.log_dir}")  # fmt: skip
-        exit_code = None if phase == SUCCEEDED else 1
-        return NodeResult(phase, outputs, exit_code if phase != SUCCEEDED else 0, msg, started, now())
-
     def _build_slice(self, node: NodeInfo, manifest: Mapping[str, Any]) -> LocalSlice:
         name = manifest["metadata"]["name"]
         rj = manifest["spec"]["replicatedJobs"][0]
@@ -609,65 +575,9 @@ class LocalExecutor:
             sl.workers.append(WorkerProc(i, self._env(env)))
         return sl
 
-    def _run_slice(self, sl: LocalSlice) -> str:
-        self.slices.append(sl)
-        self.events_dir.mkdir(parents=True, exist_ok=True)
-        for w in sl.workers:
-            sl.spawn(w)
-            self._track(w.proc)
-        stop_deadline: float | None = None
-        while True:
-            with sl.lock:
-                for w in sl.workers:
-                    if w.returncode is not None or w.proc is None:
-                        continue
-                    rc = w.proc.poll()
-                    if rc is None:
-                        continue
-                    w.returncode, w.ended_at = rc, now()
-                    if rc != 0 and sl.first_failure_index is None:
-                        w.first_failure = True
-                        sl.first_failure_index = w.index
-                        stop_deadline = now() + sl.grace_seconds
-                        for o in sl.workers:
-                            if o.returncode is None and o.proc.poll() is None:
-                                o.stopped_by_jobset = True
-                                sl.signal_worker(o.index, signal.SIGCONT)
-                                sl.signal_worker(o.index, signal.SIGTERM)
-                alive = [w for w in sl.workers if w.returncode is None]
-            if not alive:
-                break
-            if stop_deadline is not None and now() > stop_deadline:
-                for w in alive:
-                    sl.signal_worker(w.index, signal.SIGKILL)
-            if self._stopping.is_set():
-                for w in alive:
-                    sl.signal_worker(w.index, signal.SIGKILL)
-            self.hooks.on_tick(sl)
-            time.sleep(0.05)
-        sl.ended_at = max(w.ended_at or 0 for w in sl.workers)
-        phase = SUCCEEDED if sl.first_failure_index is None else FAILED
-        if not self._stopping.is_set():
-            self.hooks.after_slice(sl, phase)
-        if self.write_slice_record is not None:
-            self.write_slice_record(sl.jobset, _arg_value(sl.command, "--run-id") or "",
-                                    sl.attempt, sl.record())  # fmt: skip
-        return phase
-
 
 def _is_module(cmd: list[str], module: str) -> bool:
     return any(a == "-m" and b == module for a, b in zip(cmd, cmd[1:], strict=False))
-
-
-def _json_path(obj: Any, expr: str) -> str:
-    """The few JSONPath forms resource outputs use: ``{.metadata.name}``."""
-    path = expr.strip().removeprefix("{").removesuffix("}").strip(".")
-    cur = obj
-    for part in path.split(".") if path else []:
-        if not isinstance(cur, Mapping) or part not in cur:
-            return ""
-        cur = cur[part]
-    return cur if isinstance(cur, str) else json.dumps(cur)
 
 
 def _tail(path: Path, lines: int = 3) -> str:
