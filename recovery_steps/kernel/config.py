@@ -10,10 +10,10 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.k8s import POD_NAME_MAX, longest_pod_name
@@ -24,6 +24,15 @@ _GCS_URL = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
 _NAMED = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")
 _RUN_ID = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+# An OCI image reference as the container runtimes parse it (github.com/distribution/reference, regexp.go): an
+# optional registry host[:port], lowercase path components, an optional tag, an optional digest; the name
+# (registry and path) is at most 255 characters.
+_IMAGE_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_HOST = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?"
+_IMAGE_REF = re.compile(
+    rf"^((?:{_IMAGE_HOST}/)?{_IMAGE_COMPONENT}(?:/{_IMAGE_COMPONENT})*)(?::\w[\w.-]{{0,127}})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+)
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 
 RUN_ID_MAX = 40
@@ -42,6 +51,9 @@ MAX_ALIASES = 32
 """YAML aliases accepted per file: enough for shared anchors, too few for an alias bomb."""
 MAX_NODES = 20_000
 """Values in the config after aliases are expanded."""
+RUN_PATH_RESERVE = 200
+"""Bytes kept for the longest path the run writes under ``runs/<run-id>/`` (a checkpoint's array chunk moved to
+``quarantine/<step>.attempt<n>.<k>/``, under 120 bytes), with room for orbax's own names."""
 MAX_PROBLEMS = 20
 """Problems listed per rejected config; the rest are counted."""
 MAX_LINE = 300
@@ -71,9 +83,29 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _kinds(annotation: Any) -> set[Any]:
+    """The plain types an annotation admits (unions and a mapping's values looked into)."""
+    args = get_args(annotation)
+    if get_origin(annotation) is dict:
+        return _kinds(args[1])
+    if not args:
+        return {annotation}
+    return set().union(*(_kinds(a) for a in args))
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: an infinite backoff or a NaN rate cannot be acted on; refuse it here.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic reads `true` as 1 where a number is meant (`hosts: true` would be one host): refuse it.
+        kinds = _kinds(cls.model_fields[info.field_name].annotation) if info.field_name else set()
+        values = v.values() if isinstance(v, dict) else (v,)
+        if bool not in kinds and kinds & {int, float} and any(isinstance(x, bool) for x in values):
+            raise ValueError(f"{_short(v)} is a boolean where a number is meant; give a number")
+        return v
 
     @field_validator("*", mode="after")
     @classmethod
@@ -182,6 +214,11 @@ class SliceConfig(_Section):
         tpu = TPU_TYPES.get(acc)
         if tpu is None:
             raise ValueError(f"slice.accelerator: unknown accelerator {acc!r}; valid: {', '.join([*TPU_TYPES, LOCAL])}")
+        if "devices_per_host" in self.model_fields_set:
+            raise ValueError(
+                f"slice.devices_per_host: applies to accelerator 'local' only; a {acc} VM has {tpu.chips_per_vm} "
+                "chips (from the TPU table): remove it"
+            )
         if self.topology is None:
             raise ValueError(
                 f"slice.topology: required for {acc}; multi-host topologies: {', '.join(tpu.multi_host_topologies)}"
@@ -258,8 +295,8 @@ class StorageConfig(_Section):
             return v.rstrip("/")
         if "://" in v:
             raise ValueError(f"{v!r}: only gs:// URLs or local directories are supported")
-        if not v:
-            raise ValueError("empty; give gs://BUCKET/PREFIX or a local directory")
+        if not v.strip():
+            raise ValueError("empty or blank; give gs://BUCKET/PREFIX or a local directory")
         if len(v) > 1024 or "\x00" in v:
             raise ValueError(f"{_short(v)} is not a usable path; give a local directory of at most 1024 characters")
         return v
@@ -769,9 +806,37 @@ class JobConfig(_Section):
     @field_validator("image")
     @classmethod
     def _check_image(cls, v: str) -> str:
-        if not v or len(v) > 512 or any(ch.isspace() for ch in v):
-            raise ValueError(f"{_short(v)} is not a container image reference; e.g. REGISTRY/NAME:TAG")
+        name = _IMAGE_REF.match(v)
+        if not name or len(name.group(1)) > 255:
+            raise ValueError(
+                f"{_short(v)} is not a container image reference; e.g. REGISTRY/NAME:TAG or "
+                "REGISTRY/NAME@sha256:DIGEST (lowercase repository, tag of letters, digits, '_', '.', '-', at most 128)"
+            )
         return v
+
+    @model_validator(mode="after")
+    def _check_root_length(self) -> JobConfig:
+        # Every object the run writes is named <root>/runs/<run-id>/<path>: refuse a root that leaves no room for the
+        # longest path, rather than a checkpoint save that fails hours in.
+        root = self.storage.root
+        if self.storage.is_gcs:
+            named, limit, why = root.removeprefix("gs://").partition("/")[2], 1024, "GCS object names are at most"
+        else:
+            named, limit, why = root, 4096, "Linux paths are at most"
+            long_part = next((c for c in root.split("/") if len(c.encode()) > 255), None)
+            if long_part is not None:
+                raise ValueError(
+                    f"storage.root: {_short(long_part)} is a path component over 255 bytes (NAME_MAX); shorten it"
+                )
+        longest = len(named.encode()) + len(f"/runs/{self.run_id}/".encode()) + RUN_PATH_RESERVE
+        if longest > limit:
+            room = limit - longest + len(named.encode())
+            raise ValueError(
+                f"storage.root: {_short(root)} leaves no room for the run's paths: runs/{self.run_id}/ and the longest "
+                f"path the run writes ({RUN_PATH_RESERVE} bytes) make {longest} bytes and {why} {limit}; "
+                f"shorten the root's {'prefix' if self.storage.is_gcs else 'path'} to at most {max(room, 0)} bytes"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_batch(self) -> JobConfig:
@@ -993,6 +1058,11 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:  # noqa: D102 - PyYAML hook
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a YAML merge key ('<<') is not supported in a config: write the keys out in full "
+                    "(a merged key is silently overridden by the mapping's own)", key_node.start_mark,
+                )  # fmt: skip
             key = self.construct_object(key_node, deep=True)
             try:
                 duplicate = key in seen
