@@ -257,3 +257,10 @@ def test_local_runner_run_ids_stay_within_the_limits(name, reference):
     shortened = stamped_run_id(cfg.run_id, cfg, reference=reference, at=time.gmtime(0)) != cfg.run_id + stamp
     longest = longest_run_id(cfg.slice.num_hosts, largest_attempt(cfg.retry))
     assert shortened == (len(cfg.run_id + stamp + (REFERENCE_SUFFIX if reference else "")) > longest)
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("configs/*.yaml")), ids=lambda p: p.name)
+def test_every_config_survives_its_stored_form(path):
+    # config.json holds every field, defaults included: a rule about fields "given" must still accept it.
+    cfg = load_config(path)
+    assert parse_config(cfg.model_dump(mode="json")).config_hash() == cfg.config_hash()

@@ -214,7 +214,8 @@ class SliceConfig(_Section):
         tpu = TPU_TYPES.get(acc)
         if tpu is None:
             raise ValueError(f"slice.accelerator: unknown accelerator {acc!r}; valid: {', '.join([*TPU_TYPES, LOCAL])}")
-        if "devices_per_host" in self.model_fields_set:
+        # Not "given at all": a stored config carries every field, the default (1) included.
+        if self.devices_per_host != 1:
             raise ValueError(
                 f"slice.devices_per_host: applies to accelerator 'local' only; a {acc} VM has {tpu.chips_per_vm} "
                 "chips (from the TPU table): remove it"
