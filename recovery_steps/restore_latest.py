@@ -19,6 +19,7 @@ from recovery_steps.kernel.outputs import RestoreOutputs
 from recovery_steps.kernel.records import QuarantineReason, RestoreRecord, SkippedStep, now
 from recovery_steps.kernel.store import (
     DocumentError,
+    PreconditionFailed,
     RunLayout,
     RunStore,
     StoreUnavailable,
@@ -128,8 +129,43 @@ def run(store: RunStore, attempt: int) -> RestoreResult:
         # path the trainer's orbax CheckpointManager builds for the step).
         path = store.url(f"{RunLayout.CHECKPOINTS}/{sel.name}") if sel.step >= 0 else ""
         result = RestoreResult(ExitCode.OK, sel, path, moved)
-    store.write_record(RunLayout.restore_record(attempt), _record(store, attempt, cfg.config_hash(), result))
+    write_restore_record(store, _record(store, attempt, cfg.config_hash(), result))
     return result
+
+
+def write_restore_record(store: RunStore, record: RestoreRecord, *, tries: int = 20) -> RestoreRecord:
+    """Write attempt ``record.attempt``'s decision, keeping every quarantine an earlier or concurrent run recorded.
+
+    Two restore-latest runs of one attempt (a retried pod beside a slow one) each move what they found; the last
+    writer must not drop the other's moves. Read-merge-write under a generation precondition, retried on a lost
+    race.
+
+    Returns:
+        The record as written.
+    """
+    path = RunLayout.restore_record(record.attempt)
+    for _ in range(tries):
+        try:
+            current, gen = store.read_record_versioned(path, RestoreRecord)
+        except DocumentError as e:  # a damaged earlier record holds nothing to keep: this decision replaces it
+            log.warning("%s; replaced by this decision", e)
+            store.write_record(path, record)
+            return record
+        merged = record
+        if current is not None and current.attempt == record.attempt:
+            names = {s.name for s in record.skipped}
+            merged = record.model_copy(
+                update={
+                    "quarantined": sorted({*current.quarantined, *record.quarantined}),
+                    "skipped": [*record.skipped, *(s for s in current.skipped if s.name not in names)],
+                }
+            )
+        try:
+            store.write_record(path, merged, if_generation_match=gen)
+            return merged
+        except PreconditionFailed:
+            continue
+    raise PreconditionFailed(f"{store.url(path)}: still contended after {tries} tries")
 
 
 def _record(store: RunStore, attempt: int, config_hash: str, r: RestoreResult) -> RestoreRecord:

@@ -140,6 +140,10 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
             store.write_record(RunLayout.CONFIG, doc, if_generation_match=generation)
         elif stored is None:
             store.write_record(RunLayout.CONFIG, doc, if_generation_match=0)
+        else:
+            # The same config, pinned again under the generation read: when another validate-config replaced it
+            # meanwhile, one of the two writes fails, so two different configs never both succeed.
+            store.write_record(RunLayout.CONFIG, stored, if_generation_match=generation)
     except PreconditionFailed:
         return ValidateResult(
             ExitCode.CONFIGURATION,
