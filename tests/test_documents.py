@@ -31,7 +31,19 @@ def store(tmp_path) -> RunStore:
         (b"\xff\xfe", "not JSON"),
         (b'{"run_id": "docs-run", "attempts": "many"}', "attempts: Input should be a valid list"),
         (b'{"run_id": "docs-run", "surprise": 1}', "surprise: Extra inputs are not permitted"),
-        (b'{"run_id": "another-run"}', "belongs to run 'another-run', not 'docs-run'"),
+        (b'{"run_id": "another-run", "attempts": []}', "belongs to run 'another-run', not 'docs-run'"),
+        # One record per attempt, in order; a stored ledger always lists its attempts (an absent list is no reset).
+        (b'{"run_id": "docs-run"}', "no 'attempts' list"),
+        (
+            b'{"run_id": "docs-run", "attempts": [{"attempt": 1, "outcome": "failed"}, {"attempt": 1, "outcome": '
+            b'"failed"}]}',
+            "attempts: attempt 1 is recorded twice",
+        ),  # fmt: skip
+        (
+            b'{"run_id": "docs-run", "attempts": [{"attempt": 2, "outcome": "failed"}, {"attempt": 1, "outcome": '
+            b'"failed"}]}',
+            "attempts: attempt 1 is recorded after attempt 2",
+        ),  # fmt: skip
     ],
 )
 def test_a_damaged_ledger_is_one_line_naming_the_file(store, body, says):

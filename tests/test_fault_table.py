@@ -26,7 +26,15 @@ import pytest
 import yaml
 from ckpt_factory import tiny_config, write_checkpoint, write_run_config
 
-from recovery_steps import classify_failure, finalize, give_up, provision_slice, restore_latest, validate_config
+from recovery_steps import (
+    classify_failure,
+    finalize,
+    give_up,
+    hand_over,
+    provision_slice,
+    restore_latest,
+    validate_config,
+)
 from recovery_steps.kernel.checkpoints import crc32c_hex
 from recovery_steps.kernel.store import RunStore
 from recovery_steps.verify import LOCAL_METADATA
@@ -400,6 +408,69 @@ def test_restore_latest_twice_is_idempotent(template, tmp_path):
     _check_race(run, ["50"], template[3])
 
 
+# ---- the run's own documents ------------------------------------------------------------------------
+
+
+def _ledger(run: Path, attempts: list[int] | None) -> None:
+    doc: dict = {"run_id": RUN}
+    if attempts is not None:
+        doc["attempts"] = [{"attempt": a, "outcome": "failed", "closed_at": 1.0} for a in attempts]
+    (run / "ledger.json").write_text(json.dumps(doc))
+
+
+# (name, ledger attempts (None: no list), what the refusal says)
+LEDGERS: list[tuple[str, list[int] | None, str]] = [
+    ("ledger lists an attempt twice", [0, 1, 1], r"attempt 1 is recorded twice"),
+    ("ledger lists an attempt twice, apart", [1, 2, 1], r"attempt 1 is recorded twice"),
+    ("ledger lists attempts out of order", [2, 1], r"attempt 1 is recorded after attempt 2"),
+    ("ledger has no attempts list", None, r"no 'attempts' list"),
+]
+
+
+def _ledger_steps(root: Path, out: Path) -> list[tuple[str, Callable, list[str]]]:
+    base = ["--store-root", str(root), "--run-id", RUN]
+    return [
+        ("validate-config", validate_config.main, ["--config", str(ROOT / "configs/local-cpu.yaml"),
+                                                   "--store-root", str(root), "--output-dir", str(out)]),
+        ("restore-latest", restore_latest.main, [*base, "--attempt", "3", "--output-dir", str(out)]),
+        ("provision-slice", provision_slice.main, [*base, "--attempt", "3", "--output-dir", str(out)]),
+        ("classify-failure", classify_failure.main, [*base, "--attempt", "3", "--jobset", "js", "--output-dir",
+                                                     str(out)]),
+        ("hand-over", hand_over.main, [*base, "--attempt", "3", "--workflow", "wf", "--workflow-uid", "uid-1"]),
+        ("finalize", finalize.main, [*base, "--status", "Succeeded", "--output-dir", str(out)]),
+    ]  # fmt: skip
+
+
+def test_damaged_ledger_table(template, tmp_path):
+    """Every step that reads the ledger refuses one that is not one record per attempt, in order, and writes nothing."""
+    tally = Tally("damaged ledgers")
+    for lname, attempts, says in LEDGERS:
+        for step, main, argv in _ledger_steps(tmp_path / "r", tmp_path / "out"):
+            root = tmp_path / "r"
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.copytree(template[0], root, symlinks=True)
+            run = root / "runs" / RUN
+            _ledger(run, attempts)
+            before = tree_digest(run)
+            got = call(main, argv)
+            problem = None
+            if got.traceback is None:
+                lines = [ln for ln in got.err.splitlines() if ln.strip()]
+                pattern = rf"ledger\.json: unreadable ledger \(.*{says}"
+                if got.code not in (1, 2) or not re.search(pattern, got.err):
+                    problem = f"expected a refusal matching {pattern!r}, got {got.code}: {got.err[-400:]!r}"
+                elif len(lines) != 1:
+                    problem = f"not one line: {got.err[:600]!r}"
+                else:
+                    # provision-slice records its refusal where classify-failure looks for it; nothing else.
+                    mine = "attempts/3/" if step == "provision-slice" else "\0"
+                    after = {k: v for k, v in tree_digest(run).items() if not k.startswith(mine) or k in before}
+                    if after != before:
+                        problem = f"the run changed: {sorted(set(after) ^ set(before)) or 'a document rewritten'}"
+            tally.add(f"{step}: {lname}", traceback_text=got.traceback, problem=problem, refused=True)
+    tally.finish(minimum=24)
+
+
 # ---- bad step-CLI inputs ----------------------------------------------------------------------------
 
 
@@ -421,6 +492,15 @@ def cli_env(tmp_path, monkeypatch):
 LONG = "x" * 5000
 BAD_RUN_IDS = ["../../escape", "..", "UPPER", "", LONG, "a/b", "-lead", "trail-", "sp ace", "\u00fcml", "a" * 41]
 BAD_ATTEMPTS = ["-1", "1" * 30, "abc", "1.5", "", "0x10", " ", "\u0663", "100001", "1e3", "100000"]
+
+
+def UNWRITABLE_OUT(box: Path) -> list[tuple[str, str]]:  # noqa: N802 - a table, read like a constant
+    """Output directories that pass access() but take no file: proven by creating them before the step acts."""
+    return [
+        (str(box / ("n" * 300)), r"cannot be written: File name too long"),  # a name component over NAME_MAX
+        ("/sys/kernel/jaxrec-out", r"cannot be written"),  # a pseudo file system: no directory can be made
+        ("/sys/kernel", r"cannot be written \(.*/sys/kernel/"),  # a directory that exists, where no file can be made
+    ]
 
 
 def _cli_cases(box: Path) -> list[tuple[str, Callable, list[str], int, str]]:
@@ -454,9 +534,41 @@ def _cli_cases(box: Path) -> list[tuple[str, Callable, list[str], int, str]]:
             cases.append((f"{step} --attempt {a[:12]!r}", main, [*base, "--attempt", a, *extra, "--output-dir", out],
                           2, r"--attempt: .*not an attempt number"))  # fmt: skip
         for bad_out, why in [(str(box / "afile"), "not a directory"), (str(box / "afile" / "o"), "not a directory"),
-                             (LONG, "longer than"), ("", "empty")]:  # fmt: skip
+                             (LONG, "longer than"), ("", "empty"), *UNWRITABLE_OUT(box)]:  # fmt: skip
             cases.append((f"{step} --output-dir {bad_out[:30]!r}", main, [*base, "--attempt", "1", *extra,
                           "--output-dir", bad_out], 2, f"--output-dir: .*{why}"))  # fmt: skip
+    for bad_out, why in UNWRITABLE_OUT(box):
+        cases += [
+            (f"validate-config --output-dir {bad_out[:30]!r}", validate_config.main, ["--config", str(ROOT /
+             "configs/local-cpu.yaml"), "--store-root", s, "--output-dir", bad_out], 2, f"--output-dir: .*{why}"),
+            (f"finalize --output-dir {bad_out[:30]!r}", finalize.main, [*base, "--status", "Failed", "--output-dir",
+             bad_out], 2, f"--output-dir: .*{why}"),
+            (f"hand-over --output-dir {bad_out[:30]!r}", hand_over.main, [*base, "--attempt", "1", "--workflow", "wf",
+             "--workflow-uid", "u", "--output-dir", bad_out], 2, f"--output-dir: .*{why}"),
+        ]  # fmt: skip
+    # A run that was never validated (a mistyped run id, a store root that does not exist): one line, nothing created.
+    for where, root in [("a run never validated", s), ("a store root that does not exist", str(box / "nostore"))]:
+        ghost = ["--store-root", root, "--run-id", "ghost"]
+        never = r"no config for run 'ghost'.*(validate-config|never validated).*--store-root and --run-id"
+        cases += [
+            (f"finalize, {where}", finalize.main, [*ghost, "--status", "Failed", "--output-dir", out], 2, never),
+            (
+                f"finalize --holder, {where}",
+                finalize.main,
+                [*ghost, "--status", "Succeeded", "--holder", "uid-1", "--output-dir", out],
+                2,
+                never,
+            ),  # fmt: skip
+            (
+                f"classify-failure, {where}",
+                classify_failure.main,
+                [*ghost, "--attempt", "0", "--jobset", "js", "--output-dir", out],
+                2,
+                never,
+            ),  # fmt: skip
+        ]
+    cases.append(("give-up reads and writes no store", give_up.main, ["--failure-class", "hang", "--reason", "r"], 1,
+                  r"^giving up: class hang: r$"))  # fmt: skip
     cf = [*base, "--attempt", "1", "--output-dir", out]
     cases += [
         ("classify-failure --jobset Bad_Name", classify_failure.main, [*cf, "--jobset", "Bad_Name"], 2, "Kubernetes"),
@@ -661,6 +773,28 @@ CONFIGS: list[tuple[str, str | bytes, str | None]] = [
     ("40-character run id, attempts capped at 1001",
      yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "max_attempts": 1001}}),
      r"at attempt 1000 .* at most 39 characters, or set retry\.max_attempts to at most 1000"),
+    # What GKE, the container runtime or GCS would refuse later, and YAML the parser would answer in its own words.
+    ("hosts: true", _with("slice.hosts", True), r"slice\.hosts: True is a boolean where a number is meant"),
+    ("a budget of true", _with("retry.budgets", {"hang": True}), r"retry\.budgets: .*boolean where a number"),
+    ("learning rate of false", _with("optimizer.learning_rate", False), r"optimizer\.learning_rate: .*boolean"),
+    ("devices_per_host on a TPU slice",
+     _tpu(root="gs://b-1/p").replace("topology: 4x4", "topology: 4x4\n  devices_per_host: 4"),
+     r"slice\.devices_per_host: applies to accelerator 'local' only"),
+    ("image with upper case", _with("image", "Registry.io/Team/Trainer:1"), r"image: .*not a container image"),
+    ("image with an empty tag", _with("image", "trainer:"), r"image: .*not a container image"),
+    ("image with a bad digest", _with("image", "trainer@sha256:xyz"), r"image: .*not a container image"),
+    ("image with a double slash", _with("image", "gcr.io//trainer:1"), r"image: .*not a container image"),
+    ("image with a 129-character tag", _with("image", "trainer:" + "t" * 129), r"image: .*not a container image"),
+    ("image by digest", _with("image", "us-docker.pkg.dev/p/r/trainer@sha256:" + "a" * 64), None),
+    ("image on a registry port", _with("image", "localhost:5000/team/trainer_x:v1.2-rc"), None),
+    ("blank storage root", _with("storage.root", "   "), r"storage\.root: .*blank"),
+    ("GCS prefix leaving no room for the run's paths", _tpu(root="gs://b-1/" + "p" * 900),
+     r"storage\.root: .*leaves no room.*at most 1024; shorten the root's prefix to at most \d+ bytes"),
+    ("GCS prefix with room for the run's paths", _tpu(root="gs://b-1/" + "p" * 700), None),
+    ("local root with a component over 255 bytes", _with("storage.root", "/tmp/" + "d" * 300),
+     r"storage\.root: .*over 255 bytes"),
+    ("YAML merge key", LOCAL.replace("checkpoint:\n", "checkpoint:\n  <<: {keep: 3}\n", 1),
+     r"YAML merge key \('<<'\) is not supported"),
     ("40-character run id, every budget counted over the run",
      yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "budget_scopes": {
          "preemption": "run", "capacity": "run"}}}), None),
@@ -686,3 +820,70 @@ def test_bad_config_table(tmp_path, monkeypatch):
         tally.add(name, traceback_text=got.traceback, problem=problem, refused=pattern is not None)
     tally.finish(minimum=40)
     assert tally.refused >= 40
+
+
+# ---- two of the same step at once -------------------------------------------------------------------
+
+
+def test_two_restore_latest_runs_record_every_quarantine(template, tmp_path):
+    """Each run moves what it found; the attempt's record lists both moves, whichever wrote last."""
+    root, run = _racing_store(template, tmp_path)
+    first = restore_latest.run(RunStore(str(root), RUN), 1)
+    flip(run / "checkpoints" / "50")  # damaged after the first run looked: only the second run moves it
+    second = restore_latest.run(RunStore(str(root), RUN), 1)
+    assert (first.quarantined, second.quarantined, second.selection.step) == (["quarantine/60"], ["quarantine/50"], 40)
+    rec = json.loads((run / "attempts" / "1" / "restore.json").read_text())
+    assert rec["quarantined"] == ["quarantine/50", "quarantine/60"] and rec["restore_step"] == 40
+    assert {s["name"] for s in rec["skipped"]} == {"50", "60"}
+    assert sorted(p.name for p in (run / "quarantine").iterdir()) == ["50", "60"]
+
+
+def test_concurrent_restore_latest_threads_record_every_quarantine(template, tmp_path):
+    root, run = _racing_store(template, tmp_path)
+    flip(run / "checkpoints" / "50")
+    barrier, errors = threading.Barrier(6), []
+
+    def one() -> None:
+        barrier.wait()
+        try:
+            restore_latest.run(RunStore(str(root), RUN), 1)
+        except BaseException as e:  # noqa: BLE001 - a traceback is the failure this test looks for
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    moved = sorted(f"quarantine/{p.name}" for p in (run / "quarantine").iterdir())
+    assert json.loads((run / "attempts" / "1" / "restore.json").read_text())["quarantined"] == moved
+
+
+class _ReplacedMeanwhile(RunStore):
+    """A run store in which another validate-config replaces the config right after this one read it."""
+
+    other: Callable[[], int]
+
+    def read_record_versioned(self, rel, model):
+        got = super().read_record_versioned(rel, model)
+        if rel == "config.json" and getattr(self, "other", None) is not None:
+            other, self.other = self.other, None
+            assert other() == 0  # the other validate-config succeeds first
+        return got
+
+
+@pytest.mark.parametrize("mine_changes", [False, True], ids=["same-config", "safe-change"])
+def test_two_validate_config_runs_with_different_configs_cannot_both_succeed(tmp_path, mine_changes):
+    cfg = tiny_config()
+    store_root = str(tmp_path / "store")
+    assert validate_config.run(cfg, RunStore(store_root, cfg.run_id)).code == 0
+    changed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"heartbeat_timeout_s": 777})})
+    other_cfg, mine = (cfg, changed) if mine_changes else (changed, cfg)
+    store = _ReplacedMeanwhile(store_root, cfg.run_id)
+    store.other = lambda: validate_config.run(other_cfg, RunStore(store_root, cfg.run_id),
+                                              accept_safe_changes=True).code  # fmt: skip
+    r = validate_config.run(mine, store, accept_safe_changes=True)
+    assert r.code == 2 and "changed while being validated" in r.messages[-1], r.messages
+    pinned = json.loads((tmp_path / "store" / "runs" / cfg.run_id / "config.json").read_text())["hash"]
+    assert pinned == other_cfg.config_hash()

@@ -13,7 +13,15 @@ import signal
 import time
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from recovery_steps.kernel.contract import Decision, FailureClass
 from recovery_steps.kernel.snapshot import ClusterSnapshot
@@ -230,6 +238,32 @@ class Ledger(_Record):
     hand_overs: list[HandOver] = Field(
         default_factory=list, description="Continuation Workflows of the run, in order (empty: one Workflow)."
     )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _stored_with_attempts(cls, data: Any, handler: ModelWrapValidatorHandler[Ledger], info: ValidationInfo):
+        # Every writer writes the list, empty included: a stored ledger without one was not written by a step, and
+        # reading it as "no attempts" would reset every budget.
+        ledger = handler(data)
+        if isinstance(data, dict) and (info.context or {}).get("stored") and "attempts" not in data:
+            raise ValueError("no 'attempts' list; restore ledger.json from the run's history, or start a new run id")
+        return ledger
+
+    @field_validator("attempts")
+    @classmethod
+    def _one_record_per_attempt(cls, attempts: list[AttemptRecord]) -> list[AttemptRecord]:
+        # Budgets and the closed-attempt rule count records: a second record of an attempt would count it twice,
+        # and a reader taking "the last entry" would pick one at random.
+        seen: set[int] = set()
+        for prev, a in zip([None, *attempts], attempts, strict=False):
+            if a.attempt in seen:
+                raise ValueError(f"attempt {a.attempt} is recorded twice; keep one record per attempt in ledger.json")
+            if prev is not None and a.attempt < prev.attempt:
+                raise ValueError(
+                    f"attempt {a.attempt} is recorded after attempt {prev.attempt}; list attempts in ascending order"
+                )
+            seen.add(a.attempt)
+        return attempts
 
     def by_class(self) -> dict[str, int]:
         """Failed attempts so far, by class (every class present, zero included)."""
@@ -484,6 +518,15 @@ class SupervisionRecord(_Record):
         "deletes them): classify-failure's evidence when the API has nothing left.",
     )
 
+    # The outcomes that are a verdict on the attempt (recovery_steps.supervision.AttemptState other than
+    # running); "error" says only that this supervisor could not supervise.
+    VERDICTS: ClassVar[frozenset[str]] = frozenset({"succeeded", "failed", "stalled"})
+
+    @property
+    def decided(self) -> bool:
+        """A supervisor decided the attempt (succeeded, failed or stalled)."""
+        return self.outcome in self.VERDICTS
+
 
 class SupervisorLosses(_Record):
     """``attempts/<n>/supervisor-losses.json``: the attempt's gang found running with no supervisor's verdict.
@@ -494,12 +537,3 @@ class SupervisorLosses(_Record):
     attempt: int
     at: list[float] = Field(default_factory=list, description="When each loss was found (epoch seconds).")
     reasons: list[str] = Field(default_factory=list, description="One line each: what was found.")
-    # The outcomes that are a verdict on the attempt (recovery_steps.supervision.AttemptState other than
-    # running); "error" says only that this supervisor could not supervise.
-    VERDICTS: ClassVar[frozenset[str]] = frozenset({"succeeded", "failed", "stalled"})
-
-    @property
-    def decided(self) -> bool:
-        """A supervisor decided the attempt (succeeded, failed or stalled)."""
-        return self.outcome in self.VERDICTS
-

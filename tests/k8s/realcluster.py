@@ -58,7 +58,7 @@ class TierUnavailable(RuntimeError):
     """The control plane's binaries are not built (run tools/k8s/build.sh)."""
 
 
-def _pdeathsig() -> None:  # runs in the child between fork and exec
+def pdeathsig() -> None:  # runs in the child between fork and exec: SIGKILL when the test process dies
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -141,7 +141,7 @@ class Component:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_pdeathsig,
+                preexec_fn=pdeathsig,
                 env={**os.environ, **(self.env or {})},
             )
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from realcluster import RealCluster, wait_for
+from realcluster import RealCluster, pdeathsig, wait_for
 
 from recovery_steps import classify_failure
 from recovery_steps.kernel.config import JobConfig, StorageConfig, SupervisionConfig, load_config
@@ -113,7 +113,9 @@ class Run:
             "--output-dir",
             str(out),
         ]
-        p = subprocess.Popen(argv, env=self._env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Its own process group (a test can signal the supervisor alone), gone with the test process.
+        p = subprocess.Popen(argv, env=self._env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=pdeathsig)  # fmt: skip
         p.log_path = Path(log.name)  # type: ignore[attr-defined]
         p.out_dir = out  # type: ignore[attr-defined]
         self.procs.append(p)
@@ -137,6 +139,7 @@ class Run:
             text=True,
             timeout=timeout,
             check=False,
+            preexec_fn=pdeathsig,
         )
 
     def classify(self, attempt: int) -> classify_failure.ClassifyResult:
