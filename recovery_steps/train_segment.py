@@ -916,6 +916,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--holder", default=None, help="the Workflow's uid: renew the run lease while the segment runs")
     args = ap.parse_args(argv)
+    cli.ready_output_dir(ap, args.output_dir, SegmentOutputs.names())  # before a JobSet is created or deleted
     logging.basicConfig(level=logging.INFO, format="%(asctime)s train-segment %(levelname)s %(message)s")
     text = args.jobset_manifest
     if text.startswith("@"):

@@ -471,3 +471,26 @@ def test_an_image_not_found_is_configuration_even_when_the_back_off_no_longer_sa
     # The bare back-off (a kubelet before 1.32) is judged, and timed, by the pull error seen before it.
     assert "waiting ImagePullBackOff" in rec.reason and "deadline 0.6 s for a permanent failure" in rec.reason
     assert f"(last error: {not_found})" in rec.reason
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_any_jobset_is_created(tmp_path, cluster, capsys):
+    cfg = _cfg(tmp_path / "store")
+    with pytest.raises(SystemExit) as e:
+        ts.main(
+            [
+                "--store-root",
+                cfg.storage.root,
+                "--run-id",
+                cfg.run_id,
+                "--attempt",
+                "0",
+                "--k8s-host",
+                cluster.url,
+                "--jobset-manifest",
+                json.dumps(_manifest(cfg)),
+                "--output-dir",
+                "/sys/kernel/x",
+            ]
+        )
+    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not cluster.requests_of("POST", "/jobsets")
