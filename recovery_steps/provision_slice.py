@@ -613,9 +613,16 @@ def k8s_config_errors() -> tuple[type[BaseException], ...]:
 
 
 def record_outcome(store_root: str, run_id: str, attempt: int, code: int, message: str) -> None:
-    """Write this try's outcome where classify-failure finds it when the attempt ends before training."""
+    """Write this try's outcome where classify-failure finds it when the attempt ends before training.
+
+    Nothing is written for a run validate-config never pinned (a mistyped root or run id): no document for a run
+    that does not exist.
+    """
     try:
-        RunStore(store_root, run_id).write_record(
+        store = RunStore(store_root, run_id)
+        if not store.exists(RunLayout.CONFIG):
+            return
+        store.write_record(
             RunLayout.provision_record(attempt), ProvisionRecord(exit_code=code, message=message, at=now())
         )
     except Exception as e:  # noqa: BLE001 - the exit code still tells Argo what happened

@@ -207,6 +207,7 @@ def test_missing_config_is_configuration(tmp_path, capsys):
                     "--output-dir", str(tmp_path / "out")])  # fmt: skip
     assert code == 2
     assert "validate-config" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # no document for a run that does not exist
 
 
 def test_check_slice_table():

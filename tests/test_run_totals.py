@@ -83,8 +83,17 @@ def _report(store, attempt, index, code, **kw):
         "exit_name": "X", **kw})  # fmt: skip
 
 
-def test_finalize_outputs_totals_from_the_store(store_root, tmp_path):
+def _validated(store_root: str) -> RunStore:
+    """The run as validate-config leaves it (finalize records nothing for a run that was never validated)."""
+    from ckpt_factory import tiny_config, write_run_config
+
     store = RunStore(store_root, RUN)
+    write_run_config(store, tiny_config(run_id=RUN))
+    return store
+
+
+def test_finalize_outputs_totals_from_the_store(store_root, tmp_path):
+    store = _validated(store_root)
     append_attempt(store, AttemptRecord(attempt=0, outcome="failed", failure_class=FailureClass.INFRASTRUCTURE,
                                         decision=Decision.RETRY, checkpoint_step_before=-1, checkpoint_step_after=5,
                                         ended_at=101.0, closed_at=102.0))  # fmt: skip
@@ -102,7 +111,7 @@ def test_finalize_outputs_totals_from_the_store(store_root, tmp_path):
 
 
 def test_finalize_without_incidents_outputs_zero_and_minus_one(store_root, tmp_path):
-    store = RunStore(store_root, RUN)
+    store = _validated(store_root)
     _report(store, 0, 0, 0, last_step=20, restore_step=-1, first_step_at=10.0, ended_at=20.0)
     finalize.run(store_root, RUN, "Succeeded", None, tmp_path / "o")
     assert (tmp_path / "o" / "steps-lost").read_text() == "0"
