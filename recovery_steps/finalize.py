@@ -34,13 +34,10 @@ from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import Decision, ExitCode
 from recovery_steps.kernel.documents import read_run_config, read_worker_reports
 from recovery_steps.kernel.k8s import (
-    API_TIMEOUT_S,
-    JOBSET_GROUP,
-    JOBSET_PLURAL,
-    JOBSET_VERSION,
     RUN_ID_LABEL,
     api_error_line,
     api_exit_code,
+    delete_run_jobsets,
 )
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, RunLease, WorkerExitReport, now
@@ -347,38 +344,6 @@ def stops_gang(status: str, current: RunLease | None, holder: str | None, ledger
     return not any(h.from_uid == holder for h in (ledger.hand_overs if ledger else []))
 
 
-def delete_gang(api_client: Any, namespace: str, run_id: str) -> tuple[list[str], list[str]]:
-    """Delete the run's JobSets in ``namespace`` with foreground propagation.
-
-    Foreground: the JobSet object stays (with a deletionTimestamp) until its Jobs and their pods are gone, so
-    ``kubectl get jobsets`` shows the gang until its TPUs are free (Kubernetes "Garbage Collection").
-
-    Returns:
-        The JobSets deleted now and those already being deleted (left alone), each sorted by name.
-    """
-    from kubernetes import client
-
-    custom = client.CustomObjectsApi(api_client)
-    where = (JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL)
-    found = custom.list_namespaced_custom_object(*where, label_selector=f"{RUN_ID_LABEL}={run_id}",
-                                                 _request_timeout=API_TIMEOUT_S)  # fmt: skip
-    deleted, going = [], []
-    for item in sorted(found.get("items", []), key=lambda i: i["metadata"]["name"]):
-        name = item["metadata"]["name"]
-        if item["metadata"].get("deletionTimestamp"):
-            going.append(name)
-            continue
-        foreground = client.V1DeleteOptions(propagation_policy="Foreground")
-        try:
-            custom.delete_namespaced_custom_object(*where, name, body=foreground, _request_timeout=API_TIMEOUT_S)
-        except client.ApiException as e:
-            if e.status != 404:  # 404: gone in between
-                raise
-            continue
-        deleted.append(name)
-    return deleted, going
-
-
 def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host: str | None = None) -> str | None:
     """Delete the run's JobSets on GKE; the one line saying what was deleted (None for the local backend).
 
@@ -406,7 +371,7 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
             from recovery_steps.kernel.k8s import make_api_client
 
             api_client = make_api_client(k8s_host)
-        deleted, going = delete_gang(api_client, ns, run_id)
+        deleted, going, _ = delete_run_jobsets(api_client, ns, run_id)
     except ConfigException as e:
         raise GangStopError(f"no Kubernetes API ({e}): {by_hand}", int(ExitCode.CONFIGURATION)) from None
     except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as e:

@@ -32,15 +32,13 @@ from recovery_steps.kernel.k8s import (
     ACTIVE_MAINTENANCE_LABEL,
     API_TIMEOUT_S,
     ATTEMPT_LABEL,
-    JOBSET_GROUP,
     JOBSET_NAME_LABEL,
-    JOBSET_PLURAL,
-    JOBSET_VERSION,
     NODEPOOL_LABEL,
     RUN_ID_LABEL,
     SCHEDULED_MAINTENANCE_LABEL,
     SPOT_LABEL,
     TPU_RESOURCE,
+    delete_run_jobsets,
     gke_node_selector,
     jobset_name,
 )
@@ -217,37 +215,8 @@ def _quantity_int(q: Any) -> int:
         return 0
 
 
-def delete_old_jobsets(
-    api_client: Any, namespace: str, run_id: str, keep: Callable[[dict[str, Any]], bool] = lambda _: False
-) -> list[str]:
-    """Delete every JobSet labelled with the run (earlier attempts) unless ``keep`` says so; return the kept ones."""
-    from kubernetes import client
-
-    custom = client.CustomObjectsApi(api_client)
-    found = custom.list_namespaced_custom_object(
-        JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, label_selector=f"{RUN_ID_LABEL}={run_id}",
-        _request_timeout=API_TIMEOUT_S,
-    )  # fmt: skip
-    kept = []
-    for item in sorted(found.get("items", []), key=lambda i: i["metadata"]["name"]):
-        name = item["metadata"]["name"]
-        if keep(item):
-            kept.append(name)
-            continue
-        try:
-            custom.delete_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name,
-                body=client.V1DeleteOptions(propagation_policy="Foreground"), _request_timeout=API_TIMEOUT_S,
-            )  # fmt: skip
-        except client.ApiException as e:
-            if e.status != 404:  # already gone
-                raise
-        log.info("deleted JobSet %s/%s", namespace, name)
-    return kept
-
-
 def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]], bool]:
-    """``keep`` for delete_old_jobsets: never delete a live gang that no supervisor has decided.
+    """``keep`` for delete_run_jobsets: never delete a live gang that no supervisor has decided.
 
     A running JobSet of this very attempt (a resubmitted run continues at the attempt its lost Workflow left
     unclosed) is kept: train-segment re-attaches to it. A running JobSet of an earlier attempt that is neither
@@ -363,7 +332,7 @@ def provision_gke(
     from kubernetes import client
 
     try:
-        kept = delete_old_jobsets(api_client, cfg.namespace, cfg.run_id,
+        _, _, kept = delete_run_jobsets(api_client, cfg.namespace, cfg.run_id,
                                   unsupervised_gang(RunStore(cfg.storage.root, cfg.run_id), attempt))  # fmt: skip
         wait_pods_gone(api_client, cfg.namespace, cfg.run_id, timeout_s=pod_timeout_s, keep=kept)
         nodes = with_other_runs(

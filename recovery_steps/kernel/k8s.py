@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +202,46 @@ def api_error_line(e: BaseException) -> str:
         detail = f": {message[:300]}" if message else ""
         return f"Kubernetes API answered {status} {getattr(e, 'reason', '')}{detail}"
     return f"Kubernetes API unreachable: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def delete_run_jobsets(
+    api_client: Any, namespace: str, run_id: str, keep: Callable[[dict[str, Any]], bool] = lambda _: False
+) -> tuple[list[str], list[str], list[str]]:
+    """Delete the run's JobSets (label ``jaxrec/run-id``) in ``namespace`` with foreground propagation.
+
+    Foreground: the JobSet object stays (with a deletionTimestamp) until its Jobs and their pods are gone, so
+    ``kubectl get jobsets`` shows the gang until its TPUs are free (Kubernetes "Garbage Collection"). A JobSet
+    already being deleted is left alone; one that ``keep`` (given the JobSet's JSON) says to keep is not touched.
+
+    Returns:
+        The JobSets deleted now, those already being deleted, and those kept, each sorted by name.
+    """
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api_client)
+    where = (JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL)
+    found = custom.list_namespaced_custom_object(*where, label_selector=f"{RUN_ID_LABEL}={run_id}",
+                                                 _request_timeout=API_TIMEOUT_S)  # fmt: skip
+    deleted: list[str] = []
+    going: list[str] = []
+    kept: list[str] = []
+    for item in sorted(found.get("items", []), key=lambda i: i["metadata"]["name"]):
+        name = item["metadata"]["name"]
+        if item["metadata"].get("deletionTimestamp"):
+            going.append(name)
+            continue
+        if keep(item):
+            kept.append(name)
+            continue
+        foreground = client.V1DeleteOptions(propagation_policy="Foreground")
+        try:
+            custom.delete_namespaced_custom_object(*where, name, body=foreground, _request_timeout=API_TIMEOUT_S)
+        except client.ApiException as e:
+            if e.status != 404:  # 404: gone in between
+                raise
+            continue
+        deleted.append(name)
+    return deleted, going, kept
 
 
 def make_api_client(host: str | None = None) -> Any:
