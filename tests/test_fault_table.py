@@ -349,25 +349,30 @@ def _check_race(run: Path, steps: list[str], digests) -> None:
         assert tree_digest(run / "checkpoints" / str(s)) == digests[s]
 
 
-def test_concurrent_restore_latest_threads_agree_and_quarantine_once(template, tmp_path):
-    root, run = _racing_store(template, tmp_path)
-    barrier, steps, errors = threading.Barrier(6), [], []
+def _race_restore_latest(root: Path, threads: int = 6) -> list[str]:
+    """restore-latest of attempt 1 from ``threads`` threads released at once; the steps they chose (each thread's
+    exception, if any, fails the test: a traceback is what the race looks for)."""
+    barrier, steps, errors = threading.Barrier(threads), [], []
 
     def one() -> None:
         barrier.wait()
         try:
-            r = restore_latest.run(RunStore(str(root), RUN), 1)
-            steps.append(str(r.selection.step))
+            steps.append(str(restore_latest.run(RunStore(str(root), RUN), 1).selection.step))
         except BaseException as e:  # noqa: BLE001 - a traceback is the failure this test looks for
             errors.append(repr(e))
 
-    threads = [threading.Thread(target=one) for _ in range(6)]
-    for t in threads:
+    started = [threading.Thread(target=one) for _ in range(threads)]
+    for t in started:
         t.start()
-    for t in threads:
+    for t in started:
         t.join()
     assert errors == []
-    _check_race(run, steps, template[3])
+    return steps
+
+
+def test_concurrent_restore_latest_threads_agree_and_quarantine_once(template, tmp_path):
+    root, run = _racing_store(template, tmp_path)
+    _check_race(run, _race_restore_latest(root), template[3])
 
 
 @pytest.mark.slow
@@ -841,21 +846,7 @@ def test_two_restore_latest_runs_record_every_quarantine(template, tmp_path):
 def test_concurrent_restore_latest_threads_record_every_quarantine(template, tmp_path):
     root, run = _racing_store(template, tmp_path)
     flip(run / "checkpoints" / "50")
-    barrier, errors = threading.Barrier(6), []
-
-    def one() -> None:
-        barrier.wait()
-        try:
-            restore_latest.run(RunStore(str(root), RUN), 1)
-        except BaseException as e:  # noqa: BLE001 - a traceback is the failure this test looks for
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=one) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    _race_restore_latest(root)
     moved = sorted(f"quarantine/{p.name}" for p in (run / "quarantine").iterdir())
     assert json.loads((run / "attempts" / "1" / "restore.json").read_text())["quarantined"] == moved
 
