@@ -13,7 +13,8 @@ manifest, then runs ``--repeats`` interleaved rounds of:
   (not part of the ratio: it shows how much of a restore is placement rather than reading);
 - ``place-aligned``: the same from 64-byte aligned host buffers, which JAX's CPU client places without a
   copy (printed below the table, with the alignment of the buffers tensorstore's reads return);
-- ``verify``: restore-latest's verification of the step (read back + CRC32C of every file).
+- ``verify``: restore-latest's verification of the step (on GCS: sizes, CRC32C and generations from one
+  listing, no bytes read; locally: every file's CRC32C, streamed).
 
 Both the read and the restore run warm: the page cache (local) and the emulator's memory hold the
 bytes, and one untimed read and one untimed restore precede the rounds (caches cannot be dropped on this machine). Each
