@@ -46,6 +46,12 @@ def _job(js, conditions=()):
             "status": {"conditions": list(conditions), "active": HOSTS}}  # fmt: skip
 
 
+def _gang(c, js, t, **pod_kw):
+    """Every worker pod of the JobSet, one per node, in the same state."""
+    for i in range(HOSTS):
+        c.put("pods", pod(js, i, t, node=f"gke-tpu-{i}", **pod_kw))
+
+
 def _beat(store, attempt, step, t, ckpt=None):
     for i in range(HOSTS):
         b = WorkerHeartbeat(process_index=i, step=step, checkpoint_step=ckpt, at=t, first_step_at=t)
@@ -85,15 +91,13 @@ def test_creates_the_jobset_and_follows_it_to_success(tmp_path, cluster):
             c.put("pods", pod(js, i, t0 + 1, node=f"gke-tpu-{i}"))
 
     def running(c):
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, t0 + 2, node=f"gke-tpu-{i}", phase="Running", running=True))
+        _gang(c, js, t0 + 2, phase="Running", running=True)
 
     def stepping(c):
         _beat(store, 0, 5, time.time(), ckpt=None)
 
     def done(c):
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, t0 + 9, node=f"gke-tpu-{i}", phase="Succeeded", exit_code=0))
+        _gang(c, js, t0 + 9, phase="Succeeded", exit_code=0)
         c.put("jobs", _job(js, [{"type": "Complete", "status": "True", "lastTransitionTime": iso(t0 + 9)}]))
         obj = dict(c.objects["jobsets"][js])
         c.put("jobsets", {**obj, "status": {"terminalState": "Completed"}})
@@ -195,15 +199,13 @@ def test_an_expired_watch_is_listed_again(tmp_path, cluster):
     js = f"{cfg.run_id}-a0"
 
     def created(c, obj):
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Running", running=True))
+        _gang(c, js, time.time(), phase="Running", running=True)
 
     def expire(c):
         c.compact("pods")  # this watch's resourceVersion is now too old: ERROR 410
 
     def finish(c):
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Succeeded", exit_code=0))
+        _gang(c, js, time.time(), phase="Succeeded", exit_code=0)
 
     cluster.on_create = created
     cluster.script = [lambda c: None, expire, finish]
@@ -259,8 +261,7 @@ def test_rbac_grants_every_call_the_supervisor_makes(tmp_path, cluster):
 
     def created(c, obj):
         c.put("jobs", _job(js))
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Running", running=True))
+        _gang(c, js, time.time(), phase="Running", running=True)
         c.nodes["gke-tpu-0"] = node("gke-tpu-0", ready=None, unreachable=True)
 
     cluster.on_create = created
@@ -338,8 +339,7 @@ def test_the_supervisor_renews_the_lease_it_holds(tmp_path, cluster):
     t0 = time.time()
 
     def done(c):
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, t0, node=f"gke-tpu-{i}", phase="Succeeded", exit_code=0))
+        _gang(c, js, t0, phase="Succeeded", exit_code=0)
         c.put("jobsets", {**c.objects["jobsets"][js], "status": {"terminalState": "Completed"}})
 
     cluster.script = [lambda c: time.sleep(0.05), done]
@@ -366,8 +366,7 @@ def _shutting_down(name, since, *, spot=True):
 def _running_gang(js):
     def created(c, obj):
         c.put("jobs", _job(js))
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Running", running=True))
+        _gang(c, js, time.time(), phase="Running", running=True)
 
     return created
 
@@ -424,23 +423,19 @@ def test_a_transient_pull_error_then_a_slow_pull_is_not_a_configuration_stall(tm
 
     def created(c, obj):
         c.put("jobs", _job(js))
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", waiting=("ErrImagePull", REGISTRY_503)))
+        _gang(c, js, time.time(), waiting=("ErrImagePull", REGISTRY_503))
 
     def backing_off(c):
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", waiting=("ImagePullBackOff", back_off)))
+        _gang(c, js, time.time(), waiting=("ImagePullBackOff", back_off))
 
     def slow_pull(c):
         time.sleep(0.8)  # the kubelet pulls; the pods still show the cached back-off, past image_pull_deadline_s
 
     def running(c):
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Running", running=True))
+        _gang(c, js, time.time(), phase="Running", running=True)
 
     def done(c):
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", phase="Succeeded", exit_code=0))
+        _gang(c, js, time.time(), phase="Succeeded", exit_code=0)
 
     cluster.on_create = created
     cluster.script = [backing_off, slow_pull, running, done]
@@ -456,8 +451,7 @@ def test_an_image_not_found_is_configuration_even_when_the_back_off_no_longer_sa
 
     def created(c, obj):
         c.put("jobs", _job(js))
-        for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}", waiting=("ErrImagePull", not_found)))
+        _gang(c, js, time.time(), waiting=("ErrImagePull", not_found))
 
     def old_kubelet_back_off(c):
         for i in range(HOSTS):
