@@ -1,0 +1,419 @@
+"""Failure drill on a real cluster: submit a generated workflow, inject one failure, print what it cost.
+
+    python -m workflows.drill --workflow argo/v5e-4x4.yaml --context <kubeconfig context> --inject delete-worker
+
+It submits the exact file (``-p name=value`` overrides a declared parameter, as ``argo submit -p`` does), waits
+until the run has trained past ``--after-step``, injects the failure, waits for the workflow to end, and prints
+the incident table built from the run store (detect, stop, provision, start, restore, compile, back at the
+pre-failure step, steps lost) with the final verdict. It refuses to run unless the cluster is named (``--context``)
+or confirmed (``--yes``), and only ever touches the run's own objects: the Workflow it submitted, that Workflow's
+pods, the run's JobSet pods, and (``drain-node``) a node on which nothing but the run's pods is scheduled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from recovery_steps.kernel.documents import read_ledger
+from recovery_steps.kernel.incidents import TimedIncident, incidents_from_facts, read_attempt_facts
+from recovery_steps.kernel.k8s import ATTEMPT_LABEL, RUN_ID_LABEL
+from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows.jobset import CONTAINER
+
+ARGO = ("argoproj.io", "v1alpha1", "workflows")
+WORKFLOW_LABEL = "workflows.argoproj.io/workflow"  # Argo puts it on every pod of a Workflow (workflow/common)
+NODE_NAME_ANNOTATION = "workflows.argoproj.io/node-name"
+FINISHED = ("Succeeded", "Failed", "Error")
+
+
+class Fault(enum.StrEnum):
+    """The failures the drill injects (the design's list of worker, host and control failures)."""
+
+    DELETE_WORKER = "delete-worker"  # a worker pod deleted through the API
+    KILL_WORKER = "kill-worker"  # the trainer process of one worker SIGKILLed (pod exec)
+    DRAIN_NODE = "drain-node"  # one worker's node cordoned and its pods evicted, as `kubectl drain` does
+    DELETE_SUPERVISOR = "delete-supervisor"  # the train-segment pod evicted, as a drain of its node does
+    RESUBMIT = "resubmit"  # the Workflow deleted and the same file submitted again (same run id)
+    CORRUPT_CHECKPOINT = "corrupt-checkpoint"  # a byte of the newest checkpoint flipped, then a worker deleted
+
+
+class DrillError(Exception):
+    """A drill that cannot go on (one line)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The run the drill submits: its Workflow document, namespace, run id and store root."""
+
+    doc: dict[str, Any]
+    namespace: str
+    run_id: str
+    store_root: str
+
+
+def load_target(path: Path, params: Sequence[str], namespace: str | None) -> Target:
+    """The workflow file with ``-p name=value`` overrides applied to its declared parameters.
+
+    Raises:
+        DrillError: the file is not a generated Workflow, or a parameter is not declared.
+    """
+    try:
+        docs = list(yaml.safe_load_all(path.read_text()))
+    except (OSError, yaml.YAMLError) as e:
+        first = str(e).splitlines()[0]
+        hint = "give a file `python -m workflows.build` wrote"
+        raise DrillError(f"--workflow {path}: cannot read it ({first}); {hint}") from None
+    doc = docs[0] if len(docs) == 1 else None
+    if not isinstance(doc, dict) or doc.get("kind") != "Workflow":
+        raise DrillError(f"--workflow {path}: not an Argo Workflow; give one of the files in argo/")
+    declared = {p["name"]: p for p in doc.get("spec", {}).get("arguments", {}).get("parameters", [])}
+    for item in params:
+        name, sep, value = item.partition("=")
+        if not sep or name not in declared:
+            raise DrillError(f"-p {item}: not name=value of a declared parameter ({', '.join(declared)})")
+        declared[name]["value"] = value
+    run_id, root = declared.get("run-id", {}).get("value"), declared.get("store-root", {}).get("value")
+    if not run_id or not root:
+        raise DrillError(f"--workflow {path}: no run-id or store-root parameter; give a file from argo/")
+    ns = namespace or doc.get("metadata", {}).get("namespace") or "default"
+    doc.setdefault("metadata", {})["namespace"] = ns
+    return Target(doc=doc, namespace=ns, run_id=str(run_id), store_root=str(root))
+
+
+def choose_context(contexts: Sequence[str], current: str | None, context: str | None, yes: bool) -> str:
+    """The kubeconfig context to use: the one named, or the current one when ``--yes`` confirms it.
+
+    Raises:
+        DrillError: nothing names the cluster, or the named context does not exist.
+    """
+    if context is not None:
+        if context not in contexts:
+            raise DrillError(f"--context {context}: no such context in the kubeconfig ({', '.join(contexts)})")
+        return context
+    if yes and current:
+        return current
+    raise DrillError(
+        f"the drill deletes pods and evicts nodes: name the cluster with --context <name> "
+        f"(current context: {current or 'none'}) or confirm the current one with --yes"
+    )
+
+
+class Cluster:
+    """The drill's view of the cluster: the run's Workflow, pods and nodes, nothing else."""
+
+    def __init__(self, api_client: Any, namespace: str):
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.ns = namespace
+
+    def submit(self, doc: dict[str, Any]) -> str:
+        """Create the Workflow; its name."""
+        created = self.custom.create_namespaced_custom_object(*ARGO[:2], self.ns, ARGO[2], doc)
+        return created["metadata"]["name"]
+
+    def workflow(self, name: str) -> dict[str, Any]:
+        """The Workflow as the API returns it now."""
+        return self.custom.get_namespaced_custom_object(*ARGO[:2], self.ns, ARGO[2], name)
+
+    def delete_workflow(self, name: str) -> None:
+        """Delete the Workflow the drill submitted (its exit handler does not run)."""
+        self.custom.delete_namespaced_custom_object(*ARGO[:2], self.ns, ARGO[2], name)
+
+    def pods(self, selector: str) -> list[Any]:
+        """Running pods matching a label selector, oldest first."""
+        items = self.core.list_namespaced_pod(self.ns, label_selector=selector).items
+        live = [p for p in items if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
+        return sorted(live, key=lambda p: (p.metadata.creation_timestamp, p.metadata.name))
+
+    def delete_pod(self, name: str) -> None:
+        """Delete one pod with its default grace period."""
+        self.core.delete_namespaced_pod(name, self.ns)
+
+    def evict(self, name: str) -> None:
+        """Evict one pod through the Eviction API, as a node drain does."""
+        from kubernetes import client
+
+        body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=self.ns))
+        self.core.create_namespaced_pod_eviction(name, self.ns, body)
+
+    def cordon(self, node: str, unschedulable: bool = True) -> None:
+        """Mark a node (un)schedulable."""
+        self.core.patch_node(node, {"spec": {"unschedulable": unschedulable}})
+
+    def others_on(self, node: str, run_id: str) -> list[str]:
+        """Pods on ``node`` (any namespace) that are not the run's and not a DaemonSet's."""
+        items = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items
+        out = []
+        for p in items:
+            owners = [o.kind for o in (p.metadata.owner_references or [])]
+            if (p.metadata.labels or {}).get(RUN_ID_LABEL) != run_id and "DaemonSet" not in owners:
+                out.append(f"{p.metadata.namespace}/{p.metadata.name}")
+        return out
+
+    def kill_trainer(self, pod: str) -> None:
+        """SIGKILL the trainer process of one worker pod (exec into its container).
+
+        Raises:
+            DrillError: the trainer is its container's PID 1: a signal sent from inside the pod cannot kill it
+                (the kernel drops SIGKILL sent to a PID namespace's init from inside the namespace).
+        """
+        from kubernetes.stream import stream
+
+        resp = stream(
+            self.core.connect_get_namespaced_pod_exec,
+            pod,
+            self.ns,
+            container=CONTAINER,
+            command=["python", "-c", _KILL_TRAINER],
+            stderr=True,
+            stdout=True,
+            stdin=False,
+            tty=False,
+            _preload_content=False,
+        )
+        resp.run_forever(timeout=60)
+        code = resp.returncode
+        resp.close()
+        if code == 3:
+            raise DrillError(
+                f"pod {pod}: the trainer is PID 1 of its container, which a signal from inside the pod cannot kill; "
+                "use --inject delete-worker, or run the image with an init process"
+            )
+        if code:
+            raise DrillError(f"pod {pod}: the kill command exited {code} (no trainer process found?)")
+
+
+# Finds the process running ``python -m trainer`` and SIGKILLs it; exit 3 when it is PID 1, 4 when none is found.
+_KILL_TRAINER = """
+import os, signal, sys
+me = os.getpid()
+for d in os.listdir("/proc"):
+    if not d.isdigit() or int(d) == me:
+        continue
+    try:
+        argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\\0")
+    except OSError:
+        continue
+    if b"-m" in argv and b"trainer" in argv[argv.index(b"-m") + 1:argv.index(b"-m") + 2]:
+        if int(d) == 1:
+            sys.exit(3)
+        os.kill(int(d), signal.SIGKILL)
+        sys.exit(0)
+sys.exit(4)
+"""
+
+
+def wait_until(what: str, probe: Callable[[], Any], deadline: float, *, every: float = 2.0) -> Any:
+    """Poll ``probe`` until it returns something truthy; DrillError with ``what`` at the deadline."""
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.time() > deadline:
+            raise DrillError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+def current_progress(store: RunStore) -> tuple[int, int] | None:
+    """The newest attempt that has a heartbeat, and the newest step its workers reported."""
+    for facts in reversed(read_attempt_facts(store)):
+        if facts.progress is not None:
+            return facts.attempt, facts.progress
+    return None
+
+
+def newest_checkpoint_file(store: RunStore) -> str | None:
+    """The smallest non-empty data file of the newest checkpoint step with a manifest."""
+    for step in reversed(store.checkpoint_steps()):
+        if not store.exists(RunLayout.checkpoint_manifest(step)):
+            continue
+        files = [o for o in store.list(RunLayout.checkpoint(step)) if o.size > 0 and "manifest" not in o.name]
+        if files:
+            return min(files, key=lambda o: o.size).name
+    return None
+
+
+def _flip_byte(store: RunStore, rel: str) -> None:
+    data = bytearray(store.read_bytes(rel) or b"")
+    data[len(data) // 2] ^= 0xFF
+    store.write_bytes(rel, bytes(data))
+
+
+def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fault: Fault, attempt: int) -> str:
+    """Inject ``fault`` into the run's attempt; one line saying what was done."""
+    workers = cluster.pods(f"{RUN_ID_LABEL}={target.run_id},{ATTEMPT_LABEL}={attempt}")
+    if fault in (Fault.DELETE_WORKER, Fault.KILL_WORKER, Fault.DRAIN_NODE, Fault.CORRUPT_CHECKPOINT) and not workers:
+        raise DrillError(f"no running worker pod of run {target.run_id} attempt {attempt}")
+    victim = workers[-1].metadata.name if workers else ""
+    if fault is Fault.DELETE_WORKER:
+        cluster.delete_pod(victim)
+        return f"deleted worker pod {victim}"
+    if fault is Fault.KILL_WORKER:
+        cluster.kill_trainer(victim)
+        return f"SIGKILLed the trainer in {victim}"
+    if fault is Fault.DRAIN_NODE:
+        node = workers[-1].spec.node_name
+        others = cluster.others_on(node, target.run_id)
+        if others:
+            raise DrillError(f"node {node} also runs {', '.join(others[:3])}: the drill drains only the run's nodes")
+        cluster.cordon(node)
+        for p in workers:
+            if p.spec.node_name == node:
+                cluster.evict(p.metadata.name)
+        return f"drained node {node} (cordoned; the run's pods on it evicted)"
+    if fault is Fault.DELETE_SUPERVISOR:
+        sup = [p for p in cluster.pods(f"{WORKFLOW_LABEL}={workflow}") if _is_supervisor(p)]
+        if not sup:
+            raise DrillError(f"no running train-segment pod of workflow {workflow}")
+        cluster.evict(sup[-1].metadata.name)
+        return f"evicted supervisor pod {sup[-1].metadata.name}"
+    if fault is Fault.CORRUPT_CHECKPOINT:
+        rel = newest_checkpoint_file(store)
+        if rel is None:
+            raise DrillError(f"run {target.run_id} has no checkpoint with a manifest yet; raise --after-step")
+        _flip_byte(store, rel)
+        cluster.delete_pod(victim)
+        return f"flipped a byte of {store.url(rel)} and deleted worker pod {victim}"
+    raise DrillError(f"--inject {fault}: handled by the caller")
+
+
+def _is_supervisor(pod: Any) -> bool:
+    node = (pod.metadata.annotations or {}).get(NODE_NAME_ANNOTATION, "")
+    return "train-segment" in node or "-train-segment-" in pod.metadata.name
+
+
+def _s(a: float | None, b: float | None) -> str:
+    return f"{b - a:.1f}" if a is not None and b is not None else "-"
+
+
+def measures_table(incidents: Sequence[TimedIncident]) -> list[str]:
+    """The design's measures per incident, in seconds from the failure (injected, else detected)."""
+    head = "attempt  fault               detect  stop  provision  start  restore  compile  back  lost  restored"
+    lines = [head]
+    for t in incidents:
+        i = t.incident
+        t0 = i.injected_at or i.detected_at
+        back = _s(t0, i.recovered_at) + ("~" if t.recovered_estimated else "")
+        compile_s = f"{i.compile_seconds:.1f}" if i.compile_seconds is not None else "-"
+        lines.append(
+            f"{i.attempt:<8} {(i.scenario or '-'):<19} {_s(t0, i.detected_at):>6} {_s(t0, i.stopped_at):>5} "
+            f"{_s(t0, i.slice_ready_at):>10} {_s(t0, i.workers_started_at):>6} {_s(t0, i.restored_at):>8} "
+            f"{compile_s:>8} {back:>5} {i.steps_lost if i.steps_lost is not None else '-':>5} "
+            f"{i.restored_step if i.restored_step is not None else '-':>9}"
+        )
+    if any(t.recovered_estimated for t in incidents):
+        lines.append("~ estimated from the next attempt's first step and its steps per second")
+    return lines
+
+
+@dataclass
+class DrillResult:
+    """What the drill did and saw."""
+
+    workflow: str
+    injected: str
+    phase: str
+    final_status: str | None
+    incidents: list[TimedIncident]
+
+
+def _phase(cluster: Cluster, name: str) -> str | None:
+    phase = cluster.workflow(name).get("status", {}).get("phase")
+    return phase if phase in FINISHED else None
+
+
+def run_drill(
+    cluster: Cluster,
+    target: Target,
+    fault: Fault,
+    *,
+    after_step: int,
+    timeout_s: float,
+    say: Callable[[str], None] = print,
+    store: RunStore | None = None,
+) -> DrillResult:
+    """Submit, wait for progress, inject, wait for the end, and measure."""
+    store = store or RunStore(target.store_root, target.run_id)
+    deadline = time.time() + timeout_s
+    name = cluster.submit(target.doc)
+    say(f"drill: submitted workflow {name} (run {target.run_id}, store {store.url()})")
+    progress = lambda: (p := current_progress(store)) and p[1] >= after_step and p  # noqa: E731
+    attempt, step = wait_until(f"run {target.run_id} to pass step {after_step}", progress, deadline)
+    at = time.time()
+    if fault is Fault.RESUBMIT:
+        cluster.delete_workflow(name)
+        wait_until(f"workflow {name} to go", lambda: not _exists(cluster, name), deadline)
+        name = cluster.submit(target.doc)
+        what = f"deleted the workflow and submitted it again as {name}"
+    else:
+        what = inject(cluster, store, target, name, fault, attempt)
+    say(f"drill: at step {step} of attempt {attempt}: {what}")
+    phase = wait_until(f"workflow {name} to finish", lambda: _phase(cluster, name), deadline, every=5.0)
+    ledger = read_ledger(store)
+    incidents = incidents_from_facts(read_attempt_facts(store), {attempt: (str(fault), at)})
+    return DrillResult(name, what, phase, ledger.final_status if ledger else None, incidents)
+
+
+def _exists(cluster: Cluster, name: str) -> bool:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        cluster.workflow(name)
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
+def _client(kubeconfig: str | None, context: str | None, yes: bool) -> Any:
+    from kubernetes import config
+
+    try:
+        contexts, current = config.list_kube_config_contexts(config_file=kubeconfig)
+    except (config.ConfigException, OSError) as e:
+        hint = "point KUBECONFIG or --kubeconfig at the cluster's kubeconfig"
+        raise DrillError(f"--kubeconfig: cannot read it ({e}); {hint}") from None
+    chosen = choose_context([c["name"] for c in contexts], current["name"] if current else None, context, yes)
+    return config.new_client_from_config(config_file=kubeconfig, context=chosen)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; exit 0 when the drill ran and the run ended Succeeded, 1 when it ended otherwise, 2 on error."""
+    ap = argparse.ArgumentParser(prog="python -m workflows.drill", description=__doc__.splitlines()[0])
+    ap.add_argument("--workflow", type=Path, required=True, help="A file from argo/, submitted as it is.")
+    ap.add_argument("--inject", type=Fault, choices=list(Fault), required=True)
+    ap.add_argument("--context", help="The kubeconfig context of the cluster to drill (required unless --yes).")
+    ap.add_argument("--yes", action="store_true", help="Drill the current kubeconfig context.")
+    ap.add_argument("--kubeconfig", help="Default: $KUBECONFIG or ~/.kube/config.")
+    ap.add_argument("--namespace", help="Default: the workflow file's.")
+    ap.add_argument("-p", dest="params", action="append", default=[], help="name=value of a workflow parameter.")
+    ap.add_argument("--after-step", type=int, default=20, help="Inject once the run has passed this step.")
+    ap.add_argument("--timeout", type=float, default=3600, help="Seconds for the whole drill.")
+    args = ap.parse_args(argv)
+    try:
+        target = load_target(args.workflow, args.params, args.namespace)
+        cluster = Cluster(_client(args.kubeconfig, args.context, args.yes), target.namespace)
+        res = run_drill(cluster, target, args.inject, after_step=args.after_step, timeout_s=args.timeout)
+    except DrillError as e:
+        print(f"drill: {e}", file=sys.stderr)
+        return 2
+    for line in measures_table(res.incidents):
+        print(line)
+    print(f"drill: workflow {res.workflow} ended {res.phase}; the run's ledger says {res.final_status or 'nothing'}")
+    return 0 if res.phase == "Succeeded" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
