@@ -43,7 +43,7 @@ class Fault(enum.StrEnum):
     DRAIN_NODE = "drain-node"  # one worker's node cordoned and its pods evicted, as `kubectl drain` does
     DELETE_SUPERVISOR = "delete-supervisor"  # the train-segment pod evicted, as a drain of its node does
     RESUBMIT = "resubmit"  # the Workflow deleted and the same file submitted again (same run id)
-    CORRUPT_CHECKPOINT = "corrupt-checkpoint"  # a byte of the newest checkpoint flipped, then a worker deleted
+    CORRUPT_CHECKPOINT = "corrupt-checkpoint"  # a byte of the newest checkpoint flipped, a worker deleted at once
 
 
 class DrillError(Exception):
@@ -136,9 +136,9 @@ class Cluster:
         live = [p for p in items if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
         return sorted(live, key=lambda p: (p.metadata.creation_timestamp, p.metadata.name))
 
-    def delete_pod(self, name: str) -> None:
-        """Delete one pod with its default grace period."""
-        self.core.delete_namespaced_pod(name, self.ns)
+    def delete_pod(self, name: str, grace_s: int | None = None) -> None:
+        """Delete one pod (with its own grace period unless ``grace_s`` says otherwise)."""
+        self.core.delete_namespaced_pod(name, self.ns, grace_period_seconds=grace_s)
 
     def evict(self, name: str) -> None:
         """Evict one pod through the Eviction API, as a node drain does."""
@@ -283,7 +283,7 @@ def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fau
         if rel is None:
             raise DrillError(f"run {target.run_id} has no checkpoint with a manifest yet; raise --after-step")
         _flip_byte(store, rel)
-        cluster.delete_pod(victim)
+        cluster.delete_pod(victim, grace_s=0)  # no time for a save at the failure: the damaged step is the newest
         return f"flipped a byte of {store.url(rel)} and deleted worker pod {victim}"
     raise DrillError(f"--inject {fault}: handled by the caller")
 
