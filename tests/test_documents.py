@@ -5,12 +5,22 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from recovery_steps.kernel import records
 from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.contract import (
+    AttemptOutcome,
+    Backend,
+    Decision,
+    FailureClass,
+    FinalStatus,
+    SkipKind,
+    StallKind,
+    SupervisionOutcome,
+)
 from recovery_steps.kernel.documents import read_run_config, read_worker_reports
-from recovery_steps.kernel.outputs import STEP_OUTPUTS, ClassifyOutputs, RestoreOutputs
+from recovery_steps.kernel.outputs import STEP_OUTPUTS, ClassifyOutputs, RestoreOutputs, SegmentOutputs
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from workflows.templates import build_workflow
 
@@ -60,11 +70,66 @@ def test_records_round_trip_through_their_paths(store):
                                 restore_path=store.url(RunLayout.checkpoint(30)), decided_at=1.0)  # fmt: skip
     store.write_record(RunLayout.restore_record(2), rec)
     assert store.read_record(RunLayout.restore_record(2), records.RestoreRecord) == rec
-    reason = records.QuarantineReason(step=5, from_="x", kind="corrupt", reason="r", attempt=1, objects=3, moved_at=2)
+    reason = records.QuarantineReason(step=5, from_="x", kind="manifest", reason="r", attempt=1, objects=3, moved_at=2)
     store.write_record(RunLayout.quarantine_reason("quarantine/5"), reason)
     assert json.loads(store.read_bytes("quarantine/5/QUARANTINE_REASON.json"))["from"] == "x"
     assert store.read_record(RunLayout.quarantine_reason("quarantine/5"), records.QuarantineReason) == reason
     assert store.read_record(RunLayout.provision_record(9), records.ProvisionRecord) is None
+
+
+def test_closed_vocabularies_read_the_documents_written_before_they_were_enums(store):
+    # The values are the interface: a document stored as plain strings reads into the enums and is written back
+    # with the same strings.
+    sup = (
+        b'{"attempt": 1, "jobset": "js", "outcome": "stalled", "stall_kind": "image-pull", "reason": "r", '
+        b'"detected_at": 1.0}'
+    )
+    store.write_bytes(RunLayout.supervision(1), sup)
+    rec = store.read_record(RunLayout.supervision(1), records.SupervisionRecord)
+    assert (rec.outcome, rec.stall_kind) == (SupervisionOutcome.STALLED, StallKind.IMAGE_PULL) and rec.decided
+    assert json.loads(rec.model_dump_json())["stall_kind"] == "image-pull"
+    ledger = (
+        b'{"run_id": "docs-run", "final_status": "Failed", "attempts": [{"attempt": 0, "outcome": "failed", '
+        b'"backend": "gke"}], "hand_overs": [{"from_workflow": "a", "from_uid": "u", "to_workflow": "b", '
+        b'"to_uid": "v", "next_attempt": 1, "at": 1.0, "backend": "local"}]}'
+    )
+    store.write_bytes(RunLayout.LEDGER, ledger)
+    led = store.read_record(RunLayout.LEDGER, records.Ledger)
+    assert led.final_status is FinalStatus.FAILED and led.attempts[0].outcome is AttemptOutcome.FAILED
+    assert (led.attempts[0].backend, led.hand_overs[0].backend) == (Backend.GKE, Backend.LOCAL)
+    assert json.loads(led.model_dump_json(exclude_defaults=True)) == json.loads(ledger)
+    skipped = records.SkippedStep.model_validate_json(
+        b'{"step": 5, "name": "5", "reason": "r", "kind": "non-canonical-name", "quarantined": false}'
+    )
+    assert skipped.kind is SkipKind.NAME
+    event = records.WorkerEvent.model_validate_json(
+        b'{"t": 1.0, "event": "save_committed", "attempt": 0, "process_index": 0, "step": 4}'
+    )
+    assert event.event is records.EventKind.SAVE_COMMITTED
+
+
+@pytest.mark.parametrize(
+    ("record", "doc", "field"),
+    [
+        (
+            records.SupervisionRecord,
+            {"attempt": 1, "jobset": "j", "outcome": "stuck", "reason": "r", "detected_at": 1},
+            "outcome",
+        ),
+        (
+            records.SupervisionRecord,
+            {"attempt": 1, "jobset": "j", "outcome": "stalled", "stall_kind": "slow", "reason": "r", "detected_at": 1},
+            "stall_kind",
+        ),
+        (records.AttemptRecord, {"attempt": 1, "outcome": "ok"}, "outcome"),
+        (records.AttemptRecord, {"attempt": 1, "outcome": "failed", "backend": "aws"}, "backend"),
+        (records.WorkerEvent, {"t": 1, "event": "steps", "attempt": 0, "process_index": 0}, "event"),
+    ],
+)
+def test_a_value_outside_a_closed_vocabulary_is_refused_naming_the_field(record, doc, field):
+    with pytest.raises(ValidationError) as e:
+        record.model_validate(doc)
+    assert [err["loc"] for err in e.value.errors()] == [(field,)]
 
 
 def test_missing_config_names_the_step_to_run(store):
@@ -101,6 +166,11 @@ def test_outputs_round_trip_and_render_as_argo_reads_them(tmp_path):
     assert ClassifyOutputs.read(tmp_path) == o
     r = RestoreOutputs(restore_step=-1, restore_path="", skipped=[{"step": 5, "name": "5", "reason": "x"}])
     assert RestoreOutputs.parse(r.files()) == r
+    # An optional output left unset is an empty file, as a `when` on it expects, and reads back as unset.
+    seg = SegmentOutputs(outcome="failed", stall_kind="", reason="r", last_step=3, checkpoint_step=-1)
+    assert seg.stall_kind is None and seg.files()["stall-kind"] == "" and SegmentOutputs.parse(seg.files()) == seg
+    stalled = seg.model_copy(update={"outcome": SupervisionOutcome.STALLED, "stall_kind": StallKind.NODE_LOST})
+    assert stalled.files()["stall-kind"] == "node-lost" and SegmentOutputs.parse(stalled.files()) == stalled
 
 
 @pytest.mark.parametrize("config", ["configs/local-cpu.yaml", "configs/v5e-4x4.yaml"])

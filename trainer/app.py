@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
-from recovery_steps.kernel.records import CheckpointManifest, PreemptionSave, WorkerExitReport, now
+from recovery_steps.kernel.records import CheckpointManifest, EventKind, PreemptionSave, WorkerExitReport, now
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from recovery_steps.kernel.tasks import options_hash
 from trainer import compile_cache
@@ -165,7 +165,7 @@ class Worker:
             self.sigterm_at = time.monotonic()
             log.info("SIGTERM: stopping after the next step, saving only if it fits the shutdown window; exit %d",
                      ExitCode.PREEMPTED)  # fmt: skip
-            self.events.emit("sigterm", self.report.last_step)
+            self.events.emit(EventKind.SIGTERM, self.report.last_step)
             threading.Thread(target=self._leave_if_stuck, args=(self.report.last_step,), daemon=True).start()
         self.stop_requested = True
 
@@ -380,7 +380,7 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     w = Worker(args, env)
     out = w.exit
     configure_logging(w.process_index)
-    w.events.emit("started", cpu_s=cpu_seconds())
+    w.events.emit(EventKind.STARTED, cpu_s=cpu_seconds())
     signal.signal(signal.SIGTERM, w.on_sigterm)
     try:
         cfg = w.load_config()
@@ -477,7 +477,7 @@ def _compiled_step(w: Worker, ahead: Any, restore_started: float) -> Any:
     overlap = overlap_seconds(restore_started, restored, res.started_at, res.finished_at)
     if res.compiled is not None:
         w.report.compile_seconds = res.seconds
-    w.events.emit("compiled", compile_seconds=round(res.seconds, 4), overlap_seconds=round(overlap, 4),
+    w.events.emit(EventKind.COMPILED, compile_seconds=round(res.seconds, 4), overlap_seconds=round(overlap, 4),
                   waited_seconds=round(waited, 4), reason=res.error)  # fmt: skip
     log.info("step compiled ahead in %.2f s (%.2f s beside the restore, %.2f s waited after it)", res.seconds,
              overlap, waited)  # fmt: skip
@@ -563,8 +563,9 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
         jax.devices()[0].platform, w.args.attempt, restore_step if restore_step >= 0 else "none (fresh start)",
     )  # fmt: skip
     # cpu_s (this process's CPU seconds so far, every thread) shows where start-up is CPU work and where waiting.
-    w.events.emit("initialized", process_count=jax.process_count(), devices=jax.device_count(),
-                  cpu_s=cpu_seconds())  # fmt: skip
+    w.events.emit(
+        EventKind.INITIALIZED, process_count=jax.process_count(), devices=jax.device_count(), cpu_s=cpu_seconds()
+    )
     m = _start_metrics(w, cfg)
 
     spec = cfg.task.spec()
@@ -602,8 +603,13 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     jax.block_until_ready(state)
     w.report.restored_at = now()
     w.report.restore_seconds = w.report.restored_at - t0
-    w.events.emit("restored", max(restore_step, 0), restore_step=restore_step, restore_seconds=w.report.restore_seconds,
-                  cpu_s=cpu_seconds())  # fmt: skip
+    w.events.emit(
+        EventKind.RESTORED,
+        max(restore_step, 0),
+        restore_step=restore_step,
+        restore_seconds=w.report.restore_seconds,
+        cpu_s=cpu_seconds(),
+    )
     compiled = _compiled_step(w, ahead, t0)
     # Compiled ahead so that the first save does not compile on the training thread.
     ckpt.prepare_snapshot(tr.abstract_state)

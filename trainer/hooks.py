@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import PreemptionSave, WorkerExitReport, WorkerHeartbeat, now
+from recovery_steps.kernel.records import EventKind, PreemptionSave, WorkerExitReport, WorkerHeartbeat, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.compile_cache import CacheCounter
 from trainer.decisions import Faults, PreemptionAction, PreemptionPlan, SaveReason, TrainerExit, save_decision
@@ -109,10 +109,10 @@ class EventsHook:
         """Emit the step's events (``first_step`` with the compilation cache's requests and hits so far)."""
         if rec.first:
             cache = {} if self.cache is None else {"cache_requests": self.cache.requests, "cache_hits": self.cache.hits}
-            self.events.emit("first_step", rec.step, compile_seconds=rec.seconds, cpu_s=cpu_seconds(),
+            self.events.emit(EventKind.FIRST_STEP, rec.step, compile_seconds=rec.seconds, cpu_s=cpu_seconds(),
                              **cache)  # fmt: skip
             log.info("first step %d done (compile + run %.2f s), loss %.4f", rec.step, rec.seconds, rec.loss)
-        self.events.emit("step", rec.step, loss=rec.loss)
+        self.events.emit(EventKind.STEP, rec.step, loss=rec.loss)
 
 
 class MetricsHook:
@@ -191,7 +191,7 @@ class CheckpointHook:
         in_flight = self.ckpt.pending is not None
         plan = self.agreement.decide(rec.step, rec.sigterm_age_s or 0.0, self.estimate_s, in_flight)
         self.note_plan(plan)
-        self.events.emit("preemption_plan", rec.step, reason=f"{plan.action.value}: {plan.reason}")
+        self.events.emit(EventKind.PREEMPTION_PLAN, rec.step, reason=f"{plan.action.value}: {plan.reason}")
         if plan.action is PreemptionAction.SAVE:
             self.save(rec.step)
             self.finish()
@@ -220,7 +220,7 @@ class CheckpointHook:
     def _save(self, step: int) -> None:
         self.note_commit(self.ckpt.finish_pending())
         kill = self.kill_during_save == step
-        self.events.emit("save_started", step)
+        self.events.emit(EventKind.SAVE_STARTED, step)
         self.watchdog.touch()
         if kill and not self.async_save:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -243,8 +243,13 @@ class CheckpointHook:
         if committed is None:
             return
         c = self.ckpt
-        self.events.emit("save_committed", committed, save_seconds=c.last_duration, blocking_seconds=c.last_blocking,
-                         blocking_parts=c.last_parts)  # fmt: skip
+        self.events.emit(
+            EventKind.SAVE_COMMITTED,
+            committed,
+            save_seconds=c.last_duration,
+            blocking_seconds=c.last_blocking,
+            blocking_parts=c.last_parts,
+        )
         self.metrics.set("jaxrec_checkpoint_step", committed)
         self.metrics.set("jaxrec_checkpoint_last_commit_timestamp_seconds", c.last_commit_time or 0)
         self.metrics.set("jaxrec_checkpoint_duration_seconds", c.last_duration or 0)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import WorkerExitReport, now
+from recovery_steps.kernel.records import EventKind, WorkerExitReport, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.decisions import watchdog_limit
 from trainer.telemetry import Events
@@ -116,7 +116,7 @@ class ExitPath:
         if code == ExitCode.PEER_LOST and announce and self.on_peer_lost is not None:
             self.on_peer_lost(text.splitlines()[0] if text else "peer lost")
         self.write_report(code, exc, message)
-        self.events.emit("exit", self.report.last_step, code=int(code), reason=text[:500])
+        self.events.emit(EventKind.EXIT, self.report.last_step, code=int(code), reason=text[:500])
         if self.metrics is not None:
             self.metrics.set("jaxrec_worker_up", 0)
         logging.shutdown()

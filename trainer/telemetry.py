@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from recovery_steps.kernel.metrics import spec
-from recovery_steps.kernel.records import WorkerEvent, now
+from recovery_steps.kernel.records import EventKind, WorkerEvent, now
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class Events:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self._f = open(Path(directory) / f"worker-{process_index}.jsonl", "a", buffering=1)  # noqa: SIM115
 
-    def emit(self, event: str, step: int | None = None, **fields: Any) -> None:
+    def emit(self, event: EventKind, step: int | None = None, **fields: Any) -> None:
         """Write one event line (flushed at once: the reader may be timing a kill)."""
         if self._f is None:
             return

@@ -1,7 +1,9 @@
-"""The contracts between trainer, JobSet, and the recovery steps: exit codes and failure classes.
+"""The contracts between trainer, JobSet, and the recovery steps: exit codes, failure classes, closed vocabularies.
 
 This module is the single table the README documents, the trainer imports, the JobSet
-``podFailurePolicy`` is generated from, and ``classify-failure`` reads. It imports nothing heavy.
+``podFailurePolicy`` is generated from, and ``classify-failure`` reads. The closed vocabularies that travel
+inside the records and the step outputs are ``StrEnum``s whose values are the interface (a ``when`` branches
+on them, a stored document holds them). It imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -52,6 +54,70 @@ class Decision(enum.StrEnum):
     # Not a failed attempt: its supervisor was lost and left no verdict while the gang still runs; supervise the
     # same attempt again (the attempt is not closed and no budget is spent).
     RESUPERVISE = "resupervise"
+
+
+class SupervisionOutcome(enum.StrEnum):
+    """How train-segment's supervisor saw an attempt end: its ``outcome`` output and ``supervision.json``."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STALLED = "stalled"
+    # Not a verdict: this supervisor could not supervise (the record's exit_code says why).
+    ERROR = "error"
+
+
+class StallKind(enum.StrEnum):
+    """Why a stalled attempt cannot end by itself: train-segment's ``stall-kind`` output."""
+
+    CAPACITY = "capacity"
+    CONFIGURATION = "configuration"
+    HANG = "hang"
+    # An image pull or container creation that keeps failing for a reason waiting may cure (class infrastructure).
+    IMAGE_PULL = "image-pull"
+    NODE_LOST = "node-lost"
+
+
+class AttemptOutcome(enum.StrEnum):
+    """An attempt's outcome in its ``record.json`` and the ledger."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    # Classify-failure's record of an attempt whose gang still runs with no supervisor (resupervised).
+    RUNNING = "running"
+
+
+class FinalStatus(enum.StrEnum):
+    """How the exit handler ends a Workflow's part in the run: its ``final-status`` output and the ledger's."""
+
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    # A continuation Workflow of the run id carries the run on.
+    HANDED_OVER = "HandedOver"
+    # Another Workflow holds the run: this one recorded nothing.
+    NOT_HOLDER = "NotHolder"
+
+
+class Backend(enum.StrEnum):
+    """Where an attempt's gang ran."""
+
+    GKE = "gke"
+    LOCAL = "local"
+
+
+class SkipKind(enum.StrEnum):
+    """Why a step directory under ``checkpoints/`` is not restored (restore.json, QUARANTINE_REASON.json)."""
+
+    TEMPORARY = "temporary"
+    EMPTY = "empty"
+    UNCOMMITTED = "uncommitted"
+    MANIFEST = "manifest"
+    CLOSED_ATTEMPT = "closed-attempt"
+    INCOMPATIBLE = "incompatible"
+    FILES = "files"
+    NOT_A_STEP = "not-a-step"
+    NOT_A_DIRECTORY = "not-a-directory"
+    NAME = "non-canonical-name"
+    ODD_ENTRIES = "odd-entries"
 
 
 class ExitCode(enum.IntEnum):

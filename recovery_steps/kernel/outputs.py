@@ -11,11 +11,12 @@ from __future__ import annotations
 import enum
 import json
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from types import UnionType
+from typing import Any, ClassVar, Self, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.contract import Decision, FailureClass, FinalStatus, StallKind, SupervisionOutcome
 
 
 def out(description: str, *, shown: bool = False) -> Any:
@@ -60,6 +61,13 @@ class StepOutputs(BaseModel):
         for name, text in self.files().items():
             (output_dir / name).write_text(text)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any, info: ValidationInfo) -> Any:
+        # An optional output that is unset is an empty file (a ``when`` compares it with ''), never "null".
+        optional = type(None) in get_args(cls.model_fields[info.field_name].annotation)
+        return None if optional and value == "" else value
+
     @classmethod
     def parse(cls, values: dict[str, str]) -> Self:
         """The outputs from their texts (as Argo passes them on); raises pydantic's ValidationError."""
@@ -78,10 +86,13 @@ class StepOutputs(BaseModel):
 
 
 def _is_text(annotation: Any) -> bool:
-    return annotation is str or (isinstance(annotation, type) and issubclass(annotation, str))
+    args = [a for a in get_args(annotation) if a is not type(None)] if get_args(annotation) else [annotation]
+    return len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], str)
 
 
 def _render(value: Any) -> str:
+    if value is None:
+        return ""
     if isinstance(value, enum.Enum):
         return str(value.value)
     if isinstance(value, str):
@@ -128,8 +139,8 @@ class SegmentOutputs(StepOutputs):
     """``train-segment`` (the attempt's supervisor)."""
 
     TEMPLATE: ClassVar[str] = "train-segment"
-    outcome: str = out("succeeded, failed or stalled (supervision.AttemptState).", shown=True)
-    stall_kind: str = out(
+    outcome: SupervisionOutcome = out("succeeded, failed or stalled (supervision.AttemptState).", shown=True)
+    stall_kind: StallKind | None = out(
         "capacity, configuration, image-pull, hang or node-lost when stalled; empty otherwise.", shown=True
     )
     reason: str = out("One line: why the attempt is over.", shown=True)
@@ -163,7 +174,7 @@ class FinalizeOutputs(StepOutputs):
     """``exit-handler`` (finalize)."""
 
     TEMPLATE: ClassVar[str] = "exit-handler"
-    final_status: str = out(
+    final_status: FinalStatus = out(
         "Succeeded or Failed; HandedOver when a continuation Workflow carries the run on; NotHolder when another "
         "Workflow holds the run.",
         shown=True,
@@ -189,6 +200,7 @@ def outputs_table_markdown() -> str:
     rows = ["| template | output | type | meaning |", "|---|---|---|---|"]
     for declared in STEP_OUTPUTS:
         for n, f in declared.model_fields.items():
-            kind = getattr(f.annotation, "__name__", str(f.annotation))
+            kinds = get_args(f.annotation) if isinstance(f.annotation, UnionType) else (f.annotation,)
+            kind = " or ".join("empty" if k is type(None) else getattr(k, "__name__", str(k)) for k in kinds)
             rows.append(f"| `{declared.TEMPLATE}` | `{f.alias or n}` | {kind} | {f.description} |")
     return "\n".join(rows)

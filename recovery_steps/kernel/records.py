@@ -23,7 +23,16 @@ from pydantic import (
     model_validator,
 )
 
-from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.contract import (
+    AttemptOutcome,
+    Backend,
+    Decision,
+    FailureClass,
+    FinalStatus,
+    SkipKind,
+    StallKind,
+    SupervisionOutcome,
+)
 from recovery_steps.kernel.snapshot import ClusterSnapshot
 
 
@@ -125,6 +134,12 @@ class ManifestFile(_Record):
         "a rewrite or a copy with the same bytes does not pass. None locally and in manifests written before "
         "generations were recorded (those verify by size and CRC32C only).",
     )
+    sha256: str | None = Field(
+        default=None,
+        description="SHA-256 of the contents, hex, on a local directory: streamed by the host that wrote the file "
+        "alongside the CRC32C; it pins the contents where the CRC32C cannot (OCDBT files end with their own "
+        "CRC32C, so all have the same whole-file CRC32C). None on GCS (the generation pins the object).",
+    )
 
 
 class CheckpointManifest(_Record):
@@ -193,7 +208,7 @@ class AttemptRecord(_Record):
     """``attempts/<n>/record.json`` and one entry of the ledger."""
 
     attempt: int
-    outcome: str = Field(description="'succeeded' or 'failed'.")
+    outcome: AttemptOutcome = Field(description="succeeded or failed (running: resupervised, not closed).")
     failure_class: FailureClass | None = None
     reason: str = ""
     evidence: list[str] = Field(default_factory=list, description="Evidence lines the verdict used.")
@@ -208,7 +223,7 @@ class AttemptRecord(_Record):
     started_at: float | None = None
     ended_at: float | None = None
     closed_at: float | None = Field(default=None, description="When the attempt was closed in the ledger.")
-    backend: str | None = Field(default=None, description="'gke' or 'local'.")
+    backend: Backend | None = Field(default=None, description="gke or local.")
     jobset: str | None = Field(default=None, description="The attempt's JobSet (or local slice) name.")
     first_worker: int | None = Field(default=None, description="Index of the first worker that failed.")
     cause_worker: int | None = Field(default=None, description="Index of the worker whose failure is the cause.")
@@ -224,7 +239,7 @@ class HandOver(_Record):
     to_uid: str = Field(description="Its uid: the run lease passes to it before the first Workflow ends.")
     next_attempt: int = Field(description="The attempt the continuation starts with.")
     at: float
-    backend: str = Field(description="'gke' (created through the Kubernetes API) or 'local' (the local runner).")
+    backend: Backend = Field(description="gke (created through the Kubernetes API) or local (the local runner).")
 
 
 class Ledger(_Record):
@@ -232,7 +247,7 @@ class Ledger(_Record):
 
     run_id: str
     attempts: list[AttemptRecord] = Field(default_factory=list)
-    final_status: str | None = Field(default=None, description="'Succeeded' or 'Failed' once the run ended.")
+    final_status: FinalStatus | None = Field(default=None, description="Succeeded or Failed once the run ended.")
     final_reason: str | None = None
     argo_status: str | None = Field(default=None, description="``{{workflow.status}}`` the exit handler saw.")
     hand_overs: list[HandOver] = Field(
@@ -284,7 +299,7 @@ class SkippedStep(_Record):
     step: int
     name: str = Field(description="The step directory's name under ``checkpoints/``.")
     reason: str
-    kind: str = Field(description="SkipKind value: why it is not restorable.")
+    kind: SkipKind = Field(description="Why it is not restorable.")
     quarantined: bool = Field(description="Moved to ``quarantine/`` (False: left in place).")
 
 
@@ -307,7 +322,7 @@ class QuarantineReason(_Record):
 
     step: int
     from_: str = Field(alias="from", description="Where the step directory was.")
-    kind: str
+    kind: SkipKind
     reason: str
     attempt: int
     objects: int = Field(description="Objects moved.")
@@ -414,11 +429,27 @@ class LocalSummary(_Record):
     finished_at: float
 
 
+class EventKind(enum.StrEnum):
+    """What a ``WorkerEvent`` line says happened, in the order a worker meets them."""
+
+    STARTED = "started"  # the process is up
+    INITIALIZED = "initialized"  # jax.distributed ready on every process
+    COMPILED = "compiled"  # the step compiled ahead, beside the restore
+    RESTORED = "restored"  # state restored (or a fresh one built)
+    FIRST_STEP = "first_step"
+    STEP = "step"
+    SAVE_STARTED = "save_started"
+    SAVE_COMMITTED = "save_committed"
+    SIGTERM = "sigterm"
+    PREEMPTION_PLAN = "preemption_plan"  # what the gang does with its state on a SIGTERM stop
+    EXIT = "exit"
+
+
 class WorkerEvent(_Record):
     """One line of ``worker-<i>.jsonl`` (``TRAINER_EVENTS_DIR``; ``local/events/`` in a gs:// local run)."""
 
     t: float = Field(description="When (the one clock, epoch seconds).")
-    event: str = Field(description="started, initialized, restored, compiled, first_step, step, save_started, ...")
+    event: EventKind
     attempt: int
     process_index: int
     step: int | None = None
@@ -495,12 +526,12 @@ class SupervisionRecord(_Record):
 
     attempt: int
     jobset: str
-    outcome: str = Field(
-        description="succeeded, failed or stalled (supervision.AttemptState), or error when the supervisor could "
-        "not supervise (exit_code says why)."
+    outcome: SupervisionOutcome = Field(
+        description="succeeded, failed or stalled, or error when the supervisor could not supervise (exit_code "
+        "says why)."
     )
     exit_code: int | None = Field(default=None, description="The supervisor's exit code when outcome is error.")
-    stall_kind: str | None = Field(default=None, description="capacity, configuration, image-pull, hang or node-lost.")
+    stall_kind: StallKind | None = Field(default=None, description="Why a stalled attempt could not end by itself.")
     reason: str = Field(description="One line: why the attempt is over.")
     worker: int | None = Field(default=None, description="The worker the reason is about, if one.")
     created_at: float | None = Field(default=None, description="The JobSet's creationTimestamp.")
@@ -518,9 +549,10 @@ class SupervisionRecord(_Record):
         "deletes them): classify-failure's evidence when the API has nothing left.",
     )
 
-    # The outcomes that are a verdict on the attempt (recovery_steps.supervision.AttemptState other than
-    # running); "error" says only that this supervisor could not supervise.
-    VERDICTS: ClassVar[frozenset[str]] = frozenset({"succeeded", "failed", "stalled"})
+    # The outcomes that are a verdict on the attempt; "error" says only that this supervisor could not supervise.
+    VERDICTS: ClassVar[frozenset[SupervisionOutcome]] = frozenset(
+        {SupervisionOutcome.SUCCEEDED, SupervisionOutcome.FAILED, SupervisionOutcome.STALLED}
+    )
 
     @property
     def decided(self) -> bool:
