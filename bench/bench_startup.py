@@ -115,15 +115,18 @@ def run_trainer(cfg, work: Path, attempt: int) -> dict:
     """Wall seconds from spawning the trainer gang (restoring step 10) to its last first step, and CPU."""
     from trainer_harness import launch
 
+    from recovery_steps.kernel.records import EventKind
+
     gang = launch(cfg, attempt, 10, work)
     codes = gang.wait(300)
     if codes != [0] * cfg.slice.num_hosts:
         raise SystemExit(f"trainer gang exited {codes}\n{gang.log(0)[-2000:]}")
-    firsts = [next(e for e in gang.events(i) if e["event"] == "first_step") for i in range(cfg.slice.num_hosts)]
-    restored = [next(e for e in gang.events(i) if e["event"] == "restored") for i in range(cfg.slice.num_hosts)]
-    return {"wall": max(e["t"] for e in firsts) - gang.started, "cpu": [e["cpu_s"] for e in firsts],
-            "hits": [e.get("cache_hits") for e in firsts],
-            "restore": max(e["restore_seconds"] for e in restored)}  # fmt: skip
+    hosts = range(cfg.slice.num_hosts)
+    firsts = [next(e for e in gang.events(i) if e.event == EventKind.FIRST_STEP) for i in hosts]
+    restored = [next(e for e in gang.events(i) if e.event == EventKind.RESTORED) for i in hosts]
+    return {"wall": max(e.t for e in firsts) - gang.started, "cpu": [e.cpu_s for e in firsts],
+            "hits": [e.cache_hits for e in firsts],
+            "restore": max(e.restore_seconds or 0.0 for e in restored)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

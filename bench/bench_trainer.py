@@ -25,10 +25,12 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from trainer_harness import launch, read_report, tiny_config, write_config  # noqa: E402
 
+from recovery_steps.kernel.records import EventKind  # noqa: E402
+
 
 def steady_rate(gang, index: int = 0) -> float:
     """Steps per second from the second step to the last one (compilation excluded)."""
-    ts = [(e["step"], e["t"]) for e in gang.events(index) if e["event"] == "step"]
+    ts = [(e.step, e.t) for e in gang.events(index) if e.event == EventKind.STEP]
     (s0, t0), (s1, t1) = ts[1], ts[-1]
     return (s1 - s0) / (t1 - t0)
 
@@ -71,10 +73,10 @@ def bench_checkpoint_overhead(work: Path, hosts: int, steps: int, interval: int,
             parts: dict[int, dict[str, float]] = {}
             for i in range(hosts):
                 for e in gang.events(i):
-                    if e["event"] == "save_committed" and e.get("blocking_seconds") is not None:
-                        if e["blocking_seconds"] >= per_step.get(e["step"], -1.0):
-                            per_step[e["step"]] = e["blocking_seconds"]
-                            parts[e["step"]] = e.get("blocking_parts") or {}
+                    if e.event == EventKind.SAVE_COMMITTED and e.blocking_seconds is not None:
+                        if e.blocking_seconds >= per_step.get(e.step, -1.0):
+                            per_step[e.step] = e.blocking_seconds
+                            parts[e.step] = e.blocking_parts or {}
             # The last save is not in the loop: it is waited for before the exit.
             out[name]["blocking"] += [v for k, v in per_step.items() if k < steps]
             out[name]["parts"] += [v for k, v in parts.items() if k < steps]
@@ -93,7 +95,7 @@ def bench_kill(work: Path, hosts: int, runs: int) -> list[tuple[int, float, list
                           training={"total_steps": 1000, "step_delay_s": 0.02})  # fmt: skip
         write_config(cfg)
         gang = launch(cfg, 0, -1, d)
-        gang.wait_for(victim, "step", 8)
+        gang.wait_for(victim, EventKind.STEP, 8)
         killed = gang.signal(victim, signal.SIGKILL)
         deadline = time.monotonic() + 120
         ends = {}
@@ -131,13 +133,13 @@ def bench_compile_cache(work: Path, hosts: int, repeats: int) -> list[dict[str, 
                 raise SystemExit(f"cache {name}: {gang.log(0)[-2000:]}")
             per = []
             for i in range(hosts):
-                ev = {e["event"]: e for e in gang.events(i)}
-                first = ev["first_step"]
-                per.append({"from_start": first["t"] - ev["started"]["t"],
-                            "from_init": first["t"] - ev["initialized"]["t"],
-                            "restore": ev["restored"].get("restore_seconds") or 0.0,
-                            "compile": (ev.get("step_compiled") or {}).get("step_compile_seconds") or 0.0,
-                            "hits": first.get("cache_hits"), "requests": first.get("cache_requests")})  # fmt: skip
+                ev = {e.event: e for e in gang.events(i)}
+                first, compiled = ev[EventKind.FIRST_STEP], ev.get(EventKind.COMPILED)
+                per.append({"from_start": first.t - ev[EventKind.STARTED].t,
+                            "from_init": first.t - ev[EventKind.INITIALIZED].t,
+                            "restore": ev[EventKind.RESTORED].restore_seconds or 0.0,
+                            "compile": (compiled.compile_seconds if compiled else None) or 0.0,
+                            "hits": first.cache_hits, "requests": first.cache_requests})  # fmt: skip
             pair[name] = {"per_process": per, "gang_from_init": max(p["from_init"] for p in per),
                           "gang_from_start": max(p["from_start"] for p in per)}  # fmt: skip
         out.append(pair)

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.records import EventKind
 from recovery_steps.kernel.store import RunStore
 from workflows.build import render_workflow
 from workflows.report import load_events
@@ -85,9 +86,11 @@ def committed_before(store: RunStore, attempt: int, t: float) -> int:
 
     Process 0 writes the manifest that completes a step's transaction, so its commit event is the one that counts.
     """
-    steps = [e["step"] for e in load_events(store)
-             if e.get("event") == "save_committed" and e.get("attempt") == attempt and e["t"] < t
-             and e.get("process_index") == 0]  # fmt: skip
+    steps = [
+        e.step or 0
+        for e in load_events(store)
+        if e.event == EventKind.SAVE_COMMITTED and e.attempt == attempt and e.t < t and e.process_index == 0
+    ]
     return max(steps, default=0)
 
 

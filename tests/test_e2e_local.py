@@ -49,18 +49,20 @@ def _assert_restores_were_good(store: RunStore, damaged: list[str]):
     still there, or verified by that attempt's restore-latest before a later save let orbax delete the step
     (``checkpoint.keep``).
     """
-    from recovery_steps.kernel.records import RestoreRecord
+    from recovery_steps.kernel.records import EventKind, RestoreRecord
     from workflows.report import load_events
 
     events = load_events(store)
-    restores = [e for e in events if e.get("event") == "restored" and e.get("restore_step", -1) >= 0]
+    restores = [
+        e for e in events if e.event == EventKind.RESTORED and e.restore_step is not None and e.restore_step >= 0
+    ]
     for r in restores:
-        committed = [e for e in events if e.get("event") == "save_committed" and e["t"] < r["t"]]
-        seen = any(e["step"] == r["step"] for e in committed)
-        decided = store.read_record(RunLayout.restore_record(r["attempt"]), RestoreRecord)
-        verified = decided is not None and decided.exit_code == 0 and decided.restore_step == r["step"]
-        assert seen or verified or store.exists(RunLayout.checkpoint_manifest(r["step"])), (r, decided)
-        assert not any(d.startswith(f"checkpoints/{r['step']}/") for d in damaged), (r, damaged)
+        committed = [e for e in events if e.event == EventKind.SAVE_COMMITTED and e.t < r.t]
+        seen = any(e.step == r.step for e in committed)
+        decided = store.read_record(RunLayout.restore_record(r.attempt), RestoreRecord)
+        verified = decided is not None and decided.exit_code == 0 and decided.restore_step == r.step
+        assert seen or verified or store.exists(RunLayout.checkpoint_manifest(r.step or 0)), (r, decided)
+        assert not any(d.startswith(f"checkpoints/{r.step}/") for d in damaged), (r, damaged)
     return restores
 
 
@@ -188,13 +190,14 @@ def test_silent_hang_is_found_by_the_supervisor_alone(e2e_workflow, reference):
 
 
 def test_supervisor_lost_reattaches_and_loses_nothing(e2e_workflow, reference):
+    from recovery_steps.kernel.records import EventKind
     from workflows.report import load_events
 
     res, store, out = _run(e2e_workflow, reference, "suplost", ["supervisor-lost@8"])
     assert res.status == "Succeeded" and res.params_match is True, out
     assert not res.incidents and all(n == 0 for n in res.ledger.by_class().values()), out
     assert _supervision(store, 0).outcome == "succeeded"
-    started = [e for e in load_events(store) if e.get("event") == "started" and e.get("attempt") == 0]
+    started = [e for e in load_events(store) if e.event == EventKind.STARTED and e.attempt == 0]
     assert len(started) == HOSTS, "one gang: the retried supervisor did not start a second one"
     assert "train-segment (retry 1)" in out
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from recovery_steps.kernel.records import Incident
+from recovery_steps.kernel.records import Incident, WorkerEvent
 from recovery_steps.kernel.totals import CATEGORIES, goodput, incident_badput
 
 
 def _ev(t, event, attempt, pi=0, step=None, **kw):
-    return {"t": t, "event": event, "attempt": attempt, "process_index": pi, "step": step, **kw}
+    return WorkerEvent(t=t, event=event, attempt=attempt, process_index=pi, step=step, **kw)
 
 
 def _attempt(a, t_start, t_init, t_restored, t_first, first_step, last_step, *, restore_step=-1, save_at=None):

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import Incident, PreemptionSave, WorkerExitReport
+from recovery_steps.kernel.records import EventKind, Incident, PreemptionSave, WorkerEvent, WorkerExitReport
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local, report
-from workflows.local.incidents import Injected, Segment, build_incidents
+from workflows.local.incidents import EventTail, Injected, Segment, build_incidents, read_events
 from workflows.local.inject import parse_injections
 
 
 def _ev(t, event, attempt, i, step=None, **kw):
-    return {"t": t, "event": event, "attempt": attempt, "process_index": i, "step": step, **kw}
+    return WorkerEvent(t=t, event=event, attempt=attempt, process_index=i, step=step, **kw)
 
 
 def _events():
@@ -49,22 +48,35 @@ def test_incident_timings_from_events_and_segments():
 
 
 def test_no_lost_step_means_recovered_at_first_step():
-    ev = [e for e in _events() if not (e["attempt"] == 0 and (e["step"] or 0) > 10)]
+    ev = [e for e in _events() if not (e.attempt == 0 and (e.step or 0) > 10)]
     incs = build_incidents([Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)], ev, [], [])
     assert incs[0].steps_lost == 0 and incs[0].recovered_at == incs[0].first_step_at
 
 
 def test_a_failure_before_the_first_step_loses_nothing_beyond_its_start():
     # Attempt 0 restored (fresh: step 0) and died before any step; attempt 1 starts from step 0 again.
-    ev = [e for e in _events() if e["attempt"] == 1 or e["event"] in ("started", "restored")]
-    ev = [{**e, "step": 0, "restore_step": -1} if e["attempt"] == 1 and e["event"] == "restored" else e for e in ev]
+    ev = [e for e in _events() if e.attempt == 1 or e.event in (EventKind.STARTED, EventKind.RESTORED)]
+    fresh = {"step": 0, "restore_step": -1}
+    ev = [e.model_copy(update=fresh) if e.attempt == 1 and e.event == EventKind.RESTORED else e for e in ev]
     incs = build_incidents([Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)], ev, [], [])
     assert (incs[0].pre_failure_step, incs[0].restored_step, incs[0].steps_lost) == (0, 0, 0)
     assert incs[0].recovered_at == incs[0].first_step_at
     # Died before even restoring: what it had is unknown from its events, and nothing is claimed.
-    ev = [e for e in ev if e["attempt"] == 1 or e["event"] == "started"]
+    ev = [e for e in ev if e.attempt == 1 or e.event == EventKind.STARTED]
     incs = build_incidents([Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)], ev, [], [])
     assert incs[0].pre_failure_step is None and incs[0].steps_lost is None
+
+
+def test_event_files_read_as_typed_events_skipping_torn_and_foreign_lines(tmp_path):
+    lines = [e.model_dump_json() for e in _events()[:3]]
+    foreign = '{"t": 1, "event": "coffee", "attempt": 0, "process_index": 0}'
+    (tmp_path / "worker-0.jsonl").write_text("\n".join([lines[0], foreign, lines[1], "not json", lines[2][:20]]))
+    tail = EventTail(tmp_path)
+    assert [(e.event, e.t) for e in tail.poll()] == [(EventKind.STARTED, 100), (EventKind.RESTORED, 105)]
+    with open(tmp_path / "worker-0.jsonl", "a") as f:  # the torn line is completed by the next write
+        f.write(lines[2][20:] + "\n")
+    assert [e.event for e in tail.poll()] == [EventKind.FIRST_STEP]
+    assert read_events(tmp_path) == _events()[:3]
 
 
 def test_last_failure_without_a_next_attempt_has_no_recovery():
@@ -110,7 +122,7 @@ def test_report_prints_table_and_writes_timeline(store_root, capsys):
         steps_lost=5,
     )
     store.write_json(RunLayout.incident(0), inc.model_dump(mode="json"))
-    store.write_bytes("local/events/worker-0.jsonl", "\n".join(json.dumps(e) for e in _events()).encode() + b"\n")
+    store.write_bytes("local/events/worker-0.jsonl", "\n".join(e.model_dump_json() for e in _events()).encode() + b"\n")
     for i in range(2):  # attempt 1 was preempted and its save did not fit the window
         rep = WorkerExitReport(run_id="r1", attempt=1, process_index=i, process_count=2, exit_code=143,
                                exit_name="PREEMPTED", last_step=17, preemption_save=PreemptionSave.SKIPPED,

@@ -10,7 +10,7 @@ import pytest
 from trainer_harness import launch, read_report, tiny_classifier_config, tiny_config, write_config
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import CheckpointManifest, PreemptionSave
+from recovery_steps.kernel.records import CheckpointManifest, EventKind, PreemptionSave
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.decisions import save_budget
 
@@ -48,11 +48,11 @@ def _uninterrupted(work, cfg):
     assert codes == [0] * n, [gang.log(i)[-2000:] for i in range(n)]
     (digest,) = digests(store, 0, n)  # every process ends with the same parameters
     # Every process counts a step as committed only once process 0 has written its manifest.
-    commits = [e for i in range(n) for e in gang.events(i) if e["event"] == "save_committed"]
+    commits = [e for i in range(n) for e in gang.events(i) if e.event == EventKind.SAVE_COMMITTED]
     assert len(commits) == n * len(committed_steps(store)), commits
     for e in commits:
-        m = manifest(store, e["step"])
-        assert m is not None and e["t"] >= m.wall_time, (e, m and m.wall_time)
+        m = manifest(store, e.step)
+        assert m is not None and e.t >= m.wall_time, (e, m and m.wall_time)
     return cfg, store, digest
 
 
@@ -104,11 +104,11 @@ def test_sigkill_of_one_worker_then_resume_is_bit_identical(task, tmp_path):
     victim = n // 2
     survivors = [i for i in range(n) if i != victim]
     gang = launch(cfg, 0, -1, tmp_path)
-    gang.wait_for(0, "save_committed", 10)
-    gang.wait_for(victim, "step", 12)
+    gang.wait_for(0, EventKind.SAVE_COMMITTED, 10)
+    gang.wait_for(victim, EventKind.STEP, 12)
     killed_at = gang.signal(victim, signal.SIGKILL)
     codes = gang.wait(30)
-    ends = [e["t"] for i in survivors for e in gang.events(i) if e["event"] == "exit"]
+    ends = [e.t for i in survivors for e in gang.events(i) if e.event == EventKind.EXIT]
     assert codes[victim] == -signal.SIGKILL
     assert all(codes[i] in CONTRACT - {0} for i in survivors), codes
     assert len(ends) == len(survivors) and max(ends) - killed_at < 15, (ends, killed_at)
@@ -119,7 +119,7 @@ def test_sigkill_of_one_worker_then_resume_is_bit_identical(task, tmp_path):
     assert 10 <= restore < TOTAL
     gang = launch(cfg, 1, restore, tmp_path)
     assert gang.wait(240) == [0] * n, gang.log(0)[-3000:]
-    assert [e["step"] for e in gang.events(1) if e["event"] == "restored"] == [restore]
+    assert [e.step for e in gang.events(1) if e.event == EventKind.RESTORED] == [restore]
     assert digests(store, 1, n) == {want}
 
 
@@ -143,10 +143,10 @@ def test_sigterm_saves_the_agreed_step_and_next_attempt_resumes_there(task, tmp_
     store = write_config(cfg)
     n = cfg.slice.num_hosts
     gang = launch(cfg, 0, -1, tmp_path)
-    gang.wait_for(0, "save_committed", 5)  # its measured duration is the estimate the stop decides by
-    gang.wait_for(1, "step", 6)
+    gang.wait_for(0, EventKind.SAVE_COMMITTED, 5)  # its measured duration is the estimate the stop decides by
+    gang.wait_for(1, EventKind.STEP, 6)
     # Process 0 decides from the save time it measured: wait until it has seen the step-5 commit.
-    gang.wait_for(0, "save_committed", 5)
+    gang.wait_for(0, EventKind.SAVE_COMMITTED, 5)
     sent_at_step = gang.last_step(1)
     for i in range(1, n, 2):  # SIGTERM, then SIGKILL after the grace, as the kubelet does, to the odd workers
         gang.preempt([i], grace)  # the others never get it: they stop through the agreement
@@ -170,8 +170,8 @@ def test_sigterm_saves_the_agreed_step_and_next_attempt_resumes_there(task, tmp_
 
     gang = launch(cfg, 1, stop, tmp_path)
     assert gang.wait(240) == [0] * n, gang.log(0)[-3000:]
-    restored = [e for e in gang.events(0) if e["event"] == "restored"]
-    assert restored[0]["step"] == stop
+    restored = [e for e in gang.events(0) if e.event == EventKind.RESTORED]
+    assert restored[0].step == stop
     assert digests(store, 1, n) == {want}  # no step lost or repeated
 
 
@@ -184,8 +184,8 @@ def test_sigterm_with_a_window_too_short_for_the_save_exits_at_once_without_savi
                       slice={"termination_grace_s": grace, "shutdown_window_s": 1})  # fmt: skip
     store = write_config(cfg)
     gang = launch(cfg, 0, -1, tmp_path)
-    gang.wait_for(0, "save_committed", 5, timeout=240)  # compilation is slow on a loaded machine
-    gang.wait_for(0, "save_started", 10)  # the step-10 save is (most likely) in flight: it is abandoned too
+    gang.wait_for(0, EventKind.SAVE_COMMITTED, 5, timeout=240)  # compilation is slow on a loaded machine
+    gang.wait_for(0, EventKind.SAVE_STARTED, 10)  # the step-10 save is (most likely) in flight: it is abandoned too
     gang.preempt(list(range(N)), grace)
     codes = gang.wait(120)
     assert codes == [ExitCode.PREEMPTED] * N, gang.log(0)[-3000:]
@@ -195,7 +195,8 @@ def test_sigterm_with_a_window_too_short_for_the_save_exits_at_once_without_savi
         assert r["preemption_save"] == PreemptionSave.SKIPPED, r
         assert r["preemption_budget_s"] == 0.0 and r["preemption_estimate_s"] > 0, r
         assert "no budget left" in r["preemption_reason"]
-        assert not any(e["event"] == "save_started" and e["step"] == stop for e in gang.events(r["process_index"]))
+        started = gang.events(r["process_index"])
+        assert not any(e.event == EventKind.SAVE_STARTED and e.step == stop for e in started)
     # No save of the agreed step was started: every committed step is an interval save from before the stop.
     assert stop not in committed_steps(store) and manifest(store, stop) is None
     assert all(s < stop and s % 5 == 0 for s in committed_steps(store)), (stop, committed_steps(store))

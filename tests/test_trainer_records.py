@@ -10,7 +10,7 @@ import pytest
 from trainer_harness import launch, read_report, tiny_config, write_config
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import CheckpointManifest
+from recovery_steps.kernel.records import CheckpointManifest, EventKind
 from recovery_steps.kernel.store import RunLayout, RunStore, make_gcs_client
 from trainer import records, write_records
 
@@ -45,7 +45,7 @@ def _digests(store: RunStore, attempt: int) -> set[str]:
 
 
 def _restored(gang) -> list[int]:
-    return [e["step"] for e in gang.events(0) if e["event"] == "restored"]
+    return [e.step for e in gang.events(0) if e.event == EventKind.RESTORED]
 
 
 def test_gcs_record_files_are_cached_fingerprinted_resumed_in_order_and_checked_when_changed(gcs_emulator, tmp_path):

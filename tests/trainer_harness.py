@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from recovery_steps.kernel.config import JobConfig, parse_config
+from recovery_steps.kernel.records import EventKind, WorkerEvent, parse_event_line
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,30 +151,24 @@ class Gang:
         timer.start()
         return t
 
-    def events(self, index: int) -> list[dict[str, Any]]:
-        """Events worker ``index`` wrote so far."""
+    def events(self, index: int) -> list[WorkerEvent]:
+        """Events worker ``index`` wrote so far (a line cut by a kill is left out)."""
         path = self.events_dir / f"worker-{index}.jsonl"
         if not path.exists():
             return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-        return out
+        return [e for e in map(parse_event_line, path.read_bytes().splitlines()) if e is not None]
 
     def last_step(self, index: int) -> int:
         """Last step worker ``index`` reported (-1: none)."""
-        steps = [e["step"] for e in self.events(index) if e["event"] == "step"]
+        steps = [e.step for e in self.events(index) if e.event == EventKind.STEP]
         return steps[-1] if steps else -1
 
-    def wait_for(self, index: int, event: str, step: int | None = None, timeout: float = 120) -> dict[str, Any]:
+    def wait_for(self, index: int, event: EventKind, step: int | None = None, timeout: float = 120) -> WorkerEvent:
         """Wait until worker ``index`` emitted ``event`` (at ``step`` or later when given)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for e in self.events(index):
-                if e["event"] == event and (step is None or (e["step"] is not None and e["step"] >= step)):
+                if e.event == event and (step is None or (e.step is not None and e.step >= step)):
                     return e
             if self.procs[index].poll() is not None:
                 raise RuntimeError(f"worker {index} exited {self.procs[index].returncode} before {event}:\n"

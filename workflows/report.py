@@ -7,14 +7,15 @@ import io
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.records import (
+    EventKind,
     Incident,
     Ledger,
     LocalSummary,
     PreemptionSave,
+    WorkerEvent,
     WorkerExitReport,
     parse_event_line,
 )
@@ -58,7 +59,7 @@ def load_incidents(store: RunStore) -> list[Incident]:
     return sorted(out, key=lambda i: (i.detected_at or i.stopped_at or 0, i.attempt))
 
 
-def load_events(store: RunStore) -> list[dict[str, Any]]:
+def load_events(store: RunStore) -> list[WorkerEvent]:
     """The workers' events saved with the run, sorted by time."""
     events = []
     for o in store.list(RunLayout.LOCAL_EVENTS):
@@ -66,7 +67,7 @@ def load_events(store: RunStore) -> list[dict[str, Any]]:
             event = parse_event_line(line)
             if event is not None:
                 events.append(event)
-    return sorted(events, key=lambda e: e.get("t", 0))
+    return sorted(events, key=lambda e: e.t)
 
 
 def _d(a: float | None, b: float | None) -> str:
@@ -160,28 +161,26 @@ def incident_badput_table(incidents: Sequence[Incident]) -> str:
     return "\n".join(lines) + "\n(lost time per incident, seconds, by category)"
 
 
-def draw_timeline(events: Sequence[dict[str, Any]], incidents: Sequence[Incident], title: str) -> bytes:
+def draw_timeline(events: Sequence[WorkerEvent], incidents: Sequence[Incident], title: str) -> bytes:
     """A PNG: step against wall clock per attempt, failures, restores and checkpoints marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t0 = min((e["t"] for e in events), default=0.0)
+    t0 = min((e.t for e in events), default=0.0)
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=100)
-    attempts = sorted({e.get("attempt", 0) for e in events})
+    attempts = sorted({e.attempt for e in events})
     for a in attempts:
         pts = [
-            (e["t"] - t0, e["step"])
-            for e in events
-            if e.get("attempt") == a and e.get("process_index") == 0 and e.get("event") == "step"
+            (e.t - t0, e.step) for e in events if e.attempt == a and e.process_index == 0 and e.event == EventKind.STEP
         ]
         if pts:
             ax.plot(*zip(*pts, strict=True), lw=1.5, label=f"attempt {a}")
     saves = [
-        (e["t"] - t0, e["step"])
+        (e.t - t0, e.step)
         for e in events
-        if e.get("event") == "save_committed" and e.get("process_index") == 0 and e.get("step") is not None
+        if e.event == EventKind.SAVE_COMMITTED and e.process_index == 0 and e.step is not None
     ]
     if saves:
         ax.scatter(*zip(*saves, strict=True), marker="s", s=18, color="tab:gray", zorder=3, label="checkpoint")

@@ -482,13 +482,13 @@ class WorkerEvent(_Record):
     cache_hits: int | None = Field(default=None, description="first_step: of those, answered by the cache.")
 
 
-def parse_event_line(line: bytes | str) -> dict[str, Any] | None:
-    """One ``WorkerEvent`` line as a plain dict (unset fields left out), or None for a torn or foreign line.
+def parse_event_line(line: bytes | str) -> WorkerEvent | None:
+    """One ``WorkerEvent`` line, or None for a torn or foreign line.
 
     Event files are appended to while they are read; a line that is not a complete event is skipped.
     """
     try:
-        return WorkerEvent.model_validate_json(line).model_dump(exclude_none=True)
+        return WorkerEvent.model_validate_json(line)
     except ValueError:
         return None
 

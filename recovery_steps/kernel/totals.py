@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from recovery_steps.kernel.records import Incident
+from recovery_steps.kernel.records import EventKind, Incident, WorkerEvent
 
 
 def steps_lost(pre_failure_step: int, restored_step: int) -> int:
@@ -96,16 +96,19 @@ class Goodput:
         return self.steps_kept / self.steps_computed if self.steps_computed else 0.0
 
 
-def _phase_end(events: Sequence[dict], kind: str) -> float | None:
-    ts = [e["t"] for e in events if e.get("event") == kind]
-    return max(ts) if ts else None
+def _phase_end(events: Sequence[WorkerEvent], kind: EventKind) -> float | None:
+    return max((e.t for e in events if e.event == kind), default=None)
 
 
-def goodput(events: Sequence[dict], *, start: float | None = None, end: float | None = None) -> Goodput:
+def _first(events: Sequence[WorkerEvent], kind: EventKind, default: float) -> float:
+    return min((e.t for e in events if e.event == kind), default=default)
+
+
+def goodput(events: Sequence[WorkerEvent], *, start: float | None = None, end: float | None = None) -> Goodput:
     """Split a run's time into productive time and badput categories (pure).
 
     Args:
-        events: Every worker's ``WorkerEvent`` of the run, as dicts (``records.parse_event_line``).
+        events: Every worker's ``WorkerEvent`` of the run (``records.parse_event_line``).
         start: When the run started (default: its first event).
         end: When it ended (default: its last event).
 
@@ -116,30 +119,32 @@ def goodput(events: Sequence[dict], *, start: float | None = None, end: float | 
     """
     if not events:
         return Goodput(0.0, 0.0, dict.fromkeys(CATEGORIES, 0.0), 0, 0)
-    t0 = min(e["t"] for e in events) if start is None else start
-    t1 = max(e["t"] for e in events) if end is None else end
-    by_attempt: dict[int, list[dict]] = {}
+    t0 = min(e.t for e in events) if start is None else start
+    t1 = max(e.t for e in events) if end is None else end
+    by_attempt: dict[int, list[WorkerEvent]] = {}
     for e in events:
-        by_attempt.setdefault(int(e.get("attempt", 0)), []).append(e)
+        by_attempt.setdefault(e.attempt, []).append(e)
     attempts = sorted(by_attempt)
     bad = dict.fromkeys(CATEGORIES, 0.0)
     computed = kept = 0
     training = 0.0  # first step done to last step, over every attempt
     for k, a in enumerate(attempts):
         evs = by_attempt[a]
-        started = min((e["t"] for e in evs if e.get("event") == "started"), default=min(e["t"] for e in evs))
-        initialized, restored, first = (_phase_end(evs, x) for x in ("initialized", "restored", "first_step"))
+        started = _first(evs, EventKind.STARTED, default=min(e.t for e in evs))
+        initialized, restored, first = (
+            _phase_end(evs, x) for x in (EventKind.INITIALIZED, EventKind.RESTORED, EventKind.FIRST_STEP)
+        )
         marks = [started] + [m for m in (initialized, restored, first) if m is not None]
         for cat, lo, hi in zip(("startup", "restore", "compilation"), marks, marks[1:], strict=False):
             bad[cat] += max(0.0, hi - lo)
-        steps = sorted((e["t"], e["step"]) for e in evs if e.get("event") == "step" and e.get("process_index") == 0)
+        steps = sorted((e.t, e.step or 0) for e in evs if e.event == EventKind.STEP and e.process_index == 0)
         computed += len(steps)
         if first is not None and steps:
             training += max(0.0, steps[-1][0] - first)
         nxt = by_attempt[attempts[k + 1]] if k + 1 < len(attempts) else None
         keep_upto = None
         if nxt is not None:
-            rs = [e.get("restore_step", e.get("step")) for e in nxt if e.get("event") == "restored"]
+            rs = [e.step if e.restore_step is None else e.restore_step for e in nxt if e.event == EventKind.RESTORED]
             keep_upto = max(0, max((r for r in rs if r is not None), default=0))
         kept_steps = [(t, s) for t, s in steps if keep_upto is None or s <= keep_upto]
         kept += len(kept_steps)
@@ -147,15 +152,13 @@ def goodput(events: Sequence[dict], *, start: float | None = None, end: float | 
             # Progress after the point the next attempt restores from is lost; so is the wait until it starts.
             lost_from = kept_steps[-1][0] if kept_steps else (first or started)
             bad["recomputed"] += max(0.0, steps[-1][0] - lost_from)
-            nxt_start = min((e["t"] for e in nxt if e.get("event") == "started"), default=steps[-1][0])
+            nxt_start = _first(nxt, EventKind.STARTED, default=steps[-1][0])
             bad["waiting_for_resources"] += max(0.0, nxt_start - steps[-1][0])
         elif nxt is not None:
-            nxt_start = min((e["t"] for e in nxt if e.get("event") == "started"), default=max(e["t"] for e in evs))
+            nxt_start = _first(nxt, EventKind.STARTED, default=max(e.t for e in evs))
             bad["waiting_for_resources"] += max(0.0, nxt_start - max(marks))
         bad["checkpoint_save"] += sum(
-            e.get("blocking_seconds") or 0.0
-            for e in evs
-            if e.get("event") == "save_committed" and e.get("process_index") == 0
+            e.blocking_seconds or 0.0 for e in evs if e.event == EventKind.SAVE_COMMITTED and e.process_index == 0
         )
     productive = max(0.0, training - bad["recomputed"] - bad["checkpoint_save"])
     wall = max(0.0, t1 - t0)

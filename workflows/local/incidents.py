@@ -1,7 +1,7 @@
 """Incident records of a local run, built from the workers' events and the runner's own timings.
 
 ``read_events`` is the adapter (JSON lines files); ``build_incidents`` is a pure function over plain
-records: the training segments the runner ran, the events, the provision-slice end times and the
+records: the training segments the runner ran, the ``WorkerEvent``s, the provision-slice end times and the
 injections.
 """
 
@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import Incident, parse_event_line
+from recovery_steps.kernel.records import EventKind, Incident, WorkerEvent, parse_event_line
 from recovery_steps.kernel.totals import steps_lost
 
 
@@ -44,11 +43,11 @@ class EventTail:
     def __init__(self, directory: Path):
         self.directory = directory
         self._offsets: dict[Path, int] = {}
-        self.events: list[dict[str, Any]] = []
+        self.events: list[WorkerEvent] = []
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[WorkerEvent]:
         """New complete event lines since the last call (also appended to ``events``)."""
-        new: list[dict[str, Any]] = []
+        new: list[WorkerEvent] = []
         if not self.directory.is_dir():
             return new
         for f in sorted(self.directory.glob("worker-*.jsonl")):
@@ -68,35 +67,40 @@ class EventTail:
         return new
 
 
-def read_events(directory: Path) -> list[dict[str, Any]]:
+def read_events(directory: Path) -> list[WorkerEvent]:
     """Every event of a run's events folder, sorted by time."""
     tail = EventTail(directory)
     tail.poll()
-    return sorted(tail.events, key=lambda e: e.get("t", 0))
+    return sorted(tail.events, key=lambda e: e.t)
 
 
-def _window(events: Iterable[Mapping[str, Any]], seg: Segment) -> list[Mapping[str, Any]]:
-    return [e for e in events if e.get("attempt") == seg.attempt and seg.started_at - 1 <= e["t"] <= seg.ended_at + 1]
+def _window(events: Iterable[WorkerEvent], seg: Segment) -> list[WorkerEvent]:
+    return [e for e in events if e.attempt == seg.attempt and seg.started_at - 1 <= e.t <= seg.ended_at + 1]
 
 
-def _last_of_first(events: Sequence[Mapping[str, Any]], kind: str) -> float | None:
+def _last_of_first(events: Sequence[WorkerEvent], kind: EventKind) -> float | None:
     """When every worker had emitted ``kind`` once (the latest of each worker's first such event)."""
     first: dict[int, float] = {}
     for e in events:
-        if e.get("event") == kind:
-            first.setdefault(e.get("process_index", 0), e["t"])
+        if e.event == kind:
+            first.setdefault(e.process_index, e.t)
     return max(first.values()) if first else None
 
 
-def max_step(events: Iterable[Mapping[str, Any]]) -> int | None:
+def max_step(events: Iterable[WorkerEvent]) -> int | None:
     """The highest step any worker completed in ``events``."""
-    steps = [e["step"] for e in events if e.get("event") == "step" and e.get("step") is not None]
-    return max(steps) if steps else None
+    return max((e.step for e in events if e.event == EventKind.STEP and e.step is not None), default=None)
+
+
+def _restored_step(events: Iterable[WorkerEvent]) -> int | None:
+    """The step the first ``restored`` event names (a fresh start is step 0), or None without one."""
+    restored = next((e for e in events if e.event == EventKind.RESTORED), None)
+    return None if restored is None else max(0, restored.step or 0)
 
 
 def build_incidents(
     segments: Sequence[Segment],
-    events: Sequence[Mapping[str, Any]],
+    events: Sequence[WorkerEvent],
     provision_done: Sequence[float],
     injections: Sequence[Injected],
     classes: Mapping[int, FailureClass | None] | None = None,
@@ -113,7 +117,7 @@ def build_incidents(
     Returns:
         The incidents, oldest first.
     """
-    events = sorted(events, key=lambda e: e.get("t", 0))
+    events = sorted(events, key=lambda e: e.t)
     out = []
     for k, seg in enumerate(segments):
         if not seg.failed:
@@ -121,8 +125,7 @@ def build_incidents(
         mine = _window(events, seg)
         pre = max_step(mine)
         if pre is None:  # failed before its first step: the progress it had is the step it started from
-            start = [e for e in mine if e.get("event") == "restored"]
-            pre = max(0, int(start[0].get("step") or 0)) if start else None
+            pre = _restored_step(mine)
         inj = [i for i in injections if i.attempt == seg.attempt and seg.started_at - 1 <= i.at <= seg.ended_at + 1]
         inc = Incident(
             attempt=seg.attempt,
@@ -133,27 +136,29 @@ def build_incidents(
             stopped_at=seg.ended_at,
             pre_failure_step=pre,
         )
-        nxt = segments[k + 1] if k + 1 < len(segments) else None
-        if nxt is not None:
-            theirs = _window(events, nxt)
+        if k + 1 < len(segments):
             inc.slice_ready_at = min((t for t in provision_done if t >= seg.ended_at), default=None)
-            inc.workers_started_at = _last_of_first(theirs, "started")
-            inc.restored_at = _last_of_first(theirs, "restored")
-            inc.first_step_at = _last_of_first(theirs, "first_step")
-            compiled = [e for e in theirs if e.get("event") == "compiled"]
-            if compiled:  # the slowest worker's compilation, and how much of it ran beside its restore
-                slowest = max(compiled, key=lambda e: e.get("compile_seconds") or 0)
-                inc.compile_seconds = slowest.get("compile_seconds")
-                inc.compile_overlap_seconds = slowest.get("overlap_seconds")
-            restored = [e for e in theirs if e.get("event") == "restored"]
-            if restored:
-                inc.restored_step = max(0, int(restored[0].get("step") or 0))
-            if pre is not None and inc.restored_step is not None:
-                inc.steps_lost = steps_lost(pre, inc.restored_step)
-                if inc.restored_step >= pre:
-                    inc.recovered_at = inc.first_step_at or inc.restored_at
-                else:
-                    back = [e["t"] for e in theirs if e.get("event") == "step" and (e.get("step") or 0) >= pre]
-                    inc.recovered_at = min(back, default=None)
+            _time_recovery(inc, _window(events, segments[k + 1]))
         out.append(inc)
     return out
+
+
+def _time_recovery(inc: Incident, theirs: Sequence[WorkerEvent]) -> None:
+    """Fill in how the next attempt (``theirs``: its events) came back from the incident."""
+    inc.workers_started_at = _last_of_first(theirs, EventKind.STARTED)
+    inc.restored_at = _last_of_first(theirs, EventKind.RESTORED)
+    inc.first_step_at = _last_of_first(theirs, EventKind.FIRST_STEP)
+    compiled = [e for e in theirs if e.event == EventKind.COMPILED]
+    if compiled:  # the slowest worker's compilation, and how much of it ran beside its restore
+        slowest = max(compiled, key=lambda e: e.compile_seconds or 0)
+        inc.compile_seconds, inc.compile_overlap_seconds = slowest.compile_seconds, slowest.overlap_seconds
+    inc.restored_step = _restored_step(theirs)
+    pre = inc.pre_failure_step
+    if pre is None or inc.restored_step is None:
+        return
+    inc.steps_lost = steps_lost(pre, inc.restored_step)
+    if inc.restored_step >= pre:
+        inc.recovered_at = inc.first_step_at or inc.restored_at
+    else:
+        back = [e.t for e in theirs if e.event == EventKind.STEP and (e.step or 0) >= pre]
+        inc.recovered_at = min(back, default=None)

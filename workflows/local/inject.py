@@ -11,10 +11,10 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from recovery_steps.kernel.records import now
+from recovery_steps.kernel.records import EventKind, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local.executor import LocalSlice, SliceHooks
-from workflows.local.incidents import EventTail, Injected
+from workflows.local.incidents import EventTail, Injected, max_step
 
 log = logging.getLogger(__name__)
 
@@ -181,13 +181,12 @@ class Injector(SliceHooks):
         pending = [i for i in self.injections if i.scenario in _WATCHED and not i.fired]
         if not pending or sl.first_failure_index is not None:
             return
-        mine = [e for e in self.events.events
-                if e.get("attempt") == sl.attempt and e["t"] >= (sl.workers[0].started_at or 0) - 1]  # fmt: skip
-        steps = [e["step"] for e in mine if e.get("event") == "step" and e.get("step") is not None]
-        if not steps:
+        since = (sl.workers[0].started_at or 0) - 1
+        mine = [e for e in self.events.events if e.attempt == sl.attempt and e.t >= since]
+        step = max_step(mine)
+        if step is None:
             return
-        step = max(steps)
-        committed = any(e.get("event") == "save_committed" for e in mine)
+        committed = any(e.event == EventKind.SAVE_COMMITTED for e in mine)
         for inj in pending:
             if step >= inj.step and (committed or not inj.after_commit):
                 self._fire(inj, sl, step)
