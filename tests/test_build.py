@@ -6,7 +6,13 @@ import io
 import shutil
 from pathlib import Path
 
-from workflows import build
+import pytest
+from hera.workflows import Task
+from pydantic import create_model
+
+from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.outputs import ClassifyOutputs, ProvisionOutputs, StepOutputs, UndeclaredOutput
+from workflows import build, templates
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,3 +88,38 @@ def test_extra_renderers_write_next_to_the_workflow(tmp_path):
     # Without the renderer those files are no longer generated: stale.
     code, text = _run(REPO / "configs", out, check=True)
     assert code == 1 and "v5e-4x4.extra.yaml" in text and "v5e-4x4.monitoring.yaml" in text
+
+
+def _renamed(declared: type[StepOutputs], old: str, new: str) -> type[StepOutputs]:
+    """``declared`` with output ``old`` renamed to ``new``, as a change to kernel/outputs.py would rename it."""
+    fields = {(new if n == old else n): (f.annotation, f) for n, f in declared.model_fields.items()}
+    renamed = create_model(declared.__name__, __base__=StepOutputs, **fields)
+    renamed.TEMPLATE = declared.TEMPLATE
+    return renamed
+
+
+def test_an_output_renamed_in_its_declaration_fails_the_build_naming_it(tmp_path, monkeypatch):
+    shutil.copy(REPO / "configs" / "local-cpu.yaml", tmp_path / "local-cpu.yaml")
+    monkeypatch.setattr(templates, "ClassifyOutputs", _renamed(ClassifyOutputs, "next_attempt", "next_attempt_no"))
+    out = tmp_path / "argo"
+    code, text = _run(tmp_path, out)
+    assert code == 2 and "Traceback" not in text and len(text.splitlines()) == 1, text
+    assert text.startswith("workflow wiring: ClassifyOutputs (classify-failure) declares no output 'next_attempt';")
+    assert "next_attempt_no" in text
+    assert not out.exists()
+    assert build.main(["--configs", str(tmp_path), "--out", str(out), "--check"]) == 2
+
+
+def test_a_misspelled_or_misplaced_output_reference_raises_at_build_time():
+    cfg = load_config(REPO / "configs" / "local-cpu.yaml")
+    classify = Task(name="classify-failure", template=templates.classify_template(cfg))
+    assert templates.output_of(classify, ClassifyOutputs, "next_attempt") == (
+        "{{tasks.classify-failure.outputs.parameters.next-attempt}}"
+    )
+    with pytest.raises(UndeclaredOutput, match="declares no output 'next_atempt'; declared: failure_class, "):
+        templates.output_of(classify, ClassifyOutputs, "next_atempt")
+    # The declaration of another step: its names are not this task's outputs.
+    with pytest.raises(UndeclaredOutput, match="runs template 'classify-failure', not 'provision-slice'"):
+        templates.output_of(classify, ProvisionOutputs, "jobset_name")
+    with pytest.raises(UndeclaredOutput, match="declares no output 'failure-class'"):
+        templates.own_output(ClassifyOutputs, "failure-class")  # the parameter's name, not the field's

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from recovery_steps.kernel.config import ConfigError, JobConfig, load_config
+from recovery_steps.kernel.outputs import UndeclaredOutput
 from workflows.monitoring import render_monitoring
 from workflows.rbac import rbac_objects
 from workflows.templates import build_workflow
@@ -102,7 +103,8 @@ def run(
         out: Where messages go.
 
     Returns:
-        0 when up to date (or written), 1 when ``check`` found stale files, 2 for an invalid config.
+        0 when up to date (or written), 1 when ``check`` found stale files, 2 for an invalid config or a DAG
+        that references an output no step declares.
     """
     paths = sorted(configs_dir.glob("*.yaml"))
     if not paths:
@@ -112,6 +114,9 @@ def run(
         files = render_all(paths, extra_renderers)
     except ConfigError as e:
         print(e.render(), file=out)
+        return 2
+    except UndeclaredOutput as e:
+        print(f"workflow wiring: {e}", file=out)
         return 2
     stale = stale_files(out_dir, files)
     if check:

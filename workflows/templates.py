@@ -7,6 +7,8 @@ this module wires their outputs to the next step's inputs and to ``when`` condit
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -38,6 +40,7 @@ from recovery_steps.kernel.outputs import (
     RestoreOutputs,
     SegmentOutputs,
     StepOutputs,
+    UndeclaredOutput,
     ValidateOutputs,
 )
 from workflows.jobset import jobset_manifest
@@ -47,6 +50,9 @@ CONFIG_PATH = "/tmp/inputs/config.yaml"
 STORE_ROOT = "{{workflow.parameters.store-root}}"
 RUN_ID = "{{workflow.parameters.run-id}}"
 ATTEMPT_IN = "{{inputs.parameters.attempt}}"
+RUN_ARGS = ["--store-root", STORE_ROOT, "--run-id", RUN_ID]
+ATTEMPT_ARGS = [*RUN_ARGS, "--attempt", ATTEMPT_IN]
+SEGMENT_INPUTS = ("attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port")
 # train-segment is retried however its own pod dies, for the whole segment, and never on its own verdicts
 # (1: the attempt failed or stalled; 2: configuration). Argo ends a pod that was evicted, drained, shut down
 # with its node or OOM-killed as Failed with the container's code (137, 143) or -1, and only a pod that
@@ -100,13 +106,43 @@ def _outputs(declared: type[StepOutputs] | None) -> list[Parameter]:
     ]
 
 
+def output_of(task: Task, declared: type[StepOutputs], field: str) -> str:
+    """``{{tasks.<task>.outputs.parameters.<name>}}``: the declared output ``field`` of the step ``task`` runs.
+
+    Raises:
+        UndeclaredOutput: ``declared`` has no such field, or ``task`` does not run ``declared``'s template.
+    """
+    name = declared.name_of(field)
+    template = getattr(task.template, "name", task.template)
+    if template != declared.TEMPLATE:
+        raise UndeclaredOutput(
+            f"task {task.name!r} runs template {template!r}, not {declared.TEMPLATE!r} whose outputs "
+            f"{declared.__name__} declares; reference the outputs of the template the task runs"
+        )
+    try:
+        # Hera looks the name up in the template's own output parameters (built from the same declaration).
+        return str(task.get_parameter(name).value)
+    except (KeyError, ValueError) as e:
+        raise UndeclaredOutput(f"task {task.name!r}: {e}") from None
+
+
+def own_output(declared: type[StepOutputs], field: str) -> str:
+    """``{{outputs.parameters.<name>}}``: a declared output of the template itself (its metrics read these)."""
+    return "{{outputs.parameters." + declared.name_of(field) + "}}"
+
+
+def _inputs_of(names: Sequence[str]) -> dict[str, str]:
+    """Arguments that pass a template's own inputs of the same names on."""
+    return {n: "{{inputs.parameters." + n + "}}" for n in names}
+
+
 def _step(
     cfg: JobConfig,
     name: str,
     module: str,
     args: list[str],
     *,
-    inputs: list[str] = (),
+    inputs: Sequence[str] = (),
     outputs: type[StepOutputs] | None = None,
     **kw: Any,
 ) -> Container:
@@ -132,47 +168,76 @@ def _metric_help(name: str) -> str:
     return metric_spec(name).help
 
 
+def _run_label() -> Label:
+    return Label(key="run_id", value=RUN_ID)
+
+
 def canonical_config_yaml(cfg: JobConfig) -> str:
     """The config as validate-config receives it: every field, keys sorted."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=True, default_flow_style=False)
 
 
-def _route(classify: Task, backoff: Suspend, hand_over: Container, give_up: Container,
-           resupervise: dict[str, str] | None = None) -> None:  # fmt: skip
-    """Wire what follows classify-failure, by its decision.
+@dataclass(frozen=True)
+class StepTemplates:
+    """The templates the DAGs call, each built once per Workflow."""
 
-    The next attempt or a continuation Workflow after the backoff, a stop, or (``resupervise``: the segment's
-    inputs) another supervisor of the same attempt.
-    """
-    out = "{{tasks." + classify.name + ".outputs.parameters.%s}}"
-    decision = out % "decision"
-
-    def is_(d: Decision) -> str:
-        return f"'{decision}' == '{d.value}'"
-
-    Task(name="backoff", template=backoff, arguments={"duration": out % "backoff-wait"},
-         depends=classify.name, when=f"{is_(Decision.RETRY)} || {is_(Decision.HAND_OVER)}")  # fmt: skip
-    # Each attempt nests one call deeper (Argo refuses more than 100): after retry.attempts_per_workflow
-    # attempts the run continues in a new Workflow of the same run id instead.
-    Task(name="hand-over", template=hand_over, arguments={"attempt": out % "next-attempt"}, depends="backoff",
-         when=is_(Decision.HAND_OVER))  # fmt: skip
-    Task(name="next-attempt", template="attempt", arguments={"attempt": out % "next-attempt"}, depends="backoff",
-         when=is_(Decision.RETRY))  # fmt: skip
-    Task(name="give-up", template=give_up, depends=classify.name, when=is_(Decision.STOP),
-         arguments={"failure-class": out % "failure-class", "reason": out % "reason"})  # fmt: skip
-    if resupervise is not None:
-        Task(name="resupervise", template="segment", arguments=resupervise, depends=classify.name,
-             when=is_(Decision.RESUPERVISE))  # fmt: skip
+    validate: Container
+    restore: Container
+    provision: Container
+    train: Container
+    classify: Container
+    backoff: Suspend
+    hand_over: Container
+    give_up: Container
+    finalize: Container
 
 
-def build_workflow(cfg: JobConfig) -> Workflow:
-    """The Workflow of one job config.
+def validate_template(cfg: JobConfig) -> Container:
+    """``validate-config``: validates and pins the config, checks permissions and cluster objects first."""
+    args = ["--config", CONFIG_PATH, "--store-root", STORE_ROOT]
+    args += ["--accept-safe-changes", "{{workflow.parameters.accept-safe-changes}}"]
+    # Permissions and cluster objects are checked before any slice is provisioned.
+    args += ["--preflight", "true", *HOLDER]
+    return _step(
+        cfg,
+        "validate-config",
+        "validate_config",
+        args,
+        outputs=ValidateOutputs,
+        input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
+    )
 
-    Args:
-        cfg: A validated job config.
 
-    Returns:
-        The Hera ``Workflow`` (``to_dict()`` gives the manifest ``argo submit`` takes).
+def restore_template(cfg: JobConfig) -> Container:
+    """``restore-latest``: the newest verified checkpoint the attempt restores."""
+    return _step(cfg, "restore-latest", "restore_latest", ATTEMPT_ARGS, inputs=["attempt"], outputs=RestoreOutputs)
+
+
+def provision_template(cfg: JobConfig) -> Container:
+    """``provision-slice``: tears the previous gang down and waits for capacity."""
+    return _step(
+        cfg,
+        "provision-slice",
+        "provision_slice",
+        [*ATTEMPT_ARGS, *HOLDER],
+        inputs=["attempt"],
+        outputs=ProvisionOutputs,
+        # Exit 75 (capacity not there yet) is retried with backoff, like an Errored pod or a transient exit;
+        # exit 2 (configuration) is not.
+        retry_strategy=RetryStrategy(
+            limit=cfg.retry.provision_retry_limit,
+            retry_policy="Always",
+            backoff=Backoff(duration=f"{cfg.retry.provision_backoff_s}s", factor=2, cap=BACKOFF_CAP),
+            expression=f"asInt(lastRetry.exitCode) == {int(ExitCode.CAPACITY)} || {TRANSIENT_RETRY}",
+        ),
+    )
+
+
+def train_template(cfg: JobConfig) -> Container:
+    """``train-segment``: the supervisor of the attempt's gang.
+
+    It creates (or re-attaches to) the JobSet, decides when the attempt is over and stops it: a Resource
+    template would wait without bound on a gang that can never end.
     """
     manifest = jobset_manifest(
         cfg,
@@ -184,6 +249,251 @@ def build_workflow(cfg: JobConfig) -> Workflow:
         coordinator_port="{{inputs.parameters.coordinator-port}}",
         metrics_port="{{inputs.parameters.metrics-port}}",
     )
+    args = [*ATTEMPT_ARGS, "--jobset-manifest", json.dumps(manifest, separators=(",", ":"))]
+    return _step(
+        cfg,
+        "train-segment",
+        "train_segment",
+        [*args, "--holder", "{{workflow.uid}}"],
+        inputs=SEGMENT_INPUTS,
+        outputs=SegmentOutputs,
+        # Guaranteed QoS (requests equal limits) and a PriorityClass: the kubelet evicts it after BestEffort
+        # and Burstable pods and lower priorities under node pressure (Kubernetes docs "Node-pressure
+        # Eviction"). A drain or a node shutdown still ends it: the retry and classify's resupervise cover that.
+        resources=None if cfg.slice.is_local else SUPERVISOR_RESOURCES,
+        priority_class_name=None if cfg.slice.is_local else STEP_PRIORITY_CLASS,
+        retry_strategy=RetryStrategy(
+            limit=SUPERVISOR_RETRIES,
+            retry_policy="Always",
+            backoff=Backoff(duration="5s", factor=2, cap="2m"),
+            expression=SUPERVISOR_RETRY,
+        ),
+    )
+
+
+def classify_template(cfg: JobConfig) -> Container:
+    """``classify-failure``: the failure class and what follows, with the failure metrics."""
+    failure_class = Label(key="class", value=own_output(ClassifyOutputs, "failure_class"))
+    failures = Counter(
+        name="jaxrec_failures_total",
+        help=_metric_help("jaxrec_failures_total"),
+        labels=[_run_label(), failure_class],
+        # A lost supervisor is not a failed attempt.
+        when=f"'{own_output(ClassifyOutputs, 'decision')}' != '{Decision.RESUPERVISE.value}'",
+        value="1",
+    )
+    last = Gauge(
+        name="jaxrec_last_failure_info",
+        help=_metric_help("jaxrec_last_failure_info"),
+        labels=[_run_label(), failure_class, Label(key="reason", value=own_output(ClassifyOutputs, "reason"))],
+        realtime=False,
+        value="1",
+    )
+    # Only a stop because the class spent its budget (not the no-progress guard or the cap).
+    exhausted = Gauge(
+        name="jaxrec_budget_exhausted",
+        help=_metric_help("jaxrec_budget_exhausted"),
+        labels=[_run_label(), failure_class],
+        when=f"{own_output(ClassifyOutputs, 'budget_exhausted')} == 1",
+        realtime=False,
+        value="1",
+    )
+    args = [*ATTEMPT_ARGS, "--jobset", "{{inputs.parameters.jobset-name}}", "--workflow", "{{workflow.name}}"]
+    return _step(
+        cfg,
+        "classify-failure",
+        "classify_failure",
+        args,
+        inputs=["attempt", "jobset-name"],
+        outputs=ClassifyOutputs,
+        metrics=[failures, last, exhausted],
+    )
+
+
+def backoff_template() -> Suspend:
+    """``backoff``: waits what is left of the retry policy's backoff."""
+    return Suspend(name="backoff", inputs=[Parameter(name="duration")], duration="{{inputs.parameters.duration}}")
+
+
+def hand_over_template(cfg: JobConfig) -> Container:
+    """``hand-over``: passes the run to a continuation Workflow of the same run id."""
+    args = [*ATTEMPT_ARGS, "--workflow", "{{workflow.name}}", "--workflow-uid", "{{workflow.uid}}"]
+    return _step(cfg, "hand-over", "hand_over", args, inputs=["attempt"], outputs=HandOverOutputs)
+
+
+def give_up_template(cfg: JobConfig) -> Container:
+    """``give-up``: ends the Workflow failed, naming the class and the reason."""
+    args = ["--failure-class", "{{inputs.parameters.failure-class}}", "--reason", "{{inputs.parameters.reason}}"]
+    return _step(cfg, "give-up", "give_up", args, inputs=["failure-class", "reason"])
+
+
+def finalize_template(cfg: JobConfig) -> Container:
+    """``exit-handler`` (finalize): closes the ledger and reports the run's totals."""
+    status = Gauge(
+        name="jaxrec_run_status",
+        help=_metric_help("jaxrec_run_status"),
+        labels=[_run_label(), Label(key="status", value="{{workflow.status}}")],
+        realtime=False,
+        value="1",
+    )
+    # Totals over the run's incidents, computed by finalize from the ledger and worker reports.
+    lost = Counter(
+        name="jaxrec_steps_lost_total",
+        help=_metric_help("jaxrec_steps_lost_total"),
+        labels=[_run_label()],
+        value=own_output(FinalizeOutputs, "steps_lost"),
+    )
+    recovery = own_output(FinalizeOutputs, "recovery_seconds")
+    seconds = Gauge(
+        name="jaxrec_recovery_duration_seconds",
+        help=_metric_help("jaxrec_recovery_duration_seconds"),
+        labels=[_run_label()],
+        when=f"{recovery} >= 0",
+        realtime=False,
+        value=recovery,
+    )
+    args = [*RUN_ARGS, "--status", "{{workflow.status}}", "--failures", "{{workflow.failures}}"]
+    return _step(
+        cfg,
+        "exit-handler",
+        "finalize",
+        [*args, "--holder", "{{workflow.uid}}"],
+        outputs=FinalizeOutputs,
+        metrics=[status, lost, seconds],
+    )
+
+
+def _route(classify: Task, t: StepTemplates, resupervise: dict[str, str] | None = None) -> None:
+    """Wire what follows classify-failure, by its decision.
+
+    The next attempt or a continuation Workflow after the backoff, a stop, or (``resupervise``: the segment's
+    inputs) another supervisor of the same attempt.
+    """
+    decision = output_of(classify, ClassifyOutputs, "decision")
+    next_attempt = {"attempt": output_of(classify, ClassifyOutputs, "next_attempt")}
+
+    def is_(d: Decision) -> str:
+        return f"'{decision}' == '{d.value}'"
+
+    wait = {"duration": output_of(classify, ClassifyOutputs, "backoff_wait")}
+    retry_or_hand_over = f"{is_(Decision.RETRY)} || {is_(Decision.HAND_OVER)}"
+    Task(name="backoff", template=t.backoff, arguments=wait, depends=classify.name, when=retry_or_hand_over)
+    # Each attempt nests one call deeper (Argo refuses more than 100): after retry.attempts_per_workflow
+    # attempts the run continues in a new Workflow of the same run id instead.
+    Task(
+        name="hand-over",
+        template=t.hand_over,
+        arguments=next_attempt,
+        depends="backoff",
+        when=is_(Decision.HAND_OVER),
+    )
+    Task(name="next-attempt", template="attempt", arguments=next_attempt, depends="backoff", when=is_(Decision.RETRY))
+    verdict = {
+        "failure-class": output_of(classify, ClassifyOutputs, "failure_class"),
+        "reason": output_of(classify, ClassifyOutputs, "reason"),
+    }
+    Task(name="give-up", template=t.give_up, depends=classify.name, when=is_(Decision.STOP), arguments=verdict)
+    if resupervise is not None:
+        Task(
+            name="resupervise",
+            template="segment",
+            arguments=resupervise,
+            depends=classify.name,
+            when=is_(Decision.RESUPERVISE),
+        )
+
+
+def segment_dag(t: StepTemplates) -> DAG:
+    """``segment``: train-segment supervises the attempt's gang; classify-failure decides what follows.
+
+    A supervisor that left no verdict while the gang still runs (its pod lost for good) is followed by another
+    supervisor of the same attempt, never by a new attempt that would delete the live gang.
+    """
+    with DAG(name="segment", inputs=[Parameter(name=n) for n in SEGMENT_INPUTS]) as segment:
+        Task(name="train-segment", template=t.train, arguments=_inputs_of(SEGMENT_INPUTS))
+        classify = Task(
+            name="classify-failure",
+            template=t.classify,
+            arguments={"attempt": ATTEMPT_IN, "jobset-name": "{{inputs.parameters.jobset-name}}"},
+            depends="train-segment.Failed || train-segment.Errored",
+        )
+        _route(classify, t, resupervise=_inputs_of(SEGMENT_INPUTS))
+    return segment
+
+
+def attempt_dag(t: StepTemplates, segment: DAG) -> DAG:
+    """``attempt``: provision the slice, restore, run the segment.
+
+    A step before training that failed is classified like a failed gang.
+    """
+    attempts = Counter(
+        name="jaxrec_attempts_total", help=_metric_help("jaxrec_attempts_total"), labels=[_run_label()], value="1"
+    )
+    with DAG(name="attempt", inputs=[Parameter(name="attempt")], metrics=[attempts]) as attempt:
+        t_restore = Task(name="restore-latest", template=t.restore, arguments={"attempt": ATTEMPT_IN})
+        t_provision = Task(name="provision-slice", template=t.provision, arguments={"attempt": ATTEMPT_IN})
+        slice_ready = {
+            "jobset-name": output_of(t_provision, ProvisionOutputs, "jobset_name"),
+            "restore-step": output_of(t_restore, RestoreOutputs, "restore_step"),
+            "coordinator-port": output_of(t_provision, ProvisionOutputs, "coordinator_port"),
+            "metrics-port": output_of(t_provision, ProvisionOutputs, "metrics_port"),
+        }
+        t_segment = Task(name="segment", template=segment, arguments={"attempt": ATTEMPT_IN, **slice_ready})
+        # A step before training that spent its retries (capacity after provision-slice's, a store outage
+        # through restore-latest's) ends the attempt like a failed gang: classified and decided.
+        classify = Task(
+            name="classify-failure",
+            template=t.classify,
+            # provision-slice may have failed: name the JobSet the way it does instead of reading outputs.
+            arguments={"attempt": ATTEMPT_IN, "jobset-name": jobset_name(RUN_ID, ATTEMPT_IN)},
+            depends=(
+                "provision-slice.Failed || provision-slice.Errored || restore-latest.Failed || restore-latest.Errored"
+            ),
+        )
+        _route(classify, t)
+        # provision-slice tears the previous gang down first, so restore-latest sees the checkpoint
+        # a SIGTERMed worker saved on its way out.
+        t_provision >> t_restore >> t_segment
+    return attempt
+
+
+def main_dag(t: StepTemplates, attempt: DAG) -> DAG:
+    """``main``: validate the config, then the first attempt (a resubmitted run continues its numbering)."""
+    with DAG(name="main") as main:
+        t_validate = Task(name="validate-config", template=t.validate)
+        # A resubmitted run continues its attempt numbering (validate-config reads the ledger).
+        first = {"attempt": output_of(t_validate, ValidateOutputs, "first_attempt")}
+        t_validate >> Task(name="attempt", template=attempt, arguments=first)
+    return main
+
+
+def step_templates(cfg: JobConfig) -> StepTemplates:
+    """Every step template of the Workflow, in the order the manifest lists them."""
+    return StepTemplates(
+        validate=validate_template(cfg),
+        restore=restore_template(cfg),
+        provision=provision_template(cfg),
+        train=train_template(cfg),
+        classify=classify_template(cfg),
+        backoff=backoff_template(),
+        hand_over=hand_over_template(cfg),
+        give_up=give_up_template(cfg),
+        finalize=finalize_template(cfg),
+    )
+
+
+def build_workflow(cfg: JobConfig) -> Workflow:
+    """The Workflow of one job config.
+
+    Args:
+        cfg: A validated job config.
+
+    Returns:
+        The Hera ``Workflow`` (``to_dict()`` gives the manifest ``argo submit`` takes).
+
+    Raises:
+        UndeclaredOutput: the wiring references an output a step does not declare.
+    """
     with Workflow(
         generate_name=f"{cfg.run_id}-",
         namespace=cfg.namespace,
@@ -202,253 +512,7 @@ def build_workflow(cfg: JobConfig) -> Workflow:
             Parameter(name="accept-safe-changes", value="false"),
         ],
     ) as w:
-        validate = _step(
-            cfg,
-            "validate-config",
-            "validate_config",
-            [
-                "--config",
-                CONFIG_PATH,
-                "--store-root",
-                STORE_ROOT,
-                "--accept-safe-changes",
-                "{{workflow.parameters.accept-safe-changes}}",
-                # Permissions and cluster objects are checked before any slice is provisioned.
-                "--preflight",
-                "true",
-                *HOLDER,
-            ],  # fmt: skip
-            outputs=ValidateOutputs,
-            input_artifacts=[RawArtifact(name="config", path=CONFIG_PATH, data=canonical_config_yaml(cfg))],
-        )
-        restore = _step(
-            cfg,
-            "restore-latest",
-            "restore_latest",
-            ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN],
-            inputs=["attempt"],
-            outputs=RestoreOutputs,
-        )
-        provision = _step(
-            cfg,
-            "provision-slice",
-            "provision_slice",
-            ["--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN, *HOLDER],
-            inputs=["attempt"],
-            outputs=ProvisionOutputs,
-            # Exit 75 (capacity not there yet) is retried with backoff, like an Errored pod or a transient exit;
-            # exit 2 (configuration) is not.
-            retry_strategy=RetryStrategy(
-                limit=cfg.retry.provision_retry_limit,
-                retry_policy="Always",
-                backoff=Backoff(duration=f"{cfg.retry.provision_backoff_s}s", factor=2, cap=BACKOFF_CAP),
-                expression=f"asInt(lastRetry.exitCode) == {int(ExitCode.CAPACITY)} || {TRANSIENT_RETRY}",
-            ),
-        )
-        # The supervisor creates (or re-attaches to) this JobSet, decides when the attempt is over and
-        # stops it: a Resource template would wait without bound on a gang that can never end.
-        train = _step(
-            cfg,
-            "train-segment",
-            "train_segment",
-            [
-                "--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN,
-                "--jobset-manifest", json.dumps(manifest, separators=(",", ":")), "--holder", "{{workflow.uid}}",
-            ],
-            inputs=["attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port"],
-            outputs=SegmentOutputs,
-            # Guaranteed QoS (requests equal limits) and a PriorityClass: the kubelet evicts it after BestEffort
-            # and Burstable pods and lower priorities under node pressure (Kubernetes docs "Node-pressure
-            # Eviction"). A drain or a node shutdown still ends it: the retry and classify's resupervise cover that.
-            resources=None if cfg.slice.is_local else SUPERVISOR_RESOURCES,
-            priority_class_name=None if cfg.slice.is_local else STEP_PRIORITY_CLASS,
-            retry_strategy=RetryStrategy(
-                limit=SUPERVISOR_RETRIES,
-                retry_policy="Always",
-                backoff=Backoff(duration="5s", factor=2, cap="2m"),
-                expression=SUPERVISOR_RETRY,
-            ),
-        )  # fmt: skip
-        classify = _step(
-            cfg,
-            "classify-failure",
-            "classify_failure",
-            [
-                "--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN,
-                "--jobset", "{{inputs.parameters.jobset-name}}", "--workflow", "{{workflow.name}}",
-            ],
-            inputs=["attempt", "jobset-name"],
-            outputs=ClassifyOutputs,
-            metrics=[
-                Counter(
-                    name="jaxrec_failures_total",
-                    help=_metric_help("jaxrec_failures_total"),
-                    labels=[Label(key="run_id", value=RUN_ID),
-                            Label(key="class", value="{{outputs.parameters.failure-class}}")],
-                    # A lost supervisor is not a failed attempt.
-                    when=f"'{{{{outputs.parameters.decision}}}}' != '{Decision.RESUPERVISE.value}'",
-                    value="1",
-                ),
-                Gauge(
-                    name="jaxrec_last_failure_info",
-                    help=_metric_help("jaxrec_last_failure_info"),
-                    labels=[Label(key="run_id", value=RUN_ID),
-                            Label(key="class", value="{{outputs.parameters.failure-class}}"),
-                            Label(key="reason", value="{{outputs.parameters.reason}}")],
-                    realtime=False,
-                    value="1",
-                ),
-                # Only a stop because the class spent its budget (not the no-progress guard or the cap).
-                Gauge(
-                    name="jaxrec_budget_exhausted",
-                    help=_metric_help("jaxrec_budget_exhausted"),
-                    labels=[Label(key="run_id", value=RUN_ID),
-                            Label(key="class", value="{{outputs.parameters.failure-class}}")],
-                    when="{{outputs.parameters.budget-exhausted}} == 1",
-                    realtime=False,
-                    value="1",
-                ),
-            ],
-        )  # fmt: skip
-        backoff = Suspend(
-            name="backoff",
-            inputs=[Parameter(name="duration")],
-            duration="{{inputs.parameters.duration}}",
-        )
-        hand_over = _step(
-            cfg,
-            "hand-over",
-            "hand_over",
-            [
-                "--store-root", STORE_ROOT, "--run-id", RUN_ID, "--attempt", ATTEMPT_IN,
-                "--workflow", "{{workflow.name}}", "--workflow-uid", "{{workflow.uid}}",
-            ],
-            inputs=["attempt"],
-            outputs=HandOverOutputs,
-        )  # fmt: skip
-        give_up = _step(
-            cfg,
-            "give-up",
-            "give_up",
-            ["--failure-class", "{{inputs.parameters.failure-class}}", "--reason", "{{inputs.parameters.reason}}"],
-            inputs=["failure-class", "reason"],
-        )
-        finalize = _step(
-            cfg,
-            "exit-handler",
-            "finalize",
-            [
-                "--store-root", STORE_ROOT, "--run-id", RUN_ID,
-                "--status", "{{workflow.status}}", "--failures", "{{workflow.failures}}",
-                "--holder", "{{workflow.uid}}",
-            ],
-            outputs=FinalizeOutputs,
-            metrics=[
-                Gauge(
-                    name="jaxrec_run_status",
-                    help=_metric_help("jaxrec_run_status"),
-                    labels=[Label(key="run_id", value=RUN_ID), Label(key="status", value="{{workflow.status}}")],
-                    realtime=False,
-                    value="1",
-                ),
-                # Totals over the run's incidents, computed by finalize from the ledger and worker reports.
-                Counter(
-                    name="jaxrec_steps_lost_total",
-                    help=_metric_help("jaxrec_steps_lost_total"),
-                    labels=[Label(key="run_id", value=RUN_ID)],
-                    value="{{outputs.parameters.steps-lost}}",
-                ),
-                Gauge(
-                    name="jaxrec_recovery_duration_seconds",
-                    help=_metric_help("jaxrec_recovery_duration_seconds"),
-                    labels=[Label(key="run_id", value=RUN_ID)],
-                    when="{{outputs.parameters.recovery-seconds}} >= 0",
-                    realtime=False,
-                    value="{{outputs.parameters.recovery-seconds}}",
-                ),
-            ],
-        )  # fmt: skip
-
-        segment_inputs = ["attempt", "jobset-name", "restore-step", "coordinator-port", "metrics-port"]
-        # One segment: train-segment supervises the attempt's gang; classify-failure decides what follows. A
-        # supervisor that left no verdict while the gang still runs (its pod lost for good) is followed by
-        # another supervisor of the same attempt, never by a new attempt that would delete the live gang.
-        with DAG(name="segment", inputs=[Parameter(name=n) for n in segment_inputs]) as segment:
-            Task(
-                name="train-segment",
-                template=train,
-                arguments={n: f"{{{{inputs.parameters.{n}}}}}" for n in segment_inputs},
-            )
-            _route(
-                Task(
-                    name="classify-failure",
-                    template=classify,
-                    arguments={"attempt": ATTEMPT_IN, "jobset-name": "{{inputs.parameters.jobset-name}}"},
-                    depends="train-segment.Failed || train-segment.Errored",
-                ),
-                backoff,
-                hand_over,
-                give_up,
-                resupervise={n: f"{{{{inputs.parameters.{n}}}}}" for n in segment_inputs},
-            )
-
-        with DAG(
-            name="attempt",
-            inputs=[Parameter(name="attempt")],
-            metrics=[
-                Counter(
-                    name="jaxrec_attempts_total",
-                    help=_metric_help("jaxrec_attempts_total"),
-                    labels=[Label(key="run_id", value=RUN_ID)],
-                    value="1",
-                )
-            ],
-        ) as attempt:
-            t_restore = Task(name="restore-latest", template=restore, arguments={"attempt": ATTEMPT_IN})
-            t_provision = Task(name="provision-slice", template=provision, arguments={"attempt": ATTEMPT_IN})
-            prov_out = "{{tasks.provision-slice.outputs.parameters.%s}}"
-            t_segment = Task(
-                name="segment",
-                template=segment,
-                arguments={
-                    "attempt": ATTEMPT_IN,
-                    "jobset-name": prov_out % "jobset-name",
-                    "restore-step": "{{tasks.restore-latest.outputs.parameters.restore-step}}",
-                    "coordinator-port": prov_out % "coordinator-port",
-                    "metrics-port": prov_out % "metrics-port",
-                },
-            )
-            # A step before training that spent its retries (capacity after provision-slice's, a store outage
-            # through restore-latest's) ends the attempt like a failed gang: classified and decided.
-            _route(
-                Task(
-                    name="classify-failure",
-                    template=classify,
-                    # provision-slice may have failed: name the JobSet the way it does instead of reading outputs.
-                    arguments={"attempt": ATTEMPT_IN, "jobset-name": jobset_name(RUN_ID, ATTEMPT_IN)},
-                    depends=(
-                        "provision-slice.Failed || provision-slice.Errored || "
-                        "restore-latest.Failed || restore-latest.Errored"
-                    ),
-                ),
-                backoff,
-                hand_over,
-                give_up,
-            )
-            # provision-slice tears the previous gang down first, so restore-latest sees the checkpoint
-            # a SIGTERMed worker saved on its way out.
-            t_provision >> t_restore >> t_segment
-
-        with DAG(name="main"):
-            t_validate = Task(name="validate-config", template=validate)
-            # A resubmitted run continues its attempt numbering (validate-config reads the ledger).
-            t_first = Task(
-                name="attempt",
-                template=attempt,
-                arguments={"attempt": "{{tasks.validate-config.outputs.parameters.first-attempt}}"},
-            )
-            t_validate >> t_first
-
-    # Templates referenced only by name must still be listed once.
-    del finalize
+        # Templates referenced only by name (the exit handler, the next attempt) are listed all the same.
+        t = step_templates(cfg)
+        main_dag(t, attempt_dag(t, segment_dag(t)))
     return w

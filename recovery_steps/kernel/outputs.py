@@ -28,6 +28,10 @@ def _dashed(name: str) -> str:
     return name.replace("_", "-")
 
 
+class UndeclaredOutput(ValueError):
+    """A reference to an output parameter no step declares (the Workflow's wiring is wrong)."""
+
+
 class StepOutputs(BaseModel):
     """Base of one step's outputs: field ``restore_step`` is Argo output parameter ``restore-step``."""
 
@@ -40,6 +44,20 @@ class StepOutputs(BaseModel):
     def names(cls) -> list[str]:
         """Output parameter names, in declaration order."""
         return [f.alias or n for n, f in cls.model_fields.items()]
+
+    @classmethod
+    def name_of(cls, field: str) -> str:
+        """The output parameter name of declared field ``field`` (``next_attempt`` -> ``next-attempt``).
+
+        Raises:
+            UndeclaredOutput: ``field`` is not declared (the message lists the declared ones).
+        """
+        f = cls.model_fields.get(field)
+        if f is None:
+            raise UndeclaredOutput(
+                f"{cls.__name__} ({cls.TEMPLATE}) declares no output {field!r}; declared: {', '.join(cls.model_fields)}"
+            )
+        return f.alias or field
 
     @classmethod
     def descriptions(cls) -> dict[str, str]:
