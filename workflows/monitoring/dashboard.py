@@ -105,26 +105,7 @@ def dashboard(cfg: JobConfig) -> dict[str, object]:
             "panels": [],
         }
     ]
-    width, height = 6, 7
-    for i, title in enumerate(DASHBOARD_PANELS):
-        kind, targets = queries[title]
-        panel: dict[str, object] = {
-            "type": kind,
-            "id": i + 2,
-            "title": title,
-            "datasource": ds,
-            "gridPos": {"h": height, "w": width, "x": (i % 4) * width, "y": 1 + (i // 4) * height},
-            "targets": [
-                {"refId": chr(ord("A") + j), "datasource": ds, "expr": expr, "legendFormat": legend}
-                for j, (legend, expr) in enumerate(targets)
-            ],
-            "fieldConfig": {"defaults": {"unit": _UNITS.get(title, "short")}, "overrides": []},
-            "options": {},
-        }
-        if kind == "table":
-            panel["targets"][0]["format"] = "table"  # type: ignore[index]
-            panel["targets"][0]["instant"] = True  # type: ignore[index]
-        panels.append(panel)
+    panels += [_panel(i, title, *queries[title], ds) for i, title in enumerate(DASHBOARD_PANELS)]
     return {
         "title": f"JAX slice recovery: {cfg.run_id}",
         "uid": f"jaxrec-{cfg.run_id}"[:40],
@@ -135,31 +116,54 @@ def dashboard(cfg: JobConfig) -> dict[str, object]:
         "editable": True,
         "refresh": "30s",
         "time": {"from": "now-6h", "to": "now"},
-        "templating": {
-            "list": [
-                {
-                    "name": "datasource",
-                    "type": "datasource",
-                    "query": "prometheus",
-                    "label": "Data source",
-                },
-                {
-                    "name": "run_id",
-                    "label": "Run",
-                    "type": "query",
-                    "datasource": ds,
-                    "query": {
-                        "query": f"label_values({gke_name('jaxrec_expected_workers')}, run_id)",
-                        "refId": "run_id",
-                    },
-                    "definition": f"label_values({gke_name('jaxrec_expected_workers')}, run_id)",
-                    "refresh": 2,
-                    "multi": True,
-                    "includeAll": True,
-                    "current": {"selected": True, "text": [cfg.run_id], "value": [cfg.run_id]},
-                    "sort": 1,
-                },
-            ]
-        },
+        "templating": {"list": _variables(cfg, ds)},
         "panels": panels,
     }
+
+
+def _panel(i: int, title: str, kind: str, targets: list[tuple[str, str]], ds: dict[str, str]) -> dict[str, object]:
+    """Panel ``i`` of a run's row: four to a line, one query target per (legend, expression)."""
+    width, height = 6, 7
+    panel: dict[str, object] = {
+        "type": kind,
+        "id": i + 2,
+        "title": title,
+        "datasource": ds,
+        "gridPos": {"h": height, "w": width, "x": (i % 4) * width, "y": 1 + (i // 4) * height},
+        "targets": [
+            {"refId": chr(ord("A") + j), "datasource": ds, "expr": expr, "legendFormat": legend}
+            for j, (legend, expr) in enumerate(targets)
+        ],
+        "fieldConfig": {"defaults": {"unit": _UNITS.get(title, "short")}, "overrides": []},
+        "options": {},
+    }
+    if kind == "table":
+        panel["targets"][0]["format"] = "table"  # type: ignore[index]
+        panel["targets"][0]["instant"] = True  # type: ignore[index]
+    return panel
+
+
+def _variables(cfg: JobConfig, ds: dict[str, str]) -> list[dict[str, object]]:
+    """The dashboard's variables: the data source, and the runs (the config's run id selected)."""
+    runs = f"label_values({gke_name('jaxrec_expected_workers')}, run_id)"
+    return [
+        {
+            "name": "datasource",
+            "type": "datasource",
+            "query": "prometheus",
+            "label": "Data source",
+        },
+        {
+            "name": "run_id",
+            "label": "Run",
+            "type": "query",
+            "datasource": ds,
+            "query": {"query": runs, "refId": "run_id"},
+            "definition": runs,
+            "refresh": 2,
+            "multi": True,
+            "includeAll": True,
+            "current": {"selected": True, "text": [cfg.run_id], "value": [cfg.run_id]},
+            "sort": 1,
+        },
+    ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from recovery_steps.kernel.config import JobConfig
 from workflows.monitoring.rules import RUNBOOK, AlertRule, gke_name, run_alerts, worker_alerts
 
@@ -30,6 +32,28 @@ def _expand(annotations: object, labels: dict[str, str], value: str) -> dict[str
     return out
 
 
+@dataclass(frozen=True)
+class _Cases:
+    """What the test cases of one job's rules are written from."""
+
+    rid: str
+    w: int  # monitoring.recovery_window_steps
+    hosts: int
+    no_step: int  # monitoring.no_step_alert_minutes
+    thr: int  # monitoring.repeated_failures_threshold
+    wa: dict[str, AlertRule]  # worker alerts by name
+    ra: dict[str, AlertRule]  # run alerts by name
+
+    def wl(self, i: int = 0) -> str:
+        """The labels of worker ``i``'s series in attempt 0."""
+        return f'run_id="{self.rid}",attempt="0",process_index="{i}"'
+
+    def ann(self, rule: AlertRule, value: str = "", **labels: str) -> dict[str, object]:
+        """The alert ``rule`` fires with: its labels and its annotations expanded."""
+        exp = {"severity": rule.severity, "run_id": self.rid, **labels}
+        return {"exp_labels": exp, "exp_annotations": _expand(rule.as_dict()["annotations"], exp, value)}
+
+
 def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
     """``promtool test rules`` cases: series that must fire each alert, and series that must not.
 
@@ -41,36 +65,25 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
         The promtool test document.
     """
     m = cfg.monitoring
-    rid = cfg.run_id
-    w = m.recovery_window_steps
-    hosts = cfg.slice.num_hosts
-    no_step = m.no_step_alert_minutes
-    thr = m.repeated_failures_threshold
+    c = _Cases(
+        rid=cfg.run_id,
+        w=m.recovery_window_steps,
+        hosts=cfg.slice.num_hosts,
+        no_step=m.no_step_alert_minutes,
+        thr=m.repeated_failures_threshold,
+        wa={r.alert: r for r in worker_alerts(cfg)},
+        ra={r.alert: r for r in run_alerts(cfg)},
+    )
+    tests = [*_checkpoint_lag_cases(c), *_no_step_cases(c), *_workers_cases(c), *_failure_cases(c), *_run_end_cases(c)]
+    return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
 
-    def wl(i: int = 0) -> str:
-        return f'run_id="{rid}",attempt="0",process_index="{i}"'
 
-    def ann(rule: AlertRule, value: str = "", **labels: str) -> dict[str, object]:
-        exp = {"severity": rule.severity, "run_id": rid, **labels}
-        return {"exp_labels": exp, "exp_annotations": _expand(rule.as_dict()["annotations"], exp, value)}
-
-    wa = {r.alert: r for r in worker_alerts(cfg)}
-    ra = {r.alert: r for r in run_alerts(cfg)}
+def _checkpoint_lag_cases(c: _Cases) -> list[dict[str, object]]:
+    """JaxrecCheckpointLag: beyond the recovery window, and exactly at it."""
+    w, wl, ann, wa = c.w, c.wl, c.ann, c.wa
     # Steps advance 1 per minute from 0; checkpoints lag behind by `lag`.
     lag_fire = w + 5
-    spread: list[dict[str, str]] = []
-    if thr >= 2:
-        failures = gke_name("jaxrec_failures_total")
-        spread = [
-            # One failure fewer than the threshold, close together.
-            {"series": f'{failures}{{run_id="{rid}",class="preemption"}}', "values": f"0 1+1x{thr - 2} {thr - 1}x40"},
-            # `thr` application failures, each an hour and more apart.
-            {
-                "series": f'{failures}{{run_id="{rid}",class="application"}}',
-                "values": " ".join(f"{k}x12" for k in range(thr + 1)),
-            },
-        ]
-    tests: list[dict[str, object]] = [
+    return [
         {
             "name": "checkpoint lag beyond the recovery window fires; within it does not",
             "interval": "1m",
@@ -96,6 +109,13 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
             ],
             "alert_rule_test": [{"eval_time": "20m", "alertname": "JaxrecCheckpointLag", "exp_alerts": []}],
         },
+    ]
+
+
+def _no_step_cases(c: _Cases) -> list[dict[str, object]]:
+    """JaxrecNoStep: while workers are up, and with every worker down."""
+    no_step, wl, ann, wa = c.no_step, c.wl, c.ann, c.wa
+    return [
         {
             "name": "no step while workers are up fires after the limit; not while steps continue or workers are gone",
             "interval": "1m",
@@ -128,6 +148,13 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
             ],
             "alert_rule_test": [{"eval_time": f"{5 + no_step + 3}m", "alertname": "JaxrecNoStep", "exp_alerts": []}],
         },
+    ]
+
+
+def _workers_cases(c: _Cases) -> list[dict[str, object]]:
+    """JaxrecWorkersBelowExpected: one worker gone for 5 minutes."""
+    hosts, wl, ann, wa = c.hosts, c.wl, c.ann, c.wa
+    return [
         {
             "name": "fewer workers than expected for 5 minutes fires; a full gang does not",
             "interval": "1m",
@@ -154,6 +181,25 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
                 },
             ],
         },
+    ]
+
+
+def _failure_cases(c: _Cases) -> list[dict[str, object]]:
+    """JaxrecRepeatedFailures: within an hour, fewer or spread out, and a counter first seen at 1."""
+    rid, thr, ann, ra = c.rid, c.thr, c.ann, c.ra
+    spread: list[dict[str, str]] = []
+    if thr >= 2:
+        failures = gke_name("jaxrec_failures_total")
+        spread = [
+            # One failure fewer than the threshold, close together.
+            {"series": f'{failures}{{run_id="{rid}",class="preemption"}}', "values": f"0 1+1x{thr - 2} {thr - 1}x40"},
+            # `thr` application failures, each an hour and more apart.
+            {
+                "series": f'{failures}{{run_id="{rid}",class="application"}}',
+                "values": " ".join(f"{k}x12" for k in range(thr + 1)),
+            },
+        ]
+    return [
         {
             "name": "repeated failures of one class within an hour fire; fewer, or spread over hours, do not",
             "interval": "5m",
@@ -209,6 +255,13 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
                 },
             ],
         },
+    ]
+
+
+def _run_end_cases(c: _Cases) -> list[dict[str, object]]:
+    """JaxrecBudgetExhausted and JaxrecRunFailed: how a run ended pages once, or not at all."""
+    rid, ann, ra = c.rid, c.ann, c.ra
+    return [
         {
             "name": "a spent budget fires with its class; a run that succeeded does not fire anything",
             "interval": "1m",
@@ -279,4 +332,3 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
             ],
         },
     ]
-    return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
