@@ -118,6 +118,15 @@ def run(store: RunStore, attempt: int) -> RestoreResult:
             check_layout(store, RunLayout.QUARANTINE)
     except StoreLayoutError as e:
         return RestoreResult(ExitCode.CONFIGURATION, None, "", [], f"{e} (nothing was moved)")
+    if sel.renamed is not None:
+        name, step = sel.renamed
+        now_at = f"step {sel.step}" if sel.step >= 0 else "a fresh start"
+        return RestoreResult(
+            ExitCode.CONFIGURATION, None, "", [],
+            f"{store.url(RunLayout.CHECKPOINTS)}/{name} holds an intact checkpoint of step {step} under a name orbax "
+            f"does not read (restoring would mean {now_at}); rename it to {store.url(RunLayout.checkpoint(step))} "
+            f"(moving aside what is there) and rerun (nothing was moved)",
+        )  # fmt: skip
     if sel.incompatible:
         lines = [f"checkpoints exist for run {store.run_id!r} but none is compatible with its config:"]
         lines += [f"  step {s.step}: {s.reason}" for s in sel.skipped]

@@ -7,18 +7,21 @@
 from __future__ import annotations
 
 import enum
+import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from recovery_steps.kernel.checkpoints import MAX_MANIFEST_FILES, stream_digests
 from recovery_steps.kernel.compat import check_compatible
-from recovery_steps.kernel.records import CheckpointManifest, Ledger
+from recovery_steps.kernel.records import CheckpointManifest, Ledger, ManifestFile
 from recovery_steps.kernel.store import ObjectInfo, RunLayout, RunStore
 from recovery_steps.kernel.tasks import TaskError, resolve_task
 
@@ -100,6 +103,8 @@ class Selection:
     step: int = -1
     name: str | None = None
     skipped: list[Skip] = field(default_factory=list)
+    renamed: tuple[str, int] | None = None
+    """An intact checkpoint newer than ``step`` under a name orbax does not read (its directory, its step)."""
 
     @property
     def incompatible(self) -> bool:
@@ -344,7 +349,12 @@ def inspect_candidate(
 def integrity_basis(manifest: CheckpointManifest, on_gcs: bool) -> str:
     """How a step's files are checked against ``manifest``: one line for the log and the tests."""
     if not on_gcs:
-        return "size and CRC32C, streamed from each file"
+        if manifest.files and all(f.sha256 for f in manifest.files):
+            return "size, CRC32C and SHA-256, streamed from each file, and orbax's own metadata against the step"
+        return (
+            "size and CRC32C, streamed from each file; the manifest records no SHA-256 (written before it was "
+            "recorded), so a file of the same size that ends with its own CRC32C is not told apart"
+        )
     if manifest.files and all(f.generation is not None for f in manifest.files):
         return "size, CRC32C and generation from one listing (no bytes read)"
     return (
@@ -383,6 +393,8 @@ def check_step(
     except ValidationError:
         return [f"{RunLayout.MANIFEST} changed while being checked and is unreadable"], None
     problems = file_problems(store, name, manifest, objects, threads=threads)
+    if not problems:
+        problems = metadata_problems(store, name, manifest)
     return problems, integrity_basis(manifest, store.is_gcs)
 
 
@@ -394,6 +406,8 @@ def file_problems(
     problems: list[str] = []
     if not manifest.files:
         return ["the manifest lists no files"]
+    if len(manifest.files) > MAX_MANIFEST_FILES:
+        return [f"the manifest lists {len(manifest.files)} files, more than the {MAX_MANIFEST_FILES} a step may have"]
     counts = Counter(f.path for f in manifest.files)
     twice = sorted(p for p, n in counts.items() if n > 1)
     problems += [f"{p} is listed twice in the manifest" for p in twice[:3]]
@@ -417,16 +431,38 @@ def file_problems(
         elif o.crc32c is None:
             to_sum.append(f)
 
-    def crc(path: str) -> str | None:
-        got = store.crc32c(f"{RunLayout.CHECKPOINTS}/{name}/{path}")
-        return None if got is None else got[0]
+    return problems + streamed_problems(store, name, to_sum, threads=threads)
 
+
+def _digests(store: RunStore, rel: str) -> tuple[str, str | None] | None:
+    """CRC32C and (locally) SHA-256 of ``rel``, streamed; None when it is gone."""
+    if store.is_gcs:
+        got = store.crc32c(rel)
+        return None if got is None else (got[0], None)
+    streamed = stream_digests(Path(store.url(rel)))
+    return None if streamed is None else (streamed[0], streamed[1])
+
+
+def streamed_problems(store: RunStore, name: str, files: list[ManifestFile], *, threads: int = 8) -> list[str]:
+    """Stream ``files`` of step directory ``name`` (``CRC_CHUNK`` at a time) and compare them with their entries.
+
+    The CRC32C, and the SHA-256 where the entry has one: a file that ends with its own CRC32C (every OCDBT
+    file does) has the same whole-file CRC32C as any other such file, so only the SHA-256 tells a file of the
+    same size from another step, or one left over from an earlier write, apart from the one that was saved.
+    """
+    problems = []
+    rels = [f"{RunLayout.CHECKPOINTS}/{name}/{f.path}" for f in files]
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for f, got in zip(to_sum, pool.map(crc, [f.path for f in to_sum]), strict=True):
+        for f, got in zip(files, pool.map(lambda r: _digests(store, r), rels), strict=True):
             if got is None:
                 problems.append(f"{f.path} vanished while being read")
-            elif got != f.crc32c:
-                problems.append(f"{f.path} has CRC32C {got}, the manifest says {f.crc32c}")
+            elif got[0] != f.crc32c:
+                problems.append(f"{f.path} has CRC32C {got[0]}, the manifest says {f.crc32c}")
+            elif f.sha256 and got[1] is not None and got[1] != f.sha256:
+                problems.append(
+                    f"{f.path} has SHA-256 {got[1][:16]}..., the manifest says {f.sha256[:16]}... (same size and "
+                    "CRC32C: another file's contents, a copy from another step or a leftover of an earlier write)"
+                )
     return problems
 
 
@@ -465,4 +501,151 @@ def verify_checkpoints(
         inspected.append(c)
         if judge(c, closed_at) is None:
             break
-    return select_restore_step(inspected, closed_at), inspected
+    sel = select_restore_step(inspected, closed_at)
+    sel.renamed = renamed_intact(store, dirs, sel.step, config, num_hosts, closed_at)
+    return sel, inspected
+
+
+def renamed_intact(
+    store: RunStore,
+    dirs: Mapping[str, list[ObjectInfo]],
+    newer_than: int,
+    config: Mapping[str, Any],
+    num_hosts: int,
+    closed_at: Mapping[int, float],
+) -> tuple[str, int] | None:
+    """An intact checkpoint newer than ``newer_than`` under a name orbax does not read: its directory and step.
+
+    Such a name is a temporary one (``<step>.orbax-checkpoint-tmp-*``), a non-canonical one (``060``) or any
+    other (``60.bak``); None when there is none. Restoring an older step (or starting fresh) while the only
+    intact copy of a newer one sits under such a name loses that progress for good (orbax's next save of the
+    step cleans a temporary directory up): the caller refuses instead and says what to rename. Only
+    directories holding a manifest of a newer step are checked, with every check a step under its own name gets.
+    """
+    for name, objects in sorted(dirs.items()):
+        step, temporary = _parse_name(name)
+        orbax_reads = step is not None and not temporary and str(step) == name
+        if orbax_reads or RunLayout.MANIFEST not in {o.name for o in objects}:
+            continue
+        try:
+            m = CheckpointManifest.model_validate_json(
+                store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{RunLayout.MANIFEST}") or b""
+            )
+        except ValidationError:
+            continue
+        if m.step <= newer_than or m.run_id != store.run_id or store.odd(f"{RunLayout.CHECKPOINTS}/{name}"):
+            continue
+        names = {o.name for o in objects}
+        c = CandidateInfo(
+            name=str(m.step), step=m.step, on_gcs=store.is_gcs, file_count=len(objects),
+            committed=(GCS_COMMIT if store.is_gcs else LOCAL_METADATA) in names,
+            manifest_attempt=m.attempt, manifest_wall_time=m.wall_time,
+            compat_problems=tuple(manifest_compat_problems(m, config, num_hosts)),
+        )  # fmt: skip
+        if judge(c, closed_at) is None:
+            c = replace(c, file_problems=tuple(check_step(store, name, objects)[0]))
+            if judge(c, closed_at) is None:
+                return name, m.step
+    return None
+
+
+_ITERATOR_STATE = re.compile(r"^(?:(.*)/)?process_(\d+)-of-(\d+)\.json$")
+"""grain's per-process iterator state in an item directory (``grain.checkpoint`` names it so)."""
+
+
+def _iterator_problems(store: RunStore, name: str, manifest: CheckpointManifest) -> list[str]:
+    """The data iterator's saved position against the step: one file per process, all at the same batch <= step."""
+    items: dict[str, dict[int, int]] = {}
+    for f in manifest.files:
+        m = _ITERATOR_STATE.match(f.path)
+        if m:
+            item, index, count = m.group(1) or ".", int(m.group(2)), int(m.group(3))
+            if count != manifest.process_count:
+                return [
+                    f"{f.path} is the state of a {count}-process gang; the step was saved by {manifest.process_count}"
+                ]
+            items.setdefault(item, {})[index] = -1
+    problems = []
+    for item, got in items.items():
+        if len(got) != manifest.process_count:
+            problems.append(f"{item}: data iterator state of {len(got)} of {manifest.process_count} processes")
+            continue
+        for index in got:
+            path = f"{item}/process_{index}-of-{manifest.process_count}.json".removeprefix("./")
+            raw = store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{path}")
+            try:
+                got[index] = int(json.loads(raw or b"null")["next_index"])
+            except (ValueError, TypeError, KeyError):
+                problems.append(f"{path} holds no data iterator position")
+        positions = set(got.values()) - {-1}
+        if len(positions) > 1:
+            problems.append(f"{item}: the processes' data iterators stopped at different batches {sorted(positions)}")
+        elif positions and not 0 <= (at := positions.pop()) <= manifest.step:
+            problems.append(f"{item}: data iterator at batch {at}, beyond step {manifest.step}")
+    return problems
+
+
+def _ocdbt_locations(tree: Any) -> Iterable[str]:
+    """Every location string (``btreenode::``, ``versionnode::``, ``value:``) in a ``tensorstore.ocdbt.dump`` result."""
+    if isinstance(tree, str):
+        if tree.startswith(("btreenode:", "versionnode:", "value:")):
+            yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _ocdbt_locations(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _ocdbt_locations(v)
+
+
+def _ocdbt_problems(store: RunStore, name: str, manifest: CheckpointManifest) -> list[str]:
+    """Local directory: every file the newest version of each OCDBT database in the step reads is listed, whole.
+
+    Walks each ``manifest.ocdbt`` with tensorstore's own reader (``tensorstore.ocdbt.dump``: the manifest, then
+    the B-tree nodes of its newest version, which are metadata: keys and locations ``kind:base:path:offset:length``
+    of the values). A reference to a file the manifest does not list, or past a listed file's end, is a step
+    orbax could not read whole.
+    """
+    try:
+        import tensorstore as ts
+    except ImportError:  # the step image always has it (orbax depends on it)
+        return []
+    sizes = {f.path: f.size for f in manifest.files}
+    step_dir = Path(store.url(f"{RunLayout.CHECKPOINTS}/{name}"))
+    problems: list[str] = []
+    for root in sorted(p for p in sizes if p == "manifest.ocdbt" or p.endswith("/manifest.ocdbt")):
+        db = root[: -len("manifest.ocdbt")]
+        try:
+            kv = ts.KvStore.open(f"file://{step_dir / db}/").result()
+            top = ts.ocdbt.dump(kv).result()
+            newest = (top.get("versions") or [{}])[-1]
+            todo, seen = list(_ocdbt_locations(newest)), set()
+            while todo:
+                loc = todo.pop()
+                kind, base, rel, offset, length = loc.split(":")
+                path = f"{db}{base}{rel}"
+                if sizes.get(path) is None:
+                    problems.append(f"{root} reads {path}, which the manifest does not list")
+                elif int(offset) + int(length) > sizes[path]:
+                    problems.append(f"{root} reads {path} up to byte {int(offset) + int(length)}, it has {sizes[path]}")
+                elif kind == "btreenode" and loc not in seen:
+                    seen.add(loc)
+                    todo += _ocdbt_locations(ts.ocdbt.dump(kv, loc).result())
+                if len(problems) >= 3:
+                    return problems
+        except (ValueError, RuntimeError) as e:  # tensorstore reports a damaged node or manifest as ValueError
+            problems.append(f"{root} cannot be read by tensorstore ({str(e).splitlines()[0][:160]})")
+    return problems
+
+
+def metadata_problems(store: RunStore, name: str, manifest: CheckpointManifest) -> list[str]:
+    """Orbax's own metadata in the step against the step: the data iterator's position, the OCDBT references.
+
+    On GCS only the iterator state is read (one small object per process); the OCDBT roots are not walked
+    there: every object is pinned by the generation it had when the manifest was written, so the roots are
+    those orbax committed, referencing what orbax wrote.
+    """
+    problems = _iterator_problems(store, name, manifest)
+    if not problems and not store.is_gcs:
+        problems = _ocdbt_problems(store, name, manifest)
+    return problems

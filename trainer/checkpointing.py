@@ -19,9 +19,9 @@ import jax.monitoring
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from recovery_steps.kernel.checkpoints import write_manifest
+from recovery_steps.kernel.checkpoints import TooManyFiles, gather_files, host_files, step_files, write_manifest
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.records import CheckpointManifest, now
+from recovery_steps.kernel.records import CheckpointManifest, ManifestFile, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.preemption import distributed_client
 
@@ -384,20 +384,69 @@ class Checkpointer:
         if self.primary:
             if p.step not in self.mgr.all_steps():
                 raise RuntimeError(f"checkpoint of step {p.step} was not committed")
-            write_manifest(self.store, self.manifest(p.step, p.committed - p.started))
-            self._announce_manifest(p.step)
+            manifest = self.manifest(p.step, p.committed - p.started)
+            try:
+                write_manifest(self.store, manifest.model_copy(update={"files": self._gather_files(p.step)}))
+            except TooManyFiles as e:  # the step stays without a manifest: never restored, quarantined later
+                log.error("%s", e)
+                p.incomplete = str(e)
+            self._announce_manifest(p.step, p.incomplete)
         else:
+            if not self.store.is_gcs:
+                self._report_files(p.step)
             p.incomplete = self._await_manifest(p.step)
 
     def _manifest_key(self, step: int) -> str:
         return f"jaxrec/manifest/{self.attempt}/{step}"
 
-    def _announce_manifest(self, step: int) -> None:
-        """Process 0: tell the others the step's manifest is written (its transaction is complete)."""
+    def _files_key(self, step: int, process: int) -> str:
+        return f"jaxrec/files/{self.attempt}/{step}/{process}"
+
+    def _report_files(self, step: int) -> None:
+        """Local directory, other processes: stream the files this process wrote and hand the entries to process 0.
+
+        Each host reads only its own files (in parallel with the others), through the coordination service's
+        key-value store the gang already uses for the manifest: no new service, nothing read twice.
+        """
+        try:
+            files = host_files(self.store, step, jax.process_index())
+            payload = json.dumps([f.model_dump(mode="json") for f in files])
+            if self._kv is not None:
+                self._kv.key_value_set(self._files_key(step, jax.process_index()), payload)
+        except Exception as e:  # noqa: BLE001 - process 0 then streams this host's files itself
+            log.warning("could not report the files of checkpoint %d to process 0: %s", step, e)
+
+    def _gather_files(self, step: int) -> list[ManifestFile]:
+        """Process 0: the manifest entries of ``step``.
+
+        GCS: from one listing (no byte read). Local directory: process 0 streams its own files, takes the
+        other processes' entries from the key-value store (waiting at most ``MANIFEST_WAIT_S`` in all), and
+        streams itself only files no process reported.
+        """
+        if self.store.is_gcs:
+            return step_files(self.store, step)
+        reported = {f.path: f for f in host_files(self.store, step, 0)}
+        deadline = now() + MANIFEST_WAIT_S
+        for i in range(1, jax.process_count()):
+            if self._kv is None:
+                break
+            try:
+                raw = self._kv.blocking_key_value_get(self._files_key(step, i), max(1, int((deadline - now()) * 1000)))
+                reported.update({f.path: f for f in map(ManifestFile.model_validate, json.loads(raw))})
+                self._kv.key_value_delete(self._files_key(step, i))
+            except Exception as e:  # noqa: BLE001 - its files are streamed here instead
+                log.warning("process %d did not report the files of checkpoint %d (%s)", i, step, e)
+        files, streamed = gather_files(self.store, step, reported)
+        if streamed:
+            log.warning("checkpoint %d: %d files no process reported were streamed by process 0", step, len(streamed))
+        return files
+
+    def _announce_manifest(self, step: int, refused: str | None = None) -> None:
+        """Process 0: tell the others the step's manifest is written (its transaction is complete) or why not."""
         if self._kv is None:
             return
         try:
-            self._kv.key_value_set(self._manifest_key(step), "1")
+            self._kv.key_value_set(self._manifest_key(step), "1" if refused is None else f"0{refused}")
             if self._announced is not None:  # every process read it before this step's barriers let us commit
                 self._kv.key_value_delete(self._manifest_key(self._announced))
             self._announced = step
@@ -409,8 +458,8 @@ class Checkpointer:
         if self._kv is None:
             return None
         try:
-            self._kv.blocking_key_value_get(self._manifest_key(step), int(MANIFEST_WAIT_S * 1000))
-            return None
+            said = self._kv.blocking_key_value_get(self._manifest_key(step), int(MANIFEST_WAIT_S * 1000))
+            return None if said == "1" else f"process 0 wrote no manifest for step {step}: {said[1:]}"
         except Exception as e:  # noqa: BLE001 - process 0 gone or slow: the step is not known complete here
             return f"process 0 did not report the manifest of step {step} within {MANIFEST_WAIT_S:.0f} s ({e})"
 

@@ -1,4 +1,4 @@
-"""Checkpoint manifests: the file list (size, CRC32C, generation) that completes a checkpoint transaction.
+"""Checkpoint manifests: the file list (size, CRC32C, generation or SHA-256) that completes a checkpoint transaction.
 
 The trainer's primary host calls ``write_manifest`` after orbax committed a step; ``restore-latest``
 verifies a step against the manifest before it trusts it.
@@ -14,22 +14,46 @@ computed: bytes damaged in the writing host's memory before the upload pass unno
 read-back, which would read the same damaged object. Reads (``ReadTask::FinishResponse``) check no hash
 either; see docs/CHECKPOINTS.md.
 
-On a local directory there is no store checksum: the CRC32C is computed by streaming each file
-(``RunStore.crc32c``, ``CRC_CHUNK`` at a time) on a few threads, so memory stays bounded.
+On a local directory there is no store checksum and no generation that survives a copy: each host streams
+the files it wrote itself (``writer_of``: orbax names them by process) through CRC32C and SHA-256 at once
+(``host_files``, ``CRC_CHUNK`` at a time, a few files at once), so the work is spread over the hosts and
+memory stays bounded; the primary host gathers the hosts' entries (``gather_files``) into the manifest.
+SHA-256 is what pins the file: every OCDBT file ends with the CRC32C of the bytes before it, so all of them
+have one and the same whole-file CRC32C, and a file of the same size from another step would pass a CRC32C
+check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import google_crc32c
 
 from recovery_steps.kernel.records import CheckpointManifest, ManifestFile
-from recovery_steps.kernel.store import ObjectInfo, RunLayout, RunStore
+from recovery_steps.kernel.store import CRC_CHUNK, ObjectInfo, RunLayout, RunStore
 
 CRC_THREADS = 4
 """Files summed at once on a local directory (each holds one ``CRC_CHUNK`` buffer)."""
+
+MAX_MANIFEST_FILES = 200_000
+"""The most files one step may have. orbax writes a handful of files per process and item (OCDBT packs every
+array chunk into a few data files per process), so a real step has a few per host: 200,000 covers tens of
+thousands of hosts, keeps the manifest under ~40 MB and its check under a second, and refuses a step whose
+file count has run away (a layout without OCDBT writes one file per array chunk)."""
+
+# orbax's names for what one process writes in a step directory (orbax 0.12 with OCDBT): its OCDBT
+# sub-database (``<item>/ocdbt.process_<i>/``), its array metadata (``<item>/array_metadatas/process_<i>``)
+# and grain's iterator state (``<item>/process_<i>-of-<n>.json``). Everything else (the item metadata,
+# the merged OCDBT root, the commit markers) is written by the primary host.
+_WRITER = (
+    re.compile(r"(?:^|/)ocdbt\.process_(\d+)/"),
+    re.compile(r"(?:^|/)array_metadatas/process_(\d+)$"),
+    re.compile(r"(?:^|/)process_(\d+)-of-\d+\.json$"),
+)
 
 
 def crc32c_hex(data: bytes) -> str:
@@ -37,38 +61,98 @@ def crc32c_hex(data: bytes) -> str:
     return f"{google_crc32c.value(data):08x}"
 
 
+def writer_of(path: str) -> int:
+    """The process that wrote ``path`` (relative to the step directory): orbax's per-process names, else 0."""
+    for pattern in _WRITER:
+        m = pattern.search(path)
+        if m:
+            return int(m.group(1))
+    return 0
+
+
+def stream_digests(file: Path) -> tuple[str, str, int] | None:
+    """CRC32C (hex), SHA-256 (hex) and size of ``file``, read ``CRC_CHUNK`` at a time; None when it is gone."""
+    crc, sha, n = google_crc32c.Checksum(), hashlib.sha256(), 0
+    try:
+        with open(file, "rb", buffering=0) as f:
+            while chunk := f.read(CRC_CHUNK):
+                crc.update(chunk)
+                sha.update(chunk)
+                n += len(chunk)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    return crc.digest().hex(), sha.hexdigest(), n
+
+
+def _local_entries(store: RunStore, base: str, paths: list[str], threads: int) -> list[ManifestFile]:
+    """Entries of ``paths`` (relative to ``base``) streamed from the local directory on ``threads`` threads."""
+    root = Path(store.url(base))
+    out = []
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for path, got in zip(paths, pool.map(stream_digests, [root / p for p in paths]), strict=True):
+            if got is not None:  # vanished between list and read
+                out.append(ManifestFile(path=path, size=got[2], crc32c=got[0], sha256=got[1]))
+    return out
+
+
+def _relative(base: str, objects: Iterable[ObjectInfo]) -> list[ObjectInfo]:
+    prefix = base.rstrip("/") + "/"
+    return [
+        ObjectInfo(o.name[len(prefix) :], o.size, o.generation, o.crc32c)
+        for o in objects
+        if o.name[len(prefix) :] != RunLayout.MANIFEST
+    ]
+
+
 def files_from_listing(
     store: RunStore, base: str, objects: Iterable[ObjectInfo], *, threads: int = CRC_THREADS
 ) -> list[ManifestFile]:
     """Manifest entries for ``objects`` (names relative to the run, under ``base/``), the manifest excluded.
 
-    On GCS every entry comes from the listing itself (size, CRC32C, generation): no byte is read. Locally,
-    or for an object whose listing carries no CRC32C, the checksum is streamed from the file.
+    On GCS every entry comes from the listing itself (size, CRC32C, generation): no byte is read. Locally
+    each file is streamed (CRC32C and SHA-256) by this host.
     """
-    prefix = base.rstrip("/") + "/"
-    objs = [o for o in objects if o.name[len(prefix) :] != RunLayout.MANIFEST]
-    pinned = [o for o in objs if o.crc32c is not None]
-    to_sum = [o for o in objs if o.crc32c is None]
-    out = [
-        ManifestFile(
-            path=o.name[len(prefix) :],
-            size=o.size,
-            crc32c=o.crc32c or "",
-            generation=o.generation if store.is_gcs else None,
-        )
-        for o in pinned
-    ]
+    objs = _relative(base, objects)
+    if not store.is_gcs:
+        return sorted(_local_entries(store, base, [o.name for o in objs], threads), key=lambda f: f.path)
+    out = [ManifestFile(path=o.name, size=o.size, crc32c=o.crc32c, generation=o.generation) for o in objs if o.crc32c]
+    unsummed = [o.name for o in objs if not o.crc32c]  # a listing without a CRC32C (never from GCS itself)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for o, got in zip(to_sum, pool.map(store.crc32c, [o.name for o in to_sum]), strict=True):
-            if got is None:  # vanished between list and read
-                continue
-            crc, size = got
-            out.append(ManifestFile(path=o.name[len(prefix) :], size=size, crc32c=crc))
+        for path, got in zip(unsummed, pool.map(store.crc32c, [f"{base}/{p}" for p in unsummed]), strict=True):
+            if got is not None:
+                out.append(ManifestFile(path=path, size=got[1], crc32c=got[0]))
     return sorted(out, key=lambda f: f.path)
 
 
+def host_files(store: RunStore, step: int, process_index: int, *, threads: int = CRC_THREADS) -> list[ManifestFile]:
+    """Local directory: the entries of the files process ``process_index`` wrote in ``step``, streamed here."""
+    base = RunLayout.checkpoint(step)
+    mine = [o.name for o in _relative(base, store.list(base)) if writer_of(o.name) == process_index]
+    return _local_entries(store, base, mine, threads)
+
+
+def gather_files(
+    store: RunStore, step: int, reported: Mapping[str, ManifestFile], *, threads: int = CRC_THREADS
+) -> tuple[list[ManifestFile], list[str]]:
+    """The primary host's manifest entries of ``step``: every file listed now, from the hosts' reports.
+
+    ``reported`` holds the entries the hosts streamed (``host_files``, the primary's own included). A
+    listed file no host reported with its current size (a host whose report never came) is streamed here,
+    so the manifest is complete either way.
+
+    Returns:
+        The entries (sorted by path) and the paths streamed here for want of a report.
+    """
+    base = RunLayout.checkpoint(step)
+    objs = _relative(base, store.list(base))
+    out = [reported[o.name] for o in objs if o.name in reported and reported[o.name].size == o.size]
+    missing = [o.name for o in objs if o.name not in reported or reported[o.name].size != o.size]
+    out += _local_entries(store, base, missing, threads)
+    return sorted(out, key=lambda f: f.path), missing
+
+
 def step_files(store: RunStore, step: int) -> list[ManifestFile]:
-    """Every file of the checkpoint at ``step`` (the manifest itself excluded), with size, CRC32C and generation."""
+    """Every file of the checkpoint at ``step`` (the manifest excluded): from the listing on GCS, else streamed."""
     base = RunLayout.checkpoint(step)
     return files_from_listing(store, base, store.list(base))
 
@@ -78,8 +162,21 @@ def newest_complete_step(store: RunStore) -> int | None:
     return max((s for s in store.checkpoint_steps() if store.exists(RunLayout.checkpoint_manifest(s))), default=None)
 
 
+class TooManyFiles(ValueError):
+    """A step has more files than a manifest may list (``MAX_MANIFEST_FILES``)."""
+
+
 def write_manifest(store: RunStore, manifest: CheckpointManifest) -> None:
-    """Write ``checkpoints/<step>/manifest.json``, filling ``files`` from what is stored now."""
+    """Write ``checkpoints/<step>/manifest.json``, filling ``files`` from what is stored now when it has none.
+
+    Raises:
+        TooManyFiles: the step has more than ``MAX_MANIFEST_FILES`` files (no manifest is written).
+    """
     if not manifest.files:
         manifest = manifest.model_copy(update={"files": step_files(store, manifest.step)})
+    if len(manifest.files) > MAX_MANIFEST_FILES:
+        raise TooManyFiles(
+            f"checkpoint {manifest.step} has {len(manifest.files)} files, more than a manifest lists "
+            f"({MAX_MANIFEST_FILES}); save with OCDBT (orbax's default), which packs array chunks into a few files"
+        )
     store.write_record(RunLayout.checkpoint_manifest(manifest.step), manifest)
