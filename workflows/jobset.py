@@ -46,6 +46,23 @@ def pod_failure_policy() -> dict[str, Any]:
     return {"rules": rules}
 
 
+def _on_tpu_nodes(cfg: JobConfig, container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
+    """Put the worker on the slice's TPU nodes: its chips, its metrics port, the node selector and tolerations."""
+    sl = cfg.slice
+    chips = TPU_TYPES[sl.accelerator].chips_per_vm
+    container["ports"] = [{"name": "metrics", "containerPort": cfg.monitoring.metrics_port}]
+    # CPU and memory requests keep the workers out of BestEffort (extended resources such as google.com/tpu
+    # do not count for QoS; Kubernetes docs "Pod Quality of Service Classes"), so node memory pressure evicts
+    # other pods first. No CPU limit: CFS throttling would slow the input pipeline.
+    requests: dict[str, Any] = {**sl.worker_requests(), TPU_RESOURCE: chips}
+    container["resources"] = {"requests": requests, "limits": {TPU_RESOURCE: chips}}
+    pod_spec["nodeSelector"] = gke_node_selector(sl)
+    tolerations = [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    if sl.spot:
+        tolerations.append({"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+    pod_spec["tolerations"] = tolerations
+
+
 def jobset_manifest(
     cfg: JobConfig,
     *,
@@ -81,19 +98,20 @@ def jobset_manifest(
     env: list[dict[str, Any]] = [
         {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX_FIELD}}},
     ]
+    flags = {
+        "--store-root": store_root,
+        "--run-id": run_id,
+        "--attempt": attempt,
+        "--restore-step": restore_step,
+        "--metrics-port": metrics_port,
+    }
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": cfg.image,
         "command": ["python", "-m", "trainer"],
-        "args": [
-            "--store-root", store_root,
-            "--run-id", run_id,
-            "--attempt", attempt,
-            "--restore-step", restore_step,
-            "--metrics-port", metrics_port,
-        ],
+        "args": [arg for flag in flags.items() for arg in flag],
         "env": env,
-    }  # fmt: skip
+    }
     pod_spec: dict[str, Any] = {
         # The workers' own account: no Kubernetes API access, only the bucket through Workload Identity.
         "serviceAccountName": cfg.worker_service_account,
@@ -111,31 +129,25 @@ def jobset_manifest(
             {"name": "JAX_PLATFORMS", "value": "cpu"},
         ]
     else:
-        chips = TPU_TYPES[sl.accelerator].chips_per_vm
-        container["ports"] = [{"name": "metrics", "containerPort": cfg.monitoring.metrics_port}]
-        # CPU and memory requests keep the workers out of BestEffort (extended resources such as google.com/tpu
-        # do not count for QoS; Kubernetes docs "Pod Quality of Service Classes"), so node memory pressure evicts
-        # other pods first. No CPU limit: CFS throttling would slow the input pipeline.
-        requests: dict[str, Any] = {**sl.worker_requests(), TPU_RESOURCE: chips}
-        container["resources"] = {"requests": requests, "limits": {TPU_RESOURCE: chips}}
-        pod_spec["nodeSelector"] = gke_node_selector(sl)
-        tolerations = [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-        if sl.spot:
-            tolerations.append({"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
-        pod_spec["tolerations"] = tolerations
+        _on_tpu_nodes(cfg, container, pod_spec)
         jobset_meta["annotations"] = {EXCLUSIVE_TOPOLOGY: NODEPOOL_LABEL}
+    return _jobset(jobset_meta, hosts, {"metadata": {"labels": dict(labels)}, "spec": pod_spec})
+
+
+def _jobset(meta: dict[str, Any], hosts: int, pod_template: dict[str, Any]) -> dict[str, Any]:
+    """One replicated Job of ``hosts`` indexed pods that fails as a whole: the gang."""
     job_spec = {
         "parallelism": hosts,
         "completions": hosts,
         "completionMode": "Indexed",
         "backoffLimit": 0,
         "podFailurePolicy": pod_failure_policy(),
-        "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+        "template": pod_template,
     }
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
         "kind": "JobSet",
-        "metadata": jobset_meta,
+        "metadata": meta,
         "spec": {
             "failurePolicy": {"maxRestarts": 0},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]},
