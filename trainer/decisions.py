@@ -346,14 +346,26 @@ class PreemptionPlan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan as a JSON object (what process 0 publishes to the others)."""
-        return {"action": self.action.value, "reason": self.reason, "budget_s": self.budget_s,
-                "elapsed_s": self.elapsed_s, "estimate_s": self.estimate_s, "in_flight": self.in_flight}  # fmt: skip
+        return {
+            "action": self.action.value,
+            "reason": self.reason,
+            "budget_s": self.budget_s,
+            "elapsed_s": self.elapsed_s,
+            "estimate_s": self.estimate_s,
+            "in_flight": self.in_flight,
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PreemptionPlan:
         """The plan ``to_json`` wrote."""
-        return cls(PreemptionAction(d["action"]), str(d["reason"]), float(d["budget_s"]), float(d["elapsed_s"]),
-                   None if d["estimate_s"] is None else float(d["estimate_s"]), bool(d["in_flight"]))  # fmt: skip
+        return cls(
+            PreemptionAction(d["action"]),
+            str(d["reason"]),
+            float(d["budget_s"]),
+            float(d["elapsed_s"]),
+            None if d["estimate_s"] is None else float(d["estimate_s"]),
+            bool(d["in_flight"]),
+        )
 
 
 def save_budget(window_s: float) -> float:
@@ -398,8 +410,9 @@ def preemption_plan(
     need = estimate_s * SAVE_SAFETY_FACTOR
     if save_in_flight:
         if 2 * need <= left:
-            return plan(PreemptionAction.SAVE,
-                        f"the save in flight and one more fit: 2 x {need:.2f} s <= {left:.2f} s left")  # fmt: skip
+            return plan(
+                PreemptionAction.SAVE, f"the save in flight and one more fit: 2 x {need:.2f} s <= {left:.2f} s left"
+            )
         if need <= left:
             why = f"only the save in flight fits: {need:.2f} s <= {left:.2f} s left < 2 x {need:.2f} s"
             return plan(PreemptionAction.FINISH_IN_FLIGHT, why)

@@ -79,8 +79,9 @@ class HeartbeatHook:
     written. One small write per interval costs the loop nothing measurable; a store failure is logged only.
     """
 
-    def __init__(self, store: RunStore, attempt: int, process_index: int, interval_s: float, ckpt: Any,
-                 report: WorkerExitReport):  # fmt: skip
+    def __init__(
+        self, store: RunStore, attempt: int, process_index: int, interval_s: float, ckpt: Any, report: WorkerExitReport
+    ):
         self.store, self.attempt, self.index, self.interval_s = store, attempt, process_index, interval_s
         self.ckpt, self.report = ckpt, report
         self._last = float("-inf")
@@ -90,8 +91,13 @@ class HeartbeatHook:
         if not (rec.first or rec.last) and rec.finished_at - self._last < self.interval_s:
             return
         self._last = rec.finished_at
-        beat = WorkerHeartbeat(process_index=self.index, step=rec.step, checkpoint_step=self.ckpt.last_committed,
-                               at=rec.finished_at, first_step_at=self.report.first_step_at)  # fmt: skip
+        beat = WorkerHeartbeat(
+            process_index=self.index,
+            step=rec.step,
+            checkpoint_step=self.ckpt.last_committed,
+            at=rec.finished_at,
+            first_step_at=self.report.first_step_at,
+        )
         try:
             self.store.write_record(RunLayout.heartbeat(self.attempt, self.index), beat)
         except Exception as e:  # noqa: BLE001 - progress reporting must never stop training
@@ -109,8 +115,7 @@ class EventsHook:
         """Emit the step's events (``first_step`` with the compilation cache's requests and hits so far)."""
         if rec.first:
             cache = {} if self.cache is None else {"cache_requests": self.cache.requests, "cache_hits": self.cache.hits}
-            self.events.emit(EventKind.FIRST_STEP, rec.step, compile_seconds=rec.seconds, cpu_s=cpu_seconds(),
-                             **cache)  # fmt: skip
+            self.events.emit(EventKind.FIRST_STEP, rec.step, compile_seconds=rec.seconds, cpu_s=cpu_seconds(), **cache)
             log.info("first step %d done (compile + run %.2f s), loss %.4f", rec.step, rec.seconds, rec.loss)
         self.events.emit(EventKind.STEP, rec.step, loss=rec.loss)
 
@@ -149,10 +154,23 @@ class CheckpointHook:
     for), only the save in flight, or nothing (``abandoned``: leave at once, wait for no save).
     """
 
-    def __init__(self, ckpt: Any, stepper: Stepper, *, interval_steps: int, total_steps: int, async_save: bool,
-                 restore_step: int, kill_during_save: int | None, events: Events, metrics: WorkerMetrics,
-                 report: WorkerExitReport, watchdog: Watchdog, agreement: Any = None,
-                 estimate_s: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        ckpt: Any,
+        stepper: Stepper,
+        *,
+        interval_steps: int,
+        total_steps: int,
+        async_save: bool,
+        restore_step: int,
+        kill_during_save: int | None,
+        events: Events,
+        metrics: WorkerMetrics,
+        report: WorkerExitReport,
+        watchdog: Watchdog,
+        agreement: Any = None,
+        estimate_s: float | None = None,
+    ):
         self.ckpt = ckpt
         self.stepper = stepper
         self.interval_steps = interval_steps
@@ -175,8 +193,13 @@ class CheckpointHook:
         self.note_commit(self.ckpt.poll())
         if rec.stop_agreed:
             log.info("stop agreed by every process after step %d", rec.step)
-        reason = save_decision(rec.step, interval_steps=self.interval_steps, total_steps=self.total_steps,
-                               stop_agreed=rec.stop_agreed, last_saved=self.last_saved)  # fmt: skip
+        reason = save_decision(
+            rec.step,
+            interval_steps=self.interval_steps,
+            total_steps=self.total_steps,
+            stop_agreed=rec.stop_agreed,
+            last_saved=self.last_saved,
+        )
         if reason is SaveReason.NONE:
             return
         if reason is SaveReason.PREEMPTION and self.agreement is not None:

@@ -173,9 +173,10 @@ class Watchdog:
                 notice = self.peer_lost()
                 if notice is not None:
                     self.exit_path.exit_now(
-                        ExitCode.PEER_LOST, message=f"no step for {idle:.1f} s and a peer is gone ({notice})",
+                        ExitCode.PEER_LOST,
+                        message=f"no step for {idle:.1f} s and a peer is gone ({notice})",
                         announce=False,
-                    )  # fmt: skip
+                    )
             if idle > limit:
                 self.exit_path.exit_now(
                     ExitCode.HANG, message=f"no step completed for {idle:.0f} s (limit {limit:.0f} s)"

@@ -133,8 +133,15 @@ def training_steps(
         step += 1
         t1 = now()
         age = sigterm_age(int(stop))
-        yield StepRecord(step, loss, t0, t1, first=step == start_step + 1, stop_agreed=bool(stop),
-                         sigterm_age_s=None if age is None else age + (t1 - t0),
-                         last=step >= total_steps)  # fmt: skip
+        yield StepRecord(
+            step,
+            loss,
+            t0,
+            t1,
+            first=step == start_step + 1,
+            stop_agreed=bool(stop),
+            sigterm_age_s=None if age is None else age + (t1 - t0),
+            last=step >= total_steps,
+        )
         if stop:
             return

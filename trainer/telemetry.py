@@ -31,8 +31,9 @@ class Events:
         """Write one event line (flushed at once: the reader may be timing a kill)."""
         if self._f is None:
             return
-        rec = WorkerEvent(t=now(), event=event, attempt=self.attempt, process_index=self.process_index, step=step,
-                          **fields)  # fmt: skip
+        rec = WorkerEvent(
+            t=now(), event=event, attempt=self.attempt, process_index=self.process_index, step=step, **fields
+        )
         with self._lock:
             self._f.write(rec.model_dump_json(exclude_none=True) + "\n")
             self._f.flush()

@@ -95,8 +95,13 @@ def build(cfg: JobConfig, mesh: Mesh, task: Task) -> Trainer:
         (loss, extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1,
-                     "rng": jax.random.key_data(key)}  # fmt: skip
+        new_state = {
+            **state,
+            "params": params,
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "rng": jax.random.key_data(key),
+        }
         if "extra" in state:
             new_state["extra"] = extra
         # The stop flags of every process, reduced inside the step: all processes agree on when to stop.

@@ -39,8 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="Job config whose task generates the examples.")
     p.add_argument("--out", required=True, help="Local directory to write the ArrayRecord files into.")
     p.add_argument("--files", type=cli.bounded_int(1, 10_000, "a file count"), default=4, help="Number of files.")
-    p.add_argument("--num-records", type=cli.bounded_int(1, 2**31 - 1, "a count"), default=None,
-                   help="Examples to write (default: data.num_records).")  # fmt: skip
+    p.add_argument(
+        "--num-records",
+        type=cli.bounded_int(1, 2**31 - 1, "a count"),
+        default=None,
+        help="Examples to write (default: data.num_records).",
+    )
     a = p.parse_args(argv)
     try:
         paths = run(a.config, a.out, a.files, a.num_records)

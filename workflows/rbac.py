@@ -59,8 +59,14 @@ def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:
     # The workers' accounts get no Role and no API token: they only reach the bucket (Workload Identity).
     for ns, sa in _worker_accounts(cfgs):
         if (ns, sa) not in accounts:
-            objs.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns},
-                         "automountServiceAccountToken": False})  # fmt: skip
+            objs.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "ServiceAccount",
+                    "metadata": {"name": sa, "namespace": ns},
+                    "automountServiceAccountToken": False,
+                }
+            )
     for ns in sorted({ns for ns, _ in accounts}):
         objs.append(
             {

@@ -144,8 +144,10 @@ def preemption_line(attempt: int, reports: Sequence[WorkerExitReport]) -> str | 
     r = min(stopped, key=lambda r: r.process_index)
     est = "none measured" if r.preemption_estimate_s is None else f"{r.preemption_estimate_s:.2f} s"
     budget = "?" if r.preemption_budget_s is None else f"{r.preemption_budget_s:.2f} s"
-    return (f"attempt {attempt}: SIGTERM stop after step {r.last_step}: {r.preemption_save.value} "
-            f"(budget {budget}, save estimate {est}; {r.preemption_reason})")  # fmt: skip
+    return (
+        f"attempt {attempt}: SIGTERM stop after step {r.last_step}: {r.preemption_save.value} "
+        f"(budget {budget}, save estimate {est}; {r.preemption_reason})"
+    )
 
 
 def incident_badput_table(incidents: Sequence[Incident]) -> str:

@@ -1061,9 +1061,12 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 raise yaml.constructor.ConstructorError(
-                    None, None, "a YAML merge key ('<<') is not supported in a config: write the keys out in full "
-                    "(a merged key is silently overridden by the mapping's own)", key_node.start_mark,
-                )  # fmt: skip
+                    None,
+                    None,
+                    "a YAML merge key ('<<') is not supported in a config: write the keys out in full "
+                    "(a merged key is silently overridden by the mapping's own)",
+                    key_node.start_mark,
+                )
             key = self.construct_object(key_node, deep=True)
             try:
                 duplicate = key in seen
@@ -1073,9 +1076,11 @@ class _StrictLoader(yaml.SafeLoader):
                 ) from None
             if duplicate:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {_short(key)} (the first value would be silently lost)",
+                    None,
+                    None,
+                    f"duplicate key {_short(key)} (the first value would be silently lost)",
                     key_node.start_mark,
-                )  # fmt: skip
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 

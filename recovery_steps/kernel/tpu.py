@@ -47,6 +47,7 @@ class TpuType:
         return self.single_host_topologies + self.multi_host_topologies
 
 
+# fmt: skip below: a table of short values, several to a line, reads better than one value a line.
 _3D_MULTI = (
     "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x12", "8x8x16",
     "4x4x16", "8x16x16", "16x16x16",

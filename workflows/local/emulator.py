@@ -51,11 +51,24 @@ class GcsEmulator:
     def start(self, timeout: float = 15.0) -> GcsEmulator:
         """Start the server and wait until it answers."""
         self._proc = subprocess.Popen(
-            [str(_binary()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-             "-port", str(self.port), "-external-url", self.url, "-log-level", "error"],
+            [
+                str(_binary()),
+                "-scheme",
+                "http",
+                "-backend",
+                "memory",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.port),
+                "-external-url",
+                self.url,
+                "-log-level",
+                "error",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -237,9 +237,15 @@ class WorkflowRun:
     # -- templates ---------------------------------------------------------------------------------
 
     def _invoke(
-        self, template_name: str, args: Mapping[str, str], *, display: str, task: str, attempt: str | None,
+        self,
+        template_name: str,
+        args: Mapping[str, str],
+        *,
+        display: str,
+        task: str,
+        attempt: str | None,
         depth: int = 1,
-    ) -> NodeResult:  # fmt: skip
+    ) -> NodeResult:
         if self._abort.is_set():
             raise Aborted()
         tmpl = self.templates.get(template_name)
@@ -251,8 +257,9 @@ class WorkflowRun:
             res = NodeResult(ERROR, message=f"Maximum recursion depth exceeded ({MAX_STACK_DEPTH} nested calls)")
             with self._lock:
                 self.nodes.append((node, res))
-                self.failures.append({"displayName": display, "templateName": tmpl["name"], "message": res.message,
-                                      "phase": ERROR})  # fmt: skip
+                self.failures.append(
+                    {"displayName": display, "templateName": tmpl["name"], "message": res.message, "phase": ERROR}
+                )
             return res
         inputs: dict[str, str] = {}
         for p in tmpl.get("inputs", {}).get("parameters", []):
@@ -321,11 +328,24 @@ class WorkflowRun:
         return delay
 
     def _invoke_once(
-        self, tmpl: Mapping[str, Any], inputs: dict[str, str], display: str, task: str, attempt: str | None,
-        retries: int, depth: int = 1,
-    ) -> NodeResult:  # fmt: skip
-        node = NodeInfo(self._next_id(), display if not retries else f"{display}({retries})", task,
-                        tmpl["name"], attempt, retries, now())  # fmt: skip
+        self,
+        tmpl: Mapping[str, Any],
+        inputs: dict[str, str],
+        display: str,
+        task: str,
+        attempt: str | None,
+        retries: int,
+        depth: int = 1,
+    ) -> NodeResult:
+        node = NodeInfo(
+            self._next_id(),
+            display if not retries else f"{display}({retries})",
+            task,
+            tmpl["name"],
+            attempt,
+            retries,
+            now(),
+        )
         leaf = any(k in tmpl for k in ("container", "script", "suspend"))
         if leaf:
             self.progress("start", node, None)
@@ -358,11 +378,16 @@ class WorkflowRun:
             with self._lock:
                 self.nodes.append((node, res))
                 if res.phase in _DONE_BAD:
-                    self.failures.append({
-                        "displayName": node.display, "message": res.message, "templateName": tmpl["name"],
-                        "phase": res.phase, "podName": f"{self.name}-{node.id}",
-                        "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(res.finished_at)),
-                    })  # fmt: skip
+                    self.failures.append(
+                        {
+                            "displayName": node.display,
+                            "message": res.message,
+                            "templateName": tmpl["name"],
+                            "phase": res.phase,
+                            "podName": f"{self.name}-{node.id}",
+                            "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(res.finished_at)),
+                        }
+                    )
         return res
 
     def _template_outputs(self, tmpl: Mapping[str, Any], names: Mapping[str, Any]) -> dict[str, str]:
@@ -418,8 +443,15 @@ class WorkflowRun:
                         progressed = True
                         continue
                     args = self._task_args(t, names, f"{display}.{name}")
-                    fut = pool.submit(self._invoke, t["template"], args, display=f"{display}.{name}", task=name,
-                                      attempt=attempt, depth=depth + 1)  # fmt: skip
+                    fut = pool.submit(
+                        self._invoke,
+                        t["template"],
+                        args,
+                        display=f"{display}.{name}",
+                        task=name,
+                        attempt=attempt,
+                        depth=depth + 1,
+                    )
                     running[fut] = name
                     progressed = True
                 if not running:
@@ -446,9 +478,13 @@ class WorkflowRun:
         return NodeResult(phase, outputs, message=f"failed: {', '.join(failed)}" if phase != SUCCEEDED else "")
 
     def _task_gate(
-        self, t: Mapping[str, Any], deps: list[str], results: Mapping[str, NodeResult], names: Mapping[str, Any],
+        self,
+        t: Mapping[str, Any],
+        deps: list[str],
+        results: Mapping[str, NodeResult],
+        names: Mapping[str, Any],
         where: str,
-    ) -> str | None:  # fmt: skip
+    ) -> str | None:
         """None when the task should run; otherwise its phase without running (Omitted or Skipped)."""
         phases = {d: results[d].phase for d in deps}
         if t.get("depends"):
@@ -482,8 +518,10 @@ class WorkflowRun:
         for name, res in results.items():
             if res.phase not in _DONE_BAD:
                 continue
-            handled = any(name in deps[other] and results.get(other, NodeResult(OMITTED)).phase not in
-                          (OMITTED,) for other in tasks)  # fmt: skip
+            handled = any(
+                name in deps[other] and results.get(other, NodeResult(OMITTED)).phase not in (OMITTED,)
+                for other in tasks
+            )
             if not handled:
                 phase = ERROR if res.phase == ERROR and phase == SUCCEEDED else FAILED
         return phase
@@ -506,9 +544,21 @@ class WorkflowRun:
                         raise WorkflowError(f"{display}.{s['name']}: when: {e}") from None
                 to_run.append((s, self._task_args(s, names, f"{display}.{s['name']}")))
             with ThreadPoolExecutor(max_workers=max(1, len(to_run))) as pool:
-                futs = [(s, pool.submit(self._invoke, s["template"], a, display=f"{display}.{s['name']}",
-                                        task=s["name"], attempt=attempt, depth=depth + 1))
-                        for s, a in to_run]  # fmt: skip
+                futs = [
+                    (
+                        s,
+                        pool.submit(
+                            self._invoke,
+                            s["template"],
+                            a,
+                            display=f"{display}.{s['name']}",
+                            task=s["name"],
+                            attempt=attempt,
+                            depth=depth + 1,
+                        ),
+                    )
+                    for s, a in to_run
+                ]
                 group_results = [(s, f.result()) for s, f in futs]
             for s, res in group_results:
                 names.update(self._task_names("steps", s["name"], res))

@@ -33,8 +33,15 @@ SCENARIOS = {
     "silent-hang": "every worker stops stepping at STEP, alive, in-process watchdog off (first attempt): hang stall",
     "supervisor-lost": "the train-segment supervisor is lost at STEP; its retry re-attaches to the running gang",
 }
-_WATCHED = ("kill-worker", "restart-worker", "preempt", "freeze-worker", "delete-workflow", "node-lost",
-            "supervisor-lost")  # fmt: skip
+_WATCHED = (
+    "kill-worker",
+    "restart-worker",
+    "preempt",
+    "freeze-worker",
+    "delete-workflow",
+    "node-lost",
+    "supervisor-lost",
+)
 # Faults of the first attempt only that the slice itself plays (no worker process is signalled).
 _WITHHELD = {"stuck-pending": "Unschedulable", "image-pull": "ImagePullBackOff"}
 
@@ -89,8 +96,11 @@ def corrupt_newest_checkpoint(store: RunStore) -> str | None:
     for step in reversed(store.checkpoint_steps()):
         if not store.exists(RunLayout.checkpoint_manifest(step)):
             continue
-        files = [o for o in store.list(RunLayout.checkpoint(step))
-                 if not o.name.endswith(".json") and "METADATA" not in o.name.upper() and o.size > 0]  # fmt: skip
+        files = [
+            o
+            for o in store.list(RunLayout.checkpoint(step))
+            if not o.name.endswith(".json") and "METADATA" not in o.name.upper() and o.size > 0
+        ]
         if not files:
             continue
         target = max(files, key=lambda o: o.size)

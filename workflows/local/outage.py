@@ -21,10 +21,15 @@ UNAVAILABLE = {
     "error": {
         "code": 503,
         "message": "We encountered an internal error. Please try again.",
-        "errors": [{"message": "We encountered an internal error. Please try again.", "domain": "global",
-                    "reason": "backendError"}],
+        "errors": [
+            {
+                "message": "We encountered an internal error. Please try again.",
+                "domain": "global",
+                "reason": "backendError",
+            }
+        ],
     }
-}  # fmt: skip
+}
 
 
 class _QuietServer(ThreadingHTTPServer):
