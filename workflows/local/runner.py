@@ -113,11 +113,14 @@ def load_workflow(path: Path) -> tuple[dict[str, Any], JobConfig]:
         raise LocalRunError(e.problems) from None
     if not cfg.slice.is_local:
         # Its workers need TPU nodes and its store is a real bucket: nothing here can stand in for them.
-        raise LocalRunError([
-            f"{path}: job {cfg.run_id!r} runs on a {cfg.slice.accelerator} {cfg.slice.topology} slice on GKE, not on "
-            f"local processes; submit it with `argo submit -n {cfg.namespace} {path}`, or rehearse the same "
-            "workflow here with `python -m workflows.local argo/local-cpu.yaml`"
-        ])  # fmt: skip
+        where = f"a {cfg.slice.accelerator} {cfg.slice.topology} slice on GKE"
+        raise LocalRunError(
+            [
+                f"{path}: job {cfg.run_id!r} runs on {where}, not on local processes; submit it with "
+                f"`argo submit -n {cfg.namespace} {path}`, or rehearse the same workflow here with "
+                "`python -m workflows.local argo/local-cpu.yaml`"
+            ]
+        )
     return wf, cfg
 
 
@@ -275,12 +278,7 @@ def run(
     """
     wf, cfg = load_workflow(workflow_path)
     injections, problems = parse_injections(list(inject), cfg.checkpoint.interval_steps)
-    declared = {p["name"] for p in wf["spec"].get("arguments", {}).get("parameters", [])}
-    problems += [
-        f"-p {name}: the workflow has no such parameter; it has {', '.join(sorted(declared))}"
-        for name in (parameters or {})
-        if name not in declared
-    ]
+    problems += _parameter_problems(wf, parameters or {})
     outage_plan, outage_problems = parse_outages(list(store_outages))
     problems += outage_problems
     if outage_plan and not gcs_emulator:
@@ -289,7 +287,7 @@ def run(
         raise LocalRunError(problems)
     wf = with_parameters(wf, parameters or {})
     outages: OutagePlan | None = None
-    params = {p["name"]: str(p.get("value", "")) for p in wf["spec"].get("arguments", {}).get("parameters", [])}
+    params = _parameters(wf)
     with_reference = reference and reference_digest is None
     run_id = run_id or stamped_run_id(params.get("run-id", cfg.run_id), cfg, reference=with_reference)
     problems = run_id_problems(cfg, run_id, reference=with_reference)
@@ -298,23 +296,8 @@ def run(
     with contextlib.ExitStack() as stack:
         base_env: dict[str, str] = {}
         if gcs_emulator:
-            from workflows.local.emulator import GcsEmulator
-
-            em = stack.enter_context(GcsEmulator())
-            em.create_bucket(EMULATOR_BUCKET)
-            saved = {k: os.environ.get(k) for k in em.env}
-            em.apply()
-            stack.callback(_restore_env, saved)
-            base_env = em.env
-            if outage_plan:
-                proxy = OutageProxy(em.url)
-                stack.callback(proxy.close)
-                # The steps and workers go through the proxy; this process reads the emulator directly.
-                # A short client deadline hands an outage to the templates' retryStrategy within seconds.
-                base_env = {**proxy.env(em.env), STORE_RETRY_DEADLINE_ENV: "1"}
-                outages = OutagePlan(proxy, outage_plan, say=say)
+            base_env, outages = _start_emulator(stack, outage_plan, say)
             store_root = store_root or f"gs://{EMULATOR_BUCKET}/local"
-            say(f"GCS emulator at {em.url}; run store gs://{EMULATOR_BUCKET}")
         store_root = store_root or params.get("store-root", cfg.storage.root)
         if with_reference:
             ref_id = run_id + REFERENCE_SUFFIX
@@ -322,8 +305,9 @@ def run(
             ref = _run_once(wf, cfg, ref_id, store_root, [], base_env, None, grace_seconds, lambda _: None)
             reference_digest = ref.params_digest
             say(f"reference run {ref.status}: params digest {str(reference_digest)[:16]}")
-        result = _run_once(wf, cfg, run_id, store_root, injections, base_env, metrics_port, grace_seconds, say,
-                           outages=outages)  # fmt: skip
+        result = _run_once(
+            wf, cfg, run_id, store_root, injections, base_env, metrics_port, grace_seconds, say, outages=outages
+        )
         result.reference_digest = reference_digest
         store = RunStore(store_root, run_id)
         _finish(result, store, say)
@@ -332,13 +316,53 @@ def run(
 
             result.report_paths = report_mod.run(store.url(), say=say)
         if gcs_emulator and store.is_gcs:
-            # The emulator keeps its objects in memory: keep a copy of the run for later reports.
-            dest = (Path(".local-runs/emulator") / run_id / "store").resolve()
-            n = copy_run(store, dest)
-            result.local_copy = str(dest / "runs" / run_id)
-            say(f"the emulator stops now; {n} objects of the run copied to {dest}")
-            say(f"report: python -m workflows.report {result.local_copy}")
+            result.local_copy = _keep_copy(store, say)
     return result
+
+
+def _parameters(wf: dict[str, Any]) -> dict[str, str]:
+    """The Workflow's parameters and their values."""
+    return {p["name"]: str(p.get("value", "")) for p in wf["spec"].get("arguments", {}).get("parameters", [])}
+
+
+def _parameter_problems(wf: dict[str, Any], parameters: dict[str, str]) -> list[str]:
+    """One line per ``-p NAME=VALUE`` the Workflow does not declare."""
+    declared = _parameters(wf)
+    return [
+        f"-p {name}: the workflow has no such parameter; it has {', '.join(sorted(declared))}"
+        for name in parameters
+        if name not in declared
+    ]
+
+
+def _start_emulator(
+    stack: contextlib.ExitStack, outage_plan: dict[str, float], say: Callable[[str], None]
+) -> tuple[dict[str, str], OutagePlan | None]:
+    """Start the GCS emulator (and the outage proxy in front of it) for the run: the steps' environment."""
+    from workflows.local.emulator import GcsEmulator
+
+    em = stack.enter_context(GcsEmulator())
+    em.create_bucket(EMULATOR_BUCKET)
+    saved = {k: os.environ.get(k) for k in em.env}
+    em.apply()
+    stack.callback(_restore_env, saved)
+    say(f"GCS emulator at {em.url}; run store gs://{EMULATOR_BUCKET}")
+    if not outage_plan:
+        return em.env, None
+    proxy = OutageProxy(em.url)
+    stack.callback(proxy.close)
+    # The steps and workers go through the proxy; this process reads the emulator directly.
+    # A short client deadline hands an outage to the templates' retryStrategy within seconds.
+    return {**proxy.env(em.env), STORE_RETRY_DEADLINE_ENV: "1"}, OutagePlan(proxy, outage_plan, say=say)
+
+
+def _keep_copy(store: RunStore, say: Callable[[str], None]) -> str:
+    """The emulator keeps its objects in memory: copy the run to a local folder for later reports."""
+    dest = (Path(".local-runs/emulator") / store.run_id / "store").resolve()
+    n = copy_run(store, dest)
+    say(f"the emulator stops now; {n} objects of the run copied to {dest}")
+    say(f"report: python -m workflows.report {dest / 'runs' / store.run_id}")
+    return str(dest / "runs" / store.run_id)
 
 
 def copy_run(store: RunStore, dest_root: Path) -> int:
@@ -374,38 +398,15 @@ def _run_once(
     *,
     outages: OutagePlan | None = None,
 ) -> LocalRunResult:
+    """Run the Workflow, and every one that continues it or is submitted again after a deletion, to its end."""
     store = RunStore(store_root, run_id)
     wf = retarget(wf, run_id, store_root)
-    work_dir = Path(store.url("local")) if not store.is_gcs else Path(".local-runs/emulator") / run_id / "local"
-    work_dir = work_dir.resolve()
+    work_dir = (Path(".local-runs/emulator") / run_id / "local" if store.is_gcs else Path(store.url("local"))).resolve()
     events = EventTail(work_dir / "events")
-    deleted = threading.Event()
-    current: dict[str, WorkflowRun] = {}
-
-    def on_delete() -> None:
-        deleted.set()
-        threading.Thread(target=current["run"].abort, daemon=True).start()
-
-    injector = Injector(injections, events, lambda: store, on_delete=on_delete, say=lambda s: say(f"         {s}"))
-    metrics = None
-    if metrics_port is not None:
-        from workflows.local.metrics import RunMetricsServer
-
-        metrics = RunMetricsServer(run_id, cfg.retry)
-        port = metrics.start(metrics_port)
-        say(f"run {run_id}: store {store.url()}")
-        say(f"run metrics: http://127.0.0.1:{port}/metrics   worker logs: {work_dir / 'logs'}")
+    deleted = _Deletion()
+    injector = Injector(injections, events, lambda: store, on_delete=deleted, say=lambda s: say(f"         {s}"))
+    feed = _MetricsFeed(store, cfg, metrics_port, say, logs=work_dir / "logs")
     status = "Running"
-    stop_feed = threading.Event()
-
-    def feed() -> None:
-        while not stop_feed.wait(1.0):
-            ledger = _safe(lambda: _read_ledger(store))
-            if metrics is not None:
-                metrics.update(ledger or records.Ledger(run_id=run_id), status)
-
-    feeder = threading.Thread(target=feed, daemon=True)
-    feeder.start()
     t0 = now()
     all_nodes: list[tuple[NodeInfo, NodeResult]] = []
     executors: list[LocalExecutor] = []
@@ -429,12 +430,12 @@ def _run_once(
             progress = outages.wrap(printer) if outages is not None else printer
             wrun = WorkflowRun(wf, ex, name=nxt[0], uid=nxt[1], progress=progress)
             names.append(wrun.name)
-            current["run"] = wrun
+            deleted.run = wrun
             try:
-                status = wrun.run()
+                status = feed.status = wrun.run()
             except WorkflowError as e:
                 say(f"workflow error: {e}")
-                status = "Error"
+                status = feed.status = "Error"
             all_nodes += wrun.nodes
             if deleted.is_set() and restarts == 0:
                 deleted.clear()
@@ -444,52 +445,124 @@ def _run_once(
                 say(f"{now() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {run_id}")
                 nxt = (f"{run_id}-{restarts}", None)
                 continue
-            handed = _safe(lambda w=wrun: _hand_over_from(store, w.uid)) if status == "Succeeded" else None
-            if handed is not None:
-                # The local runner plays the API server: the Workflow the hand-over step created starts now,
-                # after this one ended, as the run's Argo mutex lets it on a cluster.
-                say(f"{now() - t0:7.1f}s [run]        {wrun.name} handed the run over: workflow "
-                    f"{handed.to_workflow} continues from attempt {handed.next_attempt}")  # fmt: skip
-                nxt = (handed.to_workflow, handed.to_uid)
-                continue
-            break
+            handed = _handed_to(store, wrun, status, lambda line: say(f"{now() - t0:7.1f}s [run]        {line}"))
+            if handed is None:
+                break
+            nxt = handed
     finally:
-        stop_feed.set()
-        feeder.join(timeout=5)
+        feed.stop_feeding()
     events.poll()
     ledger = _read_ledger(store)
-    segments = []
-    deleted_attempts = [f for f in injector.fired if f.scenario == "delete-workflow"]
-    for ex in executors:
-        for sl in ex.slices:
-            started = min(w.started_at or sl.ended_at or t0 for w in sl.workers)
-            ended = sl.ended_at or now()
-            was_deleted = any(started <= f.at <= ended + 1 and f.attempt == sl.attempt for f in deleted_attempts)
-            first = sl.workers[sl.first_failure_index].ended_at if sl.first_failure_index is not None else None
-            # The supervisor's decision is when the failure was detected (its supervision record's time).
-            detected = sl.detected_at if sl.phase == "Failed" else first
-            failed = sl.phase == "Failed" or sl.first_failure_index is not None or was_deleted
-            segments.append(Segment(sl.attempt, started, ended, failed, detected or first, was_deleted))
-    provision_done = [r.finished_at for n, r in all_nodes if n.template == "provision-slice" and r.phase == "Succeeded"]
-    classes = {a.attempt: a.failure_class for a in ledger.attempts} if ledger else {}
-    incidents = build_incidents(segments, events.events, provision_done, injector.fired, classes)
-    if metrics is not None:
-        metrics.update(ledger or records.Ledger(run_id=run_id), status, incidents)
-        metrics.stop()
+    segments = _segments([sl for ex in executors for sl in ex.slices], injector.fired, t0)
+    incidents = _incidents(segments, events, all_nodes, injector, ledger)
+    feed.close(ledger, incidents)
+    digest = _safe(lambda: final_digest(store))
     result = LocalRunResult(
-        status,
-        run_id,
-        store.url(),
-        work_dir,
-        incidents,
-        _safe(lambda: final_digest(store)),
-        restarts=restarts,
-        workflows=names,
-        ledger=ledger,
+        status, run_id, store.url(), work_dir, incidents, digest, restarts=restarts, workflows=names
     )
-    result.corrupted = injector.corrupted
-    result.fired = injector.fired
+    result.ledger, result.fired, result.corrupted = ledger, injector.fired, injector.corrupted
     return result
+
+
+class _Deletion:
+    """The delete-workflow fault's hook: aborts the Workflow running now and remembers that it was deleted."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self.run: WorkflowRun | None = None
+
+    def __call__(self) -> None:
+        self._event.set()
+        if self.run is not None:
+            threading.Thread(target=self.run.abort, daemon=True).start()
+
+    def is_set(self) -> bool:
+        """The running Workflow was deleted."""
+        return self._event.is_set()
+
+    def clear(self) -> None:
+        """Forget the deletion (the Workflow is submitted again)."""
+        self._event.clear()
+
+
+class _MetricsFeed:
+    """The run metrics server (``metrics_port`` None: none), fed the ledger and the status every second."""
+
+    def __init__(
+        self, store: RunStore, cfg: JobConfig, metrics_port: int | None, say: Callable[[str], None], *, logs: Path
+    ):
+        self.store = store
+        self.status = "Running"
+        self.server = None
+        if metrics_port is not None:
+            from workflows.local.metrics import RunMetricsServer
+
+            self.server = RunMetricsServer(store.run_id, cfg.retry)
+            port = self.server.start(metrics_port)
+            say(f"run {store.run_id}: store {store.url()}")
+            say(f"run metrics: http://127.0.0.1:{port}/metrics   worker logs: {logs}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._feed, daemon=True)
+        self._thread.start()
+
+    def _feed(self) -> None:
+        while not self._stop.wait(1.0):
+            ledger = _safe(lambda: _read_ledger(self.store))
+            if self.server is not None:
+                self.server.update(ledger or records.Ledger(run_id=self.store.run_id), self.status)
+
+    def stop_feeding(self) -> None:
+        """Stop the once-a-second updates."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def close(self, ledger: records.Ledger | None, incidents: list[records.Incident]) -> None:
+        """Publish the final ledger, status and incidents, then stop the server."""
+        if self.server is not None:
+            self.server.update(ledger or records.Ledger(run_id=self.store.run_id), self.status, incidents)
+            self.server.stop()
+
+
+def _handed_to(
+    store: RunStore, wrun: WorkflowRun, status: str, say: Callable[[str], None]
+) -> tuple[str, str | None] | None:
+    """The continuation Workflow (name, uid) that ``wrun`` handed the run over to, if it did."""
+    handed = _safe(lambda: _hand_over_from(store, wrun.uid)) if status == "Succeeded" else None
+    if handed is None:
+        return None
+    # The local runner plays the API server: the Workflow the hand-over step created starts now, after this one
+    # ended, as the run's Argo mutex lets it on a cluster.
+    say(f"{wrun.name} handed the run over: workflow {handed.to_workflow} continues from attempt {handed.next_attempt}")
+    return handed.to_workflow, handed.to_uid
+
+
+def _incidents(
+    segments: list[Segment],
+    events: EventTail,
+    nodes: Sequence[tuple[NodeInfo, NodeResult]],
+    injector: Injector,
+    ledger: records.Ledger | None,
+) -> list[records.Incident]:
+    """The run's incidents, timed from its segments, the workers' events and the provision-slice nodes."""
+    provision_done = [r.finished_at for n, r in nodes if n.template == "provision-slice" and r.phase == "Succeeded"]
+    classes = {a.attempt: a.failure_class for a in ledger.attempts} if ledger else {}
+    return build_incidents(segments, events.events, provision_done, injector.fired, classes)
+
+
+def _segments(slices: Sequence[Any], fired: Sequence[Any], t0: float) -> list[Segment]:
+    """One training segment per local slice the executors ran: its window, whether it failed, when detected."""
+    segments = []
+    deleted_attempts = [f for f in fired if f.scenario == "delete-workflow"]
+    for sl in slices:
+        started = min(w.started_at or sl.ended_at or t0 for w in sl.workers)
+        ended = sl.ended_at or now()
+        was_deleted = any(started <= f.at <= ended + 1 and f.attempt == sl.attempt for f in deleted_attempts)
+        first = sl.workers[sl.first_failure_index].ended_at if sl.first_failure_index is not None else None
+        # The supervisor's decision is when the failure was detected (its supervision record's time).
+        detected = sl.detected_at if sl.phase == "Failed" else first
+        failed = sl.phase == "Failed" or sl.first_failure_index is not None or was_deleted
+        segments.append(Segment(sl.attempt, started, ended, failed, detected or first, was_deleted))
+    return segments
 
 
 def _hand_over_from(store: RunStore, uid: str) -> records.HandOver | None:
