@@ -1,18 +1,20 @@
 """How late each stall kind is detected and how long the stop takes, on the local JobSet stand-in.
 
 For each stall kind one local slice of ``--hosts`` idle processes (no JAX: the decision, not the
-trainer, is measured) is supervised by the executor with the same decision as on GKE:
+trainer, is measured) is supervised by train-segment's own supervisor (the one that runs on GKE) over the
+local adapter of its port (``workflows.local.executor.LocalGang``):
 
 - ``capacity``: the last worker is never placed (a Pending pod, no room): deadline ``startup_deadline_s``;
 - ``configuration``: the last worker waits in ``ImagePullBackOff``: deadline ``image_pull_deadline_s``;
 - ``hang``: every worker wrote one heartbeat (step 1) and then nothing: deadline ``hang_timeout_s``
   after that heartbeat;
-- ``node-lost``: the last worker is frozen (SIGSTOP) and its host marked lost: deadline 0 (at once),
-  and its process is "force-deleted" (SIGKILL) ``force_delete_grace_s`` after the stop began.
+- ``node-lost``: the last worker is frozen (SIGSTOP) and its host marked lost (its pod Terminating): deadline
+  ``force_delete_grace_s`` (a pod Terminating that long on a lost node), and its process is "force-deleted"
+  (SIGKILL) ``force_delete_grace_s`` after the stop began.
 
 It prints, per kind, the deadline, how late the verdict came after it, that lateness as a fraction of
 the supervisor's watch interval (target <= 1: "within its deadline plus one watch interval"), and the
-stop (verdict to every process gone).
+stop (verdict to every process gone), all from the supervision record the supervisor wrote.
 
     .venv/bin/python bench/bench_supervision.py [--hosts 4] [--repeats 3]
 """
@@ -30,7 +32,8 @@ from pathlib import Path
 from recovery_steps.kernel.config import SupervisionConfig, load_config
 from recovery_steps.kernel.records import WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
-from workflows.local.executor import LocalExecutor, LocalSlice, WorkerProc
+from recovery_steps.train_segment import Supervisor
+from workflows.local.executor import LocalExecutor, LocalGang, LocalSlice, WorkerProc
 from workflows.local.supervise import IMAGE_PULL, UNSCHEDULABLE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,10 +48,11 @@ IDLE = [
 
 def one(kind: str, hosts: int, root: Path) -> tuple[float, float, float]:
     """Supervise one slice stalled as ``kind``; return (deadline, detected - deadline, stop seconds)."""
-    cfg = load_config(REPO / "configs" / "local-cpu.yaml").model_copy(update={"supervision": DEADLINES})
+    cfg = load_config(REPO / "configs" / "local-cpu.yaml")
+    cfg = cfg.model_copy(update={"supervision": DEADLINES, "slice": cfg.slice.model_copy(update={"hosts": hosts})})
     store = RunStore(str(root), cfg.run_id)
     ex = LocalExecutor(repo_root=REPO, work_dir=root / "work", grace_seconds=3)
-    sl = LocalSlice(f"bench-{kind}", 0, IDLE, str(REPO), root / "logs")
+    sl = LocalSlice(f"bench-{kind}", 0, IDLE, str(REPO), root / "logs", grace_seconds=3)
     sl.workers = [WorkerProc(i, {}) for i in range(hosts)]
     last = hosts - 1
     if kind == "capacity":
@@ -58,6 +62,7 @@ def one(kind: str, hosts: int, root: Path) -> tuple[float, float, float]:
     for w in sl.workers:
         if w.index not in sl.withheld:
             sl.spawn(w)
+    ex.live[sl.jobset] = sl  # the supervisor re-attaches to this slice (its ensure finds it)
     start = time.time()
     if kind == "hang":
         for i in range(hosts):
@@ -67,12 +72,14 @@ def one(kind: str, hosts: int, root: Path) -> tuple[float, float, float]:
         sl.lost[last] = start
     deadline = {"capacity": sl.created_at + DEADLINES.startup_deadline_s,
                 "configuration": sl.created_at + DEADLINES.image_pull_deadline_s,
-                "hang": start + DEADLINES.hang_timeout_s, "node-lost": start}[kind]  # fmt: skip
-    res = ex.supervise_slice(sl, cfg, store, root / "node", lambda _line: None, "worker:bench")
-    assert res.phase == "Failed", res
-    record = store.read_json(RunLayout.supervision(0))
-    assert record["stall_kind"] == kind, record
-    return deadline - sl.created_at, (sl.detected_at or 0) - deadline, (sl.ended_at or 0) - (sl.detected_at or 0)
+                "hang": start + DEADLINES.hang_timeout_s,
+                "node-lost": start + DEADLINES.force_delete_grace_s}[kind]  # fmt: skip
+    manifest = {"kind": "JobSet", "metadata": {"name": sl.jobset}}
+    gang = LocalGang(ex, None, manifest, run_id=cfg.run_id)  # type: ignore[arg-type]  # no node: nothing is created
+    record = Supervisor(cfg, 0, gang, store, say=lambda _line: None).run(manifest)
+    assert record.outcome == "stalled" and record.stall_kind == kind, record
+    assert record.stopped_at is not None and all(w.returncode is not None for w in sl.workers if w.proc), record
+    return deadline - sl.created_at, record.detected_at - deadline, record.stopped_at - record.detected_at
 
 
 def main(argv: list[str] | None = None) -> int:

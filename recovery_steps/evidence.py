@@ -1,20 +1,19 @@
 """Evidence of a failed attempt: plain records, and the adapters that gather them (Kubernetes, run store, local slice).
 
 The records here are the input of the pure ``classify(evidence)``; the ``gather_*`` functions are the
-only parts that talk to the cluster or the store. The Kubernetes adapter reads raw API JSON (the
-client's ``_preload_content=False``), so the fields it reads are exactly those the API returns.
+only parts that talk to the cluster or the store. The Kubernetes adapter reads through the kernel's one client
+layer (``kernel.k8s.Kube``: raw API JSON, client-side timeouts) into the one snapshot model (``kernel.snapshot``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.documents import read_worker_reports
-from recovery_steps.kernel.k8s import API_TIMEOUT_S, JOBSET_GROUP, JOBSET_NAME_LABEL, JOBSET_PLURAL, JOBSET_VERSION
+from recovery_steps.kernel.k8s import Kube
 from recovery_steps.kernel.records import LocalSliceRecord, SupervisionRecord, WorkerExitReport
 from recovery_steps.kernel.snapshot import (
     Condition,
@@ -72,81 +71,6 @@ class Evidence(BaseModel):
 # ---------------------------------------------------------------- Kubernetes
 
 
-class KubernetesReader:
-    """Reads one attempt's JobSet, Jobs, pods, nodes and events through the kubernetes client."""
-
-    def __init__(self, api_client: Any):
-        from kubernetes import client
-
-        self._custom = client.CustomObjectsApi(api_client)
-        self._batch = client.BatchV1Api(api_client)
-        self._core = client.CoreV1Api(api_client)
-
-    @staticmethod
-    def _json(resp: Any) -> dict[str, Any]:
-        return json.loads(resp.data)
-
-    def jobset(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The JobSet object, or None when it does not exist."""
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            return self._json(
-                self._custom.get_namespaced_custom_object(
-                    JOBSET_GROUP,
-                    JOBSET_VERSION,
-                    namespace,
-                    JOBSET_PLURAL,
-                    name,
-                    _preload_content=False,
-                    _request_timeout=API_TIMEOUT_S,
-                )
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-
-    def jobs(self, namespace: str, jobset: str) -> list[dict[str, Any]]:
-        """The JobSet's child Jobs."""
-        sel = f"{JOBSET_NAME_LABEL}={jobset}"
-        return self._json(
-            self._batch.list_namespaced_job(
-                namespace, label_selector=sel, _preload_content=False, _request_timeout=API_TIMEOUT_S
-            )
-        ).get("items", [])
-
-    def pods(self, namespace: str, jobset: str) -> list[dict[str, Any]]:
-        """The JobSet's pods."""
-        sel = f"{JOBSET_NAME_LABEL}={jobset}"
-        return self._json(
-            self._core.list_namespaced_pod(
-                namespace, label_selector=sel, _preload_content=False, _request_timeout=API_TIMEOUT_S
-            )
-        ).get("items", [])
-
-    def node(self, name: str) -> dict[str, Any] | None:
-        """The node, or None when it is gone."""
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            return self._json(self._core.read_node(name, _preload_content=False, _request_timeout=API_TIMEOUT_S))
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-
-    def events(self, namespace: str, pod: str) -> list[str]:
-        """Warning events of a pod, as 'Reason: message'."""
-        sel = f"involvedObject.name={pod},involvedObject.kind=Pod"
-        items = self._json(
-            self._core.list_namespaced_event(
-                namespace, field_selector=sel, _preload_content=False, _request_timeout=API_TIMEOUT_S
-            )
-        ).get("items", [])
-        return [f"{e.get('reason')}: {e.get('message')}" for e in items if e.get("type", "Warning") == "Warning"]
-
-
 def gather_kubernetes(api_client: Any, namespace: str, jobset: str, evidence: Evidence) -> Evidence:
     """Fill ``evidence`` with the JobSet, Jobs, pods, their nodes and Pending pods' events.
 
@@ -155,20 +79,19 @@ def gather_kubernetes(api_client: Any, namespace: str, jobset: str, evidence: Ev
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
-    reader = KubernetesReader(api_client)
+    kube = Kube(api_client, namespace)
     try:
-        js = reader.jobset(namespace, jobset)
+        js = kube.get_jobset(jobset)
         evidence.jobset = jobset_from_api(js) if js else JobSetEvidence(name=jobset, found=False)
         if js is None:
             evidence.notes.append(f"JobSet {namespace}/{jobset} not found")
-        evidence.jobs = [job_from_api(j) for j in reader.jobs(namespace, jobset)]
-        pods = reader.pods(namespace, jobset)
-        for p in pods:
+        evidence.jobs = [job_from_api(j) for j in kube.items(kube.list_jobs, jobset)]
+        for p in kube.items(kube.list_pods, jobset):
             name = (p.get("metadata") or {}).get("name", "")
             pending = (p.get("status") or {}).get("phase") == "Pending"
-            evidence.pods.append(pod_from_api(p, reader.events(namespace, name) if pending else None))
+            evidence.pods.append(pod_from_api(p, kube.pod_warnings(name) if pending else None))
         for node_name in sorted({p.node for p in evidence.pods if p.node}):
-            n = reader.node(node_name)
+            n = kube.get_node(node_name)
             evidence.nodes.append(node_from_api(n) if n else NodeEvidence(name=node_name, found=False))
     except (ApiException, HTTPError, OSError, ValueError) as e:
         # An unreachable or misbehaving API leaves the store's evidence; the classifier still runs.

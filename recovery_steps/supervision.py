@@ -32,6 +32,8 @@ import re
 from pydantic import BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.config import SupervisionConfig
+from recovery_steps.kernel.k8s import UNREACHABLE_TAINT
+from recovery_steps.kernel.snapshot import Condition, JobEvidence
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet
 # pkg/kubelet/images/types.go and kuberuntime): they loop with a back-off and never fail the pod.
@@ -71,8 +73,6 @@ _BACK_OFF = re.compile(r'^Back-off pulling image "[^"]*":?\s*')
 _CAUSE_TAG = re.compile(r"^(?:ErrImagePull|RegistryUnavailable|SignatureValidationFailed):\s*")
 # Addresses, ports and request ids change from one try to the next; the failure does not.
 _DIGITS = re.compile(r"\d+")
-# The taint the node lifecycle controller puts on a node whose kubelet stopped reporting.
-UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 
 
 class _Rec(BaseModel):
@@ -99,16 +99,6 @@ class StallKind(enum.StrEnum):
     NODE_LOST = "node-lost"
 
 
-class PodCondition(_Rec):
-    """A pod condition (``status.conditions[]``)."""
-
-    type: str
-    status: str = "True"
-    reason: str | None = None
-    message: str | None = None
-    since: float | None = Field(default=None, description="lastTransitionTime, epoch seconds.")
-
-
 class PodObservation(_Rec):
     """One worker pod as the supervisor last saw it."""
 
@@ -117,7 +107,7 @@ class PodObservation(_Rec):
     phase: str = Field(default="Pending", description="Pending, Running, Succeeded, Failed or Unknown.")
     node: str | None = Field(default=None, description="spec.nodeName; None while unscheduled.")
     created_at: float | None = None
-    conditions: tuple[PodCondition, ...] = ()
+    conditions: tuple[Condition, ...] = ()
     waiting_reason: str | None = Field(default=None, description="The trainer container's waiting reason.")
     waiting_message: str | None = None
     waiting_since: float | None = Field(
@@ -137,7 +127,7 @@ class PodObservation(_Rec):
     terminated_reason: str | None = None
     deletion_timestamp: float | None = Field(default=None, description="Set once the pod is being deleted.")
 
-    def condition(self, type_: str) -> PodCondition | None:
+    def condition(self, type_: str) -> Condition | None:
         """The condition of ``type_``, if the pod has it."""
         return next((c for c in self.conditions if c.type == type_), None)
 
@@ -198,17 +188,6 @@ class NodeObservation(_Rec):
         return f"{state} ({told})" if told else state
 
 
-class JobObservation(_Rec):
-    """One Job of the JobSet: the condition types it has with status True."""
-
-    name: str
-    conditions: tuple[PodCondition, ...] = ()
-
-    def has(self, type_: str) -> PodCondition | None:
-        """The True condition of ``type_``, if any."""
-        return next((c for c in self.conditions if c.type == type_ and c.status == "True"), None)
-
-
 class WorkerProgress(_Rec):
     """A worker's newest heartbeat: its last completed step and when."""
 
@@ -226,8 +205,8 @@ class Observation(_Rec):
     created_at: float = Field(description="When the attempt's JobSet was created.")
     jobset_exists: bool = True
     jobset_terminal_state: str | None = Field(default=None, description="status.terminalState of the JobSet.")
-    jobset_conditions: tuple[PodCondition, ...] = ()
-    jobs: tuple[JobObservation, ...] = ()
+    jobset_conditions: tuple[Condition, ...] = ()
+    jobs: tuple[JobEvidence, ...] = ()
     pods: tuple[PodObservation, ...] = ()
     nodes: tuple[NodeObservation, ...] = ()
     progress: tuple[WorkerProgress, ...] = ()

@@ -20,6 +20,7 @@ fails for minutes, the run store cannot be written): the gang is left as it is a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -28,8 +29,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,35 +39,35 @@ from recovery_steps.kernel import cli
 from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.gang import Attachment, Gang
 from recovery_steps.kernel.k8s import (
     API_TIMEOUT_S,
     ATTEMPT_LABEL,
     CONNECT_TIMEOUT_S,
-    JOBSET_GROUP,
-    JOBSET_NAME_LABEL,
-    JOBSET_PLURAL,
-    JOBSET_VERSION,
+    Kube,
     api_error_line,
     api_exit_code,
 )
 from recovery_steps.kernel.outputs import SegmentOutputs
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
 from recovery_steps.kernel.snapshot import (
+    TRAINER_CONTAINER,
     ClusterSnapshot,
+    ContainerState,
     NodeEvidence,
+    PodEvidence,
     job_from_api,
     jobset_from_api,
     node_from_api,
+    parse_time,
     pod_from_api,
 )
+from recovery_steps.kernel.step import StepError, k8s_client, load_run_config
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
-    UNREACHABLE_TAINT,
     AttemptState,
-    JobObservation,
     NodeObservation,
     Observation,
-    PodCondition,
     PodObservation,
     Verdict,
     WaitClock,
@@ -78,8 +78,6 @@ from recovery_steps.supervision import (
 
 log = logging.getLogger(__name__)
 
-TRAINER_CONTAINER = "trainer"
-COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 OUTPUTS = ("outcome", "stall-kind", "reason", "last-step", "checkpoint-step")
 # The API server ends a watch after timeoutSeconds; a new one continues from the last resourceVersion.
 WATCH_TIMEOUT_S = 60
@@ -107,159 +105,101 @@ def recorded_verdict(store: RunStore, attempt: int) -> SupervisionRecord | None:
     return None
 
 
-class SegmentError(Exception):
-    """train-segment cannot supervise this attempt; ``code`` is its exit code."""
-
-    def __init__(self, code: ExitCode, message: str):
-        super().__init__(message)
-        self.code = code
+# The step's error: one type for every step (``kernel.step``); the name stays for the callers that catch it.
+SegmentError = StepError
 
 
-def _ts(text: str | None) -> float | None:
-    """An RFC 3339 API timestamp as epoch seconds."""
-    if not text:
-        return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+# --- from the snapshot to the observation (pure) ---------------------------------------------------
 
 
-# --- from API objects to the observation (pure) -----------------------------------------------
+def _trainer(p: PodEvidence) -> ContainerState | None:
+    return next((c for c in p.containers if c.name == TRAINER_CONTAINER), None)
 
 
-def _conditions(obj: Mapping[str, Any]) -> tuple[PodCondition, ...]:
-    return tuple(
-        PodCondition(
-            type=c["type"],
-            status=c.get("status", "True"),
-            reason=c.get("reason"),
-            message=c.get("message"),
-            since=_ts(c.get("lastTransitionTime")),
-        )  # fmt: skip
-        for c in (obj.get("status") or {}).get("conditions") or []
-    )
-
-
-def _index(pod: Mapping[str, Any]) -> int | None:
-    meta = pod.get("metadata") or {}
-    for src in (meta.get("labels") or {}, meta.get("annotations") or {}):
-        v = src.get(COMPLETION_INDEX)
-        if v is not None and str(v).isdigit():
-            return int(v)
-    return None
-
-
-def pod_observation(pod: Mapping[str, Any], waiting_since: float | None) -> PodObservation:
-    """One pod's API JSON as the decision sees it (``waiting_since``: when its current failure was first seen)."""
-    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    cs = next((c for c in status.get("containerStatuses") or [] if c.get("name") == TRAINER_CONTAINER), None)
-    state = (cs or {}).get("state") or {}
-    waiting, run, term = state.get("waiting") or {}, state.get("running") or {}, state.get("terminated") or {}
+def pod_observation(p: PodEvidence, clock: WaitClock | None = None) -> PodObservation:
+    """One pod as the decision sees it (``clock``: the clock of its current pull or creation failure)."""
+    c = _trainer(p)
+    ended = c is not None and c.state == "terminated"
+    waiting = c.waiting_reason if c is not None else None
+    clock = clock if waiting else None
     return PodObservation(
-        name=meta.get("name", "?"),
-        index=_index(pod),
-        phase=status.get("phase") or "Pending",
-        node=(pod.get("spec") or {}).get("nodeName"),
-        created_at=_ts(meta.get("creationTimestamp")),
-        conditions=_conditions(pod),
-        waiting_reason=waiting.get("reason"),
-        waiting_message=waiting.get("message"),
-        waiting_since=waiting_since if waiting.get("reason") else None,
-        running_since=_ts(run.get("startedAt") or term.get("startedAt")),
-        exit_code=term.get("exitCode"),
-        terminated_reason=term.get("reason"),
-        deletion_timestamp=_ts(meta.get("deletionTimestamp")),
+        name=p.name or "?",
+        index=p.worker_index,
+        phase=p.phase or "Pending",
+        node=p.node,
+        created_at=p.created_at,
+        conditions=tuple(p.conditions),
+        waiting_reason=waiting,
+        waiting_message=c.waiting_message if c is not None else None,
+        waiting_since=clock.since if clock else None,
+        waiting_cause=clock.cause if clock else None,
+        running_since=(c.running_since or (c.started_at if ended else None)) if c is not None else None,
+        exit_code=c.exit_code if ended else None,
+        terminated_reason=c.reason if ended else None,
+        deletion_timestamp=p.deleted_at,
     )
 
 
-def node_observation(name: str, node: Mapping[str, Any] | None, seen_lost_at: float | None = None) -> NodeObservation:
-    """A node's API JSON (None: the Node object is gone) as the decision sees it.
-
-    Its Spot label and maintenance labels or taints are read as the snapshot reads them (``node_from_api``), so the
-    verdict and classify-failure name the same facts.
-    """
-    if node is None:
-        return NodeObservation(name=name, ready=None, exists=False, seen_lost_at=seen_lost_at)
-    ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
-    taints = {t.get("key") for t in (node.get("spec") or {}).get("taints") or []}
-    status = (ready or {}).get("status")
-    seen = node_from_api(dict(node))
+def node_observation(n: NodeEvidence, seen_lost_at: float | None = None) -> NodeObservation:
+    """A node as the decision sees it (``found`` False: the Node object is gone)."""
+    if not n.found:
+        return NodeObservation(name=n.name, ready=None, exists=False, seen_lost_at=seen_lost_at)
     return NodeObservation(
-        name=name,
-        ready=True if status == "True" else (False if status == "False" else None),
-        unreachable=UNREACHABLE_TAINT in taints,
-        since=_ts((ready or {}).get("lastTransitionTime")),
-        ready_reason=(ready or {}).get("reason"),
-        ready_message=(ready or {}).get("message"),
+        name=n.name,
+        ready=n.ready,
+        unreachable=n.unreachable,
+        since=n.ready_since,
+        ready_reason=n.ready_reason,
+        ready_message=n.ready_message,
         seen_lost_at=seen_lost_at,
-        spot=seen.spot,
-        maintenance=seen.maintenance(),
+        spot=n.spot,
+        maintenance=n.maintenance(),
     )
 
 
 def observation(
+    snap: ClusterSnapshot,
     *,
-    now: float,
     expected: int,
-    jobset: Mapping[str, Any] | None,
-    jobs: Sequence[Mapping[str, Any]],
-    pods: Sequence[Mapping[str, Any]],
-    nodes: Mapping[str, Mapping[str, Any] | None],
     beats: Sequence[WorkerHeartbeat],
     waits: Mapping[str, WaitClock],
     created_at: float,
     lost_seen: Mapping[str, float] | None = None,
 ) -> Observation:
-    """The decision's input from the API objects the watches hold and the heartbeats in the store.
+    """The decision's input from one snapshot of the gang and the heartbeats in the store.
 
     ``waits``: each pod's clock of its current pull or creation failure (``wait_clock``); ``lost_seen``: when the
     supervisor first saw each lost node lost.
     """
     lost_seen = lost_seen or {}
-    obs_pods = []
-    for p in pods:
-        po = pod_observation(p, None)
-        clock = waits.get(po.name) if po.waiting_reason else None
-        obs_pods.append(po.model_copy(update={"waiting_since": clock.since if clock else None,
-                                              "waiting_cause": clock.cause if clock else None}))  # fmt: skip
-    js_status = (jobset or {}).get("status") or {}
+    js = snap.jobset if snap.jobset is not None and snap.jobset.found else None
     return Observation(
-        now=now,
+        now=snap.taken_at,
         expected_workers=expected,
-        created_at=_ts(((jobset or {}).get("metadata") or {}).get("creationTimestamp")) or created_at,
-        jobset_exists=jobset is not None,
-        jobset_terminal_state=js_status.get("terminalState"),
-        jobset_conditions=_conditions(jobset or {}),
-        jobs=tuple(
-            JobObservation(name=(j.get("metadata") or {}).get("name", "?"), conditions=_conditions(j)) for j in jobs
-        ),  # fmt: skip
-        pods=tuple(obs_pods),
-        nodes=tuple(node_observation(n, body, lost_seen.get(n)) for n, body in sorted(nodes.items())),
+        created_at=(js.created_at if js else None) or created_at,
+        jobset_exists=js is not None,
+        jobset_terminal_state=js.terminal_state if js else None,
+        jobset_conditions=tuple(js.conditions) if js else (),
+        jobs=tuple(snap.jobs),
+        pods=tuple(pod_observation(p, waits.get(p.name)) for p in snap.pods),
+        nodes=tuple(node_observation(n, lost_seen.get(n.name)) for n in sorted(snap.nodes, key=lambda n: n.name)),
         progress=tuple(
             WorkerProgress(index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at) for b in beats
-        ),  # fmt: skip
+        ),
     )
 
 
 # --- the Kubernetes adapter: list + watch ------------------------------------------------------
 
 
-def _lines(resp: Any) -> Iterator[bytes]:
-    """Newline-delimited JSON lines of a watch response, as they arrive."""
-    buf = b""
-    for chunk in resp.stream(amt=None, decode_content=False):
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            if line.strip():
-                yield line
-    if buf.strip():
-        yield buf
-
-
 class Watcher(threading.Thread):
     """Keeps the current objects of one list (by name) with LIST, then WATCH from its ``resourceVersion``.
 
-    A watch that ends is resumed from the last version seen; ``410 Gone`` (the version was compacted
-    away, kubernetes API concepts "Efficient detection of changes") starts over with a fresh LIST.
+    The watch is the client library's (``kubernetes.watch.Watch().stream``, kubernetes-client/python 35.0.0
+    ``kubernetes/watch/watch.py``): it parses the event stream and raises ``ApiException(410)`` on an ``ERROR``
+    event with code 410 when ``timeout_seconds`` is given. A watch that ends is resumed from the last version seen
+    (bookmarks included); ``410 Gone`` (the version was compacted away, kubernetes API concepts "Efficient
+    detection of changes") starts over with a fresh LIST.
     """
 
     def __init__(self, kind: str, list_call: Callable[..., Any], changed: threading.Event, stop: threading.Event):
@@ -303,6 +243,33 @@ class Watcher(threading.Thread):
         self.changed.set()
         return (body.get("metadata") or {}).get("resourceVersion") or ""
 
+    def _watch(self, rv: str) -> tuple[str, int]:
+        """One watch from ``rv`` until the server ends it; returns the last version seen and the events applied."""
+        from kubernetes import watch
+
+        # return_type "object": the events' objects stay the API's JSON (no model is built). The read timeout
+        # bounds the silence between chunks: the server ends the watch after WATCH_TIMEOUT_S and sends bookmarks
+        # meanwhile, so a longer silence is a dead connection.
+        stream = watch.Watch(return_type="object").stream(
+            self.list_call, resource_version=rv, timeout_seconds=WATCH_TIMEOUT_S, allow_watch_bookmarks=True,
+            _request_timeout=(CONNECT_TIMEOUT_S, WATCH_TIMEOUT_S + 15),
+        )  # fmt: skip
+        events = 0
+        for ev in stream:
+            self.last_heard = time.monotonic()
+            obj, kind = ev.get("raw_object") or {}, ev.get("type")
+            rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+            if kind == "BOOKMARK":
+                continue
+            events += 1
+            with self.lock:
+                if kind == "DELETED":
+                    self.objects.pop(obj["metadata"]["name"], None)
+                else:
+                    self.objects[obj["metadata"]["name"]] = obj
+            self.changed.set()
+        return rv, events
+
     def run(self) -> None:
         """List, then watch until stopped."""
         from kubernetes.client import ApiException
@@ -313,37 +280,13 @@ class Watcher(threading.Thread):
                 if rv is None:
                     rv = self._relist()
                 self._ok()
-                # The read timeout bounds the silence between chunks: the server ends the watch after
-                # WATCH_TIMEOUT_S and sends bookmarks meanwhile, so a longer silence is a dead connection.
-                resp = self.list_call(watch=True, resource_version=rv, timeout_seconds=WATCH_TIMEOUT_S,
-                                      allow_watch_bookmarks=True, _preload_content=False,
-                                      _request_timeout=(CONNECT_TIMEOUT_S, WATCH_TIMEOUT_S + 15))  # fmt: skip
-                events = 0
-                for line in _lines(resp):
-                    self.last_heard = time.monotonic()
-                    ev = json.loads(line)
-                    obj, kind = ev.get("object") or {}, ev.get("type")
-                    if kind == "ERROR":
-                        if obj.get("code") == 410:
-                            log.info("watch %s: resourceVersion %s expired (410 Gone); listing again", self.kind, rv)
-                        rv = None
-                        break
-                    rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-                    if kind == "BOOKMARK":
-                        continue
-                    events += 1
-                    with self.lock:
-                        if kind == "DELETED":
-                            self.objects.pop(obj["metadata"]["name"], None)
-                        else:
-                            self.objects[obj["metadata"]["name"]] = obj
-                    self.changed.set()
-                resp.release_conn()
+                rv, events = self._watch(rv)
                 self._ok()
                 if not events:
                     self.stop.wait(0.2)  # a watch that ended at once: do not spin against the server
             except ApiException as e:
                 if e.status == 410:
+                    log.info("watch %s: resourceVersion %s expired (410 Gone); listing again", self.kind, rv)
                     rv = None
                     continue
                 self._failed(f"{e.status} {e.reason}")
@@ -355,85 +298,109 @@ class Watcher(threading.Thread):
                 self.stop.wait(1)
 
 
-class Cluster:
-    """The calls the supervisor makes to the Kubernetes API (raw JSON, ``_preload_content=False``)."""
+class KubeGang:
+    """The attempt's JobSet on a cluster: the supervisor's port (``kernel.gang.Gang``) over the Kubernetes API.
 
-    def __init__(self, api_client: Any, namespace: str, jobset: str):
-        from kubernetes import client
+    The JobSet, its Jobs and pods are followed by one watcher each; the nodes the pods are bound to are read on
+    every ``observe`` (an unreadable node keeps its last known state).
+    """
 
-        self.core = client.CoreV1Api(api_client)
-        self.batch = client.BatchV1Api(api_client)
-        self.custom = client.CustomObjectsApi(api_client)
-        self.ns = namespace
+    def __init__(self, api_client: Any, namespace: str, jobset: str, *, clock: Callable[[], float] = time.time,
+                 say: Callable[[str], None] = log.info):  # fmt: skip
+        self.kube = Kube(api_client, namespace)
         self.name = jobset
+        self.clock, self.say = clock, say
+        self.changed = threading.Event()
+        self.stopped = threading.Event()
+        lists = {
+            "jobset": lambda **kw: self.kube.list_jobsets(jobset, **kw),
+            "jobs": lambda **kw: self.kube.list_jobs(jobset, **kw),
+            "pods": lambda **kw: self.kube.list_pods(jobset, **kw),
+        }
+        self.watch = {k: Watcher(k, f, self.changed, self.stopped) for k, f in lists.items()}
+        self.node_cache: dict[str, NodeEvidence] = {}
 
-    def get_jobset(self) -> dict[str, Any] | None:
+    def find(self) -> Attachment | None:
         """The JobSet, or None when it does not exist."""
-        from kubernetes.client import ApiException
+        obj = self.kube.get_jobset(self.name)
+        if obj is None:
+            return None
+        meta = obj.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        return Attachment(self.name, parse_time(meta.get("creationTimestamp")), labels.get(ATTEMPT_LABEL))
 
-        try:
-            resp = self.custom.get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL,
-                                                            self.name, _preload_content=False,
-                                                            _request_timeout=API_TIMEOUT_S)  # fmt: skip
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-        return json.loads(resp.data)
+    def create(self, manifest: Mapping[str, Any]) -> Attachment | None:
+        """Create the JobSet; None when it already exists (409 Conflict)."""
+        if not self.kube.create_jobset(dict(manifest)):
+            return None
+        return Attachment(self.name, None, ((manifest.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL))
 
-    def create_jobset(self, manifest: Mapping[str, Any]) -> None:
-        """Create the JobSet (409 Conflict is returned to the caller as ApiException)."""
-        self.custom.create_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL,
-                                                    dict(manifest), _preload_content=False,
-                                                    _request_timeout=API_TIMEOUT_S)  # fmt: skip
-
-    def delete_jobset(self) -> None:
+    def delete(self) -> None:
         """Delete the JobSet; foreground propagation removes its Jobs and pods before the JobSet itself."""
         from kubernetes.client import ApiException
 
-        with contextlib.suppress(ApiException):
-            self.custom.delete_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL,
-                                                        self.name, propagation_policy="Foreground",
-                                                        _preload_content=False,
-                                                        _request_timeout=API_TIMEOUT_S)  # fmt: skip
+        with contextlib.suppress(ApiException):  # the stop goes on observing: what is left says what happened
+            self.kube.delete_jobset(self.name)
 
-    def force_delete_pod(self, name: str) -> None:
+    def force_delete(self, pod: str) -> None:
         """Delete a pod with grace period 0: the API removes it without the kubelet's confirmation."""
         from kubernetes.client import ApiException
 
         with contextlib.suppress(ApiException):
-            self.core.delete_namespaced_pod(
-                name, self.ns, grace_period_seconds=0, _preload_content=False, _request_timeout=API_TIMEOUT_S
-            )
+            self.kube.force_delete_pod(pod)
 
-    def get_node(self, name: str) -> dict[str, Any] | None:
-        """A node, or None when the Node object is gone."""
-        from kubernetes.client import ApiException
+    def start(self) -> None:
+        """Start the watchers; return once each has listed (exit 69 after ``SYNC_TIMEOUT_S`` without)."""
+        for w in self.watch.values():
+            w.start()
+        give_up = self.clock() + SYNC_TIMEOUT_S
+        for w in self.watch.values():
+            while not w.synced.wait(1):
+                if w.error:
+                    self.say(f"waiting for the {w.kind} watch: {w.error}")
+                if self.clock() > give_up:
+                    raise StepError(
+                        ExitCode.TRANSIENT,
+                        f"cannot list the attempt's {w.kind} for {SYNC_TIMEOUT_S} s: {w.error or 'no answer'}; "
+                        "the gang is left running for the retry to re-attach",
+                    )
 
-        try:
-            return json.loads(self.core.read_node(name, _preload_content=False, _request_timeout=API_TIMEOUT_S).data)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+    def observe(self) -> ClusterSnapshot:
+        """The JobSet, its Jobs, pods and their nodes as the watches hold them now.
 
-    def watchers(self, changed: threading.Event, stop: threading.Event) -> dict[str, Watcher]:
-        """One watcher each for the JobSet, its Jobs and its pods."""
-        sel = f"{JOBSET_NAME_LABEL}={self.name}"
+        Raises:
+            SegmentError: A watcher has failed for longer than ``SYNC_TIMEOUT_S``: exit 69 (retried; the retry
+                re-attaches) rather than a decision on a stale view.
+        """
+        for w in self.watch.values():
+            if w.failing_for() > SYNC_TIMEOUT_S:
+                raise StepError(
+                    ExitCode.TRANSIENT,
+                    f"the {w.kind} watch has failed for {w.failing_for():.0f} s ({w.error}): not deciding on a "
+                    "stale view; the gang is left running for the retry to re-attach",
+                )
+        pods = [pod_from_api(p) for p in self.watch["pods"].snapshot()]
+        for name in sorted({p.node for p in pods if p.node}):
+            with contextlib.suppress(Exception):  # an unreadable node keeps its last known state
+                body = self.kube.get_node(name)
+                self.node_cache[name] = node_from_api(body) if body else NodeEvidence(name=name, found=False)
+        js = self.watch["jobset"].snapshot()
+        return ClusterSnapshot(
+            taken_at=self.clock(),
+            jobset=jobset_from_api(js[0]) if js else None,
+            jobs=[job_from_api(j) for j in self.watch["jobs"].snapshot()],
+            pods=pods,
+            nodes=[self.node_cache[n] for n in sorted(self.node_cache)],
+        )
 
-        def jobsets(**kw: Any) -> Any:
-            by_name = f"metadata.name={self.name}"
-            return self.custom.list_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL, field_selector=by_name, **kw
-            )
+    def wait(self, timeout: float) -> None:
+        """Until a watcher saw a change, or ``timeout`` seconds."""
+        self.changed.wait(timeout)
+        self.changed.clear()
 
-        def jobs(**kw: Any) -> Any:
-            return self.batch.list_namespaced_job(self.ns, label_selector=sel, **kw)
-
-        def pods(**kw: Any) -> Any:
-            return self.core.list_namespaced_pod(self.ns, label_selector=sel, **kw)
-
-        return {k: Watcher(k, f, changed, stop) for k, f in (("jobset", jobsets), ("jobs", jobs), ("pods", pods))}
+    def close(self) -> None:
+        """Stop the watchers."""
+        self.stopped.set()
 
 
 # --- the supervisor ------------------------------------------------------------------------------
@@ -507,7 +474,7 @@ def worker_records(obs: Observation, beats: Sequence[WorkerHeartbeat], hosts: in
                 index=i,
                 pod=p.name if p else None,
                 node=p.node if p else None,
-                scheduled_at=sched.since if sched is not None and sched.status == "True" else None,
+                scheduled_at=sched.at if sched is not None and sched.status == "True" else None,
                 started_at=p.running_since if p else None,
                 first_step_at=b.first_step_at if b else None,
                 last_step=b.step if b else None,
@@ -546,13 +513,13 @@ def evidence_lines(obs: Observation) -> list[str]:
 
 
 class Supervisor:
-    """Supervises one attempt's JobSet until the decision says it is over, then stops it."""
+    """Supervises one attempt's gang, over the port ``kernel.gang.Gang``, until the decision says it is over."""
 
     def __init__(
         self,
         cfg: JobConfig,
         attempt: int,
-        cluster: Cluster,
+        gang: Gang,
         store: RunStore,
         *,
         clock: Callable[[], float] = time.time,
@@ -560,18 +527,14 @@ class Supervisor:
         say: Callable[[str], None] = log.info,
         renew: Callable[[float], str | None] | None = None,
     ):
-        self.cfg, self.attempt, self.cluster, self.store = cfg, attempt, cluster, store
+        self.cfg, self.attempt, self.gang, self.store = cfg, attempt, gang, store
         self.renew = renew
         self.clock = clock
         self.hosts = cfg.slice.num_hosts
         self.progress = Progress(self.hosts, cfg.training.total_steps, progress_file, say)
         self.say = say
-        self.changed = threading.Event()
-        self.stop = threading.Event()
-        self.watch = cluster.watchers(self.changed, self.stop)
         self.waits: dict[str, WaitClock] = {}
         self.lost_seen: dict[str, float] = {}
-        self.node_cache: dict[str, dict[str, Any] | None] = {}
         self.created_at = self.clock()
         self.reattached = False
         self.beats: dict[int, WorkerHeartbeat] = {}
@@ -583,134 +546,91 @@ class Supervisor:
             AlreadyDecided: The JobSet is gone and this attempt's verdict is in the store: an earlier try of
                 this step decided and stopped it (never create a second gang for a decided attempt).
         """
-        from kubernetes.client import ApiException
-
-        existing = self.cluster.get_jobset()
+        existing = self.gang.find()
         if existing is None:
             decided = recorded_verdict(self.store, self.attempt)
             if decided is not None:
                 raise AlreadyDecided(decided)
-            try:
-                self.cluster.create_jobset(manifest)
-                self.say(f"created JobSet {self.cluster.name}")
+            if self.gang.create(manifest) is not None:
+                self.say(f"created JobSet {self.gang.name}")
                 return
-            except ApiException as e:
-                if e.status != 409:
-                    raise
-                existing = self.cluster.get_jobset()
-        labels = ((existing or {}).get("metadata") or {}).get("labels") or {}
-        if labels.get(ATTEMPT_LABEL) not in (None, str(self.attempt)):
-            raise SegmentError(
+            existing = self.gang.find()
+        if existing is not None and existing.attempt not in (None, str(self.attempt)):
+            raise StepError(
                 ExitCode.CONFIGURATION,
-                f"JobSet {self.cluster.name} exists but belongs to attempt {labels.get(ATTEMPT_LABEL)}, not "
+                f"JobSet {self.gang.name} exists but belongs to attempt {existing.attempt}, not "
                 f"{self.attempt}: provision-slice must delete it first",
             )
         self.reattached = True
-        self.created_at = _ts(((existing or {}).get("metadata") or {}).get("creationTimestamp")) or self.clock()
-        self.say(f"re-attached to JobSet {self.cluster.name} (it already exists: not creating a second gang)")
+        self.created_at = (existing.created_at if existing else None) or self.clock()
+        self.say(f"re-attached to JobSet {self.gang.name} (it already exists: not creating a second gang)")
 
-    def check_watchers(self) -> None:
-        """Leave transient (exit 69, retried; the retry re-attaches) when a watcher has failed too long."""
-        for w in self.watch.values():
-            if w.failing_for() > SYNC_TIMEOUT_S:
-                raise SegmentError(
-                    ExitCode.TRANSIENT,
-                    f"the {w.kind} watch has failed for {w.failing_for():.0f} s ({w.error}): not deciding on a "
-                    "stale view; the gang is left running for the retry to re-attach",
-                )
-
-    def observe(self) -> tuple[Observation, list[WorkerHeartbeat]]:
-        """The attempt now."""
-        now = self.clock()
-        pods = self.watch["pods"].snapshot()
+    def observe(self) -> tuple[Observation, list[WorkerHeartbeat], ClusterSnapshot]:
+        """The attempt now: the decision's input, the heartbeats read and the gang's snapshot."""
+        snap = self.gang.observe()
+        now = snap.taken_at
         waits: dict[str, WaitClock] = {}
-        for p in pods:
-            po = pod_observation(p, None)
+        for p in snap.pods:
+            c = _trainer(p)
             # The clock of a pod's current pull or creation failure: kept while the same failure repeats, started
             # again when it changes, dropped once the container starts.
-            clock = wait_clock(self.waits.get(po.name), po.waiting_reason, po.waiting_message, now)
+            clock = wait_clock(self.waits.get(p.name), c.waiting_reason, c.waiting_message, now) if c else None
             if clock is not None:
-                waits[po.name] = clock
+                waits[p.name] = clock
         self.waits = waits
-        for name in sorted({n for p in pods if (n := (p.get("spec") or {}).get("nodeName"))}):
-            with contextlib.suppress(Exception):  # an unreadable node keeps its last known state
-                self.node_cache[name] = self.cluster.get_node(name)
         # When each lost node was first seen lost: the grace counts from it when the node's Ready condition gives no
         # time (the Node is gone). A node seen healthy again starts over.
-        for name, body in self.node_cache.items():
-            if node_observation(name, body).lost:
-                self.lost_seen.setdefault(name, now)
+        for n in snap.nodes:
+            if node_observation(n).lost:
+                self.lost_seen.setdefault(n.name, now)
             else:
-                self.lost_seen.pop(name, None)
+                self.lost_seen.pop(n.name, None)
         beats = read_heartbeats(self.store, self.attempt, self.hosts, self.beats)
         self.beats = {b.process_index: b for b in beats}
-        js = self.watch["jobset"].snapshot()
-        obs = observation(now=now, expected=self.hosts, jobset=js[0] if js else None,
-                          jobs=self.watch["jobs"].snapshot(), pods=pods, nodes=dict(self.node_cache), beats=beats,
-                          waits=self.waits, created_at=self.created_at, lost_seen=self.lost_seen)  # fmt: skip
-        return obs, beats
+        obs = observation(snap, expected=self.hosts, beats=beats, waits=self.waits, created_at=self.created_at,
+                          lost_seen=self.lost_seen)  # fmt: skip
+        return obs, beats, snap
 
-    def snapshot(self) -> ClusterSnapshot:
-        """The JobSet, its Jobs, pods and their nodes as the watches hold them now (recorded before the stop)."""
-        js = self.watch["jobset"].snapshot()
-        return ClusterSnapshot(
-            taken_at=self.clock(),
-            jobset=jobset_from_api(js[0]) if js else None,
-            jobs=[job_from_api(j) for j in self.watch["jobs"].snapshot()],
-            pods=[pod_from_api(p) for p in self.watch["pods"].snapshot()],
-            nodes=[node_from_api(n) if n is not None else NodeEvidence(name=name, found=False)
-                   for name, n in sorted(self.node_cache.items())],
-        )  # fmt: skip
+    def supervise(self) -> tuple[Verdict, Observation, list[WorkerHeartbeat], ClusterSnapshot]:
+        """Observe and decide on every change and at least every ``watch_interval_s`` until the attempt is over."""
+        interval = self.cfg.supervision.watch_interval_s
+        while True:
+            lost = self.renew(self.clock()) if self.renew is not None else None
+            if lost is not None:
+                self.say(f"{lost}: deleting this Workflow's gang, the run belongs to another one now")
+                self.gang.delete()
+                raise StepError(ExitCode.CONFIGURATION, f"{lost}; this Workflow's JobSet was deleted")
+            obs, beats, snap = self.observe()
+            verdict = decide(obs, self.cfg.supervision)
+            self.progress.update(obs, verdict)
+            ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
+            self.progress.checkpoint(max(ckpts) if ckpts else None)
+            if verdict.over:
+                return verdict, obs, beats, snap
+            self.gang.wait(interval)
 
     def run(self, manifest: Mapping[str, Any]) -> SupervisionRecord:
         """Create or re-attach, supervise until over, stop, and record. Returns the supervision record."""
         self.ensure_jobset(manifest)
-        for w in self.watch.values():
-            w.start()
         try:
-            give_up = self.clock() + SYNC_TIMEOUT_S
-            for w in self.watch.values():
-                while not w.synced.wait(1):
-                    if w.error:
-                        self.say(f"waiting for the {w.kind} watch: {w.error}")
-                    if self.clock() > give_up:
-                        raise SegmentError(
-                            ExitCode.TRANSIENT,
-                            f"cannot list the attempt's {w.kind} for {SYNC_TIMEOUT_S} s: {w.error or 'no answer'}; "
-                            "the gang is left running for the retry to re-attach",
-                        )
-            interval = self.cfg.supervision.watch_interval_s
-            while True:
-                self.check_watchers()
-                lost = self.renew(self.clock()) if self.renew is not None else None
-                if lost is not None:
-                    self.say(f"{lost}: deleting this Workflow's gang, the run belongs to another one now")
-                    self.cluster.delete_jobset()
-                    raise SegmentError(ExitCode.CONFIGURATION, f"{lost}; this Workflow's JobSet was deleted")
-                obs, beats = self.observe()
-                verdict = decide(obs, self.cfg.supervision)
-                self.progress.update(obs, verdict)
-                ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
-                self.progress.checkpoint(max(ckpts) if ckpts else None)
-                if verdict.over:
-                    break
-                self.changed.wait(interval)
-                self.changed.clear()
+            self.gang.start()
+            verdict, obs, beats, snap = self.supervise()
             detected = self.clock()
+            ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
             record = SupervisionRecord(
-                attempt=self.attempt, jobset=self.cluster.name, outcome=verdict.state.value,
+                attempt=self.attempt, jobset=self.gang.name, outcome=verdict.state.value,
                 stall_kind=verdict.kind.value if verdict.kind else None, reason=verdict.reason, worker=verdict.worker,
                 created_at=self.created_at, reattached=self.reattached, detected_at=detected,
                 last_step=max((b.step for b in beats if b.step is not None), default=None),
                 checkpoint_step=max(ckpts) if ckpts else None, workers=worker_records(obs, beats, self.hosts),
-                evidence=evidence_lines(obs), snapshot=self.snapshot(),
+                evidence=evidence_lines(obs), snapshot=snap,
             )  # fmt: skip
             # The verdict is in the store before anything is stopped: a supervisor that cannot report does not
             # act (its retry re-attaches to the gang and decides again), and one lost during the stop leaves
             # its verdict for the retry (``recorded_verdict``) instead of a deleted gang it would re-create.
             self.store.write_record(RunLayout.supervision(self.attempt), record)
             if verdict.state != AttemptState.SUCCEEDED:
-                record = self.stop_attempt(record)
+                record = self.stop_attempt(record, snap)
             else:
                 record = record.model_copy(update={"stopped_at": detected})
             # After the stop: a worker that got SIGTERM saved its step on the way out.
@@ -719,20 +639,19 @@ class Supervisor:
                 record = record.model_copy(update={"checkpoint_step": newest})
             return record
         finally:
-            self.stop.set()
+            self.gang.close()
 
-    def stop_attempt(self, record: SupervisionRecord) -> SupervisionRecord:
+    def stop_attempt(self, record: SupervisionRecord, snap: ClusterSnapshot) -> SupervisionRecord:
         """Delete the JobSet; force-delete pods stuck Terminating on a lost node; wait for the pods to go."""
         started = self.clock()
-        self.say(f"stopping the attempt: deleting JobSet {self.cluster.name}")
-        self.cluster.delete_jobset()
+        self.say(f"stopping the attempt: deleting JobSet {self.gang.name}")
+        self.gang.delete()
         grace = self.cfg.supervision.force_delete_grace_s
-        pod_grace = max((int(((p.get("spec") or {}).get("terminationGracePeriodSeconds") or 30))
-                         for p in self.watch["pods"].snapshot()), default=30)  # fmt: skip
+        pod_grace = max((p.grace_s or 30 for p in snap.pods), default=30)
         bound = started + grace + pod_grace + STOP_SLACK_S
         forced: list[str] = []
         while True:
-            obs, _ = self.observe()
+            obs, _, _ = self.observe()
             if not obs.pods:
                 return record.model_copy(update={"stopped_at": self.clock(), "force_deleted": forced})
             now = self.clock()
@@ -743,29 +662,28 @@ class Supervisor:
                     # The kubelet of a lost node never confirms the kill; the pod would stay Terminating
                     # until the Node object is deleted (GKE-NOTES: taint manager, pod GC, jobset#576).
                     self.say(f"force-deleting pod {p.name}: Terminating on node {p.node}, which is lost")
-                    self.cluster.force_delete_pod(p.name)
+                    self.gang.force_delete(p.name)
                     forced.append(p.name)
             if now >= bound:
                 left = ", ".join(p.name for p in obs.pods)
                 self.say(f"pods still present after {now - started:.0f} s: {left}")
                 evidence = [*record.evidence, f"pods left after stop: {left}"]
                 return record.model_copy(update={"force_deleted": forced, "evidence": evidence})
-            self.changed.wait(min(1.0, self.cfg.supervision.watch_interval_s))
-            self.changed.clear()
+            self.gang.wait(min(1.0, self.cfg.supervision.watch_interval_s))
 
 
 # --- the step program ----------------------------------------------------------------------------
 
 
 def load_manifest(text: str, attempt: int) -> dict[str, Any]:
-    """The JobSet manifest (JSON or YAML) as rendered by ``workflows.jobset``; SegmentError when unusable."""
+    """The JobSet manifest (JSON or YAML) as rendered by ``workflows.jobset``; StepError when unusable."""
     try:
         manifest = yaml.safe_load(text)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1} column {where.column + 1}" if where else ""
         problem = getattr(e, "problem", None) or type(e).__name__
-        raise SegmentError(
+        raise StepError(
             ExitCode.CONFIGURATION, f"--jobset-manifest: not JSON or YAML ({problem}{at}); pass the rendered JobSet"
         ) from None
     if (
@@ -773,7 +691,7 @@ def load_manifest(text: str, attempt: int) -> dict[str, Any]:
         or manifest.get("kind") != "JobSet"
         or not (manifest.get("metadata") or {}).get("name")
     ):
-        raise SegmentError(ExitCode.CONFIGURATION, "--jobset-manifest: expected a JobSet with metadata.name")
+        raise StepError(ExitCode.CONFIGURATION, "--jobset-manifest: expected a JobSet with metadata.name")
     return manifest
 
 
@@ -806,6 +724,21 @@ def outputs_of(record: SupervisionRecord) -> SegmentOutputs:
     )
 
 
+# A gang factory: the port's adapter for this attempt, from the run's config, the manifest, the clock and the log.
+GangFactory = Callable[[JobConfig, Mapping[str, Any], Callable[[], float], Callable[[str], None]], Gang]
+
+
+def kube_gang(api_client: Any = None, k8s_host: str | None = None) -> GangFactory:
+    """The Kubernetes adapter's factory (the client is built when the step runs: nothing at import time)."""
+
+    def make(cfg: JobConfig, manifest: Mapping[str, Any], clock: Callable[[], float], say: Callable[[str], None]):
+        client = api_client if api_client is not None else k8s_client(k8s_host)
+        meta = manifest["metadata"]
+        return KubeGang(client, meta.get("namespace") or cfg.namespace, meta["name"], clock=clock, say=say)
+
+    return make
+
+
 def run(
     store_root: str,
     run_id: str,
@@ -813,6 +746,7 @@ def run(
     manifest_text: str,
     output_dir: Path,
     *,
+    gang: GangFactory | None = None,
     api_client: Any = None,
     k8s_host: str | None = None,
     clock: Callable[[], float] = time.time,
@@ -822,36 +756,21 @@ def run(
 ) -> SupervisionRecord:
     """Supervise attempt ``attempt`` of the run to its end; write the record and the outputs.
 
+    ``gang`` builds the world's adapter (default: the Kubernetes one, over ``api_client`` or ``k8s_host``).
     ``holder`` (the Workflow's uid) renews the run lease while the segment runs (``lease.renew_if_due``): a
     segment outlives the lease's TTL. A lease another Workflow holds now ends this one's gang (exit 2).
 
     Raises:
-        SegmentError: The attempt cannot be supervised (its ``code`` is the exit code).
+        StepError: The attempt cannot be supervised (its ``code`` is the exit code).
     """
     import urllib3
     from kubernetes.client import ApiException
 
-    from recovery_steps.provision_slice import ProvisionError, k8s_config_errors, load_run_config
-
-    try:
-        cfg = load_run_config(store_root, run_id)
-    except ProvisionError as e:
-        raise SegmentError(e.code, str(e)) from None
+    cfg = load_run_config(store_root, run_id)
     manifest = load_manifest(manifest_text, attempt)
     store = RunStore(store_root, run_id)
-    if api_client is None:
-        from recovery_steps.kernel.k8s import make_api_client
-
-        try:
-            api_client = make_api_client(k8s_host)
-        except k8s_config_errors() as e:
-            detail = " ".join(str(e).split())[:200]
-            raise SegmentError(
-                ExitCode.CONFIGURATION,
-                f"no Kubernetes API: {type(e).__name__}: {detail}; run in the cluster or give --k8s-host",
-            ) from None
-    cluster = Cluster(api_client, manifest["metadata"].get("namespace") or cfg.namespace, manifest["metadata"]["name"])
-    sup = Supervisor(cfg, attempt, cluster, store, clock=clock, progress_file=progress_file, say=say,
+    port = (gang or kube_gang(api_client, k8s_host))(cfg, manifest, clock, say)
+    sup = Supervisor(cfg, attempt, port, store, clock=clock, progress_file=progress_file, say=say,
                      renew=lease_renewal(store, holder, cfg.retry.lease_ttl_s, say) if holder else None)  # fmt: skip
     try:
         record = sup.run(manifest)
@@ -865,13 +784,13 @@ def run(
             if code == ExitCode.TRANSIENT
             else ": check argo/rbac.yaml is applied and the JobSet CRD is installed"
         )
-        raise SegmentError(code, api_error_line(e) + hint) from None
+        raise StepError(code, api_error_line(e) + hint) from None
     store.write_record(RunLayout.supervision(attempt), record)
     outputs_of(record).write(output_dir)
     return record
 
 
-def record_error(store_root: str, run_id: str, attempt: int, e: SegmentError) -> None:
+def record_error(store_root: str, run_id: str, attempt: int, e: StepError) -> None:
     """Leave the reason the attempt could not be supervised where classify-failure reads it."""
     rec = SupervisionRecord(attempt=attempt, jobset="", outcome="error", exit_code=int(e.code), reason=str(e),
                             detected_at=now())  # fmt: skip
@@ -903,8 +822,8 @@ def left_behind(store_root: str, run_id: str, attempt: int) -> str:
             "deletes it")  # fmt: skip
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point."""
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The step's arguments; a bad one is one line and exit 2 (the output directory is proven writable first)."""
     ap = cli.StepArgumentParser(prog="python -m recovery_steps.train_segment", description=__doc__.split("\n")[0])
     ap.add_argument("--store-root", required=True, type=cli.store_root)
     ap.add_argument("--run-id", required=True, type=cli.run_id)
@@ -917,31 +836,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--holder", default=None, help="the Workflow's uid: renew the run lease while the segment runs")
     args = ap.parse_args(argv)
     cli.ready_output_dir(ap, args.output_dir, SegmentOutputs.names())  # before a JobSet is created or deleted
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s train-segment %(levelname)s %(message)s")
+    return args
+
+
+def execute(
+    args: argparse.Namespace,
+    *,
+    gang: GangFactory | None = None,
+    progress_file: str | None = None,
+    say: Callable[[str], None] = log.info,
+    out: Callable[[str], None] = print,
+    err: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> int:
+    """The step after its arguments: supervise, print the outputs, map every error to its exit code.
+
+    The local runner calls this with its own ``gang`` (``workflows.local.executor.LocalGang``) and its log file as
+    ``say``, ``out`` and ``err``: one program for both worlds.
+    """
     text = args.jobset_manifest
     if text.startswith("@"):
         try:
             text = Path(text[1:]).read_text()
         except OSError as e:
-            return cli.fail("train-segment", f"--jobset-manifest: {e.strerror or e}", int(ExitCode.CONFIGURATION))
-    # `argo stop`/`argo terminate`, a drain or an eviction SIGTERMs this pod: say what is left behind.
-    signal.signal(signal.SIGTERM, _terminated)
+            err(f"train-segment: --jobset-manifest: {e.strerror or e}")
+            return int(ExitCode.CONFIGURATION)
     try:
-        record = run(args.store_root, args.run_id, args.attempt, text, args.output_dir, k8s_host=args.k8s_host,
-                     progress_file=os.environ.get("ARGO_PROGRESS_FILE"), holder=args.holder)  # fmt: skip
-    except Terminated:
-        print(f"train-segment: {left_behind(args.store_root, args.run_id, args.attempt)}", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    except SegmentError as e:
-        print(f"train-segment: {e}", file=sys.stderr)
+        record = run(args.store_root, args.run_id, args.attempt, text, args.output_dir, gang=gang,
+                     k8s_host=args.k8s_host, progress_file=progress_file, say=say, holder=args.holder)  # fmt: skip
+    except StepError as e:
+        err(f"train-segment: {e}")
         record_error(args.store_root, args.run_id, args.attempt, e)
         return int(e.code)
     except store_errors() as e:
         # The verdict is written before the stop: a retry re-attaches to a gang still there, or finds the verdict.
-        url = RunStore(args.store_root, args.run_id).url()
-        return cli.fail("train-segment", cli.store_error_line("train-segment", url, e), int(ExitCode.TRANSIENT))
-    print(" ".join(f"{k}={v}" for k, v in outputs_of(record).files().items()))
+        line = cli.store_error_line("train-segment", RunStore(args.store_root, args.run_id).url(), e)
+        err(line if line.startswith("train-segment:") else f"train-segment: {line}")
+        return int(ExitCode.TRANSIENT)
+    out(" ".join(f"{k}={v}" for k, v in outputs_of(record).files().items()))
     return int(ExitCode.OK if record.outcome == AttemptState.SUCCEEDED else ExitCode.ATTEMPT_FAILED)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s train-segment %(levelname)s %(message)s")
+    # `argo stop`/`argo terminate`, a drain or an eviction SIGTERMs this pod: say what is left behind.
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return execute(args, progress_file=os.environ.get("ARGO_PROGRESS_FILE"))
+    except Terminated:
+        print(f"train-segment: {left_behind(args.store_root, args.run_id, args.attempt)}", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":

@@ -312,3 +312,79 @@ def test_a_gke_workflow_is_refused_in_one_line_naming_what_to_run(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "argo submit -n training" in err[0] and "python -m workflows.local argo/local-cpu.yaml" in err[0]
+
+
+# --- the local slice under train-segment's own supervisor ------------------------------------------------------
+
+IDLE = [
+    sys.executable,
+    "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, lambda *a: exit(143)); time.sleep(60)",
+]
+
+
+def _local_segment(tmp_path, hosts=2, **supervision):
+    from pathlib import Path
+
+    from recovery_steps.kernel.config import SupervisionConfig, load_config
+    from recovery_steps.kernel.store import RunStore
+    from workflows.local.executor import LocalSlice, WorkerProc
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_config(repo / "configs" / "local-cpu.yaml")
+    sup = {"startup_deadline_s": 0.5, "watch_interval_s": 0.1, "force_delete_grace_s": 0.2, **supervision}
+    cfg = cfg.model_copy(update={"supervision": SupervisionConfig(**sup),
+                                 "slice": cfg.slice.model_copy(update={"hosts": hosts})})  # fmt: skip
+    ex = LocalExecutor(repo_root=repo, work_dir=tmp_path / "work")
+    sl = LocalSlice(f"{cfg.run_id}-a0", 0, IDLE, str(repo), tmp_path / "logs", grace_seconds=2)
+    sl.workers = [WorkerProc(i, {}) for i in range(hosts)]
+    return cfg, ex, sl, RunStore(str(tmp_path / "store"), cfg.run_id)
+
+
+def _supervise(cfg, ex, sl, store):
+    from recovery_steps.train_segment import Supervisor
+    from workflows.local.executor import LocalGang
+
+    for w in sl.workers:
+        if w.index not in sl.withheld and w.proc is None:
+            sl.spawn(w)
+    ex.live[sl.jobset] = sl  # a gang left running by a supervisor that was lost
+    manifest = {"kind": "JobSet", "metadata": {"name": sl.jobset}}
+    lines: list[str] = []
+    rec = Supervisor(cfg, 0, LocalGang(ex, None, manifest, run_id=cfg.run_id), store, say=lines.append).run(manifest)
+    return rec, lines
+
+
+def test_a_local_gang_is_reattached_decided_and_stopped_by_train_segments_supervisor(tmp_path):
+    from workflows.local.supervise import UNSCHEDULABLE
+
+    cfg, ex, sl, store = _local_segment(tmp_path)
+    sl.withheld[1] = UNSCHEDULABLE
+    rec, lines = _supervise(cfg, ex, sl, store)
+    # The retried supervisor re-attached, and says so in its record as on GKE.
+    assert rec.reattached and lines[0].startswith(f"re-attached to JobSet {sl.jobset}")
+    assert (rec.outcome, rec.stall_kind, rec.worker) == ("stalled", "capacity", 1), rec
+    # The snapshot is the Kubernetes adapter's model: a Pending pod the scheduler refused, a Running one.
+    pods = {p.worker_index: p for p in rec.snapshot.pods}
+    assert pods[1].phase == "Pending" and pods[1].condition("PodScheduled").reason == UNSCHEDULABLE
+    assert pods[0].phase == "Running" and pods[0].node == "local-0" and pods[0].trainer().state == "running"
+    # The stop deleted the JobSet: the running worker got SIGTERM and exited 143 within its grace.
+    assert sl.workers[0].stopped_by_jobset and sl.workers[0].exit_code == 143
+    assert rec.stopped_at is not None and rec.stopped_at >= rec.detected_at and not rec.force_deleted
+
+
+def test_a_worker_on_a_lost_local_host_is_force_deleted_after_the_grace(tmp_path):
+    import signal
+    import time
+
+    cfg, ex, sl, store = _local_segment(tmp_path, node_lost_grace_s=0.3)
+    for w in sl.workers:
+        sl.spawn(w)
+    sl.signal_worker(1, signal.SIGSTOP)  # its host is gone: the worker neither runs nor gets SIGTERM
+    sl.lost[1] = time.time()
+    rec, _ = _supervise(cfg, ex, sl, store)
+    assert (rec.outcome, rec.stall_kind, rec.worker) == ("stalled", "node-lost", 1), rec
+    assert rec.force_deleted == [f"{sl.jobset}-workers-0-1"]
+    assert sl.workers[1].exit_code == 137 and not sl.workers[1].stopped_by_jobset
+    node = next(n for n in rec.snapshot.nodes if n.name == "local-1")
+    assert node.unreachable and node.ready is None

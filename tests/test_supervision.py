@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 
 from recovery_steps.kernel.config import ConfigError, SupervisionConfig, parse_config
+from recovery_steps.kernel.snapshot import Condition, JobEvidence
 from recovery_steps.supervision import (
     AttemptState,
-    JobObservation,
     NodeObservation,
     Observation,
-    PodCondition,
     PodObservation,
     StallKind,
     WaitClock,
@@ -33,12 +32,12 @@ D = SupervisionConfig(
     transient_pull_deadline_s=900,
     node_lost_grace_s=120,
 )
-UNSCHEDULABLE = PodCondition(
+UNSCHEDULABLE = Condition(
     type="PodScheduled",
     status="False",
     reason="Unschedulable",
     message="0/8 nodes are available: 4 Insufficient google.com/tpu, 4 node(s) didn't match Pod's node affinity.",
-    since=T0 + 1,
+    at=T0 + 1,
 )
 
 
@@ -50,7 +49,7 @@ def running(i: int, *, since: float = T0 + 60, **kw) -> PodObservation:
         node=f"gke-tpu-{i}",
         created_at=T0 + 1,
         running_since=since,
-        conditions=(PodCondition(type="PodScheduled", since=T0 + 2), PodCondition(type="Ready", since=since)),
+        conditions=(Condition(type="PodScheduled", at=T0 + 2), Condition(type="Ready", at=since)),
     )
     base.update(kw)
     return PodObservation(**base)
@@ -113,10 +112,10 @@ def pulling(i: int, reason: str, message: str, since: float, **kw) -> PodObserva
 
 ALL_RUNNING = [running(i) for i in range(HOSTS)]
 STEPPING = [beat(i, 40, T0 + 500) for i in range(HOSTS)]
-FAILURE_TARGET = JobObservation(
+FAILURE_TARGET = JobEvidence(
     name="run-a0-workers-0",
     conditions=(
-        PodCondition(
+        Condition(
             type="FailureTarget",
             reason="PodFailurePolicy",
             message="Container trainer for pod default/run-a0-workers-0-3 failed with exit code 20 "
@@ -180,9 +179,7 @@ CASES = [
             [done(0, 143), done(1, 143), done(2, 143), done(3, 20)],
             jobset_terminal_state="Failed",
             jobset_conditions=(
-                PodCondition(
-                    type="Failed", reason="FailedJobs", message="jobset failed due to one or more job failures"
-                ),
+                Condition(type="Failed", reason="FailedJobs", message="jobset failed due to one or more job failures"),
             ),
         ),  # fmt: skip
         AttemptState.FAILED,
@@ -295,7 +292,7 @@ CASES = [
                 pending(
                     3,
                     conditions=(
-                        PodCondition(type="ConfigIssue", reason="MissingSecret", message="secret gcs-key not found"),
+                        Condition(type="ConfigIssue", reason="MissingSecret", message="secret gcs-key not found"),
                     ),
                 ),
             ],

@@ -34,6 +34,8 @@ MAINTENANCE_LABELS = (
     SCHEDULED_MAINTENANCE_LABEL,
     "cloud.google.com/gke-tpu-maintenance",
 )
+# The taint the node lifecycle controller puts on a node whose kubelet stopped reporting.
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 RECLAIM_TAINTS = (
     "cloud.google.com/impending-node-termination",
     "cloud.google.com/active-node-maintenance",
@@ -265,3 +267,110 @@ def make_api_client(host: str | None = None) -> Any:
     else:
         config.load_kube_config()
     return client.ApiClient()
+
+
+class Kube:
+    """The calls the steps make to the Kubernetes API for one namespace, answered as the API's own JSON.
+
+    Every call passes a client-side timeout (``API_TIMEOUT_S``) and asks for the raw body (``_preload_content=False``)
+    so that what the steps read is exactly what the API returns, parsed once into ``kernel.snapshot`` records.
+    A 404 on a read by name is None; every other refusal is the client's ``ApiException``, which
+    ``api_exit_code`` maps to the step's exit code.
+    """
+
+    def __init__(self, api_client: Any, namespace: str):
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api_client)
+        self.batch = client.BatchV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.ns = namespace
+
+    @staticmethod
+    def _json(resp: Any) -> Any:
+        import json
+
+        return json.loads(resp.data)
+
+    def _maybe(self, call: Callable[..., Any], *args: Any, **kw: Any) -> dict[str, Any] | None:
+        from kubernetes.client import ApiException
+
+        try:
+            return self._json(call(*args, _preload_content=False, _request_timeout=API_TIMEOUT_S, **kw))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def get_jobset(self, name: str) -> dict[str, Any] | None:
+        """The JobSet ``name``, or None when it does not exist."""
+        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
+        return self._maybe(self.custom.get_namespaced_custom_object, *where, name)
+
+    def get_node(self, name: str) -> dict[str, Any] | None:
+        """The node ``name``, or None when the Node object is gone."""
+        return self._maybe(self.core.read_node, name)
+
+    def list_jobs(self, jobset: str, **kw: Any) -> Any:
+        """The JobSet's Jobs: the list's JSON, or with ``watch=True`` the client's watch response."""
+        return self.batch.list_namespaced_job(self.ns, label_selector=f"{JOBSET_NAME_LABEL}={jobset}", **kw)
+
+    def list_pods(self, jobset: str, **kw: Any) -> Any:
+        """The JobSet's pods (as ``list_jobs``)."""
+        return self.core.list_namespaced_pod(self.ns, label_selector=f"{JOBSET_NAME_LABEL}={jobset}", **kw)
+
+    def list_jobsets(self, name: str, **kw: Any) -> Any:
+        """The JobSet ``name`` as a list of at most one (a watch follows one object by its name)."""
+        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
+        return self.custom.list_namespaced_custom_object(*where, field_selector=f"metadata.name={name}", **kw)
+
+    def items(self, list_call: Callable[..., Any], name: str) -> list[dict[str, Any]]:
+        """The items of one LIST (``list_jobs``, ``list_pods``) of the JobSet ``name``."""
+        return self._json(list_call(name, _preload_content=False, _request_timeout=API_TIMEOUT_S)).get("items") or []
+
+    def pod_warnings(self, pod: str) -> list[str]:
+        """The pod's Warning events, as 'Reason: message'."""
+        sel = f"involvedObject.name={pod},involvedObject.kind=Pod"
+        resp = self.core.list_namespaced_event(
+            self.ns, field_selector=sel, _preload_content=False, _request_timeout=API_TIMEOUT_S
+        )
+        items = self._json(resp).get("items") or []
+        return [f"{e.get('reason')}: {e.get('message')}" for e in items if e.get("type", "Warning") == "Warning"]
+
+    def create_jobset(self, manifest: dict[str, Any]) -> bool:
+        """Create a JobSet; False when one of its name already exists (409 Conflict)."""
+        from kubernetes.client import ApiException
+
+        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
+        try:
+            self.custom.create_namespaced_custom_object(*where, manifest, _preload_content=False,
+                                                        _request_timeout=API_TIMEOUT_S)  # fmt: skip
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
+
+    def delete_jobset(self, name: str) -> None:
+        """Delete a JobSet with foreground propagation (its Jobs and pods go first); one already gone is fine."""
+        from kubernetes.client import ApiException
+
+        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
+        try:
+            self.custom.delete_namespaced_custom_object(
+                *where, name, propagation_policy="Foreground", _preload_content=False, _request_timeout=API_TIMEOUT_S
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    def force_delete_pod(self, name: str) -> None:
+        """Delete a pod with grace period 0: the API removes it without its kubelet's confirmation."""
+        from kubernetes.client import ApiException
+
+        try:
+            self.core.delete_namespaced_pod(name, self.ns, grace_period_seconds=0, _preload_content=False,
+                                            _request_timeout=API_TIMEOUT_S)  # fmt: skip
+        except ApiException as e:
+            if e.status != 404:
+                raise

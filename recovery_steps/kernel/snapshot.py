@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from recovery_steps.kernel.k8s import MAINTENANCE_LABELS, RECLAIM_TAINTS, SPOT_LABEL
+from recovery_steps.kernel.k8s import MAINTENANCE_LABELS, RECLAIM_TAINTS, SPOT_LABEL, UNREACHABLE_TAINT
 
 COMPLETION_INDEX_KEYS = ("batch.kubernetes.io/job-completion-index",)
 TRAINER_CONTAINER = "trainer"
@@ -46,6 +46,8 @@ class ContainerState(_Ev):
     finished_at: float | None = None
     waiting_reason: str | None = Field(default=None, description="ErrImagePull, ImagePullBackOff, ...")
     waiting_message: str | None = None
+    state: str | None = Field(default=None, description="The current state: waiting, running or terminated.")
+    running_since: float | None = Field(default=None, description="startedAt of the current (running) state.")
 
 
 class PodEvidence(_Ev):
@@ -60,6 +62,13 @@ class PodEvidence(_Ev):
     containers: list[ContainerState] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
     events: list[str] = Field(default_factory=list, description="'Reason: message' of warning events.")
+    created_at: float | None = Field(default=None, description="creationTimestamp, epoch seconds.")
+    deleted_at: float | None = Field(default=None, description="deletionTimestamp: set once the pod is being deleted.")
+    grace_s: float | None = Field(default=None, description="spec.terminationGracePeriodSeconds.")
+
+    def condition(self, type_: str) -> Condition | None:
+        """The condition of ``type_``, if the pod has it."""
+        return next((c for c in self.conditions if c.type == type_), None)
 
     def disruption(self) -> Condition | None:
         """The pod's DisruptionTarget condition, if Kubernetes set one."""
@@ -89,6 +98,11 @@ class NodeEvidence(_Ev):
     found: bool = True
 
     @property
+    def unreachable(self) -> bool:
+        """Tainted unreachable: the node lifecycle controller lost its kubelet."""
+        return any(t.split("=", 1)[0].split(":", 1)[0] == UNREACHABLE_TAINT for t in self.taints)
+
+    @property
     def spot(self) -> bool:
         """True on a Spot or preemptible VM."""
         return any(self.labels.get(k) == "true" for k in SPOT_LABELS)
@@ -112,6 +126,11 @@ class JobEvidence(_Ev):
     failure_reason: str | None = Field(default=None, description="PodFailurePolicy, BackoffLimitExceeded, ...")
     failure_message: str | None = None
     failed_at: float | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+
+    def has(self, type_: str) -> Condition | None:
+        """The True condition of ``type_``, if any."""
+        return next((c for c in self.conditions if c.type == type_ and c.status == "True"), None)
 
 
 class JobSetEvidence(_Ev):
@@ -121,6 +140,7 @@ class JobSetEvidence(_Ev):
     found: bool = True
     conditions: list[Condition] = Field(default_factory=list)
     terminal_state: str | None = None
+    created_at: float | None = Field(default=None, description="creationTimestamp, epoch seconds.")
 
     @property
     def finished(self) -> bool:
@@ -175,6 +195,7 @@ def jobset_from_api(obj: dict[str, Any]) -> JobSetEvidence:
         name=(obj.get("metadata") or {}).get("name", ""),
         conditions=_conditions(obj),
         terminal_state=status.get("terminalState"),
+        created_at=parse_time((obj.get("metadata") or {}).get("creationTimestamp")),
     )
 
 
@@ -195,6 +216,7 @@ def job_from_api(obj: dict[str, Any]) -> JobEvidence:
         failure_reason=failed.reason if failed else None,
         failure_message=failed.message if failed else None,
         failed_at=failed.at if failed else None,
+        conditions=conds,
     )
 
 
@@ -202,8 +224,13 @@ def _container(cs: dict[str, Any]) -> ContainerState:
     state = cs.get("state") or {}
     term = state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
     wait = state.get("waiting") or {}
+    current = next((k for k in ("terminated", "running", "waiting") if state.get(k) is not None), None)
     out = ContainerState(
-        name=cs.get("name", ""), waiting_reason=wait.get("reason"), waiting_message=wait.get("message")
+        name=cs.get("name", ""),
+        waiting_reason=wait.get("reason"),
+        waiting_message=wait.get("message"),
+        state=current,
+        running_since=parse_time((state.get("running") or {}).get("startedAt")),
     )
     if term:
         out.exit_code = term.get("exitCode")
@@ -242,6 +269,9 @@ def pod_from_api(obj: dict[str, Any], events: list[str] | None = None) -> PodEvi
         containers=[_container(cs) for cs in statuses],
         conditions=_conditions(obj),
         events=list(events or []),
+        created_at=parse_time(meta.get("creationTimestamp")),
+        deleted_at=parse_time(meta.get("deletionTimestamp")),
+        grace_s=spec.get("terminationGracePeriodSeconds"),
     )
 
 

@@ -22,11 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.gang import Attachment
 from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord, SupervisionRecord, now
+from recovery_steps.kernel.snapshot import ClusterSnapshot
+from recovery_steps.kernel.step import StepError
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult, WorkflowError
+from workflows.local.supervise import pod_name, slice_snapshot
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
 # The train-segment supervisor: run here as the local JobSet stand-in under the same decision.
@@ -138,6 +141,8 @@ class LocalSlice:
     supervisor_lost: threading.Event = field(default_factory=threading.Event)
     detected_at: float | None = None
     phase: str | None = None
+    # When the supervisor deleted the JobSet (its stop): the workers got SIGTERM, the grace counts from here.
+    deleted_at: float | None = None
 
     def mark_stopped(self, detected: float) -> None:
         """Stamp the slice stopped: its last worker's exit, never before the supervisor ``detected`` the end.
@@ -200,6 +205,151 @@ class LocalSlice:
             first_failure_index=self.first_failure_index,
             ended_at=self.ended_at,
         )
+
+
+class SupervisorLost(Exception):
+    """The supervisor's own "pod" went away (rehearsal): the step ends as Argo sees a deleted pod, the gang runs on."""
+
+
+class RunStopped(Exception):
+    """The whole local run is being deleted: the gang dies with it."""
+
+
+class LocalGang:
+    """One attempt's JobSet as local worker processes: train-segment's port (``kernel.gang.Gang``) on this machine.
+
+    ``observe`` answers with the same ``ClusterSnapshot`` the Kubernetes adapter builds (``slice_snapshot``);
+    ``delete`` does what deleting the JobSet does to its pods (SIGTERM, then SIGKILL after the pod's termination
+    grace, as the kubelet does; a worker on a lost host gets nothing: its kubelet is gone); ``force_delete`` is
+    SIGKILL. Between observations the runner's hooks tick (fault injection) every ``TICK`` seconds.
+    """
+
+    TICK = 0.05
+
+    def __init__(self, ex: LocalExecutor, node: NodeInfo, manifest: Mapping[str, Any], *, run_id: str,
+                 clock: Callable[[], float] = time.time):  # fmt: skip
+        self.ex, self.node, self.manifest, self.clock, self.run_id = ex, node, manifest, clock, run_id
+        self.name = manifest["metadata"]["name"]
+        self.sl: LocalSlice | None = None
+        try:
+            pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+            self.image = str(pod["containers"][0].get("image", ""))
+        except (KeyError, IndexError, TypeError):
+            self.image = ""
+
+    def find(self) -> Attachment | None:
+        """The attempt's slice if its workers still run (a retried supervisor re-attaches to it)."""
+        sl = self.ex.live.get(self.name)
+        if sl is None:
+            return None
+        self.sl = sl
+        return Attachment(self.name, sl.created_at, str(sl.attempt))
+
+    def create(self, manifest: Mapping[str, Any]) -> Attachment | None:
+        """Start the workers of the JobSet ``manifest`` describes (those a hook withholds stay Pending)."""
+        if self.name in self.ex.live:
+            return None
+        try:
+            sl = self.ex._build_slice(self.node, manifest)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise StepError(ExitCode.CONFIGURATION, f"--jobset-manifest: cannot read {e}") from None
+        sl.withheld = dict(self.ex.hooks.withheld(sl.attempt, len(sl.workers)))
+        self.ex.slices.append(sl)
+        self.ex.live[self.name] = sl
+        self.ex.events_dir.mkdir(parents=True, exist_ok=True)
+        for w in sl.workers:
+            if w.index not in sl.withheld:
+                sl.spawn(w)
+                self.ex._track(w.proc)
+        self.sl = sl
+        return Attachment(self.name, sl.created_at, str(sl.attempt))
+
+    def start(self) -> None:
+        """Nothing to list: the processes are here."""
+
+    def _check(self) -> None:
+        if self.ex._stopping.is_set():
+            raise RunStopped()
+        if self.sl.supervisor_lost.is_set():
+            self.sl.supervisor_lost.clear()
+            raise SupervisorLost()
+
+    def observe(self) -> ClusterSnapshot:
+        """The workers as pods and their hosts as nodes, now."""
+        self._check()
+        self.ex._poll_exits(self.sl)
+        return slice_snapshot(self.sl, self.clock(), self.image)
+
+    def _state(self) -> tuple[Any, ...]:
+        sl = self.sl
+        return tuple((w.pid, w.returncode) for w in sl.workers), tuple(sorted(sl.lost)), tuple(sorted(sl.withheld))
+
+    def wait(self, timeout: float) -> None:
+        """Tick the hooks (or, once deleted, the kubelet's grace) until a worker changed or ``timeout`` passed."""
+        sl, end, before = self.sl, self.clock() + timeout, self._state()
+        while self.clock() < end:
+            if sl.deleted_at is None:
+                self.ex.hooks.on_tick(sl)
+            else:
+                for w in sl.workers:
+                    # The kubelet's SIGKILL once the pod's termination grace is over (lost hosts have no kubelet).
+                    if w.index not in sl.lost and self.clock() - sl.deleted_at >= sl.grace_seconds:
+                        sl.signal_worker(w.index, signal.SIGKILL)
+            time.sleep(self.TICK)
+            self.ex._poll_exits(sl)
+            if self._state() != before or self.ex._stopping.is_set() or sl.supervisor_lost.is_set():
+                return
+
+    def delete(self) -> None:
+        """SIGTERM every running worker whose host is not lost (deleting the JobSet deletes its pods)."""
+        sl = self.sl
+        sl.deleted_at = self.clock()
+        for w in sl.workers:
+            if w.returncode is None and w.proc is not None and w.index not in sl.lost:
+                w.stopped_by_jobset = True
+                sl.signal_worker(w.index, signal.SIGCONT)
+                sl.signal_worker(w.index, signal.SIGTERM)
+
+    def force_delete(self, pod: str) -> None:
+        """SIGKILL the worker of ``pod`` (its host is lost: nothing else would end it)."""
+        for w in self.sl.workers:
+            if pod_name(self.sl.jobset, w.index) == pod:
+                sl = self.sl
+                sl.signal_worker(w.index, signal.SIGCONT)
+                sl.signal_worker(w.index, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Nothing to stop watching."""
+
+    def settle(self, detected: float, failed: bool, worker: int | None) -> None:
+        """The slice's own record once the supervisor is done: when the end was seen, which worker failed first."""
+        sl = self.sl
+        sl.detected_at, sl.phase = detected, FAILED if failed else SUCCEEDED
+        exited = [w for w in sl.workers if w.returncode not in (None, 0) and (w.ended_at or detected) <= detected]
+        if failed and exited and sl.first_failure_index is None:
+            first = min(exited, key=lambda w: w.ended_at or detected)
+            first.first_failure, sl.first_failure_index = True, first.index
+        elif failed and worker is not None and sl.first_failure_index is None:
+            sl.first_failure_index = worker
+        sl.mark_stopped(detected)
+        self.ex.live.pop(sl.jobset, None)
+        if not self.ex._stopping.is_set():
+            self.ex.hooks.after_slice(sl, sl.phase)
+        self.ex.record_slice(sl, self.run_id)
+
+    def kill(self) -> None:
+        """The whole run is deleted: SIGKILL every worker, wait up to 10 s for them, record the slice."""
+        sl = self.sl
+        if sl is None:
+            return
+        for w in sl.workers:
+            sl.signal_worker(w.index, signal.SIGCONT)
+            sl.signal_worker(w.index, signal.SIGKILL)
+        end = now() + 10
+        while now() < end and any(w.returncode is None and w.proc is not None for w in sl.workers):
+            self.ex._poll_exits(sl)
+            time.sleep(self.TICK)
+        self.settle(now(), True, None)
 
 
 class SliceHooks:
@@ -348,154 +498,74 @@ class LocalExecutor:
                 missing.append(p["name"])
         return outputs, missing
 
-    # -- train-segment: the supervisor over the local JobSet stand-in ------------------------------
+    # -- train-segment: the step's own supervisor over the local JobSet stand-in ---------------------
 
     def run_segment(
         self, node: NodeInfo, template: Mapping[str, Any], command: list[str], node_dir: Path
     ) -> NodeResult:
-        """Run ``python -m recovery_steps.train_segment`` here: the JobSet as local processes, supervised.
+        """Run ``python -m recovery_steps.train_segment`` here: the step's own program over a ``LocalGang``.
 
-        The same decision as on GKE (``recovery_steps.supervision.decide``) runs over an observation of
-        the processes; a JobSet of this attempt that is still running is re-attached, not started again.
+        The same supervisor, decision, record and stop as on GKE (``recovery_steps.train_segment.execute``) run
+        over the worker processes; a JobSet of this attempt that is still running is re-attached, not started again.
         """
-        from recovery_steps.provision_slice import ProvisionError, load_run_config
+        from recovery_steps import train_segment
 
         started = now()
-        try:
-            manifest = yaml.safe_load(_arg_value(command, "--jobset-manifest") or "")
-            store_root, run_id = _arg_value(command, "--store-root"), _arg_value(command, "--run-id")
-            cfg = load_run_config(store_root or "", run_id or "")
-            name = manifest["metadata"]["name"]
-        except ProvisionError as e:
-            return NodeResult(FAILED, exit_code=int(e.code), message=f"train-segment: {e}")
-        except (yaml.YAMLError, KeyError, TypeError) as e:
-            return NodeResult(FAILED, exit_code=2, message=f"train-segment: --jobset-manifest: cannot read {e}")
         log_path = self.work_dir / "logs" / f"{node.id}-{node.task}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        sl = self.live.get(name)
+        gangs: list[LocalGang] = []
+
+        def gang(cfg: Any, manifest: Mapping[str, Any], clock: Callable[[], float], _say: Any) -> LocalGang:
+            gangs.append(LocalGang(self, node, manifest, run_id=cfg.run_id, clock=clock))
+            return gangs[-1]
+
         with open(log_path, "a") as log:
 
             def say(line: str) -> None:
                 log.write(f"{time.strftime('%H:%M:%S')} train-segment {line}\n")
                 log.flush()
 
-            if sl is not None:
-                say(f"re-attached to JobSet {name} (it already exists: not creating a second gang)")
-            else:
-                try:
-                    sl = self._build_slice(node, manifest)
-                except (KeyError, IndexError, TypeError, ValueError) as e:
-                    return NodeResult(ERROR, message=f"JobSet manifest: cannot read {e}")
-                sl.withheld = dict(self.hooks.withheld(sl.attempt, len(sl.workers)))
-                self.slices.append(sl)
-                self.live[name] = sl
-                self.events_dir.mkdir(parents=True, exist_ok=True)
-                for w in sl.workers:
-                    if w.index not in sl.withheld:
-                        sl.spawn(w)
-                        self._track(w.proc)
-                say(f"created JobSet {name}")
-            image = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
-            res = self.supervise_slice(sl, cfg, RunStore(store_root, run_id), node_dir, say, image.get("image", ""))
-        res.started_at = started
-        return res
-
-    def supervise_slice(self, sl: LocalSlice, cfg: Any, store: RunStore, node_dir: Path, say: Callable[[str], None],
-                        image: str) -> NodeResult:  # fmt: skip
-        """Decide over ``sl`` every tick until the attempt is over; stop it; write its record and outputs.
-
-        Args:
-            sl: The running (or re-attached) slice.
-            cfg: The run's ``JobConfig`` (its ``supervision`` deadlines).
-            store: The run store (heartbeats in, supervision record out).
-            node_dir: The step's folder (``outputs/``, the progress file).
-            say: Where the supervisor's one-line-per-change log goes.
-            image: The worker image (named in an image-pull stall's message).
-
-        Returns:
-            The step's result: Succeeded (exit 0), Failed (exit 1), or Error when the supervisor was lost.
-        """
-        from recovery_steps.kernel.checkpoints import newest_complete_step
-        from recovery_steps.supervision import AttemptState, decide
-        from recovery_steps.train_segment import (
-            Progress,
-            evidence_lines,
-            outputs_of,
-            read_heartbeats,
-            worker_records,
-        )
-        from workflows.local.supervise import slice_observation
-
-        hosts = len(sl.workers)
-        progress = Progress(hosts, cfg.training.total_steps, str(node_dir / "progress"), say)
-        beats: list = []
-        beats_at = 0.0
-        while True:
-            self._poll_exits(sl)
-            if self._stopping.is_set():
-                # The whole run is deleted: the gang dies with it; the slice record still says how.
-                sl.detected_at, sl.phase = now(), FAILED
-                for w in sl.workers:
-                    sl.signal_worker(w.index, signal.SIGKILL)
-                self._wait_exits(sl, 10)
-                failed = [w for w in sl.workers if w.returncode not in (None, 0)]
-                if failed and sl.first_failure_index is None:
-                    first = min(failed, key=lambda w: w.ended_at or now())
-                    first.first_failure, sl.first_failure_index = True, first.index
-                sl.mark_stopped(sl.detected_at)
-                self.live.pop(sl.jobset, None)
-                if self.write_slice_record is not None:
-                    self.write_slice_record(sl.jobset, store.run_id, sl.attempt, sl.record())
-                return NodeResult(ERROR, message="the local run was stopped")
-            if sl.supervisor_lost.is_set():
+            try:
+                args = train_segment.parse_args(command[command.index(SUPERVISOR_MODULE) + 1 :])
+                code = train_segment.execute(args, gang=gang, progress_file=str(node_dir / "progress"), say=say,
+                                             out=say, err=say)  # fmt: skip
+            except SystemExit as e:  # a refused argument: the parser's one line is on stderr
+                return NodeResult(FAILED, exit_code=int(e.code or 2), message="train-segment: bad arguments")
+            except SupervisorLost:
                 # Its pod is gone, the gang is not: Argo retries the step (status Error) and it re-attaches.
-                sl.supervisor_lost.clear()
                 say("supervisor lost (rehearsal): the workers keep running")
                 return NodeResult(ERROR, exit_code=-1, message="pod deleted: the train-segment supervisor was lost")
-            t = now()
-            if t - beats_at >= min(0.5, cfg.supervision.heartbeat_interval_s):
-                beats, beats_at = read_heartbeats(store, sl.attempt, hosts), t
-            obs = slice_observation(sl, t, beats, image)
-            verdict = decide(obs, cfg.supervision)
-            progress.update(obs, verdict)
-            ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
-            progress.checkpoint(max(ckpts) if ckpts else None)
-            if verdict.over:
-                break
-            self.hooks.on_tick(sl)
-            time.sleep(0.05)
-        detected = now()
-        sl.detected_at, sl.phase = detected, SUCCEEDED if verdict.state == AttemptState.SUCCEEDED else FAILED
-        failed = [w for w in sl.workers if w.returncode not in (None, 0)]
-        if failed and sl.first_failure_index is None:
-            first = min(failed, key=lambda w: w.ended_at or detected)
-            first.first_failure, sl.first_failure_index = True, first.index
-        elif verdict.worker is not None and sl.first_failure_index is None and verdict.state != AttemptState.SUCCEEDED:
-            sl.first_failure_index = verdict.worker
-        evidence = evidence_lines(obs)
-        forced = self._stop_slice(sl, cfg.supervision.force_delete_grace_s, say) if sl.phase != SUCCEEDED else []
-        sl.mark_stopped(detected)
-        self.live.pop(sl.jobset, None)
-        if not self._stopping.is_set():
-            self.hooks.after_slice(sl, sl.phase)
+            except RunStopped:
+                for g in gangs:
+                    g.kill()
+                return NodeResult(ERROR, message="the local run was stopped")
+        return self._segment_result(gangs, args, code, template, node_dir, log_path, started)
+
+    def _segment_result(
+        self, gangs: list[LocalGang], args: Any, code: int, template: Mapping[str, Any], node_dir: Path,
+        log_path: Path, started: float,
+    ) -> NodeResult:  # fmt: skip
+        """The node's result from the step's exit code and record; the slice's own record and hooks."""
+        store = RunStore(args.store_root, args.run_id)
+        rec = store.read_record(RunLayout.supervision(args.attempt), SupervisionRecord)
+        sl = gangs[-1].sl if gangs else None
+        if sl is not None and rec is not None and rec.decided and rec.detected_at is not None:
+            gangs[-1].settle(rec.detected_at, rec.outcome != "succeeded", rec.worker)
+        elif sl is not None and sl.deleted_at is not None:  # stopped without a verdict (the lease was lost)
+            gangs[-1].settle(sl.deleted_at, True, None)
+        outputs, _ = self._read_outputs(template, node_dir)
+        if code == 0:
+            return NodeResult(SUCCEEDED, outputs, 0, "", started, now())
+        if rec is not None and rec.decided:
+            msg = f"JobSet {rec.jobset} {rec.outcome}: {rec.reason}; logs: {sl.log_dir if sl else log_path}"
+        else:
+            msg = f"exit code {code}; log: {log_path}{_tail(log_path)}"
+        return NodeResult(FAILED, outputs, code, msg, started, now())
+
+    def record_slice(self, sl: LocalSlice, run_id: str) -> None:
+        """Write the slice's record (``attempts/<n>/local-slice.json``) through the runner's writer."""
         if self.write_slice_record is not None:
-            self.write_slice_record(sl.jobset, store.run_id, sl.attempt, sl.record())
-        newest = newest_complete_step(store)
-        record = SupervisionRecord(
-            attempt=sl.attempt, jobset=sl.jobset, outcome=verdict.state.value,
-            stall_kind=verdict.kind.value if verdict.kind else None, reason=verdict.reason, worker=verdict.worker,
-            created_at=sl.created_at, reattached=False, detected_at=detected, stopped_at=sl.ended_at,
-            last_step=max((b.step for b in beats if b.step is not None), default=None),
-            checkpoint_step=newest, workers=worker_records(obs, beats, hosts), evidence=evidence,
-            force_deleted=forced,
-        )  # fmt: skip
-        store.write_record(RunLayout.supervision(sl.attempt), record)
-        declared = outputs_of(record)
-        declared.write(node_dir / "outputs")
-        outputs = declared.files()
-        ok = sl.phase == SUCCEEDED
-        msg = "" if ok else f"JobSet {sl.jobset} {verdict.state.value}: {verdict.reason}; logs: {sl.log_dir}"
-        return NodeResult(sl.phase, outputs, 0 if ok else 1, msg, None, now())
+            self.write_slice_record(sl.jobset, run_id, sl.attempt, sl.record())
 
     @staticmethod
     def _poll_exits(sl: LocalSlice) -> None:
@@ -505,39 +575,6 @@ class LocalExecutor:
                     rc = w.proc.poll()
                     if rc is not None:
                         w.returncode, w.ended_at = rc, now()
-
-    def _wait_exits(self, sl: LocalSlice, timeout: float) -> None:
-        end = now() + timeout
-        while now() < end and any(w.returncode is None and w.proc is not None for w in sl.workers):
-            self._poll_exits(sl)
-            time.sleep(0.05)
-
-    def _stop_slice(self, sl: LocalSlice, force_grace: float, say: Callable[[str], None]) -> list[str]:
-        """Stop every worker as deleting the JobSet would; "force-delete" (SIGKILL) those on a lost host."""
-        from workflows.local.supervise import pod_name
-
-        say(f"stopping the attempt: deleting JobSet {sl.jobset}")
-        started = now()
-        for w in sl.workers:
-            if w.returncode is None and w.proc is not None and w.index not in sl.lost:
-                w.stopped_by_jobset = True
-                sl.signal_worker(w.index, signal.SIGCONT)
-                sl.signal_worker(w.index, signal.SIGTERM)
-        forced: list[str] = []
-        while any(w.returncode is None and w.proc is not None for w in sl.workers):
-            t = now()
-            for w in sl.workers:
-                if w.returncode is not None or w.proc is None:
-                    continue
-                if w.index in sl.lost and t - started >= force_grace and pod_name(sl.jobset, w.index) not in forced:
-                    say(f"force-deleting pod {pod_name(sl.jobset, w.index)}: its host is lost")
-                    forced.append(pod_name(sl.jobset, w.index))
-                    sl.signal_worker(w.index, signal.SIGKILL)
-                elif w.index not in sl.lost and t - started >= sl.grace_seconds:
-                    sl.signal_worker(w.index, signal.SIGKILL)
-            self._poll_exits(sl)
-            time.sleep(0.05)
-        return forced
 
     def _build_slice(self, node: NodeInfo, manifest: Mapping[str, Any]) -> LocalSlice:
         name = manifest["metadata"]["name"]

@@ -1,22 +1,30 @@
-"""The local JobSet stand-in seen the way the supervisor sees a JobSet: an ``Observation`` of its processes.
+"""The local JobSet stand-in seen the way the Kubernetes API shows a JobSet: a ``ClusterSnapshot`` of its processes.
 
-``slice_observation`` turns the worker processes of a ``LocalSlice`` into the same record the
-``train-segment`` supervisor builds from the Kubernetes API, so that both call one decision
-(``recovery_steps.supervision.decide``). A worker the slice could not place is a Pending pod the
-scheduler refused; one whose image "cannot be pulled" is a Pending pod waiting in ``ImagePullBackOff``;
-a worker whose "node" was lost is Running on a node that is unreachable, with a deletion timestamp.
+``slice_snapshot`` turns the worker processes of a ``LocalSlice`` into the same record the Kubernetes adapter of
+``train-segment`` builds from the API (``recovery_steps.kernel.snapshot``), so that one supervisor, one decision
+and one record serve both worlds. A worker the slice could not place is a Pending pod the scheduler refused; one
+whose image "cannot be pulled" is a Pending pod waiting in ``ImagePullBackOff``; a worker whose "node" was lost is
+Running on a node that is unreachable (Ready Unknown, the unreachable taint), with a deletion timestamp; a worker
+being stopped is a pod being deleted, and one that exited after the delete is gone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from recovery_steps.kernel.records import WorkerHeartbeat
-from recovery_steps.supervision import NodeObservation, Observation, PodCondition, PodObservation, WorkerProgress
+from recovery_steps.kernel.k8s import UNREACHABLE_TAINT
+from recovery_steps.kernel.snapshot import (
+    TRAINER_CONTAINER,
+    ClusterSnapshot,
+    Condition,
+    ContainerState,
+    JobSetEvidence,
+    NodeEvidence,
+    PodEvidence,
+)
 
 if TYPE_CHECKING:
-    from workflows.local.executor import LocalSlice
+    from workflows.local.executor import LocalSlice, WorkerProc
 
 UNSCHEDULABLE = "Unschedulable"
 IMAGE_PULL = "ImagePullBackOff"
@@ -32,52 +40,53 @@ def pod_name(jobset: str, index: int) -> str:
     return f"{jobset}-workers-0-{index}"
 
 
-def slice_observation(sl: LocalSlice, now: float, beats: Sequence[WorkerHeartbeat], image: str = "") -> Observation:
-    """The decision's input from the local processes of one attempt and the workers' heartbeats."""
-    pods = []
-    for w in sl.workers:
-        name, node = pod_name(sl.jobset, w.index), node_name(w.index)
-        held = sl.withheld.get(w.index)
-        if held == UNSCHEDULABLE:
-            room = f"0/{len(sl.workers)} local hosts have room for this worker (rehearsal)"
-            cond = PodCondition(type="PodScheduled", status="False", reason=UNSCHEDULABLE, since=sl.created_at,
-                                message=room)  # fmt: skip
-            pods.append(PodObservation(name=name, index=w.index, created_at=sl.created_at, conditions=(cond,)))
-        elif held == IMAGE_PULL:
-            # The message as kubelet >= 1.32 writes it: the back-off repeats the pull's error (kubernetes#127918).
-            pulled = f'Back-off pulling image "{image}": ErrImagePull: failed to resolve reference "{image}": not found'
-            pods.append(PodObservation(
-                name=name, index=w.index, node=node, created_at=sl.created_at, waiting_reason=IMAGE_PULL,
-                waiting_since=sl.created_at, waiting_message=f"{pulled} (rehearsal)",
-                conditions=(PodCondition(type="PodScheduled", since=sl.created_at),),
-            ))  # fmt: skip
-        elif w.proc is None:
-            pods.append(PodObservation(name=name, index=w.index, created_at=sl.created_at))
-        elif w.returncode is None:
-            pods.append(PodObservation(
-                name=name, index=w.index, phase="Running", node=node, created_at=sl.created_at,
-                running_since=w.started_at, deletion_timestamp=sl.lost.get(w.index),
-                conditions=(PodCondition(type="PodScheduled", since=w.started_at),),
-            ))  # fmt: skip
-        else:
-            pods.append(PodObservation(
-                name=name, index=w.index, phase="Succeeded" if w.returncode == 0 else "Failed", node=node,
-                created_at=sl.created_at, running_since=w.started_at, exit_code=w.exit_code,
-                terminated_reason="Completed" if w.returncode == 0 else (w.signal_name or "Error"),
-                conditions=(PodCondition(type="PodScheduled", since=w.started_at),),
-            ))  # fmt: skip
-    nodes = tuple(
-        NodeObservation(name=node_name(w.index), ready=None if w.index in sl.lost else True,
-                        unreachable=w.index in sl.lost, since=sl.lost.get(w.index))
-        for w in sl.workers if sl.withheld.get(w.index) != UNSCHEDULABLE
-    )  # fmt: skip
-    return Observation(
-        now=now,
-        expected_workers=len(sl.workers),
-        created_at=sl.created_at,
-        pods=tuple(pods),
-        nodes=nodes,
-        progress=tuple(
-            WorkerProgress(index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at) for b in beats
-        ),  # fmt: skip
-    )
+def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
+    """Worker ``w`` as its pod (None: the pod is gone, its worker exited after the JobSet was deleted)."""
+    held = sl.withheld.get(w.index)
+    base = {"name": pod_name(sl.jobset, w.index), "worker_index": w.index, "created_at": sl.created_at,
+            "grace_s": sl.grace_seconds}  # fmt: skip
+    if held == UNSCHEDULABLE:
+        room = f"0/{len(sl.workers)} local hosts have room for this worker (rehearsal)"
+        cond = Condition(type="PodScheduled", status="False", reason=UNSCHEDULABLE, at=sl.created_at, message=room)
+        return None if sl.deleted_at is not None else PodEvidence(**base, phase="Pending", conditions=[cond])
+    scheduled = [Condition(type="PodScheduled", at=w.started_at or sl.created_at)]
+    if held == IMAGE_PULL:
+        # The message as kubelet >= 1.32 writes it: the back-off repeats the pull's error (kubernetes#127918).
+        pulled = f'Back-off pulling image "{image}": ErrImagePull: failed to resolve reference "{image}": not found'
+        waiting = ContainerState(name=TRAINER_CONTAINER, state="waiting", waiting_reason=IMAGE_PULL,
+                                 waiting_message=f"{pulled} (rehearsal)")  # fmt: skip
+        if sl.deleted_at is not None:
+            return None
+        return PodEvidence(**base, phase="Pending", node=node_name(w.index), conditions=scheduled, containers=[waiting])
+    if w.proc is None:
+        return None if sl.deleted_at is not None else PodEvidence(**base, phase="Pending")
+    if w.returncode is None:
+        running = ContainerState(name=TRAINER_CONTAINER, state="running", running_since=w.started_at)
+        deleted = sl.lost.get(w.index, sl.deleted_at)
+        return PodEvidence(**base, phase="Running", node=node_name(w.index), conditions=scheduled,
+                           containers=[running], deleted_at=deleted)  # fmt: skip
+    if sl.deleted_at is not None:
+        return None  # a deleted JobSet takes its ended pods with it
+    ok = w.returncode == 0
+    ended = ContainerState(name=TRAINER_CONTAINER, state="terminated", exit_code=w.exit_code,
+                           reason="Completed" if ok else (w.signal_name or "Error"), started_at=w.started_at,
+                           finished_at=w.ended_at)  # fmt: skip
+    return PodEvidence(**base, phase="Succeeded" if ok else "Failed", node=node_name(w.index), conditions=scheduled,
+                       containers=[ended])  # fmt: skip
+
+
+def _node(sl: LocalSlice, index: int) -> NodeEvidence:
+    if index in sl.lost:
+        # As the node lifecycle controller leaves a node whose kubelet went silent: Ready Unknown, tainted.
+        return NodeEvidence(name=node_name(index), ready=None, ready_reason="NodeStatusUnknown",
+                            ready_since=sl.lost[index], taints=[f"{UNREACHABLE_TAINT}:NoExecute"])  # fmt: skip
+    return NodeEvidence(name=node_name(index), ready=True, ready_reason="KubeletReady")
+
+
+def slice_snapshot(sl: LocalSlice, now: float, image: str = "") -> ClusterSnapshot:
+    """The local slice's "pods" and "nodes" now, as the Kubernetes adapter would report them."""
+    pods = [p for w in sl.workers if (p := _pod(sl, w, image)) is not None]
+    nodes = [_node(sl, w.index) for w in sl.workers if sl.withheld.get(w.index) != UNSCHEDULABLE]
+    # Foreground deletion: the JobSet stays until its pods are gone.
+    js = JobSetEvidence(name=sl.jobset, created_at=sl.created_at)
+    return ClusterSnapshot(taken_at=now, jobset=js, pods=sorted(pods, key=lambda p: p.name), nodes=nodes)

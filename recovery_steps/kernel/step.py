@@ -1,0 +1,136 @@
+"""What every step program shares: its one error type, how it loads the run's config and its Kubernetes client.
+
+A step raises ``StepError(code, line)`` for anything that ends it early; one ``main`` (``Step``, ``main``,
+``run_step``) parses its arguments, proves its outputs writable, configures logging, and maps every failure to one
+line and its exit code (``kernel.contract.ExitCode``), leaving the step's failure record. No step imports another
+step: what two steps share lives here or elsewhere in the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from recovery_steps.kernel.config import ConfigError, JobConfig
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.store import DocumentError, RunStore
+
+
+class StepError(Exception):
+    """A step cannot go on; ``code`` is its exit code and the message is its one line."""
+
+    def __init__(self, code: ExitCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def load_run_config(store_root: str, run_id: str, *, check_ledger: bool = True) -> JobConfig:
+    """The run's validated config from its store (pinned by validate-config).
+
+    ``check_ledger``: a damaged ledger is refused as well, before the step deletes or creates anything.
+
+    Raises:
+        StepError: Configuration (exit 2) when the config is absent or unusable, or the ledger is damaged.
+    """
+    from recovery_steps.kernel.documents import read_ledger, read_run_config
+
+    try:
+        store = RunStore(store_root, run_id)
+        cfg = read_run_config(store)
+        if check_ledger:
+            read_ledger(store)
+        return cfg
+    except ConfigError as e:
+        raise StepError(ExitCode.CONFIGURATION, e.render()) from None
+    except DocumentError as e:
+        raise StepError(ExitCode.CONFIGURATION, str(e)) from None
+
+
+def k8s_config_errors() -> tuple[type[BaseException], ...]:
+    """What building a Kubernetes client raises when there is no in-cluster config and no kubeconfig."""
+    from kubernetes.config.config_exception import ConfigException
+
+    return (ConfigException,)
+
+
+def k8s_client(host: str | None) -> Any:
+    """The Kubernetes ``ApiClient`` (``kernel.k8s.make_api_client``); a missing config is one line, exit 2.
+
+    Raises:
+        StepError: No in-cluster config, no kubeconfig and no ``host``.
+    """
+    from recovery_steps.kernel.k8s import make_api_client
+
+    try:
+        return make_api_client(host)
+    except k8s_config_errors() as e:
+        detail = " ".join(str(e).split())[:200]
+        raise StepError(
+            ExitCode.CONFIGURATION,
+            f"no Kubernetes API: {type(e).__name__}: {detail}; run in the cluster or give --k8s-host",
+        ) from None
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step program: its name, its arguments, what it does, and what it leaves when it fails.
+
+    ``act(args)`` does the step's work and returns its exit code and the line it prints on success (its outputs);
+    it raises ``StepError`` to end early. ``on_error(args, error)`` leaves the failure where the next step reads it
+    (train-segment's supervision record, provision-slice's outcome). ``outputs``: the step's declared outputs; their
+    directory is proven writable before the step acts. ``store_code``: the exit code when the run store cannot be
+    reached (transient, unless the step's retry policy says otherwise).
+    """
+
+    name: str
+    parser: Callable[[], argparse.ArgumentParser]
+    act: Callable[[argparse.Namespace], tuple[int, str]]
+    outputs: Any = None
+    on_error: Callable[[argparse.Namespace, StepError], None] | None = None
+    store_code: int = int(ExitCode.TRANSIENT)
+
+
+def run_step(
+    step: Step, args: argparse.Namespace, *, out: Callable[[str], None] = print, err: Callable[[str], None] = _stderr
+) -> int:
+    """The step after its arguments: act, print its outputs, and map every failure to one line and its exit code."""
+    from recovery_steps.kernel.cli import store_error_line
+    from recovery_steps.kernel.store import StoreUnavailable, store_errors
+
+    try:
+        code, line = step.act(args)
+    except StepError as e:
+        err(f"{step.name}: {e}")
+        if step.on_error is not None:
+            step.on_error(args, e)
+        return int(e.code)
+    except StoreUnavailable as e:
+        err(f"{step.name}: {e}; transient, Argo retries this step")
+        return int(ExitCode.TRANSIENT)
+    except store_errors() as e:
+        line = store_error_line(step.name, RunStore(args.store_root, args.run_id).url(), e)
+        err(line if line.startswith(f"{step.name}:") else f"{step.name}: {line}")
+        return step.store_code
+    if line:
+        out(line)
+    return code
+
+
+def main(step: Step, argv: Sequence[str] | None = None) -> int:
+    """A step's ``main``: parse (a bad argument is one line, exit 2), prove the outputs writable, log, run."""
+    from recovery_steps.kernel import cli
+
+    ap = step.parser()
+    args = ap.parse_args(argv)
+    if step.outputs is not None and getattr(args, "output_dir", None) is not None:
+        cli.ready_output_dir(ap, args.output_dir, step.outputs.names())  # before the step acts
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {step.name} %(levelname)s %(message)s")
+    return run_step(step, args)
