@@ -331,3 +331,25 @@ def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path)
     assert LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js).grace_seconds == 30
     # A benchmark may still pin the grace for every slice.
     assert LocalExecutor(repo_root=REPO, work_dir=tmp_path, grace_seconds=2)._build_slice(node, js).grace_seconds == 2
+
+
+@pytest.mark.parametrize("config", [p.name for p in CONFIGS])
+def test_every_output_reference_names_an_output_its_step_declares(config):
+    # Read back from the compiled manifest: each {{tasks.T.outputs.parameters.P}} in a DAG names a task T of that
+    # DAG whose step declares P, and each {{outputs.parameters.P}} in a template names one of its own outputs.
+    from recovery_steps.kernel.outputs import STEP_OUTPUTS
+
+    declared = {d.TEMPLATE: set(d.names()) for d in STEP_OUTPUTS}
+    wf = _wf(config)
+    seen = 0
+    for tpl in wf["spec"]["templates"]:
+        text = yaml.safe_dump(tpl)
+        tasks = _tasks(tpl) if "dag" in tpl else {}
+        for task, param in re.findall(r"\{\{tasks\.([\w-]+)\.outputs\.parameters\.([\w-]+)\}\}", text):
+            assert task in tasks, f"{tpl['name']}: no task {task}"
+            assert param in declared.get(tasks[task]["template"], set()), f"{tpl['name']}: {task} has no {param}"
+            seen += 1
+        for param in re.findall(r"(?<!\.)\{\{outputs\.parameters\.([\w-]+)\}\}", text):
+            assert param in declared[tpl["name"]], f"{tpl['name']}: no output {param}"
+            seen += 1
+    assert seen >= 20, seen  # the wiring is there to check
