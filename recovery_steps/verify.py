@@ -649,3 +649,56 @@ def metadata_problems(store: RunStore, name: str, manifest: CheckpointManifest) 
     if not problems and not store.is_gcs:
         problems = _ocdbt_problems(store, name, manifest)
     return problems
+
+
+def share_of(files: list[ManifestFile], part: int, parts: int) -> list[ManifestFile]:
+    """The files process ``part`` of ``parts`` checks: the largest first, each to the least loaded process.
+
+    Deterministic (every process computes every share alike) and balanced by bytes, so the slowest process
+    reads about ``1/parts`` of the checkpoint.
+    """
+    load = [0] * max(1, parts)
+    mine = []
+    for f in sorted(files, key=lambda f: (-f.size, f.path)):
+        p = min(range(len(load)), key=lambda i: (load[i], i))
+        load[p] += f.size
+        if p == part:
+            mine.append(f)
+    return mine
+
+
+def part_problems(
+    store: RunStore, name: str, manifest: CheckpointManifest, part: int, parts: int, *, threads: int = 4
+) -> list[str]:
+    """Process ``part``'s check of step directory ``name`` while the gang restores it; one line per problem.
+
+    GCS: process 0 alone compares one listing with the manifest (size, CRC32C, generation; no byte read).
+    An object keeps its generation for life and GCS serves only the bytes it checksummed, so the same
+    generations after the read mean the workers read the objects the manifest pinned. Local directory: each
+    process streams its share (``share_of``) of the files through CRC32C and SHA-256, the bytes orbax has
+    just read (in the page cache); process 0 also checks the closed world (sizes, unlisted files).
+    """
+    if store.is_gcs:
+        if part != 0:
+            return []
+        objects = list_step_dirs_one(store, name)
+        return file_problems(store, name, manifest, objects, threads=threads)
+    problems = []
+    if part == 0:
+        listed = {o.name: o.size for o in list_step_dirs_one(store, name)}
+        for f in manifest.files:
+            if listed.get(f.path) != f.size:
+                problems.append(f"{f.path} has {listed.get(f.path, 'no')} bytes, the manifest says {f.size}")
+        known = {f.path for f in manifest.files} | {RunLayout.MANIFEST}
+        problems += [f"{p} is not in the manifest (an unverified file)" for p in sorted(set(listed) - known)]
+    return problems + streamed_problems(store, name, share_of(manifest.files, part, parts), threads=threads)
+
+
+def list_step_dirs_one(store: RunStore, name: str) -> list[ObjectInfo]:
+    """The objects of step directory ``name`` (names relative to it), from one listing."""
+    base = f"{RunLayout.CHECKPOINTS}/{name}/"
+    return [
+        ObjectInfo(o.name[len(base) :], o.size, o.generation, o.crc32c)
+        for o in store.list(f"{RunLayout.CHECKPOINTS}/{name}")
+        if not o.name[len(base) :].endswith("/")
+    ]

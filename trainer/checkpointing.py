@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 
 from recovery_steps.kernel.checkpoints import TooManyFiles, gather_files, host_files, step_files, write_manifest
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.records import CheckpointManifest, ManifestFile, now
+from recovery_steps.kernel.records import CheckpointManifest, ManifestFile, RestoreRecord, SkippedStep, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.preemption import distributed_client
 
@@ -95,6 +95,9 @@ def configure_orbax() -> None:
     )
     ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
+
+RESTORE_CHECK_WAIT_S = 600.0
+"""How long process 0 waits for each process's check of the restored step (and the others for its verdict)."""
 
 MANIFEST_WAIT_S = 120.0
 """How long a non-primary process waits for process 0's manifest before it leaves the step uncounted."""
@@ -512,6 +515,71 @@ class Checkpointer:
             items["data"] = DataRestore(position)
         got = self.mgr.restore(step, args=ocp.args.Composite(**items))
         return got["state"], (position.get_state() if position is not None else None)
+
+    def check_restored(self, step: int, manifest: CheckpointManifest) -> int | None:
+        """After orbax read ``step``: every process checks its part of the bytes; None when the step is intact.
+
+        orbax's read checks no checksum of an array chunk: tensorstore verifies the CRC32C that ends each
+        OCDBT manifest and B-tree node (``DecodeWithOptionalCompression``), but reads the values (the array
+        bytes) as raw byte ranges, zarr v2 chunks carry no checksum, and neither the file nor the GCS driver
+        checks a hash on read (docs/CHECKPOINTS.md). So each process checks its share (``verify.part_problems``:
+        locally its share of the files streamed, in parallel across hosts; on GCS one listing's generations)
+        and process 0 gathers the verdicts through the coordination service. A damaged step is then treated
+        exactly as restore-latest treats one: process 0 quarantines it and runs restore-latest's decision
+        again (recorded in the attempt's ``restore.json``), and every process is told the step to restore
+        instead (-1: a fresh start).
+
+        Raises:
+            TrainerExit: restore-latest's decision was a stop (no compatible checkpoint: exit 3; or 2).
+        """
+        from recovery_steps import verify
+
+        pi, pc = jax.process_index(), jax.process_count()
+        name = str(step)
+        mine = verify.part_problems(self.store, name, manifest, pi, pc)
+        if pc == 1:
+            verdict = self._fall_back(step, mine) if mine else None
+        elif self.primary:
+            problems = list(mine)
+            for i in range(1, pc):
+                raw = self._kv.blocking_key_value_get(self._check_key(step, i), int(RESTORE_CHECK_WAIT_S * 1000))
+                problems += json.loads(raw)
+            verdict = self._fall_back(step, problems) if problems else None
+            self._kv.key_value_set(self._check_key(step, "verdict"), json.dumps(verdict))
+        else:
+            self._kv.key_value_set(self._check_key(step, pi), json.dumps(mine))
+            raw = self._kv.blocking_key_value_get(self._check_key(step, "verdict"), int(RESTORE_CHECK_WAIT_S * 1000))
+            verdict = json.loads(raw)
+        if verdict is None:
+            return None
+        if verdict["code"] != 0:
+            from trainer.decisions import TrainerExit
+
+            raise TrainerExit(verdict["code"], verdict["message"])
+        log.warning("checkpoint %d is damaged (%s); restoring %d instead", step, verdict["why"], verdict["step"])
+        self.last_committed = None
+        return int(verdict["step"])
+
+    def _check_key(self, step: int, part: int | str) -> str:
+        return f"jaxrec/restore-check/{self.attempt}/{step}/{part}"
+
+    def _fall_back(self, step: int, problems: list[str]) -> dict[str, Any]:
+        """Process 0: quarantine the damaged ``step`` and decide again as restore-latest does; the gang's verdict."""
+        from recovery_steps import restore_latest
+        from recovery_steps.verify import Skip, SkipKind
+
+        shown = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+        why = f"damaged data found by the workers while restoring: {shown}"
+        target = restore_latest.quarantine(self.store, Skip(str(step), step, SkipKind.FILES, why, True), self.attempt)
+        decided = restore_latest.run(self.store, self.attempt)
+        new = decided.selection.step if decided.selection is not None else -1
+        record = self.store.read_record(RunLayout.restore_record(self.attempt), RestoreRecord)
+        if record is not None and target is not None:  # the attempt's record lists this quarantine too
+            skipped = SkippedStep(step=step, name=str(step), reason=why, kind=SkipKind.FILES.value, quarantined=True)
+            restore_latest.write_restore_record(
+                self.store, record.model_copy(update={"skipped": [skipped, *record.skipped], "quarantined": [target]})
+            )
+        return {"code": int(decided.code), "message": decided.message, "step": new, "why": shown}
 
     def restore_state(self, step: int, abstract_state: Any) -> Any:
         """Restore the ``state`` item of ``step`` into the shardings of ``abstract_state``."""
