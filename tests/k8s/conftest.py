@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import realcluster
 from realcluster import RealCluster, TierUnavailable
-from tier import HOSTS, Run, apply_rbac, tier_config
+from tier import HOSTS, REPO, Run, apply_rbac, tier_config
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -139,3 +140,51 @@ def run(real_cluster, namespace, tpu_nodes, tmp_path, request) -> Iterator[Run]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
+
+
+# --- Argo: the real workflow-controller and a process kubelet for its step pods (started only when a test asks) ---
+
+ARGO_FILE = "v5e-4x4.yaml"  # the Workflow of argo/ the Argo tests submit, unchanged
+PODEXEC_NODE = "argo-steps"  # the node of the step pods (not KWOK's: podexec runs them as processes)
+
+
+@pytest.fixture(scope="session")
+def argo(real_cluster: RealCluster, argo_crds, tmp_path_factory) -> Iterator[realcluster.Component]:
+    """Argo's workflow-controller for the namespace the shipped Workflow names (``argoctl``: its own network
+    namespace, the API server through a forwarder) and ``podexec`` on its own node for the step pods."""
+    import sys
+
+    import argoctl
+    import yaml
+
+    if not os.access(real_cluster.bin_dir / argoctl.CONTROLLER, os.X_OK):
+        msg = f"{real_cluster.bin_dir} lacks {argoctl.CONTROLLER}: run tools/k8s/build.sh"
+        pytest.fail(msg, pytrace=False) if _required() else pytest.skip(msg)
+    ns = yaml.safe_load((REPO / "argo" / ARGO_FILE).read_text())["metadata"]["namespace"]
+    real_cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    root = tmp_path_factory.mktemp("argo")
+    ctl = argoctl.start(real_cluster, ns, root / "logs")
+    kubelet = realcluster.Component(
+        "podexec",
+        [
+            sys.executable,
+            str(Path(__file__).with_name("podexec.py")),
+            f"--kubeconfig={real_cluster.root / 'admin.kubeconfig'}",
+            f"--node={PODEXEC_NODE}",
+            f"--root={root / 'pods'}",
+        ],  # fmt: skip
+        root / "logs" / "podexec.log",
+    )
+    kubelet.start()
+    real_cluster.components["podexec"] = kubelet
+    realcluster.wait_for(
+        f"node {PODEXEC_NODE} Ready", lambda: realcluster._ready(real_cluster.node(PODEXEC_NODE)) == "True", 30
+    )
+    _STARTED["argo"] = ctl
+    try:
+        yield ctl
+    finally:
+        kubelet.stop()
+        ctl.stop()
+        for name in ("podexec", argoctl.CONTROLLER):
+            real_cluster.components.pop(name, None)

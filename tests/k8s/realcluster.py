@@ -70,6 +70,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _hex_ip(h: str) -> str:
+    raw = bytes.fromhex(h)
+    # /proc/net/tcp{,6} print each 32-bit word of the address in host (little-endian) order.
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
+
+
+def netns_listeners(pid: int | str) -> set[tuple[str, int]]:
+    """Every listening TCP socket of the network namespace process ``pid`` is in (``/proc/<pid>/net/tcp{,6}``,
+    state 0A), whichever process holds it."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A":
+                    ip, port = cols[1].split(":")
+                    found.add((_hex_ip(ip), int(port, 16)))
+    return found
+
+
 def find_binaries() -> Path:
     """The directory with the built binaries: ``$JAXREC_K8S_BIN``, or what build.sh's cache holds.
 

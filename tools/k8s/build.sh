@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the real-controller tier's control plane from Go modules: kube-apiserver, kube-controller-manager,
 # kube-scheduler (k8s.io/kubernetes), etcd, the JobSet controller and kwok, at the versions tools/k8s/go.mod pins,
-# and fetches the Argo Workflows module whose CRDs the tier applies (read from the module cache, never copied).
+# and Argo's workflow-controller at ARGO_VERSION, whose module also holds the CRDs the tier applies (read from the
+# module cache, never copied).
 #
 # Idempotent: the binaries go to $JAXREC_K8S_CACHE/<key>/bin (default ~/.cache/jaxrec-k8s), where <key> is the
 # sha256 of go.mod, go.sum, this script and `go version`. A hit prints the directory and returns at once.
@@ -20,7 +21,7 @@ export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
 command -v go >/dev/null || { echo "build.sh: no 'go' on PATH; the real-controller tier needs Go 1.26 (go.dev/doc/install)" >&2; exit 2; }
 key="$( { cat "$here/go.mod" "$here/go.sum" "$here/build.sh"; go version; } | sha256sum | cut -c1-16)"
 bin="$cache_root/$key/bin"
-names=(kube-apiserver kube-controller-manager kube-scheduler etcd jobset kwok)
+names=(kube-apiserver kube-controller-manager kube-scheduler etcd jobset kwok workflow-controller)
 complete() {
   for n in "${names[@]}"; do [ -x "$bin/$n" ] || return 1; done
   [ -f "$bin/modules.json" ] || return 1
@@ -56,12 +57,15 @@ rm -rf "$stage"; mkdir -p "$stage"
 trap 'rm -rf "$stage"' EXIT
 cd "$here"
 start=$(date +%s)
-echo "build.sh: building kubernetes ${k8s_version}, etcd, jobset, kwok into $bin (cold: tens of minutes on 2 cores)" >&2
+echo "build.sh: building kubernetes ${k8s_version}, etcd, jobset, kwok, argo ${ARGO_VERSION} into $bin (cold: tens of minutes on 2 cores)" >&2
 go build -trimpath -ldflags "-s -w ${version_flags}" -o "$stage/" \
   k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
 go build -trimpath -ldflags "-s -w" -o "$stage/etcd" go.etcd.io/etcd/server/v3
 go build -trimpath -ldflags "-s -w" -o "$stage/jobset" sigs.k8s.io/jobset
 go build -trimpath -ldflags "-s -w" -o "$stage/kwok" sigs.k8s.io/kwok/cmd/kwok
+# Its own `go install` (outside the tools module, with Argo's own go.mod and go.sum): cold about 6 min on 2 cores.
+GOBIN="$stage" go install -trimpath -ldflags "-s -w" \
+  "github.com/argoproj/argo-workflows/v4/cmd/workflow-controller@${ARGO_VERSION}"
 argo_dir="$(go mod download -json "github.com/argoproj/argo-workflows/v4@${ARGO_VERSION}" | python3 -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')"
 python3 - "$stage/modules.json" "$argo_dir" <<'PY'
 import json, subprocess, sys

@@ -1,0 +1,287 @@
+"""Argo's workflow-controller as a component of the real-controller tier: out of cluster, namespaced, in a network
+namespace of its own.
+
+The controller built by ``tools/k8s/build.sh`` (argo-workflows v4.0.5, the newest version the Go module proxy
+serves) opens listeners the tier cannot move to loopback: its health server on a hard-coded ``:6060``
+(``cmd/workflow-controller/main.go`` in v4.0.5) and, unless disabled, metrics. So it runs under ``unshare --net``
+in a network namespace whose only interface is ``lo``: whatever it binds there, on any address, is unreachable from
+the host. It reaches the API server through :class:`Forwarder`, a listening socket created inside that namespace
+(a socket keeps the namespace it was created in) whose connections this process relays to the API server on the
+host's 127.0.0.1.
+
+Run as Argo's own dev loop runs it (argo-workflows v4.0.5 ``tasks.yaml``, task ``controller``): env
+``LEADER_ELECTION_DISABLE=true``, ``ARGO_NAMESPACE``, ``DEFAULT_REQUEUE_TIME=1s``; flags ``--namespaced
+--managed-namespace`` and an ``--executor-image`` that is never pulled (no kubelet pulls images here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from realcluster import Component, RealCluster, pdeathsig, wait_for
+
+CONTROLLER = "workflow-controller"
+CONFIGMAP = "workflow-controller-configmap"  # the name the controller reads (``--configmap`` default)
+EXECUTOR_IMAGE = "registry.invalid/argoexec-never-pulled:v4.0.5"
+CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int) -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns(CLONE_NEWNET): {os.strerror(err)}")
+
+
+def netns_of(pid: int | str) -> str:
+    """The network namespace of a process (``net:[inode]``)."""
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def listen_in_netns(pid: int, host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket listening on ``host``:<free port> inside the network namespace of process ``pid``.
+
+    Created by a short-lived thread that enters the namespace (``setns`` changes only the calling thread) and
+    returns to its own before it ends; the socket stays in the namespace it was created in.
+    """
+    got: dict[str, Any] = {}
+
+    def make() -> None:
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+        try:
+            _setns(target)
+            try:
+                s = socket.socket()
+                s.bind((host, 0))
+                s.listen(64)
+                got["socket"] = s
+            finally:
+                _setns(own)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            got["error"] = e
+        finally:
+            os.close(own)
+            os.close(target)
+
+    t = threading.Thread(target=make, name="netns-listen")
+    t.start()
+    t.join()
+    if "error" in got:
+        raise got["error"]
+    return got["socket"]
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
+@dataclass
+class Forwarder:
+    """Relays each connection accepted on ``listener`` (in another network namespace) to 127.0.0.1:``target``."""
+
+    listener: socket.socket
+    target: int
+    connections: int = 0
+    _closed: bool = False
+    _socks: list[socket.socket] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return self.listener.getsockname()[1]
+
+    def start(self) -> None:
+        threading.Thread(target=self._accept, name="argo-forwarder", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                inner, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                outer = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+                outer.settimeout(None)
+            except OSError:
+                inner.close()
+                continue
+            self.connections += 1
+            self._socks += [inner, outer]
+            threading.Thread(target=_pump, args=(inner, outer), daemon=True).start()
+            threading.Thread(target=_pump, args=(outer, inner), daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        for s in [self.listener, *self._socks]:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+@dataclass
+class ArgoController(Component):
+    """The workflow-controller in its own network namespace, with the forwarder to the API server."""
+
+    rc: RealCluster | None = None
+    namespace: str = ""
+    forwarder: Forwarder | None = None
+    started_in_s: float = 0.0
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            # The shell brings lo up in the new namespace, then waits for the forwarder before exec'ing the controller.
+            self.proc = subprocess.Popen(
+                ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && read go && exec "$@"', "argo", *self.argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=pdeathsig,
+                env={**os.environ, **(self.env or {})},
+            )
+        host_ns = netns_of("self")
+        wait_for("the controller's network namespace", lambda: netns_of(self.proc.pid) != host_ns, 10, 0.02)
+        assert self.rc is not None
+        self.forwarder = Forwarder(listen_in_netns(self.proc.pid), int(self.rc.server.rsplit(":", 1)[1]))
+        self.forwarder.start()
+        _kubeconfig(self.rc, self.kubeconfig_path, self.forwarder.port, self.namespace)
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.close()
+
+    @property
+    def kubeconfig_path(self) -> Path:
+        return self.log.with_name(f"{self.name}.kubeconfig")
+
+    def stop(self, grace: float = 5.0) -> None:
+        super().stop(grace)
+        if self.forwarder is not None:
+            self.forwarder.close()
+
+
+def _kubeconfig(rc: RealCluster, path: Path, port: int, namespace: str) -> None:
+    """The admin kubeconfig pointed at the forwarder, with the managed namespace as the context's namespace."""
+    rc.kubeconfig(path)
+    doc = yaml.safe_load(path.read_text())
+    doc["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{port}"
+    doc["contexts"][0]["context"]["namespace"] = namespace
+    path.write_text(yaml.safe_dump(doc))
+    path.chmod(0o600)
+
+
+def configmap(namespace: str) -> dict[str, Any]:
+    """The controller's configmap: metrics and telemetry servers off (config keys of argo-workflows v4.0.5
+    ``config/config.go``: ``metricsConfig``, ``telemetryConfig``)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": CONFIGMAP, "namespace": namespace},
+        "data": {"metricsConfig": "enabled: false\n", "telemetryConfig": "enabled: false\n"},
+    }
+
+
+def start(rc: RealCluster, namespace: str, log_dir: Path) -> ArgoController:
+    """Start the controller for ``namespace`` (the configmap applied first); returns once it runs and has
+    connected to the API server through the forwarder."""
+    t0 = time.monotonic()
+    rc.apply(configmap(namespace))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ctl = ArgoController(
+        CONTROLLER,
+        [
+            str(rc.bin_dir / CONTROLLER),
+            f"--kubeconfig={log_dir / (CONTROLLER + '.kubeconfig')}",
+            "--namespaced",
+            f"--managed-namespace={namespace}",
+            f"--executor-image={EXECUTOR_IMAGE}",
+            "--loglevel=info",
+        ],
+        log_dir / f"{CONTROLLER}.log",
+        env={"LEADER_ELECTION_DISABLE": "true", "ARGO_NAMESPACE": namespace, "DEFAULT_REQUEUE_TIME": "1s"},
+        rc=rc,
+        namespace=namespace,
+    )
+    ctl.start()
+    rc.components[CONTROLLER] = ctl
+
+    def connected() -> bool:
+        if not ctl.alive():
+            raise AssertionError(f"{CONTROLLER} exited:\n{ctl.tail()}")
+        return ctl.forwarder is not None and ctl.forwarder.connections > 0
+
+    wait_for(f"{CONTROLLER} connected to the API server", connected, 60)
+    ctl.started_in_s = time.monotonic() - t0
+    return ctl
+
+
+# --- Workflows, as `argo submit` and `argo get` see them ----------------------------------------------------------
+
+
+def submit(rc: RealCluster, path: Path, parameters: dict[str, str], namespace: str | None = None) -> dict[str, Any]:
+    """Create the Workflow of a file of argo/ unchanged but for what ``argo submit -n NS -p name=value`` changes
+    (the namespace and values of declared parameters); returns it as stored."""
+    from kubernetes import client
+
+    wf = yaml.safe_load(path.read_text())
+    declared = {p["name"]: p for p in wf["spec"]["arguments"]["parameters"]}
+    unknown = set(parameters) - set(declared)
+    if unknown:
+        raise ValueError(f"{path.name} declares no parameter {sorted(unknown)} (argo submit -p refuses it)")
+    for name, value in parameters.items():
+        declared[name]["value"] = value
+    if namespace:
+        wf["metadata"]["namespace"] = namespace
+    ns = wf["metadata"]["namespace"]
+    return client.CustomObjectsApi(rc.admin).create_namespaced_custom_object(
+        "argoproj.io", "v1alpha1", ns, "workflows", wf
+    )
+
+
+def workflow(rc: RealCluster, namespace: str, name: str) -> dict[str, Any]:
+    from kubernetes import client
+
+    return client.CustomObjectsApi(rc.admin).get_namespaced_custom_object(
+        "argoproj.io", "v1alpha1", namespace, "workflows", name
+    )
+
+
+def nodes(wf: dict[str, Any], template: str | None = None) -> list[dict[str, Any]]:
+    """The Workflow's nodes (of one template), oldest first."""
+    found = [
+        n for n in ((wf.get("status") or {}).get("nodes") or {}).values() if template in (None, n.get("templateName"))
+    ]
+    return sorted(found, key=lambda n: (n.get("startedAt") or "", n["id"]))
+
+
+def pods_of(wf: dict[str, Any], template: str) -> list[dict[str, Any]]:
+    """The Pod nodes (one per try) of a template."""
+    return [n for n in nodes(wf, template) if n.get("type") == "Pod"]
+
+
+def outputs(node: dict[str, Any]) -> dict[str, str]:
+    return {p["name"]: p.get("value", "") for p in ((node.get("outputs") or {}).get("parameters") or [])}
+
+
+def summary(wf: dict[str, Any]) -> str:
+    """One line per node: what ``argo get`` shows."""
+    lines = [f"workflow {wf['metadata']['name']}: {(wf.get('status') or {}).get('phase')} "
+             f"{(wf.get('status') or {}).get('message', '')}"]  # fmt: skip
+    for n in nodes(wf):
+        code = (n.get("outputs") or {}).get("exitCode", "")
+        lines.append(f"  {n.get('displayName')} [{n.get('type')}] {n.get('phase')} exit={code} {n.get('message', '')}")
+    return "\n".join(lines)

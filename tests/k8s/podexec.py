@@ -1,0 +1,570 @@
+"""A process kubelet for Argo's step pods in the real-controller tier (simulated: no container runtime here).
+
+It registers one Node that KWOK does not manage (no ``jaxrec.test/kwok`` label), keeps it Ready by renewing its
+Lease, and runs every pod the real scheduler binds to it as a local process:
+
+- the main container's command and args (after Argo's ``argoexec emissary ... --`` prefix), with ``python``
+  meaning this interpreter, and the container's env (values and the fieldRefs used by Argo's pods resolved);
+- as the pod's ServiceAccount: a bound token (TokenRequest for the pod, as a projected token would be) in a
+  kubeconfig that ``KUBECONFIG`` names (``recovery_steps.kernel.k8s.make_api_client`` reads it when
+  ``KUBERNETES_SERVICE_HOST`` is unset);
+- with paths of its own: in a private mount namespace (``unshare -m``), each directory the template names for an
+  input artifact or output parameter (``/tmp/inputs``, ``/tmp/outputs``) is a bind mount of a directory under the
+  pod's own root, so two steps never share an output file. Raw input artifacts are written there first, as
+  Argo's init container does. The host keeps those directories as empty mount points.
+
+What Argo's ``wait`` container does is done here, in its order (argo-workflows v4.0.5
+``cmd/argoexec/commands/wait.go``, ``workflow/executor/{executor,taskresult}.go``): a WorkflowTaskResult named
+after the node ID with ``report-outputs-completed=false`` before the step runs; after it ends, the declared output
+parameters read from their files (one trailing newline trimmed; the first missing file without a default stops the
+saving and is the wait container's error), the outputs reported, the label set to ``true``. Only then is the pod
+reported finished: the main container ``terminated{exitCode}``, ``wait`` terminated (1 after an error), phase
+Succeeded or Failed. The task result is written with the pod's own token: the executor's RBAC is the project's.
+
+A deleted pod is killed as the kubelet kills it: SIGTERM to the process group, SIGKILL after the grace period,
+then the pod is removed (delete with grace 0). Run as ``python podexec.py --kubeconfig K --node N --root DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("podexec")
+
+ARGO = ("argoproj.io", "v1alpha1")
+WAIT, MAIN = "wait", "main"
+LEASE_S = 4
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pdeathsig() -> None:  # SIGKILL when the thread that started the step ends (the pod's runner, or this process)
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+
+
+def main_command(container: dict[str, Any]) -> list[str]:
+    """The command Argo's emissary runs: what follows its ``--`` (``workflowpod.go``: argoexec emissary ... --)."""
+    argv = [*(container.get("command") or []), *(container.get("args") or [])]
+    if len(argv) > 1 and argv[0].endswith("/argoexec") and argv[1] == "emissary" and "--" in argv:
+        argv = argv[argv.index("--") + 1 :]
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+def field_value(pod: dict[str, Any], path: str) -> str:
+    """A ``fieldRef`` of the downward API (the forms Argo and JobSet pods use)."""
+    meta = pod["metadata"]
+    for key in ("annotations", "labels"):
+        prefix = f"metadata.{key}['"
+        if path.startswith(prefix):
+            return (meta.get(key) or {}).get(path[len(prefix) : -2], "")
+    simple = {
+        "metadata.name": meta["name"],
+        "metadata.namespace": meta["namespace"],
+        "metadata.uid": meta["uid"],
+        "spec.nodeName": pod["spec"].get("nodeName", ""),
+        "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
+        "status.hostIP": "127.0.0.1",
+        "status.podIP": "127.0.0.1",
+    }
+    if path not in simple:
+        raise ValueError(f"fieldRef {path} is not resolved by podexec")
+    return simple[path]
+
+
+def container_env(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for e in container.get("env") or []:
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif (e.get("valueFrom") or {}).get("fieldRef"):
+            env[e["name"]] = field_value(pod, e["valueFrom"]["fieldRef"]["fieldPath"])
+    return env
+
+
+def argo_env(pod: dict[str, Any]) -> dict[str, str]:
+    """What Argo gives its executor containers (init and wait): the template, node ID, workflow name and uid."""
+    env: dict[str, str] = {}
+    for c in [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]:
+        if c["name"] != MAIN:
+            env.update(container_env(pod, c))
+    return env
+
+
+def mount_points(template: dict[str, Any]) -> list[str]:
+    """The directories a template reads inputs from and writes outputs to."""
+    paths = [a["path"] for a in (template.get("inputs") or {}).get("artifacts") or [] if a.get("path")]
+    paths += [
+        p["valueFrom"]["path"]
+        for p in (template.get("outputs") or {}).get("parameters") or []
+        if (p.get("valueFrom") or {}).get("path")
+    ]
+    return sorted({os.path.dirname(p) for p in paths})
+
+
+def save_parameters(template: dict[str, Any], private: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """The template's output parameters with their values (Argo's ``SaveParameters``); and its error, if any."""
+    params = [dict(p) for p in (template.get("outputs") or {}).get("parameters") or []]
+    for p in params:
+        path = (p.get("valueFrom") or {}).get("path")
+        if not path:
+            continue
+        f = private / path.lstrip("/")
+        if f.is_file():
+            value = f.read_text()
+        elif "default" in p["valueFrom"]:
+            value = p["valueFrom"]["default"]
+        else:
+            return params, f"open {path}: no such file or directory"
+        p["value"] = value[:-1] if value.endswith("\n") else value
+    return params, None
+
+
+@dataclass
+class PodRun:
+    """One pod: its process and what has been reported about it."""
+
+    kubelet: Kubelet
+    pod: dict[str, Any]
+    proc: subprocess.Popen | None = None
+    deleting: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def ns(self) -> str:
+        return self.pod["metadata"]["namespace"]
+
+    @property
+    def name(self) -> str:
+        return self.pod["metadata"]["name"]
+
+    @property
+    def root(self) -> Path:
+        return self.kubelet.root / f"{self.ns}_{self.name}_{self.pod['metadata']['uid'][:8]}"
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception:
+            log.exception("pod %s/%s", self.ns, self.name)
+        finally:
+            self.done.set()
+            if self.deleting.is_set():
+                self.kubelet.remove(self.ns, self.name)
+
+    def _run(self) -> None:
+        main = next(c for c in self.pod["spec"]["containers"] if c["name"] == MAIN)
+        aenv = argo_env(self.pod)
+        template = json.loads(aenv.get("ARGO_TEMPLATE") or "{}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        private = self.root / "fs"
+        token = self.kubelet.token(self.pod)
+        kubeconfig = self.kubelet.write_kubeconfig(self.root / "kubeconfig", token)
+        for a in (template.get("inputs") or {}).get("artifacts") or []:
+            if "raw" in a:  # what Argo's init container does for a raw artifact
+                (private / a["path"].lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+                (private / a["path"].lstrip("/")).write_text(a["raw"]["data"])
+        result = TaskResult(self.kubelet, self.pod, aenv, token)
+        result.initialize()
+        started = now()
+        self.kubelet.report_running(self.pod, started)
+        code = self._execute(main, template, private, kubeconfig)
+        params, error = save_parameters(template, private)
+        result.report(params, error)
+        self.kubelet.report_terminated(self.pod, started, code, wait_code=1 if error else 0, error=error)
+
+    def _execute(self, main: dict[str, Any], template: dict[str, Any], private: Path, kubeconfig: Path) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+        env.update(container_env(self.pod, main))
+        env["KUBECONFIG"] = str(kubeconfig)
+        binds = []
+        for d in mount_points(template):
+            Path(d).mkdir(parents=True, exist_ok=True)  # the host's (empty) mount point
+            (private / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
+            binds.append(f'mount --bind "{private / d.lstrip("/")}" "{d}"')
+        script = " && ".join([*binds, 'exec "$@"'])
+        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "step", *main_command(main)]
+        with (self.root / "main.log").open("ab") as out:
+            if self.deleting.is_set():
+                return 143
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=self.root,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=pdeathsig,
+            )
+        log.info(
+            "pod %s/%s: started %s (pid %d)", self.ns, self.name, " ".join(main_command(main))[:200], self.proc.pid
+        )
+        code = self.proc.wait()
+        code = 128 - code if code < 0 else code  # killed by signal N: the runtime reports 128 + N
+        log.info("pod %s/%s: exit %d", self.ns, self.name, code)
+        return code
+
+    def kill(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s`` (the kubelet's kill of a deleted pod)."""
+        if self.deleting.is_set():
+            return
+        self.deleting.set()
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        log.info("pod %s/%s deleted: SIGTERM, SIGKILL after %.0f s", self.ns, self.name, grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+
+        def later() -> None:
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+        threading.Thread(target=later, daemon=True).start()
+
+
+@dataclass
+class TaskResult:
+    """The WorkflowTaskResult of one node, written as Argo's wait container writes it, with the pod's token."""
+
+    kubelet: Kubelet
+    pod: dict[str, Any]
+    env: dict[str, str]
+    token: str
+
+    def _api(self) -> Any:
+        from kubernetes import client
+
+        return client.CustomObjectsApi(self.kubelet.client(self.token))
+
+    def initialize(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        wf = self.env["ARGO_WORKFLOW_NAME"]
+        body = {
+            "apiVersion": "argoproj.io/v1alpha1",
+            "kind": "WorkflowTaskResult",
+            "metadata": {
+                "name": self.env["ARGO_NODE_ID"],
+                "labels": {
+                    "workflows.argoproj.io/workflow": wf,
+                    "workflows.argoproj.io/report-outputs-completed": "false",
+                },
+                "ownerReferences": [
+                    {
+                        "apiVersion": "argoproj.io/v1alpha1",
+                        "kind": "Workflow",
+                        "name": wf,
+                        "uid": self.env["ARGO_WORKFLOW_UID"],
+                    }
+                ],
+            },
+        }
+        try:
+            self._api().create_namespaced_custom_object(
+                *ARGO, self.pod["metadata"]["namespace"], "workflowtaskresults", body
+            )
+        except ApiException as e:
+            if e.status != 409:
+                raise
+
+    def report(self, params: list[dict[str, Any]], error: str | None) -> None:
+        ns, name = self.pod["metadata"]["namespace"], self.env["ARGO_NODE_ID"]
+        outputs: dict[str, Any] = {"parameters": params} if params else {}
+        patch: dict[str, Any] = {"outputs": outputs} if outputs else {}
+        if patch:
+            self._api().patch_namespaced_custom_object(*ARGO, ns, "workflowtaskresults", name, patch)
+        labels = {"metadata": {"labels": {"workflows.argoproj.io/report-outputs-completed": "true"}}}
+        self._api().patch_namespaced_custom_object(*ARGO, ns, "workflowtaskresults", name, labels)
+        if error:
+            log.info("pod %s/%s: wait container error: %s", ns, self.pod["metadata"]["name"], error)
+
+
+class Kubelet:
+    """The node, its Lease, the pod watch and the pods' runs."""
+
+    def __init__(self, kubeconfig: Path, node: str, root: Path):
+        from kubernetes import config
+
+        self.kubeconfig, self.node, self.root = kubeconfig, node, root
+        self.admin = config.new_client_from_config(str(kubeconfig))
+        self.server = self.admin.configuration.host
+        self.ca = self.admin.configuration.ssl_ca_cert
+        self.runs: dict[str, PodRun] = {}
+
+    def client(self, token: str) -> Any:
+        from kubernetes import client
+
+        cfg = client.Configuration(host=self.server)
+        cfg.ssl_ca_cert = self.ca
+        cfg.api_key = {"authorization": f"Bearer {token}"}
+        cfg.retries = 3
+        return client.ApiClient(cfg)
+
+    def core(self) -> Any:
+        from kubernetes import client
+
+        return client.CoreV1Api(self.admin)
+
+    def token(self, pod: dict[str, Any]) -> str:
+        """A token of the pod's ServiceAccount bound to the pod (TokenRequest, as the kubelet's projected token)."""
+        from kubernetes import client
+
+        meta = pod["metadata"]
+        req = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[],
+                expiration_seconds=3600,
+                bound_object_ref=client.V1BoundObjectReference(
+                    kind="Pod", api_version="v1", name=meta["name"], uid=meta["uid"]
+                ),
+            )
+        )
+        sa = pod["spec"].get("serviceAccountName") or "default"
+        return self.core().create_namespaced_service_account_token(sa, meta["namespace"], req).status.token
+
+    def write_kubeconfig(self, path: Path, token: str) -> Path:
+        import yaml
+
+        doc = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "tier", "cluster": {"server": self.server, "certificate-authority": self.ca}}],
+            "users": [{"name": "pod", "user": {"token": token}}],
+            "contexts": [{"name": "tier", "context": {"cluster": "tier", "user": "pod"}}],
+            "current-context": "tier",
+        }
+        path.write_text(yaml.safe_dump(doc))
+        path.chmod(0o600)
+        return path
+
+    # --- node --------------------------------------------------------------------------------------
+
+    def register(self) -> None:
+        """Create the node (not managed by KWOK) and report it Ready."""
+        from kubernetes.client.exceptions import ApiException
+
+        res = {"cpu": "16", "memory": "64Gi", "pods": "110"}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.node,
+                "labels": {
+                    "kubernetes.io/hostname": self.node,
+                    "kubernetes.io/os": "linux",
+                    "jaxrec.test/podexec": "true",
+                },
+            },
+        }
+        try:
+            self.core().create_node(body)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        t = now()
+        ready = {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": "podexec is posting ready status",
+            "lastHeartbeatTime": t,
+            "lastTransitionTime": t,
+        }
+        status = {
+            "status": {
+                "conditions": [ready],
+                "capacity": res,
+                "allocatable": res,
+                "addresses": [
+                    {"type": "InternalIP", "address": "127.0.0.1"},
+                    {"type": "Hostname", "address": self.node},
+                ],
+                "nodeInfo": {
+                    "kubeletVersion": "podexec",
+                    "containerRuntimeVersion": "podexec",
+                    "architecture": "amd64",
+                    "operatingSystem": "linux",
+                    "osImage": "podexec",
+                    "kernelVersion": "",
+                    "kubeProxyVersion": "",
+                    "machineID": "",
+                    "bootID": "",
+                    "systemUUID": "",
+                },
+            }
+        }
+        self.core().patch_node_status(self.node, status)
+
+    def renew_lease(self) -> None:
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        coord = client.CoordinationV1Api(self.admin)
+        node = self.core().read_node(self.node)
+        t = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        spec = {"holderIdentity": self.node, "leaseDurationSeconds": LEASE_S, "renewTime": t}
+        try:
+            coord.patch_namespaced_lease(self.node, "kube-node-lease", {"spec": spec})
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            owner = {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node.metadata.uid}
+            body = {"metadata": {"name": self.node, "ownerReferences": [owner]}, "spec": spec}
+            coord.create_namespaced_lease("kube-node-lease", body)
+
+    def heartbeat(self) -> None:
+        while True:
+            try:
+                self.renew_lease()
+            except Exception:
+                log.exception("lease")
+            time.sleep(LEASE_S / 4)
+
+    # --- pods -----------------------------------------------------------------------------------------
+
+    def report_running(self, pod: dict[str, Any], started: str) -> None:
+        spec = pod["spec"]
+        status = {
+            "phase": "Running",
+            "hostIP": "127.0.0.1",
+            "startTime": started,
+            "conditions": [
+                {"type": t, "status": "True", "lastTransitionTime": started}
+                for t in ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady")
+            ],
+            "initContainerStatuses": [
+                _status(
+                    c,
+                    {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": started, "finishedAt": started}},
+                )
+                for c in spec.get("initContainers") or []
+            ],
+            "containerStatuses": [
+                _status(c, {"running": {"startedAt": started}}, ready=True) for c in spec["containers"]
+            ],
+        }
+        self.core().patch_namespaced_pod_status(
+            pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status}
+        )
+
+    def report_terminated(
+        self, pod: dict[str, Any], started: str, code: int, wait_code: int, error: str | None
+    ) -> None:
+        t = now()
+
+        def term(c: dict[str, Any]) -> dict[str, Any]:
+            n = code if c["name"] == MAIN else wait_code if c["name"] == WAIT else 0
+            state = {"exitCode": n, "reason": "Completed" if n == 0 else "Error", "startedAt": started, "finishedAt": t}
+            if c["name"] == WAIT and error:
+                state["message"] = error
+            return _status(c, {"terminated": state})
+
+        status = {
+            "phase": "Succeeded" if code == 0 and wait_code == 0 else "Failed",
+            "conditions": [
+                {"type": t_, "status": "False", "reason": "PodCompleted", "lastTransitionTime": t}
+                for t_ in ("Ready", "ContainersReady")
+            ],
+            "containerStatuses": [term(c) for c in pod["spec"]["containers"]],
+        }
+        self.core().patch_namespaced_pod_status(
+            pod["metadata"]["name"], pod["metadata"]["namespace"], {"status": status}
+        )
+
+    def remove(self, ns: str, name: str) -> None:
+        """Confirm a deletion (grace 0), as the kubelet does once the containers are gone."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        with contextlib.suppress(ApiException):
+            self.core().delete_namespaced_pod(name, ns, body=client.V1DeleteOptions(grace_period_seconds=0))
+
+    def on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        uid = pod["metadata"]["uid"]
+        meta = pod["metadata"]
+        if kind == "DELETED":
+            self.runs.pop(uid, None)
+            return
+        run = self.runs.get(uid)
+        if meta.get("deletionTimestamp"):
+            if run is None:
+                self.remove(meta["namespace"], meta["name"])
+            else:
+                grace = meta.get("deletionGracePeriodSeconds")
+                run.kill(float(grace if grace is not None else pod["spec"].get("terminationGracePeriodSeconds", 30)))
+                if run.done.is_set():  # else its runner removes it once the pod's end is reported
+                    self.remove(meta["namespace"], meta["name"])
+            return
+        if run is None and pod["status"].get("phase") in (None, "Pending"):
+            run = self.runs[uid] = PodRun(self, pod)
+            threading.Thread(target=run.run, name=f"pod-{meta['name']}").start()
+
+    def watch(self) -> None:
+        from kubernetes import watch
+
+        while True:
+            try:
+                w = watch.Watch()
+                for ev in w.stream(
+                    self.core().list_pod_for_all_namespaces,
+                    field_selector=f"spec.nodeName={self.node}",
+                    timeout_seconds=60,
+                ):
+                    self.on_pod(ev["type"], ev["raw_object"])
+            except Exception:
+                log.exception("watch")
+                time.sleep(1)
+
+
+def _status(c: dict[str, Any], state: dict[str, Any], ready: bool = False) -> dict[str, Any]:
+    return {
+        "name": c["name"],
+        "image": c["image"],
+        "imageID": "",
+        "ready": ready,
+        "restartCount": 0,
+        "started": "running" in state,
+        "state": state,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kubeconfig", type=Path, required=True)
+    p.add_argument("--node", required=True)
+    p.add_argument("--root", type=Path, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(message)s")
+    k = Kubelet(args.kubeconfig, args.node, args.root)
+    k.register()
+    k.renew_lease()
+    threading.Thread(target=k.heartbeat, name="lease", daemon=True).start()
+    k.watch()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
