@@ -606,14 +606,17 @@ def _ocdbt_problems(store: RunStore, name: str, manifest: CheckpointManifest) ->
     of the values). A reference to a file the manifest does not list, or past a listed file's end, is a step
     orbax could not read whole.
     """
+    sizes = {f.path: f.size for f in manifest.files}
+    roots = sorted(p for p in sizes if p == "manifest.ocdbt" or p.endswith("/manifest.ocdbt"))
+    if not roots:
+        return []
     try:
         import tensorstore as ts
     except ImportError:  # the step image always has it (orbax depends on it)
         return []
-    sizes = {f.path: f.size for f in manifest.files}
     step_dir = Path(store.url(f"{RunLayout.CHECKPOINTS}/{name}"))
     problems: list[str] = []
-    for root in sorted(p for p in sizes if p == "manifest.ocdbt" or p.endswith("/manifest.ocdbt")):
+    for root in roots:
         db = root[: -len("manifest.ocdbt")]
         try:
             kv = ts.KvStore.open(f"file://{step_dir / db}/").result()
