@@ -9,6 +9,7 @@ decision); exits 1 when it cannot read or write the run store, 2 when the run ha
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from collections.abc import Callable
@@ -26,10 +27,10 @@ from recovery_steps.evidence import (
     use_supervisor_snapshot,
 )
 from recovery_steps.kernel import cli
-from recovery_steps.kernel.checkpoints import newest_complete_step
-from recovery_steps.kernel.config import ConfigError, JobConfig, RetryConfig
+from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkpoint_step
+from recovery_steps.kernel.config import JobConfig, RetryConfig
 from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
-from recovery_steps.kernel.documents import read_ledger, read_run_config
+from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.outputs import ClassifyOutputs
 from recovery_steps.kernel.records import (
     AttemptRecord,
@@ -39,7 +40,9 @@ from recovery_steps.kernel.records import (
     SupervisorLosses,
     now,
 )
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, StoreUnavailable
+from recovery_steps.kernel.step import Step, StepError, load_run_config
+from recovery_steps.kernel.step import main as step_main
+from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import (
     RetryDecision,
     argo_duration,
@@ -51,14 +54,6 @@ from recovery_steps.retry import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class StepFailure(Exception):
-    """classify-failure itself could not do its job (store unreachable, no config). ``code`` is the exit code."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -73,14 +68,9 @@ class ClassifyResult:
     budget_exhausted: bool = False
 
 
-def load_run_config(store: RunStore) -> JobConfig:
-    """The run's validated config from the store; StepFailure(code 2) when it is missing or invalid."""
-    try:
-        return read_run_config(store)
-    except ConfigError as e:
-        raise StepFailure(e.render(), 2) from None
-    except DocumentError as e:
-        raise StepFailure(f"{e} (check --store-root and --run-id)", 2) from None
+def _failure(line: str) -> StepError:
+    """classify-failure could not read or write the ledger: exit 1."""
+    return StepError(1, line)
 
 
 # A supervisor lost this often in one attempt is not bad luck: the attempt is closed (class from the evidence).
@@ -104,18 +94,6 @@ def orphaned_gang(ev: Evidence) -> str | None:
         return None
     why = "no supervision record" if sup is None else f"the supervisor left transient ({sup.reason})"
     return f"JobSet {js.name} is running and {why}: its supervisor was lost"
-
-
-def checkpoint_step_before(store: RunStore, attempt: int) -> int:
-    """The step attempt ``attempt`` restored (its ``RestoreRecord``), or -1 (fresh start, or never decided)."""
-    rec = store.read_record(RunLayout.restore_record(attempt), RestoreRecord)
-    return rec.restore_step if rec is not None else -1
-
-
-def newest_checkpoint_step(store: RunStore) -> int:
-    """The newest checkpoint step that has a manifest (a complete checkpoint), or -1."""
-    newest = newest_complete_step(store)
-    return -1 if newest is None else newest
 
 
 def _timings(ev: Evidence) -> tuple[float | None, float | None]:
@@ -210,11 +188,11 @@ def run(
         The verdict, the decision, the attempt's record and the ledger as written.
 
     Raises:
-        StepFailure: the store could not be read or written, or the run has no usable config.
+        StepError: the store could not be read or written, or the run has no usable config.
     """
     store = RunStore(store_root, run_id)
-    with ledger_errors(store, StepFailure):
-        cfg = load_run_config(store)
+    with ledger_errors(store, _failure):
+        cfg = load_run_config(store_root, run_id, check_ledger=False)
         read_ledger(store)  # a damaged ledger is refused before anything is written
         ev = gather(store, cfg, attempt, jobset, api_client=api_client, step_exit_code=step_exit_code)
         lost = orphaned_gang(ev)
@@ -227,45 +205,51 @@ def run(
                 return _resupervise(store, cfg, attempt, jobset, ev, lost, len(losses.at), output_dir, workflow)
             ev.notes.append(f"{lost}; lost {len(losses.at)} times already: the attempt is closed")
         verdict = classify(ev)
-        before = checkpoint_step_before(store, attempt)
-        after = newest_checkpoint_step(store)
-        started, ended = _timings(ev)
-        base = AttemptRecord(
-            attempt=attempt,
-            outcome="failed",
-            failure_class=verdict.failure_class,
-            reason=verdict.reason,
-            evidence=verdict.evidence,
-            checkpoint_step_before=before,
-            checkpoint_step_after=after,
-            started_at=started,
-            ended_at=ended,
-            backend=ev.backend,
-            jobset=jobset,
-            first_worker=verdict.first_worker,
-            cause_worker=verdict.cause_worker,
-            workflow=workflow,
-        )
-        holder: dict[str, Any] = {}
-
-        def close(led: Ledger) -> Ledger:
-            d = decide(led.attempts, base, cfg.retry)
-            closed = clock()
-            wait = backoff_wait(d.backoff_seconds, base.ended_at, closed) if d.decision != Decision.STOP else 0.0
-            rec = base.model_copy(update={"decision": d.decision, "backoff_seconds": d.backoff_seconds,
-                                          "backoff_wait_seconds": round(wait, 3), "decision_reason": d.reason,
-                                          "closed_at": closed})  # fmt: skip
-            holder["decision"], holder["record"] = d, rec
-            return with_attempt(led, rec)
-
-        ledger = update_ledger(store, close)
-        record: AttemptRecord = holder["record"]
-        store.write_record(RunLayout.attempt_record(attempt), record)
-    spent = budget_exhausted(holder["decision"], verdict.failure_class, cfg.retry)
-    result = ClassifyResult(verdict, holder["decision"], record, ledger, ev, spent)
+        decision, record, ledger = close_attempt(store, cfg, attempt, jobset, ev, verdict, workflow, clock)
+    spent = budget_exhausted(decision, verdict.failure_class, cfg.retry)
+    result = ClassifyResult(verdict, decision, record, ledger, ev, spent)
     if output_dir is not None:
         write_outputs(Path(output_dir), result)
     return result
+
+
+def close_attempt(
+    store: RunStore, cfg: JobConfig, attempt: int, jobset: str, ev: Evidence, verdict: Verdict, workflow: str | None,
+    clock: Callable[[], float],
+) -> tuple[RetryDecision, AttemptRecord, Ledger]:  # fmt: skip
+    """Close the attempt in the ledger with its class and the retry decision; write its own record too."""
+    started, ended = _timings(ev)
+    base = AttemptRecord(
+        attempt=attempt,
+        outcome="failed",
+        failure_class=verdict.failure_class,
+        reason=verdict.reason,
+        evidence=verdict.evidence,
+        checkpoint_step_before=checkpoint_step_before(store, attempt),
+        checkpoint_step_after=newest_checkpoint_step(store),
+        started_at=started,
+        ended_at=ended,
+        backend=ev.backend,
+        jobset=jobset,
+        first_worker=verdict.first_worker,
+        cause_worker=verdict.cause_worker,
+        workflow=workflow,
+    )
+    holder: dict[str, Any] = {}
+
+    def close(led: Ledger) -> Ledger:
+        d = decide(led.attempts, base, cfg.retry)
+        closed = clock()
+        wait = backoff_wait(d.backoff_seconds, base.ended_at, closed) if d.decision != Decision.STOP else 0.0
+        rec = base.model_copy(update={"decision": d.decision, "backoff_seconds": d.backoff_seconds,
+                                      "backoff_wait_seconds": round(wait, 3), "decision_reason": d.reason,
+                                      "closed_at": closed})  # fmt: skip
+        holder["decision"], holder["record"] = d, rec
+        return with_attempt(led, rec)
+
+    ledger = update_ledger(store, close)
+    store.write_record(RunLayout.attempt_record(attempt), holder["record"])
+    return holder["decision"], holder["record"], ledger
 
 
 def _resupervise(store: RunStore, cfg: JobConfig, attempt: int, jobset: str, ev: Evidence, lost: str, n: int,
@@ -338,8 +322,8 @@ def summary(r: ClassifyResult) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.classify_failure``."""
+def parser() -> argparse.ArgumentParser:
+    """The step's arguments."""
     p = cli.StepArgumentParser(prog="python -m recovery_steps.classify_failure", description=__doc__)
     p.add_argument("--store-root", required=True, type=cli.store_root, help="gs://bucket/prefix or a local directory")
     p.add_argument("--run-id", required=True, type=cli.run_id)
@@ -358,20 +342,23 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="name of the Workflow running the attempt ({{workflow.name}}): counts its attempts for the hand-over",
     )
-    args = p.parse_args(argv)
-    cli.ready_output_dir(p, args.output_dir, ClassifyOutputs.names())  # before the ledger is written
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        r = run(args.store_root, args.run_id, args.attempt, args.jobset, args.output_dir,
-                step_exit_code=args.step_exit_code, workflow=args.workflow)  # fmt: skip
-    except StepFailure as e:
-        print(f"classify-failure: {e}", file=sys.stderr)
-        return e.code
-    except StoreUnavailable as e:
-        print(f"classify-failure: {e}; transient, Argo retries this step", file=sys.stderr)
-        return int(ExitCode.TRANSIENT)
-    print(summary(r))
-    return 0
+    return p
+
+
+def act(args: argparse.Namespace) -> tuple[int, str]:
+    """Classify, close the attempt, decide; the summary for the step's log."""
+    r = run(args.store_root, args.run_id, args.attempt, args.jobset, args.output_dir,
+            step_exit_code=args.step_exit_code, workflow=args.workflow)  # fmt: skip
+    return 0, summary(r)
+
+
+# A run store that cannot be reached for good (not transient) ends the step with 1, as a ledger it cannot write.
+STEP = Step("classify-failure", parser, act, ClassifyOutputs, store_code=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.classify_failure``."""
+    return step_main(STEP, argv)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ deletes that gang (docs/DEPLOY.md).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -28,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from recovery_steps import lease
-from recovery_steps.classify_failure import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel import cli
+from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import Decision, ExitCode
 from recovery_steps.kernel.documents import read_run_config, read_worker_reports
@@ -41,6 +42,8 @@ from recovery_steps.kernel.k8s import (
 )
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, RunLease, WorkerExitReport, now
+from recovery_steps.kernel.step import Step, StepError
+from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
     DocumentError,
     RunLayout,
@@ -256,19 +259,20 @@ def run(
         The final status ('Succeeded' or 'Failed'), the reason and the ledger as written.
 
     Raises:
-        RuntimeError: the run store cannot be read or written (message says which).
-        NoRun: the run was never validated (no ``config.json``): nothing is recorded.
+        StepError: the run store cannot be read or written (exit 1, the message says which); the run was never
+            validated (no ``config.json``: exit 2, nothing is recorded).
     """
     final = SUCCEEDED if status == SUCCEEDED else FAILED
     store = RunStore(store_root, run_id)
     failed_nodes = parse_failures(failures)
-    with ledger_errors(store, RuntimeError):
+    with ledger_errors(store, _failure):
         if store.read_bytes(RunLayout.CONFIG) is None:
             # A ledger here would be the first document of a run that does not exist (a mistyped root or id).
             why = f" ({final_reason(final, Ledger(run_id=run_id), failed_nodes)})" if failed_nodes else ""
-            raise NoRun(
+            raise StepError(
+                ExitCode.CONFIGURATION,
                 f"{store.url(RunLayout.CONFIG)}: no config for run {run_id!r}: it was never validated{why}, nothing "
-                "is recorded; check --store-root and --run-id"
+                "is recorded; check --store-root and --run-id",
             )
         done: AttemptRecord | None = None
         if final == SUCCEEDED:
@@ -321,18 +325,6 @@ def not_holder_status(ledger: Ledger | None, holder: str, run_id: str) -> tuple[
     return NOT_HOLDER, f"this workflow does not hold run {run_id!r}; its ledger is left as it is"
 
 
-class NoRun(RuntimeError):
-    """finalize was pointed at a run that validate-config never pinned; ``str()`` is the one line a user reads."""
-
-
-class GangStopError(Exception):
-    """The run's gang could not be stopped; ``code`` is the exit code, ``str()`` the one line to print."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
 def stops_gang(status: str, current: RunLease | None, holder: str | None, ledger: Ledger | None) -> bool:
     """Whether the exit handler deletes the run's JobSets (pure).
 
@@ -348,7 +340,7 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
     """Delete the run's JobSets on GKE; the one line saying what was deleted (None for the local backend).
 
     Raises:
-        GangStopError: The API is unreachable or refused (exit 69 when retrying can help), with the command
+        StepError: The API is unreachable or refused (exit 69 when retrying can help), with the command
             that deletes the gang by hand.
         StoreUnavailable: The run's config could not be read (transient).
     """
@@ -373,11 +365,11 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
             api_client = make_api_client(k8s_host)
         deleted, going, _ = delete_run_jobsets(api_client, ns, run_id)
     except ConfigException as e:
-        raise GangStopError(f"no Kubernetes API ({e}): {by_hand}", int(ExitCode.CONFIGURATION)) from None
+        raise StepError(ExitCode.CONFIGURATION, f"no Kubernetes API ({e}): {by_hand}") from None
     except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
         code = api_exit_code(e)
         then = "Argo retries this step" if code == ExitCode.TRANSIENT else by_hand
-        raise GangStopError(f"could not stop run {run_id}'s gang: {api_error_line(e)}; {then}", code) from None
+        raise StepError(code, f"could not stop run {run_id}'s gang: {api_error_line(e)}; {then}") from None
     if deleted:
         line = f"run {run_id} ended {status}: deleted JobSet {', '.join(deleted)} in namespace {ns} (foreground)"
     else:
@@ -385,26 +377,21 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
     return line + (f"; already being deleted: {', '.join(going)}" if going else "")
 
 
-def _not_holder(args: Any) -> int | None:
-    """The exit code when this Workflow does not hold the run (its line printed), or None when it does."""
+def _not_holder(args: Any) -> tuple[int, str] | None:
+    """The exit code and line when this Workflow does not hold the run, or None when it does."""
     store = RunStore(args.store_root, args.run_id)
     try:
         with transient_as_unavailable(store.url()):
             held = lease.holds(store, args.holder)
             ledger = store.read_record(RunLayout.LEDGER, Ledger) if not held else None
-    except StoreUnavailable as e:
-        print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
-        return int(ExitCode.TRANSIENT)
     except (DocumentError, *store_errors()) as e:
-        print(f"finalize: {store.url()}: {e}", file=sys.stderr)
-        return 1
+        raise StepError(1, f"{store.url()}: {e}") from None
     if held:
         return None
     status, line = not_holder_status(ledger, args.holder, args.run_id)
-    print(f"finalize: {line}")
     if args.output_dir is not None:
         FinalizeOutputs(final_status=status, steps_lost=0, recovery_seconds=-1).write(Path(args.output_dir))
-    return 0
+    return 0, f"finalize: {line}"
 
 
 def _stop_gang_if_holder(args: Any, ledger: Ledger) -> tuple[int, str | None]:
@@ -422,13 +409,13 @@ def _stop_gang_if_holder(args: Any, ledger: Ledger) -> tuple[int, str | None]:
     except (DocumentError, *store_errors()) as e:
         print(f"finalize: {store.url()}: {e}; the run's gang was not stopped", file=sys.stderr)
         return 1, None
-    except GangStopError as e:
+    except StepError as e:
         print(f"finalize: {e}", file=sys.stderr)
-        return e.code, None
+        return int(e.code), None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.finalize``."""
+def parser() -> argparse.ArgumentParser:
+    """The step's arguments."""
     p = cli.StepArgumentParser(prog="python -m recovery_steps.finalize", description=__doc__)
     p.add_argument("--store-root", required=True, type=cli.store_root)
     p.add_argument("--run-id", required=True, type=cli.run_id)
@@ -442,37 +429,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", type=cli.output_dir, default=None)
     p.add_argument("--holder", default=None, help="this workflow's uid: act only if it holds the run lease")
     p.add_argument("--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster)")
-    args = p.parse_args(argv)
-    cli.ready_output_dir(p, args.output_dir, FinalizeOutputs.names())  # before the ledger or the cluster is touched
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.holder and (code := _not_holder(args)) is not None:
-        return code
+    return p
+
+
+def act(args: argparse.Namespace) -> tuple[int, str]:
+    """Record the run's end (when this Workflow holds it), stop a gang left behind, release the lease."""
+    if args.holder and (early := _not_holder(args)) is not None:
+        return early
     try:
         r = run(args.store_root, args.run_id, args.status, args.failures, args.output_dir)
-    except NoRun as e:
-        if args.holder:  # a lease taken by a validate-config that then refused: released, nothing else written
+    except StepError as e:
+        if e.code == ExitCode.CONFIGURATION and args.holder:
+            # A lease taken by a validate-config that then refused: released, nothing else written.
             with contextlib.suppress(DocumentError, *store_errors()):
                 lease.release(RunStore(args.store_root, args.run_id), args.holder)
-        return cli.fail("finalize", str(e), int(ExitCode.CONFIGURATION))
-    except RuntimeError as e:
-        print(f"finalize: {e}", file=sys.stderr)
-        return 1
-    except StoreUnavailable as e:
-        print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
-        return int(ExitCode.TRANSIENT)
+        raise
     code, gang = _stop_gang_if_holder(args, r.ledger) if args.holder else (0, None)
     if code == ExitCode.TRANSIENT:
-        return code  # the retry stops the gang, then releases the lease (the ledger write is idempotent)
+        return code, ""  # the retry stops the gang, then releases the lease (the ledger write is idempotent)
     if args.holder:
         lease.release(RunStore(args.store_root, args.run_id), args.holder)
-    print(f"run {args.run_id}: {r.final_status}: {r.final_reason}")
-    print(table(r.ledger))
+    lines = [f"run {args.run_id}: {r.final_status}: {r.final_reason}", table(r.ledger)]
     if r.totals is not None:
         rec = "-" if r.totals.recovery_seconds is None else f"{r.totals.recovery_seconds:.1f}s"
-        print(f"incidents {r.totals.incidents}, steps lost {r.totals.steps_lost}, last recovery {rec}")
+        lines.append(f"incidents {r.totals.incidents}, steps lost {r.totals.steps_lost}, last recovery {rec}")
     if gang:
-        print(f"finalize: {gang}")
-    return code
+        lines.append(f"finalize: {gang}")
+    return int(code), "\n".join(lines)
+
+
+def _failure(line: str) -> StepError:
+    """The run store could not be read or written: exit 1."""
+    return StepError(1, line)
+
+
+# A run store that cannot be reached for good (not transient) ends the step with 1.
+STEP = Step("finalize", parser, act, FinalizeOutputs, store_code=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.finalize``."""
+    return step_main(STEP, argv)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ Exit codes: 0 handed over; 2 configuration (the API refused: RBAC, or the name i
 
 from __future__ import annotations
 
+import argparse
 import copy
 import logging
 import sys
@@ -52,12 +53,12 @@ from recovery_steps.kernel.k8s import (
 )
 from recovery_steps.kernel.outputs import HandOverOutputs
 from recovery_steps.kernel.records import HandOver, Ledger, RunLease, now
+from recovery_steps.kernel.step import Step, StepError, api_error, k8s_client
+from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
     PreconditionFailed,
     RunLayout,
     RunStore,
-    StoreUnavailable,
-    store_errors,
     transient_as_unavailable,
 )
 from recovery_steps.retry import ledger_errors, update_ledger
@@ -68,14 +69,6 @@ log = logging.getLogger(__name__)
 _LIVE_SPEC_FIELDS = ("shutdown", "suspend")
 # Labels and annotations under this prefix are the controller's own (phase, completed, ...).
 _CONTROLLER_PREFIX = "workflows.argoproj.io/"
-
-
-class HandOverError(Exception):
-    """The hand-over cannot be done; ``code`` is the exit code, ``str()`` the one line a user reads."""
-
-    def __init__(self, message: str, code: ExitCode = ExitCode.CONFIGURATION):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -118,15 +111,16 @@ def continuation_manifest(own: Mapping[str, Any], name: str, run_id: str, attemp
     }
 
 
-def _api_error(e: Any, what: str) -> HandOverError:
-    if e.status == 429 or (e.status or 0) >= 500:
-        return HandOverError(f"Kubernetes API answered {e.status} {e.reason} to {what}", ExitCode.TRANSIENT)
-    if e.status in (401, 403):
-        return HandOverError(
-            f"Kubernetes API refused {what} ({e.status} {e.reason}): the workflow's ServiceAccount needs "
-            "workflows get and create (apply argo/rbac.yaml)"
-        )
-    return HandOverError(f"Kubernetes API error {e.status} {e.reason} on {what}")
+# What a refused call needs: the Role of argo/rbac.yaml grants the workflow's ServiceAccount these verbs.
+_RBAC_HINT = "; the workflow's ServiceAccount needs workflows get and create (apply argo/rbac.yaml)"
+
+
+def _configuration(line: str) -> StepError:
+    return StepError(ExitCode.CONFIGURATION, line)
+
+
+def _api_error(e: Any, what: str) -> StepError:
+    return api_error(e, doing=what, refused_hint=_RBAC_HINT)
 
 
 def create_on_gke(api_client: Any, namespace: str, own_name: str, own_uid: str, run_id: str,
@@ -144,7 +138,8 @@ def create_on_gke(api_client: Any, namespace: str, own_name: str, own_uid: str, 
         except client.ApiException as e:
             raise _api_error(e, f"get workflow {own_name}") from None
         if own.get("metadata", {}).get("uid") != own_uid:
-            raise HandOverError(f"workflow {own_name} has uid {own.get('metadata', {}).get('uid')}, not {own_uid}")
+            uid = own.get("metadata", {}).get("uid")
+            raise StepError(ExitCode.CONFIGURATION, f"workflow {own_name} has uid {uid}, not {own_uid}")
         body = continuation_manifest(own, name, run_id, attempt)
         try:
             made = custom.create_namespaced_custom_object(*args, body, _request_timeout=API_TIMEOUT_S)
@@ -157,13 +152,14 @@ def create_on_gke(api_client: Any, namespace: str, own_name: str, own_uid: str, 
                 raise _api_error(e2, f"get workflow {name}") from None
             continues = (made.get("metadata", {}).get("labels") or {}).get(CONTINUES_LABEL)
             if continues != own_name:
-                raise HandOverError(
+                raise StepError(
+                    ExitCode.CONFIGURATION,
                     f"workflow {name} exists and does not continue {own_name} (its {CONTINUES_LABEL} is "
-                    f"{continues!r}): delete it (argo delete {name}) and retry this step"
+                    f"{continues!r}): delete it (argo delete {name}) and retry this step",
                 ) from None
             log.info("continuation %s already exists (a retried hand-over)", name)
     except urllib3.exceptions.HTTPError as e:
-        raise HandOverError(f"Kubernetes API unreachable ({type(e).__name__})", ExitCode.TRANSIENT) from None
+        raise _api_error(e, "reach the Kubernetes API") from None
     return Continuation(made["metadata"]["name"], made["metadata"]["uid"])
 
 
@@ -184,16 +180,17 @@ def pass_lease(store: RunStore, own_uid: str, to: Continuation, ttl_s: float, *,
     whether the continuation's Workflow is alive.
 
     Raises:
-        HandOverError: another workflow holds the run, or the lease was released.
+        StepError: another workflow holds the run, or the lease was released.
     """
     for _ in range(tries):
         current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
         if current is not None and current.holder == to.uid and not current.released:
             return current
         if current is not None and (current.holder != own_uid or current.released):
-            raise HandOverError(
+            raise StepError(
+                ExitCode.CONFIGURATION,
                 f"this workflow no longer holds run {store.run_id!r} (holder {current.holder_name}, released "
-                f"{current.released}); the continuation {to.name} will wait for the lease"
+                f"{current.released}); the continuation {to.name} will wait for the lease",
             )
         t = clock()
         # The continuation runs where this Workflow runs (same namespace, same cluster).
@@ -205,7 +202,7 @@ def pass_lease(store: RunStore, own_uid: str, to: Continuation, ttl_s: float, *,
             return new
         except PreconditionFailed:
             continue
-    raise HandOverError(f"{store.url(RunLayout.LEASE)}: still contended after {tries} tries", ExitCode.TRANSIENT)
+    raise StepError(ExitCode.TRANSIENT, f"{store.url(RunLayout.LEASE)}: still contended after {tries} tries")
 
 
 def record(store: RunStore, entry: HandOver) -> Ledger:
@@ -233,27 +230,21 @@ def run(
     """Hand the run over to its continuation Workflow, starting at ``attempt``.
 
     Raises:
-        HandOverError: with the exit code and the one line to print.
+        StepError: with the exit code and the one line to print.
         StoreUnavailable: the run store is unreachable (transient).
     """
     store = RunStore(store_root, run_id)
-    with ledger_errors(store, HandOverError), transient_as_unavailable(store.url()):
+    with ledger_errors(store, _configuration), transient_as_unavailable(store.url()):
         try:
             cfg: JobConfig = read_run_config(store)
         except ConfigError as e:
-            raise HandOverError(f"the run's config is not valid: {'; '.join(e.problems)}") from None
+            problems = "; ".join(e.problems)
+            raise StepError(ExitCode.CONFIGURATION, f"the run's config is not valid: {problems}") from None
         read_ledger(store)  # a damaged ledger is refused before a continuation is created
         if cfg.slice.is_local:
             to = local_continuation(store.read_record(RunLayout.LEDGER, Ledger), workflow_uid, run_id, attempt)
         else:
-            if api_client is None:
-                from recovery_steps.kernel.k8s import make_api_client
-
-                try:
-                    api_client = make_api_client()
-                except Exception as e:  # noqa: BLE001 - no in-cluster config and no kubeconfig
-                    raise HandOverError(f"no Kubernetes API: {type(e).__name__}: {e}; run in the cluster") from None
-            to = create_on_gke(api_client, cfg.namespace, workflow, workflow_uid, run_id, attempt)
+            to = create_on_gke(api_client or k8s_client(None), cfg.namespace, workflow, workflow_uid, run_id, attempt)
         pass_lease(store, workflow_uid, to, cfg.retry.lease_ttl_s, clock=clock)
         backend = "local" if cfg.slice.is_local else "gke"
         record(store, HandOver(from_workflow=workflow, from_uid=workflow_uid, to_workflow=to.name, to_uid=to.uid,
@@ -263,8 +254,8 @@ def run(
     return to
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.hand_over``."""
+def parser() -> argparse.ArgumentParser:
+    """The step's arguments."""
     p = cli.StepArgumentParser(prog="python -m recovery_steps.hand_over", description=__doc__.split("\n")[0])
     p.add_argument("--store-root", required=True, type=cli.store_root)
     p.add_argument("--run-id", required=True, type=cli.run_id)
@@ -273,22 +264,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workflow-uid", required=True, type=cli.bounded_text(64, "--workflow-uid"),
                    help="this Workflow's uid ({{workflow.uid}}): the run lease's holder")  # fmt: skip
     p.add_argument("--output-dir", type=cli.output_dir, default=None)
-    args = p.parse_args(argv)
-    cli.ready_output_dir(p, args.output_dir, HandOverOutputs.names())  # before a continuation is created
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return p
+
+
+def act(args: argparse.Namespace) -> tuple[int, str]:
+    """Hand the run over; the line naming the continuation."""
     try:
         to = run(args.store_root, args.run_id, args.attempt, args.workflow, args.workflow_uid, args.output_dir)
-    except HandOverError as e:
-        return cli.fail("hand-over", str(e), int(e.code))
-    except StoreUnavailable as e:
-        return cli.fail("hand-over", f"{e}; transient, Argo retries this step", int(ExitCode.TRANSIENT))
     except lease.LeaseHeld as e:
-        return cli.fail("hand-over", str(e), int(ExitCode.CONFIGURATION))
-    except store_errors() as e:
-        url = RunStore(args.store_root, args.run_id).url()
-        return cli.fail("hand-over", cli.store_error_line("hand-over", url, e), 1)
-    print(f"run {args.run_id}: attempt {args.attempt} continues in workflow {to.name} (uid {to.uid})")
-    return 0
+        raise StepError(ExitCode.CONFIGURATION, str(e)) from None
+    return 0, f"run {args.run_id}: attempt {args.attempt} continues in workflow {to.name} (uid {to.uid})"
+
+
+# A run store that cannot be reached for good (not transient) ends the step with 1.
+STEP = Step("hand-over", parser, act, HandOverOutputs, store_code=1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.hand_over``."""
+    return step_main(STEP, argv)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ nodes a capacity problem (fixed-size node pools).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import socket
@@ -25,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from recovery_steps.kernel import cli
-from recovery_steps.kernel.config import ConfigError, JobConfig
+from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.documents import read_ledger, read_run_config
 from recovery_steps.kernel.k8s import (
     ACTIVE_MAINTENANCE_LABEL,
     API_TIMEOUT_S,
@@ -44,7 +44,9 @@ from recovery_steps.kernel.k8s import (
 )
 from recovery_steps.kernel.outputs import ProvisionOutputs
 from recovery_steps.kernel.records import ProvisionRecord, now
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
+from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
+from recovery_steps.kernel.step import main as step_main
+from recovery_steps.kernel.store import RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +54,6 @@ GKE_COORDINATOR_PORT = 8476
 # Labels GKE sets on a node while host maintenance runs (values other than these mean "active").
 MAINTENANCE_LABELS = (ACTIVE_MAINTENANCE_LABEL,)
 _INACTIVE = {"", "false", "none", "0"}
-
-
-class ProvisionError(Exception):
-    """The slice cannot be provisioned now; ``code`` says whether retrying can help."""
-
-    def __init__(self, code: ExitCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 # --- the node check: pure ---------------------------------------------------------------------
@@ -220,7 +214,7 @@ def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]
 
     A running JobSet of this very attempt (a resubmitted run continues at the attempt its lost Workflow left
     unclosed) is kept: train-segment re-attaches to it. A running JobSet of an earlier attempt that is neither
-    decided by a supervisor nor closed in the ledger is a gang nothing watches: ProvisionError (configuration),
+    decided by a supervisor nor closed in the ledger is a gang nothing watches: StepError (configuration),
     naming it, instead of killing what may be healthy work.
     """
     from recovery_steps.kernel.records import Ledger, SupervisionRecord
@@ -243,7 +237,7 @@ def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]
         ledger = store.read_record(RunLayout.LEDGER, Ledger)
         if ledger is not None and any(a.attempt == k for a in ledger.attempts):
             return False
-        raise ProvisionError(
+        raise StepError(
             ExitCode.CONFIGURATION,
             f"JobSet {meta.get('name')} of attempt {k} is running and no supervisor decided it nor was the attempt "
             f"closed: not deleting what may be healthy work. If nothing supervises it, delete it "
@@ -267,7 +261,7 @@ def wait_pods_gone(
     """Wait until no worker pod of the run is left but those of the ``keep`` JobSets.
 
     Raises:
-        ProvisionError: (capacity) on timeout.
+        StepError: (capacity) on timeout.
     """
     from kubernetes import client
 
@@ -282,7 +276,7 @@ def wait_pods_gone(
             return
         if clock() >= deadline:
             names = ", ".join(sorted(p.metadata.name for p in pods))
-            raise ProvisionError(ExitCode.CAPACITY, f"worker pods of earlier attempts still present: {names}")
+            raise StepError(ExitCode.CAPACITY, f"worker pods of earlier attempts still present: {names}")
         sleep(poll_s)
 
 
@@ -328,9 +322,6 @@ def provision_gke(
     clock: Callable[[], float] = time.time,
 ) -> ProvisionOutputs:
     """The GKE backend: clear old JobSets, check the nodes, return the outputs."""
-    import urllib3
-    from kubernetes import client
-
     try:
         _, _, kept = delete_run_jobsets(api_client, cfg.namespace, cfg.run_id,
                                   unsupervised_gang(RunStore(cfg.storage.root, cfg.run_id), attempt))  # fmt: skip
@@ -338,18 +329,8 @@ def provision_gke(
         nodes = with_other_runs(
             api_client, cfg.namespace, cfg.run_id, list_slice_nodes(api_client, gke_node_selector(cfg.slice))
         )
-    except client.ApiException as e:
-        if e.status in (401, 403, 404):
-            raise ProvisionError(
-                ExitCode.CONFIGURATION,
-                f"Kubernetes API refused {e.status} {e.reason}: check argo/rbac.yaml is applied and the "
-                "JobSet CRD is installed",
-            ) from None
-        if e.status == 429 or e.status >= 500:
-            raise ProvisionError(ExitCode.TRANSIENT, f"Kubernetes API answered {e.status} {e.reason}") from None
-        raise ProvisionError(ExitCode.CAPACITY, f"Kubernetes API error {e.status} {e.reason}; retry later") from None
-    except urllib3.exceptions.HTTPError as e:
-        raise ProvisionError(ExitCode.TRANSIENT, f"Kubernetes API unreachable ({e})") from None
+    except api_failures() as e:
+        raise api_error(e) from None
     tolerated = [TPU_RESOURCE] + ([SPOT_LABEL] if cfg.slice.spot else [])
     policy = SlicePolicy(
         chips_per_host=cfg.slice.devices_per_process,
@@ -359,7 +340,7 @@ def provision_gke(
     )
     verdict = check_slice(nodes, cfg.slice.num_hosts, tolerated, require_nodes=require_nodes, policy=policy)
     if not verdict.ok:
-        raise ProvisionError(ExitCode.CAPACITY, f"slice not ready: {verdict.reason}")
+        raise StepError(ExitCode.CAPACITY, f"slice not ready: {verdict.reason}")
     log.info("slice ready: %s", verdict.reason)
     return ProvisionOutputs(
         jobset_name=jobset_name(cfg.run_id, attempt),
@@ -443,7 +424,7 @@ def free_port_range(count: int, *, attempts: int = 50, exclude: Sequence[int] = 
         ports = range(base, base + count)
         if base + count <= 65536 and not set(ports) & set(exclude) and all(_port_free(p) for p in ports):
             return base
-    raise ProvisionError(ExitCode.CAPACITY, f"no {count} consecutive free ports found")
+    raise StepError(ExitCode.CAPACITY, f"no {count} consecutive free ports found")
 
 
 def provision_local(cfg: JobConfig, attempt: int, store_root: str) -> ProvisionOutputs:
@@ -457,19 +438,6 @@ def provision_local(cfg: JobConfig, attempt: int, store_root: str) -> ProvisionO
 
 
 # --- the step program -------------------------------------------------------------------------
-
-
-def load_run_config(store_root: str, run_id: str) -> JobConfig:
-    """The validated config of the run from its store (ProvisionError, configuration, when absent/bad)."""
-    try:
-        store = RunStore(store_root, run_id)
-        cfg = read_run_config(store)
-        read_ledger(store)  # a damaged ledger is refused before anything is deleted
-        return cfg
-    except ConfigError as e:
-        raise ProvisionError(ExitCode.CONFIGURATION, e.render()) from None
-    except DocumentError as e:
-        raise ProvisionError(ExitCode.CONFIGURATION, str(e)) from None
 
 
 def run(
@@ -498,14 +466,14 @@ def run(
         require_nodes: Treat zero matching nodes as a capacity problem.
         pod_timeout_s: How long to wait for old worker pods to disappear.
         holder: The workflow's uid: the run lease is renewed for it before anything is deleted (another live
-            holder: ProvisionError, configuration, and nothing is touched).
+            holder: StepError, configuration, and nothing is touched).
         holder_name: The workflow's name (for the message another submission gets).
 
     Returns:
         The outputs written.
 
     Raises:
-        ProvisionError: Not provisioned; its ``code`` is the exit code.
+        StepError: Not provisioned; its ``code`` is the exit code.
     """
     cfg = load_run_config(store_root, run_id)
     if holder:
@@ -513,29 +481,25 @@ def run(
 
         site, alive = lease.LOCAL, None
         if not cfg.slice.is_local:
-            from recovery_steps.kernel.k8s import make_api_client
-
-            api_client = api_client or make_api_client(k8s_host)
+            api_client = api_client or k8s_client(k8s_host)
             site, alive = lease.on_gke(api_client, cfg.namespace)
         try:
             lease.acquire(RunStore(store_root, run_id), holder, holder_name or holder, cfg.retry.lease_ttl_s,
                           site=site, is_alive=alive)  # fmt: skip
         except lease.LeaseHeld as e:
-            raise ProvisionError(ExitCode.CONFIGURATION, str(e)) from None
+            raise StepError(ExitCode.CONFIGURATION, str(e)) from None
     if cfg.slice.is_local:
         outputs = provision_local(cfg, attempt, store_root)
     else:
         if api_client is None:
-            from recovery_steps.kernel.k8s import make_api_client
-
-            api_client = make_api_client(k8s_host)
+            api_client = k8s_client(k8s_host)
         outputs = provision_gke(cfg, attempt, api_client, require_nodes=require_nodes, pod_timeout_s=pod_timeout_s)
     outputs.write(output_dir)
     return outputs.files()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point."""
+def parser() -> argparse.ArgumentParser:
+    """The step's arguments."""
     ap = cli.StepArgumentParser(prog="python -m recovery_steps.provision_slice", description=__doc__.split("\n")[0])
     ap.add_argument("--store-root", required=True, type=cli.store_root)
     ap.add_argument("--run-id", required=True, type=cli.run_id)
@@ -548,37 +512,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pod-timeout", type=cli.seconds, default=300, help="seconds to wait for old worker pods")
     ap.add_argument("--holder", default=None, help="renew the run lease for this workflow uid first")
     ap.add_argument("--holder-name", default=None, help="the workflow's name")
-    args = ap.parse_args(argv)
-    cli.ready_output_dir(ap, args.output_dir, ProvisionOutputs.names())  # before the lease is taken or a gang deleted
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s provision-slice %(levelname)s %(message)s")
-    try:
-        outputs = run(
-            args.store_root, args.run_id, args.attempt, args.output_dir,
-            k8s_host=args.k8s_host, require_nodes=args.require_nodes, pod_timeout_s=args.pod_timeout,
-            holder=args.holder, holder_name=args.holder_name,
-        )  # fmt: skip
-    except ProvisionError as e:
-        print(f"provision-slice: {e}", file=sys.stderr)
-        record_outcome(args.store_root, args.run_id, args.attempt, int(e.code), str(e))
-        return int(e.code)
-    except store_errors() as e:
-        url = RunStore(args.store_root, args.run_id).url()
-        return cli.fail("provision-slice", cli.store_error_line("provision-slice", url, e), 1)
-    except k8s_config_errors() as e:
-        detail = " ".join(str(e).split())[:200]
-        line = f"no Kubernetes API: {type(e).__name__}: {detail}; run in the cluster or give --k8s-host"
-        record_outcome(args.store_root, args.run_id, args.attempt, int(ExitCode.CONFIGURATION), line)
-        return cli.fail("provision-slice", line, int(ExitCode.CONFIGURATION))
+    return ap
+
+
+def act(args: argparse.Namespace) -> tuple[int, str]:
+    """Provision the slice; record this try's outcome for classify-failure; the outputs line."""
+    outputs = run(
+        args.store_root, args.run_id, args.attempt, args.output_dir,
+        k8s_host=args.k8s_host, require_nodes=args.require_nodes, pod_timeout_s=args.pod_timeout,
+        holder=args.holder, holder_name=args.holder_name,
+    )  # fmt: skip
     record_outcome(args.store_root, args.run_id, args.attempt, 0, "slice ready")
-    print(" ".join(f"{k}={v}" for k, v in outputs.items()))
-    return 0
+    return 0, " ".join(f"{k}={v}" for k, v in outputs.items())
 
 
-def k8s_config_errors() -> tuple[type[BaseException], ...]:
-    """What building a Kubernetes client raises when there is no in-cluster config and no kubeconfig."""
-    from kubernetes.config.config_exception import ConfigException
+def record_failure(args: argparse.Namespace, e: StepError) -> None:
+    """The step's failure record: this try's exit code and line, where classify-failure reads them."""
+    record_outcome(args.store_root, args.run_id, args.attempt, int(e.code), str(e))
 
-    return (ConfigException,)
+
+# A run store that cannot be reached ends the step with 1 (its retry policy retries it as any failure).
+STEP = Step("provision-slice", parser, act, ProvisionOutputs, record_failure, store_code=1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point."""
+    return step_main(STEP, argv)
 
 
 def record_outcome(store_root: str, run_id: str, attempt: int, code: int, message: str) -> None:

@@ -1,9 +1,10 @@
 """When is a training attempt over? One pure decision over a plain observation of its JobSet.
 
-``decide(observation, deadlines)`` is what the ``train-segment`` supervisor calls on every watch event
-and the local JobSet stand-in calls on every tick. It does no I/O and imports nothing heavy: the
-adapters (``recovery_steps.train_segment`` against the Kubernetes API, ``workflows.local.executor`` over
-local processes) build the ``Observation``.
+``decide(observation, deadlines)`` is what the ``train-segment`` supervisor calls on every change of the
+gang and at least every watch interval, on GKE and in the local runner alike. It does no I/O and imports
+nothing heavy: the supervisor builds the ``Observation`` from the ``ClusterSnapshot`` its world's adapter
+answers (``train_segment.KubeGang`` over the Kubernetes API, ``workflows.local.executor.LocalGang`` over
+local processes), plus the clocks it keeps between observations.
 
 Why a supervisor has to decide at all (sources in ``docs/FAILURES.md``):
 

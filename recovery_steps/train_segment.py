@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -45,8 +46,6 @@ from recovery_steps.kernel.k8s import (
     ATTEMPT_LABEL,
     CONNECT_TIMEOUT_S,
     Kube,
-    api_error_line,
-    api_exit_code,
 )
 from recovery_steps.kernel.outputs import SegmentOutputs
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
@@ -62,7 +61,8 @@ from recovery_steps.kernel.snapshot import (
     parse_time,
     pod_from_api,
 )
-from recovery_steps.kernel.step import StepError, k8s_client, load_run_config
+from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
+from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
     AttemptState,
@@ -103,10 +103,6 @@ def recorded_verdict(store: RunStore, attempt: int) -> SupervisionRecord | None:
     if rec is not None and rec.decided:
         return rec
     return None
-
-
-# The step's error: one type for every step (``kernel.step``); the name stays for the callers that catch it.
-SegmentError = StepError
 
 
 # --- from the snapshot to the observation (pure) ---------------------------------------------------
@@ -369,7 +365,7 @@ class KubeGang:
         """The JobSet, its Jobs, pods and their nodes as the watches hold them now.
 
         Raises:
-            SegmentError: A watcher has failed for longer than ``SYNC_TIMEOUT_S``: exit 69 (retried; the retry
+            StepError: A watcher has failed for longer than ``SYNC_TIMEOUT_S``: exit 69 (retried; the retry
                 re-attaches) rather than a decision on a stale view.
         """
         for w in self.watch.values():
@@ -763,9 +759,6 @@ def run(
     Raises:
         StepError: The attempt cannot be supervised (its ``code`` is the exit code).
     """
-    import urllib3
-    from kubernetes.client import ApiException
-
     cfg = load_run_config(store_root, run_id)
     manifest = load_manifest(manifest_text, attempt)
     store = RunStore(store_root, run_id)
@@ -777,14 +770,9 @@ def run(
     except AlreadyDecided as done:
         say(f"attempt {attempt} was decided by an earlier try of this step ({done.record.outcome}); its JobSet is gone")
         record = done.record
-    except (ApiException, urllib3.exceptions.HTTPError, OSError) as e:
-        code = ExitCode(api_exit_code(e))
-        hint = (
-            "; retried in place (the retry re-attaches to a gang already created)"
-            if code == ExitCode.TRANSIENT
-            else ": check argo/rbac.yaml is applied and the JobSet CRD is installed"
-        )
-        raise StepError(code, api_error_line(e) + hint) from None
+    except api_failures() as e:
+        hint = "; retried in place (the retry re-attaches to a gang already created)"
+        raise api_error(e, transient_hint=hint) from None
     store.write_record(RunLayout.supervision(attempt), record)
     outputs_of(record).write(output_dir)
     return record
@@ -822,8 +810,8 @@ def left_behind(store_root: str, run_id: str, attempt: int) -> str:
             "deletes it")  # fmt: skip
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The step's arguments; a bad one is one line and exit 2 (the output directory is proven writable first)."""
+def parser() -> argparse.ArgumentParser:
+    """The step's arguments."""
     ap = cli.StepArgumentParser(prog="python -m recovery_steps.train_segment", description=__doc__.split("\n")[0])
     ap.add_argument("--store-root", required=True, type=cli.store_root)
     ap.add_argument("--run-id", required=True, type=cli.run_id)
@@ -834,59 +822,53 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster config)"
     )
     ap.add_argument("--holder", default=None, help="the Workflow's uid: renew the run lease while the segment runs")
-    args = ap.parse_args(argv)
-    cli.ready_output_dir(ap, args.output_dir, SegmentOutputs.names())  # before a JobSet is created or deleted
-    return args
+    return ap
 
 
-def execute(
+def act(
     args: argparse.Namespace,
     *,
     gang: GangFactory | None = None,
     progress_file: str | None = None,
     say: Callable[[str], None] = log.info,
-    out: Callable[[str], None] = print,
-    err: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
-) -> int:
-    """The step after its arguments: supervise, print the outputs, map every error to its exit code.
+) -> tuple[int, str]:
+    """Supervise the attempt; exit 0 when it succeeded, 1 when it failed or stalled, and the outputs line.
 
-    The local runner calls this with its own ``gang`` (``workflows.local.executor.LocalGang``) and its log file as
-    ``say``, ``out`` and ``err``: one program for both worlds.
+    A SIGTERM (``argo stop``, a drain, an eviction) ends the step with 143 and one line saying what it leaves.
     """
     text = args.jobset_manifest
     if text.startswith("@"):
         try:
             text = Path(text[1:]).read_text()
         except OSError as e:
-            err(f"train-segment: --jobset-manifest: {e.strerror or e}")
-            return int(ExitCode.CONFIGURATION)
+            raise StepError(ExitCode.CONFIGURATION, f"--jobset-manifest: {e.strerror or e}", record=False) from None
     try:
         record = run(args.store_root, args.run_id, args.attempt, text, args.output_dir, gang=gang,
                      k8s_host=args.k8s_host, progress_file=progress_file, say=say, holder=args.holder)  # fmt: skip
-    except StepError as e:
-        err(f"train-segment: {e}")
-        record_error(args.store_root, args.run_id, args.attempt, e)
-        return int(e.code)
-    except store_errors() as e:
-        # The verdict is written before the stop: a retry re-attaches to a gang still there, or finds the verdict.
-        line = cli.store_error_line("train-segment", RunStore(args.store_root, args.run_id).url(), e)
-        err(line if line.startswith("train-segment:") else f"train-segment: {line}")
-        return int(ExitCode.TRANSIENT)
-    out(" ".join(f"{k}={v}" for k, v in outputs_of(record).files().items()))
-    return int(ExitCode.OK if record.outcome == AttemptState.SUCCEEDED else ExitCode.ATTEMPT_FAILED)
+    except Terminated:
+        line = left_behind(args.store_root, args.run_id, args.attempt)
+        raise StepError(128 + signal.SIGTERM, line, record=False) from None
+    code = ExitCode.OK if record.outcome == AttemptState.SUCCEEDED else ExitCode.ATTEMPT_FAILED
+    return int(code), " ".join(f"{k}={v}" for k, v in outputs_of(record).files().items())
+
+
+def record_failure(args: argparse.Namespace, e: StepError) -> None:
+    """The step's failure record: the reason the attempt could not be supervised, where classify-failure reads it."""
+    record_error(args.store_root, args.run_id, args.attempt, e)
+
+
+def step(**act_kw: Any) -> Step:
+    """The step program (``act_kw``: the world's gang factory, the progress file and the log, for ``act``)."""
+    # The verdict is written before the stop: after a store failure a retry re-attaches to a gang still there, or
+    # finds the verdict (exit 69, transient).
+    return Step("train-segment", parser, functools.partial(act, **act_kw), SegmentOutputs, record_failure)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s train-segment %(levelname)s %(message)s")
     # `argo stop`/`argo terminate`, a drain or an eviction SIGTERMs this pod: say what is left behind.
     signal.signal(signal.SIGTERM, _terminated)
-    try:
-        return execute(args, progress_file=os.environ.get("ARGO_PROGRESS_FILE"))
-    except Terminated:
-        print(f"train-segment: {left_behind(args.store_root, args.run_id, args.attempt)}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    return step_main(step(progress_file=os.environ.get("ARGO_PROGRESS_FILE")), argv)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
 from recovery_steps.kernel.k8s import continuation_name, make_api_client
 from recovery_steps.kernel.outputs import FinalizeOutputs, HandOverOutputs
 from recovery_steps.kernel.records import AttemptRecord, Ledger, RunLease
+from recovery_steps.kernel.step import StepError
 from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import decide
 from workflows.local.engine import ERROR, MAX_STACK_DEPTH, WorkflowRun
@@ -206,7 +207,7 @@ def test_a_name_taken_by_another_workflow_is_a_configuration_error(gke_run, caps
     root, run_id, store, argo = gke_run
     name = continuation_name(run_id, 30)
     argo.workflows[name] = {"metadata": {"name": name, "uid": "u-x", "labels": {"jaxrec/continues": "someone"}}}
-    with pytest.raises(hand_over.HandOverError) as e:
+    with pytest.raises(StepError) as e:
         _hand_over(root, run_id, argo, None)
     assert e.value.code == ExitCode.CONFIGURATION and f"argo delete {name}" in str(e.value)
     assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"  # nothing passed on
@@ -224,7 +225,7 @@ def test_api_refusals_name_the_fix_and_outages_are_transient(gke_run, tmp_path, 
                                                               exit_code, words):  # fmt: skip
     root, run_id, store, argo = gke_run
     argo.fail[method] = (code, reason)
-    with pytest.raises(hand_over.HandOverError) as e:
+    with pytest.raises(StepError) as e:
         _hand_over(root, run_id, argo, None)
     assert e.value.code == exit_code and words in str(e.value) and "\n" not in str(e.value)
     assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"
@@ -249,7 +250,7 @@ def test_the_old_exit_handler_says_handed_over_and_the_continuation_takes_the_ru
 def test_a_hand_over_by_a_workflow_that_lost_the_run_passes_nothing(gke_run):
     root, run_id, store, argo = gke_run
     lease.release(store, "uid-a")
-    with pytest.raises(hand_over.HandOverError) as e:
+    with pytest.raises(StepError) as e:
         _hand_over(root, run_id, argo, None)
     assert "no longer holds run" in str(e.value)
     assert store.read_record(RunLayout.LEDGER, Ledger) is None

@@ -14,6 +14,7 @@ from fake_http import JsonServer
 
 from recovery_steps import provision_slice as ps
 from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.step import StepError
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,7 +198,7 @@ def test_gke_pods_that_never_go_are_capacity(tmp_path, kube_factory):
     kube = kube_factory(jobsets=["lm-v5e-4x4-a0"], pods_after_delete=50, nodes=[_node(f"n{i}") for i in range(4)])
     from recovery_steps.kernel.k8s import make_api_client
 
-    with pytest.raises(ps.ProvisionError) as e:
+    with pytest.raises(StepError) as e:
         ps.provision_gke(cfg, 1, make_api_client(kube.url), pod_timeout_s=0.3)
     assert e.value.code == 75 and "still present" in str(e.value)
 
@@ -360,12 +361,12 @@ def test_a_live_gang_nothing_decided_is_never_deleted(tmp_path):
     store.write_record(RunLayout.LEDGER, Ledger(run_id=run_id, attempts=[AttemptRecord(attempt=3, outcome="failed")]))
     assert not keep(_js("lm-v5e-4x4-a3", 3))
     # A live gang of an earlier attempt that nothing decided: refused, named, nothing deleted.
-    with pytest.raises(ps.ProvisionError) as e:
+    with pytest.raises(StepError) as e:
         keep(_js("lm-v5e-4x4-a4", 4))
     assert e.value.code == 2 and "lm-v5e-4x4-a4" in str(e.value) and "kubectl" in str(e.value)
     # An error record that is not a verdict (the supervisor left transient) decides nothing.
     store.write_record(RunLayout.supervision(4), SupervisionRecord(attempt=4, jobset="lm-v5e-4x4-a4",
                                                                    outcome="error", exit_code=69, reason="x",
                                                                    detected_at=1.0))  # fmt: skip
-    with pytest.raises(ps.ProvisionError):
+    with pytest.raises(StepError):
         keep(_js("lm-v5e-4x4-a4", 4))

@@ -13,6 +13,7 @@ from fake_k8s import FakeCluster, iso, node, pod, status
 from recovery_steps import train_segment as ts
 from recovery_steps.kernel.config import StorageConfig, SupervisionConfig, load_config
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat
+from recovery_steps.kernel.step import StepError
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.jobset import jobset_manifest
 
@@ -220,7 +221,7 @@ def test_the_jobset_of_another_attempt_is_refused(tmp_path, cluster):
     m = _manifest(cfg, 0)
     m["metadata"]["labels"]["jaxrec/attempt"] = "7"
     cluster.put("jobsets", m)
-    with pytest.raises(ts.SegmentError) as e:
+    with pytest.raises(StepError) as e:
         _run(cfg, tmp_path, cluster)
     assert "belongs to attempt 7" in str(e.value) and e.value.code == 2
 
@@ -320,7 +321,7 @@ def test_a_lease_held_by_another_workflow_ends_this_ones_gang(tmp_path, cluster)
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)
     lease.acquire(store, "uid-other", "wf-other", 3600)
-    with pytest.raises(ts.SegmentError) as e:
+    with pytest.raises(StepError) as e:
         ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out", k8s_host=cluster.url,
                holder="uid-mine", say=lambda _: None)  # fmt: skip
     assert e.value.code == 2 and "wf-other" in str(e.value) and "deleted" in str(e.value)

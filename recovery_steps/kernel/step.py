@@ -21,11 +21,45 @@ from recovery_steps.kernel.store import DocumentError, RunStore
 
 
 class StepError(Exception):
-    """A step cannot go on; ``code`` is its exit code and the message is its one line."""
+    """A step cannot go on; ``code`` is its exit code and the message is its one line.
 
-    def __init__(self, code: ExitCode, message: str):
+    ``record``: False when the step's failure record must not be written (a supervisor stopped after its verdict
+    leaves the verdict in place).
+    """
+
+    def __init__(self, code: ExitCode | int, message: str, *, record: bool = True):
         super().__init__(message)
         self.code = code
+        self.record = record
+
+
+REFUSED_HINT = ": check argo/rbac.yaml is applied and the JobSet CRD is installed"
+
+
+def api_error(
+    e: BaseException,
+    *,
+    doing: str = "",
+    transient_hint: str = "",
+    refused_hint: str = REFUSED_HINT,
+) -> StepError:
+    """A failed Kubernetes API call as the step's error: the one mapping (``kernel.k8s.api_exit_code``), one line.
+
+    429, 5xx and a connection that fails are transient (69, retried); any other refusal is configuration (2).
+    """
+    from recovery_steps.kernel.k8s import api_error_line, api_exit_code
+
+    code = ExitCode(api_exit_code(e))
+    line = f"{doing}: {api_error_line(e)}" if doing else api_error_line(e)
+    return StepError(code, line + (transient_hint if code == ExitCode.TRANSIENT else refused_hint))
+
+
+def api_failures() -> tuple[type[BaseException], ...]:
+    """What a Kubernetes API call raises when the API refuses or cannot be reached (``api_error`` maps them)."""
+    import urllib3
+    from kubernetes.client import ApiException
+
+    return (ApiException, urllib3.exceptions.HTTPError, OSError)
 
 
 def load_run_config(store_root: str, run_id: str, *, check_ledger: bool = True) -> JobConfig:
@@ -47,7 +81,7 @@ def load_run_config(store_root: str, run_id: str, *, check_ledger: bool = True) 
     except ConfigError as e:
         raise StepError(ExitCode.CONFIGURATION, e.render()) from None
     except DocumentError as e:
-        raise StepError(ExitCode.CONFIGURATION, str(e)) from None
+        raise StepError(ExitCode.CONFIGURATION, f"{e} (check --store-root and --run-id)") from None
 
 
 def k8s_config_errors() -> tuple[type[BaseException], ...]:
@@ -99,7 +133,11 @@ class Step:
 
 
 def run_step(
-    step: Step, args: argparse.Namespace, *, out: Callable[[str], None] = print, err: Callable[[str], None] = _stderr
+    step: Step,
+    args: argparse.Namespace,
+    *,
+    out: Callable[[str], None] = print,
+    err: Callable[[str], None] = _stderr,
 ) -> int:
     """The step after its arguments: act, print its outputs, and map every failure to one line and its exit code."""
     from recovery_steps.kernel.cli import store_error_line
@@ -109,7 +147,7 @@ def run_step(
         code, line = step.act(args)
     except StepError as e:
         err(f"{step.name}: {e}")
-        if step.on_error is not None:
+        if step.on_error is not None and e.record:
             step.on_error(args, e)
         return int(e.code)
     except StoreUnavailable as e:

@@ -26,7 +26,7 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.gang import Attachment
 from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord, SupervisionRecord, now
 from recovery_steps.kernel.snapshot import ClusterSnapshot
-from recovery_steps.kernel.step import StepError
+from recovery_steps.kernel.step import StepError, run_step
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult, WorkflowError
 from workflows.local.supervise import pod_name, slice_snapshot
@@ -505,8 +505,9 @@ class LocalExecutor:
     ) -> NodeResult:
         """Run ``python -m recovery_steps.train_segment`` here: the step's own program over a ``LocalGang``.
 
-        The same supervisor, decision, record and stop as on GKE (``recovery_steps.train_segment.execute``) run
-        over the worker processes; a JobSet of this attempt that is still running is re-attached, not started again.
+        The same supervisor, decision, record, stop and error mapping as on GKE (``train_segment.step`` under the
+        kernel's ``run_step``) run over the worker processes; a JobSet of this attempt that is still running is
+        re-attached, not started again.
         """
         from recovery_steps import train_segment
 
@@ -526,9 +527,9 @@ class LocalExecutor:
                 log.flush()
 
             try:
-                args = train_segment.parse_args(command[command.index(SUPERVISOR_MODULE) + 1 :])
-                code = train_segment.execute(args, gang=gang, progress_file=str(node_dir / "progress"), say=say,
-                                             out=say, err=say)  # fmt: skip
+                args = train_segment.parser().parse_args(command[command.index(SUPERVISOR_MODULE) + 1 :])
+                step = train_segment.step(gang=gang, progress_file=str(node_dir / "progress"), say=say)
+                code = run_step(step, args, out=say, err=say)
             except SystemExit as e:  # a refused argument: the parser's one line is on stderr
                 return NodeResult(FAILED, exit_code=int(e.code or 2), message="train-segment: bad arguments")
             except SupervisorLost:

@@ -1,0 +1,23 @@
+"""What the run store says about an attempt's checkpoints: the step it restored and the newest one committed.
+
+classify-failure records both in the attempt's ledger entry; finalize reads them for a run that ends while an
+attempt is still open.
+"""
+
+from __future__ import annotations
+
+from recovery_steps.kernel.checkpoints import newest_complete_step
+from recovery_steps.kernel.records import RestoreRecord
+from recovery_steps.kernel.store import RunLayout, RunStore
+
+
+def checkpoint_step_before(store: RunStore, attempt: int) -> int:
+    """The step attempt ``attempt`` restored (its ``RestoreRecord``), or -1 (fresh start, or never decided)."""
+    rec = store.read_record(RunLayout.restore_record(attempt), RestoreRecord)
+    return rec.restore_step if rec is not None else -1
+
+
+def newest_checkpoint_step(store: RunStore) -> int:
+    """The newest checkpoint step that has a manifest (a complete checkpoint), or -1."""
+    newest = newest_complete_step(store)
+    return -1 if newest is None else newest

@@ -1,0 +1,82 @@
+"""The one step skeleton (kernel.step): one error type, one error mapping, one failure record, one main."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.k8s import api_exit_code
+from recovery_steps.kernel.step import Step, StepError, api_error, main, run_step
+from recovery_steps.kernel.store import StoreUnavailable
+
+
+def _step(act, recorded):
+    def parser():
+        p = argparse.ArgumentParser(prog="demo")
+        p.add_argument("--store-root", default="/nonexistent-root")
+        p.add_argument("--run-id", default="demo-run")
+        return p
+
+    return Step("demo", parser, act, on_error=lambda args, e: recorded.append((args.run_id, int(e.code), str(e))))
+
+
+def _args():
+    return argparse.Namespace(store_root="/nonexistent-root", run_id="demo-run")
+
+
+def _raise(e):
+    def act(_args):
+        raise e
+
+    return act
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "line", "recorded"),
+    [
+        (StepError(ExitCode.CAPACITY, "slice not ready"), 75, "demo: slice not ready", True),
+        (StepError(143, "SIGTERM: left running", record=False), 143, "demo: SIGTERM: left running", False),
+        (StoreUnavailable("gs://b/r unreachable"), 69, "demo: gs://b/r unreachable; transient, Argo retries this step",
+         False),
+        (PermissionError(13, "Permission denied"), 69, "demo:", False),
+    ],
+)  # fmt: skip
+def test_every_failure_is_one_line_its_exit_code_and_the_steps_failure_record(error, code, line, recorded):
+    rec, out, err = [], [], []
+    assert run_step(_step(_raise(error), rec), _args(), out=out.append, err=err.append) == code
+    assert len(err) == 1 and err[0].startswith(line) and "\n" not in err[0] and not out
+    assert rec == ([("demo-run", code, str(error))] if recorded else [])
+
+
+def test_success_prints_the_outputs_line_and_returns_the_acts_code():
+    rec, out, err = [], [], []
+    assert run_step(_step(lambda _a: (1, "outcome=failed"), rec), _args(), out=out.append, err=err.append) == 1
+    assert out == ["outcome=failed"] and not err and not rec
+
+
+def test_main_parses_then_runs(capsys):
+    rec: list = []
+    assert main(_step(lambda a: (0, f"run {a.run_id}"), rec), ["--run-id", "r1"]) == 0
+    assert capsys.readouterr().out.strip() == "run r1"
+
+
+class _ApiException(Exception):  # the kubernetes client's exception, as api_exit_code recognises it by name
+    def __init__(self, status, reason, body=""):
+        super().__init__(reason)
+        self.status, self.reason, self.body = status, reason, body
+
+
+_ApiException.__name__ = "ApiException"
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "hint"),
+    [(429, 69, "; retried"), (503, 69, "; retried"), (403, 2, "rbac.yaml"), (422, 2, "rbac.yaml"), (None, 69, "")],
+)
+def test_api_errors_map_through_the_one_table(status, code, hint):
+    e = _ApiException(status, "Why", '{"message": "the API says so"}') if status else ConnectionResetError("reset")
+    err = api_error(e, doing="create jobset x", transient_hint="; retried")
+    assert int(err.code) == code == api_exit_code(e)
+    assert str(err).startswith("create jobset x: ") and hint in str(err) and "\n" not in str(err)
