@@ -6,13 +6,15 @@ a fresh process (so that peak memory is that process's own, interpreter and impo
 
 - ``manifest``: the file list of the step. ``read-back`` is the method the trainer used before: every file read
   whole into memory and its CRC32C computed, one after another. ``metadata`` is today's: on GCS one listing
-  (size, CRC32C, generation as GCS reports them, no byte read); locally each file streamed through CRC32C.
+  (size, CRC32C, generation as GCS reports them, no byte read); locally each file streamed through CRC32C and
+  SHA-256 (in the trainer each host streams only the files it wrote; here one host wrote them all).
 - ``restore-latest``: ``read-back`` reads every listed file whole, eight at a time, as restore-latest did;
   ``metadata`` is today's ``python -m recovery_steps.restore_latest`` ``run()`` over the same store (it also
   reads the run's config and ledger and writes its record).
 
 Local files are warm in the page cache (just written; caches cannot be dropped here), so the local rows
-measure CRC32C and memory traffic, not the disk. The emulator keeps objects in memory. Ratios are of the
+measure CRC32C, SHA-256 and memory traffic, not the disk. The emulator keeps objects in memory; it is seeded
+through its ``-data`` directory (hard links to the local files) rather than uploads. Ratios are of the
 largest size to the smallest: flat is 1.
 
     .venv/bin/python bench/bench_integrity.py [--gb 0.25 1 4] [--backends local gcs]
@@ -21,6 +23,7 @@ largest size to the smallest: flat is 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -158,14 +161,58 @@ def write_local_step(step_dir: Path, nbytes: int) -> None:
         (step_dir / name).write_text("{}")
 
 
-def upload_step(store, step_dir: Path) -> None:
-    """Upload a local step directory into ``store`` (GCS), file by file, streamed from disk."""
-    gcs = store._b  # noqa: SLF001 - a benchmark's setup, not a run-store operation
+BUCKET, PREFIX = "bench-bucket", "bench"
+
+
+def seed_dir(data: Path, run_id: str, step_dir: Path) -> None:
+    """Lay ``step_dir`` out as the emulator's ``-data`` directory (``<bucket>/<object name>``), by hard links.
+
+    Uploading through the JSON API took minutes per GB (the emulator's request path, not the bytes); preloaded
+    objects cost the emulator one read of each file at start (it computes their CRC32C and MD5 then, as GCS does
+    on upload), and linking them costs no copy.
+    """
     for p in sorted(step_dir.rglob("*")):
         if p.is_file():
-            rel = f"checkpoints/{STEP}/{p.relative_to(step_dir)}"
-            blob = gcs.bucket.blob(gcs._key(rel), chunk_size=256 << 20)  # noqa: SLF001
-            blob.upload_from_filename(str(p))
+            dst = data / BUCKET / PREFIX / "runs" / run_id / "checkpoints" / str(STEP) / p.relative_to(step_dir)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.link(p, dst)
+
+
+class SeededEmulator:
+    """fake-gcs-server (the project's emulator binary, in-memory backend) that starts with the objects of ``data``."""
+
+    def __init__(self, data: Path):
+        from workflows.local.emulator import GcsEmulator, _binary
+
+        self.em = GcsEmulator()
+        self.env = self.em.env
+        self.cmd = [str(_binary()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+                    "-port", str(self.em.port), "-external-url", self.em.url, "-log-level", "error",
+                    "-data", str(data)]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+        self.seconds = 0.0
+
+    def __enter__(self) -> SeededEmulator:
+        import urllib.error
+        import urllib.request
+
+        t = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.em.url}/storage/v1/b/{BUCKET}", timeout=5).read()
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"fake-gcs-server exited with {self.proc.returncode}") from None
+                time.sleep(0.1)
+        self.seconds = time.perf_counter() - t
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        self.proc.wait(30)
 
 
 def run(gbs: list[float], backends: list[str]) -> list[dict[str, Any]]:
@@ -173,7 +220,6 @@ def run(gbs: list[float], backends: list[str]) -> list[dict[str, Any]]:
     from ckpt_factory import tiny_config, write_run_config
 
     from recovery_steps.kernel.store import RunStore
-    from workflows.local.emulator import GcsEmulator
 
     rows: list[dict[str, Any]] = []
     header = (
@@ -185,9 +231,7 @@ def run(gbs: list[float], backends: list[str]) -> list[dict[str, Any]]:
     )
     print(header)
     print("-" * len(header))
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp, GcsEmulator() as em:
-        em.create_bucket("bench-bucket")
-        env = em.env
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp, contextlib.ExitStack() as stack:
         for gb in gbs:
             nbytes = int(gb * 2**30)
             src = Path(tmp) / "src"
@@ -195,16 +239,20 @@ def run(gbs: list[float], backends: list[str]) -> list[dict[str, Any]]:
             for backend in backends:
                 run_id = f"bench-{backend}-{str(gb).replace('.', 'p')}"
                 cfg = tiny_config(run_id=run_id)
+                env: dict[str, str] = {}
                 if backend == "local":
                     root = f"{tmp}/store"
                     store = RunStore(root, run_id)
                     Path(store.url(f"checkpoints/{STEP}")).parent.mkdir(parents=True, exist_ok=True)
                     os.rename(src, store.url(f"checkpoints/{STEP}"))
                 else:
-                    root = "gs://bench-bucket/bench"
+                    data = Path(tmp) / "gcs-data"
+                    seed_dir(data, run_id, src)
+                    em = stack.enter_context(SeededEmulator(data))
+                    print(f"  (emulator seeded with {gb:g} GB in {em.seconds:.1f} s)", flush=True)
+                    root, env = f"gs://{BUCKET}/{PREFIX}", em.env
                     os.environ.update(env)
                     store = RunStore(root, run_id)
-                    upload_step(store, src)
                 write_run_config(store, cfg)
                 cells = {}
                 for method in ("read-back", "metadata"):
@@ -225,8 +273,8 @@ def run(gbs: list[float], backends: list[str]) -> list[dict[str, Any]]:
                 if backend == "local":
                     os.rename(store.url(f"checkpoints/{STEP}"), src)  # reused for the next backend
                 else:
-                    for o in store.list(""):
-                        store.delete(o.name)  # free the emulator's memory
+                    stack.close()  # the emulator and its memory go
+                    shutil.rmtree(Path(tmp) / "gcs-data")
             shutil.rmtree(src, ignore_errors=True)
     print()
     lo, hi = min(gbs), max(gbs)
