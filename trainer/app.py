@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -358,7 +359,7 @@ class Worker:
             )
         return manifest
 
-    def set_aside_newer_steps(self, restore_step: int, timeout_s: float) -> None:
+    def set_aside_newer_steps(self, restore_step: int, timeout_s: float, barrier: str = "set-aside") -> None:
         """Move step directories newer than the restored one to quarantine (primary host), so saves never collide.
 
         Those steps were skipped by restore-latest (no manifest, or written by a closed attempt). The others wait
@@ -371,7 +372,7 @@ class Worker:
                     dst = RunLayout.quarantine(step, f"-superseded-attempt{self.args.attempt}-{int(now())}")
                     n = self.store.move(RunLayout.checkpoint(step), dst)
                     log.warning("checkpoint %d is newer than the restore step; moved %d objects to %s", step, n, dst)
-        self.gang_barrier("set-aside", timeout_s)
+        self.gang_barrier(barrier, timeout_s)
 
 
 def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
@@ -450,6 +451,30 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any)
     ckpt.last_committed = restore_step
     log.info("restored step %d (data order %d, batch %d)", restore_step, pos.order_seed, pos.next_index)
     return state, it
+
+
+def _restore_checked(
+    w: Worker, cfg: JobConfig, tr: Any, ckpt: Any, manifest: CheckpointManifest | None, source: Any
+) -> tuple[Any, Any, CheckpointManifest | None]:
+    """Restore ``w.args.restore_step`` and check the bytes read; a damaged step falls back as restore-latest would.
+
+    Returns:
+        The state and data iterator (None, None for a fresh start) and the manifest of the step restored;
+        ``w.args.restore_step`` and the report name the step actually restored.
+    """
+    step = w.args.restore_step
+    while manifest is not None:
+        state, it = _restore(cfg, tr, ckpt, step, source)
+        fallback = ckpt.check_restored(step, manifest)
+        if fallback is None:
+            return state, it, manifest
+        step = fallback
+        w.args = dataclasses.replace(w.args, restore_step=step)
+        w.report.restore_step = step if step >= 0 else None
+        manifest = w.read_manifest(cfg, step) if step >= 0 else None
+        w.set_aside_newer_steps(step, cfg.training.init_timeout_s, barrier=f"set-aside-{step}")
+        ckpt.mgr.reload()  # orbax lists the steps once: the damaged one (and any newer) are gone now
+    return None, None, None
 
 
 def _compile_ahead(cfg: JobConfig, tr: Any, source: Any, process_index: int, process_count: int) -> Any:
@@ -595,9 +620,9 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
 
     ahead = _compile_ahead(cfg, tr, source, pi, pc)
     t0 = now()
-    if manifest is not None:
-        state, it = _restore(cfg, tr, ckpt, restore_step, source)
-    else:
+    state, it, manifest = _restore_checked(w, cfg, tr, ckpt, manifest, source)
+    restore_step = w.args.restore_step
+    if state is None:
         state = tr.init_fn(np.int32(t.seed))
         it = data_lib.make_iterator(cfg.data, source.examples, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
     jax.block_until_ready(state)
