@@ -185,7 +185,20 @@ def test_incident_times_each_phase_from_the_failed_attempt_and_the_next():
     # steps 21..27: the first after the restore at 121, the other 6 at the slowest worker's 9 steps/s
     assert t.recovered_estimated and i.recovered_at == pytest.approx(121 + 6 / 9)
     lines = drill.measures_table([t])
-    assert lines[1].split() == ["1", "delete-worker", "1.0", "4.0", "10.0", "13.0", "19.0", "2.5", "21.7~", "7", "20"]
+    assert lines[1].split() == [
+        "1",
+        "delete-worker",
+        "-",
+        "1.0",
+        "4.0",
+        "10.0",
+        "13.0",
+        "19.0",
+        "2.5",
+        "21.7~",
+        "7",
+        "20",
+    ]
     assert lines[-1].startswith("~ estimated")
 
 

@@ -299,7 +299,10 @@ def _s(a: float | None, b: float | None) -> str:
 
 def measures_table(incidents: Sequence[TimedIncident]) -> list[str]:
     """The design's measures per incident, in seconds from the failure (injected, else detected)."""
-    head = "attempt  fault               detect  stop  provision  start  restore  compile  back  lost  restored"
+    head = (
+        "attempt  fault               class           detect  stop  provision  start  restore  compile  back  lost"
+        "  restored"
+    )
     lines = [head]
     for t in incidents:
         i = t.incident
@@ -307,7 +310,8 @@ def measures_table(incidents: Sequence[TimedIncident]) -> list[str]:
         back = _s(t0, i.recovered_at) + ("~" if t.recovered_estimated else "")
         compile_s = f"{i.compile_seconds:.1f}" if i.compile_seconds is not None else "-"
         lines.append(
-            f"{i.attempt:<8} {(i.scenario or '-'):<19} {_s(t0, i.detected_at):>6} {_s(t0, i.stopped_at):>5} "
+            f"{i.attempt:<8} {(i.scenario or '-'):<19} {(i.failure_class or '-'):<15} "
+            f"{_s(t0, i.detected_at):>6} {_s(t0, i.stopped_at):>5} "
             f"{_s(t0, i.slice_ready_at):>10} {_s(t0, i.workers_started_at):>6} {_s(t0, i.restored_at):>8} "
             f"{compile_s:>8} {back:>5} {i.steps_lost if i.steps_lost is not None else '-':>5} "
             f"{i.restored_step if i.restored_step is not None else '-':>9}"

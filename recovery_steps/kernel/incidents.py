@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from recovery_steps.kernel.documents import read_worker_reports
+from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.documents import read_ledger, read_worker_reports
 from recovery_steps.kernel.records import (
     Incident,
     ProvisionRecord,
@@ -38,6 +39,7 @@ class AttemptFacts:
     restore: RestoreRecord | None = None
     reports: Sequence[WorkerExitReport] = field(default_factory=tuple)
     heartbeats: Sequence[WorkerHeartbeat] = field(default_factory=tuple)
+    failure_class: FailureClass | None = None  # classify-failure's verdict, from the ledger
 
     @property
     def failed(self) -> bool:
@@ -103,6 +105,7 @@ def incident_from_facts(
     inc = Incident(
         attempt=failed.attempt,
         scenario=scenario,
+        failure_class=failed.failure_class,
         injected_at=injected_at,
         detected_at=sup.detected_at if sup else None,
         stopped_at=sup.stopped_at if sup else None,
@@ -160,6 +163,8 @@ def _heartbeats(store: RunStore, attempt: int) -> list[WorkerHeartbeat]:
 
 def read_attempt_facts(store: RunStore) -> list[AttemptFacts]:
     """Every attempt's records, as the run store holds them now."""
+    ledger = read_ledger(store)
+    classes = {r.attempt: r.failure_class for r in (ledger.attempts if ledger else [])}
     out = []
     for a in store.attempts():
         out.append(
@@ -170,6 +175,7 @@ def read_attempt_facts(store: RunStore) -> list[AttemptFacts]:
                 restore=store.read_record(RunLayout.restore_record(a), RestoreRecord),
                 reports=tuple(read_worker_reports(store, a)[0]),
                 heartbeats=tuple(_heartbeats(store, a)),
+                failure_class=classes.get(a),
             )
         )
     return out

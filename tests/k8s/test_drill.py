@@ -1,0 +1,121 @@
+"""``python -m workflows.drill`` against the real controllers: the shipped Workflow submitted by the drill, one
+failure injected by it, the run ending as it should, and the measures the drill prints.
+
+Argo's workflow-controller runs the steps (``podexec`` runs each step pod's program); the JobSet's worker pods
+stay on KWOK, so the test plays the trainer: it writes the heartbeats the workers would write and ends the next
+attempt's gang. What the drill deletes or evicts, and everything that follows, is decided by the real API server,
+Job, JobSet and Argo controllers and the project's steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import ARGO_FILE
+from realcluster import RealCluster, wait_for
+from tier import HOSTS, INDEX, REPO, apply_rbac
+
+from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.k8s import jobset_name
+from recovery_steps.kernel.records import WorkerHeartbeat
+from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows import drill
+
+pytestmark = pytest.mark.k8s
+
+
+class Drilled:
+    """The drill run in a thread (as a user runs it from a laptop), its result or error kept."""
+
+    def __init__(self, rc: RealCluster, store_root: str, fault: drill.Fault, after_step: int):
+        self.rc = rc
+        self.target = drill.load_target(REPO / "argo" / ARGO_FILE, [f"store-root={store_root}"], None)
+        self.store = RunStore(store_root, self.target.run_id)
+        self.lines: list[str] = []
+        self.result: drill.DrillResult | None = None
+        self.error: BaseException | None = None
+        cluster = drill.Cluster(rc.admin, self.target.namespace)
+        kw = {"after_step": after_step, "timeout_s": 420, "say": self.lines.append, "store": self.store}
+        self.thread = threading.Thread(target=self._run, args=(cluster, fault), kwargs=kw, daemon=True)
+        self.thread.start()
+
+    def _run(self, cluster: drill.Cluster, fault: drill.Fault, **kw: Any) -> None:
+        try:
+            self.result = drill.run_drill(cluster, self.target, fault, **kw)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
+            self.error = e
+
+    def workers(self, attempt: int) -> list[dict[str, Any]]:
+        """The attempt's worker pods once all are Running, by completion index."""
+        sel = f"jobset.sigs.k8s.io/jobset-name={jobset_name(self.target.run_id, attempt)}"
+
+        def running():
+            pods = [p for p in self.rc.pods(self.target.namespace, sel) if p["status"].get("phase") == "Running"]
+            return sorted(pods, key=lambda p: int(p["metadata"]["labels"][INDEX])) if len(pods) >= HOSTS else None
+
+        return wait_for(f"{HOSTS} worker pods of attempt {attempt} Running", running, 240, 0.5)
+
+    def beat(self, attempt: int, step: int) -> None:
+        t = time.time()
+        for i in range(HOSTS):
+            hb = WorkerHeartbeat(process_index=i, step=step, at=t, first_step_at=t)
+            self.store.write_record(RunLayout.heartbeat(attempt, i), hb)
+
+    def wait(self) -> drill.DrillResult:
+        self.thread.join(480)
+        assert not self.thread.is_alive(), "the drill did not end"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+@pytest.fixture
+def drilled_ns(real_cluster: RealCluster, argo, tpu_nodes) -> Iterator[str]:
+    cfg = load_config(REPO / "configs" / ARGO_FILE)
+    apply_rbac(real_cluster, cfg)
+    tpu_nodes(HOSTS, cfg)
+    try:
+        yield cfg.namespace
+    finally:
+        from kubernetes import client
+
+        objs = client.CustomObjectsApi(real_cluster.admin)
+        objs.delete_collection_namespaced_custom_object("argoproj.io", "v1alpha1", cfg.namespace, "workflows")
+        objs.delete_collection_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", cfg.namespace, "jobsets")
+        wait_for(f"no pods left in {cfg.namespace}", lambda: not real_cluster.pods(cfg.namespace), 90, 0.5)
+
+
+def test_drill_delete_worker_is_recovered_and_measured(real_cluster, drilled_ns, tmp_path):
+    """The drill deletes one worker pod of attempt 0 once the run passed step 20: the real Job controller fails
+    the gang's Job, the supervisor ends the attempt, classify-failure retries, attempt 1 succeeds; the drill
+    prints one incident with its class and the time of each phase it can see in the run store."""
+    d = Drilled(real_cluster, str(tmp_path / "store"), drill.Fault.DELETE_WORKER, after_step=20)
+    first = d.workers(0)
+    d.beat(0, 25)
+    wait_for("the drill to inject", lambda: len(d.lines) >= 2 or d.error, 120, 0.5)
+    assert d.error is None, d.error
+    victim = first[-1]["metadata"]["name"]
+    assert d.lines[1] == f"drill: at step 25 of attempt 0: deleted worker pod {victim}"
+    d.workers(1)
+    d.beat(1, 30)
+    for p in d.workers(1):
+        real_cluster.exit_pod(drilled_ns, p["metadata"]["name"], 0)
+    res = d.wait()
+    assert (res.phase, res.final_status) == ("Succeeded", "Succeeded")
+    [t] = res.incidents
+    inc = t.incident
+    assert (inc.attempt, inc.scenario, inc.pre_failure_step, inc.restored_step, inc.steps_lost) == (
+        0, "delete-worker", 25, 0, 25,
+    )  # fmt: skip
+    # The deleted pod's container ends 143, as the trainer does on the SIGTERM of a pod deletion (KWOK's stage plays
+    # the kubelet): a graceful exit, classified preemption, as docs/RUNBOOK.md's drill table says.
+    assert inc.failure_class == "preemption"
+    assert inc.injected_at <= inc.detected_at <= inc.stopped_at <= inc.slice_ready_at, inc
+    table = drill.measures_table(res.incidents)
+    print("\n".join([*d.lines, *table]))
+    assert table[1].split()[:3] == ["0", "delete-worker", str(inc.failure_class)]
