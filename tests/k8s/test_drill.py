@@ -20,6 +20,7 @@ from realcluster import RealCluster, wait_for
 from tier import HOSTS, INDEX, REPO, apply_rbac
 
 from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.k8s import jobset_name
 from recovery_steps.kernel.records import WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -119,3 +120,24 @@ def test_drill_delete_worker_is_recovered_and_measured(real_cluster, drilled_ns,
     table = drill.measures_table(res.incidents)
     print("\n".join([*d.lines, *table]))
     assert table[1].split()[:3] == ["0", "delete-worker", str(inc.failure_class)]
+
+
+def test_drill_delete_supervisor_leaves_the_gang_training_and_closes_no_attempt(real_cluster, drilled_ns, tmp_path):
+    """The drill evicts the train-segment pod (as a drain of its node does): Argo retries the step, the new
+    supervisor re-attaches to the same gang, which keeps its pods; the run Succeeds on attempt 0 with no incident."""
+    d = Drilled(real_cluster, str(tmp_path / "store"), drill.Fault.DELETE_SUPERVISOR, after_step=20)
+    first = d.workers(0)
+    d.beat(0, 25)
+    wait_for("the drill to inject", lambda: len(d.lines) >= 2 or d.error, 120, 0.5)
+    assert d.error is None, d.error
+    assert d.lines[1].startswith("drill: at step 25 of attempt 0: evicted supervisor pod "), d.lines
+    d.beat(0, 30)
+    assert [p["metadata"]["uid"] for p in d.workers(0)] == [p["metadata"]["uid"] for p in first]
+    store = d.store
+    for p in first:
+        real_cluster.exit_pod(drilled_ns, p["metadata"]["name"], 0)
+    res = d.wait()
+    assert (res.phase, res.final_status, res.incidents) == ("Succeeded", "Succeeded", [])
+    rec = store.read_json(RunLayout.supervision(0))
+    assert rec["outcome"] == "succeeded" and rec["reattached"], rec
+    assert [a.attempt for a in read_ledger(store).attempts] == [0]
