@@ -6,11 +6,14 @@ Usage: ``python -m recovery_steps.give_up --failure-class C --reason TEXT``. Pri
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import TextIO
 
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.step import Step
+from recovery_steps.kernel.step import main as step_main
 
 
 def run(failure_class: str, reason: str, err: TextIO | None = None) -> int:
@@ -31,13 +34,25 @@ def run(failure_class: str, reason: str, err: TextIO | None = None) -> int:
     return 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.give_up``."""
+def parser() -> argparse.ArgumentParser:
+    """The step's arguments."""
     p = cli.StepArgumentParser(prog="python -m recovery_steps.give_up", description=__doc__)
     p.add_argument("--failure-class", required=True, type=cli.bounded_text(64, "--failure-class"))
     p.add_argument("--reason", required=True, type=cli.bounded_text(4096, "--reason"))
-    args = p.parse_args(argv)
-    return run(args.failure_class, args.reason)
+    return p
+
+
+def act(args: argparse.Namespace) -> tuple[int, str]:
+    """Say why the run stops (on stderr, where Argo shows it) and fail."""
+    return run(args.failure_class, args.reason), ""
+
+
+STEP = Step("give-up", parser, act)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.give_up``."""
+    return step_main(STEP, argv)
 
 
 if __name__ == "__main__":

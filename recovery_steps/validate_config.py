@@ -23,12 +23,13 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.outputs import ValidateOutputs
 from recovery_steps.kernel.records import RunConfigDocument
+from recovery_steps.kernel.step import Step, StepError
+from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
     DocumentError,
     PreconditionFailed,
     RunLayout,
     RunStore,
-    StoreUnavailable,
     store_errors,
     transient_as_unavailable,
 )
@@ -180,8 +181,8 @@ def offline_outputs(cfg: JobConfig, store_root: str) -> dict[str, str]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.validate_config``."""
+def parser() -> argparse.ArgumentParser:
+    """The step's arguments."""
     p = cli.StepArgumentParser(prog="python -m recovery_steps.validate_config", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, type=cli.bounded_text(cli.PATH_MAX, "--config"), help="the job config")
     p.add_argument(
@@ -208,62 +209,69 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--holder-name", default=None, help="the workflow's name ({{workflow.name}})")
     p.add_argument("--k8s-host", default=None, help="Kubernetes API URL for the preflight (default: in-cluster)")
     p.add_argument("--output-dir", type=cli.output_dir, help="one file per output parameter")
-    args = p.parse_args(argv)
+    return p
+
+
+def act(args: argparse.Namespace) -> tuple[int, str]:
+    """Validate the config; pin it in the run store unless offline; the line saying it is valid."""
     if args.output_dir is None and not args.offline:
-        p.error("--output-dir is required (unless --offline)")
-    cli.ready_output_dir(p, args.output_dir, ValidateOutputs.names())  # before the lease or the config is written
+        raise StepError(ExitCode.CONFIGURATION, "--output-dir is required (unless --offline) (see --help)")
+    # An invalid config is this step's verdict, not its failure: its problems are printed as they are found.
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
-        return int(ExitCode.CONFIGURATION)
+        return int(ExitCode.CONFIGURATION), ""
     # Refused before any store or cluster is touched: JobSet's webhook would refuse the attempt's JobSet (422).
     problem = run_id_pod_name_problem(cfg)
     if problem:
         print(f"invalid config {args.config}: {problem}", file=sys.stderr)
-        return int(ExitCode.CONFIGURATION)
+        return int(ExitCode.CONFIGURATION), ""
     root = args.store_root or cfg.storage.root
-    if args.offline:
-        r = ValidateResult(ExitCode.OK, [])
-    else:
-        store = RunStore(root, cfg.run_id)
-        if args.preflight:
-            code = _preflight(cfg, store, args.k8s_host)
-            if code != ExitCode.OK:
-                return int(code)
-        try:
-            with transient_as_unavailable(store.url()):
-                if args.holder:
-                    from recovery_steps import lease
-
-                    site, alive = _holder_check(cfg, args.k8s_host)
-                    try:
-                        lease.acquire(store, args.holder, args.holder_name or args.holder, cfg.retry.lease_ttl_s,
-                                      site=site, is_alive=alive)  # fmt: skip
-                    except lease.LeaseHeld as e:
-                        print(f"configuration: {e}", file=sys.stderr)
-                        return int(ExitCode.CONFIGURATION)
-                r = run(cfg, store, accept_safe_changes=args.accept_safe_changes)
-        except StoreUnavailable as e:
-            print(f"validate-config: {e}; transient, Argo retries this step", file=sys.stderr)
-            return int(ExitCode.TRANSIENT)
-        except store_errors() as e:
-            line = cli.store_error_line("validate-config", store.url(), e)
-            return cli.fail("validate-config", f"{line}; or validate the config alone with --offline", 1)
+    r = ValidateResult(ExitCode.OK, []) if args.offline else _pin(args, cfg, RunStore(root, cfg.run_id))
     for line in r.messages:
         print(line, file=sys.stderr)
-    if r.code == ExitCode.OK:
-        where = "offline, no store read" if args.offline else "pinned in the run store"
-        if args.offline:
-            if args.output_dir is not None:
-                args.output_dir.mkdir(parents=True, exist_ok=True)
-                for name, value in offline_outputs(cfg, root).items():
-                    (args.output_dir / name).write_text(value)
-        else:
-            r.outputs.write(args.output_dir)
-        short = cfg.config_hash()[:12]
-        print(f"config {short} of run {cfg.run_id} is valid ({cfg.slice.num_hosts} hosts, {where})")
-    return int(r.code)
+    if r.code != ExitCode.OK:
+        return int(r.code), ""
+    if not args.offline:
+        r.outputs.write(args.output_dir)
+    elif args.output_dir is not None:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        for name, value in offline_outputs(cfg, root).items():
+            (args.output_dir / name).write_text(value)
+    where = "offline, no store read" if args.offline else "pinned in the run store"
+    return 0, f"config {cfg.config_hash()[:12]} of run {cfg.run_id} is valid ({cfg.slice.num_hosts} hosts, {where})"
+
+
+def _pin(args: argparse.Namespace, cfg: JobConfig, store: RunStore) -> ValidateResult:
+    """The preflight (when asked), the run lease (with ``--holder``), then ``run`` against the run store."""
+    if args.preflight:
+        code = _preflight(cfg, store, args.k8s_host)
+        if code != ExitCode.OK:
+            return ValidateResult(code, [])
+    try:
+        with transient_as_unavailable(store.url()):
+            if args.holder:
+                from recovery_steps import lease
+
+                site, alive = _holder_check(cfg, args.k8s_host)
+                try:
+                    lease.acquire(store, args.holder, args.holder_name or args.holder, cfg.retry.lease_ttl_s,
+                                  site=site, is_alive=alive)  # fmt: skip
+                except lease.LeaseHeld as e:
+                    return ValidateResult(ExitCode.CONFIGURATION, [f"configuration: {e}"])
+            return run(cfg, store, accept_safe_changes=args.accept_safe_changes)
+    except store_errors() as e:
+        line = cli.store_error_line("validate-config", store.url(), e).removeprefix("validate-config: ")
+        raise StepError(1, f"{line}; or validate the config alone with --offline") from None
+
+
+STEP = Step("validate-config", parser, act, ValidateOutputs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.validate_config``."""
+    return step_main(STEP, argv)
 
 
 def _holder_check(cfg: JobConfig, k8s_host: str | None):
