@@ -13,14 +13,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.records import CheckpointManifest, EventKind, PreemptionSave, WorkerExitReport, now
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
-from recovery_steps.kernel.tasks import options_hash
+from recovery_steps.kernel.tasks import TaskSpec, options_hash
 from trainer import compile_cache
 from trainer.compile_cache import CacheCounter
 from trainer.decisions import (
@@ -51,6 +51,9 @@ from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler, wait_fo
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
 from trainer.preemption import PeerLossNotice, PreemptionAgreement, distributed_client
 from trainer.telemetry import Events, WorkerMetrics, cpu_seconds
+
+if TYPE_CHECKING:
+    from trainer.data import DataSource
 
 log = logging.getLogger("trainer")
 
@@ -164,8 +167,10 @@ class Worker:
         """Ask the gang to stop after the next step; there it decides whether a save fits the window."""
         if not self.stop_requested:
             self.sigterm_at = time.monotonic()
-            log.info("SIGTERM: stopping after the next step, saving only if it fits the shutdown window; exit %d",
-                     ExitCode.PREEMPTED)  # fmt: skip
+            log.info(
+                "SIGTERM: stopping after the next step, saving only if it fits the shutdown window; exit %d",
+                ExitCode.PREEMPTED,
+            )
             self.events.emit(EventKind.SIGTERM, self.report.last_step)
             threading.Thread(target=self._leave_if_stuck, args=(self.report.last_step,), daemon=True).start()
         self.stop_requested = True
@@ -239,8 +244,12 @@ class Worker:
             verdict = bucket_check_exit(e, cfg, bucket)
             if verdict is not None:
                 raise verdict from None
-            log.warning("could not read the metadata of gs://%s (%s: %s); going on", bucket, type(e).__name__,
-                        str(e).splitlines()[0][:200] if str(e) else "")  # fmt: skip
+            log.warning(
+                "could not read the metadata of gs://%s (%s: %s); going on",
+                bucket,
+                type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "",
+            )
 
     def initialize(self, cfg: JobConfig) -> None:
         """Join the gang with jax.distributed, using the config's timeouts."""
@@ -502,10 +511,19 @@ def _compiled_step(w: Worker, ahead: Any, restore_started: float) -> Any:
     overlap = overlap_seconds(restore_started, restored, res.started_at, res.finished_at)
     if res.compiled is not None:
         w.report.compile_seconds = res.seconds
-    w.events.emit(EventKind.COMPILED, compile_seconds=round(res.seconds, 4), overlap_seconds=round(overlap, 4),
-                  waited_seconds=round(waited, 4), reason=res.error)  # fmt: skip
-    log.info("step compiled ahead in %.2f s (%.2f s beside the restore, %.2f s waited after it)", res.seconds,
-             overlap, waited)  # fmt: skip
+    w.events.emit(
+        EventKind.COMPILED,
+        compile_seconds=round(res.seconds, 4),
+        overlap_seconds=round(overlap, 4),
+        waited_seconds=round(waited, 4),
+        reason=res.error,
+    )
+    log.info(
+        "step compiled ahead in %.2f s (%.2f s beside the restore, %.2f s waited after it)",
+        res.seconds,
+        overlap,
+        waited,
+    )
     return res.compiled
 
 
@@ -542,24 +560,36 @@ def _hooks(
     """The loop's subscribers, in the order they see each step."""
     assert w.metrics is not None and w.watchdog is not None
     fault = FaultHook(faults)
-    agreement = PreemptionAgreement(w.args.attempt, w.process_index, cfg.slice.preemption_window_s,
-                                    distributed_client())  # fmt: skip
+    agreement = PreemptionAgreement(
+        w.args.attempt, w.process_index, cfg.slice.preemption_window_s, distributed_client()
+    )
     saving = CheckpointHook(
-        ckpt, stepper, interval_steps=cfg.checkpoint.interval_steps, total_steps=cfg.training.total_steps,
-        async_save=cfg.checkpoint.async_save, restore_step=w.args.restore_step,
+        ckpt,
+        stepper,
+        interval_steps=cfg.checkpoint.interval_steps,
+        total_steps=cfg.training.total_steps,
+        async_save=cfg.checkpoint.async_save,
+        restore_step=w.args.restore_step,
         kill_during_save=faults.at.get("kill-during-save") if w.process_index == 0 else None,
-        events=w.events, metrics=w.metrics, report=w.report, watchdog=w.watchdog, agreement=agreement,
+        events=w.events,
+        metrics=w.metrics,
+        report=w.report,
+        watchdog=w.watchdog,
+        agreement=agreement,
         # The restored step's own save time is the first estimate, until this attempt commits a save.
         estimate_s=manifest.save_seconds if manifest is not None else None,
-    )  # fmt: skip
+    )
     hooks = Hooks()
     hooks.before_step(fault.before_step)
     hooks.add(fault.on_step)
     hooks.add(check_finite_loss)
     hooks.add(ProgressHook(w.report, w.watchdog, cache).on_step)
     hooks.add(EventsHook(w.events, cache).on_step)
-    hooks.add(HeartbeatHook(w.store, w.args.attempt, w.process_index, cfg.supervision.heartbeat_interval_s, ckpt,
-                            w.report).on_step)  # fmt: skip
+    hooks.add(
+        HeartbeatHook(
+            w.store, w.args.attempt, w.process_index, cfg.supervision.heartbeat_interval_s, ckpt, w.report
+        ).on_step
+    )
     hooks.add(MetricsHook(w.metrics, ckpt, started=now()).on_step)
     hooks.add(saving.on_step)
     if cfg.training.step_delay_s:
@@ -569,29 +599,14 @@ def _hooks(
     return hooks, saving
 
 
-def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
-    import jax
-    import numpy as np
+def _open_task(
+    w: Worker, cfg: JobConfig, restore_step: int
+) -> tuple[TaskSpec, Any, DataSource, CheckpointManifest | None]:
+    """The task, its data source and the manifest of the step to restore (None: fresh).
 
+    Every process refuses together (``TrainerExit``) when the data cannot be read or the checkpoint does not fit.
+    """
     from trainer import data as data_lib
-    from trainer import train_state
-    from trainer.checkpointing import Checkpointer, DataIdentity
-
-    assert w.watchdog is not None
-    t = cfg.training
-    w.check_topology(cfg)
-    cache = _enable_compilation_cache(w, cfg)
-    restore_step = w.args.restore_step
-    log.info(
-        "process %d/%d, devices local %d global %d (%s), attempt %d, restore step %s",
-        jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
-        jax.devices()[0].platform, w.args.attempt, restore_step if restore_step >= 0 else "none (fresh start)",
-    )  # fmt: skip
-    # cpu_s (this process's CPU seconds so far, every thread) shows where start-up is CPU work and where waiting.
-    w.events.emit(
-        EventKind.INITIALIZED, process_count=jax.process_count(), devices=jax.device_count(), cpu_s=cpu_seconds()
-    )
-    m = _start_metrics(w, cfg)
 
     spec = cfg.task.spec()
     task = spec.build(cfg.task_options())
@@ -610,6 +625,39 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
                 )
     if manifest is not None and manifest.dataset_version != source.version:
         log.warning("dataset changed (%s -> %s): reshuffling", manifest.dataset_version, source.version)
+    return spec, task, source, manifest
+
+
+def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
+    import jax
+    import numpy as np
+
+    from trainer import data as data_lib
+    from trainer import train_state
+    from trainer.checkpointing import Checkpointer, DataIdentity
+
+    assert w.watchdog is not None
+    t = cfg.training
+    w.check_topology(cfg)
+    cache = _enable_compilation_cache(w, cfg)
+    restore_step = w.args.restore_step
+    log.info(
+        "process %d/%d, devices local %d global %d (%s), attempt %d, restore step %s",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+        jax.devices()[0].platform,
+        w.args.attempt,
+        restore_step if restore_step >= 0 else "none (fresh start)",
+    )
+    # cpu_s (this process's CPU seconds so far, every thread) shows where start-up is CPU work and where waiting.
+    w.events.emit(
+        EventKind.INITIALIZED, process_count=jax.process_count(), devices=jax.device_count(), cpu_s=cpu_seconds()
+    )
+    m = _start_metrics(w, cfg)
+
+    spec, task, source, manifest = _open_task(w, cfg, restore_step)
     w.set_aside_newer_steps(restore_step, t.init_timeout_s)
     mesh = train_state.make_mesh()
     tr = train_state.build(cfg, mesh, task)
