@@ -18,18 +18,22 @@ from typing import Any
 
 import argoctl
 import pytest
+import yaml
 from conftest import ARGO_FILE
 from realcluster import RealCluster, netns_listeners, wait_for
 from tier import HOSTS, INDEX, REPO, apply_rbac
 
 from recovery_steps.kernel.config import JobConfig, load_config
 from recovery_steps.kernel.k8s import jobset_name
-from recovery_steps.kernel.records import WorkerHeartbeat
+from recovery_steps.kernel.records import Ledger, SupervisionRecord, WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 pytestmark = pytest.mark.k8s
 
 TERMINAL = ("Succeeded", "Failed", "Error")
+# How long the segment runs before its supervisor is evicted. The shipped train-segment retryStrategy has no
+# maxDuration (asserted below), so no age of the segment makes Argo refuse the retry; a short wait suffices.
+RAN_LONGER_S = 5
 
 
 @dataclass
@@ -86,6 +90,9 @@ class ArgoRun:
         for i in range(HOSTS):
             b = WorkerHeartbeat(process_index=i, step=step, checkpoint_step=checkpoint, at=t, first_step_at=t)
             self.store.write_json(RunLayout.heartbeat(attempt, i), b.model_dump())
+
+    def ledger(self) -> Ledger:
+        return Ledger.model_validate(self.store.read_json(RunLayout.LEDGER))
 
     def exit_all(self, attempt: int, code: int) -> None:
         for p in self.workers(attempt):
@@ -155,6 +162,12 @@ def test_app_bug_fails_the_workflow_with_class_application_once_its_budget_is_sp
     assert give_up["phase"] == "Failed", report
     (final,) = argoctl.pods_of(wf, "exit-handler")
     assert argoctl.outputs(final)["final-status"] == "Failed", report
+    ledger = argo_run.ledger()
+    assert [(a.attempt, a.failure_class, a.decision) for a in ledger.attempts] == [
+        (0, "application", "retry"),
+        (1, "application", "stop"),
+    ]
+    assert ledger.final_status == "Failed"
     print(f"app-bug on the real controller: {time.monotonic() - t0:.0f} s\n{report}")
 
 
@@ -196,4 +209,72 @@ def test_a_recoverable_failure_is_a_new_attempt_and_the_run_succeeds(argo_run, s
     assert [argoctl.outputs(n)["restore-step"] for n in argoctl.pods_of(wf, "restore-latest")] == ["-1", "-1"], report
     (final,) = argoctl.pods_of(wf, "exit-handler")
     assert argoctl.outputs(final)["final-status"] == "Succeeded", report
+    ledger = argo_run.ledger()
+    assert [(a.attempt, a.outcome, a.failure_class) for a in ledger.attempts] == [
+        (0, "failed", cls),
+        (1, "succeeded", None),
+    ]
+    assert ledger.final_status == "Succeeded"
     print(f"{scenario} on the real controller: {time.monotonic() - t0:.0f} s\n{report}")
+
+
+def _supervisor_pod(r: ArgoRun, not_uid: str = "") -> dict[str, Any]:
+    """A Running pod of train-segment (any try) other than ``not_uid``."""
+
+    def running():
+        for p in r.rc.pods(r.ns, f"workflows.argoproj.io/workflow={r.name}"):
+            node = (p["metadata"].get("annotations") or {}).get("workflows.argoproj.io/node-name", "")
+            if ".train-segment(" in node and p["status"].get("phase") == "Running" and p["metadata"]["uid"] != not_uid:
+                return p
+        return None
+
+    return wait_for("a train-segment pod Running" + (" after the lost one" if not_uid else ""), running, 180, 0.5)
+
+
+def test_supervisor_lost_an_evicted_supervisor_is_retried_and_reattaches_to_the_running_gang(argo_run):
+    """README scenario ``supervisor-lost``, the way a node drain does it: the train-segment pod is evicted
+    (Eviction API: SIGTERM, exit 143) once the controller has it Running. Argo retries the step (143 is not the
+    supervisor's verdict), the new supervisor re-attaches to the same JobSet, the gang keeps training (same worker
+    pods) and no attempt is closed; the run Succeeds on attempt 0."""
+    from kubernetes import client
+
+    wf = yaml.safe_load((REPO / "argo" / ARGO_FILE).read_text())
+    segment = next(t for t in wf["spec"]["templates"] if t["name"] == "train-segment")
+    assert "maxDuration" not in segment["retryStrategy"]  # a retry is never refused for the segment's age
+    argo_run.submit()
+    workers = argo_run.workers(0)
+    argo_run.beat(0, 5)
+    first = _supervisor_pod(argo_run)
+    # Evicted once the controller has seen it Running (a pod that vanishes before that is created again for the
+    # same node, which spends no try and is not the case this test is about).
+    wait_for(
+        "train-segment Running in the Workflow",
+        lambda: any(n["phase"] == "Running" for n in argoctl.pods_of(argo_run.wf(), "train-segment")),
+        60,
+        0.5,
+    )
+    time.sleep(RAN_LONGER_S)
+    argo_run.beat(0, 9)
+    body = client.V1Eviction(metadata=client.V1ObjectMeta(name=first["metadata"]["name"], namespace=argo_run.ns))
+    argo_run.rc.core().create_namespaced_pod_eviction(first["metadata"]["name"], argo_run.ns, body)
+    _supervisor_pod(argo_run, not_uid=first["metadata"]["uid"])
+    argo_run.beat(0, 15)
+    assert [p["metadata"]["uid"] for p in argo_run.workers(0)] == [p["metadata"]["uid"] for p in workers]
+    argo_run.exit_all(0, 0)
+    wf = argo_run.wait_done(300)
+    report = argoctl.summary(wf)
+    assert wf["status"]["phase"] == "Succeeded", report
+    *lost, last = argoctl.pods_of(wf, "train-segment")
+    # The kubelet reports the SIGTERMed supervisor Failed (exit 143), then the pod is removed: the controller
+    # retries a node it saw Failed 143, or Error "pod deleted" when the removal came first.
+    assert [(n["phase"], (n.get("outputs") or {}).get("exitCode")) for n in lost] in (
+        [("Failed", "143")],
+        [("Error", None)],
+    ), report
+    assert (last["phase"], last["outputs"]["exitCode"]) == ("Succeeded", "0"), report
+    assert not argoctl.pods_of(wf, "classify-failure"), report
+    rec = SupervisionRecord.model_validate(argo_run.store.read_json(RunLayout.supervision(0)))
+    assert rec.outcome == "succeeded" and rec.reattached, rec
+    ledger = argo_run.ledger()
+    assert [(a.attempt, a.outcome) for a in ledger.attempts] == [(0, "succeeded")], ledger
+    print(f"supervisor-lost on the real controller: retried after {lost[0]['phase']} ({lost[0].get('message')})")
