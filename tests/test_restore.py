@@ -304,3 +304,34 @@ def test_step_beyond_total_steps_is_refused(run):
     assert r.selection.step == 10
     [skip] = r.selection.skipped
     assert f"beyond training.total_steps {cfg.training.total_steps}" in skip.reason
+
+
+def test_workers_check_of_a_restored_step_finds_what_changed_after_restore_latest(run):
+    """``verify.part_problems``, what each worker runs on the step it just read: the gang finds a rewritten or
+    flipped file between them (locally each process streams its share; on GCS process 0 compares one listing)."""
+    from recovery_steps import verify
+    from recovery_steps.kernel.records import CheckpointManifest
+
+    store, cfg = run
+    write_checkpoint(store, cfg, 10, floats=5000)
+    manifest = store.read_record(RunLayout.checkpoint_manifest(10), CheckpointManifest)
+    parts = 3
+    shares = [verify.share_of(manifest.files, i, parts) for i in range(parts)]
+    assert sorted(f.path for s in shares for f in s) == sorted(f.path for f in manifest.files)  # each file once
+    loads = [sum(f.size for f in s) for s in shares]
+    total, largest = sum(loads), max(f.size for f in manifest.files)
+    assert max(loads) <= max(total / parts, largest) + largest, loads  # balanced by bytes (greedy bound)
+    assert [verify.part_problems(store, "10", manifest, i, parts) for i in range(parts)] == [[], [], []]
+
+    name = _file(store, 10)
+    data = bytearray(store.read_bytes(name))
+    if store.is_gcs:
+        store.write_bytes(name, bytes(data))  # the same bytes, another object: not the one the manifest pinned
+    else:
+        data[len(data) // 2] ^= 0x01
+        store.write_bytes(name, bytes(data))
+    found = [verify.part_problems(store, "10", manifest, i, parts) for i in range(parts)]
+    rel = name.split("checkpoints/10/", 1)[1]
+    assert sum(1 for p in found if p) == 1, found  # one process's share (process 0's listing on GCS) finds it
+    (problem,) = next(p for p in found if p)
+    assert rel in problem and ("generation" in problem if store.is_gcs else "CRC32C" in problem), problem
