@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 from realcluster import Component, RealCluster, pdeathsig, wait_for
 
+ARGO_FILE = "v5e-4x4.yaml"  # the Workflow of argo/ the tier submits, unchanged but for `argo submit` parameters
 CONTROLLER = "workflow-controller"
 CONFIGMAP = "workflow-controller-configmap"  # the name the controller reads (``--configmap`` default)
 EXECUTOR_IMAGE = "registry.invalid/argoexec-never-pulled:v4.0.5"

@@ -144,7 +144,8 @@ def run(real_cluster, namespace, tpu_nodes, tmp_path, request) -> Iterator[Run]:
 
 # --- Argo: the real workflow-controller and a process kubelet for its step pods (started only when a test asks) ---
 
-ARGO_FILE = "v5e-4x4.yaml"  # the Workflow of argo/ the Argo tests submit, unchanged
+from argoctl import ARGO_FILE  # noqa: E402 - kept here for modules that still import it from conftest
+
 PODEXEC_NODE = "argo-steps"  # the node of the step pods (not KWOK's: podexec runs them as processes)
 
 

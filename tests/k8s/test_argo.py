@@ -19,7 +19,7 @@ from typing import Any
 import argoctl
 import pytest
 import yaml
-from conftest import ARGO_FILE
+from argoctl import ARGO_FILE
 from realcluster import RealCluster, netns_listeners, wait_for
 from tier import HOSTS, INDEX, REPO, apply_rbac
 
