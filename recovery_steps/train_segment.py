@@ -78,7 +78,6 @@ from recovery_steps.supervision import (
 
 log = logging.getLogger(__name__)
 
-OUTPUTS = ("outcome", "stall-kind", "reason", "last-step", "checkpoint-step")
 # The API server ends a watch after timeoutSeconds; a new one continues from the last resourceVersion.
 WATCH_TIMEOUT_S = 60
 # How long the first LIST of the JobSet, its Jobs and pods may take, and how long a watcher may stay in error

@@ -80,3 +80,24 @@ def test_api_errors_map_through_the_one_table(status, code, hint):
     err = api_error(e, doing="create jobset x", transient_hint="; retried")
     assert int(err.code) == code == api_exit_code(e)
     assert str(err).startswith("create jobset x: ") and hint in str(err) and "\n" not in str(err)
+
+
+STEPS = ("validate_config", "restore_latest", "provision_slice", "train_segment", "classify_failure", "finalize",
+         "hand_over", "give_up")  # fmt: skip
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_no_step_imports_another_step(step):
+    import ast
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recovery_steps" / f"{step}.py"
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+            imported.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    others = {f"recovery_steps.{s}" for s in STEPS if s != step}
+    assert not imported & others, f"{step} imports {sorted(imported & others)}"
