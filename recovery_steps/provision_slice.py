@@ -30,7 +30,6 @@ from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.k8s import (
     ACTIVE_MAINTENANCE_LABEL,
-    API_TIMEOUT_S,
     ATTEMPT_LABEL,
     JOBSET_NAME_LABEL,
     NODEPOOL_LABEL,
@@ -38,6 +37,7 @@ from recovery_steps.kernel.k8s import (
     SCHEDULED_MAINTENANCE_LABEL,
     SPOT_LABEL,
     TPU_RESOURCE,
+    Kube,
     delete_run_jobsets,
     gke_node_selector,
     jobset_name,
@@ -182,19 +182,19 @@ def check_slice(
 # --- Kubernetes adapters --------------------------------------------------------------------------
 
 
-def node_info(node: Any) -> NodeInfo:
-    """A ``NodeInfo`` from a kubernetes ``V1Node``."""
-    labels = dict(node.metadata.labels or {})
-    conditions = (node.status.conditions if node.status else None) or []
-    ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
-    taints = tuple((t.key, t.effect) for t in ((node.spec.taints if node.spec else None) or []))
-    allocatable = node.status.allocatable if node.status else None
+def node_info(node: dict[str, Any]) -> NodeInfo:
+    """A ``NodeInfo`` from a Node as the API returns it (its JSON, read through ``kernel.k8s.Kube``)."""
+    meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
+    labels = {k: str(v) for k, v in (meta.get("labels") or {}).items()}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    taints = tuple((t.get("key"), t.get("effect")) for t in spec.get("taints") or [])
+    allocatable = status.get("allocatable")
     tpu = None if allocatable is None else _quantity_int(allocatable.get(TPU_RESOURCE, "0"))
     return NodeInfo(
-        name=node.metadata.name,
+        name=meta.get("name", ""),
         pool=labels.get(NODEPOOL_LABEL, "<none>"),
         ready=ready,
-        unschedulable=bool(node.spec and node.spec.unschedulable),
+        unschedulable=bool(spec.get("unschedulable")),
         taints=taints,
         labels=labels,
         allocatable_tpu=tpu,
@@ -263,30 +263,25 @@ def wait_pods_gone(
     Raises:
         StepError: (capacity) on timeout.
     """
-    from kubernetes import client
-
-    core = client.CoreV1Api(api_client)
+    kube = Kube(api_client, namespace)
     selector = f"{RUN_ID_LABEL}={run_id},{JOBSET_NAME_LABEL}"
     if keep:
         selector += f",{JOBSET_NAME_LABEL} notin ({','.join(keep)})"
     deadline = clock() + timeout_s
     while True:
-        pods = core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=API_TIMEOUT_S).items
+        pods = kube.list_pods_where(selector)
         if not pods:
             return
         if clock() >= deadline:
-            names = ", ".join(sorted(p.metadata.name for p in pods))
+            names = ", ".join(sorted(p["metadata"]["name"] for p in pods))
             raise StepError(ExitCode.CAPACITY, f"worker pods of earlier attempts still present: {names}")
         sleep(poll_s)
 
 
 def list_slice_nodes(api_client: Any, selector: dict[str, str]) -> list[NodeInfo]:
     """Nodes that carry every label of ``selector``."""
-    from kubernetes import client
-
-    core = client.CoreV1Api(api_client)
     label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
-    return [node_info(n) for n in core.list_node(label_selector=label_selector, _request_timeout=API_TIMEOUT_S).items]
+    return [node_info(n) for n in Kube(api_client, "").list_nodes(label_selector)]
 
 
 def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[NodeInfo]) -> list[NodeInfo]:
@@ -297,18 +292,13 @@ def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[No
     """
     from dataclasses import replace
 
-    from kubernetes import client
-
-    core = client.CoreV1Api(api_client)
-    pods = core.list_namespaced_pod(
-        namespace, label_selector=f"{RUN_ID_LABEL},{RUN_ID_LABEL}!={run_id}", _request_timeout=API_TIMEOUT_S
-    ).items
+    pods = Kube(api_client, namespace).list_pods_where(f"{RUN_ID_LABEL},{RUN_ID_LABEL}!={run_id}")
     by_node: dict[str, list[str]] = {}
     for p in pods:
-        node = p.spec.node_name if p.spec else None
-        phase = p.status.phase if p.status else None
+        node = (p.get("spec") or {}).get("nodeName")
+        phase = (p.get("status") or {}).get("phase")
         if node and phase not in ("Succeeded", "Failed"):
-            by_node.setdefault(node, []).append((p.metadata.labels or {}).get(RUN_ID_LABEL, "?"))
+            by_node.setdefault(node, []).append(((p.get("metadata") or {}).get("labels") or {}).get(RUN_ID_LABEL, "?"))
     return [replace(n, other_runs=tuple(by_node.get(n.name, ()))) for n in nodes]
 
 

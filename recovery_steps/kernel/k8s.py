@@ -328,6 +328,20 @@ class Kube:
         """The items of one LIST (``list_jobs``, ``list_pods``) of the JobSet ``name``."""
         return self._json(list_call(name, _preload_content=False, _request_timeout=API_TIMEOUT_S)).get("items") or []
 
+    def list_pods_where(self, label_selector: str) -> list[dict[str, Any]]:
+        """The namespace's pods that match ``label_selector``."""
+        resp = self.core.list_namespaced_pod(
+            self.ns, label_selector=label_selector, _preload_content=False, _request_timeout=API_TIMEOUT_S
+        )
+        return self._json(resp).get("items") or []
+
+    def list_nodes(self, label_selector: str) -> list[dict[str, Any]]:
+        """The cluster's nodes that match ``label_selector``."""
+        resp = self.core.list_node(
+            label_selector=label_selector, _preload_content=False, _request_timeout=API_TIMEOUT_S
+        )
+        return self._json(resp).get("items") or []
+
     def pod_warnings(self, pod: str) -> list[str]:
         """The pod's Warning events, as 'Reason: message'."""
         sel = f"involvedObject.name={pod},involvedObject.kind=Pod"
