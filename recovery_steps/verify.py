@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recovery_steps.kernel.checkpoints import MAX_MANIFEST_FILES, stream_digests
+from recovery_steps.kernel.checkpoints import MAX_MANIFEST_BYTES, MAX_MANIFEST_FILES, stream_digests
 from recovery_steps.kernel.compat import check_compatible
 from recovery_steps.kernel.records import CheckpointManifest, Ledger, ManifestFile
 from recovery_steps.kernel.store import ObjectInfo, RunLayout, RunStore
@@ -335,6 +335,9 @@ def inspect_candidate(
     c = replace(c, committed=committed)
     if not committed:
         return c
+    size = next(o.size for o in objects if o.name == RunLayout.MANIFEST) if RunLayout.MANIFEST in names else 0
+    if size > MAX_MANIFEST_BYTES:  # refused unread: parsing it would hold several times its size in memory
+        return replace(c, manifest_problem=f"{RunLayout.MANIFEST} has {size} bytes, more than {MAX_MANIFEST_BYTES}")
     manifest, problem = read_manifest(store, name, step, run_id)
     if manifest is None:
         return replace(c, manifest_problem=problem)

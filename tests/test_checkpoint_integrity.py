@@ -192,3 +192,16 @@ def test_verification_is_linear_in_the_manifest_entries(run):
     small, large = min(timed(10_000) for _ in range(5)), min(timed(80_000) for _ in range(5))
     # 8x the entries: about 8x the time (quadratic would be 64x); the margin absorbs a loaded machine's noise.
     assert large < 8 * small * 4, (small, large)
+
+
+def test_a_manifest_file_beyond_the_byte_bound_is_refused_unread(run, monkeypatch):
+    store, _, ck = run
+    bound = min((ck / s / "manifest.json").stat().st_size for s in ("10", "20")) - 1
+    monkeypatch.setattr(verify, "MAX_MANIFEST_BYTES", bound)
+    monkeypatch.setattr(verify, "read_manifest", lambda *a: pytest.fail("a manifest over the bound was read"))
+    r = restore_latest.run(store, 1)
+    assert r.selection.step == -1  # both steps' manifests are over the bound here
+    assert {s.name for s in r.selection.skipped} == {"10", "20"}
+    for s in r.selection.skipped:
+        size = (ck.parent / "quarantine" / s.name / "manifest.json").stat().st_size
+        assert f"manifest.json has {size} bytes, more than {bound}" in s.reason, s.reason

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 
 import pytest
 from trainer_harness import launch, read_report, tiny_config, write_config
 
 from recovery_steps import restore_latest
-from recovery_steps.kernel.records import EventKind, QuarantineReason, RestoreRecord
+from recovery_steps.kernel.records import CheckpointManifest, EventKind, QuarantineReason, RestoreRecord
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 pytestmark = pytest.mark.slow
@@ -27,9 +28,16 @@ def test_a_byte_flipped_after_restore_latest_is_found_by_the_workers_and_the_att
     gang = launch(cfg, 0, -1, tmp_path / "ref")
     assert gang.wait(300) == [0] * N, gang.log(0)[-3000:]
     (want,) = _digests(store, 0)  # the uninterrupted run's parameters
+    # Each process streamed the files it wrote (process 1: its iterator state and array metadata) and process 0
+    # gathered them: it streamed none of another's files itself, and every entry pins the bytes on disk.
+    assert "no process reported" not in gang.log(0), gang.log(0)[-2000:]
+    run = tmp_path / "store" / "runs" / cfg.run_id
+    m = CheckpointManifest.model_validate_json((run / "checkpoints" / "20" / "manifest.json").read_text())
+    assert "data/process_1-of-2.json" in {f.path for f in m.files}
+    for f in m.files:
+        assert f.sha256 == hashlib.sha256((run / "checkpoints" / "20" / f.path).read_bytes()).hexdigest(), f.path
 
     # The run as it stood after step 10 was saved: steps 15 and 20 never happened.
-    run = tmp_path / "store" / "runs" / cfg.run_id
     for s in (15, 20):
         shutil.rmtree(run / "checkpoints" / str(s))
     decided = restore_latest.run(store, 1)
