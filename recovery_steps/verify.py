@@ -622,7 +622,7 @@ def _ocdbt_problems(store: RunStore, name: str, manifest: CheckpointManifest) ->
     for root in roots:
         db = root[: -len("manifest.ocdbt")]
         try:
-            kv = ts.KvStore.open(f"file://{step_dir / db}/").result()
+            kv = ts.KvStore.open({"driver": "file", "path": f"{step_dir / db}/"}).result()
             top = ts.ocdbt.dump(kv).result()
             newest = (top.get("versions") or [{}])[-1]
             todo, seen = list(_ocdbt_locations(newest)), set()
