@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import ARGO_FILE
+from argoctl import ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import HOSTS, INDEX, REPO, apply_rbac
 
