@@ -41,19 +41,18 @@ from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_ledger, read_run_config
 from recovery_steps.kernel.k8s import (
-    API_TIMEOUT_S,
     ARGO_GROUP,
     ARGO_VERSION,
     CONTINUES_LABEL,
     DESCRIPTION_ANNOTATION,
     RUN_ID_LABEL,
     TITLE_ANNOTATION,
-    WORKFLOW_PLURAL,
+    Kube,
     continuation_name,
 )
 from recovery_steps.kernel.outputs import HandOverOutputs
 from recovery_steps.kernel.records import HandOver, Ledger, RunLease, now
-from recovery_steps.kernel.step import Step, StepError, api_error, k8s_client
+from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
     PreconditionFailed,
@@ -126,40 +125,31 @@ def _api_error(e: Any, what: str) -> StepError:
 def create_on_gke(api_client: Any, namespace: str, own_name: str, own_uid: str, run_id: str,
                   attempt: int) -> Continuation:  # fmt: skip
     """Create (or find, when a retried hand-over made it already) the continuation Workflow on the cluster."""
-    import urllib3
-    from kubernetes import client
-
-    custom = client.CustomObjectsApi(api_client)
-    args = (ARGO_GROUP, ARGO_VERSION, namespace, WORKFLOW_PLURAL)
+    kube = Kube(api_client, namespace)
     name = continuation_name(run_id, attempt)
+    doing = f"get workflow {own_name}"
     try:
-        try:
-            own = custom.get_namespaced_custom_object(*args, own_name, _request_timeout=API_TIMEOUT_S)
-        except client.ApiException as e:
-            raise _api_error(e, f"get workflow {own_name}") from None
+        own = kube.get_workflow(own_name)
+        if own is None:
+            raise StepError(ExitCode.CONFIGURATION, f"get workflow {own_name}: not found (404) in {namespace}")
         if own.get("metadata", {}).get("uid") != own_uid:
             uid = own.get("metadata", {}).get("uid")
             raise StepError(ExitCode.CONFIGURATION, f"workflow {own_name} has uid {uid}, not {own_uid}")
-        body = continuation_manifest(own, name, run_id, attempt)
-        try:
-            made = custom.create_namespaced_custom_object(*args, body, _request_timeout=API_TIMEOUT_S)
-        except client.ApiException as e:
-            if e.status != 409:
-                raise _api_error(e, f"create workflow {name}") from None
-            try:
-                made = custom.get_namespaced_custom_object(*args, name, _request_timeout=API_TIMEOUT_S)
-            except client.ApiException as e2:
-                raise _api_error(e2, f"get workflow {name}") from None
+        doing = f"create workflow {name}"
+        made = kube.create_workflow(continuation_manifest(own, name, run_id, attempt))
+        if made is None:  # a retried hand-over created it already
+            doing = f"get workflow {name}"
+            made = kube.get_workflow(name) or {}
             continues = (made.get("metadata", {}).get("labels") or {}).get(CONTINUES_LABEL)
             if continues != own_name:
                 raise StepError(
                     ExitCode.CONFIGURATION,
                     f"workflow {name} exists and does not continue {own_name} (its {CONTINUES_LABEL} is "
                     f"{continues!r}): delete it (argo delete {name}) and retry this step",
-                ) from None
+                )
             log.info("continuation %s already exists (a retried hand-over)", name)
-    except urllib3.exceptions.HTTPError as e:
-        raise _api_error(e, "reach the Kubernetes API") from None
+    except api_failures() as e:
+        raise _api_error(e, doing) from None
     return Continuation(made["metadata"]["name"], made["metadata"]["uid"])
 
 

@@ -275,16 +275,14 @@ def cluster_id(api_client: Any) -> str | None:
     kube-system exists in every cluster and keeps its uid for the cluster's life; two clusters never share one.
     Needs ``namespaces get`` (the ClusterRole in ``argo/rbac.yaml``).
     """
-    from kubernetes import client
-
-    from recovery_steps.kernel.k8s import API_TIMEOUT_S
+    from recovery_steps.kernel.k8s import Kube
 
     try:
-        ns = client.CoreV1Api(api_client).read_namespace(KUBE_SYSTEM, _request_timeout=API_TIMEOUT_S)
+        ns = Kube(api_client, KUBE_SYSTEM).get_namespace(KUBE_SYSTEM)
     except Exception as e:  # noqa: BLE001 - an unknown cluster: no 404 is trusted, the TTL decides
         log.warning("cannot read namespace %s for the cluster id (%s): the run lease's TTL decides", KUBE_SYSTEM, e)
         return None
-    return (ns.metadata.uid if ns.metadata else None) or None
+    return ((ns or {}).get("metadata") or {}).get("uid") or None
 
 
 def workflow_alive(api_client: Any, site: Site) -> IsAlive:
@@ -294,11 +292,9 @@ def workflow_alive(api_client: Any, site: Site) -> IsAlive:
     (deleted: it never ran its exit handler, so its lease would otherwise block a resubmission until it expired).
     A holder elsewhere, or whose lease names no cluster, and any other API answer are "unknown": the TTL decides.
     """
-    from kubernetes import client
+    from recovery_steps.kernel.k8s import Kube
 
-    from recovery_steps.kernel.k8s import API_TIMEOUT_S, ARGO_GROUP, ARGO_VERSION, WORKFLOW_PLURAL
-
-    custom = client.CustomObjectsApi(api_client)
+    kube = Kube(api_client, site.namespace or "")
 
     def alive(lease: RunLease) -> bool | None:
         if site.cluster is None or site.namespace is None:
@@ -306,12 +302,11 @@ def workflow_alive(api_client: Any, site: Site) -> IsAlive:
         if lease.cluster != site.cluster or lease.namespace != site.namespace:
             return None
         try:
-            wf = custom.get_namespaced_custom_object(ARGO_GROUP, ARGO_VERSION, site.namespace, WORKFLOW_PLURAL,
-                                                     lease.holder_name, _request_timeout=API_TIMEOUT_S)  # fmt: skip
-        except client.ApiException as e:
-            return False if e.status == 404 else None
-        except Exception:  # noqa: BLE001 - unreachable API: unknown, the TTL decides
+            wf = kube.get_workflow(lease.holder_name)
+        except Exception:  # noqa: BLE001 - a refusal or an unreachable API: unknown, the TTL decides
             return None
+        if wf is None:
+            return False  # 404 in the holder's own namespace of this cluster: its Workflow is gone
         if wf.get("metadata", {}).get("uid") != lease.holder:
             return False  # another Workflow of the same name: the holder is gone
         return wf.get("status", {}).get("phase") not in ("Succeeded", "Failed", "Error")

@@ -307,6 +307,29 @@ class Kube:
         where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
         return self._maybe(self.custom.get_namespaced_custom_object, *where, name)
 
+    def get_workflow(self, name: str) -> dict[str, Any] | None:
+        """The Argo Workflow ``name``, or None when it does not exist."""
+        return self._maybe(self.custom.get_namespaced_custom_object, ARGO_GROUP, ARGO_VERSION, self.ns,
+                           WORKFLOW_PLURAL, name)  # fmt: skip
+
+    def create_workflow(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Create an Argo Workflow; the object as created, or None when one of its name exists (409 Conflict)."""
+        from kubernetes.client import ApiException
+
+        try:
+            resp = self.custom.create_namespaced_custom_object(ARGO_GROUP, ARGO_VERSION, self.ns, WORKFLOW_PLURAL,
+                                                               body, _preload_content=False,
+                                                               _request_timeout=API_TIMEOUT_S)  # fmt: skip
+        except ApiException as e:
+            if e.status == 409:
+                return None
+            raise
+        return self._json(resp)
+
+    def get_namespace(self, name: str) -> dict[str, Any] | None:
+        """The namespace ``name`` (cluster-scoped), or None when it does not exist."""
+        return self._maybe(self.core.read_namespace, name)
+
     def get_node(self, name: str) -> dict[str, Any] | None:
         """The node ``name``, or None when the Node object is gone."""
         return self._maybe(self.core.read_node, name)
