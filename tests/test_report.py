@@ -7,7 +7,16 @@ from pathlib import Path
 import pytest
 
 from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import EventKind, Incident, PreemptionSave, WorkerEvent, WorkerExitReport
+from recovery_steps.kernel.records import (
+    EventKind,
+    Incident,
+    PreemptionSave,
+    ProvisionRecord,
+    RestoreRecord,
+    SupervisionRecord,
+    WorkerEvent,
+    WorkerExitReport,
+)
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local, report
 from workflows.local.incidents import EventTail, Injected, Segment, build_incidents, read_events
@@ -124,10 +133,19 @@ def test_report_prints_table_and_writes_timeline(store_root, capsys):
     store.write_json(RunLayout.incident(0), inc.model_dump(mode="json"))
     store.write_bytes("local/events/worker-0.jsonl", "\n".join(e.model_dump_json() for e in _events()).encode() + b"\n")
     for i in range(2):  # attempt 1 was preempted and its save did not fit the window
-        rep = WorkerExitReport(run_id="r1", attempt=1, process_index=i, process_count=2, exit_code=143,
-                               exit_name="PREEMPTED", last_step=17, preemption_save=PreemptionSave.SKIPPED,
-                               preemption_reason="the save does not fit: 21.00 s > 13.50 s left",
-                               preemption_budget_s=14.0, preemption_estimate_s=14.0)  # fmt: skip
+        rep = WorkerExitReport(
+            run_id="r1",
+            attempt=1,
+            process_index=i,
+            process_count=2,
+            exit_code=143,
+            exit_name="PREEMPTED",
+            last_step=17,
+            preemption_save=PreemptionSave.SKIPPED,
+            preemption_reason="the save does not fit: 21.00 s > 13.50 s left",
+            preemption_budget_s=14.0,
+            preemption_estimate_s=14.0,
+        )
         store.write_record(RunLayout.worker_report(1, i), rep)
     lines: list[str] = []
     paths = report.run(store.url(), say=lines.append)
@@ -166,3 +184,33 @@ def test_local_parameters_are_checked_and_applied(capsys):
     params = local.with_parameters(wf, {"accept-safe-changes": "true"})["spec"]["arguments"]["parameters"]
     assert {"name": "accept-safe-changes", "value": "true"} in params
     assert {"name": "accept-safe-changes", "value": "false"} in wf["spec"]["arguments"]["parameters"]
+
+
+def test_report_of_a_cluster_run_builds_its_incidents_from_the_attempts_records(store_root):
+    # A run on GKE stores no incident records and no events: the supervision, provision and restore records and
+    # the heartbeats each attempt left are what the report has.
+    store = RunStore(store_root, "r2")
+    store.write_json(RunLayout.CONFIG, {"config": {}, "hash": "x"})
+    sup = SupervisionRecord(
+        attempt=0,
+        jobset="r2-a0",
+        outcome="failed",
+        reason="worker 1 exit 137",
+        detected_at=200.0,
+        stopped_at=202.5,
+        last_step=31,
+    )
+    store.write_record(RunLayout.supervision(0), sup)
+    store.write_record(RunLayout.provision_record(1), ProvisionRecord(exit_code=0, message="ok", at=230.0))
+    store.write_record(
+        RunLayout.restore_record(1),
+        RestoreRecord(
+            attempt=1, run_id="r2", config_hash="x", exit_code=0, restore_step=30, restore_path="", decided_at=225.0
+        ),
+    )
+    lines: list[str] = []
+    report.run(store.url(), say=lines.append)
+    text = "\n".join(lines)
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["0"]).split()
+    assert row[-3:] == ["31", "30", "1"], text
+    assert row[3:6] == ["0.0", "2.5", "30.0"], text  # detected, stopped, next slice ready: from the failure

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from recovery_steps.kernel.documents import read_worker_reports
+from recovery_steps.kernel.incidents import incidents_from_facts, read_attempt_facts
 from recovery_steps.kernel.records import (
     EventKind,
     Incident,
@@ -50,12 +51,18 @@ def open_run(target: str) -> RunStore:
 
 
 def load_incidents(store: RunStore) -> list[Incident]:
-    """Every incident record of the run, by attempt."""
+    """Every incident of the run, by attempt.
+
+    A local run stores its incident records (timed from the workers' events); a run on a cluster does not, and its
+    incidents are built from what each attempt left in the store (``kernel.incidents``).
+    """
     out = []
     for a in store.attempts():
         inc = store.read_record(RunLayout.incident(a), Incident)
         if inc is not None:
             out.append(inc)
+    if not out:
+        out = [t.incident for t in incidents_from_facts(read_attempt_facts(store))]
     return sorted(out, key=lambda i: (i.detected_at or i.stopped_at or 0, i.attempt))
 
 
