@@ -163,8 +163,12 @@ class PodRun:
     def run(self) -> None:
         try:
             self._run()
-        except Exception:
+        except Exception as e:
             log.exception("pod %s/%s", self.ns, self.name)
+            # What podexec cannot run fails the pod at once (exit 128, as a runtime's start error), so a test
+            # stops on the reason instead of waiting on a pod left Pending.
+            with contextlib.suppress(Exception):
+                self.kubelet.report_terminated(self.pod, now(), 128, wait_code=1, error=f"podexec: {e}")
         finally:
             self.done.set()
             if self.deleting.is_set():
