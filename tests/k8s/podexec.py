@@ -219,6 +219,9 @@ class PodRun:
                 start_new_session=True,
                 preexec_fn=pdeathsig,
             )
+        if self.deleting.is_set():  # deleted between the check above and the start: kill() found no process
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
         log.info(
             "pod %s/%s: started %s (pid %d)", self.ns, self.name, " ".join(main_command(main))[:200], self.proc.pid
         )
