@@ -33,6 +33,7 @@ import re
 from pydantic import BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.config import SupervisionConfig
+from recovery_steps.kernel.contract import StallKind
 from recovery_steps.kernel.k8s import UNREACHABLE_TAINT
 from recovery_steps.kernel.snapshot import Condition, JobEvidence
 
@@ -87,17 +88,6 @@ class AttemptState(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STALLED = "stalled"
-
-
-class StallKind(enum.StrEnum):
-    """Why a stalled attempt cannot end by itself. The values are written to the supervision record."""
-
-    CAPACITY = "capacity"
-    CONFIGURATION = "configuration"
-    HANG = "hang"
-    # An image pull or container creation that keeps failing for a reason waiting may cure (class infrastructure).
-    IMAGE_PULL = "image-pull"
-    NODE_LOST = "node-lost"
 
 
 class PodObservation(_Rec):

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 from collections import Counter
@@ -21,6 +20,7 @@ from pydantic import ValidationError
 
 from recovery_steps.kernel.checkpoints import MAX_MANIFEST_BYTES, MAX_MANIFEST_FILES, stream_digests
 from recovery_steps.kernel.compat import check_compatible
+from recovery_steps.kernel.contract import SkipKind
 from recovery_steps.kernel.records import CheckpointManifest, Ledger, ManifestFile
 from recovery_steps.kernel.store import ObjectInfo, RunLayout, RunStore
 from recovery_steps.kernel.tasks import TaskError, resolve_task
@@ -37,22 +37,6 @@ _STEP_NAME = re.compile(r"^(\d+)(.*)$")
 
 class StoreLayoutError(Exception):
     """The run store is not laid out as a run store (a file where a directory must be): nothing can be decided."""
-
-
-class SkipKind(enum.StrEnum):
-    """Why a step directory is not restored."""
-
-    TEMPORARY = "temporary"
-    EMPTY = "empty"
-    UNCOMMITTED = "uncommitted"
-    MANIFEST = "manifest"
-    CLOSED_ATTEMPT = "closed-attempt"
-    INCOMPATIBLE = "incompatible"
-    FILES = "files"
-    NOT_A_STEP = "not-a-step"
-    NOT_A_DIRECTORY = "not-a-directory"
-    NAME = "non-canonical-name"
-    ODD_ENTRIES = "odd-entries"
 
 
 @dataclass(frozen=True)

@@ -566,7 +566,8 @@ class Checkpointer:
     def _fall_back(self, step: int, problems: list[str]) -> dict[str, Any]:
         """Process 0: quarantine the damaged ``step`` and decide again as restore-latest does; the gang's verdict."""
         from recovery_steps import restore_latest
-        from recovery_steps.verify import Skip, SkipKind
+        from recovery_steps.kernel.contract import SkipKind
+        from recovery_steps.verify import Skip
 
         shown = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
         why = f"damaged data found by the workers while restoring: {shown}"
