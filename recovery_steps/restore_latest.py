@@ -7,6 +7,7 @@ Outputs: ``restore-step`` (-1 for a fresh start), ``restore-path`` and ``skipped
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from dataclasses import dataclass
@@ -17,13 +18,13 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.outputs import RestoreOutputs
 from recovery_steps.kernel.records import QuarantineReason, RestoreRecord, SkippedStep, now
+from recovery_steps.kernel.step import Step
+from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
     DocumentError,
     PreconditionFailed,
     RunLayout,
     RunStore,
-    StoreUnavailable,
-    store_errors,
     transient_as_unavailable,
 )
 from recovery_steps.verify import (
@@ -203,25 +204,21 @@ def outputs(r: RestoreResult) -> RestoreOutputs:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.restore_latest``."""
+def parser() -> argparse.ArgumentParser:
+    """The step's arguments."""
     p = cli.StepArgumentParser(prog="python -m recovery_steps.restore_latest", description=__doc__.splitlines()[0])
     p.add_argument("--store-root", required=True, type=cli.store_root, help="gs://bucket/prefix or a local directory")
     p.add_argument("--run-id", required=True, type=cli.run_id)
     p.add_argument("--attempt", required=True, type=cli.attempt, help="the attempt about to start")
     p.add_argument("--output-dir", required=True, type=cli.output_dir)
-    args = p.parse_args(argv)
-    cli.ready_output_dir(p, args.output_dir, RestoreOutputs.names())  # before anything is moved or recorded
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s restore-latest %(message)s")
+    return p
+
+
+def act(args: argparse.Namespace) -> tuple[int, str]:
+    """Decide, write the outputs (whatever the code: classify-failure and the trainer read them) and say why."""
     store = RunStore(args.store_root, args.run_id)
-    try:
-        with transient_as_unavailable(store.url()):
-            r = run(store, args.attempt)
-    except StoreUnavailable as e:
-        print(f"restore-latest: {e}; transient, Argo retries this step", file=sys.stderr)
-        return int(ExitCode.TRANSIENT)
-    except store_errors() as e:
-        return cli.fail("restore-latest", cli.store_error_line("restore-latest", store.url(), e), 1)
+    with transient_as_unavailable(store.url()):
+        r = run(store, args.attempt)
     outputs(r).write(args.output_dir)
     if r.message:
         print(r.message, file=sys.stderr)
@@ -229,7 +226,16 @@ def main(argv: list[str] | None = None) -> int:
         for s in r.selection.skipped:
             log.info("skipped %s: %s%s", s.name, s.reason, " (quarantined)" if s.quarantine and r.code == 0 else "")
         log.info("restore step %d %s", r.selection.step, r.restore_path or "(fresh start)")
-    return int(r.code)
+    return int(r.code), ""
+
+
+# A store that answers with an error other than unavailability is not retried (exit 1), as before the skeleton.
+STEP = Step("restore-latest", parser, act, outputs=RestoreOutputs, store_code=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m recovery_steps.restore_latest``."""
+    return step_main(STEP, argv)
 
 
 if __name__ == "__main__":
