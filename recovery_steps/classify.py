@@ -384,8 +384,13 @@ def _reclaimed(ev: Evidence, s: SupervisionRecord) -> list[str]:
         spot = next((n for n in nodes if n.found and n.spot), None)
         if spot is not None:
             why.append(f"the slice's nodes are Spot VMs (node {spot.name}) and the lost one is gone")
-    sigterm = sorted({r.process_index for r in ev.reports if r.exit_code == ExitCode.PREEMPTED
-                      and (r.ended_at is None or r.ended_at <= s.detected_at)})  # fmt: skip
+    sigterm = sorted(
+        {
+            r.process_index
+            for r in ev.reports
+            if r.exit_code == ExitCode.PREEMPTED and (r.ended_at is None or r.ended_at <= s.detected_at)
+        }
+    )
     if sigterm:
         who = ", ".join(str(i) for i in sigterm)
         why.append(f"worker {who} exited 143 (SIGTERM) before the supervisor stopped the attempt")
@@ -399,8 +404,11 @@ def _supervised(ev: Evidence) -> Verdict | None:
     if s.outcome == "error":
         info = exit_code_info(s.exit_code) if s.exit_code is not None else None
         cls = info.usual_class if info and info.usual_class else FailureClass.UNKNOWN
-        return Verdict(cls, f"train-segment could not supervise the attempt: {s.reason}",
-                       [f"train-segment exit code {s.exit_code}: {s.reason}"])  # fmt: skip
+        return Verdict(
+            cls,
+            f"train-segment could not supervise the attempt: {s.reason}",
+            [f"train-segment exit code {s.exit_code}: {s.reason}"],
+        )
     if s.outcome != "stalled" or s.stall_kind not in STALL_CLASSES:
         return None
     lines = [f"supervisor: stalled ({s.stall_kind}): {s.reason}", *s.evidence]
@@ -424,8 +432,9 @@ def _precheck(ev: Evidence) -> Verdict | None:
     waiting = _cannot_start(ev, permanent=True) or _never_ran(ev)
     if waiting is not None:
         return waiting
-    pending = [p for p in ev.pods if p.phase == "Pending" and any(e.split(":", 1)[0] in SCHEDULING_EVENTS
-                                                                  for e in p.events)]  # fmt: skip
+    pending = [
+        p for p in ev.pods if p.phase == "Pending" and any(e.split(":", 1)[0] in SCHEDULING_EVENTS for e in p.events)
+    ]
     if pending:
         p = pending[0]
         msg = next(e for e in p.events if e.split(":", 1)[0] in SCHEDULING_EVENTS)
@@ -512,8 +521,13 @@ def _first(obs: list[_Obs], judged: dict[int, _Finding]) -> _Obs:
 
     def key(o: _Obs) -> tuple:
         t = o.at if o.at is not None else float("inf")
-        return (int(t) if t != float("inf") else t, _rank(o, judged[id(o)]), 0 if o.named_by_job else 1,
-                1 if o.collateral else 0, t)  # fmt: skip
+        return (
+            int(t) if t != float("inf") else t,
+            _rank(o, judged[id(o)]),
+            0 if o.named_by_job else 1,
+            1 if o.collateral else 0,
+            t,
+        )
 
     return min(obs, key=key)
 
@@ -536,8 +550,13 @@ def classify(evidence: Evidence) -> Verdict:
         # A pull the kubelet was still retrying explains an attempt only when no worker failed.
         waiting = _cannot_start(evidence, permanent=False)
         if waiting is not None:
-            return Verdict(waiting.failure_class, waiting.reason, waiting.evidence + context,
-                           waiting.first_worker, waiting.cause_worker)  # fmt: skip
+            return Verdict(
+                waiting.failure_class,
+                waiting.reason,
+                waiting.evidence + context,
+                waiting.first_worker,
+                waiting.cause_worker,
+            )
         js = evidence.jobset
         cond = next((c for c in (js.conditions if js else []) if c.type == "Failed" and c.status == "True"), None)
         why = f"JobSet failed ({cond.reason}: {_short(cond.message, 100)})" if cond else "no failed worker found"
@@ -553,8 +572,10 @@ def classify(evidence: Evidence) -> Verdict:
     cause, cf = first, f
     if f.secondary:
         # The first failure is a symptom of a lost peer: the cause is the earliest real finding elsewhere.
-        others = sorted((o for o in obs if o is not first and not judged[id(o)].secondary
-                         and not (_rank(o, judged[id(o)]) == 2)), key=lambda o: o.at or float("inf"))  # fmt: skip
+        others = sorted(
+            (o for o in obs if o is not first and not judged[id(o)].secondary and not (_rank(o, judged[id(o)]) == 2)),
+            key=lambda o: o.at or float("inf"),
+        )
         if others:
             cause, cf = others[0], judged[id(others[0])]
     lines = [_line(cause)] + ([_line(first)] if cause is not first else [])
@@ -603,8 +624,10 @@ _ADVICE = {
 
 def _inventory(ev: Evidence) -> str:
     slice_ = "present" if ev.local_slice is not None else "absent"
-    return (f"looked at: {len(ev.pods)} pods, {len(ev.jobs)} Jobs, {len(ev.nodes)} nodes, "
-            f"{len(ev.reports)} worker reports, local slice record {slice_}")  # fmt: skip
+    return (
+        f"looked at: {len(ev.pods)} pods, {len(ev.jobs)} Jobs, {len(ev.nodes)} nodes, "
+        f"{len(ev.reports)} worker reports, local slice record {slice_}"
+    )
 
 
 def _context_lines(ev: Evidence) -> list[str]:

@@ -114,9 +114,14 @@ def _timings(ev: Evidence) -> tuple[float | None, float | None]:
 
 
 def gather(
-    store: RunStore, cfg: JobConfig, attempt: int, jobset: str, *, api_client: Any = None,
+    store: RunStore,
+    cfg: JobConfig,
+    attempt: int,
+    jobset: str,
+    *,
+    api_client: Any = None,
     step_exit_code: int | None = None,
-) -> Evidence:  # fmt: skip
+) -> Evidence:
     """Every piece of evidence of the backend the config names (GKE or local), plus the worker reports."""
     if step_exit_code is None:
         # provision-slice records its last try; a failed one means the attempt ended before training.
@@ -214,9 +219,15 @@ def run(
 
 
 def close_attempt(
-    store: RunStore, cfg: JobConfig, attempt: int, jobset: str, ev: Evidence, verdict: Verdict, workflow: str | None,
+    store: RunStore,
+    cfg: JobConfig,
+    attempt: int,
+    jobset: str,
+    ev: Evidence,
+    verdict: Verdict,
+    workflow: str | None,
     clock: Callable[[], float],
-) -> tuple[RetryDecision, AttemptRecord, Ledger]:  # fmt: skip
+) -> tuple[RetryDecision, AttemptRecord, Ledger]:
     """Close the attempt in the ledger with its class and the retry decision; write its own record too."""
     started, ended = _timings(ev)
     base = AttemptRecord(
@@ -241,9 +252,15 @@ def close_attempt(
         d = decide(led.attempts, base, cfg.retry)
         closed = clock()
         wait = backoff_wait(d.backoff_seconds, base.ended_at, closed) if d.decision != Decision.STOP else 0.0
-        rec = base.model_copy(update={"decision": d.decision, "backoff_seconds": d.backoff_seconds,
-                                      "backoff_wait_seconds": round(wait, 3), "decision_reason": d.reason,
-                                      "closed_at": closed})  # fmt: skip
+        rec = base.model_copy(
+            update={
+                "decision": d.decision,
+                "backoff_seconds": d.backoff_seconds,
+                "backoff_wait_seconds": round(wait, 3),
+                "decision_reason": d.reason,
+                "closed_at": closed,
+            }
+        )
         holder["decision"], holder["record"] = d, rec
         return with_attempt(led, rec)
 
@@ -252,16 +269,34 @@ def close_attempt(
     return holder["decision"], holder["record"], ledger
 
 
-def _resupervise(store: RunStore, cfg: JobConfig, attempt: int, jobset: str, ev: Evidence, lost: str, n: int,
-                 output_dir: Path | None, workflow: str | None) -> ClassifyResult:  # fmt: skip
+def _resupervise(
+    store: RunStore,
+    cfg: JobConfig,
+    attempt: int,
+    jobset: str,
+    ev: Evidence,
+    lost: str,
+    n: int,
+    output_dir: Path | None,
+    workflow: str | None,
+) -> ClassifyResult:
     """The decision for a gang that lost its supervisor: supervise the same attempt again; the ledger is unchanged."""
     reason = f"{lost} ({n} of at most {MAX_SUPERVISOR_LOSSES}); supervising attempt {attempt} again"
     verdict = Verdict(FailureClass.UNKNOWN, reason, [reason, *ev.notes])
     ledger = store.read_record(RunLayout.LEDGER, Ledger) or Ledger(run_id=cfg.run_id)
     decision = RetryDecision(Decision.RESUPERVISE, reason, 0, {}, 0)
-    record = AttemptRecord(attempt=attempt, outcome="running", failure_class=FailureClass.UNKNOWN, reason=reason,
-                           evidence=verdict.evidence, backend=ev.backend, jobset=jobset, workflow=workflow,
-                           decision=Decision.RESUPERVISE, decision_reason=reason)  # fmt: skip
+    record = AttemptRecord(
+        attempt=attempt,
+        outcome="running",
+        failure_class=FailureClass.UNKNOWN,
+        reason=reason,
+        evidence=verdict.evidence,
+        backend=ev.backend,
+        jobset=jobset,
+        workflow=workflow,
+        decision=Decision.RESUPERVISE,
+        decision_reason=reason,
+    )
     result = ClassifyResult(verdict, decision, record, ledger, ev)
     if output_dir is not None:
         write_outputs(Path(output_dir), result)
@@ -347,8 +382,15 @@ def parser() -> argparse.ArgumentParser:
 
 def act(args: argparse.Namespace) -> tuple[int, str]:
     """Classify, close the attempt, decide; the summary for the step's log."""
-    r = run(args.store_root, args.run_id, args.attempt, args.jobset, args.output_dir,
-            step_exit_code=args.step_exit_code, workflow=args.workflow)  # fmt: skip
+    r = run(
+        args.store_root,
+        args.run_id,
+        args.attempt,
+        args.jobset,
+        args.output_dir,
+        step_exit_code=args.step_exit_code,
+        workflow=args.workflow,
+    )
     return 0, summary(r)
 
 

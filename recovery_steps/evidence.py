@@ -33,10 +33,24 @@ from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 log = logging.getLogger(__name__)
 
 __all__ = [  # the snapshot records are the evidence's own; importers of this module keep their names
-    "Condition", "ContainerState", "Evidence", "JobEvidence", "JobSetEvidence", "NodeEvidence", "PodEvidence",
-    "gather_kubernetes", "gather_local_slice", "gather_reports", "gather_supervision", "job_from_api",
-    "jobset_from_api", "node_from_api", "parse_time", "pod_from_api", "use_supervisor_snapshot",
-]  # fmt: skip
+    "Condition",
+    "ContainerState",
+    "Evidence",
+    "JobEvidence",
+    "JobSetEvidence",
+    "NodeEvidence",
+    "PodEvidence",
+    "gather_kubernetes",
+    "gather_local_slice",
+    "gather_reports",
+    "gather_supervision",
+    "job_from_api",
+    "jobset_from_api",
+    "node_from_api",
+    "parse_time",
+    "pod_from_api",
+    "use_supervisor_snapshot",
+]
 
 
 class Evidence(BaseModel):

@@ -122,8 +122,9 @@ def _api_error(e: Any, what: str) -> StepError:
     return api_error(e, doing=what, refused_hint=_RBAC_HINT)
 
 
-def create_on_gke(api_client: Any, namespace: str, own_name: str, own_uid: str, run_id: str,
-                  attempt: int) -> Continuation:  # fmt: skip
+def create_on_gke(
+    api_client: Any, namespace: str, own_name: str, own_uid: str, run_id: str, attempt: int
+) -> Continuation:
     """Create (or find, when a retried hand-over made it already) the continuation Workflow on the cluster."""
     kube = Kube(api_client, namespace)
     name = continuation_name(run_id, attempt)
@@ -162,8 +163,9 @@ def local_continuation(ledger: Ledger | None, own_uid: str, run_id: str, attempt
     return Continuation(name, str(uuid.uuid4()))
 
 
-def pass_lease(store: RunStore, own_uid: str, to: Continuation, ttl_s: float, *, clock: Callable[[], float] = now,
-               tries: int = 5) -> RunLease:  # fmt: skip
+def pass_lease(
+    store: RunStore, own_uid: str, to: Continuation, ttl_s: float, *, clock: Callable[[], float] = now, tries: int = 5
+) -> RunLease:
     """Give the run lease from ``own_uid`` to the continuation (idempotent: already given is fine).
 
     The continuation's lease keeps this one's namespace and cluster, so a later submission can still tell
@@ -184,9 +186,16 @@ def pass_lease(store: RunStore, own_uid: str, to: Continuation, ttl_s: float, *,
             )
         t = clock()
         # The continuation runs where this Workflow runs (same namespace, same cluster).
-        new = RunLease(run_id=store.run_id, holder=to.uid, holder_name=to.name, ttl_s=ttl_s, acquired_at=t,
-                       renewed_at=t, namespace=current.namespace if current else None,
-                       cluster=current.cluster if current else None)  # fmt: skip
+        new = RunLease(
+            run_id=store.run_id,
+            holder=to.uid,
+            holder_name=to.name,
+            ttl_s=ttl_s,
+            acquired_at=t,
+            renewed_at=t,
+            namespace=current.namespace if current else None,
+            cluster=current.cluster if current else None,
+        )
         try:
             store.write_record(RunLayout.LEASE, new, if_generation_match=gen)
             return new
@@ -237,8 +246,18 @@ def run(
             to = create_on_gke(api_client or k8s_client(None), cfg.namespace, workflow, workflow_uid, run_id, attempt)
         pass_lease(store, workflow_uid, to, cfg.retry.lease_ttl_s, clock=clock)
         backend = "local" if cfg.slice.is_local else "gke"
-        record(store, HandOver(from_workflow=workflow, from_uid=workflow_uid, to_workflow=to.name, to_uid=to.uid,
-                               next_attempt=attempt, at=clock(), backend=backend))  # fmt: skip
+        record(
+            store,
+            HandOver(
+                from_workflow=workflow,
+                from_uid=workflow_uid,
+                to_workflow=to.name,
+                to_uid=to.uid,
+                next_attempt=attempt,
+                at=clock(),
+                backend=backend,
+            ),
+        )
     if output_dir is not None:
         HandOverOutputs(continuation=to.name, continuation_uid=to.uid).write(Path(output_dir))
     return to
@@ -251,8 +270,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", required=True, type=cli.run_id)
     p.add_argument("--attempt", required=True, type=cli.attempt, help="the attempt the continuation starts with")
     p.add_argument("--workflow", required=True, type=cli.k8s_name, help="this Workflow's name ({{workflow.name}})")
-    p.add_argument("--workflow-uid", required=True, type=cli.bounded_text(64, "--workflow-uid"),
-                   help="this Workflow's uid ({{workflow.uid}}): the run lease's holder")  # fmt: skip
+    p.add_argument(
+        "--workflow-uid",
+        required=True,
+        type=cli.bounded_text(64, "--workflow-uid"),
+        help="this Workflow's uid ({{workflow.uid}}): the run lease's holder",
+    )
     p.add_argument("--output-dir", type=cli.output_dir, default=None)
     return p
 

@@ -149,11 +149,15 @@ def acquire(
             raise LeaseHeld(verdict.reason)
         mine = current is not None and current.holder == holder and not current.released
         lease = RunLease(
-            run_id=store.run_id, holder=holder, holder_name=holder_name, ttl_s=ttl_s,
-            acquired_at=current.acquired_at if mine else t, renewed_at=t,
+            run_id=store.run_id,
+            holder=holder,
+            holder_name=holder_name,
+            ttl_s=ttl_s,
+            acquired_at=current.acquired_at if mine else t,
+            renewed_at=t,
             namespace=site.namespace or (current.namespace if mine else None),
             cluster=site.cluster or (current.cluster if mine else None),
-        )  # fmt: skip
+        )
         try:
             store.write_record(RunLayout.LEASE, lease, if_generation_match=gen)
             return lease
@@ -214,8 +218,11 @@ def renew_if_due(
             if current is None or current.released or current.holder != holder:
                 return Renewal(RenewStatus.LOST, at + every, lost_line(store.run_id, current))
             try:
-                store.write_record(RunLayout.LEASE, current.model_copy(update={"renewed_at": at, "ttl_s": ttl_s}),
-                                   if_generation_match=gen)  # fmt: skip
+                store.write_record(
+                    RunLayout.LEASE,
+                    current.model_copy(update={"renewed_at": at, "ttl_s": ttl_s}),
+                    if_generation_match=gen,
+                )
             except PreconditionFailed:
                 continue
             line = f"renewed the lease of run {store.run_id!r} for {ttl_s:.0f} s"

@@ -126,8 +126,13 @@ def check_store(cfg: JobConfig, store: RunStore, *, gcs_client: Any = None) -> l
             op()
         except exceptions.NotFound as e:
             if permission == "storage.buckets.get":
-                return [Problem("store", f"bucket gs://{bucket_name} ({e.code})",
-                                f"gcloud storage buckets create gs://{bucket_name} --location=REGION")]  # fmt: skip
+                return [
+                    Problem(
+                        "store",
+                        f"bucket gs://{bucket_name} ({e.code})",
+                        f"gcloud storage buckets create gs://{bucket_name} --location=REGION",
+                    )
+                ]
         except exceptions.Forbidden as e:
             perm = permission_from_403(e.message, permission)
             problems.append(Problem("store", f"{perm} on gs://{bucket_name}", grant_command(cfg, perm)))
@@ -184,8 +189,9 @@ def cluster_problems(cfg: JobConfig, answers: dict[str, ApiAnswer]) -> list[Prob
             problems.append(Problem("cluster", f"ServiceAccount {ns}/{sa}", RBAC_APPLY))
     for key, ans in sorted(answers.items()):
         if key.startswith("can/") and ans.allowed is False:
-            problems.append(Problem("cluster", f"RBAC {key[4:]} for ServiceAccount {ns}/{cfg.service_account}",
-                                    RBAC_APPLY))  # fmt: skip
+            problems.append(
+                Problem("cluster", f"RBAC {key[4:]} for ServiceAccount {ns}/{cfg.service_account}", RBAC_APPLY)
+            )
         elif ans.status == 403:
             problems.append(Problem("cluster", f"RBAC to read {key} ({ans.reason})", RBAC_APPLY))
     return problems
@@ -232,11 +238,13 @@ def check_cluster(cfg: JobConfig, api_client: Any) -> list[Problem]:
             review = client.V1SelfSubjectAccessReview(
                 spec=client.V1SelfSubjectAccessReviewSpec(
                     resource_attributes=client.V1ResourceAttributes(
-                        group=use.group, resource=use.resource, verb=use.verb,
+                        group=use.group,
+                        resource=use.resource,
+                        verb=use.verb,
                         namespace=None if use.cluster_scoped else ns,
                     )
                 )
-            )  # fmt: skip
+            )
             got = authz.create_self_subject_access_review(review, _request_timeout=API_TIMEOUT_S)
             key = f"can/{use.verb} {use.resource}"
             answers[key] = ApiAnswer(201, allowed=bool(got.status and got.status.allowed))

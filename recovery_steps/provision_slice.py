@@ -313,8 +313,9 @@ def provision_gke(
 ) -> ProvisionOutputs:
     """The GKE backend: clear old JobSets, check the nodes, return the outputs."""
     try:
-        _, _, kept = delete_run_jobsets(api_client, cfg.namespace, cfg.run_id,
-                                  unsupervised_gang(RunStore(cfg.storage.root, cfg.run_id), attempt))  # fmt: skip
+        _, _, kept = delete_run_jobsets(
+            api_client, cfg.namespace, cfg.run_id, unsupervised_gang(RunStore(cfg.storage.root, cfg.run_id), attempt)
+        )
         wait_pods_gone(api_client, cfg.namespace, cfg.run_id, timeout_s=pod_timeout_s, keep=kept)
         nodes = with_other_runs(
             api_client, cfg.namespace, cfg.run_id, list_slice_nodes(api_client, gke_node_selector(cfg.slice))
@@ -474,8 +475,14 @@ def run(
             api_client = api_client or k8s_client(k8s_host)
             site, alive = lease.on_gke(api_client, cfg.namespace)
         try:
-            lease.acquire(RunStore(store_root, run_id), holder, holder_name or holder, cfg.retry.lease_ttl_s,
-                          site=site, is_alive=alive)  # fmt: skip
+            lease.acquire(
+                RunStore(store_root, run_id),
+                holder,
+                holder_name or holder,
+                cfg.retry.lease_ttl_s,
+                site=site,
+                is_alive=alive,
+            )
         except lease.LeaseHeld as e:
             raise StepError(ExitCode.CONFIGURATION, str(e)) from None
     if cfg.slice.is_local:
@@ -508,10 +515,16 @@ def parser() -> argparse.ArgumentParser:
 def act(args: argparse.Namespace) -> tuple[int, str]:
     """Provision the slice; record this try's outcome for classify-failure; the outputs line."""
     outputs = run(
-        args.store_root, args.run_id, args.attempt, args.output_dir,
-        k8s_host=args.k8s_host, require_nodes=args.require_nodes, pod_timeout_s=args.pod_timeout,
-        holder=args.holder, holder_name=args.holder_name,
-    )  # fmt: skip
+        args.store_root,
+        args.run_id,
+        args.attempt,
+        args.output_dir,
+        k8s_host=args.k8s_host,
+        require_nodes=args.require_nodes,
+        pod_timeout_s=args.pod_timeout,
+        holder=args.holder,
+        holder_name=args.holder_name,
+    )
     record_outcome(args.store_root, args.run_id, args.attempt, 0, "slice ready")
     return 0, " ".join(f"{k}={v}" for k, v in outputs.items())
 

@@ -84,9 +84,14 @@ def quarantine(store: RunStore, skip: Skip, attempt: int) -> str | None:
     if moved == 0:
         return None
     reason = QuarantineReason(
-        step=skip.step, from_=store.url(src), kind=skip.kind.value, reason=skip.reason, attempt=attempt,
-        objects=moved, moved_at=now(),
-    )  # fmt: skip
+        step=skip.step,
+        from_=store.url(src),
+        kind=skip.kind.value,
+        reason=skip.reason,
+        attempt=attempt,
+        objects=moved,
+        moved_at=now(),
+    )
     store.write_record(RunLayout.quarantine_reason(target), reason)
     return target
 
@@ -123,11 +128,14 @@ def run(store: RunStore, attempt: int) -> RestoreResult:
         name, step = sel.renamed
         now_at = f"step {sel.step}" if sel.step >= 0 else "a fresh start"
         return RestoreResult(
-            ExitCode.CONFIGURATION, None, "", [],
+            ExitCode.CONFIGURATION,
+            None,
+            "",
+            [],
             f"{store.url(RunLayout.CHECKPOINTS)}/{name} holds an intact checkpoint of step {step} under a name orbax "
             f"does not read (restoring would mean {now_at}); rename it to {store.url(RunLayout.checkpoint(step))} "
             f"(moving aside what is there) and rerun (nothing was moved)",
-        )  # fmt: skip
+        )
     if sel.incompatible:
         lines = [f"checkpoints exist for run {store.run_id!r} but none is compatible with its config:"]
         lines += [f"  step {s.step}: {s.reason}" for s in sel.skipped]

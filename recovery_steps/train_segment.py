@@ -246,9 +246,12 @@ class Watcher(threading.Thread):
         # bounds the silence between chunks: the server ends the watch after WATCH_TIMEOUT_S and sends bookmarks
         # meanwhile, so a longer silence is a dead connection.
         stream = watch.Watch(return_type="object").stream(
-            self.list_call, resource_version=rv, timeout_seconds=WATCH_TIMEOUT_S, allow_watch_bookmarks=True,
+            self.list_call,
+            resource_version=rv,
+            timeout_seconds=WATCH_TIMEOUT_S,
+            allow_watch_bookmarks=True,
             _request_timeout=(CONNECT_TIMEOUT_S, WATCH_TIMEOUT_S + 15),
-        )  # fmt: skip
+        )
         events = 0
         for ev in stream:
             self.last_heard = time.monotonic()
@@ -300,8 +303,15 @@ class KubeGang:
     every ``observe`` (an unreadable node keeps its last known state).
     """
 
-    def __init__(self, api_client: Any, namespace: str, jobset: str, *, clock: Callable[[], float] = time.time,
-                 say: Callable[[str], None] = log.info):  # fmt: skip
+    def __init__(
+        self,
+        api_client: Any,
+        namespace: str,
+        jobset: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        say: Callable[[str], None] = log.info,
+    ):
         self.kube = Kube(api_client, namespace)
         self.name = jobset
         self.clock, self.say = clock, say
@@ -491,16 +501,20 @@ def _pod_line(p: PodObservation, n: NodeObservation | None) -> str:
     if sched is not None and sched.status == "False":
         parts.append(f"unschedulable: {sched.message or sched.reason}")
     if n is not None:
-        parts.append(f"node {n.name} " + ("gone" if not n.exists else "unreachable" if n.unreachable
-                                           else "Ready" if n.ready else "NotReady"))  # fmt: skip
+        parts.append(
+            f"node {n.name} "
+            + ("gone" if not n.exists else "unreachable" if n.unreachable else "Ready" if n.ready else "NotReady")
+        )
     return ", ".join(parts)
 
 
 def evidence_lines(obs: Observation) -> list[str]:
     """Each pod's and node's last state, one line each (recorded before the attempt is stopped)."""
     nodes = {n.name: n for n in obs.nodes}
-    lines = [f"pod {p.name} ({p.label}): {_pod_line(p, nodes.get(p.node) if p.node else None)}"
-             for p in sorted(obs.pods, key=lambda p: p.name)]  # fmt: skip
+    lines = [
+        f"pod {p.name} ({p.label}): {_pod_line(p, nodes.get(p.node) if p.node else None)}"
+        for p in sorted(obs.pods, key=lambda p: p.name)
+    ]
     for n in obs.nodes:
         state = "gone" if not n.exists else f"Ready={n.ready}" + (" unreachable" if n.unreachable else "")
         lines.append(f"node {n.name}: {state}")
@@ -582,8 +596,14 @@ class Supervisor:
                 self.lost_seen.pop(n.name, None)
         beats = read_heartbeats(self.store, self.attempt, self.hosts, self.beats)
         self.beats = {b.process_index: b for b in beats}
-        obs = observation(snap, expected=self.hosts, beats=beats, waits=self.waits, created_at=self.created_at,
-                          lost_seen=self.lost_seen)  # fmt: skip
+        obs = observation(
+            snap,
+            expected=self.hosts,
+            beats=beats,
+            waits=self.waits,
+            created_at=self.created_at,
+            lost_seen=self.lost_seen,
+        )
         return obs, beats, snap
 
     def supervise(self) -> tuple[Verdict, Observation, list[WorkerHeartbeat], ClusterSnapshot]:
@@ -613,13 +633,21 @@ class Supervisor:
             detected = self.clock()
             ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
             record = SupervisionRecord(
-                attempt=self.attempt, jobset=self.gang.name, outcome=verdict.state.value,
-                stall_kind=verdict.kind.value if verdict.kind else None, reason=verdict.reason, worker=verdict.worker,
-                created_at=self.created_at, reattached=self.reattached, detected_at=detected,
+                attempt=self.attempt,
+                jobset=self.gang.name,
+                outcome=verdict.state.value,
+                stall_kind=verdict.kind.value if verdict.kind else None,
+                reason=verdict.reason,
+                worker=verdict.worker,
+                created_at=self.created_at,
+                reattached=self.reattached,
+                detected_at=detected,
                 last_step=max((b.step for b in beats if b.step is not None), default=None),
-                checkpoint_step=max(ckpts) if ckpts else None, workers=worker_records(obs, beats, self.hosts),
-                evidence=evidence_lines(obs), snapshot=snap,
-            )  # fmt: skip
+                checkpoint_step=max(ckpts) if ckpts else None,
+                workers=worker_records(obs, beats, self.hosts),
+                evidence=evidence_lines(obs),
+                snapshot=snap,
+            )
             # The verdict is in the store before anything is stopped: a supervisor that cannot report does not
             # act (its retry re-attaches to the gang and decides again), and one lost during the stop leaves
             # its verdict for the retry (``recorded_verdict``) instead of a deleted gang it would re-create.
@@ -762,8 +790,16 @@ def run(
     manifest = load_manifest(manifest_text, attempt)
     store = RunStore(store_root, run_id)
     port = (gang or kube_gang(api_client, k8s_host))(cfg, manifest, clock, say)
-    sup = Supervisor(cfg, attempt, port, store, clock=clock, progress_file=progress_file, say=say,
-                     renew=lease_renewal(store, holder, cfg.retry.lease_ttl_s, say) if holder else None)  # fmt: skip
+    sup = Supervisor(
+        cfg,
+        attempt,
+        port,
+        store,
+        clock=clock,
+        progress_file=progress_file,
+        say=say,
+        renew=lease_renewal(store, holder, cfg.retry.lease_ttl_s, say) if holder else None,
+    )
     try:
         record = sup.run(manifest)
     except AlreadyDecided as done:
@@ -779,8 +815,9 @@ def run(
 
 def record_error(store_root: str, run_id: str, attempt: int, e: StepError) -> None:
     """Leave the reason the attempt could not be supervised where classify-failure reads it."""
-    rec = SupervisionRecord(attempt=attempt, jobset="", outcome="error", exit_code=int(e.code), reason=str(e),
-                            detected_at=now())  # fmt: skip
+    rec = SupervisionRecord(
+        attempt=attempt, jobset="", outcome="error", exit_code=int(e.code), reason=str(e), detected_at=now()
+    )
     try:
         RunStore(store_root, run_id).write_record(RunLayout.supervision(attempt), rec)
     except store_errors() as err:
@@ -804,9 +841,11 @@ def left_behind(store_root: str, run_id: str, attempt: int) -> str:
                 f"SIGTERM after the verdict on attempt {attempt} ({decided.outcome}: {decided.reason}); its stop may "
                 "be unfinished: a retry finds the verdict, provision-slice deletes what is left"
             )
-    return (f"SIGTERM: the gang of attempt {attempt} is left running without a verdict; a retry of this step "
-            "re-attaches to it, classify-failure has it supervised again, and the exit handler of a stopped run "
-            "deletes it")  # fmt: skip
+    return (
+        f"SIGTERM: the gang of attempt {attempt} is left running without a verdict; a retry of this step "
+        "re-attaches to it, classify-failure has it supervised again, and the exit handler of a stopped run "
+        "deletes it"
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -842,8 +881,18 @@ def act(
         except OSError as e:
             raise StepError(ExitCode.CONFIGURATION, f"--jobset-manifest: {e.strerror or e}", record=False) from None
     try:
-        record = run(args.store_root, args.run_id, args.attempt, text, args.output_dir, gang=gang,
-                     k8s_host=args.k8s_host, progress_file=progress_file, say=say, holder=args.holder)  # fmt: skip
+        record = run(
+            args.store_root,
+            args.run_id,
+            args.attempt,
+            text,
+            args.output_dir,
+            gang=gang,
+            k8s_host=args.k8s_host,
+            progress_file=progress_file,
+            say=say,
+            holder=args.holder,
+        )
     except Terminated:
         line = left_behind(args.store_root, args.run_id, args.attempt)
         raise StepError(128 + signal.SIGTERM, line, record=False) from None

@@ -256,8 +256,14 @@ def _pin(args: argparse.Namespace, cfg: JobConfig, store: RunStore) -> ValidateR
 
                 site, alive = _holder_check(cfg, args.k8s_host)
                 try:
-                    lease.acquire(store, args.holder, args.holder_name or args.holder, cfg.retry.lease_ttl_s,
-                                  site=site, is_alive=alive)  # fmt: skip
+                    lease.acquire(
+                        store,
+                        args.holder,
+                        args.holder_name or args.holder,
+                        cfg.retry.lease_ttl_s,
+                        site=site,
+                        is_alive=alive,
+                    )
                 except lease.LeaseHeld as e:
                     return ValidateResult(ExitCode.CONFIGURATION, [f"configuration: {e}"])
             return run(cfg, store, accept_safe_changes=args.accept_safe_changes)

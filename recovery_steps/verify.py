@@ -524,11 +524,15 @@ def renamed_intact(
             continue
         names = {o.name for o in objects}
         c = CandidateInfo(
-            name=str(m.step), step=m.step, on_gcs=store.is_gcs, file_count=len(objects),
+            name=str(m.step),
+            step=m.step,
+            on_gcs=store.is_gcs,
+            file_count=len(objects),
             committed=(GCS_COMMIT if store.is_gcs else LOCAL_METADATA) in names,
-            manifest_attempt=m.attempt, manifest_wall_time=m.wall_time,
+            manifest_attempt=m.attempt,
+            manifest_wall_time=m.wall_time,
             compat_problems=tuple(manifest_compat_problems(m, config, num_hosts)),
-        )  # fmt: skip
+        )
         if judge(c, closed_at) is None:
             c = replace(c, file_problems=tuple(check_step(store, name, objects)[0]))
             if judge(c, closed_at) is None:

@@ -337,8 +337,13 @@ class Checkpointer:
             p.writing.wait()
         t3 = now()
         p.blocking = t3 - t0
-        p.parts.update({"wait for the previous save": t1 - t0, "snapshot of state and data position": t2 - t1,
-                        "hand-off to the saver thread": t3 - t2})  # fmt: skip
+        p.parts.update(
+            {
+                "wait for the previous save": t1 - t0,
+                "snapshot of state and data position": t2 - t1,
+                "hand-off to the saver thread": t3 - t2,
+            }
+        )
 
     def wait_until_writing(self, timeout: float = 60) -> None:
         """Wait until orbax's save of the pending step returned (its writes are in flight, not committed)."""

@@ -222,8 +222,9 @@ def delete_run_jobsets(
 
     custom = client.CustomObjectsApi(api_client)
     where = (JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL)
-    found = custom.list_namespaced_custom_object(*where, label_selector=f"{RUN_ID_LABEL}={run_id}",
-                                                 _request_timeout=API_TIMEOUT_S)  # fmt: skip
+    found = custom.list_namespaced_custom_object(
+        *where, label_selector=f"{RUN_ID_LABEL}={run_id}", _request_timeout=API_TIMEOUT_S
+    )
     deleted: list[str] = []
     going: list[str] = []
     kept: list[str] = []
@@ -309,17 +310,24 @@ class Kube:
 
     def get_workflow(self, name: str) -> dict[str, Any] | None:
         """The Argo Workflow ``name``, or None when it does not exist."""
-        return self._maybe(self.custom.get_namespaced_custom_object, ARGO_GROUP, ARGO_VERSION, self.ns,
-                           WORKFLOW_PLURAL, name)  # fmt: skip
+        return self._maybe(
+            self.custom.get_namespaced_custom_object, ARGO_GROUP, ARGO_VERSION, self.ns, WORKFLOW_PLURAL, name
+        )
 
     def create_workflow(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """Create an Argo Workflow; the object as created, or None when one of its name exists (409 Conflict)."""
         from kubernetes.client import ApiException
 
         try:
-            resp = self.custom.create_namespaced_custom_object(ARGO_GROUP, ARGO_VERSION, self.ns, WORKFLOW_PLURAL,
-                                                               body, _preload_content=False,
-                                                               _request_timeout=API_TIMEOUT_S)  # fmt: skip
+            resp = self.custom.create_namespaced_custom_object(
+                ARGO_GROUP,
+                ARGO_VERSION,
+                self.ns,
+                WORKFLOW_PLURAL,
+                body,
+                _preload_content=False,
+                _request_timeout=API_TIMEOUT_S,
+            )
         except ApiException as e:
             if e.status == 409:
                 return None
@@ -380,8 +388,9 @@ class Kube:
 
         where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
         try:
-            self.custom.create_namespaced_custom_object(*where, manifest, _preload_content=False,
-                                                        _request_timeout=API_TIMEOUT_S)  # fmt: skip
+            self.custom.create_namespaced_custom_object(
+                *where, manifest, _preload_content=False, _request_timeout=API_TIMEOUT_S
+            )
         except ApiException as e:
             if e.status == 409:
                 return False
@@ -406,8 +415,9 @@ class Kube:
         from kubernetes.client import ApiException
 
         try:
-            self.core.delete_namespaced_pod(name, self.ns, grace_period_seconds=0, _preload_content=False,
-                                            _request_timeout=API_TIMEOUT_S)  # fmt: skip
+            self.core.delete_namespaced_pod(
+                name, self.ns, grace_period_seconds=0, _preload_content=False, _request_timeout=API_TIMEOUT_S
+            )
         except ApiException as e:
             if e.status != 404:
                 raise

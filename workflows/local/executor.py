@@ -156,8 +156,9 @@ class LocalSlice:
         """Start (or start again) worker ``w``, appending to its log file."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"worker-{w.index}.log", "ab")  # noqa: SIM115 - handed to the child
-        w.proc = subprocess.Popen(self.command, env=w.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
+        w.proc = subprocess.Popen(
+            self.command, env=w.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
         w.pid = w.proc.pid
         w.started_at = w.started_at or now()
@@ -201,7 +202,7 @@ class LocalSlice:
                     restarts=w.restarts,
                 )
                 for w in self.workers
-            ],  # fmt: skip
+            ],
             first_failure_index=self.first_failure_index,
             ended_at=self.ended_at,
         )
@@ -226,8 +227,15 @@ class LocalGang:
 
     TICK = 0.05
 
-    def __init__(self, ex: LocalExecutor, node: NodeInfo, manifest: Mapping[str, Any], *, run_id: str,
-                 clock: Callable[[], float] = time.time):  # fmt: skip
+    def __init__(
+        self,
+        ex: LocalExecutor,
+        node: NodeInfo,
+        manifest: Mapping[str, Any],
+        *,
+        run_id: str,
+        clock: Callable[[], float] = time.time,
+    ):
         self.ex, self.node, self.manifest, self.clock, self.run_id = ex, node, manifest, clock, run_id
         self.name = manifest["metadata"]["name"]
         self.sl: LocalSlice | None = None
@@ -463,15 +471,25 @@ class LocalExecutor:
             return NodeResult(ERROR, message="container has no command (images' entrypoints do not run locally)")
         if _is_module(command, SUPERVISOR_MODULE):
             return self.run_segment(node, template, local_command(command, node_dir), node_dir)
-        fields = {"metadata.name": f"{node.task}-{node.id}", "metadata.namespace": "default",
-                  "status.podIP": "127.0.0.1", "spec.nodeName": "localhost"}  # fmt: skip
+        fields = {
+            "metadata.name": f"{node.task}-{node.id}",
+            "metadata.namespace": "default",
+            "status.podIP": "127.0.0.1",
+            "spec.nodeName": "localhost",
+        }
         env = self._env(resolve_env(c.get("env", []), fields))
         log_path = self.work_dir / "logs" / f"{node.id}-{node.task}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         started = now()
         with open(log_path, "wb") as log:
-            p = subprocess.Popen(local_command(command, node_dir), env=env, cwd=self.repo_root, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            p = subprocess.Popen(
+                local_command(command, node_dir),
+                env=env,
+                cwd=self.repo_root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             self._track(p)
             rc = p.wait()
         outputs, missing = self._read_outputs(template, node_dir)
@@ -543,9 +561,15 @@ class LocalExecutor:
         return self._segment_result(gangs, args, code, template, node_dir, log_path, started)
 
     def _segment_result(
-        self, gangs: list[LocalGang], args: Any, code: int, template: Mapping[str, Any], node_dir: Path,
-        log_path: Path, started: float,
-    ) -> NodeResult:  # fmt: skip
+        self,
+        gangs: list[LocalGang],
+        args: Any,
+        code: int,
+        template: Mapping[str, Any],
+        node_dir: Path,
+        log_path: Path,
+        started: float,
+    ) -> NodeResult:
         """The node's result from the step's exit code and record; the slice's own record and hooks."""
         store = RunStore(args.store_root, args.run_id)
         rec = store.read_record(RunLayout.supervision(args.attempt), SupervisionRecord)
@@ -599,9 +623,11 @@ class LocalExecutor:
             fields = {
                 f"metadata.annotations['{COMPLETION_INDEX_KEY}']": str(i),
                 f"metadata.labels['{COMPLETION_INDEX_KEY}']": str(i),
-                "metadata.name": pod, "metadata.namespace": manifest["metadata"].get("namespace", "default"),
-                "status.podIP": "127.0.0.1", "spec.nodeName": "localhost",
-            }  # fmt: skip
+                "metadata.name": pod,
+                "metadata.namespace": manifest["metadata"].get("namespace", "default"),
+                "status.podIP": "127.0.0.1",
+                "spec.nodeName": "localhost",
+            }
             env = resolve_env(c.get("env", []), fields)
             env.setdefault("TRAINER_COORDINATOR_ADDRESS", f"127.0.0.1:{port}")
             env.setdefault("TRAINER_NUM_PROCESSES", str(n))

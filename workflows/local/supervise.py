@@ -43,8 +43,12 @@ def pod_name(jobset: str, index: int) -> str:
 def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
     """Worker ``w`` as its pod (None: the pod is gone, its worker exited after the JobSet was deleted)."""
     held = sl.withheld.get(w.index)
-    base = {"name": pod_name(sl.jobset, w.index), "worker_index": w.index, "created_at": sl.created_at,
-            "grace_s": sl.grace_seconds}  # fmt: skip
+    base = {
+        "name": pod_name(sl.jobset, w.index),
+        "worker_index": w.index,
+        "created_at": sl.created_at,
+        "grace_s": sl.grace_seconds,
+    }
     if held == UNSCHEDULABLE:
         room = f"0/{len(sl.workers)} local hosts have room for this worker (rehearsal)"
         cond = Condition(type="PodScheduled", status="False", reason=UNSCHEDULABLE, at=sl.created_at, message=room)
@@ -53,8 +57,9 @@ def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
     if held == IMAGE_PULL:
         # The message as kubelet >= 1.32 writes it: the back-off repeats the pull's error (kubernetes#127918).
         pulled = f'Back-off pulling image "{image}": ErrImagePull: failed to resolve reference "{image}": not found'
-        waiting = ContainerState(name=TRAINER_CONTAINER, state="waiting", waiting_reason=IMAGE_PULL,
-                                 waiting_message=f"{pulled} (rehearsal)")  # fmt: skip
+        waiting = ContainerState(
+            name=TRAINER_CONTAINER, state="waiting", waiting_reason=IMAGE_PULL, waiting_message=f"{pulled} (rehearsal)"
+        )
         if sl.deleted_at is not None:
             return None
         return PodEvidence(**base, phase="Pending", node=node_name(w.index), conditions=scheduled, containers=[waiting])
@@ -63,23 +68,40 @@ def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
     if w.returncode is None:
         running = ContainerState(name=TRAINER_CONTAINER, state="running", running_since=w.started_at)
         deleted = sl.lost.get(w.index, sl.deleted_at)
-        return PodEvidence(**base, phase="Running", node=node_name(w.index), conditions=scheduled,
-                           containers=[running], deleted_at=deleted)  # fmt: skip
+        return PodEvidence(
+            **base,
+            phase="Running",
+            node=node_name(w.index),
+            conditions=scheduled,
+            containers=[running],
+            deleted_at=deleted,
+        )
     if sl.deleted_at is not None:
         return None  # a deleted JobSet takes its ended pods with it
     ok = w.returncode == 0
-    ended = ContainerState(name=TRAINER_CONTAINER, state="terminated", exit_code=w.exit_code,
-                           reason="Completed" if ok else (w.signal_name or "Error"), started_at=w.started_at,
-                           finished_at=w.ended_at)  # fmt: skip
-    return PodEvidence(**base, phase="Succeeded" if ok else "Failed", node=node_name(w.index), conditions=scheduled,
-                       containers=[ended])  # fmt: skip
+    ended = ContainerState(
+        name=TRAINER_CONTAINER,
+        state="terminated",
+        exit_code=w.exit_code,
+        reason="Completed" if ok else (w.signal_name or "Error"),
+        started_at=w.started_at,
+        finished_at=w.ended_at,
+    )
+    return PodEvidence(
+        **base, phase="Succeeded" if ok else "Failed", node=node_name(w.index), conditions=scheduled, containers=[ended]
+    )
 
 
 def _node(sl: LocalSlice, index: int) -> NodeEvidence:
     if index in sl.lost:
         # As the node lifecycle controller leaves a node whose kubelet went silent: Ready Unknown, tainted.
-        return NodeEvidence(name=node_name(index), ready=None, ready_reason="NodeStatusUnknown",
-                            ready_since=sl.lost[index], taints=[f"{UNREACHABLE_TAINT}:NoExecute"])  # fmt: skip
+        return NodeEvidence(
+            name=node_name(index),
+            ready=None,
+            ready_reason="NodeStatusUnknown",
+            ready_since=sl.lost[index],
+            taints=[f"{UNREACHABLE_TAINT}:NoExecute"],
+        )
     return NodeEvidence(name=node_name(index), ready=True, ready_reason="KubeletReady")
 
 
