@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence
-from recovery_steps.kernel.contract import PEER_LOSS_MARKERS, ExitCode, FailureClass, exit_code_info
+from recovery_steps.kernel.contract import (
+    PEER_LOSS_MARKERS,
+    ExitCode,
+    FailureClass,
+    StallKind,
+    SupervisionOutcome,
+    exit_code_info,
+)
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
 from recovery_steps.supervision import pull_failure_is_permanent, waiting_cause
 
@@ -350,11 +357,11 @@ def _disruption(d: Condition, o: _Obs) -> _Finding:
 # What a stall the supervisor ended means. Once it stops the attempt every worker gets SIGTERM and exits
 # 143, which would otherwise read as a preemption: the supervisor's verdict comes first.
 STALL_CLASSES = {
-    "capacity": FailureClass.CAPACITY,
-    "configuration": FailureClass.CONFIGURATION,
-    "hang": FailureClass.HANG,
-    "image-pull": FailureClass.INFRASTRUCTURE,
-    "node-lost": FailureClass.INFRASTRUCTURE,
+    StallKind.CAPACITY: FailureClass.CAPACITY,
+    StallKind.CONFIGURATION: FailureClass.CONFIGURATION,
+    StallKind.HANG: FailureClass.HANG,
+    StallKind.IMAGE_PULL: FailureClass.INFRASTRUCTURE,
+    StallKind.NODE_LOST: FailureClass.INFRASTRUCTURE,
 }
 
 
@@ -401,7 +408,7 @@ def _supervised(ev: Evidence) -> Verdict | None:
     s = ev.supervision
     if s is None:
         return None
-    if s.outcome == "error":
+    if s.outcome == SupervisionOutcome.ERROR:
         info = exit_code_info(s.exit_code) if s.exit_code is not None else None
         cls = info.usual_class if info and info.usual_class else FailureClass.UNKNOWN
         return Verdict(
@@ -409,11 +416,11 @@ def _supervised(ev: Evidence) -> Verdict | None:
             f"train-segment could not supervise the attempt: {s.reason}",
             [f"train-segment exit code {s.exit_code}: {s.reason}"],
         )
-    if s.outcome != "stalled" or s.stall_kind not in STALL_CLASSES:
+    if s.outcome != SupervisionOutcome.STALLED or s.stall_kind not in STALL_CLASSES:
         return None
     lines = [f"supervisor: stalled ({s.stall_kind}): {s.reason}", *s.evidence]
     cls, reason = STALL_CLASSES[s.stall_kind], f"the attempt stalled ({s.stall_kind}) and was stopped: {s.reason}"
-    if s.stall_kind == "node-lost":
+    if s.stall_kind == StallKind.NODE_LOST:
         reclaimed = _reclaimed(ev, s)
         if reclaimed:
             cls, reason = FailureClass.PREEMPTION, f"{reason}; a preemption: {'; '.join(reclaimed)}"

@@ -29,7 +29,7 @@ from recovery_steps.evidence import (
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel.config import JobConfig, RetryConfig
-from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
+from recovery_steps.kernel.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass, SupervisionOutcome
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.outputs import ClassifyOutputs
 from recovery_steps.kernel.records import (
@@ -85,12 +85,14 @@ def orphaned_gang(ev: Evidence) -> str | None:
     the attempt would let the next attempt's provision-slice delete a healthy gang: supervise it again instead.
     """
     js = ev.jobset
-    if ev.backend != "gke" or js is None or not js.found:
+    if ev.backend != Backend.GKE or js is None or not js.found:
         return None
     if js.finished:
         return None
     sup = ev.supervision
-    if sup is not None and (sup.decided or (sup.outcome == "error" and sup.exit_code != ExitCode.TRANSIENT)):
+    if sup is not None and (
+        sup.decided or (sup.outcome == SupervisionOutcome.ERROR and sup.exit_code != ExitCode.TRANSIENT)
+    ):
         return None
     why = "no supervision record" if sup is None else f"the supervisor left transient ({sup.reason})"
     return f"JobSet {js.name} is running and {why}: its supervisor was lost"
@@ -129,7 +131,9 @@ def gather(
         if prov is not None and prov.exit_code != 0:
             step_exit_code = prov.exit_code
 
-    ev = Evidence(backend="local" if cfg.slice.is_local else "gke", attempt=attempt, step_exit_code=step_exit_code)
+    ev = Evidence(
+        backend=Backend.LOCAL if cfg.slice.is_local else Backend.GKE, attempt=attempt, step_exit_code=step_exit_code
+    )
     gather_reports(store, attempt, ev)
     gather_supervision(store, attempt, ev)
     if cfg.slice.is_local:
@@ -232,7 +236,7 @@ def close_attempt(
     started, ended = _timings(ev)
     base = AttemptRecord(
         attempt=attempt,
-        outcome="failed",
+        outcome=AttemptOutcome.FAILED,
         failure_class=verdict.failure_class,
         reason=verdict.reason,
         evidence=verdict.evidence,
@@ -287,7 +291,7 @@ def _resupervise(
     decision = RetryDecision(Decision.RESUPERVISE, reason, 0, {}, 0)
     record = AttemptRecord(
         attempt=attempt,
-        outcome="running",
+        outcome=AttemptOutcome.RUNNING,
         failure_class=FailureClass.UNKNOWN,
         reason=reason,
         evidence=verdict.evidence,

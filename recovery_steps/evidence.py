@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from recovery_steps.kernel.contract import Backend
 from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.k8s import Kube
 from recovery_steps.kernel.records import LocalSliceRecord, SupervisionRecord, WorkerExitReport
@@ -58,7 +59,7 @@ class Evidence(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: str = Field(description="'gke' or 'local'.")
+    backend: Backend = Field(description="Where the attempt's gang ran.")
     attempt: int
     jobset: JobSetEvidence | None = None
     jobs: list[JobEvidence] = Field(default_factory=list)

@@ -32,7 +32,7 @@ from recovery_steps import lease
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel.config import ConfigError
-from recovery_steps.kernel.contract import Decision, ExitCode
+from recovery_steps.kernel.contract import AttemptOutcome, Decision, ExitCode, FinalStatus
 from recovery_steps.kernel.documents import read_run_config, read_worker_reports
 from recovery_steps.kernel.k8s import (
     RUN_ID_LABEL,
@@ -58,10 +58,8 @@ from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
 
 log = logging.getLogger(__name__)
 
-SUCCEEDED = "Succeeded"
-FAILED = "Failed"
-HANDED_OVER = "HandedOver"
-NOT_HOLDER = "NotHolder"
+SUCCEEDED, FAILED = FinalStatus.SUCCEEDED, FinalStatus.FAILED
+HANDED_OVER, NOT_HOLDER = FinalStatus.HANDED_OVER, FinalStatus.NOT_HOLDER
 
 
 @dataclass(frozen=True)
@@ -156,7 +154,7 @@ def attempt_traces(store: RunStore, ledger: Ledger) -> list[AttemptTrace]:
     for n in sorted(set(store.attempts()) | set(records)):
         rec = records.get(n)
         reps = _reports(store, n)
-        failed = rec.outcome == "failed" if rec is not None else any(r.exit_code != 0 for r in reps)
+        failed = rec.outcome == AttemptOutcome.FAILED if rec is not None else any(r.exit_code != 0 for r in reps)
         restore = [r.restore_step for r in reps if r.restore_step is not None]
         if not restore and rec is not None and rec.checkpoint_step_before is not None:
             restore = [rec.checkpoint_step_before]
@@ -200,9 +198,9 @@ def final_reason(status: str, ledger: Ledger, failures: list[dict[str, Any]]) ->
     A Succeeded run is described as completed (never as failed); a Failed one names the budget or the
     failed step that ended it.
     """
-    failed = [a for a in ledger.attempts if a.outcome == "failed"]
+    failed = [a for a in ledger.attempts if a.outcome == AttemptOutcome.FAILED]
     if status == SUCCEEDED:
-        done = next((a for a in reversed(ledger.attempts) if a.outcome == "succeeded"), None)
+        done = next((a for a in reversed(ledger.attempts) if a.outcome == AttemptOutcome.SUCCEEDED), None)
         text = "training completed" + (f" in attempt {done.attempt}" if done else "")
         if failed:
             text += f" after recovering from {len(failed)} interruption(s) ({_class_counts(ledger)})"
@@ -281,7 +279,7 @@ def run(
                 n = numbers[-1]
                 done = AttemptRecord(
                     attempt=n,
-                    outcome="succeeded",
+                    outcome=AttemptOutcome.SUCCEEDED,
                     reason="training completed",
                     checkpoint_step_before=checkpoint_step_before(store, n),
                     checkpoint_step_after=newest_checkpoint_step(store),
@@ -290,7 +288,9 @@ def run(
         holder: dict[str, str] = {}
 
         def close(led: Ledger) -> Ledger:
-            if done is not None and not any(a.attempt == done.attempt and a.outcome == "failed" for a in led.attempts):
+            if done is not None and not any(
+                a.attempt == done.attempt and a.outcome == AttemptOutcome.FAILED for a in led.attempts
+            ):
                 led = with_attempt(led, done)
             reason = final_reason(final, led, failed_nodes)
             holder["reason"] = reason

@@ -38,7 +38,7 @@ from typing import Any
 from recovery_steps import lease
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import ConfigError, JobConfig
-from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.contract import Backend, ExitCode
 from recovery_steps.kernel.documents import read_ledger, read_run_config
 from recovery_steps.kernel.k8s import (
     ARGO_GROUP,
@@ -245,7 +245,7 @@ def run(
         else:
             to = create_on_gke(api_client or k8s_client(None), cfg.namespace, workflow, workflow_uid, run_id, attempt)
         pass_lease(store, workflow_uid, to, cfg.retry.lease_ttl_s, clock=clock)
-        backend = "local" if cfg.slice.is_local else "gke"
+        backend = Backend.LOCAL if cfg.slice.is_local else Backend.GKE
         record(
             store,
             HandOver(

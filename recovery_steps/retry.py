@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from recovery_steps.kernel.config import RetryConfig
-from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.contract import AttemptOutcome, Decision, FailureClass
 from recovery_steps.kernel.records import AttemptRecord, Ledger
 from recovery_steps.kernel.store import (
     DocumentError,
@@ -91,7 +91,7 @@ def stalled_attempts(attempts: Sequence[AttemptRecord]) -> int:
     """
     n = 0
     for a in sorted(attempts, key=lambda a: a.attempt, reverse=True):
-        if a.outcome != "failed":
+        if a.outcome != AttemptOutcome.FAILED:
             continue
         if _advanced(a):
             break
@@ -108,9 +108,9 @@ def failures_in_scope(attempts: Sequence[AttemptRecord], cls: FailureClass, scop
     """
     n = 0
     for a in sorted(attempts, key=lambda a: a.attempt, reverse=True):
-        if a.outcome == "failed" and (a.failure_class or FailureClass.UNKNOWN) == cls:
+        if a.outcome == AttemptOutcome.FAILED and (a.failure_class or FailureClass.UNKNOWN) == cls:
             n += 1
-        if scope == "since_progress" and a.outcome == "failed" and _advanced(a):
+        if scope == "since_progress" and a.outcome == AttemptOutcome.FAILED and _advanced(a):
             break
     return n
 
@@ -132,7 +132,7 @@ def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: Retry
     attempts = [a for a in previous if a.attempt != current.attempt] + [current]
     counts = {c.value: 0 for c in FailureClass}
     for a in attempts:
-        if a.outcome == "failed":
+        if a.outcome == AttemptOutcome.FAILED:
             counts[(a.failure_class or FailureClass.UNKNOWN).value] += 1
     k = counts[cls.value]  # over the whole run: drives the backoff
     scope = cfg.scope(cls)

@@ -39,7 +39,7 @@ import yaml
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
 from recovery_steps.kernel.gang import Attachment, Gang
 from recovery_steps.kernel.k8s import (
     API_TIMEOUT_S,
@@ -816,7 +816,12 @@ def run(
 def record_error(store_root: str, run_id: str, attempt: int, e: StepError) -> None:
     """Leave the reason the attempt could not be supervised where classify-failure reads it."""
     rec = SupervisionRecord(
-        attempt=attempt, jobset="", outcome="error", exit_code=int(e.code), reason=str(e), detected_at=now()
+        attempt=attempt,
+        jobset="",
+        outcome=SupervisionOutcome.ERROR,
+        exit_code=int(e.code),
+        reason=str(e),
+        detected_at=now(),
     )
     try:
         RunStore(store_root, run_id).write_record(RunLayout.supervision(attempt), rec)
