@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,12 @@ from recovery_steps.kernel.store import RunLayout, RunStore
 pytestmark = pytest.mark.k8s
 
 TERMINAL = ("Succeeded", "Failed", "Error")
-# How long the segment runs before its supervisor is evicted. The shipped train-segment retryStrategy has no
-# maxDuration (asserted below), so no age of the segment makes Argo refuse the retry; a short wait suffices.
-RAN_LONGER_S = 5
+# How long after its start the supervisor's node is evicted. Argo v4.0.5 treats a pod that vanishes within
+# RECENTLY_STARTED_POD_DURATION (10 s) of its node's start as not yet synced and creates it again for the same node
+# (workflow/controller/operator.go podReconciliation, ``recentlyStarted``); later, the node is Error "pod deleted"
+# and the retryStrategy decides. The shipped train-segment retryStrategy has no maxDuration (asserted below), so
+# no age of the segment makes Argo refuse the retry.
+RAN_LONGER_S = 15
 
 
 @dataclass
@@ -233,9 +237,10 @@ def _supervisor_pod(r: ArgoRun, not_uid: str = "") -> dict[str, Any]:
 
 def test_supervisor_lost_an_evicted_supervisor_is_retried_and_reattaches_to_the_running_gang(argo_run):
     """README scenario ``supervisor-lost``, the way a node drain does it: the train-segment pod is evicted
-    (Eviction API: SIGTERM, exit 143) once the controller has it Running. Argo retries the step (143 is not the
-    supervisor's verdict), the new supervisor re-attaches to the same JobSet, the gang keeps training (same worker
-    pods) and no attempt is closed; the run Succeeds on attempt 0."""
+    (Eviction API: SIGTERM, exit 143) once the controller has had it Running longer than RAN_LONGER_S. Argo
+    retries the step (Error "pod deleted", or Failed 143: neither is the supervisor's verdict), the new supervisor
+    re-attaches to the same JobSet, the gang keeps training (same worker pods) and no attempt is closed; the run
+    Succeeds on attempt 0."""
     from kubernetes import client
 
     wf = yaml.safe_load((REPO / "argo" / ARGO_FILE).read_text())
@@ -245,15 +250,15 @@ def test_supervisor_lost_an_evicted_supervisor_is_retried_and_reattaches_to_the_
     workers = argo_run.workers(0)
     argo_run.beat(0, 5)
     first = _supervisor_pod(argo_run)
-    # Evicted once the controller has seen it Running (a pod that vanishes before that is created again for the
-    # same node, which spends no try and is not the case this test is about).
-    wait_for(
+    # Evicted once the controller has had its node Running for longer than it waits for a missing pod to appear.
+    node = wait_for(
         "train-segment Running in the Workflow",
-        lambda: any(n["phase"] == "Running" for n in argoctl.pods_of(argo_run.wf(), "train-segment")),
+        lambda: next((n for n in argoctl.pods_of(argo_run.wf(), "train-segment") if n["phase"] == "Running"), None),
         60,
         0.5,
     )
-    time.sleep(RAN_LONGER_S)
+    started = datetime.strptime(node["startedAt"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    time.sleep(max(0.0, started + RAN_LONGER_S - time.time()))
     argo_run.beat(0, 9)
     body = client.V1Eviction(metadata=client.V1ObjectMeta(name=first["metadata"]["name"], namespace=argo_run.ns))
     argo_run.rc.core().create_namespaced_pod_eviction(first["metadata"]["name"], argo_run.ns, body)
