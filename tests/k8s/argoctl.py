@@ -235,21 +235,14 @@ def start(rc: RealCluster, namespace: str, log_dir: Path) -> ArgoController:
 
 def submit(rc: RealCluster, path: Path, parameters: dict[str, str], namespace: str | None = None) -> dict[str, Any]:
     """Create the Workflow of a file of argo/ unchanged but for what ``argo submit -n NS -p name=value`` changes
-    (the namespace and values of declared parameters); returns it as stored."""
+    (the namespace and values of declared parameters: the drill's own reading of the file); returns it as stored."""
     from kubernetes import client
 
-    wf = yaml.safe_load(path.read_text())
-    declared = {p["name"]: p for p in wf["spec"]["arguments"]["parameters"]}
-    unknown = set(parameters) - set(declared)
-    if unknown:
-        raise ValueError(f"{path.name} declares no parameter {sorted(unknown)} (argo submit -p refuses it)")
-    for name, value in parameters.items():
-        declared[name]["value"] = value
-    if namespace:
-        wf["metadata"]["namespace"] = namespace
-    ns = wf["metadata"]["namespace"]
+    from workflows.drill import load_target
+
+    target = load_target(path, [f"{k}={v}" for k, v in parameters.items()], namespace)
     return client.CustomObjectsApi(rc.admin).create_namespaced_custom_object(
-        "argoproj.io", "v1alpha1", ns, "workflows", wf
+        "argoproj.io", "v1alpha1", target.namespace, "workflows", target.doc
     )
 
 
