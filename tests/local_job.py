@@ -32,6 +32,7 @@ def shrunken_workflow(
     config: str = "local-cpu.yaml",
     data_section: dict[str, Any] | None = None,
     retry_section: dict[str, Any] | None = None,
+    local_tier: dict[str, Any] | None = None,
     hosts: int = HOSTS,
     **training: Any,
 ) -> Path:
@@ -44,6 +45,7 @@ def shrunken_workflow(
         config: The config in ``configs/`` to shrink (its task is kept).
         data_section: Overrides of the ``data`` section (e.g. record files).
         retry_section: Overrides of the ``retry`` section.
+        local_tier: The ``checkpoint.local`` section (the host-local and peer tiers; off when None).
         hosts: Worker processes of the local slice.
         **training: Overrides of the ``training`` section (e.g. ``step_delay_s``).
     """
@@ -63,6 +65,8 @@ def shrunken_workflow(
     if "supervision" in data:  # configs with local supervision deadlines (heartbeats every second)
         data["supervision"]["hang_timeout_s"] = 8
     data["checkpoint"].update(interval_steps=INTERVAL, keep=3)
+    if local_tier is not None:
+        data["checkpoint"]["local"] = local_tier
     data["retry"].update(default_backoff={"base_s": 0, "factor": 1, "max_s": 0}, no_progress_attempts=3)
     data["retry"].update(retry_section or {})
     cfg = d / f"{run_id}.yaml"

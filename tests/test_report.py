@@ -155,7 +155,7 @@ def test_report_prints_table_and_writes_timeline(store_root, capsys):
     assert not any(line.startswith("attempt 0: SIGTERM") for line in lines)
     assert "kill-worker" in text and "infrastructure" in text
     row = next(line for line in text.splitlines() if "kill-worker" in line).split()
-    assert row[-3:] == ["15", "10", "5"] and "19.2" in row
+    assert row[-4:] == ["15", "10", "-", "5"] and "19.2" in row
     assert store.read_bytes(report.TIMELINE)[:8] == b"\x89PNG\r\n\x1a\n"
     assert paths[0] == store.url(report.TIMELINE)
 
@@ -212,5 +212,5 @@ def test_report_of_a_cluster_run_builds_its_incidents_from_the_attempts_records(
     report.run(store.url(), say=lines.append)
     text = "\n".join(lines)
     row = next(line for line in text.splitlines() if line.split()[:1] == ["0"]).split()
-    assert row[-3:] == ["31", "30", "1"], text
+    assert row[-4:] == ["31", "30", "-", "1"], text
     assert row[3:6] == ["0.0", "2.5", "30.0"], text  # detected, stopped, next slice ready: from the failure

@@ -81,13 +81,13 @@ CASES = [
         [L, L, L, L],
     ),
     (
-        "a local part missing is filled from the GCS copy of the same step",
+        "a part with no local copy sends every part to the GCS copy of the same step",
         HOME,
         replicated(20, parts=[0, 1, 2]),
         [GcsStep(20)],
         None,
         20,
-        [L, L, L, G],
+        [G, G, G, G],
     ),
     ("steps beyond total_steps are not restored", HOME, replicated(20) + replicated(30), [], 25, 20, [L, L, L, L]),
 ]
@@ -143,3 +143,15 @@ def test_a_part_count_per_tier_for_the_attempt_record():
 
 def test_nothing_restorable():
     assert choose_restore(HOME, [], []) == TierPlan(None)
+
+
+def test_one_part_from_gcs_sends_every_part_there_and_says_which_part_forced_it():
+    plan = choose_restore(HOME, replicated(20, parts=[0, 1, 2]), [GcsStep(20)])
+    assert plan.tier is G and plan.parts_by_tier == {G: 4}
+    assert "part 3 of step 20" in plan.note
+
+
+def test_the_plan_names_its_farthest_tier():
+    assert choose_restore(HOME, replicated(20), []).tier is L
+    assert choose_restore(HOME, replicated(20, lost_nodes=["n1"]), []).tier is P
+    assert TierPlan(None).tier is None

@@ -42,6 +42,7 @@ from trainer.hooks import (
     EventsHook,
     FaultHook,
     HeartbeatHook,
+    LocalSaveHook,
     MetricsHook,
     PaceHook,
     ProgressHook,
@@ -427,13 +428,21 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any)
     ``exact`` resumes the data iterator at its saved position (checked against the step);
     ``reshuffle`` starts a new order seeded by the restored step.
     """
+    exact = cfg.data.resume_mode == "exact"
+    state, saved_iter = ckpt.restore(restore_step, tr.abstract_state, with_data=exact)
+    state, it = _resume(cfg, tr, restore_step, source, state, saved_iter)
+    ckpt.last_committed = restore_step
+    return state, it
+
+
+def _resume(cfg: JobConfig, tr: Any, restore_step: int, source: Any, state: Any, saved_iter: Any) -> tuple[Any, Any]:
+    """Check a restored state and build its data iterator (``exact``: at the saved position; else reshuffled)."""
     import jax
     import numpy as np
 
     from trainer import data as data_lib
 
     exact = cfg.data.resume_mode == "exact"
-    state, saved_iter = ckpt.restore(restore_step, tr.abstract_state, with_data=exact)
     got_step = int(state["step"])
     if got_step != restore_step:
         raise TrainerExit(ExitCode.INCOMPATIBLE_CHECKPOINT, f"checkpoint {restore_step} holds step {got_step}")
@@ -457,21 +466,35 @@ def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any)
         # Host values (numpy): a jnp value would compile an op on this process's own device first.
         state["data_order_seed"] = jax.device_put(np.int32(pos.order_seed), tr.replicated)
         state["data_start_step"] = jax.device_put(np.int32(pos.start_step), tr.replicated)
-    ckpt.last_committed = restore_step
     log.info("restored step %d (data order %d, batch %d)", restore_step, pos.order_seed, pos.next_index)
     return state, it
 
 
 def _restore_checked(
-    w: Worker, cfg: JobConfig, tr: Any, ckpt: Any, manifest: CheckpointManifest | None, source: Any
+    w: Worker, cfg: JobConfig, tr: Any, ckpt: Any, manifest: CheckpointManifest | None, source: Any, tier: Any = None
 ) -> tuple[Any, Any, CheckpointManifest | None]:
     """Restore ``w.args.restore_step`` and check the bytes read; a damaged step falls back as restore-latest would.
+
+    With the local tiers (``tier``), the gang first chooses among the hosts' copies and restore-latest's GCS
+    step (``LocalTier.restore``): a newer step whose every part has a verified copy on the slice is read from
+    the hosts' disks instead, and the GCS step is read only when that is the closest complete copy.
 
     Returns:
         The state and data iterator (None, None for a fresh start) and the manifest of the step restored;
         ``w.args.restore_step`` and the report name the step actually restored.
     """
     step = w.args.restore_step
+    if tier is not None:
+        got = tier.restore(step, tr.abstract_state)
+        if got.state is not None:  # every part from the hosts' disks: no GCS read
+            assert got.plan.step is not None
+            step = got.plan.step
+            w.args = dataclasses.replace(w.args, restore_step=step)
+            w.report.restore_step = step
+            w.report.restore_tier = got.plan.tier.value if got.plan.tier else None
+            state, it = _resume(cfg, tr, step, source, got.state, got.data_state)
+            return state, it, manifest
+        w.report.restore_tier = "gcs" if step >= 0 else None
     while manifest is not None:
         state, it = _restore(cfg, tr, ckpt, step, source)
         fallback = ckpt.check_restored(step, manifest)
@@ -634,7 +657,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
 
     from trainer import data as data_lib
     from trainer import train_state
-    from trainer.checkpointing import Checkpointer, DataIdentity
+    from trainer.checkpointing import Checkpointer, DataIdentity, _snapshot_fn
 
     assert w.watchdog is not None
     t = cfg.training
@@ -665,10 +688,11 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     ckpt = Checkpointer(w.store, cfg, w.args.attempt, dict(mesh.shape), identity)
     w.exit.last_checkpoint = lambda: ckpt.last_committed
     pc, pi = jax.process_count(), jax.process_index()
+    tier = _open_local_tier(w, cfg, dict(mesh.shape), source.version)
 
     ahead = _compile_ahead(cfg, tr, source, pi, pc)
     t0 = now()
-    state, it, manifest = _restore_checked(w, cfg, tr, ckpt, manifest, source)
+    state, it, manifest = _restore_checked(w, cfg, tr, ckpt, manifest, source, tier)
     restore_step = w.args.restore_step
     if state is None:
         state = tr.init_fn(np.int32(t.seed))
@@ -680,6 +704,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
         EventKind.RESTORED,
         max(restore_step, 0),
         restore_step=restore_step,
+        restore_tier=w.report.restore_tier,
         restore_seconds=w.report.restore_seconds,
         cpu_s=cpu_seconds(),
     )
@@ -695,12 +720,43 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     if ckpt.last_committed is not None:
         m.set("jaxrec_checkpoint_step", ckpt.last_committed)
     hooks, saving = _hooks(w, cfg, faults, ckpt, stepper, cache, manifest)
+    if tier is not None:
+        _watch_local_tier(w, tier)
+        snapshot = _snapshot_fn(tr.abstract_state).lower(tr.abstract_state).compile()
+        hooks.add(LocalSaveHook(tier, stepper, snapshot, t.total_steps).on_step)
     last = StepRecord(start)
     for last in training_steps(stepper, start, t.total_steps, w.stop_flag, hooks):
         hooks.run(last)
     if not saving.abandoned:
         saving.finish()
     _finish(w, stepper, ckpt, last, abandoned=saving.abandoned)
+
+
+def _open_local_tier(w: Worker, cfg: JobConfig, mesh_shape: dict[str, int], dataset_version: str) -> Any:
+    """The local and peer tiers as this process takes part in them (None when ``checkpoint.local`` is off)."""
+    if not cfg.checkpoint.local.enabled:
+        return None
+    import jax
+
+    from trainer.local_parts import Layout
+    from trainer.local_tier import LocalTier
+
+    layout = Layout(
+        cfg.run_id, cfg.config_hash(), jax.process_count(), jax.local_device_count(), mesh_shape, dataset_version
+    )
+    return LocalTier(cfg, w.store, w.args.attempt, distributed_client(), w.env, layout)
+
+
+def _watch_local_tier(w: Worker, tier: Any) -> None:
+    """Each local and peer part that lands: its gauge and an event."""
+    assert w.metrics is not None
+    metrics, events = w.metrics, w.events
+
+    def saved(step: int, kind: str) -> None:
+        metrics.set(f"jaxrec_{kind}_checkpoint_step", step)
+        events.emit(EventKind.LOCAL_SAVED, step, reason=kind)
+
+    tier.on_saved = saved
 
 
 def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord, *, abandoned: bool = False) -> NoReturn:

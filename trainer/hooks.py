@@ -285,6 +285,23 @@ class CheckpointHook:
         self.watchdog.touch()
 
 
+class LocalSaveHook:
+    """``checkpoint.local.interval_steps``: hand a copy of the state to the local tier's saver (never waits for it).
+
+    The on-device copy is compiled ahead (``snapshot``) and dispatched asynchronously, as for a GCS save: the next
+    step donates the live buffers. The data position is captured here, on the training thread.
+    """
+
+    def __init__(self, tier: Any, stepper: Stepper, snapshot: Any, total_steps: int):
+        self.tier, self.stepper, self.snapshot, self.total_steps = tier, stepper, snapshot, total_steps
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Start a local save when ``rec.step`` is due (not the last step: the final GCS save covers it)."""
+        if rec.stop_agreed or rec.step >= self.total_steps or not self.tier.due(rec.step):
+            return
+        self.tier.save(rec.step, self.snapshot(self.stepper.state), self.stepper.data_iter.get_state())
+
+
 class PaceHook:
     """``training.step_delay_s``: sleep after each step (local rehearsals stretch a run to watch it)."""
 

@@ -45,6 +45,8 @@ _WORKER_METRICS = (
     "jaxrec_train_loss",
     "jaxrec_last_step_timestamp_seconds",
     "jaxrec_checkpoint_step",
+    "jaxrec_local_checkpoint_step",
+    "jaxrec_peer_checkpoint_step",
     "jaxrec_checkpoint_age_seconds",
     "jaxrec_checkpoint_last_commit_timestamp_seconds",
     "jaxrec_checkpoint_duration_seconds",

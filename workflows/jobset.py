@@ -63,6 +63,26 @@ def _on_tpu_nodes(cfg: JobConfig, container: dict[str, Any], pod_spec: dict[str,
     pod_spec["tolerations"] = tolerations
 
 
+def _local_tier(cfg: JobConfig, container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
+    """The host-local checkpoint directory (the node's, surviving the pod) and what the peers need to find each other.
+
+    A ``hostPath`` directory outlives the pod and the JobSet's recreation of it, as the local tier needs; an
+    ``emptyDir`` dies with the pod (Kubernetes docs "Volumes"). GKE's Multi-Tier Checkpointing CSI volume
+    (``multitier-checkpoint.csi.storage.gke.io``) would serve too, but comes with its own replicator and is
+    multislice-only (docs/CHECKPOINTS.md). ``NODE_NAME`` names where a part was written, ``POD_IP`` is where
+    this worker's part server listens for its peers.
+    """
+    lt = cfg.checkpoint.local
+    container["env"] += [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    if cfg.slice.is_local:  # the local backend gives each worker its node's directory (TRAINER_LOCAL_DIR)
+        return
+    container["volumeMounts"] = [{"name": "jaxrec-local", "mountPath": lt.directory}]
+    pod_spec["volumes"] = [{"name": "jaxrec-local", "hostPath": {"path": lt.host_path, "type": "DirectoryOrCreate"}}]
+
+
 def jobset_manifest(
     cfg: JobConfig,
     *,
@@ -122,6 +142,8 @@ def jobset_manifest(
         "containers": [container],
     }
     jobset_meta: dict[str, Any] = {"name": name, "namespace": cfg.namespace, "labels": labels}
+    if cfg.checkpoint.local.enabled:
+        _local_tier(cfg, container, pod_spec)
     if sl.is_local:
         env += [
             {"name": "TRAINER_COORDINATOR_ADDRESS", "value": f"127.0.0.1:{coordinator_port}"},

@@ -96,6 +96,7 @@ def incident_table(incidents: Sequence[Incident]) -> str:
         "recovered",
         "pre",
         "restored",
+        "tier",
         "lost",
     )
     rows = [head]
@@ -115,6 +116,7 @@ def incident_table(incidents: Sequence[Incident]) -> str:
                 _d(t0, i.recovered_at),
                 "-" if i.pre_failure_step is None else str(i.pre_failure_step),
                 "-" if i.restored_step is None else str(i.restored_step),
+                i.restore_tier or "-",
                 "-" if i.steps_lost is None else str(i.steps_lost),
             )
         )

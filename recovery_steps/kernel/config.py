@@ -491,12 +491,51 @@ class TrainingConfig(_Section):
     )
 
 
+class LocalTierConfig(_Section):
+    """The host-local checkpoint tiers: each host saves its part to its own disk and copies it to peer hosts.
+
+    A local or peer copy carries the same kind of manifest as a GCS step (sizes, CRC32C, SHA-256, written last)
+    and is restored only when it verifies; see docs/CHECKPOINTS.md, "Local and peer tiers".
+    """
+
+    interval_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Save each host's part to its local directory every this many steps (unset: no local tiers).",
+    )
+    directory: str = Field(
+        default="/jaxrec-local",
+        description="Where the local directory is mounted in each worker pod (a node-local volume, never emptyDir).",
+    )
+    host_path: str = Field(
+        default="/mnt/stateful_partition/jaxrec-local",
+        description="The node's directory mounted there (hostPath; GKE: local SSD or a RAM disk mounted on the node).",
+    )
+    keep: int = Field(default=2, ge=1, description="Newest local steps kept per part on each host.")
+    peers: int = Field(default=1, ge=0, description="Copies of each host's part on the next hosts (0: own disk only).")
+
+    @field_validator("directory", "host_path")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/") or v.rstrip("/") == "":
+            raise ValueError(f"{_short(v)} is not an absolute directory; give one such as /jaxrec-local")
+        return v.rstrip("/")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether hosts save local parts."""
+        return self.interval_steps is not None
+
+
 class CheckpointConfig(_Section):
     """Orbax checkpointing policy."""
 
     interval_steps: int = Field(default=10, ge=1, description="Save every this many steps.")
     keep: int = Field(default=3, ge=1, description="Keep this many newest checkpoints.")
     async_save: bool = Field(default=True, description="Save in the background while training continues.")
+    local: LocalTierConfig = Field(
+        default_factory=LocalTierConfig, description="Host-local and peer tiers beside GCS (off unless set)."
+    )
 
 
 class BackoffConfig(_Section):
@@ -875,6 +914,7 @@ class JobConfig(_Section):
                 f"checkpoint.keep: {ck.keep} leaves nothing to fall back to when the newest checkpoint is "
                 "damaged; keep at least 2"
             )
+        problems += self._local_tier_problems()
         if self.slice.is_local and self.monitoring.metrics_port + self.slice.num_hosts - 1 > 65535:
             problems.append(
                 f"monitoring.metrics_port: {self.monitoring.metrics_port} + one port per local host "
@@ -883,6 +923,23 @@ class JobConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _local_tier_problems(self) -> list[str]:
+        lt, hosts = self.checkpoint.local, self.slice.num_hosts
+        if not lt.enabled:
+            return []
+        out = []
+        if lt.interval_steps > self.checkpoint.interval_steps:  # type: ignore[operator]
+            out.append(
+                f"checkpoint.local.interval_steps: {lt.interval_steps} is longer than checkpoint.interval_steps "
+                f"{self.checkpoint.interval_steps}: the local tier would save less often than GCS; make it shorter"
+            )
+        if hosts > 1 and lt.peers >= hosts:
+            out.append(
+                f"checkpoint.local.peers: {lt.peers} copies need {lt.peers + 1} hosts, the slice has {hosts}; "
+                f"make it at most {hosts - 1}"
+            )
+        return out
 
     def task_options(self) -> BaseModel:
         """The task's validated options: the model section for the built-in lm task, else task.options."""

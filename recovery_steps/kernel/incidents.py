@@ -22,6 +22,7 @@ from recovery_steps.kernel.records import (
     ProvisionRecord,
     RestoreRecord,
     SupervisionRecord,
+    TierRecord,
     WorkerExitReport,
     WorkerHeartbeat,
 )
@@ -37,6 +38,7 @@ class AttemptFacts:
     supervision: SupervisionRecord | None = None
     provision: ProvisionRecord | None = None
     restore: RestoreRecord | None = None
+    tiers: TierRecord | None = None  # the gang's choice among local, peer and GCS copies (local tiers on)
     reports: Sequence[WorkerExitReport] = field(default_factory=tuple)
     heartbeats: Sequence[WorkerHeartbeat] = field(default_factory=tuple)
     failure_class: FailureClass | None = None  # classify-failure's verdict, from the ledger
@@ -70,6 +72,8 @@ def _latest(values: Sequence[float | None]) -> float | None:
 
 
 def _restored_step(nxt: AttemptFacts) -> int | None:
+    if nxt.tiers is not None:  # a local or peer step may be newer than restore-latest's
+        return max(0, nxt.tiers.step)
     if nxt.restore is not None:
         return max(0, nxt.restore.restore_step)
     steps = [r.restore_step for r in nxt.reports if r.restore_step is not None]
@@ -121,6 +125,7 @@ def incident_from_facts(
     inc.first_step_at = _latest([r.first_step_at for r in nxt.reports] + [h.first_step_at for h in nxt.heartbeats])
     inc.compile_seconds = _latest([r.compile_seconds for r in nxt.reports])
     inc.restored_step = _restored_step(nxt)
+    inc.restore_tier = nxt.tiers.tier if nxt.tiers is not None else None
     if pre is not None and inc.restored_step is not None:
         inc.steps_lost = steps_lost(pre, inc.restored_step)
     inc.recovered_at, estimated = _recovery(nxt, pre, inc.restored_step)
@@ -173,6 +178,7 @@ def read_attempt_facts(store: RunStore) -> list[AttemptFacts]:
                 supervision=store.read_record(RunLayout.supervision(a), SupervisionRecord),
                 provision=store.read_record(RunLayout.provision_record(a), ProvisionRecord),
                 restore=store.read_record(RunLayout.restore_record(a), RestoreRecord),
+                tiers=store.read_record(RunLayout.tier_record(a), TierRecord),
                 reports=tuple(read_worker_reports(store, a)[0]),
                 heartbeats=tuple(_heartbeats(store, a)),
                 failure_class=classes.get(a),

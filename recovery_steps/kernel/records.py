@@ -75,6 +75,9 @@ class WorkerExitReport(_Record):
     last_step: int | None = Field(default=None, description="Last step completed by this worker.")
     last_checkpoint_step: int | None = Field(default=None, description="Newest committed checkpoint step.")
     restore_step: int | None = Field(default=None, description="Step restored at start (None: fresh).")
+    restore_tier: str | None = Field(
+        default=None, description="With the local tiers: local, peer or gcs, the farthest tier a part came from."
+    )
     exception_type: str | None = None
     exception_message: str | None = None
     traceback: str | None = Field(default=None, description="Last lines of the traceback, if any.")
@@ -190,6 +193,9 @@ class Incident(_Record):
     recovered_at: float | None = Field(default=None, description="Back at the pre-failure step.")
     pre_failure_step: int | None = None
     restored_step: int | None = None
+    restore_tier: str | None = Field(
+        default=None, description="With the local tiers: where the restored step came from (local, peer or gcs)."
+    )
     steps_lost: int | None = None
     params_match_reference: bool | None = Field(
         default=None, description="Local runs with --reference: the run's final parameters equal the reference's."
@@ -317,6 +323,61 @@ class RestoreRecord(_Record):
     decided_at: float
 
 
+class LocalPartManifest(_Record):
+    """``<local dir>/<run-id>/steps/<step>/part-<i>/manifest.json``: one host's part of a step on a host-local disk.
+
+    Written last, by the host that wrote the part or by the peer that copied it (same content), so a part
+    directory with no manifest is never restored. A copy counts only when it names this run, this config
+    (hash), the same process count and device layout, and every file has its size, CRC32C and SHA-256.
+    """
+
+    format: int = 1
+    run_id: str
+    step: int
+    process_index: int = Field(description="The part: whose addressable shards and data position it holds.")
+    process_count: int
+    local_devices: int = Field(description="Devices per process when it was written (the shard layout).")
+    mesh_shape: dict[str, int]
+    config_hash: str
+    dataset_version: str
+    attempt: int
+    node: str = Field(description="The node the part was written on (a peer copy keeps the writer's).")
+    copied_to: str | None = Field(default=None, description="For a peer copy: the node that holds this copy.")
+    files: list[ManifestFile]
+    wall_time: float
+
+
+class TierPart(_Record):
+    """Where one part of the restored step was read from."""
+
+    part: int
+    tier: str = Field(description="local (own disk), peer (another host's disk) or gcs.")
+    node: str | None = None
+
+
+class TierSkipped(_Record):
+    """A step newer than the one restored that had no complete set of verified copies, and why."""
+
+    step: int
+    reason: str
+
+
+class TierRecord(_Record):
+    """``attempts/<n>/tiers.json``: the gang's choice among local, peer and GCS copies (process 0 writes it)."""
+
+    attempt: int
+    gcs_step: int = Field(description="restore-latest's choice in the bucket (-1: none).")
+    step: int = Field(description="The step restored (-1: fresh start).")
+    tier: str | None = Field(description="The farthest tier any part came from (gcs: every part from GCS).")
+    parts: list[TierPart] = Field(default_factory=list)
+    skipped: list[TierSkipped] = Field(default_factory=list, description="Newer steps not restorable, and why.")
+    note: str = ""
+    rounds: int = Field(default=1, description="Decisions made: one more each time a copy failed its check on load.")
+    refused: list[str] = Field(default_factory=list, description="Copies that failed their check on load, and why.")
+    seconds: float = Field(description="From the start of the choice to every part loaded and checked.")
+    decided_at: float
+
+
 class QuarantineReason(_Record):
     """``quarantine/<name>/QUARANTINE_REASON.json``: why a checkpoint was moved, from where, by which attempt."""
 
@@ -440,6 +501,7 @@ class EventKind(enum.StrEnum):
     STEP = "step"
     SAVE_STARTED = "save_started"
     SAVE_COMMITTED = "save_committed"
+    LOCAL_SAVED = "local_saved"  # a part landed on a host's disk: reason "local" (own) or "peer" (a copy)
     SIGTERM = "sigterm"
     PREEMPTION_PLAN = "preemption_plan"  # what the gang does with its state on a SIGTERM stop
     EXIT = "exit"
@@ -458,6 +520,7 @@ class WorkerEvent(_Record):
     process_count: int | None = Field(default=None, description="initialized: processes in the gang.")
     devices: int | None = Field(default=None, description="initialized: devices in the gang.")
     restore_step: int | None = Field(default=None, description="restored: the step restored (-1: fresh).")
+    restore_tier: str | None = Field(default=None, description="restored: local, peer or gcs (local tiers on).")
     loss: float | None = Field(default=None, description="step: the loss.")
     compile_seconds: float | None = Field(
         default=None, description="first_step: compile and run time; compiled: the step's compilation ahead."

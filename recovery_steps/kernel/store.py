@@ -170,6 +170,11 @@ class RunLayout:
         return f"attempts/{n}/restore.json"
 
     @staticmethod
+    def tier_record(n: int) -> str:
+        """The gang's choice among local, peer and GCS copies for attempt ``n`` (``TierRecord``)."""
+        return f"attempts/{n}/tiers.json"
+
+    @staticmethod
     def local_slice(n: int) -> str:
         """The local backend's record of the worker processes of attempt ``n``."""
         return f"attempts/{n}/local-slice.json"

@@ -18,6 +18,10 @@ trustworthy as a GCS one:
   verified GCS step, and never newer than that;
 * each part is read from the node that will load it (``local``), else from another node of the slice
   (``peer``, the lowest node name first), else from GCS;
+* when one part of the chosen step must come from GCS, every part does: orbax's restore from the bucket is one
+  collective read in which every process takes part, so a host holding a local copy would read its part from the
+  bucket anyway (orbax's p2p manager has the same rule: any host that cannot restore locally or from a peer sends
+  every host to persistent storage);
 * every newer step is skipped with one reason naming each part it lacked and why each copy did not count.
 """
 
@@ -81,6 +85,13 @@ class TierPlan:
     step: int | None
     sources: tuple[PartSource, ...] = ()
     skipped: tuple[TierSkip, ...] = ()
+    note: str = ""  # why local copies of the chosen step were not used, when some were not
+
+    @property
+    def tier(self) -> Tier | None:
+        """GCS when the step is read from the bucket (every part), else the farthest tier a part comes from."""
+        tiers = {s.tier for s in self.sources}
+        return next((t for t in (Tier.GCS, Tier.PEER, Tier.LOCAL) if t in tiers), None)
 
     def tier_of(self, part: int) -> Tier | None:
         """The tier part ``part`` is read from."""
@@ -113,6 +124,16 @@ def _why_missing(part: int, copies: list[PartCopy], nodes: frozenset[str], gcs: 
             seen.append(f"on node {c.node}: {c.problem or 'not verified'}")
     gcs_line = "not in the bucket" if gcs is None else f"bucket: {gcs.problem or 'not verified'}"
     return f"part {part} ({'; '.join([*seen, gcs_line])})" if seen else f"part {part} (no local copy; {gcs_line})"
+
+
+def _all_or_gcs(plan: TierPlan) -> TierPlan:
+    """One part from GCS means every part from GCS (one collective read); the note names the parts that forced it."""
+    from_gcs = [s.part for s in plan.sources if s.tier is Tier.GCS]
+    if not from_gcs or len(from_gcs) == len(plan.sources):
+        return plan
+    parts = ", ".join(map(str, from_gcs))
+    note = f"part {parts} of step {plan.step} has no verified copy on the slice: every part is read from GCS"
+    return TierPlan(plan.step, tuple(PartSource(s.part, Tier.GCS) for s in plan.sources), plan.skipped, note)
 
 
 def choose_restore(
@@ -153,6 +174,6 @@ def choose_restore(
             else:
                 sources.append(src)
         if not missing:
-            return TierPlan(step, tuple(sources), tuple(skipped))
+            return _all_or_gcs(TierPlan(step, tuple(sources), tuple(skipped)))
         skipped.append(TierSkip(step, "no verified copy of " + ", ".join(missing)))
     return TierPlan(None, (), tuple(skipped))

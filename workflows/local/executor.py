@@ -377,6 +377,10 @@ class SliceHooks:
         """Workers of ``attempt`` the slice does not start, and the reason their pod would show."""
         return {}
 
+    def placement(self, attempt: int, hosts: int) -> list[str]:
+        """The node each worker of ``attempt`` runs on (its host-local directory is ``hosts/<node>``)."""
+        return [f"local-host-{i}" for i in range(hosts)]
+
 
 def _arg_value(cmd: list[str], flag: str) -> str | None:
     for i, a in enumerate(cmd):
@@ -618,6 +622,7 @@ class LocalExecutor:
         sl.grace_seconds = float(grace if self.grace_seconds is None else self.grace_seconds)
         port = free_port()
         extra = self.hooks.extra_env(attempt)
+        nodes = self.hooks.placement(attempt, n)
         for i in range(n):
             pod = f"{name}-{rj.get('name', 'workers')}-0-{i}"
             fields = {
@@ -626,13 +631,15 @@ class LocalExecutor:
                 "metadata.name": pod,
                 "metadata.namespace": manifest["metadata"].get("namespace", "default"),
                 "status.podIP": "127.0.0.1",
-                "spec.nodeName": "localhost",
+                "spec.nodeName": nodes[i],
             }
             env = resolve_env(c.get("env", []), fields)
             env.setdefault("TRAINER_COORDINATOR_ADDRESS", f"127.0.0.1:{port}")
             env.setdefault("TRAINER_NUM_PROCESSES", str(n))
             env["JOB_COMPLETION_INDEX"] = str(i)
             env["HOSTNAME"] = pod
+            # One machine, one directory per node: what a hostPath volume is to the pods of one node.
+            env.setdefault("TRAINER_LOCAL_DIR", str(self.work_dir / "hosts" / nodes[i]))
             env.setdefault("TRAINER_EVENTS_DIR", str(self.events_dir))
             env.setdefault("JAX_PLATFORMS", "cpu")
             env.update(extra)

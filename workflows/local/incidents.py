@@ -153,6 +153,7 @@ def _time_recovery(inc: Incident, theirs: Sequence[WorkerEvent]) -> None:
         slowest = max(compiled, key=lambda e: e.compile_seconds or 0)
         inc.compile_seconds, inc.compile_overlap_seconds = slowest.compile_seconds, slowest.overlap_seconds
     inc.restored_step = _restored_step(theirs)
+    inc.restore_tier = next((e.restore_tier for e in theirs if e.event == EventKind.RESTORED and e.restore_tier), None)
     pre = inc.pre_failure_step
     if pre is None or inc.restored_step is None:
         return

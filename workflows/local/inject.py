@@ -7,9 +7,11 @@ STEP, or set ``TRAINER_FAULT`` so that the trainer injects the fault into itself
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from recovery_steps.kernel.records import EventKind, now
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -32,7 +34,14 @@ SCENARIOS = {
     "node-lost": "at STEP one worker's host is lost: frozen (SIGSTOP) and its pod Terminating: node-lost stall",
     "silent-hang": "every worker stops stepping at STEP, alive, in-process watchdog off (first attempt): hang stall",
     "supervisor-lost": "the train-segment supervisor is lost at STEP; its retry re-attaches to the running gang",
+    "lose-host": "local tiers: a kill at STEP, then the killed worker's host is replaced (its local disk is gone)",
+    "lose-two-hosts": "local tiers: a kill at STEP, then the killed worker's host and the one before it are replaced",
+    "corrupt-local": "local tiers: a kill at STEP, then the killed worker's newest part on its own disk is damaged",
+    "swap-hosts": "local tiers: a kill at STEP, then workers 0 and 1 come back on each other's hosts",
+    "lose-slice": "local tiers: a kill at STEP, then every host is replaced (only GCS is left)",
 }
+# After the failed attempt, what happens to the hosts (their local directories and which worker runs where).
+HOST_FAULTS = ("lose-host", "lose-two-hosts", "corrupt-local", "swap-hosts", "lose-slice")
 _WATCHED = (
     "kill-worker",
     "restart-worker",
@@ -84,6 +93,8 @@ def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], 
         step = next(i.step for i in out if i.scenario == "corrupt-latest")
         after = next(i.after_commit for i in out if i.scenario == "corrupt-latest")
         out.append(Injection("kill-worker", step, after_commit=after))
+    # Each host fault is one failure: a kill at its step, then the fault on the hosts before the next attempt.
+    out += [Injection("kill-worker", i.step, after_commit=i.after_commit) for i in out if i.scenario in HOST_FAULTS]
     return out, problems
 
 
@@ -113,6 +124,65 @@ def corrupt_newest_checkpoint(store: RunStore) -> str | None:
     return None
 
 
+class Hosts:
+    """The local slice's nodes: which node each worker runs on, and each node's local directory (``hosts/<node>``).
+
+    A replaced host is a new node with an empty directory (the old one is deleted, as a lost VM's local SSD is).
+    """
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.nodes: list[str] = []
+        self._new = 0
+
+    def placement(self, hosts: int) -> list[str]:
+        """The node of each worker of the next attempt."""
+        if len(self.nodes) != hosts:
+            self.nodes = [f"local-host-{i}" for i in range(hosts)]
+        return list(self.nodes)
+
+    def replace(self, worker: int) -> str:
+        """Worker ``worker``'s host is lost: delete its directory, put the worker on a new node."""
+        old = self.nodes[worker]
+        shutil.rmtree(self.dir / old, ignore_errors=True)
+        self._new += 1
+        self.nodes[worker] = f"local-host-new{self._new}"
+        return f"host {old} of worker {worker} lost (its disk with it); the worker comes back on {self.nodes[worker]}"
+
+    def swap(self, a: int, b: int) -> str:
+        """Workers ``a`` and ``b`` come back on each other's nodes."""
+        self.nodes[a], self.nodes[b] = self.nodes[b], self.nodes[a]
+        return f"worker {a} now runs on {self.nodes[a]}, worker {b} on {self.nodes[b]}"
+
+    def corrupt_own_part(self, worker: int) -> str:
+        """Flip bytes in the middle of the newest part ``worker`` wrote to its own node's disk."""
+        own = sorted(
+            self.dir.glob(f"{self.nodes[worker]}/*/steps/*/part-{worker}/state.bin"),
+            key=lambda p: int(p.parent.parent.name),
+        )
+        if not own:
+            return f"no part of worker {worker} on {self.nodes[worker]} to damage"
+        target = own[-1]
+        data = bytearray(target.read_bytes())
+        mid = len(data) // 2
+        for i in range(mid, min(len(data), mid + 16)):
+            data[i] ^= 0xFF
+        target.write_bytes(bytes(data))
+        return f"damaged {target.relative_to(self.dir)} (same size)"
+
+    def apply(self, scenario: str, victim: int) -> str:
+        """The host fault ``scenario`` after worker ``victim`` was killed."""
+        if scenario == "lose-host":
+            return self.replace(victim)
+        if scenario == "lose-two-hosts":
+            return "; ".join(self.replace(w) for w in sorted({(victim - 1) % len(self.nodes), victim}))
+        if scenario == "lose-slice":
+            return "; ".join(self.replace(w) for w in range(len(self.nodes)))
+        if scenario == "swap-hosts":
+            return self.swap(0, 1)
+        return self.corrupt_own_part(victim)
+
+
 class Injector(SliceHooks):
     """Fires the requested faults on the local slices of a run (shared by every workflow run of it)."""
 
@@ -123,8 +193,10 @@ class Injector(SliceHooks):
         store: Callable[[], RunStore],
         on_delete: Callable[[], None] | None = None,
         say: Callable[[str], None] = print,
+        hosts_dir: Path | None = None,
     ):
         self.injections = injections
+        self.hosts = Hosts(hosts_dir or Path("hosts"))
         self.events = events
         self.store = store
         self.on_delete = on_delete
@@ -178,6 +250,10 @@ class Injector(SliceHooks):
                 self.say(f"inject: worker {hosts - 1} of attempt {attempt} is never started ({_WITHHELD[i.scenario]})")
                 out[hosts - 1] = _WITHHELD[i.scenario]
         return out
+
+    def placement(self, attempt: int, hosts: int) -> list[str]:
+        """The node of each worker (the host faults replace and swap them)."""
+        return self.hosts.placement(hosts)
 
     def on_tick(self, sl: LocalSlice) -> None:
         """Fire the step-triggered scenarios once a worker of this slice has reached their step."""
@@ -256,6 +332,12 @@ class Injector(SliceHooks):
             if hang is not None:
                 # The hang began at the last heartbeat the supervisor saw; record when it was detected.
                 hang.fired.append(Injected("silent-hang", sl.attempt, sl.detected_at or now()))
+        if phase != "Succeeded" and sl.first_failure_index is not None:
+            # One host fault per failed attempt, in the order given.
+            inj = next((i for i in self.injections if i.scenario in HOST_FAULTS and not i.fired), None)
+            if inj is not None:
+                inj.fired.append(Injected(inj.scenario, sl.attempt, now()))
+                self.say(f"inject: {inj.scenario}: {self.hosts.apply(inj.scenario, len(sl.workers) - 1)}")
         inj = self._pending("corrupt-latest")
         if inj is None or phase == "Succeeded":
             return

@@ -404,7 +404,7 @@ def _run_once(
     work_dir = (Path(".local-runs/emulator") / run_id / "local" if store.is_gcs else Path(store.url("local"))).resolve()
     events = EventTail(work_dir / "events")
     deleted = _Deletion()
-    injector = Injector(injections, events, lambda: store, on_delete=deleted, say=lambda s: say(f"         {s}"))
+    injector = Injector(injections, events, lambda: store, deleted, lambda s: say(f"         {s}"), work_dir / "hosts")
     feed = _MetricsFeed(store, cfg, metrics_port, say, logs=work_dir / "logs")
     status = "Running"
     t0 = now()
