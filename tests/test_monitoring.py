@@ -213,10 +213,12 @@ def test_rule_resources_and_plain_rules_hold_the_same_rules(path):
     crd_groups = [g for d in _manifests(cfg, path.stem)[1:] for g in d["spec"]["groups"]]
     assert plain["groups"] == crd_groups
     alerts = [r["alert"] for g in crd_groups for r in g["rules"]]
+    backup = ["JaxrecGcsBackupLag"] if cfg.checkpoint.local.enabled else []  # only with the local tiers
     assert alerts == [
         "JaxrecCheckpointLag",
         "JaxrecNoStep",
         "JaxrecWorkersBelowExpected",
+        *backup,
         "JaxrecRepeatedFailures",
         "JaxrecBudgetExhausted",
         "JaxrecRunFailed",
@@ -272,7 +274,8 @@ def test_promtool_checks_and_tests_the_rules(tmp_path, path, variant):
     _write_rules_and_tests(tmp_path, cfg, cfg, path.stem)
     check = _promtool("check", "rules", f"{path.stem}.rules.yaml", cwd=tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 6 rules found" in check.stdout
+    rules = 6 + (1 if cfg.checkpoint.local.enabled else 0)  # JaxrecGcsBackupLag with the local tiers
+    assert f"SUCCESS: {rules} rules found" in check.stdout
     test = _promtool("test", "rules", f"{path.stem}.test.yaml", cwd=tmp_path)
     assert test.returncode == 0, test.stdout + test.stderr
 

@@ -75,6 +75,8 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
         ra={r.alert: r for r in run_alerts(cfg)},
     )
     tests = [*_checkpoint_lag_cases(c), *_no_step_cases(c), *_workers_cases(c), *_failure_cases(c), *_run_end_cases(c)]
+    if "JaxrecGcsBackupLag" in c.wa:
+        tests += _backup_lag_cases(c, 2 * cfg.checkpoint.interval_steps)
     return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
 
 
@@ -108,6 +110,40 @@ def _checkpoint_lag_cases(c: _Cases) -> list[dict[str, object]]:
                 {"series": f"{gke_name('jaxrec_checkpoint_step')}{{{wl(0)}}}", "values": "0+1x30"},
             ],
             "alert_rule_test": [{"eval_time": "20m", "alertname": "JaxrecCheckpointLag", "exp_alerts": []}],
+        },
+    ]
+
+
+def _backup_lag_cases(c: _Cases, limit: int) -> list[dict[str, object]]:
+    """JaxrecGcsBackupLag: local parts beyond two GCS intervals ahead of GCS fire; at the limit they do not."""
+    wl, ann, wa = c.wl, c.ann, c.wa
+    local, gcs = gke_name("jaxrec_local_checkpoint_step"), gke_name("jaxrec_checkpoint_step")
+    return [
+        {
+            "name": "GCS lagging the local tier by more than two intervals fires; at two it does not",
+            "interval": "1m",
+            "input_series": [
+                {"series": f"{local}{{{wl(0)}}}", "values": f"{limit + 1}+1x30"},
+                {"series": f"{gcs}{{{wl(0)}}}", "values": "0+1x30"},
+                {"series": f"{local}{{{wl(1)}}}", "values": f"{limit}+1x30"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": "JaxrecGcsBackupLag", "exp_alerts": []},
+                {
+                    "eval_time": "15m",
+                    "alertname": "JaxrecGcsBackupLag",
+                    "exp_alerts": [ann(wa["JaxrecGcsBackupLag"], str(limit + 1))],
+                },
+            ],
+        },
+        {
+            "name": "GCS lagging the local tier by exactly two intervals does not fire",
+            "interval": "1m",
+            "input_series": [
+                {"series": f"{local}{{{wl(0)}}}", "values": f"{limit}+1x30"},
+                {"series": f"{gcs}{{{wl(0)}}}", "values": "0+1x30"},
+            ],
+            "alert_rule_test": [{"eval_time": "20m", "alertname": "JaxrecGcsBackupLag", "exp_alerts": []}],
         },
     ]
 

@@ -102,6 +102,34 @@ def worker_alerts(cfg: JobConfig) -> list[AlertRule]:
             ),
             runbook="infrastructure",
         ),
+        *_local_tier_alerts(cfg),
+    ]
+
+
+def _local_tier_alerts(cfg: JobConfig) -> list[AlertRule]:
+    """With the local tiers: the GCS backup falling behind the hosts' newest local parts."""
+    if not cfg.checkpoint.local.enabled:
+        return []
+    sel = f'{{run_id="{cfg.run_id}"}}'
+    limit = 2 * cfg.checkpoint.interval_steps
+    return [
+        AlertRule(
+            alert="JaxrecGcsBackupLag",
+            expr=(
+                f"max by (run_id) ({gke_name('jaxrec_local_checkpoint_step')}{sel})"
+                f" - max by (run_id) ({gke_name('jaxrec_checkpoint_step')}{sel})"
+                f" > {limit}"
+            ),
+            for_="10m",
+            severity="warning",
+            summary="The GCS checkpoints of {{ $labels.run_id }} lag behind the hosts' local ones",
+            description=(
+                "The newest local part is {{ $value }} steps past the newest GCS checkpoint (limit: two GCS "
+                f"intervals, {limit} steps). Losing the slice now loses that work: the local tiers die with it. "
+                "Check GCS saves and the store."
+            ),
+            runbook="infrastructure",
+        )
     ]
 
 
