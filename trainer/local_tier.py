@@ -271,8 +271,10 @@ class LocalTier:
         try:
             self.parts.write(step, self.pi, host_shards(snapshot), data_state, self._meta())
             del snapshot
-            self.newest_own = step
+            previous, self.newest_own = self.newest_own, step
             self.kv.key_value_set(self._key("saved", step, self.pi), "1")
+            if previous is not None:  # the coordination service keeps only the newest announcement of each host
+                self.kv.key_value_delete(self._key("saved", previous, self.pi))
             if self.on_saved:
                 self.on_saved(step, Tier.LOCAL.value)
         except Exception as e:  # noqa: BLE001 - a failed local save costs only this copy
