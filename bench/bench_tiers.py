@@ -5,8 +5,9 @@ One run of this script measures, side by side, on the GCS emulator (the run stor
 * GCS-only (``checkpoint.interval_steps`` = N) with a worker killed at each kill point;
 * the same GCS interval plus the local tiers (every k steps, one peer copy), with a kill (parts from the
   hosts' own disks), ``lose-host`` (the killed host's part from its peer) and ``lose-slice`` (GCS);
-* an uninterrupted run with and without the local tiers: seconds per step (median over the run's steps, after
-  the first) and wall time, the steady cost of the local saves.
+* uninterrupted runs with and without the local tiers, alternating, steps not paced: seconds per step (median
+  over the run's steps, after the first), the steady cost of the local saves. The failure runs pace their steps
+  (0.1 s) so that a local save and its peer copy land between two kill points as they would between slow steps.
 
 Per failure: steps lost (restored step vs the step at the failure), restore seconds (the slowest worker's
 ``restore_seconds``: runtime ready to state restored, the parts read and checked or the GCS step read), and
@@ -41,12 +42,14 @@ def _store(res: local.LocalRunResult):
     return open_run(res.local_copy or res.store_url)
 
 
-def compile_workflow(d: Path, name: str, d_model: int, total: int, interval: int, local_every: int | None) -> Path:
+def compile_workflow(
+    d: Path, name: str, d_model: int, total: int, interval: int, local_every: int | None, pace: float = 0.1
+) -> Path:
     data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
     data["run_id"] = name
     data["slice"]["hosts"] = 2
     data["model"].update(d_model=d_model, n_layers=2, n_heads=4, d_ff=4 * d_model, seq_len=32)
-    data["training"].update(total_steps=total, heartbeat_timeout_s=3, step_delay_s=0.1)
+    data["training"].update(total_steps=total, heartbeat_timeout_s=3, step_delay_s=pace)
     data["checkpoint"].update(interval_steps=interval, keep=3)
     if local_every:
         data["checkpoint"]["local"] = {"interval_steps": local_every, "keep": 2, "peers": 1}
@@ -126,15 +129,21 @@ def _row(label: str, rows: list[dict]) -> str:
 def bench_size(d: Path, d_model: int, args: argparse.Namespace) -> None:
     gcs = compile_workflow(d, f"g{d_model}", d_model, args.total, args.interval, None)
     tiers = compile_workflow(d, f"t{d_model}", d_model, args.total, args.interval, args.local)
-    plain_g, wall_g = run(gcs, f"g{d_model}-steady", [])
-    plain_t, wall_t = run(tiers, f"t{d_model}-steady", [])
-    size, part = step_bytes(plain_g), part_bytes(plain_t)
-    print(
-        f"\nd_model {d_model}: GCS step {size / 2**20:.2f} MiB, one host's local part {part / 2**20:.2f} MiB (2 hosts)"
-    )
-    sg, st = step_seconds(plain_g), step_seconds(plain_t)
-    print(f"  steady: s/step GCS-only {sg:.4f}, with local tiers {st:.4f} (ratio {st / sg:.2f}; includes the 0.1 s"
-          f" pacing); wall {wall_g:.1f} s vs {wall_t:.1f} s (ratio {wall_t / wall_g:.2f})")  # fmt: skip
+    # Steady runs are not paced: the local saves compete with the steps for the host as they would on a slice.
+    gcs_free = compile_workflow(d, f"gs{d_model}", d_model, args.total, args.interval, None, pace=0)
+    tiers_free = compile_workflow(d, f"ts{d_model}", d_model, args.total, args.interval, args.local, pace=0)
+    pairs = []  # (GCS-only, with local tiers), run alternately so that load drifts hit both alike
+    for i in range(args.steady_runs):
+        g, _ = run(gcs_free, f"g{d_model}-steady{i}", [])
+        t, _ = run(tiers_free, f"t{d_model}-steady{i}", [])
+        pairs.append((g, t))
+    size, part = step_bytes(pairs[0][0]), part_bytes(pairs[0][1])
+    print(f"\nd_model {d_model}: GCS step {size / 2**20:.2f} MiB, a host's local part {part / 2**20:.2f} MiB")
+    ratios = [step_seconds(t) / step_seconds(g) for g, t in pairs]
+    sg = statistics.median(step_seconds(g) for g, _ in pairs)
+    st = statistics.median(step_seconds(t) for _, t in pairs)
+    print(f"  steady (median of {len(pairs)} alternating pairs, steps not paced): s/step GCS-only "
+          f"{sg:.4f}, with local tiers {st:.4f}; paired ratios {', '.join(f'{r:.2f}' for r in ratios)}")  # fmt: skip
     print(f"  {'scenario':34} {'tier':10} {'lost':>6} {'restore s':>9} {'recovery s':>10}   n")
     cases = [
         ("GCS only, kill-worker", gcs, "kill-worker"),
@@ -142,7 +151,7 @@ def bench_size(d: Path, d_model: int, args: argparse.Namespace) -> None:
         ("local tiers, lose-host", tiers, "lose-host"),
         ("local tiers, lose-slice", tiers, "lose-slice"),
     ]
-    for label, wf, scenario in cases:
+    for label, wf, scenario in cases if args.kills else []:
         rows = []
         for k in args.kills:
             res, _ = run(wf, f"{wf.stem[:4]}-{scenario[:6]}-{k}", [f"{scenario}@{k}"])
@@ -158,7 +167,8 @@ def main() -> None:
     p.add_argument("--total", type=int, default=40)
     p.add_argument("--interval", type=int, default=10, help="GCS checkpoint interval (steps)")
     p.add_argument("--local", type=int, default=2, help="local tier interval (steps)")
-    p.add_argument("--kills", type=int, nargs="+", default=[13, 17], help="kill steps (spread over the interval)")
+    p.add_argument("--kills", type=int, nargs="*", default=[13, 17], help="kill steps (none: steady runs only)")
+    p.add_argument("--steady-runs", type=int, default=3, help="uninterrupted runs of each kind, alternating")
     args = p.parse_args()
     print(f"GCS every {args.interval} steps; local every {args.local}, one peer copy; kills at {args.kills}; "
           f"expected steps lost per failure (arith, async saves aside): GCS-only about the kill's distance past the "
