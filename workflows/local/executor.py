@@ -32,6 +32,13 @@ from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResul
 from workflows.local.supervise import pod_name, slice_snapshot
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
+# What Argo's controller makes of a Pod node whose pod is gone (argo-workflows v4.0.5,
+# workflow/controller/operator.go, podReconciliation, lines 1257-1292): within RECENTLY_STARTED_POD_DURATION (10 s)
+# of the node's start it waits for the pod (the node runs on, and the pod is created again); later it marks the node
+# Error "pod deleted", with no exit code, which a retryStrategy expression reads as -1 (buildRetryStrategyLocalScope,
+# lines 2054-2065).
+POD_DELETED = "pod deleted"
+RECENTLY_STARTED_POD_S = 10.0
 # The train-segment supervisor: run here as the local JobSet stand-in under the same decision.
 SUPERVISOR_MODULE = "recovery_steps.train_segment"
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
@@ -206,6 +213,11 @@ class LocalSlice:
             first_failure_index=self.first_failure_index,
             ended_at=self.ended_at,
         )
+
+
+def pod_deleted(started_at: float = 0.0, finished_at: float = 0.0) -> NodeResult:
+    """The node Argo's controller ends when its pod vanished after the node's first ``RECENTLY_STARTED_POD_S``."""
+    return NodeResult(ERROR, message=POD_DELETED, started_at=started_at, finished_at=finished_at)
 
 
 class SupervisorLost(Exception):
@@ -550,18 +562,26 @@ class LocalExecutor:
 
             try:
                 args = train_segment.parser().parse_args(command[command.index(SUPERVISOR_MODULE) + 1 :])
-                step = train_segment.step(gang=gang, progress_file=str(node_dir / "progress"), say=say)
-                code = run_step(step, args, out=say, err=say)
             except SystemExit as e:  # a refused argument: the parser's one line is on stderr
                 return NodeResult(FAILED, exit_code=int(e.code or 2), message="train-segment: bad arguments")
-            except SupervisorLost:
-                # Its pod is gone, the gang is not: Argo retries the step (status Error) and it re-attaches.
-                say("supervisor lost (rehearsal): the workers keep running")
-                return NodeResult(ERROR, exit_code=-1, message="pod deleted: the train-segment supervisor was lost")
-            except RunStopped:
-                for g in gangs:
-                    g.kill()
-                return NodeResult(ERROR, message="the local run was stopped")
+            while True:
+                try:
+                    step = train_segment.step(gang=gang, progress_file=str(node_dir / "progress"), say=say)
+                    code = run_step(step, args, out=say, err=say)
+                    break
+                except SupervisorLost:
+                    # Its pod is gone, the gang is not. A pod lost in the node's first seconds is created again
+                    # for the same node; later the node is Error "pod deleted" and the retryStrategy decides. Either
+                    # way the next supervisor re-attaches to the running gang.
+                    if now() - started <= RECENTLY_STARTED_POD_S:
+                        say("supervisor lost (rehearsal) while its node is new: its pod is created again")
+                        continue
+                    say("supervisor lost (rehearsal): the workers keep running")
+                    return pod_deleted(started, now())
+                except RunStopped:
+                    for g in gangs:
+                        g.kill()
+                    return NodeResult(ERROR, message="the local run was stopped")
         return self._segment_result(gangs, args, code, template, node_dir, log_path, started)
 
     def _segment_result(

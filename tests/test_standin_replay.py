@@ -1,0 +1,82 @@
+"""The local stand-in's lost supervisor, ended as Argo v4.0.5's controller ends a node whose pod is gone."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+from recovery_steps.kernel.config import SupervisionConfig, load_config
+from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows.jobset import jobset_manifest
+from workflows.local import executor as local_executor
+from workflows.local.engine import ERROR, SUCCEEDED, NodeInfo
+from workflows.local.executor import LocalExecutor, SliceHooks
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- the stand-in's own lost supervisor ----------------------------------------------------------------------------
+
+# A worker that runs a few seconds and exits 0 (SIGTERM: 143), so that the gang ends without training.
+WORKER = "import signal, time; signal.signal(signal.SIGTERM, lambda *a: exit(143)); time.sleep(3)"
+
+
+class _LoseSupervisorOnce(SliceHooks):
+    def __init__(self):
+        self.fired = False
+
+    def on_tick(self, sl):
+        if not self.fired:
+            self.fired = True
+            sl.supervisor_lost.set()
+
+
+def _segment(tmp_path, hooks):
+    cfg = load_config(REPO / "configs" / "local-cpu.yaml")
+    store_root = str(tmp_path / "store")
+    cfg = cfg.model_copy(
+        update={
+            "supervision": SupervisionConfig(startup_deadline_s=30, watch_interval_s=0.1, hang_timeout_s=60),
+            "slice": cfg.slice.model_copy(update={"hosts": 2}),
+        }
+    )
+    RunStore(store_root, cfg.run_id).write_json(
+        RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()}
+    )
+    js = jobset_manifest(cfg, name=f"{cfg.run_id}-a0", run_id=cfg.run_id, store_root=store_root, attempt="0",
+                         restore_step="-1", coordinator_port="1", metrics_port="0")  # fmt: skip
+    pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod["containers"][0]["command"], pod["containers"][0]["args"] = [sys.executable, "-c", WORKER], []
+    command = ["python", "-m", "recovery_steps.train_segment", "--store-root", store_root, "--run-id", cfg.run_id,
+               "--attempt", "0", "--jobset-manifest", json.dumps(js), "--output-dir", "/tmp/outputs"]  # fmt: skip
+    ex = LocalExecutor(repo_root=REPO, work_dir=tmp_path / "work", hooks=hooks)
+    node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)
+    tmpl = {"outputs": {"parameters": []}}
+    node_dir = tmp_path / "work" / "nodes" / "n1"
+    return ex, lambda: ex.run_segment(node, tmpl, local_executor.local_command(command, node_dir), node_dir)
+
+
+def test_a_supervisor_lost_in_its_nodes_first_seconds_is_created_again_in_the_same_node(tmp_path):
+    ex, run = _segment(tmp_path, _LoseSupervisorOnce())
+    res = run()
+    assert res.phase == SUCCEEDED and res.exit_code == 0, res
+    # One gang, re-attached by the second supervisor: its workers ran to their end once.
+    (sl,) = ex.slices
+    assert [w.exit_code for w in sl.workers] == [0, 0] and not ex.live
+    log = next((tmp_path / "work" / "logs").glob("n1-*.log")).read_text()
+    assert "its pod is created again" in log
+
+
+def test_a_supervisor_lost_later_ends_its_node_as_argo_ends_a_deleted_pod(tmp_path, monkeypatch):
+    monkeypatch.setattr(local_executor, "RECENTLY_STARTED_POD_S", 0.0)
+    ex, run = _segment(tmp_path, _LoseSupervisorOnce())
+    res = run()
+    # Error "pod deleted" with no exit code: the retry expression reads -1 (Argo's lastRetry.exitCode default).
+    assert (res.phase, res.message, res.exit_code) == (ERROR, "pod deleted", None), res
+    (sl,) = ex.slices
+    assert ex.live == {sl.jobset: sl}  # the gang runs on for the retried supervisor to re-attach to
+    for w in sl.workers:
+        sl.signal_worker(w.index, signal.SIGKILL)
+        w.proc.wait()
