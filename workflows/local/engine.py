@@ -1,7 +1,10 @@
-"""An interpreter of compiled Argo Workflows: DAGs, steps, parameters, retries, suspend, exit handler.
+"""An interpreter of the Workflows ``workflows.build`` writes: DAGs, parameters, retries, suspend, exit handler.
 
 It decides what runs next and with which values; running a container is delegated to
 an executor (``workflows.local.executor``), so the same interpreter is tested with tiny ``python -c`` steps.
+It models what the compiled workflows use and nothing more (no ``steps`` or ``script`` templates, no
+``{{=...}}`` expression templates, no template outputs of a DAG); ``tests/k8s/test_standin_agreement.py`` replays
+runs of Argo's real workflow-controller through it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ _DONE_BAD = (FAILED, ERROR)
 # Argo's controller refuses a template call nested deeper than this (maxAllowedStackDepth = 100 in
 # workflow/controller/controller.go): a recursive DAG that goes deeper Errors there, and here.
 MAX_STACK_DEPTH = 100
-_TEMPLATE_REF = re.compile(r"\{\{\s*(=?)\s*(.*?)\s*\}\}", re.S)
+_TEMPLATE_REF = re.compile(r"\{\{\s*(.*?)\s*\}\}", re.S)
 
 
 class WorkflowError(Exception):
@@ -100,7 +103,7 @@ def parse_duration(text: Any) -> float:
 
 
 def substitute(text: str, names: Mapping[str, Any], *, strict: bool = True) -> str:
-    """Replace ``{{name}}`` and ``{{=expression}}`` in ``text``.
+    """Replace ``{{name}}`` in ``text``.
 
     Args:
         text: A template string.
@@ -108,16 +111,11 @@ def substitute(text: str, names: Mapping[str, Any], *, strict: bool = True) -> s
         strict: Raise on an unknown name (otherwise leave the reference as it is).
 
     Raises:
-        WorkflowError: on an unknown name (strict) or a bad expression.
+        WorkflowError: on an unknown name (strict).
     """
 
     def repl(m: re.Match) -> str:
-        is_expr, body = m.group(1), m.group(2)
-        if is_expr:
-            try:
-                return local_expr._to_str(local_expr.evaluate(body, names))
-            except local_expr.ExprError as e:
-                raise WorkflowError(f"expression {{{{={body}}}}}: {e}") from None
+        body = m.group(1)
         if body in names:
             return str(names[body])
         if strict:
@@ -175,6 +173,8 @@ class WorkflowRun:
         self.failures: list[dict[str, Any]] = []
         self.status: str = "Running"
         self.nodes: list[tuple[NodeInfo, NodeResult]] = []
+        # The DAG nodes and the tasks a ``when`` or ``depends`` left out (Skipped, Omitted), as Argo lists them too.
+        self.inner: list[tuple[NodeInfo, NodeResult]] = []
 
     # -- public ------------------------------------------------------------------------------------
 
@@ -214,7 +214,6 @@ class WorkflowRun:
     def _global_names(self) -> dict[str, Any]:
         names: dict[str, Any] = {f"workflow.parameters.{k}": v for k, v in self.params.items()}
         names["workflow.name"] = self.name
-        names["workflow.namespace"] = self.wf.get("metadata", {}).get("namespace", "default")
         # Unique per run, as Argo's uid is per Workflow object: two local runs of one run id are two holders.
         names["workflow.uid"] = self.uid
         names["workflow.status"] = self.status
@@ -273,21 +272,26 @@ class WorkflowRun:
             attempt = inputs["attempt"]
         rs = tmpl.get("retryStrategy")
         retries = 0
-        first_start = now()
         while True:
             res = self._invoke_once(tmpl, inputs, display, task, attempt, retries, depth)
             if res.phase == SUCCEEDED or rs is None:
                 return res
-            delay = self._retry_delay(rs, res, retries, first_start, inputs, display)
+            delay = self._retry_delay(rs, res, retries, inputs, display)
             if delay is None:
                 return res
             self._sleep_for(delay)
             retries += 1
 
     def _retry_delay(
-        self, rs: Mapping[str, Any], res: NodeResult, retries: int, first_start: float, inputs: dict, display: str
+        self, rs: Mapping[str, Any], res: NodeResult, retries: int, inputs: dict, display: str
     ) -> float | None:
-        """Seconds to wait before the next retry of a failed node, or None when it is not retried."""
+        """Seconds to wait before the next retry of a failed node, or None when it is not retried.
+
+        The compiled workflows retry with ``retryPolicy: Always`` and an expression; without a policy a node is
+        retried when it Failed (Argo's default, ``OnFailure``). ``lastRetry.exitCode`` of a node without an exit
+        code (a deleted pod) is -1, as argo-workflows v4.0.5 ``buildRetryStrategyLocalScope`` sets it
+        (workflow/controller/operator.go).
+        """
         names = {**self._global_names(), **{f"inputs.parameters.{k}": v for k, v in inputs.items()}}
         if res.phase not in _DONE_BAD:
             return None
@@ -297,9 +301,9 @@ class WorkflowRun:
                 return None
         expression = rs.get("expression")
         policy = rs.get("retryPolicy") or ("Always" if expression else "OnFailure")
+        if policy not in ("Always", "OnFailure"):
+            raise WorkflowError(f"{display}: retryPolicy {policy!r} is not one the local runner models")
         if policy == "OnFailure" and res.phase != FAILED:
-            return None
-        if policy in ("OnError", "OnTransientError") and res.phase != ERROR:
             return None
         if expression:
             env = {
@@ -321,10 +325,6 @@ class WorkflowRun:
             delay = parse_duration(substitute(str(backoff["duration"]), names)) * factor**retries
             if backoff.get("cap"):
                 delay = min(delay, parse_duration(backoff["cap"]))
-        if backoff.get("maxDuration"):
-            max_d = parse_duration(substitute(str(backoff["maxDuration"]), names))
-            if now() + delay - first_start > max_d:
-                return None
         return delay
 
     def _invoke_once(
@@ -346,23 +346,19 @@ class WorkflowRun:
             retries,
             now(),
         )
-        leaf = any(k in tmpl for k in ("container", "script", "suspend"))
+        leaf = any(k in tmpl for k in ("container", "suspend"))
         if leaf:
             self.progress("start", node, None)
         names = {**self._global_names(), **{f"inputs.parameters.{k}": v for k, v in inputs.items()}}
-        names["retries"] = str(retries)
-        names["pod.name"] = f"{self.name}-{node.id}"
         started = node.started_at
         try:
             if "dag" in tmpl:
                 res = self._run_dag(tmpl, names, display, attempt, depth)
-            elif "steps" in tmpl:
-                res = self._run_steps(tmpl, names, display, attempt, depth)
             elif "suspend" in tmpl:
                 dur = parse_duration(substitute(str(tmpl["suspend"].get("duration", "0")), names))
                 self._sleep_for(dur)
                 res = NodeResult(SUCCEEDED)
-            elif "container" in tmpl or "script" in tmpl:
+            elif "container" in tmpl:
                 body = substitute_tree({k: v for k, v in tmpl.items() if k not in ("metrics",)}, names)
                 res = self.executor.run_container(node, body)
             else:
@@ -388,22 +384,15 @@ class WorkflowRun:
                             "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(res.finished_at)),
                         }
                     )
+        elif "dag" in tmpl:
+            with self._lock:
+                self.inner.append((node, res))
         return res
 
-    def _template_outputs(self, tmpl: Mapping[str, Any], names: Mapping[str, Any]) -> dict[str, str]:
-        out = {}
-        for p in tmpl.get("outputs", {}).get("parameters", []):
-            vf = p.get("valueFrom", {})
-            ref = vf.get("parameter")
-            if ref is None:
-                continue
-            try:
-                out[p["name"]] = substitute(ref, names)
-            except WorkflowError:
-                if "default" not in vf:
-                    raise
-                out[p["name"]] = str(vf["default"])
-        return out
+    def _record_gated(self, t: Mapping[str, Any], display: str, attempt: str | None, phase: str) -> None:
+        node = NodeInfo(self._next_id(), display, t["name"], t["template"], attempt, 0, now())
+        with self._lock:
+            self.inner.append((node, NodeResult(phase, started_at=node.started_at, finished_at=node.started_at)))
 
     def _task_names(self, prefix: str, name: str, res: NodeResult) -> dict[str, Any]:
         names: dict[str, Any] = {f"{prefix}.{name}.outputs.parameters.{k}": v for k, v in res.outputs.items()}
@@ -418,9 +407,7 @@ class WorkflowRun:
         deps: dict[str, list[str]] = {}
         for name, t in tasks.items():
             try:
-                deps[name] = (
-                    local_expr.depends_tasks(t["depends"]) if t.get("depends") else list(t.get("dependencies", []))
-                )
+                deps[name] = local_expr.depends_tasks(t["depends"]) if t.get("depends") else []
             except local_expr.ExprError as e:
                 raise WorkflowError(f"{display}.{name}: depends: {e}") from None
             for d in deps[name]:
@@ -440,6 +427,7 @@ class WorkflowRun:
                     decision = self._task_gate(t, deps[name], results, names, f"{display}.{name}")
                     if decision is not None:
                         results[name] = NodeResult(decision)
+                        self._record_gated(t, f"{display}.{name}", attempt, decision)
                         progressed = True
                         continue
                     args = self._task_args(t, names, f"{display}.{name}")
@@ -473,9 +461,8 @@ class WorkflowRun:
                         f.cancel()
                     raise Aborted()
         phase = self._dag_phase(tasks, deps, results)
-        outputs = self._template_outputs(tmpl, names) if phase == SUCCEEDED else {}
         failed = [n for n, r in results.items() if r.phase in _DONE_BAD]
-        return NodeResult(phase, outputs, message=f"failed: {', '.join(failed)}" if phase != SUCCEEDED else "")
+        return NodeResult(phase, message=f"failed: {', '.join(failed)}" if phase != SUCCEEDED else "")
 
     def _task_gate(
         self,
@@ -487,13 +474,10 @@ class WorkflowRun:
     ) -> str | None:
         """None when the task should run; otherwise its phase without running (Omitted or Skipped)."""
         phases = {d: results[d].phase for d in deps}
-        if t.get("depends"):
-            try:
-                ok = local_expr.evaluate_depends(t["depends"], phases)
-            except local_expr.ExprError as e:
-                raise WorkflowError(f"{where}: depends: {e}") from None
-        else:
-            ok = all(p in (SUCCEEDED, SKIPPED) for p in phases.values())
+        try:
+            ok = local_expr.evaluate_depends(t["depends"], phases) if t.get("depends") else True
+        except local_expr.ExprError as e:
+            raise WorkflowError(f"{where}: depends: {e}") from None
         if not ok:
             return OMITTED
         if t.get("when") is not None:
@@ -525,44 +509,3 @@ class WorkflowRun:
             if not handled:
                 phase = ERROR if res.phase == ERROR and phase == SUCCEEDED else FAILED
         return phase
-
-    def _run_steps(
-        self, tmpl: Mapping[str, Any], scope: dict[str, Any], display: str, attempt: str | None, depth: int = 1
-    ) -> NodeResult:
-        names = dict(scope)
-        for group in tmpl["steps"]:
-            group = group if isinstance(group, list) else [group]
-            to_run = []
-            for s in group:
-                if s.get("when") is not None:
-                    text = substitute(str(s["when"]), names)
-                    try:
-                        if not local_expr.evaluate_bool(text, {}):
-                            names.update(self._task_names("steps", s["name"], NodeResult(SKIPPED)))
-                            continue
-                    except local_expr.ExprError as e:
-                        raise WorkflowError(f"{display}.{s['name']}: when: {e}") from None
-                to_run.append((s, self._task_args(s, names, f"{display}.{s['name']}")))
-            with ThreadPoolExecutor(max_workers=max(1, len(to_run))) as pool:
-                futs = [
-                    (
-                        s,
-                        pool.submit(
-                            self._invoke,
-                            s["template"],
-                            a,
-                            display=f"{display}.{s['name']}",
-                            task=s["name"],
-                            attempt=attempt,
-                            depth=depth + 1,
-                        ),
-                    )
-                    for s, a in to_run
-                ]
-                group_results = [(s, f.result()) for s, f in futs]
-            for s, res in group_results:
-                names.update(self._task_names("steps", s["name"], res))
-            bad = [s["name"] for s, r in group_results if r.phase in _DONE_BAD and not s.get("continueOn")]
-            if bad:
-                return NodeResult(FAILED, message=f"failed: {', '.join(bad)}")
-        return NodeResult(SUCCEEDED, self._template_outputs(tmpl, names))

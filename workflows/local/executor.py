@@ -464,7 +464,7 @@ class LocalExecutor:
     # -- containers --------------------------------------------------------------------------------
 
     def run_container(self, node: NodeInfo, template: Mapping[str, Any]) -> NodeResult:
-        """Run a container or script template as a local process; read its output parameters."""
+        """Run a container template as a local process; read its output parameters."""
         node_dir = self.work_dir / "nodes" / f"{node.id}-{node.task}"
         (node_dir / "outputs").mkdir(parents=True, exist_ok=True)
         (node_dir / "inputs").mkdir(parents=True, exist_ok=True)
@@ -475,14 +475,8 @@ class LocalExecutor:
             dest = Path(rewrite_arg(art["path"], node_dir))
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(raw.get("data", ""))
-        if "script" in template:
-            c = template["script"]
-            script = node_dir / "script"
-            script.write_text(c.get("source", ""))
-            command = [*c.get("command", ["python"]), str(script)]
-        else:
-            c = template["container"]
-            command = [*c.get("command", []), *c.get("args", [])]
+        c = template["container"]
+        command = [*c.get("command", []), *c.get("args", [])]
         if not command:
             return NodeResult(ERROR, message="container has no command (images' entrypoints do not run locally)")
         if _is_module(command, SUPERVISOR_MODULE):
