@@ -102,37 +102,29 @@ def parse_duration(text: Any) -> float:
     return total
 
 
-def substitute(text: str, names: Mapping[str, Any], *, strict: bool = True) -> str:
-    """Replace ``{{name}}`` in ``text``.
-
-    Args:
-        text: A template string.
-        names: Flat dotted names (``inputs.parameters.x``) to string values.
-        strict: Raise on an unknown name (otherwise leave the reference as it is).
+def substitute(text: str, names: Mapping[str, Any]) -> str:
+    """Replace ``{{name}}`` in ``text`` with the value of a flat dotted name (``inputs.parameters.x``).
 
     Raises:
-        WorkflowError: on an unknown name (strict).
+        WorkflowError: on an unknown name.
     """
 
     def repl(m: re.Match) -> str:
-        body = m.group(1)
-        if body in names:
-            return str(names[body])
-        if strict:
-            raise WorkflowError(f"unresolved reference {{{{{body}}}}}")
-        return m.group(0)
+        if m.group(1) not in names:
+            raise WorkflowError(f"unresolved reference {{{{{m.group(1)}}}}}")
+        return str(names[m.group(1)])
 
     return _TEMPLATE_REF.sub(repl, text)
 
 
-def substitute_tree(obj: Any, names: Mapping[str, Any], *, strict: bool = True) -> Any:
+def substitute_tree(obj: Any, names: Mapping[str, Any]) -> Any:
     """``substitute`` applied to every string inside a JSON-like tree."""
     if isinstance(obj, str):
-        return substitute(obj, names, strict=strict)
+        return substitute(obj, names)
     if isinstance(obj, list):
-        return [substitute_tree(x, names, strict=strict) for x in obj]
+        return [substitute_tree(x, names) for x in obj]
     if isinstance(obj, dict):
-        return {k: substitute_tree(v, names, strict=strict) for k, v in obj.items()}
+        return {k: substitute_tree(v, names) for k, v in obj.items()}
     return obj
 
 

@@ -520,8 +520,6 @@ class LocalExecutor:
             f = Path(rewrite_arg(vf["path"], node_dir))
             if f.is_file():
                 outputs[p["name"]] = f.read_text().strip()
-            elif "default" in vf:
-                outputs[p["name"]] = str(vf["default"])
             else:
                 missing.append(p["name"])
         return outputs, missing
