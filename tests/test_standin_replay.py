@@ -1,4 +1,11 @@
-"""The local stand-in's lost supervisor, ended as Argo v4.0.5's controller ends a node whose pod is gone."""
+"""The local stand-in against recordings of Argo's real workflow-controller (v4.0.5), and its lost supervisor.
+
+``tests/data/argo-v4.0.5/<scenario>.json`` are Workflows as the real controller finished them in the
+real-controller tier (``tests/k8s/test_standin_agreement.py``, written with ``JAXREC_RECORD_ARGO=<dir>``): the
+shipped ``argo/v5e-4x4.yaml`` with the README scenarios' step results. Replayed through the stand-in's interpreter
+with the same step results, it must run the same nodes, retry as often and end in the same phase. Re-record them
+when the tier's comparison changes what it keeps.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,57 @@ import signal
 import sys
 from pathlib import Path
 
+import argo_replay
+import pytest
+
 from recovery_steps.kernel.config import SupervisionConfig, load_config
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.jobset import jobset_manifest
 from workflows.local import executor as local_executor
 from workflows.local.engine import ERROR, SUCCEEDED, NodeInfo
-from workflows.local.executor import LocalExecutor, SliceHooks
+from workflows.local.executor import LocalExecutor, SliceHooks, pod_deleted
 
 REPO = Path(__file__).resolve().parents[1]
+RECORDINGS = REPO / "tests" / "data" / "argo-v4.0.5"
+SCENARIOS = ("app-bug", "kill-worker", "preempt", "supervisor-lost")
+
+
+def _recording(scenario: str) -> dict:
+    return json.loads((RECORDINGS / f"{scenario}.json").read_text())
+
+
+def test_every_scenario_both_can_run_has_a_recording_of_the_real_controller():
+    assert sorted(p.stem for p in RECORDINGS.glob("*.json")) == sorted(SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_stand_in_replays_the_real_controllers_run_to_the_same_nodes_and_phase(scenario):
+    rec = _recording(scenario)
+    rep = argo_replay.replay(rec)
+    assert argo_replay.disagreements(rec, rep) == []
+    assert rep.status == rec["phase"] and rep.executor.exit_status == [rec["phase"]]
+
+
+def test_a_changed_retry_decision_is_a_disagreement():
+    # The comparison can fail: a train-segment that is no longer retried after a lost pod is reported.
+    rec = _recording("supervisor-lost")
+    for t in rec["spec"]["templates"]:
+        if t["name"] == "train-segment":
+            t["retryStrategy"]["expression"] = "asInt(lastRetry.exitCode) > 0"
+    found = argo_replay.disagreements(rec, argo_replay.replay(rec))
+    assert any("run by the real controller, not by the stand-in" in d for d in found), found
+    assert any("workflow phase: real Succeeded" in d for d in found), found
+
+
+def test_the_real_controller_ended_the_evicted_supervisors_node_as_the_stand_in_does():
+    lost = [n for n in argo_replay.leaves(_recording("supervisor-lost")) if n["templateName"] == "train-segment"]
+    first = lost[0]
+    model = pod_deleted()
+    if first["phase"] == "Error":
+        assert (first["phase"], first["message"], first.get("exitCode")) == (model.phase, model.message, None)
+    else:  # the kubelet's report of the SIGTERMed pod came first: Failed with the exit code
+        assert (first["phase"], first["exitCode"]) == ("Failed", "143")
+    assert [n["phase"] for n in lost[1:]] == ["Succeeded"]
 
 
 # --- the stand-in's own lost supervisor ----------------------------------------------------------------------------
