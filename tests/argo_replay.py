@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import re
 from collections import Counter, defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -132,14 +132,11 @@ class Replay:
 
     def table(self) -> Counter:
         """(template, attempt, try, phase) of every node the stand-in ran, counted."""
-        return Counter((n.template, n.attempt, n.retry, r.phase) for n, r in self.nodes)
+        return standin_tables(self.nodes, self.inner)[0]
 
     def inner_table(self) -> Counter:
         """(kind, template, attempt, phase) of its DAG nodes and of the tasks it left out, counted."""
-        return Counter(
-            ("DAG" if r.phase not in ("Skipped", "Omitted") else "Skipped", n.template, n.attempt, r.phase)
-            for n, r in self.inner
-        )
+        return standin_tables(self.nodes, self.inner)[1]
 
     def attempts(self) -> list[tuple[int, str, str | None, str | None]]:
         """(attempt, outcome, failure class, decision) of every attempt the stand-in closed, as the ledger has them.
@@ -158,6 +155,28 @@ class Replay:
                 if r.outputs.get("decision") != "resupervise":
                     out[a] = (a, "failed", r.outputs.get("failure-class"), r.outputs.get("decision"))
         return [out[a] for a in sorted(out)]
+
+
+def standin_tables(
+    nodes: Sequence[tuple[NodeInfo, NodeResult]], inner: Sequence[tuple[NodeInfo, NodeResult]]
+) -> tuple[Counter, Counter]:
+    """The stand-in's nodes (``WorkflowRun.nodes`` and ``.inner``), counted as ``real_tables`` counts Argo's."""
+    ran = Counter((n.template, n.attempt, n.retry, r.phase) for n, r in nodes)
+    left = Counter(
+        ("DAG" if r.phase not in ("Skipped", "Omitted") else "Skipped", n.template, n.attempt, r.phase)
+        for n, r in inner
+    )
+    return ran, left
+
+
+def table_differences(real: tuple[Counter, Counter], mine: tuple[Counter, Counter]) -> list[str]:
+    """One line per (node kind, template, attempt, phase) the two runs have a different number of."""
+    out = []
+    for theirs, ours in zip(real, mine, strict=True):
+        for key in sorted(set(theirs) | set(ours), key=str):
+            if theirs[key] != ours[key]:
+                out.append(f"{key}: real controller {theirs[key]}, the stand-in {ours[key]}")
+    return out
 
 
 def replay(rec: Mapping[str, Any]) -> Replay:
@@ -205,11 +224,7 @@ def disagreements(rec: Mapping[str, Any], rep: Replay) -> list[str]:
     out = list(rep.executor.problems)
     if rep.status != rec["phase"]:
         out.append(f"workflow phase: real {rec['phase']}, stand-in {rep.status}")
-    (real, real_inner), mine, mine_inner = real_tables(rec), rep.table(), rep.inner_table()
-    for theirs, ours in ((real, mine), (real_inner, mine_inner)):
-        for key in sorted(set(theirs) | set(ours), key=str):
-            if theirs[key] != ours[key]:
-                out.append(f"{key}: real controller {theirs[key]}, the stand-in {ours[key]}")
+    out += table_differences(real_tables(rec), standin_tables(rep.nodes, rep.inner))
     for name, queue in rep.executor.queues.items():
         for n in queue:
             out.append(f"{name} {n['displayName']} ({n['phase']}): run by the real controller, not by the stand-in")

@@ -72,6 +72,9 @@ class LocalRunResult:
     fired: list[Any] = field(default_factory=list)  # injected faults that fired (inject.Injected)
     corrupted: list[str] = field(default_factory=list)  # checkpoint files the corrupt-latest fault damaged
     local_copy: str | None = None
+    # The nodes of every Workflow that ran: steps and suspends, and DAG nodes and left-out tasks (engine.WorkflowRun).
+    nodes: list[tuple[NodeInfo, NodeResult]] = field(default_factory=list)
+    inner: list[tuple[NodeInfo, NodeResult]] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -409,6 +412,7 @@ def _run_once(
     status = "Running"
     t0 = now()
     all_nodes: list[tuple[NodeInfo, NodeResult]] = []
+    all_inner: list[tuple[NodeInfo, NodeResult]] = []
     executors: list[LocalExecutor] = []
     restarts = 0
     names: list[str] = []
@@ -437,6 +441,7 @@ def _run_once(
                 say(f"workflow error: {e}")
                 status = feed.status = "Error"
             all_nodes += wrun.nodes
+            all_inner += wrun.inner
             if deleted.is_set() and restarts == 0:
                 deleted.clear()
                 # Argo deletes the Workflow object: its lease is free for the next submission at once.
@@ -461,6 +466,7 @@ def _run_once(
         status, run_id, store.url(), work_dir, incidents, digest, restarts=restarts, workflows=names
     )
     result.ledger, result.fired, result.corrupted = ledger, injector.fired, injector.corrupted
+    result.nodes, result.inner = all_nodes, all_inner
     return result
 
 
