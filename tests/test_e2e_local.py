@@ -229,15 +229,16 @@ def test_supervisor_lost_reattaches_and_loses_nothing(e2e_workflow, reference):
     assert len(started) == HOSTS, "one gang: the retried supervisor did not start a second one"
     # Argo's rule for a vanished pod (workflows.local.executor.RECENTLY_STARTED_POD_S): created again for the same
     # node in the node's first 10 s, else the node is Error "pod deleted" and retried. Which one ran depends on how
-    # fast the gang reached the step; each must look as it does on the real controller.
+    # fast the gang reached the step and how soon the supervisor saw the loss (its next observation, later under
+    # load); each must look as it does on the real controller.
     segments = [n for n, _ in res.nodes if n.template == "train-segment"]
     lost_after = res.fired[0].at - segments[0].started_at
     logs = "\n".join(p.read_text() for p in (res.work_dir / "logs").glob("*-train-segment.log"))
     recreated = "its pod is created again" in logs
-    if recreated:
+    if recreated:  # seen within 10 s of the step's start (just after the node's), so lost before that too
         assert lost_after <= RECENTLY_STARTED_POD_S + 1 and len(segments) == 1, (lost_after, out)
     else:
-        assert lost_after >= RECENTLY_STARTED_POD_S - 1 and "train-segment (retry 1)" in out, (lost_after, out)
+        assert "train-segment (retry 1)" in out, (lost_after, out)
     _assert_as_the_real_controller(res, "supervisor-lost", out, recreated=recreated)
 
 
