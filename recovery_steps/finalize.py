@@ -192,6 +192,24 @@ def _class_counts(ledger: Ledger) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items())
 
 
+def _decisive_failure(failures: list[dict[str, Any]]) -> dict[str, Any]:
+    """The failure that says most about how the run ended, whatever order ``{{workflow.failures}}`` lists them in.
+
+    Argo lists every failed node (DAG, Retry and Pod nodes alike) by ranging over the workflow's node map, in
+    no set order, and names a pod for each, even a DAG's (argo-workflows v4.0.5,
+    ``workflow/controller/operator.go``, where ``GlobalVarWorkflowFailures`` is set). So: the give-up step
+    first; then a node with a message of its own (a step's; a DAG's is empty, a Retry node's only says its
+    expression was false); the one that finished last; by name on a tie.
+    """
+
+    def rank(f: dict[str, Any]) -> tuple[bool, bool, str, str]:
+        name, message = str(f.get("displayName") or ""), str(f.get("message") or "")
+        own = bool(message) and not message.startswith(("retryStrategy.", "child "))
+        return (name.startswith("give-up"), own, str(f.get("finishedAt") or ""), name)
+
+    return max(failures, key=rank)
+
+
 def final_reason(status: str, ledger: Ledger, failures: list[dict[str, Any]]) -> str:
     """One line saying how the run ended (pure).
 
@@ -210,7 +228,7 @@ def final_reason(status: str, ledger: Ledger, failures: list[dict[str, Any]]) ->
         why = stopped.decision_reason or "budget spent"
         return f"stopped after attempt {stopped.attempt}: {why}; last failure {stopped.failure_class}: {stopped.reason}"
     if failures:
-        f = next((x for x in failures if x.get("displayName") == "give-up"), failures[0])
+        f = _decisive_failure(failures)
         return f"{f.get('displayName') or f.get('templateName') or 'a step'} failed: {f.get('message') or 'no message'}"
     if failed:
         last = failed[-1]

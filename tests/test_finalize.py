@@ -280,3 +280,24 @@ def test_a_local_run_has_no_jobset_to_delete(tmp_path, capsys):
         cluster.close()
     assert cluster.requests == [] and "JobSet" not in capsys.readouterr().out
     assert store.read_record(RunLayout.LEASE, RunLease).released
+
+
+def test_the_failed_step_named_is_the_same_whatever_order_argo_lists_the_failures_in():
+    import itertools
+
+    from recovery_steps.finalize import final_reason
+    from recovery_steps.kernel.records import Ledger
+
+    # As Argo v4.0.5 lists them for a provision that failed for good: DAG nodes (no message), the Retry node
+    # (its expression), the pod node (its own message); a pod name for each.
+    failures = [
+        {"displayName": "run-x", "message": "", "podName": "run-x", "finishedAt": "2026-01-01T00:00:09Z"},
+        {"displayName": "attempt", "message": "", "podName": "run-x-attempt-1", "finishedAt": "2026-01-01T00:00:09Z"},
+        {"displayName": "provision-slice", "message": "retryStrategy.expression evaluated to false",
+         "podName": "run-x-provision-slice-2", "finishedAt": "2026-01-01T00:00:08Z"},
+        {"displayName": "provision-slice(2)", "message": "main: Error (exit code 3)",
+         "podName": "run-x-provision-slice-3", "finishedAt": "2026-01-01T00:00:08Z"},
+    ]  # fmt: skip
+    ledger = Ledger(run_id="x", attempts=[])
+    reasons = {final_reason("Failed", ledger, list(p)) for p in itertools.permutations(failures)}
+    assert reasons == {"provision-slice(2) failed: main: Error (exit code 3)"}
