@@ -144,7 +144,8 @@ def bench_size(d: Path, d_model: int, args: argparse.Namespace) -> None:
     st = statistics.median(step_seconds(t) for _, t in pairs)
     print(f"  steady (median of {len(pairs)} alternating pairs, steps not paced): s/step GCS-only "
           f"{sg:.4f}, with local tiers {st:.4f}; paired ratios {', '.join(f'{r:.2f}' for r in ratios)}")  # fmt: skip
-    print(f"  {'scenario':34} {'tier':10} {'lost':>6} {'restore s':>9} {'recovery s':>10}   n")
+    if args.kills:
+        print(f"  {'scenario':34} {'tier':10} {'lost':>6} {'restore s':>9} {'recovery s':>10}   n")
     cases = [
         ("GCS only, kill-worker", gcs, "kill-worker"),
         ("local tiers, kill-worker", tiers, "kill-worker"),
