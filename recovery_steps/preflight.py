@@ -112,7 +112,8 @@ def check_store(cfg: JobConfig, store: RunStore, *, gcs_client: Any = None) -> l
     from recovery_steps.kernel.store import make_gcs_client, store_errors
 
     client = gcs_client or make_gcs_client()
-    bucket_name, _ = split_gcs_url(cfg.storage.root)
+    # The store's root, not the config's: a submission may point the run at another bucket (-p store-root=...).
+    bucket_name, _ = split_gcs_url(store.root)
     probe = f"{RunLayout.PREFLIGHT_PROBES}/{secrets.token_hex(6)}"
     steps = [
         ("storage.buckets.get", lambda: storage.Bucket(client, bucket_name).reload()),

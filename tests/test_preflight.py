@@ -131,6 +131,15 @@ def test_store_checks_pass_against_the_emulator_and_leave_no_probe(gcs_emulator,
     assert store.read_record(RunLayout.PREFLIGHT, PreflightCheck).ok
 
 
+def test_the_bucket_checked_is_the_store_roots_not_the_configs(gcs_emulator, request):
+    """``-p store-root=gs://B/...`` points the run at another bucket than the config's ``storage.root``: the
+    bucket whose metadata is read is the one the run writes to (the shipped config names a bucket that does not
+    exist here)."""
+    cfg = _cfg("gs://my-training-bucket/jax-recovery", "v5e-4x4.yaml")
+    store = RunStore(_gcs_root(request), cfg.run_id)
+    assert preflight.check_store(cfg, store) == []
+
+
 @pytest.mark.parametrize(
     "denied, role",
     [
