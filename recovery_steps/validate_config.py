@@ -1,6 +1,6 @@
 """``validate-config``: validate a job config once, pin it in the run store, and check it against the run's past.
 
-Usage: ``python -m recovery_steps.validate_config --config FILE [--store-root R] [--accept-safe-changes]
+Usage: ``python -m recovery_steps.validate_config --config FILE [--store-root R] [--run-id ID] [--accept-safe-changes]
 --output-dir D``. Outputs: ``run-id``, ``store-root``, ``config-hash``, ``hosts``, ``first-attempt``.
 ``--offline`` validates the config alone and touches no store (outputs without ``first-attempt``).
 With ``--preflight true`` (the workflow's template) it first checks the permissions and cluster objects the
@@ -189,6 +189,11 @@ def parser() -> argparse.ArgumentParser:
         "--store-root", type=cli.store_root, help="override the config's storage.root (gs://bucket/prefix or a dir)"
     )
     p.add_argument(
+        "--run-id",
+        type=cli.run_id,
+        help="override the config's run_id (the workflow passes its run-id parameter: `argo submit -p run-id=...`)",
+    )
+    p.add_argument(
         "--accept-safe-changes",
         nargs="?",
         const="true",
@@ -222,6 +227,8 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return int(ExitCode.CONFIGURATION), ""
+    if args.run_id:  # every other step and the workers use the workflow's run-id: the pinned config says the same
+        cfg = cfg.model_copy(update={"run_id": args.run_id})
     # Refused before any store or cluster is touched: JobSet's webhook would refuse the attempt's JobSet (422).
     problem = run_id_pod_name_problem(cfg)
     if problem:

@@ -172,6 +172,17 @@ def test_new_run_pins_config_and_rerun_is_idempotent(store_root, tmp_path, capsy
     assert (tmp_path / "o2" / "config-hash").read_text() == doc["hash"]
 
 
+def test_the_workflows_run_id_parameter_names_the_pinned_run(tmp_path, capsys):
+    """``argo submit -p run-id=X``: every step and worker uses run X, so validate-config pins the config as X's."""
+    data = _load("local-cpu")
+    path = _write_cfg(tmp_path, data)
+    root = str(tmp_path / "store")
+    assert _validate(path, root, tmp_path / "o", "--run-id", "drill-7") == 0
+    doc = RunStore(root, "drill-7").read_json(RunLayout.CONFIG)
+    assert doc["config"]["run_id"] == "drill-7" and (tmp_path / "o" / "run-id").read_text() == "drill-7"
+    assert not RunStore(root, data["run_id"]).exists(RunLayout.CONFIG)
+
+
 def test_changed_config_is_refused_field_by_field(store_root, tmp_path, capsys):
     data = _load("local-cpu")
     assert _validate(_write_cfg(tmp_path, data), store_root, tmp_path / "o") == 0

@@ -194,7 +194,7 @@ class StepTemplates:
 
 def validate_template(cfg: JobConfig) -> Container:
     """``validate-config``: validates and pins the config, checks permissions and cluster objects first."""
-    args = ["--config", CONFIG_PATH, "--store-root", STORE_ROOT]
+    args = ["--config", CONFIG_PATH, *RUN_ARGS]
     args += ["--accept-safe-changes", "{{workflow.parameters.accept-safe-changes}}"]
     # Permissions and cluster objects are checked before any slice is provisioned.
     args += ["--preflight", "true", *HOLDER]
