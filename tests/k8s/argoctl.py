@@ -31,6 +31,7 @@ import yaml
 from realcluster import Component, RealCluster, pdeathsig, wait_for
 
 ARGO_FILE = "v5e-4x4.yaml"  # the Workflow of argo/ the tier submits, unchanged but for `argo submit` parameters
+LOCAL_ARGO_FILE = "local-cpu.yaml"  # the smallest job of argo/ (4 CPU hosts, 60 steps): the one real trainers run
 CONTROLLER = "workflow-controller"
 CONFIGMAP = "workflow-controller-configmap"  # the name the controller reads (``--configmap`` default)
 EXECUTOR_IMAGE = "registry.invalid/argoexec-never-pulled:v4.0.5"
@@ -196,36 +197,36 @@ def configmap(namespace: str) -> dict[str, Any]:
     }
 
 
-def start(rc: RealCluster, namespace: str, log_dir: Path) -> ArgoController:
+def start(rc: RealCluster, namespace: str, log_dir: Path, name: str = CONTROLLER) -> ArgoController:
     """Start the controller for ``namespace`` (the configmap applied first); returns once it runs and has
-    connected to the API server through the forwarder."""
+    connected to the API server through the forwarder. ``name`` names a second controller (another namespace)."""
     t0 = time.monotonic()
     rc.apply(configmap(namespace))
     log_dir.mkdir(parents=True, exist_ok=True)
     ctl = ArgoController(
-        CONTROLLER,
+        name,
         [
             str(rc.bin_dir / CONTROLLER),
-            f"--kubeconfig={log_dir / (CONTROLLER + '.kubeconfig')}",
+            f"--kubeconfig={log_dir / (name + '.kubeconfig')}",
             "--namespaced",
             f"--managed-namespace={namespace}",
             f"--executor-image={EXECUTOR_IMAGE}",
             "--loglevel=info",
         ],
-        log_dir / f"{CONTROLLER}.log",
+        log_dir / f"{name}.log",
         env={"LEADER_ELECTION_DISABLE": "true", "ARGO_NAMESPACE": namespace, "DEFAULT_REQUEUE_TIME": "1s"},
         rc=rc,
         namespace=namespace,
     )
     ctl.start()
-    rc.components[CONTROLLER] = ctl
+    rc.components[name] = ctl
 
     def connected() -> bool:
         if not ctl.alive():
-            raise AssertionError(f"{CONTROLLER} exited:\n{ctl.tail()}")
+            raise AssertionError(f"{name} exited:\n{ctl.tail()}")
         return ctl.forwarder is not None and ctl.forwarder.connections > 0
 
-    wait_for(f"{CONTROLLER} connected to the API server", connected, 60)
+    wait_for(f"{name} connected to the API server", connected, 60)
     ctl.started_in_s = time.monotonic() - t0
     return ctl
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import realcluster
 from realcluster import RealCluster, TierUnavailable
-from tier import HOSTS, REPO, Run, apply_rbac, tier_config
+from tier import CPU_HOST_LABEL, CPU_HOSTS, HOSTS, REPO, CpuHosts, Run, apply_rbac, tier_config
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -144,15 +144,17 @@ def run(real_cluster, namespace, tpu_nodes, tmp_path, request) -> Iterator[Run]:
 
 # --- Argo: the real workflow-controller and a process kubelet for its step pods (started only when a test asks) ---
 
-from argoctl import ARGO_FILE  # noqa: E402 - kept here for modules that still import it from conftest
+from argoctl import ARGO_FILE, LOCAL_ARGO_FILE  # noqa: E402 - ARGO_FILE kept here for modules that import it
 
 PODEXEC_NODE = "argo-steps"  # the node of the step pods (not KWOK's: podexec runs them as processes)
 
 
 @pytest.fixture(scope="session")
-def argo(real_cluster: RealCluster, argo_crds, tmp_path_factory) -> Iterator[realcluster.Component]:
+def argo(real_cluster: RealCluster, argo_crds, gcs_emulator, tmp_path_factory) -> Iterator[realcluster.Component]:
     """Argo's workflow-controller for the namespace the shipped Workflow names (``argoctl``: its own network
-    namespace, the API server through a forwarder) and ``podexec`` on its own node for the step pods."""
+    namespace, the API server through a forwarder) and ``podexec`` on its own node for the step pods. The GCS
+    emulator is up first: podexec's pods inherit its environment, as pods on GKE reach the bucket through the
+    node's metadata server."""
     import sys
 
     import argoctl
@@ -189,3 +191,55 @@ def argo(real_cluster: RealCluster, argo_crds, tmp_path_factory) -> Iterator[rea
         ctl.stop()
         for name in ("podexec", argoctl.CONTROLLER):
             real_cluster.components.pop(name, None)
+
+
+# --- Real trainers: the local file's gang as processes on process-kubelet nodes ---------------------------------------
+
+
+@pytest.fixture(scope="session")
+def cpu_hosts(real_cluster: RealCluster, argo, tmp_path_factory) -> Iterator[CpuHosts]:
+    """The local file's namespace with the project's RBAC, Argo's controller for it, and podexec on three more
+    nodes (untainted: the gang's pods, which select no node, land on them or on the steps' node)."""
+    import sys
+
+    import argoctl
+    import yaml
+
+    from recovery_steps.kernel.config import load_config
+    from workflows.rbac import rbac_objects
+
+    argo_podexec = real_cluster.components["podexec"]
+    ns = yaml.safe_load((REPO / "argo" / LOCAL_ARGO_FILE).read_text())["metadata"]["namespace"]
+    local = load_config(REPO / "configs" / LOCAL_ARGO_FILE)
+    gke = load_config(REPO / "configs" / ARGO_FILE)
+    # rbac.py writes objects for GKE configs only; the local file's accounts are the GKE config's, in its namespace.
+    assert (local.service_account, local.worker_service_account) == (gke.service_account, gke.worker_service_account)
+    for obj in rbac_objects([gke, gke.model_copy(update={"namespace": ns})]):
+        real_cluster.apply(obj)
+    root = tmp_path_factory.mktemp("cpu-hosts")
+    name = f"{argoctl.CONTROLLER}-{ns}"
+    argoctl.start(real_cluster, ns, root / "logs", name=name)
+    kubelet = realcluster.Component(
+        "podexec-cpu-hosts",
+        [
+            sys.executable,
+            str(Path(__file__).with_name("podexec.py")),
+            f"--kubeconfig={real_cluster.root / 'admin.kubeconfig'}",
+            *(f"--node={n}" for n in CPU_HOSTS),
+            f"--label={CPU_HOST_LABEL}=true",
+            f"--root={root / 'pods'}",
+        ],  # fmt: skip
+        root / "logs" / "podexec.log",
+    )
+    kubelet.start()
+    real_cluster.components[kubelet.name] = kubelet
+    for n in CPU_HOSTS:
+        realcluster.wait_for(f"node {n} Ready", lambda n=n: realcluster._ready(real_cluster.node(n)) == "True", 30)
+    try:
+        steps_root = Path(next(a for a in argo_podexec.argv if a.startswith("--root=")).split("=", 1)[1])
+        yield CpuHosts(ns, CPU_HOSTS, (root / "pods", steps_root))
+    finally:
+        kubelet.stop()
+        real_cluster.components.pop(name).stop()
+        real_cluster.components.pop(kubelet.name, None)
+        real_cluster.delete_nodes(CPU_HOSTS)

@@ -47,6 +47,9 @@ log = logging.getLogger("podexec")
 ARGO = ("argoproj.io", "v1alpha1")
 WAIT, MAIN = "wait", "main"
 LEASE_S = 4
+# The image's code is this checkout: ``python -m X`` in a pod imports the project from here, whatever the
+# interpreter's site-packages hold (an editable install may point at another checkout).
+REPO = Path(__file__).resolve().parents[2]
 
 
 def now() -> str:
@@ -100,11 +103,30 @@ def container_env(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, s
     return env
 
 
+def main_container(pod: dict[str, Any]) -> dict[str, Any]:
+    """The container podexec runs: Argo's ``main`` in a step pod; the only container of any other pod (a JobSet
+    worker's ``trainer``). Sidecars are not run."""
+    containers = pod["spec"]["containers"]
+    return next((c for c in containers if c["name"] == MAIN), containers[0])
+
+
+def mounts_token(pod: dict[str, Any]) -> bool:
+    """Whether the pod gets its ServiceAccount's token: the ServiceAccount admission plugin adds the projected
+    ``serviceAccountToken`` volume only when neither the pod nor its account turns automounting off."""
+    return any(
+        "serviceAccountToken" in src
+        for v in pod["spec"].get("volumes") or []
+        for src in (v.get("projected") or {}).get("sources") or []
+    )
+
+
 def argo_env(pod: dict[str, Any]) -> dict[str, str]:
-    """What Argo gives its executor containers (init and wait): the template, node ID, workflow name and uid."""
+    """What Argo gives its executor containers (init and wait): the template, node ID, workflow name and uid.
+    Empty for a pod Argo did not make."""
     env: dict[str, str] = {}
+    main = main_container(pod)["name"]
     for c in [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]:
-        if c["name"] != MAIN:
+        if c["name"] != main:
             env.update(container_env(pod, c))
     return env
 
@@ -175,30 +197,37 @@ class PodRun:
                 self.kubelet.remove(self.ns, self.name)
 
     def _run(self) -> None:
-        main = next(c for c in self.pod["spec"]["containers"] if c["name"] == MAIN)
+        main = main_container(self.pod)
         aenv = argo_env(self.pod)
         template = json.loads(aenv.get("ARGO_TEMPLATE") or "{}")
         self.root.mkdir(parents=True, exist_ok=True)
         private = self.root / "fs"
-        token = self.kubelet.token(self.pod)
-        kubeconfig = self.kubelet.write_kubeconfig(self.root / "kubeconfig", token)
+        kubeconfig, result = None, None
+        if mounts_token(self.pod):
+            token = self.kubelet.token(self.pod)
+            kubeconfig = self.kubelet.write_kubeconfig(self.root / "kubeconfig", token)
+            if "ARGO_NODE_ID" in aenv:  # a step pod: its wait container's task result
+                result = TaskResult(self.kubelet, self.pod, aenv, token)
         for a in (template.get("inputs") or {}).get("artifacts") or []:
             if "raw" in a:  # what Argo's init container does for a raw artifact
                 (private / a["path"].lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
                 (private / a["path"].lstrip("/")).write_text(a["raw"]["data"])
-        result = TaskResult(self.kubelet, self.pod, aenv, token)
-        result.initialize()
+        if result is not None:
+            result.initialize()
         started = now()
         self.kubelet.report_running(self.pod, started)
         code = self._execute(main, template, private, kubeconfig)
         params, error = save_parameters(template, private)
-        result.report(params, error)
+        if result is not None:
+            result.report(params, error)
         self.kubelet.report_terminated(self.pod, started, code, wait_code=1 if error else 0, error=error)
 
-    def _execute(self, main: dict[str, Any], template: dict[str, Any], private: Path, kubeconfig: Path) -> int:
-        env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+    def _execute(self, main: dict[str, Any], template: dict[str, Any], private: Path, kubeconfig: Path | None) -> int:
+        env = {k: v for k, v in os.environ.items() if k not in ("KUBERNETES_SERVICE_HOST", "KUBECONFIG")}
         env.update(container_env(self.pod, main))
-        env["KUBECONFIG"] = str(kubeconfig)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+        if kubeconfig is not None:  # no token mounted (the workers' account): no credentials at all
+            env["KUBECONFIG"] = str(kubeconfig)
         binds = []
         for d in mount_points(template):
             Path(d).mkdir(parents=True, exist_ok=True)  # the host's (empty) mount point
@@ -219,6 +248,7 @@ class PodRun:
                 start_new_session=True,
                 preexec_fn=pdeathsig,
             )
+        (self.root / "pid").write_text(f"{self.proc.pid}\n")  # the container's process (tests signal it)
         if self.deleting.is_set():  # deleted between the check above and the start: kill() found no process
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -312,10 +342,11 @@ class TaskResult:
 class Kubelet:
     """The node, its Lease, the pod watch and the pods' runs."""
 
-    def __init__(self, kubeconfig: Path, node: str, root: Path):
+    def __init__(self, kubeconfig: Path, node: str, root: Path, labels: dict[str, str] | None = None):
         from kubernetes import config
 
         self.kubeconfig, self.node, self.root = kubeconfig, node, root
+        self.labels = labels or {}
         self.admin = config.new_client_from_config(str(kubeconfig))
         self.server = self.admin.configuration.host
         self.ca = self.admin.configuration.ssl_ca_cert
@@ -383,6 +414,7 @@ class Kubelet:
                     "kubernetes.io/hostname": self.node,
                     "kubernetes.io/os": "linux",
                     "jaxrec.test/podexec": "true",
+                    **self.labels,
                 },
             },
         }
@@ -457,6 +489,7 @@ class Kubelet:
         status = {
             "phase": "Running",
             "hostIP": "127.0.0.1",
+            "podIP": "127.0.0.1",  # the host's network namespace (hostNetwork, in effect)
             "startTime": started,
             "conditions": [
                 {"type": t, "status": "True", "lastTransitionTime": started}
@@ -481,9 +514,10 @@ class Kubelet:
         self, pod: dict[str, Any], started: str, code: int, wait_code: int, error: str | None
     ) -> None:
         t = now()
+        main = main_container(pod)["name"]
 
         def term(c: dict[str, Any]) -> dict[str, Any]:
-            n = code if c["name"] == MAIN else wait_code if c["name"] == WAIT else 0
+            n = code if c["name"] == main else wait_code if c["name"] == WAIT else 0
             state = {"exitCode": n, "reason": "Completed" if n == 0 else "Error", "startedAt": started, "finishedAt": t}
             if c["name"] == WAIT and error:
                 state["message"] = error
@@ -561,15 +595,19 @@ def _status(c: dict[str, Any], state: dict[str, Any], ready: bool = False) -> di
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kubeconfig", type=Path, required=True)
-    p.add_argument("--node", required=True)
+    p.add_argument("--node", required=True, action="append", help="a node to run (repeat for several)")
+    p.add_argument("--label", action="append", default=[], help="KEY=VALUE on every node (repeatable)")
     p.add_argument("--root", type=Path, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(message)s")
-    k = Kubelet(args.kubeconfig, args.node, args.root)
-    k.register()
-    k.renew_lease()
-    threading.Thread(target=k.heartbeat, name="lease", daemon=True).start()
-    k.watch()
+    labels = dict(kv.split("=", 1) for kv in args.label)
+    kubelets = [Kubelet(args.kubeconfig, n, args.root, labels) for n in args.node]
+    for k in kubelets:
+        k.register()
+        k.renew_lease()
+        threading.Thread(target=k.heartbeat, name=f"lease-{k.node}", daemon=True).start()
+        threading.Thread(target=k.watch, name=f"watch-{k.node}", daemon=True).start()
+    threading.Event().wait()  # until SIGTERM (the default action ends the process)
     return 0
 
 

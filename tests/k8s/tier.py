@@ -25,6 +25,26 @@ from workflows.rbac import rbac_objects
 REPO = Path(__file__).resolve().parents[2]
 HOSTS = 4
 INDEX = "batch.kubernetes.io/job-completion-index"
+CPU_HOSTS = ("cpu-host-0", "cpu-host-1", "cpu-host-2")  # podexec nodes for the gangs of real trainers
+CPU_HOST_LABEL = "jaxrec.test/cpu-host"
+
+
+@dataclass(frozen=True)
+class CpuHosts:
+    """Where the local file runs: its namespace, the nodes podexec runs for it, and podexec's pod folders."""
+
+    namespace: str
+    nodes: tuple[str, ...]
+    pods_roots: tuple[Path, ...]
+
+    def pid(self, pod: dict) -> int:
+        """The pid of a pod's container process (podexec writes it into the pod's folder on whichever node)."""
+        meta = pod["metadata"]
+        for root in self.pods_roots:
+            f = root / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}" / "pid"
+            if f.exists():
+                return int(f.read_text())
+        raise AssertionError(f"no pid file of pod {meta['name']} under {self.pods_roots}")
 
 
 def tier_config(root: Path, namespace: str, config: str = "v5e-4x4.yaml", **supervision) -> JobConfig:
