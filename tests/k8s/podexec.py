@@ -547,7 +547,10 @@ class Kubelet:
         uid = pod["metadata"]["uid"]
         meta = pod["metadata"]
         if kind == "DELETED":
-            self.runs.pop(uid, None)
+            run = self.runs.pop(uid, None)
+            if run is not None and not run.done.is_set():  # force-deleted: the kubelet kills what still runs
+                grace = meta.get("deletionGracePeriodSeconds")
+                run.kill(float(grace if grace is not None else pod["spec"].get("terminationGracePeriodSeconds", 30)))
             return
         run = self.runs.get(uid)
         if meta.get("deletionTimestamp"):

@@ -129,7 +129,17 @@ def trainer_run(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_bucket: str)
         for group, plural in (("argoproj.io", "workflows"), ("jobset.x-k8s.io", "jobsets")):
             version = "v1alpha1" if group == "argoproj.io" else "v1alpha2"
             objs.delete_collection_namespaced_custom_object(group, version, r.ns, plural, label_selector=sel)
-        wait_for(f"no pods of {run_id} left", lambda: not real_cluster.pods(r.ns, sel), 90, 0.5)
+        # Argo's pods go with their Workflow (garbage collector), but not always within the wait: delete them too.
+        real_cluster.core().delete_collection_namespaced_pod(r.ns, label_selector=sel)
+        try:
+            wait_for(f"no pods of {run_id} left", lambda: not real_cluster.pods(r.ns, sel), 90, 0.5)
+        except AssertionError as e:
+            left = [
+                (p["metadata"]["name"], p["spec"].get("nodeName"), p["status"].get("phase"),
+                 p["metadata"].get("deletionTimestamp"), p["metadata"].get("finalizers"))
+                for p in real_cluster.pods(r.ns, sel)
+            ]  # fmt: skip
+            raise AssertionError(f"{e}: {left}") from None
 
 
 def _final_reports(r: TrainerRun, attempt: int) -> list[Any]:
