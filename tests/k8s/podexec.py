@@ -1,19 +1,30 @@
-"""A process kubelet for Argo's step pods in the real-controller tier (simulated: no container runtime here).
+"""A process kubelet for the real-controller tier (simulated: no container runtime here): Argo's step pods and the
+JobSet's worker pods run as local processes.
 
-It registers one Node that KWOK does not manage (no ``jaxrec.test/kwok`` label), keeps it Ready by renewing its
-Lease, and runs every pod the real scheduler binds to it as a local process:
+It registers Nodes that KWOK does not manage (no ``jaxrec.test/kwok`` label; ``--node`` repeated, ``--label`` on
+each), keeps them Ready by renewing their Leases, and runs every pod the real scheduler binds to them:
 
-- the main container's command and args (after Argo's ``argoexec emissary ... --`` prefix), with ``python``
-  meaning this interpreter, and the container's env (values and the fieldRefs used by Argo's pods resolved);
-- as the pod's ServiceAccount: a bound token (TokenRequest for the pod, as a projected token would be) in a
-  kubeconfig that ``KUBECONFIG`` names (``recovery_steps.kernel.k8s.make_api_client`` reads it when
-  ``KUBERNETES_SERVICE_HOST`` is unset);
+- the main container (Argo's ``main``; the only container of any other pod, such as a worker's ``trainer``), its
+  command and args (after Argo's ``argoexec emissary ... --`` prefix), with ``python`` meaning this interpreter
+  and this checkout on ``PYTHONPATH`` (the image's code), and the container's env (values and the downward-API
+  fieldRefs Argo's and JobSet's pods use, the completion index among them) over podexec's own environment (the
+  node's: the GCS emulator's address when the tier started one);
+- in the host's network namespace, as pods with ``hostNetwork`` run: an address a pod spec names on 127.0.0.1 is
+  the host's loopback, shared by every pod. A gang of the local slice (``argo/local-cpu.yaml``) joins on the
+  coordinator address its manifest names, ``127.0.0.1:<port provision-slice chose>``, with nothing rewritten. A
+  TPU slice's manifest names no address (on GKE, JAX finds the coordinator from the TPU environment GKE injects):
+  those pods stay on KWOK, whose nodes carry the TPU labels, taints and ``google.com/tpu`` capacity;
+- as the pod's ServiceAccount when its token is mounted (the admission plugin added the projected token volume):
+  a bound token (TokenRequest for the pod) in a kubeconfig that ``KUBECONFIG`` names
+  (``recovery_steps.kernel.k8s.make_api_client`` reads it when ``KUBERNETES_SERVICE_HOST`` is unset); a pod whose
+  account mounts none (the workers') gets no credentials at all;
 - with paths of its own: in a private mount namespace (``unshare -m``), each directory the template names for an
   input artifact or output parameter (``/tmp/inputs``, ``/tmp/outputs``) is a bind mount of a directory under the
   pod's own root, so two steps never share an output file. Raw input artifacts are written there first, as
-  Argo's init container does. The host keeps those directories as empty mount points.
+  Argo's init container does. The host keeps those directories as empty mount points. The process's pid is
+  written to the pod's folder (``pid``), where a test finds the trainer to SIGKILL.
 
-What Argo's ``wait`` container does is done here, in its order (argo-workflows v4.0.5
+For a step pod, what Argo's ``wait`` container does is done here, in its order (argo-workflows v4.0.5
 ``cmd/argoexec/commands/wait.go``, ``workflow/executor/{executor,taskresult}.go``): a WorkflowTaskResult named
 after the node ID with ``report-outputs-completed=false`` before the step runs; after it ends, the declared output
 parameters read from their files (one trailing newline trimmed; the first missing file without a default stops the
@@ -21,8 +32,13 @@ saving and is the wait container's error), the outputs reported, the label set t
 reported finished: the main container ``terminated{exitCode}``, ``wait`` terminated (1 after an error), phase
 Succeeded or Failed. The task result is written with the pod's own token: the executor's RBAC is the project's.
 
-A deleted pod is killed as the kubelet kills it: SIGTERM to the process group, SIGKILL after the grace period,
-then the pod is removed (delete with grace 0). Run as ``python podexec.py --kubeconfig K --node N --root DIR``.
+The container's exit code is the process's (128 + N when a signal N ended it), reported as the kubelet does: the
+Job controller matches it against the podFailurePolicy. A deleted pod is killed as the kubelet kills it: SIGTERM
+to the process group, SIGKILL after the grace period, then the pod is removed (delete with grace 0); a pod removed
+from the API at once (force deletion) has its process killed the same way. Every process dies with the runner
+thread that started it (``PR_SET_PDEATHSIG``), and so with podexec and the test run. A pod on a node podexec runs
+cannot be exec'd into (no kubelet API is served). Run as
+``python podexec.py --kubeconfig K --node N [--node N2 ...] [--label K=V ...] --root DIR``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import argoctl
@@ -45,6 +45,8 @@ class TrainerRun:
     store_root: str
     run_id: str
     name: str = ""
+    seconds: float = 0.0
+    nodes: set[str] = field(default_factory=set)
 
     @property
     def ns(self) -> str:
@@ -114,32 +116,57 @@ class TrainerRun:
         return got
 
 
+def _clean(rc: RealCluster, ns: str, run_id: str) -> None:
+    """Delete the run's Workflows, JobSets and pods; wait until no pod of the run is left."""
+    from kubernetes import client
+
+    objs = client.CustomObjectsApi(rc.admin)
+    sel = f"jaxrec/run-id={run_id}"
+    for group, plural in (("argoproj.io", "workflows"), ("jobset.x-k8s.io", "jobsets")):
+        version = "v1alpha1" if group == "argoproj.io" else "v1alpha2"
+        objs.delete_collection_namespaced_custom_object(group, version, ns, plural, label_selector=sel)
+    # Argo's pods go with their Workflow (garbage collector), but not always within the wait: delete them too.
+    rc.core().delete_collection_namespaced_pod(ns, label_selector=sel)
+    try:
+        wait_for(f"no pods of {run_id} left", lambda: not rc.pods(ns, sel), 90, 0.5)
+    except AssertionError as e:
+        left = [
+            (p["metadata"]["name"], p["spec"].get("nodeName"), p["status"].get("phase"),
+             p["metadata"].get("deletionTimestamp"), p["metadata"].get("finalizers"))
+            for p in rc.pods(ns, sel)
+        ]  # fmt: skip
+        raise AssertionError(f"{e}: {left}") from None
+
+
+def _new_run(rc: RealCluster, hosts: CpuHosts, bucket: str) -> TrainerRun:
+    run_id = f"tier-{uuid.uuid4().hex[:6]}"
+    return TrainerRun(rc, hosts, f"gs://{bucket}/{run_id}", run_id)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_bucket: str) -> Any:
+    """One run of the local file that nothing disturbs, ended: the run and its Workflow as it finished."""
+    r = _new_run(real_cluster, cpu_hosts, gcs_bucket)
+    t0 = time.monotonic()
+    try:
+        r.submit()
+        pods = r.workers(0)
+        wf = r.wait_done(420)
+        r.seconds = time.monotonic() - t0
+        r.nodes = {p["spec"]["nodeName"] for p in pods}
+        yield r, wf
+    finally:
+        _clean(real_cluster, r.ns, r.run_id)
+
+
 @pytest.fixture
 def trainer_run(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_bucket: str) -> Any:
-    """A run of the local file on the GCS emulator; every Workflow and JobSet of the run deleted afterwards."""
-    run_id = f"tier-{uuid.uuid4().hex[:6]}"
-    r = TrainerRun(real_cluster, cpu_hosts, f"gs://{gcs_bucket}/{run_id}", run_id)
+    """A run of the local file on the GCS emulator; every Workflow, JobSet and pod of the run deleted afterwards."""
+    r = _new_run(real_cluster, cpu_hosts, gcs_bucket)
     try:
         yield r
     finally:
-        from kubernetes import client
-
-        objs = client.CustomObjectsApi(real_cluster.admin)
-        sel = f"jaxrec/run-id={run_id}"
-        for group, plural in (("argoproj.io", "workflows"), ("jobset.x-k8s.io", "jobsets")):
-            version = "v1alpha1" if group == "argoproj.io" else "v1alpha2"
-            objs.delete_collection_namespaced_custom_object(group, version, r.ns, plural, label_selector=sel)
-        # Argo's pods go with their Workflow (garbage collector), but not always within the wait: delete them too.
-        real_cluster.core().delete_collection_namespaced_pod(r.ns, label_selector=sel)
-        try:
-            wait_for(f"no pods of {run_id} left", lambda: not real_cluster.pods(r.ns, sel), 90, 0.5)
-        except AssertionError as e:
-            left = [
-                (p["metadata"]["name"], p["spec"].get("nodeName"), p["status"].get("phase"),
-                 p["metadata"].get("deletionTimestamp"), p["metadata"].get("finalizers"))
-                for p in real_cluster.pods(r.ns, sel)
-            ]  # fmt: skip
-            raise AssertionError(f"{e}: {left}") from None
+        _clean(real_cluster, r.ns, r.run_id)
 
 
 def _final_reports(r: TrainerRun, attempt: int) -> list[Any]:
@@ -148,17 +175,13 @@ def _final_reports(r: TrainerRun, attempt: int) -> list[Any]:
     return sorted(reports, key=lambda w: w.process_index)
 
 
-def test_a_short_run_of_real_trainers_succeeds(trainer_run):
+def test_a_short_run_of_real_trainers_succeeds(uninterrupted):
     """The gang of four real trainers trains all 60 steps in one attempt, checkpointing to the GCS emulator; the
     supervisor sees the JobSet succeed and the Workflow Succeeds."""
-    t0 = time.monotonic()
-    r = trainer_run
-    r.submit()
-    pods = r.workers(0)
-    assert {p["spec"]["nodeName"] for p in pods} <= {*r.hosts.nodes, "argo-steps"}
-    wf = r.wait_done(420)
+    r, wf = uninterrupted
     report = argoctl.summary(wf)
     assert wf["status"]["phase"] == "Succeeded", report
+    assert r.nodes <= {*r.hosts.nodes, "argo-steps"}, r.nodes
     reports = _final_reports(r, 0)
     assert [(w.process_index, w.exit_code, w.last_step) for w in reports] == [
         (i, 0, TOTAL_STEPS) for i in range(HOSTS)
@@ -169,14 +192,15 @@ def test_a_short_run_of_real_trainers_succeeds(trainer_run):
     ledger = read_ledger(r.store)
     assert [(a.attempt, a.outcome) for a in ledger.attempts] == [(0, "succeeded")], ledger
     assert ledger.final_status == "Succeeded"
-    print(f"real trainers, one attempt: {time.monotonic() - t0:.0f} s\n{report}")
+    print(f"real trainers, one attempt: {r.seconds:.0f} s\n{report}")
 
 
-def test_kill_worker_a_sigkilled_trainer_is_recovered_from_a_real_checkpoint(trainer_run):
+def test_kill_worker_a_sigkilled_trainer_is_recovered_from_a_real_checkpoint(trainer_run, uninterrupted):
     """README scenario ``kill-worker`` with real processes: one trainer SIGKILLed after a checkpoint committed.
     Its container ends 137 (no podFailurePolicy rule: backoffLimit 0 fails the Job), its peers leave as peer-lost,
     the supervisor ends the attempt, classify-failure says infrastructure and retries, and attempt 1 restores the
-    newest checkpoint from the GCS emulator and trains to the last step."""
+    newest checkpoint from the GCS emulator and trains to the last step, ending with the uninterrupted run's
+    parameters bit for bit (``data.resume_mode: exact``, the same process count)."""
     t0 = time.monotonic()
     r = trainer_run
     r.submit()
@@ -206,6 +230,7 @@ def test_kill_worker_a_sigkilled_trainer_is_recovered_from_a_real_checkpoint(tra
     assert [(w.exit_code, w.restore_step, w.last_step) for w in second] == [(0, restored[-1], TOTAL_STEPS)] * HOSTS, (
         second
     )
+    assert {w.params_digest for w in second} == {w.params_digest for w in _final_reports(uninterrupted[0], 0)}
     lost = at - restored[-1]
     print(
         f"kill-worker with real trainers: {time.monotonic() - t0:.0f} s; killed at step >= {at}, "
