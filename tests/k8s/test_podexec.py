@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from podexec import field_value, main_command, mount_points, save_parameters
+from podexec import field_value, main_command, main_container, mount_points, mounts_token, save_parameters
 
 pytestmark = pytest.mark.k8s
 
@@ -68,3 +68,26 @@ def test_downward_api_fields(tmp_path):
     assert field_value(POD, "spec.serviceAccountName") == "jax-recovery"
     with pytest.raises(ValueError, match="status.podIPs"):
         field_value(POD, "status.podIPs")
+
+
+@pytest.mark.parametrize(
+    ("containers", "main"),
+    [
+        ([{"name": "wait"}, {"name": "main"}], "main"),  # an Argo step pod: its main container, not the wait sidecar
+        ([{"name": "trainer"}], "trainer"),  # a JobSet worker: its only container
+    ],
+)
+def test_the_container_run_is_argos_main_else_the_pods_only_one(containers, main):
+    assert main_container({"spec": {"containers": containers}})["name"] == main
+
+
+@pytest.mark.parametrize(
+    ("volumes", "mounted"),
+    [
+        ([{"name": "kube-api-access-x", "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}}], True),
+        ([{"name": "data", "emptyDir": {}}], False),  # automountServiceAccountToken: false (the workers' account)
+        (None, False),
+    ],
+)  # fmt: skip
+def test_a_token_is_given_only_when_admission_mounted_one(volumes, mounted):
+    assert mounts_token({"spec": {"volumes": volumes}}) is mounted
