@@ -143,10 +143,14 @@ def _new_run(rc: RealCluster, hosts: CpuHosts, bucket: str) -> TrainerRun:
     return TrainerRun(rc, hosts, f"gs://{bucket}/{run_id}", run_id)
 
 
+BUCKET = "tier-trainers"
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_bucket: str) -> Any:
+def uninterrupted(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator: Any) -> Any:
     """One run of the local file that nothing disturbs, ended: the run and its Workflow as it finished."""
-    r = _new_run(real_cluster, cpu_hosts, gcs_bucket)
+    gcs_emulator.create_bucket(BUCKET)
+    r = _new_run(real_cluster, cpu_hosts, BUCKET)
     t0 = time.monotonic()
     try:
         r.submit()
@@ -160,9 +164,10 @@ def uninterrupted(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_bucket: st
 
 
 @pytest.fixture
-def trainer_run(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_bucket: str) -> Any:
+def trainer_run(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator: Any) -> Any:
     """A run of the local file on the GCS emulator; every Workflow, JobSet and pod of the run deleted afterwards."""
-    r = _new_run(real_cluster, cpu_hosts, gcs_bucket)
+    gcs_emulator.create_bucket(BUCKET)
+    r = _new_run(real_cluster, cpu_hosts, BUCKET)
     try:
         yield r
     finally:
