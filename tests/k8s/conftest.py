@@ -243,3 +243,16 @@ def cpu_hosts(real_cluster: RealCluster, argo, tmp_path_factory) -> Iterator[Cpu
         real_cluster.components.pop(name).stop()
         real_cluster.components.pop(kubelet.name, None)
         real_cluster.delete_nodes(CPU_HOSTS)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator) -> Iterator[tuple]:
+    """One run of the local file that nothing disturbs, ended (the run, its Workflow): the reference the runs that
+    fail and recover are compared with."""
+    import trainers
+
+    r = trainers.new_run(real_cluster, cpu_hosts, gcs_emulator)
+    try:
+        yield trainers.run_undisturbed(r)
+    finally:
+        trainers.clean_run(real_cluster, r.ns, r.run_id)

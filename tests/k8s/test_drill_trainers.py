@@ -14,6 +14,7 @@ import pytest
 from argoctl import LOCAL_ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import REPO, CpuHosts
+from trainers import BUCKET, final_digest
 
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.records import SupervisionRecord
@@ -49,9 +50,10 @@ class TrainerDrill:
 
 
 @pytest.fixture
-def trainer_drill(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_bucket: str) -> Iterator[TrainerDrill]:
+def trainer_drill(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator) -> Iterator[TrainerDrill]:
     """A drill of its own; afterwards its Workflows and JobSets are deleted and every node is schedulable again."""
-    d = TrainerDrill(real_cluster, cpu_hosts, gcs_bucket)
+    gcs_emulator.create_bucket(BUCKET)
+    d = TrainerDrill(real_cluster, cpu_hosts, BUCKET)
     try:
         yield d
     finally:
@@ -82,7 +84,7 @@ def _one_incident(res: drill.DrillResult, fault: drill.Fault) -> drill.TimedInci
     return t
 
 
-def test_drill_drain_node_real_trainers(trainer_drill):
+def test_drill_drain_node_real_trainers(trainer_drill, uninterrupted):
     """``drain-node``: the drill cordons the node of the last worker and evicts the run's pods on it (the Eviction
     API: DisruptionTarget, SIGTERM to the trainer). The Job fails by its podFailurePolicy, the attempt is
     classified preemption, the next gang lands on the nodes left and restores the newest checkpoint."""
@@ -99,9 +101,11 @@ def test_drill_drain_node_real_trainers(trainer_drill):
         (0, "failed", "preemption"),
         (1, "succeeded", None),
     ], ledger
+    # data.resume_mode exact, the same process count: the recovered run ends where the undisturbed one did.
+    assert final_digest(d) == final_digest(uninterrupted[0])
 
 
-def test_drill_corrupt_checkpoint_real_trainers(trainer_drill):
+def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, uninterrupted):
     """``corrupt-checkpoint``: the drill flips a byte of the newest checkpoint on the GCS emulator and deletes a
     worker pod with no grace period. restore-latest finds the damage (CRC32C against the manifest), quarantines
     the step and the next attempt restores the one before it."""
@@ -114,3 +118,4 @@ def test_drill_corrupt_checkpoint_real_trainers(trainer_drill):
     assert t.incident.restored_step is not None and t.incident.restored_step < corrupted, t.incident
     # Deleted with no grace period: SIGKILL at once, exit 137, which no podFailurePolicy rule names.
     assert t.incident.failure_class == "infrastructure", t.incident
+    assert final_digest(d) == final_digest(uninterrupted[0])

@@ -1,0 +1,159 @@
+"""Runs of argo/local-cpu.yaml with real trainers in the real-controller tier: submission, waits and clean-up
+(the gang's pods run as processes on podexec's nodes; see ``podexec``)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import argoctl
+from argoctl import LOCAL_ARGO_FILE
+from realcluster import RealCluster, wait_for
+from tier import HOSTS, INDEX, REPO, CpuHosts
+
+from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.documents import read_worker_reports
+from recovery_steps.kernel.k8s import jobset_name
+from recovery_steps.kernel.store import RunLayout, RunStore
+
+TERMINAL = ("Succeeded", "Failed", "Error")
+TOTAL_STEPS = load_config(REPO / "configs" / LOCAL_ARGO_FILE).training.total_steps
+
+
+@dataclass
+class TrainerRun:
+    """One submission of argo/local-cpu.yaml with a run id and a GCS prefix of its own."""
+
+    rc: RealCluster
+    hosts: CpuHosts
+    store_root: str
+    run_id: str
+    name: str = ""
+    seconds: float = 0.0
+    nodes: set[str] = field(default_factory=set)
+
+    @property
+    def ns(self) -> str:
+        return self.hosts.namespace
+
+    @property
+    def store(self) -> RunStore:
+        return RunStore(self.store_root, self.run_id)
+
+    def submit(self) -> str:
+        params = {"store-root": self.store_root, "run-id": self.run_id}
+        self.name = argoctl.submit(self.rc, REPO / "argo" / LOCAL_ARGO_FILE, params)["metadata"]["name"]
+        return self.name
+
+    def wf(self) -> dict[str, Any]:
+        return argoctl.workflow(self.rc, self.ns, self.name)
+
+    def wait_done(self, timeout: float) -> dict[str, Any]:
+        def done():
+            wf = self.wf()
+            return wf if (wf.get("status") or {}).get("phase") in TERMINAL else None
+
+        try:
+            return wait_for(f"Workflow {self.name} finished", done, timeout, 1)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{argoctl.summary(self.wf())}") from None
+
+    def workers(self, attempt: int, timeout: float = 240) -> list[dict[str, Any]]:
+        """The attempt's worker pods once all are Running, by completion index."""
+        sel = f"jobset.sigs.k8s.io/jobset-name={jobset_name(self.run_id, attempt)}"
+
+        def running():
+            pods = [p for p in self.rc.pods(self.ns, sel) if p["status"].get("phase") == "Running"]
+            return sorted(pods, key=lambda p: int(p["metadata"]["labels"][INDEX])) if len(pods) >= HOSTS else None
+
+        return self.until(f"{HOSTS} worker pods Running of attempt {attempt}", running, timeout, 0.5)
+
+    def committed_past(self, attempt: int, timeout: float = 300) -> tuple[int, int]:
+        """Wait until a checkpoint has committed (manifest written) and the attempt trained past it; both steps."""
+
+        def past():
+            steps = [s for s in self.store.checkpoint_steps() if self.store.exists(RunLayout.checkpoint_manifest(s))]
+            beats = [
+                self.store.read_json(RunLayout.heartbeat(attempt, i))
+                for i in range(HOSTS)
+                if self.store.exists(RunLayout.heartbeat(attempt, i))
+            ]
+            step = min((b["step"] for b in beats), default=None) if len(beats) == HOSTS else None
+            return (steps[-1], step) if steps and step is not None and step > steps[-1] else None
+
+        return self.until(f"attempt {attempt} past a committed checkpoint", past, timeout, 0.2)
+
+    def until(self, what: str, check: Any, timeout: float, interval: float) -> Any:
+        """``wait_for(check)``, failing at once (with the Workflow's nodes) when the Workflow ends first."""
+        ended = object()
+
+        def probe():
+            got = check()
+            return got if got else ended if (self.wf().get("status") or {}).get("phase") in TERMINAL else None
+
+        try:
+            got = wait_for(what, probe, timeout, interval)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{argoctl.summary(self.wf())}") from None
+        if got is ended:
+            raise AssertionError(f"{what}: the Workflow ended first\n{argoctl.summary(self.wf())}")
+        return got
+
+
+def clean_run(rc: RealCluster, ns: str, run_id: str) -> None:
+    """Delete the run's Workflows, JobSets and pods; wait until no pod of the run is left."""
+    from kubernetes import client
+
+    objs = client.CustomObjectsApi(rc.admin)
+    sel = f"jaxrec/run-id={run_id}"
+    for group, plural in (("argoproj.io", "workflows"), ("jobset.x-k8s.io", "jobsets")):
+        version = "v1alpha1" if group == "argoproj.io" else "v1alpha2"
+        objs.delete_collection_namespaced_custom_object(group, version, ns, plural, label_selector=sel)
+    # Argo's pods go with their Workflow (garbage collector), but not always within the wait: delete them too.
+    rc.core().delete_collection_namespaced_pod(ns, label_selector=sel)
+    try:
+        wait_for(f"no pods of {run_id} left", lambda: not rc.pods(ns, sel), 90, 0.5)
+    except AssertionError as e:
+        left = [
+            (p["metadata"]["name"], p["spec"].get("nodeName"), p["status"].get("phase"),
+             p["metadata"].get("deletionTimestamp"), p["metadata"].get("finalizers"))
+            for p in rc.pods(ns, sel)
+        ]  # fmt: skip
+        raise AssertionError(f"{e}: {left}") from None
+
+
+BUCKET = "tier-trainers"  # created in the session's GCS emulator
+
+
+def new_run(rc: RealCluster, hosts: CpuHosts, gcs_emulator: Any, prefix: str = "tier") -> TrainerRun:
+    """A run with a run id and a GCS prefix of its own (not submitted yet)."""
+    gcs_emulator.create_bucket(BUCKET)
+    run_id = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    return TrainerRun(rc, hosts, f"gs://{BUCKET}/{run_id}", run_id)
+
+
+def run_undisturbed(r: TrainerRun) -> tuple[TrainerRun, dict[str, Any]]:
+    """Submit a run nothing disturbs and wait for its end: the run (seconds, worker nodes) and its Workflow."""
+    t0 = time.monotonic()
+    r.submit()
+    r.nodes = {p["spec"]["nodeName"] for p in r.workers(0)}
+    wf = r.wait_done(420)
+    r.seconds = time.monotonic() - t0
+    return r, wf
+
+
+def final_reports(r: Any, attempt: int) -> list[Any]:
+    """The attempt's worker exit reports, by process index (none unreadable)."""
+    reports, problems = read_worker_reports(r.store, attempt)
+    assert not problems, problems
+    return sorted(reports, key=lambda w: w.process_index)
+
+
+def final_digest(r: Any) -> str:
+    """The final parameters' digest every worker of the run's last attempt reported (all equal)."""
+    last = r.store.attempts()[-1]
+    digests = {w.params_digest for w in final_reports(r, last)}
+    assert len(digests) == 1 and None not in digests, digests
+    return digests.pop()
