@@ -253,6 +253,9 @@ def uninterrupted(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator) 
 
     r = trainers.new_run(real_cluster, cpu_hosts, gcs_emulator)
     try:
-        yield trainers.run_undisturbed(r)
+        ended = trainers.run_undisturbed(r)
     finally:
+        # Its objects go at once (the store stays): a finished pod left on a node would make the drill refuse to
+        # drain that node, as it refuses any node with pods that are not the drilled run's.
         trainers.clean_run(real_cluster, r.ns, r.run_id)
+    yield ended
