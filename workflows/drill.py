@@ -43,7 +43,7 @@ class Fault(enum.StrEnum):
     DRAIN_NODE = "drain-node"  # one worker's node cordoned and its pods evicted, as `kubectl drain` does
     DELETE_SUPERVISOR = "delete-supervisor"  # the train-segment pod evicted, as a drain of its node does
     RESUBMIT = "resubmit"  # the Workflow deleted and the same file submitted again (same run id)
-    CORRUPT_CHECKPOINT = "corrupt-checkpoint"  # a byte of the newest checkpoint flipped, a worker deleted at once
+    CORRUPT_CHECKPOINT = "corrupt-checkpoint"  # a worker deleted; once the attempt stopped, the newest step damaged
 
 
 class DrillError(Exception):
@@ -135,6 +135,11 @@ class Cluster:
         items = self.core.list_namespaced_pod(self.ns, label_selector=selector).items
         live = [p for p in items if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
         return sorted(live, key=lambda p: (p.metadata.creation_timestamp, p.metadata.name))
+
+    def running(self, selector: str) -> list[str]:
+        """Pods matching a label selector whose containers still run (being deleted or not)."""
+        items = self.core.list_namespaced_pod(self.ns, label_selector=selector).items
+        return [p.metadata.name for p in items if p.status.phase in ("Pending", "Running")]
 
     def delete_pod(self, name: str, grace_s: int | None = None) -> None:
         """Delete one pod (with its own grace period unless ``grace_s`` says otherwise)."""
@@ -250,6 +255,32 @@ def _flip_byte(store: RunStore, rel: str) -> None:
     store.write_bytes(rel, bytes(data))
 
 
+CORRUPT_WAIT_S = 600.0
+"""How long corrupt-checkpoint waits for the attempt's workers to stop after the deletion."""
+
+
+def _corrupt_after_stop(cluster: Cluster, store: RunStore, target: Target, victim: str, attempt: int) -> str:
+    """Delete a worker pod; once every worker of the attempt has stopped, flip a byte of the newest checkpoint.
+
+    The damage comes after the stop because no deletion leaves the gang without time to save: the kubelet gives
+    a container at least 2 s after SIGTERM even for a pod deleted with grace 0 (kubernetes v1.36.3,
+    ``pkg/kubelet/kuberuntime/kuberuntime_container.go``, ``minimumGracePeriodInSeconds``), and the trainer
+    saves at a SIGTERM when the save fits. Damaged before the stop, the step could then be superseded by the
+    save at the stop and never read. The next attempt's restore-latest runs seconds after the stop (the
+    supervisor's record, classify-failure, provision-slice), so the byte is flipped as soon as the last worker
+    stopped.
+    """
+    cluster.delete_pod(victim)
+    selector = f"{RUN_ID_LABEL}={target.run_id},{ATTEMPT_LABEL}={attempt}"
+    stopped = lambda: not cluster.running(selector)  # noqa: E731
+    wait_until(f"the workers of attempt {attempt} to stop", stopped, time.time() + CORRUPT_WAIT_S, every=0.2)
+    rel = newest_checkpoint_file(store)
+    if rel is None:
+        raise DrillError(f"run {target.run_id} has no checkpoint with a manifest yet; raise --after-step")
+    _flip_byte(store, rel)
+    return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped a byte of {store.url(rel)}"
+
+
 def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fault: Fault, attempt: int) -> str:
     """Inject ``fault`` into the run's attempt; one line saying what was done."""
     workers = cluster.pods(f"{RUN_ID_LABEL}={target.run_id},{ATTEMPT_LABEL}={attempt}")
@@ -279,12 +310,7 @@ def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fau
         cluster.evict(sup[-1].metadata.name)
         return f"evicted supervisor pod {sup[-1].metadata.name}"
     if fault is Fault.CORRUPT_CHECKPOINT:
-        rel = newest_checkpoint_file(store)
-        if rel is None:
-            raise DrillError(f"run {target.run_id} has no checkpoint with a manifest yet; raise --after-step")
-        _flip_byte(store, rel)
-        cluster.delete_pod(victim, grace_s=0)  # no time for a save at the failure: the damaged step is the newest
-        return f"flipped a byte of {store.url(rel)} and deleted worker pod {victim}"
+        return _corrupt_after_stop(cluster, store, target, victim, attempt)
     raise DrillError(f"--inject {fault}: handled by the caller")
 
 

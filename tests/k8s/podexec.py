@@ -72,6 +72,18 @@ def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+MIN_GRACE_S = 2
+"""The kubelet gives every container at least this long after SIGTERM, a pod deleted with grace 0 included
+(kubernetes v1.36.3, ``pkg/kubelet/kuberuntime/kuberuntime_container.go``: ``minimumGracePeriodInSeconds``)."""
+
+
+def kill_grace(pod: dict[str, Any]) -> float:
+    """Seconds from SIGTERM to SIGKILL for a deleted pod: its deletion grace, else its spec's, at least 2."""
+    grace = pod["metadata"].get("deletionGracePeriodSeconds")
+    grace = grace if grace is not None else pod["spec"].get("terminationGracePeriodSeconds", 30)
+    return float(max(MIN_GRACE_S, grace))
+
+
 def pdeathsig() -> None:  # SIGKILL when the thread that started the step ends (the pod's runner, or this process)
     import ctypes
 
@@ -565,16 +577,14 @@ class Kubelet:
         if kind == "DELETED":
             run = self.runs.pop(uid, None)
             if run is not None and not run.done.is_set():  # force-deleted: the kubelet kills what still runs
-                grace = meta.get("deletionGracePeriodSeconds")
-                run.kill(float(grace if grace is not None else pod["spec"].get("terminationGracePeriodSeconds", 30)))
+                run.kill(kill_grace(pod))
             return
         run = self.runs.get(uid)
         if meta.get("deletionTimestamp"):
             if run is None:
                 self.remove(meta["namespace"], meta["name"])
             else:
-                grace = meta.get("deletionGracePeriodSeconds")
-                run.kill(float(grace if grace is not None else pod["spec"].get("terminationGracePeriodSeconds", 30)))
+                run.kill(kill_grace(pod))
                 if run.done.is_set():  # else its runner removes it once the pod's end is reported
                     self.remove(meta["namespace"], meta["name"])
             return

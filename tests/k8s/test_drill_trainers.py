@@ -106,9 +106,9 @@ def test_drill_drain_node_real_trainers(trainer_drill, uninterrupted):
 
 
 def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, uninterrupted):
-    """``corrupt-checkpoint``: the drill flips a byte of the newest checkpoint on the GCS emulator and deletes a
-    worker pod with no grace period. restore-latest finds the damage (CRC32C against the manifest), quarantines
-    the step and the next attempt restores the one before it."""
+    """``corrupt-checkpoint``: the drill deletes a worker pod and, once every worker of the attempt has stopped,
+    flips a byte of the newest checkpoint on the GCS emulator. restore-latest finds the damage (CRC32C against the
+    manifest), quarantines the step and the next attempt restores the one before it."""
     d = trainer_drill
     res = d.run(drill.Fault.CORRUPT_CHECKPOINT, after_step=25)
     corrupted = int(res.injected.split("/checkpoints/")[1].split("/")[0])
@@ -116,6 +116,6 @@ def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, uninterrupted):
     quarantined = d.store.children(RunLayout.QUARANTINE)
     assert any(q.split("-")[0].split(".")[0] == str(corrupted) for q in quarantined), (corrupted, quarantined)
     assert t.incident.restored_step is not None and t.incident.restored_step < corrupted, t.incident
-    # Deleted with no grace period: SIGKILL at once, exit 137, which no podFailurePolicy rule names.
-    assert t.incident.failure_class == "infrastructure", t.incident
+    # A deleted pod gets SIGTERM and its grace: the gang stops together (143) as for any SIGTERM.
+    assert t.incident.failure_class == "preemption", t.incident
     assert final_digest(d) == final_digest(uninterrupted[0])
