@@ -255,6 +255,22 @@ def workflow(rc: RealCluster, namespace: str, name: str) -> dict[str, Any]:
     )
 
 
+TERMINAL = ("Succeeded", "Failed", "Error")
+
+
+def wait_finished(rc: RealCluster, namespace: str, name: str, timeout: float) -> dict[str, Any]:
+    """The Workflow once it has ended; the assertion names its nodes when it has not within ``timeout``."""
+
+    def done() -> dict[str, Any] | None:
+        wf = workflow(rc, namespace, name)
+        return wf if (wf.get("status") or {}).get("phase") in TERMINAL else None
+
+    try:
+        return wait_for(f"Workflow {name} finished", done, timeout, 1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{summary(workflow(rc, namespace, name))}") from None
+
+
 def nodes(wf: dict[str, Any], template: str | None = None) -> list[dict[str, Any]]:
     """The Workflow's nodes (of one template), oldest first."""
     found = [

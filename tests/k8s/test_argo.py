@@ -31,7 +31,6 @@ from recovery_steps.kernel.store import RunLayout, RunStore
 
 pytestmark = pytest.mark.k8s
 
-TERMINAL = ("Succeeded", "Failed", "Error")
 # How long after its start the supervisor's node is evicted. Argo v4.0.5 treats a pod that vanishes within
 # RECENTLY_STARTED_POD_DURATION (10 s) of its node's start as not yet synced and creates it again for the same node
 # (workflow/controller/operator.go podReconciliation, ``recentlyStarted``); later, the node is Error "pod deleted"
@@ -66,14 +65,7 @@ class ArgoRun:
         return argoctl.workflow(self.rc, self.ns, self.name)
 
     def wait_done(self, timeout: float) -> dict[str, Any]:
-        def done():
-            wf = self.wf()
-            return wf if (wf.get("status") or {}).get("phase") in TERMINAL else None
-
-        try:
-            return wait_for(f"Workflow {self.name} finished", done, timeout, 1)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{argoctl.summary(self.wf())}") from None
+        return argoctl.wait_finished(self.rc, self.ns, self.name, timeout)
 
     def workers(self, attempt: int, timeout: float = 180) -> list[dict[str, Any]]:
         """The attempt's worker pods once all are Running (by completion index)."""

@@ -18,7 +18,7 @@ from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.k8s import jobset_name
 from recovery_steps.kernel.store import RunLayout, RunStore
 
-TERMINAL = ("Succeeded", "Failed", "Error")
+TERMINAL = argoctl.TERMINAL
 TOTAL_STEPS = load_config(REPO / "configs" / LOCAL_ARGO_FILE).training.total_steps
 
 
@@ -51,14 +51,7 @@ class TrainerRun:
         return argoctl.workflow(self.rc, self.ns, self.name)
 
     def wait_done(self, timeout: float) -> dict[str, Any]:
-        def done():
-            wf = self.wf()
-            return wf if (wf.get("status") or {}).get("phase") in TERMINAL else None
-
-        try:
-            return wait_for(f"Workflow {self.name} finished", done, timeout, 1)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{argoctl.summary(self.wf())}") from None
+        return argoctl.wait_finished(self.rc, self.ns, self.name, timeout)
 
     def workers(self, attempt: int, timeout: float = 240) -> list[dict[str, Any]]:
         """The attempt's worker pods once all are Running, by completion index."""
