@@ -98,6 +98,15 @@ def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], 
     return out, problems
 
 
+def flip_middle(data: bytes) -> bytes:
+    """``data`` with the 16 bytes in its middle inverted (same size: only a checksum can tell)."""
+    out = bytearray(data)
+    mid = len(out) // 2
+    for i in range(mid, min(len(out), mid + 16)):
+        out[i] ^= 0xFF
+    return bytes(out)
+
+
 def corrupt_newest_checkpoint(store: RunStore) -> str | None:
     """Flip bytes in the largest array file of the newest checkpoint that has a manifest.
 
@@ -115,11 +124,7 @@ def corrupt_newest_checkpoint(store: RunStore) -> str | None:
         if not files:
             continue
         target = max(files, key=lambda o: o.size)
-        data = bytearray(store.read_bytes(target.name) or b"")
-        mid = len(data) // 2
-        for i in range(mid, min(len(data), mid + 16)):
-            data[i] ^= 0xFF
-        store.write_bytes(target.name, bytes(data))
+        store.write_bytes(target.name, flip_middle(store.read_bytes(target.name) or b""))
         return target.name
     return None
 
@@ -163,11 +168,7 @@ class Hosts:
         if not own:
             return f"no part of worker {worker} on {self.nodes[worker]} to damage"
         target = own[-1]
-        data = bytearray(target.read_bytes())
-        mid = len(data) // 2
-        for i in range(mid, min(len(data), mid + 16)):
-            data[i] ^= 0xFF
-        target.write_bytes(bytes(data))
+        target.write_bytes(flip_middle(target.read_bytes()))
         return f"damaged {target.relative_to(self.dir)} (same size)"
 
     def apply(self, scenario: str, victim: int) -> str:
