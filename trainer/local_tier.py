@@ -113,7 +113,6 @@ class LocalTier:
         self._saver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-saver")
         self._pending: concurrent.futures.Future | None = None
         self.newest_own: int | None = None
-        self.newest_peer: int | None = None
         self.skipped_saves = 0
         self.on_saved: Callable[[int, str], None] | None = None  # (step, tier) after a part lands
 
@@ -285,17 +284,11 @@ class LocalTier:
             try:
                 self.kv.blocking_key_value_get(self._key("saved", step, src), int(PEER_WAIT_S * 1000))
                 self.parts.fetch(self.addresses[src], self.token, step, src, self.layout)
-                self.newest_peer = step
                 if self.on_saved:
                     self.on_saved(step, Tier.PEER.value)
             except Exception as e:  # noqa: BLE001 - the peer copy is missing; restore falls back past it
                 log.warning("peer copy of part %d of step %d not taken: %s", src, step, e)
         self.parts.gc(self.keep)
-
-    def close(self) -> None:
-        """Let a local save in flight finish, then stop serving."""
-        self._saver.shutdown(wait=True)
-        self.server.close()
 
 
 def _plan_json(p: TierPlan) -> dict[str, Any]:
