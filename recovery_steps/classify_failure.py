@@ -31,6 +31,7 @@ from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkp
 from recovery_steps.kernel.config import JobConfig, RetryConfig
 from recovery_steps.kernel.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass, SupervisionOutcome
 from recovery_steps.kernel.documents import read_ledger
+from recovery_steps.kernel.k8s import uses_cluster
 from recovery_steps.kernel.outputs import ClassifyOutputs
 from recovery_steps.kernel.records import (
     AttemptRecord,
@@ -132,11 +133,11 @@ def gather(
             step_exit_code = prov.exit_code
 
     ev = Evidence(
-        backend=Backend.LOCAL if cfg.slice.is_local else Backend.GKE, attempt=attempt, step_exit_code=step_exit_code
+        backend=Backend.GKE if uses_cluster(cfg) else Backend.LOCAL, attempt=attempt, step_exit_code=step_exit_code
     )
     gather_reports(store, attempt, ev)
     gather_supervision(store, attempt, ev)
-    if cfg.slice.is_local:
+    if not uses_cluster(cfg):
         gather_local_slice(store, attempt, ev)
         return _restore_never_decided(store, ev)
     if api_client is None:

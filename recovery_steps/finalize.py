@@ -39,6 +39,7 @@ from recovery_steps.kernel.k8s import (
     api_error_line,
     api_exit_code,
     delete_run_jobsets,
+    uses_cluster,
 )
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, RunLease, WorkerExitReport, now
@@ -372,7 +373,7 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
             cfg = read_run_config(store)
     except (DocumentError, ConfigError) as e:
         return f"run {run_id} ended {status}: no JobSet looked for, the run's config is not readable ({first_line(e)})"
-    if cfg.slice.is_local:
+    if not uses_cluster(cfg):
         return None
     ns = cfg.namespace
     by_hand = f"delete the gang by hand: kubectl delete jobsets -n {ns} -l {RUN_ID_LABEL}={run_id}"

@@ -49,6 +49,7 @@ from recovery_steps.kernel.k8s import (
     TITLE_ANNOTATION,
     Kube,
     continuation_name,
+    uses_cluster,
 )
 from recovery_steps.kernel.outputs import HandOverOutputs
 from recovery_steps.kernel.records import HandOver, Ledger, RunLease, now
@@ -240,12 +241,12 @@ def run(
             problems = "; ".join(e.problems)
             raise StepError(ExitCode.CONFIGURATION, f"the run's config is not valid: {problems}") from None
         read_ledger(store)  # a damaged ledger is refused before a continuation is created
-        if cfg.slice.is_local:
+        if not uses_cluster(cfg):
             to = local_continuation(store.read_record(RunLayout.LEDGER, Ledger), workflow_uid, run_id, attempt)
         else:
             to = create_on_gke(api_client or k8s_client(None), cfg.namespace, workflow, workflow_uid, run_id, attempt)
         pass_lease(store, workflow_uid, to, cfg.retry.lease_ttl_s, clock=clock)
-        backend = Backend.LOCAL if cfg.slice.is_local else Backend.GKE
+        backend = Backend.GKE if uses_cluster(cfg) else Backend.LOCAL
         record(
             store,
             HandOver(

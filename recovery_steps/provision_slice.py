@@ -41,6 +41,7 @@ from recovery_steps.kernel.k8s import (
     delete_run_jobsets,
     gke_node_selector,
     jobset_name,
+    uses_cluster,
 )
 from recovery_steps.kernel.outputs import ProvisionOutputs
 from recovery_steps.kernel.records import ProvisionRecord, now
@@ -302,6 +303,14 @@ def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[No
     return [replace(n, other_runs=tuple(by_node.get(n.name, ()))) for n in nodes]
 
 
+def clear_old_gangs(cfg: JobConfig, attempt: int, api_client: Any, *, pod_timeout_s: float) -> None:
+    """Delete the run's finished or decided JobSets and wait for their pods to go (this attempt's live one kept)."""
+    _, _, kept = delete_run_jobsets(
+        api_client, cfg.namespace, cfg.run_id, unsupervised_gang(RunStore(cfg.storage.root, cfg.run_id), attempt)
+    )
+    wait_pods_gone(api_client, cfg.namespace, cfg.run_id, timeout_s=pod_timeout_s, keep=kept)
+
+
 def provision_gke(
     cfg: JobConfig,
     attempt: int,
@@ -313,10 +322,7 @@ def provision_gke(
 ) -> ProvisionOutputs:
     """The GKE backend: clear old JobSets, check the nodes, return the outputs."""
     try:
-        _, _, kept = delete_run_jobsets(
-            api_client, cfg.namespace, cfg.run_id, unsupervised_gang(RunStore(cfg.storage.root, cfg.run_id), attempt)
-        )
-        wait_pods_gone(api_client, cfg.namespace, cfg.run_id, timeout_s=pod_timeout_s, keep=kept)
+        clear_old_gangs(cfg, attempt, api_client, pod_timeout_s=pod_timeout_s)
         nodes = with_other_runs(
             api_client, cfg.namespace, cfg.run_id, list_slice_nodes(api_client, gke_node_selector(cfg.slice))
         )
@@ -418,9 +424,21 @@ def free_port_range(count: int, *, attempts: int = 50, exclude: Sequence[int] = 
     raise StepError(ExitCode.CAPACITY, f"no {count} consecutive free ports found")
 
 
-def provision_local(cfg: JobConfig, attempt: int, store_root: str) -> ProvisionOutputs:
-    """The local backend: stop leftover workers of the run, pick the coordinator and metrics ports."""
-    stop_leftover_workers(cfg.run_id, store_root)
+def provision_local(
+    cfg: JobConfig, attempt: int, store_root: str, api_client: Any = None, *, pod_timeout_s: float = 300
+) -> ProvisionOutputs:
+    """The CPU slice: stop what is left of earlier attempts, pick the coordinator and metrics ports.
+
+    On a cluster (``api_client`` given) the earlier attempts are JobSets, cleared as on GKE, never processes
+    found on this node; under the local runner they are the run's worker processes on this machine.
+    """
+    if api_client is None:
+        stop_leftover_workers(cfg.run_id, store_root)
+    else:
+        try:
+            clear_old_gangs(cfg, attempt, api_client, pod_timeout_s=pod_timeout_s)
+        except api_failures() as e:
+            raise api_error(e) from None
     coordinator = free_port()
     metrics = free_port_range(cfg.slice.num_hosts, exclude=[coordinator])
     return ProvisionOutputs(
@@ -471,7 +489,7 @@ def run(
         from recovery_steps import lease
 
         site, alive = lease.LOCAL, None
-        if not cfg.slice.is_local:
+        if uses_cluster(cfg):
             api_client = api_client or k8s_client(k8s_host)
             site, alive = lease.on_gke(api_client, cfg.namespace)
         try:
@@ -485,11 +503,11 @@ def run(
             )
         except lease.LeaseHeld as e:
             raise StepError(ExitCode.CONFIGURATION, str(e)) from None
+    if uses_cluster(cfg) and api_client is None:
+        api_client = k8s_client(k8s_host)
     if cfg.slice.is_local:
-        outputs = provision_local(cfg, attempt, store_root)
+        outputs = provision_local(cfg, attempt, store_root, api_client, pod_timeout_s=pod_timeout_s)
     else:
-        if api_client is None:
-            api_client = k8s_client(k8s_host)
         outputs = provision_gke(cfg, attempt, api_client, require_nodes=require_nodes, pod_timeout_s=pod_timeout_s)
     outputs.write(output_dir)
     return outputs.files()

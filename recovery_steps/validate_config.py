@@ -21,6 +21,7 @@ from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
 from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, run_id_pod_name_problem
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_ledger
+from recovery_steps.kernel.k8s import uses_cluster
 from recovery_steps.kernel.outputs import ValidateOutputs
 from recovery_steps.kernel.records import RunConfigDocument
 from recovery_steps.kernel.step import Step, StepError
@@ -294,7 +295,7 @@ def _holder_check(cfg: JobConfig, k8s_host: str | None):
     """
     from recovery_steps import lease
 
-    if cfg.slice.is_local:
+    if not uses_cluster(cfg):
         return lease.LOCAL, None
     from recovery_steps.kernel.k8s import make_api_client
 

@@ -303,6 +303,24 @@ def test_classify_failure_on_gke_backend(api, tmp_path, capsys):
     assert Path(store.url(RunLayout.LEDGER)).exists()
 
 
+@pytest.mark.parametrize("in_pod", [False, True], ids=["local-runner", "in-a-pod"])
+def test_a_cpu_slice_is_classified_from_the_cluster_when_its_steps_run_in_pods(api, tmp_path, monkeypatch, in_pod):
+    """The CPU slice on a cluster (``argo/local-cpu.yaml`` submitted there) has a JobSet and pods to read; only the
+    local runner's attempts are classified from its own records."""
+    spot_preemption(api)
+    cfg = parse_config({"run_id": "cpu", "namespace": NS, "image": "trainer:local",
+                        "slice": {"accelerator": "local", "hosts": 4},
+                        "storage": {"root": str(tmp_path / "store")}})  # fmt: skip
+    if in_pod:
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    store = RunStore.for_config(cfg)
+    store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, tmp_path / "out", api_client=make_api_client(api.url))
+    assert r.evidence.backend == ("gke" if in_pod else "local")
+    assert (len(r.evidence.pods) > 0) is in_pod
+    assert (r.verdict.failure_class is FailureClass.PREEMPTION) is in_pod
+
+
 def _failed_attempt_snapshot(code: int):
     from recovery_steps.kernel.snapshot import ClusterSnapshot, job_from_api, node_from_api, pod_from_api
 

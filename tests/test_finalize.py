@@ -184,8 +184,8 @@ class _Cluster(FakeCluster):
         return super().route(method, raw, body)
 
 
-def _jobset(name, run_id, deleting=False):
-    meta = {"name": name, "namespace": "training", "labels": {"jaxrec/run-id": run_id}}
+def _jobset(name, run_id, deleting=False, namespace="training"):
+    meta = {"name": name, "namespace": namespace, "labels": {"jaxrec/run-id": run_id}}
     if deleting:
         meta["deletionTimestamp"] = "2024-05-01T10:00:00Z"
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta, "spec": {}, "status": {}}
@@ -267,18 +267,29 @@ def test_a_refused_delete_names_the_command_that_stops_the_gang_by_hand(gke, cap
     assert store.read_record(RunLayout.LEASE, RunLease).released  # no retry comes: the next submission takes over
 
 
-def test_a_local_run_has_no_jobset_to_delete(tmp_path, capsys):
+@pytest.mark.parametrize("in_pod", [False, True], ids=["local-runner", "in-a-pod"])
+def test_a_cpu_slice_deletes_its_jobset_only_on_a_cluster(tmp_path, capsys, monkeypatch, in_pod):
+    """The local runner's gang is processes (no API call at all); ``argo/local-cpu.yaml`` submitted to a cluster
+    (the step runs in a pod: the kubelet sets KUBERNETES_SERVICE_HOST) has a JobSet, stopped as on GKE."""
     root = str(tmp_path / "store")
     run_id = _store_config(root, "local-cpu.yaml")
     store = RunStore(root, run_id)
     lease.acquire(store, "uid-a", "wf-a", 3600)
-    cluster = _Cluster()
+    if in_pod:
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    cluster = _Cluster(namespace="default")
+    cluster.put("jobsets", _jobset(f"{run_id}-a0", run_id, namespace="default"))
     try:
         assert finalize.main(["--store-root", root, "--run-id", run_id, "--status", "Failed", "--holder", "uid-a",
                               "--k8s-host", cluster.url]) == 0  # fmt: skip
     finally:
         cluster.close()
-    assert cluster.requests == [] and "JobSet" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    if in_pod:
+        assert f"deleted JobSet {run_id}-a0 in namespace default (foreground)" in out, out
+        assert cluster.objects["jobsets"] == {}
+    else:
+        assert cluster.requests == [] and "JobSet" not in out
     assert store.read_record(RunLayout.LEASE, RunLease).released
 
 

@@ -101,9 +101,9 @@ def test_local_workflow_runs_have_distinct_uids():
 class _Argo:
     """The Argo Workflow objects and the kube-system namespace the lease's checks read."""
 
-    def __init__(self, workflows: dict[str, dict], cluster: str | None = CLUSTER):
+    def __init__(self, workflows: dict[str, dict], cluster: str | None = CLUSTER, namespace: str = "training"):
         self.workflows = workflows
-        self.cluster = cluster
+        self.cluster, self.ns = cluster, namespace
         self.requests: list[str] = []
         self.http = JsonServer(self._route)
 
@@ -116,7 +116,7 @@ class _Argo:
                 return 403, status(403, "Forbidden", 'namespaces "kube-system" is forbidden')
             return 200, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system",
                                                                                "uid": self.cluster}}  # fmt: skip
-        if "/apis/argoproj.io/v1alpha1/namespaces/training/workflows/" in path and name in self.workflows:
+        if f"/apis/argoproj.io/v1alpha1/namespaces/{self.ns}/workflows/" in path and name in self.workflows:
             return 200, self.workflows[name]
         return 404, status(404, "NotFound", f'workflows.argoproj.io "{name}" not found')
 
@@ -289,6 +289,30 @@ def test_validate_config_on_gke_names_the_site_and_takes_over_only_a_holder_know
         argo.cluster = CLUSTER
         assert validate_config.main([*args, "--output-dir", str(tmp_path / "o3"), "--holder", "uid-b",
                                      "--holder-name", "wf-uid-b"]) == 0  # fmt: skip
+        assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
+    finally:
+        argo.http.close()
+
+
+def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_a_deleted_holder(
+    tmp_path, capsys, monkeypatch
+):
+    """``argo/local-cpu.yaml`` submitted to a cluster: its lease names the namespace and cluster like a TPU run's,
+    so after ``argo delete`` the same file submitted again takes the run at once (under the local runner the TTL
+    decides: no cluster to ask)."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    cfg_file = REPO / "configs" / "local-cpu.yaml"
+    root = str(tmp_path / "store")
+    argo = _Argo({}, namespace="default")
+    try:
+        args = ["--config", str(cfg_file), "--store-root", root, "--k8s-host", argo.http.url]
+        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o1"), "--holder", "uid-a",
+                                     "--holder-name", "wf-uid-a"]) == 0  # fmt: skip
+        store = RunStore(root, "local-cpu")
+        held = store.read_record(RunLayout.LEASE, RunLease)
+        assert (held.holder, held.namespace, held.cluster) == ("uid-a", "default", CLUSTER)
+        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o2"), "--holder", "uid-b",
+                                     "--holder-name", "wf-uid-b"]) == 0, capsys.readouterr().err  # fmt: skip
         assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
     finally:
         argo.http.close()

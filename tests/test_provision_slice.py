@@ -277,6 +277,34 @@ def test_local_stops_leftover_workers_and_picks_free_ports(store_root, tmp_path)
     assert (tmp_path / "out" / "metrics-port").read_text() == str(base)
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["finished", "live-unsupervised"])
+def test_a_cpu_slice_in_a_pod_clears_earlier_jobsets_through_the_api(store_root, tmp_path, monkeypatch, live):
+    """``argo/local-cpu.yaml`` on a cluster: the earlier attempt's gang is a JobSet, deleted through the API (a live
+    one that no supervisor decided is refused, as on GKE); no process on the step's node is looked at."""
+    from fake_k8s import FakeCluster
+
+    run_id = _store_config(store_root, "local-cpu.yaml")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setattr(ps, "stop_leftover_workers", lambda *a, **k: pytest.fail("looked for local processes"))
+    cluster = FakeCluster(namespace="default")
+    cond = [] if live else [{"type": "Failed", "status": "True", "reason": "FailedJobs"}]
+    cluster.put("jobsets", {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                            "metadata": {"name": f"{run_id}-a0", "namespace": "default",
+                                         "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"}},
+                            "spec": {}, "status": {"conditions": cond}})  # fmt: skip
+    try:
+        code = ps.main(["--store-root", store_root, "--run-id", run_id, "--attempt", "1", "--output-dir",
+                        str(tmp_path / "out"), "--k8s-host", cluster.url, "--pod-timeout", "5"])  # fmt: skip
+    finally:
+        cluster.close()
+    deletes = [r[1].split("?")[0].rsplit("/", 1)[-1] for r in cluster.requests_of("DELETE", "/jobsets/")]
+    if live:
+        assert (code, deletes) == (2, [])
+    else:
+        assert (code, deletes) == (0, [f"{run_id}-a0"])
+        assert (tmp_path / "out" / "jobset-name").read_text() == f"{run_id}-a1"
+
+
 def _tpu_node(name, *, tpu="4", labels=None):
     n = _node(name, taints=[("google.com/tpu", "NoSchedule")], labels=labels)
     n["status"]["allocatable"] = {"cpu": "111500m", "memory": "190Gi", "google.com/tpu": tpu}

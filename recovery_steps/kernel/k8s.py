@@ -247,6 +247,26 @@ def delete_run_jobsets(
     return deleted, going, kept
 
 
+IN_POD_ENV = "KUBERNETES_SERVICE_HOST"
+"""Set by the kubelet in every container of every pod (Kubernetes docs "Accessing the Kubernetes API from a Pod");
+the local runner takes it out of its steps' environment."""
+
+
+def in_pod() -> bool:
+    """Whether this process runs in a pod of a cluster (and not as a step of the local runner)."""
+    return bool(os.environ.get(IN_POD_ENV))
+
+
+def uses_cluster(cfg: Any) -> bool:
+    """Whether the run's steps act through the Kubernetes API.
+
+    Always for a TPU slice; for the CPU slice (``slice.accelerator: local``) when the step runs in a pod, as when
+    ``argo/local-cpu.yaml`` is submitted to a cluster, where the gang is a JobSet like any other. Only the local
+    runner's steps act on local processes.
+    """
+    return not cfg.slice.is_local or in_pod()
+
+
 def make_api_client(host: str | None = None) -> Any:
     """A kubernetes ``ApiClient``.
 
