@@ -15,9 +15,10 @@ each), keeps them Ready by renewing their Leases, and runs every pod the real sc
   TPU slice's manifest names no address (on GKE, JAX finds the coordinator from the TPU environment GKE injects):
   those pods stay on KWOK, whose nodes carry the TPU labels, taints and ``google.com/tpu`` capacity;
 - as the pod's ServiceAccount when its token is mounted (the admission plugin added the projected token volume):
-  a bound token (TokenRequest for the pod) in a kubeconfig that ``KUBECONFIG`` names
-  (``recovery_steps.kernel.k8s.make_api_client`` reads it when ``KUBERNETES_SERVICE_HOST`` is unset); a pod whose
-  account mounts none (the workers') gets no credentials at all;
+  a bound token (TokenRequest for the pod), the cluster's CA and the namespace in the files the projected volume
+  holds, bind-mounted at the container's mount path (``/var/run/secrets/kubernetes.io/serviceaccount``), and
+  ``KUBERNETES_SERVICE_HOST``/``PORT`` naming the API server, as the kubelet gives every container: the client's
+  in-cluster config works unchanged. A pod whose account mounts none (the workers') gets no credentials at all;
 - with paths of its own: in a private mount namespace (``unshare -m``), each directory the template names for an
   input artifact or output parameter (``/tmp/inputs``, ``/tmp/outputs``) is a bind mount of a directory under the
   pod's own root, so two steps never share an output file. Raw input artifacts are written there first, as
@@ -141,11 +142,26 @@ def main_container(pod: dict[str, Any]) -> dict[str, Any]:
 def mounts_token(pod: dict[str, Any]) -> bool:
     """Whether the pod gets its ServiceAccount's token: the ServiceAccount admission plugin adds the projected
     ``serviceAccountToken`` volume only when neither the pod nor its account turns automounting off."""
-    return any(
-        "serviceAccountToken" in src
+    return bool(token_volumes(pod))
+
+
+def token_volumes(pod: dict[str, Any]) -> set[str]:
+    """The names of the pod's projected volumes that hold a ServiceAccount token."""
+    return {
+        v["name"]
         for v in pod["spec"].get("volumes") or []
-        for src in (v.get("projected") or {}).get("sources") or []
-    )
+        if any("serviceAccountToken" in src for src in (v.get("projected") or {}).get("sources") or [])
+    }
+
+
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def token_mount_path(pod: dict[str, Any], container: dict[str, Any]) -> str:
+    """Where ``container`` mounts the projected ServiceAccount volume (the admission plugin's ``SA_MOUNT``)."""
+    names = token_volumes(pod)
+    paths = [m["mountPath"] for m in container.get("volumeMounts") or [] if m.get("name") in names]
+    return paths[0] if paths else SA_MOUNT
 
 
 def argo_env(pod: dict[str, Any]) -> dict[str, str]:
@@ -230,10 +246,10 @@ class PodRun:
         template = json.loads(aenv.get("ARGO_TEMPLATE") or "{}")
         self.root.mkdir(parents=True, exist_ok=True)
         private = self.root / "fs"
-        kubeconfig, result = None, None
+        secrets, result = None, None
         if mounts_token(self.pod):
             token = self.kubelet.token(self.pod)
-            kubeconfig = self.kubelet.write_kubeconfig(self.root / "kubeconfig", token)
+            secrets = self.kubelet.write_token_volume(private, main, self.pod, token)
             if "ARGO_NODE_ID" in aenv:  # a step pod: its wait container's task result
                 result = TaskResult(self.kubelet, self.pod, aenv, token)
         for a in (template.get("inputs") or {}).get("artifacts") or []:
@@ -244,20 +260,19 @@ class PodRun:
             result.initialize()
         started = now()
         self.kubelet.report_running(self.pod, started)
-        code = self._execute(main, template, private, kubeconfig)
+        code = self._execute(main, template, private, secrets)
         params, error = save_parameters(template, private)
         if result is not None:
             result.report(params, error)
         self.kubelet.report_terminated(self.pod, started, code, wait_code=1 if error else 0, error=error)
 
-    def _execute(self, main: dict[str, Any], template: dict[str, Any], private: Path, kubeconfig: Path | None) -> int:
-        env = {k: v for k, v in os.environ.items() if k not in ("KUBERNETES_SERVICE_HOST", "KUBECONFIG")}
+    def _execute(self, main: dict[str, Any], template: dict[str, Any], private: Path, secrets: str | None) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        env.update(self.kubelet.service_env())
         env.update(container_env(self.pod, main))
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-        if kubeconfig is not None:  # no token mounted (the workers' account): no credentials at all
-            env["KUBECONFIG"] = str(kubeconfig)
         binds = []
-        for d in mount_points(template):
+        for d in [*mount_points(template), *([secrets] if secrets else [])]:
             Path(d).mkdir(parents=True, exist_ok=True)  # the host's (empty) mount point
             (private / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
             binds.append(f'mount --bind "{private / d.lstrip("/")}" "{d}"')
@@ -411,19 +426,22 @@ class Kubelet:
         sa = pod["spec"].get("serviceAccountName") or "default"
         return self.core().create_namespaced_service_account_token(sa, meta["namespace"], req).status.token
 
-    def write_kubeconfig(self, path: Path, token: str) -> Path:
-        import yaml
+    def service_env(self) -> dict[str, str]:
+        """``KUBERNETES_SERVICE_HOST``/``PORT``: the kubelet's environment for every container (the API server)."""
+        from urllib.parse import urlsplit
 
-        doc = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "tier", "cluster": {"server": self.server, "certificate-authority": self.ca}}],
-            "users": [{"name": "pod", "user": {"token": token}}],
-            "contexts": [{"name": "tier", "context": {"cluster": "tier", "user": "pod"}}],
-            "current-context": "tier",
-        }
-        path.write_text(yaml.safe_dump(doc))
-        path.chmod(0o600)
+        url = urlsplit(self.server)
+        return {"KUBERNETES_SERVICE_HOST": url.hostname or "", "KUBERNETES_SERVICE_PORT": str(url.port or 443)}
+
+    def write_token_volume(self, private: Path, container: dict[str, Any], pod: dict[str, Any], token: str) -> str:
+        """The projected ServiceAccount volume's files (token, ca.crt, namespace) under the pod's own root; the
+        container's mount path of that volume (where the client's in-cluster config reads them)."""
+        path = token_mount_path(pod, container)
+        d = private / path.lstrip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "token").write_text(token)
+        (d / "ca.crt").write_text(Path(self.ca).read_text())
+        (d / "namespace").write_text(pod["metadata"]["namespace"])
         return path
 
     # --- node --------------------------------------------------------------------------------------
