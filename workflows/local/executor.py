@@ -24,6 +24,7 @@ from typing import Any
 
 from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
 from recovery_steps.kernel.gang import Attachment
+from recovery_steps.kernel.k8s import IN_POD_ENV
 from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord, SupervisionRecord, now
 from recovery_steps.kernel.snapshot import ClusterSnapshot
 from recovery_steps.kernel.step import StepError, run_step
@@ -433,7 +434,8 @@ class LocalExecutor:
         self.live: dict[str, LocalSlice] = {}
 
     def _env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        env = dict(os.environ)
+        # Not a pod, even when the runner itself runs in one: the steps act on local processes (kernel.k8s.in_pod).
+        env = {k: v for k, v in os.environ.items() if k != IN_POD_ENV}
         env.update(self.base_env)
         pp = env.get("PYTHONPATH", "")
         env["PYTHONPATH"] = str(self.repo_root) + (os.pathsep + pp if pp else "")

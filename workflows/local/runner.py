@@ -28,7 +28,6 @@ from recovery_steps.kernel.config import (
     run_id_pod_name_problem,
     run_id_problem,
 )
-from recovery_steps.kernel.k8s import IN_POD_ENV
 from recovery_steps.kernel.outputs import STEP_OUTPUTS
 from recovery_steps.kernel.records import now
 from recovery_steps.kernel.store import STORE_RETRY_DEADLINE_ENV, DocumentError, RunLayout, RunStore
@@ -298,8 +297,6 @@ def run(
     if problems:
         raise LocalRunError(problems)
     with contextlib.ExitStack() as stack:
-        # The runner's steps act on local processes even when it runs inside a pod (in_pod: the kubelet's variable).
-        stack.callback(_restore_env, {IN_POD_ENV: os.environ.pop(IN_POD_ENV, None)})
         base_env: dict[str, str] = {}
         if gcs_emulator:
             base_env, outages = _start_emulator(stack, outage_plan, say)
