@@ -40,10 +40,10 @@ def digests(store: RunStore, attempt: int, n: int = N) -> set[str]:
     return {read_report(store, attempt, i)["params_digest"] for i in range(n)}
 
 
-def _uninterrupted(work, cfg):
+def _uninterrupted(work, cfg, extra_env=None):
     store = write_config(cfg)
     n = cfg.slice.num_hosts
-    gang = launch(cfg, 0, -1, work)
+    gang = launch(cfg, 0, -1, work, extra_env=extra_env)
     codes = gang.wait(240)
     assert codes == [0] * n, [gang.log(i)[-2000:] for i in range(n)]
     (digest,) = digests(store, 0, n)  # every process ends with the same parameters
@@ -60,7 +60,9 @@ def _uninterrupted(work, cfg):
 def reference(tmp_path_factory):
     """An uninterrupted 4-process run of TOTAL steps: its store and final params digest."""
     work = tmp_path_factory.mktemp("reference")
-    return _uninterrupted(work, tiny_config(str(work / "store"), run_id="reference"))
+    # As in a worker pod on a cluster: the kubelet's KUBERNETES_SERVICE_HOST, no token (the account mounts none).
+    in_pod = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "9"}
+    return _uninterrupted(work, tiny_config(str(work / "store"), run_id="reference"), in_pod)
 
 
 @pytest.fixture(scope="module")

@@ -276,10 +276,14 @@ class Worker:
             os.environ["JAX_PLATFORMS"] = "cpu"
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", cfg.slice.devices_per_host)
+            # Everything JAX could detect is given, so no detection runs: in a pod (KUBERNETES_SERVICE_HOST set)
+            # JAX's K8sCluster would load the in-cluster config, which a worker whose account mounts no token
+            # lacks (jax 0.10.2, jax/_src/clusters/k8s_cluster.py, K8sCluster.is_env_present).
             kw.update(
                 coordinator_address=ident.coordinator_address,
                 num_processes=ident.num_processes,
                 process_id=ident.process_id,
+                cluster_detection_method="deactivate",
             )
         self._abort_handler = install_abort_handler(self.exit.on_abort)
         # SIGTERM is ours: the stop flag folded into each step makes every process save the same step.
