@@ -218,7 +218,7 @@ def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]
     decided by a supervisor nor closed in the ledger is a gang nothing watches: StepError (configuration),
     naming it, instead of killing what may be healthy work.
     """
-    from recovery_steps.kernel.records import Ledger, SupervisionRecord
+    from recovery_steps.kernel.attempts import left_open
     from recovery_steps.kernel.snapshot import jobset_from_api
 
     def keep(obj: dict[str, Any]) -> bool:
@@ -232,11 +232,7 @@ def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]
         if k == attempt:
             log.info("JobSet %s of this attempt is running: kept for train-segment to re-attach", meta.get("name"))
             return True
-        sup = store.read_record(RunLayout.supervision(k), SupervisionRecord)
-        if sup is not None and sup.decided:
-            return False
-        ledger = store.read_record(RunLayout.LEDGER, Ledger)
-        if ledger is not None and any(a.attempt == k for a in ledger.attempts):
+        if not left_open(store, k):
             return False
         raise StepError(
             ExitCode.CONFIGURATION,

@@ -11,12 +11,15 @@ lease (``recovery_steps.lease``) for that workflow.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from recovery_steps.kernel import cli
+from recovery_steps.kernel.attempts import left_open
 from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
 from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, run_id_pod_name_problem
 from recovery_steps.kernel.contract import ExitCode
@@ -31,10 +34,13 @@ from recovery_steps.kernel.store import (
     PreconditionFailed,
     RunLayout,
     RunStore,
+    first_line,
     store_errors,
     transient_as_unavailable,
 )
 from recovery_steps.verify import manifest_compat_problems, read_manifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,6 +78,21 @@ def next_attempt(store: RunStore) -> int:
     return max(seen) + 1 if seen else 0
 
 
+def first_attempt_of(store: RunStore, gang_running: Callable[[int], bool] | None) -> tuple[int, list[str]]:
+    """The submission's first attempt, and the line saying so when it continues one a lost Workflow left running.
+
+    ``next_attempt``, or the newest attempt when its gang still runs and nothing decided or closed it.
+    """
+    n = next_attempt(store)
+    last = n - 1
+    if gang_running is None or last < 0 or not left_open(store, last) or not gang_running(last):
+        return n, []
+    return last, [
+        f"attempt {last} of run {store.run_id} is still training and nothing decided or closed it (its "
+        f"Workflow was deleted): continuing at attempt {last}, its gang kept"
+    ]
+
+
 def _check_change(old: dict[str, Any], new: dict[str, Any], accept_safe: bool) -> tuple[bool, list[str]]:
     changes = diff_configs(old, new)
     lines = []
@@ -89,13 +110,22 @@ def _check_change(old: dict[str, Any], new: dict[str, Any], accept_safe: bool) -
     return False, [head, *lines, tail]
 
 
-def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -> ValidateResult:
+def run(
+    cfg: JobConfig,
+    store: RunStore,
+    *,
+    accept_safe_changes: bool = False,
+    gang_running: Callable[[int], bool] | None = None,
+) -> ValidateResult:
     """Check ``cfg`` against the run's stored config and latest checkpoint, then pin it in the store.
 
     Args:
         cfg: The validated config.
         store: The run store of ``cfg.run_id`` (possibly at an overridden root).
         accept_safe_changes: Accept a changed config when every change is safe per the compatibility table.
+        gang_running: Whether attempt n's JobSet still runs (on a cluster; None: nothing can tell). A resubmission
+            continues at the newest attempt when its gang runs and nothing decided or closed it (its Workflow was
+            deleted): train-segment re-attaches to the gang, no step is lost.
 
     Returns:
         0 with the outputs, 2 when the config differs from the run's (and may not be accepted) or when a
@@ -105,11 +135,9 @@ def run(cfg: JobConfig, store: RunStore, *, accept_safe_changes: bool = False) -
     new = cfg.model_dump(mode="json")
     new_hash = cfg.config_hash()
     doc = RunConfigDocument(config=new, hash=new_hash)
-    messages: list[str] = []
-
     try:
         stored, generation = store.read_record_versioned(RunLayout.CONFIG, RunConfigDocument)
-        first_attempt = next_attempt(store)
+        first_attempt, messages = first_attempt_of(store, gang_running)
     except DocumentError as e:
         return ValidateResult(
             ExitCode.CONFIGURATION, [f"{e}; or restore it from the run's history, or start a new run id"]
@@ -262,7 +290,7 @@ def _pin(args: argparse.Namespace, cfg: JobConfig, store: RunStore) -> ValidateR
             if args.holder:
                 from recovery_steps import lease
 
-                site, alive = _holder_check(cfg, args.k8s_host)
+                site, alive, gang_running = _holder_check(cfg, args.k8s_host)
                 try:
                     lease.acquire(
                         store,
@@ -274,6 +302,8 @@ def _pin(args: argparse.Namespace, cfg: JobConfig, store: RunStore) -> ValidateR
                     )
                 except lease.LeaseHeld as e:
                     return ValidateResult(ExitCode.CONFIGURATION, [f"configuration: {e}"])
+                # Only a holder of the run may adopt what a lost Workflow left running.
+                return run(cfg, store, accept_safe_changes=args.accept_safe_changes, gang_running=gang_running)
             return run(cfg, store, accept_safe_changes=args.accept_safe_changes)
     except store_errors() as e:
         line = cli.store_error_line("validate-config", store.url(), e).removeprefix("validate-config: ")
@@ -289,21 +319,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _holder_check(cfg: JobConfig, k8s_host: str | None):
-    """Where this workflow runs and how to ask whether another lease holder's Workflow is alive (None: the TTL decides).
+    """Where this workflow runs, and two questions to the cluster (None: it cannot be asked).
 
+    Whether another lease holder's Workflow is alive (else the TTL decides), and whether an attempt's gang runs.
     Locally there is no cluster: the lease names none and the TTL decides.
     """
     from recovery_steps import lease
 
     if not uses_cluster(cfg):
-        return lease.LOCAL, None
+        return lease.LOCAL, None, None
     from recovery_steps.kernel.k8s import make_api_client
 
     try:
         api_client = make_api_client(k8s_host)
     except Exception:  # noqa: BLE001 - no client: the TTL decides
-        return lease.Site(namespace=cfg.namespace), None
-    return lease.on_gke(api_client, cfg.namespace)
+        return lease.Site(namespace=cfg.namespace), None, None
+    return *lease.on_gke(api_client, cfg.namespace), _gang_running(api_client, cfg)
+
+
+def _gang_running(api_client: Any, cfg: JobConfig) -> Callable[[int], bool]:
+    """Whether the JobSet of attempt n exists and has not finished (an unreadable one: not known to run)."""
+    from recovery_steps.kernel.k8s import Kube, jobset_name
+    from recovery_steps.kernel.snapshot import jobset_from_api
+
+    def running(attempt: int) -> bool:
+        try:
+            obj = Kube(api_client, cfg.namespace).get_jobset(jobset_name(cfg.run_id, attempt))
+        except Exception as e:  # noqa: BLE001 - not known to run: the numbering moves past it, as without a cluster
+            log.warning("cannot read the JobSet of attempt %d (%s): not continuing it", attempt, first_line(e))
+            return False
+        return obj is not None and not jobset_from_api(obj).finished
+
+    return running
 
 
 def _preflight(cfg: JobConfig, store: RunStore, k8s_host: str | None) -> ExitCode:

@@ -104,6 +104,7 @@ class _Argo:
     def __init__(self, workflows: dict[str, dict], cluster: str | None = CLUSTER, namespace: str = "training"):
         self.workflows = workflows
         self.cluster, self.ns = cluster, namespace
+        self.jobsets: dict[str, dict] = {}
         self.requests: list[str] = []
         self.http = JsonServer(self._route)
 
@@ -118,6 +119,8 @@ class _Argo:
                                                                                "uid": self.cluster}}  # fmt: skip
         if f"/apis/argoproj.io/v1alpha1/namespaces/{self.ns}/workflows/" in path and name in self.workflows:
             return 200, self.workflows[name]
+        if f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{self.ns}/jobsets/" in path and name in self.jobsets:
+            return 200, self.jobsets[name]
         return 404, status(404, "NotFound", f'workflows.argoproj.io "{name}" not found')
 
 
@@ -294,12 +297,14 @@ def test_validate_config_on_gke_names_the_site_and_takes_over_only_a_holder_know
         argo.http.close()
 
 
+@pytest.mark.parametrize("gang", ["running", "finished", "gone"])
 def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_a_deleted_holder(
-    tmp_path, capsys, monkeypatch
+    tmp_path, capsys, monkeypatch, gang
 ):
     """``argo/local-cpu.yaml`` submitted to a cluster: its lease names the namespace and cluster like a TPU run's,
     so after ``argo delete`` the same file submitted again takes the run at once (under the local runner the TTL
-    decides: no cluster to ask)."""
+    decides: no cluster to ask). It continues at the deleted Workflow's attempt when that attempt's gang still
+    trains and nothing decided it (train-segment re-attaches); past it otherwise."""
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     cfg_file = REPO / "configs" / "local-cpu.yaml"
     root = str(tmp_path / "store")
@@ -311,8 +316,21 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
         store = RunStore(root, "local-cpu")
         held = store.read_record(RunLayout.LEASE, RunLease)
         assert (held.holder, held.namespace, held.cluster) == ("uid-a", "default", CLUSTER)
+        store.write_json(RunLayout.heartbeat(0, 0), {"process_index": 0, "step": 12, "at": 1.0})  # attempt 0 trained
+        if gang != "gone":
+            cond = [{"type": "Completed", "status": "True"}] if gang == "finished" else []
+            argo.jobsets["local-cpu-a0"] = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                                            "metadata": {"name": "local-cpu-a0", "namespace": "default"},
+                                            "status": {"conditions": cond}}  # fmt: skip
+        capsys.readouterr()
         assert validate_config.main([*args, "--output-dir", str(tmp_path / "o2"), "--holder", "uid-b",
                                      "--holder-name", "wf-uid-b"]) == 0, capsys.readouterr().err  # fmt: skip
         assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
+        err = capsys.readouterr().err
+        first = (tmp_path / "o2" / "first-attempt").read_text()
+        if gang == "running":
+            assert first == "0" and "continuing at attempt 0, its gang kept" in err, err
+        else:
+            assert first == "1" and "continuing" not in err, err
     finally:
         argo.http.close()

@@ -7,7 +7,7 @@ attempt is still open.
 from __future__ import annotations
 
 from recovery_steps.kernel.checkpoints import newest_complete_step
-from recovery_steps.kernel.records import RestoreRecord
+from recovery_steps.kernel.records import Ledger, RestoreRecord, SupervisionRecord
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 
@@ -21,3 +21,15 @@ def newest_checkpoint_step(store: RunStore) -> int:
     """The newest checkpoint step that has a manifest (a complete checkpoint), or -1."""
     newest = newest_complete_step(store)
     return -1 if newest is None else newest
+
+
+def left_open(store: RunStore, attempt: int) -> bool:
+    """Whether ``attempt`` is neither decided by a supervisor nor closed in the ledger.
+
+    A gang of such an attempt that still runs is healthy work nothing watches (its Workflow or supervisor was lost).
+    """
+    sup = store.read_record(RunLayout.supervision(attempt), SupervisionRecord)
+    if sup is not None and sup.decided:
+        return False
+    ledger = store.read_record(RunLayout.LEDGER, Ledger)
+    return not (ledger is not None and any(a.attempt == attempt for a in ledger.attempts))

@@ -91,6 +91,7 @@ STEP_VERBS: tuple[VerbUse, ...] = (
     VerbUse("classify-failure", "", "events", "list", "read the events of the workers' pods"),
     VerbUse("classify-failure", "", "nodes", "get", "read the condition of a worker's node", cluster_scoped=True),
     VerbUse("validate-config", "argoproj.io", "workflows", "get", "is the run lease's holder workflow still there"),
+    VerbUse("validate-config", JOBSET_GROUP, JOBSET_PLURAL, "get", "continue at an attempt whose gang still runs"),
     VerbUse("hand-over", "argoproj.io", "workflows", "get", "read this Workflow's spec to continue it"),
     VerbUse("hand-over", "argoproj.io", "workflows", "create", "start the run's continuation Workflow"),
     VerbUse("preflight", "", "namespaces", "get", "check the run's namespace exists", cluster_scoped=True),

@@ -40,7 +40,9 @@ def test_an_argo_stop_ends_in_an_exit_handler_that_deletes_the_live_gang(run):
     assert run.store.read_record(RunLayout.LEASE, RunLease).released
 
 
-def test_a_resubmission_after_argo_delete_refuses_the_orphan_and_its_exit_handler_deletes_it(run):
+def test_a_later_attempt_refuses_an_undecided_gang_and_its_exit_handler_deletes_it(run):
+    """provision-slice of attempt 1 while attempt 0's gang trains with nothing deciding it (its Workflow deleted,
+    and a submission that did not continue at attempt 0): refused in one line, deleted by the exit handler."""
     from recovery_steps import lease
 
     sup = run.supervise(0)
