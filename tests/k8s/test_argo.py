@@ -227,34 +227,39 @@ def _supervisor_pod(r: ArgoRun, not_uid: str = "") -> dict[str, Any]:
     return wait_for("a train-segment pod Running" + (" after the lost one" if not_uid else ""), running, 180, 0.5)
 
 
+def lose_supervisor(r: ArgoRun) -> dict[str, Any]:
+    """Evict the Running train-segment pod (the Eviction API, as a node drain does) once the controller has had its
+    node Running longer than RAN_LONGER_S; wait until its retry runs. The evicted pod."""
+    from kubernetes import client
+
+    first = _supervisor_pod(r)
+    node = wait_for(
+        "train-segment Running in the Workflow",
+        lambda: next((n for n in argoctl.pods_of(r.wf(), "train-segment") if n["phase"] == "Running"), None),
+        60,
+        0.5,
+    )
+    started = datetime.strptime(node["startedAt"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    time.sleep(max(0.0, started + RAN_LONGER_S - time.time()))
+    body = client.V1Eviction(metadata=client.V1ObjectMeta(name=first["metadata"]["name"], namespace=r.ns))
+    r.rc.core().create_namespaced_pod_eviction(first["metadata"]["name"], r.ns, body)
+    _supervisor_pod(r, not_uid=first["metadata"]["uid"])
+    return first
+
+
 def test_supervisor_lost_an_evicted_supervisor_is_retried_and_reattaches_to_the_running_gang(argo_run):
     """README scenario ``supervisor-lost``, the way a node drain does it: the train-segment pod is evicted
     (Eviction API: SIGTERM, exit 143) once the controller has had it Running longer than RAN_LONGER_S. Argo
     retries the step (Error "pod deleted", or Failed 143: neither is the supervisor's verdict), the new supervisor
     re-attaches to the same JobSet, the gang keeps training (same worker pods) and no attempt is closed; the run
     Succeeds on attempt 0."""
-    from kubernetes import client
-
     wf = yaml.safe_load((REPO / "argo" / ARGO_FILE).read_text())
     segment = next(t for t in wf["spec"]["templates"] if t["name"] == "train-segment")
     assert "maxDuration" not in segment["retryStrategy"]  # a retry is never refused for the segment's age
     argo_run.submit()
     workers = argo_run.workers(0)
     argo_run.beat(0, 5)
-    first = _supervisor_pod(argo_run)
-    # Evicted once the controller has had its node Running for longer than it waits for a missing pod to appear.
-    node = wait_for(
-        "train-segment Running in the Workflow",
-        lambda: next((n for n in argoctl.pods_of(argo_run.wf(), "train-segment") if n["phase"] == "Running"), None),
-        60,
-        0.5,
-    )
-    started = datetime.strptime(node["startedAt"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
-    time.sleep(max(0.0, started + RAN_LONGER_S - time.time()))
-    argo_run.beat(0, 9)
-    body = client.V1Eviction(metadata=client.V1ObjectMeta(name=first["metadata"]["name"], namespace=argo_run.ns))
-    argo_run.rc.core().create_namespaced_pod_eviction(first["metadata"]["name"], argo_run.ns, body)
-    _supervisor_pod(argo_run, not_uid=first["metadata"]["uid"])
+    lose_supervisor(argo_run)
     argo_run.beat(0, 15)
     assert [p["metadata"]["uid"] for p in argo_run.workers(0)] == [p["metadata"]["uid"] for p in workers]
     argo_run.exit_all(0, 0)

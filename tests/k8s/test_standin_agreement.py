@@ -20,15 +20,14 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import argo_replay
 import argoctl
 import pytest
-from realcluster import RealCluster, wait_for
-from test_argo import RAN_LONGER_S, ArgoRun, _clean
+from realcluster import RealCluster
+from test_argo import ArgoRun, _clean, lose_supervisor
 from tier import REPO, apply_rbac
 
 from recovery_steps.kernel.config import load_config
@@ -77,35 +76,11 @@ def _recovered(who: str, code: int) -> Callable[[ArgoRun], None]:
 
 
 def _supervisor_lost(r: ArgoRun) -> None:
-    from kubernetes import client
-
     r.workers(0)
     r.beat(0, 5)
-    node = wait_for(
-        "train-segment Running",
-        lambda: next((n for n in argoctl.pods_of(r.wf(), "train-segment") if n["phase"] == "Running"), None),
-        60,
-        0.5,
-    )
-    started = datetime.strptime(node["startedAt"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
-    time.sleep(max(0.0, started + RAN_LONGER_S - time.time()))
-    pod = _running_supervisor(r)
-    body = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod["metadata"]["name"], namespace=r.ns))
-    r.rc.core().create_namespaced_pod_eviction(pod["metadata"]["name"], r.ns, body)
-    _running_supervisor(r, not_uid=pod["metadata"]["uid"])
+    lose_supervisor(r)
     r.beat(0, 15)
     r.exit_all(0, 0)
-
-
-def _running_supervisor(r: ArgoRun, not_uid: str = "") -> dict[str, Any]:
-    def running():
-        for p in r.rc.pods(r.ns, f"workflows.argoproj.io/workflow={r.name}"):
-            node = (p["metadata"].get("annotations") or {}).get("workflows.argoproj.io/node-name", "")
-            if ".train-segment(" in node and p["status"].get("phase") == "Running" and p["metadata"]["uid"] != not_uid:
-                return p
-        return None
-
-    return wait_for("a train-segment pod Running", running, 180, 0.5)
 
 
 SCENARIOS: dict[str, Callable[[ArgoRun], None]] = {
