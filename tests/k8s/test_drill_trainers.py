@@ -119,3 +119,18 @@ def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, uninterrupted):
     # A deleted pod gets SIGTERM and its grace: the gang stops together (143) as for any SIGTERM.
     assert t.incident.failure_class == "preemption", t.incident
     assert final_digest(d) == final_digest(uninterrupted[0])
+
+
+def test_drill_resubmit_real_trainers(trainer_drill, uninterrupted):
+    """``resubmit``: the drill deletes the Workflow (no exit handler runs; the gang, which the Workflow does not own,
+    trains on) and submits the same file again. The new Workflow's validate-config takes the run lease at once (the
+    old holder's Workflow is gone from the same cluster and namespace), continues at attempt 0, and its supervisor
+    re-attaches to the gang that never stopped: no attempt closed, no incident, no step lost."""
+    d = trainer_drill
+    res = d.run(drill.Fault.RESUBMIT, after_step=10)
+    assert (res.phase, res.final_status, res.incidents) == ("Succeeded", "Succeeded", []), res
+    assert res.injected.startswith("deleted the workflow and submitted it again as "), res.injected
+    ledger = read_ledger(d.store)
+    assert [(a.attempt, a.outcome) for a in ledger.attempts] == [(0, "succeeded")], ledger
+    assert d.supervision(0).reattached, d.supervision(0)
+    assert final_digest(d) == final_digest(uninterrupted[0])
