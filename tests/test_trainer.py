@@ -40,10 +40,10 @@ def digests(store: RunStore, attempt: int, n: int = N) -> set[str]:
     return {read_report(store, attempt, i)["params_digest"] for i in range(n)}
 
 
-def _uninterrupted(work, cfg, extra_env=None):
+def _uninterrupted(work, cfg):
     store = write_config(cfg)
     n = cfg.slice.num_hosts
-    gang = launch(cfg, 0, -1, work, extra_env=extra_env)
+    gang = launch(cfg, 0, -1, work)
     codes = gang.wait(240)
     assert codes == [0] * n, [gang.log(i)[-2000:] for i in range(n)]
     (digest,) = digests(store, 0, n)  # every process ends with the same parameters
@@ -60,9 +60,7 @@ def _uninterrupted(work, cfg, extra_env=None):
 def reference(tmp_path_factory):
     """An uninterrupted 4-process run of TOTAL steps: its store and final params digest."""
     work = tmp_path_factory.mktemp("reference")
-    # As in a worker pod on a cluster: the kubelet's KUBERNETES_SERVICE_HOST, no token (the account mounts none).
-    in_pod = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "9"}
-    return _uninterrupted(work, tiny_config(str(work / "store"), run_id="reference"), in_pod)
+    return _uninterrupted(work, tiny_config(str(work / "store"), run_id="reference"))
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +117,10 @@ def test_sigkill_of_one_worker_then_resume_is_bit_identical(task, tmp_path):
 
     restore = max(s for s in committed_steps(store) if manifest(store, s) is not None)
     assert 10 <= restore < TOTAL
-    gang = launch(cfg, 1, restore, tmp_path)
+    # The next gang as worker pods on a cluster: the kubelet's KUBERNETES_SERVICE_HOST, and no token (the workers'
+    # account mounts none), so nothing in the trainer may load the in-cluster config.
+    in_pod = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    gang = launch(cfg, 1, restore, tmp_path, extra_env=in_pod)
     assert gang.wait(240) == [0] * n, gang.log(0)[-3000:]
     assert [e.step for e in gang.events(1) if e.event == EventKind.RESTORED] == [restore]
     assert digests(store, 1, n) == {want}
