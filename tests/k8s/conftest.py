@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import realcluster
 from realcluster import RealCluster, TierUnavailable
-from tier import CPU_HOST_LABEL, CPU_HOSTS, HOSTS, REPO, CpuHosts, Run, apply_rbac, tier_config
+from tier import CPU_HOST_LABEL, CPU_HOSTS, HOSTS, PODEXEC_NODE, REPO, CpuHosts, Run, apply_rbac, tier_config
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -146,7 +146,12 @@ def run(real_cluster, namespace, tpu_nodes, tmp_path, request) -> Iterator[Run]:
 
 from argoctl import ARGO_FILE, LOCAL_ARGO_FILE  # noqa: E402 - ARGO_FILE kept here for modules that import it
 
-PODEXEC_NODE = "argo-steps"  # the node of the step pods (not KWOK's: podexec runs them as processes)
+
+def podexec_tls(rc: RealCluster) -> list[str]:
+    """podexec's exec endpoint: its serving certificate, and the CA of the API server's client certificate."""
+    pki = rc.pki
+    return [f"--tls-cert-file={pki.kubelet_cert}", f"--tls-private-key-file={pki.kubelet_key}",
+            f"--client-ca-file={pki.ca}"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -175,6 +180,7 @@ def argo(real_cluster: RealCluster, argo_crds, gcs_emulator, tmp_path_factory) -
             f"--kubeconfig={real_cluster.root / 'admin.kubeconfig'}",
             f"--node={PODEXEC_NODE}",
             f"--root={root / 'pods'}",
+            *podexec_tls(real_cluster),
         ],  # fmt: skip
         root / "logs" / "podexec.log",
     )
@@ -228,6 +234,7 @@ def cpu_hosts(real_cluster: RealCluster, argo, tmp_path_factory) -> Iterator[Cpu
             *(f"--node={n}" for n in CPU_HOSTS),
             f"--label={CPU_HOST_LABEL}=true",
             f"--root={root / 'pods'}",
+            *podexec_tls(real_cluster),
         ],  # fmt: skip
         root / "logs" / "podexec.log",
     )

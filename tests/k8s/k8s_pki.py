@@ -1,5 +1,6 @@
-"""The real-controller tier's PKI: one CA, the API server's and the JobSet webhook's serving certificates, an admin
-client certificate and the service-account signing key, all generated per test run and valid on loopback only."""
+"""The real-controller tier's PKI: one CA, the API server's, the JobSet webhook's and podexec's (the kubelet API's)
+serving certificates, an admin client certificate, the API server's client certificate towards the kubelets and
+the service-account signing key, all generated per test run and valid on loopback only."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ class Pki:
     webhook_dir: Path  # tls.crt and tls.key, the names controller-runtime's webhook server reads
     sa_key: Path
     sa_pub: Path
+    kubelet_cert: Path  # podexec's exec endpoint (the kubelet's serving certificate), for 127.0.0.1
+    kubelet_key: Path
+    kubelet_client_cert: Path  # the API server's client certificate towards the kubelets
+    kubelet_client_key: Path
 
 
 def generate(root: Path) -> Pki:
@@ -122,6 +127,9 @@ def generate(root: Path) -> Pki:
     # system:masters is bound to cluster-admin by the API server's bootstrap RBAC policy.
     adm_crt, adm_key = leaf("jaxrec-test-admin", org="system:masters", server=False)
     hook_crt, hook_key = leaf("jobset-webhook", server=True)
+    kubelet_crt, kubelet_key = leaf("podexec-kubelet", server=True)
+    # As kubeadm's apiserver-kubelet-client: system:masters, which a kubelet's authorization would allow.
+    kclient_crt, kclient_key = leaf("kube-apiserver-kubelet-client", org="system:masters", server=False)
     webhook_dir = root / "webhook"
     webhook_dir.mkdir(exist_ok=True)
     (webhook_dir / "tls.crt").write_bytes(hook_crt)
@@ -138,4 +146,8 @@ def generate(root: Path) -> Pki:
         webhook_dir=webhook_dir,
         sa_key=write("sa.key", _pem_key(sa)),
         sa_pub=write("sa.pub", sa_pub),
+        kubelet_cert=write("kubelet.crt", kubelet_crt),
+        kubelet_key=write("kubelet.key", kubelet_key),
+        kubelet_client_cert=write("apiserver-kubelet-client.crt", kclient_crt),
+        kubelet_client_key=write("apiserver-kubelet-client.key", kclient_key),
     )

@@ -22,8 +22,14 @@ each), keeps them Ready by renewing their Leases, and runs every pod the real sc
 - with paths of its own: in a private mount namespace (``unshare -m``), each directory the template names for an
   input artifact or output parameter (``/tmp/inputs``, ``/tmp/outputs``) is a bind mount of a directory under the
   pod's own root, so two steps never share an output file. Raw input artifacts are written there first, as
-  Argo's init container does. The host keeps those directories as empty mount points. The process's pid is
-  written to the pod's folder (``pid``), where a test finds the trainer to SIGKILL.
+  Argo's init container does. The host keeps those directories as empty mount points. The main process's host
+  pid is written to the pod's folder (``pid``), where a test finds the trainer to SIGKILL;
+- a pod Argo did not make (a worker) in a PID namespace of its own with its own ``/proc``, as a runtime runs a
+  container: its main process is PID 1 there, or, with ``spec.shareProcessNamespace``, the child of a
+  pause-like PID 1, as on a node where the pause container is PID 1. The kernel delivers a namespace's init only
+  the signals it handles, SIGKILL from outside included: a trainer that is PID 1 ignores a SIGTERM it has no
+  handler for, as it would on GKE. Argo's step pods stay in the host's (in real Argo the emissary is their PID 1
+  and forwards signals; the step programs exit on SIGTERM either way).
 
 For a step pod, what Argo's ``wait`` container does is done here, in its order (argo-workflows v4.0.5
 ``cmd/argoexec/commands/wait.go``, ``workflow/executor/{executor,taskresult}.go``): a WorkflowTaskResult named
@@ -37,9 +43,25 @@ The container's exit code is the process's (128 + N when a signal N ended it), r
 Job controller matches it against the podFailurePolicy. A deleted pod is killed as the kubelet kills it: SIGTERM
 to the process group, SIGKILL after the grace period, then the pod is removed (delete with grace 0); a pod removed
 from the API at once (force deletion) has its process killed the same way. Every process dies with the runner
-thread that started it (``PR_SET_PDEATHSIG``), and so with podexec and the test run. A pod on a node podexec runs
-cannot be exec'd into (no kubelet API is served). Run as
-``python podexec.py --kubeconfig K --node N [--node N2 ...] [--label K=V ...] --root DIR``.
+thread that started it (``PR_SET_PDEATHSIG``), and so with podexec and the test run.
+
+It serves the kubelet API's exec endpoint (``ExecServer``: HTTPS on one port of 127.0.0.1 for all its nodes,
+recorded in each Node's ``status.daemonEndpoints``), so that the Python client's ``connect_get_namespaced_pod_exec``
+(the drill's kill-worker) works through the real API server. The API server (kubernetes v1.36.3,
+``pkg/registry/core/pod/rest/subresources.go``, ``ExecREST.Connect``) passes a WebSocket upgrade through to the
+node as it came, except one asking for ``v5.channel.k8s.io`` (``kubectl exec``'s), which it translates to SPDY
+unless the node declares ``ExtendWebSocketsToKubelet`` in ``status.declaredFeatures``. The Python client asks for
+``v4.channel.k8s.io``; podexec's nodes declare the feature, so a v5 request reaches podexec as a WebSocket too.
+podexec speaks those two (binary messages, the first byte the channel: 1 stdout, 2 stderr, 3 the exit status as
+``metav1.Status``) and nothing else: no SPDY, no stdin, no TTY, no attach, port-forward or logs. The command runs
+with ``nsenter`` in the main process's PID and mount namespaces and working directory, with the container's
+environment. The API server verifies podexec's serving certificate (``--kubelet-certificate-authority``: without
+it, it verifies none, ``pkg/kubelet/client/kubelet_client.go``) and presents ``--kubelet-client-certificate``;
+podexec requires a client certificate from the tier's CA (``--client-ca-file``), as the kubelet's x509
+authentication does, but asks the API server no SubjectAccessReview: any client the CA signed may exec.
+
+Run as ``python podexec.py --kubeconfig K --node N [--node N2 ...] [--label K=V ...] --root DIR
+[--tls-cert-file C --tls-private-key-file K --client-ca-file CA]``.
 """
 
 from __future__ import annotations
@@ -50,12 +72,14 @@ import json
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +228,106 @@ def save_parameters(template: dict[str, Any], private: Path) -> tuple[list[dict[
     return params, None
 
 
+def is_step_pod(pod: dict[str, Any]) -> bool:
+    """Whether Argo made the pod (its executor containers carry the node ID)."""
+    return "ARGO_NODE_ID" in argo_env(pod)
+
+
+SHIM_ARGV_ENV, PAUSE_ARGV_ENV = "PODEXEC_INIT_ARGV", "PODEXEC_CONTAINER_ARGV"
+# Started by ``unshare --pid`` (in the pod's mount namespace, the host's PID namespace), as a runtime's shim: its
+# child is PID 1 of a new PID namespace, mounts that namespace's /proc and becomes the pod's first process (argv
+# from the environment); the shim ends with that process's exit code, 128 + N after signal N. (``unshare --fork``
+# would do the same but exits 1 when its child dies of SIGKILL: util-linux 2.38.1 cannot unblock SIGKILL.) It
+# blocks SIGTERM, so that a deleted pod's SIGTERM is the container's own; SIGKILL ends it and, through
+# PR_SET_PDEATHSIG, the namespace.
+SHIM = f"""
+import ctypes, json, os, signal
+argv = json.loads(os.environ.pop({SHIM_ARGV_ENV!r}))
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
+child = os.fork()
+if child == 0:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for s in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(s, signal.SIG_DFL)
+    os.execvp("sh", ["sh", "-c", 'mount -t proc -o nosuid,noexec,nodev proc /proc && exec "$@"', "init", *argv])
+_, status = os.waitpid(child, 0)
+code = os.waitstatus_to_exitcode(status)
+os._exit(128 - code if code < 0 else code)
+"""
+# PID 1 of a pod with ``shareProcessNamespace``, as the pause container is on a node: it starts the main container
+# (argv from the environment, so that its own command line names no program of the pod), reaps every orphan, and
+# ends with the main process's exit code (128 + N after signal N: an init cannot die of most signals). It keeps
+# the default action of every signal, so the kernel delivers it none but SIGKILL (from outside the namespace):
+# a deleted pod's SIGTERM reaches the main process alone.
+PAUSE = f"""
+import json, os, signal
+argv = json.loads(os.environ.pop({PAUSE_ARGV_ENV!r}))
+child = os.fork()
+if child == 0:
+    for s in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(s, signal.SIG_DFL)
+    os.execvp(argv[0], argv)
+while True:
+    pid, status = os.wait()
+    if pid == child:
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(128 - code if code < 0 else code)
+"""
+
+
+def container_argv(pod: dict[str, Any], command: list[str]) -> tuple[list[str], dict[str, str]]:
+    """How the main container is started, and what that adds to the environment of what starts it.
+
+    Every pod gets a mount namespace of its own. A pod Argo made stays in the host's PID namespace (its main
+    process is the emissary's child there). Any other pod gets a PID namespace of its own (``SHIM``), with its
+    own ``/proc``: its main process is PID 1 of it, or, with ``spec.shareProcessNamespace``, the child of a
+    pause-like PID 1 (``PAUSE``). Neither of those two adds a variable to the container's environment."""
+    argv = ["unshare", "--mount", "--propagation", "private"]
+    if is_step_pod(pod):
+        return [*argv, "--", *command], {}
+    if pod["spec"].get("shareProcessNamespace"):
+        init, extra = [sys.executable, "-c", PAUSE], {PAUSE_ARGV_ENV: json.dumps(command)}
+    else:
+        init, extra = command, {}
+    return [*argv, "--pid", "--", sys.executable, "-c", SHIM], {SHIM_ARGV_ENV: json.dumps(init), **extra}
+
+
+def container_depth(pod: dict[str, Any]) -> int:
+    """How far below the started process (``unshare``) the main process is: itself, its child, or the child of
+    the pause-like PID 1."""
+    if is_step_pod(pod):
+        return 0
+    return 2 if pod["spec"].get("shareProcessNamespace") else 1
+
+
+def children(pid: int) -> list[int]:
+    """The host pids of ``pid``'s children (``/proc/<pid>/stat``'s ppid: this kernel has no ``children`` file)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(d))
+    return found
+
+
+def main_pid(pid: int, depth: int, timeout_s: float = 10.0) -> int:
+    """The host pid of the main process, ``depth`` generations below ``pid`` (the first child each time); ``pid``
+    itself when it has none yet at the deadline (the container ended before it started)."""
+    deadline = time.monotonic() + timeout_s
+    for _ in range(depth):
+        while not (kids := children(pid)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not kids:
+            return pid
+        pid = min(kids)
+    return pid
+
+
 @dataclass
 class PodRun:
     """One pod: its process and what has been reported about it."""
@@ -211,6 +335,8 @@ class PodRun:
     kubelet: Kubelet
     pod: dict[str, Any]
     proc: subprocess.Popen | None = None
+    main_pid: int | None = None  # the container's main process (host pid), once started
+    env: dict[str, str] = field(default_factory=dict)  # its environment (an exec gets it too)
     deleting: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -277,13 +403,14 @@ class PodRun:
             (private / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
             binds.append(f'mount --bind "{private / d.lstrip("/")}" "{d}"')
         script = " && ".join([*binds, 'exec "$@"'])
-        argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "step", *main_command(main)]
+        argv, extra = container_argv(self.pod, ["sh", "-c", script, "step", *main_command(main)])
+        self.env = env
         with (self.root / "main.log").open("ab") as out:
             if self.deleting.is_set():
                 return 143
             self.proc = subprocess.Popen(
                 argv,
-                env=env,
+                env={**env, **extra},
                 cwd=self.root,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -291,7 +418,8 @@ class PodRun:
                 start_new_session=True,
                 preexec_fn=pdeathsig,
             )
-        (self.root / "pid").write_text(f"{self.proc.pid}\n")  # the container's process (tests signal it)
+        self.main_pid = main_pid(self.proc.pid, container_depth(self.pod))
+        (self.root / "pid").write_text(f"{self.main_pid}\n")  # the container's process (tests signal it)
         if self.deleting.is_set():  # deleted between the check above and the start: kill() found no process
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -394,6 +522,7 @@ class Kubelet:
         self.server = self.admin.configuration.host
         self.ca = self.admin.configuration.ssl_ca_cert
         self.runs: dict[str, PodRun] = {}
+        self.port = 0  # the exec endpoint's (ExecServer), once serving
 
     def client(self, token: str) -> Any:
         from kubernetes import client
@@ -487,6 +616,10 @@ class Kubelet:
                     {"type": "InternalIP", "address": "127.0.0.1"},
                     {"type": "Hostname", "address": self.node},
                 ],
+                # Where the API server proxies exec to (``pkg/kubelet/client/kubelet_client.go``: this port on
+                # the node's address of the first of ``--kubelet-preferred-address-types`` it has).
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": self.port}},
+                "declaredFeatures": [WEBSOCKETS_FEATURE] if self.port else [],
                 "nodeInfo": {
                     "kubeletVersion": "podexec",
                     "containerRuntimeVersion": "podexec",
@@ -627,6 +760,205 @@ class Kubelet:
                 time.sleep(1)
 
 
+# --- the kubelet API's exec endpoint --------------------------------------------------------------------------------
+
+# The remotecommand WebSocket protocols served, preferred first (``k8s.io/streaming`` v0.36.3,
+# ``pkg/httpstream/wsstream/doc.go``): v5 adds only a CLOSE message from the client, for stdin, which is not served.
+WS_PROTOCOLS = ("v5.channel.k8s.io", "v4.channel.k8s.io")
+# What a node declares so that the API server passes a v5 WebSocket through to it rather than translating it to
+# SPDY (``ExecREST.Connect``; the feature and NodeDeclaredFeatures are beta, on by default, in v1.36).
+WEBSOCKETS_FEATURE = "ExtendWebSocketsToKubelet"
+WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455, section 1.3
+STDOUT, STDERR, ERROR = 1, 2, 3  # the channels of the remotecommand WebSocket protocol
+
+
+class ExecRefused(Exception):
+    """An exec podexec does not run: the HTTP status and the reason, answered before any upgrade."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(reason)
+        self.status = status
+
+
+def exec_status(code: int) -> dict[str, Any]:
+    """The ``metav1.Status`` the kubelet writes on the error channel when the command ends (kubernetes v1.36.3: the
+    API server's stream translator writes the same, ``staging/src/k8s.io/apiserver/pkg/util/proxy/
+    streamtranslator.go``: Success, or Failure with reason NonZeroExitCode and an ``ExitCode`` cause)."""
+    if code == 0:
+        return {"metadata": {}, "status": "Success"}
+    return {
+        "metadata": {},
+        "status": "Failure",
+        "message": f"command terminated with non-zero exit code: exit status {code}",
+        "reason": "NonZeroExitCode",
+        "details": {"causes": [{"reason": "ExitCode", "message": str(code)}]},
+    }
+
+
+def ws_frame(payload: bytes, opcode: int = 0x2) -> bytes:
+    """One unmasked, final WebSocket frame (a server's; RFC 6455, section 5.2)."""
+    n = len(payload)
+    if n < 126:
+        head = bytes([0x80 | opcode, n])
+    elif n < 1 << 16:
+        head = bytes([0x80 | opcode, 126]) + n.to_bytes(2, "big")
+    else:
+        head = bytes([0x80 | opcode, 127]) + n.to_bytes(8, "big")
+    return head + payload
+
+
+def exec_request(path: str, query: str) -> tuple[str, str, str, list[str]]:
+    """Namespace, pod, container and command of ``/exec/<ns>/<pod>/<container>?command=..&output=1&error=1``
+    (the URL the API server's ``ExecLocation`` builds, ``pkg/registry/core/pod/strategy.go``).
+
+    Raises:
+        ExecRefused: Another path, no command, stdin or a TTY asked for, or neither stdout nor stderr.
+    """
+    from urllib.parse import parse_qs
+
+    parts = path.split("/")
+    if len(parts) != 5 or parts[1] != "exec":
+        raise ExecRefused(404, f"podexec serves /exec/<namespace>/<pod>/<container> only, not {path}")
+    q = parse_qs(query, keep_blank_values=True)
+    if q.get("input") or q.get("tty"):
+        raise ExecRefused(400, "podexec runs an exec with stdout and stderr only: no stdin, no tty")
+    if not (q.get("output") or q.get("error")):
+        raise ExecRefused(400, "you must specify at least one of stdout or stderr")
+    if not q.get("command"):
+        raise ExecRefused(400, "no command given")
+    return parts[2], parts[3], parts[4], q["command"]
+
+
+def exec_argv(run: PodRun, command: list[str]) -> list[str]:
+    """The command in the pod's PID and mount namespaces, in the main process's working directory."""
+    if command[0] in ("python", "python3"):
+        command = [sys.executable, *command[1:]]
+    return ["nsenter", "--target", str(run.main_pid), "--pid", "--mount", "--wd", "--", *command]
+
+
+class ExecHandler(BaseHTTPRequestHandler):
+    """One exec: the WebSocket upgrade the API server passes through, the command's stdout and stderr on channels
+    1 and 2, its exit status on channel 3."""
+
+    server: ExecServer
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        self.request.do_handshake()  # here, in the request's thread: the client certificate is checked now
+        self.lock = threading.Lock()  # one frame at a time from the stdout and stderr pumps
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        log.info("exec: " + format, *args)
+
+    def do_GET(self) -> None:  # noqa: N802 - the base class's name
+        try:
+            ns, name, container, command = exec_request(*(self.path.split("?", 1) + [""])[:2])
+            run = self.server.find(ns, name, container)
+            self._upgrade()
+        except ExecRefused as e:
+            self._refuse(e)
+            return
+        self.close_connection = True
+        log.info("exec into %s/%s: %s", ns, name, " ".join(command)[:200])
+        self._send(STDOUT, b"")  # the streams are ready: an empty message on the lowest writable channel
+        status = exec_status(self._run(exec_argv(run, command), run.env))
+        self._send(ERROR, json.dumps(status, separators=(",", ":")).encode())
+        self.wfile.write(ws_frame((1000).to_bytes(2, "big"), opcode=0x8))  # close: normal closure
+        self.wfile.flush()
+
+    def _refuse(self, e: ExecRefused) -> None:
+        body = f"{e}\n".encode()
+        self.send_response(e.status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def _upgrade(self) -> None:
+        import base64
+        import hashlib
+
+        offered = [p.strip() for p in self.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+        protocol = next((p for p in WS_PROTOCOLS if p in offered), None)
+        if self.headers.get("Upgrade", "").lower() != "websocket" or protocol is None:
+            raise ExecRefused(400, f"podexec serves exec over WebSocket ({', '.join(WS_PROTOCOLS)}) only, not SPDY")
+        key = self.headers.get("Sec-WebSocket-Key", "")
+        accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()  # noqa: S324 - RFC 6455
+        self.send_response(101)
+        self.send_header("Upgrade", "websocket")
+        self.send_header("Connection", "Upgrade")
+        self.send_header("Sec-WebSocket-Accept", accept)
+        self.send_header("Sec-WebSocket-Protocol", protocol)
+        self.end_headers()
+        self.wfile.flush()
+
+    def _send(self, channel: int, data: bytes) -> None:
+        with self.lock:
+            self.wfile.write(ws_frame(bytes([channel]) + data))
+            self.wfile.flush()
+
+    def _run(self, argv: list[str], env: dict[str, str]) -> int:
+        """Run the command, each output line sent as it comes; its exit code (128 + N after signal N)."""
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=pdeathsig)  # fmt: skip
+
+        def pump(pipe: Any, channel: int) -> None:
+            for chunk in iter(lambda: pipe.read1(65536), b""):
+                self._send(channel, chunk)
+
+        pumps = [threading.Thread(target=pump, args=(p, c)) for p, c in ((proc.stdout, STDOUT), (proc.stderr, STDERR))]
+        for t in pumps:
+            t.start()
+        code = proc.wait()
+        for t in pumps:
+            t.join()
+        return 128 - code if code < 0 else code
+
+
+class ExecServer(ThreadingHTTPServer):
+    """The kubelet API's exec endpoint of every node podexec runs, on one HTTPS port of 127.0.0.1. Like the
+    kubelet, it requires a client certificate from the cluster's CA (``--client-ca-file``: x509 authentication
+    of the API server's ``--kubelet-client-certificate``); unlike it, it asks no SubjectAccessReview of the API
+    server (any client the CA signed may exec). Only exec is served: no attach, port-forward, logs or stats."""
+
+    daemon_threads = True
+
+    def __init__(self, kubelets: list[Kubelet], cert: Path, key: Path, client_ca: Path):
+        super().__init__(("127.0.0.1", 0), ExecHandler)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        ctx.load_verify_locations(client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        self.socket = ctx.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
+        self.kubelets = kubelets
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def find(self, ns: str, name: str, container: str) -> PodRun:
+        """The pod's run, its main container started and not ended.
+
+        Raises:
+            ExecRefused: No such pod on these nodes, another container, or the container is not running.
+        """
+        run = next((r for k in self.kubelets for r in k.runs.values() if (r.ns, r.name) == (ns, name)), None)
+        if run is None:
+            raise ExecRefused(404, f"pod {ns}/{name} is not on this node")
+        main = main_container(run.pod)["name"]
+        if container != main:
+            raise ExecRefused(400, f"container {container} is not running: podexec runs the main container {main}")
+        deadline = time.monotonic() + 10  # reported Running just before its process starts: give it a moment
+        while run.main_pid is None and not run.done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if run.main_pid is None or run.done.is_set() or (run.proc is not None and run.proc.poll() is not None):
+            raise ExecRefused(400, f"container {main} of {ns}/{name} is not running")
+        return run
+
+
 def _status(c: dict[str, Any], state: dict[str, Any], ready: bool = False) -> dict[str, Any]:
     return {
         "name": c["name"],
@@ -639,16 +971,31 @@ def _status(c: dict[str, Any], state: dict[str, Any], ready: bool = False) -> di
     }
 
 
+def serve_exec(kubelets: list[Kubelet], cert: Path, key: Path, client_ca: Path) -> ExecServer:
+    """Start the exec endpoint of ``kubelets`` (one port for all) and record its port in each node to register."""
+    server = ExecServer(kubelets, cert, key, client_ca)
+    threading.Thread(target=server.serve_forever, name="exec", daemon=True).start()
+    for k in kubelets:
+        k.port = server.port
+    log.info("exec endpoint on 127.0.0.1:%d", server.port)
+    return server
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kubeconfig", type=Path, required=True)
     p.add_argument("--node", required=True, action="append", help="a node to run (repeat for several)")
     p.add_argument("--label", action="append", default=[], help="KEY=VALUE on every node (repeatable)")
     p.add_argument("--root", type=Path, required=True)
+    p.add_argument("--tls-cert-file", type=Path, help="the exec endpoint's serving certificate (else none is served)")
+    p.add_argument("--tls-private-key-file", type=Path)
+    p.add_argument("--client-ca-file", type=Path, help="the CA that signs the clients of the exec endpoint")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(threadName)s %(message)s")
     labels = dict(kv.split("=", 1) for kv in args.label)
     kubelets = [Kubelet(args.kubeconfig, n, args.root, labels) for n in args.node]
+    if args.tls_cert_file:
+        serve_exec(kubelets, args.tls_cert_file, args.tls_private_key_file, args.client_ca_file)
     for k in kubelets:
         k.register()
         k.renew_lease()

@@ -521,6 +521,14 @@ def _start(rc: RealCluster, logs: Path) -> None:
             f"--default-not-ready-toleration-seconds={TOLERATION_S}",
             f"--default-unreachable-toleration-seconds={TOLERATION_S}",
             f"--cert-dir={root / 'apiserver-certs'}",
+            # exec and the other node proxies: the kubelet's serving certificate is verified against the tier CA
+            # (without this flag the API server does not verify it at all), the API server presents its own
+            # client certificate, and dials the node's InternalIP (podexec's nodes report 127.0.0.1; the
+            # default order tries Hostname first, a node name that nothing resolves here).
+            f"--kubelet-certificate-authority={pki.ca}",
+            f"--kubelet-client-certificate={pki.kubelet_client_cert}",
+            f"--kubelet-client-key={pki.kubelet_client_key}",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
         ],
     )
     wait_for("kube-apiserver /readyz", lambda: rc._https("/readyz") == "ok", 90, 0.3)

@@ -1,14 +1,18 @@
 """The process kubelet's readings of Argo's pod layout and executor rules (argo-workflows v4.0.5): the emissary
 command prefix (``workflow/controller/workflowpod.go``), output parameters as ``SaveParameters`` saves them
 (``workflow/executor/executor.go``: one trailing newline trimmed, a default for a missing file, the first missing
-file without one is an error and ends the saving), the downward-API fields Argo and JobSet pods use."""
+file without one is an error and ends the saving), the downward-API fields Argo and JobSet pods use. And its exec
+endpoint, reached as ``kubectl exec`` reaches a kubelet: through the real API server's exec subresource, with the
+Python client's WebSocket (``v4.channel.k8s.io``), into pods that have a PID namespace of their own."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 from podexec import field_value, main_command, main_container, mount_points, mounts_token, save_parameters
+from tier import kube_exec, worker_like_pod
 
 pytestmark = pytest.mark.k8s
 
@@ -91,3 +95,86 @@ def test_the_container_run_is_argos_main_else_the_pods_only_one(containers, main
 )  # fmt: skip
 def test_a_token_is_given_only_when_admission_mounted_one(volumes, mounted):
     assert mounts_token({"spec": {"volumes": volumes}}) is mounted
+
+
+# --- exec through the API server -------------------------------------------------------------------------------
+
+# Every process the exec sees: pid -> argv (its own included).
+PS = (
+    "import json, os; print(json.dumps({int(d): open(f'/proc/{d}/cmdline', 'rb').read().decode().split(chr(0))[:-1] "
+    "for d in os.listdir('/proc') if d.isdigit()}))"
+)
+
+
+def test_exec_returns_the_output_and_the_exit_code(real_cluster, argo, namespace):
+    """stdout and stderr come back apart, the exit code as the kubelet reports it (the Python client reads it from
+    the status on channel 3), the command in the container's environment and working directory."""
+    ns = namespace
+    pod = worker_like_pod(real_cluster, ns, "exec-codes", share=False)
+    assert kube_exec(real_cluster, ns, pod, ["sh", "-c", "echo out; echo err >&2; exit 3"]) == ("out\n", "err\n", 3)
+    same_cwd = 'echo $POD_MARK; [ "$(pwd)" = "$(readlink /proc/1/cwd)" ] && echo same-cwd'
+    assert kube_exec(real_cluster, ns, pod, ["sh", "-c", same_cwd]) == ("exec-codes\nsame-cwd\n", "", 0)
+    assert kube_exec(real_cluster, ns, pod, ["sh", "-c", "kill -9 $$"])[2] == 137  # 128 + 9, as a runtime says
+
+
+def test_exec_refuses_stdin_in_one_clear_error(real_cluster, argo, namespace):
+    from kubernetes.client.exceptions import ApiException
+
+    pod = worker_like_pod(real_cluster, namespace, "exec-stdin", share=False)
+    with pytest.raises(ApiException, match="no stdin, no tty"):
+        kube_exec(real_cluster, namespace, pod, ["cat"], stdin=True)
+
+
+def test_each_worker_pod_has_its_pid_namespace_and_pid_1_is_the_main_process_unless_shared(
+    real_cluster, argo, namespace
+):
+    """Without shareProcessNamespace the container's process is PID 1 of the pod's namespace; with it, a pause-like
+    process is PID 1 and the container's process its child. An exec sees its own pod's processes only."""
+    alone = worker_like_pod(real_cluster, namespace, "pid-alone", share=False)
+    shared = worker_like_pod(real_cluster, namespace, "pid-shared", share=True)
+
+    def ps(pod: str) -> dict[int, list[str]]:
+        out, err, code = kube_exec(real_cluster, namespace, pod, ["python", "-c", PS])
+        assert code == 0, err
+        return {int(k): v for k, v in json.loads(out).items()}
+
+    def mains(procs: dict[int, list[str]], pod: str) -> list[int]:
+        return [pid for pid, argv in procs.items() if argv[-3:] == ["-m", "trainer", pod]]
+
+    for pod, other in ((alone, shared), (shared, alone)):
+        procs = ps(pod)
+        assert not mains(procs, other), procs  # the other pod's process is not there
+        [main] = mains(procs, pod)
+        assert (main == 1) is (pod == alone), procs
+        others = {pid: argv for pid, argv in procs.items() if pid not in (1, main)}
+        assert all(PS in argv for argv in others.values()), procs  # nothing but the exec itself
+    assert ps(shared)[1][-2:] != ["-m", "trainer"]  # PID 1: the pause-like process, not the trainer
+
+
+def test_a_v5_websocket_exec_is_passed_through_to_the_node_that_declares_it(real_cluster, argo, namespace):
+    """``kubectl exec``'s protocol, ``v5.channel.k8s.io``: the API server would translate it to SPDY, which podexec
+    does not speak, but passes it through to a node declaring ExtendWebSocketsToKubelet, as podexec's nodes do."""
+    import ssl
+    from urllib.parse import urlencode
+
+    import websocket
+
+    pod = worker_like_pod(real_cluster, namespace, "exec-v5", share=True)
+    pki = real_cluster.pki
+    query = urlencode([("command", "sh"), ("command", "-c"), ("command", "echo v5; exit 4"), ("stdout", "true"),
+                       ("stderr", "true")])  # fmt: skip
+    url = f"{real_cluster.server.replace('https', 'wss')}/api/v1/namespaces/{namespace}/pods/{pod}/exec?{query}"
+    ssl_opts = {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(pki.ca), "certfile": str(pki.admin_cert),
+                "keyfile": str(pki.admin_key)}  # fmt: skip
+    ws = websocket.create_connection(url, subprotocols=["v5.channel.k8s.io"], sslopt=ssl_opts, timeout=60)
+    assert ws.getsubprotocol() == "v5.channel.k8s.io"
+    frames = []
+    while (msg := ws.recv_data())[0] != websocket.ABNF.OPCODE_CLOSE:
+        frames.append((msg[1][0], msg[1][1:]))
+    ws.close()
+    assert b"".join(data for channel, data in frames if channel == 1) == b"v5\n", frames
+    [status] = [json.loads(data) for channel, data in frames if channel == 3 and data]
+    assert (status["reason"], status["details"]["causes"]) == (
+        "NonZeroExitCode",
+        [{"reason": "ExitCode", "message": "4"}],
+    )

@@ -27,6 +27,7 @@ HOSTS = 4
 INDEX = "batch.kubernetes.io/job-completion-index"
 CPU_HOSTS = ("cpu-host-0", "cpu-host-1", "cpu-host-2")  # podexec nodes for the gangs of real trainers
 CPU_HOST_LABEL = "jaxrec.test/cpu-host"
+PODEXEC_NODE = "argo-steps"  # the node of the step pods (not KWOK's: podexec runs them as processes)
 
 
 @dataclass(frozen=True)
@@ -194,3 +195,40 @@ class Run:
     def gone(self, attempt: int) -> bool:
         sel = f"jobset.sigs.k8s.io/jobset-name={jobset_name(self.cfg.run_id, attempt)}"
         return self.rc.jobset(self.ns, jobset_name(self.cfg.run_id, attempt)) is None and not self.rc.pods(self.ns, sel)
+
+
+# --- pods on podexec's steps node ---------------------------------------------------------------------------------
+
+SLEEPER = "import time; time.sleep(600)"
+
+
+def worker_like_pod(rc: RealCluster, ns: str, name: str, *, share: bool, labels: dict | None = None) -> str:
+    """A pod on podexec's node shaped like a JobSet worker (one container, ``trainer``, no token), whose process
+    names itself ``-m trainer`` <name> and sleeps; returns its name once Running."""
+    spec = {
+        "nodeName": PODEXEC_NODE,
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 2,
+        "containers": [{"name": "trainer", "image": "registry.invalid/worker:0",
+                        "command": ["python", "-c", SLEEPER, "-m", "trainer", name],
+                        "env": [{"name": "POD_MARK", "value": name}]}],
+        **({"shareProcessNamespace": True} if share else {}),
+    }  # fmt: skip
+    meta = {"name": name, "namespace": ns, "labels": labels or {}}
+    rc.apply({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec})
+    wait_for(f"pod {name} Running", lambda: rc.core().read_namespaced_pod(name, ns).status.phase == "Running", 60)
+    return name
+
+
+def kube_exec(rc: RealCluster, ns: str, pod: str, command: list[str], **kw) -> tuple[str, str, int]:
+    """stdout, stderr and exit code of ``command`` run in the pod through the API server (as ``kubectl exec``)."""
+    from kubernetes.stream import stream
+
+    opts = {"stdout": True, "stderr": True, "stdin": False, "tty": False, **kw}
+    resp = stream(rc.core().connect_get_namespaced_pod_exec, pod, ns, container="trainer", command=command,
+                  _preload_content=False, **opts)  # fmt: skip
+    resp.run_forever(timeout=60)
+    out, err, code = resp.read_stdout(), resp.read_stderr(), resp.returncode
+    resp.close()
+    return out, err, code
