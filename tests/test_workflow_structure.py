@@ -248,6 +248,7 @@ def test_jobset_gang_shape_on_tpu(v5e):
                for r in job["podFailurePolicy"]["rules"])  # fmt: skip
     pod = job["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
+    assert pod["shareProcessNamespace"] is True  # the trainer is not PID 1: an exec can SIGKILL it (kill-worker)
     # Spot: the pod's grace is the 30 s notice; the trainer budgets its save on the 15 s the node gives.
     assert pod["terminationGracePeriodSeconds"] == cfg.slice.termination_grace_s == 30
     assert cfg.slice.preemption_window_s == 15

@@ -171,7 +171,9 @@ class Cluster:
 
         Raises:
             DrillError: the trainer is its container's PID 1: a signal sent from inside the pod cannot kill it
-                (the kernel drops SIGKILL sent to a PID namespace's init from inside the namespace).
+                (the kernel drops SIGKILL sent to a PID namespace's init from inside the namespace). The worker
+                pods this project generates share their process namespace (``workflows.jobset``): the pause
+                process is PID 1 there; a Workflow generated before that has the trainer as PID 1.
         """
         from kubernetes.stream import stream
 
@@ -192,8 +194,9 @@ class Cluster:
         resp.close()
         if code == 3:
             raise DrillError(
-                f"pod {pod}: the trainer is PID 1 of its container, which a signal from inside the pod cannot kill; "
-                "use --inject delete-worker, or run the image with an init process"
+                f"pod {pod}: the trainer is PID 1 of its container, which a signal from inside the pod cannot kill "
+                "(its pod spec has no shareProcessNamespace: true; regenerate the Workflow with python -m "
+                "workflows.build); use --inject delete-worker"
             )
         if code:
             raise DrillError(f"pod {pod}: the kill command exited {code} (no trainer process found?)")

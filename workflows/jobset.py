@@ -83,6 +83,18 @@ def _local_tier(cfg: JobConfig, container: dict[str, Any], pod_spec: dict[str, A
     pod_spec["volumes"] = [{"name": "jaxrec-local", "hostPath": {"path": lt.host_path, "type": "DirectoryOrCreate"}}]
 
 
+SHARED_PROCESS_NAMESPACE = True
+"""Worker pods share their process namespace: the pod's pause process is PID 1 and the trainer an ordinary process
+(kubernetes.io/docs/tasks/configure-pod-container/share-process-namespace: "Container processes no longer have PID
+1"), so that the drill's kill-worker can SIGKILL it from an exec (the kernel drops signals sent from inside a PID
+namespace to its init unless the init handles them, SIGKILL included) and the trainer's test hooks that SIGKILL
+their own process work. What else changes, per that page: the pod's processes, their /proc entries (arguments,
+environment) and filesystems (/proc/<pid>/root) are visible to its other containers (a worker has one), and
+``kill -HUP 1`` reaches the pause process. And the trainer gets the default action of every signal it does not
+handle: a SIGTERM before its handler is installed ends it at once (exit 143), where as PID 1 it would be ignored
+until the SIGKILL after the grace period (137)."""
+
+
 def jobset_manifest(
     cfg: JobConfig,
     *,
@@ -139,6 +151,8 @@ def jobset_manifest(
         # SIGTERM to SIGKILL when the pod is deleted (JobSet teardown, eviction); a node shutdown may give less
         # (slice.shutdown_window_s, which the trainer budgets its save on; GKE docs "Spot VMs").
         "terminationGracePeriodSeconds": sl.termination_grace_s,
+        # The pause process is PID 1, the trainer an ordinary process (SHARED_PROCESS_NAMESPACE says why).
+        "shareProcessNamespace": SHARED_PROCESS_NAMESPACE,
         "containers": [container],
     }
     jobset_meta: dict[str, Any] = {"name": name, "namespace": cfg.namespace, "labels": labels}
