@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from argoctl import LOCAL_ARGO_FILE
 from realcluster import RealCluster, wait_for
-from tier import REPO, CpuHosts
+from tier import REPO, CpuHosts, kube_exec, worker_like_pod
 from trainers import BUCKET, final_digest
 
 from recovery_steps.kernel.documents import read_ledger
@@ -134,3 +134,39 @@ def test_drill_resubmit_real_trainers(trainer_drill, uninterrupted):
     assert [(a.attempt, a.outcome) for a in ledger.attempts] == [(0, "succeeded")], ledger
     assert d.supervision(0).reattached, d.supervision(0)
     assert final_digest(d) == final_digest(uninterrupted[0])
+
+
+def test_drill_kill_worker_real_trainers(trainer_drill, uninterrupted):
+    """``kill-worker``: the drill execs into the last worker, through the API server's exec subresource to
+    podexec's kubelet endpoint, and SIGKILLs its trainer there. The generated pod shares its process namespace, so
+    the trainer is not PID 1 and the kill lands: the container ends 137, the attempt is classified
+    infrastructure, the next attempt restores the newest checkpoint."""
+    d = trainer_drill
+    res = d.run(drill.Fault.KILL_WORKER, after_step=12)
+    victim = res.injected.split("SIGKILLed the trainer in ")[1].split()[0]
+    t = _one_incident(res, drill.Fault.KILL_WORKER)
+    assert t.incident.failure_class == "infrastructure", t.incident
+    killed = next(w for w in d.supervision(0).workers if w.pod == victim)
+    assert "137" in killed.last_state, d.supervision(0).workers
+    assert t.incident.restored_step is not None and t.incident.restored_step >= 10, t.incident
+    ledger = read_ledger(d.store)
+    assert [(a.attempt, a.outcome, a.failure_class) for a in ledger.attempts] == [
+        (0, "failed", "infrastructure"),
+        (1, "succeeded", None),
+    ], ledger
+    assert final_digest(d) == final_digest(uninterrupted[0])
+
+
+def test_drill_refuses_kill_worker_when_the_trainer_is_pid_1(real_cluster, argo, namespace):
+    """A worker pod without shareProcessNamespace (a Workflow generated before the pods shared it) has the trainer
+    as PID 1 of its PID namespace, which nothing inside the pod can SIGKILL: the drill says so in one DrillError,
+    and the trainer still runs."""
+    labels = {drill.RUN_ID_LABEL: "pid-one", drill.ATTEMPT_LABEL: "0"}
+    pod = worker_like_pod(real_cluster, namespace, "pid-one-0", share=False, labels=labels)
+    target = drill.Target(doc={}, namespace=namespace, run_id="pid-one", store_root="")
+    cluster = drill.Cluster(real_cluster.admin, namespace)
+    with pytest.raises(drill.DrillError, match=f"pod {pod}: the trainer is PID 1 of its container") as e:
+        drill.inject(cluster, None, target, "", drill.Fault.KILL_WORKER, 0)
+    assert "shareProcessNamespace" in str(e.value)
+    assert kube_exec(real_cluster, namespace, pod, ["sh", "-c", "exit 0"])[2] == 0  # still running
+    assert real_cluster.core().read_namespaced_pod(pod, namespace).status.phase == "Running"
