@@ -26,10 +26,11 @@ each), keeps them Ready by renewing their Leases, and runs every pod the real sc
   pid is written to the pod's folder (``pid``), where a test finds the trainer to SIGKILL;
 - a pod Argo did not make (a worker) in a PID namespace of its own with its own ``/proc``, as a runtime runs a
   container: its main process is PID 1 there, or, with ``spec.shareProcessNamespace``, the child of a
-  pause-like PID 1, as on a node where the pause container is PID 1. The kernel delivers a namespace's init only
-  the signals it handles, SIGKILL from outside included: a trainer that is PID 1 ignores a SIGTERM it has no
-  handler for, as it would on GKE. Argo's step pods stay in the host's (in real Argo the emissary is their PID 1
-  and forwards signals; the step programs exit on SIGTERM either way).
+  pause-like PID 1, as on a node where the pause container is PID 1. The kernel delivers to a namespace's init
+  only the signals it has a handler for, and SIGKILL from outside the namespace: a main process that is PID 1
+  ignores a SIGTERM it has no handler for (it ends at the SIGKILL after the grace period), and nothing inside the
+  pod, itself included, can SIGKILL it, as on a node. Argo's step pods stay in the host's (in real Argo the
+  emissary is their PID 1 and forwards signals; the step programs exit on SIGTERM either way).
 
 For a step pod, what Argo's ``wait`` container does is done here, in its order (argo-workflows v4.0.5
 ``cmd/argoexec/commands/wait.go``, ``workflow/executor/{executor,taskresult}.go``): a WorkflowTaskResult named
