@@ -11,7 +11,18 @@ import json
 import sys
 
 import pytest
-from podexec import field_value, main_command, main_container, mount_points, mounts_token, save_parameters
+from podexec import (
+    ExecRefused,
+    container_argv,
+    exec_request,
+    exec_status,
+    field_value,
+    main_command,
+    main_container,
+    mount_points,
+    mounts_token,
+    save_parameters,
+)
 from tier import kube_exec, worker_like_pod
 
 pytestmark = pytest.mark.k8s
@@ -95,6 +106,40 @@ def test_the_container_run_is_argos_main_else_the_pods_only_one(containers, main
 )  # fmt: skip
 def test_a_token_is_given_only_when_admission_mounted_one(volumes, mounted):
     assert mounts_token({"spec": {"volumes": volumes}}) is mounted
+
+
+def test_worker_pods_get_a_pid_namespace_and_step_pods_do_not():
+    wait = {"name": "wait", "env": [{"name": "ARGO_NODE_ID", "value": "n"}]}  # Argo's executor: a step pod
+    step = {"spec": {"containers": [wait, {"name": "main"}]}}
+    argv, extra = container_argv(step, ["prog"])
+    assert "--pid" not in argv and argv[-1] == "prog" and extra == {}
+    worker = {"spec": {"containers": [{"name": "trainer"}]}}
+    argv, extra = container_argv(worker, ["prog"])
+    assert "--pid" in argv and json.loads(extra["PODEXEC_INIT_ARGV"]) == ["prog"]  # the main process is PID 1
+    worker["spec"]["shareProcessNamespace"] = True
+    argv, extra = container_argv(worker, ["prog"])
+    assert json.loads(extra["PODEXEC_INIT_ARGV"])[0] == sys.executable  # PID 1: the pause-like process
+    assert json.loads(extra["PODEXEC_CONTAINER_ARGV"]) == ["prog"]
+
+
+def test_the_exec_request_is_read_as_the_api_server_sends_it():
+    q = "command=sh&command=-c&command=exit+3&output=1&error=1"
+    assert exec_request("/exec/ns/pod/trainer", q) == ("ns", "pod", "trainer", ["sh", "-c", "exit 3"])
+    for path, query, reason in [
+        ("/attach/ns/pod/trainer", q, "serves /exec"),
+        ("/exec/ns/pod/trainer", q + "&input=1", "no stdin"),
+        ("/exec/ns/pod/trainer", q + "&tty=1", "no tty"),
+        ("/exec/ns/pod/trainer", "command=true", "at least one of stdout or stderr"),
+    ]:
+        with pytest.raises(ExecRefused, match=reason):
+            exec_request(path, query)
+
+
+def test_the_exit_status_is_the_one_the_python_client_reads():
+    assert exec_status(0) == {"metadata": {}, "status": "Success"}
+    failed = exec_status(137)
+    assert (failed["status"], failed["reason"]) == ("Failure", "NonZeroExitCode")
+    assert int(failed["details"]["causes"][0]["message"]) == 137  # kubernetes/stream/ws_client.py: returncode
 
 
 # --- exec through the API server -------------------------------------------------------------------------------
