@@ -50,7 +50,10 @@ def test_a_short_run_of_real_trainers_succeeds(uninterrupted):
     assert [(w.process_index, w.exit_code, w.last_step) for w in reports] == [
         (i, 0, TOTAL_STEPS) for i in range(HOSTS)
     ], reports
-    assert len({w.pid for w in reports}) == HOSTS and len({w.params_digest for w in reports}) == 1, reports
+    assert len({w.params_digest for w in reports}) == 1, reports
+    # Four processes, one per pod; each reports its pid in its own pod's PID namespace (the same in every pod).
+    rec = SupervisionRecord.model_validate(r.store.read_json(RunLayout.supervision(0)))
+    assert len({w.pod for w in rec.workers}) == HOSTS and len({w.pid for w in reports}) == 1, (rec.workers, reports)
     assert r.store.checkpoint_steps()[-1] == TOTAL_STEPS
     assert r.store.url().startswith("gs://")
     ledger = read_ledger(r.store)
