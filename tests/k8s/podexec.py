@@ -946,7 +946,10 @@ class ExecServer(ThreadingHTTPServer):
         Raises:
             ExecRefused: No such pod on these nodes, another container, or the container is not running.
         """
-        run = next((r for k in self.kubelets for r in k.runs.values() if (r.ns, r.name) == (ns, name)), None)
+        # Copies: the watch threads add and drop runs meanwhile. A pod deleted and made again under its name has
+        # two runs for a moment: the one still running is the pod's.
+        runs = [r for k in self.kubelets for r in list(k.runs.values()) if (r.ns, r.name) == (ns, name)]
+        run = min(runs, key=lambda r: r.done.is_set(), default=None)
         if run is None:
             raise ExecRefused(404, f"pod {ns}/{name} is not on this node")
         main = main_container(run.pod)["name"]
