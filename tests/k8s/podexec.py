@@ -236,22 +236,26 @@ def is_step_pod(pod: dict[str, Any]) -> bool:
 
 SHIM_ARGV_ENV, PAUSE_ARGV_ENV = "PODEXEC_INIT_ARGV", "PODEXEC_CONTAINER_ARGV"
 # Started by ``unshare --pid`` (in the pod's mount namespace, the host's PID namespace), as a runtime's shim: its
-# child is PID 1 of a new PID namespace, mounts that namespace's /proc and becomes the pod's first process (argv
-# from the environment); the shim ends with that process's exit code, 128 + N after signal N. (``unshare --fork``
-# would do the same but exits 1 when its child dies of SIGKILL: util-linux 2.38.1 cannot unblock SIGKILL.) It
-# blocks SIGTERM, so that a deleted pod's SIGTERM is the container's own; SIGKILL ends it and, through
-# PR_SET_PDEATHSIG, the namespace.
+# child is PID 1 of a new PID namespace, mounts that namespace's /proc (a system call: no process of its own, so
+# the first child of PID 1 is always the main process, which ``main_pid`` relies on) and becomes the pod's first
+# process (argv from the environment); the shim ends with that process's exit code, 128 + N after signal N.
+# (``unshare --fork`` would do the same but exits 1 when its child dies of SIGKILL: util-linux 2.38.1 cannot
+# unblock SIGKILL.) It blocks SIGTERM, so that a deleted pod's SIGTERM is the container's own; SIGKILL ends it
+# and, through PR_SET_PDEATHSIG, the namespace.
 SHIM = f"""
 import ctypes, json, os, signal
 argv = json.loads(os.environ.pop({SHIM_ARGV_ENV!r}))
 signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
 child = os.fork()
 if child == 0:
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)
+    if libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) != 0:  # nosuid, nodev, noexec
+        raise OSError(ctypes.get_errno(), "mount /proc")
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     for s in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(s, signal.SIG_DFL)
-    os.execvp("sh", ["sh", "-c", 'mount -t proc -o nosuid,noexec,nodev proc /proc && exec "$@"', "init", *argv])
+    os.execvp(argv[0], argv)
 _, status = os.waitpid(child, 0)
 code = os.waitstatus_to_exitcode(status)
 os._exit(128 - code if code < 0 else code)
