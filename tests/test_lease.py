@@ -272,26 +272,28 @@ def test_provision_slice_of_a_second_submission_deletes_no_live_gang(tmp_path, c
         assert (held.holder, held.namespace, held.cluster) == ("uid-b", "training", CLUSTER)
 
 
+def _validate_as(args: list[str], out: Path, uid: str) -> int:
+    """validate-config of the workflow with uid ``uid`` (named wf-<uid>)."""
+    return validate_config.main([*args, "--output-dir", str(out), "--holder", uid, "--holder-name", f"wf-{uid}"])
+
+
 def test_validate_config_on_gke_names_the_site_and_takes_over_only_a_holder_known_gone(tmp_path, capsys):
     cfg_file = REPO / "configs" / "v5e-4x4.yaml"
     root = str(tmp_path / "store")
     argo = _Argo({})
     try:
         args = ["--config", str(cfg_file), "--store-root", root, "--k8s-host", argo.http.url]
-        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o1"), "--holder", "uid-a",
-                                     "--holder-name", "wf-uid-a"]) == 0  # fmt: skip
+        assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
         store = RunStore(root, "lm-v5e-4x4")
         held = store.read_record(RunLayout.LEASE, RunLease)
         assert (held.holder, held.namespace, held.cluster) == ("uid-a", "training", CLUSTER)
         # Another cluster cannot see wf-uid-a: its 404 is no proof, so the lease stands.
         argo.cluster = "another-cluster"
-        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o2"), "--holder", "uid-b",
-                                     "--holder-name", "wf-uid-b"]) == 2  # fmt: skip
+        assert _validate_as(args, tmp_path / "o2", "uid-b") == 2
         assert "held by workflow wf-uid-a (uid uid-a, namespace training" in capsys.readouterr().err
         # The same cluster and namespace: wf-uid-a is not there (deleted), so the run is taken over.
         argo.cluster = CLUSTER
-        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o3"), "--holder", "uid-b",
-                                     "--holder-name", "wf-uid-b"]) == 0  # fmt: skip
+        assert _validate_as(args, tmp_path / "o3", "uid-b") == 0
         assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
     finally:
         argo.http.close()
@@ -311,8 +313,7 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
     argo = _Argo({}, namespace="default")
     try:
         args = ["--config", str(cfg_file), "--store-root", root, "--k8s-host", argo.http.url]
-        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o1"), "--holder", "uid-a",
-                                     "--holder-name", "wf-uid-a"]) == 0  # fmt: skip
+        assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
         store = RunStore(root, "local-cpu")
         held = store.read_record(RunLayout.LEASE, RunLease)
         assert (held.holder, held.namespace, held.cluster) == ("uid-a", "default", CLUSTER)
@@ -323,8 +324,7 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
                                             "metadata": {"name": "local-cpu-a0", "namespace": "default"},
                                             "status": {"conditions": cond}}  # fmt: skip
         capsys.readouterr()
-        assert validate_config.main([*args, "--output-dir", str(tmp_path / "o2"), "--holder", "uid-b",
-                                     "--holder-name", "wf-uid-b"]) == 0, capsys.readouterr().err  # fmt: skip
+        assert _validate_as(args, tmp_path / "o2", "uid-b") == 0, capsys.readouterr().err
         assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
         err = capsys.readouterr().err
         first = (tmp_path / "o2" / "first-attempt").read_text()
