@@ -23,11 +23,15 @@ What a supervisor must not take for an end (sources in ``docs/FAILURES.md``):
   failure follows within the shutdown window. Kubernetes itself waits 300 s before evicting.
 - A waiting reason is the kubelet's cached last failure while it retries a pull: it says nothing about how long
   the current pull has taken.
+- A heartbeat that cannot be read (the store unreachable, a record of another schema) is not a worker that
+  stopped stepping: no hang is judged on it, and its hang clocks count only once it reads again (``read_clock``).
+  The cluster's evidence still ends the attempt meanwhile.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import re
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -188,6 +192,39 @@ class WorkerProgress(_Rec):
     first_step_at: float | None = None
 
 
+class HeartbeatRead(_Rec):
+    """How the supervisor's reads of one worker's heartbeat stand once one failed: failing now, or readable again."""
+
+    index: int
+    ok: bool = Field(description="The newest read succeeded.")
+    since: float = Field(description="When the reads turned failing (ok False) or readable again (ok True).")
+    error: str = Field(default="", description="The newest failed read's error.")
+
+
+def read_clock(prev: HeartbeatRead | None, index: int, error: str | None, now: float) -> HeartbeatRead | None:
+    """The state of a worker's heartbeat reads after one more read; the adapter keeps it between observations.
+
+    A read that failed is never evidence of absence: the decision gives no hang verdict for a worker while its
+    reads fail, and counts its hang clocks only from when they succeed again (the worker may not have been able to
+    write either).
+
+    Args:
+        prev: The state after the previous read (None: no read has failed).
+        index: The worker.
+        error: Why this read failed (None: it succeeded).
+        now: The observation's time.
+
+    Returns:
+        The state now; None while no read has failed.
+    """
+    if error is not None:
+        since = prev.since if prev is not None and not prev.ok else now
+        return HeartbeatRead(index=index, ok=False, since=since, error=error)
+    if prev is None or prev.ok:
+        return prev
+    return HeartbeatRead(index=index, ok=True, since=now)
+
+
 class Observation(_Rec):
     """Everything the decision looks at, at one instant."""
 
@@ -201,6 +238,23 @@ class Observation(_Rec):
     pods: tuple[PodObservation, ...] = ()
     nodes: tuple[NodeObservation, ...] = ()
     progress: tuple[WorkerProgress, ...] = ()
+    reads: tuple[HeartbeatRead, ...] = Field(
+        default=(),
+        description="The workers whose heartbeat reads failed (``read_clock``); a worker not named had every read "
+        "succeed, and a missing beat of it is absent.",
+    )
+
+    @property
+    def unreadable(self) -> list[HeartbeatRead]:
+        """The workers whose heartbeat cannot be read now."""
+        return [r for r in self.reads if not r.ok]
+
+    def heard_for(self, index: int | None) -> float:
+        """Seconds the worker's heartbeat has been readable: since its reads last failed, or ever (``inf``)."""
+        r = next((r for r in self.reads if r.index == index), None)
+        if r is None:
+            return math.inf
+        return self.now - r.since if r.ok else -math.inf
 
 
 class Verdict(_Rec):
@@ -415,6 +469,9 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     gang_up = max(p.running_since for p in running)
     beats = {b.index: b for b in obs.progress}
     for p in sorted(running, key=lambda p: p.index or 0):
+        # A worker whose reads fail, or succeed again since less than the timeout, shows neither absence nor silence.
+        if obs.heard_for(p.index) < d.hang_timeout_s:
+            continue
         b = beats.get(p.index) if p.index is not None else None
         if b is None or b.step is None:
             waited = obs.now - gang_up
@@ -467,7 +524,9 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
     running = sum(1 for p in obs.pods if p.phase == "Running")
     steps = [b.step for b in obs.progress if b.step is not None]
     at = f", step {min(steps)}" if len(steps) == obs.expected_workers else ""
+    blind = ", ".join(str(r.index) for r in obs.unreadable)
+    unread = f", heartbeats unreadable: worker {blind}" if blind else ""
     return Verdict(
         state=AttemptState.RUNNING,
-        reason=f"scheduled {scheduled}/{obs.expected_workers}, running {running}/{obs.expected_workers}{at}",
+        reason=f"scheduled {scheduled}/{obs.expected_workers}, running {running}/{obs.expected_workers}{at}{unread}",
     )

@@ -66,6 +66,7 @@ from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
     AttemptState,
+    HeartbeatRead,
     NodeObservation,
     Observation,
     PodObservation,
@@ -73,6 +74,7 @@ from recovery_steps.supervision import (
     WaitClock,
     WorkerProgress,
     decide,
+    read_clock,
     wait_clock,
 )
 
@@ -160,11 +162,12 @@ def observation(
     waits: Mapping[str, WaitClock],
     created_at: float,
     lost_seen: Mapping[str, float] | None = None,
+    reads: Mapping[int, HeartbeatRead] | None = None,
 ) -> Observation:
     """The decision's input from one snapshot of the gang and the heartbeats in the store.
 
     ``waits``: each pod's clock of its current pull or creation failure (``wait_clock``); ``lost_seen``: when the
-    supervisor first saw each lost node lost.
+    supervisor first saw each lost node lost; ``reads``: the workers whose heartbeat reads failed (``read_clock``).
     """
     lost_seen = lost_seen or {}
     js = snap.jobset if snap.jobset is not None and snap.jobset.found else None
@@ -181,6 +184,7 @@ def observation(
         progress=tuple(
             WorkerProgress(index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at) for b in beats
         ),
+        reads=tuple(r for _, r in sorted((reads or {}).items())),
     )
 
 
@@ -413,24 +417,24 @@ class KubeGang:
 
 def read_heartbeats(
     store: RunStore, attempt: int, hosts: int, last: Mapping[int, WorkerHeartbeat] | None = None
-) -> list[WorkerHeartbeat]:
-    """Every worker's newest heartbeat.
+) -> tuple[list[WorkerHeartbeat], dict[int, str]]:
+    """Every worker's newest heartbeat, and why each unreadable one could not be read.
 
-    A heartbeat that cannot be read now (torn, the store or its credentials unreachable) is the last one read
-    (``last``): a store outage is not a worker that stopped stepping, and never escapes the supervision loop.
-    A worker with no readable heartbeat yet has none.
+    A heartbeat that cannot be read now (torn, of another schema, the store or its credentials unreachable) is
+    the last one read (``last``) and is named in the errors: a store outage is not a worker that stopped stepping,
+    and never escapes the supervision loop. A worker with no readable heartbeat yet has none.
     """
     last = last or {}
-    out = []
+    out, failed = [], {}
     for i in range(hosts):
         try:
             beat = store.read_record(RunLayout.heartbeat(attempt, i), WorkerHeartbeat)
         except (DocumentError, *store_errors()) as e:
             log.warning("heartbeat of worker %d unreadable (keeping the last one read): %s", i, e)
-            beat = last.get(i)
+            beat, failed[i] = last.get(i), f"{type(e).__name__}: {e}"
         if beat is not None:
             out.append(beat)
-    return out
+    return out, failed
 
 
 class Progress:
@@ -509,7 +513,7 @@ def _pod_line(p: PodObservation, n: NodeObservation | None) -> str:
 
 
 def evidence_lines(obs: Observation) -> list[str]:
-    """Each pod's and node's last state, one line each (recorded before the attempt is stopped)."""
+    """Each pod's and node's last state, and each unreadable heartbeat, one line each (recorded before the stop)."""
     nodes = {n.name: n for n in obs.nodes}
     lines = [
         f"pod {p.name} ({p.label}): {_pod_line(p, nodes.get(p.node) if p.node else None)}"
@@ -518,6 +522,11 @@ def evidence_lines(obs: Observation) -> list[str]:
     for n in obs.nodes:
         state = "gone" if not n.exists else f"Ready={n.ready}" + (" unreachable" if n.unreachable else "")
         lines.append(f"node {n.name}: {state}")
+    for r in obs.unreadable:
+        lines.append(
+            f"heartbeat of worker {r.index}: unreadable for {obs.now - r.since:.0f} s (not taken as absent or "
+            f"silent): {r.error}"
+        )
     return lines
 
 
@@ -547,6 +556,7 @@ class Supervisor:
         self.created_at = self.clock()
         self.reattached = False
         self.beats: dict[int, WorkerHeartbeat] = {}
+        self.reads: dict[int, HeartbeatRead] = {}
 
     def ensure_jobset(self, manifest: Mapping[str, Any]) -> None:
         """Create the attempt's JobSet, or re-attach when it already exists (the supervisor's pod was lost).
@@ -594,8 +604,7 @@ class Supervisor:
                 self.lost_seen.setdefault(n.name, now)
             else:
                 self.lost_seen.pop(n.name, None)
-        beats = read_heartbeats(self.store, self.attempt, self.hosts, self.beats)
-        self.beats = {b.process_index: b for b in beats}
+        beats = self.read_beats(now)
         obs = observation(
             snap,
             expected=self.hosts,
@@ -603,8 +612,17 @@ class Supervisor:
             waits=self.waits,
             created_at=self.created_at,
             lost_seen=self.lost_seen,
+            reads=self.reads,
         )
         return obs, beats, snap
+
+    def read_beats(self, now: float) -> list[WorkerHeartbeat]:
+        """The heartbeats now (an unreadable one: the last read), and each worker's reads since one failed."""
+        beats, failed = read_heartbeats(self.store, self.attempt, self.hosts, self.beats)
+        self.beats = {b.process_index: b for b in beats}
+        reads = {i: read_clock(self.reads.get(i), i, failed.get(i), now) for i in range(self.hosts)}
+        self.reads = {i: r for i, r in reads.items() if r is not None}
+        return beats
 
     def supervise(self) -> tuple[Verdict, Observation, list[WorkerHeartbeat], ClusterSnapshot]:
         """Observe and decide on every change and at least every ``watch_interval_s`` until the attempt is over."""

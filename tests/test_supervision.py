@@ -8,6 +8,7 @@ from recovery_steps.kernel.config import ConfigError, SupervisionConfig, parse_c
 from recovery_steps.kernel.snapshot import Condition, JobEvidence
 from recovery_steps.supervision import (
     AttemptState,
+    HeartbeatRead,
     NodeObservation,
     Observation,
     PodObservation,
@@ -16,6 +17,7 @@ from recovery_steps.supervision import (
     WorkerProgress,
     decide,
     pull_failure_is_permanent,
+    read_clock,
     wait_clock,
     waiting_cause,
 )
@@ -108,6 +110,17 @@ def with_node(node: NodeObservation) -> tuple[NodeObservation, ...]:
 def pulling(i: int, reason: str, message: str, since: float, **kw) -> PodObservation:
     return pending(i, node=f"gke-tpu-{i}", conditions=(), waiting_reason=reason, waiting_message=message,
                    waiting_since=since, **kw)  # fmt: skip
+
+
+def failing(since: float, *workers: int) -> tuple[HeartbeatRead, ...]:
+    """The heartbeat reads of ``workers`` (default: every one) failing since ``since`` (a store outage)."""
+    return tuple(HeartbeatRead(index=i, ok=False, since=T0 + since, error="OSError: [Errno 5] Input/output error")
+                 for i in workers or range(HOSTS))  # fmt: skip
+
+
+def recovered(since: float) -> tuple[HeartbeatRead, ...]:
+    """Every worker's heartbeat readable again since ``since``, after failed reads."""
+    return tuple(HeartbeatRead(index=i, ok=True, since=T0 + since) for i in range(HOSTS))
 
 
 ALL_RUNNING = [running(i) for i in range(HOSTS)]
@@ -468,6 +481,68 @@ CASES = [
         StallKind.CONFIGURATION,
         "CreateContainerConfigError for 310 s",
     ),
+    # A read that failed is never evidence of absence; the hang clocks pause while the store cannot be read.
+    (
+        "reattached-to-a-gang-of-days-whose-first-heartbeat-reads-fail",
+        obs(3 * 86400, ALL_RUNNING, reads=failing(3 * 86400)),
+        AttemptState.RUNNING,
+        None,
+        "heartbeats unreadable: worker 0, 1, 2, 3",
+    ),
+    (
+        "reattached-one-heartbeat-unreadable-the-others-stepping",
+        obs(
+            3 * 86400,
+            ALL_RUNNING,
+            progress=[beat(i, 40, T0 + 3 * 86400 - 5) for i in (0, 1, 2)],
+            reads=failing(3 * 86400, 3),
+        ),
+        AttemptState.RUNNING,
+        None,
+        "heartbeats unreadable: worker 3",
+    ),
+    (
+        "store-outage-longer-than-hang-timeout-after-good-beats",
+        obs(500 + 10 * 120, ALL_RUNNING, progress=STEPPING, reads=failing(510)),
+        AttemptState.RUNNING,
+        None,
+        "heartbeats unreadable",
+    ),
+    (
+        "heartbeats-readable-again-for-less-than-hang-timeout",
+        obs(2119, ALL_RUNNING, progress=STEPPING, reads=recovered(2000)),
+        AttemptState.RUNNING,
+        None,
+        "step 40",
+    ),
+    (
+        "silent-for-hang-timeout-once-heartbeats-read-again",
+        obs(2120, ALL_RUNNING, progress=STEPPING, reads=recovered(2000)),
+        AttemptState.STALLED,
+        StallKind.HANG,
+        "worker 0: no progress past step 40 for 1620 s",
+    ),
+    (
+        "store-outage-then-a-worker-fails",
+        obs(2000, [*ALL_RUNNING[:3], done(3, code=20)], progress=STEPPING, reads=failing(510)),
+        AttemptState.FAILED,
+        None,
+        "worker 3 failed (exit code 20",
+    ),
+    (
+        "store-outage-then-a-node-lost-past-its-grace",
+        obs(2000, ALL_RUNNING, progress=STEPPING, reads=failing(510), node_list=nodes(2)),
+        AttemptState.STALLED,
+        StallKind.NODE_LOST,
+        "worker 2: node gke-tpu-2 is unreachable",
+    ),
+    (
+        "reattached-heartbeat-read-and-absent-past-compile-grace",
+        obs(3 * 86400, ALL_RUNNING, reads=recovered(1000)),
+        AttemptState.STALLED,
+        StallKind.HANG,
+        "worker 0: no first step",
+    ),
 ]
 
 
@@ -492,6 +567,17 @@ def test_hang_timeout_below_two_heartbeats_is_one_line_naming_both_fields():
         parse_config(data)
     (line,) = e.value.problems
     assert line.startswith("supervision.hang_timeout_s: 10 is less than twice supervision.heartbeat_interval_s")
+
+
+def test_read_clock_keeps_an_outages_start_and_starts_again_when_reads_succeed():
+    assert read_clock(None, 2, None, T0) is None  # every read succeeded: nothing to keep
+    down = read_clock(None, 2, "OSError: timeout", T0 + 10)
+    assert (down.index, down.ok, down.since) == (2, False, T0 + 10)
+    still = read_clock(down, 2, "DocumentError: extra field", T0 + 20)
+    assert (still.ok, still.since, still.error) == (False, T0 + 10, "DocumentError: extra field")
+    up = read_clock(still, 2, None, T0 + 30)
+    assert (up.ok, up.since) == (True, T0 + 30) and read_clock(up, 2, None, T0 + 40) == up
+    assert read_clock(up, 2, "OSError: timeout", T0 + 50).since == T0 + 50
 
 
 TIMEOUT = "dial tcp 142.250.1.1:443: i/o timeout"

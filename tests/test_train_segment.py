@@ -296,12 +296,14 @@ def test_an_unreadable_heartbeat_keeps_the_last_one_read(tmp_path):
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)
     _beat(store, 0, 9, 1000.0)
-    last = {b.process_index: b for b in ts.read_heartbeats(store, 0, HOSTS)}
+    last = {b.process_index: b for b in ts.read_heartbeats(store, 0, HOSTS)[0]}
     beat0 = Path(cfg.storage.root) / "runs" / cfg.run_id / RunLayout.heartbeat(0, 0)
     beat0.write_text("{torn")
-    beats = ts.read_heartbeats(store, 0, HOSTS, last)
+    beats, failed = ts.read_heartbeats(store, 0, HOSTS, last)
     assert [b.step for b in beats] == [9] * HOSTS and beats[0] == last[0]
-    assert [b.process_index for b in ts.read_heartbeats(store, 0, HOSTS)] == [1, 2, 3]  # nothing read before
+    assert list(failed) == [0] and "DocumentError" in failed[0]
+    beats, failed = ts.read_heartbeats(store, 0, HOSTS)
+    assert [b.process_index for b in beats] == [1, 2, 3] and list(failed) == [0]  # nothing read before: unreadable
 
 
 def test_a_retry_after_the_stop_reports_the_recorded_verdict_and_creates_no_gang(tmp_path, cluster):
@@ -489,3 +491,63 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_any_jobset_is_cr
         )
     assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
     assert not cluster.requests_of("POST", "/jobsets")
+
+
+# --- heartbeats that cannot be read: no evidence of absence or of silence -----------------------------------------
+
+
+def _other_schema(store, attempt):
+    """Heartbeats of a newer trainer: a field this supervisor's record does not know (records forbid extras)."""
+    for i in range(HOSTS):
+        b = WorkerHeartbeat(process_index=i, step=7, at=time.time(), first_step_at=time.time()).model_dump()
+        store.write_json(RunLayout.heartbeat(attempt, i), {**b, "tokens_per_s": 1e6})
+
+
+def _succeed(js):
+    def done(c):
+        _gang(c, js, time.time(), phase="Succeeded", exit_code=0)
+
+    return done
+
+
+def test_a_reattached_supervisor_whose_first_heartbeat_reads_fail_judges_no_hang(tmp_path, cluster):
+    """The gang has run for days: a beat never read is unreadable, not a missing first step past compile grace."""
+    cfg = _cfg(tmp_path / "store")  # compile_grace_s 60, hang_timeout_s 30
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    js = f"{cfg.run_id}-a0"
+    t0 = time.time() - 3 * 86400
+    manifest = _manifest(cfg)
+    cluster.put("jobsets", {**manifest, "metadata": {**manifest["metadata"], "creationTimestamp": iso(t0)}})
+    cluster.put("jobs", _job(js))
+    _gang(cluster, js, t0, phase="Running", running=True)
+    _other_schema(store, 0)
+    cluster.script = [lambda c: None, lambda c: None, _succeed(js)]
+    rec, _, _ = _run(cfg, tmp_path, cluster)
+    assert rec.reattached and rec.outcome == "succeeded", rec.reason
+    assert any(e.startswith("heartbeat of worker 0: unreadable") and "tokens_per_s" in e for e in rec.evidence)
+
+
+def test_a_store_outage_longer_than_the_hang_timeout_is_no_hang(tmp_path, cluster, monkeypatch):
+    """The kept beat ages while the store cannot be read: that time does not count towards hang_timeout_s."""
+    cfg = _cfg(tmp_path / "store")  # hang_timeout_s 30
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    js = f"{cfg.run_id}-a0"
+    skew = {"s": 0.0, "down": False}
+    read = RunStore.read_record
+
+    def read_record(self, rel, model):
+        if skew["down"] and "heartbeats" in rel:
+            raise OSError(5, "Input/output error")
+        return read(self, rel, model)
+
+    def outage(c):
+        skew.update(down=True, s=10 * cfg.supervision.hang_timeout_s)
+
+    monkeypatch.setattr(RunStore, "read_record", read_record)
+    cluster.on_create = _running_gang(js)
+    _beat(store, 0, 5, time.time())
+    cluster.script = [lambda c: None, outage, lambda c: None, lambda c: None, _succeed(js)]
+    rec = ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out",
+                 k8s_host=cluster.url, clock=lambda: time.time() + skew["s"], say=lambda _: None)  # fmt: skip
+    assert rec.outcome == "succeeded", rec.reason
+    assert rec.last_step == 5 and any("unreadable for" in e and "Input/output error" in e for e in rec.evidence)
