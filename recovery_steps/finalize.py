@@ -11,7 +11,13 @@ With ``--holder`` (``{{workflow.uid}}``) it acts only when this Workflow holds t
 the run ends other than Succeeded (``argo stop`` too: Argo runs the exit handler after a stop), it stops the
 run's gang before it releases the lease: it deletes the JobSets labelled ``jaxrec/run-id=<run-id>`` in the
 config's namespace (foreground propagation) and says in one line which. It never deletes after a hand-over
-or while another workflow holds the lease. ``argo terminate`` and ``argo delete`` run no exit handler
+or while another workflow holds the lease.
+
+Destructive acts and their evidence: it deletes a JobSet only when this Workflow holds the lease, its
+validate-config confirmed it (``RunLease.first_attempt``: a submission that refused or never finished acts on
+nothing, releases the lease and records nothing), the run did not succeed, and the JobSet's attempt label is this
+Workflow's first attempt or later (a gang of an earlier Workflow's attempt, or one of no readable attempt, is kept).
+``argo terminate`` and ``argo delete`` run no exit handler
 (argo-workflows ``ShutdownStrategy.ShouldExecute``: Terminate runs nothing): the run's next provision-slice
 deletes that gang (docs/DEPLOY.md).
 """
@@ -35,6 +41,7 @@ from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import AttemptOutcome, Decision, ExitCode, FinalStatus
 from recovery_steps.kernel.documents import read_run_config, read_worker_reports
 from recovery_steps.kernel.k8s import (
+    ATTEMPT_LABEL,
     RUN_ID_LABEL,
     api_error_line,
     api_exit_code,
@@ -345,18 +352,35 @@ def not_holder_status(ledger: Ledger | None, holder: str, run_id: str) -> tuple[
 
 
 def stops_gang(status: str, current: RunLease | None, holder: str | None, ledger: Ledger | None) -> bool:
-    """Whether the exit handler deletes the run's JobSets (pure).
+    """Whether the exit handler deletes the run's JobSets of this Workflow's attempts (pure).
 
-    Only the lease's holder does, only when the run did not succeed, and never once it handed the run over:
-    the gang then belongs to the continuation or to whoever holds the lease.
+    Only the lease's holder does, only once its validate-config confirmed the lease (``first_attempt``: a
+    submission that refused acts on nothing), only when the run did not succeed, and never once it handed the run
+    over: the gang then belongs to the continuation or to whoever holds the lease.
     """
-    if not holder or status == SUCCEEDED or not lease.held_by(current, holder):
+    if not holder or status == SUCCEEDED or not lease.held_by(current, holder) or current.first_attempt is None:
         return False
     return not any(h.from_uid == holder for h in (ledger.hand_overs if ledger else []))
 
 
-def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host: str | None = None) -> str | None:
-    """Delete the run's JobSets on GKE; the one line saying what was deleted (None for the local backend).
+def not_this_workflows(first_attempt: int) -> Callable[[dict[str, Any]], bool]:
+    """``keep`` for ``delete_run_jobsets``: whether a JobSet is not this Workflow's to delete.
+
+    The positive evidence is its attempt label, ``first_attempt`` or later; an earlier attempt's JobSet, or one with
+    no readable attempt, is kept.
+    """
+
+    def keep(item: dict[str, Any]) -> bool:
+        value = ((item.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL, "")
+        return not value.isdigit() or int(value) < first_attempt
+
+    return keep
+
+
+def stop_gang(
+    store: RunStore, status: str, first_attempt: int, *, api_client: Any = None, k8s_host: str | None = None
+) -> str | None:
+    """Delete the run's JobSets of attempts from ``first_attempt`` on; the line saying what (None: local backend).
 
     Raises:
         StepError: The API is unreachable or refused (exit 69 when retrying can help), with the command
@@ -382,7 +406,7 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
             from recovery_steps.kernel.k8s import make_api_client
 
             api_client = make_api_client(k8s_host)
-        deleted, going, _ = delete_run_jobsets(api_client, ns, run_id)
+        deleted, going, kept = delete_run_jobsets(api_client, ns, run_id, keep=not_this_workflows(first_attempt))
     except ConfigException as e:
         raise StepError(ExitCode.CONFIGURATION, f"no Kubernetes API ({e}): {by_hand}") from None
     except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
@@ -393,7 +417,8 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
         line = f"run {run_id} ended {status}: deleted JobSet {', '.join(deleted)} in namespace {ns} (foreground)"
     else:
         line = f"run {run_id} ended {status}: no JobSet of the run left to delete in namespace {ns}"
-    return line + (f"; already being deleted: {', '.join(going)}" if going else "")
+    line += f"; already being deleted: {', '.join(going)}" if going else ""
+    return line + (f"; kept (not of this Workflow's attempts): {', '.join(kept)}" if kept else "")
 
 
 def _not_holder(args: Any) -> tuple[int, str] | None:
@@ -401,13 +426,22 @@ def _not_holder(args: Any) -> tuple[int, str] | None:
     store = RunStore(args.store_root, args.run_id)
     try:
         with transient_as_unavailable(store.url()):
-            held = lease.holds(store, args.holder)
+            current = store.read_record(RunLayout.LEASE, RunLease)
+            held = current is None or lease.held_by(current, args.holder)
             ledger = store.read_record(RunLayout.LEDGER, Ledger) if not held else None
+            # Its validate-config took the lease, then refused or never finished, in a run that exists (a run never
+            # validated at all is refused by ``run`` with its one line).
+            unconfirmed = held and current is not None and current.first_attempt is None
+            unconfirmed = unconfirmed and store.read_bytes(RunLayout.CONFIG) is not None
+            if unconfirmed:
+                lease.release(store, args.holder)
     except (DocumentError, *store_errors()) as e:
         raise StepError(1, f"{store.url()}: {e}") from None
-    if held:
+    if held and not unconfirmed:
         return None
     status, line = not_holder_status(ledger, args.holder, args.run_id)
+    if unconfirmed:
+        line = f"this workflow never validated run {args.run_id!r}: its lease released, nothing recorded or deleted"
     if args.output_dir is not None:
         FinalizeOutputs(final_status=status, steps_lost=0, recovery_seconds=-1).write(Path(args.output_dir))
     return 0, f"finalize: {line}"
@@ -421,7 +455,7 @@ def _stop_gang_if_holder(args: Any, ledger: Ledger) -> tuple[int, str | None]:
             current = store.read_record(RunLayout.LEASE, RunLease)  # read again: the lease as it is now
         if not stops_gang(args.status, current, args.holder, ledger):
             return 0, None
-        return 0, stop_gang(store, args.status, k8s_host=args.k8s_host)
+        return 0, stop_gang(store, args.status, current.first_attempt, k8s_host=args.k8s_host)
     except StoreUnavailable as e:
         print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
         return int(ExitCode.TRANSIENT), None

@@ -165,12 +165,20 @@ def local_continuation(ledger: Ledger | None, own_uid: str, run_id: str, attempt
 
 
 def pass_lease(
-    store: RunStore, own_uid: str, to: Continuation, ttl_s: float, *, clock: Callable[[], float] = now, tries: int = 5
+    store: RunStore,
+    own_uid: str,
+    to: Continuation,
+    ttl_s: float,
+    *,
+    first_attempt: int,
+    clock: Callable[[], float] = now,
+    tries: int = 5,
 ) -> RunLease:
     """Give the run lease from ``own_uid`` to the continuation (idempotent: already given is fine).
 
     The continuation's lease keeps this one's namespace and cluster, so a later submission can still tell
-    whether the continuation's Workflow is alive.
+    whether the continuation's Workflow is alive, and names ``first_attempt``, the attempt it starts with: its
+    exit handler acts on the JobSets of its own attempts only.
 
     Raises:
         StepError: another workflow holds the run, or the lease was released.
@@ -196,6 +204,7 @@ def pass_lease(
             renewed_at=t,
             namespace=current.namespace if current else None,
             cluster=current.cluster if current else None,
+            first_attempt=first_attempt,
         )
         try:
             store.write_record(RunLayout.LEASE, new, if_generation_match=gen)
@@ -245,7 +254,7 @@ def run(
             to = local_continuation(store.read_record(RunLayout.LEDGER, Ledger), workflow_uid, run_id, attempt)
         else:
             to = create_on_gke(api_client or k8s_client(None), cfg.namespace, workflow, workflow_uid, run_id, attempt)
-        pass_lease(store, workflow_uid, to, cfg.retry.lease_ttl_s, clock=clock)
+        pass_lease(store, workflow_uid, to, cfg.retry.lease_ttl_s, first_attempt=attempt, clock=clock)
         backend = Backend.GKE if uses_cluster(cfg) else Backend.LOCAL
         record(
             store,

@@ -3,7 +3,8 @@
 Argo's ``synchronization`` mutex (keyed by run id) makes a second submission wait in the same controller; the
 lease in the run store (``RunLease`` at ``RunLayout.LEASE``) also holds across controllers, namespaces, clusters
 and the local runner. The holder is the workflow's uid; the lease names its namespace and cluster (the uid of the
-cluster's kube-system namespace). validate-config takes it, provision-slice renews it before it deletes anything
+cluster's kube-system namespace). validate-config takes it once it has compared the config (a submission that
+refuses never takes it) and then confirms it with the first attempt it acts for (``confirm``); provision-slice renews it before it deletes anything
 (a second submission never deletes a live gang), the supervisor renews it while a segment runs
 (``renew_if_due``), hand-over passes it to the continuation, the exit handler releases it. Every write carries a
 generation precondition, so two submissions cannot both win.
@@ -157,6 +158,7 @@ def acquire(
             renewed_at=t,
             namespace=site.namespace or (current.namespace if mine else None),
             cluster=site.cluster or (current.cluster if mine else None),
+            first_attempt=current.first_attempt if mine else None,
         )
         try:
             store.write_record(RunLayout.LEASE, lease, if_generation_match=gen)
@@ -182,6 +184,7 @@ class Renewal:
     status: RenewStatus
     next_at: float
     line: str = ""
+    lease: RunLease | None = None  # RENEWED: the lease as renewed; LOST: the lease as read (None: there is none)
 
 
 def renew_every(ttl_s: float) -> float:
@@ -216,17 +219,14 @@ def renew_if_due(
         for _ in range(tries):
             current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
             if current is None or current.released or current.holder != holder:
-                return Renewal(RenewStatus.LOST, at + every, lost_line(store.run_id, current))
+                return Renewal(RenewStatus.LOST, at + every, lost_line(store.run_id, current), current)
+            renewed = current.model_copy(update={"renewed_at": at, "ttl_s": ttl_s})
             try:
-                store.write_record(
-                    RunLayout.LEASE,
-                    current.model_copy(update={"renewed_at": at, "ttl_s": ttl_s}),
-                    if_generation_match=gen,
-                )
+                store.write_record(RunLayout.LEASE, renewed, if_generation_match=gen)
             except PreconditionFailed:
                 continue
             line = f"renewed the lease of run {store.run_id!r} for {ttl_s:.0f} s"
-            return Renewal(RenewStatus.RENEWED, at + every, line)
+            return Renewal(RenewStatus.RENEWED, at + every, line, renewed)
         problem = f"still contended after {tries} tries"
     except (DocumentError, StoreUnavailable, *store_errors()) as e:
         problem = f"{type(e).__name__}: {first_line(e)}"
@@ -236,6 +236,22 @@ def renew_if_due(
         at + retry,
         f"could not renew the lease of run {store.run_id!r} ({problem}); trying again in {retry:.0f} s",
     )
+
+
+def holder_elsewhere(current: RunLease | None, namespace: str | None, cluster: str | None) -> bool:
+    """Whether another workflow holds the run from another namespace or cluster (pure).
+
+    Positive evidence only: both sides named, and different.
+
+    A supervisor that lost the lease deletes its gang only then: a holder elsewhere cannot see that gang, which
+    would go on writing the run's checkpoints beside the holder's. A holder here adopts it or its provision-slice
+    decides on it; a lease released, absent or naming no place is no evidence, and the gang is left alone.
+    """
+    if current is None or current.released:
+        return False
+    if current.namespace and namespace and current.namespace != namespace:
+        return True
+    return bool(current.cluster and cluster and current.cluster != cluster)
 
 
 def lost_line(run_id: str, current: RunLease | None) -> str:
@@ -248,6 +264,30 @@ def lost_line(run_id: str, current: RunLease | None) -> str:
         f"run {run_id!r} is now held by workflow {current.holder_name} (uid {current.holder}{_where(current)}): "
         "this workflow no longer holds it"
     )
+
+
+def confirm(store: RunStore, holder: str, first_attempt: int, *, tries: int = 5) -> RunLease:
+    """Record in ``holder``'s lease the first attempt it acts for (validate-config, once the config is pinned).
+
+    Until then the holder has only compared: its exit handler records nothing and deletes nothing.
+
+    Raises:
+        LeaseHeld: ``holder`` no longer holds the run (released, or another workflow took it).
+        StoreUnavailable: the write stayed contended (transient: the step is retried and confirms again).
+    """
+    for _ in range(tries):
+        current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
+        if not held_by(current, holder):
+            raise LeaseHeld(lost_line(store.run_id, current))
+        if current.first_attempt == first_attempt:
+            return current
+        confirmed = current.model_copy(update={"first_attempt": first_attempt})
+        try:
+            store.write_record(RunLayout.LEASE, confirmed, if_generation_match=gen)
+            return confirmed
+        except PreconditionFailed:
+            continue
+    raise StoreUnavailable(f"{store.url(RunLayout.LEASE)}: still contended after {tries} tries")
 
 
 def release(store: RunStore, holder: str) -> bool:

@@ -6,6 +6,11 @@ Usage: ``python -m recovery_steps.validate_config --config FILE [--store-root R]
 With ``--preflight true`` (the workflow's template) it first checks the permissions and cluster objects the
 run needs (``recovery_steps.preflight``), before any slice is provisioned; with ``--holder`` it takes the run
 lease (``recovery_steps.lease``) for that workflow.
+
+Destructive acts and their evidence: none of its own. It replaces ``config.json`` only under the generation it read
+(the replaced one is kept as ``config.<hash>.json``), and it takes the run lease only after the config compared
+clean, so a refused submission never holds the run and its exit handler deletes nothing. A read that failed is
+never a negative answer: an open attempt whose JobSet cannot be read ends the step 69 (retried), never "not running".
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ def run(
     *,
     accept_safe_changes: bool = False,
     gang_running: Callable[[int], bool] | None = None,
+    dry_run: bool = False,
 ) -> ValidateResult:
     """Check ``cfg`` against the run's stored config and latest checkpoint, then pin it in the store.
 
@@ -125,7 +131,9 @@ def run(
         accept_safe_changes: Accept a changed config when every change is safe per the compatibility table.
         gang_running: Whether attempt n's JobSet still runs (on a cluster; None: nothing can tell). A resubmission
             continues at the newest attempt when its gang runs and nothing decided or closed it (its Workflow was
-            deleted): train-segment re-attaches to the gang, no step is lost.
+            deleted): train-segment re-attaches to the gang, no step is lost. It raises ``StepError`` when it
+            cannot tell (an unreadable API is never "not running").
+        dry_run: Compare only: every check, nothing written (a submission compares before it takes the run lease).
 
     Returns:
         0 with the outputs, 2 when the config differs from the run's (and may not be accepted) or when a
@@ -163,7 +171,32 @@ def run(
             lines += [f"  {p}" for p in problems]
             lines.append("revert these fields, or start a new run id")
             return ValidateResult(ExitCode.INCOMPATIBLE_CHECKPOINT, messages + lines)
+    outputs = ValidateOutputs(
+        run_id=cfg.run_id,
+        # Absolute for a local root: later steps may run from another working directory.
+        store_root=store.root if store.is_gcs else str(Path(store.root).resolve()),
+        config_hash=new_hash,
+        hosts=cfg.slice.num_hosts,
+        first_attempt=first_attempt,
+    )
+    if dry_run:
+        return ValidateResult(ExitCode.OK, messages, outputs)
+    refused = _write_config(store, doc, stored, generation, replace_old)
+    return (
+        ValidateResult(ExitCode.OK, messages, outputs)
+        if refused is None
+        else ValidateResult(ExitCode.CONFIGURATION, [*messages, refused])
+    )
 
+
+def _write_config(
+    store: RunStore,
+    doc: RunConfigDocument,
+    stored: RunConfigDocument | None,
+    generation: int | None,
+    replace_old: RunConfigDocument | None,
+) -> str | None:
+    """Pin the config under the generation read; the line saying why not (None: pinned)."""
     try:
         if replace_old is not None:
             store.write_record(previous_config_path(replace_old.hash), replace_old)
@@ -175,19 +208,8 @@ def run(
             # meanwhile, one of the two writes fails, so two different configs never both succeed.
             store.write_record(RunLayout.CONFIG, stored, if_generation_match=generation)
     except PreconditionFailed:
-        return ValidateResult(
-            ExitCode.CONFIGURATION,
-            [*messages, f"{store.url(RunLayout.CONFIG)} changed while being validated; run validate-config again"],
-        )
-    outputs = ValidateOutputs(
-        run_id=cfg.run_id,
-        # Absolute for a local root: later steps may run from another working directory.
-        store_root=store.root if store.is_gcs else str(Path(store.root).resolve()),
-        config_hash=new_hash,
-        hosts=cfg.slice.num_hosts,
-        first_attempt=first_attempt,
-    )
-    return ValidateResult(ExitCode.OK, messages, outputs)
+        return f"{store.url(RunLayout.CONFIG)} changed while being validated; run validate-config again"
+    return None
 
 
 def _flag(text: str) -> bool:
@@ -288,26 +310,43 @@ def _pin(args: argparse.Namespace, cfg: JobConfig, store: RunStore) -> ValidateR
     try:
         with transient_as_unavailable(store.url()):
             if args.holder:
-                from recovery_steps import lease
-
-                site, alive, gang_running = _holder_check(cfg, args.k8s_host)
-                try:
-                    lease.acquire(
-                        store,
-                        args.holder,
-                        args.holder_name or args.holder,
-                        cfg.retry.lease_ttl_s,
-                        site=site,
-                        is_alive=alive,
-                    )
-                except lease.LeaseHeld as e:
-                    return ValidateResult(ExitCode.CONFIGURATION, [f"configuration: {e}"])
-                # Only a holder of the run may adopt what a lost Workflow left running.
-                return run(cfg, store, accept_safe_changes=args.accept_safe_changes, gang_running=gang_running)
+                return _pin_as_holder(args, cfg, store)
             return run(cfg, store, accept_safe_changes=args.accept_safe_changes)
     except store_errors() as e:
         line = cli.store_error_line("validate-config", store.url(), e).removeprefix("validate-config: ")
         raise StepError(1, f"{line}; or validate the config alone with --offline") from None
+
+
+def _pin_as_holder(args: argparse.Namespace, cfg: JobConfig, store: RunStore) -> ValidateResult:
+    """Compare, take the run lease, pin, confirm the lease: a submission that refuses never holds the run.
+
+    Destructive acts: none here, but the lease it confirms lets its exit handler delete the JobSets of attempts
+    from its first attempt on. So the lease is taken only after the config compared clean (a refused resubmission's
+    exit handler then finds another holder or none, and deletes nothing), released again when pinning refuses
+    after all, and confirmed with the first attempt only once the config is pinned.
+    """
+    from recovery_steps import lease
+
+    site, alive, gang_running = _holder_check(cfg, args.k8s_host)
+    accept = args.accept_safe_changes
+    compared = run(cfg, store, accept_safe_changes=accept, gang_running=gang_running, dry_run=True)
+    if compared.code != ExitCode.OK:
+        return compared
+    try:
+        lease.acquire(store, args.holder, args.holder_name or args.holder, cfg.retry.lease_ttl_s, site=site,
+                      is_alive=alive)  # fmt: skip
+    except lease.LeaseHeld as e:
+        return ValidateResult(ExitCode.CONFIGURATION, [f"configuration: {e}"])
+    # Only a holder of the run may adopt what a lost Workflow left running.
+    r = run(cfg, store, accept_safe_changes=accept, gang_running=gang_running)
+    if r.code != ExitCode.OK:
+        lease.release(store, args.holder)  # the run changed meanwhile: left as it was, to whoever acts for it
+        return r
+    try:
+        lease.confirm(store, args.holder, r.outputs.first_attempt)
+    except lease.LeaseHeld as e:
+        return ValidateResult(ExitCode.CONFIGURATION, [f"configuration: {e}"])
+    return r
 
 
 STEP = Step("validate-config", parser, act, ValidateOutputs)
@@ -332,22 +371,43 @@ def _holder_check(cfg: JobConfig, k8s_host: str | None):
 
     try:
         api_client = make_api_client(k8s_host)
-    except Exception:  # noqa: BLE001 - no client: the TTL decides
-        return lease.Site(namespace=cfg.namespace), None, None
+    except Exception as e:  # noqa: BLE001 - no client: the TTL decides the lease; no gang is known not to run
+        return lease.Site(namespace=cfg.namespace), None, _cannot_tell(f"no Kubernetes API client ({first_line(e)})")
     return *lease.on_gke(api_client, cfg.namespace), _gang_running(api_client, cfg)
 
 
+def _cannot_tell(why: str) -> Callable[[int], bool]:
+    """``gang_running`` where the cluster cannot be asked: an open attempt's gang may run, so the step is retried."""
+
+    def running(attempt: int) -> bool:
+        raise StepError(
+            ExitCode.TRANSIENT,
+            f"attempt {attempt} was left open and whether its gang still trains cannot be read: {why}; Argo retries "
+            "this step (nothing was taken or deleted)",
+        )
+
+    return running
+
+
 def _gang_running(api_client: Any, cfg: JobConfig) -> Callable[[int], bool]:
-    """Whether the JobSet of attempt n exists and has not finished (an unreadable one: not known to run)."""
-    from recovery_steps.kernel.k8s import Kube, jobset_name
+    """Whether the JobSet of attempt n exists and has not finished (404: it does not).
+
+    Any other failure raises ``StepError`` (69 for 429, 5xx and no answer; 2 for a refusal such as 403): a read that
+    failed is not "not running", or the numbering would move past a live gang that the next provision-slice then
+    refuses to delete and the run stops.
+    """
+    from recovery_steps.kernel.k8s import Kube, api_error_line, api_exit_code, jobset_name
     from recovery_steps.kernel.snapshot import jobset_from_api
 
     def running(attempt: int) -> bool:
+        name = jobset_name(cfg.run_id, attempt)
         try:
-            obj = Kube(api_client, cfg.namespace).get_jobset(jobset_name(cfg.run_id, attempt))
-        except Exception as e:  # noqa: BLE001 - not known to run: the numbering moves past it, as without a cluster
-            log.warning("cannot read the JobSet of attempt %d (%s): not continuing it", attempt, first_line(e))
-            return False
+            obj = Kube(api_client, cfg.namespace).get_jobset(name)
+        except Exception as e:  # noqa: BLE001 - every failure is mapped to its exit code
+            code = api_exit_code(e)
+            then = "Argo retries this step" if code == ExitCode.TRANSIENT else "grant it, then resubmit"
+            line = f"cannot read JobSet {name} of open attempt {attempt}: {api_error_line(e)}; {then}"
+            raise StepError(code, line) from None
         return obj is not None and not jobset_from_api(obj).finished
 
     return running

@@ -143,9 +143,15 @@ def test_give_up_as_a_program():
 GKE_RUN = "lm-v5e-4x4"
 
 
-def _lease(holder="uid-a", released=False):
+def _lease(holder="uid-a", released=False, first_attempt=0):
     return RunLease(run_id=GKE_RUN, holder=holder, holder_name=f"wf-{holder}", acquired_at=1.0, renewed_at=1.0,
-                    ttl_s=3600, released=released)  # fmt: skip
+                    ttl_s=3600, released=released, first_attempt=first_attempt)  # fmt: skip
+
+
+def _take(store, holder="uid-a", first_attempt=0):
+    """The lease as validate-config leaves it: taken after the config compared, confirmed once pinned."""
+    lease.acquire(store, holder, f"wf-{holder.removeprefix('uid-')}", 3600)
+    lease.confirm(store, holder, first_attempt)
 
 
 def _handed(holder):
@@ -166,6 +172,8 @@ def _handed(holder):
         ("Failed", _lease(), None, None, False),
         ("Failed", _lease(), "uid-a", _handed("uid-a"), False),  # handed over: the continuation's gang
         ("Failed", _lease(), "uid-a", _handed("uid-z"), True),
+        # validate-config took the lease and then refused, or never finished: it acts on nothing
+        ("Failed", _lease(first_attempt=None), "uid-a", None, False),
     ],
 )
 def test_stops_gang_table(status, current, holder, ledger, stops):
@@ -185,7 +193,9 @@ class _Cluster(FakeCluster):
 
 
 def _jobset(name, run_id, deleting=False, namespace="training"):
-    meta = {"name": name, "namespace": namespace, "labels": {"jaxrec/run-id": run_id}}
+    # Labelled as workflows.jobset labels the attempt's JobSet (its name ends -a<attempt>).
+    labels = {"jaxrec/run-id": run_id, "jaxrec/attempt": name.rsplit("-a", 1)[-1]}
+    meta = {"name": name, "namespace": namespace, "labels": labels}
     if deleting:
         meta["deletionTimestamp"] = "2024-05-01T10:00:00Z"
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta, "spec": {}, "status": {}}
@@ -197,7 +207,7 @@ def gke(tmp_path):
     root = str(tmp_path / "store")
     _store_config(root, "v5e-4x4.yaml")
     store = RunStore(root, GKE_RUN)
-    lease.acquire(store, "uid-a", "wf-a", 3600)
+    _take(store)
     cluster = _Cluster()
     for js in (
         _jobset(f"{GKE_RUN}-a2", GKE_RUN),
@@ -233,14 +243,37 @@ def test_the_gang_is_left_alone_when_the_run_succeeded_or_is_not_this_workflows(
     root, store, cluster = gke
     if case == "another-holder":
         lease.release(store, "uid-a")
-        lease.acquire(store, "uid-b", "wf-b", 3600)  # a live submission that took the run
+        _take(store, "uid-b")  # a live submission that took the run
     if case == "handed-over":
-        hand_over.pass_lease(store, "uid-a", hand_over.Continuation(f"{GKE_RUN}-c30", "uid-c"), 3600)
+        hand_over.pass_lease(store, "uid-a", hand_over.Continuation(f"{GKE_RUN}-c30", "uid-c"), 3600, first_attempt=30)
         hand_over.record(store, HandOver(from_workflow="wf-a", from_uid="uid-a", to_workflow=f"{GKE_RUN}-c30",
                                          to_uid="uid-c", next_attempt=30, at=1.0, backend="gke"))  # fmt: skip
     assert _finalize(root, cluster, "Succeeded" if case == "succeeded" else "Failed") == 0
     assert cluster.requests == []  # not even listed
     assert len(cluster.objects["jobsets"]) == 3
+
+
+def test_a_stopped_resubmission_deletes_only_the_jobsets_of_its_own_attempts(gke, capsys):
+    """Attempt 2's gang was left by an earlier Workflow; this one acts from attempt 3: the gang is kept."""
+    root, store, cluster = gke
+    lease.confirm(store, "uid-a", 3)
+    cluster.put("jobsets", _jobset(f"{GKE_RUN}-a3", GKE_RUN))
+    assert _finalize(root, cluster) == 0
+    assert sorted(cluster.objects["jobsets"]) == [f"{GKE_RUN}-a1", f"{GKE_RUN}-a2", "other-run-a0"]
+    out = capsys.readouterr().out
+    assert f"deleted JobSet {GKE_RUN}-a3" in out and f"kept (not of this Workflow's attempts): {GKE_RUN}-a2" in out
+
+
+def test_a_holder_that_never_confirmed_records_nothing_and_deletes_nothing(gke, capsys):
+    """Its validate-config took the lease, then refused (or died): the gang it came to adopt trains on."""
+    root, store, cluster = gke
+    store.write_record(RunLayout.LEASE, store.read_record(RunLayout.LEASE, RunLease).model_copy(
+        update={"first_attempt": None}))  # fmt: skip
+    assert _finalize(root, cluster) == 0
+    assert cluster.requests == [] and len(cluster.objects["jobsets"]) == 3
+    assert "never validated" in capsys.readouterr().out
+    assert store.read_record(RunLayout.LEASE, RunLease).released
+    assert store.read_record(RunLayout.LEDGER, Ledger) is None  # no final status written for the run
 
 
 def test_an_api_outage_leaves_the_lease_held_for_the_retry_that_stops_the_gang(gke, capsys):
@@ -274,7 +307,7 @@ def test_a_cpu_slice_deletes_its_jobset_only_on_a_cluster(tmp_path, capsys, monk
     root = str(tmp_path / "store")
     run_id = _store_config(root, "local-cpu.yaml")
     store = RunStore(root, run_id)
-    lease.acquire(store, "uid-a", "wf-a", 3600)
+    _take(store)
     if in_pod:
         monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     cluster = _Cluster(namespace="default")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from fake_http import JsonServer
 from fake_k8s import status
 from test_provision_slice import FakeKube, _node, _store_config
@@ -105,6 +106,7 @@ class _Argo:
         self.workflows = workflows
         self.cluster, self.ns = cluster, namespace
         self.jobsets: dict[str, dict] = {}
+        self.jobset_fail: tuple[int, str] | None = None  # every JobSet read answers this
         self.requests: list[str] = []
         self.http = JsonServer(self._route)
 
@@ -119,6 +121,9 @@ class _Argo:
                                                                                "uid": self.cluster}}  # fmt: skip
         if f"/apis/argoproj.io/v1alpha1/namespaces/{self.ns}/workflows/" in path and name in self.workflows:
             return 200, self.workflows[name]
+        if f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{self.ns}/jobsets/" in path and self.jobset_fail:
+            code, reason = self.jobset_fail
+            return code, status(code, reason, "etcdserver: request timed out")
         if f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{self.ns}/jobsets/" in path and name in self.jobsets:
             return 200, self.jobsets[name]
         return 404, status(404, "NotFound", f'workflows.argoproj.io "{name}" not found')
@@ -332,5 +337,76 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
             assert first == "0" and "continuing at attempt 0, its gang kept" in err, err
         else:
             assert first == "1" and "continuing" not in err, err
+    finally:
+        argo.http.close()
+
+
+def _left_running(argo: _Argo, store: RunStore, run_id: str) -> None:
+    """Attempt 0 of a Workflow since deleted: it trained, nothing decided or closed it, its JobSet still runs."""
+    store.write_json(RunLayout.heartbeat(0, 0), {"process_index": 0, "step": 12, "at": 1.0})
+    argo.jobsets[f"{run_id}-a0"] = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                                    "metadata": {"name": f"{run_id}-a0", "namespace": "default",
+                                                 "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"}},
+                                    "status": {"conditions": []}}  # fmt: skip
+
+
+def test_a_resubmission_whose_config_is_refused_takes_nothing_and_its_exit_handler_deletes_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    """After ``argo delete`` the gang trains on; a resubmission with a changed config (even a safe change, without
+    --accept-safe-changes) is refused before it takes the run lease, so its exit handler finds it holds nothing and
+    the gang it came to adopt is not deleted."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    root = str(tmp_path / "store")
+    argo = _Argo({}, namespace="default")
+    try:
+        args = ["--config", str(REPO / "configs" / "local-cpu.yaml"), "--store-root", root, "--k8s-host", argo.http.url]
+        assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
+        store = RunStore(root, "local-cpu")
+        assert store.read_record(RunLayout.LEASE, RunLease).first_attempt == 0
+        _left_running(argo, store, "local-cpu")
+        changed = tmp_path / "changed.yaml"
+        data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+        data["supervision"] = {**data.get("supervision", {}), "watch_interval_s": 7}
+        changed.write_text(yaml.safe_dump(data))
+        capsys.readouterr()
+        refused = ["--config", str(changed), *args[2:]]
+        assert _validate_as(refused, tmp_path / "o2", "uid-b") == 2
+        assert "differs from the one this run was started with" in capsys.readouterr().err
+        held = store.read_record(RunLayout.LEASE, RunLease)
+        assert (held.holder, held.first_attempt) == ("uid-a", 0)  # not taken
+        code = finalize.main(["--store-root", root, "--run-id", "local-cpu", "--status", "Failed",
+                              "--holder", "uid-b", "--k8s-host", argo.http.url])  # fmt: skip
+        assert code == 0 and not [r for r in argo.requests if "jobsets" in r and "DELETE" in r]
+        assert store.read_record(RunLayout.LEDGER, Ledger) is None  # the run's ledger untouched
+    finally:
+        argo.http.close()
+
+
+@pytest.mark.parametrize("answer, code", [((503, "ServiceUnavailable"), 69), ((429, "TooManyRequests"), 69),
+                                          ((403, "Forbidden"), 2)])  # fmt: skip
+def test_an_unreadable_jobset_of_an_open_attempt_is_never_taken_for_not_running(tmp_path, capsys, monkeypatch,
+                                                                                answer, code):  # fmt: skip
+    """The numbering would move past a live gang, which the next provision-slice refuses to delete (the run stops):
+    validate-config exits 69 (retried) for a transient answer, 2 for a refusal, and takes no lease either way."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    root = str(tmp_path / "store")
+    argo = _Argo({}, namespace="default")
+    try:
+        args = ["--config", str(REPO / "configs" / "local-cpu.yaml"), "--store-root", root, "--k8s-host", argo.http.url]
+        assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
+        store = RunStore(root, "local-cpu")
+        _left_running(argo, store, "local-cpu")
+        argo.jobset_fail = answer
+        capsys.readouterr()
+        assert _validate_as(args, tmp_path / "o2", "uid-b") == code
+        err = capsys.readouterr().err
+        assert f"cannot read JobSet local-cpu-a0 of open attempt 0: Kubernetes API answered {answer[0]}" in err, err
+        assert "Traceback" not in err and not (tmp_path / "o2" / "first-attempt").exists()
+        assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"
+        argo.jobset_fail = None  # the API answers again: the retry continues the live attempt
+        assert _validate_as(args, tmp_path / "o3", "uid-b") == 0
+        assert (tmp_path / "o3" / "first-attempt").read_text() == "0"
+        assert store.read_record(RunLayout.LEASE, RunLease).first_attempt == 0
     finally:
         argo.http.close()

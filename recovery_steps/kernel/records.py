@@ -419,6 +419,12 @@ class RunLease(_Record):
         description="The holding workflow's cluster: the uid of its kube-system namespace (None: the local runner, "
         "or not readable). Another holder finds the workflow by name only in the same cluster and namespace.",
     )
+    first_attempt: int | None = Field(
+        default=None,
+        description="The first attempt this holder acts for: set by validate-config once it has compared and pinned "
+        "the config (by hand-over: the continuation's first attempt). None: the holder never validated, so its exit "
+        "handler records nothing and deletes nothing; a holder deletes only JobSets of attempts from this one on.",
+    )
 
 
 class PreflightCheck(_Record):
