@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -543,7 +544,7 @@ class Supervisor:
         clock: Callable[[], float] = time.time,
         progress_file: str | None = None,
         say: Callable[[str], None] = log.info,
-        renew: Callable[[float], str | None] | None = None,
+        renew: Callable[[float], LeaseLoss | None] | None = None,
     ):
         self.cfg, self.attempt, self.gang, self.store = cfg, attempt, gang, store
         self.renew = renew
@@ -630,9 +631,7 @@ class Supervisor:
         while True:
             lost = self.renew(self.clock()) if self.renew is not None else None
             if lost is not None:
-                self.say(f"{lost}: deleting this Workflow's gang, the run belongs to another one now")
-                self.gang.delete()
-                raise StepError(ExitCode.CONFIGURATION, f"{lost}; this Workflow's JobSet was deleted")
+                self.lease_lost(lost)
             obs, beats, snap = self.observe()
             verdict = decide(obs, self.cfg.supervision)
             self.progress.update(obs, verdict)
@@ -641,6 +640,19 @@ class Supervisor:
             if verdict.over:
                 return verdict, obs, beats, snap
             self.gang.wait(interval)
+
+    def lease_lost(self, lost: LeaseLoss) -> None:
+        """End the segment (exit 2) once another workflow holds the run.
+
+        The gang is deleted only when that holder is in another namespace or cluster (``lease.holder_elsewhere``),
+        where it cannot see or adopt this gang.
+        """
+        if not lost.elsewhere:
+            left = f"JobSet {self.gang.name} is left to the run's holder (it adopts the gang or decides on it)"
+            raise StepError(ExitCode.CONFIGURATION, f"{lost.line}; {left}")
+        self.say(f"{lost.line}: deleting this Workflow's gang, the run is held in another namespace or cluster")
+        self.gang.delete()
+        raise StepError(ExitCode.CONFIGURATION, f"{lost.line}; this Workflow's JobSet was deleted")
 
     def run(self, manifest: Mapping[str, Any]) -> SupervisionRecord:
         """Create or re-attach, supervise until over, stop, and record. Returns the supervision record."""
@@ -736,20 +748,36 @@ def load_manifest(text: str, attempt: int) -> dict[str, Any]:
     return manifest
 
 
+@dataclass(frozen=True)
+class LeaseLoss:
+    """The run lease is another's now: the line saying so, and whether its holder is elsewhere."""
+
+    line: str
+    elsewhere: bool
+
+
 def lease_renewal(
-    store: RunStore, holder: str, ttl_s: float, say: Callable[[str], None]
-) -> Callable[[float], str | None]:
-    """A per-loop call that renews the run lease when due; it returns a line when the lease was lost."""
+    store: RunStore, holder: str, ttl_s: float, say: Callable[[str], None], namespace: str | None = None
+) -> Callable[[float], LeaseLoss | None]:
+    """A per-loop call that renews the run lease when due; it returns the loss when the lease was lost.
+
+    ``namespace`` is where this supervisor runs; its cluster is the one its own lease named when last renewed.
+    """
     from recovery_steps import lease
 
-    state = {"next_at": 0.0}
+    state: dict[str, Any] = {"next_at": 0.0, "cluster": None}
 
-    def renew(at: float) -> str | None:
+    def renew(at: float) -> LeaseLoss | None:
         r = lease.renew_if_due(store, holder, ttl_s, at, next_at=state["next_at"])
         state["next_at"] = r.next_at
         if r.line:
             say(r.line)
-        return (r.line or "the run lease is lost") if r.status == lease.RenewStatus.LOST else None
+        if r.status == lease.RenewStatus.RENEWED and r.lease is not None:
+            state["cluster"] = r.lease.cluster or state["cluster"]
+        if r.status != lease.RenewStatus.LOST:
+            return None
+        elsewhere = lease.holder_elsewhere(r.lease, namespace, state["cluster"])
+        return LeaseLoss(r.line or "the run lease is lost", elsewhere)
 
     return renew
 
@@ -799,7 +827,12 @@ def run(
 
     ``gang`` builds the world's adapter (default: the Kubernetes one, over ``api_client`` or ``k8s_host``).
     ``holder`` (the Workflow's uid) renews the run lease while the segment runs (``lease.renew_if_due``): a
-    segment outlives the lease's TTL. A lease another Workflow holds now ends this one's gang (exit 2).
+    segment outlives the lease's TTL. A lease another Workflow holds now ends the segment (exit 2); it deletes its
+    gang only when that holder is in another namespace or cluster (``lease.holder_elsewhere``).
+
+    Destructive acts and their evidence: the JobSet is deleted once the attempt's verdict is in the store (a
+    failure or stall the decision saw, with its evidence), or when the lease is held elsewhere (above); pods are
+    force-deleted only while Terminating on a node that is lost, after ``force_delete_grace_s``.
 
     Raises:
         StepError: The attempt cannot be supervised (its ``code`` is the exit code).
@@ -816,7 +849,7 @@ def run(
         clock=clock,
         progress_file=progress_file,
         say=say,
-        renew=lease_renewal(store, holder, cfg.retry.lease_ttl_s, say) if holder else None,
+        renew=lease_renewal(store, holder, cfg.retry.lease_ttl_s, say, cfg.namespace) if holder else None,
     )
     try:
         record = sup.run(manifest)

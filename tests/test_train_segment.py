@@ -317,17 +317,35 @@ def test_a_retry_after_the_stop_reports_the_recorded_verdict_and_creates_no_gang
     assert not cluster.requests_of("POST", "/jobsets") and any("decided by an earlier try" in ln for ln in lines)
 
 
-def test_a_lease_held_by_another_workflow_ends_this_ones_gang(tmp_path, cluster):
+def test_a_lease_held_by_another_workflow_in_another_namespace_ends_this_ones_gang(tmp_path, cluster):
+    """A holder elsewhere cannot see this gang, which would write the run's checkpoints beside its own."""
     from recovery_steps import lease
 
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)
-    lease.acquire(store, "uid-other", "wf-other", 3600)
+    lease.acquire(store, "uid-other", "wf-other", 3600, site=lease.Site(namespace="elsewhere", cluster="c1"))
     with pytest.raises(StepError) as e:
         ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out", k8s_host=cluster.url,
                holder="uid-mine", say=lambda _: None)  # fmt: skip
     assert e.value.code == 2 and "wf-other" in str(e.value) and "deleted" in str(e.value)
     assert cluster.requests_of("DELETE", "/jobsets/")
+
+
+@pytest.mark.parametrize("namespace", ["same", None], ids=["same-namespace", "namespace-unknown"])
+def test_a_lease_lost_to_a_holder_here_leaves_the_gang_to_it(tmp_path, cluster, namespace):
+    """A resubmission in the same namespace may have adopted this very gang: the stale supervisor exits, deleting
+    nothing (a lease that names no place is no evidence either)."""
+    from recovery_steps import lease
+
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    site = lease.Site(namespace=cfg.namespace if namespace else None, cluster="c1" if namespace else None)
+    lease.acquire(store, "uid-other", "wf-other", 3600, site=site)
+    with pytest.raises(StepError) as e:
+        ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out", k8s_host=cluster.url,
+               holder="uid-mine", say=lambda _: None)  # fmt: skip
+    assert e.value.code == 2 and "wf-other" in str(e.value) and "left to the run's holder" in str(e.value)
+    assert not cluster.requests_of("DELETE", "/jobsets/")
 
 
 def test_the_supervisor_renews_the_lease_it_holds(tmp_path, cluster):
