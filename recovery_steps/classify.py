@@ -31,6 +31,8 @@ SCHEDULING_EVENTS = ("FailedScheduling", "NotTriggerScaleUp", "FailedScaleUp")
 NON_FINITE_MARKERS = ("non-finite", "nan", "inf loss", "floatingpointerror")
 COMPILE_MARKERS = ("compil", "resource_exhausted", "hlo")
 _JOB_POD = re.compile(r"for pod (?:[\w.-]+/)?([\w.-]+) failed with exit code (\d+)")
+# A JobSet worker pod's name: <jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<suffix>; the pod index is the worker's.
+_POD_INDEX = re.compile(r"-(\d+)-[a-z0-9]+$")
 # The kubelet's placeholder for a container it cannot account for when the pod ends: exit 137, whether or not the
 # container ever ran ("we do not know whether the container was successful, always report an error";
 # kubernetes pkg/kubelet/status/status_manager.go TerminatePod). It is not a SIGKILL of the trainer.
@@ -39,6 +41,45 @@ PLACEHOLDER_REASON = "ContainerStatusUnknown"
 # could not be created ("Error: ...").
 PULL_EVENTS = ("ErrImagePull", "ImagePullBackOff", "InspectFailed", "ErrImageNeverPull")
 _EVENT_ONLY_REASON = re.compile(r"^Error: (ErrImagePull|ImagePullBackOff)$")
+# The Job controller's event when the API refuses a pod it creates: reason FailedCreate, message 'Error creating:
+# <the API's error>' (kubernetes pkg/controller/controller_utils.go, FailedCreatePodReason).
+FAILED_CREATE = "FailedCreate"
+# What the refusal says, first match wins: (pattern, class, what refused the pods, the fix). A spent ResourceQuota
+# is a 403 "is forbidden: exceeded quota" too, so it comes before the other refusals; a webhook that cannot be
+# called (500 "failed calling webhook") is a fault of the webhook's service, not of the pods.
+CREATE_REFUSALS: tuple[tuple[re.Pattern[str], FailureClass, str, str], ...] = (
+    (
+        re.compile(r"exceeded quota: ([\w.-]+)", re.I),
+        FailureClass.CAPACITY,
+        "the namespace's ResourceQuota {0} is spent",
+        "the next attempt waits for capacity; raise the quota or free what holds it",
+    ),
+    (
+        re.compile(r'violates PodSecurity "([^"]+)"', re.I),
+        FailureClass.CONFIGURATION,
+        "the namespace's Pod Security admission ({0}) forbids them",
+        "label the namespace pod-security.kubernetes.io/enforce with a level that admits the workers, or take what "
+        "the policy forbids out of the pod spec",
+    ),
+    (
+        re.compile(r'admission webhook "([^"]+)" denied the request', re.I),
+        FailureClass.CONFIGURATION,
+        "admission webhook {0} denied them",
+        "change the pod spec to pass the webhook's policy, or exempt the namespace from it",
+    ),
+    (
+        re.compile(r'failed calling webhook "([^"]+)"', re.I),
+        FailureClass.INFRASTRUCTURE,
+        "admission webhook {0} could not be called",
+        "retried; check the webhook's service if this repeats",
+    ),
+    (
+        re.compile(r"forbidden", re.I),
+        FailureClass.CONFIGURATION,
+        "the API server forbids them",
+        "fix what the message names (a LimitRange, the ServiceAccount, a policy)",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -70,12 +111,15 @@ class _Obs:
     named_by_job: bool = False
     placeholder: bool = False  # the exit code is the kubelet's placeholder (ContainerStatusUnknown), not the trainer's
     slice_spot: bool = False  # some node of the gang is a Spot VM (a TPU slice's node pool is all Spot or none)
+    job_pod: str | None = None  # the pod a Job's failure names, when the pod itself is no longer in the evidence
 
     @property
     def who(self) -> str:
         parts = [f"worker {self.index}" if self.index is not None else "a worker"]
         if self.pod is not None:
             parts.append(f"pod {self.pod.name}")
+        elif self.job_pod is not None:
+            parts.append(f"pod {self.job_pod}, gone: as its Job's failure names it")
         node = self.node.name if self.node else (self.pod.node if self.pod else None)
         if node:
             parts.append(f"node {node}")
@@ -157,11 +201,7 @@ def _normalise(code: int | None, signal: int | None) -> tuple[int | None, int | 
 def _observations(ev: Evidence) -> list[_Obs]:
     by_index: dict[int, _Obs] = {}
     loose: list[_Obs] = []
-    job_pods = set()
-    for j in ev.jobs:
-        m = _JOB_POD.search(j.failure_message or "")
-        if m:
-            job_pods.add(m.group(1))
+    job_pods = {m.group(1) for m, _ in _job_failures(ev)}
     spot = any(n.spot for n in ev.nodes)
     for p in ev.pods:
         c = p.trainer()
@@ -187,6 +227,7 @@ def _observations(ev: Evidence) -> list[_Obs]:
             loose.append(o)
         else:
             by_index[p.worker_index] = o
+    _job_named(ev, by_index, loose)
     if ev.local_slice is not None:
         for w in ev.local_slice.workers:
             code, sig = _normalise(w.exit_code, w.signal)
@@ -204,6 +245,33 @@ def _observations(ev: Evidence) -> list[_Obs]:
         if o.at is None:
             o.at = r.ended_at
     return sorted(by_index.values(), key=lambda o: o.index or 0) + loose
+
+
+def _job_failures(ev: Evidence) -> list[tuple[re.Match[str], Condition]]:
+    """The Jobs' failures (Failed, or the FailureTarget before it) that name a pod and its exit code."""
+    out = []
+    for j in ev.jobs:
+        c = j.failure()
+        m = _JOB_POD.search(c.message or "") if c is not None else None
+        if m is not None and c is not None:
+            out.append((m, c))
+    return out
+
+
+def _job_named(ev: Evidence, by_index: dict[int, _Obs], loose: list[_Obs]) -> None:
+    """A worker whose failure only its Job still tells (its pod is gone): the exit code the Job's message names."""
+    present = {p.name for p in ev.pods}
+    for m, c in _job_failures(ev):
+        name, code = m.group(1), int(m.group(2))
+        idx = _POD_INDEX.search(name)
+        index = int(idx.group(1)) if idx else None
+        if name in present or (index is not None and index in by_index):
+            continue
+        o = _Obs(index=index, at=c.at, exit_code=code, named_by_job=True, job_pod=name)
+        if index is None:
+            loose.append(o)
+        else:
+            by_index[index] = o
 
 
 def _rank(o: _Obs, f: _Finding) -> int:
@@ -431,9 +499,15 @@ def _supervised(ev: Evidence) -> Verdict | None:
 def _precheck(ev: Evidence) -> Verdict | None:
     """Failures of the whole attempt that precede any worker's exit.
 
-    A supervised stall, an image or container that cannot start, capacity.
+    Pods the API refused to create, a supervised stall, an image or container that cannot start, capacity.
     """
     supervised = _supervised(ev)
+    refused = _refused(ev)
+    if refused is not None and (supervised is None or supervised.failure_class is FailureClass.CAPACITY):
+        # Pods that were never created leave the supervisor only a count of missing pods: the Job says why.
+        return Verdict(
+            refused.failure_class, refused.reason, refused.evidence + (supervised.evidence if supervised else [])
+        )
     if supervised is not None:
         return supervised
     waiting = _cannot_start(ev, permanent=True) or _never_ran(ev)
@@ -464,6 +538,34 @@ def _precheck(ev: Evidence) -> Verdict | None:
             [f"step exit code {ev.step_exit_code}"],
         )
     return None
+
+
+def create_refusal(event: str) -> tuple[FailureClass, str] | None:
+    """What a Job's warning event ('Reason: message') says about worker pods the API refused to create (pure).
+
+    Returns:
+        The class and one line naming what refused the pods, the API's words and the fix; None when the event is
+        not a FailedCreate (``CREATE_REFUSALS``).
+    """
+    reason, _, msg = event.partition(": ")
+    if reason != FAILED_CREATE:
+        return None
+    for pattern, cls, what, fix in CREATE_REFUSALS:
+        m = pattern.search(msg)
+        if m is not None:
+            return cls, f"{what.format(*m.groups())} ({_short(msg, 240)}); {fix}"
+    return None
+
+
+def _refused(ev: Evidence) -> Verdict | None:
+    """A Job whose worker pods the API refused to create: the gang never started (a refusal by policy first)."""
+    found = [(j, e, r) for j in ev.jobs for e in j.events if (r := create_refusal(e)) is not None]
+    if not found:
+        return None
+    found.sort(key=lambda f: f[2][0] is not FailureClass.CONFIGURATION)
+    job, _, (cls, what) = found[0]
+    lines = [f"Job {job.name}: {_short(e, 300)}" for j, e, _ in found if j is job]
+    return Verdict(cls, f"Job {job.name} could not create its worker pods: {what}. {_ADVICE[cls]}", lines)
 
 
 def _cannot_start(ev: Evidence, *, permanent: bool) -> Verdict | None:
@@ -550,7 +652,9 @@ def classify(evidence: Evidence) -> Verdict:
     """
     pre = _precheck(evidence)
     if pre is not None:
-        return pre
+        # What the adapters could not read (events skipped, a snapshot used) belongs to every verdict's evidence.
+        notes = [f"note: {n}" for n in evidence.notes]
+        return Verdict(pre.failure_class, pre.reason, pre.evidence + notes, pre.first_worker, pre.cause_worker)
     obs = [o for o in _observations(evidence) if o.failed()]
     context = _context_lines(evidence)
     if not obs:
@@ -564,13 +668,10 @@ def classify(evidence: Evidence) -> Verdict:
                 waiting.first_worker,
                 waiting.cause_worker,
             )
-        js = evidence.jobset
-        cond = next((c for c in (js.conditions if js else []) if c.type == "Failed" and c.status == "True"), None)
-        why = f"JobSet failed ({cond.reason}: {_short(cond.message, 100)})" if cond else "no failed worker found"
         return Verdict(
             FailureClass.UNKNOWN,
-            f"{why}; no worker exit code, pod status or exit report explains attempt {evidence.attempt}. "
-            "Read the train-segment step logs.",
+            f"{_unexplained(evidence)}; no worker exit code, pod status or exit report explains attempt "
+            f"{evidence.attempt}. Read the train-segment step logs.",
             [_inventory(evidence)] + context,
         )
     judged = {id(o): _judge(o) for o in obs}
@@ -594,6 +695,17 @@ def classify(evidence: Evidence) -> Verdict:
         first_worker=first.index,
         cause_worker=cause.index,
     )
+
+
+def _unexplained(ev: Evidence) -> str:
+    """What ended an attempt no worker's failure explains: a Job's failure (FailureTarget or Failed), the JobSet's."""
+    for j in ev.jobs:
+        c = j.failure()
+        if c is not None:
+            return f"Job {j.name} {c.type} ({c.reason}: {_short(c.message, 100)})"
+    js = ev.jobset
+    cond = next((c for c in (js.conditions if js else []) if c.type == "Failed" and c.status == "True"), None)
+    return f"JobSet failed ({cond.reason}: {_short(cond.message, 100)})" if cond else "no failed worker found"
 
 
 def _reason(cf: _Finding, cause: _Obs, first: _Obs, f: _Finding, obs: list[_Obs], judged: dict[int, _Finding]) -> str:
@@ -644,8 +756,9 @@ def _context_lines(ev: Evidence) -> list[str]:
             if c.status == "True" and c.type in ("Failed", "Suspended"):
                 lines.append(f"JobSet {ev.jobset.name} {c.type}: {c.reason}: {_short(c.message)}")
     for j in ev.jobs:
-        if j.failed:
-            lines.append(f"Job {j.name} failed at {_hms(j.failed_at)}: {j.failure_reason}: {_short(j.failure_message)}")
+        c = j.failure()
+        if c is not None:
+            lines.append(f"Job {j.name} {c.type} at {_hms(c.at)}: {c.reason}: {_short(c.message)}")
     if ev.local_slice is not None and ev.local_slice.first_failure_index is not None:
         lines.append(f"local slice: first failure on worker {ev.local_slice.first_failure_index}")
     lines += [f"note: {n}" for n in ev.notes]

@@ -4,7 +4,9 @@ Usage: ``python -m recovery_steps.classify_failure --store-root R --run-id ID --
 --output-dir D``. Outputs: ``failure-class``, ``decision``, ``reason``, ``backoff-seconds``, ``backoff-wait``,
 ``attempts-by-class`` (JSON), ``next-attempt``, ``budget-exhausted`` (``1`` when the run stops because
 the failure class spent its budget, else ``0``). Exits 0 whenever it classified (whatever the
-decision); exits 1 when it cannot read or write the run store, 2 when the run has no usable config.
+decision); exits 1 when it cannot read or write the run store, 2 when the run has no usable config. On GKE a
+Kubernetes read it decides on that fails is never taken for absence: it exits 69 (transient, retried) when the API
+is out of reach or answers 429/5xx, 2 when the API refuses the read or there is no Kubernetes config.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from typing import Any
 from recovery_steps.classify import Verdict, classify
 from recovery_steps.evidence import (
     Evidence,
+    EvidenceUnreadable,
     gather_kubernetes,
     gather_local_slice,
     gather_reports,
+    gather_snapshot_events,
     gather_supervision,
     use_supervisor_snapshot,
 )
@@ -41,7 +45,7 @@ from recovery_steps.kernel.records import (
     SupervisorLosses,
     now,
 )
-from recovery_steps.kernel.step import Step, StepError, load_run_config
+from recovery_steps.kernel.step import Step, StepError, api_error, k8s_config_errors, load_run_config
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import (
@@ -74,6 +78,9 @@ def _failure(line: str) -> StepError:
     return StepError(1, line)
 
 
+# Why a failed read ends the step: its gang may still run, and a closed attempt lets provision-slice delete it.
+UNREAD_HINT = "; not taken for absence: transient, Argo retries classify-failure"
+
 # A supervisor lost this often in one attempt is not bad luck: the attempt is closed (class from the evidence).
 MAX_SUPERVISOR_LOSSES = 10
 
@@ -81,14 +88,15 @@ MAX_SUPERVISOR_LOSSES = 10
 def orphaned_gang(ev: Evidence) -> str | None:
     """Why the attempt's gang is alive without a supervisor's verdict, or None (pure).
 
-    The JobSet exists and has not finished, and no supervisor recorded a verdict (none at all: its pod was
-    evicted, drained, shut down with its node or OOM-killed, past Argo's retries; or it left transient). Closing
-    the attempt would let the next attempt's provision-slice delete a healthy gang: supervise it again instead.
+    The JobSet exists and has not finished, no Job of it failed (a Job at FailureTarget has failed before its
+    JobSet reacts), and no supervisor recorded a verdict (none at all: its pod was evicted, drained, shut down with
+    its node or OOM-killed, past Argo's retries; or it left transient). Closing the attempt would let the next
+    attempt's provision-slice delete a healthy gang: supervise it again instead.
     """
     js = ev.jobset
     if ev.backend != Backend.GKE or js is None or not js.found:
         return None
-    if js.finished:
+    if js.finished or any(j.failure() is not None for j in ev.jobs):
         return None
     sup = ev.supervision
     if sup is not None and (
@@ -125,7 +133,12 @@ def gather(
     api_client: Any = None,
     step_exit_code: int | None = None,
 ) -> Evidence:
-    """Every piece of evidence of the backend the config names (GKE or local), plus the worker reports."""
+    """Every piece of evidence of the backend the config names (GKE or local), plus the worker reports.
+
+    Raises:
+        StepError: The cluster's evidence cannot be read: transient (69, Argo retries the step) when the API is out
+            of reach or answers 429/5xx, configuration (2) when it refuses; nothing is decided on a failed read.
+    """
     if step_exit_code is None:
         # provision-slice records its last try; a failed one means the attempt ended before training.
         prov = store.read_record(RunLayout.provision_record(attempt), ProvisionRecord)
@@ -140,17 +153,28 @@ def gather(
     if not uses_cluster(cfg):
         gather_local_slice(store, attempt, ev)
         return _restore_never_decided(store, ev)
-    if api_client is None:
-        from recovery_steps.kernel.k8s import make_api_client
+    api_client = _api_client() if api_client is None else api_client
+    try:
+        gather_kubernetes(api_client, cfg.namespace, jobset, ev)
+    except EvidenceUnreadable as e:
+        raise api_error(e.error, doing=f"cannot read {e.what}", transient_hint=UNREAD_HINT) from None
+    gather_snapshot_events(api_client, cfg.namespace, use_supervisor_snapshot(ev))
+    return _restore_never_decided(store, ev)
 
-        try:
-            api_client = make_api_client()
-        except Exception as e:  # noqa: BLE001 - any config failure leaves the store's evidence usable
-            ev.notes.append(f"no Kubernetes client ({type(e).__name__}: {e}); classified from worker reports")
-            return _restore_never_decided(store, use_supervisor_snapshot(ev))
-    return _restore_never_decided(
-        store, use_supervisor_snapshot(gather_kubernetes(api_client, cfg.namespace, jobset, ev))
-    )
+
+def _api_client() -> Any:
+    """The in-cluster (or kubeconfig) client; without one nothing of the gang can be read: configuration (2)."""
+    from recovery_steps.kernel.k8s import make_api_client
+
+    try:
+        return make_api_client()
+    except k8s_config_errors() as e:
+        detail = " ".join(str(e).split())[:200]
+        raise StepError(
+            ExitCode.CONFIGURATION,
+            f"no Kubernetes API to read the attempt's gang from ({type(e).__name__}: {detail}); classify-failure "
+            "runs in the cluster under the workflow's ServiceAccount, or with a kubeconfig",
+        ) from None
 
 
 def _restore_never_decided(store: RunStore, ev: Evidence) -> Evidence:

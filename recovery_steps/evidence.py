@@ -8,7 +8,8 @@ layer (``kernel.k8s.Kube``: raw API JSON, client-side timeouts) into the one sna
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,11 +33,13 @@ from recovery_steps.kernel.snapshot import (
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = [  # the snapshot records are the evidence's own; importers of this module keep their names
     "Condition",
     "ContainerState",
     "Evidence",
+    "EvidenceUnreadable",
     "JobEvidence",
     "JobSetEvidence",
     "NodeEvidence",
@@ -44,6 +47,7 @@ __all__ = [  # the snapshot records are the evidence's own; importers of this mo
     "gather_kubernetes",
     "gather_local_slice",
     "gather_reports",
+    "gather_snapshot_events",
     "gather_supervision",
     "job_from_api",
     "jobset_from_api",
@@ -74,6 +78,9 @@ class Evidence(BaseModel):
         default=None, description="How train-segment's supervisor saw the attempt end (stall kind, reason)."
     )
     notes: list[str] = Field(default_factory=list, description="What an adapter could not read, and why.")
+    from_snapshot: bool = Field(
+        default=False, description="The pods and Jobs are the supervisor's snapshot: the API had no pod left."
+    )
 
     def node(self, name: str | None) -> NodeEvidence | None:
         """The node called ``name``, if gathered."""
@@ -86,34 +93,110 @@ class Evidence(BaseModel):
 # ---------------------------------------------------------------- Kubernetes
 
 
-def gather_kubernetes(api_client: Any, namespace: str, jobset: str, evidence: Evidence) -> Evidence:
-    """Fill ``evidence`` with the JobSet, Jobs, pods, their nodes and Pending pods' events.
+class EvidenceUnreadable(Exception):
+    """A read the verdict depends on failed: the attempt cannot be classified now.
 
-    What cannot be read is noted in ``evidence.notes`` (the classifier still sees the worker reports).
+    A read that failed is never evidence of absence: a JobSet, Job, pod or node that cannot be read may be a gang
+    that still runs, or the failure's cause. ``error`` is the client's own error (``kernel.k8s.api_exit_code`` maps
+    it to the step's exit code); only a 404 is absence, and the adapter never raises this for one.
     """
+
+    def __init__(self, what: str, error: BaseException):
+        from recovery_steps.kernel.k8s import api_error_line
+
+        super().__init__(f"cannot read {what}: {api_error_line(error)}")
+        self.what, self.error = what, error
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What a Kubernetes read raises when the API refuses, cannot be reached, or answers a body that is not JSON."""
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
+    return (ApiException, HTTPError, OSError, ValueError)
+
+
+def gather_kubernetes(api_client: Any, namespace: str, jobset: str, evidence: Evidence) -> Evidence:
+    """Fill ``evidence`` with the JobSet, Jobs, pods, their nodes, and the warning events of Jobs and unstarted pods.
+
+    A 404 is absence (noted). Events only add detail: one list that cannot be read is noted and skipped.
+
+    Raises:
+        EvidenceUnreadable: The JobSet, its Jobs, its pods or a worker's node could not be read.
+    """
     kube = Kube(api_client, namespace)
-    try:
-        js = kube.get_jobset(jobset)
-        evidence.jobset = jobset_from_api(js) if js else JobSetEvidence(name=jobset, found=False)
-        if js is None:
-            evidence.notes.append(f"JobSet {namespace}/{jobset} not found")
-        evidence.jobs = [job_from_api(j) for j in kube.items(kube.list_jobs, jobset)]
-        for p in kube.items(kube.list_pods, jobset):
-            name = (p.get("metadata") or {}).get("name", "")
-            pending = (p.get("status") or {}).get("phase") == "Pending"
-            evidence.pods.append(pod_from_api(p, kube.pod_warnings(name) if pending else None))
-        for node_name in sorted({p.node for p in evidence.pods if p.node}):
-            n = kube.get_node(node_name)
-            evidence.nodes.append(node_from_api(n) if n else NodeEvidence(name=node_name, found=False))
-    except (ApiException, HTTPError, OSError, ValueError) as e:
-        # An unreachable or misbehaving API leaves the store's evidence; the classifier still runs.
-        what = f"HTTP {e.status} {e.reason}" if isinstance(e, ApiException) else type(e).__name__
-        evidence.notes.append(f"Kubernetes API not fully readable ({what}); classified from what was read")
-        log.warning("kubernetes evidence incomplete: %s", e)
+    evidence.jobset = _must(f"JobSet {namespace}/{jobset}", lambda: _jobset(kube, jobset))
+    if not evidence.jobset.found:
+        evidence.notes.append(f"JobSet {namespace}/{jobset} not found")
+    evidence.jobs = _must(
+        f"the Jobs of JobSet {jobset}", lambda: [job_from_api(j) for j in kube.items(kube.list_jobs, jobset)]
+    )
+    evidence.pods = _must(
+        f"the pods of JobSet {jobset}", lambda: [pod_from_api(p) for p in kube.items(kube.list_pods, jobset)]
+    )
+    _add_warnings(kube, evidence)
+    for name in sorted({p.node for p in evidence.pods if p.node}):
+        evidence.nodes.append(_must(f"node {name}", lambda name=name: _node(kube, name)))
     return evidence
+
+
+def gather_snapshot_events(api_client: Any, namespace: str, evidence: Evidence) -> Evidence:
+    """Add the warning events of the Jobs and unstarted pods of the supervisor's snapshot, when it is the evidence.
+
+    The supervisor's stop deleted them, but their events outlive them (the API server's ``--event-ttl``, an hour
+    by default): a Job's FailedCreate is often the only word on why no pod ever ran. Unreadable ones are noted.
+    """
+    if evidence.from_snapshot:
+        evidence.jobs = [j.model_copy(deep=True) for j in evidence.jobs]
+        evidence.pods = [p.model_copy(deep=True) for p in evidence.pods]
+        _add_warnings(Kube(api_client, namespace), evidence)
+    return evidence
+
+
+def _add_warnings(kube: Kube, evidence: Evidence) -> None:
+    """The warning events of every Job and of every pod whose trainer never ran, where none are known yet."""
+    for job in evidence.jobs:
+        job.events = job.events or _warnings(evidence, f"Job {job.name}", kube.job_warnings, job.name)
+    for pod in evidence.pods:
+        if _unstarted(pod) and not pod.events:
+            pod.events = _warnings(evidence, f"pod {pod.name}", kube.pod_warnings, pod.name)
+
+
+def _jobset(kube: Kube, name: str) -> JobSetEvidence:
+    js = kube.get_jobset(name)
+    return jobset_from_api(js) if js else JobSetEvidence(name=name, found=False)
+
+
+def _node(kube: Kube, name: str) -> NodeEvidence:
+    n = kube.get_node(name)
+    return node_from_api(n) if n else NodeEvidence(name=name, found=False)
+
+
+def _must(what: str, read: Callable[[], T]) -> T:
+    """One read the verdict depends on, with its parsing; its failure is ``EvidenceUnreadable``, never absence."""
+    try:
+        return read()
+    except _read_errors() as e:
+        raise EvidenceUnreadable(what, e) from e
+
+
+def _warnings(evidence: Evidence, what: str, read: Callable[[str], list[str]], name: str) -> list[str]:
+    """The warning events of one object; a list that cannot be read is noted (they only add detail)."""
+    try:
+        return read(name)
+    except _read_errors() as e:
+        from recovery_steps.kernel.k8s import api_error_line
+
+        evidence.notes.append(f"the events of {what} are unreadable ({api_error_line(e)}); classified without them")
+        log.warning("events of %s unreadable: %s", what, e)
+        return []
+
+
+def _unstarted(pod: PodEvidence) -> bool:
+    """A pod whose trainer never ran: Pending, waiting, or torn down unstarted; its events may say why."""
+    c = pod.trainer()
+    never = c is None or (c.started_at is None and c.running_since is None)
+    return pod.phase == "Pending" or never or c.state == "waiting"
 
 
 # ---------------------------------------------------------------- run store
@@ -152,6 +235,7 @@ def use_supervisor_snapshot(evidence: Evidence) -> Evidence:
     evidence.pods = list(snap.pods)
     read = {n.name for n in evidence.nodes if n.found}
     evidence.nodes = [n for n in evidence.nodes if n.found] + [n for n in snap.nodes if n.name not in read]
+    evidence.from_snapshot = True
     evidence.notes.append(
         f"no pod of the attempt left in the API: pods, Jobs and nodes as train-segment saw them before its stop "
         f"(at {snap.taken_at:.0f})"

@@ -343,8 +343,9 @@ def _failed(obs: Observation) -> Verdict | None:
         why = f": {c.reason}: {c.message}" if c and (c.reason or c.message) else ""
         return Verdict(state=AttemptState.FAILED, reason=f"JobSet failed{why}")
     for job in obs.jobs:
-        # FailureTarget is the Job controller's verdict; Failed only follows once every pod is terminal.
-        c = job.has("Failed") or job.has("FailureTarget")
+        # FailureTarget is the Job controller's verdict; Failed only follows once every pod is terminal (the
+        # snapshot's Job record keeps either, ``JobEvidence.failure``).
+        c = job.failure()
         if c is not None:
             return Verdict(
                 state=AttemptState.FAILED,

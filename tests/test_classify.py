@@ -425,3 +425,96 @@ def test_a_node_lost_stall_is_a_preemption_when_the_node_or_the_workers_say_so(c
     assert v.failure_class is cls, v.reason
     assert fragment in v.reason and v.cause_worker == 3
     assert "\n" not in v.reason and v.evidence[0].startswith("supervisor: stalled (node-lost)")
+
+
+# The Job controller's FailedCreate events as the API server and its admission leave them ('Error creating: <the
+# API's error>', kubernetes pkg/controller/controller_utils.go), and what each means.
+POD_SECURITY = ('FailedCreate: Error creating: pods "js-workers-0-0-x8k2p" is forbidden: violates PodSecurity '
+                '"baseline:latest": hostPath volumes (volume "tpu-dev"), privileged (container "trainer" must not '
+                "set securityContext.privileged=true)")  # fmt: skip
+WEBHOOK_DENIED = ('FailedCreate: Error creating: admission webhook "validation.gatekeeper.sh" denied the request: '
+                  "[allowed-repos] container <trainer> has an invalid image repo <gcr.io/p/trainer:1>, allowed repos "
+                  'are ["us-docker.pkg.dev/corp/"]')  # fmt: skip
+QUOTA = ('FailedCreate: Error creating: pods "js-workers-0-0-x8k2p" is forbidden: exceeded quota: tpu-quota, '
+         "requested: google.com/tpu=4, used: google.com/tpu=16, limited: google.com/tpu=16")  # fmt: skip
+WEBHOOK_DOWN = ('FailedCreate: Error creating: Internal error occurred: failed calling webhook '
+                '"validation.gatekeeper.sh": failed to call webhook: Post "https://gatekeeper-webhook-service.'
+                'gatekeeper-system.svc:443/v1/admit?timeout=3s": context deadline exceeded')  # fmt: skip
+LIMIT_RANGE = ('FailedCreate: Error creating: pods "js-workers-0-0-x8k2p" is forbidden: maximum memory usage per '
+               "Container is 64Gi, but limit is 400Gi")  # fmt: skip
+NO_ACCOUNT = ('FailedCreate: Error creating: pods "js-workers-0-0-x8k2p" is forbidden: error looking up service '
+              'account training/jax-recovery-worker: serviceaccount "jax-recovery-worker" not found')  # fmt: skip
+
+# (id, the Job's warning event, the class (None: not a refusal), fragments of the line)
+CREATE_REFUSALS = [
+    ("pod-security", POD_SECURITY, FailureClass.CONFIGURATION,
+     ["Pod Security admission (baseline:latest)", "hostPath volumes", "pod-security.kubernetes.io/enforce"]),
+    ("webhook-denied", WEBHOOK_DENIED, FailureClass.CONFIGURATION,
+     ["admission webhook validation.gatekeeper.sh denied them", "invalid image repo", "exempt the namespace"]),
+    ("quota", QUOTA, FailureClass.CAPACITY, ["ResourceQuota tpu-quota is spent", "google.com/tpu=16", "raise"]),
+    ("webhook-unreachable", WEBHOOK_DOWN, FailureClass.INFRASTRUCTURE,
+     ["validation.gatekeeper.sh could not be called", "context deadline exceeded"]),
+    ("limit-range", LIMIT_RANGE, FailureClass.CONFIGURATION, ["forbids them", "limit is 400Gi", "LimitRange"]),
+    ("service-account", NO_ACCOUNT, FailureClass.CONFIGURATION, ["forbids them", "jax-recovery-worker"]),
+    ("another-warning", "FailedScheduling: 0/8 nodes are available: 8 Insufficient google.com/tpu.", None, []),
+    ("backoff", "BackoffLimitExceeded: Job has reached the specified backoff limit", None, []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("event", "cls", "fragments"), [c[1:] for c in CREATE_REFUSALS],
+                         ids=[c[0] for c in CREATE_REFUSALS])  # fmt: skip
+def test_a_jobs_failed_create_names_what_refused_its_pods_and_the_fix(event, cls, fragments):
+    from recovery_steps.classify import create_refusal
+
+    found = create_refusal(event)
+    assert (found[0] if found else None) is cls
+    for f in fragments:
+        assert f in found[1], found[1]
+
+
+def _refused_gang(event, supervision=None):
+    """The gang never started: its Job exists, the API refused every pod; nothing else tells why."""
+    job = JobEvidence(name="js-workers-0", events=[event])
+    return Evidence(backend="gke", attempt=0, jobs=[job], supervision=supervision)
+
+
+@pytest.mark.parametrize(("event", "cls"), [(POD_SECURITY, FailureClass.CONFIGURATION),
+                                            (WEBHOOK_DENIED, FailureClass.CONFIGURATION),
+                                            (QUOTA, FailureClass.CAPACITY)], ids=["pod-security", "webhook", "quota"])
+def test_pods_the_api_refused_decide_over_the_supervisors_count_of_missing_pods(event, cls):
+    stalled = _supervised("stalled", "capacity", "only 0/4 worker pods exist after 601 s (deadline 600 s)")
+    for ev in (_refused_gang(event), _refused_gang(event, stalled)):
+        v = classify(ev)
+        assert v.failure_class is cls, v.reason
+        assert v.reason.startswith("Job js-workers-0 could not create its worker pods: ") and "\n" not in v.reason
+        assert any(line.startswith("Job js-workers-0: FailedCreate: Error creating") for line in v.evidence)
+    # A stall of another kind is the supervisor's own finding: it stands.
+    hang = classify(_refused_gang(event, _supervised("stalled", "hang", "worker 3: no progress")))
+    assert hang.failure_class is FailureClass.HANG
+
+
+BACKOFF_LIMIT = Condition(type="FailureTarget", reason="BackoffLimitExceeded",
+                          message="Job has reached the specified backoff limit", at=T0 + 70)  # fmt: skip
+
+
+def test_a_job_at_failure_target_is_the_failure_when_no_worker_explains_it():
+    """The Job controller decided (FailureTarget) while the pods on a lost node were never seen to end."""
+    job = JobEvidence(name="js-workers-0", conditions=[BACKOFF_LIMIT], failed=True,
+                      failure_reason="BackoffLimitExceeded", failure_message=BACKOFF_LIMIT.message)  # fmt: skip
+    v = classify(gke([pod(i, phase="Running") for i in range(HOSTS)], jobs=[job]))
+    assert v.failure_class is FailureClass.UNKNOWN
+    assert v.reason.startswith("Job js-workers-0 FailureTarget (BackoffLimitExceeded: Job has reached the specified")
+    assert any(line.startswith("Job js-workers-0 FailureTarget at 10:01:10Z: BackoffLimitExceeded") for line in
+               v.evidence)  # fmt: skip
+
+
+def test_the_exit_code_a_jobs_failure_target_names_classifies_a_worker_whose_pod_is_gone():
+    target = Condition(type="FailureTarget", reason="PodFailurePolicy", at=T0 + 42,
+                       message="Container trainer for pod default/js-workers-0-2-x2 failed with exit code 42 matching "
+                               "FailJob rule at index 0")  # fmt: skip
+    job = JobEvidence(name="js-workers-0", conditions=[target])
+    pods = [pod(i, 143, 44) for i in (0, 1, 3)]  # worker 2's pod was deleted; its Job still says how it ended
+    v = classify(gke(pods, jobs=[job]))
+    assert v.failure_class is FailureClass.APPLICATION, v.reason
+    assert (v.first_worker, v.cause_worker) == (2, 2)
+    assert "pod js-workers-0-2-x2, gone" in v.reason and "exit 42" in v.reason

@@ -193,3 +193,38 @@ def test_a_restore_latest_that_spent_its_retries_is_classified_as_a_transient_in
     out = outputs(tmp_path / "o")
     assert out["failure-class"] == "infrastructure" and out["decision"] == "retry", out
     assert "69" in out["reason"] or "transient" in out["reason"].lower(), out
+
+
+def _gang(*, jobset_conditions=(), job_conditions=(), supervision=None):
+    from recovery_steps.evidence import Evidence, JobEvidence, JobSetEvidence
+
+    js = JobSetEvidence(name=f"{RUN}-a3", conditions=list(jobset_conditions))
+    jobs = [JobEvidence(name=f"{RUN}-a3-workers-0", conditions=list(job_conditions))]
+    return Evidence(backend="gke", attempt=3, jobset=js, jobs=jobs, supervision=supervision)
+
+
+def test_a_gang_is_orphaned_only_while_neither_its_jobset_nor_a_job_of_it_has_failed():
+    from recovery_steps.classify_failure import orphaned_gang
+    from recovery_steps.evidence import Condition
+
+    assert "its supervisor was lost" in orphaned_gang(_gang())
+    # FailureTarget: the Job controller decided the Job fails; the JobSet reacts only once the Job is Failed.
+    target = Condition(type="FailureTarget", reason="PodFailurePolicy", message="exit code 42 matching FailJob rule")
+    assert orphaned_gang(_gang(job_conditions=[target])) is None
+    assert orphaned_gang(_gang(job_conditions=[target.model_copy(update={"status": "False"})])) is not None
+    assert orphaned_gang(_gang(jobset_conditions=[Condition(type="Failed", reason="FailedJobs")])) is None
+
+
+def test_a_cluster_backend_without_a_kubernetes_config_decides_nothing(tmp_path, monkeypatch, capsys):
+    """No client, no reading the gang: the attempt is not closed on the worker reports alone (configuration, 2)."""
+    root = str(tmp_path / "store")
+    cfg = parse_config({"run_id": RUN, "namespace": "training", "image": "gcr.io/p/trainer:1",
+                        "slice": {"accelerator": "v5e", "topology": "4x4"},
+                        "storage": {"root": root, "durable_mount": True}})  # fmt: skip
+    store = RunStore(root, RUN)
+    store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
+    monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "none"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert cli(root, 3, tmp_path / "o") == 2
+    assert "no Kubernetes API to read the attempt's gang from" in capsys.readouterr().err
+    assert store.read_record(RunLayout.LEDGER, Ledger) is None

@@ -16,7 +16,7 @@ from recovery_steps.evidence import Evidence, gather_kubernetes, gather_reports
 from recovery_steps.kernel.config import parse_config
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.k8s import make_api_client
-from recovery_steps.kernel.records import WorkerExitReport
+from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 NS = "training"
@@ -34,6 +34,8 @@ class FakeApi:
         self.nodes: dict[str, dict] = {}
         self.events: list[dict] = []
         self.requests: list[str] = []
+        # (path fragment, status, Status body): the answer to every request whose path contains the fragment.
+        self.failing: list[tuple[str, int, dict]] = []
         self.http = JsonServer(self._route)
         self.url = self.http.url
 
@@ -62,6 +64,9 @@ class FakeApi:
         u = urlparse(raw)
         q = parse_qs(u.query)
         parts = u.path.strip("/").split("/")
+        for fragment, code, body in self.failing:
+            if fragment in u.path:
+                return code, body
         if u.path.startswith(f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets/"):
             name = parts[-1]
             return (200, self.jobsets[name]) if name in self.jobsets else self._not_found("jobsets", name)
@@ -76,7 +81,12 @@ class FakeApi:
             return (200, self.nodes[name]) if name in self.nodes else self._not_found("nodes", name)
         if u.path == f"/api/v1/namespaces/{NS}/events":
             fields = dict(f.split("=", 1) for f in q.get("fieldSelector", [""])[0].split(",") if f)
-            items = [e for e in self.events if e["involvedObject"]["name"] == fields.get("involvedObject.name")]
+            items = [
+                e
+                for e in self.events
+                if e["involvedObject"]["name"] == fields.get("involvedObject.name")
+                and e["involvedObject"]["kind"] == fields.get("involvedObject.kind", e["involvedObject"]["kind"])
+            ]
             return 200, {"apiVersion": "v1", "kind": "EventList", "metadata": {}, "items": items}
         return 404, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404}
 
@@ -271,13 +281,21 @@ def test_missing_jobset_is_noted_and_reports_still_classify(api, tmp_path):
     assert classify(ev).failure_class is FailureClass.HANG
 
 
-def test_unreachable_api_is_noted_not_fatal():
+def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ev = gather_kubernetes(make_api_client(f"http://127.0.0.1:{port}"), NS, JS, Evidence(backend="gke", attempt=0))
-    assert any("not fully readable" in n for n in ev.notes)
-    assert classify(ev).failure_class is FailureClass.UNKNOWN
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_api_is_never_taken_for_a_missing_gang():
+    from recovery_steps.evidence import EvidenceUnreadable
+    from recovery_steps.kernel.k8s import api_exit_code
+
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(EvidenceUnreadable) as e:
+        gather_kubernetes(make_api_client(url), NS, JS, Evidence(backend="gke", attempt=0))
+    assert e.value.what == f"JobSet {NS}/{JS}" and "Kubernetes API unreachable" in str(e.value)
+    assert api_exit_code(e.value.error) == 69
 
 
 def tpu_config(root: str):
@@ -474,3 +492,215 @@ def test_a_finished_or_missing_jobset_is_never_resupervised(api, tmp_path):
     api.jobsets.clear()
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 4, JS, None, api_client=make_api_client(api.url))
     assert r.decision.decision != "resupervise"
+
+
+def _status(code: int, reason: str, message: str, **details) -> tuple[int, dict]:
+    return code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+                  "reason": reason, "details": details, "code": code}  # fmt: skip
+
+
+# How the API server answers when it cannot answer now (apimachinery's Status bodies), and a refusal.
+UNAVAILABLE = _status(503, "ServiceUnavailable", "the server is currently unable to handle the request",
+                      causes=[{"reason": "UnexpectedServerResponse", "message": "service unavailable"}])  # fmt: skip
+THROTTLED = _status(429, "TooManyRequests", "Too many requests, please try again later.", retryAfterSeconds=1)
+INTERNAL = _status(
+    500,
+    "InternalError",
+    "Internal error occurred: conversion webhook for jobset.x-k8s.io/v1alpha2, "
+    'Kind=JobSet failed: Post "https://jobset-webhook-service.jobset-system.svc:443/convert": EOF',
+)
+FORBIDDEN = _status(403, "Forbidden", f'jobsets.jobset.x-k8s.io "{JS}" is forbidden: User "system:serviceaccount:'
+                    f'{NS}:jax-recovery" cannot get resource "jobsets" in API group "jobset.x-k8s.io" in the '
+                    f'namespace "{NS}"', name=JS, group="jobset.x-k8s.io", kind="jobsets")  # fmt: skip
+# The reads the verdict depends on, by the path each one asks.
+READS = {"jobset": f"/jobsets/{JS}", "jobs": f"/apis/batch/v1/namespaces/{NS}/jobs",
+         "pods": f"/api/v1/namespaces/{NS}/pods", "node": "/api/v1/nodes/"}  # fmt: skip
+
+
+@pytest.mark.parametrize("answer", [UNAVAILABLE, THROTTLED, INTERNAL], ids=["503", "429", "500"])
+@pytest.mark.parametrize("read", list(READS))
+def test_a_gang_whose_evidence_cannot_be_read_is_neither_closed_nor_resupervised(api, tmp_path, read, answer):
+    """The supervisor was lost and the gang still runs: a failed read is not a missing JobSet (transient, 69)."""
+    from recovery_steps.kernel.records import Ledger, SupervisorLosses
+    from recovery_steps.kernel.step import StepError
+
+    _running_gang(api)
+    api.failing = [(READS[read], *answer)]
+    cfg, store = _gke_run(tmp_path)
+    with pytest.raises(StepError) as e:
+        classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, tmp_path / "out", api_client=make_api_client(api.url))
+    assert e.value.code == 69 and f"answered {answer[0]}" in str(e.value) and "not taken for absence" in str(e.value)
+    assert store.read_record(RunLayout.LEDGER, Ledger) is None  # the attempt is not closed
+    assert store.read_record(RunLayout.supervisor_losses(3), SupervisorLosses) is None  # nor counted as lost
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refused_read_is_configuration_and_decides_nothing(api, tmp_path):
+    from recovery_steps.kernel.records import Ledger
+    from recovery_steps.kernel.step import StepError
+
+    _running_gang(api)
+    api.failing = [(READS["jobset"], *FORBIDDEN)]
+    cfg, store = _gke_run(tmp_path)
+    with pytest.raises(StepError) as e:
+        classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    assert e.value.code == 2 and "answered 403" in str(e.value) and "argo/rbac.yaml" in str(e.value)
+    assert store.read_record(RunLayout.LEDGER, Ledger) is None
+
+
+@pytest.fixture
+def kubeconfig(monkeypatch, tmp_path):
+    """A kubeconfig naming ``url``, as ``make_api_client()`` reads it outside a pod."""
+    from kubernetes import client
+
+    def point_at(url: str) -> None:
+        path = tmp_path / "kubeconfig"
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "c",
+                    "clusters": [{"name": "fake", "cluster": {"server": url}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "c", "context": {"cluster": "fake", "user": "u"}}],
+                }
+            )
+        )
+        monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(path))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
+    yield point_at
+    client.Configuration.set_default(None)
+
+
+def test_classify_failure_exits_transient_while_the_api_cannot_answer(api, tmp_path, kubeconfig, capsys):
+    from recovery_steps.kernel.records import Ledger
+
+    _running_gang(api)
+    api.failing = [(READS["jobset"], *UNAVAILABLE)]
+    cfg, store = _gke_run(tmp_path)
+    kubeconfig(api.url)
+    argv = ["--store-root", cfg.storage.root, "--run-id", cfg.run_id, "--attempt", "3", "--jobset", JS,
+            "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    assert classify_failure.main(argv) == 69
+    err = capsys.readouterr().err
+    assert f"classify-failure: cannot read JobSet {NS}/{JS}: Kubernetes API answered 503" in err
+    assert store.read_record(RunLayout.LEDGER, Ledger) is None
+    api.failing = []  # the API answers again: Argo's retry decides
+    assert classify_failure.main(argv) == 0
+    assert (tmp_path / "out" / "decision").read_text() == "resupervise"
+
+
+def api_event(kind: str, name: str, reason: str, message: str, n: int = 0) -> dict:
+    """A core/v1 Event about ``kind``/``name`` as the API returns it."""
+    source = "job-controller" if kind == "Job" else "kubelet"
+    return {"apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{name}.17c{n:013x}", "namespace": NS},
+            "involvedObject": {"apiVersion": "batch/v1" if kind == "Job" else "v1", "kind": kind, "name": name,
+                               "namespace": NS, "uid": f"uid-{name}"},
+            "reason": reason, "message": message, "source": {"component": source}, "firstTimestamp": ts(1),
+            "lastTimestamp": ts(30), "count": 7, "type": "Warning", "eventTime": None,
+            "reportingComponent": source, "reportingInstance": ""}  # fmt: skip
+
+
+def test_unreadable_events_only_lose_their_detail(api, tmp_path):
+    """Events add detail, nothing the verdict rests on: one list that cannot be read is noted, the rest stands."""
+    api.jobsets[JS] = api_jobset(failed=False)
+    api.pods = [api_pod(i, code=None, phase="Pending") for i in range(4)]
+    api.failing = [(f"/api/v1/namespaces/{NS}/events", *UNAVAILABLE)]
+    ev = gather_kubernetes(make_api_client(api.url), NS, JS, Evidence(backend="gke", attempt=0))
+    assert len(ev.pods) == 4 and all(p.events == [] for p in ev.pods)
+    assert sum(f"the events of pod {JS}-workers-0-" in n and "answered 503" in n for n in ev.notes) == 4
+    cfg, store = _gke_run(tmp_path)
+    store.write_record(RunLayout.supervision(3), SupervisionRecord(attempt=3, jobset=JS, outcome="stalled",
+                       stall_kind="capacity", reason="worker 0: unschedulable for 601 s", detected_at=1.0))  # fmt: skip
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    assert r.verdict.failure_class == "capacity" and any("events of pod" in line for line in r.verdict.evidence)
+
+
+def api_job_at_failure_target(failed_pod: str, code: int) -> dict:
+    """The Job once its controller decided it fails and before every pod is terminal: FailureTarget, no Failed."""
+    job = api_job(failed_pod, code)
+    job["status"] = {"active": 3, "failed": 1, "terminating": 3, "conditions": job["status"]["conditions"][:1]}
+    return job
+
+
+def test_a_job_at_failure_target_is_a_failed_gang_though_its_jobset_has_not_failed_yet(api, tmp_path):
+    """JobSet reacts to Failed only; Failed waits for every pod to be terminal. The Job's FailureTarget decides."""
+    _running_gang(api)
+    api.pods[2] = api_pod(2, code=42, at=20)
+    api.jobs = [api_job_at_failure_target(api.pods[2]["metadata"]["name"], 42)]
+    cfg, store = _gke_run(tmp_path)
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    assert r.decision.decision == "retry" and r.verdict.failure_class == "application", r.verdict.reason
+    assert r.verdict.first_worker == 2
+    assert any(line.startswith(f"Job {JS}-workers-0 FailureTarget at 10:00:10Z: PodFailurePolicy: Container trainer")
+               for line in r.verdict.evidence)  # fmt: skip
+
+
+PSA_REFUSAL = (f'Error creating: pods "{JS}-workers-0-0-x8k2p" is forbidden: violates PodSecurity "baseline:latest": '
+               'hostPath volumes (volume "tpu-dev")')  # fmt: skip
+WEBHOOK_REFUSAL = ('Error creating: admission webhook "validation.gatekeeper.sh" denied the request: [allowed-repos] '
+                   "container <trainer> has an invalid image repo <gcr.io/p/trainer:1>")  # fmt: skip
+QUOTA_REFUSAL = (f'Error creating: pods "{JS}-workers-0-0-x8k2p" is forbidden: exceeded quota: tpu-quota, requested: '
+                 "google.com/tpu=4, used: google.com/tpu=16, limited: google.com/tpu=16")  # fmt: skip
+
+
+def _never_started(api: FakeApi, message: str, *, stopped: bool) -> SupervisionRecord:
+    """A gang whose pods the API refused: the supervisor's capacity stall; ``stopped``: its stop deleted the gang."""
+    from recovery_steps.kernel.snapshot import ClusterSnapshot, job_from_api, jobset_from_api
+
+    job = {"apiVersion": "batch/v1", "kind": "Job", "status": {"active": 0, "ready": 0, "terminating": 0},
+           "metadata": {"name": f"{JS}-workers-0", "namespace": NS, "labels": {JS_LABEL: JS}}}  # fmt: skip
+    api.events = [api_event("Job", f"{JS}-workers-0", "FailedCreate", message)]
+    if not stopped:
+        api.jobsets[JS], api.jobs = api_jobset(failed=False), [job]
+    snap = ClusterSnapshot(taken_at=1.0, jobset=jobset_from_api(api_jobset(failed=False)), jobs=[job_from_api(job)])
+    return SupervisionRecord(
+        attempt=3,
+        jobset=JS,
+        outcome="stalled",
+        stall_kind="capacity",
+        detected_at=1.0,
+        reason="only 0/4 worker pods exist after 601 s (deadline 600 s)",
+        snapshot=snap,
+    )
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["after-the-stop", "before-the-stop"])
+@pytest.mark.parametrize(("message", "cls", "says"), [
+    (PSA_REFUSAL, "configuration", "Pod Security admission (baseline:latest) forbids them"),
+    (WEBHOOK_REFUSAL, "configuration", "admission webhook validation.gatekeeper.sh denied them"),
+    (QUOTA_REFUSAL, "capacity", "ResourceQuota tpu-quota is spent"),
+], ids=["pod-security", "webhook", "quota"])  # fmt: skip
+def test_a_gang_whose_pods_the_api_refused_is_classified_from_its_jobs_events(api, tmp_path, message, cls, says,
+                                                                              stopped):  # fmt: skip
+    cfg, store = _gke_run(tmp_path)
+    store.write_record(RunLayout.supervision(3), _never_started(api, message, stopped=stopped))
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    assert r.verdict.failure_class == cls, r.verdict.reason
+    assert (
+        r.verdict.reason.startswith(f"Job {JS}-workers-0 could not create its worker pods: ")
+        and says in r.verdict.reason
+    )
+    assert f"Job {JS}-workers-0: FailedCreate: {message}" in r.verdict.evidence
+    assert any("involvedObject.kind%3DJob" in q or "involvedObject.kind=Job" in q for q in api.requests)
+
+
+def test_the_pull_failure_of_a_pod_torn_down_before_it_ran_is_read_from_its_events(api, tmp_path):
+    """The kubelet's placeholder (exit 137, ContainerStatusUnknown) says nothing; the pod's events say why."""
+    api.jobsets[JS] = api_jobset()
+    api.pods = [api_pod(i, code=137, at=12, reason="ContainerStatusUnknown") for i in range(4)]
+    image = "gcr.io/p/trainer:typo"
+    for p in api.pods:
+        term = p["status"]["containerStatuses"][0]["state"]["terminated"]
+        term.pop("startedAt"), term.pop("containerID")
+        term["message"] = "The container could not be located when the pod was terminated"
+        api.events.append(api_event("Pod", p["metadata"]["name"], "Failed",
+                                    f'Failed to pull image "{image}": rpc error: code = NotFound desc = failed to pull '
+                                    f'and unpack image "{image}": failed to resolve reference "{image}": {image}: '
+                                    "not found"))  # fmt: skip
+    cfg, _ = _gke_run(tmp_path)
+    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    assert r.verdict.failure_class == "configuration", r.verdict.reason
+    assert "never ran: its image cannot be pulled" in r.verdict.reason

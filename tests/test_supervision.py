@@ -680,3 +680,39 @@ def test_waiting_cause_is_the_same_for_a_pull_error_and_its_back_off(reason, mes
 )  # fmt: skip
 def test_only_a_failure_waiting_cannot_heal_is_permanent(reason, cause, permanent):
     assert pull_failure_is_permanent(reason, cause) is permanent
+
+
+def _api_job(*conditions: dict) -> JobEvidence:
+    """A JobSet's Job as the API returns it (batch/v1), through the snapshot's record."""
+    from recovery_steps.kernel.snapshot import job_from_api
+
+    return job_from_api({"apiVersion": "batch/v1", "kind": "Job",
+                         "metadata": {"name": "run-a0-workers-0", "namespace": "default",
+                                      "labels": {"jobset.sigs.k8s.io/jobset-name": "run-a0"}},
+                         "status": {"active": 4, "failed": 1, "terminating": 3,
+                                    "conditions": list(conditions)}})  # fmt: skip
+
+
+# The Job controller's FailureTarget before Failed (kubernetes pkg/controller/job/job_controller.go, >= 1.31).
+BACKOFF_TARGET = {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded",
+                  "message": "Job has reached the specified backoff limit", "lastProbeTime": "2024-05-01T10:10:00Z",
+                  "lastTransitionTime": "2024-05-01T10:10:00Z"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("job", "state", "fragment"),
+    [
+        (_api_job(BACKOFF_TARGET), AttemptState.FAILED, "FailureTarget: BackoffLimitExceeded: Job has reached"),
+        (_api_job({**BACKOFF_TARGET, "status": "False"}), AttemptState.RUNNING, "running 4/4"),
+        # A record the supervisor wrote before it kept the conditions: its failure is the record's own.
+        (JobEvidence(name="run-a0-workers-0", failed=True, failure_reason="PodFailurePolicy",
+                     failure_message="Container trainer for pod default/run-a0-workers-0-1-abcde failed with exit "
+                                     "code 42 matching FailJob rule at index 0"),  # fmt: skip
+         AttemptState.FAILED, "PodFailurePolicy: Container trainer"),
+    ],
+    ids=["failure-target-backoff-limit", "failure-target-not-true", "record-without-conditions"],
+)
+def test_a_job_at_failure_target_fails_the_attempt_before_its_jobset_does(job, state, fragment):
+    """The JobSet has no condition yet and every pod still runs: the Job's record alone decides."""
+    v = decide(obs(520, ALL_RUNNING, jobs=[job], progress=STEPPING), D)
+    assert v.state is state and fragment in v.reason, v.reason

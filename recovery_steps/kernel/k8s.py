@@ -88,7 +88,7 @@ STEP_VERBS: tuple[VerbUse, ...] = (
     VerbUse("classify-failure", JOBSET_GROUP, JOBSET_PLURAL, "get", "read the attempt's JobSet and its conditions"),
     VerbUse("classify-failure", "", "pods", "list", "read the workers' pod statuses"),
     VerbUse("classify-failure", "batch", "jobs", "list", "read the JobSet's Jobs and their conditions"),
-    VerbUse("classify-failure", "", "events", "list", "read the events of the workers' pods"),
+    VerbUse("classify-failure", "", "events", "list", "read the warning events of the workers' pods and Jobs"),
     VerbUse("classify-failure", "", "nodes", "get", "read the condition of a worker's node", cluster_scoped=True),
     VerbUse("validate-config", "argoproj.io", "workflows", "get", "is the run lease's holder workflow still there"),
     VerbUse("validate-config", JOBSET_GROUP, JOBSET_PLURAL, "get", "continue at an attempt whose gang still runs"),
@@ -396,7 +396,14 @@ class Kube:
 
     def pod_warnings(self, pod: str) -> list[str]:
         """The pod's Warning events, as 'Reason: message'."""
-        sel = f"involvedObject.name={pod},involvedObject.kind=Pod"
+        return self._warnings("Pod", pod)
+
+    def job_warnings(self, job: str) -> list[str]:
+        """The Job's Warning events, as 'Reason: message' (FailedCreate: the API refused the Job's pods)."""
+        return self._warnings("Job", job)
+
+    def _warnings(self, kind: str, name: str) -> list[str]:
+        sel = f"involvedObject.name={name},involvedObject.kind={kind}"
         resp = self.core.list_namespaced_event(
             self.ns, field_selector=sel, _preload_content=False, _request_timeout=API_TIMEOUT_S
         )

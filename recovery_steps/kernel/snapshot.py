@@ -127,10 +127,26 @@ class JobEvidence(_Ev):
     failure_message: str | None = None
     failed_at: float | None = None
     conditions: list[Condition] = Field(default_factory=list)
+    events: list[str] = Field(
+        default_factory=list, description="'Reason: message' of the Job's warning events (FailedCreate, ...)."
+    )
 
     def has(self, type_: str) -> Condition | None:
         """The True condition of ``type_``, if any."""
         return next((c for c in self.conditions if c.type == type_ and c.status == "True"), None)
+
+    def failure(self) -> Condition | None:
+        """The Job's failure: its Failed condition, else the FailureTarget that precedes it, else the record's own.
+
+        The Job controller sets FailureTarget as soon as it decides the Job fails (a podFailurePolicy FailJob rule,
+        the backoff limit) and Failed only once every pod is terminal: either is the failure, with its reason.
+        """
+        found = self.has("Failed") or self.has("FailureTarget")
+        if found is None and self.failed:
+            found = Condition(
+                type="Failed", reason=self.failure_reason, message=self.failure_message, at=self.failed_at
+            )
+        return found
 
 
 class JobSetEvidence(_Ev):
@@ -206,18 +222,16 @@ def job_from_api(obj: dict[str, Any]) -> JobEvidence:
     Failed only once every pod is terminal (kubernetes ``pkg/controller/job/job_controller.go``); a Job seen
     between the two, or deleted before Failed, has already failed for the same reason and message.
     """
-    conds = _conditions(obj)
-    failed = next((c for c in conds if c.type == "Failed" and c.status == "True"), None) or next(
-        (c for c in conds if c.type == "FailureTarget" and c.status == "True"), None
-    )
-    return JobEvidence(
-        name=(obj.get("metadata") or {}).get("name", ""),
-        failed=failed is not None,
-        failure_reason=failed.reason if failed else None,
-        failure_message=failed.message if failed else None,
-        failed_at=failed.at if failed else None,
-        conditions=conds,
-    )
+    job = JobEvidence(name=(obj.get("metadata") or {}).get("name", ""), conditions=_conditions(obj))
+    failed = job.failure()
+    if failed is not None:
+        job.failed, job.failure_reason, job.failure_message, job.failed_at = (
+            True,
+            failed.reason,
+            failed.message,
+            failed.at,
+        )
+    return job
 
 
 def _container(cs: dict[str, Any]) -> ContainerState:
