@@ -478,9 +478,15 @@ def _refused_gang(event, supervision=None):
     return Evidence(backend="gke", attempt=0, jobs=[job], supervision=supervision)
 
 
-@pytest.mark.parametrize(("event", "cls"), [(POD_SECURITY, FailureClass.CONFIGURATION),
-                                            (WEBHOOK_DENIED, FailureClass.CONFIGURATION),
-                                            (QUOTA, FailureClass.CAPACITY)], ids=["pod-security", "webhook", "quota"])
+@pytest.mark.parametrize(
+    ("event", "cls"),
+    [
+        (POD_SECURITY, FailureClass.CONFIGURATION),
+        (WEBHOOK_DENIED, FailureClass.CONFIGURATION),
+        (QUOTA, FailureClass.CAPACITY),
+    ],
+    ids=["pod-security", "webhook", "quota"],
+)
 def test_pods_the_api_refused_decide_over_the_supervisors_count_of_missing_pods(event, cls):
     stalled = _supervised("stalled", "capacity", "only 0/4 worker pods exist after 601 s (deadline 600 s)")
     for ev in (_refused_gang(event), _refused_gang(event, stalled)):

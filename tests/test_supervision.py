@@ -698,17 +698,18 @@ BACKOFF_TARGET = {"type": "FailureTarget", "status": "True", "reason": "BackoffL
                   "message": "Job has reached the specified backoff limit", "lastProbeTime": "2024-05-01T10:10:00Z",
                   "lastTransitionTime": "2024-05-01T10:10:00Z"}  # fmt: skip
 
+# A record the supervisor wrote before it kept the conditions: its failure is the record's own.
+RECORD_ONLY = JobEvidence(name="run-a0-workers-0", failed=True, failure_reason="PodFailurePolicy",
+                          failure_message="Container trainer for pod default/run-a0-workers-0-1-abcde failed with "
+                                          "exit code 42 matching FailJob rule at index 0")  # fmt: skip
+
 
 @pytest.mark.parametrize(
     ("job", "state", "fragment"),
     [
         (_api_job(BACKOFF_TARGET), AttemptState.FAILED, "FailureTarget: BackoffLimitExceeded: Job has reached"),
         (_api_job({**BACKOFF_TARGET, "status": "False"}), AttemptState.RUNNING, "running 4/4"),
-        # A record the supervisor wrote before it kept the conditions: its failure is the record's own.
-        (JobEvidence(name="run-a0-workers-0", failed=True, failure_reason="PodFailurePolicy",
-                     failure_message="Container trainer for pod default/run-a0-workers-0-1-abcde failed with exit "
-                                     "code 42 matching FailJob rule at index 0"),  # fmt: skip
-         AttemptState.FAILED, "PodFailurePolicy: Container trainer"),
+        (RECORD_ONLY, AttemptState.FAILED, "PodFailurePolicy: Container trainer"),
     ],
     ids=["failure-target-backoff-limit", "failure-target-not-true", "record-without-conditions"],
 )
