@@ -110,10 +110,9 @@ class EvidenceUnreadable(Exception):
 
 def _read_errors() -> tuple[type[BaseException], ...]:
     """What a Kubernetes read raises when the API refuses, cannot be reached, or answers a body that is not JSON."""
-    from kubernetes.client.exceptions import ApiException
-    from urllib3.exceptions import HTTPError
+    from recovery_steps.kernel.step import api_failures
 
-    return (ApiException, HTTPError, OSError, ValueError)
+    return (*api_failures(), ValueError)
 
 
 def gather_kubernetes(api_client: Any, namespace: str, jobset: str, evidence: Evidence) -> Evidence:

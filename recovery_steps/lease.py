@@ -4,10 +4,10 @@ Argo's ``synchronization`` mutex (keyed by run id) makes a second submission wai
 lease in the run store (``RunLease`` at ``RunLayout.LEASE``) also holds across controllers, namespaces, clusters
 and the local runner. The holder is the workflow's uid; the lease names its namespace and cluster (the uid of the
 cluster's kube-system namespace). validate-config takes it once it has compared the config (a submission that
-refuses never takes it) and then confirms it with the first attempt it acts for (``confirm``); provision-slice renews it before it deletes anything
-(a second submission never deletes a live gang), the supervisor renews it while a segment runs
-(``renew_if_due``), hand-over passes it to the continuation, the exit handler releases it. Every write carries a
-generation precondition, so two submissions cannot both win.
+refuses never takes it) and then confirms it with the first attempt it acts for (``confirm``); provision-slice
+renews it before it deletes anything (a second submission never deletes a live gang), the supervisor renews it
+while a segment runs (``renew_if_due``), hand-over passes it to the continuation, the exit handler releases it.
+Every write carries a generation precondition, so two submissions cannot both win.
 
 Another workflow may take the lease when it was released, when the holder's Workflow is known to be gone (read by
 name, which only answers for the same cluster and namespace: elsewhere a 404 says nothing), or when its TTL ran

@@ -396,18 +396,17 @@ def _gang_running(api_client: Any, cfg: JobConfig) -> Callable[[int], bool]:
     failed is not "not running", or the numbering would move past a live gang that the next provision-slice then
     refuses to delete and the run stops.
     """
-    from recovery_steps.kernel.k8s import Kube, api_error_line, api_exit_code, jobset_name
+    from recovery_steps.kernel.k8s import Kube, jobset_name
     from recovery_steps.kernel.snapshot import jobset_from_api
+    from recovery_steps.kernel.step import api_error
 
     def running(attempt: int) -> bool:
         name = jobset_name(cfg.run_id, attempt)
         try:
             obj = Kube(api_client, cfg.namespace).get_jobset(name)
         except Exception as e:  # noqa: BLE001 - every failure is mapped to its exit code
-            code = api_exit_code(e)
-            then = "Argo retries this step" if code == ExitCode.TRANSIENT else "grant it, then resubmit"
-            line = f"cannot read JobSet {name} of open attempt {attempt}: {api_error_line(e)}; {then}"
-            raise StepError(code, line) from None
+            doing = f"cannot read JobSet {name} of open attempt {attempt}"
+            raise api_error(e, doing=doing, transient_hint="; Argo retries this step") from None
         return obj is not None and not jobset_from_api(obj).finished
 
     return running

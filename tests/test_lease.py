@@ -108,10 +108,13 @@ class _Argo:
         self.jobsets: dict[str, dict] = {}
         self.jobset_fail: tuple[int, str] | None = None  # every JobSet read answers this
         self.requests: list[str] = []
+        self.deletes: list[str] = []  # the paths of DELETE requests
         self.http = JsonServer(self._route)
 
     def _route(self, method, raw, body):
         self.requests.append(raw)
+        if method == "DELETE":
+            self.deletes.append(raw)
         path = raw.split("?")[0]
         name = path.rsplit("/", 1)[-1]
         if path == "/api/v1/namespaces/kube-system":
@@ -350,63 +353,62 @@ def _left_running(argo: _Argo, store: RunStore, run_id: str) -> None:
                                     "status": {"conditions": []}}  # fmt: skip
 
 
+@pytest.fixture
+def left_gang(tmp_path, monkeypatch):
+    """``argo/local-cpu.yaml`` in a pod: a first Workflow (uid-a) validated and trained attempt 0, then was deleted
+    with its gang still training. Yields the fake API, validate-config's arguments and the run store."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    root = str(tmp_path / "store")
+    argo = _Argo({}, namespace="default")
+    try:
+        args = ["--config", str(REPO / "configs" / "local-cpu.yaml"), "--store-root", root, "--k8s-host", argo.http.url]
+        assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
+        store = RunStore(root, "local-cpu")
+        assert store.read_record(RunLayout.LEASE, RunLease).first_attempt == 0
+        _left_running(argo, store, "local-cpu")
+        yield argo, args, store
+    finally:
+        argo.http.close()
+
+
 def test_a_resubmission_whose_config_is_refused_takes_nothing_and_its_exit_handler_deletes_nothing(
-    tmp_path, capsys, monkeypatch
+    tmp_path, capsys, left_gang
 ):
     """After ``argo delete`` the gang trains on; a resubmission with a changed config (even a safe change, without
     --accept-safe-changes) is refused before it takes the run lease, so its exit handler finds it holds nothing and
     the gang it came to adopt is not deleted."""
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-    root = str(tmp_path / "store")
-    argo = _Argo({}, namespace="default")
-    try:
-        args = ["--config", str(REPO / "configs" / "local-cpu.yaml"), "--store-root", root, "--k8s-host", argo.http.url]
-        assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
-        store = RunStore(root, "local-cpu")
-        assert store.read_record(RunLayout.LEASE, RunLease).first_attempt == 0
-        _left_running(argo, store, "local-cpu")
-        changed = tmp_path / "changed.yaml"
-        data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
-        data["supervision"] = {**data.get("supervision", {}), "watch_interval_s": 7}
-        changed.write_text(yaml.safe_dump(data))
-        capsys.readouterr()
-        refused = ["--config", str(changed), *args[2:]]
-        assert _validate_as(refused, tmp_path / "o2", "uid-b") == 2
-        assert "differs from the one this run was started with" in capsys.readouterr().err
-        held = store.read_record(RunLayout.LEASE, RunLease)
-        assert (held.holder, held.first_attempt) == ("uid-a", 0)  # not taken
-        code = finalize.main(["--store-root", root, "--run-id", "local-cpu", "--status", "Failed",
-                              "--holder", "uid-b", "--k8s-host", argo.http.url])  # fmt: skip
-        assert code == 0 and not [r for r in argo.requests if "jobsets" in r and "DELETE" in r]
-        assert store.read_record(RunLayout.LEDGER, Ledger) is None  # the run's ledger untouched
-    finally:
-        argo.http.close()
+    argo, args, store = left_gang
+    changed = tmp_path / "changed.yaml"
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["supervision"] = {**data.get("supervision", {}), "watch_interval_s": 7}
+    changed.write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+    refused = ["--config", str(changed), *args[2:]]
+    assert _validate_as(refused, tmp_path / "o2", "uid-b") == 2
+    assert "differs from the one this run was started with" in capsys.readouterr().err
+    held = store.read_record(RunLayout.LEASE, RunLease)
+    assert (held.holder, held.first_attempt) == ("uid-a", 0)  # not taken
+    code = finalize.main(["--store-root", store.root, "--run-id", "local-cpu", "--status", "Failed",
+                          "--holder", "uid-b", "--k8s-host", argo.http.url])  # fmt: skip
+    assert code == 0 and argo.deletes == []
+    assert store.read_record(RunLayout.LEDGER, Ledger) is None  # the run's ledger untouched
 
 
 @pytest.mark.parametrize("answer, code", [((503, "ServiceUnavailable"), 69), ((429, "TooManyRequests"), 69),
                                           ((403, "Forbidden"), 2)])  # fmt: skip
-def test_an_unreadable_jobset_of_an_open_attempt_is_never_taken_for_not_running(tmp_path, capsys, monkeypatch,
+def test_an_unreadable_jobset_of_an_open_attempt_is_never_taken_for_not_running(tmp_path, capsys, left_gang,
                                                                                 answer, code):  # fmt: skip
     """The numbering would move past a live gang, which the next provision-slice refuses to delete (the run stops):
     validate-config exits 69 (retried) for a transient answer, 2 for a refusal, and takes no lease either way."""
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-    root = str(tmp_path / "store")
-    argo = _Argo({}, namespace="default")
-    try:
-        args = ["--config", str(REPO / "configs" / "local-cpu.yaml"), "--store-root", root, "--k8s-host", argo.http.url]
-        assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
-        store = RunStore(root, "local-cpu")
-        _left_running(argo, store, "local-cpu")
-        argo.jobset_fail = answer
-        capsys.readouterr()
-        assert _validate_as(args, tmp_path / "o2", "uid-b") == code
-        err = capsys.readouterr().err
-        assert f"cannot read JobSet local-cpu-a0 of open attempt 0: Kubernetes API answered {answer[0]}" in err, err
-        assert "Traceback" not in err and not (tmp_path / "o2" / "first-attempt").exists()
-        assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"
-        argo.jobset_fail = None  # the API answers again: the retry continues the live attempt
-        assert _validate_as(args, tmp_path / "o3", "uid-b") == 0
-        assert (tmp_path / "o3" / "first-attempt").read_text() == "0"
-        assert store.read_record(RunLayout.LEASE, RunLease).first_attempt == 0
-    finally:
-        argo.http.close()
+    argo, args, store = left_gang
+    argo.jobset_fail = answer
+    capsys.readouterr()
+    assert _validate_as(args, tmp_path / "o2", "uid-b") == code
+    err = capsys.readouterr().err
+    assert f"cannot read JobSet local-cpu-a0 of open attempt 0: Kubernetes API answered {answer[0]}" in err, err
+    assert "Traceback" not in err and not (tmp_path / "o2" / "first-attempt").exists()
+    assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"
+    argo.jobset_fail = None  # the API answers again: the retry continues the live attempt
+    assert _validate_as(args, tmp_path / "o3", "uid-b") == 0
+    assert (tmp_path / "o3" / "first-attempt").read_text() == "0"
+    assert store.read_record(RunLayout.LEASE, RunLease).first_attempt == 0
