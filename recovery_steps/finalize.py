@@ -13,11 +13,11 @@ run's gang before it releases the lease: it deletes the JobSets labelled ``jaxre
 config's namespace (foreground propagation) and says in one line which. It never deletes after a hand-over
 or while another workflow holds the lease.
 
-Destructive acts and their evidence: it deletes a JobSet only when this Workflow holds the lease, its
+Destructive acts and their evidence: it deletes the run's JobSets only when this Workflow holds the lease and its
 validate-config confirmed it (``RunLease.first_attempt``: a submission that refused or never finished acts on
-nothing, releases the lease and records nothing), the run did not succeed, and the JobSet's attempt label is this
-Workflow's first attempt or later (a gang of an earlier Workflow's attempt, or one of no readable attempt, is kept).
-``argo terminate`` and ``argo delete`` run no exit handler
+nothing, releases the lease and records nothing), and the run did not succeed. Holding the lease is the evidence
+that no other Workflow acts for the run: a gang an earlier Workflow left training (``argo delete``) is the run's
+and goes with it. ``argo terminate`` and ``argo delete`` run no exit handler
 (argo-workflows ``ShutdownStrategy.ShouldExecute``: Terminate runs nothing): the run's next provision-slice
 deletes that gang (docs/DEPLOY.md).
 """
@@ -41,7 +41,6 @@ from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import AttemptOutcome, Decision, ExitCode, FinalStatus
 from recovery_steps.kernel.documents import read_run_config, read_worker_reports
 from recovery_steps.kernel.k8s import (
-    ATTEMPT_LABEL,
     RUN_ID_LABEL,
     api_error_line,
     api_exit_code,
@@ -352,7 +351,7 @@ def not_holder_status(ledger: Ledger | None, holder: str, run_id: str) -> tuple[
 
 
 def stops_gang(status: str, current: RunLease | None, holder: str | None, ledger: Ledger | None) -> bool:
-    """Whether the exit handler deletes the run's JobSets of this Workflow's attempts (pure).
+    """Whether the exit handler deletes the run's JobSets (pure).
 
     Only the lease's holder does, only once its validate-config confirmed the lease (``first_attempt``: a
     submission that refused acts on nothing), only when the run did not succeed, and never once it handed the run
@@ -363,24 +362,8 @@ def stops_gang(status: str, current: RunLease | None, holder: str | None, ledger
     return not any(h.from_uid == holder for h in (ledger.hand_overs if ledger else []))
 
 
-def not_this_workflows(first_attempt: int) -> Callable[[dict[str, Any]], bool]:
-    """``keep`` for ``delete_run_jobsets``: whether a JobSet is not this Workflow's to delete.
-
-    The positive evidence is its attempt label, ``first_attempt`` or later; an earlier attempt's JobSet, or one with
-    no readable attempt, is kept.
-    """
-
-    def keep(item: dict[str, Any]) -> bool:
-        value = ((item.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL, "")
-        return not value.isdigit() or int(value) < first_attempt
-
-    return keep
-
-
-def stop_gang(
-    store: RunStore, status: str, first_attempt: int, *, api_client: Any = None, k8s_host: str | None = None
-) -> str | None:
-    """Delete the run's JobSets of attempts from ``first_attempt`` on; the line saying what (None: local backend).
+def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host: str | None = None) -> str | None:
+    """Delete the run's JobSets on GKE; the one line saying what was deleted (None for the local backend).
 
     Raises:
         StepError: The API is unreachable or refused (exit 69 when retrying can help), with the command
@@ -406,7 +389,7 @@ def stop_gang(
             from recovery_steps.kernel.k8s import make_api_client
 
             api_client = make_api_client(k8s_host)
-        deleted, going, kept = delete_run_jobsets(api_client, ns, run_id, keep=not_this_workflows(first_attempt))
+        deleted, going, _ = delete_run_jobsets(api_client, ns, run_id)
     except ConfigException as e:
         raise StepError(ExitCode.CONFIGURATION, f"no Kubernetes API ({e}): {by_hand}") from None
     except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
@@ -417,8 +400,7 @@ def stop_gang(
         line = f"run {run_id} ended {status}: deleted JobSet {', '.join(deleted)} in namespace {ns} (foreground)"
     else:
         line = f"run {run_id} ended {status}: no JobSet of the run left to delete in namespace {ns}"
-    line += f"; already being deleted: {', '.join(going)}" if going else ""
-    return line + (f"; kept (not of this Workflow's attempts): {', '.join(kept)}" if kept else "")
+    return line + (f"; already being deleted: {', '.join(going)}" if going else "")
 
 
 def _not_holder(args: Any) -> tuple[int, str] | None:
@@ -455,7 +437,7 @@ def _stop_gang_if_holder(args: Any, ledger: Ledger) -> tuple[int, str | None]:
             current = store.read_record(RunLayout.LEASE, RunLease)  # read again: the lease as it is now
         if not stops_gang(args.status, current, args.holder, ledger):
             return 0, None
-        return 0, stop_gang(store, args.status, current.first_attempt, k8s_host=args.k8s_host)
+        return 0, stop_gang(store, args.status, k8s_host=args.k8s_host)
     except StoreUnavailable as e:
         print(f"finalize: {e}; transient, Argo retries this step", file=sys.stderr)
         return int(ExitCode.TRANSIENT), None

@@ -253,17 +253,6 @@ def test_the_gang_is_left_alone_when_the_run_succeeded_or_is_not_this_workflows(
     assert len(cluster.objects["jobsets"]) == 3
 
 
-def test_a_stopped_resubmission_deletes_only_the_jobsets_of_its_own_attempts(gke, capsys):
-    """Attempt 2's gang was left by an earlier Workflow; this one acts from attempt 3: the gang is kept."""
-    root, store, cluster = gke
-    lease.confirm(store, "uid-a", 3)
-    cluster.put("jobsets", _jobset(f"{GKE_RUN}-a3", GKE_RUN))
-    assert _finalize(root, cluster) == 0
-    assert sorted(cluster.objects["jobsets"]) == [f"{GKE_RUN}-a1", f"{GKE_RUN}-a2", "other-run-a0"]
-    out = capsys.readouterr().out
-    assert f"deleted JobSet {GKE_RUN}-a3" in out and f"kept (not of this Workflow's attempts): {GKE_RUN}-a2" in out
-
-
 def test_a_holder_that_never_confirmed_records_nothing_and_deletes_nothing(gke, capsys):
     """Its validate-config took the lease, then refused (or died): the gang it came to adopt trains on."""
     root, store, cluster = gke

@@ -423,7 +423,7 @@ class RunLease(_Record):
         default=None,
         description="The first attempt this holder acts for: set by validate-config once it has compared and pinned "
         "the config (by hand-over: the continuation's first attempt). None: the holder never validated, so its exit "
-        "handler records nothing and deletes nothing; a holder deletes only JobSets of attempts from this one on.",
+        "handler records nothing and deletes nothing.",
     )
 
 

@@ -16,19 +16,32 @@ from recovery_steps.kernel.store import RunLayout
 pytestmark = pytest.mark.k8s
 
 
+def _validated(run, uid: str, first_attempt: int) -> None:
+    """The lease as the Workflow's validate-config leaves it: taken (naming this cluster; an earlier holder's
+    Workflow is gone), confirmed once pinned."""
+    from recovery_steps import lease
+
+    cluster = run.rc.core().read_namespace("kube-system").metadata.uid
+    name = f"wf-{uid.removeprefix('uid-')}"
+    lease.acquire(run.store, uid, name, 3600, site=lease.Site(run.ns, cluster), is_alive=lambda _: False)
+    lease.confirm(run.store, uid, first_attempt)
+
+
 def test_an_argo_stop_ends_in_an_exit_handler_that_deletes_the_live_gang(run):
+    _validated(run, "uid-a", 0)
     sup = run.supervise(0)
     run.workers(0)
     os.killpg(sup.pid, signal.SIGKILL)  # argo stop kills the supervisor; the gang trains on
     sup.wait(10)
-    # provision-slice takes the lease under the project's RBAC: the cluster id is kube-system's uid.
+    # provision-slice renews the lease under the project's RBAC (the cluster id is kube-system's uid), keeping
+    # what validate-config confirmed.
     p = run.step("recovery_steps.provision_slice", "--store-root", run.cfg.storage.root, "--run-id", run.cfg.run_id,
                  "--attempt", "0", "--output-dir", str(run.tmp / "prov"), "--holder", "uid-a",
                  "--holder-name", "wf-a")  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     held = run.store.read_record(RunLayout.LEASE, RunLease)
     kube_system = run.rc.core().read_namespace("kube-system")
-    assert (held.namespace, held.cluster) == (run.ns, kube_system.metadata.uid)
+    assert (held.namespace, held.cluster, held.first_attempt) == (run.ns, kube_system.metadata.uid, 0)
     assert len(run.workers(0)) == HOSTS
     p = run.step("recovery_steps.finalize", "--store-root", run.cfg.storage.root, "--run-id", run.cfg.run_id,
                  "--status", "Failed", "--holder", "uid-a")  # fmt: skip
@@ -51,6 +64,7 @@ def test_a_later_attempt_refuses_an_undecided_gang_and_its_exit_handler_deletes_
     sup.wait(10)
     uid = run.rc.core().read_namespace("kube-system").metadata.uid
     lease.acquire(run.store, "uid-a", "wf-a", 3600, site=lease.Site(run.ns, uid))  # the deleted Workflow's lease
+    _validated(run, "uid-b", 1)  # the new submission's validate-config (wf-a is gone: it takes the run over)
     p = run.step("recovery_steps.provision_slice", "--store-root", run.cfg.storage.root, "--run-id", run.cfg.run_id,
                  "--attempt", "1", "--output-dir", str(run.tmp / "prov"), "--holder", "uid-b",
                  "--holder-name", "wf-b")  # fmt: skip
