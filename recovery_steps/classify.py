@@ -44,6 +44,12 @@ _EVENT_ONLY_REASON = re.compile(r"^Error: (ErrImagePull|ImagePullBackOff)$")
 # The Job controller's event when the API refuses a pod it creates: reason FailedCreate, message 'Error creating:
 # <the API's error>' (kubernetes pkg/controller/controller_utils.go, FailedCreatePodReason).
 FAILED_CREATE = "FailedCreate"
+# JobSet's own pod webhook refuses a follower pod of an exclusive-placement Job until its leader pod is scheduled
+# (the mutating webhook then sets the follower's node selector, and the Job controller's retry is admitted): "an
+# expected, transient error" in jobset v0.12.0 pkg/webhooks/pod_webhook.go ``ValidateCreate``. No refusal.
+JOBSET_SEQUENCING = re.compile(
+    r"follower pod node selector (not set|for topology domain not found)|leader pod not yet scheduled", re.I
+)
 # What the refusal says, first match wins: (pattern, class, what refused the pods, the fix). A spent ResourceQuota
 # is a 403 "is forbidden: exceeded quota" too, so it comes before the other refusals; a webhook that cannot be
 # called (500 "failed calling webhook") is a fault of the webhook's service, not of the pods.
@@ -548,7 +554,7 @@ def create_refusal(event: str) -> tuple[FailureClass, str] | None:
         not a FailedCreate (``CREATE_REFUSALS``).
     """
     reason, _, msg = event.partition(": ")
-    if reason != FAILED_CREATE:
+    if reason != FAILED_CREATE or JOBSET_SEQUENCING.search(msg):
         return None
     for pattern, cls, what, fix in CREATE_REFUSALS:
         m = pattern.search(msg)
@@ -558,7 +564,10 @@ def create_refusal(event: str) -> tuple[FailureClass, str] | None:
 
 
 def _refused(ev: Evidence) -> Verdict | None:
-    """A Job whose worker pods the API refused to create: the gang never started (a refusal by policy first)."""
+    """A Job whose worker pods the API refused to create, in a gang whose trainers never ran (a refusal by policy
+    first). Once a trainer ran, the workers' exits explain the attempt, not a refusal the Job controller retried."""
+    if ev.reports or any(_trainer_ran(p) for p in ev.pods):
+        return None
     found = [(j, e, r) for j in ev.jobs for e in j.events if (r := create_refusal(e)) is not None]
     if not found:
         return None
@@ -566,6 +575,12 @@ def _refused(ev: Evidence) -> Verdict | None:
     job, _, (cls, what) = found[0]
     lines = [f"Job {job.name}: {_short(e, 300)}" for j, e, _ in found if j is job]
     return Verdict(cls, f"Job {job.name} could not create its worker pods: {what}. {_ADVICE[cls]}", lines)
+
+
+def _trainer_ran(pod: PodEvidence) -> bool:
+    """Whether the pod's trainer container ever started (a kubelet placeholder never did)."""
+    c = pod.trainer()
+    return c is not None and (c.started_at is not None or c.running_since is not None)
 
 
 def _cannot_start(ev: Evidence, *, permanent: bool) -> Verdict | None:

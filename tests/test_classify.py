@@ -445,6 +445,13 @@ LIMIT_RANGE = ('FailedCreate: Error creating: pods "js-workers-0-0-x8k2p" is for
 NO_ACCOUNT = ('FailedCreate: Error creating: pods "js-workers-0-0-x8k2p" is forbidden: error looking up service '
               'account training/jax-recovery-worker: serviceaccount "jax-recovery-worker" not found')  # fmt: skip
 
+# JobSet's own pod webhook while the leader pod of an exclusive-placement Job is not scheduled yet, as the real
+# JobSet v0.12.0 controller left it on the real-controller tier.
+JOBSET_FOLLOWER = ('FailedCreate: Error creating: admission webhook "vpod.kb.io" denied the request: follower pod '
+                   "node selector for topology domain not found. missing selector: cloud.google.com/gke-nodepool")
+JOBSET_LEADER = ('FailedCreate: Error creating: admission webhook "vpod.kb.io" denied the request: leader pod not '
+                 "yet scheduled, not creating follower pod. this is an expected, transient error")
+
 # (id, the Job's warning event, the class (None: not a refusal), fragments of the line)
 CREATE_REFUSALS = [
     ("pod-security", POD_SECURITY, FailureClass.CONFIGURATION,
@@ -458,6 +465,8 @@ CREATE_REFUSALS = [
     ("service-account", NO_ACCOUNT, FailureClass.CONFIGURATION, ["forbids them", "jax-recovery-worker"]),
     ("another-warning", "FailedScheduling: 0/8 nodes are available: 8 Insufficient google.com/tpu.", None, []),
     ("backoff", "BackoffLimitExceeded: Job has reached the specified backoff limit", None, []),
+    ("jobset-follower-before-leader", JOBSET_FOLLOWER, None, []),
+    ("jobset-leader-not-scheduled", JOBSET_LEADER, None, []),
 ]  # fmt: skip
 
 
@@ -497,6 +506,14 @@ def test_pods_the_api_refused_decide_over_the_supervisors_count_of_missing_pods(
     # A stall of another kind is the supervisor's own finding: it stands.
     hang = classify(_refused_gang(event, _supervised("stalled", "hang", "worker 3: no progress")))
     assert hang.failure_class is FailureClass.HANG
+
+
+@pytest.mark.parametrize("event", [POD_SECURITY, QUOTA])
+def test_a_refusal_the_job_controller_retried_never_outranks_a_trainer_that_ran(event):
+    """Some pods were refused for a while, then created; a worker exited 42: an application error."""
+    job = JobEvidence(name="js-workers-0", events=[event])
+    v = classify(gke([pod(0, 42, 44), *(pod(i, 143, 44) for i in (1, 2, 3))], jobs=[job]))
+    assert v.failure_class is FailureClass.APPLICATION, v.reason
 
 
 BACKOFF_LIMIT = Condition(type="FailureTarget", reason="BackoffLimitExceeded",
