@@ -564,8 +564,11 @@ def create_refusal(event: str) -> tuple[FailureClass, str] | None:
 
 
 def _refused(ev: Evidence) -> Verdict | None:
-    """A Job whose worker pods the API refused to create, in a gang whose trainers never ran (a refusal by policy
-    first). Once a trainer ran, the workers' exits explain the attempt, not a refusal the Job controller retried."""
+    """A Job whose worker pods the API refused to create, in a gang whose trainers never ran.
+
+    A refusal by policy comes first. Once a trainer ran, the workers' exits explain the attempt, not a refusal the
+    Job controller retried.
+    """
     if ev.reports or any(_trainer_ran(p) for p in ev.pods):
         return None
     found = [(j, e, r) for j in ev.jobs for e in j.events if (r := create_refusal(e)) is not None]
