@@ -447,10 +447,14 @@ NO_ACCOUNT = ('FailedCreate: Error creating: pods "js-workers-0-0-x8k2p" is forb
 
 # JobSet's own pod webhook while the leader pod of an exclusive-placement Job is not scheduled yet, as the real
 # JobSet v0.12.0 controller left it on the real-controller tier.
-JOBSET_FOLLOWER = ('FailedCreate: Error creating: admission webhook "vpod.kb.io" denied the request: follower pod '
-                   "node selector for topology domain not found. missing selector: cloud.google.com/gke-nodepool")
-JOBSET_LEADER = ('FailedCreate: Error creating: admission webhook "vpod.kb.io" denied the request: leader pod not '
-                 "yet scheduled, not creating follower pod. this is an expected, transient error")
+JOBSET_FOLLOWER = (
+    'FailedCreate: Error creating: admission webhook "vpod.kb.io" denied the request: follower pod '
+    "node selector for topology domain not found. missing selector: cloud.google.com/gke-nodepool"
+)
+JOBSET_LEADER = (
+    'FailedCreate: Error creating: admission webhook "vpod.kb.io" denied the request: leader pod not '
+    "yet scheduled, not creating follower pod. this is an expected, transient error"
+)
 
 # (id, the Job's warning event, the class (None: not a refusal), fragments of the line)
 CREATE_REFUSALS = [
