@@ -103,6 +103,31 @@ MIN_GRACE_S = 2
 (kubernetes v1.36.3, ``pkg/kubelet/kuberuntime/kuberuntime_container.go``: ``minimumGracePeriodInSeconds``)."""
 
 
+API_RETRY_S = 300.0  # how long a pod's API call is retried before its run gives up
+
+
+def retrying(what: str, call: Any, deadline_s: float = API_RETRY_S) -> Any:
+    """``call()``, tried again every second while the API does not answer or answers 5xx or 429, as the kubelet's
+    pod workers and status manager keep syncing a pod through an API outage (``pkg/kubelet/status``: a failed
+    status update is retried on the next sync). A 4xx refusal other than 429 is raised at once."""
+    from kubernetes.client.exceptions import ApiException
+
+    give_up = time.monotonic() + deadline_s
+    while True:
+        try:
+            return call()
+        except ApiException as e:
+            if e.status is not None and 400 <= e.status < 500 and e.status != 429:
+                raise
+            err: Exception = e
+        except Exception as e:  # noqa: BLE001 - no answer (refused, reset, timed out): try again
+            err = e
+        if time.monotonic() > give_up:
+            raise err
+        log.info("%s: %s; again in 1 s", what, str(err).splitlines()[0][:200])
+        time.sleep(1)
+
+
 def kill_grace(pod: dict[str, Any]) -> float:
     """Seconds from SIGTERM to SIGKILL for a deleted pod: its deletion grace, else its spec's, at least 2."""
     grace = pod["metadata"].get("deletionGracePeriodSeconds")
@@ -379,7 +404,7 @@ class PodRun:
         private = self.root / "fs"
         secrets, result = None, None
         if mounts_token(self.pod):
-            token = self.kubelet.token(self.pod)
+            token = retrying(f"{self.name}: token", lambda: self.kubelet.token(self.pod))
             secrets = self.kubelet.write_token_volume(private, main, self.pod, token)
             if "ARGO_NODE_ID" in aenv:  # a step pod: its wait container's task result
                 result = TaskResult(self.kubelet, self.pod, aenv, token)
@@ -388,14 +413,18 @@ class PodRun:
                 (private / a["path"].lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
                 (private / a["path"].lstrip("/")).write_text(a["raw"]["data"])
         if result is not None:
-            result.initialize()
+            retrying(f"{self.name}: task result", result.initialize)
         started = now()
-        self.kubelet.report_running(self.pod, started)
+        retrying(f"{self.name}: status", lambda: self.kubelet.report_running(self.pod, started))
         code = self._execute(main, template, private, secrets)
         params, error = save_parameters(template, private)
         if result is not None:
-            result.report(params, error)
-        self.kubelet.report_terminated(self.pod, started, code, wait_code=1 if error else 0, error=error)
+            retrying(f"{self.name}: outputs", lambda: result.report(params, error))
+        wait_code = 1 if error else 0
+        retrying(
+            f"{self.name}: status",
+            lambda: self.kubelet.report_terminated(self.pod, started, code, wait_code=wait_code, error=error),
+        )
 
     def _execute(self, main: dict[str, Any], template: dict[str, Any], private: Path, secrets: str | None) -> int:
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
@@ -603,15 +632,7 @@ class Kubelet:
         except ApiException as e:
             if e.status != 409:
                 raise
-        t = now()
-        ready = {
-            "type": "Ready",
-            "status": "True",
-            "reason": "KubeletReady",
-            "message": "podexec is posting ready status",
-            "lastHeartbeatTime": t,
-            "lastTransitionTime": t,
-        }
+        ready = self.ready_condition()
         status = {
             "status": {
                 "conditions": [ready],
@@ -641,6 +662,18 @@ class Kubelet:
         }
         self.core().patch_node_status(self.node, status)
 
+    @staticmethod
+    def ready_condition() -> dict[str, Any]:
+        t = now()
+        return {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": "podexec is posting ready status",
+            "lastHeartbeatTime": t,
+            "lastTransitionTime": t,
+        }
+
     def renew_lease(self) -> None:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
@@ -657,6 +690,13 @@ class Kubelet:
             owner = {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node.metadata.uid}
             body = {"metadata": {"name": self.node, "ownerReferences": [owner]}, "spec": spec}
             coord.create_namespaced_lease("kube-node-lease", body)
+        # The kubelet posts its node's status again when it differs from what it computes (``tryUpdateNodeStatus``):
+        # a Ready the node-lifecycle controller set Unknown while no lease could be renewed goes back to True, and
+        # the controller then lifts its taints.
+        ready = next((c for c in node.status.conditions or [] if c.type == "Ready"), None)
+        if ready is None or ready.status != "True":
+            self.core().patch_node_status(self.node, {"status": {"conditions": [self.ready_condition()]}})
+            log.info("node %s: Ready was %s; posted Ready", self.node, ready.status if ready else None)
 
     def heartbeat(self) -> None:
         while True:
@@ -748,11 +788,23 @@ class Kubelet:
             run = self.runs[uid] = PodRun(self, pod)
             threading.Thread(target=run.run, name=f"pod-{meta['name']}").start()
 
+    def reconcile(self) -> None:
+        """Kill the runs whose pod the API no longer has (deleted while the watch was not connected: the kubelet's
+        ``HandlePodRemoves`` after its pod source resyncs)."""
+        resp = self.core().list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node}", _request_timeout=10)
+        there = {p.metadata.uid for p in resp.items}
+        for uid in [u for u in self.runs if u not in there]:
+            run = self.runs.pop(uid)
+            if not run.done.is_set():
+                log.info("pod %s/%s is gone from the API: killed", run.ns, run.name)
+                run.kill(kill_grace(run.pod))
+
     def watch(self) -> None:
         from kubernetes import watch
 
         while True:
             try:
+                self.reconcile()
                 w = watch.Watch()
                 for ev in w.stream(
                     self.core().list_pod_for_all_namespaces,
