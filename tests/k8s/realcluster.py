@@ -13,6 +13,7 @@ collector, RBAC, admission webhooks) is the real code at the versions ``tools/k8
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import ctypes
 import json
@@ -52,6 +53,8 @@ NODE_MONITOR_GRACE_S = 8  # NotReady (Unknown) after this long without a renewal
 TOLERATION_S = 3
 
 T = TypeVar("T")
+# Starts restarted components (``RealCluster.restart``); its one thread lives until the test process ends.
+_STARTER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="component-starter")
 
 
 class TierUnavailable(RuntimeError):
@@ -200,6 +203,11 @@ class RealCluster:
     components: dict[str, Component] = field(default_factory=dict)
     started_in_s: float = 0.0
     _admin: Any = None
+
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (JSON lines; see ``_audit_policy``)."""
+        return self.root / "logs" / "audit.jsonl"
 
     # --- clients ------------------------------------------------------------------------------------
 
@@ -421,10 +429,15 @@ class RealCluster:
         wait_for("JobSet webhooks answering (dry-run create)", lambda: self.apply(probe, dry_run=True), timeout, 0.5)
 
     def restart(self, name: str) -> None:
-        """Start a stopped component again with the same flags (ports, certificates, data)."""
+        """Start a stopped component again with the same flags (ports, certificates, data).
+
+        The new process is started from a thread that lives as long as this process: ``PR_SET_PDEATHSIG`` sends its
+        signal when the *thread* that forked the child ends, so a component restarted from a short-lived thread (a
+        chaos fault's) would be killed the moment that thread returned.
+        """
         comp = self.components[name]
         comp.stop()
-        comp.start()
+        _STARTER.submit(comp.start).result()
         if name == "jobset":
             self.wait_jobset_webhooks()
 
@@ -529,6 +542,15 @@ def _start(rc: RealCluster, logs: Path) -> None:
             f"--kubelet-client-certificate={pki.kubelet_client_cert}",
             f"--kubelet-client-key={pki.kubelet_client_key}",
             "--kubelet-preferred-address-types=InternalIP,Hostname",
+            # The API server's own record of every delete and eviction (who, what, when, the answer): what the
+            # chaos runs check their invariants against (``chaos.audit_deletes``).
+            f"--audit-policy-file={_audit_policy(root)}",
+            f"--audit-log-path={rc.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-mode=blocking",
+            # Compaction every 30 s instead of 5 min: a watch resumed after an API server restart or a cut
+            # stream meets 410 Gone, as a watch on a busy cluster does.
+            "--etcd-compaction-interval=30s",
         ],
     )
     wait_for("kube-apiserver /readyz", lambda: rc._https("/readyz") == "ok", 90, 0.3)
@@ -612,6 +634,24 @@ def _start(rc: RealCluster, logs: Path) -> None:
     )
     rc.wait_jobset_webhooks()
     rc.check_alive()
+
+
+def _audit_policy(root: Path) -> Path:
+    """An audit policy that records deletes and evictions (metadata only, once the answer is sent) and nothing
+    else (``audit.k8s.io/v1`` Policy; rules match in order)."""
+    policy = {
+        "apiVersion": "audit.k8s.io/v1",
+        "kind": "Policy",
+        "omitStages": ["RequestReceived", "ResponseStarted"],
+        "rules": [
+            {"level": "Metadata", "verbs": ["delete", "deletecollection"]},
+            {"level": "Metadata", "verbs": ["create"], "resources": [{"group": "", "resources": ["pods/eviction"]}]},
+            {"level": "None"},
+        ],
+    }
+    path = root / "audit-policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    return path
 
 
 def _webhooks(jobset_dir: Path, port: int, ca_pem: bytes) -> list[dict[str, Any]]:
