@@ -62,3 +62,33 @@ def test_parse_outages():
     )  # fmt: skip
     plan, problems = parse_outages(["restore-latest", "x=0"])
     assert plan == {} and len(problems) == 2 and "TEMPLATE=SECONDS" in problems[0]
+
+
+def test_the_proxy_throttles_a_share_of_requests_with_the_body_gcs_sends(gcs_emulator):
+    """``fail_for(status=429, share)``: about that share of requests answered 429 ``rateLimitExceeded`` (what the
+    storage client raises as TooManyRequests), the rest forwarded to the emulator; 0 s ends it."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    proxy = OutageProxy(gcs_emulator.url, seed=7)
+    url = f"{proxy.url}/storage/v1/b/test-bucket/o"
+    answers = []
+    try:
+        proxy.fail_for(60, status=429, share=0.5)
+        for _ in range(40):
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
+                    answers.append(r.status)
+            except urllib.error.HTTPError as e:
+                answers.append(e.code)
+                assert json.loads(e.read())["error"]["errors"][0]["reason"] == "rateLimitExceeded"
+        proxy.fail_for(0)
+        with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
+            after = r.status
+        with pytest.raises(ValueError, match="503"):
+            proxy.fail_for(1, status=500)
+    finally:
+        proxy.close()
+    assert set(answers) == {200, 429} and 8 <= answers.count(429) <= 32, answers
+    assert proxy.refused == answers.count(429) and after == 200

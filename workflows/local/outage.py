@@ -1,7 +1,8 @@
 """A run-store outage for local rehearsals: an HTTP proxy in front of the GCS emulator that can go down.
 
-While down it answers every request with HTTP 503 and the body GCS sends when it is unavailable (JSON API error
-format, reason ``backendError``); otherwise it forwards requests unchanged. The steps reach the emulator
+While down it answers every request (or a share of them) with HTTP 503 and the body GCS sends when it is
+unavailable (JSON API error format, reason ``backendError``), or with 429 and the body of GCS's rate limit
+(``rateLimitExceeded``); otherwise it forwards requests unchanged. The steps reach the emulator
 through it, so a step that runs during an outage meets what it would meet on GCS, and the emulator keeps its
 objects across the outage.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +32,15 @@ UNAVAILABLE = {
         ],
     }
 }
+THROTTLED = {
+    "error": {
+        "code": 429,
+        "message": "The rate of change requests to the object exceeds the rate limit. Please reduce the rate.",
+        "errors": [{"message": "The rate of change requests exceeds the rate limit.", "domain": "usageLimits",
+                    "reason": "rateLimitExceeded"}],
+    }
+}  # fmt: skip
+BODIES = {503: UNAVAILABLE, 429: THROTTLED}
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -41,12 +52,14 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class OutageProxy:
-    """Forwards to ``upstream``; ``down_for(seconds)`` makes it answer 503 for that long."""
+    """Forwards to ``upstream``; ``down_for`` answers 503, ``fail_for`` a share of requests 503 or 429."""
 
-    def __init__(self, upstream: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, upstream: str, clock: Callable[[], float] = time.monotonic, seed: int = 0):
         up = urlparse(upstream)
         self._clock = clock
         self._down_until = 0.0
+        self._status, self._share = 503, 1.0
+        self._rng = random.Random(seed)
         self.refused = 0
         proxy = self
 
@@ -59,9 +72,9 @@ class OutageProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                if proxy.is_down:
-                    proxy.refused += 1
-                    data, status, headers = json.dumps(UNAVAILABLE).encode(), 503, {"Content-Type": "application/json"}
+                status = proxy.refusal()
+                if status is not None:
+                    data, headers = json.dumps(BODIES[status]).encode(), {"Content-Type": "application/json"}
                 else:
                     conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
                     fwd = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
@@ -91,7 +104,21 @@ class OutageProxy:
 
     def down_for(self, seconds: float) -> None:
         """Answer 503 from now for ``seconds``."""
+        self.fail_for(seconds)
+
+    def fail_for(self, seconds: float, status: int = 503, share: float = 1.0) -> None:
+        """From now for ``seconds``, answer ``status`` (503 or 429) to each request with probability ``share``."""
+        if status not in BODIES:
+            raise ValueError(f"status {status}: the proxy answers {sorted(BODIES)}")
+        self._status, self._share = status, share
         self._down_until = self._clock() + seconds
+
+    def refusal(self) -> int | None:
+        """The status to answer the request now with, or None to forward it (counts refusals)."""
+        if not self.is_down or self._rng.random() >= self._share:
+            return None
+        self.refused += 1
+        return self._status
 
     def env(self, emulator_env: Mapping[str, str]) -> dict[str, str]:
         """The emulator's client environment with the HTTP endpoints pointed at this proxy."""
