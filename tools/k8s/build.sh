@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the real-controller tier's control plane from Go modules: kube-apiserver, kube-controller-manager,
 # kube-scheduler (k8s.io/kubernetes), etcd, the JobSet controller and kwok, at the versions tools/k8s/go.mod pins,
-# and Argo's workflow-controller at ARGO_VERSION, whose module also holds the CRDs the tier applies (read from the
-# module cache, never copied).
+# Argo's workflow-controller at ARGO_VERSION, whose module also holds the CRDs the tier applies (read from the
+# module cache, never copied), and Shopify's toxiproxy-server at TOXIPROXY_VERSION (a TCP proxy whose faults the
+# chaos tests set: latency, reset, timeout, bandwidth; tests/k8s/toxiproxy.py).
 #
 # Idempotent: the binaries go to $JAXREC_K8S_CACHE/<key>/bin (default ~/.cache/jaxrec-k8s), where <key> is the
 # sha256 of go.mod, go.sum, this script and `go version`. A hit prints the directory and returns at once.
@@ -16,12 +17,15 @@ cache_root="${JAXREC_K8S_CACHE:-$HOME/.cache/jaxrec-k8s}"
 # Argo is not part of the tools module (its k8s 0.33 dependencies would be raised to 0.36 there); the newest
 # version the module proxy serves. docs/DEPLOY.md installs v4.1.2 on clusters.
 ARGO_VERSION=v4.0.5
+# toxiproxy is not part of the tools module either (its own go.mod and go.sum); the newest version the module
+# proxy serves. Built from github.com/Shopify/toxiproxy/v2/cmd/server, installed as toxiproxy-server.
+TOXIPROXY_VERSION=v2.5.0
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
 
 command -v go >/dev/null || { echo "build.sh: no 'go' on PATH; the real-controller tier needs Go 1.26 (go.dev/doc/install)" >&2; exit 2; }
 key="$( { cat "$here/go.mod" "$here/go.sum" "$here/build.sh"; go version; } | sha256sum | cut -c1-16)"
 bin="$cache_root/$key/bin"
-names=(kube-apiserver kube-controller-manager kube-scheduler etcd jobset kwok workflow-controller)
+names=(kube-apiserver kube-controller-manager kube-scheduler etcd jobset kwok workflow-controller toxiproxy-server)
 complete() {
   for n in "${names[@]}"; do [ -x "$bin/$n" ] || return 1; done
   [ -f "$bin/modules.json" ] || return 1
@@ -57,7 +61,7 @@ rm -rf "$stage"; mkdir -p "$stage"
 trap 'rm -rf "$stage"' EXIT
 cd "$here"
 start=$(date +%s)
-echo "build.sh: building kubernetes ${k8s_version}, etcd, jobset, kwok, argo ${ARGO_VERSION} into $bin (cold: tens of minutes on 2 cores)" >&2
+echo "build.sh: building kubernetes ${k8s_version}, etcd, jobset, kwok, argo ${ARGO_VERSION}, toxiproxy ${TOXIPROXY_VERSION} into $bin (cold: tens of minutes on 2 cores)" >&2
 go build -trimpath -ldflags "-s -w ${version_flags}" -o "$stage/" \
   k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
 go build -trimpath -ldflags "-s -w" -o "$stage/etcd" go.etcd.io/etcd/server/v3
@@ -66,6 +70,11 @@ go build -trimpath -ldflags "-s -w" -o "$stage/kwok" sigs.k8s.io/kwok/cmd/kwok
 # Its own `go install` (outside the tools module, with Argo's own go.mod and go.sum): cold about 6 min on 2 cores.
 GOBIN="$stage" go install -trimpath -ldflags "-s -w" \
   "github.com/argoproj/argo-workflows/v4/cmd/workflow-controller@${ARGO_VERSION}"
+# Likewise (cold well under a minute); `go install` names it after its directory (server). Version stamped as
+# toxiproxy's .goreleaser.yml does (GET /version answers it).
+GOBIN="$stage" go install -trimpath -ldflags "-s -w -X github.com/Shopify/toxiproxy/v2.Version=${TOXIPROXY_VERSION#v}" \
+  "github.com/Shopify/toxiproxy/v2/cmd/server@${TOXIPROXY_VERSION}"
+mv "$stage/server" "$stage/toxiproxy-server"
 argo_dir="$(go mod download -json "github.com/argoproj/argo-workflows/v4@${ARGO_VERSION}" | python3 -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')"
 python3 - "$stage/modules.json" "$argo_dir" <<'PY'
 import json, subprocess, sys
