@@ -11,7 +11,8 @@ With ``--holder`` (``{{workflow.uid}}``) it acts only when this Workflow holds t
 the run ends other than Succeeded (``argo stop`` too: Argo runs the exit handler after a stop), it stops the
 run's gang before it releases the lease: it deletes the JobSets labelled ``jaxrec/run-id=<run-id>`` in the
 config's namespace (foreground propagation) and says in one line which. It never deletes after a hand-over
-or while another workflow holds the lease.
+or while another workflow holds the lease. The attempt that gang ran, when the ledger does not close it yet, is
+closed as ``stopped`` (no failure class, no budget charged), so the ledger lists every attempt the store holds.
 
 Destructive acts and their evidence: it deletes the run's JobSets only when this Workflow holds the lease and its
 validate-config confirmed it (``RunLease.first_attempt``: a submission that refused or never finished acts on
@@ -256,6 +257,16 @@ def table(ledger: Ledger) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+def _close_stopped(led: Ledger, stopped: AttemptRecord, why: str) -> Ledger:
+    """The ledger with ``stopped`` in it when its attempt is still open there (absent, or resupervised)."""
+    mine = next((a for a in led.attempts if a.attempt == stopped.attempt), None)
+    if mine is not None and mine.outcome != AttemptOutcome.RUNNING:
+        return led  # closed already (failed, succeeded, or stopped by an earlier try of this step)
+    reason = f"the workflow ended while the attempt was open ({why}); the exit handler stopped its gang"
+    keep = mine.model_dump(include={"started_at", "backend", "jobset", "workflow"}) if mine else {}
+    return with_attempt(led, stopped.model_copy(update={"reason": reason, **keep}))
+
+
 def run(
     store_root: str,
     run_id: str,
@@ -263,12 +274,16 @@ def run(
     failures: str | None = None,
     output_dir: Path | None = None,
     *,
+    closes_open: bool = False,
     clock: Callable[[], float] = now,
 ) -> FinalizeResult:
     """Record the run's final status and reason in the ledger (conditional write).
 
     On Succeeded, the attempt that completed (the newest one not yet in the ledger) is added with
-    outcome 'succeeded' and its checkpoint steps.
+    outcome 'succeeded' and its checkpoint steps. Otherwise, with ``closes_open`` (this Workflow holds the run and
+    its exit handler stops the gang), the newest attempt when it is still open (not in the ledger, or resupervised)
+    is closed as 'stopped' with the reason the run ended: no failure class, no budget charged, and the ledger
+    still lists every attempt the store holds.
 
     Args:
         store_root: run-store root.
@@ -276,6 +291,7 @@ def run(
         status: Argo's workflow status (Succeeded, Failed, Error).
         failures: Argo's ``{{workflow.failures}}`` JSON, if any.
         output_dir: where to write ``final-status`` (None: nowhere).
+        closes_open: close an open newest attempt as 'stopped' when the run did not succeed.
         clock: epoch-seconds clock.
 
     Returns:
@@ -298,22 +314,24 @@ def run(
                 "is recorded; check --store-root and --run-id",
             )
         done: AttemptRecord | None = None
-        if final == SUCCEEDED:
-            numbers = store.attempts()
-            if numbers:
-                n = numbers[-1]
-                done = AttemptRecord(
-                    attempt=n,
-                    outcome=AttemptOutcome.SUCCEEDED,
-                    reason="training completed",
-                    checkpoint_step_before=checkpoint_step_before(store, n),
-                    checkpoint_step_after=newest_checkpoint_step(store),
-                    closed_at=clock(),
-                )
+        numbers = store.attempts()
+        if numbers and (final == SUCCEEDED or closes_open):
+            n = numbers[-1]
+            done = AttemptRecord(
+                attempt=n,
+                outcome=AttemptOutcome.SUCCEEDED if final == SUCCEEDED else AttemptOutcome.STOPPED,
+                reason="training completed",
+                checkpoint_step_before=checkpoint_step_before(store, n),
+                checkpoint_step_after=newest_checkpoint_step(store),
+                ended_at=clock() if final != SUCCEEDED else None,
+                closed_at=clock(),
+            )
         holder: dict[str, str] = {}
 
         def close(led: Ledger) -> Ledger:
-            if done is not None and not any(
+            if done is not None and done.outcome == AttemptOutcome.STOPPED:
+                led = _close_stopped(led, done, final_reason(final, led, failed_nodes))
+            elif done is not None and not any(
                 a.attempt == done.attempt and a.outcome == AttemptOutcome.FAILED for a in led.attempts
             ):
                 led = with_attempt(led, done)
@@ -472,7 +490,9 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
     if args.holder and (early := _not_holder(args)) is not None:
         return early
     try:
-        r = run(args.store_root, args.run_id, args.status, args.failures, args.output_dir)
+        r = run(
+            args.store_root, args.run_id, args.status, args.failures, args.output_dir, closes_open=bool(args.holder)
+        )
     except StepError as e:
         if e.code == ExitCode.CONFIGURATION and args.holder:
             # A lease taken by a validate-config that then refused: released, nothing else written.

@@ -116,6 +116,37 @@ def test_finalize_twice_is_idempotent(tmp_path):
     assert led.final_reason == "training completed in attempt 0"
 
 
+def test_an_attempt_open_when_the_run_was_stopped_is_closed_as_stopped_and_charged_nothing(tmp_path):
+    """``argo stop`` mid-attempt: the exit handler stops the gang, and the ledger still lists that attempt."""
+    root = str(tmp_path / "store")
+    store = validated(RunStore(root, RUN))
+    append_attempt(store, failed(0, FailureClass.APPLICATION, -1, 10))
+    restore_record(store, 1, 10)
+    store.write_json(RunLayout.checkpoint_manifest(20), {"step": 20})
+    stop = json.dumps([{"displayName": "train-segment(0)", "message": "Stopped with strategy 'Stop'"}])
+    assert [a.attempt for a in finalize.run(root, RUN, "Failed", stop).ledger.attempts] == [0]  # not the holder's
+    r = finalize.run(root, RUN, "Failed", stop, closes_open=True, clock=lambda: 5.0)
+    first, stopped = r.ledger.attempts
+    assert first == failed(0, FailureClass.APPLICATION, -1, 10)  # a closed attempt is never rewritten
+    assert (stopped.attempt, stopped.outcome, stopped.failure_class, stopped.decision) == (1, "stopped", None, None)
+    assert (stopped.checkpoint_step_before, stopped.checkpoint_step_after, stopped.ended_at) == (10, 20, 5.0)
+    assert "train-segment(0) failed: Stopped with strategy 'Stop'" in stopped.reason
+    assert r.ledger.by_class() == Ledger(run_id=RUN, attempts=[first]).by_class()  # the stop charged no class
+    again = finalize.run(root, RUN, "Failed", stop, closes_open=True, clock=lambda: 9.0)
+    assert again.ledger.attempts == r.ledger.attempts  # a retry of the exit handler changes nothing
+
+
+def test_a_resupervised_attempt_is_closed_as_stopped_with_its_gang_named(tmp_path):
+    root = str(tmp_path / "store")
+    store = validated(RunStore(root, RUN))
+    restore_record(store, 0, -1)
+    append_attempt(store, AttemptRecord(attempt=0, outcome="running", started_at=2.0, jobset=f"{RUN}-a0",
+                                        workflow="wf-a", backend="gke"))  # fmt: skip
+    (stopped,) = finalize.run(root, RUN, "Failed", None, closes_open=True).ledger.attempts
+    assert (stopped.outcome, stopped.started_at, stopped.jobset, stopped.workflow) == ("stopped", 2.0, f"{RUN}-a0",
+                                                                                       "wf-a")  # fmt: skip
+
+
 def test_unreadable_ledger_exits_with_message(tmp_path, capsys):
     root = str(tmp_path / "store")
     validated(RunStore(root, RUN)).write_bytes(RunLayout.LEDGER, b"[1, 2")

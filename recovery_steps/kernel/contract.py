@@ -84,6 +84,9 @@ class AttemptOutcome(enum.StrEnum):
     FAILED = "failed"
     # Classify-failure's record of an attempt whose gang still runs with no supervisor (resupervised).
     RUNNING = "running"
+    # The Workflow ended other than Succeeded while the attempt was open (``argo stop``, or a step that failed
+    # outside the loop) and its exit handler stopped the gang: no failure class, no budget charged.
+    STOPPED = "stopped"
 
 
 class FinalStatus(enum.StrEnum):

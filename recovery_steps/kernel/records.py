@@ -214,7 +214,7 @@ class AttemptRecord(_Record):
     """``attempts/<n>/record.json`` and one entry of the ledger."""
 
     attempt: int
-    outcome: AttemptOutcome = Field(description="succeeded or failed (running: resupervised, not closed).")
+    outcome: AttemptOutcome = Field(description="succeeded, failed or stopped (running: resupervised, not closed).")
     failure_class: FailureClass | None = None
     reason: str = ""
     evidence: list[str] = Field(default_factory=list, description="Evidence lines the verdict used.")
