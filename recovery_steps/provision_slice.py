@@ -299,11 +299,13 @@ def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[No
     return [replace(n, other_runs=tuple(by_node.get(n.name, ()))) for n in nodes]
 
 
-def clear_old_gangs(cfg: JobConfig, attempt: int, api_client: Any, *, pod_timeout_s: float) -> None:
-    """Delete the run's finished or decided JobSets and wait for their pods to go (this attempt's live one kept)."""
-    _, _, kept = delete_run_jobsets(
-        api_client, cfg.namespace, cfg.run_id, unsupervised_gang(RunStore(cfg.storage.root, cfg.run_id), attempt)
-    )
+def clear_old_gangs(cfg: JobConfig, attempt: int, store: RunStore, api_client: Any, *, pod_timeout_s: float) -> None:
+    """Delete the run's finished or decided JobSets and wait for their pods to go (this attempt's live one kept).
+
+    What is decided is read from ``store``, the step's own ``--store-root`` (the pinned config names the file's
+    root, which ``-p store-root=`` overrides: read there, every earlier gang would look undecided).
+    """
+    _, _, kept = delete_run_jobsets(api_client, cfg.namespace, cfg.run_id, unsupervised_gang(store, attempt))
     wait_pods_gone(api_client, cfg.namespace, cfg.run_id, timeout_s=pod_timeout_s, keep=kept)
 
 
@@ -312,13 +314,14 @@ def provision_gke(
     attempt: int,
     api_client: Any,
     *,
+    store: RunStore,
     require_nodes: bool = False,
     pod_timeout_s: float = 300,
     clock: Callable[[], float] = time.time,
 ) -> ProvisionOutputs:
     """The GKE backend: clear old JobSets, check the nodes, return the outputs."""
     try:
-        clear_old_gangs(cfg, attempt, api_client, pod_timeout_s=pod_timeout_s)
+        clear_old_gangs(cfg, attempt, store, api_client, pod_timeout_s=pod_timeout_s)
         nodes = with_other_runs(
             api_client, cfg.namespace, cfg.run_id, list_slice_nodes(api_client, gke_node_selector(cfg.slice))
         )
@@ -432,7 +435,7 @@ def provision_local(
         stop_leftover_workers(cfg.run_id, store_root)
     else:
         try:
-            clear_old_gangs(cfg, attempt, api_client, pod_timeout_s=pod_timeout_s)
+            clear_old_gangs(cfg, attempt, RunStore(store_root, cfg.run_id), api_client, pod_timeout_s=pod_timeout_s)
         except api_failures() as e:
             raise api_error(e) from None
     coordinator = free_port()
@@ -504,7 +507,10 @@ def run(
     if cfg.slice.is_local:
         outputs = provision_local(cfg, attempt, store_root, api_client, pod_timeout_s=pod_timeout_s)
     else:
-        outputs = provision_gke(cfg, attempt, api_client, require_nodes=require_nodes, pod_timeout_s=pod_timeout_s)
+        store = RunStore(store_root, run_id)
+        outputs = provision_gke(
+            cfg, attempt, api_client, store=store, require_nodes=require_nodes, pod_timeout_s=pod_timeout_s
+        )
     outputs.write(output_dir)
     return outputs.files()
 

@@ -52,7 +52,8 @@ def _node(name, *, pool="tpu-pool-a", ready=True, taints=(), labels=None, unsche
 class FakeKube:
     """Answers the few Kubernetes API paths provision-slice uses, with the shapes the API server returns."""
 
-    def __init__(self, *, jobsets=(), nodes=(), pods_after_delete=1, jobset_status=200, other_pods=()):
+    def __init__(self, *, jobsets=(), nodes=(), pods_after_delete=1, jobset_status=200, other_pods=(), labelled=False):
+        self.labelled = labelled  # each JobSet labelled with its attempt (its name ends -a<attempt>)
         self.other_pods = list(other_pods)
         self.jobsets = list(jobsets)
         self.nodes = list(nodes)
@@ -80,6 +81,8 @@ class FakeKube:
             items = [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
                       "metadata": {"name": n, "namespace": NS, "labels": {"jaxrec/run-id": "lm-v5e-4x4"}}}
                      for n in self.jobsets]  # fmt: skip
+            for js in items if self.labelled else ():
+                js["metadata"]["labels"]["jaxrec/attempt"] = js["metadata"]["name"].rsplit("-a", 1)[1]
             return 200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList", "metadata": {}, "items": items}
         if path == f"/api/v1/namespaces/{NS}/pods" and "!=" in q.get("labelSelector", ""):
             # Other runs' pods (selector "jaxrec/run-id,jaxrec/run-id!=<this run>").
@@ -199,7 +202,7 @@ def test_gke_pods_that_never_go_are_capacity(tmp_path, kube_factory):
     from recovery_steps.kernel.k8s import make_api_client
 
     with pytest.raises(StepError) as e:
-        ps.provision_gke(cfg, 1, make_api_client(kube.url), pod_timeout_s=0.3)
+        ps.provision_gke(cfg, 1, make_api_client(kube.url), store=RunStore(root, cfg.run_id), pod_timeout_s=0.3)
     assert e.value.code == 75 and "still present" in str(e.value)
 
 
@@ -398,3 +401,19 @@ def test_a_live_gang_nothing_decided_is_never_deleted(tmp_path):
                                                                    detected_at=1.0))  # fmt: skip
     with pytest.raises(StepError):
         keep(_js("lm-v5e-4x4-a4", 4))
+
+
+def test_what_is_decided_is_read_from_the_steps_store_root_not_the_files(tmp_path, kube_factory):
+    """``-p store-root=`` moves the run's store away from the file's ``storage.root`` (which the pinned config keeps):
+    the supervision record that decided attempt 1 is in the step's store, so its gang is cleared; read from the
+    file's root instead, it would look undecided and block the run."""
+    from recovery_steps.kernel.records import SupervisionRecord
+
+    root = str(tmp_path / "elsewhere")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    assert not load_config(REPO / "configs" / "v5e-4x4.yaml").storage.root.startswith(root)
+    decided = SupervisionRecord(attempt=1, jobset=f"{run_id}-a1", outcome="failed", reason="x", detected_at=1.0)
+    RunStore(root, run_id).write_record(RunLayout.supervision(1), decided)
+    kube = kube_factory(jobsets=[f"{run_id}-a1"], labelled=True, nodes=[_node(f"n{i}") for i in range(4)])
+    assert _main(root, run_id, tmp_path / "out", kube) == 0
+    assert [r[1].rsplit("/", 1)[1] for r in kube.requests if r[0] == "DELETE"] == [f"{run_id}-a1"]
