@@ -7,6 +7,11 @@ the failure class spent its budget, else ``0``). Exits 0 whenever it classified 
 decision); exits 1 when it cannot read or write the run store, 2 when the run has no usable config. On GKE a
 Kubernetes read it decides on that fails is never taken for absence: it exits 69 (transient, retried) when the API
 is out of reach or answers 429/5xx, 2 when the API refuses the read or there is no Kubernetes config.
+
+Destructive acts and their evidence: none of its own, but closing an attempt in the ledger is what lets the next
+provision-slice delete that attempt's gang, so it closes one only on what it read: the supervisor's verdict and
+the JobSet, Jobs, pods and nodes it decides on. A read among those that fails closes nothing (exit 69); a gang that
+still runs with no verdict is recorded ``running`` and supervised again, never closed.
 """
 
 from __future__ import annotations

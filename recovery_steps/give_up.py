@@ -2,6 +2,8 @@
 
 Usage: ``python -m recovery_steps.give_up --failure-class C --reason TEXT``. Prints
 ``giving up: class C: TEXT`` to stderr and exits 1; Argo shows that message on the failed node.
+
+Destructive acts: none (the exit handler stops the gang, on its own evidence).
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ The continuation waits on the run's Argo mutex until this Workflow has ended (ar
 Locally the runner stands in for the API server: this step names the continuation and makes its uid, and the
 runner starts it when this Workflow has ended.
 
+Destructive acts and their evidence: none. Passing the lease (after which this Workflow's exit handler stops
+nothing) comes only once the continuation exists: created, or found under its deterministic name with the label
+that names this Workflow; a Workflow of that name that continues another is refused, not replaced.
+
 Exit codes: 0 handed over; 2 configuration (the API refused: RBAC, or the name is taken by another Workflow);
 69 transient (API or store unreachable, HTTP 429/5xx: Argo retries the step, outside every budget).
 """

@@ -11,6 +11,9 @@ Run by ``validate-config --preflight true`` (the first step of every submission)
 A missing permission or object is class ``configuration``: one line names it and the command that fixes it.
 An unreachable store or API server is ``transient`` (Argo retries the step). The decisions over the results
 are pure (``verdict``); the adapters do the I/O.
+
+Destructive acts: none. It writes and removes only a probe object of its own (a fresh random name) in the store,
+and its cluster checks are reads and access reviews.
 """
 
 from __future__ import annotations

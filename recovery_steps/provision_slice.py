@@ -10,6 +10,14 @@ Exit codes: 0 ready; 75 capacity not there yet (Argo retries with backoff); 2 co
 Zero matching nodes counts as ready by default: multi-host TPU node pools with autoscaling
 scale from zero as one unit when the JobSet's pods are pending. ``--require-nodes`` makes zero
 nodes a capacity problem (fixed-size node pools).
+
+Destructive acts and their evidence: it deletes JobSets labelled with the run id and no others: a finished one,
+and a live one of an earlier attempt that a supervisor decided or the ledger closed (both read from the step's
+``--store-root``). A live gang of an earlier attempt that nothing decided is refused (exit 2, named, with the
+command that deletes it by hand): it may be healthy work. This attempt's live JobSet is kept for train-segment to
+re-attach. The run lease is renewed for this Workflow before anything is deleted (another live holder: exit 2,
+nothing touched); a JobSet list or store read that fails ends the step (69 or 1) with nothing deleted. Locally it
+stops only processes whose command line names this run and store.
 """
 
 from __future__ import annotations

@@ -3,6 +3,12 @@
 Usage: ``python -m recovery_steps.restore_latest --store-root R --run-id ID --attempt N --output-dir D``.
 Outputs: ``restore-step`` (-1 for a fresh start), ``restore-path`` and ``skipped`` (JSON list of
 ``{step, name, reason}``); the decision is also recorded in ``attempts/<n>/restore.json``.
+
+Destructive acts and their evidence: it deletes nothing. A step directory moves to ``quarantine/`` (with a file
+saying why) only on positive evidence against it, read after every candidate was inspected: a file its own
+manifest lists that is missing, of another size, CRC32C, SHA-256 or generation; a write after the ledger closed
+the attempt that made it; a config it is incompatible with; a name or entry orbax would misread. An unfinished or
+uncommitted GCS save and anything that is not a step are left in place; a store it cannot read moves nothing.
 """
 
 from __future__ import annotations

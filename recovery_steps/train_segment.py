@@ -12,6 +12,11 @@ If its own pod is lost (evicted, node drained) Argo retries it; the retry finds 
 and re-attaches instead of creating a second gang. It reports ``step/total_steps`` through Argo's
 progress file (``ARGO_PROGRESS_FILE``, argo docs "Progress").
 
+Destructive acts and their evidence (``supervise``): the JobSet is deleted once the attempt's verdict is in the
+store, or when the run lease is held in another namespace or cluster; a pod is force-deleted only while
+Terminating on a node the snapshot shows lost. A heartbeat or API read that fails is never a silent or absent
+worker: hang clocks pause, and after minutes the step exits 69 with the gang left as it is.
+
 Outputs (``<output-dir>/<name>``): ``outcome``, ``stall-kind``, ``reason``, ``last-step``, ``checkpoint-step``.
 Exit codes: 0 succeeded; 1 the attempt failed or stalled; 2 configuration (no config, the manifest is
 bad, the Kubernetes API refuses with 4xx); 69 transient (the API answers 429/5xx or cannot be reached, a watch
