@@ -21,6 +21,14 @@ os.environ.setdefault("JAXREC_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxr
 os.environ.pop("KUBERNETES_SERVICE_HOST", None)
 
 
+def pytest_addoption(parser):
+    """The chaos runs of the real-controller tier (``pytest -m chaos``): which seeds."""
+    group = parser.getgroup("chaos", "chaos runs on the real controllers (tests/k8s/test_chaos.py)")
+    group.addoption("--chaos-seed", type=int, action="append", default=[], help="replay this seed (repeatable)")
+    group.addoption("--chaos-rounds", type=int, default=1, help="how many seeds to run (default 1)")
+    group.addoption("--chaos-first-seed", type=int, default=1, help="the first of the --chaos-rounds seeds")
+
+
 @pytest.fixture(scope="session")
 def gcs_emulator():
     """A fake-gcs-server process for the whole session, with BUCKET created and this process pointed at it."""

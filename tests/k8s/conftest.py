@@ -7,6 +7,7 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import realcluster
@@ -85,7 +86,11 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say how long the control plane took to start."""
+    """Say how long the control plane took to start, and what the chaos runs threw and found."""
+    import chaos
+
+    if chaos.SUMMARY.runs:
+        terminalreporter.write_line(chaos.SUMMARY.line())
     rc = _STARTED.get("cluster")
     if rc is not None:
         terminalreporter.write_line(
@@ -155,11 +160,36 @@ def podexec_tls(rc: RealCluster) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def argo(real_cluster: RealCluster, argo_crds, gcs_emulator, tmp_path_factory) -> Iterator[realcluster.Component]:
+def pods_gcs(real_cluster: RealCluster, gcs_emulator, tmp_path_factory) -> Iterator[Any]:
+    """The GCS emulator as podexec's pods reach it: the HTTP fault proxy of the local rehearsals (5xx, 429) in
+    front of toxiproxy (TCP faults) in front of the emulator. Both pass everything through until a chaos run
+    throws a fault; the test process itself talks to the emulator directly."""
+    import chaos
+    import toxiproxy
+
+    from workflows.local.outage import OutageProxy
+
+    tox = tcp = None
+    upstream = gcs_emulator.url
+    if os.access(real_cluster.bin_dir / "toxiproxy-server", os.X_OK):
+        tox = toxiproxy.start(real_cluster.bin_dir, tmp_path_factory.mktemp("toxiproxy") / "toxiproxy.log")
+        tcp = tox.proxy("gcs", upstream.removeprefix("http://"))
+        upstream = f"http://{tcp.listen}"
+    proxy = OutageProxy(upstream)
+    try:
+        yield chaos.Gcs(proxy, tcp, proxy.env(gcs_emulator.env))
+    finally:
+        proxy.close()
+        if tox is not None:
+            tox.stop()
+
+
+@pytest.fixture(scope="session")
+def argo(real_cluster: RealCluster, argo_crds, pods_gcs, tmp_path_factory) -> Iterator[realcluster.Component]:
     """Argo's workflow-controller for the namespace the shipped Workflow names (``argoctl``: its own network
     namespace, the API server through a forwarder) and ``podexec`` on its own node for the step pods. The GCS
-    emulator is up first: podexec's pods inherit its environment, as pods on GKE reach the bucket through the
-    node's metadata server."""
+    emulator is up first: podexec's pods get its environment (through ``pods_gcs``), as pods on GKE reach the
+    bucket through the node's metadata server."""
     import sys
 
     import argoctl
@@ -183,6 +213,7 @@ def argo(real_cluster: RealCluster, argo_crds, gcs_emulator, tmp_path_factory) -
             *podexec_tls(real_cluster),
         ],  # fmt: skip
         root / "logs" / "podexec.log",
+        env=pods_gcs.env,
     )
     kubelet.start()
     real_cluster.components["podexec"] = kubelet
@@ -203,7 +234,7 @@ def argo(real_cluster: RealCluster, argo_crds, gcs_emulator, tmp_path_factory) -
 
 
 @pytest.fixture(scope="session")
-def cpu_hosts(real_cluster: RealCluster, argo, tmp_path_factory) -> Iterator[CpuHosts]:
+def cpu_hosts(real_cluster: RealCluster, argo, pods_gcs, tmp_path_factory) -> Iterator[CpuHosts]:
     """The local file's namespace with the project's RBAC, Argo's controller for it, and podexec on three more
     nodes (untainted: the gang's pods, which select no node, land on them or on the steps' node)."""
     import sys
@@ -237,6 +268,7 @@ def cpu_hosts(real_cluster: RealCluster, argo, tmp_path_factory) -> Iterator[Cpu
             *podexec_tls(real_cluster),
         ],  # fmt: skip
         root / "logs" / "podexec.log",
+        env=pods_gcs.env,
     )
     kubelet.start()
     real_cluster.components[kubelet.name] = kubelet
