@@ -8,6 +8,13 @@ the incident table built from the run store (detect, stop, provision, start, res
 pre-failure step, steps lost) with the final verdict. It refuses to run unless the cluster is named (``--context``)
 or confirmed (``--yes``), and only ever touches the run's own objects: the Workflow it submitted, that Workflow's
 pods, the run's JobSet pods, and (``drain-node``) a node on which nothing but the run's pods is scheduled.
+
+Destructive acts and their evidence: every one needs a run of the drill's own. Before it submits anything it
+refuses a run id in use: one whose store holds a config, a lease or an attempt, or whose label is on a JobSet or
+pod in the namespace (a read that fails refuses too: it is no evidence that the run is free). A fault then acts only
+on the pods of the Workflow it submitted and of that run. When the drill cannot go on (an error, ``--timeout``)
+it stops the Workflow it submitted (``argo stop``: its exit handler stops the gang), and it uncordons, at the end
+whatever happened, the node it cordoned (never one that was cordoned before).
 """
 
 from __future__ import annotations
@@ -26,13 +33,15 @@ import yaml
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.incidents import TimedIncident, incidents_from_facts, read_attempt_facts
 from recovery_steps.kernel.k8s import ATTEMPT_LABEL, RUN_ID_LABEL
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import RunLayout, RunStore, first_line, store_errors
 from workflows.jobset import CONTAINER
 
 ARGO = ("argoproj.io", "v1alpha1", "workflows")
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"  # Argo puts it on every pod of a Workflow (workflow/common)
 NODE_NAME_ANNOTATION = "workflows.argoproj.io/node-name"
 FINISHED = ("Succeeded", "Failed", "Error")
+JOBSET, JOBSET_PLURAL = ("jobset.x-k8s.io", "v1alpha2"), "jobsets"
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"  # on a static pod's mirror (kubernetes pkg/kubelet/types)
 
 
 class Fault(enum.StrEnum):
@@ -116,6 +125,7 @@ class Cluster:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.ns = namespace
+        self.cordoned: list[str] = []  # nodes the drill cordoned (uncordoned when it ends)
 
     def submit(self, doc: dict[str, Any]) -> str:
         """Create the Workflow; its name."""
@@ -125,6 +135,20 @@ class Cluster:
     def workflow(self, name: str) -> dict[str, Any]:
         """The Workflow as the API returns it now."""
         return self.custom.get_namespaced_custom_object(*ARGO[:2], self.ns, ARGO[2], name)
+
+    def stop_workflow(self, name: str) -> None:
+        """``argo stop`` the Workflow the drill submitted: Argo stops its steps and runs its exit handler."""
+        patch = {"spec": {"shutdown": "Stop"}}
+        self.custom.patch_namespaced_custom_object(*ARGO[:2], self.ns, ARGO[2], name, patch)
+
+    def in_use(self, run_id: str) -> list[str]:
+        """The JobSets and pods in the namespace that carry the run's label (kind/name)."""
+        sel = f"{RUN_ID_LABEL}={run_id}"
+        jobsets = self.custom.list_namespaced_custom_object(*JOBSET, self.ns, JOBSET_PLURAL, label_selector=sel)
+        pods = self.core.list_namespaced_pod(self.ns, label_selector=sel).items
+        return [f"jobset/{j['metadata']['name']}" for j in jobsets.get("items", [])] + [
+            f"pod/{p.metadata.name}" for p in pods
+        ]
 
     def delete_workflow(self, name: str) -> None:
         """Delete the Workflow the drill submitted (its exit handler does not run)."""
@@ -152,17 +176,34 @@ class Cluster:
         body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=self.ns))
         self.core.create_namespaced_pod_eviction(name, self.ns, body)
 
-    def cordon(self, node: str, unschedulable: bool = True) -> None:
-        """Mark a node (un)schedulable."""
-        self.core.patch_node(node, {"spec": {"unschedulable": unschedulable}})
+    def cordon(self, node: str) -> None:
+        """Mark a node unschedulable; remembered for ``uncordon_mine`` unless it was cordoned already."""
+        if self.core.read_node(node).spec.unschedulable:
+            return
+        self.core.patch_node(node, {"spec": {"unschedulable": True}})
+        self.cordoned.append(node)
+
+    def uncordon_mine(self) -> list[str]:
+        """Mark schedulable again every node the drill cordoned; the names."""
+        done = []
+        while self.cordoned:
+            node = self.cordoned[0]
+            self.core.patch_node(node, {"spec": {"unschedulable": False}})
+            done.append(self.cordoned.pop(0))
+        return done
 
     def others_on(self, node: str, run_id: str) -> list[str]:
-        """Pods on ``node`` (any namespace) that are not the run's and not a DaemonSet's."""
+        """Pods on ``node`` (any namespace) that are not the run's, a DaemonSet's or a static pod's mirror.
+
+        Those ``kubectl drain`` leaves too (it ignores DaemonSet pods with ``--ignore-daemonsets`` and never evicts
+        a mirror pod, annotated ``kubernetes.io/config.mirror``).
+        """
         items = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items
         out = []
         for p in items:
             owners = [o.kind for o in (p.metadata.owner_references or [])]
-            if (p.metadata.labels or {}).get(RUN_ID_LABEL) != run_id and "DaemonSet" not in owners:
+            mirror = MIRROR_ANNOTATION in (p.metadata.annotations or {})
+            if (p.metadata.labels or {}).get(RUN_ID_LABEL) != run_id and "DaemonSet" not in owners and not mirror:
                 out.append(f"{p.metadata.namespace}/{p.metadata.name}")
         return out
 
@@ -366,6 +407,32 @@ def _phase(cluster: Cluster, name: str) -> str | None:
     return phase if phase in FINISHED else None
 
 
+def refuse_run_in_use(cluster: Cluster, store: RunStore, run_id: str) -> None:
+    """Refuse a run id that has a store or objects already: a drill acts only on a run of its own.
+
+    Raises:
+        DrillError: the run's store holds a config, lease or attempt, a JobSet or pod carries the run's label, or
+            either could not be read (a failed read is no evidence that the run is free).
+    """
+    from kubernetes.client.exceptions import ApiException
+
+    fresh = "give the drill a run of its own: -p run-id=drill-$(date +%s) (and -p store-root=gs://<bucket>/drills)"
+    try:
+        held = [rel for rel in (RunLayout.CONFIG, RunLayout.LEASE) if store.read_bytes(rel) is not None]
+        held += [f"attempts/{n}" for n in store.attempts()[:3]]
+    except store_errors() as e:
+        raise DrillError(f"run store {store.url()}: cannot read it ({first_line(e)}); not drilled; {fresh}") from None
+    if held:
+        raise DrillError(f"run {run_id} already has {', '.join(held)} in {store.url()}: not drilled; {fresh}")
+    try:
+        objects = cluster.in_use(run_id)
+    except (ApiException, OSError) as e:
+        why = f"{e.status} {e.reason}" if isinstance(e, ApiException) else first_line(e)
+        raise DrillError(f"cannot list run {run_id}'s JobSets and pods in {cluster.ns} ({why}); not drilled") from None
+    if objects:
+        raise DrillError(f"run {run_id} is in use in namespace {cluster.ns} ({', '.join(objects[:3])}); {fresh}")
+
+
 def run_drill(
     cluster: Cluster,
     target: Target,
@@ -379,23 +446,45 @@ def run_drill(
     """Submit, wait for progress, inject, wait for the end, and measure."""
     store = store or RunStore(target.store_root, target.run_id)
     deadline = time.time() + timeout_s
+    refuse_run_in_use(cluster, store, target.run_id)
     name = cluster.submit(target.doc)
     say(f"drill: submitted workflow {name} (run {target.run_id}, store {store.url()})")
-    progress = lambda: (p := current_progress(store)) and p[1] >= after_step and p  # noqa: E731
-    attempt, step = wait_until(f"run {target.run_id} to pass step {after_step}", progress, deadline)
-    at = time.time()
-    if fault is Fault.RESUBMIT:
-        cluster.delete_workflow(name)
-        wait_until(f"workflow {name} to go", lambda: not _exists(cluster, name), deadline)
-        name = cluster.submit(target.doc)
-        what = f"deleted the workflow and submitted it again as {name}"
-    else:
-        what = inject(cluster, store, target, name, fault, attempt)
-    say(f"drill: at step {step} of attempt {attempt}: {what}")
-    phase = wait_until(f"workflow {name} to finish", lambda: _phase(cluster, name), deadline, every=5.0)
+    ended = False
+    try:
+        progress = lambda: (p := current_progress(store)) and p[1] >= after_step and p  # noqa: E731
+        attempt, step = wait_until(f"run {target.run_id} to pass step {after_step}", progress, deadline)
+        at = time.time()
+        if fault is Fault.RESUBMIT:
+            cluster.delete_workflow(name)
+            wait_until(f"workflow {name} to go", lambda: not _exists(cluster, name), deadline)
+            name = cluster.submit(target.doc)
+            what = f"deleted the workflow and submitted it again as {name}"
+        else:
+            what = inject(cluster, store, target, name, fault, attempt)
+        say(f"drill: at step {step} of attempt {attempt}: {what}")
+        phase = wait_until(f"workflow {name} to finish", lambda: _phase(cluster, name), deadline, every=5.0)
+        ended = True
+    finally:
+        _clean_up(cluster, name, ended, say)
     ledger = read_ledger(store)
     incidents = incidents_from_facts(read_attempt_facts(store), {attempt: (str(fault), at)})
     return DrillResult(name, what, phase, ledger.final_status if ledger else None, incidents)
+
+
+def _clean_up(cluster: Cluster, name: str, ended: bool, say: Callable[[str], None]) -> None:
+    """Stop the drill's own Workflow when the drill did not see it end; uncordon the nodes it cordoned."""
+    if not ended:
+        try:
+            if _exists(cluster, name) and _phase(cluster, name) is None:
+                cluster.stop_workflow(name)
+                say(f"drill: stopped workflow {name} (argo stop: its exit handler stops the run's gang)")
+        except Exception as e:  # noqa: BLE001 - the drill's own error is the one to raise
+            say(f"drill: could not stop workflow {name} ({first_line(e)}): argo stop -n {cluster.ns} {name}")
+    try:
+        for node in cluster.uncordon_mine():
+            say(f"drill: uncordoned node {node}")
+    except Exception as e:  # noqa: BLE001 - as above
+        say(f"drill: could not uncordon {', '.join(cluster.cordoned)} ({first_line(e)}): kubectl uncordon them")
 
 
 def _exists(cluster: Cluster, name: str) -> bool:

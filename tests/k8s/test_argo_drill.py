@@ -32,7 +32,7 @@ pytestmark = pytest.mark.k8s
 class Drilled:
     """The drill run in a thread (as a user runs it from a laptop), its result or error kept."""
 
-    def __init__(self, rc: RealCluster, store_root: str, fault: drill.Fault, after_step: int):
+    def __init__(self, rc: RealCluster, store_root: str, fault: drill.Fault, after_step: int, timeout_s: float = 420):
         self.rc = rc
         self.target = drill.load_target(REPO / "argo" / ARGO_FILE, [f"store-root={store_root}"], None)
         self.store = RunStore(store_root, self.target.run_id)
@@ -40,7 +40,7 @@ class Drilled:
         self.result: drill.DrillResult | None = None
         self.error: BaseException | None = None
         cluster = drill.Cluster(rc.admin, self.target.namespace)
-        kw = {"after_step": after_step, "timeout_s": 420, "say": self.lines.append, "store": self.store}
+        kw = {"after_step": after_step, "timeout_s": timeout_s, "say": self.lines.append, "store": self.store}
         self.thread = threading.Thread(target=self._run, args=(cluster, fault), kwargs=kw, daemon=True)
         self.thread.start()
 
@@ -89,6 +89,8 @@ def drilled_ns(real_cluster: RealCluster, argo, tpu_nodes) -> Iterator[str]:
         objs.delete_collection_namespaced_custom_object("argoproj.io", "v1alpha1", cfg.namespace, "workflows")
         objs.delete_collection_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", cfg.namespace, "jobsets")
         wait_for(f"no pods left in {cfg.namespace}", lambda: not real_cluster.pods(cfg.namespace), 90, 0.5)
+        gone = lambda: not objs.list_namespaced_custom_object(*drill.JOBSET, cfg.namespace, "jobsets")["items"]  # noqa: E731
+        wait_for(f"no JobSets left in {cfg.namespace}", gone, 90, 0.5)  # the next drill refuses a run id in use
 
 
 def test_drill_delete_worker_is_recovered_and_measured(real_cluster, drilled_ns, tmp_path):
@@ -141,3 +143,54 @@ def test_drill_delete_supervisor_leaves_the_gang_training_and_closes_no_attempt(
     rec = store.read_json(RunLayout.supervision(0))
     assert rec["outcome"] == "succeeded" and rec["reattached"], rec
     assert [a.attempt for a in read_ledger(store).attempts] == [0]
+
+
+def test_the_drill_refuses_a_run_id_in_use_before_it_submits_anything(real_cluster, drilled_ns, tmp_path):
+    """A run id whose store holds a config, or whose label is on a pod in the namespace, is not drilled: nothing is
+    submitted, nothing is touched, and the one line names the fix."""
+    target = drill.load_target(REPO / "argo" / ARGO_FILE, [f"store-root={tmp_path / 'store'}"], None)
+    store = RunStore(str(tmp_path / "store"), target.run_id)
+    cluster = drill.Cluster(real_cluster.admin, target.namespace)
+    store.write_bytes(RunLayout.CONFIG, b"{}")
+    with pytest.raises(drill.DrillError, match=r"already has config.json in .*not drilled; .*-p run-id=drill-"):
+        drill.run_drill(cluster, target, drill.Fault.DELETE_WORKER, after_step=1, timeout_s=60, store=store)
+    store.delete(RunLayout.CONFIG)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "someone-elses", "labels": {
+        "jaxrec/run-id": target.run_id}}, "spec": {"containers": [{"name": "c", "image": "x"}]}}  # fmt: skip
+    real_cluster.core().create_namespaced_pod(drilled_ns, pod)
+    try:
+        with pytest.raises(drill.DrillError, match=rf"run {target.run_id} is in use in namespace .*pod/someone-elses"):
+            drill.run_drill(cluster, target, drill.Fault.DELETE_WORKER, after_step=1, timeout_s=60, store=store)
+    finally:
+        real_cluster.core().delete_namespaced_pod("someone-elses", drilled_ns, grace_period_seconds=0)
+    from kubernetes import client
+
+    wfs = client.CustomObjectsApi(real_cluster.admin).list_namespaced_custom_object(
+        *drill.ARGO[:2], drilled_ns, "workflows"
+    )
+    assert wfs["items"] == []  # nothing was submitted
+
+
+def test_a_drill_that_cannot_go_on_stops_its_workflow_and_the_gang_goes_with_it(real_cluster, drilled_ns, tmp_path):
+    """The run never reaches --after-step before --timeout: the drill stops the Workflow it submitted (argo stop), so
+    its exit handler deletes the gang, and the ledger closes the attempt as stopped, charged to no class."""
+    d = Drilled(real_cluster, str(tmp_path / "store"), drill.Fault.DELETE_WORKER, after_step=10**6, timeout_s=60)
+    d.workers(0)
+    d.beat(0, 5)
+    d.thread.join(120)
+    assert isinstance(d.error, drill.DrillError) and "timed out waiting for run" in str(d.error), d.error
+    assert any(ln.startswith("drill: stopped workflow ") for ln in d.lines), d.lines
+    sel = f"jaxrec/run-id={d.target.run_id}"
+    from kubernetes import client
+
+    objs = client.CustomObjectsApi(real_cluster.admin)
+
+    def jobsets() -> list[dict]:
+        return objs.list_namespaced_custom_object(*drill.JOBSET, drilled_ns, "jobsets", label_selector=sel)["items"]
+
+    wait_for("the exit handler to delete the gang", lambda: not jobsets(), 180, 1.0)
+    ledger = wait_for(
+        "the ledger's final status", lambda: (led := read_ledger(d.store)) and led.final_status and led, 120, 1.0
+    )
+    assert ledger.final_status == "Failed", ledger
+    assert [(a.attempt, a.outcome, a.failure_class) for a in ledger.attempts] == [(0, "stopped", None)], ledger

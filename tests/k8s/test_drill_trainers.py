@@ -93,7 +93,8 @@ def test_drill_drain_node_real_trainers(trainer_drill, uninterrupted):
     node = res.injected.split("drained node ")[1].split()[0]
     t = _one_incident(res, drill.Fault.DRAIN_NODE)
     assert t.incident.failure_class == "preemption", t.incident
-    assert d.rc.node(node)["spec"].get("unschedulable") is True  # the drill leaves it cordoned (RUNBOOK: uncordon)
+    assert not d.rc.node(node)["spec"].get("unschedulable")  # uncordoned once the Workflow ended
+    assert f"drill: uncordoned node {node}" in d.lines, d.lines
     assert node not in {w.node for w in d.supervision(1).workers}, d.supervision(1).workers
     assert t.incident.restored_step is not None and t.incident.restored_step >= 10, t.incident
     ledger = read_ledger(d.store)
