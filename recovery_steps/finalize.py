@@ -257,6 +257,23 @@ def table(ledger: Ledger) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+def _last_attempt(store: RunStore, final: str, clock: Callable[[], float]) -> AttemptRecord | None:
+    """The newest attempt as the run's end closes it (succeeded, or stopped), or None when there is none."""
+    numbers = store.attempts()
+    if not numbers:
+        return None
+    n = numbers[-1]
+    return AttemptRecord(
+        attempt=n,
+        outcome=AttemptOutcome.SUCCEEDED if final == SUCCEEDED else AttemptOutcome.STOPPED,
+        reason="training completed",
+        checkpoint_step_before=checkpoint_step_before(store, n),
+        checkpoint_step_after=newest_checkpoint_step(store),
+        ended_at=clock() if final != SUCCEEDED else None,
+        closed_at=clock(),
+    )
+
+
 def _close_stopped(led: Ledger, stopped: AttemptRecord, why: str) -> Ledger:
     """The ledger with ``stopped`` in it when its attempt is still open there (absent, or resupervised)."""
     mine = next((a for a in led.attempts if a.attempt == stopped.attempt), None)
@@ -313,19 +330,7 @@ def run(
                 f"{store.url(RunLayout.CONFIG)}: no config for run {run_id!r}: it was never validated{why}, nothing "
                 "is recorded; check --store-root and --run-id",
             )
-        done: AttemptRecord | None = None
-        numbers = store.attempts()
-        if numbers and (final == SUCCEEDED or closes_open):
-            n = numbers[-1]
-            done = AttemptRecord(
-                attempt=n,
-                outcome=AttemptOutcome.SUCCEEDED if final == SUCCEEDED else AttemptOutcome.STOPPED,
-                reason="training completed",
-                checkpoint_step_before=checkpoint_step_before(store, n),
-                checkpoint_step_after=newest_checkpoint_step(store),
-                ended_at=clock() if final != SUCCEEDED else None,
-                closed_at=clock(),
-            )
+        done = _last_attempt(store, final, clock) if final == SUCCEEDED or closes_open else None
         holder: dict[str, str] = {}
 
         def close(led: Ledger) -> Ledger:
