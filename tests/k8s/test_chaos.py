@@ -87,20 +87,29 @@ def test_no_fault_kills_a_healthy_gang_stops_the_run_or_costs_a_step(
             _kill_a_worker(r, kills, notes)
         wf = _ended(r, notes)
     finally:
-        thrower.wait(180)
-        thrower.close()
-        sampler.stop()
-    try:
-        violations = chaos.check(
-            chaos.Observed(r, wf, final_digest(ref), kills, sampler, r.hosts.pods_roots, real_cluster.audit_log)
-        )
-    finally:
-        clean_run(real_cluster, r.ns, r.run_id)
+        _quiet(thrower, sampler)
+    observed = chaos.Observed(r, wf, final_digest(ref), kills, sampler, r.hosts.pods_roots, real_cluster.audit_log)
+    violations = _checked(real_cluster, observed)
     notes += [f"worker killed: {kills}"] if kills else []
     report = _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf)
     assert not violations, "\n".join(
         ["invariants violated:", *violations, f"replay: pytest -m chaos --chaos-seed {seed}", report]
     )
+
+
+def _quiet(thrower: chaos.Chaos, sampler: chaos.GangSampler) -> None:
+    """Let the last faults end (dead components restarted), then stop sampling the gangs."""
+    thrower.wait(180)
+    thrower.close()
+    sampler.stop()
+
+
+def _checked(rc: RealCluster, o: chaos.Observed) -> list[str]:
+    """The invariants checked on what the run left; then the run's objects cleaned away, whatever the check did."""
+    try:
+        return chaos.check(o)
+    finally:
+        clean_run(rc, o.run.ns, o.run.run_id)
 
 
 def _ended(r: Any, notes: list[str]) -> dict[str, Any]:
@@ -191,16 +200,10 @@ def test_an_operator_stop_then_the_same_file_again_resumes_under_faults(
         thrower.workflow = second
         wf = _ended(r, notes)
     finally:
-        thrower.wait(180)
-        thrower.close()
-        sampler.stop()
-    try:
-        violations = chaos.check(
-            chaos.Observed(r, wf, final_digest(ref), [], sampler, r.hosts.pods_roots, real_cluster.audit_log,
-                           operator=(action, stopped_at), workflows=(first, second))
-        )  # fmt: skip
-    finally:
-        clean_run(real_cluster, r.ns, r.run_id)
+        _quiet(thrower, sampler)
+    observed = chaos.Observed(r, wf, final_digest(ref), [], sampler, r.hosts.pods_roots, real_cluster.audit_log,
+                              operator=(action, stopped_at), workflows=(first, second))  # fmt: skip
+    violations = _checked(real_cluster, observed)
     report = _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf)
     assert not violations, "\n".join(
         ["invariants violated:", *violations, f"replay: pytest -m chaos --chaos-seed {seed}", report]
