@@ -32,7 +32,14 @@ import yaml
 
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.incidents import TimedIncident, incidents_from_facts, read_attempt_facts
-from recovery_steps.kernel.k8s import ATTEMPT_LABEL, RUN_ID_LABEL
+from recovery_steps.kernel.k8s import (
+    ATTEMPT_LABEL,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    RUN_ID_LABEL,
+    api_error_line,
+)
 from recovery_steps.kernel.store import RunLayout, RunStore, first_line, store_errors
 from workflows.jobset import CONTAINER
 
@@ -40,7 +47,7 @@ ARGO = ("argoproj.io", "v1alpha1", "workflows")
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"  # Argo puts it on every pod of a Workflow (workflow/common)
 NODE_NAME_ANNOTATION = "workflows.argoproj.io/node-name"
 FINISHED = ("Succeeded", "Failed", "Error")
-JOBSET, JOBSET_PLURAL = ("jobset.x-k8s.io", "v1alpha2"), "jobsets"
+JOBSET = (JOBSET_GROUP, JOBSET_VERSION)
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"  # on a static pod's mirror (kubernetes pkg/kubelet/types)
 
 
@@ -414,7 +421,7 @@ def refuse_run_in_use(cluster: Cluster, store: RunStore, run_id: str) -> None:
         DrillError: the run's store holds a config, lease or attempt, a JobSet or pod carries the run's label, or
             either could not be read (a failed read is no evidence that the run is free).
     """
-    from kubernetes.client.exceptions import ApiException
+    from recovery_steps.kernel.step import api_failures
 
     fresh = "give the drill a run of its own: -p run-id=drill-$(date +%s) (and -p store-root=gs://<bucket>/drills)"
     try:
@@ -426,9 +433,10 @@ def refuse_run_in_use(cluster: Cluster, store: RunStore, run_id: str) -> None:
         raise DrillError(f"run {run_id} already has {', '.join(held)} in {store.url()}: not drilled; {fresh}")
     try:
         objects = cluster.in_use(run_id)
-    except (ApiException, OSError) as e:
-        why = f"{e.status} {e.reason}" if isinstance(e, ApiException) else first_line(e)
-        raise DrillError(f"cannot list run {run_id}'s JobSets and pods in {cluster.ns} ({why}); not drilled") from None
+    except api_failures() as e:
+        raise DrillError(
+            f"cannot list run {run_id}'s JobSets and pods in {cluster.ns} ({api_error_line(e)}); not drilled"
+        ) from None
     if objects:
         raise DrillError(f"run {run_id} is in use in namespace {cluster.ns} ({', '.join(objects[:3])}); {fresh}")
 
