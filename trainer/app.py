@@ -223,7 +223,7 @@ class Worker:
             raise TrainerExit(ExitCode.CONFIGURATION, str(e)) from None
 
     def check_bucket(self, cfg: JobConfig) -> None:
-        """Read the run bucket's metadata as this worker; raise TrainerExit(2) when the bucket refuses it.
+        """Wait for a token, then read the run bucket's metadata; raise TrainerExit(2) when either is refused.
 
         The preflight checks the bucket as the workflow's ServiceAccount, not the workers'; orbax needs
         ``storage.buckets.get``, which roles/storage.objectUser lacks, and without this check the first save
@@ -235,11 +235,18 @@ class Worker:
         from google.cloud import storage
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        from recovery_steps.kernel.store import make_gcs_client, split_gcs_url, store_retry_deadline_s
+        from recovery_steps.kernel.store import (
+            await_credentials,
+            make_gcs_client,
+            split_gcs_url,
+            store_retry_deadline_s,
+        )
 
         bucket, _ = split_gcs_url(self.args.store_root)
         retry = DEFAULT_RETRY.with_deadline(store_retry_deadline_s())
         try:
+            # First a token: orbax's tensorstore decides once, at its first request, whether it has credentials.
+            await_credentials(store_retry_deadline_s())
             storage.Bucket(make_gcs_client(), bucket).reload(retry=retry)
         except Exception as e:  # noqa: BLE001 - bucket_check_exit decides; anything else is left to later calls
             verdict = bucket_check_exit(e, cfg, bucket)

@@ -227,7 +227,11 @@ def store_error_line(step: str, url: str, exc: BaseException) -> str:
     detail = " ".join(str(exc).split()) or name
     if len(detail) > 160:
         detail = detail[:157] + "..."
-    if name in ("DefaultCredentialsError", "RefreshError", "TransportError") or "credentials" in detail.lower():
+    from recovery_steps.kernel.store import is_transient
+
+    if is_transient(exc):
+        fix = "transient (the store, or the metadata server that gives its credentials, did not answer); retried"
+    elif name in ("DefaultCredentialsError", "RefreshError", "TransportError") or "credentials" in detail.lower():
         fix = (
             "give the step Google credentials (Workload Identity on GKE, `gcloud auth application-default login` "
             "here) or point STORAGE_EMULATOR_HOST at an emulator"

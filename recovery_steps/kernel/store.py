@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -544,14 +545,88 @@ class GcsBackend:
 
 
 def make_gcs_client():
-    """A google-cloud-storage client: Workload Identity (ADC) on GKE, anonymous against an emulator."""
+    """A google-cloud-storage client with the credentials ``credentials_source`` names."""
     from google.cloud import storage
 
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
+    source = credentials_source()
+    if source == "anonymous":
         from google.auth.credentials import AnonymousCredentials
 
         return storage.Client(project=os.environ.get("GCS_PROJECT", "local"), credentials=AnonymousCredentials())
-    return storage.Client()
+    if source == "adc":
+        return storage.Client()
+    return storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT"), credentials=pod_credentials())
+
+
+def credentials_source() -> str:
+    """Where the store's credentials come from.
+
+    ``anonymous`` against an emulator (unless a metadata server is configured beside it, as the real-controller
+    tier does), ``pod`` in a pod with no key file (Workload Identity's metadata server), ``adc`` elsewhere (a key
+    file, gcloud's login).
+    """
+    if os.environ.get("STORAGE_EMULATOR_HOST") and not os.environ.get("GCE_METADATA_HOST"):
+        return "anonymous"
+    if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return "adc"
+    return "pod"
+
+
+def pod_credentials():
+    """The metadata server's credentials (Workload Identity on GKE), asking it nothing until a token is needed.
+
+    ``google.auth.default()`` decides by pinging the metadata server (3 tries, 3 s each), and the GKE metadata
+    server is known not to answer in a pod's first seconds (google-auth-library-python issue 1261): a blip then
+    reads as "no credentials", a configuration error that ends the run. A metadata server that does not answer
+    when a token is needed is a ``RefreshError`` that ``is_transient`` knows. The universe domain is given
+    (``GOOGLE_CLOUD_UNIVERSE_DOMAIN``, default googleapis.com) so that making the client asks the metadata server
+    nothing either (google-auth 2.63.0 ``compute_engine/credentials.py``).
+    """
+    from google.auth import compute_engine
+
+    return compute_engine.Credentials(universe_domain=os.environ.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN", "googleapis.com"))
+
+
+def await_credentials(deadline_s: float, *, clock=time.monotonic, sleep=time.sleep) -> None:
+    """In a pod: wait, up to ``deadline_s``, until the metadata server gives a token; raise its last error after.
+
+    For a program whose other GCS clients decide once what credentials they have: tensorstore asks the metadata
+    server whether it runs on GCE once per process, 3 tries within about a second, and without an answer works
+    with no credentials for good (tensorstore ``internal/oauth2/google_auth_provider.cc``). A refusal (403, 404)
+    is raised at once.
+    """
+    if credentials_source() != "pod":
+        return
+    from google.auth.exceptions import RefreshError
+    from google.auth.transport.requests import Request
+
+    creds, end, delay = pod_credentials(), clock() + deadline_s, 0.5
+    while True:
+        try:
+            creds.refresh(Request())
+            return
+        except RefreshError as e:
+            if not metadata_unavailable(e) or clock() + delay > end:
+                raise
+        sleep(delay)
+        delay = min(2 * delay, 8.0)
+
+
+def metadata_unavailable(e: BaseException) -> bool:
+    """True when ``e`` is the metadata server unavailable, not refusing.
+
+    Not answering, timing out, or answering 5xx or 429 after google-auth's own retries: its ``TransportError``, as
+    the cause of a ``RefreshError`` when a token was asked for.
+    """
+    from google.auth.exceptions import RefreshError, TransportError
+
+    cause = e.__cause__ if isinstance(e, RefreshError) else e
+    if not isinstance(cause, TransportError):
+        return False
+    # google-auth passes the response only when the status was final (not one it retries): a 403 or 404 refuses.
+    response = cause.args[1] if len(cause.args) > 1 else None
+    status = getattr(response, "status", None)
+    return status is None or status >= 500 or status == 429
 
 
 def split_gcs_url(url: str) -> tuple[str, str]:
@@ -757,6 +832,8 @@ def is_transient(e: BaseException) -> bool:
     from google.auth.exceptions import TransportError
 
     if isinstance(e, (gexc.TooManyRequests, gexc.ServerError, gexc.RetryError, TransportError)):
+        return True
+    if metadata_unavailable(e):
         return True
     if isinstance(e, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError, TimeoutError)):
         return True

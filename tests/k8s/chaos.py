@@ -10,6 +10,9 @@ what. Each fault is made by a real component where one can make it:
   neighbour on the same priority level (real 429s).
 - GCS: the emulator behind toxiproxy (TCP: connections reset, slow answers, a request that never answers) and the
   HTTP proxy of the local rehearsals in front of it (5xx and 429 with GCS's bodies: the emulator never sends them).
+- Credentials: the metadata stand-in the pods' google-auth and tensorstore get their tokens from
+  (``metadata_server``, Workload Identity's token endpoint on GKE) answers 5xx or 429, never answers, or answers
+  late. Drawn from a stream of their own (``METADATA_KINDS``), so that a seed's other faults are what they were.
 - Controllers restarted mid-run: JobSet, Argo's workflow-controller, kube-controller-manager, kube-scheduler.
 - Step pods of the run deleted at random (whichever step is running: the supervisor, provision-slice, ...).
 - A real worker failure in some runs (a trainer SIGKILLed after a checkpoint committed): the one fault that is
@@ -61,6 +64,9 @@ KINDS = {
     "gcs-hang": 2,
     "step-pod-delete": 3,
 }
+# Drawn apart from KINDS (one or two a run, from a generator of their own): added after seeds had become regression
+# tests, whose other faults stay what they were.
+METADATA_KINDS = ("metadata-error", "metadata-hang", "metadata-slow")
 CONTROLLERS = ("jobset", "kube-controller-manager", "kube-scheduler", "workflow-controller")
 
 
@@ -113,7 +119,21 @@ def schedule(seed: int, window_s: float, faults: int = 6) -> tuple[list[Fault], 
         elif kind in ("gcs-reset", "gcs-hang"):
             f.params = {"toxicity": rng.choice((0.3, 1.0))}
         out.append(f)
-    return sorted(out, key=lambda f: f.at), rng.random() < 0.5
+    kill = rng.random() < 0.5
+    return sorted(out + _metadata_faults(seed, window_s), key=lambda f: f.at), kill
+
+
+def _metadata_faults(seed: int, window_s: float) -> list[Fault]:
+    rng = random.Random(f"metadata-{seed}")
+    out = []
+    for _ in range(rng.choice((1, 2))):
+        f = Fault(round(rng.uniform(2, window_s), 1), rng.choice(METADATA_KINDS), round(rng.uniform(3, 12), 1))
+        if f.kind == "metadata-error":
+            f.params = {"status": rng.choice((503, 500, 429)), "share": rng.choice((0.5, 1.0))}
+        elif f.kind == "metadata-slow":
+            f.params = {"delay": rng.choice((1.0, 2.5, 5.0))}
+        out.append(f)
+    return out
 
 
 class FaultLog:
@@ -134,10 +154,12 @@ class FaultLog:
 @dataclass
 class Gcs:
     """The GCS emulator as the pods reach it: the HTTP fault proxy in front of toxiproxy in front of the emulator
-    (``proxy`` is ``workflows.local.outage.OutageProxy``, ``tcp`` a toxiproxy proxy, or None where not built)."""
+    (``proxy`` is ``workflows.local.outage.OutageProxy``, ``tcp`` a toxiproxy proxy, or None where not built), and
+    the metadata server their credentials come from (``metadata_server.MetadataServer``)."""
 
     proxy: Any
     tcp: Any
+    metadata: Any
     env: dict[str, str]
 
 
@@ -321,12 +343,32 @@ class Chaos:
     def _gcs_hang(self, f: Fault) -> dict[str, Any]:
         return self._toxic(f, "timeout", {"timeout": 0})
 
+    # --- credentials: the metadata server -----------------------------------------------------------------
+
+    def _metadata(self, f: Fault, start: Callable[[], None]) -> dict[str, Any]:
+        md = self.gcs.metadata
+        before = dict(md.counts)
+        start()
+        time.sleep(f.seconds)
+        return {"target": "metadata", **{k: n - before.get(k, 0) for k, n in md.counts.items() if k != "tokens"}}
+
+    def _metadata_error(self, f: Fault) -> dict[str, Any]:
+        md = self.gcs.metadata
+        return self._metadata(f, lambda: md.fail_for(f.seconds, f.params["status"], f.params["share"]))
+
+    def _metadata_hang(self, f: Fault) -> dict[str, Any]:
+        return self._metadata(f, lambda: self.gcs.metadata.hang_for(f.seconds))
+
+    def _metadata_slow(self, f: Fault) -> dict[str, Any]:
+        return self._metadata(f, lambda: self.gcs.metadata.slow_for(f.seconds, f.params["delay"]))
+
     def close(self) -> None:
         """Undo every fault still in effect (etcd continued, toxics removed, APF objects deleted)."""
         for undo in reversed(self._undo):
             with contextlib.suppress(Exception):
                 undo()
         self.gcs.proxy.fail_for(0)
+        self.gcs.metadata.clear()
         for name in list(self.rc.components):
             if not self.rc.components[name].alive():
                 self.errors.append(f"{name} was not running after the faults: started again")

@@ -162,10 +162,12 @@ def podexec_tls(rc: RealCluster) -> list[str]:
 @pytest.fixture(scope="session")
 def pods_gcs(real_cluster: RealCluster, gcs_emulator, tmp_path_factory) -> Iterator[Any]:
     """The GCS emulator as podexec's pods reach it: the HTTP fault proxy of the local rehearsals (5xx, 429) in
-    front of toxiproxy (TCP faults) in front of the emulator. Both pass everything through until a chaos run
-    throws a fault; the test process itself talks to the emulator directly."""
+    front of toxiproxy (TCP faults) in front of the emulator, and the metadata server their credentials come from.
+    All pass everything through until a chaos run throws a fault; the test process itself talks to the emulator
+    directly, with no credentials."""
     import chaos
     import toxiproxy
+    from metadata_server import MetadataServer
 
     from workflows.local.outage import OutageProxy
 
@@ -176,9 +178,14 @@ def pods_gcs(real_cluster: RealCluster, gcs_emulator, tmp_path_factory) -> Itera
         tcp = tox.proxy("gcs", upstream.removeprefix("http://"))
         upstream = f"http://{tcp.listen}"
     proxy = OutageProxy(upstream)
+    metadata = MetadataServer()
+    # The pods' google-auth and tensorstore take their tokens from the metadata stand-in, as on GKE (a fixed token
+    # for tensorstore would skip its own credential path).
+    env = {**proxy.env(gcs_emulator.env), **metadata.env(), "GOOGLE_AUTH_TOKEN_FOR_TESTING": None}
     try:
-        yield chaos.Gcs(proxy, tcp, proxy.env(gcs_emulator.env))
+        yield chaos.Gcs(proxy, tcp, metadata, env)
     finally:
+        metadata.close()
         proxy.close()
         if tox is not None:
             tox.stop()

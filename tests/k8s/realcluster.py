@@ -154,7 +154,7 @@ class Component:
     name: str
     argv: list[str]
     log: Path
-    env: Mapping[str, str] | None = None
+    env: Mapping[str, str | None] | None = None  # over os.environ; a None value removes the variable
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -166,7 +166,7 @@ class Component:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=pdeathsig,
-                env={**os.environ, **(self.env or {})},
+                env={k: v for k, v in {**os.environ, **(self.env or {})}.items() if v is not None},
             )
 
     def alive(self) -> bool:

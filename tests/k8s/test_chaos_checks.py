@@ -112,5 +112,16 @@ def test_a_step_traceback_is_found(tmp_path):
 def test_a_schedule_is_its_seed():
     assert chaos.schedule(7, 60) == chaos.schedule(7, 60) != chaos.schedule(8, 60)
     faults, _ = chaos.schedule(7, 60)
-    assert len(faults) == 6 and all(2 <= f.at <= 60 and f.kind in chaos.KINDS for f in faults)
+    assert all(2 <= f.at <= 60 for f in faults)
     assert [f.at for f in faults] == sorted(f.at for f in faults)
+    others = [f for f in faults if f.kind in chaos.KINDS]
+    metadata = [f for f in faults if f.kind in chaos.METADATA_KINDS]
+    assert len(others) == 6 and 1 <= len(metadata) <= 2 and len(others) + len(metadata) == len(faults)
+
+
+def test_the_metadata_faults_leave_a_seeds_other_faults_as_they_were(monkeypatch):
+    assert {f.kind for seed in range(1, 40) for f in chaos._metadata_faults(seed, 60)} == set(chaos.METADATA_KINDS)
+    with_md, kill = chaos.schedule(7, 60)
+    monkeypatch.setattr(chaos, "_metadata_faults", lambda seed, window_s: [])
+    without, kill_before = chaos.schedule(7, 60)
+    assert [f for f in with_md if f.kind in chaos.KINDS] == without and kill == kill_before

@@ -1,0 +1,122 @@
+"""The store's credentials in a pod come from the metadata server, through google-auth's own refresh path (against
+``metadata_server.MetadataServer``), and a metadata server that does not answer is transient, never "no
+credentials"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from metadata_server import MetadataServer
+
+from recovery_steps.kernel.store import credentials_source
+
+# A child process, because google-auth reads GCE_METADATA_HOST when it is imported.
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    from recovery_steps.kernel.cli import store_error_line
+    from recovery_steps.kernel.store import RunStore, await_credentials, credentials_source, is_transient
+    out = {"source": credentials_source()}
+    try:
+        if sys.argv[1] == "await":
+            t = time.monotonic()
+            await_credentials(float(sys.argv[2]))
+            out["waited"] = time.monotonic() - t
+        store = RunStore(sys.argv[3], "creds")
+        store.write_bytes("probe.json", json.dumps({"ok": True}).encode())
+        out["read"] = store.read_json("probe.json")
+    except Exception as e:
+        out.update(error=type(e).__name__, transient=is_transient(e), line=store_error_line("step", "gs://x", e))
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture
+def metadata():
+    md = MetadataServer(expires_in=240)
+    yield md
+    md.close()
+
+
+def _child(md: MetadataServer, root: str, mode: str = "store", deadline: float = 0.0, **env: str) -> dict:
+    full = {**os.environ, **md.env(), "KUBERNETES_SERVICE_HOST": "127.0.0.1", **env}
+    full.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    argv = [sys.executable, "-c", CHILD, mode, str(deadline), root]
+    p = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_pods_store_gets_its_token_from_the_metadata_server(metadata, gcs_bucket, request):
+    out = _child(metadata, f"gs://{gcs_bucket}/{request.node.name}")
+    assert out == {"source": "pod", "read": {"ok": True}}
+    assert metadata.counts["tokens"] >= 1
+
+
+def test_a_metadata_server_that_answers_503_is_transient_not_missing_credentials(metadata, gcs_bucket, request):
+    metadata.fail_for(600, status=503)
+    out = _child(metadata, f"gs://{gcs_bucket}/{request.node.name}")
+    assert (out["error"], out["transient"]) == ("RefreshError", True), out
+    assert "transient" in out["line"] and "give the step Google credentials" not in out["line"], out["line"]
+    assert metadata.counts["refused"] >= 5  # google-auth's own retries ran
+
+
+def test_a_metadata_server_that_refuses_is_not_transient(metadata, gcs_bucket, request):
+    metadata.fail_for(600, status=403)
+    out = _child(metadata, f"gs://{gcs_bucket}/{request.node.name}")
+    assert (out["error"], out["transient"]) == ("RefreshError", False), out
+    assert "give the step Google credentials" in out["line"], out["line"]
+
+
+def test_await_credentials_waits_out_a_metadata_server_that_does_not_answer_yet(metadata, gcs_bucket, request):
+    metadata.hang_for(4)
+    t = time.monotonic()
+    out = _child(metadata, f"gs://{gcs_bucket}/{request.node.name}", "await", 60)
+    assert out["read"] == {"ok": True}, out
+    assert out["waited"] >= 3 and time.monotonic() - t < 60, out
+    assert metadata.counts["hung"] >= 1
+
+
+def test_await_credentials_gives_up_at_its_deadline_and_at_once_on_a_refusal(metadata, gcs_bucket, request):
+    metadata.fail_for(600, status=503)
+    t = time.monotonic()
+    out = _child(metadata, f"gs://{gcs_bucket}/{request.node.name}", "await", 3)
+    assert (out["error"], out["transient"]) == ("RefreshError", True), out
+    slow = time.monotonic() - t
+    metadata.fail_for(600, status=404)
+    t = time.monotonic()
+    out = _child(metadata, f"gs://{gcs_bucket}/{request.node.name}", "await", 600)
+    assert (out["error"], out["transient"]) == ("RefreshError", False), out
+    assert time.monotonic() - t < slow + 30  # a refusal is not waited on for the 600 s deadline
+
+
+EMULATOR = {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:1"}
+METADATA = {"GCE_METADATA_HOST": "127.0.0.1:2"}
+POD = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+
+
+@pytest.mark.parametrize(
+    ("env", "source"),
+    [
+        (EMULATOR, "anonymous"),
+        (EMULATOR | METADATA, "adc"),
+        (EMULATOR | METADATA | POD, "pod"),
+        (POD, "pod"),
+        (POD | {"GOOGLE_APPLICATION_CREDENTIALS": "/k.json"}, "adc"),
+        ({}, "adc"),
+    ],
+)
+def test_credentials_source(env, source, monkeypatch):
+    for k in ("STORAGE_EMULATOR_HOST", "GCE_METADATA_HOST", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert credentials_source() == source
