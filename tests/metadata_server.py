@@ -38,6 +38,7 @@ class MetadataServer:
     def __init__(self, *, expires_in: int = 240, seed: int = 0):
         self.expires_in = expires_in
         self.counts: Counter[str] = Counter()
+        self._issued: set[str] = set()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._fault: tuple[str, float, dict[str, Any]] = ("", 0.0, {})
@@ -54,6 +55,10 @@ class MetadataServer:
         self._server.daemon_threads = True
         self.address = f"127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True, name="metadata-server").start()
+
+    def issued(self, token: str) -> bool:
+        """Whether this server issued ``token`` (what GCS checks; expiry aside)."""
+        return token in self._issued
 
     def env(self) -> dict[str, str]:
         """The environment that points google-auth and tensorstore at this server."""
@@ -120,6 +125,7 @@ class MetadataServer:
             self.counts["tokens"] += 1
             n = self.counts["tokens"]
             token = {"access_token": f"ya29.local-{n}", "expires_in": self.expires_in, "token_type": "Bearer"}
+            self._issued.add(token["access_token"])
             return 200, "application/json", json.dumps(token).encode()
         if path == SA + "default/email":
             return 200, "application/text", EMAIL.encode()

@@ -120,3 +120,23 @@ def test_credentials_source(env, source, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert credentials_source() == source
+
+
+def test_gcs_behind_the_proxy_refuses_a_request_without_an_issued_token(metadata, gcs_emulator, gcs_bucket, request):
+    """The tier's proxy answers 401 (GCS's anonymous caller) to a request with no token the metadata server issued;
+    a pod's store, whose tokens it issued, goes through."""
+    from workflows.local.outage import OutageProxy
+
+    proxy = OutageProxy(gcs_emulator.url, authorize=metadata.issued)
+    try:
+        root = f"gs://{gcs_bucket}/{request.node.name}"
+        via = {"STORAGE_EMULATOR_HOST": proxy.url}
+        assert _child(metadata, root, **via)["read"] == {"ok": True}
+        assert proxy.unauthorized == 0
+        anonymous = _child(metadata, root, **via, GCE_METADATA_HOST="")
+        assert (anonymous["source"], anonymous["transient"]) == ("anonymous", False), anonymous
+        # On the 401 google-auth asks the credentials to refresh, which anonymous ones cannot.
+        assert "give the step Google credentials" in anonymous["line"], anonymous["line"]
+        assert proxy.unauthorized >= 1
+    finally:
+        proxy.close()

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,17 +235,40 @@ def start(rc: RealCluster, namespace: str, log_dir: Path, name: str = CONTROLLER
 # --- Workflows, as `argo submit` and `argo get` see them ----------------------------------------------------------
 
 
-def submit(rc: RealCluster, path: Path, parameters: dict[str, str], namespace: str | None = None) -> dict[str, Any]:
+def submit(
+    rc: RealCluster,
+    path: Path,
+    parameters: dict[str, str],
+    namespace: str | None = None,
+    edit_config: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Create the Workflow of a file of argo/ unchanged but for what ``argo submit -n NS -p name=value`` changes
-    (the namespace and values of declared parameters: the drill's own reading of the file); returns it as stored."""
+    (the namespace and values of declared parameters: the drill's own reading of the file); returns it as stored.
+    ``edit_config`` changes the config the file carries (validate-config's raw artifact), as an operator who
+    edited the config and ran ``python -m workflows.build`` would."""
     from kubernetes import client
 
     from workflows.drill import load_target
 
     target = load_target(path, [f"{k}={v}" for k, v in parameters.items()], namespace)
+    if edit_config is not None:
+        _edit_config(target.doc, edit_config)
     return client.CustomObjectsApi(rc.admin).create_namespaced_custom_object(
         "argoproj.io", "v1alpha1", target.namespace, "workflows", target.doc
     )
+
+
+def _edit_config(doc: dict[str, Any], edit: Callable[[dict[str, Any]], None]) -> None:
+    raws = [
+        a["raw"]
+        for t in doc["spec"]["templates"]
+        for a in (t.get("inputs") or {}).get("artifacts") or []
+        if a.get("name") == "config" and "raw" in a
+    ]
+    assert len(raws) == 1, f"{len(raws)} config artifacts in the Workflow"
+    cfg = yaml.safe_load(raws[0]["data"])
+    edit(cfg)
+    raws[0]["data"] = yaml.safe_dump(cfg, sort_keys=True)
 
 
 def workflow(rc: RealCluster, namespace: str, name: str) -> dict[str, Any]:

@@ -49,6 +49,7 @@ INVARIANTS = (
     "never two live gangs of one run",
     "no JobSet is deleted by a step before a supervisor's verdict on its attempt; no step deletes a pod",
     "no step prints a traceback",
+    "every GCS request of the pods carries a token the metadata server issued",
 )
 
 # name -> weight: how often a schedule draws the kind.
@@ -462,6 +463,10 @@ class Observed:
     # An operator's action (``argo stop``, terminate, delete) and when: what it ends is not charged to the run.
     operator: tuple[str, float] | None = None
     workflows: tuple[str, ...] = ()  # every Workflow of the run (default: the run's one)
+    # A resubmission whose config validate-config had to refuse: its name, when it was submitted and ended, and
+    # its phase. It must end Failed having deleted nothing (it never held the run).
+    refused: tuple[str, float, float, str] | None = None
+    unauthorized: int = 0  # GCS requests of the pods that carried no issued token (the proxy answered 401)
 
 
 def check(o: Observed) -> list[str]:
@@ -506,8 +511,16 @@ def check(o: Observed) -> list[str]:
         bad.append(f"{o.sampler.most[0]} live gangs at once: {o.sampler.most[1]}")
     product = f"system:serviceaccount:{r.ns}:"
     names = {jobset_name(r.run_id, a): a for a in range(len(numbers) + 1)}
+    if o.unauthorized:
+        bad.append(f"{o.unauthorized} GCS request(s) of the pods carried no token the metadata server issued")
+    if o.refused and o.refused[3] != "Failed":
+        bad.append(f"the resubmission {o.refused[0]} with an unsafe config change ended {o.refused[3]}, not Failed")
     for d in audit_deletes(o.audit_log, r.ns):
         if not d["user"].startswith(product):
+            continue
+        if o.refused and o.refused[1] <= d["at"] <= o.refused[2]:
+            bad.append(f"{d['user']} deleted {d['resource']} {d['name']} while only {o.refused[0]}, whose config "
+                       "was refused, ran")  # fmt: skip
             continue
         if d["resource"] == "pods":
             bad.append(f"{d['user']} deleted pod {d['name']} (no node was lost)")

@@ -177,8 +177,8 @@ def pods_gcs(real_cluster: RealCluster, gcs_emulator, tmp_path_factory) -> Itera
         tox = toxiproxy.start(real_cluster.bin_dir, tmp_path_factory.mktemp("toxiproxy") / "toxiproxy.log")
         tcp = tox.proxy("gcs", upstream.removeprefix("http://"))
         upstream = f"http://{tcp.listen}"
-    proxy = OutageProxy(upstream)
     metadata = MetadataServer()
+    proxy = OutageProxy(upstream, authorize=metadata.issued)
     # The pods' google-auth and tensorstore take their tokens from the metadata stand-in, as on GKE (a fixed token
     # for tensorstore would skip its own credential path).
     env = {**proxy.env(gcs_emulator.env), **metadata.env(), "GOOGLE_AUTH_TOKEN_FOR_TESTING": None}

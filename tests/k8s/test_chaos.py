@@ -78,6 +78,7 @@ def test_no_fault_kills_a_healthy_gang_stops_the_run_or_costs_a_step(
     sampler = chaos.GangSampler(real_cluster, r.ns, r.run_id).start()
     kills: list[dict[str, Any]] = []
     notes: list[str] = []
+    unauthorized = pods_gcs.proxy.unauthorized
     t0 = time.monotonic()
     r.submit()
     thrower = chaos.Chaos(real_cluster, pods_gcs, log, namespace=r.ns, workflow=r.name, steps_sa=sa)
@@ -88,7 +89,16 @@ def test_no_fault_kills_a_healthy_gang_stops_the_run_or_costs_a_step(
         wf = _ended(r, notes)
     finally:
         _quiet(thrower, sampler)
-    observed = chaos.Observed(r, wf, final_digest(ref), kills, sampler, r.hosts.pods_roots, real_cluster.audit_log)
+    observed = chaos.Observed(
+        r,
+        wf,
+        final_digest(ref),
+        kills,
+        sampler,
+        r.hosts.pods_roots,
+        real_cluster.audit_log,
+        unauthorized=pods_gcs.proxy.unauthorized - unauthorized,
+    )
     violations = _checked(real_cluster, observed)
     notes += [f"worker killed: {kills}"] if kills else []
     report = _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf)
@@ -143,6 +153,19 @@ def _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf) -> s
 OPERATOR_ACTIONS = ("stop", "terminate", "delete")
 
 
+def _safe_change(cfg: dict[str, Any]) -> None:
+    cfg["monitoring"]["no_step_alert_minutes"] += 1  # safe in the compatibility table, and numerics unchanged
+
+
+def _unsafe_change(cfg: dict[str, Any]) -> None:
+    cfg["data"]["seed"] += 1  # unsafe: the saved data position would point into another order
+
+
+# How the operator submits again after the stop: the same file; with a safe config change (and
+# accept-safe-changes=true); with an unsafe one, which validate-config refuses, and then the same file.
+RESUBMISSIONS = ("same", "safe", "unsafe")
+
+
 def _operator(r: Any, rc: RealCluster, action: str) -> None:
     """``argo stop`` / ``argo terminate`` (the Workflow's ``spec.shutdown``, what the CLI patches) or
     ``argo delete``; returns once the Workflow has ended or is gone."""
@@ -175,36 +198,73 @@ def test_an_operator_stop_then_the_same_file_again_resumes_under_faults(
     seed: int, real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, pods_gcs, uninterrupted, tmp_path
 ):
     """While the seed's faults fly, an operator stops, terminates or deletes the Workflow once a checkpoint has
-    committed, then submits the same file with the same run id: the second Workflow adopts or restores the run and
-    Succeeds with the undisturbed run's parameters; never two live gangs, and nothing the stop ended is charged."""
+    committed, then submits the file again with the same run id, as it was, with a safe config change, or first
+    with an unsafe one (refused: it ends Failed and deletes nothing) and then as it was: the last Workflow adopts
+    or restores the run and Succeeds with the undisturbed run's parameters; never two live gangs, and nothing the
+    stop ended is charged."""
     ref, _ = uninterrupted
     rng = random.Random(seed)
     action = rng.choice(OPERATOR_ACTIONS)
+    again = rng.choice(RESUBMISSIONS)
     r = new_run(real_cluster, cpu_hosts, gcs_emulator, prefix=f"op{seed}")
     faults, _ = chaos.schedule(seed + 10_000, window_s=max(30.0, 0.8 * ref.seconds), faults=4)
     log = chaos.FaultLog(tmp_path / "faults.jsonl")
     sa = load_config(REPO / "configs" / LOCAL_ARGO_FILE).service_account
     sampler = chaos.GangSampler(real_cluster, r.ns, r.run_id).start()
+    unauthorized = pods_gcs.proxy.unauthorized
     t0 = time.monotonic()
     first = r.submit()
     thrower = chaos.Chaos(real_cluster, pods_gcs, log, namespace=r.ns, workflow=first, steps_sa=sa)
     thrower.run(faults, t0)
     wf: dict[str, Any] = {}
-    notes = [f"operator: {action} of {first}"]
+    notes = [f"operator: {action} of {first}, then the file again: {again}"]
+    refused = None
     try:
         r.workers(0, timeout=300)
         r.committed_past(0, timeout=300)
         stopped_at = time.time()
         _operator(r, real_cluster, action)
-        second = r.submit()
-        thrower.workflow = second
+        if again == "unsafe":
+            refused = _refused(r, thrower, notes)
+        params = {"accept-safe-changes": "true"} if again == "safe" else {}
+        last = r.submit(params, _safe_change if again == "safe" else None)
+        thrower.workflow = last
         wf = _ended(r, notes)
     finally:
         _quiet(thrower, sampler)
-    observed = chaos.Observed(r, wf, final_digest(ref), [], sampler, r.hosts.pods_roots, real_cluster.audit_log,
-                              operator=(action, stopped_at), workflows=(first, second))  # fmt: skip
+    names = (first, *((refused[0],) if refused else ()), last)
+    observed = chaos.Observed(
+        r,
+        wf,
+        final_digest(ref),
+        [],
+        sampler,
+        r.hosts.pods_roots,
+        real_cluster.audit_log,
+        operator=(action, stopped_at),
+        workflows=names,
+        refused=refused,
+        unauthorized=pods_gcs.proxy.unauthorized - unauthorized,
+    )
     violations = _checked(real_cluster, observed)
     report = _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf)
     assert not violations, "\n".join(
         ["invariants violated:", *violations, f"replay: pytest -m chaos --chaos-seed {seed}", report]
     )
+
+
+def _refused(r: Any, thrower: chaos.Chaos, notes: list[str]) -> tuple[str, float, float, str]:
+    """Submit the file with an unsafe config change and wait for its end: its name, window and phase."""
+    began = time.time()
+    name = r.submit(edit_config=_unsafe_change)
+    thrower.workflow = name
+    wf = _ended(r, notes)
+    status = wf.get("status") or {}
+    nodes = (status.get("nodes") or {}).values()
+    pods = [n for n in nodes if n.get("templateName") == "validate-config" and n.get("type") == "Pod"]
+    pods.sort(key=lambda n: n.get("startedAt") or "")
+    ended = [n.get("phase") for n in pods]
+    notes.append(f"unsafe resubmission {name}: {status.get('phase')}; validate-config {ended}")
+    # Failed by validate-config's refusal: its last pod failed (a pod a fault deleted before it may be an Error).
+    refused = status.get("phase") == "Failed" and ended[-1:] == ["Failed"]
+    return name, began, time.time(), "Failed" if refused else f"{status.get('phase')}, validate-config {ended}"

@@ -42,9 +42,11 @@ class TrainerRun:
     def store(self) -> RunStore:
         return RunStore(self.store_root, self.run_id)
 
-    def submit(self) -> str:
-        params = {"store-root": self.store_root, "run-id": self.run_id}
-        self.name = argoctl.submit(self.rc, REPO / "argo" / LOCAL_ARGO_FILE, params)["metadata"]["name"]
+    def submit(self, params: dict[str, str] | None = None, edit_config=None) -> str:
+        """Submit the file for this run (``params`` over its own, ``edit_config``: ``argoctl.submit``)."""
+        params = {"store-root": self.store_root, "run-id": self.run_id, **(params or {})}
+        wf = argoctl.submit(self.rc, REPO / "argo" / LOCAL_ARGO_FILE, params, edit_config=edit_config)
+        self.name = wf["metadata"]["name"]
         return self.name
 
     def wf(self) -> dict[str, Any]:

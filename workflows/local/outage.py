@@ -40,6 +40,14 @@ THROTTLED = {
                     "reason": "rateLimitExceeded"}],
     }
 }  # fmt: skip
+UNAUTHORIZED = {
+    "error": {
+        "code": 401,
+        "message": "Anonymous caller does not have storage.objects.get access to the Google Cloud Storage object.",
+        "errors": [{"message": "Anonymous caller does not have storage.objects.get access.", "domain": "global",
+                    "reason": "required", "locationType": "header", "location": "Authorization"}],
+    }
+}  # fmt: skip
 BODIES = {503: UNAVAILABLE, 429: THROTTLED}
 
 
@@ -52,11 +60,23 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class OutageProxy:
-    """Forwards to ``upstream``; ``down_for`` answers 503, ``fail_for`` a share of requests 503 or 429."""
+    """Forwards to ``upstream``; ``down_for`` answers 503, ``fail_for`` a share of requests 503 or 429.
 
-    def __init__(self, upstream: str, clock: Callable[[], float] = time.monotonic, seed: int = 0):
+    With ``authorize`` (a bearer token -> whether it was issued), a request without an issued token is answered
+    401 as GCS answers an anonymous caller (the emulator accepts anything): a client that lost its credentials
+    is seen, not carried by the emulator. ``unauthorized`` counts those answers.
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+        authorize: Callable[[str], bool] | None = None,
+    ):
         up = urlparse(upstream)
         self._clock = clock
+        self.unauthorized = 0
         self._down_until = 0.0
         self._status, self._share = 503, 1.0
         self._rng = random.Random(seed)
@@ -73,7 +93,12 @@ class OutageProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 status = proxy.refusal()
-                if status is not None:
+                token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+                if status is None and authorize is not None and not authorize(token):
+                    proxy.unauthorized += 1
+                    data, headers = json.dumps(UNAUTHORIZED).encode(), {"Content-Type": "application/json"}
+                    status = 401
+                elif status is not None:
                     data, headers = json.dumps(BODIES[status]).encode(), {"Content-Type": "application/json"}
                 else:
                     conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
