@@ -125,6 +125,19 @@ def test_monitoring_doc_links_every_runbook_section_the_rules_use():
         assert f"RUNBOOK.md#{section}" in doc, section
 
 
+def test_every_runbook_link_lands_on_an_anchor_of_the_runbook():
+    """The alerts' runbook URLs and the monitoring doc's links name anchors the runbook has (a heading's slug or
+    an ``id``), so that a paged engineer lands on the class's row, not the top of the page."""
+    runbook = (ROOT / "docs" / "RUNBOOK.md").read_text()
+    slugs = {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", runbook, re.M)
+    }
+    anchors = slugs | set(re.findall(r'<a id="([\w-]+)"></a>', runbook))
+    doc = (ROOT / "docs" / "MONITORING.md").read_text()
+    linked = set(re.findall(r"RUNBOOK\.md#([\w-]+)", doc)) | set(RUNBOOK_SECTIONS)
+    assert linked and not linked - anchors, sorted(linked - anchors)
+
+
 # ---- rendering and manifests ---------------------------------------------------------------------
 
 
