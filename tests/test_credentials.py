@@ -140,3 +140,41 @@ def test_gcs_behind_the_proxy_refuses_a_request_without_an_issued_token(metadata
         assert proxy.unauthorized >= 1
     finally:
         proxy.close()
+
+
+GCSFS_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from recovery_steps.kernel.store import share_credentials_with_gcsfs
+    if sys.argv[1] == "shared":
+        share_credentials_with_gcsfs()
+    import fsspec
+    fs, out = fsspec.filesystem("gs"), {}
+    try:
+        fs.pipe(sys.argv[2], b"through gcsfs")
+        out["read"] = fs.cat(sys.argv[2]).decode()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+    """
+)
+
+
+def test_gcsfs_in_a_pod_takes_the_pods_credentials_instead_of_going_on_anonymous(metadata, gcs_emulator, gcs_bucket):
+    """gcsfs (orbax's and the compilation cache's gs:// paths) left to itself goes on anonymous (here: the
+    emulator's FSSPEC_GCS_TOKEN=anon; on GKE: after a failed metadata ping); shared, it sends the pod's tokens."""
+    from workflows.local.outage import OutageProxy
+
+    proxy = OutageProxy(gcs_emulator.url, authorize=metadata.issued)
+    env = {**os.environ, **metadata.env(), "KUBERNETES_SERVICE_HOST": "127.0.0.1", "STORAGE_EMULATOR_HOST": proxy.url}
+    try:
+        answers = {}
+        for mode in ("alone", "shared"):
+            argv = [sys.executable, "-c", GCSFS_CHILD, mode, f"gs://{gcs_bucket}/gcsfs-{mode}"]
+            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+            assert p.returncode == 0, p.stderr[-2000:]
+            answers[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+    finally:
+        proxy.close()
+    assert "401" in answers["alone"].get("error", ""), answers
+    assert answers["shared"] == {"read": "through gcsfs"}, answers

@@ -238,6 +238,7 @@ class Worker:
         from recovery_steps.kernel.store import (
             await_credentials,
             make_gcs_client,
+            share_credentials_with_gcsfs,
             split_gcs_url,
             store_retry_deadline_s,
         )
@@ -245,8 +246,10 @@ class Worker:
         bucket, _ = split_gcs_url(self.args.store_root)
         retry = DEFAULT_RETRY.with_deadline(store_retry_deadline_s())
         try:
-            # First a token: orbax's tensorstore decides once, at its first request, whether it has credentials.
+            # First a token: orbax's tensorstore decides once, at its first request, whether it has credentials;
+            # gcsfs would go on anonymous when it could not get one.
             await_credentials(store_retry_deadline_s())
+            share_credentials_with_gcsfs()
             storage.Bucket(make_gcs_client(), bucket).reload(retry=retry)
         except Exception as e:  # noqa: BLE001 - bucket_check_exit decides; anything else is left to later calls
             verdict = bucket_check_exit(e, cfg, bucket)

@@ -587,6 +587,22 @@ def pod_credentials():
     return compute_engine.Credentials(universe_domain=os.environ.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN", "googleapis.com"))
 
 
+def share_credentials_with_gcsfs() -> None:
+    """In a pod: gcsfs takes the same metadata-server credentials as the store.
+
+    gcsfs serves the ``gs://`` paths of orbax and of JAX's compilation cache (through etils.epath). Left to itself
+    it asks ``google.auth.default()`` (a metadata ping) and, when that fails, goes on as an anonymous caller
+    without a word (gcsfs ``credentials.py`` ``connect``: google_default, cache, cloud, anon): a metadata blip at
+    start-up becomes a 401 on every read and the attempt an "application error". Set as fsspec's default for the
+    ``gcs`` protocol (``fsspec.config.conf``), before any gcsfs filesystem is made.
+    """
+    if credentials_source() != "pod":
+        return
+    import fsspec.config
+
+    fsspec.config.conf.setdefault("gcs", {})["token"] = pod_credentials()
+
+
 def await_credentials(deadline_s: float, *, clock=time.monotonic, sleep=time.sleep) -> None:
     """In a pod: wait, up to ``deadline_s``, until the metadata server gives a token; raise its last error after.
 
