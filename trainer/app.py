@@ -242,14 +242,17 @@ class Worker:
             split_gcs_url,
             store_retry_deadline_s,
         )
+        from trainer.checkpointing import give_orbax_the_pods_credentials
 
         bucket, _ = split_gcs_url(self.args.store_root)
         retry = DEFAULT_RETRY.with_deadline(store_retry_deadline_s())
+        # In a pod, every GCS client of the worker takes the metadata server's credentials when it needs a token:
+        # gcsfs would go on anonymous, orbax's own client would ping, when the metadata server did not answer.
+        share_credentials_with_gcsfs()
+        give_orbax_the_pods_credentials()
         try:
-            # First a token: orbax's tensorstore decides once, at its first request, whether it has credentials;
-            # gcsfs would go on anonymous when it could not get one.
+            # First a token: orbax's tensorstore decides once, at its first request, whether it has credentials.
             await_credentials(store_retry_deadline_s())
-            share_credentials_with_gcsfs()
             storage.Bucket(make_gcs_client(), bucket).reload(retry=retry)
         except Exception as e:  # noqa: BLE001 - bucket_check_exit decides; anything else is left to later calls
             verdict = bucket_check_exit(e, cfg, bucket)

@@ -27,6 +27,35 @@ from trainer.preemption import distributed_client
 
 log = logging.getLogger(__name__)
 
+
+def give_orbax_the_pods_credentials() -> None:
+    """In a pod, orbax's reads of a bucket's metadata use the store's client (the metadata server's credentials).
+
+    orbax reads the bucket with a ``storage.Client()`` of its own (orbax-checkpoint 0.12.8
+    ``_src/path/gcs_utils.py`` ``get_bucket``, called by ``step.py`` and ``deleter.py`` while a save finalizes):
+    against an emulator that client is anonymous, on GKE it asks ``google.auth.default()``, whose metadata ping
+    a blip fails, ending the attempt as an application error in the middle of a save. Where orbax has no such
+    function any more, it keeps its own client (and this says so).
+    """
+    import functools
+
+    from recovery_steps.kernel.store import credentials_source, make_gcs_client
+
+    if credentials_source() != "pod":
+        return
+    from orbax.checkpoint._src.path import gcs_utils
+
+    if not callable(getattr(gcs_utils, "get_bucket", None)):
+        log.warning("orbax has no gcs_utils.get_bucket: its bucket reads keep a client of their own")
+        return
+
+    @functools.lru_cache(maxsize=32)
+    def get_bucket(bucket_name: str) -> Any:
+        return make_gcs_client().get_bucket(bucket_name)
+
+    gcs_utils.get_bucket = get_bucket
+
+
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorstore")
 
 
