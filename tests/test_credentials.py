@@ -178,3 +178,39 @@ def test_gcsfs_in_a_pod_takes_the_pods_credentials_instead_of_going_on_anonymous
         proxy.close()
     assert "401" in answers["alone"].get("error", ""), answers
     assert answers["shared"] == {"read": "through gcsfs"}, answers
+
+
+ORBAX_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from orbax.checkpoint._src.path import gcs_utils
+    from trainer.checkpointing import give_orbax_the_pods_credentials
+    if sys.argv[1] == "given":
+        give_orbax_the_pods_credentials()
+    try:
+        out = {"bucket": gcs_utils.get_bucket(sys.argv[2]).name}
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_orbaxs_own_bucket_reads_take_the_pods_credentials(metadata, gcs_emulator, gcs_bucket):
+    """orbax's ``gcs_utils.get_bucket`` (read while a save finalizes) makes a ``storage.Client()`` of its own,
+    anonymous against an emulator; given the pod's credentials, its reads carry the metadata server's tokens."""
+    from workflows.local.outage import OutageProxy
+
+    proxy = OutageProxy(gcs_emulator.url, authorize=metadata.issued)
+    env = {**os.environ, **metadata.env(), "KUBERNETES_SERVICE_HOST": "127.0.0.1", "STORAGE_EMULATOR_HOST": proxy.url}
+    try:
+        answers = {}
+        for mode in ("alone", "given"):
+            argv = [sys.executable, "-c", ORBAX_CHILD, mode, gcs_bucket]
+            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+            assert p.returncode == 0, p.stderr[-2000:]
+            answers[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+    finally:
+        proxy.close()
+    assert "Anonymous credentials cannot be refreshed" in answers["alone"].get("error", ""), answers
+    assert answers["given"] == {"bucket": gcs_bucket}, answers
