@@ -184,7 +184,7 @@ def tensorstore_read_alignment(directory: str, floats: int = 1 << 20) -> int:
 
 def verifier(store, cfg) -> Callable[[], None]:
     """restore-latest's verification of the run (it must select ``STEP``)."""
-    from recovery_steps.verify import closed_attempts, verify_checkpoints
+    from recovery_steps.kernel.verify import closed_attempts, verify_checkpoints
 
     def verify() -> None:
         sel, _ = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed_attempts(store))

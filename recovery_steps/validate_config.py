@@ -43,7 +43,7 @@ from recovery_steps.kernel.store import (
     store_errors,
     transient_as_unavailable,
 )
-from recovery_steps.verify import manifest_compat_problems, read_manifest
+from recovery_steps.kernel.verify import manifest_compat_problems, read_manifest
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import google_crc32c
 import pytest
 from ckpt_factory import tiny_config, write_checkpoint, write_run_config
 
-from recovery_steps import restore_latest, verify
-from recovery_steps.kernel import checkpoints
+from recovery_steps import restore_latest
+from recovery_steps.kernel import checkpoints, verify
 from recovery_steps.kernel.checkpoints import gather_files, host_files, step_files, writer_of
 from recovery_steps.kernel.records import CheckpointManifest
 from recovery_steps.kernel.store import RunLayout, RunStore

@@ -37,7 +37,7 @@ from recovery_steps import (
 )
 from recovery_steps.kernel.checkpoints import crc32c_hex
 from recovery_steps.kernel.store import RunStore
-from recovery_steps.verify import LOCAL_METADATA
+from recovery_steps.kernel.verify import LOCAL_METADATA
 from workflows.local import runner as local_runner
 
 ROOT = Path(__file__).resolve().parents[1]

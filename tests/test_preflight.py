@@ -15,6 +15,7 @@ import yaml
 from fake_http import JsonServer
 
 from recovery_steps import preflight, validate_config
+from recovery_steps.kernel import iam
 from recovery_steps.kernel.config import load_config, parse_config
 from recovery_steps.kernel.k8s import STEP_VERBS, make_api_client
 from recovery_steps.kernel.records import PreflightCheck
@@ -285,5 +286,5 @@ def test_validate_config_preflight_unreachable_api_is_transient(tmp_path, capsys
 
 def test_permission_from_403_reads_the_gcs_message():
     msg = _gcs_error_403("storage.buckets.get")["error"]["message"]
-    assert preflight.permission_from_403(msg, "x") == "storage.buckets.get"
-    assert preflight.permission_from_403("Forbidden", "storage.objects.get") == "storage.objects.get"
+    assert iam.permission_from_403(msg, "x") == "storage.buckets.get"
+    assert iam.permission_from_403("Forbidden", "storage.objects.get") == "storage.objects.get"

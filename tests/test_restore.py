@@ -12,7 +12,7 @@ from recovery_steps import restore_latest
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import AttemptRecord, Ledger
 from recovery_steps.kernel.store import RunLayout, RunStore
-from recovery_steps.verify import GCS_COMMIT, LOCAL_METADATA
+from recovery_steps.kernel.verify import GCS_COMMIT, LOCAL_METADATA
 
 
 @pytest.fixture
@@ -287,7 +287,7 @@ def test_manifest_without_generations_still_verifies_and_says_so(run, caplog):
     for f in old["files"]:
         del f["generation"]
     store.write_json(rel, old)
-    with caplog.at_level("INFO", logger="recovery_steps.restore_latest"):
+    with caplog.at_level("INFO", logger="recovery_steps.kernel.restore"):
         r = _restore(store)
     assert r.selection.step == 10 and not r.selection.skipped
     if store.is_gcs:
@@ -309,7 +309,7 @@ def test_step_beyond_total_steps_is_refused(run):
 def test_workers_check_of_a_restored_step_finds_what_changed_after_restore_latest(run):
     """``verify.part_problems``, what each worker runs on the step it just read: the gang finds a rewritten or
     flipped file between them (locally each process streams its share; on GCS process 0 compares one listing)."""
-    from recovery_steps import verify
+    from recovery_steps.kernel import verify
     from recovery_steps.kernel.records import CheckpointManifest
 
     store, cfg = run

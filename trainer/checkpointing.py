@@ -566,7 +566,7 @@ class Checkpointer:
         Raises:
             TrainerExit: restore-latest's decision was a stop (no compatible checkpoint: exit 3; or 2).
         """
-        from recovery_steps import verify
+        from recovery_steps.kernel import verify
 
         pi, pc = jax.process_index(), jax.process_count()
         name = str(step)
@@ -599,19 +599,19 @@ class Checkpointer:
 
     def _fall_back(self, step: int, problems: list[str]) -> dict[str, Any]:
         """Process 0: quarantine the damaged ``step`` and decide again as restore-latest does; the gang's verdict."""
-        from recovery_steps import restore_latest
+        from recovery_steps.kernel import restore
         from recovery_steps.kernel.contract import SkipKind
-        from recovery_steps.verify import Skip
+        from recovery_steps.kernel.verify import Skip
 
         shown = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
         why = f"damaged data found by the workers while restoring: {shown}"
-        target = restore_latest.quarantine(self.store, Skip(str(step), step, SkipKind.FILES, why, True), self.attempt)
-        decided = restore_latest.run(self.store, self.attempt)
+        target = restore.quarantine(self.store, Skip(str(step), step, SkipKind.FILES, why, True), self.attempt)
+        decided = restore.run(self.store, self.attempt)
         new = decided.selection.step if decided.selection is not None else -1
         record = self.store.read_record(RunLayout.restore_record(self.attempt), RestoreRecord)
         if record is not None and target is not None:  # the attempt's record lists this quarantine too
             skipped = SkippedStep(step=step, name=str(step), reason=why, kind=SkipKind.FILES.value, quarantined=True)
-            restore_latest.write_restore_record(
+            restore.write_restore_record(
                 self.store, record.model_copy(update={"skipped": [skipped, *record.skipped], "quarantined": [target]})
             )
         return {"code": int(decided.code), "message": decided.message, "step": new, "why": shown}

@@ -182,8 +182,8 @@ def bucket_check_exit(exc: BaseException, cfg: JobConfig, bucket: str) -> Traine
     """
     from google.api_core import exceptions
 
+    from recovery_steps.kernel.iam import ROLE_FOR_PERMISSION, permission_from_403, workload_principal
     from recovery_steps.kernel.store import first_line, is_transient, store_errors
-    from recovery_steps.preflight import ROLE_FOR_PERMISSION, permission_from_403, workload_principal
 
     if not isinstance(exc, store_errors()) or is_transient(exc):
         return None

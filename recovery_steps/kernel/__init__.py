@@ -1,5 +1,7 @@
-"""The shared kernel: config, exit-code contract, typed run-store records and layout, compat rules, TPU table.
+"""The shared kernel: what the trainer, the steps and the generator share.
 
-The trainer, the step programs and the workflow generator all import this package (with the metric names);
-it imports none of them and nothing heavy (no JAX, no Kubernetes client at import time).
+Config, exit-code contract, typed run-store records and layout, compat rules, TPU table, checkpoint
+verification and the restore decision, GCS permissions. The trainer, the step programs and the workflow
+generator all import this package (with the metric names); it imports none of them (``tests/test_layers.py``)
+and nothing heavy (no JAX, no Kubernetes client at import time).
 """

@@ -1,0 +1,194 @@
+"""The restore decision: verify the checkpoints, quarantine the bad ones, record which step an attempt restores.
+
+The ``restore-latest`` step runs it before every attempt; the trainer runs it again when its workers find a step
+damaged while restoring it (``trainer.checkpointing``).
+
+Destructive acts and their evidence: it deletes nothing. A step directory moves to ``quarantine/`` (with a file
+saying why) only on positive evidence against it, read after every candidate was inspected (``verify.judge``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from recovery_steps.kernel.config import ConfigError
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.documents import read_run_config
+from recovery_steps.kernel.records import QuarantineReason, RestoreRecord, SkippedStep, now
+from recovery_steps.kernel.store import DocumentError, PreconditionFailed, RunLayout, RunStore
+from recovery_steps.kernel.verify import (
+    Selection,
+    Skip,
+    StoreLayoutError,
+    check_layout,
+    closed_attempts,
+    verify_checkpoints,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RestoreResult:
+    """What ``run`` decided and wrote."""
+
+    code: ExitCode
+    selection: Selection | None
+    restore_path: str
+    quarantined: list[str]
+    message: str = ""
+
+
+def _quarantine_targets(store: RunStore, name: str, attempt: int):
+    """Candidate quarantine names for step directory ``name``: ``<name>``, then ``<name>.attempt<n>.<k>``."""
+    existing = set(store.children(RunLayout.QUARANTINE))
+    if name not in existing:
+        yield f"{RunLayout.QUARANTINE}/{name}"
+    k = 1
+    while k < 1000:
+        if f"{name}.attempt{attempt}.{k}" not in existing:
+            yield f"{RunLayout.QUARANTINE}/{name}.attempt{attempt}.{k}"
+        k += 1
+
+
+def quarantine(store: RunStore, skip: Skip, attempt: int) -> str | None:
+    """Move one step directory to ``quarantine/`` (never deleted) and write its reason file.
+
+    Safe to run twice at once: locally the move is one rename onto a name created exclusively, so two
+    movers never share a target and the loser moves nothing; on GCS the copy-then-delete skips objects
+    a concurrent mover took. A mover that moved nothing writes no reason file (no empty entries).
+
+    Returns:
+        The quarantine path, or None when the directory was already gone (another mover took it).
+    """
+    src = f"{RunLayout.CHECKPOINTS}/{skip.name}"
+    for target in _quarantine_targets(store, skip.name, attempt):
+        try:
+            moved = store.move(src, target)
+        except FileExistsError:
+            continue  # taken between listing and moving: the next name
+        break
+    else:
+        raise StoreLayoutError(f"{store.url(RunLayout.QUARANTINE)}: no free name for {skip.name!r}")
+    if moved == 0:
+        return None
+    reason = QuarantineReason(
+        step=skip.step,
+        from_=store.url(src),
+        kind=skip.kind.value,
+        reason=skip.reason,
+        attempt=attempt,
+        objects=moved,
+        moved_at=now(),
+    )
+    store.write_record(RunLayout.quarantine_reason(target), reason)
+    return target
+
+
+def run(store: RunStore, attempt: int) -> RestoreResult:
+    """Verify the run's checkpoints, quarantine bad ones, and record which step attempt ``attempt`` restores.
+
+    Args:
+        store: The run store of the run.
+        attempt: The attempt about to start.
+
+    Returns:
+        The decision; ``code`` is 0 (restore or fresh start), 2 (the run's config is missing or
+        unreadable) or 3 (checkpoints exist but none is compatible with the config: nothing is moved).
+    """
+    try:
+        cfg = read_run_config(store)
+        closed = closed_attempts(store)
+    except ConfigError as e:
+        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], e.render())
+    except DocumentError as e:
+        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], str(e))
+
+    try:
+        sel, inspected = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed)
+        for c in inspected:
+            if c.file_basis is not None:
+                log.info("%s: files checked by %s", c.name, c.file_basis)
+        if any(s.quarantine for s in sel.skipped) and not sel.incompatible:
+            check_layout(store, RunLayout.QUARANTINE)
+    except StoreLayoutError as e:
+        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], f"{e} (nothing was moved)")
+    if sel.renamed is not None:
+        name, step = sel.renamed
+        now_at = f"step {sel.step}" if sel.step >= 0 else "a fresh start"
+        return RestoreResult(
+            ExitCode.CONFIGURATION,
+            None,
+            "",
+            [],
+            f"{store.url(RunLayout.CHECKPOINTS)}/{name} holds an intact checkpoint of step {step} under a name orbax "
+            f"does not read (restoring would mean {now_at}); rename it to {store.url(RunLayout.checkpoint(step))} "
+            f"(moving aside what is there) and rerun (nothing was moved)",
+        )
+    if sel.incompatible:
+        lines = [f"checkpoints exist for run {store.run_id!r} but none is compatible with its config:"]
+        lines += [f"  step {s.step}: {s.reason}" for s in sel.skipped]
+        lines.append("restore the previous config, or start a new run id (nothing was moved)")
+        result = RestoreResult(ExitCode.INCOMPATIBLE_CHECKPOINT, sel, "", [], "\n".join(lines))
+    else:
+        moved = [t for s in sel.skipped if s.quarantine and (t := quarantine(store, s, attempt)) is not None]
+        # The directory that was verified (only canonical names are selected, so it is also the
+        # path the trainer's orbax CheckpointManager builds for the step).
+        path = store.url(f"{RunLayout.CHECKPOINTS}/{sel.name}") if sel.step >= 0 else ""
+        result = RestoreResult(ExitCode.OK, sel, path, moved)
+    write_restore_record(store, _record(store, attempt, cfg.config_hash(), result))
+    return result
+
+
+def write_restore_record(store: RunStore, record: RestoreRecord, *, tries: int = 20) -> RestoreRecord:
+    """Write attempt ``record.attempt``'s decision, keeping every quarantine an earlier or concurrent run recorded.
+
+    Two restore-latest runs of one attempt (a retried pod beside a slow one) each move what they found; the last
+    writer must not drop the other's moves. Read-merge-write under a generation precondition, retried on a lost
+    race.
+
+    Returns:
+        The record as written.
+    """
+    path = RunLayout.restore_record(record.attempt)
+    for _ in range(tries):
+        try:
+            current, gen = store.read_record_versioned(path, RestoreRecord)
+        except DocumentError as e:  # a damaged earlier record holds nothing to keep: this decision replaces it
+            log.warning("%s; replaced by this decision", e)
+            store.write_record(path, record)
+            return record
+        merged = record
+        if current is not None and current.attempt == record.attempt:
+            names = {s.name for s in record.skipped}
+            merged = record.model_copy(
+                update={
+                    "quarantined": sorted({*current.quarantined, *record.quarantined}),
+                    "skipped": [*record.skipped, *(s for s in current.skipped if s.name not in names)],
+                }
+            )
+        try:
+            store.write_record(path, merged, if_generation_match=gen)
+            return merged
+        except PreconditionFailed:
+            continue
+    raise PreconditionFailed(f"{store.url(path)}: still contended after {tries} tries")
+
+
+def _record(store: RunStore, attempt: int, config_hash: str, r: RestoreResult) -> RestoreRecord:
+    assert r.selection is not None
+    return RestoreRecord(
+        attempt=attempt,
+        run_id=store.run_id,
+        config_hash=config_hash,
+        exit_code=int(r.code),
+        restore_step=r.selection.step,
+        restore_path=r.restore_path,
+        skipped=[
+            SkippedStep(step=s.step, name=s.name, reason=s.reason, kind=s.kind.value, quarantined=s.quarantine)
+            for s in r.selection.skipped
+        ],
+        quarantined=r.quarantined,
+        decided_at=now(),
+    )

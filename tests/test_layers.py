@@ -1,0 +1,47 @@
+"""The layers hold: the trainer and the kernel import no step program (what a step shares lives in the kernel)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` imports (at any depth, function-level imports included), with its line."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            if node.module == "recovery_steps":  # from recovery_steps import restore_latest
+                out += [(node.lineno, f"recovery_steps.{a.name}") for a in node.names]
+    return out
+
+
+def _step_programs(path: Path) -> list[str]:
+    return [
+        f"{path.relative_to(REPO)}:{line} imports {name}"
+        for line, name in _imports(path)
+        if name.startswith("recovery_steps.") and not name.startswith("recovery_steps.kernel")
+    ]
+
+
+@pytest.mark.parametrize("layer", ["trainer", "recovery_steps/kernel"])
+def test_a_layer_imports_no_step_program(layer):
+    found = [hit for path in sorted((REPO / layer).rglob("*.py")) for hit in _step_programs(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_check_sees_a_step_program_imported_inside_a_function(tmp_path, monkeypatch):
+    f = tmp_path / "mod.py"
+    f.write_text("def f():\n    from recovery_steps import restore_latest\n    import recovery_steps.verify\n")
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    assert _step_programs(f) == [
+        "mod.py:2 imports recovery_steps.restore_latest",
+        "mod.py:3 imports recovery_steps.verify",
+    ]
