@@ -40,7 +40,7 @@ from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkp
 from recovery_steps.kernel.config import JobConfig, RetryConfig
 from recovery_steps.kernel.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass, SupervisionOutcome
 from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.k8s import uses_cluster
+from recovery_steps.kernel.kube import uses_cluster
 from recovery_steps.kernel.outputs import ClassifyOutputs
 from recovery_steps.kernel.records import (
     AttemptRecord,
@@ -169,7 +169,7 @@ def gather(
 
 def _api_client() -> Any:
     """The in-cluster (or kubeconfig) client; without one nothing of the gang can be read: configuration (2)."""
-    from recovery_steps.kernel.k8s import make_api_client
+    from recovery_steps.kernel.kube import make_api_client
 
     try:
         return make_api_client()

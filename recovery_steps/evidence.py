@@ -2,7 +2,7 @@
 
 The records here are the input of the pure ``classify(evidence)``; the ``gather_*`` functions are the
 only parts that talk to the cluster or the store. The Kubernetes adapter reads through the kernel's one client
-layer (``kernel.k8s.Kube``: raw API JSON, client-side timeouts) into the one snapshot model (``kernel.snapshot``).
+layer (``kernel.kube.Kube``: raw API JSON, client-side timeouts) into the one snapshot model (``kernel.snapshot``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.contract import Backend
 from recovery_steps.kernel.documents import read_worker_reports
-from recovery_steps.kernel.k8s import Kube
+from recovery_steps.kernel.kube import Kube
 from recovery_steps.kernel.records import LocalSliceRecord, SupervisionRecord, WorkerExitReport
 from recovery_steps.kernel.snapshot import (
     Condition,
@@ -97,12 +97,12 @@ class EvidenceUnreadable(Exception):
     """A read the verdict depends on failed: the attempt cannot be classified now.
 
     A read that failed is never evidence of absence: a JobSet, Job, pod or node that cannot be read may be a gang
-    that still runs, or the failure's cause. ``error`` is the client's own error (``kernel.k8s.api_exit_code`` maps
+    that still runs, or the failure's cause. ``error`` is the client's own error (``kernel.kube.api_exit_code`` maps
     it to the step's exit code); only a 404 is absence, and the adapter never raises this for one.
     """
 
     def __init__(self, what: str, error: BaseException):
-        from recovery_steps.kernel.k8s import api_error_line
+        from recovery_steps.kernel.kube import api_error_line
 
         super().__init__(f"cannot read {what}: {api_error_line(error)}")
         self.what, self.error = what, error
@@ -184,7 +184,7 @@ def _warnings(evidence: Evidence, what: str, read: Callable[[str], list[str]], n
     try:
         return read(name)
     except _read_errors() as e:
-        from recovery_steps.kernel.k8s import api_error_line
+        from recovery_steps.kernel.kube import api_error_line
 
         evidence.notes.append(f"the events of {what} are unreadable ({api_error_line(e)}); classified without them")
         log.warning("events of %s unreadable: %s", what, e)

@@ -41,13 +41,8 @@ from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkp
 from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import AttemptOutcome, Decision, ExitCode, FinalStatus
 from recovery_steps.kernel.documents import read_run_config, read_worker_reports
-from recovery_steps.kernel.k8s import (
-    RUN_ID_LABEL,
-    api_error_line,
-    api_exit_code,
-    delete_run_jobsets,
-    uses_cluster,
-)
+from recovery_steps.kernel.kube import api_error_line, api_exit_code, delete_run_jobsets, uses_cluster
+from recovery_steps.kernel.names import RUN_ID_LABEL
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, RunLease, WorkerExitReport, now
 from recovery_steps.kernel.step import Step, StepError
@@ -409,7 +404,7 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
     by_hand = f"delete the gang by hand: kubectl delete jobsets -n {ns} -l {RUN_ID_LABEL}={run_id}"
     try:
         if api_client is None:
-            from recovery_steps.kernel.k8s import make_api_client
+            from recovery_steps.kernel.kube import make_api_client
 
             api_client = make_api_client(k8s_host)
         deleted, going, _ = delete_run_jobsets(api_client, ns, run_id)

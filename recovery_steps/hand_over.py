@@ -44,16 +44,15 @@ from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import Backend, ExitCode
 from recovery_steps.kernel.documents import read_ledger, read_run_config
-from recovery_steps.kernel.k8s import (
+from recovery_steps.kernel.kube import Kube, uses_cluster
+from recovery_steps.kernel.names import (
     ARGO_GROUP,
     ARGO_VERSION,
     CONTINUES_LABEL,
     DESCRIPTION_ANNOTATION,
     RUN_ID_LABEL,
     TITLE_ANNOTATION,
-    Kube,
     continuation_name,
-    uses_cluster,
 )
 from recovery_steps.kernel.outputs import HandOverOutputs
 from recovery_steps.kernel.records import HandOver, Ledger, RunLease, now

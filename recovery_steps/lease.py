@@ -322,7 +322,7 @@ def cluster_id(api_client: Any) -> str | None:
     kube-system exists in every cluster and keeps its uid for the cluster's life; two clusters never share one.
     Needs ``namespaces get`` (the ClusterRole in ``argo/rbac.yaml``).
     """
-    from recovery_steps.kernel.k8s import Kube
+    from recovery_steps.kernel.kube import Kube
 
     try:
         ns = Kube(api_client, KUBE_SYSTEM).get_namespace(KUBE_SYSTEM)
@@ -339,7 +339,7 @@ def workflow_alive(api_client: Any, site: Site) -> IsAlive:
     (deleted: it never ran its exit handler, so its lease would otherwise block a resubmission until it expired).
     A holder elsewhere, or whose lease names no cluster, and any other API answer are "unknown": the TTL decides.
     """
-    from recovery_steps.kernel.k8s import Kube
+    from recovery_steps.kernel.kube import Kube
 
     kube = Kube(api_client, site.namespace or "")
 

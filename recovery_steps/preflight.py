@@ -28,7 +28,8 @@ from typing import Any
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.iam import grant_command, permission_from_403
-from recovery_steps.kernel.k8s import API_TIMEOUT_S, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
+from recovery_steps.kernel.kube import API_TIMEOUT_S
+from recovery_steps.kernel.names import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
 from recovery_steps.kernel.records import PreflightCheck
 from recovery_steps.kernel.store import RunLayout, RunStore, split_gcs_url
 
@@ -239,7 +240,7 @@ def run(
     problems = check_store(cfg, store, gcs_client=gcs_client)
     if not cfg.slice.is_local:
         if api_client is None:
-            from recovery_steps.kernel.k8s import make_api_client
+            from recovery_steps.kernel.kube import make_api_client
 
             api_client = make_api_client(k8s_host)
         problems += check_cluster(cfg, api_client)

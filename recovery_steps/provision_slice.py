@@ -36,7 +36,8 @@ from typing import Any
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.k8s import (
+from recovery_steps.kernel.kube import Kube, delete_run_jobsets, uses_cluster
+from recovery_steps.kernel.names import (
     ACTIVE_MAINTENANCE_LABEL,
     ATTEMPT_LABEL,
     JOBSET_NAME_LABEL,
@@ -45,11 +46,8 @@ from recovery_steps.kernel.k8s import (
     SCHEDULED_MAINTENANCE_LABEL,
     SPOT_LABEL,
     TPU_RESOURCE,
-    Kube,
-    delete_run_jobsets,
     gke_node_selector,
     jobset_name,
-    uses_cluster,
 )
 from recovery_steps.kernel.outputs import ProvisionOutputs
 from recovery_steps.kernel.records import ProvisionRecord, now
@@ -192,7 +190,7 @@ def check_slice(
 
 
 def node_info(node: dict[str, Any]) -> NodeInfo:
-    """A ``NodeInfo`` from a Node as the API returns it (its JSON, read through ``kernel.k8s.Kube``)."""
+    """A ``NodeInfo`` from a Node as the API returns it (its JSON, read through ``kernel.kube.Kube``)."""
     meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
     labels = {k: str(v) for k, v in (meta.get("labels") or {}).items()}
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.config import SupervisionConfig
 from recovery_steps.kernel.contract import StallKind
-from recovery_steps.kernel.k8s import UNREACHABLE_TAINT
+from recovery_steps.kernel.names import UNREACHABLE_TAINT
 from recovery_steps.kernel.snapshot import Condition, JobEvidence
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet

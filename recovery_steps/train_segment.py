@@ -47,12 +47,8 @@ from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
 from recovery_steps.kernel.gang import Attachment, Gang
-from recovery_steps.kernel.k8s import (
-    API_TIMEOUT_S,
-    ATTEMPT_LABEL,
-    CONNECT_TIMEOUT_S,
-    Kube,
-)
+from recovery_steps.kernel.kube import API_TIMEOUT_S, CONNECT_TIMEOUT_S, Kube
+from recovery_steps.kernel.names import ATTEMPT_LABEL
 from recovery_steps.kernel.outputs import SegmentOutputs
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
 from recovery_steps.kernel.snapshot import (

@@ -29,7 +29,7 @@ from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
 from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, run_id_pod_name_problem
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.k8s import uses_cluster
+from recovery_steps.kernel.kube import uses_cluster
 from recovery_steps.kernel.outputs import ValidateOutputs
 from recovery_steps.kernel.records import RunConfigDocument
 from recovery_steps.kernel.step import Step, StepError
@@ -367,7 +367,7 @@ def _holder_check(cfg: JobConfig, k8s_host: str | None):
 
     if not uses_cluster(cfg):
         return lease.LOCAL, None, None
-    from recovery_steps.kernel.k8s import make_api_client
+    from recovery_steps.kernel.kube import make_api_client
 
     try:
         api_client = make_api_client(k8s_host)
@@ -396,7 +396,8 @@ def _gang_running(api_client: Any, cfg: JobConfig) -> Callable[[int], bool]:
     failed is not "not running", or the numbering would move past a live gang that the next provision-slice then
     refuses to delete and the run stops.
     """
-    from recovery_steps.kernel.k8s import Kube, jobset_name
+    from recovery_steps.kernel.kube import Kube
+    from recovery_steps.kernel.names import jobset_name
     from recovery_steps.kernel.snapshot import jobset_from_api
     from recovery_steps.kernel.step import api_error
 

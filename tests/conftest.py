@@ -16,7 +16,7 @@ BUCKET = "test-bucket"
 # program shape compiles cold once, not once per test. A fresh folder per session, so no run is warmed by
 # an earlier session.
 os.environ.setdefault("JAXREC_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxrec-test-compile-cache-"))
-# Steps called in this process act as the local runner's (recovery_steps.kernel.k8s.in_pod), even where the suite
+# Steps called in this process act as the local runner's (recovery_steps.kernel.kube.in_pod), even where the suite
 # itself runs in a pod; a test that plays a step in a pod sets the variable itself.
 os.environ.pop("KUBERNETES_SERVICE_HOST", None)
 

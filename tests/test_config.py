@@ -169,7 +169,7 @@ def _webhooks_longest_pod_name(manifest: dict) -> str:
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"])
 def test_longest_pod_name_is_the_one_the_webhook_checks_in_the_manifest(name):
-    from recovery_steps.kernel.k8s import jobset_name, longest_pod_name
+    from recovery_steps.kernel.names import jobset_name, longest_pod_name
     from workflows.jobset import jobset_manifest
 
     cfg = load_config(ROOT / "configs" / name)
@@ -209,7 +209,7 @@ def test_largest_attempt_follows_the_retry_policy():
 )
 def test_run_id_is_checked_against_the_pod_names_of_the_highest_attempt(slice_, retry, longest):
     from recovery_steps.kernel.config import largest_attempt, longest_run_id, run_id_pod_name_problem
-    from recovery_steps.kernel.k8s import POD_NAME_MAX, longest_pod_name
+    from recovery_steps.kernel.names import POD_NAME_MAX, longest_pod_name
 
     def cfg(run_id):
         data = {**BASE, "run_id": run_id, "slice": slice_, "retry": retry, "data": {"global_batch_size": 64}}

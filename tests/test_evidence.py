@@ -15,7 +15,7 @@ from recovery_steps.classify import classify
 from recovery_steps.evidence import Evidence, gather_kubernetes, gather_reports
 from recovery_steps.kernel.config import parse_config
 from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.k8s import make_api_client
+from recovery_steps.kernel.kube import make_api_client
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
 from recovery_steps.kernel.store import RunLayout, RunStore
 
@@ -289,7 +289,7 @@ def _closed_port() -> int:
 
 def test_an_unreachable_api_is_never_taken_for_a_missing_gang():
     from recovery_steps.evidence import EvidenceUnreadable
-    from recovery_steps.kernel.k8s import api_exit_code
+    from recovery_steps.kernel.kube import api_exit_code
 
     url = f"http://127.0.0.1:{_closed_port()}"
     with pytest.raises(EvidenceUnreadable) as e:

@@ -13,7 +13,8 @@ from test_provision_slice import _store_config
 from recovery_steps import finalize, hand_over, lease
 from recovery_steps.kernel.config import RetryConfig
 from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
-from recovery_steps.kernel.k8s import continuation_name, make_api_client
+from recovery_steps.kernel.kube import make_api_client
+from recovery_steps.kernel.names import continuation_name
 from recovery_steps.kernel.outputs import FinalizeOutputs, HandOverOutputs
 from recovery_steps.kernel.records import AttemptRecord, Ledger, RunLease
 from recovery_steps.kernel.step import StepError

@@ -45,3 +45,17 @@ def test_the_check_sees_a_step_program_imported_inside_a_function(tmp_path, monk
         "mod.py:2 imports recovery_steps.restore_latest",
         "mod.py:3 imports recovery_steps.verify",
     ]
+
+
+def test_the_generator_builds_from_names_not_through_the_client():
+    """``workflows/`` writes manifests from ``kernel.names``; only what acts on a cluster (the drill, the local
+    runner) uses the client (``kernel.kube``)."""
+    acting = {REPO / "workflows" / "drill.py", *(REPO / "workflows" / "local").rglob("*.py")}
+    found = [
+        f"{path.relative_to(REPO)}:{line} imports {name}"
+        for path in sorted((REPO / "workflows").rglob("*.py"))
+        if path not in acting
+        for line, name in _imports(path)
+        if name in ("recovery_steps.kernel.kube", "kubernetes") or name.startswith("kubernetes.")
+    ]
+    assert not found, "\n".join(found)

@@ -11,7 +11,7 @@ from fake_k8s import status
 from test_provision_slice import FakeKube, _node, _store_config
 
 from recovery_steps import finalize, lease, provision_slice, validate_config
-from recovery_steps.kernel.k8s import make_api_client
+from recovery_steps.kernel.kube import make_api_client
 from recovery_steps.kernel.records import Ledger, RunLease
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local.engine import WorkflowRun

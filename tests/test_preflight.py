@@ -17,7 +17,8 @@ from fake_http import JsonServer
 from recovery_steps import preflight, validate_config
 from recovery_steps.kernel import iam
 from recovery_steps.kernel.config import load_config, parse_config
-from recovery_steps.kernel.k8s import STEP_VERBS, make_api_client
+from recovery_steps.kernel.kube import make_api_client
+from recovery_steps.kernel.names import STEP_VERBS
 from recovery_steps.kernel.records import PreflightCheck
 from recovery_steps.kernel.store import RunLayout, RunStore
 

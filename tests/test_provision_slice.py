@@ -199,7 +199,7 @@ def test_gke_pods_that_never_go_are_capacity(tmp_path, kube_factory):
     cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
     _store_config(root, "v5e-4x4.yaml")
     kube = kube_factory(jobsets=["lm-v5e-4x4-a0"], pods_after_delete=50, nodes=[_node(f"n{i}") for i in range(4)])
-    from recovery_steps.kernel.k8s import make_api_client
+    from recovery_steps.kernel.kube import make_api_client
 
     with pytest.raises(StepError) as e:
         ps.provision_gke(cfg, 1, make_api_client(kube.url), store=RunStore(root, cfg.run_id), pod_timeout_s=0.3)

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.k8s import api_exit_code
+from recovery_steps.kernel.kube import api_exit_code
 from recovery_steps.kernel.step import Step, StepError, api_error, main, run_step
 from recovery_steps.kernel.store import StoreUnavailable
 

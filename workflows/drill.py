@@ -32,14 +32,8 @@ import yaml
 
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.incidents import TimedIncident, incidents_from_facts, read_attempt_facts
-from recovery_steps.kernel.k8s import (
-    ATTEMPT_LABEL,
-    JOBSET_GROUP,
-    JOBSET_PLURAL,
-    JOBSET_VERSION,
-    RUN_ID_LABEL,
-    api_error_line,
-)
+from recovery_steps.kernel.kube import api_error_line
+from recovery_steps.kernel.names import ATTEMPT_LABEL, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, RUN_ID_LABEL
 from recovery_steps.kernel.store import RunLayout, RunStore, first_line, store_errors
 from workflows.jobset import CONTAINER
 

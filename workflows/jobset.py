@@ -6,7 +6,7 @@ from typing import Any
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import EXIT_CODES
-from recovery_steps.kernel.k8s import (
+from recovery_steps.kernel.names import (
     ATTEMPT_LABEL,
     JOBSET_GROUP,
     JOBSET_VERSION,

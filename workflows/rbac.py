@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.k8s import STEP_PRIORITY_CLASS, STEP_VERBS
+from recovery_steps.kernel.names import STEP_PRIORITY_CLASS, STEP_VERBS
 
 ROLE = "jaxrec-workflow"
 NODE_READER = "jaxrec-node-reader"

@@ -30,8 +30,8 @@ from hera.workflows.models import Backoff, Mutex, PodGC, Synchronization, TTLStr
 
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import Decision, ExitCode
-from recovery_steps.kernel.k8s import ATTEMPT_LABEL, RUN_ID_LABEL, STEP_PRIORITY_CLASS, jobset_name
 from recovery_steps.kernel.metrics import spec as metric_spec
+from recovery_steps.kernel.names import ATTEMPT_LABEL, RUN_ID_LABEL, STEP_PRIORITY_CLASS, jobset_name
 from recovery_steps.kernel.outputs import (
     ClassifyOutputs,
     FinalizeOutputs,

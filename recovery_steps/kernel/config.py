@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.k8s import POD_NAME_MAX, longest_pod_name
+from recovery_steps.kernel.names import POD_NAME_MAX, longest_pod_name
 from recovery_steps.kernel.tasks import BUILTIN_TASKS, TaskError, TaskSpec, resolve_task, validate_options
 from recovery_steps.kernel.tpu import LOCAL, TPU_TYPES
 

@@ -43,11 +43,11 @@ def api_error(
     transient_hint: str = "",
     refused_hint: str = REFUSED_HINT,
 ) -> StepError:
-    """A failed Kubernetes API call as the step's error: the one mapping (``kernel.k8s.api_exit_code``), one line.
+    """A failed Kubernetes API call as the step's error: the one mapping (``kernel.kube.api_exit_code``), one line.
 
     429, 5xx and a connection that fails are transient (69, retried); any other refusal is configuration (2).
     """
-    from recovery_steps.kernel.k8s import api_error_line, api_exit_code
+    from recovery_steps.kernel.kube import api_error_line, api_exit_code
 
     code = ExitCode(api_exit_code(e))
     line = f"{doing}: {api_error_line(e)}" if doing else api_error_line(e)
@@ -92,12 +92,12 @@ def k8s_config_errors() -> tuple[type[BaseException], ...]:
 
 
 def k8s_client(host: str | None) -> Any:
-    """The Kubernetes ``ApiClient`` (``kernel.k8s.make_api_client``); a missing config is one line, exit 2.
+    """The Kubernetes ``ApiClient`` (``kernel.kube.make_api_client``); a missing config is one line, exit 2.
 
     Raises:
         StepError: No in-cluster config, no kubeconfig and no ``host``.
     """
-    from recovery_steps.kernel.k8s import make_api_client
+    from recovery_steps.kernel.kube import make_api_client
 
     try:
         return make_api_client(host)

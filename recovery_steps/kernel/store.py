@@ -567,7 +567,9 @@ def credentials_source() -> str:
     """
     if os.environ.get("STORAGE_EMULATOR_HOST") and not os.environ.get("GCE_METADATA_HOST"):
         return "anonymous"
-    if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+    from recovery_steps.kernel.kube import in_pod
+
+    if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") or not in_pod():
         return "adc"
     return "pod"
 

@@ -474,7 +474,7 @@ def check(o: Observed) -> list[str]:
     from trainers import final_digest
 
     from recovery_steps.kernel.documents import read_ledger, read_worker_reports
-    from recovery_steps.kernel.k8s import jobset_name
+    from recovery_steps.kernel.names import jobset_name
     from recovery_steps.kernel.records import SupervisionRecord
     from recovery_steps.kernel.store import RunLayout
 

@@ -54,7 +54,7 @@ def namespace(real_cluster: RealCluster) -> Iterator[str]:
 def tpu_nodes(real_cluster: RealCluster, namespace: str) -> Iterator[Callable[..., list[str]]]:
     """``add(count, cfg)``: KWOK nodes of one GKE TPU node pool (named after the test's namespace) matching the
     config's slice (accelerator and topology labels, chips, Spot); every node is deleted after the test."""
-    from recovery_steps.kernel.k8s import gke_node_selector
+    from recovery_steps.kernel.names import gke_node_selector
     from recovery_steps.kernel.tpu import TPU_TYPES
 
     made: list[str] = []

@@ -25,7 +25,7 @@ from realcluster import RealCluster, netns_listeners, wait_for
 from tier import HOSTS, INDEX, REPO, apply_rbac
 
 from recovery_steps.kernel.config import JobConfig, load_config
-from recovery_steps.kernel.k8s import jobset_name
+from recovery_steps.kernel.names import jobset_name
 from recovery_steps.kernel.records import Ledger, SupervisionRecord, WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
 

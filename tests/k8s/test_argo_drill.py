@@ -21,7 +21,7 @@ from tier import HOSTS, INDEX, REPO, apply_rbac
 
 from recovery_steps.kernel.config import load_config
 from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.k8s import jobset_name
+from recovery_steps.kernel.names import jobset_name
 from recovery_steps.kernel.records import WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import drill

@@ -9,7 +9,7 @@ import pytest
 from realcluster import wait_for
 from tier import HOSTS
 
-from recovery_steps.kernel.k8s import jobset_name
+from recovery_steps.kernel.names import jobset_name
 from recovery_steps.kernel.records import RunLease
 from recovery_steps.kernel.store import RunLayout
 

@@ -16,7 +16,7 @@ import pytest
 from realcluster import NEVER_PULLS_IMAGE, wait_for
 from tier import HOSTS
 
-from recovery_steps.kernel.k8s import jobset_name
+from recovery_steps.kernel.names import jobset_name
 
 pytestmark = pytest.mark.k8s
 

@@ -16,7 +16,7 @@ from realcluster import RealCluster, pdeathsig, wait_for
 
 from recovery_steps import classify_failure
 from recovery_steps.kernel.config import JobConfig, StorageConfig, SupervisionConfig, load_config
-from recovery_steps.kernel.k8s import jobset_name
+from recovery_steps.kernel.names import jobset_name
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.jobset import jobset_manifest

@@ -15,7 +15,7 @@ from tier import HOSTS, INDEX, REPO, CpuHosts
 
 from recovery_steps.kernel.config import load_config
 from recovery_steps.kernel.documents import read_worker_reports
-from recovery_steps.kernel.k8s import jobset_name
+from recovery_steps.kernel.names import jobset_name
 from recovery_steps.kernel.store import RunLayout, RunStore
 
 TERMINAL = argoctl.TERMINAL

@@ -24,7 +24,7 @@ from typing import Any
 
 from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
 from recovery_steps.kernel.gang import Attachment
-from recovery_steps.kernel.k8s import IN_POD_ENV
+from recovery_steps.kernel.kube import IN_POD_ENV
 from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord, SupervisionRecord, now
 from recovery_steps.kernel.snapshot import ClusterSnapshot
 from recovery_steps.kernel.step import StepError, run_step
@@ -434,7 +434,7 @@ class LocalExecutor:
         self.live: dict[str, LocalSlice] = {}
 
     def _env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        # Not a pod, even when the runner itself runs in one: the steps act on local processes (kernel.k8s.in_pod).
+        # Not a pod, even when the runner itself runs in one: the steps act on local processes (kernel.kube.in_pod).
         env = {k: v for k, v in os.environ.items() if k != IN_POD_ENV}
         env.update(self.base_env)
         pp = env.get("PYTHONPATH", "")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from recovery_steps.kernel.k8s import UNREACHABLE_TAINT
+from recovery_steps.kernel.names import UNREACHABLE_TAINT
 from recovery_steps.kernel.snapshot import (
     TRAINER_CONTAINER,
     ClusterSnapshot,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.k8s import RUN_ID_LABEL
+from recovery_steps.kernel.names import RUN_ID_LABEL
 from workflows.monitoring.rules import rule_groups, rule_interval
 
 METRICS_PORT_NAME = "metrics"
