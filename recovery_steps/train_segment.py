@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,9 +44,8 @@ from recovery_steps.kernel import cli
 from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
-from recovery_steps.kernel.gang import Attachment, Gang
-from recovery_steps.kernel.kube import API_TIMEOUT_S, CONNECT_TIMEOUT_S, Kube
-from recovery_steps.kernel.names import ATTEMPT_LABEL
+from recovery_steps.kernel.gang import Gang
+from recovery_steps.kernel.kube_gang import KubeGang
 from recovery_steps.kernel.outputs import SegmentOutputs
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
 from recovery_steps.kernel.snapshot import (
@@ -57,11 +54,6 @@ from recovery_steps.kernel.snapshot import (
     ContainerState,
     NodeEvidence,
     PodEvidence,
-    job_from_api,
-    jobset_from_api,
-    node_from_api,
-    parse_time,
-    pod_from_api,
 )
 from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
 from recovery_steps.kernel.step import main as step_main
@@ -82,12 +74,6 @@ from recovery_steps.supervision import (
 
 log = logging.getLogger(__name__)
 
-# The API server ends a watch after timeoutSeconds; a new one continues from the last resourceVersion.
-WATCH_TIMEOUT_S = 60
-# How long the first LIST of the JobSet, its Jobs and pods may take, and how long a watcher may stay in error
-# later, before the supervisor leaves with exit 69 (transient: Argo retries it and the retry re-attaches)
-# rather than decide on a view it cannot refresh.
-SYNC_TIMEOUT_S = 300
 # How long the stop waits, beyond the pods' own termination grace, before it reports pods left over.
 STOP_SLACK_S = 30
 
@@ -188,230 +174,6 @@ def observation(
         ),
         reads=tuple(r for _, r in sorted((reads or {}).items())),
     )
-
-
-# --- the Kubernetes adapter: list + watch ------------------------------------------------------
-
-
-class Watcher(threading.Thread):
-    """Keeps the current objects of one list (by name) with LIST, then WATCH from its ``resourceVersion``.
-
-    The watch is the client library's (``kubernetes.watch.Watch().stream``, kubernetes-client/python 35.0.0
-    ``kubernetes/watch/watch.py``): it parses the event stream and raises ``ApiException(410)`` on an ``ERROR``
-    event with code 410 when ``timeout_seconds`` is given. A watch that ends is resumed from the last version seen
-    (bookmarks included); ``410 Gone`` (the version was compacted away, kubernetes API concepts "Efficient
-    detection of changes") starts over with a fresh LIST.
-    """
-
-    def __init__(self, kind: str, list_call: Callable[..., Any], changed: threading.Event, stop: threading.Event):
-        super().__init__(name=f"watch-{kind}", daemon=True)
-        self.kind = kind
-        self.list_call = list_call
-        self.changed = changed
-        self.stop = stop
-        self.objects: dict[str, dict[str, Any]] = {}
-        self.lock = threading.Lock()
-        self.synced = threading.Event()
-        self.relists = 0
-        self.error: str | None = None
-        self.error_since: float | None = None  # monotonic time of the first error since the last success
-        self.last_heard = time.monotonic()
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """The objects now, sorted by name."""
-        with self.lock:
-            return [self.objects[k] for k in sorted(self.objects)]
-
-    def failing_for(self) -> float:
-        """Seconds this watcher has been unable to list or watch (0 when it is fine)."""
-        return 0.0 if self.error_since is None else time.monotonic() - self.error_since
-
-    def _ok(self) -> None:
-        self.error, self.error_since, self.last_heard = None, None, time.monotonic()
-
-    def _failed(self, what: str) -> None:
-        self.error = what
-        if self.error_since is None:
-            self.error_since = time.monotonic()
-
-    def _relist(self) -> str:
-        resp = self.list_call(_preload_content=False, _request_timeout=API_TIMEOUT_S)
-        body = json.loads(resp.data)
-        with self.lock:
-            self.objects = {o["metadata"]["name"]: o for o in body.get("items") or []}
-        self.relists += 1
-        self.synced.set()
-        self.changed.set()
-        return (body.get("metadata") or {}).get("resourceVersion") or ""
-
-    def _watch(self, rv: str) -> tuple[str, int]:
-        """One watch from ``rv`` until the server ends it; returns the last version seen and the events applied."""
-        from kubernetes import watch
-
-        # return_type "object": the events' objects stay the API's JSON (no model is built). The read timeout
-        # bounds the silence between chunks: the server ends the watch after WATCH_TIMEOUT_S and sends bookmarks
-        # meanwhile, so a longer silence is a dead connection.
-        stream = watch.Watch(return_type="object").stream(
-            self.list_call,
-            resource_version=rv,
-            timeout_seconds=WATCH_TIMEOUT_S,
-            allow_watch_bookmarks=True,
-            _request_timeout=(CONNECT_TIMEOUT_S, WATCH_TIMEOUT_S + 15),
-        )
-        events = 0
-        for ev in stream:
-            self.last_heard = time.monotonic()
-            obj, kind = ev.get("raw_object") or {}, ev.get("type")
-            rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-            if kind == "BOOKMARK":
-                continue
-            events += 1
-            with self.lock:
-                if kind == "DELETED":
-                    self.objects.pop(obj["metadata"]["name"], None)
-                else:
-                    self.objects[obj["metadata"]["name"]] = obj
-            self.changed.set()
-        return rv, events
-
-    def run(self) -> None:
-        """List, then watch until stopped."""
-        from kubernetes.client import ApiException
-
-        rv: str | None = None
-        while not self.stop.is_set():
-            try:
-                if rv is None:
-                    rv = self._relist()
-                self._ok()
-                rv, events = self._watch(rv)
-                self._ok()
-                if not events:
-                    self.stop.wait(0.2)  # a watch that ended at once: do not spin against the server
-            except ApiException as e:
-                if e.status == 410:
-                    log.info("watch %s: resourceVersion %s expired (410 Gone); listing again", self.kind, rv)
-                    rv = None
-                    continue
-                self._failed(f"{e.status} {e.reason}")
-                rv = None  # list again once the API answers: events may have been missed
-                self.stop.wait(1)
-            except Exception as e:  # noqa: BLE001 - the API may drop for a while; keep the last view
-                self._failed(f"{type(e).__name__}: {e}")
-                rv = None
-                self.stop.wait(1)
-
-
-class KubeGang:
-    """The attempt's JobSet on a cluster: the supervisor's port (``kernel.gang.Gang``) over the Kubernetes API.
-
-    The JobSet, its Jobs and pods are followed by one watcher each; the nodes the pods are bound to are read on
-    every ``observe`` (an unreadable node keeps its last known state).
-    """
-
-    def __init__(
-        self,
-        api_client: Any,
-        namespace: str,
-        jobset: str,
-        *,
-        clock: Callable[[], float] = time.time,
-        say: Callable[[str], None] = log.info,
-    ):
-        self.kube = Kube(api_client, namespace)
-        self.name = jobset
-        self.clock, self.say = clock, say
-        self.changed = threading.Event()
-        self.stopped = threading.Event()
-        lists = {
-            "jobset": lambda **kw: self.kube.list_jobsets(jobset, **kw),
-            "jobs": lambda **kw: self.kube.list_jobs(jobset, **kw),
-            "pods": lambda **kw: self.kube.list_pods(jobset, **kw),
-        }
-        self.watch = {k: Watcher(k, f, self.changed, self.stopped) for k, f in lists.items()}
-        self.node_cache: dict[str, NodeEvidence] = {}
-
-    def find(self) -> Attachment | None:
-        """The JobSet, or None when it does not exist."""
-        obj = self.kube.get_jobset(self.name)
-        if obj is None:
-            return None
-        meta = obj.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        return Attachment(self.name, parse_time(meta.get("creationTimestamp")), labels.get(ATTEMPT_LABEL))
-
-    def create(self, manifest: Mapping[str, Any]) -> Attachment | None:
-        """Create the JobSet; None when it already exists (409 Conflict)."""
-        if not self.kube.create_jobset(dict(manifest)):
-            return None
-        return Attachment(self.name, None, ((manifest.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL))
-
-    def delete(self) -> None:
-        """Delete the JobSet; foreground propagation removes its Jobs and pods before the JobSet itself."""
-        from kubernetes.client import ApiException
-
-        with contextlib.suppress(ApiException):  # the stop goes on observing: what is left says what happened
-            self.kube.delete_jobset(self.name)
-
-    def force_delete(self, pod: str) -> None:
-        """Delete a pod with grace period 0: the API removes it without the kubelet's confirmation."""
-        from kubernetes.client import ApiException
-
-        with contextlib.suppress(ApiException):
-            self.kube.force_delete_pod(pod)
-
-    def start(self) -> None:
-        """Start the watchers; return once each has listed (exit 69 after ``SYNC_TIMEOUT_S`` without)."""
-        for w in self.watch.values():
-            w.start()
-        give_up = self.clock() + SYNC_TIMEOUT_S
-        for w in self.watch.values():
-            while not w.synced.wait(1):
-                if w.error:
-                    self.say(f"waiting for the {w.kind} watch: {w.error}")
-                if self.clock() > give_up:
-                    raise StepError(
-                        ExitCode.TRANSIENT,
-                        f"cannot list the attempt's {w.kind} for {SYNC_TIMEOUT_S} s: {w.error or 'no answer'}; "
-                        "the gang is left running for the retry to re-attach",
-                    )
-
-    def observe(self) -> ClusterSnapshot:
-        """The JobSet, its Jobs, pods and their nodes as the watches hold them now.
-
-        Raises:
-            StepError: A watcher has failed for longer than ``SYNC_TIMEOUT_S``: exit 69 (retried; the retry
-                re-attaches) rather than a decision on a stale view.
-        """
-        for w in self.watch.values():
-            if w.failing_for() > SYNC_TIMEOUT_S:
-                raise StepError(
-                    ExitCode.TRANSIENT,
-                    f"the {w.kind} watch has failed for {w.failing_for():.0f} s ({w.error}): not deciding on a "
-                    "stale view; the gang is left running for the retry to re-attach",
-                )
-        pods = [pod_from_api(p) for p in self.watch["pods"].snapshot()]
-        for name in sorted({p.node for p in pods if p.node}):
-            with contextlib.suppress(Exception):  # an unreadable node keeps its last known state
-                body = self.kube.get_node(name)
-                self.node_cache[name] = node_from_api(body) if body else NodeEvidence(name=name, found=False)
-        js = self.watch["jobset"].snapshot()
-        return ClusterSnapshot(
-            taken_at=self.clock(),
-            jobset=jobset_from_api(js[0]) if js else None,
-            jobs=[job_from_api(j) for j in self.watch["jobs"].snapshot()],
-            pods=pods,
-            nodes=[self.node_cache[n] for n in sorted(self.node_cache)],
-        )
-
-    def wait(self, timeout: float) -> None:
-        """Until a watcher saw a change, or ``timeout`` seconds."""
-        self.changed.wait(timeout)
-        self.changed.clear()
-
-    def close(self) -> None:
-        """Stop the watchers."""
-        self.stopped.set()
 
 
 # --- the supervisor ------------------------------------------------------------------------------
