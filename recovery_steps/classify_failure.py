@@ -50,7 +50,7 @@ from recovery_steps.kernel.records import (
     SupervisorLosses,
     now,
 )
-from recovery_steps.kernel.step import Step, StepError, api_error, k8s_config_errors, load_run_config
+from recovery_steps.kernel.step import Step, StepError, api_error, k8s_client, load_run_config
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import (
@@ -169,17 +169,8 @@ def gather(
 
 def _api_client() -> Any:
     """The in-cluster (or kubeconfig) client; without one nothing of the gang can be read: configuration (2)."""
-    from recovery_steps.kernel.kube import make_api_client
-
-    try:
-        return make_api_client()
-    except k8s_config_errors() as e:
-        detail = " ".join(str(e).split())[:200]
-        raise StepError(
-            ExitCode.CONFIGURATION,
-            f"no Kubernetes API to read the attempt's gang from ({type(e).__name__}: {detail}); classify-failure "
-            "runs in the cluster under the workflow's ServiceAccount, or with a kubeconfig",
-        ) from None
+    fix = "classify-failure reads the attempt's gang in the cluster, as the workflow's ServiceAccount (or a kubeconfig)"
+    return k8s_client(None, fix=fix)
 
 
 def _restore_never_decided(store: RunStore, ev: Evidence) -> Evidence:

@@ -45,7 +45,7 @@ from recovery_steps.kernel.kube import api_error_line, api_exit_code, delete_run
 from recovery_steps.kernel.names import RUN_ID_LABEL
 from recovery_steps.kernel.outputs import FinalizeOutputs
 from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, RunLease, WorkerExitReport, now
-from recovery_steps.kernel.step import Step, StepError
+from recovery_steps.kernel.step import Step, StepError, k8s_client
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
     DocumentError,
@@ -390,7 +390,6 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
     """
     import urllib3
     from kubernetes import client
-    from kubernetes.config.config_exception import ConfigException
 
     run_id = store.run_id
     try:
@@ -403,13 +402,8 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
     ns = cfg.namespace
     by_hand = f"delete the gang by hand: kubectl delete jobsets -n {ns} -l {RUN_ID_LABEL}={run_id}"
     try:
-        if api_client is None:
-            from recovery_steps.kernel.kube import make_api_client
-
-            api_client = make_api_client(k8s_host)
+        api_client = api_client or k8s_client(k8s_host, fix=by_hand)
         deleted, going, _ = delete_run_jobsets(api_client, ns, run_id)
-    except ConfigException as e:
-        raise StepError(ExitCode.CONFIGURATION, f"no Kubernetes API ({e}): {by_hand}") from None
     except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
         code = api_exit_code(e)
         then = "Argo retries this step" if code == ExitCode.TRANSIENT else by_hand

@@ -31,6 +31,7 @@ from recovery_steps.kernel.iam import grant_command, permission_from_403
 from recovery_steps.kernel.kube import API_TIMEOUT_S
 from recovery_steps.kernel.names import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
 from recovery_steps.kernel.records import PreflightCheck
+from recovery_steps.kernel.step import k8s_client
 from recovery_steps.kernel.store import RunLayout, RunStore, split_gcs_url
 
 log = logging.getLogger(__name__)
@@ -239,11 +240,7 @@ def run(
     """
     problems = check_store(cfg, store, gcs_client=gcs_client)
     if not cfg.slice.is_local:
-        if api_client is None:
-            from recovery_steps.kernel.kube import make_api_client
-
-            api_client = make_api_client(k8s_host)
-        problems += check_cluster(cfg, api_client)
+        problems += check_cluster(cfg, api_client or k8s_client(k8s_host))
     if not any(p.check == "store" for p in problems):
         record = PreflightCheck(ok=not problems, problems=[p.line() for p in problems])
         store.write_record(RunLayout.PREFLIGHT, record)

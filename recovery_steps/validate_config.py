@@ -32,7 +32,7 @@ from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.kube import uses_cluster
 from recovery_steps.kernel.outputs import ValidateOutputs
 from recovery_steps.kernel.records import RunConfigDocument
-from recovery_steps.kernel.step import Step, StepError
+from recovery_steps.kernel.step import Step, StepError, k8s_client
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
     DocumentError,
@@ -367,10 +367,8 @@ def _holder_check(cfg: JobConfig, k8s_host: str | None):
 
     if not uses_cluster(cfg):
         return lease.LOCAL, None, None
-    from recovery_steps.kernel.kube import make_api_client
-
     try:
-        api_client = make_api_client(k8s_host)
+        api_client = k8s_client(k8s_host)
     except Exception as e:  # noqa: BLE001 - no client: the TTL decides the lease; no gang is known not to run
         return lease.Site(namespace=cfg.namespace), None, _cannot_tell(f"no Kubernetes API client ({first_line(e)})")
     return *lease.on_gke(api_client, cfg.namespace), _gang_running(api_client, cfg)

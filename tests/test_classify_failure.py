@@ -226,5 +226,6 @@ def test_a_cluster_backend_without_a_kubernetes_config_decides_nothing(tmp_path,
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "none"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert cli(root, 3, tmp_path / "o") == 2
-    assert "no Kubernetes API to read the attempt's gang from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no Kubernetes API" in err and "classify-failure reads the attempt's gang in the cluster" in err, err
     assert store.read_record(RunLayout.LEDGER, Ledger) is None

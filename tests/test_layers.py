@@ -59,3 +59,14 @@ def test_the_generator_builds_from_names_not_through_the_client():
         if name in ("recovery_steps.kernel.kube", "kubernetes") or name.startswith("kubernetes.")
     ]
     assert not found, "\n".join(found)
+
+
+def test_every_step_makes_its_kubernetes_client_through_the_one_factory():
+    """``kernel.step.k8s_client`` (one line and exit 2 without a config) is how a step gets its client."""
+    found = []
+    for path in sorted((REPO / "recovery_steps").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "recovery_steps.kernel.kube":
+                if any(a.name == "make_api_client" for a in node.names):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, "make_api_client outside kernel.step.k8s_client: " + ", ".join(found)

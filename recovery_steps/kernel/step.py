@@ -91,8 +91,10 @@ def k8s_config_errors() -> tuple[type[BaseException], ...]:
     return (ConfigException,)
 
 
-def k8s_client(host: str | None) -> Any:
-    """The Kubernetes ``ApiClient`` (``kernel.kube.make_api_client``); a missing config is one line, exit 2.
+def k8s_client(host: str | None, *, fix: str = "run in the cluster or give --k8s-host") -> Any:
+    """The steps' one Kubernetes client factory (``kernel.kube.make_api_client``).
+
+    A missing config is one line ending in ``fix``, exit 2.
 
     Raises:
         StepError: No in-cluster config, no kubeconfig and no ``host``.
@@ -103,10 +105,7 @@ def k8s_client(host: str | None) -> Any:
         return make_api_client(host)
     except k8s_config_errors() as e:
         detail = " ".join(str(e).split())[:200]
-        raise StepError(
-            ExitCode.CONFIGURATION,
-            f"no Kubernetes API: {type(e).__name__}: {detail}; run in the cluster or give --k8s-host",
-        ) from None
+        raise StepError(ExitCode.CONFIGURATION, f"no Kubernetes API: {type(e).__name__}: {detail}; {fix}") from None
 
 
 def _stderr(line: str) -> None:
