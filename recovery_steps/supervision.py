@@ -37,7 +37,7 @@ import re
 from pydantic import BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.config import SupervisionConfig
-from recovery_steps.kernel.contract import StallKind
+from recovery_steps.kernel.contract import ExitCode, StallKind
 from recovery_steps.kernel.names import UNREACHABLE_TAINT
 from recovery_steps.kernel.snapshot import Condition, JobEvidence
 
@@ -120,6 +120,7 @@ class PodObservation(_Rec):
     )
     exit_code: int | None = Field(default=None, description="The trainer container's terminated exit code.")
     terminated_reason: str | None = None
+    finished_at: float | None = Field(default=None, description="The trainer container's finishedAt (ended).")
     deletion_timestamp: float | None = Field(default=None, description="Set once the pod is being deleted.")
 
     def condition(self, type_: str) -> Condition | None:
@@ -351,15 +352,27 @@ def _failed(obs: Observation) -> Verdict | None:
                 state=AttemptState.FAILED,
                 reason=f"Job {job.name} {c.type}: {c.reason or '-'}: {c.message or 'no message'}",
             )
-    for p in sorted(obs.pods, key=lambda p: (p.index is None, p.index or 0)):
-        if p.phase == "Failed":
-            code = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"
-            return Verdict(
-                state=AttemptState.FAILED,
-                reason=f"{p.label} failed ({code}{', ' + p.terminated_reason if p.terminated_reason else ''})",
-                worker=p.index,
-            )
+    failed = [p for p in obs.pods if p.phase == "Failed"]
+    if failed:
+        p = min(failed, key=_first_failure)
+        code = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"
+        return Verdict(
+            state=AttemptState.FAILED,
+            reason=f"{p.label} failed ({code}{', ' + p.terminated_reason if p.terminated_reason else ''})",
+            worker=p.index,
+        )
     return None
+
+
+def _first_failure(p: PodObservation) -> tuple[bool, float, bool, bool, int]:
+    """The failed worker the attempt's failure is named after.
+
+    The first to end (finishedAt has one-second steps), and in a tie not one that exited on losing a peer (exit 20
+    follows the failure it reports), then the lowest index: a SIGKILLed worker is the cause, its peers' exit 20
+    come a heartbeat timeout later.
+    """
+    ended = p.finished_at if p.finished_at is not None else float("inf")
+    return (p.finished_at is None, ended, p.exit_code == ExitCode.PEER_LOST, p.index is None, p.index or 0)
 
 
 def _succeeded(obs: Observation) -> Verdict | None:

@@ -121,6 +121,7 @@ def pod_observation(p: PodEvidence, clock: WaitClock | None = None) -> PodObserv
         running_since=(c.running_since or (c.started_at if ended else None)) if c is not None else None,
         exit_code=c.exit_code if ended else None,
         terminated_reason=c.reason if ended else None,
+        finished_at=c.finished_at if ended else None,
         deletion_timestamp=p.deleted_at,
     )
 

@@ -360,6 +360,39 @@ CASES = [
         "worker 2 failed (exit code 143",
     ),
     (
+        # The SIGKILLed worker ended first; its peers' exit 20 (peer lost) came after: the failure is named after it.
+        "first-to-end-names-the-failure",
+        obs(
+            640,
+            [
+                *ALL_RUNNING[:2],
+                running(2, phase="Failed", exit_code=20, terminated_reason="Error", finished_at=T0 + 632),
+                running(3, phase="Failed", exit_code=137, terminated_reason="Error", finished_at=T0 + 630),
+            ],
+            progress=STEPPING,
+        ),
+        AttemptState.FAILED,
+        None,
+        "worker 3 failed (exit code 137",
+    ),
+    (
+        # In the same second (finishedAt's step), not the one that exited on losing a peer.
+        "a-tie-is-not-named-after-a-peer-lost-exit",
+        obs(
+            640,
+            [
+                running(0),
+                running(1, phase="Failed", exit_code=20, terminated_reason="Error", finished_at=T0 + 630),
+                running(2),
+                running(3, phase="Failed", exit_code=42, terminated_reason="Error", finished_at=T0 + 630),
+            ],
+            progress=STEPPING,
+        ),
+        AttemptState.FAILED,
+        None,
+        "worker 3 failed (exit code 42",
+    ),
+    (
         "node-shutting-down-then-job-failure-target",
         obs(
             620, ALL_RUNNING, jobs=[FAILURE_TARGET], progress=STEPPING, node_list=with_node(shutting_down(3, T0 + 590))
