@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 
 from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence
 from recovery_steps.kernel.contract import (
+    CLASS_INFO,
     PEER_LOSS_MARKERS,
     ExitCode,
     FailureClass,
@@ -577,7 +578,7 @@ def _refused(ev: Evidence) -> Verdict | None:
     found.sort(key=lambda f: f[2][0] is not FailureClass.CONFIGURATION)
     job, _, (cls, what) = found[0]
     lines = [f"Job {job.name}: {_short(e, 300)}" for j, e, _ in found if j is job]
-    return Verdict(cls, f"Job {job.name} could not create its worker pods: {what}. {_ADVICE[cls]}", lines)
+    return Verdict(cls, f"Job {job.name} could not create its worker pods: {what}. {CLASS_INFO[cls].advice}", lines)
 
 
 def _trainer_ran(pod: PodEvidence) -> bool:
@@ -745,18 +746,7 @@ def _reason(cf: _Finding, cause: _Obs, first: _Obs, f: _Finding, obs: list[_Obs]
             k = _exit_text(o)
             kinds[k] = kinds.get(k, 0) + 1
         text += "; then " + ", ".join(f"{n}x {k}" for k, n in kinds.items())
-    return text + f". {_ADVICE[cf.cls]}"
-
-
-_ADVICE = {
-    FailureClass.PREEMPTION: "Not a bug: the next attempt resumes from the last checkpoint.",
-    FailureClass.INFRASTRUCTURE: "Host or network fault: retried on a fresh slice; repeated hits need a node check.",
-    FailureClass.HANG: "A collective or input stall: retried; if it repeats, take a stack dump from a live worker.",
-    FailureClass.CAPACITY: "Waiting for capacity.",
-    FailureClass.APPLICATION: "Will repeat if retried unchanged: fix the code or config first.",
-    FailureClass.CONFIGURATION: "Retrying will not help: fix the config or image.",
-    FailureClass.UNKNOWN: "Read the worker logs.",
-}
+    return text + f". {CLASS_INFO[cf.cls].advice}"
 
 
 def _inventory(ev: Evidence) -> str:

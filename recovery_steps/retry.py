@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from recovery_steps.kernel.config import RetryConfig
-from recovery_steps.kernel.contract import AttemptOutcome, Decision, FailureClass
+from recovery_steps.kernel.contract import FAILURE_CLASSES, AttemptOutcome, Decision, FailureClass
 from recovery_steps.kernel.records import AttemptRecord, Ledger
 from recovery_steps.kernel.store import (
     DocumentError,
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # (3 by default) would stop the run long before the preemption budget (20, or the 50-100 a Spot config sets) that
 # exists to bound exactly that. Counting only attempts that reached their first step would not help: a preemption
 # after a few steps but before the next checkpoint still advances nothing.
-NO_PROGRESS_EXEMPT = frozenset({FailureClass.CAPACITY, FailureClass.PREEMPTION})
+NO_PROGRESS_EXEMPT = frozenset(c.cls for c in FAILURE_CLASSES if c.no_progress_exempt)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from recovery_steps.kernel.contract import EXIT_CODES, FailureClass
+from recovery_steps.kernel.contract import CLASS_INFO, EXIT_CODES, FAILURE_CLASSES, FailureClass
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -33,6 +33,17 @@ def test_readme_exit_code_table_matches_the_contract():
 def test_readme_names_every_failure_class():
     for cls in FailureClass:
         assert f"| `{cls.value}` |" in README, cls
+
+
+def test_every_failure_class_is_one_row_of_the_class_table_and_the_docs_say_its_budget():
+    assert [c.cls for c in FAILURE_CLASSES] == list(dict.fromkeys(c.cls for c in FAILURE_CLASSES))
+    assert set(CLASS_INFO) == set(FailureClass)
+    failures = (Path(__file__).resolve().parents[1] / "docs" / "FAILURES.md").read_text()
+    for doc, column in ((README, -1), (failures, -2)):
+        rows = {r[0]: r for r in re.findall(r"^\| `(\w+)` \|(.*)\|$", doc, re.M)}
+        for c in FAILURE_CLASSES:
+            cells = [x.strip() for x in rows[c.cls.value][1].split("|")]
+            assert cells[column] == str(c.budget), (c.cls, cells[column])
 
 
 def test_readme_links_resolve():

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.contract import FAILURE_CLASSES, FailureClass
 from recovery_steps.kernel.names import POD_NAME_MAX, longest_pod_name
 from recovery_steps.kernel.tasks import BUILTIN_TASKS, TaskError, TaskSpec, resolve_task, validate_options
 from recovery_steps.kernel.tpu import LOCAL, TPU_TYPES
@@ -553,33 +553,14 @@ class BackoffConfig(_Section):
 
 
 def _default_budgets() -> dict[FailureClass, int]:
-    return {
-        FailureClass.PREEMPTION: 20,
-        FailureClass.CAPACITY: 20,
-        FailureClass.INFRASTRUCTURE: 5,
-        FailureClass.HANG: 3,
-        FailureClass.APPLICATION: 1,
-        FailureClass.CONFIGURATION: 0,
-        FailureClass.UNKNOWN: 1,
-    }
+    return {c.cls: c.budget for c in FAILURE_CLASSES}
 
 
 BudgetScope = Literal["run", "since_progress"]
 
 
 def _default_scopes() -> dict[FailureClass, str]:
-    # Preemption and capacity are the platform's doing and expected on Spot for as long as the run lasts: they
-    # are budgeted since the last progress, so a run that keeps checkpointing never runs out of them. The rest
-    # say something about the job or its hosts that progress does not cure: whole run.
-    return {
-        FailureClass.PREEMPTION: "since_progress",
-        FailureClass.CAPACITY: "since_progress",
-        FailureClass.INFRASTRUCTURE: "run",
-        FailureClass.HANG: "run",
-        FailureClass.APPLICATION: "run",
-        FailureClass.CONFIGURATION: "run",
-        FailureClass.UNKNOWN: "run",
-    }
+    return {c.cls: c.scope for c in FAILURE_CLASSES}  # why each: the table's comment
 
 
 class RetryConfig(_Section):

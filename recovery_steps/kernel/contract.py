@@ -44,6 +44,53 @@ class FailureClass(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
+@dataclass(frozen=True)
+class ClassInfo:
+    """One row of the failure-class table: what a class means for the retries and for the user who reads it."""
+
+    cls: FailureClass
+    budget: int  # retries allowed by default (``retry.budgets``)
+    # Counted over the whole run, or since the last attempt that advanced the checkpoint (``retry.budget_scopes``).
+    scope: str
+    no_progress_exempt: bool  # not counted by the no-progress guard (``retry.no_progress_attempts``)
+    advice: str  # the sentence that ends classify-failure's reason
+
+
+# Preemption and capacity are the platform's doing and expected on Spot for as long as the run lasts: budgeted
+# since the last progress (a run that keeps checkpointing never runs out of them) and no sign of a run that stopped
+# progressing. The rest say something about the job or its hosts that progress does not cure: the whole run.
+FAILURE_CLASSES: tuple[ClassInfo, ...] = (
+    ClassInfo(
+        FailureClass.PREEMPTION,
+        20,
+        "since_progress",
+        True,
+        "Not a bug: the next attempt resumes from the last checkpoint.",
+    ),
+    ClassInfo(
+        FailureClass.INFRASTRUCTURE,
+        5,
+        "run",
+        False,
+        "Host or network fault: retried on a fresh slice; repeated hits need a node check.",
+    ),
+    ClassInfo(
+        FailureClass.HANG,
+        3,
+        "run",
+        False,
+        "A collective or input stall: retried; if it repeats, take a stack dump from a live worker.",
+    ),
+    ClassInfo(FailureClass.CAPACITY, 20, "since_progress", True, "Waiting for capacity."),
+    ClassInfo(
+        FailureClass.APPLICATION, 1, "run", False, "Will repeat if retried unchanged: fix the code or config first."
+    ),
+    ClassInfo(FailureClass.CONFIGURATION, 0, "run", False, "Retrying will not help: fix the config or image."),
+    ClassInfo(FailureClass.UNKNOWN, 1, "run", False, "Read the worker logs."),
+)
+CLASS_INFO: dict[FailureClass, ClassInfo] = {c.cls: c for c in FAILURE_CLASSES}
+
+
 class Decision(enum.StrEnum):
     """What ``classify-failure`` decides after a failed attempt."""
 
