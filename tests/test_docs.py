@@ -96,3 +96,18 @@ def test_your_training_guide_snippets_run(tmp_path, monkeypatch):
         assert e.problems == [shown]
     else:
         raise AssertionError("a bad option was accepted")
+
+
+def test_the_scenario_tables_of_the_docs_are_the_scenario_table():
+    """docs/LOCAL.md has one row per injectable fault, in the table's order, and says Failed exactly where the run
+    ends Failed; the README names every one."""
+    from workflows.local.inject import SCENARIO_TABLE
+
+    local = (Path(__file__).resolve().parents[1] / "docs" / "LOCAL.md").read_text()
+    section = local.split("| scenario | what happens | expected outcome |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `([\w-]+)` \| .+? \| (.+) \|$", section, re.M)
+    assert [name for name, _ in rows] == [s.name for s in SCENARIO_TABLE]
+    for (name, outcome), s in zip(rows, SCENARIO_TABLE, strict=True):
+        assert ("Failed" in outcome) == (s.ends == "Failed"), (name, outcome, s.ends)
+    for s in SCENARIO_TABLE:
+        assert f"`{s.name}`" in README, s.name
