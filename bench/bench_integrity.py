@@ -96,7 +96,7 @@ def readback_check(store, step: int) -> list[str]:
 
 def child(what: str, method: str, root: str, run_id: str) -> dict[str, float]:
     """Run one measurement in this process; return seconds and peak memory (MiB)."""
-    from ckpt_factory import tiny_config
+    from support.ckpt_factory import tiny_config
 
     from recovery_steps import restore_latest
     from recovery_steps.kernel.checkpoints import step_files, write_manifest
@@ -217,7 +217,7 @@ class SeededEmulator:
 
 def run(gbs: list[float], backends: list[str]) -> list[dict[str, Any]]:
     """Measure every backend x size x method; print the table and the ratios; return the rows."""
-    from ckpt_factory import tiny_config, write_run_config
+    from support.ckpt_factory import tiny_config, write_run_config
 
     from recovery_steps.kernel.store import RunStore
 

@@ -208,7 +208,7 @@ def run_rounds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tup
 
 def run(mb: int, repeats: int, chunk_mibs: list[int]) -> list[dict[str, Any]]:
     """Measure every backend x layout; print the table; return its rows."""
-    from ckpt_factory import tiny_config, write_run_config
+    from support.ckpt_factory import tiny_config, write_run_config
 
     from recovery_steps.kernel.store import RunStore
     from workflows.local.emulator import GcsEmulator

@@ -86,7 +86,7 @@ def floor_worker(store_root: str, run_id: str, out: str) -> None:
 
 
 def _launch_floor(cfg, work: Path, tag: str) -> tuple[float, list[subprocess.Popen], list[Path]]:
-    from trainer_harness import free_port, gang_env
+    from support.trainer_harness import free_port, gang_env
 
     port, n = free_port(), cfg.slice.num_hosts
     procs, outs = [], []
@@ -113,7 +113,7 @@ def run_floor(cfg, work: Path, tag: str) -> dict:
 
 def run_trainer(cfg, work: Path, attempt: int) -> dict:
     """Wall seconds from spawning the trainer gang (restoring step 10) to its last first step, and CPU."""
-    from trainer_harness import launch
+    from support.trainer_harness import launch
 
     from recovery_steps.kernel.records import EventKind
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.floor_worker:
         floor_worker(*a.floor_worker)
         return
-    from trainer_harness import launch, tiny_config, write_config
+    from support.trainer_harness import launch, tiny_config, write_config
 
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         work = Path(tmp)

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from trainer_harness import launch, read_report, tiny_config, write_config  # noqa: E402
+from support.trainer_harness import launch, read_report, tiny_config, write_config  # noqa: E402
 
 from recovery_steps.kernel.records import EventKind  # noqa: E402
 

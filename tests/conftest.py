@@ -6,7 +6,7 @@ import os
 import tempfile
 
 import pytest
-from local_job import reference_digest, shrunken_workflow
+from support.local_job import reference_digest, shrunken_workflow
 
 from workflows.local.emulator import GcsEmulator
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import google_crc32c
 import pytest
-from ckpt_factory import tiny_config, write_checkpoint, write_run_config
+from support.ckpt_factory import tiny_config, write_checkpoint, write_run_config
 
 from recovery_steps import restore_latest
 from recovery_steps.kernel import checkpoints, verify

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ckpt_factory import restore_record
+from support.ckpt_factory import restore_record
 
 from recovery_steps import classify_failure
 from recovery_steps.kernel.config import parse_config

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 import pytest
-from metadata_server import MetadataServer
+from support.metadata_server import MetadataServer
 
 from recovery_steps.kernel.store import credentials_source
 

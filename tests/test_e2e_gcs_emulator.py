@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from local_job import HOSTS, shrunken_workflow
+from support.local_job import HOSTS, shrunken_workflow
 
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.store import RunLayout, RunStore

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import argo_replay
 import pytest
-from local_job import HOSTS, INTERVAL, reference_digest, shrunken_workflow, steps_lost_bound
+from support import argo_replay
+from support.local_job import HOSTS, INTERVAL, reference_digest, shrunken_workflow, steps_lost_bound
 
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.store import RunLayout, RunStore

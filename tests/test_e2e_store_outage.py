@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from local_job import shrunken_workflow
+from support.local_job import shrunken_workflow
 
 from recovery_steps.kernel.contract import ExitCode
 from workflows import local

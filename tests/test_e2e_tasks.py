@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from local_job import reference_digest, shrunken_workflow, steps_lost_bound
+from support.local_job import reference_digest, shrunken_workflow, steps_lost_bound
 
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.records import CheckpointManifest

@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from fake_http import JsonServer
+from support.fake_http import JsonServer
 
 from recovery_steps import classify_failure
 from recovery_steps.classify import classify

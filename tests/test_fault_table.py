@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ckpt_factory import tiny_config, write_checkpoint, write_run_config
+from support.ckpt_factory import tiny_config, write_checkpoint, write_run_config
 
 from recovery_steps import (
     classify_failure,

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from ckpt_factory import restore_record, tiny_config, write_run_config
-from fake_k8s import FakeCluster, status
-from test_provision_slice import _store_config
+from support.ckpt_factory import restore_record, tiny_config, write_run_config
+from support.fake_k8s import FakeCluster, status
+from support.provision_api import store_config as _store_config
 
 from recovery_steps import finalize, give_up, hand_over, lease
 from recovery_steps.kernel.contract import Decision, FailureClass

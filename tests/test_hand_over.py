@@ -6,9 +6,9 @@ import copy
 import uuid
 
 import pytest
-from fake_http import JsonServer
-from fake_k8s import status
-from test_provision_slice import _store_config
+from support.fake_http import JsonServer
+from support.fake_k8s import status
+from support.provision_api import store_config as _store_config
 
 from recovery_steps import finalize, hand_over, lease
 from recovery_steps.kernel.config import RetryConfig

@@ -70,3 +70,14 @@ def test_every_step_makes_its_kubernetes_client_through_the_one_factory():
                 if any(a.name == "make_api_client" for a in node.names):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not found, "make_api_client outside kernel.step.k8s_client: " + ", ".join(found)
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in ``tests/support/`` (and the tier's helpers beside it in ``tests/k8s/``)."""
+    found = [
+        f"{path.relative_to(REPO)}:{line} imports {name}"
+        for path in sorted((REPO / "tests").rglob("test_*.py"))
+        for line, name in _imports(path)
+        if name.split(".")[-1].startswith("test_")
+    ]
+    assert not found, "\n".join(found)

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fake_http import JsonServer
-from fake_k8s import status
-from test_provision_slice import FakeKube, _node, _store_config
+from support.fake_http import JsonServer
+from support.fake_k8s import status
+from support.provision_api import FakeKube
+from support.provision_api import node as _node
+from support.provision_api import store_config as _store_config
 
 from recovery_steps import finalize, lease, provision_slice, validate_config
 from recovery_steps.kernel.kube import make_api_client

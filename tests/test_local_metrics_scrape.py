@@ -11,8 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from local_job import HOSTS, shrunken_workflow
 from prometheus_client.parser import text_string_to_metric_families
+from support.local_job import HOSTS, shrunken_workflow
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ and steps are paced (0.2 s) so that the save and its peer copy have landed by th
 from __future__ import annotations
 
 import pytest
-from local_job import reference_digest, shrunken_workflow
+from support.local_job import reference_digest, shrunken_workflow
 
 from recovery_steps.kernel.records import TierRecord
 from recovery_steps.kernel.store import RunLayout, RunStore

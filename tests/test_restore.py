@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from ckpt_factory import tiny_config, write_checkpoint, write_run_config
+from support.ckpt_factory import tiny_config, write_checkpoint, write_run_config
 
 from recovery_steps import restore_latest
 from recovery_steps.kernel.contract import ExitCode

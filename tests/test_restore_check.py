@@ -6,7 +6,7 @@ import hashlib
 import shutil
 
 import pytest
-from trainer_harness import launch, read_report, tiny_config, write_config
+from support.trainer_harness import launch, read_report, tiny_config, write_config
 
 from recovery_steps import restore_latest
 from recovery_steps.kernel.records import CheckpointManifest, EventKind, QuarantineReason, RestoreRecord

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from ckpt_factory import tiny_config, write_run_config
-from trainer_harness import tiny_classifier_config, write_config
-from trainer_harness import tiny_config as tiny_job
+from support.ckpt_factory import tiny_config, write_run_config
+from support.trainer_harness import tiny_classifier_config, write_config
+from support.trainer_harness import tiny_config as tiny_job
 
 from recovery_steps import restore_latest
 from recovery_steps.kernel.contract import ExitCode

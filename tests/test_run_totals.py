@@ -85,7 +85,7 @@ def _report(store, attempt, index, code, **kw):
 
 def _validated(store_root: str) -> RunStore:
     """The run as validate-config leaves it (finalize records nothing for a run that was never validated)."""
-    from ckpt_factory import tiny_config, write_run_config
+    from support.ckpt_factory import tiny_config, write_run_config
 
     store = RunStore(store_root, RUN)
     write_run_config(store, tiny_config(run_id=RUN))

@@ -14,8 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
-import argo_replay
 import pytest
+from support import argo_replay
 
 from recovery_steps.kernel.config import SupervisionConfig, load_config
 from recovery_steps.kernel.store import RunLayout, RunStore

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from trainer_harness import REPO
+from support.trainer_harness import REPO
 
 from recovery_steps.kernel.compat import check_compatible
 from recovery_steps.kernel.config import ConfigError, parse_config

@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from fake_k8s import FakeCluster, iso, node, pod, status
+from support.fake_k8s import FakeCluster, iso, node, pod, status
 
 from recovery_steps import train_segment as ts
 from recovery_steps.kernel.config import StorageConfig, SupervisionConfig, load_config

@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from trainer_harness import launch, read_report, tiny_classifier_config, tiny_config, write_config
+from support.trainer_harness import launch, read_report, tiny_classifier_config, tiny_config, write_config
 
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import CheckpointManifest, EventKind, PreemptionSave

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from trainer_harness import lm_examples, tiny_config
+from support.trainer_harness import lm_examples, tiny_config
 
 from recovery_steps.kernel.records import CheckpointManifest
 from recovery_steps.kernel.store import RunLayout, RunStore

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_harness import launch, read_report, tiny_config, write_config
+from support.trainer_harness import launch, read_report, tiny_config, write_config
 
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import CheckpointManifest, EventKind

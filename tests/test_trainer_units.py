@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from trainer_harness import lm_examples, tiny_config
+from support.trainer_harness import lm_examples, tiny_config
 
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.metrics import METRICS
@@ -249,7 +249,7 @@ def _gcs_error(code: int, message: str) -> dict:
 def gcs_answering(monkeypatch):
     """A local HTTP server standing in for GCS, reached through STORAGE_EMULATOR_HOST: it answers every
     request with the status and GCS error body given, and counts the requests."""
-    from fake_http import JsonServer
+    from support.fake_http import JsonServer
 
     from recovery_steps.kernel.store import STORE_RETRY_DEADLINE_ENV
 
@@ -351,8 +351,8 @@ def test_bucket_check_transient_answer_is_not_a_configuration_error(gcs_answerin
 
 
 def test_worker_without_bucket_metadata_rights_exits_2_before_joining_the_gang(gcs_emulator, gcs_bucket, tmp_path):
-    from test_preflight import IamProxy
-    from trainer_harness import launch, read_report, write_config
+    from support.iam_proxy import IamProxy
+    from support.trainer_harness import launch, read_report, write_config
 
     cfg = tiny_config(f"gs://{gcs_bucket}/bucket-rights-{os.getpid()}", hosts=2)
     store = write_config(cfg)

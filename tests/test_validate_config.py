@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ckpt_factory import write_checkpoint
+from support.ckpt_factory import write_checkpoint
 
 from recovery_steps import validate_config
 from recovery_steps.kernel.config import load_config

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from schemas import argo_errors, core_errors, jobset_errors, substitute
+from support.schemas import argo_errors, core_errors, jobset_errors, substitute
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = sorted(p for p in (REPO / "argo").glob("*.yaml") if "\nkind: Workflow\n" in p.read_text())
@@ -92,7 +92,7 @@ def test_misspelt_key_fails_core_validation():
 def test_vendored_schemas_are_the_published_files():
     import hashlib
 
-    from schemas import ARGO_SCHEMA, JOBSET_CRD
+    from support.schemas import ARGO_SCHEMA, JOBSET_CRD
 
     expected = {
         ARGO_SCHEMA: "3f84c5722c48a5aa815fe69119a9375fc3635114f8046da20ede55a8596529f5",

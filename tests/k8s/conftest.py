@@ -167,7 +167,7 @@ def pods_gcs(real_cluster: RealCluster, gcs_emulator, tmp_path_factory) -> Itera
     directly, with no credentials."""
     import chaos
     import toxiproxy
-    from metadata_server import MetadataServer
+    from support.metadata_server import MetadataServer
 
     from workflows.local.outage import OutageProxy
 

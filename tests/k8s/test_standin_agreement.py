@@ -23,11 +23,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import argo_replay
 import argoctl
 import pytest
+from argorun import ArgoRun, lose_supervisor
+from argorun import clean as _clean
 from realcluster import RealCluster
-from test_argo import ArgoRun, _clean, lose_supervisor
+from support import argo_replay
 from tier import REPO, apply_rbac
 
 from recovery_steps.kernel.config import load_config

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas"
+SCHEMAS = Path(__file__).resolve().parents[1] / "data" / "schemas"
 ARGO_SCHEMA = SCHEMAS / "argo" / "argo-workflows-v4.1.2-schema.json"
 JOBSET_CRD = SCHEMAS / "k8s" / "jobset.x-k8s.io_jobsets.yaml"
 K8S_VERSION = "1.33.0"

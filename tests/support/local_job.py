@@ -18,7 +18,7 @@ from recovery_steps.kernel.store import RunStore
 from workflows.build import render_workflow
 from workflows.report import load_events
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOTAL = 20
 INTERVAL = 5
 HOSTS = 2

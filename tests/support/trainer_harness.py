@@ -17,7 +17,7 @@ from recovery_steps.kernel.config import JobConfig, parse_config
 from recovery_steps.kernel.records import EventKind, WorkerEvent, parse_event_line
 from recovery_steps.kernel.store import RunLayout, RunStore
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

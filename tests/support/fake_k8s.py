@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from fake_http import JsonServer, Stream
+from support.fake_http import JsonServer, Stream
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 INDEX = "batch.kubernetes.io/job-completion-index"
