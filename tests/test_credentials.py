@@ -163,19 +163,9 @@ GCSFS_CHILD = textwrap.dedent(
 def test_gcsfs_in_a_pod_takes_the_pods_credentials_instead_of_going_on_anonymous(metadata, gcs_emulator, gcs_bucket):
     """gcsfs (orbax's and the compilation cache's gs:// paths) left to itself goes on anonymous (here: the
     emulator's FSSPEC_GCS_TOKEN=anon; on GKE: after a failed metadata ping); shared, it sends the pod's tokens."""
-    from workflows.local.outage import OutageProxy
-
-    proxy = OutageProxy(gcs_emulator.url, authorize=metadata.issued)
-    env = {**os.environ, **metadata.env(), "KUBERNETES_SERVICE_HOST": "127.0.0.1", "STORAGE_EMULATOR_HOST": proxy.url}
-    try:
-        answers = {}
-        for mode in ("alone", "shared"):
-            argv = [sys.executable, "-c", GCSFS_CHILD, mode, f"gs://{gcs_bucket}/gcsfs-{mode}"]
-            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-            assert p.returncode == 0, p.stderr[-2000:]
-            answers[mode] = json.loads(p.stdout.strip().splitlines()[-1])
-    finally:
-        proxy.close()
+    answers = _children_behind_the_token_check(
+        metadata, gcs_emulator, GCSFS_CHILD, ("alone", "shared"), lambda mode: f"gs://{gcs_bucket}/gcsfs-{mode}"
+    )
     assert "401" in answers["alone"].get("error", ""), answers
     assert answers["shared"] == {"read": "through gcsfs"}, answers
 
@@ -199,18 +189,28 @@ ORBAX_CHILD = textwrap.dedent(
 def test_orbaxs_own_bucket_reads_take_the_pods_credentials(metadata, gcs_emulator, gcs_bucket):
     """orbax's ``gcs_utils.get_bucket`` (read while a save finalizes) makes a ``storage.Client()`` of its own,
     anonymous against an emulator; given the pod's credentials, its reads carry the metadata server's tokens."""
+    answers = _children_behind_the_token_check(
+        metadata, gcs_emulator, ORBAX_CHILD, ("alone", "given"), lambda mode: gcs_bucket
+    )
+    assert "Anonymous credentials cannot be refreshed" in answers["alone"].get("error", ""), answers
+    assert answers["given"] == {"bucket": gcs_bucket}, answers
+
+
+def _children_behind_the_token_check(metadata, gcs_emulator, child, modes, arg) -> dict[str, dict]:
+    """Run ``child`` once per mode as a pod's process would (the metadata server, GCS behind the proxy that refuses
+    a request without an issued token); each one's last line, parsed."""
     from workflows.local.outage import OutageProxy
 
     proxy = OutageProxy(gcs_emulator.url, authorize=metadata.issued)
     env = {**os.environ, **metadata.env(), "KUBERNETES_SERVICE_HOST": "127.0.0.1", "STORAGE_EMULATOR_HOST": proxy.url}
+    answers = {}
     try:
-        answers = {}
-        for mode in ("alone", "given"):
-            argv = [sys.executable, "-c", ORBAX_CHILD, mode, gcs_bucket]
-            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+        for mode in modes:
+            p = subprocess.run(
+                [sys.executable, "-c", child, mode, arg(mode)], env=env, capture_output=True, text=True, timeout=180
+            )
             assert p.returncode == 0, p.stderr[-2000:]
             answers[mode] = json.loads(p.stdout.strip().splitlines()[-1])
     finally:
         proxy.close()
-    assert "Anonymous credentials cannot be refreshed" in answers["alone"].get("error", ""), answers
-    assert answers["given"] == {"bucket": gcs_bucket}, answers
+    return answers
