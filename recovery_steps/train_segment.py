@@ -86,6 +86,20 @@ class AlreadyDecided(Exception):
         self.record = record
 
 
+class GangGone(Exception):
+    """The attempt's JobSet is not there, but the store shows its gang ran: never created again.
+
+    A re-attaching supervisor (its pod lost, the retry late) that finds no JobSet reads "absent" only as "never
+    created" when nothing of the attempt is in the store; heartbeats or exit reports of the attempt are positive
+    evidence that its gang was created and is gone (completed and cleaned away, or deleted by someone else), and a
+    second gang of the same attempt would start again from the attempt's restore step.
+    """
+
+    def __init__(self, reports: list[Any], unreadable: int):
+        super().__init__(f"{len(reports)} exit report(s)" + (f", {unreadable} unreadable" if unreadable else ""))
+        self.reports = reports
+
+
 def recorded_verdict(store: RunStore, attempt: int) -> SupervisionRecord | None:
     """The attempt's supervision verdict (succeeded, failed or stalled) if a supervisor recorded one."""
     rec = store.read_record(RunLayout.supervision(attempt), SupervisionRecord)
@@ -335,6 +349,7 @@ class Supervisor:
             decided = recorded_verdict(self.store, self.attempt)
             if decided is not None:
                 raise AlreadyDecided(decided)
+            self._never_ran()
             if self.gang.create(manifest) is not None:
                 self.say(f"created JobSet {self.gang.name}")
                 return
@@ -348,6 +363,18 @@ class Supervisor:
         self.reattached = True
         self.created_at = (existing.created_at if existing else None) or self.clock()
         self.say(f"re-attached to JobSet {self.gang.name} (it already exists: not creating a second gang)")
+
+    def _never_ran(self) -> None:
+        """Raise ``GangGone`` when the store holds exit reports of this attempt.
+
+        Every worker writes one on any exit it lives to make: a gang deleted by someone else leaves its SIGTERMed
+        workers' reports. A read that fails raises too: it is no evidence that the gang never ran.
+        """
+        from recovery_steps.kernel.documents import read_worker_reports
+
+        reports, unreadable = read_worker_reports(self.store, self.attempt)
+        if reports or unreadable:
+            raise GangGone(reports, len(unreadable))
 
     def observe(self) -> tuple[Observation, list[WorkerHeartbeat], ClusterSnapshot]:
         """The attempt now: the decision's input, the heartbeats read and the gang's snapshot."""
@@ -620,12 +647,37 @@ def run(
     except AlreadyDecided as done:
         say(f"attempt {attempt} was decided by an earlier try of this step ({done.record.outcome}); its JobSet is gone")
         record = done.record
+    except GangGone as gone:
+        record = gone_record(manifest["metadata"]["name"], attempt, cfg.slice.num_hosts, gone)
+        say(f"{record.reason}: not creating a second gang for attempt {attempt}")
     except api_failures() as e:
         hint = "; retried in place (the retry re-attaches to a gang already created)"
         raise api_error(e, transient_hint=hint) from None
     store.write_record(RunLayout.supervision(attempt), record)
     outputs_of(record).write(output_dir)
     return record
+
+
+def gone_record(jobset: str, attempt: int, hosts: int, gone: GangGone) -> SupervisionRecord:
+    """The verdict on an attempt whose gang ran and is gone.
+
+    Succeeded when every worker reported exit 0, else failed: the JobSet was deleted by someone else before the
+    attempt ended.
+    """
+    ok = sorted({r.process_index for r in gone.reports if r.exit_code == ExitCode.OK})
+    if len(ok) >= hosts:
+        outcome = SupervisionOutcome.SUCCEEDED
+        reason = f"every worker succeeded ({len(ok)}/{hosts}), as their exit reports say; the JobSet is gone"
+    else:
+        outcome = SupervisionOutcome.FAILED
+        reason = (
+            f"the attempt's JobSet is gone after its gang ran ({gone}; {len(ok)}/{hosts} workers reported exit 0): "
+            "deleted by someone else"
+        )
+    at = now()
+    return SupervisionRecord(
+        attempt=attempt, jobset=jobset, outcome=outcome, reason=reason, detected_at=at, stopped_at=at
+    )
 
 
 def record_error(store_root: str, run_id: str, attempt: int, e: StepError) -> None:

@@ -12,7 +12,8 @@ from support.fake_k8s import FakeCluster, iso, node, pod, status
 
 from recovery_steps import train_segment as ts
 from recovery_steps.kernel.config import StorageConfig, SupervisionConfig, load_config
-from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat
+from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport, WorkerHeartbeat
 from recovery_steps.kernel.step import StepError
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.jobset import jobset_manifest
@@ -569,3 +570,33 @@ def test_a_store_outage_longer_than_the_hang_timeout_is_no_hang(tmp_path, cluste
                  k8s_host=cluster.url, clock=lambda: time.time() + skew["s"], say=lambda _: None)  # fmt: skip
     assert rec.outcome == "succeeded", rec.reason
     assert rec.last_step == 5 and any("unreadable for" in e and "Input/output error" in e for e in rec.evidence)
+
+
+def _report(store, attempt: int, i: int, code: int) -> None:
+    name = ExitCode(code).name
+    rep = WorkerExitReport(
+        run_id=store.run_id, attempt=attempt, process_index=i, process_count=HOSTS, exit_code=code, exit_name=name
+    )
+    store.write_record(RunLayout.worker_report(attempt, i), rep)
+
+
+@pytest.mark.parametrize(
+    ("codes", "outcome", "fragment"),
+    [
+        ((0, 0, 0, 0), "succeeded", "every worker succeeded (4/4), as their exit reports say"),
+        ((143, 143), "failed", "deleted by someone else"),
+    ],
+)
+def test_a_gang_that_ran_and_is_gone_is_never_created_again(tmp_path, cluster, codes, outcome, fragment):
+    """A late retry of the supervisor finds no JobSet, but the attempt's workers reported their exits: its gang
+    was created and is gone (cleaned away once completed, or deleted by someone else). Absent is not "never
+    created": no second gang of the attempt, started again from its restore step; the verdict comes from the
+    reports."""
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    for i, code in enumerate(codes):
+        _report(store, 0, i, code)
+    rec, lines, _ = _run(cfg, tmp_path, cluster)
+    assert not cluster.requests_of("POST", "/jobsets"), "a second gang was created"
+    assert rec.outcome == outcome and fragment in rec.reason, rec.reason
+    assert any("not creating a second gang" in ln for ln in lines), lines
