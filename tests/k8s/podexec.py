@@ -760,12 +760,22 @@ class Kubelet:
         )
 
     def remove(self, ns: str, name: str) -> None:
-        """Confirm a deletion (grace 0), as the kubelet does once the containers are gone."""
+        """Confirm a deletion (grace 0), as the kubelet does once the containers are gone.
+
+        One that fails (the API restarting, 5xx) is confirmed again at the next resync (``reconcile``), as the
+        kubelet's status manager keeps syncing a terminating pod until the API takes it; a pod left Terminating
+        would hold its Workflow node Running for good.
+        """
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        with contextlib.suppress(ApiException):
+        try:
             self.core().delete_namespaced_pod(name, ns, body=client.V1DeleteOptions(grace_period_seconds=0))
+        except ApiException as e:
+            if e.status != 404:
+                log.info("pod %s/%s: deletion not confirmed (%s); again at the next resync", ns, name, e.status)
+        except Exception as e:  # noqa: BLE001 - no answer: the next resync confirms it
+            log.info("pod %s/%s: deletion not confirmed (%s); again at the next resync", ns, name, type(e).__name__)
 
     def on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         uid = pod["metadata"]["uid"]
@@ -798,6 +808,11 @@ class Kubelet:
             if not run.done.is_set():
                 log.info("pod %s/%s is gone from the API: killed", run.ns, run.name)
                 run.kill(kill_grace(run.pod))
+        # A pod being deleted whose containers are gone: its deletion confirmed (again, if it failed before).
+        for p in resp.items:
+            run = self.runs.get(p.metadata.uid)
+            if p.metadata.deletion_timestamp is not None and (run is None or run.done.is_set()):
+                self.remove(p.metadata.namespace, p.metadata.name)
 
     def watch(self) -> None:
         from kubernetes import watch
