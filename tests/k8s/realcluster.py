@@ -433,11 +433,17 @@ class RealCluster:
 
         The new process is started from a thread that lives as long as this process: ``PR_SET_PDEATHSIG`` sends its
         signal when the *thread* that forked the child ends, so a component restarted from a short-lived thread (a
-        chaos fault's) would be killed the moment that thread returned.
+        chaos fault's) would be killed the moment that thread returned. Stop and start both run on that one
+        thread, so that two restarts of one component (two faults at once) follow each other: interleaved, the
+        second's start found the first's new process on the port, exited, and left that process running untracked.
         """
         comp = self.components[name]
-        comp.stop()
-        _STARTER.submit(comp.start).result()
+
+        def again() -> None:
+            comp.stop()
+            comp.start()
+
+        _STARTER.submit(again).result()
         if name == "jobset":
             self.wait_jobset_webhooks()
 
