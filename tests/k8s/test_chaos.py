@@ -31,7 +31,11 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
     "test_no_fault_kills_a_healthy_gang_stops_the_run_or_costs_a_step": {
         1: "the process kubelet left a step pod Pending for good after a 503 in its set-up, and its nodes stayed "
         "tainted once the node-lifecycle controller set Ready Unknown (the exit handler never scheduled); an API "
-        "server restarted from a fault thread died with the thread (PR_SET_PDEATHSIG)",
+        "server restarted from a fault thread died with the thread (PR_SET_PDEATHSIG); with the metadata faults "
+        "drawn beside them: the deleted supervisor's pod stayed Terminating when the API took no confirmation (the "
+        "process kubelet now confirms at each resync), its retry came after the gang had completed and re-created "
+        "the attempt's JobSet from its restore step (a supervisor now reads the attempt's exit reports first), and "
+        "two API server restarts at once left one running untracked",
         3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay",
     },
     "test_an_operator_stop_then_the_same_file_again_resumes_under_faults": {
