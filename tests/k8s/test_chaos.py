@@ -35,7 +35,9 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
         "drawn beside them: the deleted supervisor's pod stayed Terminating when the API took no confirmation (the "
         "process kubelet now confirms at each resync), its retry came after the gang had completed and re-created "
         "the attempt's JobSet from its restore step (a supervisor now reads the attempt's exit reports first), and "
-        "two API server restarts at once left one running untracked",
+        "two API server restarts at once left one running untracked. Open: a checkpoint save slowed by GCS resets "
+        "holds the loop past the 20 s hang timeout and the attempt is called hung (the hang deadline must know the "
+        "trainer is saving)",
         3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay",
     },
     "test_an_operator_stop_then_the_same_file_again_resumes_under_faults": {
