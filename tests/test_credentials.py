@@ -45,13 +45,18 @@ def metadata():
     md.close()
 
 
-def _child(md: MetadataServer, root: str, mode: str = "store", deadline: float = 0.0, **env: str) -> dict:
+def _as_pod(md: MetadataServer, code: str, *args: str, **env: str) -> dict:
+    """Run ``code`` as a pod's process would (in a pod, no key file, the metadata server ``md``); its last line,
+    parsed."""
     full = {**os.environ, **md.env(), "KUBERNETES_SERVICE_HOST": "127.0.0.1", **env}
     full.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
-    argv = [sys.executable, "-c", CHILD, mode, str(deadline), root]
-    p = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code, *args], env=full, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _child(md: MetadataServer, root: str, mode: str = "store", deadline: float = 0.0, **env: str) -> dict:
+    return _as_pod(md, CHILD, mode, str(deadline), root, **env)
 
 
 def test_a_pods_store_gets_its_token_from_the_metadata_server(metadata, gcs_bucket, request):
@@ -202,15 +207,7 @@ def _children_behind_the_token_check(metadata, gcs_emulator, child, modes, arg) 
     from workflows.local.outage import OutageProxy
 
     proxy = OutageProxy(gcs_emulator.url, authorize=metadata.issued)
-    env = {**os.environ, **metadata.env(), "KUBERNETES_SERVICE_HOST": "127.0.0.1", "STORAGE_EMULATOR_HOST": proxy.url}
-    answers = {}
     try:
-        for mode in modes:
-            p = subprocess.run(
-                [sys.executable, "-c", child, mode, arg(mode)], env=env, capture_output=True, text=True, timeout=180
-            )
-            assert p.returncode == 0, p.stderr[-2000:]
-            answers[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+        return {mode: _as_pod(metadata, child, mode, arg(mode), STORAGE_EMULATOR_HOST=proxy.url) for mode in modes}
     finally:
         proxy.close()
-    return answers
