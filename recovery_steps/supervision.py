@@ -191,6 +191,7 @@ class WorkerProgress(_Rec):
     step: int | None = Field(default=None, description="Last step completed (None: none yet).")
     at: float = Field(description="When the heartbeat was written (epoch seconds).")
     first_step_at: float | None = None
+    saving: int | None = Field(default=None, description="The checkpoint step the loop waits for since ``at``.")
 
 
 class HeartbeatRead(_Rec):
@@ -500,6 +501,16 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
             continue
         # A heartbeat is written at most every heartbeat_interval_s: the last step may be that old.
         silent = obs.now - b.at
+        if b.saving is not None:  # the loop waits for a save's commit: a slow store is not a hung step
+            if silent >= d.save_timeout_s:
+                return Verdict(
+                    state=AttemptState.STALLED,
+                    kind=StallKind.HANG,
+                    reason=f"{p.label}: waited {silent:.0f} s after step {b.step} for the save of checkpoint "
+                    f"{b.saving} to commit (save timeout {d.save_timeout_s:g} s)",
+                    worker=p.index,
+                )
+            continue
         if silent >= d.hang_timeout_s:
             return Verdict(
                 state=AttemptState.STALLED,
@@ -540,7 +551,10 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
     at = f", step {min(steps)}" if len(steps) == obs.expected_workers else ""
     blind = ", ".join(str(r.index) for r in obs.unreadable)
     unread = f", heartbeats unreadable: worker {blind}" if blind else ""
+    saves = sorted({b.saving for b in obs.progress if b.saving is not None})
+    waits = f", waiting for the save of checkpoint {', '.join(map(str, saves))}" if saves else ""
     return Verdict(
         state=AttemptState.RUNNING,
-        reason=f"scheduled {scheduled}/{obs.expected_workers}, running {running}/{obs.expected_workers}{at}{unread}",
+        reason=f"scheduled {scheduled}/{obs.expected_workers}, running {running}/{obs.expected_workers}{at}{waits}"
+        f"{unread}",
     )

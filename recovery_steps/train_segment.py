@@ -185,7 +185,8 @@ def observation(
         pods=tuple(pod_observation(p, waits.get(p.name)) for p in snap.pods),
         nodes=tuple(node_observation(n, lost_seen.get(n.name)) for n in sorted(snap.nodes, key=lambda n: n.name)),
         progress=tuple(
-            WorkerProgress(index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at) for b in beats
+            WorkerProgress(index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at, saving=b.saving)
+            for b in beats
         ),
         reads=tuple(r for _, r in sorted((reads or {}).items())),
     )

@@ -239,6 +239,18 @@ def test_read_attempt_facts_reads_what_the_steps_write(tmp_path):
     assert (two.provision.at, two.restore.restore_step, [r.process_index for r in two.reports]) == (110.0, 20, [0])
 
 
+def test_has_checkpoint_counts_only_a_step_whose_manifest_is_written(tmp_path):
+    """``--after-checkpoint``: a step orbax is still writing (no manifest yet) is not a checkpoint to drill after."""
+    store = RunStore(str(tmp_path), "r")
+    store.write_bytes(f"{RunLayout.checkpoint(10)}/state/part", b"x")
+    store.write_bytes(RunLayout.checkpoint_manifest(10), b"{}")
+    store.write_bytes(f"{RunLayout.checkpoint(20)}/state/part", b"x")
+    assert drill.has_checkpoint(store, 10)
+    assert not drill.has_checkpoint(store, 11)  # step 20's save is in flight
+    store.write_bytes(RunLayout.checkpoint_manifest(20), b"{}")
+    assert drill.has_checkpoint(store, 11)
+
+
 # -- the kill -------------------------------------------------------------------------------------------------
 
 _UNSHARE = shutil.which("unshare")

@@ -33,6 +33,7 @@ D = SupervisionConfig(
     heartbeat_interval_s=30,
     transient_pull_deadline_s=900,
     node_lost_grace_s=120,
+    save_timeout_s=600,
 )
 UNSCHEDULABLE = Condition(
     type="PodScheduled",
@@ -69,8 +70,9 @@ def done(i: int, code: int = 0) -> PodObservation:
     return running(i, phase=phase, exit_code=code, terminated_reason="Completed" if code == 0 else "Error")
 
 
-def beat(i: int, step: int | None, at: float) -> WorkerProgress:
-    return WorkerProgress(index=i, step=step, at=at, first_step_at=T0 + 200 if step is not None else None)
+def beat(i: int, step: int | None, at: float, saving: int | None = None) -> WorkerProgress:
+    first = T0 + 200 if step is not None else None
+    return WorkerProgress(index=i, step=step, at=at, first_step_at=first, saving=saving)
 
 
 def nodes(*lost: int, unreachable: bool = True) -> tuple[NodeObservation, ...]:
@@ -324,6 +326,50 @@ CASES = [
         AttemptState.STALLED,
         StallKind.HANG,
         "worker 3: no progress past step 38 for 121 s",
+    ),
+    # A loop that waits for a save's commit (a store slowed by an outage) says so: the save timeout applies.
+    (
+        "waiting-for-a-save-longer-than-hang-timeout",
+        obs(
+            621,
+            ALL_RUNNING,
+            progress=[
+                beat(0, 40, T0 + 500, saving=30),
+                beat(1, 40, T0 + 500, saving=30),
+                beat(2, 40, T0 + 500, saving=30),
+                beat(3, 40, T0 + 500, saving=30),
+            ],
+        ),  # fmt: skip
+        AttemptState.RUNNING,
+        None,
+        "step 40, waiting for the save of checkpoint 30",
+    ),
+    (
+        "waiting-for-a-save-past-save-timeout",
+        obs(
+            1101,
+            ALL_RUNNING,
+            progress=[
+                beat(0, 40, T0 + 500, saving=30),
+                beat(1, 40, T0 + 1090),
+                beat(2, 40, T0 + 1090),
+                beat(3, 40, T0 + 1090),
+            ],
+        ),  # fmt: skip
+        AttemptState.STALLED,
+        StallKind.HANG,
+        "worker 0: waited 601 s after step 40 for the save of checkpoint 30 to commit (save timeout 600 s)",
+    ),
+    (
+        "save-wait-over-then-silent-past-hang-timeout",
+        obs(
+            621,
+            ALL_RUNNING,
+            progress=[beat(0, 40, T0 + 500), beat(1, 40, T0 + 600), beat(2, 40, T0 + 600), beat(3, 40, T0 + 600)],
+        ),  # fmt: skip
+        AttemptState.STALLED,
+        StallKind.HANG,
+        "worker 0: no progress past step 40 for 121 s",
     ),
     (
         "no-first-step-past-compile-grace",

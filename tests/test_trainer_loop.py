@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+from types import SimpleNamespace
+
 import pytest
 
 from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.records import WorkerExitReport, WorkerHeartbeat
+from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.decisions import SaveReason, TrainerExit, parse_faults, save_decision
-from trainer.hooks import FaultHook, check_finite_loss
+from trainer.hooks import CheckpointHook, FaultHook, HeartbeatHook, check_finite_loss
 from trainer.loop import Hooks, StepRecord, training_steps
 
 NONE, INTERVAL, PREEMPTION, FINAL = SaveReason.NONE, SaveReason.INTERVAL, SaveReason.PREEMPTION, SaveReason.FINAL
@@ -101,3 +106,80 @@ def test_fault_and_loss_guard_hooks():
     fault.before_step(4)
     with pytest.raises(RuntimeError, match="injected application bug in step 5"):
         fault.before_step(5)
+
+
+class SlowCheckpointer:
+    """A checkpointer whose save of step 10 is in flight; ``finish_pending`` records what the others saw meanwhile."""
+
+    def __init__(self, seen):
+        self.seen = seen
+        self.last_committed = None
+        self.last_duration = self.last_blocking = self.last_commit_time = None
+        self.last_parts = {}
+        self.pending = SimpleNamespace(step=10, done=concurrent.futures.Future())
+        self.saved = []
+
+    def poll(self):
+        return self._record() if self.pending is not None and self.pending.done.done() else None
+
+    def finish_pending(self):
+        if self.pending is None:
+            return None
+        self.seen()
+        return self._record()
+
+    def _record(self):
+        self.pending, self.last_committed = None, 10
+        return 10
+
+    def save(self, step, state, data_iter):
+        self.saved.append(step)
+        self.pending = SimpleNamespace(step=step, done=concurrent.futures.Future())
+
+
+def _save_hooks(tmp_path, *, done: bool):
+    store = RunStore(str(tmp_path), "run")
+    watchdog = SimpleNamespace(saving=False, touch=lambda: None)
+    during = {}
+
+    def seen():
+        during["beat"] = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)
+        during["watchdog_saving"] = watchdog.saving
+
+    ckpt = SlowCheckpointer(seen)
+    if done:
+        ckpt.pending.done.set_result(None)
+    report = WorkerExitReport(run_id="run", attempt=0, process_index=1, process_count=2, exit_code=0, exit_name="OK")
+    beat = HeartbeatHook(store, 0, 1, 30.0, ckpt, report)
+    metrics = SimpleNamespace(set=lambda *a: None)
+    events = SimpleNamespace(emit=lambda *a, **k: None)
+    stepper = SimpleNamespace(state=None, data_iter=None)
+    hook = CheckpointHook(
+        ckpt, stepper, interval_steps=10, total_steps=100, async_save=True, restore_step=-1, kill_during_save=None,
+        events=events, metrics=metrics, report=report, watchdog=watchdog, heartbeat=beat,
+    )  # fmt: skip
+    beat.on_step(StepRecord(19, 0.5, first=True))
+    return store, hook, watchdog, during
+
+
+def test_a_wait_for_a_save_in_flight_is_in_the_heartbeat_and_ends_with_it(tmp_path):
+    """The loop blocks at step 20 on step 10's commit: the heartbeat says so while it waits (the supervisor then
+    applies the save timeout) and the watchdog does too; once committed, a heartbeat without the wait follows."""
+    store, hook, watchdog, during = _save_hooks(tmp_path, done=False)
+    hook.heartbeat.on_step(StepRecord(20, 0.5))  # within the interval: no write
+    hook.on_step(StepRecord(20, 0.5))
+    assert during["beat"].saving == 10 and during["beat"].step == 20, during
+    assert during["watchdog_saving"] is True
+    after = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)
+    assert after.saving is None and after.checkpoint_step == 10, after
+    assert watchdog.saving is False
+    assert hook.ckpt.saved == [20]
+
+
+def test_a_save_that_committed_in_the_background_costs_no_heartbeat(tmp_path):
+    store, hook, watchdog, during = _save_hooks(tmp_path, done=True)
+    first = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)
+    hook.heartbeat.on_step(StepRecord(20, 0.5))
+    hook.on_step(StepRecord(20, 0.5))
+    assert "beat" not in during and watchdog.saving is False  # polled as committed: nothing was waited for
+    assert store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat) == first  # no write for the save

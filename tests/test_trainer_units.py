@@ -158,6 +158,11 @@ def test_watchdog_gives_the_first_step_compile_grace():
     assert watchdog_limit(30, 120, first_step_done=True) == 30
 
 
+def test_watchdog_gives_a_wait_for_a_save_the_save_timeout():
+    assert watchdog_limit(30, 120, first_step_done=True, save_timeout_s=600) == 600
+    assert watchdog_limit(30, 900, first_step_done=False, save_timeout_s=600) == 930  # never below the grace
+
+
 def test_compatibility_uses_the_shared_table(tmp_path):
     cfg = tiny_config(str(tmp_path))
     saved = cfg.model_dump(mode="json")

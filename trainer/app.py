@@ -424,7 +424,9 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     except Exception as e:  # noqa: BLE001 - any failure to start the runtime has one contract code
         out.exit_now(exit_code_for(e, during_init=True), e)
     w.report.initialized_at = now()
-    w.watchdog = Watchdog(cfg.training.hang_timeout_s, cfg.training.compile_grace_s, out)
+    w.watchdog = Watchdog(
+        cfg.training.hang_timeout_s, cfg.training.compile_grace_s, out, save_timeout_s=cfg.supervision.save_timeout_s
+    )
     if w.peer_notice is not None:
         w.watchdog.peer_lost = w.peer_notice.heard
     # TRAINER_WATCHDOG=off: rehearse a silent hang that only the supervisor's heartbeat deadline can see.
@@ -603,6 +605,9 @@ def _hooks(
     agreement = PreemptionAgreement(
         w.args.attempt, w.process_index, cfg.slice.preemption_window_s, distributed_client()
     )
+    heartbeat = HeartbeatHook(
+        w.store, w.args.attempt, w.process_index, cfg.supervision.heartbeat_interval_s, ckpt, w.report
+    )
     saving = CheckpointHook(
         ckpt,
         stepper,
@@ -618,6 +623,7 @@ def _hooks(
         agreement=agreement,
         # The restored step's own save time is the first estimate, until this attempt commits a save.
         estimate_s=manifest.save_seconds if manifest is not None else None,
+        heartbeat=heartbeat,
     )
     hooks = Hooks()
     hooks.before_step(fault.before_step)
@@ -625,11 +631,7 @@ def _hooks(
     hooks.add(check_finite_loss)
     hooks.add(ProgressHook(w.report, w.watchdog, cache).on_step)
     hooks.add(EventsHook(w.events, cache).on_step)
-    hooks.add(
-        HeartbeatHook(
-            w.store, w.args.attempt, w.process_index, cfg.supervision.heartbeat_interval_s, ckpt, w.report
-        ).on_step
-    )
+    hooks.add(heartbeat.on_step)
     hooks.add(MetricsHook(w.metrics, ckpt, started=now()).on_step)
     hooks.add(saving.on_step)
     if cfg.training.step_delay_s:

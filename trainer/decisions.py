@@ -205,9 +205,12 @@ def bucket_check_exit(exc: BaseException, cfg: JobConfig, bucket: str) -> Traine
     )
 
 
-def watchdog_limit(hang_timeout_s: float, compile_grace_s: float, first_step_done: bool) -> float:
-    """Seconds without progress after which the worker is hung."""
-    return hang_timeout_s if first_step_done else hang_timeout_s + compile_grace_s
+def watchdog_limit(
+    hang_timeout_s: float, compile_grace_s: float, first_step_done: bool, save_timeout_s: float | None = None
+) -> float:
+    """Seconds without progress after which the worker is hung (``save_timeout_s``: while the loop waits for a save)."""
+    limit = hang_timeout_s if first_step_done else hang_timeout_s + compile_grace_s
+    return limit if save_timeout_s is None else max(limit, save_timeout_s)
 
 
 class SaveReason(StrEnum):

@@ -85,18 +85,36 @@ class HeartbeatHook:
         self.store, self.attempt, self.index, self.interval_s = store, attempt, process_index, interval_s
         self.ckpt, self.report = ckpt, report
         self._last = float("-inf")
+        self._step: int | None = None
+        self._waiting = False
 
     def on_step(self, rec: StepRecord) -> None:
         """Write the step when the interval has passed (or on the first and last step)."""
+        self._step = rec.step
         if not (rec.first or rec.last) and rec.finished_at - self._last < self.interval_s:
             return
-        self._last = rec.finished_at
+        self._write(rec.finished_at)
+
+    def saving(self, step: int | None) -> None:
+        """Before the loop blocks on the save of ``step``, and after (None): one heartbeat each.
+
+        The supervisor then gives the wait ``save_timeout_s`` rather than ``hang_timeout_s``, and no longer than
+        it lasts. Only waits that block are announced, so a save that committed in the background costs nothing.
+        """
+        if step is None and not self._waiting:
+            return
+        self._waiting = step is not None
+        self._write(now(), saving=step)
+
+    def _write(self, at: float, saving: int | None = None) -> None:
+        self._last = at
         beat = WorkerHeartbeat(
             process_index=self.index,
-            step=rec.step,
+            step=self._step,
             checkpoint_step=self.ckpt.last_committed,
-            at=rec.finished_at,
+            at=at,
             first_step_at=self.report.first_step_at,
+            saving=saving,
         )
         try:
             self.store.write_record(RunLayout.heartbeat(self.attempt, self.index), beat)
@@ -170,8 +188,10 @@ class CheckpointHook:
         watchdog: Watchdog,
         agreement: Any = None,
         estimate_s: float | None = None,
+        heartbeat: HeartbeatHook | None = None,
     ):
         self.ckpt = ckpt
+        self.heartbeat = heartbeat
         self.stepper = stepper
         self.interval_steps = interval_steps
         self.total_steps = total_steps
@@ -235,10 +255,31 @@ class CheckpointHook:
     def save(self, step: int) -> None:
         """Start saving ``step`` (after recording the previous save's commit)."""
         self.busy = True
+        blocks = self._blocking_wait(step if not self.async_save else None)
         try:
             self._save(step)
         finally:
+            self._waited(blocks)
             self.busy = False
+
+    def _blocking_wait(self, step: int | None) -> bool:
+        """Announce a wait on the training thread that will block: for the save in flight, else (sync) for ``step``."""
+        p = self.ckpt.pending
+        waits_for = p.step if p is not None and p.done is not None and not p.done.done() else step
+        if waits_for is None:
+            return False
+        self.watchdog.saving = True
+        if self.heartbeat is not None:
+            self.heartbeat.saving(waits_for)
+        return True
+
+    def _waited(self, blocked: bool) -> None:
+        if not blocked:
+            return
+        self.watchdog.saving = False
+        self.watchdog.touch()
+        if self.heartbeat is not None:
+            self.heartbeat.saving(None)
 
     def _save(self, step: int) -> None:
         self.note_commit(self.ckpt.finish_pending())
@@ -256,9 +297,11 @@ class CheckpointHook:
     def finish(self) -> None:
         """Wait for the save in flight to commit with its manifest, and record it."""
         self.busy = True
+        blocks = self._blocking_wait(None)
         try:
             self.note_commit(self.ckpt.finish_pending())
         finally:
+            self._waited(blocks)
             self.busy = False
 
     def note_commit(self, committed: int | None) -> None:

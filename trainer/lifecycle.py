@@ -145,11 +145,15 @@ class Watchdog:
     (one run with ``jax_enable_recoverability`` hung > 130 s undetected), so progress is watched here.
     """
 
-    def __init__(self, hang_timeout_s: float, compile_grace_s: float, exit_path: ExitPath):
+    def __init__(
+        self, hang_timeout_s: float, compile_grace_s: float, exit_path: ExitPath, save_timeout_s: float | None = None
+    ):
         self.hang_timeout_s = hang_timeout_s
         self.compile_grace_s = compile_grace_s
+        self.save_timeout_s = hang_timeout_s if save_timeout_s is None else save_timeout_s
         self.exit_path = exit_path
         self.first_step_done = False
+        self.saving = False  # the loop waits for a checkpoint save: save_timeout_s applies, not hang_timeout_s
         self.last_progress = time.monotonic()
         # Another worker's notice that a peer is gone (``PeerLossNotice.heard``), read only while no step
         # has completed for ``PEER_POLL_AFTER_S``: a worker blocked in a collective leaves within a poll.
@@ -167,7 +171,10 @@ class Watchdog:
     def _watch(self) -> None:
         while self.exit_path.exiting is None:
             time.sleep(0.5)
-            limit = watchdog_limit(self.hang_timeout_s, self.compile_grace_s, self.first_step_done)
+            saving = self.saving
+            limit = watchdog_limit(
+                self.hang_timeout_s, self.compile_grace_s, self.first_step_done, self.save_timeout_s if saving else None
+            )
             idle = time.monotonic() - self.last_progress
             if self.peer_lost is not None and idle >= PEER_POLL_AFTER_S:
                 notice = self.peer_lost()
@@ -178,6 +185,5 @@ class Watchdog:
                         announce=False,
                     )
             if idle > limit:
-                self.exit_path.exit_now(
-                    ExitCode.HANG, message=f"no step completed for {idle:.0f} s (limit {limit:.0f} s)"
-                )
+                what = "no step completed, waiting for a checkpoint save," if saving else "no step completed"
+                self.exit_path.exit_now(ExitCode.HANG, message=f"{what} for {idle:.0f} s (limit {limit:.0f} s)")

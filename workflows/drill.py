@@ -283,6 +283,11 @@ def current_progress(store: RunStore) -> tuple[int, int] | None:
     return None
 
 
+def has_checkpoint(store: RunStore, at_least: int) -> bool:
+    """The run has a checkpoint step at or past ``at_least`` whose manifest is written (its save is complete)."""
+    return any(store.exists(RunLayout.checkpoint_manifest(s)) for s in store.checkpoint_steps() if s >= at_least)
+
+
 def newest_checkpoint_file(store: RunStore) -> str | None:
     """The smallest non-empty data file of the newest checkpoint step with a manifest."""
     for step in reversed(store.checkpoint_steps()):
@@ -444,8 +449,12 @@ def run_drill(
     timeout_s: float,
     say: Callable[[str], None] = print,
     store: RunStore | None = None,
+    after_checkpoint: int | None = None,
 ) -> DrillResult:
-    """Submit, wait for progress, inject, wait for the end, and measure."""
+    """Submit, wait for progress, inject, wait for the end, and measure.
+
+    ``after_checkpoint``: inject only once a checkpoint at or past that step is complete, too.
+    """
     store = store or RunStore(target.store_root, target.run_id)
     deadline = time.time() + timeout_s
     refuse_run_in_use(cluster, store, target.run_id)
@@ -453,8 +462,16 @@ def run_drill(
     say(f"drill: submitted workflow {name} (run {target.run_id}, store {store.url()})")
     ended = False
     try:
-        progress = lambda: (p := current_progress(store)) and p[1] >= after_step and p  # noqa: E731
-        attempt, step = wait_until(f"run {target.run_id} to pass step {after_step}", progress, deadline)
+
+        def progress() -> tuple[int, int] | None:
+            p = current_progress(store)
+            if p is None or p[1] < after_step:
+                return None
+            return p if after_checkpoint is None or has_checkpoint(store, after_checkpoint) else None
+
+        waited = f"run {target.run_id} to pass step {after_step}"
+        waited += f" with a checkpoint at or past step {after_checkpoint}" if after_checkpoint is not None else ""
+        attempt, step = wait_until(waited, progress, deadline)
         at = time.time()
         if fault is Fault.RESUBMIT:
             cluster.delete_workflow(name)
@@ -524,12 +541,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--namespace", help="Default: the workflow file's.")
     ap.add_argument("-p", dest="params", action="append", default=[], help="name=value of a workflow parameter.")
     ap.add_argument("--after-step", type=int, default=20, help="Inject once the run has passed this step.")
+    ap.add_argument(
+        "--after-checkpoint",
+        type=int,
+        help="And once a checkpoint at or past this step is complete (its manifest written): the drill then "
+        "measures the steps a failure costs after a save, not a save still in flight.",
+    )
     ap.add_argument("--timeout", type=float, default=3600, help="Seconds for the whole drill.")
     args = ap.parse_args(argv)
     try:
         target = load_target(args.workflow, args.params, args.namespace)
         cluster = Cluster(_client(args.kubeconfig, args.context, args.yes), target.namespace)
-        res = run_drill(cluster, target, args.inject, after_step=args.after_step, timeout_s=args.timeout)
+        res = run_drill(
+            cluster,
+            target,
+            args.inject,
+            after_step=args.after_step,
+            timeout_s=args.timeout,
+            after_checkpoint=args.after_checkpoint,
+        )
     except DrillError as e:
         print(f"drill: {e}", file=sys.stderr)
         return 2

@@ -699,6 +699,13 @@ class SupervisionConfig(_Section):
         description="Before a worker's first step: how long after every worker runs it may take to report a "
         "step (startup, restore and the first compilation) before the attempt counts as hung.",
     )
+    save_timeout_s: float = Field(
+        default=900,
+        gt=0,
+        description="While a worker's loop waits for a checkpoint save to commit (the worker's heartbeat says "
+        "which, and since when), this replaces hang_timeout_s for the supervisor and the worker's own watchdog: a "
+        "save slowed by a storage outage is not a hang, a save that never commits still ends the attempt (hang).",
+    )
     force_delete_grace_s: float = Field(
         default=60,
         ge=0,

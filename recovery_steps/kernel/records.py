@@ -575,6 +575,10 @@ class WorkerHeartbeat(_Record):
     checkpoint_step: int | None = Field(default=None, description="Newest committed checkpoint step.")
     at: float = Field(description="When this heartbeat was written.")
     first_step_at: float | None = Field(default=None, description="When the first step finished.")
+    saving: int | None = Field(
+        default=None,
+        description="The checkpoint step whose save the loop has waited for since ``at`` (None: not waiting).",
+    )
 
 
 class WorkerSupervision(_Record):

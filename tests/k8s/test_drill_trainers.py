@@ -36,12 +36,11 @@ class TrainerDrill:
         self.store = RunStore(root, self.run_id)
         self.lines: list[str] = []
 
-    def run(self, fault: drill.Fault, after_step: int) -> drill.DrillResult:
+    def run(self, fault: drill.Fault, after_step: int, after_checkpoint: int | None = None) -> drill.DrillResult:
         cluster = drill.Cluster(self.rc.admin, self.target.namespace)
         t0 = time.monotonic()
-        res = drill.run_drill(
-            cluster, self.target, fault, after_step=after_step, timeout_s=600, say=self.lines.append, store=self.store
-        )
+        kw = {"after_step": after_step, "after_checkpoint": after_checkpoint, "say": self.lines.append}
+        res = drill.run_drill(cluster, self.target, fault, timeout_s=600, store=self.store, **kw)
         print("\n".join([*self.lines, *drill.measures_table(res.incidents), f"{time.monotonic() - t0:.0f} s"]))
         return res
 
@@ -89,7 +88,7 @@ def test_drill_drain_node_real_trainers(trainer_drill, uninterrupted):
     API: DisruptionTarget, SIGTERM to the trainer). The Job fails by its podFailurePolicy, the attempt is
     classified preemption, the next gang lands on the nodes left and restores the newest checkpoint."""
     d = trainer_drill
-    res = d.run(drill.Fault.DRAIN_NODE, after_step=12)
+    res = d.run(drill.Fault.DRAIN_NODE, after_step=12, after_checkpoint=10)
     node = res.injected.split("drained node ")[1].split()[0]
     t = _one_incident(res, drill.Fault.DRAIN_NODE)
     assert t.incident.failure_class == "preemption", t.incident
@@ -143,7 +142,7 @@ def test_drill_kill_worker_real_trainers(trainer_drill, uninterrupted):
     the trainer is not PID 1 and the kill lands: the container ends 137, the attempt is classified
     infrastructure, the next attempt restores the newest checkpoint."""
     d = trainer_drill
-    res = d.run(drill.Fault.KILL_WORKER, after_step=12)
+    res = d.run(drill.Fault.KILL_WORKER, after_step=12, after_checkpoint=10)
     victim = res.injected.split("SIGKILLed the trainer in ")[1].split()[0]
     t = _one_incident(res, drill.Fault.KILL_WORKER)
     assert t.incident.failure_class == "infrastructure", t.incident
