@@ -92,3 +92,30 @@ def test_the_proxy_throttles_a_share_of_requests_with_the_body_gcs_sends(gcs_emu
         proxy.close()
     assert set(answers) == {200, 429} and 8 <= answers.count(429) <= 32, answers
     assert proxy.refused == answers.count(429) and after == 200
+
+
+def test_a_resent_final_chunk_of_a_completed_upload_is_answered_as_gcs_does(gcs_emulator):
+    """The answer to an upload's final chunk is lost (the connection reset after the emulator completed it):
+    gcsfs sends the chunk again to the same session. GCS answers 200 with the object; the emulator forgets the
+    session (404, which gcsfs raises as FileNotFoundError). Through the proxy the write succeeds, as on GCS."""
+    import gcsfs
+
+    proxy = OutageProxy(gcs_emulator.url)
+    real, lost = proxy.upstream, []
+
+    def reset_after_the_first_final_chunk(method, path, body, headers):
+        got = real(method, path, body, headers)
+        if "upload_id=" in path and got[0] in (200, 201) and not lost:
+            lost.append(path)
+            raise ConnectionResetError("connection reset by peer (after the upload completed)")
+        return got
+
+    proxy.upstream = reset_after_the_first_final_chunk
+    try:
+        fs = gcsfs.GCSFileSystem(endpoint_url=proxy.url, token="anon", skip_instance_cache=True)
+        with fs.open("test-bucket/resent/_CHECKPOINT_METADATA", "w") as f:
+            f.write('{"step": 10}')
+        assert fs.cat("test-bucket/resent/_CHECKPOINT_METADATA") == b'{"step": 10}'
+    finally:
+        proxy.close()
+    assert lost and proxy.completed_resends == 1, (lost, proxy.completed_resends)

@@ -15,9 +15,10 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, quote, urlparse
 
 UNAVAILABLE = {
     "error": {
@@ -65,6 +66,13 @@ class OutageProxy:
     With ``authorize`` (a bearer token -> whether it was issued), a request without an issued token is answered
     401 as GCS answers an anonymous caller (the emulator accepts anything): a client that lost its credentials
     is seen, not carried by the emulator. ``unauthorized`` counts those answers.
+
+    A resumable upload session stays valid on GCS once its upload completed: a client whose final chunk's answer
+    was lost (a connection reset) sends it again, or asks for the session's status, and GCS answers 200 with the
+    object's metadata (cloud.google.com/storage/docs/performing-resumable-uploads, "Check the status of a resumable
+    upload"; a session lives a week). fake-gcs-server forgets a completed session and answers 404, which clients
+    read as "not found" and give up on the write. The proxy answers as GCS does: a 404 for a session it saw begin
+    whose object was written since is the completed upload's 200 (``completed_resends`` counts them).
     """
 
     def __init__(
@@ -74,13 +82,15 @@ class OutageProxy:
         seed: int = 0,
         authorize: Callable[[str], bool] | None = None,
     ):
-        up = urlparse(upstream)
+        self._upstream = upstream
         self._clock = clock
         self.unauthorized = 0
         self._down_until = 0.0
         self._status, self._share = 503, 1.0
         self._rng = random.Random(seed)
         self.refused = 0
+        self.completed_resends = 0
+        self._sessions: dict[str, tuple[str, str, float]] = {}  # upload_id -> bucket, object name, begun (epoch s)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -101,14 +111,14 @@ class OutageProxy:
                 elif status is not None:
                     data, headers = json.dumps(BODIES[status]).encode(), {"Content-Type": "application/json"}
                 else:
-                    conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
                     fwd = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                    conn.request(self.command, self.path, body=body, headers=fwd)
-                    r = conn.getresponse()
-                    data, status = r.read(), r.status
-                    skip = ("transfer-encoding", "connection", "content-length")
-                    headers = {k: v for k, v in r.getheaders() if k.lower() not in skip}
-                    conn.close()
+                    begun = time.time()
+                    status, headers, data = proxy.upstream(self.command, self.path, body, fwd)
+                    headers = proxy.located_here(headers)
+                    if "upload_id=" not in self.path:
+                        proxy.session_begun(self.path, body, headers, begun)
+                    elif status == 404:  # a chunk (gcsfs POSTs them, others PUT) to a session the emulator forgot
+                        status, headers, data = proxy.completed_session(self.path, fwd) or (status, headers, data)
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -121,6 +131,69 @@ class OutageProxy:
         self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self._server.server_port}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def upstream(
+        self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> tuple[int, dict[str, str], bytes]:
+        """One request to the emulator: its status, headers (less the hop-by-hop ones) and body."""
+        up = urlparse(self._upstream)
+        conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+        try:
+            conn.request(method, path, body=body, headers=dict(headers))
+            r = conn.getresponse()
+            data = r.read()
+        finally:
+            conn.close()
+        skip = ("transfer-encoding", "connection", "content-length")
+        return r.status, {k: v for k, v in r.getheaders() if k.lower() not in skip}, data
+
+    def located_here(self, headers: Mapping[str, str]) -> dict[str, str]:
+        """``Location`` (a resumable upload's session URI) pointed at this proxy.
+
+        On GCS it names the endpoint the client called; the emulator names whichever address reached it (that of a
+        proxy behind this one), and the upload's chunks would go around this one.
+        """
+        out = dict(headers)
+        for k, v in headers.items():
+            if k.lower() == "location" and v.startswith("http"):
+                out[k] = urlparse(v)._replace(scheme="http", netloc=urlparse(self.url).netloc).geturl()
+        return out
+
+    def session_begun(self, path: str, body: bytes | None, headers: Mapping[str, str], begun: float) -> None:
+        """Remember a resumable upload session the emulator opened (its object, and when); other requests pass."""
+        url = urlparse(path)
+        if parse_qs(url.query).get("uploadType") != ["resumable"] or not url.path.startswith("/upload/storage/v1/b/"):
+            return
+        location = next((v for k, v in headers.items() if k.lower() == "location"), "")
+        upload_id = parse_qs(urlparse(location).query).get("upload_id", [""])[0]
+        name = parse_qs(url.query).get("name", [""])[0]
+        if not name and body:
+            try:
+                name = str(json.loads(body).get("name") or "")
+            except (ValueError, AttributeError):
+                name = ""
+        if upload_id and name:
+            self._sessions[upload_id] = (url.path.split("/")[5], name, begun)
+
+    def completed_session(self, path: str, headers: Mapping[str, str]) -> tuple[int, dict[str, str], bytes] | None:
+        """GCS's answer to a chunk sent to a session whose upload completed: 200 and the object; None if it did not."""
+        upload_id = parse_qs(urlparse(path).query).get("upload_id", [""])[0]
+        known = self._sessions.get(upload_id)
+        if known is None:
+            return None
+        bucket, name, begun = known
+        auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        status, got, data = self.upstream("GET", f"/storage/v1/b/{bucket}/o/{quote(name, safe='')}", None, auth)
+        if status != 200:
+            return None
+        try:
+            written = datetime.fromisoformat(json.loads(data)["updated"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, TypeError):
+            return None
+        if written < begun - 1.0:  # an older object of that name: this session's upload never completed
+            return None
+        self.completed_resends += 1
+        return 200, got, data
 
     @property
     def is_down(self) -> bool:
