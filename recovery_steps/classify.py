@@ -102,7 +102,7 @@ class Verdict:
 
 @dataclass
 class _Obs:
-    """One worker's failure as seen through pod status, exit report and the local slice record."""
+    """One worker's failure as seen through pod status, its Job and its exit report."""
 
     index: int | None
     pod: PodEvidence | None = None
@@ -113,8 +113,6 @@ class _Obs:
     term_reason: str | None = None
     message: str | None = None
     report: WorkerExitReport | None = None
-    collateral: bool = False
-    marked_first: bool = False
     named_by_job: bool = False
     placeholder: bool = False  # the exit code is the kubelet's placeholder (ContainerStatusUnknown), not the trainer's
     slice_spot: bool = False  # some node of the gang is a Spot VM (a TPU slice's node pool is all Spot or none)
@@ -184,8 +182,6 @@ def _line(o: _Obs) -> str:
         text += f"; {o.report.exception_type}: {_short(o.report.exception_message)}"
     if o.report is not None and o.report.last_step is not None:
         text += f"; last step {o.report.last_step}"
-    if o.collateral:
-        text += "; stopped by the gang"
     return text
 
 
@@ -235,15 +231,6 @@ def _observations(ev: Evidence) -> list[_Obs]:
         else:
             by_index[p.worker_index] = o
     _job_named(ev, by_index, loose)
-    if ev.local_slice is not None:
-        for w in ev.local_slice.workers:
-            code, sig = _normalise(w.exit_code, w.signal)
-            o = by_index.setdefault(w.index, _Obs(index=w.index))
-            o.exit_code = code if o.exit_code is None else o.exit_code
-            o.signal = sig if o.signal is None else o.signal
-            o.at = w.ended_at if o.at is None else o.at
-            o.collateral = w.stopped_by_jobset and not w.first_failure
-            o.marked_first = w.first_failure or ev.local_slice.first_failure_index == w.index
     for r in ev.reports:
         o = by_index.setdefault(r.process_index, _Obs(index=r.process_index))
         o.report = r
@@ -643,17 +630,12 @@ def _never_ran(ev: Evidence) -> Verdict | None:
 
 
 def _first(obs: list[_Obs], judged: dict[int, _Finding]) -> _Obs:
-    marked = [o for o in obs if o.marked_first]
-    if marked:
-        return marked[0]
-
     def key(o: _Obs) -> tuple:
         t = o.at if o.at is not None else float("inf")
         return (
             int(t) if t != float("inf") else t,
             _rank(o, judged[id(o)]),
             0 if o.named_by_job else 1,
-            1 if o.collateral else 0,
             t,
         )
 
@@ -664,7 +646,7 @@ def classify(evidence: Evidence) -> Verdict:
     """Classify a failed attempt from its evidence (pure; no I/O).
 
     Args:
-        evidence: what the adapters gathered (pods, nodes, Jobs, worker reports, local slice record).
+        evidence: what the adapters gathered (pods, nodes, Jobs, worker reports, the supervisor's record).
 
     Returns:
         The class, a one-line reason naming the worker, node and code, and the evidence lines used.
@@ -750,10 +732,8 @@ def _reason(cf: _Finding, cause: _Obs, first: _Obs, f: _Finding, obs: list[_Obs]
 
 
 def _inventory(ev: Evidence) -> str:
-    slice_ = "present" if ev.local_slice is not None else "absent"
     return (
-        f"looked at: {len(ev.pods)} pods, {len(ev.jobs)} Jobs, {len(ev.nodes)} nodes, "
-        f"{len(ev.reports)} worker reports, local slice record {slice_}"
+        f"looked at: {len(ev.pods)} pods, {len(ev.jobs)} Jobs, {len(ev.nodes)} nodes, {len(ev.reports)} worker reports"
     )
 
 
@@ -767,7 +747,5 @@ def _context_lines(ev: Evidence) -> list[str]:
         c = j.failure()
         if c is not None:
             lines.append(f"Job {j.name} {c.type} at {_hms(c.at)}: {c.reason}: {_short(c.message)}")
-    if ev.local_slice is not None and ev.local_slice.first_failure_index is not None:
-        lines.append(f"local slice: first failure on worker {ev.local_slice.first_failure_index}")
     lines += [f"note: {n}" for n in ev.notes]
     return lines

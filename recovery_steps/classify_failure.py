@@ -29,7 +29,6 @@ from recovery_steps.evidence import (
     Evidence,
     EvidenceUnreadable,
     gather_kubernetes,
-    gather_local_slice,
     gather_reports,
     gather_snapshot_events,
     gather_supervision,
@@ -118,10 +117,6 @@ def _timings(ev: Evidence) -> tuple[float | None, float | None]:
     for r in ev.reports:
         starts += [r.started_at] if r.started_at else []
         ends += [r.ended_at] if r.ended_at else []
-    if ev.local_slice is not None:
-        for w in ev.local_slice.workers:
-            starts += [w.started_at] if w.started_at else []
-            ends += [w.ended_at] if w.ended_at else []
     for p in ev.pods:
         for c in p.containers:
             starts += [c.started_at] if c.started_at else []
@@ -156,8 +151,9 @@ def gather(
     gather_reports(store, attempt, ev)
     gather_supervision(store, attempt, ev)
     if not uses_cluster(cfg):
-        gather_local_slice(store, attempt, ev)
-        return _restore_never_decided(store, ev)
+        # No API to ask: the local slice's pods, Job and nodes as the supervisor saw them before its stop, the
+        # evidence GKE's classification reads too once the stop deleted the JobSet.
+        return _restore_never_decided(store, use_supervisor_snapshot(ev))
     api_client = _api_client() if api_client is None else api_client
     try:
         gather_kubernetes(api_client, cfg.namespace, jobset, ev)
@@ -180,7 +176,7 @@ def _restore_never_decided(store: RunStore, ev: Evidence) -> Evidence:
     report and no supervision record, the run store was out of reach through restore-latest's retries (a
     transient cause, exit 69); nothing trained.
     """
-    gang = ev.pods or ev.reports or ev.supervision or ev.local_slice or (ev.jobset is not None and ev.jobset.found)
+    gang = ev.pods or ev.reports or ev.supervision or (ev.jobset is not None and ev.jobset.found)
     if ev.step_exit_code is not None or gang:
         return ev
     if store.read_record(RunLayout.restore_record(ev.attempt), RestoreRecord) is None:

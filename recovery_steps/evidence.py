@@ -1,4 +1,4 @@
-"""Evidence of a failed attempt: plain records, and the adapters that gather them (Kubernetes, run store, local slice).
+"""Evidence of a failed attempt: plain records, and the adapters that gather them (Kubernetes, run store).
 
 The records here are the input of the pure ``classify(evidence)``; the ``gather_*`` functions are the
 only parts that talk to the cluster or the store. The Kubernetes adapter reads through the kernel's one client
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from recovery_steps.kernel.contract import Backend
 from recovery_steps.kernel.documents import read_worker_reports
 from recovery_steps.kernel.kube import Kube
-from recovery_steps.kernel.records import LocalSliceRecord, SupervisionRecord, WorkerExitReport
+from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
 from recovery_steps.kernel.snapshot import (
     Condition,
     ContainerState,
@@ -45,7 +45,6 @@ __all__ = [  # the snapshot records are the evidence's own; importers of this mo
     "NodeEvidence",
     "PodEvidence",
     "gather_kubernetes",
-    "gather_local_slice",
     "gather_reports",
     "gather_snapshot_events",
     "gather_supervision",
@@ -70,7 +69,6 @@ class Evidence(BaseModel):
     pods: list[PodEvidence] = Field(default_factory=list)
     nodes: list[NodeEvidence] = Field(default_factory=list)
     reports: list[WorkerExitReport] = Field(default_factory=list)
-    local_slice: LocalSliceRecord | None = None
     step_exit_code: int | None = Field(
         default=None, description="Exit code of the step that failed before training started (provision-slice)."
     )
@@ -239,19 +237,4 @@ def use_supervisor_snapshot(evidence: Evidence) -> Evidence:
         f"no pod of the attempt left in the API: pods, Jobs and nodes as train-segment saw them before its stop "
         f"(at {snap.taken_at:.0f})"
     )
-    return evidence
-
-
-def gather_local_slice(store: RunStore, attempt: int, evidence: Evidence) -> Evidence:
-    """Add the local runner's slice record of ``attempt``."""
-    rel = RunLayout.local_slice(attempt)
-    try:
-        rec = store.read_record(rel, LocalSliceRecord)
-    except DocumentError as e:
-        evidence.notes.append(f"unreadable local slice record {e}")
-        return evidence
-    if rec is None:
-        evidence.notes.append(f"no local slice record at {rel}")
-        return evidence
-    evidence.local_slice = rec
     return evidence

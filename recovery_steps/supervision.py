@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+import signal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -344,25 +345,35 @@ def _failed(obs: Observation) -> Verdict | None:
         c = next((c for c in obs.jobset_conditions if c.type == "Failed" and c.status == "True"), None)
         why = f": {c.reason}: {c.message}" if c and (c.reason or c.message) else ""
         return Verdict(state=AttemptState.FAILED, reason=f"JobSet failed{why}")
-    for job in obs.jobs:
-        # FailureTarget is the Job controller's verdict; Failed only follows once every pod is terminal (the
-        # snapshot's Job record keeps either, ``JobEvidence.failure``).
-        c = job.failure()
-        if c is not None:
-            return Verdict(
-                state=AttemptState.FAILED,
-                reason=f"Job {job.name} {c.type}: {c.reason or '-'}: {c.message or 'no message'}",
-            )
+    # FailureTarget is the Job controller's verdict; Failed only follows once every pod is terminal (the
+    # snapshot's Job record keeps either, ``JobEvidence.failure``). The worker that failed first is named before it.
+    jobs = [
+        f"Job {j.name} {c.type}: {c.reason or '-'}: {c.message or 'no message'}" for j in obs.jobs if (c := j.failure())
+    ]
     failed = [p for p in obs.pods if p.phase == "Failed"]
     if failed:
         p = min(failed, key=_first_failure)
-        code = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code"
         return Verdict(
-            state=AttemptState.FAILED,
-            reason=f"{p.label} failed ({code}{', ' + p.terminated_reason if p.terminated_reason else ''})",
-            worker=p.index,
+            state=AttemptState.FAILED, reason="; ".join([f"{p.label} failed ({_ended(p)})", *jobs]), worker=p.index
         )
+    if jobs:
+        return Verdict(state=AttemptState.FAILED, reason="; ".join(jobs))
     return None
+
+
+def _ended(p: PodObservation) -> str:
+    """``exit code 137, SIGKILL``: the code, the signal a code above 128 stands for, a reason other than Error."""
+    if p.exit_code is None:
+        return "no exit code"
+    parts = [f"exit code {p.exit_code}"]
+    if p.exit_code > 128:
+        try:
+            parts.append(signal.Signals(p.exit_code - 128).name)
+        except ValueError:
+            pass
+    if p.terminated_reason and p.terminated_reason != "Error":
+        parts.append(p.terminated_reason)
+    return ", ".join(parts)
 
 
 def _first_failure(p: PodObservation) -> tuple[bool, float, bool, bool, int]:

@@ -14,9 +14,9 @@ from recovery_steps.evidence import (
     PodEvidence,
 )
 from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import LocalSliceRecord as LocalSlice
-from recovery_steps.kernel.records import LocalWorkerRecord as LocalWorker
 from recovery_steps.kernel.records import WorkerExitReport
+from workflows.jobset import pod_failure_policy
+from workflows.local.supervise import job_failure
 
 T0 = 1_714_557_600.0  # 2024-05-01T10:00:00Z
 HOSTS = 4
@@ -79,12 +79,19 @@ def gke(pods, nodes=None, reports=(), jobs=()):
     return Evidence(backend="gke", attempt=0, pods=pods, nodes=nodes, reports=list(reports), jobs=list(jobs))
 
 
-def local(workers, first, reports=()):
-    ws = [LocalWorker(index=i, pid=1000 + i, exit_code=code, signal=sig, started_at=T0, ended_at=T0 + at,
-                      first_failure=(i == first), stopped_by_jobset=(i != first))
-          for i, (code, sig, at) in enumerate(workers)]  # fmt: skip
-    return Evidence(backend="local", attempt=0, local_slice=LocalSlice(jobset="local-0", workers=ws,
-                    first_failure_index=first, ended_at=T0 + 30), reports=list(reports))  # fmt: skip
+def local(workers, reports=()):
+    """A local attempt as its supervisor's snapshot holds it: each worker's pod terminated as the kubelet reports it
+    (a process the signal N ended: exit code 128 + N), the Job failed as the Job controller decides it from the
+    shipped podFailurePolicy (``workflows.local.supervise.job_failure``)."""
+    pods = [PodEvidence(name=f"local-0-workers-0-{i}", worker_index=i, node=f"local-{i}", phase="Failed",
+                        containers=[ContainerState(name="trainer", state="terminated", reason="Error",
+                                                   exit_code=128 - code if code < 0 else code, started_at=T0,
+                                                   finished_at=T0 + at)])
+            for i, (code, at) in enumerate(workers)]  # fmt: skip
+    cond = job_failure(pod_failure_policy()["rules"], 0, pods, "default")
+    job = JobEvidence(name="local-0-workers-0", conditions=[cond] if cond is not None else [])
+    nodes = [NodeEvidence(name=f"local-{i}", ready=True, ready_reason="KubeletReady") for i in range(len(pods))]
+    return Evidence(backend="local", attempt=0, pods=pods, jobs=[job], nodes=nodes, reports=list(reports))
 
 
 GLOO = "JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: Connection closed by peer"
@@ -186,7 +193,7 @@ CASES = [
         FailureClass.INFRASTRUCTURE, "worker 1", id="gloo-on-neighbours-of-sigkilled-worker",
     ),
     pytest.param(
-        local([(20, None, 10.2), (-9, 9, 10.0), (20, None, 10.3), (-6, 6, 16.0)], first=1,
+        local([(20, 10.2), (-9, 10.0), (20, 10.3), (-6, 16.0)],
               reports=[report(0, 20, 10.2, exc="JaxRuntimeError", msg=GLOO),
                        report(2, 20, 10.3, exc="JaxRuntimeError", msg=GLOO)]),
         FailureClass.INFRASTRUCTURE, "worker 1", id="local-sigkill-neighbours-gloo-survivors-abort",
@@ -218,7 +225,7 @@ CASES = [
         FailureClass.PREEMPTION, "scheduler", id="preemption-by-scheduler",
     ),
     pytest.param(
-        local([(42, None, 30.0), (42, None, 30.01), (42, None, 30.02), (42, None, 30.03)], first=0,
+        local([(42, 30.0), (42, 30.01), (42, 30.02), (42, 30.03)],
               reports=[report(i, 42, 30 + i / 100, exc="FloatingPointError", msg="non-finite loss nan at step 12",
                               step=12) for i in range(HOSTS)]),
         FailureClass.APPLICATION, "non-finite", id="non-finite-loss",
@@ -229,7 +236,7 @@ CASES = [
         FailureClass.CONFIGURATION, "expected 4 processes", id="startup-validation-mismatch",
     ),
     pytest.param(
-        local([(3, None, 5.0), (143, None, 5.5), (143, None, 5.5), (143, None, 5.5)], first=0),
+        local([(3, 5.0), (143, 5.5), (143, 5.5), (143, 5.5)]),
         FailureClass.CONFIGURATION, "incompatible", id="incompatible-checkpoint",
     ),
     pytest.param(
@@ -247,17 +254,17 @@ CASES = [
         FailureClass.INFRASTRUCTURE, "initialisation", id="accelerator-init-failure",
     ),
     pytest.param(
-        local([(20, None, 10.0), (20, None, 10.1), (20, None, 10.1), (20, None, 10.2)], first=0),
+        local([(20, 10.0), (20, 10.1), (20, 10.1), (20, 10.2)]),
         FailureClass.INFRASTRUCTURE, "no application cause", id="peer-loss-without-cause",
     ),
     pytest.param(
-        local([(20, None, 10.0), (42, None, 10.15), (20, None, 10.1), (-6, 6, 16.0)], first=0,
+        local([(20, 10.0), (42, 10.15), (20, 10.1), (-6, 16.0)],
               reports=[report(1, 42, 10.15, exc="KeyError", msg="'labels'", step=3,
                               tb="Traceback (most recent call last): ...")]),
         FailureClass.APPLICATION, "KeyError", id="peer-loss-first-application-cause-on-other",
     ),
     pytest.param(
-        local([(143, None, 20.5), (143, None, 20.5), (143, None, 20.0), (143, None, 20.5)], first=2),
+        local([(143, 20.5), (143, 20.5), (143, 20.0), (143, 20.5)]),
         FailureClass.PREEMPTION, "worker 2", id="own-sigterm-first",
     ),
     pytest.param(
@@ -321,21 +328,26 @@ def test_job_failure_message_breaks_a_tie_in_the_same_second():
     assert any("matching FailJob rule" in line for line in v.evidence)
 
 
-def test_local_record_with_signal_names_as_the_runner_writes_them():
-    ls = LocalSlice.model_validate({"jobset": "r-a0", "first_failure_index": 3, "ended_at": T0 + 9, "workers": [
-        {"index": 0, "pid": 10, "exit_code": 20, "signal": None, "started_at": T0, "ended_at": T0 + 5.2,
-         "first_failure": False, "stopped_by_jobset": True, "restarts": 0},
-        {"index": 1, "pid": 11, "exit_code": 134, "signal": "SIGABRT", "started_at": T0, "ended_at": T0 + 9,
-         "first_failure": False, "stopped_by_jobset": True, "restarts": 0},
-        {"index": 2, "pid": 12, "exit_code": 20, "signal": None, "started_at": T0, "ended_at": T0 + 5.3,
-         "first_failure": False, "stopped_by_jobset": True, "restarts": 0},
-        {"index": 3, "pid": 13, "exit_code": 137, "signal": "SIGKILL", "started_at": T0, "ended_at": T0 + 5,
-         "first_failure": True, "stopped_by_jobset": False, "restarts": 0},
-    ]})  # fmt: skip
-    assert [w.signal for w in ls.workers] == [None, 6, None, 9]
-    v = classify(Evidence(backend="local", attempt=0, local_slice=ls))
+def test_a_local_kill_is_classified_from_the_kubelets_exit_code_and_the_jobs_backoff_limit():
+    """SIGKILL (137) matches no FailJob rule of the shipped policy: the Job fails by its backoff limit, naming no
+    pod, as on GKE; the killed worker is named from the exit codes and times, its peers' exit 20 follow it."""
+    ev = local([(20, 5.2), (-6, 9.0), (20, 5.3), (-9, 5.0)])
+    assert ev.jobs[0].failure().reason == "BackoffLimitExceeded"
+    v = classify(ev)
     assert v.failure_class is FailureClass.INFRASTRUCTURE
-    assert v.reason.startswith("worker 3 exit 137 (signal 9)")
+    assert v.reason.startswith("worker 3 (pod local-0-workers-0-3, node local-3) exit 137 (signal 9)"), v.reason
+
+
+def test_the_local_job_names_the_first_pod_a_failjob_rule_matches_as_the_job_controller_does():
+    pods = local([(143, 20.5), (42, 20.0), (143, 20.5)]).pods
+    c = job_failure(pod_failure_policy()["rules"], 0, pods, "ns")
+    assert (c.type, c.reason) == ("FailureTarget", "PodFailurePolicy")
+    # pkg/controller/job/pod_failure_policy.go (v1.36.3): the message the classifier reads the pod and code from.
+    assert c.message == (
+        "Container trainer for pod ns/local-0-workers-0-1 failed with exit code 42 matching FailJob rule at index 5"
+    )
+    ignore = [{"action": "Ignore", "onExitCodes": {"operator": "In", "values": [42]}}]
+    assert job_failure(ignore, 0, pods[1:2], "ns") is None
 
 
 def test_classify_is_pure():

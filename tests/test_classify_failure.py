@@ -9,8 +9,11 @@ from support.ckpt_factory import restore_record
 
 from recovery_steps import classify_failure
 from recovery_steps.kernel.config import parse_config
-from recovery_steps.kernel.records import Ledger, WorkerExitReport
+from recovery_steps.kernel.records import Ledger, SupervisionRecord, WorkerExitReport
+from recovery_steps.kernel.snapshot import ClusterSnapshot, ContainerState, JobEvidence, JobSetEvidence, PodEvidence
 from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows.jobset import pod_failure_policy
+from workflows.local.supervise import job_failure
 
 RUN = "cf-run"
 T0 = 1_714_557_600.0
@@ -28,12 +31,12 @@ def setup_run(root: str) -> RunStore:
 
 def write_attempt(store: RunStore, n: int, codes: list[int], first: int, *, restore: int, ckpt: int | None,
                   exc: tuple[str, str] | None = None) -> None:  # fmt: skip
-    """What restore-latest, the trainer's workers and the local runner leave behind for attempt n."""
+    """What restore-latest, the trainer's workers and the local supervisor leave behind for attempt n."""
     restore_record(store, n, restore)
     if ckpt is not None:
         store.write_json(RunLayout.checkpoint_manifest(ckpt), {"step": ckpt})
         store.write_bytes(f"{RunLayout.checkpoint(ckpt + 5)}/state/partial", b"x")  # no manifest: not a checkpoint
-    workers = []
+    pods = []
     for i, code in enumerate(codes):
         ended = T0 + 100 * n + (10 if i == first else 11)
         if code > 0:
@@ -42,15 +45,17 @@ def write_attempt(store: RunStore, n: int, codes: list[int], first: int, *, rest
                                  exception_type=exc[0] if exc and i == first else None,
                                  exception_message=exc[1] if exc and i == first else None)  # fmt: skip
             store.write_json(RunLayout.worker_report(n, i), r.model_dump(mode="json"))
-        # The shape the local runner writes: exit code as Kubernetes reports it, the signal by name.
-        sig = {-9: "SIGKILL", -6: "SIGABRT", -15: "SIGTERM"}.get(code)
-        workers.append({"index": i, "pid": 4000 + i, "exit_code": 128 - code if code < 0 else code, "signal": sig,
-                        "started_at": T0 + 100 * n, "ended_at": ended, "first_failure": i == first,
-                        "stopped_by_jobset": i != first})  # fmt: skip
-    store.write_json(
-        RunLayout.local_slice(n),
-        {"jobset": f"{RUN}-a{n}", "workers": workers, "first_failure_index": first, "ended_at": T0 + 100 * n + 12},
-    )
+        # The local slice as its supervisor saw it before the stop: the pods as the kubelet reports them.
+        pods.append(PodEvidence(name=f"{RUN}-a{n}-workers-0-{i}", worker_index=i, node=f"local-{i}", phase="Failed",
+                                containers=[ContainerState(name="trainer", state="terminated", reason="Error",
+                                                           exit_code=128 - code if code < 0 else code,
+                                                           started_at=T0 + 100 * n, finished_at=ended)]))  # fmt: skip
+    cond = job_failure(pod_failure_policy()["rules"], 0, pods, "default")
+    jobs = [JobEvidence(name=f"{RUN}-a{n}-workers-0", conditions=[cond] if cond is not None else [])]
+    snap = ClusterSnapshot(taken_at=T0 + 100 * n + 12, jobset=JobSetEvidence(name=f"{RUN}-a{n}"), jobs=jobs, pods=pods)
+    sup = SupervisionRecord(attempt=n, jobset=f"{RUN}-a{n}", outcome="failed", reason=f"worker {first} failed",
+                            worker=first, detected_at=T0 + 100 * n + 12, snapshot=snap)  # fmt: skip
+    store.write_record(RunLayout.supervision(n), sup)
 
 
 def outputs(d) -> dict[str, str]:
@@ -124,7 +129,7 @@ def test_sequence_of_attempts_ends_with_stop(store_root, tmp_path, capsys):
     assert len(Ledger.model_validate(store.read_json(RunLayout.LEDGER)).attempts) == 3
 
 
-def test_missing_local_slice_record_still_classifies_from_reports(store_root, tmp_path, capsys):
+def test_missing_supervision_record_still_classifies_from_reports(store_root, tmp_path, capsys):
     store = setup_run(store_root)
     r = WorkerExitReport(run_id=RUN, attempt=0, process_index=3, process_count=HOSTS, exit_code=21, exit_name="HANG",
                          ended_at=T0 + 5, last_step=7)  # fmt: skip
@@ -132,7 +137,7 @@ def test_missing_local_slice_record_still_classifies_from_reports(store_root, tm
     assert cli(store_root, 0, tmp_path / "o") == 0
     o = outputs(tmp_path / "o")
     assert (o["failure-class"], o["decision"]) == ("hang", "retry")
-    assert "no local slice record" in capsys.readouterr().out
+    assert "- worker 3: exit 21 HANG at 10:00:05Z; last step 7" in capsys.readouterr().out
 
 
 def test_missing_config_is_a_clear_error(tmp_path, capsys):

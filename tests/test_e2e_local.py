@@ -10,6 +10,7 @@ from support import argo_replay
 from support.local_job import HOSTS, INTERVAL, reference_digest, shrunken_workflow, steps_lost_bound
 
 from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.records import SupervisionRecord
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local
 from workflows.local.executor import RECENTLY_STARTED_POD_S
@@ -112,10 +113,11 @@ def test_worker_failures_recover_bit_identically(e2e_workflow, reference, scenar
     _assert_restores_were_good(store, [])
     if scenario == "kill-worker":
         _assert_as_the_real_controller(res, scenario, out)
-    slice0 = store.read_json(RunLayout.local_slice(0))
-    assert slice0["first_failure_index"] is not None
-    if scenario == "restart-worker":
-        assert slice0["workers"][-1]["restarts"] == 1
+    # classify-failure read the slice as the supervisor saw it before its stop: every worker's pod, the one named.
+    sup = SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(0)))
+    assert sup.snapshot is not None and len(sup.snapshot.pods) == HOSTS and sup.worker is not None, sup
+    if scenario == "kill-worker":  # 137 matches no FailJob rule: the Job fails by its backoff limit (0)
+        assert sup.snapshot.jobs[0].failure().reason == "BackoffLimitExceeded", sup.snapshot.jobs
     # The next attempt compiled its step beside the restore, and its first step used that executable.
     inc = res.incidents[0]
     assert inc.compile_seconds is not None and 0 < inc.compile_overlap_seconds <= inc.compile_seconds, inc

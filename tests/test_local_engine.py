@@ -387,7 +387,7 @@ def _supervise(cfg, ex, sl, store):
     ex.live[sl.jobset] = sl  # a gang left running by a supervisor that was lost
     manifest = {"kind": "JobSet", "metadata": {"name": sl.jobset}}
     lines: list[str] = []
-    rec = Supervisor(cfg, 0, LocalGang(ex, None, manifest, run_id=cfg.run_id), store, say=lines.append).run(manifest)
+    rec = Supervisor(cfg, 0, LocalGang(ex, None, manifest), store, say=lines.append).run(manifest)
     return rec, lines
 
 

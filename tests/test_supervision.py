@@ -219,6 +219,21 @@ CASES = [
         "FailureTarget",
     ),
     (
+        "failed-pod-and-the-jobs-verdict-name-the-worker-first",
+        obs(
+            640,
+            [
+                *ALL_RUNNING[:3],
+                running(3, phase="Failed", exit_code=20, terminated_reason="Error", finished_at=T0 + 630),
+            ],
+            jobs=[FAILURE_TARGET],
+            progress=STEPPING,
+        ),
+        AttemptState.FAILED,
+        None,
+        "worker 3 failed (exit code 20); Job run-a0-workers-0 FailureTarget: PodFailurePolicy: Container trainer",
+    ),
+    (
         "node-unreachable-no-job-verdict",
         obs(700, ALL_RUNNING, progress=STEPPING, node_list=nodes(2)),
         AttemptState.STALLED,
@@ -419,7 +434,7 @@ CASES = [
         ),
         AttemptState.FAILED,
         None,
-        "worker 3 failed (exit code 137",
+        "worker 3 failed (exit code 137, SIGKILL)",  # the signal 137 stands for, not the runtime's "Error"
     ),
     (
         # In the same second (finishedAt's step), not the one that exited on losing a peer.

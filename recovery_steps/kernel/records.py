@@ -9,7 +9,6 @@ elsewhere (``classify``, ``verify``, ``retry``).
 from __future__ import annotations
 
 import enum
-import signal
 import time
 from typing import Any, ClassVar
 
@@ -433,43 +432,6 @@ class PreflightCheck(_Record):
     ok: bool = Field(description="True when every check passed.")
     problems: list[str] = Field(default_factory=list, description="One line per missing permission or object.")
     at: float = Field(default_factory=now, description="When the checks ran.")
-
-
-class LocalWorkerRecord(_Record):
-    """One process of the local slice record."""
-
-    index: int
-    pid: int | None = None
-    exit_code: int | None = Field(default=None, description="As Kubernetes reports it: 128 + signal if signalled.")
-    signal: int | None = Field(default=None, description="Signal number that ended the process.")
-    started_at: float | None = None
-    ended_at: float | None = None
-    first_failure: bool = False
-    stopped_by_jobset: bool = False
-    restarts: int = Field(default=0, description="Times the local slice restarted this process (local scenarios).")
-
-    @field_validator("signal", mode="before")
-    @classmethod
-    def _signal_number(cls, v: Any) -> Any:
-        # Written as a name ("SIGKILL") by the local slice; Kubernetes speaks numbers.
-        if isinstance(v, str):
-            name = v.upper()
-            try:
-                return int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
-            except KeyError:
-                digits = name.removeprefix("SIG")
-                return int(digits) if digits.isdigit() else None
-        return v
-
-
-class LocalSliceRecord(_Record):
-    """``attempts/<n>/local-slice.json``: the local JobSet stand-in's record of one attempt's processes."""
-
-    jobset: str | None = None
-    attempt: int | None = None
-    workers: list[LocalWorkerRecord] = Field(default_factory=list)
-    first_failure_index: int | None = None
-    ended_at: float | None = None
 
 
 class InjectedFault(_Record):

@@ -176,11 +176,6 @@ class RunLayout:
         return f"attempts/{n}/tiers.json"
 
     @staticmethod
-    def local_slice(n: int) -> str:
-        """The local backend's record of the worker processes of attempt ``n``."""
-        return f"attempts/{n}/local-slice.json"
-
-    @staticmethod
     def supervisor_losses(n: int) -> str:
         """When attempt ``n``'s gang was found running with no supervisor's verdict (``SupervisorLosses``)."""
         return f"attempts/{n}/supervisor-losses.json"

@@ -25,7 +25,7 @@ from typing import Any
 from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
 from recovery_steps.kernel.gang import Attachment
 from recovery_steps.kernel.kube import IN_POD_ENV
-from recovery_steps.kernel.records import LocalSliceRecord, LocalWorkerRecord, SupervisionRecord, now
+from recovery_steps.kernel.records import SupervisionRecord, now
 from recovery_steps.kernel.snapshot import ClusterSnapshot
 from recovery_steps.kernel.step import StepError, run_step
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -151,6 +151,10 @@ class LocalSlice:
     phase: str | None = None
     # When the supervisor deleted the JobSet (its stop): the workers got SIGTERM, the grace counts from here.
     deleted_at: float | None = None
+    # The workers' Job as the manifest gives it: what the Job controller decides a failure from.
+    failure_policy: list[dict[str, Any]] = field(default_factory=list)
+    backoff_limit: int = 6  # the Job API's default
+    namespace: str = "default"
 
     def mark_stopped(self, detected: float) -> None:
         """Stamp the slice stopped: its last worker's exit, never before the supervisor ``detected`` the end.
@@ -192,29 +196,6 @@ class LocalSlice:
             self.spawn(w)
             self.expected_exit.discard(index)
 
-    def record(self) -> LocalSliceRecord:
-        """The local slice record (``attempts/<n>/local-slice.json``)."""
-        return LocalSliceRecord(
-            jobset=self.jobset,
-            attempt=self.attempt,
-            workers=[
-                LocalWorkerRecord(
-                    index=w.index,
-                    pid=w.pid,
-                    exit_code=w.exit_code,
-                    signal=w.signal_name,
-                    started_at=w.started_at,
-                    ended_at=w.ended_at,
-                    first_failure=w.first_failure,
-                    stopped_by_jobset=w.stopped_by_jobset,
-                    restarts=w.restarts,
-                )
-                for w in self.workers
-            ],
-            first_failure_index=self.first_failure_index,
-            ended_at=self.ended_at,
-        )
-
 
 def pod_deleted(started_at: float = 0.0, finished_at: float = 0.0) -> NodeResult:
     """The node Argo's controller ends when its pod vanished after the node's first ``RECENTLY_STARTED_POD_S``."""
@@ -246,10 +227,9 @@ class LocalGang:
         node: NodeInfo,
         manifest: Mapping[str, Any],
         *,
-        run_id: str,
         clock: Callable[[], float] = time.time,
     ):
-        self.ex, self.node, self.manifest, self.clock, self.run_id = ex, node, manifest, clock, run_id
+        self.ex, self.node, self.manifest, self.clock = ex, node, manifest, clock
         self.name = manifest["metadata"]["name"]
         self.sl: LocalSlice | None = None
         try:
@@ -343,7 +323,10 @@ class LocalGang:
         """Nothing to stop watching."""
 
     def settle(self, detected: float, failed: bool, worker: int | None) -> None:
-        """The slice's own record once the supervisor is done: when the end was seen, which worker failed first."""
+        """The slice's own state once the supervisor is done: when the end was seen, which worker failed first.
+
+        The runner times its incidents from it and the injector's hooks see it; the classifier reads the pods.
+        """
         sl = self.sl
         sl.detected_at, sl.phase = detected, FAILED if failed else SUCCEEDED
         exited = [w for w in sl.workers if w.returncode not in (None, 0) and (w.ended_at or detected) <= detected]
@@ -356,10 +339,9 @@ class LocalGang:
         self.ex.live.pop(sl.jobset, None)
         if not self.ex._stopping.is_set():
             self.ex.hooks.after_slice(sl, sl.phase)
-        self.ex.record_slice(sl, self.run_id)
 
     def kill(self) -> None:
-        """The whole run is deleted: SIGKILL every worker, wait up to 10 s for them, record the slice."""
+        """The whole run is deleted: SIGKILL every worker, wait up to 10 s for them, settle the slice."""
         sl = self.sl
         if sl is None:
             return
@@ -415,7 +397,6 @@ class LocalExecutor:
         base_env: Mapping[str, str] | None = None,
         hooks: SliceHooks | None = None,
         events_dir: Path | None = None,
-        write_slice_record: Callable[[str, str, int, dict[str, Any]], None] | None = None,
         grace_seconds: float | None = None,
     ):
         self.repo_root = repo_root
@@ -423,7 +404,6 @@ class LocalExecutor:
         self.base_env = dict(base_env or {})
         self.hooks = hooks or SliceHooks()
         self.events_dir = events_dir or (work_dir / "events")
-        self.write_slice_record = write_slice_record
         # None: each JobSet's own terminationGracePeriodSeconds (a number overrides it, for benchmarks).
         self.grace_seconds = grace_seconds
         self._procs: set[subprocess.Popen] = set()
@@ -545,7 +525,7 @@ class LocalExecutor:
         gangs: list[LocalGang] = []
 
         def gang(cfg: Any, manifest: Mapping[str, Any], clock: Callable[[], float], _say: Any) -> LocalGang:
-            gangs.append(LocalGang(self, node, manifest, run_id=cfg.run_id, clock=clock))
+            gangs.append(LocalGang(self, node, manifest, clock=clock))
             return gangs[-1]
 
         with open(log_path, "a") as log:
@@ -605,11 +585,6 @@ class LocalExecutor:
             msg = f"exit code {code}; log: {log_path}{_tail(log_path)}"
         return NodeResult(FAILED, outputs, code, msg, started, now())
 
-    def record_slice(self, sl: LocalSlice, run_id: str) -> None:
-        """Write the slice's record (``attempts/<n>/local-slice.json``) through the runner's writer."""
-        if self.write_slice_record is not None:
-            self.write_slice_record(sl.jobset, run_id, sl.attempt, sl.record())
-
     @staticmethod
     def _poll_exits(sl: LocalSlice) -> None:
         with sl.lock:
@@ -631,6 +606,9 @@ class LocalExecutor:
         attempt = int(_arg_value(command, "--attempt") or node.attempt or 0)
         log_dir = self.work_dir / "logs" / f"attempt-{attempt}"
         sl = LocalSlice(name, attempt, command, str(self.repo_root), log_dir)
+        sl.failure_policy = list((job_spec.get("podFailurePolicy") or {}).get("rules") or [])
+        sl.backoff_limit = int(job_spec.get("backoffLimit", 6))
+        sl.namespace = str(manifest["metadata"].get("namespace") or "default")
         # The kubelet's default grace is 30 s when the pod spec names none (Kubernetes API PodSpec).
         grace = pod_spec.get("terminationGracePeriodSeconds", 30)
         sl.grace_seconds = float(grace if self.grace_seconds is None else self.grace_seconds)

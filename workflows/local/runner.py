@@ -427,7 +427,6 @@ def _run_once(
                 hooks=injector,
                 events_dir=work_dir / "events",
                 grace_seconds=grace_seconds,
-                write_slice_record=lambda _j, _r, n, rec: store.write_record(RunLayout.local_slice(n), rec),
             )
             executors.append(ex)
             printer = _Printer(say, t0, cfg.slice.num_hosts)

@@ -1,16 +1,20 @@
 """The local JobSet stand-in seen the way the Kubernetes API shows a JobSet: a ``ClusterSnapshot`` of its processes.
 
 ``slice_snapshot`` turns the worker processes of a ``LocalSlice`` into the same record the Kubernetes adapter of
-``train-segment`` builds from the API (``recovery_steps.kernel.snapshot``), so that one supervisor, one decision
-and one record serve both worlds. A worker the slice could not place is a Pending pod the scheduler refused; one
-whose image "cannot be pulled" is a Pending pod waiting in ``ImagePullBackOff``; a worker whose "node" was lost is
-Running on a node that is unreachable (Ready Unknown, the unreachable taint), with a deletion timestamp; a worker
-being stopped is a pod being deleted, and one that exited after the delete is gone.
+``train-segment`` builds from the API (``recovery_steps.kernel.snapshot``), so that one supervisor, one decision,
+one record and one classifier serve both worlds. A worker the slice could not place is a Pending pod the scheduler
+refused; one whose image "cannot be pulled" is a Pending pod waiting in ``ImagePullBackOff``; a worker whose "node"
+was lost is Running on a node that is unreachable (Ready Unknown, the unreachable taint), with a deletion timestamp;
+a worker being stopped is a pod being deleted, and one that exited after the delete is gone. An ended worker's
+container is terminated as the kubelet reports it (exit code 128 + signal, reason ``Error``), and the workers' Job
+fails as the Job controller decides it (``job_failure``): the podFailurePolicy rule the first failed pod matches,
+else the backoff limit.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from recovery_steps.kernel.names import UNREACHABLE_TAINT
 from recovery_steps.kernel.snapshot import (
@@ -18,6 +22,7 @@ from recovery_steps.kernel.snapshot import (
     ClusterSnapshot,
     Condition,
     ContainerState,
+    JobEvidence,
     JobSetEvidence,
     NodeEvidence,
     PodEvidence,
@@ -79,11 +84,13 @@ def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
     if sl.deleted_at is not None:
         return None  # a deleted JobSet takes its ended pods with it
     ok = w.returncode == 0
+    # As the kubelet reports a container's end: 128 + the signal for a signalled process, reason Error (the
+    # runtime's, for any non-zero exit: OOMKilled only for the kernel's OOM kill, which nothing here rehearses).
     ended = ContainerState(
         name=TRAINER_CONTAINER,
         state="terminated",
         exit_code=w.exit_code,
-        reason="Completed" if ok else (w.signal_name or "Error"),
+        reason="Completed" if ok else "Error",
         started_at=w.started_at,
         finished_at=w.ended_at,
     )
@@ -105,10 +112,68 @@ def _node(sl: LocalSlice, index: int) -> NodeEvidence:
     return NodeEvidence(name=node_name(index), ready=True, ready_reason="KubeletReady")
 
 
+def _matches(rule: Mapping[str, Any], pod: PodEvidence) -> bool:
+    """A podFailurePolicy rule's match on a failed pod (pkg/controller/job/pod_failure_policy.go, v1.36.3)."""
+    on_codes = rule.get("onExitCodes")
+    if on_codes is not None:
+        name, op, values = on_codes.get("containerName"), on_codes.get("operator"), set(on_codes.get("values", []))
+        for c in pod.containers:
+            if c.state != "terminated" or c.exit_code in (None, 0) or (name and c.name != name):
+                continue
+            if (op == "In" and c.exit_code in values) or (op == "NotIn" and c.exit_code not in values):
+                return True
+        return False
+    wanted = rule.get("onPodConditions") or []
+    return any(c.type == w.get("type") and c.status == w.get("status", "True") for w in wanted for c in pod.conditions)
+
+
+def job_failure(
+    policy: Sequence[Mapping[str, Any]], backoff_limit: int, failed: Sequence[PodEvidence], namespace: str
+) -> Condition | None:
+    """The Job controller's verdict on the Job's failed pods, the first to end first.
+
+    The first podFailurePolicy rule a failed pod matches decides: FailJob sets ``FailureTarget`` (reason
+    PodFailurePolicy, the controller's message naming the pod and its exit code), Ignore does not count the pod,
+    Count counts it; a pod no rule matches counts too, and more counted failures than ``backoffLimit`` set
+    ``FailureTarget`` BackoffLimitExceeded (pkg/controller/job/job_controller.go, v1.36.3).
+    """
+    counted = 0
+    for pod in sorted(failed, key=lambda p: (p.trainer().finished_at if p.trainer() else None) or float("inf")):
+        c = pod.trainer()
+        at = c.finished_at if c is not None else None
+        rule = next(((i, r) for i, r in enumerate(policy) if _matches(r, pod)), None)
+        action = rule[1].get("action") if rule is not None else "Count"
+        if action == "FailJob" and rule is not None:
+            if rule[1].get("onExitCodes") is not None and c is not None:
+                what = f"Container {c.name} for pod {namespace}/{pod.name} failed with exit code {c.exit_code}"
+            else:
+                cond = next(
+                    x for x in pod.conditions if any(x.type == w.get("type") for w in rule[1]["onPodConditions"])
+                )
+                what = f"Pod {namespace}/{pod.name} has condition {cond.type}"
+            message = f"{what} matching FailJob rule at index {rule[0]}"
+            return Condition(type="FailureTarget", reason="PodFailurePolicy", message=message, at=at)
+        counted += action != "Ignore"
+        if counted > backoff_limit:
+            return Condition(
+                type="FailureTarget",
+                reason="BackoffLimitExceeded",
+                message="Job has reached the specified backoff limit",
+                at=at,
+            )
+    return None
+
+
+def _job(sl: LocalSlice, pods: Sequence[PodEvidence]) -> JobEvidence:
+    failed = [p for p in pods if p.phase == "Failed"]
+    cond = job_failure(sl.failure_policy, sl.backoff_limit, failed, sl.namespace)
+    return JobEvidence(name=f"{sl.jobset}-workers-0", conditions=[cond] if cond is not None else [])
+
+
 def slice_snapshot(sl: LocalSlice, now: float, image: str = "") -> ClusterSnapshot:
-    """The local slice's "pods" and "nodes" now, as the Kubernetes adapter would report them."""
-    pods = [p for w in sl.workers if (p := _pod(sl, w, image)) is not None]
+    """The local slice's "pods", its Job and its "nodes" now, as the Kubernetes adapter would report them."""
+    pods = sorted((p for w in sl.workers if (p := _pod(sl, w, image)) is not None), key=lambda p: p.name)
     nodes = [_node(sl, w.index) for w in sl.workers if sl.withheld.get(w.index) != UNSCHEDULABLE]
     # Foreground deletion: the JobSet stays until its pods are gone.
     js = JobSetEvidence(name=sl.jobset, created_at=sl.created_at)
-    return ClusterSnapshot(taken_at=now, jobset=js, pods=sorted(pods, key=lambda p: p.name), nodes=nodes)
+    return ClusterSnapshot(taken_at=now, jobset=js, jobs=[_job(sl, pods)], pods=pods, nodes=nodes)
