@@ -39,7 +39,9 @@ def compile_workflow(d: Path, total: int, interval: int) -> Path:
 
 def measure(wf: Path, run_id: str, inject: list[str]) -> dict:
     t0 = time.time()
-    res = local.run(wf, inject=inject, run_id=run_id, metrics_port=None, report=False, say=lambda _: None)
+    res = local.run(
+        wf, local.LocalRunOptions(inject=inject, run_id=run_id, metrics_port=None, report=False), say=lambda _: None
+    )
     wall = time.time() - t0
     g = goodput(load_events(open_run(res.store_url)))
     return {"status": res.status, "wall": wall, "failures": len(res.incidents), "goodput": g}

@@ -64,8 +64,11 @@ def compile_workflow(
 
 def run(wf: Path, run_id: str, inject: list[str]) -> tuple[local.LocalRunResult, float]:
     t0 = time.time()
-    res = local.run(wf, inject=inject, run_id=run_id, gcs_emulator=True, metrics_port=None, report=False,
-                    say=lambda _: None)  # fmt: skip
+    res = local.run(
+        wf,
+        local.LocalRunOptions(inject=inject, run_id=run_id, gcs_emulator=True, metrics_port=None, report=False),
+        say=lambda _: None,
+    )
     return res, time.time() - t0
 
 

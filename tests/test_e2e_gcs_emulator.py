@@ -19,8 +19,11 @@ def test_kill_worker_against_the_emulator_restores_from_gs_and_reports(tmp_path,
     wf = shrunken_workflow(tmp_path, "gcs-e2e")
     monkeypatch.chdir(tmp_path)  # the runner's local files (.local-runs/...) go under tmp_path
     lines: list[str] = []
-    res = local.run(wf, inject=["kill-worker@12"], gcs_emulator=True, run_id="gcs-e2e", metrics_port=None,
-                    say=lines.append)  # fmt: skip
+    res = local.run(
+        wf,
+        local.LocalRunOptions(inject=["kill-worker@12"], gcs_emulator=True, run_id="gcs-e2e", metrics_port=None),
+        say=lines.append,
+    )
     out = "\n".join(lines)
     assert res.status == "Succeeded", out
     assert res.store_url.startswith("gs://local-runs/"), res.store_url

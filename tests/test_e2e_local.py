@@ -42,7 +42,11 @@ def _run(e2e_workflow, reference, run_id, inject):
     wf, root = e2e_workflow
     lines: list[str] = []
     res = local.run(
-        wf, inject=inject, run_id=run_id, store_root=root, reference_digest=reference, metrics_port=0, say=lines.append
+        wf,
+        local.LocalRunOptions(
+            inject=inject, run_id=run_id, store_root=root, reference_digest=reference, metrics_port=0
+        ),
+        say=lines.append,
     )
     return res, RunStore(root, run_id), "\n".join(lines)
 
@@ -252,8 +256,18 @@ def test_a_workflow_past_its_attempts_hands_the_run_to_a_continuation(tmp_path, 
     root = str(tmp_path / "store")
     wf = shrunken_workflow(tmp_path, "e2e", store_root=root, retry_section={"attempts_per_workflow": 1})
     lines: list[str] = []
-    res = local.run(wf, inject=["kill-worker@12"], run_id="handover", store_root=root, reference_digest=reference,
-                    metrics_port=None, report=False, say=lines.append)  # fmt: skip
+    res = local.run(
+        wf,
+        local.LocalRunOptions(
+            inject=["kill-worker@12"],
+            run_id="handover",
+            store_root=root,
+            reference_digest=reference,
+            metrics_port=None,
+            report=False,
+        ),
+        say=lines.append,
+    )
     out = "\n".join(lines)
     assert res.status == "Succeeded" and res.params_match is True, out
     assert res.workflows == ["handover", "handover-c1"], out

@@ -15,9 +15,18 @@ def test_store_outage_in_restore_and_classify_leaves_the_run_succeeded(tmp_path,
     wf = shrunken_workflow(tmp_path, "outage-e2e")
     monkeypatch.chdir(tmp_path)
     lines: list[str] = []
-    res = local.run(wf, inject=["kill-worker@12"], gcs_emulator=True, run_id="outage-e2e", metrics_port=None,
-                    store_outages=["restore-latest=5", "classify-failure=5"], report=False,
-                    say=lines.append)  # fmt: skip
+    res = local.run(
+        wf,
+        local.LocalRunOptions(
+            inject=["kill-worker@12"],
+            gcs_emulator=True,
+            run_id="outage-e2e",
+            metrics_port=None,
+            store_outages=["restore-latest=5", "classify-failure=5"],
+            report=False,
+        ),
+        say=lines.append,
+    )
     out = "\n".join(lines)
     assert res.status == "Succeeded", out
     assert "store outage: 5s from the start of" in out

@@ -15,8 +15,13 @@ pytestmark = pytest.mark.slow
 
 def _killed(wf, root: str, reference: str):
     lines: list[str] = []
-    res = local.run(wf, inject=["kill-worker"], run_id="killed", store_root=root,
-                    reference_digest=reference, metrics_port=0, say=lines.append)  # fmt: skip
+    res = local.run(
+        wf,
+        local.LocalRunOptions(
+            inject=["kill-worker"], run_id="killed", store_root=root, reference_digest=reference, metrics_port=0
+        ),
+        say=lines.append,
+    )
     out = "\n".join(lines)
     assert res.status == "Succeeded", out
     assert res.params_match is True, out  # same final parameters as the uninterrupted run

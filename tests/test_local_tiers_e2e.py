@@ -48,7 +48,11 @@ def _run(job, run_id: str, inject: list[str]):
     wf, root, reference = job
     lines: list[str] = []
     res = local.run(
-        wf, inject=inject, run_id=run_id, store_root=root, reference_digest=reference, metrics_port=0, say=lines.append
+        wf,
+        local.LocalRunOptions(
+            inject=inject, run_id=run_id, store_root=root, reference_digest=reference, metrics_port=0
+        ),
+        say=lines.append,
     )
     text = "\n".join(lines)
     assert res.status == "Succeeded", text

@@ -80,7 +80,11 @@ def reference_digest(wf: Path, root: str) -> str:
     """Run ``wf`` uninterrupted as run ``reference`` under ``root``; the final parameters' digest."""
     from workflows import local
 
-    ref = local.run(wf, run_id="reference", store_root=root, metrics_port=None, report=False, say=lambda _: None)
+    ref = local.run(
+        wf,
+        local.LocalRunOptions(run_id="reference", store_root=root, metrics_port=None, report=False),
+        say=lambda _: None,
+    )
     assert ref.status == "Succeeded" and ref.params_digest
     return ref.params_digest
 

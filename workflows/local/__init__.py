@@ -6,6 +6,14 @@ expressions, ``expr``), ``executor`` (container and resource templates as local 
 emulator) and ``runner`` (the command).
 """
 
-from workflows.local.runner import LocalRunError, LocalRunResult, load_workflow, main, run, with_parameters
+from workflows.local.runner import (
+    LocalRunError,
+    LocalRunOptions,
+    LocalRunResult,
+    load_workflow,
+    main,
+    run,
+    with_parameters,
+)
 
-__all__ = ["LocalRunError", "LocalRunResult", "load_workflow", "main", "run", "with_parameters"]
+__all__ = ["LocalRunError", "LocalRunOptions", "LocalRunResult", "load_workflow", "main", "run", "with_parameters"]

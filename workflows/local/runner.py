@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,26 +241,11 @@ def final_digest(store: RunStore) -> str | None:
     return None
 
 
-def run(
-    workflow_path: Path,
-    *,
-    inject: Sequence[str] = (),
-    gcs_emulator: bool = False,
-    run_id: str | None = None,
-    store_root: str | None = None,
-    reference: bool = False,
-    reference_digest: str | None = None,
-    metrics_port: int | None = 0,
-    parameters: dict[str, str] | None = None,
-    report: bool = True,
-    grace_seconds: float | None = None,
-    store_outages: Sequence[str] = (),
-    say: Callable[[str], None] = print,
-) -> LocalRunResult:
-    """Run a compiled Workflow here, with faults injected; write incidents; print the report.
+@dataclass(frozen=True)
+class LocalRunOptions:
+    """How ``run`` runs a compiled Workflow here: the options of ``python -m workflows.local``.
 
-    Args:
-        workflow_path: ``argo/<job>.yaml``.
+    Attributes:
         inject: ``SCENARIO[@STEP]`` options.
         gcs_emulator: Run against a fake-gcs-server bucket instead of a local directory.
         run_id: Run id (default: the workflow's run id with a timestamp; reuse one to resume).
@@ -274,51 +259,70 @@ def run(
             manifest's ``terminationGracePeriodSeconds``, as on the cluster).
         store_outages: ``TEMPLATE=SECONDS``: the store answers 503 for that long from the start of the
             template's first node (needs ``gcs_emulator``; steps reach the emulator through ``OutageProxy``).
-        say: Where progress lines go.
+    """
+
+    inject: Sequence[str] = ()
+    gcs_emulator: bool = False
+    run_id: str | None = None
+    store_root: str | None = None
+    reference: bool = False
+    reference_digest: str | None = None
+    metrics_port: int | None = 0
+    parameters: Mapping[str, str] = field(default_factory=dict)
+    report: bool = True
+    grace_seconds: float | None = None
+    store_outages: Sequence[str] = ()
+
+
+def run(
+    workflow_path: Path, options: LocalRunOptions | None = None, say: Callable[[str], None] = print
+) -> LocalRunResult:
+    """Run a compiled Workflow (``argo/<job>.yaml``) here, with faults injected; write incidents; print the report.
 
     Raises:
         LocalRunError: for unusable input.
     """
+    o = options or LocalRunOptions()
     wf, cfg = load_workflow(workflow_path)
-    injections, problems = parse_injections(list(inject), cfg.checkpoint.interval_steps)
-    problems += _parameter_problems(wf, parameters or {})
-    outage_plan, outage_problems = parse_outages(list(store_outages))
+    injections, problems = parse_injections(list(o.inject), cfg.checkpoint.interval_steps)
+    problems += _parameter_problems(wf, dict(o.parameters))
+    outage_plan, outage_problems = parse_outages(list(o.store_outages))
     problems += outage_problems
-    if outage_plan and not gcs_emulator:
+    if outage_plan and not o.gcs_emulator:
         problems.append("--store-outage needs --gcs-emulator (the outage is a proxy in front of the emulator)")
     if problems:
         raise LocalRunError(problems)
-    wf = with_parameters(wf, parameters or {})
-    outages: OutagePlan | None = None
+    wf = with_parameters(wf, dict(o.parameters))
     params = _parameters(wf)
-    with_reference = reference and reference_digest is None
-    run_id = run_id or stamped_run_id(params.get("run-id", cfg.run_id), cfg, reference=with_reference)
+    with_reference = o.reference and o.reference_digest is None
+    run_id = o.run_id or stamped_run_id(params.get("run-id", cfg.run_id), cfg, reference=with_reference)
     problems = run_id_problems(cfg, run_id, reference=with_reference)
     if problems:
         raise LocalRunError(problems)
+    reference_digest = o.reference_digest
     with contextlib.ExitStack() as stack:
-        base_env: dict[str, str] = {}
-        if gcs_emulator:
-            base_env, outages = _start_emulator(stack, outage_plan, say)
+        reach = StoreReach()
+        store_root = o.store_root
+        if o.gcs_emulator:
+            reach = _start_emulator(stack, outage_plan, say)
             store_root = store_root or f"gs://{EMULATOR_BUCKET}/local"
         store_root = store_root or params.get("store-root", cfg.storage.root)
         if with_reference:
             ref_id = run_id + REFERENCE_SUFFIX
             say(f"reference run {ref_id} (no faults) ...")
-            ref = _run_once(wf, cfg, ref_id, store_root, [], base_env, None, grace_seconds, lambda _: None)
+            quiet = _LocalRun(wf, cfg, RunStore(store_root, ref_id), StoreReach(reach.env), o.grace_seconds)
+            ref = quiet.run([], metrics_port=None)
             reference_digest = ref.params_digest
             say(f"reference run {ref.status}: params digest {str(reference_digest)[:16]}")
-        result = _run_once(
-            wf, cfg, run_id, store_root, injections, base_env, metrics_port, grace_seconds, say, outages=outages
-        )
-        result.reference_digest = reference_digest
         store = RunStore(store_root, run_id)
+        result = _LocalRun(wf, cfg, store, reach, o.grace_seconds, say).run(injections, o.metrics_port)
+        result.reference_digest = reference_digest
         _finish(result, store, say)
-        if report:
+        if o.report:
             from workflows import report as report_mod
 
             result.report_paths = report_mod.run(store.url(), say=say)
-        if gcs_emulator and store.is_gcs:
+        if o.gcs_emulator and store.is_gcs:
             result.local_copy = _keep_copy(store, say)
     return result
 
@@ -338,10 +342,18 @@ def _parameter_problems(wf: dict[str, Any], parameters: dict[str, str]) -> list[
     ]
 
 
+@dataclass
+class StoreReach:
+    """How the steps and workers reach the run store: their environment, and the outages to fire on the way."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    outages: OutagePlan | None = None
+
+
 def _start_emulator(
     stack: contextlib.ExitStack, outage_plan: dict[str, float], say: Callable[[str], None]
-) -> tuple[dict[str, str], OutagePlan | None]:
-    """Start the GCS emulator (and the outage proxy in front of it) for the run: the steps' environment."""
+) -> StoreReach:
+    """Start the GCS emulator (and the outage proxy in front of it) for the run: how the steps reach it."""
     from workflows.local.emulator import GcsEmulator
 
     em = stack.enter_context(GcsEmulator())
@@ -351,12 +363,13 @@ def _start_emulator(
     stack.callback(_restore_env, saved)
     say(f"GCS emulator at {em.url}; run store gs://{EMULATOR_BUCKET}")
     if not outage_plan:
-        return em.env, None
+        return StoreReach(em.env)
     proxy = OutageProxy(em.url)
     stack.callback(proxy.close)
     # The steps and workers go through the proxy; this process reads the emulator directly.
     # A short client deadline hands an outage to the templates' retryStrategy within seconds.
-    return {**proxy.env(em.env), STORE_RETRY_DEADLINE_ENV: "1"}, OutagePlan(proxy, outage_plan, say=say)
+    env = {**proxy.env(em.env), STORE_RETRY_DEADLINE_ENV: "1"}
+    return StoreReach(env, OutagePlan(proxy, outage_plan, say=say))
 
 
 def _keep_copy(store: RunStore, say: Callable[[str], None]) -> str:
@@ -388,85 +401,98 @@ def _restore_env(saved: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
-def _run_once(
-    wf: dict[str, Any],
-    cfg: JobConfig,
-    run_id: str,
-    store_root: str,
-    injections: list,
-    base_env: dict[str, str],
-    metrics_port: int | None,
-    grace_seconds: float | None,
-    say: Callable[[str], None],
-    *,
-    outages: OutagePlan | None = None,
-) -> LocalRunResult:
-    """Run the Workflow, and every one that continues it or is submitted again after a deletion, to its end."""
-    store = RunStore(store_root, run_id)
-    wf = retarget(wf, run_id, store_root)
-    work_dir = (Path(".local-runs/emulator") / run_id / "local" if store.is_gcs else Path(store.url("local"))).resolve()
-    events = EventTail(work_dir / "events")
-    deleted = _Deletion()
-    injector = Injector(injections, events, lambda: store, deleted, lambda s: say(f"         {s}"), work_dir / "hosts")
-    feed = _MetricsFeed(store, cfg, metrics_port, say, logs=work_dir / "logs")
-    status = "Running"
-    t0 = now()
-    all_nodes: list[tuple[NodeInfo, NodeResult]] = []
-    all_inner: list[tuple[NodeInfo, NodeResult]] = []
-    executors: list[LocalExecutor] = []
-    restarts = 0
-    names: list[str] = []
-    # The next Workflow to run: (name, uid); a continuation's are the ones its hand-over step recorded.
-    nxt: tuple[str, str | None] = (run_id, None)
-    try:
-        while True:
-            ex = LocalExecutor(
-                repo_root=REPO_ROOT,
-                work_dir=work_dir,
-                base_env=base_env,
-                hooks=injector,
-                events_dir=work_dir / "events",
-                grace_seconds=grace_seconds,
-            )
-            executors.append(ex)
-            printer = _Printer(say, t0, cfg.slice.num_hosts)
-            progress = outages.wrap(printer) if outages is not None else printer
-            wrun = WorkflowRun(wf, ex, name=nxt[0], uid=nxt[1], progress=progress)
-            names.append(wrun.name)
-            deleted.run = wrun
-            try:
-                status = feed.status = wrun.run()
-            except WorkflowError as e:
-                say(f"workflow error: {e}")
-                status = feed.status = "Error"
-            all_nodes += wrun.nodes
-            all_inner += wrun.inner
-            if deleted.is_set() and restarts == 0:
-                deleted.clear()
-                # Argo deletes the Workflow object: its lease is free for the next submission at once.
-                _safe(lambda w=wrun: lease.release(store, w.uid))
-                restarts += 1
-                say(f"{now() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {run_id}")
-                nxt = (f"{run_id}-{restarts}", None)
-                continue
-            handed = _handed_to(store, wrun, status, lambda line: say(f"{now() - t0:7.1f}s [run]        {line}"))
-            if handed is None:
-                break
-            nxt = handed
-    finally:
-        feed.stop_feeding()
-    events.poll()
-    ledger = _read_ledger(store)
-    segments = _segments([sl for ex in executors for sl in ex.slices], injector.fired, t0)
-    incidents = _incidents(segments, events, all_nodes, injector, ledger)
-    feed.close(ledger, incidents)
-    digest = _safe(lambda: final_digest(store))
-    result = LocalRunResult(
-        status, run_id, store.url(), work_dir, incidents, digest, restarts=restarts, workflows=names
-    )
-    result.ledger, result.fired, result.corrupted = ledger, injector.fired, injector.corrupted
-    result.nodes, result.inner = all_nodes, all_inner
-    return result
+class _LocalRun:
+    """The Workflow of one run id, and every one that continues it or is submitted again after a deletion, run here.
+
+    Its fields are what each Workflow of the run shares: the compiled Workflow and config, the run store, the
+    steps' environment, the local JobSets' grace, where progress goes and the store outages to fire.
+    """
+
+    def __init__(
+        self,
+        wf: dict[str, Any],
+        cfg: JobConfig,
+        store: RunStore,
+        reach: StoreReach,
+        grace_seconds: float | None,
+        say: Callable[[str], None] = lambda _: None,
+    ):
+        self.cfg, self.store, self.grace_seconds, self.say = cfg, store, grace_seconds, say
+        self.base_env, self.outages = reach.env, reach.outages
+        self.run_id = store.run_id
+        self.wf = retarget(wf, store.run_id, store.root)
+        local = Path(".local-runs/emulator") / store.run_id / "local" if store.is_gcs else Path(store.url("local"))
+        self.work_dir = local.resolve()
+
+    def run(self, injections: list, metrics_port: int | None) -> LocalRunResult:
+        """Run to the end of the run's last Workflow; the result with its incidents."""
+        store, say, work_dir = self.store, self.say, self.work_dir
+        events = EventTail(work_dir / "events")
+        deleted = _Deletion()
+        injector = Injector(
+            injections, events, lambda: store, deleted, lambda s: say(f"         {s}"), work_dir / "hosts"
+        )
+        feed = _MetricsFeed(store, self.cfg, metrics_port, say, logs=work_dir / "logs")
+        status = "Running"
+        t0 = now()
+        all_nodes: list[tuple[NodeInfo, NodeResult]] = []
+        all_inner: list[tuple[NodeInfo, NodeResult]] = []
+        executors: list[LocalExecutor] = []
+        restarts = 0
+        names: list[str] = []
+        # The next Workflow to run: (name, uid); a continuation's are the ones its hand-over step recorded.
+        nxt: tuple[str, str | None] = (self.run_id, None)
+        try:
+            while True:
+                ex = LocalExecutor(
+                    repo_root=REPO_ROOT,
+                    work_dir=work_dir,
+                    base_env=self.base_env,
+                    hooks=injector,
+                    events_dir=work_dir / "events",
+                    grace_seconds=self.grace_seconds,
+                )
+                executors.append(ex)
+                printer = _Printer(say, t0, self.cfg.slice.num_hosts)
+                progress = self.outages.wrap(printer) if self.outages is not None else printer
+                wrun = WorkflowRun(self.wf, ex, name=nxt[0], uid=nxt[1], progress=progress)
+                names.append(wrun.name)
+                deleted.run = wrun
+                try:
+                    status = feed.status = wrun.run()
+                except WorkflowError as e:
+                    say(f"workflow error: {e}")
+                    status = feed.status = "Error"
+                all_nodes += wrun.nodes
+                all_inner += wrun.inner
+                if deleted.is_set() and restarts == 0:
+                    deleted.clear()
+                    # Argo deletes the Workflow object: its lease is free for the next submission at once.
+                    _safe(lambda w=wrun: lease.release(store, w.uid))
+                    restarts += 1
+                    say(
+                        f"{now() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {self.run_id}"
+                    )
+                    nxt = (f"{self.run_id}-{restarts}", None)
+                    continue
+                handed = _handed_to(store, wrun, status, lambda line: say(f"{now() - t0:7.1f}s [run]        {line}"))
+                if handed is None:
+                    break
+                nxt = handed
+        finally:
+            feed.stop_feeding()
+        events.poll()
+        ledger = _read_ledger(store)
+        segments = _segments([sl for ex in executors for sl in ex.slices], injector.fired, t0)
+        incidents = _incidents(segments, events, all_nodes, injector, ledger)
+        feed.close(ledger, incidents)
+        digest = _safe(lambda: final_digest(store))
+        result = LocalRunResult(
+            status, self.run_id, store.url(), work_dir, incidents, digest, restarts=restarts, workflows=names
+        )
+        result.ledger, result.fired, result.corrupted = ledger, injector.fired, injector.corrupted
+        result.nodes, result.inner = all_nodes, all_inner
+        return result
 
 
 class _Deletion:
@@ -653,8 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        result = run(
-            args.workflow,
+        options = LocalRunOptions(
             inject=args.inject,
             gcs_emulator=args.gcs_emulator,
             run_id=args.run_id,
@@ -664,6 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parameters=dict(x.split("=", 1) for x in args.parameter),
             store_outages=args.store_outage,
         )
+        result = run(args.workflow, options)
     except LocalRunError as e:
         for line in e.problems:
             print(f"error: {line}", file=sys.stderr)
