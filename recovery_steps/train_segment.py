@@ -769,8 +769,11 @@ def act(
     except Terminated:
         line = left_behind(args.store_root, args.run_id, args.attempt)
         raise StepError(128 + signal.SIGTERM, line, record=False) from None
-    code = ExitCode.OK if record.outcome == AttemptState.SUCCEEDED else ExitCode.ATTEMPT_FAILED
-    return int(code), " ".join(f"{k}={v}" for k, v in outputs_of(record).files().items())
+    if record.outcome == AttemptState.SUCCEEDED:
+        return int(ExitCode.OK), " ".join(f"{k}={v}" for k, v in outputs_of(record).files().items())
+    # The line a user reads first: the node's message in the Argo UI (kernel.step.say_why).
+    kind = f" ({record.stall_kind})" if record.stall_kind else ""
+    return int(ExitCode.ATTEMPT_FAILED), f"attempt {args.attempt} {record.outcome}{kind}: {record.reason}"
 
 
 def record_failure(args: argparse.Namespace, e: StepError) -> None:

@@ -50,6 +50,29 @@ def test_every_failure_is_one_line_its_exit_code_and_the_steps_failure_record(er
     assert rec == ([("demo-run", code, str(error))] if recorded else [])
 
 
+def test_a_failed_steps_line_is_its_containers_termination_message(tmp_path, monkeypatch):
+    """What the step prints last when it fails is what the kubelet reads from /dev/termination-log, and Argo puts
+    after "main: Error (exit code N)" in the node's message; a step that succeeds leaves the file empty."""
+    from recovery_steps.kernel import step as kstep
+
+    log = tmp_path / "termination-log"
+    log.touch()  # the kubelet creates it, empty, before the container starts
+    monkeypatch.setattr(kstep, "TERMINATION_LOG", log)
+    err: list[str] = []
+    assert run_step(_step(_raise(StepError(ExitCode.CAPACITY, "slice not ready")), []), _args(), err=err.append) == 75
+    assert log.read_text() == "demo: slice not ready" == err[0]
+    log.write_text("")
+    assert run_step(_step(lambda _a: (1, "JobSet r-a0 failed: worker 3 failed"), []), _args(), out=lambda _: None) == 1
+    assert log.read_text() == "demo: JobSet r-a0 failed: worker 3 failed"
+    log.write_text("")
+    assert run_step(_step(lambda _a: (0, "outcome=succeeded"), []), _args(), out=lambda _: None) == 0
+    assert log.read_text() == ""
+    kstep.say_why("x" * 5000, log)
+    assert len(log.read_bytes()) == 4096  # the kubelet reads at most that much
+    kstep.say_why("not a pod", tmp_path / "absent")  # a process outside a pod has no file: nothing is created
+    assert not (tmp_path / "absent").exists()
+
+
 def test_success_prints_the_outputs_line_and_returns_the_acts_code():
     rec, out, err = [], [], []
     assert run_step(_step(lambda _a: (1, "outcome=failed"), rec), _args(), out=out.append, err=err.append) == 1

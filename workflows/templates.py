@@ -160,6 +160,8 @@ def _step(
         inputs=[Parameter(name=n) for n in inputs] + kw.pop("input_artifacts", []),
         outputs=_outputs(outputs),
         labels=labels,
+        # The step's one line (kernel.step.say_why) or, after a crash before it, its log's tail: the node's message.
+        termination_message_policy="FallbackToLogsOnError",
         **kw,
     )
 

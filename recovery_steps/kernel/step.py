@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from recovery_steps.kernel.config import ConfigError, JobConfig
@@ -112,6 +113,26 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+TERMINATION_LOG = Path("/dev/termination-log")
+"""The file the kubelet mounts in every container (``terminationMessagePath``'s default): what a container writes
+there becomes its terminated state's ``message``, which Argo appends to the failed node's message in its UI
+(workflow/controller/operator.go ``inferFailedReason``, v4.0.5)."""
+
+
+def say_why(line: str, path: Path | None = None) -> None:
+    """Leave a failed step's one line where the kubelet reads the container's termination message.
+
+    Only where the kubelet made the file (a process outside a pod has none); at most the kubelet's 4096 bytes
+    (pkg/kubelet/container/runtime.go, v1.36.3). Reporting why must never change how the step ends.
+    """
+    path = path or TERMINATION_LOG
+    try:
+        if path.is_file():
+            path.write_bytes(line.encode()[:4096])
+    except OSError:
+        pass
+
+
 @dataclass(frozen=True)
 class Step:
     """One step program: its name, its arguments, what it does, and what it leaves when it fails.
@@ -142,22 +163,28 @@ def run_step(
     from recovery_steps.kernel.cli import store_error_line
     from recovery_steps.kernel.store import StoreUnavailable, store_errors
 
+    def failed(line: str, code: int) -> int:
+        err(line)
+        say_why(line)
+        return code
+
     try:
         code, line = step.act(args)
     except StepError as e:
         err(f"{step.name}: {e}")
         if step.on_error is not None and e.record:
             step.on_error(args, e)
+        say_why(f"{step.name}: {e}")
         return int(e.code)
     except StoreUnavailable as e:
-        err(f"{step.name}: {e}; transient, Argo retries this step")
-        return int(ExitCode.TRANSIENT)
+        return failed(f"{step.name}: {e}; transient, Argo retries this step", int(ExitCode.TRANSIENT))
     except store_errors() as e:
         line = store_error_line(step.name, RunStore(args.store_root, args.run_id).url(), e)
-        err(line if line.startswith(f"{step.name}:") else f"{step.name}: {line}")
-        return step.store_code
+        return failed(line if line.startswith(f"{step.name}:") else f"{step.name}: {line}", step.store_code)
     if line:
         out(line)
+        if code != 0:
+            say_why(f"{step.name}: {line}")
     return code
 
 

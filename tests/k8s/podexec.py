@@ -225,6 +225,27 @@ def argo_env(pod: dict[str, Any]) -> dict[str, str]:
     return env
 
 
+# pkg/kubelet/container/runtime.go (v1.36.3): the most of a log the kubelet makes a termination message of.
+TERMINATION_LOG_LINES, TERMINATION_LOG_BYTES = 80, 2048
+
+
+def termination_message(container: dict[str, Any], log: Path, code: int) -> str:
+    """The terminated state's ``message`` the kubelet gives a container that exited ``code``.
+
+    ``terminationMessagePolicy: FallbackToLogsOnError`` and a non-zero exit: the last 80 lines of its log, at most
+    2048 bytes (pkg/kubelet/kuberuntime/kuberuntime_container.go, v1.36.3). The file at ``terminationMessagePath``
+    comes first there; no process here has one (the kubelet bind-mounts a file of its own at /dev/termination-log,
+    which podexec cannot without a /dev of the pod's own), so the fallback is what a pod here reports.
+    """
+    if code == 0 or container.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+        return ""
+    try:
+        lines = log.read_bytes().splitlines(keepends=True)[-TERMINATION_LOG_LINES:]
+    except OSError as e:
+        return f"Error on reading termination message from logs: {e}"
+    return b"".join(lines)[-TERMINATION_LOG_BYTES:].decode(errors="replace")
+
+
 def mount_points(template: dict[str, Any]) -> list[str]:
     """The directories a template reads inputs from and writes outputs to."""
     paths = [a["path"] for a in (template.get("inputs") or {}).get("artifacts") or [] if a.get("path")]
@@ -421,9 +442,12 @@ class PodRun:
         if result is not None:
             retrying(f"{self.name}: outputs", lambda: result.report(params, error))
         wait_code = 1 if error else 0
+        message = termination_message(main, self.root / "main.log", code)
         retrying(
             f"{self.name}: status",
-            lambda: self.kubelet.report_terminated(self.pod, started, code, wait_code=wait_code, error=error),
+            lambda: self.kubelet.report_terminated(
+                self.pod, started, code, wait_code=wait_code, error=error, message=message
+            ),
         )
 
     def _execute(self, main: dict[str, Any], template: dict[str, Any], private: Path, secrets: str | None) -> int:
@@ -735,7 +759,7 @@ class Kubelet:
         )
 
     def report_terminated(
-        self, pod: dict[str, Any], started: str, code: int, wait_code: int, error: str | None
+        self, pod: dict[str, Any], started: str, code: int, wait_code: int, error: str | None, message: str = ""
     ) -> None:
         t = now()
         main = main_container(pod)["name"]
@@ -745,6 +769,8 @@ class Kubelet:
             state = {"exitCode": n, "reason": "Completed" if n == 0 else "Error", "startedAt": started, "finishedAt": t}
             if c["name"] == WAIT and error:
                 state["message"] = error
+            if c["name"] == main and message:
+                state["message"] = message
             return _status(c, {"terminated": state})
 
         status = {

@@ -148,6 +148,11 @@ def test_drill_kill_worker_real_trainers(trainer_drill, uninterrupted):
     assert t.incident.failure_class == "infrastructure", t.incident
     killed = next(w for w in d.supervision(0).workers if w.pod == victim)
     assert "137" in killed.last_state, d.supervision(0).workers
+    # The Argo UI says why: the failed segment's node message carries the supervisor's line (its container's
+    # termination message, from its log's tail under FallbackToLogsOnError: podexec has no /dev/termination-log).
+    nodes = drill.Cluster(d.rc.admin, d.target.namespace).workflow(res.workflow)["status"]["nodes"].values()
+    failed = [n.get("message") or "" for n in nodes if n.get("templateName") == "train-segment" and n["type"] == "Pod"]
+    assert any("main: Error (exit code 1): " in m and "failed (exit code 137, SIGKILL)" in m for m in failed), failed
     assert t.incident.restored_step is not None and t.incident.restored_step >= 10, t.incident
     ledger = read_ledger(d.store)
     assert [(a.attempt, a.outcome, a.failure_class) for a in ledger.attempts] == [

@@ -22,6 +22,7 @@ from podexec import (
     mount_points,
     mounts_token,
     save_parameters,
+    termination_message,
 )
 from tier import kube_exec, worker_like_pod
 
@@ -74,6 +75,20 @@ def test_output_parameters_are_saved_as_argo_saves_them(tmp_path):
     assert [p.get("value") for p in params] == ["one\n", "two", "dflt", None, None]  # saving stops at d
     assert error == "open /tmp/outputs/d: no such file or directory"
     assert mount_points(template) == ["/tmp/outputs"]
+
+
+def test_a_failed_container_under_fallback_to_logs_reports_its_logs_tail_as_the_kubelet_does(tmp_path):
+    """FallbackToLogsOnError and a non-zero exit: the last 80 lines, at most 2048 bytes (kubelet v1.36.3); exit 0
+    or the default policy (File): no message, for no process here has a termination-log file."""
+    log = tmp_path / "main.log"
+    log.write_text("".join(f"line {i}\n" for i in range(200)) + "train-segment: attempt 0 failed: worker 3 failed\n")
+    fallback = {"name": "main", "terminationMessagePolicy": "FallbackToLogsOnError"}
+    got = termination_message(fallback, log, 1)
+    assert got.endswith("train-segment: attempt 0 failed: worker 3 failed\n") and got.startswith("line 121\n")
+    assert len(got.splitlines()) == 80
+    log.write_text("x" * 5000 + "\nwhy\n")
+    assert termination_message(fallback, log, 1) == ("x" * 5000 + "\nwhy\n")[-2048:]
+    assert termination_message(fallback, log, 0) == "" == termination_message({"name": "main"}, log, 1)
 
 
 def test_downward_api_fields(tmp_path):
