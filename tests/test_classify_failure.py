@@ -21,16 +21,30 @@ HOSTS = 4
 
 
 def setup_run(root: str) -> RunStore:
-    cfg = parse_config({"run_id": RUN, "image": "trainer:local", "slice": {"accelerator": "local", "hosts": HOSTS},
-                        "storage": {"root": root},
-                        "retry": {"default_backoff": {"base_s": 2, "factor": 3, "max_s": 100}}})  # fmt: skip
+    cfg = parse_config(
+        {
+            "run_id": RUN,
+            "image": "trainer:local",
+            "slice": {"accelerator": "local", "hosts": HOSTS},
+            "storage": {"root": root},
+            "retry": {"default_backoff": {"base_s": 2, "factor": 3, "max_s": 100}},
+        }
+    )
     store = RunStore(root, RUN)
     store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
     return store
 
 
-def write_attempt(store: RunStore, n: int, codes: list[int], first: int, *, restore: int, ckpt: int | None,
-                  exc: tuple[str, str] | None = None) -> None:  # fmt: skip
+def write_attempt(
+    store: RunStore,
+    n: int,
+    codes: list[int],
+    first: int,
+    *,
+    restore: int,
+    ckpt: int | None,
+    exc: tuple[str, str] | None = None,
+) -> None:
     """What restore-latest, the trainer's workers and the local supervisor leave behind for attempt n."""
     restore_record(store, n, restore)
     if ckpt is not None:
@@ -40,21 +54,51 @@ def write_attempt(store: RunStore, n: int, codes: list[int], first: int, *, rest
     for i, code in enumerate(codes):
         ended = T0 + 100 * n + (10 if i == first else 11)
         if code > 0:
-            r = WorkerExitReport(run_id=RUN, attempt=n, process_index=i, process_count=HOSTS, exit_code=code,
-                                 exit_name=str(code), last_step=ckpt, started_at=T0 + 100 * n, ended_at=ended,
-                                 exception_type=exc[0] if exc and i == first else None,
-                                 exception_message=exc[1] if exc and i == first else None)  # fmt: skip
+            r = WorkerExitReport(
+                run_id=RUN,
+                attempt=n,
+                process_index=i,
+                process_count=HOSTS,
+                exit_code=code,
+                exit_name=str(code),
+                last_step=ckpt,
+                started_at=T0 + 100 * n,
+                ended_at=ended,
+                exception_type=exc[0] if exc and i == first else None,
+                exception_message=exc[1] if exc and i == first else None,
+            )
             store.write_json(RunLayout.worker_report(n, i), r.model_dump(mode="json"))
         # The local slice as its supervisor saw it before the stop: the pods as the kubelet reports them.
-        pods.append(PodEvidence(name=f"{RUN}-a{n}-workers-0-{i}", worker_index=i, node=f"local-{i}", phase="Failed",
-                                containers=[ContainerState(name="trainer", state="terminated", reason="Error",
-                                                           exit_code=128 - code if code < 0 else code,
-                                                           started_at=T0 + 100 * n, finished_at=ended)]))  # fmt: skip
+        pods.append(
+            PodEvidence(
+                name=f"{RUN}-a{n}-workers-0-{i}",
+                worker_index=i,
+                node=f"local-{i}",
+                phase="Failed",
+                containers=[
+                    ContainerState(
+                        name="trainer",
+                        state="terminated",
+                        reason="Error",
+                        exit_code=128 - code if code < 0 else code,
+                        started_at=T0 + 100 * n,
+                        finished_at=ended,
+                    )
+                ],
+            )
+        )
     cond = job_failure(pod_failure_policy()["rules"], 0, pods, "default")
     jobs = [JobEvidence(name=f"{RUN}-a{n}-workers-0", conditions=[cond] if cond is not None else [])]
     snap = ClusterSnapshot(taken_at=T0 + 100 * n + 12, jobset=JobSetEvidence(name=f"{RUN}-a{n}"), jobs=jobs, pods=pods)
-    sup = SupervisionRecord(attempt=n, jobset=f"{RUN}-a{n}", outcome="failed", reason=f"worker {first} failed",
-                            worker=first, detected_at=T0 + 100 * n + 12, snapshot=snap)  # fmt: skip
+    sup = SupervisionRecord(
+        attempt=n,
+        jobset=f"{RUN}-a{n}",
+        outcome="failed",
+        reason=f"worker {first} failed",
+        worker=first,
+        detected_at=T0 + 100 * n + 12,
+        snapshot=snap,
+    )
     store.write_record(RunLayout.supervision(n), sup)
 
 
@@ -63,8 +107,20 @@ def outputs(d) -> dict[str, str]:
 
 
 def cli(store_root: str, n: int, out) -> int:
-    return classify_failure.main(["--store-root", store_root, "--run-id", RUN, "--attempt", str(n),
-                                  "--jobset", f"{RUN}-a{n}", "--output-dir", str(out)])  # fmt: skip
+    return classify_failure.main(
+        [
+            "--store-root",
+            store_root,
+            "--run-id",
+            RUN,
+            "--attempt",
+            str(n),
+            "--jobset",
+            f"{RUN}-a{n}",
+            "--output-dir",
+            str(out),
+        ]
+    )
 
 
 def test_sequence_of_attempts_ends_with_stop(store_root, tmp_path, capsys):
@@ -131,8 +187,16 @@ def test_sequence_of_attempts_ends_with_stop(store_root, tmp_path, capsys):
 
 def test_missing_supervision_record_still_classifies_from_reports(store_root, tmp_path, capsys):
     store = setup_run(store_root)
-    r = WorkerExitReport(run_id=RUN, attempt=0, process_index=3, process_count=HOSTS, exit_code=21, exit_name="HANG",
-                         ended_at=T0 + 5, last_step=7)  # fmt: skip
+    r = WorkerExitReport(
+        run_id=RUN,
+        attempt=0,
+        process_index=3,
+        process_count=HOSTS,
+        exit_code=21,
+        exit_name="HANG",
+        ended_at=T0 + 5,
+        last_step=7,
+    )
     store.write_json(RunLayout.worker_report(0, 3), r.model_dump(mode="json"))
     assert cli(store_root, 0, tmp_path / "o") == 0
     o = outputs(tmp_path / "o")
@@ -223,9 +287,15 @@ def test_a_gang_is_orphaned_only_while_neither_its_jobset_nor_a_job_of_it_has_fa
 def test_a_cluster_backend_without_a_kubernetes_config_decides_nothing(tmp_path, monkeypatch, capsys):
     """No client, no reading the gang: the attempt is not closed on the worker reports alone (configuration, 2)."""
     root = str(tmp_path / "store")
-    cfg = parse_config({"run_id": RUN, "namespace": "training", "image": "gcr.io/p/trainer:1",
-                        "slice": {"accelerator": "v5e", "topology": "4x4"},
-                        "storage": {"root": root, "durable_mount": True}})  # fmt: skip
+    cfg = parse_config(
+        {
+            "run_id": RUN,
+            "namespace": "training",
+            "image": "gcr.io/p/trainer:1",
+            "slice": {"accelerator": "v5e", "topology": "4x4"},
+            "storage": {"root": root, "durable_mount": True},
+        }
+    )
     store = RunStore(root, RUN)
     store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "none"))

@@ -48,9 +48,16 @@ def test_example_shapes_match_their_names():
 
 @pytest.mark.parametrize(
     ("acc", "topology", "hosts"),
-    [("v5e", "4x4", 4), ("v5e", "16x16", 64), ("v5p", "2x2x2", 2), ("v5p", "4x4x4", 16), ("v6e", "8x8", 16),
-     ("v4", "2x2x4", 4), ("tpu7x", "2x4x4", 8)],
-)  # fmt: skip
+    [
+        ("v5e", "4x4", 4),
+        ("v5e", "16x16", 64),
+        ("v5p", "2x2x2", 2),
+        ("v5p", "4x4x4", 16),
+        ("v6e", "8x8", 16),
+        ("v4", "2x2x4", 4),
+        ("tpu7x", "2x4x4", 8),
+    ],
+)
 def test_hosts_are_derived_from_the_tpu_table(acc, topology, hosts):
     data = with_("slice", {"accelerator": acc, "topology": topology})
     data["data"] = {"global_batch_size": 4 * hosts * 4}
@@ -173,8 +180,16 @@ def test_longest_pod_name_is_the_one_the_webhook_checks_in_the_manifest(name):
     from workflows.jobset import jobset_manifest
 
     cfg = load_config(ROOT / "configs" / name)
-    manifest = jobset_manifest(cfg, name=jobset_name(cfg.run_id, 99999), run_id=cfg.run_id, store_root="gs://b/p",
-                               attempt="99999", restore_step="-1", coordinator_port="1", metrics_port="2")  # fmt: skip
+    manifest = jobset_manifest(
+        cfg,
+        name=jobset_name(cfg.run_id, 99999),
+        run_id=cfg.run_id,
+        store_root="gs://b/p",
+        attempt="99999",
+        restore_step="-1",
+        coordinator_port="1",
+        metrics_port="2",
+    )
     assert _webhooks_longest_pod_name(manifest) == longest_pod_name(cfg.run_id, 99999, cfg.slice.num_hosts)
 
 

@@ -48,12 +48,12 @@ def store(tmp_path) -> RunStore:
             b'{"run_id": "docs-run", "attempts": [{"attempt": 1, "outcome": "failed"}, {"attempt": 1, "outcome": '
             b'"failed"}]}',
             "attempts: attempt 1 is recorded twice",
-        ),  # fmt: skip
+        ),
         (
             b'{"run_id": "docs-run", "attempts": [{"attempt": 2, "outcome": "failed"}, {"attempt": 1, "outcome": '
             b'"failed"}]}',
             "attempts: attempt 1 is recorded after attempt 2",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_damaged_ledger_is_one_line_naming_the_file(store, body, says):
@@ -66,8 +66,15 @@ def test_a_damaged_ledger_is_one_line_naming_the_file(store, body, says):
 
 
 def test_records_round_trip_through_their_paths(store):
-    rec = records.RestoreRecord(attempt=2, run_id=RUN, config_hash="h", exit_code=0, restore_step=30,
-                                restore_path=store.url(RunLayout.checkpoint(30)), decided_at=1.0)  # fmt: skip
+    rec = records.RestoreRecord(
+        attempt=2,
+        run_id=RUN,
+        config_hash="h",
+        exit_code=0,
+        restore_step=30,
+        restore_path=store.url(RunLayout.checkpoint(30)),
+        decided_at=1.0,
+    )
     store.write_record(RunLayout.restore_record(2), rec)
     assert store.read_record(RunLayout.restore_record(2), records.RestoreRecord) == rec
     reason = records.QuarantineReason(step=5, from_="x", kind="manifest", reason="r", attempt=1, objects=3, moved_at=2)
@@ -138,8 +145,9 @@ def test_missing_config_names_the_step_to_run(store):
 
 
 def test_one_damaged_worker_report_does_not_hide_the_others(store):
-    good = records.WorkerExitReport(run_id=RUN, attempt=0, process_index=1, process_count=2, exit_code=20,
-                                    exit_name="PEER_LOST")  # fmt: skip
+    good = records.WorkerExitReport(
+        run_id=RUN, attempt=0, process_index=1, process_count=2, exit_code=20, exit_name="PEER_LOST"
+    )
     store.write_record(RunLayout.worker_report(0, 1), good)
     store.write_bytes(RunLayout.worker_report(0, 0), b'{"run_id": "docs-run"}')
     reports, problems = read_worker_reports(store, 0)
@@ -148,17 +156,30 @@ def test_one_damaged_worker_report_does_not_hide_the_others(store):
 
 
 def test_store_lists_steps_and_attempts(store):
-    for rel in ("checkpoints/20/a", "checkpoints/3/a", "checkpoints/7.orbax-checkpoint-tmp/a", "attempts/0/x",
-                "attempts/11/x", "attempts/notes/x"):  # fmt: skip
+    for rel in (
+        "checkpoints/20/a",
+        "checkpoints/3/a",
+        "checkpoints/7.orbax-checkpoint-tmp/a",
+        "attempts/0/x",
+        "attempts/11/x",
+        "attempts/notes/x",
+    ):
         store.write_bytes(rel, b"1")
     assert store.checkpoint_steps() == [3, 20]
     assert store.attempts() == [0, 11]
 
 
 def test_outputs_round_trip_and_render_as_argo_reads_them(tmp_path):
-    o = ClassifyOutputs(failure_class=FailureClass.HANG, decision=Decision.RETRY, reason="r", backoff_seconds=4,
-                        backoff_wait="1500ms", attempts_by_class={"hang": 1}, next_attempt=3,
-                        budget_exhausted=False)  # fmt: skip
+    o = ClassifyOutputs(
+        failure_class=FailureClass.HANG,
+        decision=Decision.RETRY,
+        reason="r",
+        backoff_seconds=4,
+        backoff_wait="1500ms",
+        attempts_by_class={"hang": 1},
+        next_attempt=3,
+        budget_exhausted=False,
+    )
     o.write(tmp_path)
     assert (tmp_path / "decision").read_text() == "retry" and (tmp_path / "backoff-wait").read_text() == "1500ms"
     assert (tmp_path / "budget-exhausted").read_text() == "0"

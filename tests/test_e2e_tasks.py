@@ -57,8 +57,13 @@ def test_lm_on_record_files_recovers_from_a_killed_worker_with_the_same_params(t
     cfg_path.write_text((tmp_path / "writer.yaml").read_text())
     files = write_records.run(str(cfg_path), str(tmp_path / "records"), num_files=3, num_records=300)
     assert len(files) == 3
-    wf = shrunken_workflow(tmp_path, "on-files", store_root=str(tmp_path / "store"), hosts=2,
-                           data_section={"dataset": "records", "files": str(tmp_path / "records")})  # fmt: skip
+    wf = shrunken_workflow(
+        tmp_path,
+        "on-files",
+        store_root=str(tmp_path / "store"),
+        hosts=2,
+        data_section={"dataset": "records", "files": str(tmp_path / "records")},
+    )
     store = _killed(wf, str(tmp_path / "store"), reference_digest(wf, str(tmp_path / "store")))
     m = _last_manifest(store)
     assert m.dataset_version == records.fingerprint(records.list_files(str(tmp_path / "records")))

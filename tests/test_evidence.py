@@ -48,9 +48,16 @@ class FakeApi:
 
     @staticmethod
     def _not_found(kind: str, name: str) -> tuple[int, dict]:
-        return 404, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                     "message": f'{kind} "{name}" not found', "reason": "NotFound",
-                     "details": {"name": name, "kind": kind}, "code": 404}  # fmt: skip
+        return 404, {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": f'{kind} "{name}" not found',
+            "reason": "NotFound",
+            "details": {"name": name, "kind": kind},
+            "code": 404,
+        }
 
     @staticmethod
     def _select(items: list[dict], query: dict) -> list[dict]:
@@ -71,11 +78,19 @@ class FakeApi:
             name = parts[-1]
             return (200, self.jobsets[name]) if name in self.jobsets else self._not_found("jobsets", name)
         if u.path == f"/apis/batch/v1/namespaces/{NS}/jobs":
-            return 200, {"apiVersion": "batch/v1", "kind": "JobList", "metadata": {"resourceVersion": "7"},
-                         "items": self._select(self.jobs, q)}  # fmt: skip
+            return 200, {
+                "apiVersion": "batch/v1",
+                "kind": "JobList",
+                "metadata": {"resourceVersion": "7"},
+                "items": self._select(self.jobs, q),
+            }
         if u.path == f"/api/v1/namespaces/{NS}/pods":
-            return 200, {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "7"},
-                         "items": self._select(self.pods, q)}  # fmt: skip
+            return 200, {
+                "apiVersion": "v1",
+                "kind": "PodList",
+                "metadata": {"resourceVersion": "7"},
+                "items": self._select(self.pods, q),
+            }
         if u.path.startswith("/api/v1/nodes/"):
             name = parts[-1]
             return (200, self.nodes[name]) if name in self.nodes else self._not_found("nodes", name)
@@ -95,12 +110,27 @@ def ts(sec: int) -> str:
     return f"2024-05-01T10:00:{sec:02d}Z"
 
 
-def api_pod(i: int, *, code: int | None, at: int | None = None, reason: str = "Error", disruption: str | None = None,
-            phase: str = "Failed", node: str | None = None) -> dict:  # fmt: skip
+def api_pod(
+    i: int,
+    *,
+    code: int | None,
+    at: int | None = None,
+    reason: str = "Error",
+    disruption: str | None = None,
+    phase: str = "Failed",
+    node: str | None = None,
+) -> dict:
     name = f"{JS}-workers-0-{i}-q{i}x7z"
     if code is not None:
-        state = {"terminated": {"exitCode": code, "reason": reason, "startedAt": ts(0), "finishedAt": ts(at),
-                                "containerID": f"containerd://{i:064d}"}}  # fmt: skip
+        state = {
+            "terminated": {
+                "exitCode": code,
+                "reason": reason,
+                "startedAt": ts(0),
+                "finishedAt": ts(at),
+                "containerID": f"containerd://{i:064d}",
+            }
+        }
     elif phase == "Pending":
         state = {"waiting": {"reason": "ContainerCreating"}}
     else:
@@ -108,16 +138,37 @@ def api_pod(i: int, *, code: int | None, at: int | None = None, reason: str = "E
     spec = {"restartPolicy": "Never", "containers": [{"name": "trainer", "image": "gcr.io/p/trainer:1"}]}
     if phase != "Pending":
         spec["nodeName"] = node or f"gke-tpu-pool-{i}"
-    conditions = [{"type": "Ready", "status": "False", "lastProbeTime": None, "lastTransitionTime": ts(at or 0),
-                   "reason": "PodFailed"}]  # fmt: skip
+    conditions = [
+        {
+            "type": "Ready",
+            "status": "False",
+            "lastProbeTime": None,
+            "lastTransitionTime": ts(at or 0),
+            "reason": "PodFailed",
+        }
+    ]
     if phase == "Pending":
-        conditions = [{"type": "PodScheduled", "status": "False", "lastProbeTime": None,
-                       "lastTransitionTime": ts(0), "reason": "Unschedulable",
-                       "message": "0/8 nodes are available: 8 Insufficient google.com/tpu."}]  # fmt: skip
+        conditions = [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "lastProbeTime": None,
+                "lastTransitionTime": ts(0),
+                "reason": "Unschedulable",
+                "message": "0/8 nodes are available: 8 Insufficient google.com/tpu.",
+            }
+        ]
     if disruption:
-        conditions.append({"type": "DisruptionTarget", "status": "True", "lastProbeTime": None,
-                           "lastTransitionTime": ts(at or 0), "reason": disruption,
-                           "message": "Pod was terminated in response to imminent node shutdown."})  # fmt: skip
+        conditions.append(
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "lastProbeTime": None,
+                "lastTransitionTime": ts(at or 0),
+                "reason": disruption,
+                "message": "Pod was terminated in response to imminent node shutdown.",
+            }
+        )
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -132,7 +183,7 @@ def api_pod(i: int, *, code: int | None, at: int | None = None, reason: str = "E
                 "job-name": f"{JS}-workers-0",
             },
             "annotations": {"batch.kubernetes.io/job-completion-index": str(i)},
-        },  # fmt: skip
+        },
         "spec": spec,
         "status": {
             "phase": phase,
@@ -149,7 +200,7 @@ def api_pod(i: int, *, code: int | None, at: int | None = None, reason: str = "E
                     "started": False,
                 }
             ],
-        },  # fmt: skip
+        },
     }
 
 
@@ -162,14 +213,27 @@ def api_node(name: str, *, ready: str = "True", spot: bool = False, taints: list
         "kind": "Node",
         "metadata": {"name": name, "labels": labels},
         "spec": {"taints": taints or []},
-        "status": {"conditions": [
-            {"type": "MemoryPressure", "status": "False", "lastHeartbeatTime": ts(0), "lastTransitionTime": ts(0),
-             "reason": "KubeletHasSufficientMemory", "message": "kubelet has sufficient memory available"},
-            {"type": "Ready", "status": ready, "lastHeartbeatTime": ts(9), "lastTransitionTime": ts(9),
-             "reason": "KubeletReady" if ready == "True" else "KubeletNotReady",
-             "message": "kubelet is posting ready status" if ready == "True" else "node is shutting down"},
-        ]},
-    }  # fmt: skip
+        "status": {
+            "conditions": [
+                {
+                    "type": "MemoryPressure",
+                    "status": "False",
+                    "lastHeartbeatTime": ts(0),
+                    "lastTransitionTime": ts(0),
+                    "reason": "KubeletHasSufficientMemory",
+                    "message": "kubelet has sufficient memory available",
+                },
+                {
+                    "type": "Ready",
+                    "status": ready,
+                    "lastHeartbeatTime": ts(9),
+                    "lastTransitionTime": ts(9),
+                    "reason": "KubeletReady" if ready == "True" else "KubeletNotReady",
+                    "message": "kubelet is posting ready status" if ready == "True" else "node is shutting down",
+                },
+            ]
+        },
+    }
 
 
 def api_jobset(failed: bool = True) -> dict:
@@ -192,7 +256,7 @@ def api_jobset(failed: bool = True) -> dict:
             else [],
             "terminalState": "Failed" if failed else None,
             "replicatedJobsStatus": [{"name": "workers", "ready": 0, "succeeded": 0, "failed": 1, "active": 0}],
-        },  # fmt: skip
+        },
     }
 
 
@@ -201,15 +265,28 @@ def api_job(failed_pod: str, code: int) -> dict:
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": f"{JS}-workers-0", "namespace": NS, "labels": {JS_LABEL: JS}},
-        "status": {"failed": 1, "conditions": [
-            {"type": "FailureTarget", "status": "True", "reason": "PodFailurePolicy", "lastTransitionTime": ts(10),
-             "message": f"Container trainer for pod {NS}/{failed_pod} failed with exit code {code} matching "
-                        "FailJob rule at index 5"},
-            {"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "lastTransitionTime": ts(10),
-             "message": f"Container trainer for pod {NS}/{failed_pod} failed with exit code {code} matching "
-                        "FailJob rule at index 5"},
-        ]},
-    }  # fmt: skip
+        "status": {
+            "failed": 1,
+            "conditions": [
+                {
+                    "type": "FailureTarget",
+                    "status": "True",
+                    "reason": "PodFailurePolicy",
+                    "lastTransitionTime": ts(10),
+                    "message": f"Container trainer for pod {NS}/{failed_pod} failed with exit code {code} matching "
+                    "FailJob rule at index 5",
+                },
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "PodFailurePolicy",
+                    "lastTransitionTime": ts(10),
+                    "message": f"Container trainer for pod {NS}/{failed_pod} failed with exit code {code} matching "
+                    "FailJob rule at index 5",
+                },
+            ],
+        },
+    }
 
 
 @pytest.fixture
@@ -221,14 +298,20 @@ def api():
 
 def spot_preemption(api: FakeApi) -> None:
     api.jobsets[JS] = api_jobset()
-    api.pods = [api_pod(0, code=143, at=12), api_pod(1, code=143, at=10, disruption="TerminationByKubelet"),
-                api_pod(2, code=143, at=12), api_pod(3, code=143, at=12)]  # fmt: skip
+    api.pods = [
+        api_pod(0, code=143, at=12),
+        api_pod(1, code=143, at=10, disruption="TerminationByKubelet"),
+        api_pod(2, code=143, at=12),
+        api_pod(3, code=143, at=12),
+    ]
     api.jobs = [api_job(api.pods[1]["metadata"]["name"], 143)]
     api.nodes = {f"gke-tpu-pool-{i}": api_node(f"gke-tpu-pool-{i}", spot=True) for i in range(4)}
     api.nodes["gke-tpu-pool-1"] = api_node(
-        "gke-tpu-pool-1", ready="False", spot=True,
+        "gke-tpu-pool-1",
+        ready="False",
+        spot=True,
         taints=[{"key": "cloud.google.com/impending-node-termination", "effect": "NoSchedule"}],
-    )  # fmt: skip
+    )
     # A pod of another JobSet in the namespace must not be read as evidence.
     other = api_pod(0, code=42, at=1)
     other["metadata"]["labels"][JS_LABEL] = "someone-else"
@@ -256,11 +339,19 @@ def test_spot_preemption_read_from_the_api(api):
 def test_pending_pods_events_give_capacity(api):
     api.jobsets[JS] = api_jobset(failed=False)
     api.pods = [api_pod(i, code=None, phase="Pending") for i in range(4)]
-    api.events = [{"apiVersion": "v1", "kind": "Event", "metadata": {"name": f"e{i}", "namespace": NS},
-                   "involvedObject": {"kind": "Pod", "name": p["metadata"]["name"], "namespace": NS},
-                   "reason": "FailedScheduling", "type": "Warning", "count": 14,
-                   "message": "0/8 nodes are available: 8 Insufficient google.com/tpu. preemption: not eligible"}
-                  for i, p in enumerate(api.pods)]  # fmt: skip
+    api.events = [
+        {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"e{i}", "namespace": NS},
+            "involvedObject": {"kind": "Pod", "name": p["metadata"]["name"], "namespace": NS},
+            "reason": "FailedScheduling",
+            "type": "Warning",
+            "count": 14,
+            "message": "0/8 nodes are available: 8 Insufficient google.com/tpu. preemption: not eligible",
+        }
+        for i, p in enumerate(api.pods)
+    ]
     ev = gather_kubernetes(make_api_client(api.url), NS, JS, Evidence(backend="gke", attempt=0))
     assert all(p.events and p.events[0].startswith("FailedScheduling") for p in ev.pods)
     v = classify(ev)
@@ -270,8 +361,16 @@ def test_pending_pods_events_give_capacity(api):
 
 def test_missing_jobset_is_noted_and_reports_still_classify(api, tmp_path):
     store = RunStore(str(tmp_path), "r")
-    rep = WorkerExitReport(run_id="r", attempt=0, process_index=2, process_count=4, exit_code=21, exit_name="HANG",
-                           ended_at=1714557700.0, last_step=90)  # fmt: skip
+    rep = WorkerExitReport(
+        run_id="r",
+        attempt=0,
+        process_index=2,
+        process_count=4,
+        exit_code=21,
+        exit_name="HANG",
+        ended_at=1714557700.0,
+        last_step=90,
+    )
     store.write_json(RunLayout.worker_report(0, 2), rep.model_dump(mode="json"))
     ev = Evidence(backend="gke", attempt=0)
     gather_reports(store, 0, ev)
@@ -299,9 +398,15 @@ def test_an_unreachable_api_is_never_taken_for_a_missing_gang():
 
 
 def tpu_config(root: str):
-    return parse_config({"run_id": "llm", "namespace": NS, "image": "gcr.io/p/trainer:1",
-                         "slice": {"accelerator": "v5e", "topology": "4x4", "spot": True},
-                         "storage": {"root": root, "durable_mount": True}})  # fmt: skip
+    return parse_config(
+        {
+            "run_id": "llm",
+            "namespace": NS,
+            "image": "gcr.io/p/trainer:1",
+            "slice": {"accelerator": "v5e", "topology": "4x4", "spot": True},
+            "storage": {"root": root, "durable_mount": True},
+        }
+    )
 
 
 def test_classify_failure_on_gke_backend(api, tmp_path, capsys):
@@ -326,9 +431,15 @@ def test_a_cpu_slice_is_classified_from_the_cluster_when_its_steps_run_in_pods(a
     """The CPU slice on a cluster (``argo/local-cpu.yaml`` submitted there) has a JobSet and pods to read; only the
     local runner's attempts are classified from its own records."""
     spot_preemption(api)
-    cfg = parse_config({"run_id": "cpu", "namespace": NS, "image": "trainer:local",
-                        "slice": {"accelerator": "local", "hosts": 4},
-                        "storage": {"root": str(tmp_path / "store")}})  # fmt: skip
+    cfg = parse_config(
+        {
+            "run_id": "cpu",
+            "namespace": NS,
+            "image": "trainer:local",
+            "slice": {"accelerator": "local", "hosts": 4},
+            "storage": {"root": str(tmp_path / "store")},
+        }
+    )
     if in_pod:
         monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     store = RunStore.for_config(cfg)
@@ -405,17 +516,32 @@ def test_a_job_at_failure_target_counts_as_failed_with_its_rule_message():
     assert job.failed and job.failure_reason == "PodFailurePolicy" and "exit code 42" in job.failure_message
 
 
-@pytest.mark.parametrize(("code", "cls"), [(42, FailureClass.APPLICATION), (2, FailureClass.CONFIGURATION),
-                                           (20, FailureClass.INFRASTRUCTURE), (21, FailureClass.HANG)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (42, FailureClass.APPLICATION),
+        (2, FailureClass.CONFIGURATION),
+        (20, FailureClass.INFRASTRUCTURE),
+        (21, FailureClass.HANG),
+    ],
+)
 def test_the_supervisors_snapshot_is_the_evidence_when_its_stop_left_nothing_in_the_api(code, cls):
     from recovery_steps.evidence import use_supervisor_snapshot
     from recovery_steps.kernel.records import SupervisionRecord
 
-    sup = SupervisionRecord(attempt=3, jobset=JS, outcome="failed", reason="FailureTarget", detected_at=2.0,
-                            snapshot=_failed_attempt_snapshot(code))  # fmt: skip
+    sup = SupervisionRecord(
+        attempt=3,
+        jobset=JS,
+        outcome="failed",
+        reason="FailureTarget",
+        detected_at=2.0,
+        snapshot=_failed_attempt_snapshot(code),
+    )
     empty = Evidence(backend="gke", attempt=3, supervision=sup)
-    assert classify(empty.model_copy(update={"supervision": sup.model_copy(update={"snapshot": None})}))\
-        .failure_class == FailureClass.UNKNOWN  # fmt: skip
+    assert (
+        classify(empty.model_copy(update={"supervision": sup.model_copy(update={"snapshot": None})})).failure_class
+        == FailureClass.UNKNOWN
+    )
     ev = use_supervisor_snapshot(empty)
     assert len(ev.pods) == 4 and any("before its stop" in n for n in ev.notes)
     assert classify(ev).failure_class == cls
@@ -426,16 +552,21 @@ def test_pods_the_api_still_has_win_over_the_snapshot():
     from recovery_steps.kernel.records import SupervisionRecord
     from recovery_steps.kernel.snapshot import PodEvidence
 
-    sup = SupervisionRecord(attempt=3, jobset=JS, outcome="failed", reason="x", detected_at=2.0,
-                            snapshot=_failed_attempt_snapshot(42))  # fmt: skip
+    sup = SupervisionRecord(
+        attempt=3, jobset=JS, outcome="failed", reason="x", detected_at=2.0, snapshot=_failed_attempt_snapshot(42)
+    )
     live = [PodEvidence(name="still-here", worker_index=0, phase="Failed")]
     ev = use_supervisor_snapshot(Evidence(backend="gke", attempt=3, supervision=sup, pods=live))
     assert [p.name for p in ev.pods] == ["still-here"] and not ev.notes
 
 
 def _running_gang(api: FakeApi) -> None:
-    api.jobsets[JS] = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-                       "metadata": {"name": JS, "namespace": NS}, "status": {"replicatedJobsStatus": []}}  # fmt: skip
+    api.jobsets[JS] = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": JS, "namespace": NS},
+        "status": {"replicatedJobsStatus": []},
+    }
     api.pods = [api_pod(i, code=None, phase="Running") for i in range(4)]
 
 
@@ -459,14 +590,22 @@ def test_a_running_gang_whose_supervisor_left_no_verdict_is_supervised_again_not
     assert len(store.read_record(RunLayout.supervisor_losses(3), SupervisorLosses).at) == 1
     assert r.decision.decision == "resupervise"
     # A supervisor that left transient (69) decided nothing either; one that recorded a verdict did.
-    store.write_record(RunLayout.supervision(3), SupervisionRecord(attempt=3, jobset=JS, outcome="error",
-                                                                   exit_code=69, reason="API 503",
-                                                                   detected_at=1.0))  # fmt: skip
-    assert classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None,
-                                api_client=make_api_client(api.url)).decision.decision == "resupervise"  # fmt: skip
-    store.write_record(RunLayout.supervision(3), SupervisionRecord(attempt=3, jobset=JS, outcome="stalled",
-                                                                   stall_kind="hang", reason="no step",
-                                                                   detected_at=1.0))  # fmt: skip
+    store.write_record(
+        RunLayout.supervision(3),
+        SupervisionRecord(attempt=3, jobset=JS, outcome="error", exit_code=69, reason="API 503", detected_at=1.0),
+    )
+    assert (
+        classify_failure.run(
+            cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url)
+        ).decision.decision
+        == "resupervise"
+    )
+    store.write_record(
+        RunLayout.supervision(3),
+        SupervisionRecord(
+            attempt=3, jobset=JS, outcome="stalled", stall_kind="hang", reason="no step", detected_at=1.0
+        ),
+    )
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
     assert r.decision.decision == "retry" and r.verdict.failure_class == "hang"
 
@@ -495,13 +634,25 @@ def test_a_finished_or_missing_jobset_is_never_resupervised(api, tmp_path):
 
 
 def _status(code: int, reason: str, message: str, **details) -> tuple[int, dict]:
-    return code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-                  "reason": reason, "details": details, "code": code}  # fmt: skip
+    return code, {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "details": details,
+        "code": code,
+    }
 
 
 # How the API server answers when it cannot answer now (apimachinery's Status bodies), and a refusal.
-UNAVAILABLE = _status(503, "ServiceUnavailable", "the server is currently unable to handle the request",
-                      causes=[{"reason": "UnexpectedServerResponse", "message": "service unavailable"}])  # fmt: skip
+UNAVAILABLE = _status(
+    503,
+    "ServiceUnavailable",
+    "the server is currently unable to handle the request",
+    causes=[{"reason": "UnexpectedServerResponse", "message": "service unavailable"}],
+)
 THROTTLED = _status(429, "TooManyRequests", "Too many requests, please try again later.", retryAfterSeconds=1)
 INTERNAL = _status(
     500,
@@ -509,12 +660,23 @@ INTERNAL = _status(
     "Internal error occurred: conversion webhook for jobset.x-k8s.io/v1alpha2, "
     'Kind=JobSet failed: Post "https://jobset-webhook-service.jobset-system.svc:443/convert": EOF',
 )
-FORBIDDEN = _status(403, "Forbidden", f'jobsets.jobset.x-k8s.io "{JS}" is forbidden: User "system:serviceaccount:'
-                    f'{NS}:jax-recovery" cannot get resource "jobsets" in API group "jobset.x-k8s.io" in the '
-                    f'namespace "{NS}"', name=JS, group="jobset.x-k8s.io", kind="jobsets")  # fmt: skip
+FORBIDDEN = _status(
+    403,
+    "Forbidden",
+    f'jobsets.jobset.x-k8s.io "{JS}" is forbidden: User "system:serviceaccount:'
+    f'{NS}:jax-recovery" cannot get resource "jobsets" in API group "jobset.x-k8s.io" in the '
+    f'namespace "{NS}"',
+    name=JS,
+    group="jobset.x-k8s.io",
+    kind="jobsets",
+)
 # The reads the verdict depends on, by the path each one asks.
-READS = {"jobset": f"/jobsets/{JS}", "jobs": f"/apis/batch/v1/namespaces/{NS}/jobs",
-         "pods": f"/api/v1/namespaces/{NS}/pods", "node": "/api/v1/nodes/"}  # fmt: skip
+READS = {
+    "jobset": f"/jobsets/{JS}",
+    "jobs": f"/apis/batch/v1/namespaces/{NS}/jobs",
+    "pods": f"/api/v1/namespaces/{NS}/pods",
+    "node": "/api/v1/nodes/",
+}
 
 
 @pytest.mark.parametrize("answer", [UNAVAILABLE, THROTTLED, INTERNAL], ids=["503", "429", "500"])
@@ -581,8 +743,18 @@ def test_classify_failure_exits_transient_while_the_api_cannot_answer(api, tmp_p
     api.failing = [(READS["jobset"], *UNAVAILABLE)]
     cfg, store = _gke_run(tmp_path)
     kubeconfig(api.url)
-    argv = ["--store-root", cfg.storage.root, "--run-id", cfg.run_id, "--attempt", "3", "--jobset", JS,
-            "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    argv = [
+        "--store-root",
+        cfg.storage.root,
+        "--run-id",
+        cfg.run_id,
+        "--attempt",
+        "3",
+        "--jobset",
+        JS,
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     assert classify_failure.main(argv) == 69
     err = capsys.readouterr().err
     assert f"classify-failure: cannot read JobSet {NS}/{JS}: Kubernetes API answered 503" in err
@@ -595,12 +767,28 @@ def test_classify_failure_exits_transient_while_the_api_cannot_answer(api, tmp_p
 def api_event(kind: str, name: str, reason: str, message: str, n: int = 0) -> dict:
     """A core/v1 Event about ``kind``/``name`` as the API returns it."""
     source = "job-controller" if kind == "Job" else "kubelet"
-    return {"apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{name}.17c{n:013x}", "namespace": NS},
-            "involvedObject": {"apiVersion": "batch/v1" if kind == "Job" else "v1", "kind": kind, "name": name,
-                               "namespace": NS, "uid": f"uid-{name}"},
-            "reason": reason, "message": message, "source": {"component": source}, "firstTimestamp": ts(1),
-            "lastTimestamp": ts(30), "count": 7, "type": "Warning", "eventTime": None,
-            "reportingComponent": source, "reportingInstance": ""}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{name}.17c{n:013x}", "namespace": NS},
+        "involvedObject": {
+            "apiVersion": "batch/v1" if kind == "Job" else "v1",
+            "kind": kind,
+            "name": name,
+            "namespace": NS,
+            "uid": f"uid-{name}",
+        },
+        "reason": reason,
+        "message": message,
+        "source": {"component": source},
+        "firstTimestamp": ts(1),
+        "lastTimestamp": ts(30),
+        "count": 7,
+        "type": "Warning",
+        "eventTime": None,
+        "reportingComponent": source,
+        "reportingInstance": "",
+    }
 
 
 def test_unreadable_events_only_lose_their_detail(api, tmp_path):
@@ -612,8 +800,17 @@ def test_unreadable_events_only_lose_their_detail(api, tmp_path):
     assert len(ev.pods) == 4 and all(p.events == [] for p in ev.pods)
     assert sum(f"the events of pod {JS}-workers-0-" in n and "answered 503" in n for n in ev.notes) == 4
     cfg, store = _gke_run(tmp_path)
-    store.write_record(RunLayout.supervision(3), SupervisionRecord(attempt=3, jobset=JS, outcome="stalled",
-                       stall_kind="capacity", reason="worker 0: unschedulable for 601 s", detected_at=1.0))  # fmt: skip
+    store.write_record(
+        RunLayout.supervision(3),
+        SupervisionRecord(
+            attempt=3,
+            jobset=JS,
+            outcome="stalled",
+            stall_kind="capacity",
+            reason="worker 0: unschedulable for 601 s",
+            detected_at=1.0,
+        ),
+    )
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
     assert r.verdict.failure_class == "capacity" and any("events of pod" in line for line in r.verdict.evidence)
 
@@ -634,24 +831,36 @@ def test_a_job_at_failure_target_is_a_failed_gang_though_its_jobset_has_not_fail
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
     assert r.decision.decision == "retry" and r.verdict.failure_class == "application", r.verdict.reason
     assert r.verdict.first_worker == 2
-    assert any(line.startswith(f"Job {JS}-workers-0 FailureTarget at 10:00:10Z: PodFailurePolicy: Container trainer")
-               for line in r.verdict.evidence)  # fmt: skip
+    assert any(
+        line.startswith(f"Job {JS}-workers-0 FailureTarget at 10:00:10Z: PodFailurePolicy: Container trainer")
+        for line in r.verdict.evidence
+    )
 
 
-PSA_REFUSAL = (f'Error creating: pods "{JS}-workers-0-0-x8k2p" is forbidden: violates PodSecurity "baseline:latest": '
-               'hostPath volumes (volume "tpu-dev")')  # fmt: skip
-WEBHOOK_REFUSAL = ('Error creating: admission webhook "validation.gatekeeper.sh" denied the request: [allowed-repos] '
-                   "container <trainer> has an invalid image repo <gcr.io/p/trainer:1>")  # fmt: skip
-QUOTA_REFUSAL = (f'Error creating: pods "{JS}-workers-0-0-x8k2p" is forbidden: exceeded quota: tpu-quota, requested: '
-                 "google.com/tpu=4, used: google.com/tpu=16, limited: google.com/tpu=16")  # fmt: skip
+PSA_REFUSAL = (
+    f'Error creating: pods "{JS}-workers-0-0-x8k2p" is forbidden: violates PodSecurity "baseline:latest": '
+    'hostPath volumes (volume "tpu-dev")'
+)
+WEBHOOK_REFUSAL = (
+    'Error creating: admission webhook "validation.gatekeeper.sh" denied the request: [allowed-repos] '
+    "container <trainer> has an invalid image repo <gcr.io/p/trainer:1>"
+)
+QUOTA_REFUSAL = (
+    f'Error creating: pods "{JS}-workers-0-0-x8k2p" is forbidden: exceeded quota: tpu-quota, requested: '
+    "google.com/tpu=4, used: google.com/tpu=16, limited: google.com/tpu=16"
+)
 
 
 def _never_started(api: FakeApi, message: str, *, stopped: bool) -> SupervisionRecord:
     """A gang whose pods the API refused: the supervisor's capacity stall; ``stopped``: its stop deleted the gang."""
     from recovery_steps.kernel.snapshot import ClusterSnapshot, job_from_api, jobset_from_api
 
-    job = {"apiVersion": "batch/v1", "kind": "Job", "status": {"active": 0, "ready": 0, "terminating": 0},
-           "metadata": {"name": f"{JS}-workers-0", "namespace": NS, "labels": {JS_LABEL: JS}}}  # fmt: skip
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "status": {"active": 0, "ready": 0, "terminating": 0},
+        "metadata": {"name": f"{JS}-workers-0", "namespace": NS, "labels": {JS_LABEL: JS}},
+    }
     api.events = [api_event("Job", f"{JS}-workers-0", "FailedCreate", message)]
     if not stopped:
         api.jobsets[JS], api.jobs = api_jobset(failed=False), [job]
@@ -668,13 +877,18 @@ def _never_started(api: FakeApi, message: str, *, stopped: bool) -> SupervisionR
 
 
 @pytest.mark.parametrize("stopped", [True, False], ids=["after-the-stop", "before-the-stop"])
-@pytest.mark.parametrize(("message", "cls", "says"), [
-    (PSA_REFUSAL, "configuration", "Pod Security admission (baseline:latest) forbids them"),
-    (WEBHOOK_REFUSAL, "configuration", "admission webhook validation.gatekeeper.sh denied them"),
-    (QUOTA_REFUSAL, "capacity", "ResourceQuota tpu-quota is spent"),
-], ids=["pod-security", "webhook", "quota"])  # fmt: skip
-def test_a_gang_whose_pods_the_api_refused_is_classified_from_its_jobs_events(api, tmp_path, message, cls, says,
-                                                                              stopped):  # fmt: skip
+@pytest.mark.parametrize(
+    ("message", "cls", "says"),
+    [
+        (PSA_REFUSAL, "configuration", "Pod Security admission (baseline:latest) forbids them"),
+        (WEBHOOK_REFUSAL, "configuration", "admission webhook validation.gatekeeper.sh denied them"),
+        (QUOTA_REFUSAL, "capacity", "ResourceQuota tpu-quota is spent"),
+    ],
+    ids=["pod-security", "webhook", "quota"],
+)
+def test_a_gang_whose_pods_the_api_refused_is_classified_from_its_jobs_events(
+    api, tmp_path, message, cls, says, stopped
+):
     cfg, store = _gke_run(tmp_path)
     store.write_record(RunLayout.supervision(3), _never_started(api, message, stopped=stopped))
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
@@ -696,10 +910,16 @@ def test_the_pull_failure_of_a_pod_torn_down_before_it_ran_is_read_from_its_even
         term = p["status"]["containerStatuses"][0]["state"]["terminated"]
         term.pop("startedAt"), term.pop("containerID")
         term["message"] = "The container could not be located when the pod was terminated"
-        api.events.append(api_event("Pod", p["metadata"]["name"], "Failed",
-                                    f'Failed to pull image "{image}": rpc error: code = NotFound desc = failed to pull '
-                                    f'and unpack image "{image}": failed to resolve reference "{image}": {image}: '
-                                    "not found"))  # fmt: skip
+        api.events.append(
+            api_event(
+                "Pod",
+                p["metadata"]["name"],
+                "Failed",
+                f'Failed to pull image "{image}": rpc error: code = NotFound desc = failed to pull '
+                f'and unpack image "{image}": failed to resolve reference "{image}": {image}: '
+                "not found",
+            )
+        )
     cfg, _ = _gke_run(tmp_path)
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
     assert r.verdict.failure_class == "configuration", r.verdict.reason

@@ -186,44 +186,83 @@ DAMAGE: list[tuple[str, D, int | tuple[int, str], set[int]]] = [
     ("truncated chunk", lambda ck, run: (p := _largest(ck / "60")).write_bytes(p.read_bytes()[:-7]), 50, {60}),
     ("zero-byte chunk", lambda ck, run: _largest(ck / "60").write_bytes(b""), 50, {60}),
     ("chunk deleted", lambda ck, run: _largest(ck / "60").unlink(), 50, {60}),
-    ("chunk omitted from the manifest and damaged", lambda ck, run: omit_from_manifest(ck / "60", damage=True), 50,
-     {60}),
-    ("chunk omitted from the manifest, intact", lambda ck, run: omit_from_manifest(ck / "60", damage=False), 50,
-     {60}),
+    (
+        "chunk omitted from the manifest and damaged",
+        lambda ck, run: omit_from_manifest(ck / "60", damage=True),
+        50,
+        {60},
+    ),
+    ("chunk omitted from the manifest, intact", lambda ck, run: omit_from_manifest(ck / "60", damage=False), 50, {60}),
     ("extra unlisted file", lambda ck, run: (ck / "60" / "state" / "extra.bin").write_bytes(b"x" * 10), 50, {60}),
-    ("extra unlisted copy of a chunk", lambda ck, run: shutil.copy(_largest(ck / "60"), ck / "60" / "state" / "c2"),
-     50, {60}),
+    (
+        "extra unlisted copy of a chunk",
+        lambda ck, run: shutil.copy(_largest(ck / "60"), ck / "60" / "state" / "c2"),
+        50,
+        {60},
+    ),
     ("manifest missing", lambda ck, run: (ck / "60" / "manifest.json").unlink(), 50, {60}),
     ("manifest garbled", lambda ck, run: (ck / "60" / "manifest.json").write_text('{"step": 60,'), 50, {60}),
     ("manifest empty", lambda ck, run: (ck / "60" / "manifest.json").write_bytes(b""), 50, {60}),
     ("manifest not UTF-8", lambda ck, run: (ck / "60" / "manifest.json").write_bytes(b"\xff\xfe\x00"), 50, {60}),
-    ("manifest is a directory",
-     lambda ck, run: ((ck / "60" / "manifest.json").unlink(), (ck / "60" / "manifest.json").mkdir()), 50, {60}),
-    ("manifest is a symlink to another step's",
-     lambda ck, run: ((ck / "60" / "manifest.json").unlink(),
-                      (ck / "60" / "manifest.json").symlink_to(ck / "50" / "manifest.json")), 50, {60}),
+    (
+        "manifest is a directory",
+        lambda ck, run: ((ck / "60" / "manifest.json").unlink(), (ck / "60" / "manifest.json").mkdir()),
+        50,
+        {60},
+    ),
+    (
+        "manifest is a symlink to another step's",
+        lambda ck, run: (
+            (ck / "60" / "manifest.json").unlink(),
+            (ck / "60" / "manifest.json").symlink_to(ck / "50" / "manifest.json"),
+        ),
+        50,
+        {60},
+    ),
     ("manifest lists no files", manifest_files(lambda fs: []), 50, {60}),
     ("manifest for another step", edit_manifest(step=61), 50, {60}),
     ("manifest for another run", edit_manifest(run_id="other-run"), 50, {60}),
     ("manifest of another process count", edit_manifest(process_count=2), 50, {60}),
     ("manifest of another dataset version", edit_manifest(dataset_version="v2"), 50, {60}),
     ("manifest lists a file twice", manifest_files(lambda fs: [*fs, fs[0]]), 50, {60}),
-    ("manifest lists a path outside the step",
-     manifest_files(lambda fs: [*fs, {"path": "../50/manifest.json", "size": 1, "crc32c": "00000000"}]), 50, {60}),
-    ("manifest has a wrong checksum, data intact",
-     manifest_files(lambda fs: [{**fs[0], "crc32c": "deadbeef"}, *fs[1:]]), 50, {60}),
-    ("manifest has a wrong size", manifest_files(lambda fs: [{**fs[0], "size": fs[0]["size"] + 1}, *fs[1:]]), 50,
-     {60}),
+    (
+        "manifest lists a path outside the step",
+        manifest_files(lambda fs: [*fs, {"path": "../50/manifest.json", "size": 1, "crc32c": "00000000"}]),
+        50,
+        {60},
+    ),
+    (
+        "manifest has a wrong checksum, data intact",
+        manifest_files(lambda fs: [{**fs[0], "crc32c": "deadbeef"}, *fs[1:]]),
+        50,
+        {60},
+    ),
+    ("manifest has a wrong size", manifest_files(lambda fs: [{**fs[0], "size": fs[0]["size"] + 1}, *fs[1:]]), 50, {60}),
     ("orbax metadata missing", lambda ck, run: (ck / "60" / LOCAL_METADATA).unlink(), 50, {60}),
-    ("orbax metadata is a directory",
-     lambda ck, run: ((ck / "60" / LOCAL_METADATA).unlink(), (ck / "60" / LOCAL_METADATA).mkdir()), 50, {60}),
-    ("step named 060", lambda ck, run: (ck / "60").rename(ck / "060"),
-     (2, r"060 holds an intact checkpoint of step 60 .*rename it to .*/checkpoints/60"), {60}),
-    ("intact step renamed 60.bak", lambda ck, run: (ck / "60").rename(ck / "60.bak"),
-     (2, r"60.bak holds an intact checkpoint of step 60 .*rename it"), {60}),
-    ("intact step left under a temporary name",
-     lambda ck, run: (ck / "60").rename(ck / "60.orbax-checkpoint-tmp-9"), (2, r"tmp-9 holds an intact .*step 60"),
-     {60}),
+    (
+        "orbax metadata is a directory",
+        lambda ck, run: ((ck / "60" / LOCAL_METADATA).unlink(), (ck / "60" / LOCAL_METADATA).mkdir()),
+        50,
+        {60},
+    ),
+    (
+        "step named 060",
+        lambda ck, run: (ck / "60").rename(ck / "060"),
+        (2, r"060 holds an intact checkpoint of step 60 .*rename it to .*/checkpoints/60"),
+        {60},
+    ),
+    (
+        "intact step renamed 60.bak",
+        lambda ck, run: (ck / "60").rename(ck / "60.bak"),
+        (2, r"60.bak holds an intact checkpoint of step 60 .*rename it"),
+        {60},
+    ),
+    (
+        "intact step left under a temporary name",
+        lambda ck, run: (ck / "60").rename(ck / "60.orbax-checkpoint-tmp-9"),
+        (2, r"tmp-9 holds an intact .*step 60"),
+        {60},
+    ),
     ("damaged step renamed 060", lambda ck, run: (flip(ck / "60"), (ck / "60").rename(ck / "060")), 50, {60}),
     ("060 beside an intact 60", lambda ck, run: shutil.copytree(ck / "60", ck / "060"), 60, set()),
     ("newer step is a file", lambda ck, run: (ck / "70").write_text("not a checkpoint"), 60, set()),
@@ -232,14 +271,21 @@ DAMAGE: list[tuple[str, D, int | tuple[int, str], set[int]]] = [
     ("newer step is a symlink loop", lambda ck, run: (ck / "70").symlink_to(ck / "70"), 60, set()),
     ("symlink loop inside a step", lambda ck, run: (ck / "60" / "loop").symlink_to(ck / "60" / "loop"), 50, {60}),
     ("dangling symlink inside a step", lambda ck, run: (ck / "60" / "gone").symlink_to(ck / "absent"), 50, {60}),
-    ("item directory replaced by a symlink to step 50's",
-     lambda ck, run: (shutil.rmtree(ck / "60" / "data"), (ck / "60" / "data").symlink_to(ck / "50" / "data")), 50,
-     {60}),
+    (
+        "item directory replaced by a symlink to step 50's",
+        lambda ck, run: (shutil.rmtree(ck / "60" / "data"), (ck / "60" / "data").symlink_to(ck / "50" / "data")),
+        50,
+        {60},
+    ),
     ("named pipe inside a step", fifo_in, 50, {60}),
     ("empty newer step directory", lambda ck, run: (ck / "70").mkdir(), 60, set()),
     ("empty subdirectory inside a step", lambda ck, run: (ck / "60" / "state" / "empty").mkdir(), 60, set()),
-    ("unfinished orbax temporary directory",
-     lambda ck, run: shutil.copytree(ck / "60", ck / "70.orbax-checkpoint-tmp-3"), 60, set()),
+    (
+        "unfinished orbax temporary directory",
+        lambda ck, run: shutil.copytree(ck / "60", ck / "70.orbax-checkpoint-tmp-3"),
+        60,
+        set(),
+    ),
     ("stray notes under checkpoints", lambda ck, run: (ck / "notes.txt").write_text("hi"), 60, set()),
     ("stray directory not named by a step", lambda ck, run: (ck / "backup").mkdir(), 60, set()),
     ("step name of 25 digits", lambda ck, run: shutil.copytree(ck / "60", ck / ("9" * 25)), 60, set()),
@@ -248,26 +294,52 @@ DAMAGE: list[tuple[str, D, int | tuple[int, str], set[int]]] = [
     ("every step damaged", lambda ck, run: [flip(ck / str(s)) for s in STEPS], -1, set(STEPS)),
     ("no checkpoints directory", lambda ck, run: shutil.rmtree(ck), -1, set(STEPS)),
     ("empty checkpoints directory", lambda ck, run: (shutil.rmtree(ck), ck.mkdir()), -1, set(STEPS)),
-    ("checkpoints is a file", lambda ck, run: (shutil.rmtree(ck), ck.write_text("x")),
-     (2, r"checkpoints is a file, not a directory"), set(STEPS)),
-    ("checkpoints is a symlink",
-     lambda ck, run: (ck.rename(run / "elsewhere"), ck.symlink_to(run / "elsewhere")),
-     (2, r"checkpoints is a symbolic link"), set(STEPS)),
-    ("quarantine is a file and a step is damaged",
-     lambda ck, run: ((run / "quarantine").write_text("x"), flip(ck / "60")),
-     (2, r"quarantine is a file, not a directory.*nothing was moved"), {60}),
+    (
+        "checkpoints is a file",
+        lambda ck, run: (shutil.rmtree(ck), ck.write_text("x")),
+        (2, r"checkpoints is a file, not a directory"),
+        set(STEPS),
+    ),
+    (
+        "checkpoints is a symlink",
+        lambda ck, run: (ck.rename(run / "elsewhere"), ck.symlink_to(run / "elsewhere")),
+        (2, r"checkpoints is a symbolic link"),
+        set(STEPS),
+    ),
+    (
+        "quarantine is a file and a step is damaged",
+        lambda ck, run: ((run / "quarantine").write_text("x"), flip(ck / "60")),
+        (2, r"quarantine is a file, not a directory.*nothing was moved"),
+        {60},
+    ),
     ("quarantine is a file, nothing damaged", lambda ck, run: (run / "quarantine").write_text("x"), 60, set()),
-    ("quarantine already holds step 60", lambda ck, run: ((run / "quarantine" / "60").mkdir(parents=True),
-                                                          flip(ck / "60")), 50, {60}),
+    (
+        "quarantine already holds step 60",
+        lambda ck, run: ((run / "quarantine" / "60").mkdir(parents=True), flip(ck / "60")),
+        50,
+        {60},
+    ),
     ("config.json missing", lambda ck, run: (run / "config.json").unlink(), (2, r"no config for run"), set()),
     ("config.json garbled", lambda ck, run: (run / "config.json").write_text("{"), (2, r"config.json"), set()),
-    ("config.json is a directory",
-     lambda ck, run: ((run / "config.json").unlink(), (run / "config.json").mkdir()), (2, r"no config"), set()),
+    (
+        "config.json is a directory",
+        lambda ck, run: ((run / "config.json").unlink(), (run / "config.json").mkdir()),
+        (2, r"no config"),
+        set(),
+    ),
     ("ledger garbled", lambda ck, run: (run / "ledger.json").write_text("[1,"), (2, r"ledger"), set()),
-    ("newest step incompatible, older good",
-     edit_manifest(config={**tiny_config().model_dump(mode="json"), "model": {
-         **tiny_config().model_dump(mode="json")["model"], "d_model": 128}}), 50, {60}),
-]  # fmt: skip
+    (
+        "newest step incompatible, older good",
+        edit_manifest(
+            config={
+                **tiny_config().model_dump(mode="json"),
+                "model": {**tiny_config().model_dump(mode="json")["model"], "d_model": 128},
+            }
+        ),
+        50,
+        {60},
+    ),
+]
 
 
 def _damage_case(template, tmp_path: Path, name: str, damage: D, expected, damaged: set[int]) -> tuple:
@@ -404,7 +476,7 @@ def test_concurrent_restore_latest_processes_agree_and_quarantine_once(template,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for i in range(3)
     ]
     errs = [p.communicate(timeout=120)[1] for p in procs]
@@ -442,15 +514,21 @@ LEDGERS: list[tuple[str, list[int] | None, str]] = [
 def _ledger_steps(root: Path, out: Path) -> list[tuple[str, Callable, list[str]]]:
     base = ["--store-root", str(root), "--run-id", RUN]
     return [
-        ("validate-config", validate_config.main, ["--config", str(ROOT / "configs/local-cpu.yaml"),
-                                                   "--store-root", str(root), "--output-dir", str(out)]),
+        (
+            "validate-config",
+            validate_config.main,
+            ["--config", str(ROOT / "configs/local-cpu.yaml"), "--store-root", str(root), "--output-dir", str(out)],
+        ),
         ("restore-latest", restore_latest.main, [*base, "--attempt", "3", "--output-dir", str(out)]),
         ("provision-slice", provision_slice.main, [*base, "--attempt", "3", "--output-dir", str(out)]),
-        ("classify-failure", classify_failure.main, [*base, "--attempt", "3", "--jobset", "js", "--output-dir",
-                                                     str(out)]),
+        (
+            "classify-failure",
+            classify_failure.main,
+            [*base, "--attempt", "3", "--jobset", "js", "--output-dir", str(out)],
+        ),
         ("hand-over", hand_over.main, [*base, "--attempt", "3", "--workflow", "wf", "--workflow-uid", "uid-1"]),
         ("finalize", finalize.main, [*base, "--status", "Succeeded", "--output-dir", str(out)]),
-    ]  # fmt: skip
+    ]
 
 
 def test_damaged_ledger_table(template, tmp_path):
@@ -527,37 +605,93 @@ def _cli_cases(box: Path) -> list[tuple[str, Callable, list[str], int, str]]:
     }
     for step, (main, rest) in steps.items():
         for rid in BAD_RUN_IDS:
-            cases.append((f"{step} --run-id {rid[:20]!r}", main, ["--store-root", s, f"--run-id={rid}", *rest], 2,
-                          r"--run-id: .*not a valid run id"))  # fmt: skip
+            cases.append(
+                (
+                    f"{step} --run-id {rid[:20]!r}",
+                    main,
+                    ["--store-root", s, f"--run-id={rid}", *rest],
+                    2,
+                    r"--run-id: .*not a valid run id",
+                )
+            )
         bad_roots = [
-            (str(box / "afile"), "not a directory"), (LONG, "longer than"), ("gs://B", "not a GCS"),
-            ("s3://b/p", "only gs://"), ("", "empty"), (str(box / "afile" / "sub"), "not a directory"),
-            (str(box / "loop"), "not a directory|cannot be used"), ("gs://", "not a GCS"),
-        ]  # fmt: skip
+            (str(box / "afile"), "not a directory"),
+            (LONG, "longer than"),
+            ("gs://B", "not a GCS"),
+            ("s3://b/p", "only gs://"),
+            ("", "empty"),
+            (str(box / "afile" / "sub"), "not a directory"),
+            (str(box / "loop"), "not a directory|cannot be used"),
+            ("gs://", "not a GCS"),
+        ]
         for bad_root, why in bad_roots:
-            cases.append((f"{step} --store-root {bad_root[:30]!r}", main, ["--store-root", bad_root, "--run-id", RUN,
-                          *rest], 2, f"--store-root: .*({why})"))  # fmt: skip
+            cases.append(
+                (
+                    f"{step} --store-root {bad_root[:30]!r}",
+                    main,
+                    ["--store-root", bad_root, "--run-id", RUN, *rest],
+                    2,
+                    f"--store-root: .*({why})",
+                )
+            )
         cases.append((f"{step} missing --run-id", main, ["--store-root", s, *rest], 2, r"required: --run-id"))
         cases.append((f"{step} unknown flag", main, [*base, *rest, "--bogus"], 2, r"unrecognized arguments"))
-    for step, main in [("restore-latest", restore_latest.main), ("provision-slice", provision_slice.main),
-                       ("classify-failure", classify_failure.main)]:  # fmt: skip
+    for step, main in [
+        ("restore-latest", restore_latest.main),
+        ("provision-slice", provision_slice.main),
+        ("classify-failure", classify_failure.main),
+    ]:
         extra = ["--jobset", "js"] if step == "classify-failure" else []
         for a in BAD_ATTEMPTS:
-            cases.append((f"{step} --attempt {a[:12]!r}", main, [*base, "--attempt", a, *extra, "--output-dir", out],
-                          2, r"--attempt: .*not an attempt number"))  # fmt: skip
-        for bad_out, why in [(str(box / "afile"), "not a directory"), (str(box / "afile" / "o"), "not a directory"),
-                             (LONG, "longer than"), ("", "empty"), *UNWRITABLE_OUT(box)]:  # fmt: skip
-            cases.append((f"{step} --output-dir {bad_out[:30]!r}", main, [*base, "--attempt", "1", *extra,
-                          "--output-dir", bad_out], 2, f"--output-dir: .*{why}"))  # fmt: skip
+            cases.append(
+                (
+                    f"{step} --attempt {a[:12]!r}",
+                    main,
+                    [*base, "--attempt", a, *extra, "--output-dir", out],
+                    2,
+                    r"--attempt: .*not an attempt number",
+                )
+            )
+        for bad_out, why in [
+            (str(box / "afile"), "not a directory"),
+            (str(box / "afile" / "o"), "not a directory"),
+            (LONG, "longer than"),
+            ("", "empty"),
+            *UNWRITABLE_OUT(box),
+        ]:
+            cases.append(
+                (
+                    f"{step} --output-dir {bad_out[:30]!r}",
+                    main,
+                    [*base, "--attempt", "1", *extra, "--output-dir", bad_out],
+                    2,
+                    f"--output-dir: .*{why}",
+                )
+            )
     for bad_out, why in UNWRITABLE_OUT(box):
         cases += [
-            (f"validate-config --output-dir {bad_out[:30]!r}", validate_config.main, ["--config", str(ROOT /
-             "configs/local-cpu.yaml"), "--store-root", s, "--output-dir", bad_out], 2, f"--output-dir: .*{why}"),
-            (f"finalize --output-dir {bad_out[:30]!r}", finalize.main, [*base, "--status", "Failed", "--output-dir",
-             bad_out], 2, f"--output-dir: .*{why}"),
-            (f"hand-over --output-dir {bad_out[:30]!r}", hand_over.main, [*base, "--attempt", "1", "--workflow", "wf",
-             "--workflow-uid", "u", "--output-dir", bad_out], 2, f"--output-dir: .*{why}"),
-        ]  # fmt: skip
+            (
+                f"validate-config --output-dir {bad_out[:30]!r}",
+                validate_config.main,
+                ["--config", str(ROOT / "configs/local-cpu.yaml"), "--store-root", s, "--output-dir", bad_out],
+                2,
+                f"--output-dir: .*{why}",
+            ),
+            (
+                f"finalize --output-dir {bad_out[:30]!r}",
+                finalize.main,
+                [*base, "--status", "Failed", "--output-dir", bad_out],
+                2,
+                f"--output-dir: .*{why}",
+            ),
+            (
+                f"hand-over --output-dir {bad_out[:30]!r}",
+                hand_over.main,
+                [*base, "--attempt", "1", "--workflow", "wf", "--workflow-uid", "u", "--output-dir", bad_out],
+                2,
+                f"--output-dir: .*{why}",
+            ),
+        ]
     # A run that was never validated (a mistyped run id, a store root that does not exist): one line, nothing created.
     for where, root in [("a run never validated", s), ("a store root that does not exist", str(box / "nostore"))]:
         ghost = ["--store-root", root, "--run-id", "ghost"]
@@ -570,71 +704,163 @@ def _cli_cases(box: Path) -> list[tuple[str, Callable, list[str], int, str]]:
                 [*ghost, "--status", "Succeeded", "--holder", "uid-1", "--output-dir", out],
                 2,
                 never,
-            ),  # fmt: skip
+            ),
             (
                 f"classify-failure, {where}",
                 classify_failure.main,
                 [*ghost, "--attempt", "0", "--jobset", "js", "--output-dir", out],
                 2,
                 never,
-            ),  # fmt: skip
+            ),
         ]
-    cases.append(("give-up reads and writes no store", give_up.main, ["--failure-class", "hang", "--reason", "r"], 1,
-                  r"^giving up: class hang: r$"))  # fmt: skip
+    cases.append(
+        (
+            "give-up reads and writes no store",
+            give_up.main,
+            ["--failure-class", "hang", "--reason", "r"],
+            1,
+            r"^giving up: class hang: r$",
+        )
+    )
     cf = [*base, "--attempt", "1", "--output-dir", out]
     cases += [
         ("classify-failure --jobset Bad_Name", classify_failure.main, [*cf, "--jobset", "Bad_Name"], 2, "Kubernetes"),
         ("classify-failure --jobset of 100", classify_failure.main, [*cf, "--jobset", "j" * 100], 2, "Kubernetes"),
-        ("classify-failure --step-exit-code x", classify_failure.main, [*cf, "--jobset", "js", "--step-exit-code",
-         "x"], 2, "exit code"),  # fmt: skip
-        ("classify-failure --step-exit-code 30 digits", classify_failure.main, [*cf, "--jobset", "js",
-         "--step-exit-code", "9" * 30], 2, "exit code"),  # fmt: skip
+        (
+            "classify-failure --step-exit-code x",
+            classify_failure.main,
+            [*cf, "--jobset", "js", "--step-exit-code", "x"],
+            2,
+            "exit code",
+        ),
+        (
+            "classify-failure --step-exit-code 30 digits",
+            classify_failure.main,
+            [*cf, "--jobset", "js", "--step-exit-code", "9" * 30],
+            2,
+            "exit code",
+        ),
         ("provision-slice --pod-timeout inf", provision_slice.main, [*cf, "--pod-timeout", "inf"], 2, "duration"),
         ("provision-slice --pod-timeout nan", provision_slice.main, [*cf, "--pod-timeout", "nan"], 2, "duration"),
         ("provision-slice --pod-timeout -1", provision_slice.main, [*cf, "--pod-timeout", "-1"], 2, "duration"),
         ("provision-slice --k8s-host junk", provision_slice.main, [*cf, "--k8s-host", "not a url"], 2, "API server"),
         ("finalize --status of 5000", finalize.main, [*base, "--status", LONG], 2, "--status: .*longer than"),
-        ("give-up --reason of 10000", give_up.main, ["--failure-class", "hang", "--reason", "r" * 10000], 2,
-         "--reason"),
+        (
+            "give-up --reason of 10000",
+            give_up.main,
+            ["--failure-class", "hang", "--reason", "r" * 10000],
+            2,
+            "--reason",
+        ),
         ("give-up missing --reason", give_up.main, ["--failure-class", "hang"], 2, "required: --reason"),
-        ("validate-config --config of 5000", validate_config.main, ["--config", LONG, "--offline"], 2,
-         "--config: .*longer than"),
-        ("validate-config --config absent", validate_config.main, ["--config", str(box / "nope.yaml"), "--offline"],
-         2, "cannot read the file"),
-        ("validate-config --config is a directory", validate_config.main, ["--config", str(box), "--offline"], 2,
-         "cannot read the file"),
-        ("validate-config without --output-dir", validate_config.main, ["--config", "x.yaml"], 2,
-         "--output-dir is required"),
-        ("validate-config --store-root is a file", validate_config.main, ["--config", "x.yaml", "--store-root",
-         str(box / "afile"), "--offline"], 2, "not a directory"),  # fmt: skip
-        ("validate-config --output-dir is a file", validate_config.main, ["--config", "x.yaml", "--output-dir",
-         str(box / "afile")], 2, "not a directory"),  # fmt: skip
-        ("validate-config --accept-safe-changes maybe", validate_config.main, ["--config", "x.yaml", "--offline",
-         "--accept-safe-changes", "maybe"], 2, "not a boolean"),  # fmt: skip
+        (
+            "validate-config --config of 5000",
+            validate_config.main,
+            ["--config", LONG, "--offline"],
+            2,
+            "--config: .*longer than",
+        ),
+        (
+            "validate-config --config absent",
+            validate_config.main,
+            ["--config", str(box / "nope.yaml"), "--offline"],
+            2,
+            "cannot read the file",
+        ),
+        (
+            "validate-config --config is a directory",
+            validate_config.main,
+            ["--config", str(box), "--offline"],
+            2,
+            "cannot read the file",
+        ),
+        (
+            "validate-config without --output-dir",
+            validate_config.main,
+            ["--config", "x.yaml"],
+            2,
+            "--output-dir is required",
+        ),
+        (
+            "validate-config --store-root is a file",
+            validate_config.main,
+            ["--config", "x.yaml", "--store-root", str(box / "afile"), "--offline"],
+            2,
+            "not a directory",
+        ),
+        (
+            "validate-config --output-dir is a file",
+            validate_config.main,
+            ["--config", "x.yaml", "--output-dir", str(box / "afile")],
+            2,
+            "not a directory",
+        ),
+        (
+            "validate-config --accept-safe-changes maybe",
+            validate_config.main,
+            ["--config", "x.yaml", "--offline", "--accept-safe-changes", "maybe"],
+            2,
+            "not a boolean",
+        ),
         # The local runner adds to run ids (a timestamp, the reference run's suffix): an id it cannot use is one line.
-        ("local runner --run-id too long for its pod names", local_runner.main, [LOCAL_WF, "--run-id", "r" * 39], 2,
-         r"--run-id: run_id: 'r{39}' is too long: .* at most 38 characters"),
-        ("local runner --reference beside a 35-character --run-id", local_runner.main,
-         [LOCAL_WF, "--run-id", "r" * 35, "--reference"], 2,
-         r"--reference: the reference run's id 'r{35}-ref' would have 39 characters.* at most 34 characters"),
-        ("local runner --run-id not a run id", local_runner.main, [LOCAL_WF, "--run-id", "../x"], 2,
-         r"--run-id: .*not a valid run id"),
+        (
+            "local runner --run-id too long for its pod names",
+            local_runner.main,
+            [LOCAL_WF, "--run-id", "r" * 39],
+            2,
+            r"--run-id: run_id: 'r{39}' is too long: .* at most 38 characters",
+        ),
+        (
+            "local runner --reference beside a 35-character --run-id",
+            local_runner.main,
+            [LOCAL_WF, "--run-id", "r" * 35, "--reference"],
+            2,
+            r"--reference: the reference run's id 'r{35}-ref' would have 39 characters.* at most 34 characters",
+        ),
+        (
+            "local runner --run-id not a run id",
+            local_runner.main,
+            [LOCAL_WF, "--run-id", "../x"],
+            2,
+            r"--run-id: .*not a valid run id",
+        ),
         # Unreachable or unauthenticated stores: one line naming the store and the fix.
-        ("validate-config, GCS store without credentials", validate_config.main,
-         ["--config", str(ROOT / "configs/v5e-4x4.yaml"), "--output-dir", out], 1,
-         r"gs://my-training-bucket/jax-recovery.*(credentials|Credentials).*--offline"),
-        ("restore-latest, GCS store without credentials", restore_latest.main,
-         ["--store-root", "gs://bucket-1/p", "--run-id", RUN, "--attempt", "0", "--output-dir", out], 1,
-         r"gs://bucket-1/p/runs/local-cpu.*credentials"),
-        ("provision-slice, GCS store without credentials", provision_slice.main,
-         ["--store-root", "gs://bucket-1/p", "--run-id", RUN, "--attempt", "0", "--output-dir", out], 1,
-         r"gs://bucket-1/p.*credentials"),
-        ("classify-failure, GCS store without credentials", classify_failure.main,
-         ["--store-root", "gs://bucket-1/p", "--run-id", RUN, "--attempt", "0", "--jobset", "js"], 1,
-         r"gs://bucket-1/p.*credentials"),
-        ("finalize, GCS store without credentials", finalize.main,
-         ["--store-root", "gs://bucket-1/p", "--run-id", RUN, "--status", "Failed"], 1, r"gs://bucket-1/p.*credentials"),
-    ]  # fmt: skip
+        (
+            "validate-config, GCS store without credentials",
+            validate_config.main,
+            ["--config", str(ROOT / "configs/v5e-4x4.yaml"), "--output-dir", out],
+            1,
+            r"gs://my-training-bucket/jax-recovery.*(credentials|Credentials).*--offline",
+        ),
+        (
+            "restore-latest, GCS store without credentials",
+            restore_latest.main,
+            ["--store-root", "gs://bucket-1/p", "--run-id", RUN, "--attempt", "0", "--output-dir", out],
+            1,
+            r"gs://bucket-1/p/runs/local-cpu.*credentials",
+        ),
+        (
+            "provision-slice, GCS store without credentials",
+            provision_slice.main,
+            ["--store-root", "gs://bucket-1/p", "--run-id", RUN, "--attempt", "0", "--output-dir", out],
+            1,
+            r"gs://bucket-1/p.*credentials",
+        ),
+        (
+            "classify-failure, GCS store without credentials",
+            classify_failure.main,
+            ["--store-root", "gs://bucket-1/p", "--run-id", RUN, "--attempt", "0", "--jobset", "js"],
+            1,
+            r"gs://bucket-1/p.*credentials",
+        ),
+        (
+            "finalize, GCS store without credentials",
+            finalize.main,
+            ["--store-root", "gs://bucket-1/p", "--run-id", RUN, "--status", "Failed"],
+            1,
+            r"gs://bucket-1/p.*credentials",
+        ),
+    ]
     return cases
 
 
@@ -718,8 +944,11 @@ CONFIGS: list[tuple[str, str | bytes, str | None]] = [
     ("TPU slice with a relative storage root", _tpu(root="runs"), r"storage\.durable_mount: true"),
     ("duplicate top-level key", LOCAL + "run_id: other\n", r"duplicate key 'run_id'"),
     ("duplicate nested key", LOCAL.replace("  keep: 3\n", "  keep: 3\n  keep: 4\n"), r"duplicate key 'keep'"),
-    ("infinite backoff", _with("retry.default_backoff.base_s", float("inf")), 
-     r"retry\.default_backoff\.base_s.*finite"),
+    (
+        "infinite backoff",
+        _with("retry.default_backoff.base_s", float("inf")),
+        r"retry\.default_backoff\.base_s.*finite",
+    ),
     ("NaN learning rate", _with("optimizer.learning_rate", float("nan")), r"optimizer\.learning_rate.*finite"),
     ("-inf backoff cap", _with("retry.default_backoff.max_s", float("-inf")), r"retry\.default_backoff\.max_s"),
     ("backoff base above its cap", _with("retry.default_backoff", {"base_s": 9, "max_s": 5}), r"base_s 9.*max_s"),
@@ -729,8 +958,11 @@ CONFIGS: list[tuple[str, str | bytes, str | None]] = [
     ("negative data seed", _with("data.seed", -5), r"data\.seed"),
     ("30-digit total_steps", _with("training.total_steps", 10**30), r"training\.total_steps.*out of range"),
     ("30-digit budget", _with("retry.budgets", {"hang": 10**30}), r"retry\.budgets.*out of range"),
-    ("interval longer than the run", _with("checkpoint.interval_steps", 100),
-     r"checkpoint\.interval_steps: 100 exceeds"),
+    (
+        "interval longer than the run",
+        _with("checkpoint.interval_steps", 100),
+        r"checkpoint\.interval_steps: 100 exceeds",
+    ),
     ("keep 1", _with("checkpoint.keep", 1), r"checkpoint\.keep: 1 leaves nothing to fall back to"),
     ("keep 0", _with("checkpoint.keep", 0), r"checkpoint\.keep"),
     ("metrics ports past 65535", _with("monitoring.metrics_port", 65534), r"monitoring\.metrics_port.*65535"),
@@ -739,8 +971,11 @@ CONFIGS: list[tuple[str, str | bytes, str | None]] = [
     ("service account of 100 characters", _with("service_account", "s" * 100), r"service_account"),
     ("empty image", _with("image", ""), r"image: .*container image"),
     ("image with a space", _with("image", "a b:1"), r"image: .*container image"),
-    ("reservation not a name",
-     _tpu(root="gs://b-1/p").replace("topology: 4x4", "topology: 4x4\n  reservation: Bad Res"), r"slice\.reservation"),
+    (
+        "reservation not a name",
+        _tpu(root="gs://b-1/p").replace("topology: 4x4", "topology: 4x4\n  reservation: Bad Res"),
+        r"slice\.reservation",
+    ),
     ("run id of 5000 characters", _with("run_id", LONG), r"run_id: 'xxx.*not a valid run id"),
     ("run id escaping the store", _with("run_id", "../../x"), r"run_id: .*not a valid run id"),
     ("GCS root with a capital bucket", _with("storage.root", "gs://B"), r"storage\.root: .*not a GCS bucket URL"),
@@ -755,8 +990,11 @@ CONFIGS: list[tuple[str, str | bytes, str | None]] = [
     ("not UTF-8", b"run_id: caf\xe9\n", r"not UTF-8 text \(byte 11"),
     ("UTF-16 file", LOCAL.encode("utf-16"), r"not UTF-8"),
     ("nesting 5000 deep", "a: " + "[" * 5000 + "]" * 5000 + "\n", r"nested deeper than 32"),
-    ("mapping nesting 200 deep", "".join(f"{' ' * i}k{i}:\n" for i in range(200)) + " " * 200 + "v: 1\n",
-     r"nested deeper than 32"),
+    (
+        "mapping nesting 200 deep",
+        "".join(f"{' ' * i}k{i}:\n" for i in range(200)) + " " * 200 + "v: 1\n",
+        r"nested deeper than 32",
+    ),
     ("alias bomb", _bomb(40, 9), r"more than 32 aliases"),
     ("alias expansion under the alias budget", _bomb(16, 2), r"more than 20000 values"),
     ("key of 400 KB", LOCAL + "k" * 400_000 + ": 1\n", r"YAML syntax error at line \d+, column \d+"),
@@ -770,28 +1008,50 @@ CONFIGS: list[tuple[str, str | bytes, str | None]] = [
     ("python object tag", "run_id: !!python/object:os.system [ls]\n", r"YAML"),
     ("tab indentation", "slice:\n\taccelerator: local\n", r"YAML syntax error"),
     ("file over 1 MiB", LOCAL + "#" * (1 << 20) + "\n", r"larger than 1048576 bytes"),
-    ("several problems, one line each", _with("checkpoint", {"keep": 1, "interval_steps": 100}),
-     r"interval_steps: 100 exceeds(.|\n)*keep: 1"),
+    (
+        "several problems, one line each",
+        _with("checkpoint", {"keep": 1, "interval_steps": 100}),
+        r"interval_steps: 100 exceeds(.|\n)*keep: 1",
+    ),
     # JobSet admits worker pod names <run-id>-a<attempt>-workers-0-<host>-<5 random> of at most 63 characters.
-    ("run id too long for its pod names at attempt 99999", _with("run_id", "r" * 39),
-     r"run_id: 'r{39}' is too long: at attempt 99999 .* at most 38 characters, or set retry\.max_attempts"),
+    (
+        "run id too long for its pod names at attempt 99999",
+        _with("run_id", "r" * 39),
+        r"run_id: 'r{39}' is too long: at attempt 99999 .* at most 38 characters, or set retry\.max_attempts",
+    ),
     ("run id at the pod-name limit of 4 hosts", _with("run_id", "r" * 38), None),
-    ("run id too long for the pod names of 16 hosts",
-     yaml.safe_dump({**_base(), "run_id": "r" * 38, "slice": {"accelerator": "v5p", "topology": "4x4x4"},
-                     "storage": {"root": "gs://b-1/p"}, "data": {**_base()["data"], "global_batch_size": 64}}),
-     r"run_id: .* on 16 hosts .* at most 37 characters"),
-    ("40-character run id, attempts capped at 1000",
-     yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "max_attempts": 1000}}), None),
-    ("40-character run id, attempts capped at 1001",
-     yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "max_attempts": 1001}}),
-     r"at attempt 1000 .* at most 39 characters, or set retry\.max_attempts to at most 1000"),
+    (
+        "run id too long for the pod names of 16 hosts",
+        yaml.safe_dump(
+            {
+                **_base(),
+                "run_id": "r" * 38,
+                "slice": {"accelerator": "v5p", "topology": "4x4x4"},
+                "storage": {"root": "gs://b-1/p"},
+                "data": {**_base()["data"], "global_batch_size": 64},
+            }
+        ),
+        r"run_id: .* on 16 hosts .* at most 37 characters",
+    ),
+    (
+        "40-character run id, attempts capped at 1000",
+        yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "max_attempts": 1000}}),
+        None,
+    ),
+    (
+        "40-character run id, attempts capped at 1001",
+        yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "max_attempts": 1001}}),
+        r"at attempt 1000 .* at most 39 characters, or set retry\.max_attempts to at most 1000",
+    ),
     # What GKE, the container runtime or GCS would refuse later, and YAML the parser would answer in its own words.
     ("hosts: true", _with("slice.hosts", True), r"slice\.hosts: True is a boolean where a number is meant"),
     ("a budget of true", _with("retry.budgets", {"hang": True}), r"retry\.budgets: .*boolean where a number"),
     ("learning rate of false", _with("optimizer.learning_rate", False), r"optimizer\.learning_rate: .*boolean"),
-    ("devices_per_host on a TPU slice",
-     _tpu(root="gs://b-1/p").replace("topology: 4x4", "topology: 4x4\n  devices_per_host: 4"),
-     r"slice\.devices_per_host: applies to accelerator 'local' only"),
+    (
+        "devices_per_host on a TPU slice",
+        _tpu(root="gs://b-1/p").replace("topology: 4x4", "topology: 4x4\n  devices_per_host: 4"),
+        r"slice\.devices_per_host: applies to accelerator 'local' only",
+    ),
     ("image with upper case", _with("image", "Registry.io/Team/Trainer:1"), r"image: .*not a container image"),
     ("image with an empty tag", _with("image", "trainer:"), r"image: .*not a container image"),
     ("image with a bad digest", _with("image", "trainer@sha256:xyz"), r"image: .*not a container image"),
@@ -800,17 +1060,34 @@ CONFIGS: list[tuple[str, str | bytes, str | None]] = [
     ("image by digest", _with("image", "us-docker.pkg.dev/p/r/trainer@sha256:" + "a" * 64), None),
     ("image on a registry port", _with("image", "localhost:5000/team/trainer_x:v1.2-rc"), None),
     ("blank storage root", _with("storage.root", "   "), r"storage\.root: .*blank"),
-    ("GCS prefix leaving no room for the run's paths", _tpu(root="gs://b-1/" + "p" * 900),
-     r"storage\.root: .*leaves no room.*at most 1024; shorten the root's prefix to at most \d+ bytes"),
+    (
+        "GCS prefix leaving no room for the run's paths",
+        _tpu(root="gs://b-1/" + "p" * 900),
+        r"storage\.root: .*leaves no room.*at most 1024; shorten the root's prefix to at most \d+ bytes",
+    ),
     ("GCS prefix with room for the run's paths", _tpu(root="gs://b-1/" + "p" * 700), None),
-    ("local root with a component over 255 bytes", _with("storage.root", "/tmp/" + "d" * 300),
-     r"storage\.root: .*over 255 bytes"),
-    ("YAML merge key", LOCAL.replace("checkpoint:\n", "checkpoint:\n  <<: {keep: 3}\n", 1),
-     r"YAML merge key \('<<'\) is not supported"),
-    ("40-character run id, every budget counted over the run",
-     yaml.safe_dump({**_base(), "run_id": "r" * 40, "retry": {**_base()["retry"], "budget_scopes": {
-         "preemption": "run", "capacity": "run"}}}), None),
-]  # fmt: skip
+    (
+        "local root with a component over 255 bytes",
+        _with("storage.root", "/tmp/" + "d" * 300),
+        r"storage\.root: .*over 255 bytes",
+    ),
+    (
+        "YAML merge key",
+        LOCAL.replace("checkpoint:\n", "checkpoint:\n  <<: {keep: 3}\n", 1),
+        r"YAML merge key \('<<'\) is not supported",
+    ),
+    (
+        "40-character run id, every budget counted over the run",
+        yaml.safe_dump(
+            {
+                **_base(),
+                "run_id": "r" * 40,
+                "retry": {**_base()["retry"], "budget_scopes": {"preemption": "run", "capacity": "run"}},
+            }
+        ),
+        None,
+    ),
+]
 
 
 def test_bad_config_table(tmp_path, monkeypatch):
@@ -879,8 +1156,9 @@ def test_two_validate_config_runs_with_different_configs_cannot_both_succeed(tmp
     changed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"heartbeat_timeout_s": 777})})
     other_cfg, mine = (cfg, changed) if mine_changes else (changed, cfg)
     store = _ReplacedMeanwhile(store_root, cfg.run_id)
-    store.other = lambda: validate_config.run(other_cfg, RunStore(store_root, cfg.run_id),
-                                              accept_safe_changes=True).code  # fmt: skip
+    store.other = lambda: (
+        validate_config.run(other_cfg, RunStore(store_root, cfg.run_id), accept_safe_changes=True).code
+    )
     r = validate_config.run(mine, store, accept_safe_changes=True)
     assert r.code == 2 and "changed while being validated" in r.messages[-1], r.messages
     pinned = json.loads((tmp_path / "store" / "runs" / cfg.run_id / "config.json").read_text())["hash"]

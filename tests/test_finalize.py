@@ -28,9 +28,18 @@ def validated(store: RunStore) -> RunStore:
 
 
 def failed(n, cls, before, after, decision=Decision.RETRY, **extra):
-    return AttemptRecord(attempt=n, outcome="failed", failure_class=cls, reason=f"{cls.value} on worker {n}",
-                         decision=decision, backoff_seconds=4 * (n + 1), checkpoint_step_before=before,
-                         checkpoint_step_after=after, closed_at=1.0, **extra)  # fmt: skip
+    return AttemptRecord(
+        attempt=n,
+        outcome="failed",
+        failure_class=cls,
+        reason=f"{cls.value} on worker {n}",
+        decision=decision,
+        backoff_seconds=4 * (n + 1),
+        checkpoint_step_before=before,
+        checkpoint_step_after=after,
+        closed_at=1.0,
+        **extra,
+    )
 
 
 def test_succeeded_after_recoveries(store_root, tmp_path, capsys):
@@ -39,8 +48,20 @@ def test_succeeded_after_recoveries(store_root, tmp_path, capsys):
     append_attempt(store, failed(1, FailureClass.INFRASTRUCTURE, 20, 40))
     restore_record(store, 2, 40)
     store.write_json(RunLayout.checkpoint_manifest(60), {"step": 60})
-    code = finalize.main(["--store-root", store_root, "--run-id", RUN, "--status", "Succeeded",
-                          "--failures", "null", "--output-dir", str(tmp_path / "o")])  # fmt: skip
+    code = finalize.main(
+        [
+            "--store-root",
+            store_root,
+            "--run-id",
+            RUN,
+            "--status",
+            "Succeeded",
+            "--failures",
+            "null",
+            "--output-dir",
+            str(tmp_path / "o"),
+        ]
+    )
     assert code == 0
     assert (tmp_path / "o" / "final-status").read_text() == "Succeeded"
     led = Ledger.model_validate(store.read_json(RunLayout.LEDGER))
@@ -66,10 +87,29 @@ def test_failed_after_budget_spent(tmp_path, capsys):
     root = str(tmp_path / "store")
     store = validated(RunStore(root, RUN))
     append_attempt(store, failed(0, FailureClass.APPLICATION, -1, 10))
-    append_attempt(store, failed(1, FailureClass.APPLICATION, 10, 10, Decision.STOP,
-                                 decision_reason="application budget spent: 2 application failure(s)"))  # fmt: skip
-    argo_failures = json.dumps([{"displayName": "give-up", "message": "Error (exit code 1)", "templateName": "give-up",
-                                 "phase": "Failed", "podName": "p", "finishedAt": "2024-05-01T10:00:00Z"}])  # fmt: skip
+    append_attempt(
+        store,
+        failed(
+            1,
+            FailureClass.APPLICATION,
+            10,
+            10,
+            Decision.STOP,
+            decision_reason="application budget spent: 2 application failure(s)",
+        ),
+    )
+    argo_failures = json.dumps(
+        [
+            {
+                "displayName": "give-up",
+                "message": "Error (exit code 1)",
+                "templateName": "give-up",
+                "phase": "Failed",
+                "podName": "p",
+                "finishedAt": "2024-05-01T10:00:00Z",
+            }
+        ]
+    )
     r = finalize.run(root, RUN, "Failed", argo_failures, tmp_path / "o")
     assert r.final_status == "Failed"
     assert r.final_reason.startswith("stopped after attempt 1: application budget spent")
@@ -140,11 +180,17 @@ def test_a_resupervised_attempt_is_closed_as_stopped_with_its_gang_named(tmp_pat
     root = str(tmp_path / "store")
     store = validated(RunStore(root, RUN))
     restore_record(store, 0, -1)
-    append_attempt(store, AttemptRecord(attempt=0, outcome="running", started_at=2.0, jobset=f"{RUN}-a0",
-                                        workflow="wf-a", backend="gke"))  # fmt: skip
+    append_attempt(
+        store,
+        AttemptRecord(attempt=0, outcome="running", started_at=2.0, jobset=f"{RUN}-a0", workflow="wf-a", backend="gke"),
+    )
     (stopped,) = finalize.run(root, RUN, "Failed", None, closes_open=True).ledger.attempts
-    assert (stopped.outcome, stopped.started_at, stopped.jobset, stopped.workflow) == ("stopped", 2.0, f"{RUN}-a0",
-                                                                                       "wf-a")  # fmt: skip
+    assert (stopped.outcome, stopped.started_at, stopped.jobset, stopped.workflow) == (
+        "stopped",
+        2.0,
+        f"{RUN}-a0",
+        "wf-a",
+    )
 
 
 def test_unreadable_ledger_exits_with_message(tmp_path, capsys):
@@ -162,8 +208,12 @@ def test_give_up_fails_on_purpose_with_class_and_reason():
 
 
 def test_give_up_as_a_program():
-    p = subprocess.run([sys.executable, "-m", "recovery_steps.give_up", "--failure-class", "hang", "--reason",
-                        "hang budget spent"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "recovery_steps.give_up", "--failure-class", "hang", "--reason", "hang budget spent"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 1
     assert p.stderr.strip() == "giving up: class hang: hang budget spent"
     assert p.stdout == ""
@@ -175,8 +225,16 @@ GKE_RUN = "lm-v5e-4x4"
 
 
 def _lease(holder="uid-a", released=False, first_attempt=0):
-    return RunLease(run_id=GKE_RUN, holder=holder, holder_name=f"wf-{holder}", acquired_at=1.0, renewed_at=1.0,
-                    ttl_s=3600, released=released, first_attempt=first_attempt)  # fmt: skip
+    return RunLease(
+        run_id=GKE_RUN,
+        holder=holder,
+        holder_name=f"wf-{holder}",
+        acquired_at=1.0,
+        renewed_at=1.0,
+        ttl_s=3600,
+        released=released,
+        first_attempt=first_attempt,
+    )
 
 
 def _take(store, holder="uid-a", first_attempt=0):
@@ -186,8 +244,9 @@ def _take(store, holder="uid-a", first_attempt=0):
 
 
 def _handed(holder):
-    h = HandOver(from_workflow="wf-a", from_uid=holder, to_workflow="c30", to_uid="uid-c", next_attempt=30, at=1.0,
-                 backend="gke")  # fmt: skip
+    h = HandOver(
+        from_workflow="wf-a", from_uid=holder, to_workflow="c30", to_uid="uid-c", next_attempt=30, at=1.0, backend="gke"
+    )
     return Ledger(run_id=GKE_RUN, hand_overs=[h])
 
 
@@ -245,14 +304,15 @@ def gke(tmp_path):
         _jobset(f"{GKE_RUN}-a1", GKE_RUN, deleting=True),
         _jobset("other-run-a0", "other-run"),
     ):
-        cluster.put("jobsets", js)  # fmt: skip
+        cluster.put("jobsets", js)
     yield root, store, cluster
     cluster.close()
 
 
 def _finalize(root, cluster, status="Failed", holder="uid-a"):
-    return finalize.main(["--store-root", root, "--run-id", GKE_RUN, "--status", status, "--holder", holder,
-                          "--k8s-host", cluster.url])  # fmt: skip
+    return finalize.main(
+        ["--store-root", root, "--run-id", GKE_RUN, "--status", status, "--holder", holder, "--k8s-host", cluster.url]
+    )
 
 
 def test_a_stopped_run_deletes_its_gang_and_says_which_in_one_line(gke, capsys):
@@ -263,8 +323,10 @@ def test_a_stopped_run_deletes_its_gang_and_says_which_in_one_line(gke, capsys):
     assert delete[2]["propagationPolicy"] == "Foreground"
     assert sorted(cluster.objects["jobsets"]) == [f"{GKE_RUN}-a1", "other-run-a0"]
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "JobSet" in ln]
-    assert line == (f"finalize: run {GKE_RUN} ended Failed: deleted JobSet {GKE_RUN}-a2 in namespace training "
-                    f"(foreground); already being deleted: {GKE_RUN}-a1")  # fmt: skip
+    assert line == (
+        f"finalize: run {GKE_RUN} ended Failed: deleted JobSet {GKE_RUN}-a2 in namespace training "
+        f"(foreground); already being deleted: {GKE_RUN}-a1"
+    )
     assert store.read_record(RunLayout.LEASE, RunLease).released
     assert store.read_record(RunLayout.LEDGER, Ledger).final_status == "Failed"
 
@@ -277,8 +339,18 @@ def test_the_gang_is_left_alone_when_the_run_succeeded_or_is_not_this_workflows(
         _take(store, "uid-b")  # a live submission that took the run
     if case == "handed-over":
         hand_over.pass_lease(store, "uid-a", hand_over.Continuation(f"{GKE_RUN}-c30", "uid-c"), 3600, first_attempt=30)
-        hand_over.record(store, HandOver(from_workflow="wf-a", from_uid="uid-a", to_workflow=f"{GKE_RUN}-c30",
-                                         to_uid="uid-c", next_attempt=30, at=1.0, backend="gke"))  # fmt: skip
+        hand_over.record(
+            store,
+            HandOver(
+                from_workflow="wf-a",
+                from_uid="uid-a",
+                to_workflow=f"{GKE_RUN}-c30",
+                to_uid="uid-c",
+                next_attempt=30,
+                at=1.0,
+                backend="gke",
+            ),
+        )
     assert _finalize(root, cluster, "Succeeded" if case == "succeeded" else "Failed") == 0
     assert cluster.requests == []  # not even listed
     assert len(cluster.objects["jobsets"]) == 3
@@ -287,8 +359,9 @@ def test_the_gang_is_left_alone_when_the_run_succeeded_or_is_not_this_workflows(
 def test_a_holder_that_never_confirmed_records_nothing_and_deletes_nothing(gke, capsys):
     """Its validate-config took the lease, then refused (or died): the gang it came to adopt trains on."""
     root, store, cluster = gke
-    store.write_record(RunLayout.LEASE, store.read_record(RunLayout.LEASE, RunLease).model_copy(
-        update={"first_attempt": None}))  # fmt: skip
+    store.write_record(
+        RunLayout.LEASE, store.read_record(RunLayout.LEASE, RunLease).model_copy(update={"first_attempt": None})
+    )
     assert _finalize(root, cluster) == 0
     assert cluster.requests == [] and len(cluster.objects["jobsets"]) == 3
     assert "never validated" in capsys.readouterr().out
@@ -333,8 +406,23 @@ def test_a_cpu_slice_deletes_its_jobset_only_on_a_cluster(tmp_path, capsys, monk
     cluster = _Cluster(namespace="default")
     cluster.put("jobsets", _jobset(f"{run_id}-a0", run_id, namespace="default"))
     try:
-        assert finalize.main(["--store-root", root, "--run-id", run_id, "--status", "Failed", "--holder", "uid-a",
-                              "--k8s-host", cluster.url]) == 0  # fmt: skip
+        assert (
+            finalize.main(
+                [
+                    "--store-root",
+                    root,
+                    "--run-id",
+                    run_id,
+                    "--status",
+                    "Failed",
+                    "--holder",
+                    "uid-a",
+                    "--k8s-host",
+                    cluster.url,
+                ]
+            )
+            == 0
+        )
     finally:
         cluster.close()
     out = capsys.readouterr().out
@@ -357,11 +445,19 @@ def test_the_failed_step_named_is_the_same_whatever_order_argo_lists_the_failure
     failures = [
         {"displayName": "run-x", "message": "", "podName": "run-x", "finishedAt": "2026-01-01T00:00:09Z"},
         {"displayName": "attempt", "message": "", "podName": "run-x-attempt-1", "finishedAt": "2026-01-01T00:00:09Z"},
-        {"displayName": "provision-slice", "message": "retryStrategy.expression evaluated to false",
-         "podName": "run-x-provision-slice-2", "finishedAt": "2026-01-01T00:00:08Z"},
-        {"displayName": "provision-slice(2)", "message": "main: Error (exit code 3)",
-         "podName": "run-x-provision-slice-3", "finishedAt": "2026-01-01T00:00:08Z"},
-    ]  # fmt: skip
+        {
+            "displayName": "provision-slice",
+            "message": "retryStrategy.expression evaluated to false",
+            "podName": "run-x-provision-slice-2",
+            "finishedAt": "2026-01-01T00:00:08Z",
+        },
+        {
+            "displayName": "provision-slice(2)",
+            "message": "main: Error (exit code 3)",
+            "podName": "run-x-provision-slice-3",
+            "finishedAt": "2026-01-01T00:00:08Z",
+        },
+    ]
     ledger = Ledger(run_id="x", attempts=[])
     reasons = {final_reason("Failed", ledger, list(p)) for p in itertools.permutations(failures)}
     assert reasons == {"provision-slice(2) failed: main: Error (exit code 3)"}

@@ -71,10 +71,27 @@ def test_no_events_no_time():
 
 
 def test_incident_phases_partition_its_recovery():
-    inc = Incident(attempt=0, injected_at=100.0, detected_at=100.5, stopped_at=101.0, slice_ready_at=101.2,
-                   workers_started_at=102.0, restored_at=103.0, first_step_at=106.0, recovered_at=107.0)  # fmt: skip
+    inc = Incident(
+        attempt=0,
+        injected_at=100.0,
+        detected_at=100.5,
+        stopped_at=101.0,
+        slice_ready_at=101.2,
+        workers_started_at=102.0,
+        restored_at=103.0,
+        first_step_at=106.0,
+        recovered_at=107.0,
+    )
     b = incident_badput(inc)
-    assert b == pytest.approx({"detection": 0.5, "waiting_for_resources": 1.5, "startup_and_restore": 1.0,
-                               "compilation": 3.0, "recomputed": 1.0, "total": 7.0})  # fmt: skip
+    assert b == pytest.approx(
+        {
+            "detection": 0.5,
+            "waiting_for_resources": 1.5,
+            "startup_and_restore": 1.0,
+            "compilation": 3.0,
+            "recomputed": 1.0,
+            "total": 7.0,
+        }
+    )
     assert sum(v for k, v in b.items() if k != "total") == pytest.approx(b["total"])
     assert incident_badput(Incident(attempt=1, detected_at=5.0))["total"] is None

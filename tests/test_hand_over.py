@@ -37,8 +37,14 @@ def _simulate(progress: list[bool], cfg: RetryConfig, run_id: str = "long-run"):
     decisions, order, step = [], [workflow], 0
     for n, advanced in enumerate(progress):
         before, step = step, step + (10 if advanced else 0)
-        cur = AttemptRecord(attempt=n, outcome="failed", failure_class=P, checkpoint_step_before=before,
-                            checkpoint_step_after=step, workflow=workflow)  # fmt: skip
+        cur = AttemptRecord(
+            attempt=n,
+            outcome="failed",
+            failure_class=P,
+            checkpoint_step_before=before,
+            checkpoint_step_after=step,
+            workflow=workflow,
+        )
         d = decide(ledger, cur, cfg)
         ledger.append(cur)
         ran[workflow] = ran.get(workflow, 0) + 1
@@ -77,8 +83,9 @@ def test_300_preemptions_without_progress_stop_at_the_preemption_budget_in_the_f
 
 def test_an_attempt_with_no_workflow_name_never_hands_over():
     cfg = RetryConfig(attempts_per_workflow=1)
-    cur = AttemptRecord(attempt=0, outcome="failed", failure_class=P, checkpoint_step_before=-1,
-                        checkpoint_step_after=10)  # fmt: skip
+    cur = AttemptRecord(
+        attempt=0, outcome="failed", failure_class=P, checkpoint_step_before=-1, checkpoint_step_after=10
+    )
     assert decide([], cur, cfg).decision is Decision.RETRY
     assert decide([], cur.model_copy(update={"workflow": "w"}), cfg).decision is Decision.HAND_OVER
 
@@ -100,23 +107,37 @@ def _running_workflow(name: str, uid: str, run_id: str) -> dict:
         "apiVersion": "argoproj.io/v1alpha1",
         "kind": "Workflow",
         "metadata": {
-            "name": name, "generateName": f"{run_id}-", "namespace": "training", "uid": uid,
-            "resourceVersion": "81234", "generation": 41, "creationTimestamp": "2026-11-02T08:00:00Z",
-            "labels": {"jaxrec/run-id": run_id, "workflows.argoproj.io/phase": "Running",
-                       "workflows.argoproj.io/resubmitted-from-workflow": "old"},
+            "name": name,
+            "generateName": f"{run_id}-",
+            "namespace": "training",
+            "uid": uid,
+            "resourceVersion": "81234",
+            "generation": 41,
+            "creationTimestamp": "2026-11-02T08:00:00Z",
+            "labels": {
+                "jaxrec/run-id": run_id,
+                "workflows.argoproj.io/phase": "Running",
+                "workflows.argoproj.io/resubmitted-from-workflow": "old",
+            },
             "annotations": {"workflows.argoproj.io/pod-name-format": "v2", "team": "ml-infra"},
             "managedFields": [{"manager": "workflow-controller", "operation": "Update"}],
         },
         "spec": {
-            "entrypoint": "main", "onExit": "exit-handler", "serviceAccountName": "jax-recovery",
-            "arguments": {"parameters": [{"name": "run-id", "value": run_id},
-                                         {"name": "store-root", "value": "gs://bucket/jaxrec"}]},
+            "entrypoint": "main",
+            "onExit": "exit-handler",
+            "serviceAccountName": "jax-recovery",
+            "arguments": {
+                "parameters": [
+                    {"name": "run-id", "value": run_id},
+                    {"name": "store-root", "value": "gs://bucket/jaxrec"},
+                ]
+            },
             "synchronization": {"mutexes": [{"name": f"jaxrec-run-{run_id}"}]},
             "templates": [{"name": "main", "dag": {"tasks": []}}],
             "shutdown": "Stop",
         },
         "status": {"phase": "Running", "startedAt": "2026-11-02T08:00:01Z", "nodes": {"x": {"phase": "Running"}}},
-    }  # fmt: skip
+    }
 
 
 class _Argo:
@@ -141,8 +162,9 @@ class _Argo:
             if name in self.workflows:
                 return 409, status(409, "AlreadyExists", f'workflows.argoproj.io "{name}" already exists')
             made = copy.deepcopy(body)
-            made["metadata"].update(uid=str(uuid.uuid4()), resourceVersion="90001", generation=1,
-                                    creationTimestamp="2026-11-20T10:00:00Z")  # fmt: skip
+            made["metadata"].update(
+                uid=str(uuid.uuid4()), resourceVersion="90001", generation=1, creationTimestamp="2026-11-20T10:00:00Z"
+            )
             self.workflows[name] = made
             return 201, made
         name = path.rsplit("/", 1)[-1]
@@ -222,8 +244,9 @@ def test_a_name_taken_by_another_workflow_is_a_configuration_error(gke_run, caps
         ("POST", 429, "TooManyRequests", ExitCode.TRANSIENT, "429"),
     ],
 )
-def test_api_refusals_name_the_fix_and_outages_are_transient(gke_run, tmp_path, capsys, method, code, reason,
-                                                              exit_code, words):  # fmt: skip
+def test_api_refusals_name_the_fix_and_outages_are_transient(
+    gke_run, tmp_path, capsys, method, code, reason, exit_code, words
+):
     root, run_id, store, argo = gke_run
     argo.fail[method] = (code, reason)
     with pytest.raises(StepError) as e:
@@ -236,8 +259,23 @@ def test_the_old_exit_handler_says_handed_over_and_the_continuation_takes_the_ru
     root, run_id, store, argo = gke_run
     to = _hand_over(root, run_id, argo, None)
     out = tmp_path / "fin"
-    assert finalize.main(["--store-root", root, "--run-id", run_id, "--status", "Succeeded", "--holder", "uid-a",
-                          "--output-dir", str(out)]) == 0  # fmt: skip
+    assert (
+        finalize.main(
+            [
+                "--store-root",
+                root,
+                "--run-id",
+                run_id,
+                "--status",
+                "Succeeded",
+                "--holder",
+                "uid-a",
+                "--output-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert f"continues in workflow {to.name} from attempt 30" in capsys.readouterr().out
     assert FinalizeOutputs.read(out).final_status == "HandedOver"
     led = store.read_record(RunLayout.LEDGER, Ledger)

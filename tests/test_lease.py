@@ -25,8 +25,17 @@ HERE = lease.Site(namespace="training", cluster=CLUSTER)
 
 
 def _lease(holder="uid-a", renewed=1000.0, ttl=600.0, released=False, namespace=None, cluster=None):
-    return RunLease(run_id="r", holder=holder, holder_name=f"wf-{holder}", acquired_at=900.0, renewed_at=renewed,
-                    ttl_s=ttl, released=released, namespace=namespace, cluster=cluster)  # fmt: skip
+    return RunLease(
+        run_id="r",
+        holder=holder,
+        holder_name=f"wf-{holder}",
+        acquired_at=900.0,
+        renewed_at=renewed,
+        ttl_s=ttl,
+        released=released,
+        namespace=namespace,
+        cluster=cluster,
+    )
 
 
 @pytest.mark.parametrize(
@@ -70,8 +79,20 @@ def test_two_holders_cannot_both_win_and_release_frees_it(store_root):
 
 
 def _validate(cfg_file, root, out, holder):
-    return validate_config.main(["--config", str(cfg_file), "--store-root", root, "--output-dir", str(out),
-                                 "--holder", holder, "--holder-name", f"wf-{holder}"])  # fmt: skip
+    return validate_config.main(
+        [
+            "--config",
+            str(cfg_file),
+            "--store-root",
+            root,
+            "--output-dir",
+            str(out),
+            "--holder",
+            holder,
+            "--holder-name",
+            f"wf-{holder}",
+        ]
+    )
 
 
 def test_a_second_submission_of_a_local_run_fails_at_validate_config(tmp_path, capsys):
@@ -85,11 +106,14 @@ def test_a_second_submission_of_a_local_run_fails_at_validate_config(tmp_path, c
     assert not (tmp_path / "o2" / "first-attempt").exists()
     # The loser's exit handler leaves the run's ledger alone; the holder's releases the lease.
     store = RunStore(root, "local-cpu")
-    assert finalize.main(["--store-root", root, "--run-id", "local-cpu", "--status", "Failed",
-                          "--holder", "uid-b"]) == 0  # fmt: skip
+    assert (
+        finalize.main(["--store-root", root, "--run-id", "local-cpu", "--status", "Failed", "--holder", "uid-b"]) == 0
+    )
     assert store.read_record(RunLayout.LEDGER, Ledger) is None
-    assert finalize.main(["--store-root", root, "--run-id", "local-cpu", "--status", "Succeeded",
-                          "--holder", "uid-a"]) == 0  # fmt: skip
+    assert (
+        finalize.main(["--store-root", root, "--run-id", "local-cpu", "--status", "Succeeded", "--holder", "uid-a"])
+        == 0
+    )
     assert store.read_record(RunLayout.LEASE, RunLease).released
     assert _validate(cfg_file, root, tmp_path / "o3", "uid-b") == 0
 
@@ -122,8 +146,11 @@ class _Argo:
         if path == "/api/v1/namespaces/kube-system":
             if self.cluster is None:
                 return 403, status(403, "Forbidden", 'namespaces "kube-system" is forbidden')
-            return 200, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system",
-                                                                               "uid": self.cluster}}  # fmt: skip
+            return 200, {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": "kube-system", "uid": self.cluster},
+            }
         if f"/apis/argoproj.io/v1alpha1/namespaces/{self.ns}/workflows/" in path and name in self.workflows:
             return 200, self.workflows[name]
         if f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{self.ns}/jobsets/" in path and self.jobset_fail:
@@ -181,8 +208,9 @@ def test_the_lease_names_the_holders_namespace_and_cluster_and_a_renewal_keeps_t
     assert (held.namespace, held.cluster, held.acquired_at, held.renewed_at) == ("training", CLUSTER, 1000.0, 1100.0)
     # Another cluster's workflow cannot tell whether uid-a runs: the TTL decides, never a 404.
     with pytest.raises(lease.LeaseHeld):
-        lease.acquire(store, "uid-b", "wf-b", 600, site=lease.Site("training", "other"), is_alive=lambda _: None,
-                      clock=clock)  # fmt: skip
+        lease.acquire(
+            store, "uid-b", "wf-b", 600, site=lease.Site("training", "other"), is_alive=lambda _: None, clock=clock
+        )
 
 
 # --- renewal while a segment runs ------------------------------------------------------------------
@@ -242,8 +270,12 @@ class _KubeWithWorkflow(FakeKube):
         if path == "/api/v1/namespaces/kube-system":
             return 200, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system", "uid": CLUSTER}}
         if path == "/apis/argoproj.io/v1alpha1/namespaces/training/workflows/wf-a" and self.holder_running:
-            return 200, {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
-                         "metadata": {"name": "wf-a", "uid": "uid-a"}, "status": {"phase": "Running"}}  # fmt: skip
+            return 200, {
+                "apiVersion": "argoproj.io/v1alpha1",
+                "kind": "Workflow",
+                "metadata": {"name": "wf-a", "uid": "uid-a"},
+                "status": {"phase": "Running"},
+            }
         return super().get(path, q)
 
 
@@ -257,8 +289,9 @@ class _KubeWithWorkflow(FakeKube):
     ],
     ids=["holder-running", "holder-deleted", "holder-in-another-cluster", "holder-in-another-namespace"],
 )
-def test_provision_slice_of_a_second_submission_deletes_no_live_gang(tmp_path, capsys, holder_site, holder_running,
-                                                                     taken):  # fmt: skip
+def test_provision_slice_of_a_second_submission_deletes_no_live_gang(
+    tmp_path, capsys, holder_site, holder_running, taken
+):
     root = str(tmp_path / "store")
     run_id = _store_config(root, "v5e-4x4.yaml")
     store = RunStore(root, run_id)
@@ -266,9 +299,24 @@ def test_provision_slice_of_a_second_submission_deletes_no_live_gang(tmp_path, c
     kube = _KubeWithWorkflow(jobsets=["lm-v5e-4x4-a0"], nodes=[_node(f"n{i}") for i in range(4)])
     kube.holder_running = holder_running
     try:
-        code = provision_slice.main(["--store-root", root, "--run-id", run_id, "--attempt", "1",
-                                     "--output-dir", str(tmp_path / "o"), "--k8s-host", kube.url,
-                                     "--holder", "uid-b", "--holder-name", "wf-b"])  # fmt: skip
+        code = provision_slice.main(
+            [
+                "--store-root",
+                root,
+                "--run-id",
+                run_id,
+                "--attempt",
+                "1",
+                "--output-dir",
+                str(tmp_path / "o"),
+                "--k8s-host",
+                kube.url,
+                "--holder",
+                "uid-b",
+                "--holder-name",
+                "wf-b",
+            ]
+        )
     finally:
         kube.close()
     deletes = [r for r in kube.requests if r[0] == "DELETE"]
@@ -330,9 +378,12 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
         store.write_json(RunLayout.heartbeat(0, 0), {"process_index": 0, "step": 12, "at": 1.0})  # attempt 0 trained
         if gang != "gone":
             cond = [{"type": "Completed", "status": "True"}] if gang == "finished" else []
-            argo.jobsets["local-cpu-a0"] = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-                                            "metadata": {"name": "local-cpu-a0", "namespace": "default"},
-                                            "status": {"conditions": cond}}  # fmt: skip
+            argo.jobsets["local-cpu-a0"] = {
+                "apiVersion": "jobset.x-k8s.io/v1alpha2",
+                "kind": "JobSet",
+                "metadata": {"name": "local-cpu-a0", "namespace": "default"},
+                "status": {"conditions": cond},
+            }
         capsys.readouterr()
         assert _validate_as(args, tmp_path / "o2", "uid-b") == 0, capsys.readouterr().err
         assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
@@ -349,10 +400,16 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
 def _left_running(argo: _Argo, store: RunStore, run_id: str) -> None:
     """Attempt 0 of a Workflow since deleted: it trained, nothing decided or closed it, its JobSet still runs."""
     store.write_json(RunLayout.heartbeat(0, 0), {"process_index": 0, "step": 12, "at": 1.0})
-    argo.jobsets[f"{run_id}-a0"] = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-                                    "metadata": {"name": f"{run_id}-a0", "namespace": "default",
-                                                 "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"}},
-                                    "status": {"conditions": []}}  # fmt: skip
+    argo.jobsets[f"{run_id}-a0"] = {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {
+            "name": f"{run_id}-a0",
+            "namespace": "default",
+            "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"},
+        },
+        "status": {"conditions": []},
+    }
 
 
 @pytest.fixture
@@ -390,16 +447,30 @@ def test_a_resubmission_whose_config_is_refused_takes_nothing_and_its_exit_handl
     assert "differs from the one this run was started with" in capsys.readouterr().err
     held = store.read_record(RunLayout.LEASE, RunLease)
     assert (held.holder, held.first_attempt) == ("uid-a", 0)  # not taken
-    code = finalize.main(["--store-root", store.root, "--run-id", "local-cpu", "--status", "Failed",
-                          "--holder", "uid-b", "--k8s-host", argo.http.url])  # fmt: skip
+    code = finalize.main(
+        [
+            "--store-root",
+            store.root,
+            "--run-id",
+            "local-cpu",
+            "--status",
+            "Failed",
+            "--holder",
+            "uid-b",
+            "--k8s-host",
+            argo.http.url,
+        ]
+    )
     assert code == 0 and argo.deletes == []
     assert store.read_record(RunLayout.LEDGER, Ledger) is None  # the run's ledger untouched
 
 
-@pytest.mark.parametrize("answer, code", [((503, "ServiceUnavailable"), 69), ((429, "TooManyRequests"), 69),
-                                          ((403, "Forbidden"), 2)])  # fmt: skip
-def test_an_unreadable_jobset_of_an_open_attempt_is_never_taken_for_not_running(tmp_path, capsys, left_gang,
-                                                                                answer, code):  # fmt: skip
+@pytest.mark.parametrize(
+    "answer, code", [((503, "ServiceUnavailable"), 69), ((429, "TooManyRequests"), 69), ((403, "Forbidden"), 2)]
+)
+def test_an_unreadable_jobset_of_an_open_attempt_is_never_taken_for_not_running(
+    tmp_path, capsys, left_gang, answer, code
+):
     """The numbering would move past a live gang, which the next provision-slice refuses to delete (the run stops):
     validate-config exits 69 (retried) for a transient answer, 2 for a refusal, and takes no lease either way."""
     argo, args, store = left_gang

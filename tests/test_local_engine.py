@@ -21,25 +21,39 @@ from workflows.local.executor import LocalExecutor
         ("1 > 2 || !(2 >= 3)", {}, True),
         ("asInt(lastRetry.exitCode) == 75", {"lastRetry.exitCode": "75"}, True),
         ("asInt(lastRetry.exitCode) == 75", {"lastRetry.exitCode": "1"}, False),
-        ("lastRetry.status == 'Error' || asInt(lastRetry.exitCode) == 69", {"lastRetry.status": "Error",
-                                                                              "lastRetry.exitCode": "-1"}, True),
+        (
+            "lastRetry.status == 'Error' || asInt(lastRetry.exitCode) == 69",
+            {"lastRetry.status": "Error", "lastRetry.exitCode": "-1"},
+            True,
+        ),
         ("asInt(lastRetry.exitCode) != 1 && asInt(lastRetry.exitCode) != 2", {"lastRetry.exitCode": "-1"}, True),
         ("asInt(lastRetry.exitCode) != 1 && asInt(lastRetry.exitCode) != 2", {"lastRetry.exitCode": "2"}, False),
         ("!(1 == 1)", {}, False),
         ("'2' == 2", {}, False),
         ("true && false", {}, False),
     ],
-)  # fmt: skip
+)
 def test_boolean_expressions(text, names, expected):
     assert local_expr.evaluate_bool(text, names) is expected
 
 
 @pytest.mark.parametrize(
     "text",
-    ["retry == 'retry'", "'a' ==", "(1 == 1", "'open == 'x'", "1 @ 2", "nosuch(1)", "1 < 'a'",
-     # features no compiled workflow uses are refused, not guessed at
-     "1 + 1 == 2", "'a' in ['a']", "not true", "sprig.add(1, 2) == 3"],
-)  # fmt: skip
+    [
+        "retry == 'retry'",
+        "'a' ==",
+        "(1 == 1",
+        "'open == 'x'",
+        "1 @ 2",
+        "nosuch(1)",
+        "1 < 'a'",
+        # features no compiled workflow uses are refused, not guessed at
+        "1 + 1 == 2",
+        "'a' in ['a']",
+        "not true",
+        "sprig.add(1, 2) == 3",
+    ],
+)
 def test_bad_expressions_raise_expr_error(text):
     with pytest.raises(local_expr.ExprError):
         local_expr.evaluate_bool(text, {})
@@ -369,8 +383,9 @@ def _local_segment(tmp_path, hosts=2, **supervision):
     repo = Path(__file__).resolve().parents[1]
     cfg = load_config(repo / "configs" / "local-cpu.yaml")
     sup = {"startup_deadline_s": 0.5, "watch_interval_s": 0.1, "force_delete_grace_s": 0.2, **supervision}
-    cfg = cfg.model_copy(update={"supervision": SupervisionConfig(**sup),
-                                 "slice": cfg.slice.model_copy(update={"hosts": hosts})})  # fmt: skip
+    cfg = cfg.model_copy(
+        update={"supervision": SupervisionConfig(**sup), "slice": cfg.slice.model_copy(update={"hosts": hosts})}
+    )
     ex = LocalExecutor(repo_root=repo, work_dir=tmp_path / "work")
     sl = LocalSlice(f"{cfg.run_id}-a0", 0, IDLE, str(repo), tmp_path / "logs", grace_seconds=2)
     sl.workers = [WorkerProc(i, {}) for i in range(hosts)]

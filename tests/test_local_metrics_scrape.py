@@ -81,11 +81,26 @@ class _Watcher:
 def test_scrape_worker_and_run_metrics_during_a_run_with_a_killed_worker(tmp_path):
     wf = _workflow(tmp_path)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workflows.local", str(wf), "--inject", "kill-worker@12", "--run-id", "scrape",
-         "--store-root", str(tmp_path / "store"), "--metrics-port", "0"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "workflows.local",
+            str(wf),
+            "--inject",
+            "kill-worker@12",
+            "--run-id",
+            "scrape",
+            "--store-root",
+            str(tmp_path / "store"),
+            "--metrics-port",
+            "0",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    )
     w = _Watcher(proc)
     threads = [threading.Thread(target=w.read, daemon=True), threading.Thread(target=w.scrape, daemon=True)]
     for t in threads:
@@ -113,8 +128,11 @@ def test_scrape_worker_and_run_metrics_during_a_run_with_a_killed_worker(tmp_pat
     # (not at the next step: a worker killed right after a commit shows the drop too).
     rises = commits = 0
     for attempt in (0, 1):
-        series = [(_value(s, "jaxrec_checkpoint_step"), _value(s, "jaxrec_checkpoint_age_seconds"))
-                  for _, a, i, s in w.worker_samples if a == attempt and i == 0]  # fmt: skip
+        series = [
+            (_value(s, "jaxrec_checkpoint_step"), _value(s, "jaxrec_checkpoint_age_seconds"))
+            for _, a, i, s in w.worker_samples
+            if a == attempt and i == 0
+        ]
         series = [x for x in series if x[0] is not None and x[1] is not None]
         for (step0, age0), (step1, age1) in zip(series, series[1:], strict=False):
             assert step1 >= step0, series

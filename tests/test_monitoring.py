@@ -35,9 +35,26 @@ RUNBOOK_SECTIONS = {
 ALLOWED_LABELS = {"run_id", "attempt", "process_index", "class", "reason", "status"}
 SCRAPED_NAMES = {exposed_name(m.name, argo=True) for m in METRICS}
 PROMQL_WORDS = {
-    "sum", "max", "min", "avg", "count", "by", "without", "on", "ignoring", "group_left", "group_right",
-    "and", "or", "unless", "time", "increase", "rate", "bool", "offset",
-}  # fmt: skip
+    "sum",
+    "max",
+    "min",
+    "avg",
+    "count",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "time",
+    "increase",
+    "rate",
+    "bool",
+    "offset",
+}
 
 
 def _cfg(path: Path) -> JobConfig:

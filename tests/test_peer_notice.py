@@ -58,8 +58,9 @@ def exit_paths(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "_exit", leave)
 
     def make() -> ExitPath:
-        report = WorkerExitReport(run_id="r", attempt=3, process_index=0, process_count=2, exit_code=-1,
-                                  exit_name="RUNNING")  # fmt: skip
+        report = WorkerExitReport(
+            run_id="r", attempt=3, process_index=0, process_count=2, exit_code=-1, exit_name="RUNNING"
+        )
         return ExitPath(RunStore(str(tmp_path), "r"), 3, report, Events(None, 3, 0))
 
     return make

@@ -99,8 +99,16 @@ def test_local_store_write_read_delete(tmp_path):
 
 def _status(code: int, reason: str, message: str, **details) -> dict:
     """A Kubernetes ``Status`` object as the API server returns it for a refused request."""
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "details": details, "code": code}  # fmt: skip
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "details": details,
+        "code": code,
+    }
 
 
 class FakeCluster:
@@ -125,16 +133,21 @@ class FakeCluster:
             return 404, _status(404, "NotFound", f'namespaces "{NS}" not found', name=NS, kind="namespaces")
         if path == f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets":
             if self.crd:
-                return 200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList", "metadata": {},
-                             "items": []}  # fmt: skip
+                return 200, {
+                    "apiVersion": "jobset.x-k8s.io/v1alpha2",
+                    "kind": "JobSetList",
+                    "metadata": {},
+                    "items": [],
+                }
             return 404, _status(404, "NotFound", "the server could not find the requested resource")
         prefix = f"/api/v1/namespaces/{NS}/serviceaccounts/"
         if path.startswith(prefix):
             name = path[len(prefix) :]
             if name in self.accounts:
                 return 200, {"kind": "ServiceAccount", "apiVersion": "v1", "metadata": {"name": name, "namespace": NS}}
-            return 404, _status(404, "NotFound", f'serviceaccounts "{name}" not found', name=name,
-                                kind="serviceaccounts")  # fmt: skip
+            return 404, _status(
+                404, "NotFound", f'serviceaccounts "{name}" not found', name=name, kind="serviceaccounts"
+            )
         return 404, _status(404, "NotFound", "the server could not find the requested resource")
 
     def close(self):
@@ -169,11 +182,14 @@ def test_a_ready_cluster_passes_and_every_verb_is_reviewed(cluster_factory, tmp_
         ({"crd": False}, "the JobSet CRD (jobsets.jobset.x-k8s.io)", "kubectl apply --server-side -f https://"),
         ({"namespace": False}, f"namespace {NS}", f"kubectl create namespace {NS}"),
         ({"accounts": ["jax-recovery"]}, f"ServiceAccount {NS}/jax-recovery-worker", "kubectl apply -f argo/rbac.yaml"),
-        ({"denied": [("delete", "jobsets")]}, f"RBAC delete jobsets for ServiceAccount {NS}/jax-recovery",
-         "kubectl apply -f argo/rbac.yaml"),
+        (
+            {"denied": [("delete", "jobsets")]},
+            f"RBAC delete jobsets for ServiceAccount {NS}/jax-recovery",
+            "kubectl apply -f argo/rbac.yaml",
+        ),
     ],
     ids=["no-crd", "no-namespace", "no-worker-account", "no-delete-verb"],
-)  # fmt: skip
+)
 def test_a_missing_cluster_object_or_verb_is_one_line(cluster_factory, tmp_path, kw, missing, fix):
     kube = cluster_factory(**kw)
     cfg = _cfg(f"gs://{BUCKET}/cluster-only")
@@ -186,23 +202,44 @@ def test_validate_config_preflight_exits_2_with_one_line_per_problem(cluster_fac
     kube = cluster_factory(crd=False)
     cfg_file = tmp_path / "job.yaml"
     cfg_file.write_text((REPO / "configs" / "v5e-4x4.yaml").read_text())
-    args = ["--config", str(cfg_file), "--store-root", str(tmp_path / "store"), "--output-dir", str(tmp_path / "o"),
-            "--preflight", "true", "--k8s-host", kube.url]  # fmt: skip
+    args = [
+        "--config",
+        str(cfg_file),
+        "--store-root",
+        str(tmp_path / "store"),
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--preflight",
+        "true",
+        "--k8s-host",
+        kube.url,
+    ]
     assert validate_config.main(args) == 2
     err = capsys.readouterr().err
     (line,) = [ln for ln in err.splitlines() if ln.strip()]
     assert line.startswith("configuration: preflight cluster: missing the JobSet CRD") and "Traceback" not in err
     assert not (tmp_path / "o" / "first-attempt").exists()
-    rec = RunStore(str(tmp_path / "store"), load_config(cfg_file).run_id).read_record(RunLayout.PREFLIGHT,
-                                                                                      PreflightCheck)  # fmt: skip
+    rec = RunStore(str(tmp_path / "store"), load_config(cfg_file).run_id).read_record(
+        RunLayout.PREFLIGHT, PreflightCheck
+    )
     assert rec is not None and not rec.ok and "JobSet CRD" in rec.problems[0]
 
 
 def test_validate_config_preflight_unreachable_api_is_transient(tmp_path, capsys):
     cfg_file = tmp_path / "job.yaml"
     cfg_file.write_text((REPO / "configs" / "v5e-4x4.yaml").read_text())
-    args = ["--config", str(cfg_file), "--store-root", str(tmp_path / "store"), "--output-dir", str(tmp_path / "o"),
-            "--preflight", "true", "--k8s-host", "http://127.0.0.1:9"]  # fmt: skip
+    args = [
+        "--config",
+        str(cfg_file),
+        "--store-root",
+        str(tmp_path / "store"),
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--preflight",
+        "true",
+        "--k8s-host",
+        "http://127.0.0.1:9",
+    ]
     assert validate_config.main(args) == 69
     err = capsys.readouterr().err
     assert "Kubernetes API unreachable" in err and "Traceback" not in err

@@ -32,8 +32,23 @@ def kube_factory():
 
 
 def _main(root, run_id, out, kube, *extra):
-    return ps.main(["--store-root", root, "--run-id", run_id, "--attempt", "2", "--output-dir", str(out),
-                    "--k8s-host", kube.url, "--pod-timeout", "20", *extra])  # fmt: skip
+    return ps.main(
+        [
+            "--store-root",
+            root,
+            "--run-id",
+            run_id,
+            "--attempt",
+            "2",
+            "--output-dir",
+            str(out),
+            "--k8s-host",
+            kube.url,
+            "--pod-timeout",
+            "20",
+            *extra,
+        ]
+    )
 
 
 def test_gke_deletes_old_jobsets_waits_for_pods_and_checks_nodes(tmp_path, kube_factory):
@@ -114,8 +129,9 @@ def test_gke_pods_that_never_go_are_capacity(tmp_path, kube_factory):
 
 
 def test_missing_config_is_configuration(tmp_path, capsys):
-    code = ps.main(["--store-root", str(tmp_path), "--run-id", "nope", "--attempt", "0",
-                    "--output-dir", str(tmp_path / "out")])  # fmt: skip
+    code = ps.main(
+        ["--store-root", str(tmp_path), "--run-id", "nope", "--attempt", "0", "--output-dir", str(tmp_path / "out")]
+    )
     assert code == 2
     assert "validate-config" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # no document for a run that does not exist
@@ -132,13 +148,22 @@ def test_check_slice_table():
     split = healthy[:2] + [ps.NodeInfo(f"m{i}", "b", True) for i in range(2)]
     verdict = ps.check_slice(split, 4, tol, require_nodes=True)
     assert not verdict.ok and "node pool a: 2/4" in verdict.reason
-    assert not ps.check_slice([ps.NodeInfo("c", "a", True, unschedulable=True)] + healthy[:3], 4, tol,
-                              require_nodes=True).ok  # fmt: skip
+    assert not ps.check_slice(
+        [ps.NodeInfo("c", "a", True, unschedulable=True)] + healthy[:3], 4, tol, require_nodes=True
+    ).ok
     assert ps.check_slice([], 4, tol, require_nodes=False).ok
     assert not ps.check_slice([], 4, tol, require_nodes=True).ok
     # PreferNoSchedule is not a blocker; maintenance "false" is not maintenance.
-    soft = [ps.NodeInfo(f"n{i}", "a", True, taints=(("x", "PreferNoSchedule"),),
-                        labels={"cloud.google.com/active-node-maintenance": "false"}) for i in range(4)]  # fmt: skip
+    soft = [
+        ps.NodeInfo(
+            f"n{i}",
+            "a",
+            True,
+            taints=(("x", "PreferNoSchedule"),),
+            labels={"cloud.google.com/active-node-maintenance": "false"},
+        )
+        for i in range(4)
+    ]
     assert ps.check_slice(soft, 4, tol, require_nodes=True).ok
 
 
@@ -157,8 +182,9 @@ def test_is_run_worker_matches_only_this_runs_trainers(tmp_path):
 
 def _sleeper(root: str, run_id: str) -> subprocess.Popen:
     code = "import time; time.sleep(120)"
-    return subprocess.Popen([sys.executable, "-c", code, "-m", "trainer", "--store-root", root, "--run-id", run_id,
-                             "--attempt", "0"])  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", code, "-m", "trainer", "--store-root", root, "--run-id", run_id, "--attempt", "0"]
+    )
 
 
 def test_local_stops_leftover_workers_and_picks_free_ports(store_root, tmp_path):
@@ -198,13 +224,37 @@ def test_a_cpu_slice_in_a_pod_clears_earlier_jobsets_through_the_api(store_root,
     monkeypatch.setattr(ps, "stop_leftover_workers", lambda *a, **k: pytest.fail("looked for local processes"))
     cluster = FakeCluster(namespace="default")
     cond = [] if live else [{"type": "Failed", "status": "True", "reason": "FailedJobs"}]
-    cluster.put("jobsets", {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-                            "metadata": {"name": f"{run_id}-a0", "namespace": "default",
-                                         "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"}},
-                            "spec": {}, "status": {"conditions": cond}})  # fmt: skip
+    cluster.put(
+        "jobsets",
+        {
+            "apiVersion": "jobset.x-k8s.io/v1alpha2",
+            "kind": "JobSet",
+            "metadata": {
+                "name": f"{run_id}-a0",
+                "namespace": "default",
+                "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"},
+            },
+            "spec": {},
+            "status": {"conditions": cond},
+        },
+    )
     try:
-        code = ps.main(["--store-root", store_root, "--run-id", run_id, "--attempt", "1", "--output-dir",
-                        str(tmp_path / "out"), "--k8s-host", cluster.url, "--pod-timeout", "5"])  # fmt: skip
+        code = ps.main(
+            [
+                "--store-root",
+                store_root,
+                "--run-id",
+                run_id,
+                "--attempt",
+                "1",
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--k8s-host",
+                cluster.url,
+                "--pod-timeout",
+                "5",
+            ]
+        )
     finally:
         cluster.close()
     deletes = [r[1].split("?")[0].rsplit("/", 1)[-1] for r in cluster.requests_of("DELETE", "/jobsets/")]
@@ -222,11 +272,17 @@ def _tpu_node(name, *, tpu="4", labels=None):
 
 
 def _other_run_pod(node, run="other-run", phase="Running"):
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"{run}-a0-workers-0-0-x", "namespace": NS,
-                         "labels": {"jaxrec/run-id": run, "jobset.sigs.k8s.io/jobset-name": f"{run}-a0"}},
-            "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "x"}]},
-            "status": {"phase": phase}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{run}-a0-workers-0-0-x",
+            "namespace": NS,
+            "labels": {"jaxrec/run-id": run, "jobset.sigs.k8s.io/jobset-name": f"{run}-a0"},
+        },
+        "spec": {"nodeName": node, "containers": [{"name": "trainer", "image": "x"}]},
+        "status": {"phase": phase},
+    }
 
 
 SOON = str(int(time.time()) + 600)
@@ -238,12 +294,15 @@ LATER = str(int(time.time()) + 86400)
     [
         ([_tpu_node(f"n{i}") for i in range(3)] + [_tpu_node("n3", tpu="0")], [], "allocatable google.com/tpu 0 < 4"),
         ([_tpu_node(f"n{i}") for i in range(4)], [_other_run_pod("n2")], "running pods of run(s) other-run"),
-        ([_tpu_node(f"n{i}") for i in range(3)]
-         + [_tpu_node("n3", labels={"cloud.google.com/scheduled-maintenance-time": SOON})], [],
-         "maintenance scheduled in"),
+        (
+            [_tpu_node(f"n{i}") for i in range(3)]
+            + [_tpu_node("n3", labels={"cloud.google.com/scheduled-maintenance-time": SOON})],
+            [],
+            "maintenance scheduled in",
+        ),
     ],
     ids=["no-allocatable-tpu", "another-runs-pods", "maintenance-soon"],
-)  # fmt: skip
+)
 def test_gke_checks_what_it_provisions(tmp_path, kube_factory, capsys, nodes, other_pods, expect):
     root = str(tmp_path / "store")
     run_id = _store_config(root, "v5e-4x4.yaml")
@@ -277,9 +336,14 @@ def test_maintenance_policy_proceed_uses_the_node():
 
 def _js(name: str, attempt: int, terminal: str | None = None) -> dict:
     status = {"terminalState": terminal} if terminal else {}
-    return {"metadata": {"name": name, "namespace": NS, "labels": {"jaxrec/run-id": "lm-v5e-4x4",
-                                                                    "jaxrec/attempt": str(attempt)}},
-            "status": status}  # fmt: skip
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "labels": {"jaxrec/run-id": "lm-v5e-4x4", "jaxrec/attempt": str(attempt)},
+        },
+        "status": status,
+    }
 
 
 def test_a_live_gang_nothing_decided_is_never_deleted(tmp_path):
@@ -303,9 +367,12 @@ def test_a_live_gang_nothing_decided_is_never_deleted(tmp_path):
         keep(_js("lm-v5e-4x4-a4", 4))
     assert e.value.code == 2 and "lm-v5e-4x4-a4" in str(e.value) and "kubectl" in str(e.value)
     # An error record that is not a verdict (the supervisor left transient) decides nothing.
-    store.write_record(RunLayout.supervision(4), SupervisionRecord(attempt=4, jobset="lm-v5e-4x4-a4",
-                                                                   outcome="error", exit_code=69, reason="x",
-                                                                   detected_at=1.0))  # fmt: skip
+    store.write_record(
+        RunLayout.supervision(4),
+        SupervisionRecord(
+            attempt=4, jobset="lm-v5e-4x4-a4", outcome="error", exit_code=69, reason="x", detected_at=1.0
+        ),
+    )
     with pytest.raises(StepError):
         keep(_js("lm-v5e-4x4-a4", 4))
 

@@ -150,8 +150,10 @@ def test_report_prints_table_and_writes_timeline(store_root, capsys):
     lines: list[str] = []
     paths = report.run(store.url(), say=lines.append)
     text = "\n".join(lines)
-    assert ("attempt 1: SIGTERM stop after step 17: skipped (budget 14.00 s, save estimate 14.00 s; the save does "
-            "not fit: 21.00 s > 13.50 s left)") in lines  # fmt: skip
+    assert (
+        "attempt 1: SIGTERM stop after step 17: skipped (budget 14.00 s, save estimate 14.00 s; the save does "
+        "not fit: 21.00 s > 13.50 s left)"
+    ) in lines
     assert not any(line.startswith("attempt 0: SIGTERM") for line in lines)
     assert "kill-worker" in text and "infrastructure" in text
     row = next(line for line in text.splitlines() if "kill-worker" in line).split()

@@ -111,8 +111,13 @@ def _train_and_save(cfg, steps: tuple[int, ...]) -> tuple[Checkpointer, object, 
 @pytest.mark.slow
 @pytest.mark.parametrize("make", [tiny_job, tiny_classifier_config], ids=["lm", "image-classifier"])
 def test_each_tasks_state_comes_back_from_the_older_step_when_the_newer_is_damaged(tmp_path, make):
-    cfg = make(str(tmp_path / "store"), run_id="task-restore", hosts=1, training={"total_steps": 4},
-               checkpoint={"interval_steps": 2, "async_save": False})  # fmt: skip
+    cfg = make(
+        str(tmp_path / "store"),
+        run_id="task-restore",
+        hosts=1,
+        training={"total_steps": 4},
+        checkpoint={"interval_steps": 2, "async_save": False},
+    )
     store = write_config(cfg)
     ckpt, abstract, saved = _train_and_save(cfg, (2, 4))
     try:

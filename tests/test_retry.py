@@ -20,15 +20,21 @@ from recovery_steps.retry import (
     update_ledger,
 )
 
-P, A, C, INF, H = (FailureClass.PREEMPTION, FailureClass.APPLICATION, FailureClass.CAPACITY,
-                 FailureClass.INFRASTRUCTURE, FailureClass.HANG)  # fmt: skip
+P, A, C, INF, H = (
+    FailureClass.PREEMPTION,
+    FailureClass.APPLICATION,
+    FailureClass.CAPACITY,
+    FailureClass.INFRASTRUCTURE,
+    FailureClass.HANG,
+)
 
 
 def rec(n: int, cls: FailureClass, before: int = -1, after: int | None = None) -> AttemptRecord:
     """Attempt n failed with cls; by default it advanced the checkpoint by 10 steps."""
     after = before + 10 if after is None else after
-    return AttemptRecord(attempt=n, outcome="failed", failure_class=cls, checkpoint_step_before=before,
-                         checkpoint_step_after=after)  # fmt: skip
+    return AttemptRecord(
+        attempt=n, outcome="failed", failure_class=cls, checkpoint_step_before=before, checkpoint_step_after=after
+    )
 
 
 def run_sequence(classes_and_progress, cfg: RetryConfig):

@@ -21,8 +21,15 @@ def fail(n, last, at, restore=-1):
 
 
 def ok(n, restore, first_at, last, end_at):
-    return AttemptTrace(attempt=n, failed=False, restore_step=restore, last_step=last, restored_at=first_at - 1,
-                        first_step_at=first_at, ended_at=end_at)  # fmt: skip
+    return AttemptTrace(
+        attempt=n,
+        failed=False,
+        restore_step=restore,
+        last_step=last,
+        restored_at=first_at - 1,
+        first_step_at=first_at,
+        ended_at=end_at,
+    )
 
 
 # (traces, steps lost, recovery seconds, incidents)
@@ -35,15 +42,23 @@ CASES = {
     # preemption saved the current step: nothing lost, back when the first step ran.
     "preemption saved its step": ([fail(0, 10, 100.0), ok(1, 10, 107.5, 20, 117.5)], 0, 7.5, 1),
     "two incidents sum, last recovery wins": (
-        [fail(0, 8, 100.0), fail(1, 17, 200.0, restore=5), ok(2, 15, 210.0, 20, 214.0)], 3 + 2, 11.0, 2),
+        [fail(0, 8, 100.0), fail(1, 17, 200.0, restore=5), ok(2, 15, 210.0, 20, 214.0)],
+        3 + 2,
+        11.0,
+        2,
+    ),
     # attempt 1 failed before reaching step 18: both losses count; the recovery is incident 1's.
-    "next attempt never got back": ([fail(0, 18, 100.0), fail(1, 12, 150.0, restore=10), ok(2, 10, 160.0, 20, 169.0)],
-                                    8 + 2, 11.0, 2),
+    "next attempt never got back": (
+        [fail(0, 18, 100.0), fail(1, 12, 150.0, restore=10), ok(2, 10, 160.0, 20, 169.0)],
+        8 + 2,
+        11.0,
+        2,
+    ),
     # the final attempt failed (run stopped): no next attempt, not an incident.
     "run ends failed": ([fail(0, 8, 100.0), fail(1, 9, 150.0, restore=5)], 3, None, 1),
     "unordered input": ([ok(1, 5, 110.0, 20, 124.0), fail(0, 8, 100.0)], 3, 12.0, 1),
     "failed attempt without reports": ([AttemptTrace(attempt=0, failed=True), ok(1, 5, 110.0, 20, 124.0)], 0, None, 0),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -78,9 +93,18 @@ def test_budget_exhausted(decision, failures, budget, spent):
 
 
 def _report(store, attempt, index, code, **kw):
-    store.write_json(RunLayout.worker_report(attempt, index), {
-        "run_id": RUN, "attempt": attempt, "process_index": index, "process_count": 2, "exit_code": code,
-        "exit_name": "X", **kw})  # fmt: skip
+    store.write_json(
+        RunLayout.worker_report(attempt, index),
+        {
+            "run_id": RUN,
+            "attempt": attempt,
+            "process_index": index,
+            "process_count": 2,
+            "exit_code": code,
+            "exit_name": "X",
+            **kw,
+        },
+    )
 
 
 def _validated(store_root: str) -> RunStore:
@@ -94,14 +118,33 @@ def _validated(store_root: str) -> RunStore:
 
 def test_finalize_outputs_totals_from_the_store(store_root, tmp_path):
     store = _validated(store_root)
-    append_attempt(store, AttemptRecord(attempt=0, outcome="failed", failure_class=FailureClass.INFRASTRUCTURE,
-                                        decision=Decision.RETRY, checkpoint_step_before=-1, checkpoint_step_after=5,
-                                        ended_at=101.0, closed_at=102.0))  # fmt: skip
+    append_attempt(
+        store,
+        AttemptRecord(
+            attempt=0,
+            outcome="failed",
+            failure_class=FailureClass.INFRASTRUCTURE,
+            decision=Decision.RETRY,
+            checkpoint_step_before=-1,
+            checkpoint_step_after=5,
+            ended_at=101.0,
+            closed_at=102.0,
+        ),
+    )
     # worker 1 was killed (no report); worker 0 noticed at t=100.5 after step 8.
     _report(store, 0, 0, 20, last_step=8, restore_step=None, ended_at=100.5, first_step_at=20.0)
     for i in (0, 1):
-        _report(store, 1, i, 0, last_step=20, restore_step=5, restored_at=108.0 + i, first_step_at=110.0 + i,
-                ended_at=124.0 + i)  # fmt: skip
+        _report(
+            store,
+            1,
+            i,
+            0,
+            last_step=20,
+            restore_step=5,
+            restored_at=108.0 + i,
+            first_step_at=110.0 + i,
+            ended_at=124.0 + i,
+        )
     r = finalize.run(store_root, RUN, "Succeeded", None, tmp_path / "o")
     assert r.totals.steps_lost == 3
     # back at step 8: first step (6) at t=111, 1 step/s, so t=113; failed at t=100.5.

@@ -95,12 +95,33 @@ def _segment(tmp_path, hooks):
     RunStore(store_root, cfg.run_id).write_json(
         RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()}
     )
-    js = jobset_manifest(cfg, name=f"{cfg.run_id}-a0", run_id=cfg.run_id, store_root=store_root, attempt="0",
-                         restore_step="-1", coordinator_port="1", metrics_port="0")  # fmt: skip
+    js = jobset_manifest(
+        cfg,
+        name=f"{cfg.run_id}-a0",
+        run_id=cfg.run_id,
+        store_root=store_root,
+        attempt="0",
+        restore_step="-1",
+        coordinator_port="1",
+        metrics_port="0",
+    )
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     pod["containers"][0]["command"], pod["containers"][0]["args"] = [sys.executable, "-c", WORKER], []
-    command = ["python", "-m", "recovery_steps.train_segment", "--store-root", store_root, "--run-id", cfg.run_id,
-               "--attempt", "0", "--jobset-manifest", json.dumps(js), "--output-dir", "/tmp/outputs"]  # fmt: skip
+    command = [
+        "python",
+        "-m",
+        "recovery_steps.train_segment",
+        "--store-root",
+        store_root,
+        "--run-id",
+        cfg.run_id,
+        "--attempt",
+        "0",
+        "--jobset-manifest",
+        json.dumps(js),
+        "--output-dir",
+        "/tmp/outputs",
+    ]
     ex = LocalExecutor(repo_root=REPO, work_dir=tmp_path / "work", hooks=hooks)
     node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)
     tmpl = {"outputs": {"parameters": []}}

@@ -38,11 +38,15 @@ def _raise(e):
     [
         (StepError(ExitCode.CAPACITY, "slice not ready"), 75, "demo: slice not ready", True),
         (StepError(143, "SIGTERM: left running", record=False), 143, "demo: SIGTERM: left running", False),
-        (StoreUnavailable("gs://b/r unreachable"), 69, "demo: gs://b/r unreachable; transient, Argo retries this step",
-         False),
+        (
+            StoreUnavailable("gs://b/r unreachable"),
+            69,
+            "demo: gs://b/r unreachable; transient, Argo retries this step",
+            False,
+        ),
         (PermissionError(13, "Permission denied"), 69, "demo:", False),
     ],
-)  # fmt: skip
+)
 def test_every_failure_is_one_line_its_exit_code_and_the_steps_failure_record(error, code, line, recorded):
     rec, out, err = [], [], []
     assert run_step(_step(_raise(error), rec), _args(), out=out.append, err=err.append) == code
@@ -105,8 +109,16 @@ def test_api_errors_map_through_the_one_table(status, code, hint):
     assert str(err).startswith("create jobset x: ") and hint in str(err) and "\n" not in str(err)
 
 
-STEPS = ("validate_config", "restore_latest", "provision_slice", "train_segment", "classify_failure", "finalize",
-         "hand_over", "give_up")  # fmt: skip
+STEPS = (
+    "validate_config",
+    "restore_latest",
+    "provision_slice",
+    "train_segment",
+    "classify_failure",
+    "finalize",
+    "hand_over",
+    "give_up",
+)
 
 
 @pytest.mark.parametrize("step", STEPS)

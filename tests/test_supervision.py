@@ -59,8 +59,9 @@ def running(i: int, *, since: float = T0 + 60, **kw) -> PodObservation:
 
 
 def pending(i: int, **kw) -> PodObservation:
-    base = dict(name=f"run-a0-workers-0-{i}-abcde", index=i, phase="Pending", created_at=T0 + 1,
-                conditions=(UNSCHEDULABLE,))  # fmt: skip
+    base = dict(
+        name=f"run-a0-workers-0-{i}-abcde", index=i, phase="Pending", created_at=T0 + 1, conditions=(UNSCHEDULABLE,)
+    )
     base.update(kw)
     return PodObservation(**base)
 
@@ -77,32 +78,54 @@ def beat(i: int, step: int | None, at: float, saving: int | None = None) -> Work
 
 def nodes(*lost: int, unreachable: bool = True) -> tuple[NodeObservation, ...]:
     return tuple(
-        NodeObservation(name=f"gke-tpu-{i}", ready=None if i in lost else True,
-                        unreachable=unreachable and i in lost, since=T0 + 500)
+        NodeObservation(
+            name=f"gke-tpu-{i}",
+            ready=None if i in lost else True,
+            unreachable=unreachable and i in lost,
+            since=T0 + 500,
+        )
         for i in range(HOSTS)
-    )  # fmt: skip
+    )
 
 
 def obs(now: float, pods=(), *, jobs=(), progress=(), node_list=None, **kw) -> Observation:
-    return Observation(now=T0 + now, expected_workers=HOSTS, created_at=T0, pods=tuple(pods), jobs=tuple(jobs),
-                       progress=tuple(progress), nodes=nodes() if node_list is None else node_list, **kw)  # fmt: skip
+    return Observation(
+        now=T0 + now,
+        expected_workers=HOSTS,
+        created_at=T0,
+        pods=tuple(pods),
+        jobs=tuple(jobs),
+        progress=tuple(progress),
+        nodes=nodes() if node_list is None else node_list,
+        **kw,
+    )
 
 
 IMAGE = "us-docker.pkg.dev/p/ml/worker:typo"
 # Kubelet >= 1.32 waiting messages (pkg/kubelet/images/image_manager.go): the back-off repeats the pull's error.
-NOT_FOUND = (f'rpc error: code = NotFound desc = failed to pull and unpack image "{IMAGE}": failed to resolve '
-             f'reference "{IMAGE}": {IMAGE}: not found')  # fmt: skip
+NOT_FOUND = (
+    f'rpc error: code = NotFound desc = failed to pull and unpack image "{IMAGE}": failed to resolve '
+    f'reference "{IMAGE}": {IMAGE}: not found'
+)
 BACK_OFF_NOT_FOUND = f'Back-off pulling image "{IMAGE}": ErrImagePull: {NOT_FOUND}'
-UNAVAILABLE = (f'rpc error: code = Unknown desc = failed to pull and unpack image "{IMAGE}": failed to copy: '
-               "httpReadSeeker: failed open: unexpected status code https://us-docker.pkg.dev/v2/p/ml/worker/blobs/"
-               "sha256:9f2c: 503 Service Unavailable")  # fmt: skip
+UNAVAILABLE = (
+    f'rpc error: code = Unknown desc = failed to pull and unpack image "{IMAGE}": failed to copy: '
+    "httpReadSeeker: failed open: unexpected status code https://us-docker.pkg.dev/v2/p/ml/worker/blobs/"
+    "sha256:9f2c: 503 Service Unavailable"
+)
 BACK_OFF_UNAVAILABLE = f'Back-off pulling image "{IMAGE}": ErrImagePull: {UNAVAILABLE}'
 
 
 def shutting_down(i: int, since: float, **kw) -> NodeObservation:
     """The node as the kubelet reports it once a graceful shutdown starts (pkg/kubelet/nodeshutdown)."""
-    return NodeObservation(name=f"gke-tpu-{i}", ready=False, since=since, ready_reason="KubeletNotReady",
-                           ready_message="node is shutting down", **kw)  # fmt: skip
+    return NodeObservation(
+        name=f"gke-tpu-{i}",
+        ready=False,
+        since=since,
+        ready_reason="KubeletNotReady",
+        ready_message="node is shutting down",
+        **kw,
+    )
 
 
 def with_node(node: NodeObservation) -> tuple[NodeObservation, ...]:
@@ -110,14 +133,17 @@ def with_node(node: NodeObservation) -> tuple[NodeObservation, ...]:
 
 
 def pulling(i: int, reason: str, message: str, since: float, **kw) -> PodObservation:
-    return pending(i, node=f"gke-tpu-{i}", conditions=(), waiting_reason=reason, waiting_message=message,
-                   waiting_since=since, **kw)  # fmt: skip
+    return pending(
+        i, node=f"gke-tpu-{i}", conditions=(), waiting_reason=reason, waiting_message=message, waiting_since=since, **kw
+    )
 
 
 def failing(since: float, *workers: int) -> tuple[HeartbeatRead, ...]:
     """The heartbeat reads of ``workers`` (default: every one) failing since ``since`` (a store outage)."""
-    return tuple(HeartbeatRead(index=i, ok=False, since=T0 + since, error="OSError: [Errno 5] Input/output error")
-                 for i in workers or range(HOSTS))  # fmt: skip
+    return tuple(
+        HeartbeatRead(index=i, ok=False, since=T0 + since, error="OSError: [Errno 5] Input/output error")
+        for i in workers or range(HOSTS)
+    )
 
 
 def recovered(since: float) -> tuple[HeartbeatRead, ...]:
@@ -136,7 +162,7 @@ FAILURE_TARGET = JobEvidence(
             message="Container trainer for pod default/run-a0-workers-0-3 failed with exit code 20 "
             "matching FailJob rule at index 3",
         ),
-    ),  # fmt: skip
+    ),
 )
 
 # (id, observation, expected state, expected stall kind, a fragment the reason must contain)
@@ -159,7 +185,7 @@ CASES = [
                     waiting_message="rpc error: code = Unknown desc = failed to pull",
                 ),
             ],
-        ),  # fmt: skip
+        ),
         AttemptState.RUNNING,
         None,
         "scheduled 3/4",
@@ -196,7 +222,7 @@ CASES = [
             jobset_conditions=(
                 Condition(type="Failed", reason="FailedJobs", message="jobset failed due to one or more job failures"),
             ),
-        ),  # fmt: skip
+        ),
         AttemptState.FAILED,
         None,
         "FailedJobs",
@@ -213,7 +239,7 @@ CASES = [
             ],
             jobs=[FAILURE_TARGET],
             node_list=nodes(3),
-        ),  # fmt: skip
+        ),
         AttemptState.FAILED,
         None,
         "FailureTarget",
@@ -250,7 +276,7 @@ CASES = [
                 n if n.name != "gke-tpu-1" else NodeObservation(name="gke-tpu-1", exists=False, seen_lost_at=T0 + 550)
                 for n in nodes()
             ),
-        ),  # fmt: skip
+        ),
         AttemptState.STALLED,
         StallKind.NODE_LOST,
         "gone",
@@ -306,7 +332,7 @@ CASES = [
                 pending(i, node=f"gke-tpu-{i}", conditions=(), waiting_reason="InvalidImageName", waiting_since=T0 + 4)
                 for i in range(HOSTS)
             ],
-        ),  # fmt: skip
+        ),
         AttemptState.STALLED,
         StallKind.CONFIGURATION,
         "InvalidImageName",
@@ -326,7 +352,7 @@ CASES = [
                     ),
                 ),
             ],
-        ),  # fmt: skip
+        ),
         AttemptState.STALLED,
         StallKind.CONFIGURATION,
         "ConfigIssue: MissingSecret",
@@ -337,7 +363,7 @@ CASES = [
             621,
             ALL_RUNNING,
             progress=[beat(0, 40, T0 + 600), beat(1, 40, T0 + 600), beat(2, 40, T0 + 600), beat(3, 38, T0 + 500)],
-        ),  # fmt: skip
+        ),
         AttemptState.STALLED,
         StallKind.HANG,
         "worker 3: no progress past step 38 for 121 s",
@@ -354,7 +380,7 @@ CASES = [
                 beat(2, 40, T0 + 500, saving=30),
                 beat(3, 40, T0 + 500, saving=30),
             ],
-        ),  # fmt: skip
+        ),
         AttemptState.RUNNING,
         None,
         "step 40, waiting for the save of checkpoint 30",
@@ -370,7 +396,7 @@ CASES = [
                 beat(2, 40, T0 + 1090),
                 beat(3, 40, T0 + 1090),
             ],
-        ),  # fmt: skip
+        ),
         AttemptState.STALLED,
         StallKind.HANG,
         "worker 0: waited 601 s after step 40 for the save of checkpoint 30 to commit (save timeout 600 s)",
@@ -381,7 +407,7 @@ CASES = [
             621,
             ALL_RUNNING,
             progress=[beat(0, 40, T0 + 500), beat(1, 40, T0 + 600), beat(2, 40, T0 + 600), beat(3, 40, T0 + 600)],
-        ),  # fmt: skip
+        ),
         AttemptState.STALLED,
         StallKind.HANG,
         "worker 0: no progress past step 40 for 121 s",
@@ -655,8 +681,13 @@ def test_table_is_large_enough_and_covers_every_state_and_kind():
 
 
 def test_hang_timeout_below_two_heartbeats_is_one_line_naming_both_fields():
-    data = {"run_id": "r", "image": "i", "slice": {"accelerator": "local", "hosts": 2}, "storage": {"root": "/tmp/x"},
-            "supervision": {"hang_timeout_s": 10, "heartbeat_interval_s": 8}}  # fmt: skip
+    data = {
+        "run_id": "r",
+        "image": "i",
+        "slice": {"accelerator": "local", "hosts": 2},
+        "storage": {"root": "/tmp/x"},
+        "supervision": {"hang_timeout_s": 10, "heartbeat_interval_s": 8},
+    }
     with pytest.raises(ConfigError) as e:
         parse_config(data)
     (line,) = e.value.problems
@@ -679,14 +710,22 @@ TIMEOUT = "dial tcp 142.250.1.1:443: i/o timeout"
 CLOCKS = [
     (
         "one-transient-error-then-a-slow-pull-one-clock-until-the-container-starts",
-        [("ErrImagePull", UNAVAILABLE, 10), ("ImagePullBackOff", BACK_OFF_UNAVAILABLE, 20),
-         ("ImagePullBackOff", BACK_OFF_UNAVAILABLE, 400), (None, None, 800)],
+        [
+            ("ErrImagePull", UNAVAILABLE, 10),
+            ("ImagePullBackOff", BACK_OFF_UNAVAILABLE, 20),
+            ("ImagePullBackOff", BACK_OFF_UNAVAILABLE, 400),
+            (None, None, 800),
+        ],
         [10, 10, 10, None],
     ),
     (
         "another-failure-restarts-the-clock",
-        [("ErrImagePull", UNAVAILABLE, 10), ("ErrImagePull", TIMEOUT, 50), ("ImagePullBackOff", BACK_OFF_NOT_FOUND, 90),
-         ("ErrImagePull", NOT_FOUND, 120)],
+        [
+            ("ErrImagePull", UNAVAILABLE, 10),
+            ("ErrImagePull", TIMEOUT, 50),
+            ("ImagePullBackOff", BACK_OFF_NOT_FOUND, 90),
+            ("ErrImagePull", NOT_FOUND, 120),
+        ],
         [10, 50, 90, 90],
     ),
     (
@@ -696,8 +735,11 @@ CLOCKS = [
     ),
     (
         "an-old-kubelets-back-off-is-the-back-off-of-the-pull-error-before-it",
-        [("ErrImagePull", NOT_FOUND, 5), ("ImagePullBackOff", f'Back-off pulling image "{IMAGE}"', 15),
-         ("ErrImagePull", NOT_FOUND, 40)],
+        [
+            ("ErrImagePull", NOT_FOUND, 5),
+            ("ImagePullBackOff", f'Back-off pulling image "{IMAGE}"', 15),
+            ("ErrImagePull", NOT_FOUND, 40),
+        ],
         [5, 5, 5],
     ),
     (
@@ -707,11 +749,14 @@ CLOCKS = [
     ),
     (
         "a-creation-failure-after-a-pull-failure-is-another-failure",
-        [("ErrImagePull", UNAVAILABLE, 10), ("CreateContainerError", "context deadline exceeded", 300),
-         ("CreateContainerError", "context deadline exceeded", 500)],
+        [
+            ("ErrImagePull", UNAVAILABLE, 10),
+            ("CreateContainerError", "context deadline exceeded", 300),
+            ("CreateContainerError", "context deadline exceeded", 500),
+        ],
         [10, 300, 300],
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("case", "states", "starts"), CLOCKS, ids=[c[0] for c in CLOCKS])
@@ -739,14 +784,21 @@ def test_an_old_kubelets_back_off_keeps_the_cause_and_decide_uses_it():
         ("ImagePullBackOff", BACK_OFF_NOT_FOUND, NOT_FOUND),
         ("ErrImagePull", NOT_FOUND, NOT_FOUND),
         ("ImagePullBackOff", f'Back-off pulling image "{IMAGE}"', ""),
-        ("ImagePullBackOff", f'Back-off pulling image "{IMAGE}": RegistryUnavailable: image pull failed for {IMAGE} '
-         "because the registry is unavailable", f"image pull failed for {IMAGE} because the registry is unavailable"),
-        ("RegistryUnavailable", f"image pull failed for {IMAGE} because the registry is unavailable",
-         f"image pull failed for {IMAGE} because the registry is unavailable"),
+        (
+            "ImagePullBackOff",
+            f'Back-off pulling image "{IMAGE}": RegistryUnavailable: image pull failed for {IMAGE} '
+            "because the registry is unavailable",
+            f"image pull failed for {IMAGE} because the registry is unavailable",
+        ),
+        (
+            "RegistryUnavailable",
+            f"image pull failed for {IMAGE} because the registry is unavailable",
+            f"image pull failed for {IMAGE} because the registry is unavailable",
+        ),
         ("CreateContainerError", "context deadline exceeded", "context deadline exceeded"),
         ("ErrImagePull", None, ""),
     ],
-)  # fmt: skip
+)
 def test_waiting_cause_is_the_same_for_a_pull_error_and_its_back_off(reason, message, cause):
     assert waiting_cause(reason, message) == cause
 
@@ -757,8 +809,11 @@ def test_waiting_cause_is_the_same_for_a_pull_error_and_its_back_off(reason, mes
         ("ErrImagePull", NOT_FOUND, True),
         ("ErrImagePull", 'manifest unknown: Failed to fetch "typo"', True),
         ("ErrImagePull", "failed to authorize: failed to fetch oauth token: unexpected status: 401 Unauthorized", True),
-        ("ErrImagePull", 'denied: Permission "artifactregistry.repositories.downloadArtifacts" denied on resource',
-         True),
+        (
+            "ErrImagePull",
+            'denied: Permission "artifactregistry.repositories.downloadArtifacts" denied on resource',
+            True,
+        ),
         ("ErrImagePull", "unexpected status from HEAD request to https://us-docker.pkg.dev/v2/: 403 Forbidden", True),
         ("InvalidImageName", 'couldn\'t parse image reference "Worker:1": invalid reference format', True),
         ("ErrImageNeverPull", 'Container image "w:1" is not present with pull policy of Never', True),
@@ -771,7 +826,7 @@ def test_waiting_cause_is_the_same_for_a_pull_error_and_its_back_off(reason, mes
         ("RegistryUnavailable", "image pull failed for w:1 because the registry is unavailable", False),
         ("CreateContainerError", "context deadline exceeded", False),
     ],
-)  # fmt: skip
+)
 def test_only_a_failure_waiting_cannot_heal_is_permanent(reason, cause, permanent):
     assert pull_failure_is_permanent(reason, cause) is permanent
 
@@ -780,22 +835,38 @@ def _api_job(*conditions: dict) -> JobEvidence:
     """A JobSet's Job as the API returns it (batch/v1), through the snapshot's record."""
     from recovery_steps.kernel.snapshot import job_from_api
 
-    return job_from_api({"apiVersion": "batch/v1", "kind": "Job",
-                         "metadata": {"name": "run-a0-workers-0", "namespace": "default",
-                                      "labels": {"jobset.sigs.k8s.io/jobset-name": "run-a0"}},
-                         "status": {"active": 4, "failed": 1, "terminating": 3,
-                                    "conditions": list(conditions)}})  # fmt: skip
+    return job_from_api(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                "name": "run-a0-workers-0",
+                "namespace": "default",
+                "labels": {"jobset.sigs.k8s.io/jobset-name": "run-a0"},
+            },
+            "status": {"active": 4, "failed": 1, "terminating": 3, "conditions": list(conditions)},
+        }
+    )
 
 
 # The Job controller's FailureTarget before Failed (kubernetes pkg/controller/job/job_controller.go, >= 1.31).
-BACKOFF_TARGET = {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded",
-                  "message": "Job has reached the specified backoff limit", "lastProbeTime": "2024-05-01T10:10:00Z",
-                  "lastTransitionTime": "2024-05-01T10:10:00Z"}  # fmt: skip
+BACKOFF_TARGET = {
+    "type": "FailureTarget",
+    "status": "True",
+    "reason": "BackoffLimitExceeded",
+    "message": "Job has reached the specified backoff limit",
+    "lastProbeTime": "2024-05-01T10:10:00Z",
+    "lastTransitionTime": "2024-05-01T10:10:00Z",
+}
 
 # A record the supervisor wrote before it kept the conditions: its failure is the record's own.
-RECORD_ONLY = JobEvidence(name="run-a0-workers-0", failed=True, failure_reason="PodFailurePolicy",
-                          failure_message="Container trainer for pod default/run-a0-workers-0-1-abcde failed with "
-                                          "exit code 42 matching FailJob rule at index 0")  # fmt: skip
+RECORD_ONLY = JobEvidence(
+    name="run-a0-workers-0",
+    failed=True,
+    failure_reason="PodFailurePolicy",
+    failure_message="Container trainer for pod default/run-a0-workers-0-1-abcde failed with "
+    "exit code 42 matching FailJob rule at index 0",
+)
 
 
 @pytest.mark.parametrize(

@@ -73,9 +73,21 @@ def test_compatibility_refuses_another_task_and_unsafe_options_and_accepts_decla
 
 
 def _manifest(**kw) -> CheckpointManifest:
-    base = dict(step=5, run_id="t", attempt=0, config_hash="h", config={}, code_version="c",
-                dataset_version="files-aaaa", task_name="lm", task_version="1", process_count=2,
-                mesh_shape={"data": 2}, library_versions={}, wall_time=0.0)  # fmt: skip
+    base = dict(
+        step=5,
+        run_id="t",
+        attempt=0,
+        config_hash="h",
+        config={},
+        code_version="c",
+        dataset_version="files-aaaa",
+        task_name="lm",
+        task_version="1",
+        process_count=2,
+        mesh_shape={"data": 2},
+        library_versions={},
+        wall_time=0.0,
+    )
     return CheckpointManifest(**{**base, **kw})
 
 

@@ -93,8 +93,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "placement", "copies", "gcs", "max_step", "step", "tiers"), CASES,
-                         ids=[c[0] for c in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "placement", "copies", "gcs", "max_step", "step", "tiers"), CASES, ids=[c[0] for c in CASES]
+)
 def test_choose_restore(name, placement, copies, gcs, max_step, step, tiers):
     plan = choose_restore(placement, copies, gcs, max_step=max_step)
     assert plan.step == step
@@ -122,15 +123,23 @@ def test_each_skip_says_why_each_copy_did_not_count():
         None,
         (),
         (
-            TierSkip(20, "no verified copy of part 1 (on node n1: crc32c mismatch; on node old-node, not in this "
-                          "slice; bucket: generation changed)"),
+            TierSkip(
+                20,
+                "no verified copy of part 1 (on node n1: crc32c mismatch; on node old-node, not in this "
+                "slice; bucket: generation changed)",
+            ),
         ),
-    )  # fmt: skip
+    )
 
 
 def test_peer_sources_are_chosen_the_same_way_every_time():
-    copies = [PartCopy(20, 0, "n3"), PartCopy(20, 0, "n2"), PartCopy(20, 1, "n1"), PartCopy(20, 2, "n2"),
-              PartCopy(20, 3, "n3")]  # fmt: skip
+    copies = [
+        PartCopy(20, 0, "n3"),
+        PartCopy(20, 0, "n2"),
+        PartCopy(20, 1, "n1"),
+        PartCopy(20, 2, "n2"),
+        PartCopy(20, 3, "n3"),
+    ]
     plans = {choose_restore({0: "n0", 1: "n1", 2: "n2", 3: "n3"}, order, []) for order in (copies, copies[::-1])}
     [plan] = plans
     assert [(s.part, s.tier, s.node) for s in plan.sources][:2] == [(0, P, "n2"), (1, L, "n1")]

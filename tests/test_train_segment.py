@@ -24,8 +24,14 @@ HOSTS = 4
 
 def _cfg(root: Path, **supervision):
     cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
-    sup = {"watch_interval_s": 0.05, "heartbeat_interval_s": 1, "hang_timeout_s": 30, "compile_grace_s": 60,
-           "force_delete_grace_s": 0, **supervision}  # fmt: skip
+    sup = {
+        "watch_interval_s": 0.05,
+        "heartbeat_interval_s": 1,
+        "hang_timeout_s": 30,
+        "compile_grace_s": 60,
+        "force_delete_grace_s": 0,
+        **supervision,
+    }
     storage = StorageConfig(root=str(root), durable_mount=True)  # a local store stands in for the bucket
     cfg = cfg.model_copy(update={"storage": storage, "supervision": SupervisionConfig(**sup)})
     RunStore(str(root), cfg.run_id).write_json(
@@ -35,17 +41,30 @@ def _cfg(root: Path, **supervision):
 
 
 def _manifest(cfg, attempt=0):
-    return jobset_manifest(cfg, name=f"{cfg.run_id}-a{attempt}", run_id=cfg.run_id, store_root=cfg.storage.root,
-                           attempt=str(attempt), restore_step="-1", coordinator_port="8476",
-                           metrics_port="9431")  # fmt: skip
+    return jobset_manifest(
+        cfg,
+        name=f"{cfg.run_id}-a{attempt}",
+        run_id=cfg.run_id,
+        store_root=cfg.storage.root,
+        attempt=str(attempt),
+        restore_step="-1",
+        coordinator_port="8476",
+        metrics_port="9431",
+    )
 
 
 def _job(js, conditions=()):
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": f"{js}-workers-0", "namespace": "training",
-                         "labels": {"jobset.sigs.k8s.io/jobset-name": js}},
-            "spec": {"parallelism": HOSTS, "completions": HOSTS, "completionMode": "Indexed", "backoffLimit": 0},
-            "status": {"conditions": list(conditions), "active": HOSTS}}  # fmt: skip
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": f"{js}-workers-0",
+            "namespace": "training",
+            "labels": {"jobset.sigs.k8s.io/jobset-name": js},
+        },
+        "spec": {"parallelism": HOSTS, "completions": HOSTS, "completionMode": "Indexed", "backoffLimit": 0},
+        "status": {"conditions": list(conditions), "active": HOSTS},
+    }
 
 
 def _gang(c, js, t, **pod_kw):
@@ -63,8 +82,16 @@ def _beat(store, attempt, step, t, ckpt=None):
 def _run(cfg, tmp_path, cluster, attempt=0):
     lines: list[str] = []
     progress = tmp_path / "progress"
-    rec = ts.run(cfg.storage.root, cfg.run_id, attempt, json.dumps(_manifest(cfg, attempt)), tmp_path / "out",
-                 k8s_host=cluster.url, progress_file=str(progress), say=lines.append)  # fmt: skip
+    rec = ts.run(
+        cfg.storage.root,
+        cfg.run_id,
+        attempt,
+        json.dumps(_manifest(cfg, attempt)),
+        tmp_path / "out",
+        k8s_host=cluster.url,
+        progress_file=str(progress),
+        say=lines.append,
+    )
     return rec, lines, progress
 
 
@@ -127,8 +154,14 @@ def test_reattaches_and_ends_at_failure_target_force_deleting_the_pod_on_the_los
     js = f"{cfg.run_id}-a1"
     t0 = time.time() - 100
     manifest = _manifest(cfg, 1)
-    cluster.put("jobsets", {**manifest, "metadata": {**manifest["metadata"], "creationTimestamp": iso(t0)},
-                            "status": {"replicatedJobsStatus": [{"name": "workers", "active": 1}]}})  # fmt: skip
+    cluster.put(
+        "jobsets",
+        {
+            **manifest,
+            "metadata": {**manifest["metadata"], "creationTimestamp": iso(t0)},
+            "status": {"replicatedJobsStatus": [{"name": "workers", "active": 1}]},
+        },
+    )
     cluster.put("jobs", _job(js))
     for i in range(HOSTS):
         cluster.put("pods", pod(js, i, t0, node=f"gke-tpu-{i}", phase="Running", running=True, attempt="1"))
@@ -136,10 +169,25 @@ def test_reattaches_and_ends_at_failure_target_force_deleting_the_pod_on_the_los
 
     def node_lost(c):
         c.nodes["gke-tpu-3"] = node("gke-tpu-3", ready=None, unreachable=True)
-        msg = ("Container trainer for pod training/" + js + "-workers-0-2-x2z failed with exit code 20 matching "
-               "FailJob rule at index 3")  # fmt: skip
-        c.put("jobs", _job(js, [{"type": "FailureTarget", "status": "True", "reason": "PodFailurePolicy",
-                                 "message": msg, "lastTransitionTime": iso(time.time())}]))  # fmt: skip
+        msg = (
+            "Container trainer for pod training/" + js + "-workers-0-2-x2z failed with exit code 20 matching "
+            "FailJob rule at index 3"
+        )
+        c.put(
+            "jobs",
+            _job(
+                js,
+                [
+                    {
+                        "type": "FailureTarget",
+                        "status": "True",
+                        "reason": "PodFailurePolicy",
+                        "message": msg,
+                        "lastTransitionTime": iso(time.time()),
+                    }
+                ],
+            ),
+        )
 
     node_lost(cluster)  # both are there when the supervisor (re-)attaches: FailureTarget decides
     rec, lines, _ = _run(cfg, tmp_path, cluster, attempt=1)
@@ -186,9 +234,20 @@ def test_image_pull_backoff_past_its_deadline_is_a_configuration_stall(tmp_path,
     def created(c, obj):
         t = time.time()
         for i in range(HOSTS):
-            c.put("pods", pod(js, i, t, node=f"gke-tpu-{i}", waiting=(
-                "ImagePullBackOff", 'Back-off pulling image "us-docker.pkg.dev/p/ml/worker:typo": ErrImagePull: '
-                'failed to resolve reference "us-docker.pkg.dev/p/ml/worker:typo": not found')))  # fmt: skip
+            c.put(
+                "pods",
+                pod(
+                    js,
+                    i,
+                    t,
+                    node=f"gke-tpu-{i}",
+                    waiting=(
+                        "ImagePullBackOff",
+                        'Back-off pulling image "us-docker.pkg.dev/p/ml/worker:typo": ErrImagePull: '
+                        'failed to resolve reference "us-docker.pkg.dev/p/ml/worker:typo": not found',
+                    ),
+                ),
+            )
 
     cluster.on_create = created
     rec, _, _ = _run(cfg, tmp_path, cluster)
@@ -229,14 +288,24 @@ def test_the_jobset_of_another_attempt_is_refused(tmp_path, cluster):
 
 def test_unreachable_api_and_bad_manifest_are_one_line_each(tmp_path, capsys):
     cfg = _cfg(tmp_path / "store")
-    common = ["--store-root", cfg.storage.root, "--run-id", cfg.run_id, "--attempt", "0",
-              "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    common = [
+        "--store-root",
+        cfg.storage.root,
+        "--run-id",
+        cfg.run_id,
+        "--attempt",
+        "0",
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     code = ts.main([*common, "--jobset-manifest", json.dumps(_manifest(cfg)), "--k8s-host", "http://127.0.0.1:9"])
     err = capsys.readouterr().err.strip().splitlines()
     # No answer at all is transient (69): Argo retries the step in place.
     assert code == 69 and len(err) == 1 and err[0].startswith("train-segment: Kubernetes API unreachable")
-    assert json.loads((Path(cfg.storage.root) / "runs" / cfg.run_id / RunLayout.supervision(0)).read_text())[
-        "exit_code"] == 69  # fmt: skip
+    assert (
+        json.loads((Path(cfg.storage.root) / "runs" / cfg.run_id / RunLayout.supervision(0)).read_text())["exit_code"]
+        == 69
+    )
     code = ts.main([*common, "--jobset-manifest", "{kind: Job", "--k8s-host", "http://127.0.0.1:9"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--jobset-manifest" in err[0]
@@ -274,19 +343,38 @@ def test_rbac_grants_every_call_the_supervisor_makes(tmp_path, cluster):
     for group, res, verb in used:
         rules = NODE_RULES if res == "nodes" else ROLE_RULES
         assert any(group in r["apiGroups"] and res in r["resources"] and verb in r["verbs"] for r in rules), (
-            group, res, verb)  # fmt: skip
+            group,
+            res,
+            verb,
+        )
 
 
 @pytest.mark.parametrize(("answer", "code"), [(500, 69), (429, 69), (503, 69), (403, 2), (422, 2)])
 def test_a_refused_create_is_transient_or_configuration_by_its_status(tmp_path, cluster, capsys, answer, code):
     cfg = _cfg(tmp_path / "store")
     # The 500 is what the real API server answers while JobSet's webhook server is down (real-controller tier).
-    msg = ('Internal error occurred: failed calling webhook "mjobset.kb.io": failed to call webhook: Post '
-           '"https://jobset-webhook-service.jobset-system.svc:443/mutate-jobset-x-k8s-io-v1alpha2-jobset?timeout=10s":'
-           " dial tcp 10.96.12.7:443: connect: connection refused") if answer == 500 else "no"  # fmt: skip
+    msg = (
+        (
+            'Internal error occurred: failed calling webhook "mjobset.kb.io": failed to call webhook: Post '
+            '"https://jobset-webhook-service.jobset-system.svc:443/mutate-jobset-x-k8s-io-v1alpha2-jobset?timeout=10s":'
+            " dial tcp 10.96.12.7:443: connect: connection refused"
+        )
+        if answer == 500
+        else "no"
+    )
     cluster.fail_create = (answer, status(answer, "InternalError" if answer >= 500 else "Forbidden", msg))
-    common = ["--store-root", cfg.storage.root, "--run-id", cfg.run_id, "--attempt", "0",
-              "--output-dir", str(tmp_path / "out"), "--k8s-host", cluster.url]  # fmt: skip
+    common = [
+        "--store-root",
+        cfg.storage.root,
+        "--run-id",
+        cfg.run_id,
+        "--attempt",
+        "0",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--k8s-host",
+        cluster.url,
+    ]
     assert ts.main([*common, "--jobset-manifest", json.dumps(_manifest(cfg))]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"answered {answer}" in err[0]
@@ -310,8 +398,9 @@ def test_an_unreadable_heartbeat_keeps_the_last_one_read(tmp_path):
 def test_a_retry_after_the_stop_reports_the_recorded_verdict_and_creates_no_gang(tmp_path, cluster):
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)
-    decided = SupervisionRecord(attempt=0, jobset=f"{cfg.run_id}-a0", outcome="failed", reason="exit 42",
-                                detected_at=time.time())  # fmt: skip
+    decided = SupervisionRecord(
+        attempt=0, jobset=f"{cfg.run_id}-a0", outcome="failed", reason="exit 42", detected_at=time.time()
+    )
     store.write_record(RunLayout.supervision(0), decided)
     rec, lines, _ = _run(cfg, tmp_path, cluster)
     assert rec.outcome == "failed" and rec.reason == "exit 42"
@@ -326,8 +415,16 @@ def test_a_lease_held_by_another_workflow_in_another_namespace_ends_this_ones_ga
     store = RunStore(cfg.storage.root, cfg.run_id)
     lease.acquire(store, "uid-other", "wf-other", 3600, site=lease.Site(namespace="elsewhere", cluster="c1"))
     with pytest.raises(StepError) as e:
-        ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out", k8s_host=cluster.url,
-               holder="uid-mine", say=lambda _: None)  # fmt: skip
+        ts.run(
+            cfg.storage.root,
+            cfg.run_id,
+            0,
+            json.dumps(_manifest(cfg)),
+            tmp_path / "out",
+            k8s_host=cluster.url,
+            holder="uid-mine",
+            say=lambda _: None,
+        )
     assert e.value.code == 2 and "wf-other" in str(e.value) and "deleted" in str(e.value)
     assert cluster.requests_of("DELETE", "/jobsets/")
 
@@ -343,8 +440,16 @@ def test_a_lease_lost_to_a_holder_here_leaves_the_gang_to_it(tmp_path, cluster, 
     site = lease.Site(namespace=cfg.namespace if namespace else None, cluster="c1" if namespace else None)
     lease.acquire(store, "uid-other", "wf-other", 3600, site=site)
     with pytest.raises(StepError) as e:
-        ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out", k8s_host=cluster.url,
-               holder="uid-mine", say=lambda _: None)  # fmt: skip
+        ts.run(
+            cfg.storage.root,
+            cfg.run_id,
+            0,
+            json.dumps(_manifest(cfg)),
+            tmp_path / "out",
+            k8s_host=cluster.url,
+            holder="uid-mine",
+            say=lambda _: None,
+        )
     assert e.value.code == 2 and "wf-other" in str(e.value) and "left to the run's holder" in str(e.value)
     assert not cluster.requests_of("DELETE", "/jobsets/")
 
@@ -365,8 +470,16 @@ def test_the_supervisor_renews_the_lease_it_holds(tmp_path, cluster):
         c.put("jobsets", {**c.objects["jobsets"][js], "status": {"terminalState": "Completed"}})
 
     cluster.script = [lambda c: time.sleep(0.05), done]
-    rec = ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out", k8s_host=cluster.url,
-                 holder="uid-mine", say=lambda _: None)  # fmt: skip
+    rec = ts.run(
+        cfg.storage.root,
+        cfg.run_id,
+        0,
+        json.dumps(_manifest(cfg)),
+        tmp_path / "out",
+        k8s_host=cluster.url,
+        holder="uid-mine",
+        say=lambda _: None,
+    )
     assert rec.outcome == "succeeded"
     after = store.read_record(RunLayout.LEASE, RunLease)
     assert after.holder == "uid-mine" and after.renewed_at > before
@@ -378,8 +491,9 @@ def test_the_supervisor_renews_the_lease_it_holds(tmp_path, cluster):
 def _shutting_down(name, since, *, spot=True):
     """A node as its kubelet reports it once a graceful shutdown starts (kubernetes pkg/kubelet/nodeshutdown)."""
     n = node(name, ready=False)
-    n["status"]["conditions"][0].update(reason="KubeletNotReady", message="node is shutting down",
-                                        lastTransitionTime=iso(since))  # fmt: skip
+    n["status"]["conditions"][0].update(
+        reason="KubeletNotReady", message="node is shutting down", lastTransitionTime=iso(since)
+    )
     if spot:
         n["metadata"]["labels"]["cloud.google.com/gke-spot"] = "true"
     return n
@@ -433,9 +547,11 @@ def test_a_node_lost_past_its_grace_names_the_kubelets_reason_and_classifies_as_
     assert v.failure_class == "preemption" and "gke-tpu-2 was shutting down" in v.reason, v.reason
 
 
-REGISTRY_503 = ('rpc error: code = Unknown desc = failed to pull and unpack image "us-docker.pkg.dev/p/ml/worker:1": '
-                "unexpected status code https://us-docker.pkg.dev/v2/p/ml/worker/blobs/sha256:9f2c: 503 Service "
-                "Unavailable")  # fmt: skip
+REGISTRY_503 = (
+    'rpc error: code = Unknown desc = failed to pull and unpack image "us-docker.pkg.dev/p/ml/worker:1": '
+    "unexpected status code https://us-docker.pkg.dev/v2/p/ml/worker/blobs/sha256:9f2c: 503 Service "
+    "Unavailable"
+)
 
 
 def test_a_transient_pull_error_then_a_slow_pull_is_not_a_configuration_stall(tmp_path, cluster):
@@ -477,8 +593,16 @@ def test_an_image_not_found_is_configuration_even_when_the_back_off_no_longer_sa
 
     def old_kubelet_back_off(c):
         for i in range(HOSTS):
-            c.put("pods", pod(js, i, time.time(), node=f"gke-tpu-{i}",
-                              waiting=("ImagePullBackOff", f'Back-off pulling image "{image}"')))  # fmt: skip
+            c.put(
+                "pods",
+                pod(
+                    js,
+                    i,
+                    time.time(),
+                    node=f"gke-tpu-{i}",
+                    waiting=("ImagePullBackOff", f'Back-off pulling image "{image}"'),
+                ),
+            )
 
     cluster.on_create = created
     cluster.script = [lambda c: time.sleep(0.2), old_kubelet_back_off]
@@ -566,8 +690,16 @@ def test_a_store_outage_longer_than_the_hang_timeout_is_no_hang(tmp_path, cluste
     cluster.on_create = _running_gang(js)
     _beat(store, 0, 5, time.time())
     cluster.script = [lambda c: None, outage, lambda c: None, lambda c: None, _succeed(js)]
-    rec = ts.run(cfg.storage.root, cfg.run_id, 0, json.dumps(_manifest(cfg)), tmp_path / "out",
-                 k8s_host=cluster.url, clock=lambda: time.time() + skew["s"], say=lambda _: None)  # fmt: skip
+    rec = ts.run(
+        cfg.storage.root,
+        cfg.run_id,
+        0,
+        json.dumps(_manifest(cfg)),
+        tmp_path / "out",
+        k8s_host=cluster.url,
+        clock=lambda: time.time() + skew["s"],
+        say=lambda _: None,
+    )
     assert rec.outcome == "succeeded", rec.reason
     assert rec.last_step == 5 and any("unreadable for" in e and "Input/output error" in e for e in rec.evidence)
 

@@ -141,8 +141,12 @@ def test_sigkill_during_async_save_leaves_no_committed_step(tmp_path):
 def test_sigterm_saves_the_agreed_step_and_next_attempt_resumes_there(task, tmp_path):
     make, (_, _, want) = task
     grace = 10  # the window (unset) is the grace: a budget of 9 s, far more than a local save takes
-    cfg = make(str(tmp_path / "store"), run_id="preempted", training={"step_delay_s": 0.05},
-               slice={"termination_grace_s": grace})  # fmt: skip
+    cfg = make(
+        str(tmp_path / "store"),
+        run_id="preempted",
+        training={"step_delay_s": 0.05},
+        slice={"termination_grace_s": grace},
+    )
     store = write_config(cfg)
     n = cfg.slice.num_hosts
     gang = launch(cfg, 0, -1, tmp_path)
@@ -163,8 +167,10 @@ def test_sigterm_saves_the_agreed_step_and_next_attempt_resumes_there(task, tmp_
     assert manifest(store, stop) is not None and stop in committed_steps(store)
     assert all(read_report(store, 0, i)["last_checkpoint_step"] == stop for i in range(n))
     # Process 0 (which got no SIGTERM) decided from the age of worker 1's SIGTERM; every process followed.
-    plans = {(r["preemption_save"], r["preemption_reason"], r["preemption_budget_s"], r["preemption_estimate_s"])
-             for r in (read_report(store, 0, i) for i in range(n))}  # fmt: skip
+    plans = {
+        (r["preemption_save"], r["preemption_reason"], r["preemption_budget_s"], r["preemption_estimate_s"])
+        for r in (read_report(store, 0, i) for i in range(n))
+    }
     assert len(plans) == 1, plans
     ((saved, reason, budget, estimate),) = plans
     # "the save fits" or, with an interval save still in flight, "the save in flight and one more fit".
@@ -183,8 +189,12 @@ def test_sigterm_with_a_window_too_short_for_the_save_exits_at_once_without_savi
 
     # The pod's grace is long, but the node gives 1 s: a budget of 0 s, shorter than any measured save.
     grace = 10
-    cfg = tiny_config(str(tmp_path / "store"), run_id="preempt-skip", training={"step_delay_s": 0.05},
-                      slice={"termination_grace_s": grace, "shutdown_window_s": 1})  # fmt: skip
+    cfg = tiny_config(
+        str(tmp_path / "store"),
+        run_id="preempt-skip",
+        training={"step_delay_s": 0.05},
+        slice={"termination_grace_s": grace, "shutdown_window_s": 1},
+    )
     store = write_config(cfg)
     gang = launch(cfg, 0, -1, tmp_path)
     gang.wait_for(0, EventKind.SAVE_COMMITTED, 5, timeout=240)  # compilation is slow on a loaded machine
@@ -255,8 +265,7 @@ def test_injected_nan_exits_42(tmp_path):
 
 
 def test_injected_hang_exits_21_by_the_watchdog(tmp_path):
-    cfg = tiny_config(str(tmp_path / "store"), run_id="hang", hosts=2,
-                      training={"total_steps": 6, "hang_timeout_s": 3})  # fmt: skip
+    cfg = tiny_config(str(tmp_path / "store"), run_id="hang", hosts=2, training={"total_steps": 6, "hang_timeout_s": 3})
     store = write_config(cfg)
     gang = launch(cfg, 0, -1, tmp_path, fault="hang@3")
     codes = gang.wait(120)
@@ -268,9 +277,14 @@ def test_injected_hang_exits_21_by_the_watchdog(tmp_path):
 
 
 def test_every_process_of_a_restarted_gang_reads_the_compilation_cache(tmp_path):
-    cfg = tiny_config(str(tmp_path / "store"), run_id="cache", hosts=2, share_compile_cache=False,
-                      training={"total_steps": 3, "compile_grace_s": 600},
-                      checkpoint={"interval_steps": 3})  # fmt: skip
+    cfg = tiny_config(
+        str(tmp_path / "store"),
+        run_id="cache",
+        hosts=2,
+        share_compile_cache=False,
+        training={"total_steps": 3, "compile_grace_s": 600},
+        checkpoint={"interval_steps": 3},
+    )
     store = write_config(cfg)
     for attempt in (0, 1):  # the same programs twice, the cache in its default place
         gang = launch(cfg, attempt, -1, tmp_path)

@@ -155,9 +155,19 @@ def _save_hooks(tmp_path, *, done: bool):
     events = SimpleNamespace(emit=lambda *a, **k: None)
     stepper = SimpleNamespace(state=None, data_iter=None)
     hook = CheckpointHook(
-        ckpt, stepper, interval_steps=10, total_steps=100, async_save=True, restore_step=-1, kill_during_save=None,
-        events=events, metrics=metrics, report=report, watchdog=watchdog, heartbeat=beat,
-    )  # fmt: skip
+        ckpt,
+        stepper,
+        interval_steps=10,
+        total_steps=100,
+        async_save=True,
+        restore_step=-1,
+        kill_during_save=None,
+        events=events,
+        metrics=metrics,
+        report=report,
+        watchdog=watchdog,
+        heartbeat=beat,
+    )
     beat.on_step(StepRecord(19, 0.5, first=True))
     return store, hook, watchdog, during
 

@@ -101,8 +101,12 @@ def test_gcs_record_files_are_cached_fingerprinted_resumed_in_order_and_checked_
     assert store.checkpoint_steps() == [INTERVAL, TOTAL]  # nothing moved by a refused attempt
 
     # reshuffle (a safe config change): restores, trains on over the new files, and records their version.
-    cfg = tiny_config(str(tmp_path / "store"), run_id="gcs-records", hosts=HOSTS,
-                      **{**sections, "data": {**data, "resume_mode": "reshuffle"}})  # fmt: skip
+    cfg = tiny_config(
+        str(tmp_path / "store"),
+        run_id="gcs-records",
+        hosts=HOSTS,
+        **{**sections, "data": {**data, "resume_mode": "reshuffle"}},
+    )
     write_config(cfg)
     gang = launch(cfg, 3, INTERVAL, tmp_path, extra_env=env)
     assert gang.wait(240) == [0] * HOSTS, gang.log(0)[-3000:]

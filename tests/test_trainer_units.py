@@ -38,12 +38,16 @@ def test_local_identity_reads_the_runner_environment():
     ("env", "names"),
     [
         ({}, ["TRAINER_COORDINATOR_ADDRESS", "JOB_COMPLETION_INDEX", "TRAINER_NUM_PROCESSES"]),
-        ({"TRAINER_COORDINATOR_ADDRESS": "a:1", "JOB_COMPLETION_INDEX": "4", "TRAINER_NUM_PROCESSES": "4"},
-         ["JOB_COMPLETION_INDEX"]),
-        ({"TRAINER_COORDINATOR_ADDRESS": "a:1", "JOB_COMPLETION_INDEX": "x", "TRAINER_NUM_PROCESSES": "4"},
-         ["JOB_COMPLETION_INDEX"]),
+        (
+            {"TRAINER_COORDINATOR_ADDRESS": "a:1", "JOB_COMPLETION_INDEX": "4", "TRAINER_NUM_PROCESSES": "4"},
+            ["JOB_COMPLETION_INDEX"],
+        ),
+        (
+            {"TRAINER_COORDINATOR_ADDRESS": "a:1", "JOB_COMPLETION_INDEX": "x", "TRAINER_NUM_PROCESSES": "4"},
+            ["JOB_COMPLETION_INDEX"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_local_identity_names_each_bad_variable(env, names):
     with pytest.raises(TrainerExit) as e:
         local_identity(env)
@@ -64,13 +68,16 @@ GKE = {"TPU_WORKER_HOSTNAMES": "lm-a3-workers-0-0.lm-a3, lm-a3-workers-0-1.lm-a3
         ({**GKE, "JAX_COORDINATOR_PORT": "9000"}, None, "lm-a3-workers-0-0.lm-a3:9000"),
         ({**GKE, "TPU_WORKER_ID": "0"}, None, None),
         ({**GKE, "MEGASCALE_COORDINATOR_ADDRESS": "s0-w0:8080"}, None, "s0-w0:8482"),
-        ({**GKE, "TPU_WORKER_ID": "0", "MEGASCALE_COORDINATOR_ADDRESS": "s0-w0", "MEGASCALE_SLICE_ID": "1"},
-         None, "s0-w0:8482"),  # worker 0 of another slice joins slice 0's coordinator
+        (
+            {**GKE, "TPU_WORKER_ID": "0", "MEGASCALE_COORDINATOR_ADDRESS": "s0-w0", "MEGASCALE_SLICE_ID": "1"},
+            None,
+            "s0-w0:8482",
+        ),  # worker 0 of another slice joins slice 0's coordinator
         ({"TPU_WORKER_ID": "1"}, None, None),  # no host list: JAX detects it, nothing to wait for first
         ({**GKE, "JAX_COORDINATOR_ADDRESS": "coord:1234"}, None, "coord:1234"),  # JAX joins the explicit one
         ({**GKE, "TPU_WORKER_ID": "x"}, None, None),
     ],
-)  # fmt: skip
+)
 def test_coordinator_to_wait_for(env, local, expected):
     assert coordinator_to_wait_for(env, local) == expected
 
@@ -334,8 +341,11 @@ def test_bucket_check_passes_against_the_real_emulator_and_skips_a_local_root(gc
 
 def test_bucket_check_403_exits_2_naming_the_permission_and_the_grant(gcs_answering):
     perm = "storage.buckets.get"
-    seen = gcs_answering(403, f"w@p.iam.gserviceaccount.com does not have {perm} access to the Google Cloud Storage "
-                              f"bucket. Permission '{perm}' denied on resource (or it may not exist).")  # fmt: skip
+    seen = gcs_answering(
+        403,
+        f"w@p.iam.gserviceaccount.com does not have {perm} access to the Google Cloud Storage "
+        f"bucket. Permission '{perm}' denied on resource (or it may not exist).",
+    )
     w, cfg = _worker("gs://run-bucket/prefix")
     with pytest.raises(TrainerExit) as e:
         w.check_bucket(cfg)

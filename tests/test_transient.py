@@ -47,8 +47,18 @@ def test_restore_latest_exits_transient_while_the_store_answers_503(gcs_emulator
             monkeypatch.setenv(k, v)
         monkeypatch.setenv("JAXREC_STORE_RETRY_DEADLINE_S", "0.5")
         proxy.down_for(60)
-        code = restore_latest.main(["--store-root", "gs://test-bucket/outage", "--run-id", "r1", "--attempt", "0",
-                                    "--output-dir", str(tmp_path / "o")])  # fmt: skip
+        code = restore_latest.main(
+            [
+                "--store-root",
+                "gs://test-bucket/outage",
+                "--run-id",
+                "r1",
+                "--attempt",
+                "0",
+                "--output-dir",
+                str(tmp_path / "o"),
+            ]
+        )
     finally:
         proxy.close()
     err = capsys.readouterr().err
@@ -58,8 +68,9 @@ def test_restore_latest_exits_transient_while_the_store_answers_503(gcs_emulator
 
 def test_parse_outages():
     assert parse_outages(["restore-latest=4", "classify-failure=2.5"]) == (
-        {"restore-latest": 4.0, "classify-failure": 2.5}, [],
-    )  # fmt: skip
+        {"restore-latest": 4.0, "classify-failure": 2.5},
+        [],
+    )
     plan, problems = parse_outages(["restore-latest", "x=0"])
     assert plan == {} and len(problems) == 2 and "TEMPLATE=SECONDS" in problems[0]
 

@@ -9,9 +9,15 @@ from recovery_steps.kernel.verify import CandidateInfo, SkipKind, judge, select_
 
 def good(step: int, **kw) -> CandidateInfo:
     base = dict(
-        name=str(step), step=step, on_gcs=False, file_count=12, committed=True, manifest_attempt=0,
-        manifest_wall_time=1000.0, file_problems=(),
-    )  # fmt: skip
+        name=str(step),
+        step=step,
+        on_gcs=False,
+        file_count=12,
+        committed=True,
+        manifest_attempt=0,
+        manifest_wall_time=1000.0,
+        file_problems=(),
+    )
     return CandidateInfo(**{**base, **kw})
 
 

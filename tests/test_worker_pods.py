@@ -16,8 +16,16 @@ TPU_CONFIGS = ["v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"]
 
 
 def _pod(cfg):
-    js = jobset_manifest(cfg, name="r-a0", run_id="r", store_root="gs://b/p", attempt="0", restore_step="-1",
-                         coordinator_port="8476", metrics_port="9431")  # fmt: skip
+    js = jobset_manifest(
+        cfg,
+        name="r-a0",
+        run_id="r",
+        store_root="gs://b/p",
+        attempt="0",
+        restore_step="-1",
+        coordinator_port="8476",
+        metrics_port="9431",
+    )
     return js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
 
 

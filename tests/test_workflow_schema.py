@@ -42,8 +42,14 @@ def test_jobset_matches_crd_after_substitution(path):
 
 def test_rbac_objects_are_valid_core_objects():
     docs = list(yaml.safe_load_all((REPO / "argo" / "rbac.yaml").read_text()))
-    assert {d["kind"] for d in docs} == {"ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding",
-                                         "PriorityClass"}  # fmt: skip
+    assert {d["kind"] for d in docs} == {
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "PriorityClass",
+    }
     for d in docs:
         assert core_errors(d) == [], d["kind"]
 

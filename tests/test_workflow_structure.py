@@ -138,8 +138,13 @@ def test_provision_retries_capacity_only(local):
 def _retried(rs, code: str, status: str = "Failed") -> bool:
     from workflows.local.expr import evaluate_bool
 
-    env = {"lastRetry.exitCode": code, "lastRetry.status": status, "lastRetry.duration": "1",
-           "lastRetry.message": "", "retries": "0"}  # fmt: skip
+    env = {
+        "lastRetry.exitCode": code,
+        "lastRetry.status": status,
+        "lastRetry.duration": "1",
+        "lastRetry.message": "",
+        "retries": "0",
+    }
     return rs["retryPolicy"] == "Always" and evaluate_bool(rs["expression"], env)
 
 
@@ -148,8 +153,14 @@ def test_every_step_retries_errored_pods_and_transient_exits_only(cfg_path):
     cfg = load_config(cfg_path)
     t = _templates(build_workflow(cfg).to_dict())
     steps = [n for n, tpl in t.items() if "container" in tpl and n != "train-segment"]
-    assert set(steps) >= {"validate-config", "restore-latest", "provision-slice", "classify-failure", "give-up",
-                          "exit-handler"}  # fmt: skip
+    assert set(steps) >= {
+        "validate-config",
+        "restore-latest",
+        "provision-slice",
+        "classify-failure",
+        "give-up",
+        "exit-handler",
+    }
     for name in steps:
         rs = t[name]["retryStrategy"]
         assert isinstance(rs["limit"], int) and rs["limit"] >= 1, name
@@ -176,26 +187,40 @@ def test_the_supervisor_is_retried_however_its_pod_dies_and_never_on_its_verdict
 
 def test_steps_run_their_module_with_contract_args(local):
     t = _templates(local)
-    for name, module in [("validate-config", "validate_config"), ("restore-latest", "restore_latest"),
-                         ("provision-slice", "provision_slice"), ("classify-failure", "classify_failure"),
-                         ("exit-handler", "finalize")]:  # fmt: skip
+    for name, module in [
+        ("validate-config", "validate_config"),
+        ("restore-latest", "restore_latest"),
+        ("provision-slice", "provision_slice"),
+        ("classify-failure", "classify_failure"),
+        ("exit-handler", "finalize"),
+    ]:
         c = t[name]["container"]
         assert c["command"] == ["python", "-m", f"recovery_steps.{module}"]
         assert c["args"][-2:] == ["--output-dir", "/tmp/outputs"]
         for out in t[name]["outputs"]["parameters"]:
             assert out["valueFrom"]["path"] == f"/tmp/outputs/{out['name']}"
     assert t["give-up"]["container"]["args"] == [
-        "--failure-class", "{{inputs.parameters.failure-class}}", "--reason", "{{inputs.parameters.reason}}",
-    ]  # fmt: skip
+        "--failure-class",
+        "{{inputs.parameters.failure-class}}",
+        "--reason",
+        "{{inputs.parameters.reason}}",
+    ]
     assert {o["name"] for o in t["classify-failure"]["outputs"]["parameters"]} >= {
-        "failure-class", "decision", "reason", "backoff-seconds", "next-attempt",
-    }  # fmt: skip
+        "failure-class",
+        "decision",
+        "reason",
+        "backoff-seconds",
+        "next-attempt",
+    }
     exit_args = t["exit-handler"]["container"]["args"]
     assert exit_args[exit_args.index("--status") + 1] == "{{workflow.status}}"
     assert exit_args[exit_args.index("--failures") + 1] == "{{workflow.failures}}"
     assert t["validate-config"]["container"]["args"][:4] == [
-        "--config", "/tmp/inputs/config.yaml", "--store-root", "{{workflow.parameters.store-root}}",
-    ]  # fmt: skip
+        "--config",
+        "/tmp/inputs/config.yaml",
+        "--store-root",
+        "{{workflow.parameters.store-root}}",
+    ]
     (art,) = t["validate-config"]["inputs"]["artifacts"]
     assert art["path"] == "/tmp/inputs/config.yaml"
     assert yaml.safe_load(art["raw"]["data"])["run_id"] == "local-cpu"
@@ -244,8 +269,10 @@ def test_jobset_gang_shape_on_tpu(v5e):
     assert job["completionMode"] == "Indexed" and job["backoffLimit"] == 0
     codes = [c for r in job["podFailurePolicy"]["rules"] if "onExitCodes" in r for c in r["onExitCodes"]["values"]]
     assert sorted(codes) == sorted(trainer_exit_codes())
-    assert any(r.get("onPodConditions") == [{"type": "DisruptionTarget", "status": "True"}]
-               for r in job["podFailurePolicy"]["rules"])  # fmt: skip
+    assert any(
+        r.get("onPodConditions") == [{"type": "DisruptionTarget", "status": "True"}]
+        for r in job["podFailurePolicy"]["rules"]
+    )
     pod = job["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     assert pod["shareProcessNamespace"] is True  # the trainer is not PID 1: an exec can SIGKILL it (kill-worker)
@@ -261,10 +288,17 @@ def test_jobset_gang_shape_on_tpu(v5e):
     assert c["resources"]["limits"] == {"google.com/tpu": TPU_TYPES["v5e"].chips_per_vm}
     assert c["command"] == ["python", "-m", "trainer"]
     assert c["args"] == [
-        "--store-root", "{{workflow.parameters.store-root}}", "--run-id", "{{workflow.parameters.run-id}}",
-        "--attempt", "{{inputs.parameters.attempt}}", "--restore-step", "{{inputs.parameters.restore-step}}",
-        "--metrics-port", "{{inputs.parameters.metrics-port}}",
-    ]  # fmt: skip
+        "--store-root",
+        "{{workflow.parameters.store-root}}",
+        "--run-id",
+        "{{workflow.parameters.run-id}}",
+        "--attempt",
+        "{{inputs.parameters.attempt}}",
+        "--restore-step",
+        "{{inputs.parameters.restore-step}}",
+        "--metrics-port",
+        "{{inputs.parameters.metrics-port}}",
+    ]
     env = {e["name"]: e for e in c["env"]}
     assert "TRAINER_COORDINATOR_ADDRESS" not in env
     # The supervisor, not a resource condition, ends the attempt (its retry: the test above).
@@ -320,8 +354,16 @@ def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path)
     from workflows.local.executor import LocalExecutor
 
     cfg = load_config(REPO / "configs" / "local-cpu.yaml")
-    js = jobset_manifest(cfg, name="r-a0", run_id="r", store_root=str(tmp_path), attempt="0", restore_step="-1",
-                         coordinator_port="1234", metrics_port="0")  # fmt: skip
+    js = jobset_manifest(
+        cfg,
+        name="r-a0",
+        run_id="r",
+        store_root=str(tmp_path),
+        attempt="0",
+        restore_step="-1",
+        coordinator_port="1234",
+        metrics_port="0",
+    )
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)
     sl = LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js)

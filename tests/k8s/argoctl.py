@@ -314,8 +314,10 @@ def outputs(node: dict[str, Any]) -> dict[str, str]:
 
 def summary(wf: dict[str, Any]) -> str:
     """One line per node: what ``argo get`` shows."""
-    lines = [f"workflow {wf['metadata']['name']}: {(wf.get('status') or {}).get('phase')} "
-             f"{(wf.get('status') or {}).get('message', '')}"]  # fmt: skip
+    lines = [
+        f"workflow {wf['metadata']['name']}: {(wf.get('status') or {}).get('phase')} "
+        f"{(wf.get('status') or {}).get('message', '')}"
+    ]
     for n in nodes(wf):
         code = (n.get("outputs") or {}).get("exitCode", "")
         lines.append(f"  {n.get('displayName')} [{n.get('type')}] {n.get('phase')} exit={code} {n.get('message', '')}")

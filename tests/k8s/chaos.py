@@ -83,8 +83,10 @@ class Summary:
     def line(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.kinds.items())) or "none"
         failing = f" (seeds {', '.join(map(str, self.failing))})" if self.failing else ""
-        return (f"chaos: {self.runs} run(s), {sum(self.kinds.values())} fault(s) injected ({kinds}), "
-                f"{self.violations} invariant violation(s){failing}")  # fmt: skip
+        return (
+            f"chaos: {self.runs} run(s), {sum(self.kinds.values())} fault(s) injected ({kinds}), "
+            f"{self.violations} invariant violation(s){failing}"
+        )
 
 
 SUMMARY = Summary()
@@ -236,9 +238,16 @@ class Chaos:
             "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
             "kind": "PriorityLevelConfiguration",
             "metadata": {"name": name},
-            "spec": {"type": "Limited", "limited": {"nominalConcurrencyShares": 1, "lendablePercent": 0,
-                     "borrowingLimitPercent": 0, "limitResponse": {"type": "Reject"}}},
-        }  # fmt: skip
+            "spec": {
+                "type": "Limited",
+                "limited": {
+                    "nominalConcurrencyShares": 1,
+                    "lendablePercent": 0,
+                    "borrowingLimitPercent": 0,
+                    "limitResponse": {"type": "Reject"},
+                },
+            },
+        }
         fs = {
             "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
             "kind": "FlowSchema",
@@ -247,15 +256,28 @@ class Chaos:
                 "priorityLevelConfiguration": {"name": name},
                 "matchingPrecedence": 50,
                 "distinguisherMethod": {"type": "ByUser"},
-                "rules": [{
-                    "subjects": [{"kind": "ServiceAccount",
-                                  "serviceAccount": {"name": self.steps_sa, "namespace": self.namespace}}],
-                    "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "namespaces": ["*"],
-                                       "clusterScope": True}],
-                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
-                }],
+                "rules": [
+                    {
+                        "subjects": [
+                            {
+                                "kind": "ServiceAccount",
+                                "serviceAccount": {"name": self.steps_sa, "namespace": self.namespace},
+                            }
+                        ],
+                        "resourceRules": [
+                            {
+                                "verbs": ["*"],
+                                "apiGroups": ["*"],
+                                "resources": ["*"],
+                                "namespaces": ["*"],
+                                "clusterScope": True,
+                            }
+                        ],
+                        "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
+                    }
+                ],
             },
-        }  # fmt: skip
+        }
         objs = client.CustomObjectsApi(self.rc.admin)
         where = ("flowcontrol.apiserver.k8s.io", "v1")
 
@@ -311,8 +333,10 @@ class Chaos:
         rng = random.Random(f.at)
         pod = rng.choice(sorted(pods, key=lambda p: p["metadata"]["name"]))
         self.rc.core().delete_namespaced_pod(pod["metadata"]["name"], self.namespace)
-        return {"deleted": pod["metadata"]["name"], "step": pod["metadata"]["annotations"].get(
-            "workflows.argoproj.io/node-name")}  # fmt: skip
+        return {
+            "deleted": pod["metadata"]["name"],
+            "step": pod["metadata"]["annotations"].get("workflows.argoproj.io/node-name"),
+        }
 
     # --- GCS ------------------------------------------------------------------------------------------------
 
@@ -404,11 +428,13 @@ class GangSampler:
                 self.failed += 1
                 continue
             self.samples += 1
-            live = sorted({
-                p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"]
-                for p in pods
-                if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
-            })  # fmt: skip
+            live = sorted(
+                {
+                    p["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-name"]
+                    for p in pods
+                    if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+                }
+            )
             if len(live) > self.most[0]:
                 self.most = (len(live), live)
 
@@ -505,8 +531,10 @@ def check(o: Observed) -> list[str]:
         reports = read_worker_reports(r.store, k["attempt"] + 1)[0]
         restored = min((w.restore_step for w in reports if w.restore_step is not None), default=None)
         if restored is None or restored < k["committed"]:
-            bad.append(f"after the worker killed at step {k['at']} attempt {k['attempt'] + 1} restored {restored}, "
-                       f"older than the checkpoint committed before the kill ({k['committed']})")  # fmt: skip
+            bad.append(
+                f"after the worker killed at step {k['at']} attempt {k['attempt'] + 1} restored {restored}, "
+                f"older than the checkpoint committed before the kill ({k['committed']})"
+            )
     if o.sampler.most[0] > 1:
         bad.append(f"{o.sampler.most[0]} live gangs at once: {o.sampler.most[1]}")
     product = f"system:serviceaccount:{r.ns}:"
@@ -519,8 +547,10 @@ def check(o: Observed) -> list[str]:
         if not d["user"].startswith(product):
             continue
         if o.refused and o.refused[1] <= d["at"] <= o.refused[2]:
-            bad.append(f"{d['user']} deleted {d['resource']} {d['name']} while only {o.refused[0]}, whose config "
-                       "was refused, ran")  # fmt: skip
+            bad.append(
+                f"{d['user']} deleted {d['resource']} {d['name']} while only {o.refused[0]}, whose config "
+                "was refused, ran"
+            )
             continue
         if d["resource"] == "pods":
             bad.append(f"{d['user']} deleted pod {d['name']} (no node was lost)")
@@ -530,9 +560,11 @@ def check(o: Observed) -> list[str]:
             if d["at"] >= stopped_at:
                 continue  # the operator stopped the run: positive evidence
             if rec is None or not rec.decided or rec.detected_at > d["at"]:
-                bad.append(f"{d['user']} deleted JobSet {d['name']} at {d['at']:.1f} before a verdict on its attempt "
-                           f"({rec.outcome if rec else 'no supervision record'}, "
-                           f"decided at {rec.detected_at if rec else None})")  # fmt: skip
+                bad.append(
+                    f"{d['user']} deleted JobSet {d['name']} at {d['at']:.1f} before a verdict on its attempt "
+                    f"({rec.outcome if rec else 'no supervision record'}, "
+                    f"decided at {rec.detected_at if rec else None})"
+                )
     for wf in o.workflows or (r.name,):
         for log in step_tracebacks(o.pods_roots, r.ns, wf):
             bad.append(f"a step printed a traceback: {log}")

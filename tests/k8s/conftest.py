@@ -155,8 +155,11 @@ from argoctl import ARGO_FILE, LOCAL_ARGO_FILE  # noqa: E402 - ARGO_FILE kept he
 def podexec_tls(rc: RealCluster) -> list[str]:
     """podexec's exec endpoint: its serving certificate, and the CA of the API server's client certificate."""
     pki = rc.pki
-    return [f"--tls-cert-file={pki.kubelet_cert}", f"--tls-private-key-file={pki.kubelet_key}",
-            f"--client-ca-file={pki.ca}"]  # fmt: skip
+    return [
+        f"--tls-cert-file={pki.kubelet_cert}",
+        f"--tls-private-key-file={pki.kubelet_key}",
+        f"--client-ca-file={pki.ca}",
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -218,7 +221,7 @@ def argo(real_cluster: RealCluster, argo_crds, pods_gcs, tmp_path_factory) -> It
             f"--node={PODEXEC_NODE}",
             f"--root={root / 'pods'}",
             *podexec_tls(real_cluster),
-        ],  # fmt: skip
+        ],
         root / "logs" / "podexec.log",
         env=pods_gcs.env,
     )
@@ -273,7 +276,7 @@ def cpu_hosts(real_cluster: RealCluster, argo, pods_gcs, tmp_path_factory) -> It
             f"--label={CPU_HOST_LABEL}=true",
             f"--root={root / 'pods'}",
             *podexec_tls(real_cluster),
-        ],  # fmt: skip
+        ],
         root / "logs" / "podexec.log",
         env=pods_gcs.env,
     )

@@ -1000,8 +1000,15 @@ class ExecHandler(BaseHTTPRequestHandler):
 
     def _run(self, argv: list[str], env: dict[str, str]) -> int:
         """Run the command, each output line sent as it comes; its exit code (128 + N after signal N)."""
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=pdeathsig)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=pdeathsig,
+        )
 
         def pump(pipe: Any, channel: int) -> None:
             for chunk in iter(lambda: pipe.read1(65536), b""):

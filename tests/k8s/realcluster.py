@@ -421,11 +421,25 @@ class RealCluster:
         """Until a JobSet can be created: the webhooks answer once the JobSet controller's server is up (a
         server-side dry run goes through them)."""
         probe = {
-            "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+            "apiVersion": "jobset.x-k8s.io/v1alpha2",
+            "kind": "JobSet",
             "metadata": {"name": "tier-probe", "namespace": "default"},
-            "spec": {"replicatedJobs": [{"name": "w", "replicas": 1, "template": {"spec": {"template": {"spec": {
-                "restartPolicy": "Never", "containers": [{"name": "c", "image": "x"}]}}}}}]},
-        }  # fmt: skip
+            "spec": {
+                "replicatedJobs": [
+                    {
+                        "name": "w",
+                        "replicas": 1,
+                        "template": {
+                            "spec": {
+                                "template": {
+                                    "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x"}]}
+                                }
+                            }
+                        },
+                    }
+                ]
+            },
+        }
         wait_for("JobSet webhooks answering (dry-run create)", lambda: self.apply(probe, dry_run=True), timeout, 0.5)
 
     def restart(self, name: str) -> None:

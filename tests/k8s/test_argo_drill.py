@@ -113,8 +113,12 @@ def test_drill_delete_worker_is_recovered_and_measured(real_cluster, drilled_ns,
     [t] = res.incidents
     inc = t.incident
     assert (inc.attempt, inc.scenario, inc.pre_failure_step, inc.restored_step, inc.steps_lost) == (
-        0, "delete-worker", 25, 0, 25,
-    )  # fmt: skip
+        0,
+        "delete-worker",
+        25,
+        0,
+        25,
+    )
     # The deleted pod's container ends 143, as the trainer does on the SIGTERM of a pod deletion (KWOK's stage plays
     # the kubelet): a graceful exit, classified preemption, as docs/RUNBOOK.md's drill table says.
     assert inc.failure_class == "preemption"
@@ -155,8 +159,12 @@ def test_the_drill_refuses_a_run_id_in_use_before_it_submits_anything(real_clust
     with pytest.raises(drill.DrillError, match=r"already has config.json in .*not drilled; .*-p run-id=drill-"):
         drill.run_drill(cluster, target, drill.Fault.DELETE_WORKER, after_step=1, timeout_s=60, store=store)
     store.delete(RunLayout.CONFIG)
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "someone-elses", "labels": {
-        "jaxrec/run-id": target.run_id}}, "spec": {"containers": [{"name": "c", "image": "x"}]}}  # fmt: skip
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "someone-elses", "labels": {"jaxrec/run-id": target.run_id}},
+        "spec": {"containers": [{"name": "c", "image": "x"}]},
+    }
     real_cluster.core().create_namespaced_pod(drilled_ns, pod)
     try:
         with pytest.raises(drill.DrillError, match=rf"run {target.run_id} is in use in namespace .*pod/someone-elses"):

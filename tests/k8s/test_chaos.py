@@ -145,13 +145,17 @@ def _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf) -> s
     s.violations += len(violations)
     if violations:
         s.failing.append(seed)
-    report = "\n".join([
-        f"seed {seed}: {len(faults)} faults; {time.monotonic() - t0:.0f} s; gang samples {sampler.samples} "
-        f"({sampler.failed} unanswered), most live gangs {sampler.most}",
-        *notes, *thrower.errors,
-        "faults:", log.path.read_text() if log.path.exists() else "(none)",
-        argoctl.summary(wf) if wf else "(no Workflow)",
-    ])  # fmt: skip
+    report = "\n".join(
+        [
+            f"seed {seed}: {len(faults)} faults; {time.monotonic() - t0:.0f} s; gang samples {sampler.samples} "
+            f"({sampler.failed} unanswered), most live gangs {sampler.most}",
+            *notes,
+            *thrower.errors,
+            "faults:",
+            log.path.read_text() if log.path.exists() else "(none)",
+            argoctl.summary(wf) if wf else "(no Workflow)",
+        ]
+    )
     print(report)
     return report
 

@@ -35,23 +35,43 @@ def _audit(path: Path, *events: tuple[str, str, str, str]) -> Path:
     """Audit events as the API server writes them (audit.k8s.io/v1 Event, one JSON object per line)."""
     with path.open("w") as f:
         for resource, name, user, at in events:
-            f.write(json.dumps({
-                "kind": "Event", "apiVersion": "audit.k8s.io/v1", "level": "Metadata", "stage": "ResponseComplete",
-                "verb": "delete", "user": {"username": user},
-                "objectRef": {"resource": resource, "namespace": NS, "name": name},
-                "responseStatus": {"metadata": {}, "code": 200},
-                "requestReceivedTimestamp": at, "stageTimestamp": at,
-            }) + "\n")  # fmt: skip
+            f.write(
+                json.dumps(
+                    {
+                        "kind": "Event",
+                        "apiVersion": "audit.k8s.io/v1",
+                        "level": "Metadata",
+                        "stage": "ResponseComplete",
+                        "verb": "delete",
+                        "user": {"username": user},
+                        "objectRef": {"resource": resource, "namespace": NS, "name": name},
+                        "responseStatus": {"metadata": {}, "code": 200},
+                        "requestReceivedTimestamp": at,
+                        "stageTimestamp": at,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 def _attempt(store: RunStore, n: int, outcome: str, cls: str | None, decided_at: float, digest: str) -> AttemptRecord:
     sup = "succeeded" if outcome == "succeeded" else "failed"
-    store.write_record(RunLayout.supervision(n), SupervisionRecord(attempt=n, jobset=f"{RUN}-a{n}", outcome=sup,
-                       reason="r", detected_at=decided_at))  # fmt: skip
+    store.write_record(
+        RunLayout.supervision(n),
+        SupervisionRecord(attempt=n, jobset=f"{RUN}-a{n}", outcome=sup, reason="r", detected_at=decided_at),
+    )
     for i in range(2):
-        rep = WorkerExitReport(run_id=RUN, attempt=n, process_index=i, process_count=2, exit_code=0, exit_name="OK",
-                               restore_step=10 if n else None, params_digest=digest)  # fmt: skip
+        rep = WorkerExitReport(
+            run_id=RUN,
+            attempt=n,
+            process_index=i,
+            process_count=2,
+            exit_code=0,
+            exit_name="OK",
+            restore_step=10 if n else None,
+            params_digest=digest,
+        )
         store.write_record(RunLayout.worker_report(n, i), rep)
     return AttemptRecord(attempt=n, outcome=outcome, failure_class=cls, closed_at=decided_at + 1)
 
@@ -86,10 +106,14 @@ def test_a_clean_run_passes(tmp_path):
         # Not the undisturbed run's parameters.
         ([("succeeded", None)], [], {"reference": "d0"}, "differ from the undisturbed"),
         # A kill that lost a committed checkpoint (restored 10, committed 20 before the kill).
-        ([("failed", "infrastructure"), ("succeeded", None)], [],
-         {"kills": [{"attempt": 0, "committed": 20, "at": 25}]}, "older than the checkpoint"),
+        (
+            [("failed", "infrastructure"), ("succeeded", None)],
+            [],
+            {"kills": [{"attempt": 0, "committed": 20, "at": 25}]},
+            "older than the checkpoint",
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_check_names_what_broke_it(tmp_path, attempts, audit, kw, expected):
     found = chaos.check(_observed(tmp_path, attempts, audit, **kw))
     assert len(found) == 1 and expected in found[0], found

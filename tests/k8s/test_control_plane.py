@@ -23,8 +23,12 @@ def test_every_component_listens_on_loopback_only(real_cluster):
             assert interfaces == ["lo"], f"{name}'s network namespace has more than loopback: {interfaces}"
             continue
         procs = [psutil.Process(comp.proc.pid), *psutil.Process(comp.proc.pid).children(recursive=True)]
-        addrs = {(c.laddr.ip, c.laddr.port) for p in procs for c in p.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN}  # fmt: skip
+        addrs = {
+            (c.laddr.ip, c.laddr.port)
+            for p in procs
+            for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        }
         listening[name] = addrs
         assert all(ip in ("127.0.0.1", "::1") for ip, _ in addrs), f"{name} listens beyond loopback: {addrs}"
     # Those that serve (the controller-manager and the scheduler run with --secure-port=0 and serve nothing).
@@ -36,6 +40,9 @@ def test_the_apiserver_is_the_version_the_tools_module_pins(real_cluster):
     from kubernetes import client
     from tier import REPO
 
-    pinned = next(line.split()[1] for line in (REPO / "tools/k8s/go.mod").read_text().splitlines()
-                  if line.strip().startswith("k8s.io/kubernetes "))  # fmt: skip
+    pinned = next(
+        line.split()[1]
+        for line in (REPO / "tools/k8s/go.mod").read_text().splitlines()
+        if line.strip().startswith("k8s.io/kubernetes ")
+    )
     assert client.VersionApi(real_cluster.admin).get_code().git_version == pinned

@@ -44,14 +44,16 @@ POD = {
     ("container", "argv"),
     [
         (
-            {"command": ["/var/run/argo/argoexec", "emissary", "--loglevel", "info", "--", "python", "-m", "m"],
-             "args": ["--a", "1"]},
+            {
+                "command": ["/var/run/argo/argoexec", "emissary", "--loglevel", "info", "--", "python", "-m", "m"],
+                "args": ["--a", "1"],
+            },
             [sys.executable, "-m", "m", "--a", "1"],
         ),
         ({"command": ["python3", "-c", "pass"]}, [sys.executable, "-c", "pass"]),
         ({"command": ["/bin/true"], "args": ["--"]}, ["/bin/true", "--"]),  # no emissary prefix: taken as it is
     ],
-)  # fmt: skip
+)
 def test_the_main_command_is_what_follows_the_emissary_prefix(container, argv):
     assert main_command(container) == argv
 
@@ -118,7 +120,7 @@ def test_the_container_run_is_argos_main_else_the_pods_only_one(containers, main
         ([{"name": "data", "emptyDir": {}}], False),  # automountServiceAccountToken: false (the workers' account)
         (None, False),
     ],
-)  # fmt: skip
+)
 def test_a_token_is_given_only_when_admission_mounted_one(volumes, mounted):
     assert mounts_token({"spec": {"volumes": volumes}}) is mounted
 
@@ -221,11 +223,16 @@ def test_a_v5_websocket_exec_is_passed_through_to_the_node_that_declares_it(real
 
     pod = worker_like_pod(real_cluster, namespace, "exec-v5", share=True)
     pki = real_cluster.pki
-    query = urlencode([("command", "sh"), ("command", "-c"), ("command", "echo v5; exit 4"), ("stdout", "true"),
-                       ("stderr", "true")])  # fmt: skip
+    query = urlencode(
+        [("command", "sh"), ("command", "-c"), ("command", "echo v5; exit 4"), ("stdout", "true"), ("stderr", "true")]
+    )
     url = f"{real_cluster.server.replace('https', 'wss')}/api/v1/namespaces/{namespace}/pods/{pod}/exec?{query}"
-    ssl_opts = {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(pki.ca), "certfile": str(pki.admin_cert),
-                "keyfile": str(pki.admin_key)}  # fmt: skip
+    ssl_opts = {
+        "cert_reqs": ssl.CERT_REQUIRED,
+        "ca_certs": str(pki.ca),
+        "certfile": str(pki.admin_cert),
+        "keyfile": str(pki.admin_key),
+    }
     ws = websocket.create_connection(url, subprotocols=["v5.channel.k8s.io"], sslopt=ssl_opts, timeout=60)
     assert ws.getsubprotocol() == "v5.channel.k8s.io"
     frames = []

@@ -35,19 +35,42 @@ def test_an_argo_stop_ends_in_an_exit_handler_that_deletes_the_live_gang(run):
     sup.wait(10)
     # provision-slice renews the lease under the project's RBAC (the cluster id is kube-system's uid), keeping
     # what validate-config confirmed.
-    p = run.step("recovery_steps.provision_slice", "--store-root", run.cfg.storage.root, "--run-id", run.cfg.run_id,
-                 "--attempt", "0", "--output-dir", str(run.tmp / "prov"), "--holder", "uid-a",
-                 "--holder-name", "wf-a")  # fmt: skip
+    p = run.step(
+        "recovery_steps.provision_slice",
+        "--store-root",
+        run.cfg.storage.root,
+        "--run-id",
+        run.cfg.run_id,
+        "--attempt",
+        "0",
+        "--output-dir",
+        str(run.tmp / "prov"),
+        "--holder",
+        "uid-a",
+        "--holder-name",
+        "wf-a",
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     held = run.store.read_record(RunLayout.LEASE, RunLease)
     kube_system = run.rc.core().read_namespace("kube-system")
     assert (held.namespace, held.cluster, held.first_attempt) == (run.ns, kube_system.metadata.uid, 0)
     assert len(run.workers(0)) == HOSTS
-    p = run.step("recovery_steps.finalize", "--store-root", run.cfg.storage.root, "--run-id", run.cfg.run_id,
-                 "--status", "Failed", "--holder", "uid-a")  # fmt: skip
+    p = run.step(
+        "recovery_steps.finalize",
+        "--store-root",
+        run.cfg.storage.root,
+        "--run-id",
+        run.cfg.run_id,
+        "--status",
+        "Failed",
+        "--holder",
+        "uid-a",
+    )
     assert p.returncode == 0, p.stdout + p.stderr
-    line = f"finalize: run {run.cfg.run_id} ended Failed: deleted JobSet {jobset_name(run.cfg.run_id, 0)} in " \
-           f"namespace {run.ns} (foreground)"  # fmt: skip
+    line = (
+        f"finalize: run {run.cfg.run_id} ended Failed: deleted JobSet {jobset_name(run.cfg.run_id, 0)} in "
+        f"namespace {run.ns} (foreground)"
+    )
     assert line in p.stdout.splitlines(), p.stdout
     wait_for("the gang gone", lambda: run.gone(0), 60)
     assert run.store.read_record(RunLayout.LEASE, RunLease).released
@@ -65,13 +88,34 @@ def test_a_later_attempt_refuses_an_undecided_gang_and_its_exit_handler_deletes_
     uid = run.rc.core().read_namespace("kube-system").metadata.uid
     lease.acquire(run.store, "uid-a", "wf-a", 3600, site=lease.Site(run.ns, uid))  # the deleted Workflow's lease
     _validated(run, "uid-b", 1)  # the new submission's validate-config (wf-a is gone: it takes the run over)
-    p = run.step("recovery_steps.provision_slice", "--store-root", run.cfg.storage.root, "--run-id", run.cfg.run_id,
-                 "--attempt", "1", "--output-dir", str(run.tmp / "prov"), "--holder", "uid-b",
-                 "--holder-name", "wf-b")  # fmt: skip
+    p = run.step(
+        "recovery_steps.provision_slice",
+        "--store-root",
+        run.cfg.storage.root,
+        "--run-id",
+        run.cfg.run_id,
+        "--attempt",
+        "1",
+        "--output-dir",
+        str(run.tmp / "prov"),
+        "--holder",
+        "uid-b",
+        "--holder-name",
+        "wf-b",
+    )
     assert p.returncode == 2 and "no supervisor decided it" in p.stderr
     assert run.store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
     assert len(run.workers(0)) == HOSTS
-    p = run.step("recovery_steps.finalize", "--store-root", run.cfg.storage.root, "--run-id", run.cfg.run_id,
-                 "--status", "Failed", "--holder", "uid-b")  # fmt: skip
+    p = run.step(
+        "recovery_steps.finalize",
+        "--store-root",
+        run.cfg.storage.root,
+        "--run-id",
+        run.cfg.run_id,
+        "--status",
+        "Failed",
+        "--holder",
+        "uid-b",
+    )
     assert p.returncode == 0 and "deleted JobSet" in p.stdout
     wait_for("the gang gone", lambda: run.gone(0), 60)

@@ -146,6 +146,8 @@ def test_the_stand_in_decides_as_the_real_controller_did(real_run, scenario):
         if lost[0]["phase"] == "Error":  # the pod was gone before the controller saw it end
             model = pod_deleted()
             assert (lost[0]["phase"], lost[0].get("message"), lost[0].get("exitCode")) == (
-                model.phase, model.message, None if model.exit_code is None else str(model.exit_code),
-            ), report  # fmt: skip
+                model.phase,
+                model.message,
+                None if model.exit_code is None else str(model.exit_code),
+            ), report
     print(f"{scenario}: the stand-in agrees with the real controller ({time.monotonic() - t0:.0f} s)\n{report}")

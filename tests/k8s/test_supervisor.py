@@ -178,8 +178,9 @@ def test_a_supervisor_killed_and_started_again_reattaches_to_the_live_jobset(run
     first = run.supervise(0)
     pods = run.workers(0)
     run.beat(0, 4)
-    wait_for("the first supervisor reports the gang running", lambda: "workers running 4/4" in
-             first.log_path.read_text(), 30)  # fmt: skip
+    wait_for(
+        "the first supervisor reports the gang running", lambda: "workers running 4/4" in first.log_path.read_text(), 30
+    )
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(10)
     # The gang lives on without its supervisor, and classify-failure does not close the attempt: it has the
@@ -231,8 +232,17 @@ def test_a_sigtermed_supervisor_says_what_it_leaves_and_leaves_the_gang(run):
 
 def _provision(run, attempt: int):
     out = run.tmp / f"prov-out-{attempt}"
-    p = run.step("recovery_steps.provision_slice", "--store-root", run.cfg.storage.root, "--run-id",
-                 run.cfg.run_id, "--attempt", str(attempt), "--output-dir", str(out))  # fmt: skip
+    p = run.step(
+        "recovery_steps.provision_slice",
+        "--store-root",
+        run.cfg.storage.root,
+        "--run-id",
+        run.cfg.run_id,
+        "--attempt",
+        str(attempt),
+        "--output-dir",
+        str(out),
+    )
     return p, out
 
 

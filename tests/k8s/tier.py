@@ -135,8 +135,9 @@ class Run:
             str(out),
         ]
         # Its own process group (a test can signal the supervisor alone), gone with the test process.
-        p = subprocess.Popen(argv, env=self._env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             preexec_fn=pdeathsig)  # fmt: skip
+        p = subprocess.Popen(
+            argv, env=self._env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pdeathsig
+        )
         p.log_path = Path(log.name)  # type: ignore[attr-defined]
         p.out_dir = out  # type: ignore[attr-defined]
         self.procs.append(p)
@@ -210,11 +211,16 @@ def worker_like_pod(rc: RealCluster, ns: str, name: str, *, share: bool, labels:
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 2,
-        "containers": [{"name": "trainer", "image": "registry.invalid/worker:0",
-                        "command": ["python", "-c", SLEEPER, "-m", "trainer", name],
-                        "env": [{"name": "POD_MARK", "value": name}]}],
+        "containers": [
+            {
+                "name": "trainer",
+                "image": "registry.invalid/worker:0",
+                "command": ["python", "-c", SLEEPER, "-m", "trainer", name],
+                "env": [{"name": "POD_MARK", "value": name}],
+            }
+        ],
         **({"shareProcessNamespace": True} if share else {}),
-    }  # fmt: skip
+    }
     meta = {"name": name, "namespace": ns, "labels": labels or {}}
     rc.apply({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec})
     wait_for(f"pod {name} Running", lambda: rc.core().read_namespaced_pod(name, ns).status.phase == "Running", 60)
@@ -226,8 +232,15 @@ def kube_exec(rc: RealCluster, ns: str, pod: str, command: list[str], **kw) -> t
     from kubernetes.stream import stream
 
     opts = {"stdout": True, "stderr": True, "stdin": False, "tty": False, **kw}
-    resp = stream(rc.core().connect_get_namespaced_pod_exec, pod, ns, container="trainer", command=command,
-                  _preload_content=False, **opts)  # fmt: skip
+    resp = stream(
+        rc.core().connect_get_namespaced_pod_exec,
+        pod,
+        ns,
+        container="trainer",
+        command=command,
+        _preload_content=False,
+        **opts,
+    )
     resp.run_forever(timeout=60)
     out, err, code = resp.read_stdout(), resp.read_stderr(), resp.returncode
     resp.close()

@@ -112,10 +112,15 @@ def clean_run(rc: RealCluster, ns: str, run_id: str) -> None:
         wait_for(f"no pods of {run_id} left", lambda: not rc.pods(ns, sel), 90, 0.5)
     except AssertionError as e:
         left = [
-            (p["metadata"]["name"], p["spec"].get("nodeName"), p["status"].get("phase"),
-             p["metadata"].get("deletionTimestamp"), p["metadata"].get("finalizers"))
+            (
+                p["metadata"]["name"],
+                p["spec"].get("nodeName"),
+                p["status"].get("phase"),
+                p["metadata"].get("deletionTimestamp"),
+                p["metadata"].get("finalizers"),
+            )
             for p in rc.pods(ns, sel)
-        ]  # fmt: skip
+        ]
         raise AssertionError(f"{e}: {left}") from None
 
 

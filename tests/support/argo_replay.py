@@ -95,8 +95,10 @@ class ReplayExecutor:
     def run_container(self, node: NodeInfo, template: Mapping[str, Any]) -> NodeResult:
         queue = self.queues.get(node.template)
         if not queue:
-            self.problems.append(f"the stand-in ran {node.template} (attempt {node.attempt}, try {node.retry}); "
-                                 "the real controller did not")  # fmt: skip
+            self.problems.append(
+                f"the stand-in ran {node.template} (attempt {node.attempt}, try {node.retry}); "
+                "the real controller did not"
+            )
             return NodeResult(ERROR, message="not run by the real controller")
         real = queue.popleft()
         where = f"{node.template} {real['displayName']}"

@@ -79,6 +79,13 @@ def write_checkpoint(
 def restore_record(store, attempt: int, step: int) -> None:
     """What restore-latest records for ``attempt`` when it chose ``step`` (-1: fresh start)."""
     path = store.url(RunLayout.checkpoint(step)) if step >= 0 else ""
-    rec = RestoreRecord(attempt=attempt, run_id=store.run_id, config_hash="test", exit_code=0, restore_step=step,
-                        restore_path=path, decided_at=0.0)  # fmt: skip
+    rec = RestoreRecord(
+        attempt=attempt,
+        run_id=store.run_id,
+        config_hash="test",
+        exit_code=0,
+        restore_step=step,
+        restore_path=path,
+        decided_at=0.0,
+    )
     store.write_record(RunLayout.restore_record(attempt), rec)

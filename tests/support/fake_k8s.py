@@ -29,21 +29,47 @@ def iso(t: float) -> str:
 
 def status(code: int, reason: str, message: str) -> dict[str, Any]:
     """A ``metav1.Status`` body."""
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "code": code}  # fmt: skip
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
-def pod(jobset: str, i: int, t: float, *, node: str | None = None, phase: str = "Pending", running: bool = False,
-        unschedulable: bool = False, waiting: tuple[str, str] | None = None, exit_code: int | None = None,
-        attempt: str = "0") -> dict[str, Any]:  # fmt: skip
+def pod(
+    jobset: str,
+    i: int,
+    t: float,
+    *,
+    node: str | None = None,
+    phase: str = "Pending",
+    running: bool = False,
+    unschedulable: bool = False,
+    waiting: tuple[str, str] | None = None,
+    exit_code: int | None = None,
+    attempt: str = "0",
+) -> dict[str, Any]:
     """A worker pod of a JobSet as the API returns it."""
     conds = []
     if unschedulable:
         # The scheduler's text as kube-scheduler v1.36 writes it (real-controller tier, too few TPU nodes).
-        msg = ("0/4 nodes are available: 4 Insufficient google.com/tpu. no new claims to deallocate, preemption: "
-               "0/4 nodes are available: 4 No preemption victims found for incoming pod.")  # fmt: skip
-        conds.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                      "lastTransitionTime": iso(t), "message": msg})  # fmt: skip
+        msg = (
+            "0/4 nodes are available: 4 Insufficient google.com/tpu. no new claims to deallocate, preemption: "
+            "0/4 nodes are available: 4 No preemption victims found for incoming pod."
+        )
+        conds.append(
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "lastTransitionTime": iso(t),
+                "message": msg,
+            }
+        )
     elif node:
         conds.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": iso(t)})
     cs: dict[str, Any] = {"name": "trainer", "image": "worker:1", "imageID": "", "ready": running, "restartCount": 0}
@@ -51,8 +77,14 @@ def pod(jobset: str, i: int, t: float, *, node: str | None = None, phase: str = 
         cs["state"] = {"running": {"startedAt": iso(t)}}
         conds.append({"type": "Ready", "status": "True", "lastTransitionTime": iso(t)})
     elif exit_code is not None:
-        cs["state"] = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-                                      "startedAt": iso(t), "finishedAt": iso(t)}}  # fmt: skip
+        cs["state"] = {
+            "terminated": {
+                "exitCode": exit_code,
+                "reason": "Completed" if exit_code == 0 else "Error",
+                "startedAt": iso(t),
+                "finishedAt": iso(t),
+            }
+        }
     elif waiting:
         cs["state"] = {"waiting": {"reason": waiting[0], "message": waiting[1]}}
     else:
@@ -79,14 +111,14 @@ def pod(jobset: str, i: int, t: float, *, node: str | None = None, phase: str = 
                     "uid": "job-uid",
                     "controller": True,
                 }
-            ],  # fmt: skip
+            ],
         },
         "spec": {
             "nodeName": node,
             "containers": [{"name": "trainer", "image": "worker:1"}],
             "terminationGracePeriodSeconds": 30,
             "restartPolicy": "Never",
-        },  # fmt: skip
+        },
         "status": st,
     }
 
@@ -96,14 +128,29 @@ def node(name: str, *, ready: bool | None = True, unreachable: bool = False) -> 
     s = "True" if ready else ("False" if ready is False else "Unknown")
     # As the node-lifecycle controller of kube-controller-manager v1.36 leaves a node whose kubelet went silent
     # (real-controller tier): Ready Unknown with this message, and both unreachable taints.
-    taints = [{"key": "node.kubernetes.io/unreachable", "effect": e, "timeAdded": iso(0)}
-              for e in ("NoSchedule", "NoExecute")] if unreachable else []  # fmt: skip
-    cond = {"type": "Ready", "status": s, "reason": "NodeStatusUnknown" if not ready else "KubeletReady",
-            "lastTransitionTime": iso(0)}  # fmt: skip
+    taints = (
+        [
+            {"key": "node.kubernetes.io/unreachable", "effect": e, "timeAdded": iso(0)}
+            for e in ("NoSchedule", "NoExecute")
+        ]
+        if unreachable
+        else []
+    )
+    cond = {
+        "type": "Ready",
+        "status": s,
+        "reason": "NodeStatusUnknown" if not ready else "KubeletReady",
+        "lastTransitionTime": iso(0),
+    }
     if ready is None:
         cond["message"] = "Kubelet stopped posting node status."
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {}},
-            "spec": {"taints": taints}, "status": {"conditions": [cond]}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {}},
+        "spec": {"taints": taints},
+        "status": {"conditions": [cond]},
+    }
 
 
 class FakeCluster:
@@ -239,8 +286,10 @@ class FakeCluster:
             n = self.nodes.get(p["spec"].get("nodeName") or "")
             lost = n is not None and n["status"]["conditions"][0]["status"] != "True"
             if lost:
-                p = {**p, "metadata": {**p["metadata"], "deletionTimestamp": iso(_now()),
-                                       "deletionGracePeriodSeconds": 30}}  # fmt: skip
+                p = {
+                    **p,
+                    "metadata": {**p["metadata"], "deletionTimestamp": iso(_now()), "deletionGracePeriodSeconds": 30},
+                }
                 self.put("pods", p)
             else:
                 self.remove("pods", name)

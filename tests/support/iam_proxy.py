@@ -15,8 +15,13 @@ def gcs_error_403(permission: str) -> dict:
         f"jax-recovery@my-project.iam.gserviceaccount.com does not have {permission} access to the Google Cloud "
         f"Storage bucket. Permission '{permission}' denied on resource (or it may not exist)."
     )
-    return {"error": {"code": 403, "message": message,
-                      "errors": [{"message": message, "domain": "global", "reason": "forbidden"}]}}  # fmt: skip
+    return {
+        "error": {
+            "code": 403,
+            "message": message,
+            "errors": [{"message": message, "domain": "global", "reason": "forbidden"}],
+        }
+    }
 
 
 def _permission_of(method: str, path: str) -> str | None:
@@ -75,8 +80,9 @@ class IamProxy:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
-        return storage.Client(project="local", credentials=AnonymousCredentials(),
-                              client_options={"api_endpoint": self.url})  # fmt: skip
+        return storage.Client(
+            project="local", credentials=AnonymousCredentials(), client_options={"api_endpoint": self.url}
+        )
 
     def close(self):
         self.server.shutdown()

@@ -36,10 +36,12 @@ def node(name, *, pool="tpu-pool-a", ready=True, taints=(), labels=None, unsched
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": name, "labels": lbl},
-        "spec": {"taints": [{"key": k, "effect": e, "value": "present"} for k, e in taints],
-                 "unschedulable": unschedulable},
+        "spec": {
+            "taints": [{"key": k, "effect": e, "value": "present"} for k, e in taints],
+            "unschedulable": unschedulable,
+        },
         "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
-    }  # fmt: skip
+    }
 
 
 class FakeKube:
@@ -69,11 +71,21 @@ class FakeKube:
     def get(self, path, q):
         if path == JOBSETS:
             if self.jobset_status != 200:
-                return self.jobset_status, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                            "reason": "Forbidden", "code": self.jobset_status}  # fmt: skip
-            items = [{"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-                      "metadata": {"name": n, "namespace": NS, "labels": {"jaxrec/run-id": "lm-v5e-4x4"}}}
-                     for n in self.jobsets]  # fmt: skip
+                return self.jobset_status, {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "reason": "Forbidden",
+                    "code": self.jobset_status,
+                }
+            items = [
+                {
+                    "apiVersion": "jobset.x-k8s.io/v1alpha2",
+                    "kind": "JobSet",
+                    "metadata": {"name": n, "namespace": NS, "labels": {"jaxrec/run-id": "lm-v5e-4x4"}},
+                }
+                for n in self.jobsets
+            ]
             for js in items if self.labelled else ():
                 js["metadata"]["labels"]["jaxrec/attempt"] = js["metadata"]["name"].rsplit("-a", 1)[1]
             return 200, {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList", "metadata": {}, "items": items}

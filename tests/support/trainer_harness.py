@@ -44,10 +44,16 @@ def _tiny_data(root: str, run_id: str, hosts: int) -> dict[str, Any]:
         "storage": {"root": root},
         "model": {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "seq_len": 16},
         "data": {"global_batch_size": 8, "num_records": 256},
-        "training": {"total_steps": 20, "heartbeat_timeout_s": 5, "hang_timeout_s": 20, "compile_grace_s": 60,
-                     "init_timeout_s": 60, "shutdown_timeout_s": 5},
+        "training": {
+            "total_steps": 20,
+            "heartbeat_timeout_s": 5,
+            "hang_timeout_s": 20,
+            "compile_grace_s": 60,
+            "init_timeout_s": 60,
+            "shutdown_timeout_s": 5,
+        },
         "checkpoint": {"interval_steps": 5, "keep": 10, "async_save": True},
-    }  # fmt: skip
+    }
 
 
 def _with_shared_cache(data: dict[str, Any], share: bool) -> dict[str, Any]:
@@ -63,8 +69,14 @@ def _parse(data: dict[str, Any], sections: dict[str, dict[str, Any]]) -> JobConf
     return parse_config(data)
 
 
-def tiny_config(root: str, run_id: str = "trainer-test", hosts: int = 4, *, share_compile_cache: bool = True,
-                **sections: dict[str, Any]) -> JobConfig:  # fmt: skip
+def tiny_config(
+    root: str,
+    run_id: str = "trainer-test",
+    hosts: int = 4,
+    *,
+    share_compile_cache: bool = True,
+    **sections: dict[str, Any],
+) -> JobConfig:
     """A tiny local job: 2 layers, d_model 32, short sequences, fast failure detection (the session's cache)."""
     return _parse(_with_shared_cache(_tiny_data(root, run_id, hosts), share_compile_cache), sections)
 
@@ -171,8 +183,9 @@ class Gang:
                 if e.event == event and (step is None or (e.step is not None and e.step >= step)):
                     return e
             if self.procs[index].poll() is not None:
-                raise RuntimeError(f"worker {index} exited {self.procs[index].returncode} before {event}:\n"
-                                   + self.log(index)[-3000:])  # fmt: skip
+                raise RuntimeError(
+                    f"worker {index} exited {self.procs[index].returncode} before {event}:\n" + self.log(index)[-3000:]
+                )
             time.sleep(0.05)
         raise TimeoutError(f"worker {index}: no {event} within {timeout} s:\n" + self.log(index)[-3000:])
 
@@ -217,9 +230,21 @@ def launch(
             env["TRAINER_FAULT"] = fault
         log = workdir / f"worker-{attempt}-{i}.log"
         logs.append(log)
-        cmd = [sys.executable, "-m", "trainer", "--store-root", cfg.storage.root, "--run-id", cfg.run_id,
-               "--attempt", str(attempt), "--restore-step", str(restore_step),
-               "--metrics-port", str(metrics_port)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--store-root",
+            cfg.storage.root,
+            "--run-id",
+            cfg.run_id,
+            "--attempt",
+            str(attempt),
+            "--restore-step",
+            str(restore_step),
+            "--metrics-port",
+            str(metrics_port),
+        ]
         with open(log, "wb") as f:
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO))
     return Gang(procs, events_dir, logs)
