@@ -513,23 +513,16 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         # A heartbeat is written at most every heartbeat_interval_s: the last step may be that old.
         silent = obs.now - b.at
         if b.saving is not None:  # the loop waits for a save's commit: a slow store is not a hung step
-            if silent >= d.save_timeout_s:
-                return Verdict(
-                    state=AttemptState.STALLED,
-                    kind=StallKind.HANG,
-                    reason=f"{p.label}: waited {silent:.0f} s after step {b.step} for the save of checkpoint "
-                    f"{b.saving} to commit (save timeout {d.save_timeout_s:g} s)",
-                    worker=p.index,
-                )
-            continue
-        if silent >= d.hang_timeout_s:
-            return Verdict(
-                state=AttemptState.STALLED,
-                kind=StallKind.HANG,
-                reason=f"{p.label}: no progress past step {b.step} for {silent:.0f} s "
-                f"(hang timeout {d.hang_timeout_s:g} s)",
-                worker=p.index,
+            limit = d.save_timeout_s
+            why = (
+                f"waited {silent:.0f} s after step {b.step} for the save of checkpoint {b.saving} to commit "
+                f"(save timeout {limit:g} s)"
             )
+        else:
+            limit = d.hang_timeout_s
+            why = f"no progress past step {b.step} for {silent:.0f} s (hang timeout {limit:g} s)"
+        if silent >= limit:
+            return Verdict(state=AttemptState.STALLED, kind=StallKind.HANG, reason=f"{p.label}: {why}", worker=p.index)
     return None
 
 

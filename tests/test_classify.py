@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from support.local_evidence import ended_slice
 
 from recovery_steps.classify import classify
 from recovery_steps.evidence import (
@@ -150,30 +151,8 @@ def gke(pods, nodes=None, reports=(), jobs=()):
 
 
 def local(workers, reports=()):
-    """A local attempt as its supervisor's snapshot holds it: each worker's pod terminated as the kubelet reports it
-    (a process the signal N ended: exit code 128 + N), the Job failed as the Job controller decides it from the
-    shipped podFailurePolicy (``workflows.local.supervise.job_failure``)."""
-    pods = [
-        PodEvidence(
-            name=f"local-0-workers-0-{i}",
-            worker_index=i,
-            node=f"local-{i}",
-            phase="Failed",
-            containers=[
-                ContainerState(
-                    name="trainer",
-                    state="terminated",
-                    reason="Error",
-                    exit_code=128 - code if code < 0 else code,
-                    started_at=T0,
-                    finished_at=T0 + at,
-                )
-            ],
-        )
-        for i, (code, at) in enumerate(workers)
-    ]
-    cond = job_failure(pod_failure_policy()["rules"], 0, pods, "default")
-    job = JobEvidence(name="local-0-workers-0", conditions=[cond] if cond is not None else [])
+    """A local attempt as its supervisor's snapshot holds it (``support.local_evidence``), ``(code, seconds)`` each."""
+    pods, job = ended_slice("local-0", [(code, T0 + at) for code, at in workers], T0)
     nodes = [NodeEvidence(name=f"local-{i}", ready=True, ready_reason="KubeletReady") for i in range(len(pods))]
     return Evidence(backend="local", attempt=0, pods=pods, jobs=[job], nodes=nodes, reports=list(reports))
 

@@ -6,14 +6,13 @@ import json
 
 import pytest
 from support.ckpt_factory import restore_record
+from support.local_evidence import ended_slice
 
 from recovery_steps import classify_failure
 from recovery_steps.kernel.config import parse_config
 from recovery_steps.kernel.records import Ledger, SupervisionRecord, WorkerExitReport
-from recovery_steps.kernel.snapshot import ClusterSnapshot, ContainerState, JobEvidence, JobSetEvidence, PodEvidence
+from recovery_steps.kernel.snapshot import ClusterSnapshot, JobSetEvidence
 from recovery_steps.kernel.store import RunLayout, RunStore
-from workflows.jobset import pod_failure_policy
-from workflows.local.supervise import job_failure
 
 RUN = "cf-run"
 T0 = 1_714_557_600.0
@@ -50,7 +49,7 @@ def write_attempt(
     if ckpt is not None:
         store.write_json(RunLayout.checkpoint_manifest(ckpt), {"step": ckpt})
         store.write_bytes(f"{RunLayout.checkpoint(ckpt + 5)}/state/partial", b"x")  # no manifest: not a checkpoint
-    pods = []
+    ends = []
     for i, code in enumerate(codes):
         ended = T0 + 100 * n + (10 if i == first else 11)
         if code > 0:
@@ -68,27 +67,10 @@ def write_attempt(
                 exception_message=exc[1] if exc and i == first else None,
             )
             store.write_json(RunLayout.worker_report(n, i), r.model_dump(mode="json"))
-        # The local slice as its supervisor saw it before the stop: the pods as the kubelet reports them.
-        pods.append(
-            PodEvidence(
-                name=f"{RUN}-a{n}-workers-0-{i}",
-                worker_index=i,
-                node=f"local-{i}",
-                phase="Failed",
-                containers=[
-                    ContainerState(
-                        name="trainer",
-                        state="terminated",
-                        reason="Error",
-                        exit_code=128 - code if code < 0 else code,
-                        started_at=T0 + 100 * n,
-                        finished_at=ended,
-                    )
-                ],
-            )
-        )
-    cond = job_failure(pod_failure_policy()["rules"], 0, pods, "default")
-    jobs = [JobEvidence(name=f"{RUN}-a{n}-workers-0", conditions=[cond] if cond is not None else [])]
+        ends.append((code, ended))
+    # The local slice as its supervisor saw it before the stop.
+    pods, job = ended_slice(f"{RUN}-a{n}", ends, T0 + 100 * n)
+    jobs = [job]
     snap = ClusterSnapshot(taken_at=T0 + 100 * n + 12, jobset=JobSetEvidence(name=f"{RUN}-a{n}"), jobs=jobs, pods=pods)
     sup = SupervisionRecord(
         attempt=n,
