@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from recovery_steps.kernel.config import BackoffConfig, RetryConfig
-from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.contract import Decision, FailureClass, FinalStatus
 from recovery_steps.kernel.records import AttemptRecord, Ledger
 from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore
 from recovery_steps.retry import (
@@ -192,7 +192,7 @@ def test_lost_race_is_retried_with_fresh_contents(store_root):
         if len(calls) == 1:
             # Another writer closes attempt 1 between our read and our write.
             append_attempt(RunStore(store_root, "run-retry"), rec(1, INF))
-        return led.model_copy(update={"final_status": "Failed"})
+        return led.model_copy(update={"final_status": FinalStatus.FAILED})
 
     led = update_ledger(store, mutate, sleep=lambda s: None)
     assert calls == [1, 2]

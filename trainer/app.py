@@ -21,6 +21,7 @@ from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.records import CheckpointManifest, EventKind, PreemptionSave, WorkerExitReport, now
 from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from recovery_steps.kernel.tasks import TaskSpec, options_hash
+from recovery_steps.kernel.tiers import Tier
 from trainer import compile_cache
 from trainer.compile_cache import CacheCounter
 from trainer.decisions import (
@@ -510,10 +511,10 @@ def _restore_checked(
             step = got.plan.step
             w.args = dataclasses.replace(w.args, restore_step=step)
             w.report.restore_step = step
-            w.report.restore_tier = got.plan.tier.value if got.plan.tier else None
+            w.report.restore_tier = got.plan.tier
             state, it = _resume(cfg, tr, step, source, got.state, got.data_state)
             return state, it, manifest
-        w.report.restore_tier = "gcs" if step >= 0 else None
+        w.report.restore_tier = Tier.GCS if step >= 0 else None
     while manifest is not None:
         state, it = _restore(cfg, tr, ckpt, step, source)
         fallback = ckpt.check_restored(step, manifest)

@@ -33,6 +33,7 @@ from recovery_steps.kernel.contract import (
     SupervisionOutcome,
 )
 from recovery_steps.kernel.snapshot import ClusterSnapshot
+from recovery_steps.kernel.tiers import Tier
 
 
 class _Record(BaseModel):
@@ -74,7 +75,7 @@ class WorkerExitReport(_Record):
     last_step: int | None = Field(default=None, description="Last step completed by this worker.")
     last_checkpoint_step: int | None = Field(default=None, description="Newest committed checkpoint step.")
     restore_step: int | None = Field(default=None, description="Step restored at start (None: fresh).")
-    restore_tier: str | None = Field(
+    restore_tier: Tier | None = Field(
         default=None, description="With the local tiers: local, peer or gcs, the farthest tier a part came from."
     )
     exception_type: str | None = None
@@ -192,7 +193,7 @@ class Incident(_Record):
     recovered_at: float | None = Field(default=None, description="Back at the pre-failure step.")
     pre_failure_step: int | None = None
     restored_step: int | None = None
-    restore_tier: str | None = Field(
+    restore_tier: Tier | None = Field(
         default=None, description="With the local tiers: where the restored step came from (local, peer or gcs)."
     )
     steps_lost: int | None = None
@@ -350,7 +351,7 @@ class TierPart(_Record):
     """Where one part of the restored step was read from."""
 
     part: int
-    tier: str = Field(description="local (own disk), peer (another host's disk) or gcs.")
+    tier: Tier = Field(description="local (own disk), peer (another host's disk) or gcs.")
     node: str | None = None
 
 
@@ -367,7 +368,7 @@ class TierRecord(_Record):
     attempt: int
     gcs_step: int = Field(description="restore-latest's choice in the bucket (-1: none).")
     step: int = Field(description="The step restored (-1: fresh start).")
-    tier: str | None = Field(description="The farthest tier any part came from (gcs: every part from GCS).")
+    tier: Tier | None = Field(description="The farthest tier any part came from (gcs: every part from GCS).")
     parts: list[TierPart] = Field(default_factory=list)
     skipped: list[TierSkipped] = Field(default_factory=list, description="Newer steps not restorable, and why.")
     note: str = ""
@@ -488,7 +489,7 @@ class WorkerEvent(_Record):
     process_count: int | None = Field(default=None, description="initialized: processes in the gang.")
     devices: int | None = Field(default=None, description="initialized: devices in the gang.")
     restore_step: int | None = Field(default=None, description="restored: the step restored (-1: fresh).")
-    restore_tier: str | None = Field(default=None, description="restored: local, peer or gcs (local tiers on).")
+    restore_tier: Tier | None = Field(default=None, description="restored: local, peer or gcs (local tiers on).")
     loss: float | None = Field(default=None, description="step: the loss.")
     compile_seconds: float | None = Field(
         default=None, description="first_step: compile and run time; compiled: the step's compilation ahead."
