@@ -203,7 +203,7 @@ def test_largest_attempt_follows_the_retry_policy():
     assert largest_attempt(retry(max_attempts=10)) == 9  # decide() stops after attempt max_attempts - 1
     assert largest_attempt(retry(max_attempts=10**9)) == ATTEMPT_CEILING
     every_run = {c.value: "run" for c in FailureClass}
-    budgets = {"preemption": 3, "capacity": 2, "infrastructure": 1, "hang": 0, "application": 0, "unknown": 0}
+    budgets = {c.value: 0 for c in FailureClass} | {"preemption": 3, "capacity": 2, "infrastructure": 1}
     assert largest_attempt(retry(budget_scopes=every_run, budgets=budgets)) == 6
     assert largest_attempt(retry(budget_scopes=every_run, budgets=budgets, max_attempts=4)) == 3
     # A resubmitted run continues the numbering: its first attempt is reached whatever the policy says.
