@@ -494,6 +494,11 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         return None  # the gang is not up yet: startup deadlines apply, not the hang timeout
     gang_up = max(p.running_since for p in running)
     beats = {b.index: b for b in obs.progress}
+    save_limit = max(d.save_timeout_s, d.hang_timeout_s)
+    # A gang steps together: while one worker's loop waits for a save (within its timeout), a peer blocked in the
+    # next step's collective behind it is not hung either, from a little before that wait began.
+    waits = [b.at for b in obs.progress if b.saving is not None and obs.now - b.at < save_limit]
+    covered_from = min(waits) - d.hang_timeout_s if waits else None
     for p in sorted(running, key=lambda p: p.index or 0):
         # A worker whose reads fail, or succeed again since less than the timeout, shows neither absence nor silence.
         if obs.heard_for(p.index) < d.hang_timeout_s:
@@ -513,11 +518,13 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         # A heartbeat is written at most every heartbeat_interval_s: the last step may be that old.
         silent = obs.now - b.at
         if b.saving is not None:  # the loop waits for a save's commit: a slow store is not a hung step
-            limit = d.save_timeout_s
+            limit = save_limit
             why = (
                 f"waited {silent:.0f} s after step {b.step} for the save of checkpoint {b.saving} to commit "
                 f"(save timeout {limit:g} s)"
             )
+        elif covered_from is not None and b.at >= covered_from:
+            continue
         else:
             limit = d.hang_timeout_s
             why = f"no progress past step {b.step} for {silent:.0f} s (hang timeout {limit:g} s)"

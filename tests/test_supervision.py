@@ -401,6 +401,39 @@ CASES = [
         StallKind.HANG,
         "worker 0: waited 601 s after step 40 for the save of checkpoint 30 to commit (save timeout 600 s)",
     ),
+    # Its peers stopped in the next step's collective behind it: not hung while its wait lasts, and then it is named.
+    (
+        "peers-blocked-behind-a-save-within-its-timeout",
+        obs(
+            801,
+            ALL_RUNNING,
+            progress=[
+                beat(0, 40, T0 + 500, saving=30),
+                beat(1, 41, T0 + 620),
+                beat(2, 41, T0 + 620),
+                beat(3, 41, T0 + 620),
+            ],
+        ),
+        AttemptState.RUNNING,
+        None,
+        "waiting for the save of checkpoint 30",
+    ),
+    (
+        "a-peer-silent-long-before-the-save-is-hung",
+        obs(
+            801,
+            ALL_RUNNING,
+            progress=[
+                beat(0, 40, T0 + 700, saving=30),
+                beat(1, 41, T0 + 790),
+                beat(2, 41, T0 + 790),
+                beat(3, 38, T0 + 400),
+            ],
+        ),
+        AttemptState.STALLED,
+        StallKind.HANG,
+        "worker 3: no progress past step 38 for 401 s",
+    ),
     (
         "save-wait-over-then-silent-past-hang-timeout",
         obs(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -137,20 +138,25 @@ class SlowCheckpointer:
         self.pending = SimpleNamespace(step=step, done=concurrent.futures.Future())
 
 
-def _save_hooks(tmp_path, *, done: bool):
+def _save_hooks(tmp_path, *, done: bool, wait_s: float = 0.0):
     store = RunStore(str(tmp_path), "run")
     watchdog = SimpleNamespace(saving=False, touch=lambda: None)
     during = {}
 
     def seen():
-        during["beat"] = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)
         during["watchdog_saving"] = watchdog.saving
+        deadline = time.monotonic() + (5 if wait_s else 0)
+        while True:  # the announce comes from the heartbeat's timer once the wait lasted an interval
+            during["beat"] = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)
+            if during["beat"].saving is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
 
     ckpt = SlowCheckpointer(seen)
     if done:
         ckpt.pending.done.set_result(None)
     report = WorkerExitReport(run_id="run", attempt=0, process_index=1, process_count=2, exit_code=0, exit_name="OK")
-    beat = HeartbeatHook(store, 0, 1, 30.0, ckpt, report)
+    beat = HeartbeatHook(store, 0, 1, 0.05 if wait_s else 30.0, ckpt, report)
     metrics = SimpleNamespace(set=lambda *a: None)
     events = SimpleNamespace(emit=lambda *a, **k: None)
     stepper = SimpleNamespace(state=None, data_iter=None)
@@ -175,8 +181,8 @@ def _save_hooks(tmp_path, *, done: bool):
 def test_a_wait_for_a_save_in_flight_is_in_the_heartbeat_and_ends_with_it(tmp_path):
     """The loop blocks at step 20 on step 10's commit: the heartbeat says so while it waits (the supervisor then
     applies the save timeout) and the watchdog does too; once committed, a heartbeat without the wait follows."""
-    store, hook, watchdog, during = _save_hooks(tmp_path, done=False)
-    hook.heartbeat.on_step(StepRecord(20, 0.5))  # within the interval: no write
+    store, hook, watchdog, during = _save_hooks(tmp_path, done=False, wait_s=1.0)
+    hook.heartbeat.on_step(StepRecord(20, 0.5, finished_at=time.time()))
     hook.on_step(StepRecord(20, 0.5))
     assert during["beat"].saving == 10 and during["beat"].step == 20, during
     assert during["watchdog_saving"] is True
@@ -193,3 +199,19 @@ def test_a_save_that_committed_in_the_background_costs_no_heartbeat(tmp_path):
     hook.on_step(StepRecord(20, 0.5))
     assert "beat" not in during and watchdog.saving is False  # polled as committed: nothing was waited for
     assert store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat) == first  # no write for the save
+
+
+def test_a_wait_shorter_than_an_interval_costs_no_write_and_a_failed_clear_forces_the_next_beat(tmp_path):
+    store, hook, watchdog, during = _save_hooks(tmp_path, done=False)  # interval 30 s: the wait ends first
+    first = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)
+    hook.on_step(StepRecord(20, 0.5))
+    assert during["watchdog_saving"] is True and during["beat"] == first  # no write for a short wait
+    beat = hook.heartbeat
+    beat._waiting = True  # a wait was announced; the store refuses the write that clears it
+    real, refused = beat.store.write_record, []
+    beat.store.write_record = lambda *a: refused.append(a) or (_ for _ in ()).throw(OSError("503"))
+    beat.saving(None)
+    beat.store.write_record = real
+    beat.on_step(StepRecord(21, 0.5, finished_at=first.at + 1))  # within the interval, yet written
+    got = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)
+    assert refused and (got.step, got.saving) == (21, None), got

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -86,27 +87,48 @@ class HeartbeatHook:
         self.ckpt, self.report = ckpt, report
         self._last = float("-inf")
         self._step: int | None = None
-        self._waiting = False
+        self._waiting = False  # a heartbeat saying the loop waits for a save is in the store
+        self._wait: threading.Timer | None = None
+        self._force = False  # the next step is written whatever the interval (a clearing write failed)
+        self._lock = threading.Lock()
 
     def on_step(self, rec: StepRecord) -> None:
         """Write the step when the interval has passed (or on the first and last step)."""
         self._step = rec.step
-        if not (rec.first or rec.last) and rec.finished_at - self._last < self.interval_s:
+        if not (rec.first or rec.last or self._force) and rec.finished_at - self._last < self.interval_s:
             return
-        self._write(rec.finished_at)
+        self._force = not self._write(rec.finished_at)
 
     def saving(self, step: int | None) -> None:
-        """Before the loop blocks on the save of ``step``, and after (None): one heartbeat each.
+        """The loop blocks on the save of ``step`` from now (None: no longer).
 
-        The supervisor then gives the wait ``save_timeout_s`` rather than ``hang_timeout_s``, and no longer than
-        it lasts. Only waits that block are announced, so a save that committed in the background costs nothing.
+        A wait that lasts a heartbeat interval is announced in a heartbeat (from a timer, off the training
+        thread), so the supervisor gives it ``save_timeout_s`` rather than ``hang_timeout_s``; its end then
+        clears it at once, so a step that hangs after the save is judged by the hang timeout again. A wait
+        shorter than an interval costs no write: the interval's heartbeat covers it.
         """
-        if step is None and not self._waiting:
+        if step is not None:
+            with self._lock:
+                self._wait = threading.Timer(self.interval_s, self._announce, args=(step,))
+                self._wait.daemon = True
+                self._wait.start()
             return
-        self._waiting = step is not None
-        self._write(now(), saving=step)
+        with self._lock:
+            if self._wait is not None:
+                self._wait.cancel()
+                self._wait = None
+            if self._waiting:
+                self._waiting = False
+                self._force = not self._write(now())
 
-    def _write(self, at: float, saving: int | None = None) -> None:
+    def _announce(self, step: int) -> None:
+        with self._lock:
+            if self._wait is None:  # the wait ended meanwhile
+                return
+            self._waiting = self._write(now(), saving=step)
+
+    def _write(self, at: float, saving: int | None = None) -> bool:
+        """One heartbeat; False when the store refused it (logged: progress reporting never stops training)."""
         self._last = at
         beat = WorkerHeartbeat(
             process_index=self.index,
@@ -120,6 +142,8 @@ class HeartbeatHook:
             self.store.write_record(RunLayout.heartbeat(self.attempt, self.index), beat)
         except Exception as e:  # noqa: BLE001 - progress reporting must never stop training
             log.warning("could not write the heartbeat: %s", e)
+            return False
+        return True
 
 
 class EventsHook:
@@ -255,15 +279,19 @@ class CheckpointHook:
     def save(self, step: int) -> None:
         """Start saving ``step`` (after recording the previous save's commit)."""
         self.busy = True
-        blocks = self._blocking_wait(step if not self.async_save else None)
+        blocks = False
         try:
+            blocks = self._blocking_wait(step if not self.async_save else None)
             self._save(step)
         finally:
             self._waited(blocks)
             self.busy = False
 
     def _blocking_wait(self, step: int | None) -> bool:
-        """Announce a wait on the training thread that will block: for the save in flight, else (sync) for ``step``."""
+        """Tell the watchdog and the heartbeat of a wait that will block; True when there is one.
+
+        The wait is for the save in flight, else (a synchronous save) for ``step`` itself.
+        """
         p = self.ckpt.pending
         waits_for = p.step if p is not None and p.done is not None and not p.done.done() else step
         if waits_for is None:
@@ -297,8 +325,9 @@ class CheckpointHook:
     def finish(self) -> None:
         """Wait for the save in flight to commit with its manifest, and record it."""
         self.busy = True
-        blocks = self._blocking_wait(None)
+        blocks = False
         try:
+            blocks = self._blocking_wait(None)
             self.note_commit(self.ckpt.finish_pending())
         finally:
             self._waited(blocks)

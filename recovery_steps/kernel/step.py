@@ -128,7 +128,7 @@ def say_why(line: str, path: Path | None = None) -> None:
     path = path or TERMINATION_LOG
     try:
         if path.is_file():
-            path.write_bytes(line.encode()[:4096])
+            path.write_bytes(line.encode()[:4096].decode(errors="ignore").encode())  # whole characters
     except OSError:
         pass
 

@@ -192,6 +192,10 @@ class OutageProxy:
             return None
         if written < begun - 1.0:  # an older object of that name: this session's upload never completed
             return None
+        total = _upload_total(headers)
+        if total is not None and str(total) != str(json.loads(data).get("size")):
+            return None  # another write of that name, not this session's bytes
+        self._sessions.pop(upload_id, None)  # a session is answered once; the emulator keeps the object
         self.completed_resends += 1
         return 200, got, data
 
@@ -229,6 +233,13 @@ class OutageProxy:
         """Stop serving."""
         self._server.shutdown()
         self._server.server_close()
+
+
+def _upload_total(headers: Mapping[str, str]) -> int | None:
+    """The object's size a chunk's ``Content-Range`` (``bytes 0-99/100``, ``bytes */100``) declares, if it does."""
+    value = next((v for k, v in headers.items() if k.lower() == "content-range"), "")
+    total = value.rpartition("/")[2]
+    return int(total) if total.isdigit() else None
 
 
 def parse_outages(specs: list[str]) -> tuple[dict[str, float], list[str]]:
