@@ -33,8 +33,8 @@ from recovery_steps.kernel.config import SupervisionConfig, load_config
 from recovery_steps.kernel.records import WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.train_segment import Supervisor
-from workflows.local.executor import LocalExecutor, LocalGang, LocalSlice, WorkerProc
-from workflows.local.supervise import IMAGE_PULL, UNSCHEDULABLE
+from workflows.local.executor import LocalExecutor, LocalGang
+from workflows.local.slices import IMAGE_PULL, UNSCHEDULABLE, LocalSlice, WorkerProc
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINES = SupervisionConfig(startup_deadline_s=2, image_pull_deadline_s=2, hang_timeout_s=3, compile_grace_s=60,

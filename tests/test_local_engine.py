@@ -378,7 +378,7 @@ def _local_segment(tmp_path, hosts=2, **supervision):
 
     from recovery_steps.kernel.config import SupervisionConfig, load_config
     from recovery_steps.kernel.store import RunStore
-    from workflows.local.executor import LocalSlice, WorkerProc
+    from workflows.local.slices import LocalSlice, WorkerProc
 
     repo = Path(__file__).resolve().parents[1]
     cfg = load_config(repo / "configs" / "local-cpu.yaml")
@@ -407,7 +407,7 @@ def _supervise(cfg, ex, sl, store):
 
 
 def test_a_local_gang_is_reattached_decided_and_stopped_by_train_segments_supervisor(tmp_path):
-    from workflows.local.supervise import UNSCHEDULABLE
+    from workflows.local.slices import UNSCHEDULABLE
 
     cfg, ex, sl, store = _local_segment(tmp_path)
     sl.withheld[1] = UNSCHEDULABLE

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from recovery_steps.kernel.snapshot import ContainerState, JobEvidence, PodEvidence
 from workflows.jobset import pod_failure_policy
-from workflows.local.supervise import job_failure
+from workflows.local.slices import job_failure
 
 
 def ended_slice(

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from recovery_steps.kernel.records import EventKind, now
 from recovery_steps.kernel.store import RunLayout, RunStore
-from workflows.local.executor import LocalSlice, SliceHooks
+from workflows.local.executor import SliceHooks
 from workflows.local.incidents import EventTail, Injected, max_step
+from workflows.local.slices import LocalSlice
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The local JobSet stand-in seen the way the Kubernetes API shows a JobSet: a ``ClusterSnapshot`` of its processes.
+"""The local slices: one attempt's worker processes (``LocalSlice``), and how the Kubernetes API would show them.
 
 ``slice_snapshot`` turns the worker processes of a ``LocalSlice`` into the same record the Kubernetes adapter of
 ``train-segment`` builds from the API (``recovery_steps.kernel.snapshot``), so that one supervisor, one decision,
@@ -13,10 +13,19 @@ else the backoff limit.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from recovery_steps.kernel.names import UNREACHABLE_TAINT
+from recovery_steps.kernel.records import now
 from recovery_steps.kernel.snapshot import (
     TRAINER_CONTAINER,
     ClusterSnapshot,
@@ -28,8 +37,115 @@ from recovery_steps.kernel.snapshot import (
     PodEvidence,
 )
 
-if TYPE_CHECKING:
-    from workflows.local.executor import LocalSlice, WorkerProc
+
+@dataclass
+class WorkerProc:
+    """One worker process of a local JobSet."""
+
+    index: int
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    pid: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    returncode: int | None = None
+    first_failure: bool = False
+    stopped_by_jobset: bool = False
+    restarts: int = 0
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code as Kubernetes reports it (128 + signal for a signalled process)."""
+        rc = self.returncode
+        if rc is None:
+            return None
+        return 128 - rc if rc < 0 else rc
+
+    @property
+    def signal_name(self) -> str | None:
+        """Name of the signal that ended the process, if any."""
+        rc = self.returncode
+        if rc is None or rc >= 0:
+            return None
+        try:
+            return signal.Signals(-rc).name
+        except ValueError:
+            return f"SIG{-rc}"
+
+
+@dataclass
+class LocalSlice:
+    """The worker processes of one train-segment attempt (what the injector acts on)."""
+
+    jobset: str
+    attempt: int
+    command: list[str]
+    cwd: str
+    log_dir: Path
+    # SIGTERM to SIGKILL when the slice is stopped: the pod spec's terminationGracePeriodSeconds.
+    grace_seconds: float = 30.0
+    workers: list[WorkerProc] = field(default_factory=list)
+    first_failure_index: int | None = None
+    ended_at: float | None = None
+    # Workers whose next exit is expected (restarted on purpose): not counted as the set's failure.
+    expected_exit: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    created_at: float = field(default_factory=time.time)
+    # Workers never started, and why ("Unschedulable": no room; "ImagePullBackOff": the image never comes).
+    withheld: dict[int, str] = field(default_factory=dict)
+    # Workers whose host was lost (frozen, its pod Terminating from the slice's point of view): since when.
+    lost: dict[int, float] = field(default_factory=dict)
+    # Set to make the supervisor's own "pod" go away while the workers keep running (it re-attaches).
+    supervisor_lost: threading.Event = field(default_factory=threading.Event)
+    detected_at: float | None = None
+    phase: str | None = None
+    # When the supervisor deleted the JobSet (its stop): the workers got SIGTERM, the grace counts from here.
+    deleted_at: float | None = None
+    # The workers' Job as the manifest gives it: what the Job controller decides a failure from.
+    failure_policy: list[dict[str, Any]] = field(default_factory=list)
+    backoff_limit: int = 6  # the Job API's default
+    namespace: str = "default"
+
+    def mark_stopped(self, detected: float) -> None:
+        """Stamp the slice stopped: its last worker's exit, never before the supervisor ``detected`` the end.
+
+        As train_segment's stop_attempt stamps it: a gang that exited within one poll must not read as
+        stopped before detected.
+        """
+        self.ended_at = max([detected, *(w.ended_at or detected for w in self.workers)])
+
+    def spawn(self, w: WorkerProc) -> None:
+        """Start (or start again) worker ``w``, appending to its log file."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"worker-{w.index}.log", "ab")  # noqa: SIM115 - handed to the child
+        w.proc = subprocess.Popen(
+            self.command, env=w.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        w.pid = w.proc.pid
+        w.started_at = w.started_at or now()
+        w.returncode = None
+        w.ended_at = None
+
+    def signal_worker(self, index: int, sig: int) -> None:
+        """Send ``sig`` to worker ``index`` (its whole process group)."""
+        w = self.workers[index]
+        if w.proc is not None and w.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.proc.pid, sig)
+
+    def restart(self, index: int) -> None:
+        """Kill worker ``index`` and start it again alone with the same environment (a container restart)."""
+        w = self.workers[index]
+        with self.lock:
+            self.expected_exit.add(index)
+            self.signal_worker(index, signal.SIGKILL)
+            if w.proc is not None:
+                w.proc.wait()
+            w.restarts += 1
+            self.spawn(w)
+            self.expected_exit.discard(index)
+
 
 UNSCHEDULABLE = "Unschedulable"
 IMAGE_PULL = "ImagePullBackOff"
