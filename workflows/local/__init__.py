@@ -2,8 +2,8 @@
 
 ``python -m workflows.local argo/<job>.yaml [--inject ...]``. The parts: ``engine`` (the DAG and its
 expressions, ``expr``), ``executor`` (container and resource templates as local processes, the JobSet stand-in),
-``slices`` (a JobSet's worker processes and how the API would show them), ``inject`` (faults), ``incidents`` and ``metrics`` (what a run cost and exports), ``emulator`` (a real GCS
-emulator) and ``runner`` (the command).
+``slices`` (a JobSet's worker processes and how the API would show them), ``inject`` (faults), ``incidents``
+and ``metrics`` (what a run cost and exports), ``emulator`` (a real GCS emulator) and ``runner`` (the command).
 """
 
 from workflows.local.runner import (
