@@ -103,13 +103,19 @@ MIN_GRACE_S = 2
 (kubernetes v1.36.3, ``pkg/kubelet/kuberuntime/kuberuntime_container.go``: ``minimumGracePeriodInSeconds``)."""
 
 
+def first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
 API_RETRY_S = 300.0  # how long a pod's API call is retried before its run gives up
 
 
-def retrying(what: str, call: Any, deadline_s: float = API_RETRY_S) -> Any:
+def retrying(what: str, call: Any, deadline_s: float = API_RETRY_S, *, refusals: bool = False) -> Any:
     """``call()``, tried again every second while the API does not answer or answers 5xx or 429, as the kubelet's
     pod workers and status manager keep syncing a pod through an API outage (``pkg/kubelet/status``: a failed
-    status update is retried on the next sync). A 4xx refusal other than 429 is raised at once."""
+    status update is retried on the next sync). A 4xx refusal other than 429 is raised at once, unless
+    ``refusals``: the status manager retries whatever the error (an API server just restarted refuses with 403
+    until its authorizer's caches are warm)."""
     from kubernetes.client.exceptions import ApiException
 
     give_up = time.monotonic() + deadline_s
@@ -117,7 +123,7 @@ def retrying(what: str, call: Any, deadline_s: float = API_RETRY_S) -> Any:
         try:
             return call()
         except ApiException as e:
-            if e.status is not None and 400 <= e.status < 500 and e.status != 429:
+            if e.status is not None and 400 <= e.status < 500 and e.status != 429 and not refusals:
                 raise
             err: Exception = e
         except Exception as e:  # noqa: BLE001 - no answer (refused, reset, timed out): try again
@@ -410,8 +416,13 @@ class PodRun:
             log.exception("pod %s/%s", self.ns, self.name)
             # What podexec cannot run fails the pod at once (exit 128, as a runtime's start error), so a test
             # stops on the reason instead of waiting on a pod left Pending.
+            why = f"podexec: {e}"
             with contextlib.suppress(Exception):
-                self.kubelet.report_terminated(self.pod, now(), 128, wait_code=1, error=f"podexec: {e}")
+                retrying(
+                    f"{self.name}: status",
+                    lambda: self.kubelet.report_terminated(self.pod, now(), 128, wait_code=1, error=why),
+                    refusals=True,
+                )
         finally:
             self.done.set()
             if self.deleting.is_set():
@@ -440,7 +451,11 @@ class PodRun:
         code = self._execute(main, template, private, secrets)
         params, error = save_parameters(template, private)
         if result is not None:
-            retrying(f"{self.name}: outputs", lambda: result.report(params, error))
+            try:
+                retrying(f"{self.name}: outputs", lambda: result.report(params, error))
+            except Exception as e:  # noqa: BLE001 - Argo's wait container fails on a refused task result
+                log.warning("%s: outputs not reported (%s): the wait container fails", self.name, first_line(e))
+                error = error or f"failed to report the outputs: {first_line(e)}"
         wait_code = 1 if error else 0
         message = termination_message(main, self.root / "main.log", code)
         retrying(
@@ -448,6 +463,7 @@ class PodRun:
             lambda: self.kubelet.report_terminated(
                 self.pod, started, code, wait_code=wait_code, error=error, message=message
             ),
+            refusals=True,
         )
 
     def _execute(self, main: dict[str, Any], template: dict[str, Any], private: Path, secrets: str | None) -> int:
