@@ -253,30 +253,28 @@ def job_failure(
     Count counts it; a pod no rule matches counts too, and more counted failures than ``backoffLimit`` set
     ``FailureTarget`` BackoffLimitExceeded (pkg/controller/job/job_controller.go, v1.36.3).
     """
-    counted = 0
-    for pod in sorted(failed, key=lambda p: (p.trainer().finished_at if p.trainer() else None) or float("inf")):
+
+    def ended(pod: PodEvidence) -> float | None:
         c = pod.trainer()
-        at = c.finished_at if c is not None else None
-        rule = next(((i, r) for i, r in enumerate(policy) if _matches(r, pod)), None)
-        action = rule[1].get("action") if rule is not None else "Count"
-        if action == "FailJob" and rule is not None:
-            if rule[1].get("onExitCodes") is not None and c is not None:
+        return c.finished_at if c is not None else None
+
+    counted = 0
+    for pod in sorted(failed, key=lambda p: ended(p) or float("inf")):
+        index, rule = next(((i, r) for i, r in enumerate(policy) if _matches(r, pod)), (None, {"action": "Count"}))
+        if rule["action"] == "FailJob":
+            c = pod.trainer()
+            if rule.get("onExitCodes") is not None and c is not None:
                 what = f"Container {c.name} for pod {namespace}/{pod.name} failed with exit code {c.exit_code}"
             else:
-                cond = next(
-                    x for x in pod.conditions if any(x.type == w.get("type") for w in rule[1]["onPodConditions"])
-                )
-                what = f"Pod {namespace}/{pod.name} has condition {cond.type}"
-            message = f"{what} matching FailJob rule at index {rule[0]}"
-            return Condition(type="FailureTarget", reason="PodFailurePolicy", message=message, at=at)
-        counted += action != "Ignore"
+                wanted = {w.get("type") for w in rule["onPodConditions"]}
+                cond = next(x.type for x in pod.conditions if x.type in wanted)
+                what = f"Pod {namespace}/{pod.name} has condition {cond}"
+            message = f"{what} matching FailJob rule at index {index}"
+            return Condition(type="FailureTarget", reason="PodFailurePolicy", message=message, at=ended(pod))
+        counted += rule["action"] != "Ignore"
         if counted > backoff_limit:
-            return Condition(
-                type="FailureTarget",
-                reason="BackoffLimitExceeded",
-                message="Job has reached the specified backoff limit",
-                at=at,
-            )
+            message = "Job has reached the specified backoff limit"
+            return Condition(type="FailureTarget", reason="BackoffLimitExceeded", message=message, at=ended(pod))
     return None
 
 
