@@ -35,9 +35,13 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
         "drawn beside them: the deleted supervisor's pod stayed Terminating when the API took no confirmation (the "
         "process kubelet now confirms at each resync), its retry came after the gang had completed and re-created "
         "the attempt's JobSet from its restore step (a supervisor now reads the attempt's exit reports first), and "
-        "two API server restarts at once left one running untracked. Open: a checkpoint save slowed by GCS resets "
-        "holds the loop past the 20 s hang timeout and the attempt is called hung (the hang deadline must know the "
-        "trainer is saving)",
+        "two API server restarts at once left one running untracked; a checkpoint save slowed by GCS resets held "
+        "the loop past the 20 s hang timeout and the attempt was called hung (the heartbeat now says the loop waits "
+        "for a save, and supervision.save_timeout_s applies); the emulator's resumable sessions went around the "
+        "fault proxy and answered a resent final chunk 404 where GCS answers 200, so a reset failed orbax's commit "
+        "(the GCS stand-in now answers as GCS); the process kubelet died on a task-result 403 right after an API "
+        "restart and left the deleted supervisor's pod Terminating for 10 min (it now fails the wait container "
+        "and syncs the status until the API takes it)",
         3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay",
     },
     "test_an_operator_stop_then_the_same_file_again_resumes_under_faults": {
