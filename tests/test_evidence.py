@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import socket
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
 
 import pytest
-from support.fake_http import JsonServer
+from support.fake_k8s import FakeCluster
 
 from recovery_steps import classify_failure
 from recovery_steps.classify import classify
@@ -22,88 +22,6 @@ from recovery_steps.kernel.store import RunLayout, RunStore
 NS = "training"
 JS = "llm-a3"
 JS_LABEL = "jobset.sigs.k8s.io/jobset-name"
-
-
-class FakeApi:
-    """Answers the API paths the adapter reads, with bodies shaped as the API server returns them."""
-
-    def __init__(self):
-        self.jobsets: dict[str, dict] = {}
-        self.jobs: list[dict] = []
-        self.pods: list[dict] = []
-        self.nodes: dict[str, dict] = {}
-        self.events: list[dict] = []
-        self.requests: list[str] = []
-        # (path fragment, status, Status body): the answer to every request whose path contains the fragment.
-        self.failing: list[tuple[str, int, dict]] = []
-        self.http = JsonServer(self._route)
-        self.url = self.http.url
-
-    def _route(self, method: str, raw: str, body: dict) -> tuple[int, dict]:
-        self.requests.append(raw)
-        return self.answer(raw)
-
-    def close(self):
-        self.http.close()
-
-    @staticmethod
-    def _not_found(kind: str, name: str) -> tuple[int, dict]:
-        return 404, {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "metadata": {},
-            "status": "Failure",
-            "message": f'{kind} "{name}" not found',
-            "reason": "NotFound",
-            "details": {"name": name, "kind": kind},
-            "code": 404,
-        }
-
-    @staticmethod
-    def _select(items: list[dict], query: dict) -> list[dict]:
-        sel = query.get("labelSelector", [""])[0]
-        if not sel:
-            return items
-        k, v = sel.split("=", 1)
-        return [i for i in items if i["metadata"].get("labels", {}).get(k) == v]
-
-    def answer(self, raw: str) -> tuple[int, dict]:
-        u = urlparse(raw)
-        q = parse_qs(u.query)
-        parts = u.path.strip("/").split("/")
-        for fragment, code, body in self.failing:
-            if fragment in u.path:
-                return code, body
-        if u.path.startswith(f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets/"):
-            name = parts[-1]
-            return (200, self.jobsets[name]) if name in self.jobsets else self._not_found("jobsets", name)
-        if u.path == f"/apis/batch/v1/namespaces/{NS}/jobs":
-            return 200, {
-                "apiVersion": "batch/v1",
-                "kind": "JobList",
-                "metadata": {"resourceVersion": "7"},
-                "items": self._select(self.jobs, q),
-            }
-        if u.path == f"/api/v1/namespaces/{NS}/pods":
-            return 200, {
-                "apiVersion": "v1",
-                "kind": "PodList",
-                "metadata": {"resourceVersion": "7"},
-                "items": self._select(self.pods, q),
-            }
-        if u.path.startswith("/api/v1/nodes/"):
-            name = parts[-1]
-            return (200, self.nodes[name]) if name in self.nodes else self._not_found("nodes", name)
-        if u.path == f"/api/v1/namespaces/{NS}/events":
-            fields = dict(f.split("=", 1) for f in q.get("fieldSelector", [""])[0].split(",") if f)
-            items = [
-                e
-                for e in self.events
-                if e["involvedObject"]["name"] == fields.get("involvedObject.name")
-                and e["involvedObject"]["kind"] == fields.get("involvedObject.kind", e["involvedObject"]["kind"])
-            ]
-            return 200, {"apiVersion": "v1", "kind": "EventList", "metadata": {}, "items": items}
-        return 404, {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404}
 
 
 def ts(sec: int) -> str:
@@ -291,31 +209,37 @@ def api_job(failed_pod: str, code: int) -> dict:
 
 @pytest.fixture
 def api():
-    a = FakeApi()
+    a = FakeCluster(namespace=NS)
     yield a
     a.close()
 
 
-def spot_preemption(api: FakeApi) -> None:
-    api.jobsets[JS] = api_jobset()
-    api.pods = [
+def spot_preemption(api: FakeCluster) -> None:
+    api.put("jobsets", api_jobset())
+    pods = [
         api_pod(0, code=143, at=12),
         api_pod(1, code=143, at=10, disruption="TerminationByKubelet"),
         api_pod(2, code=143, at=12),
         api_pod(3, code=143, at=12),
     ]
-    api.jobs = [api_job(api.pods[1]["metadata"]["name"], 143)]
-    api.nodes = {f"gke-tpu-pool-{i}": api_node(f"gke-tpu-pool-{i}", spot=True) for i in range(4)}
-    api.nodes["gke-tpu-pool-1"] = api_node(
-        "gke-tpu-pool-1",
-        ready="False",
-        spot=True,
-        taints=[{"key": "cloud.google.com/impending-node-termination", "effect": "NoSchedule"}],
+    api.put("pods", *pods)
+    api.put("jobs", api_job(pods[1]["metadata"]["name"], 143))
+    api.put("nodes", *(api_node(f"gke-tpu-pool-{i}", spot=True) for i in range(4)))
+    api.put(
+        "nodes",
+        api_node(
+            "gke-tpu-pool-1",
+            ready="False",
+            spot=True,
+            taints=[{"key": "cloud.google.com/impending-node-termination", "effect": "NoSchedule"}],
+        ),
     )
-    # A pod of another JobSet in the namespace must not be read as evidence.
+    # A pod of another JobSet in the namespace must not be read as evidence (its own name: one namespace holds
+    # one object of a name).
     other = api_pod(0, code=42, at=1)
     other["metadata"]["labels"][JS_LABEL] = "someone-else"
-    api.pods.append(other)
+    other["metadata"]["name"] = "someone-else-workers-0-0-q0x7z"
+    api.put("pods", other)
 
 
 def test_spot_preemption_read_from_the_api(api):
@@ -337,9 +261,10 @@ def test_spot_preemption_read_from_the_api(api):
 
 
 def test_pending_pods_events_give_capacity(api):
-    api.jobsets[JS] = api_jobset(failed=False)
-    api.pods = [api_pod(i, code=None, phase="Pending") for i in range(4)]
-    api.events = [
+    api.put("jobsets", api_jobset(failed=False))
+    pods = [api_pod(i, code=None, phase="Pending") for i in range(4)]
+    api.put("pods", *pods)
+    events = [
         {
             "apiVersion": "v1",
             "kind": "Event",
@@ -350,8 +275,9 @@ def test_pending_pods_events_give_capacity(api):
             "count": 14,
             "message": "0/8 nodes are available: 8 Insufficient google.com/tpu. preemption: not eligible",
         }
-        for i, p in enumerate(api.pods)
+        for i, p in enumerate(pods)
     ]
+    api.put("events", *events)
     ev = gather_kubernetes(make_api_client(api.url), NS, JS, Evidence(backend="gke", attempt=0))
     assert all(p.events and p.events[0].startswith("FailedScheduling") for p in ev.pods)
     v = classify(ev)
@@ -560,14 +486,17 @@ def test_pods_the_api_still_has_win_over_the_snapshot():
     assert [p.name for p in ev.pods] == ["still-here"] and not ev.notes
 
 
-def _running_gang(api: FakeApi) -> None:
-    api.jobsets[JS] = {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {"name": JS, "namespace": NS},
-        "status": {"replicatedJobsStatus": []},
-    }
-    api.pods = [api_pod(i, code=None, phase="Running") for i in range(4)]
+def _running_gang(api: FakeCluster) -> None:
+    api.put(
+        "jobsets",
+        {
+            "apiVersion": "jobset.x-k8s.io/v1alpha2",
+            "kind": "JobSet",
+            "metadata": {"name": JS, "namespace": NS},
+            "status": {"replicatedJobsStatus": []},
+        },
+    )
+    api.put("pods", *(api_pod(i, code=None, phase="Running") for i in range(4)))
 
 
 def _gke_run(tmp_path):
@@ -628,7 +557,7 @@ def test_a_finished_or_missing_jobset_is_never_resupervised(api, tmp_path):
     spot_preemption(api)  # the JobSet failed
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
     assert r.decision.decision == "retry"
-    api.jobsets.clear()
+    api.remove("jobsets", JS)
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 4, JS, None, api_client=make_api_client(api.url))
     assert r.decision.decision != "resupervise"
 
@@ -687,7 +616,7 @@ def test_a_gang_whose_evidence_cannot_be_read_is_neither_closed_nor_resupervised
     from recovery_steps.kernel.step import StepError
 
     _running_gang(api)
-    api.failing = [(READS[read], *answer)]
+    api.inject(READS[read], *answer)
     cfg, store = _gke_run(tmp_path)
     with pytest.raises(StepError) as e:
         classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, tmp_path / "out", api_client=make_api_client(api.url))
@@ -702,7 +631,7 @@ def test_a_refused_read_is_configuration_and_decides_nothing(api, tmp_path):
     from recovery_steps.kernel.step import StepError
 
     _running_gang(api)
-    api.failing = [(READS["jobset"], *FORBIDDEN)]
+    api.inject(READS["jobset"], *FORBIDDEN)
     cfg, store = _gke_run(tmp_path)
     with pytest.raises(StepError) as e:
         classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
@@ -740,7 +669,7 @@ def test_classify_failure_exits_transient_while_the_api_cannot_answer(api, tmp_p
     from recovery_steps.kernel.records import Ledger
 
     _running_gang(api)
-    api.failing = [(READS["jobset"], *UNAVAILABLE)]
+    api.inject(READS["jobset"], *UNAVAILABLE)
     cfg, store = _gke_run(tmp_path)
     kubeconfig(api.url)
     argv = [
@@ -759,7 +688,7 @@ def test_classify_failure_exits_transient_while_the_api_cannot_answer(api, tmp_p
     err = capsys.readouterr().err
     assert f"classify-failure: cannot read JobSet {NS}/{JS}: Kubernetes API answered 503" in err
     assert store.read_record(RunLayout.LEDGER, Ledger) is None
-    api.failing = []  # the API answers again: Argo's retry decides
+    api.faults.clear()  # the API answers again: Argo's retry decides
     assert classify_failure.main(argv) == 0
     assert (tmp_path / "out" / "decision").read_text() == "resupervise"
 
@@ -793,9 +722,9 @@ def api_event(kind: str, name: str, reason: str, message: str, n: int = 0) -> di
 
 def test_unreadable_events_only_lose_their_detail(api, tmp_path):
     """Events add detail, nothing the verdict rests on: one list that cannot be read is noted, the rest stands."""
-    api.jobsets[JS] = api_jobset(failed=False)
-    api.pods = [api_pod(i, code=None, phase="Pending") for i in range(4)]
-    api.failing = [(f"/api/v1/namespaces/{NS}/events", *UNAVAILABLE)]
+    api.put("jobsets", api_jobset(failed=False))
+    api.put("pods", *(api_pod(i, code=None, phase="Pending") for i in range(4)))
+    api.inject(f"/api/v1/namespaces/{NS}/events", *UNAVAILABLE)
     ev = gather_kubernetes(make_api_client(api.url), NS, JS, Evidence(backend="gke", attempt=0))
     assert len(ev.pods) == 4 and all(p.events == [] for p in ev.pods)
     assert sum(f"the events of pod {JS}-workers-0-" in n and "answered 503" in n for n in ev.notes) == 4
@@ -825,8 +754,9 @@ def api_job_at_failure_target(failed_pod: str, code: int) -> dict:
 def test_a_job_at_failure_target_is_a_failed_gang_though_its_jobset_has_not_failed_yet(api, tmp_path):
     """JobSet reacts to Failed only; Failed waits for every pod to be terminal. The Job's FailureTarget decides."""
     _running_gang(api)
-    api.pods[2] = api_pod(2, code=42, at=20)
-    api.jobs = [api_job_at_failure_target(api.pods[2]["metadata"]["name"], 42)]
+    failed = api_pod(2, code=42, at=20)
+    api.put("pods", failed)  # replaces worker 2's pod (the same name)
+    api.put("jobs", api_job_at_failure_target(failed["metadata"]["name"], 42))
     cfg, store = _gke_run(tmp_path)
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
     assert r.decision.decision == "retry" and r.verdict.failure_class == "application", r.verdict.reason
@@ -851,7 +781,7 @@ QUOTA_REFUSAL = (
 )
 
 
-def _never_started(api: FakeApi, message: str, *, stopped: bool) -> SupervisionRecord:
+def _never_started(api: FakeCluster, message: str, *, stopped: bool) -> SupervisionRecord:
     """A gang whose pods the API refused: the supervisor's capacity stall; ``stopped``: its stop deleted the gang."""
     from recovery_steps.kernel.snapshot import ClusterSnapshot, job_from_api, jobset_from_api
 
@@ -861,9 +791,10 @@ def _never_started(api: FakeApi, message: str, *, stopped: bool) -> SupervisionR
         "status": {"active": 0, "ready": 0, "terminating": 0},
         "metadata": {"name": f"{JS}-workers-0", "namespace": NS, "labels": {JS_LABEL: JS}},
     }
-    api.events = [api_event("Job", f"{JS}-workers-0", "FailedCreate", message)]
+    api.put("events", api_event("Job", f"{JS}-workers-0", "FailedCreate", message))
     if not stopped:
-        api.jobsets[JS], api.jobs = api_jobset(failed=False), [job]
+        api.put("jobsets", api_jobset(failed=False))
+        api.put("jobs", copy.deepcopy(job))
     snap = ClusterSnapshot(taken_at=1.0, jobset=jobset_from_api(api_jobset(failed=False)), jobs=[job_from_api(job)])
     return SupervisionRecord(
         attempt=3,
@@ -898,19 +829,20 @@ def test_a_gang_whose_pods_the_api_refused_is_classified_from_its_jobs_events(
         and says in r.verdict.reason
     )
     assert f"Job {JS}-workers-0: FailedCreate: {message}" in r.verdict.evidence
-    assert any("involvedObject.kind%3DJob" in q or "involvedObject.kind=Job" in q for q in api.requests)
+    assert any("involvedObject.kind%3DJob" in q or "involvedObject.kind=Job" in q for _, q, _ in api.requests)
 
 
 def test_the_pull_failure_of_a_pod_torn_down_before_it_ran_is_read_from_its_events(api, tmp_path):
     """The kubelet's placeholder (exit 137, ContainerStatusUnknown) says nothing; the pod's events say why."""
-    api.jobsets[JS] = api_jobset()
-    api.pods = [api_pod(i, code=137, at=12, reason="ContainerStatusUnknown") for i in range(4)]
+    api.put("jobsets", api_jobset())
+    pods = [api_pod(i, code=137, at=12, reason="ContainerStatusUnknown") for i in range(4)]
     image = "gcr.io/p/trainer:typo"
-    for p in api.pods:
+    for p in pods:
         term = p["status"]["containerStatuses"][0]["state"]["terminated"]
         term.pop("startedAt"), term.pop("containerID")
         term["message"] = "The container could not be located when the pod was terminated"
-        api.events.append(
+        api.put(
+            "events",
             api_event(
                 "Pod",
                 p["metadata"]["name"],
@@ -918,8 +850,9 @@ def test_the_pull_failure_of_a_pod_torn_down_before_it_ran_is_read_from_its_even
                 f'Failed to pull image "{image}": rpc error: code = NotFound desc = failed to pull '
                 f'and unpack image "{image}": failed to resolve reference "{image}": {image}: '
                 "not found",
-            )
+            ),
         )
+    api.put("pods", *pods)
     cfg, _ = _gke_run(tmp_path)
     r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
     assert r.verdict.failure_class == "configuration", r.verdict.reason

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-import uuid
-
 import pytest
-from support.fake_http import JsonServer
-from support.fake_k8s import status
+from support.fake_k8s import FakeCluster, status
 from support.provision_api import store_config as _store_config
 
 from recovery_steps import finalize, hand_over, lease
@@ -140,55 +136,20 @@ def _running_workflow(name: str, uid: str, run_id: str) -> dict:
     }
 
 
-class _Argo:
-    """Workflows get and create (argoproj.io/v1alpha1) as the API server answers them; ``fail`` forces a status."""
-
-    PREFIX = "/apis/argoproj.io/v1alpha1/namespaces/training/workflows"
-
-    def __init__(self, workflows: dict[str, dict]):
-        self.workflows = workflows
-        self.requests: list[tuple[str, str, dict]] = []
-        self.fail: dict[str, tuple[int, str]] = {}
-        self.http = JsonServer(self._route)
-
-    def _route(self, method, raw, body):
-        self.requests.append((method, raw, body))
-        path = raw.split("?")[0]
-        if method in self.fail:
-            code, reason = self.fail[method]
-            return code, status(code, reason, f"forced {reason}")
-        if method == "POST" and path == self.PREFIX:
-            name = body["metadata"]["name"]
-            if name in self.workflows:
-                return 409, status(409, "AlreadyExists", f'workflows.argoproj.io "{name}" already exists')
-            made = copy.deepcopy(body)
-            made["metadata"].update(
-                uid=str(uuid.uuid4()), resourceVersion="90001", generation=1, creationTimestamp="2026-11-20T10:00:00Z"
-            )
-            self.workflows[name] = made
-            return 201, made
-        name = path.rsplit("/", 1)[-1]
-        if method == "GET" and path.startswith(self.PREFIX + "/") and name in self.workflows:
-            return 200, self.workflows[name]
-        return 404, status(404, "NotFound", f'workflows.argoproj.io "{name}" not found')
-
-    def close(self):
-        self.http.close()
-
-
 @pytest.fixture
 def gke_run(tmp_path):
     root = str(tmp_path / "store")
     run_id = _store_config(root, "v5e-4x4.yaml")
     store = RunStore(root, run_id)
     lease.acquire(store, "uid-a", "wf-a", 3600, site=lease.Site("training", "kube-system-uid"))
-    argo = _Argo({"wf-a": _running_workflow("wf-a", "uid-a", run_id)})
+    argo = FakeCluster()
+    argo.put("workflows", _running_workflow("wf-a", "uid-a", run_id))
     yield root, run_id, store, argo
     argo.close()
 
 
 def _hand_over(root, run_id, argo, out, attempt=30):
-    return hand_over.run(root, run_id, attempt, "wf-a", "uid-a", out, api_client=make_api_client(argo.http.url))
+    return hand_over.run(root, run_id, attempt, "wf-a", "uid-a", out, api_client=make_api_client(argo.url))
 
 
 def test_gke_hand_over_creates_the_continuation_passes_the_lease_and_records_it(gke_run, tmp_path):
@@ -229,7 +190,7 @@ def test_a_retried_hand_over_finds_its_continuation_and_records_it_once(gke_run,
 def test_a_name_taken_by_another_workflow_is_a_configuration_error(gke_run, capsys):
     root, run_id, store, argo = gke_run
     name = continuation_name(run_id, 30)
-    argo.workflows[name] = {"metadata": {"name": name, "uid": "u-x", "labels": {"jaxrec/continues": "someone"}}}
+    argo.put("workflows", {"metadata": {"name": name, "uid": "u-x", "labels": {"jaxrec/continues": "someone"}}})
     with pytest.raises(StepError) as e:
         _hand_over(root, run_id, argo, None)
     assert e.value.code == ExitCode.CONFIGURATION and f"argo delete {name}" in str(e.value)
@@ -248,7 +209,7 @@ def test_api_refusals_name_the_fix_and_outages_are_transient(
     gke_run, tmp_path, capsys, method, code, reason, exit_code, words
 ):
     root, run_id, store, argo = gke_run
-    argo.fail[method] = (code, reason)
+    argo.inject("", code, status(code, reason, f"forced {reason}"), method=method)
     with pytest.raises(StepError) as e:
         _hand_over(root, run_id, argo, None)
     assert e.value.code == exit_code and words in str(e.value) and "\n" not in str(e.value)

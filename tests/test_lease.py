@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.fake_http import JsonServer
-from support.fake_k8s import status
+from support.fake_k8s import FakeCluster, status
 from support.provision_api import FakeKube
 from support.provision_api import node as _node
 from support.provision_api import store_config as _store_config
@@ -125,55 +124,40 @@ def test_local_workflow_runs_have_distinct_uids():
     assert a._global_names()["workflow.uid"] == a.uid
 
 
-class _Argo:
-    """The Argo Workflow objects and the kube-system namespace the lease's checks read."""
+def _cluster_id(argo: FakeCluster, uid: str | None) -> None:
+    """The cluster's id as the lease reads it, the uid of namespace kube-system; None: RBAC refuses that read."""
+    if uid is None:
+        msg = (
+            'namespaces "kube-system" is forbidden: User "system:serviceaccount:training:jax-recovery" cannot get '
+            'resource "namespaces" in API group "" in the namespace "kube-system"'
+        )
+        refused = status(403, "Forbidden", msg, name="kube-system", kind="namespaces")
+        argo.inject("/api/v1/namespaces/kube-system", 403, refused)
+        return
+    argo.put("namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system", "uid": uid}})
 
-    def __init__(self, workflows: dict[str, dict], cluster: str | None = CLUSTER, namespace: str = "training"):
-        self.workflows = workflows
-        self.cluster, self.ns = cluster, namespace
-        self.jobsets: dict[str, dict] = {}
-        self.jobset_fail: tuple[int, str] | None = None  # every JobSet read answers this
-        self.requests: list[str] = []
-        self.deletes: list[str] = []  # the paths of DELETE requests
-        self.http = JsonServer(self._route)
 
-    def _route(self, method, raw, body):
-        self.requests.append(raw)
-        if method == "DELETE":
-            self.deletes.append(raw)
-        path = raw.split("?")[0]
-        name = path.rsplit("/", 1)[-1]
-        if path == "/api/v1/namespaces/kube-system":
-            if self.cluster is None:
-                return 403, status(403, "Forbidden", 'namespaces "kube-system" is forbidden')
-            return 200, {
-                "apiVersion": "v1",
-                "kind": "Namespace",
-                "metadata": {"name": "kube-system", "uid": self.cluster},
-            }
-        if f"/apis/argoproj.io/v1alpha1/namespaces/{self.ns}/workflows/" in path and name in self.workflows:
-            return 200, self.workflows[name]
-        if f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{self.ns}/jobsets/" in path and self.jobset_fail:
-            code, reason = self.jobset_fail
-            return code, status(code, reason, "etcdserver: request timed out")
-        if f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{self.ns}/jobsets/" in path and name in self.jobsets:
-            return 200, self.jobsets[name]
-        return 404, status(404, "NotFound", f'workflows.argoproj.io "{name}" not found')
+def _argo(*workflows: dict, cluster: str | None = CLUSTER, namespace: str = "training") -> FakeCluster:
+    """The API with the Argo Workflow objects and the kube-system namespace the lease's checks read."""
+    argo = FakeCluster(namespace=namespace)
+    _cluster_id(argo, cluster)
+    argo.put("workflows", *workflows)
+    return argo
 
 
 def test_workflow_alive_reads_the_holders_workflow_object_in_its_own_cluster_and_namespace():
     running = {"metadata": {"name": "wf-uid-a", "uid": "uid-a"}, "status": {"phase": "Running"}}
-    argo = _Argo({"wf-uid-a": running})
+    argo = _argo(running)
     here = _lease(namespace="training", cluster=CLUSTER)
     try:
-        site, alive = lease.on_gke(make_api_client(argo.http.url), "training")
+        site, alive = lease.on_gke(make_api_client(argo.url), "training")
         assert site == HERE
         assert alive(here) is True
-        argo.workflows["wf-uid-a"] = {**running, "status": {"phase": "Failed"}}
+        argo.put("workflows", {**running, "status": {"phase": "Failed"}})
         assert alive(here) is False
-        argo.workflows["wf-uid-a"] = {**running, "metadata": {"name": "wf-uid-a", "uid": "other"}}
+        argo.put("workflows", {**running, "metadata": {"name": "wf-uid-a", "uid": "other"}})
         assert alive(here) is False  # resubmitted under the same name: another object
-        del argo.workflows["wf-uid-a"]
+        argo.remove("workflows", "wf-uid-a")
         assert alive(here) is False  # deleted: its exit handler never ran
         # Elsewhere the same 404 says nothing: another cluster, another namespace, a lease naming no cluster.
         asked = len(argo.requests)
@@ -186,17 +170,17 @@ def test_workflow_alive_reads_the_holders_workflow_object_in_its_own_cluster_and
             assert alive(there) is None
         assert len(argo.requests) == asked  # not even asked
     finally:
-        argo.http.close()
+        argo.close()
 
 
 def test_an_unreadable_cluster_id_trusts_no_404():
-    argo = _Argo({}, cluster=None)
+    argo = _argo(cluster=None)
     try:
-        site, alive = lease.on_gke(make_api_client(argo.http.url), "training")
-        assert site == lease.Site(namespace="training") and lease.cluster_id(make_api_client(argo.http.url)) is None
+        site, alive = lease.on_gke(make_api_client(argo.url), "training")
+        assert site == lease.Site(namespace="training") and lease.cluster_id(make_api_client(argo.url)) is None
         assert alive(_lease(namespace="training", cluster=CLUSTER)) is None
     finally:
-        argo.http.close()
+        argo.close()
 
 
 def test_the_lease_names_the_holders_namespace_and_cluster_and_a_renewal_keeps_them(store_root):
@@ -338,23 +322,23 @@ def _validate_as(args: list[str], out: Path, uid: str) -> int:
 def test_validate_config_on_gke_names_the_site_and_takes_over_only_a_holder_known_gone(tmp_path, capsys):
     cfg_file = REPO / "configs" / "v5e-4x4.yaml"
     root = str(tmp_path / "store")
-    argo = _Argo({})
+    argo = _argo()
     try:
-        args = ["--config", str(cfg_file), "--store-root", root, "--k8s-host", argo.http.url]
+        args = ["--config", str(cfg_file), "--store-root", root, "--k8s-host", argo.url]
         assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
         store = RunStore(root, "lm-v5e-4x4")
         held = store.read_record(RunLayout.LEASE, RunLease)
         assert (held.holder, held.namespace, held.cluster) == ("uid-a", "training", CLUSTER)
         # Another cluster cannot see wf-uid-a: its 404 is no proof, so the lease stands.
-        argo.cluster = "another-cluster"
+        _cluster_id(argo, "another-cluster")
         assert _validate_as(args, tmp_path / "o2", "uid-b") == 2
         assert "held by workflow wf-uid-a (uid uid-a, namespace training" in capsys.readouterr().err
         # The same cluster and namespace: wf-uid-a is not there (deleted), so the run is taken over.
-        argo.cluster = CLUSTER
+        _cluster_id(argo, CLUSTER)
         assert _validate_as(args, tmp_path / "o3", "uid-b") == 0
         assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
     finally:
-        argo.http.close()
+        argo.close()
 
 
 @pytest.mark.parametrize("gang", ["running", "finished", "gone"])
@@ -368,9 +352,9 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     cfg_file = REPO / "configs" / "local-cpu.yaml"
     root = str(tmp_path / "store")
-    argo = _Argo({}, namespace="default")
+    argo = _argo(namespace="default")
     try:
-        args = ["--config", str(cfg_file), "--store-root", root, "--k8s-host", argo.http.url]
+        args = ["--config", str(cfg_file), "--store-root", root, "--k8s-host", argo.url]
         assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
         store = RunStore(root, "local-cpu")
         held = store.read_record(RunLayout.LEASE, RunLease)
@@ -378,12 +362,15 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
         store.write_json(RunLayout.heartbeat(0, 0), {"process_index": 0, "step": 12, "at": 1.0})  # attempt 0 trained
         if gang != "gone":
             cond = [{"type": "Completed", "status": "True"}] if gang == "finished" else []
-            argo.jobsets["local-cpu-a0"] = {
-                "apiVersion": "jobset.x-k8s.io/v1alpha2",
-                "kind": "JobSet",
-                "metadata": {"name": "local-cpu-a0", "namespace": "default"},
-                "status": {"conditions": cond},
-            }
+            argo.put(
+                "jobsets",
+                {
+                    "apiVersion": "jobset.x-k8s.io/v1alpha2",
+                    "kind": "JobSet",
+                    "metadata": {"name": "local-cpu-a0", "namespace": "default"},
+                    "status": {"conditions": cond},
+                },
+            )
         capsys.readouterr()
         assert _validate_as(args, tmp_path / "o2", "uid-b") == 0, capsys.readouterr().err
         assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
@@ -394,22 +381,25 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
         else:
             assert first == "1" and "continuing" not in err, err
     finally:
-        argo.http.close()
+        argo.close()
 
 
-def _left_running(argo: _Argo, store: RunStore, run_id: str) -> None:
+def _left_running(argo: FakeCluster, store: RunStore, run_id: str) -> None:
     """Attempt 0 of a Workflow since deleted: it trained, nothing decided or closed it, its JobSet still runs."""
     store.write_json(RunLayout.heartbeat(0, 0), {"process_index": 0, "step": 12, "at": 1.0})
-    argo.jobsets[f"{run_id}-a0"] = {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {
-            "name": f"{run_id}-a0",
-            "namespace": "default",
-            "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"},
+    argo.put(
+        "jobsets",
+        {
+            "apiVersion": "jobset.x-k8s.io/v1alpha2",
+            "kind": "JobSet",
+            "metadata": {
+                "name": f"{run_id}-a0",
+                "namespace": "default",
+                "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"},
+            },
+            "status": {"conditions": []},
         },
-        "status": {"conditions": []},
-    }
+    )
 
 
 @pytest.fixture
@@ -418,16 +408,16 @@ def left_gang(tmp_path, monkeypatch):
     with its gang still training. Yields the fake API, validate-config's arguments and the run store."""
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     root = str(tmp_path / "store")
-    argo = _Argo({}, namespace="default")
+    argo = _argo(namespace="default")
     try:
-        args = ["--config", str(REPO / "configs" / "local-cpu.yaml"), "--store-root", root, "--k8s-host", argo.http.url]
+        args = ["--config", str(REPO / "configs" / "local-cpu.yaml"), "--store-root", root, "--k8s-host", argo.url]
         assert _validate_as(args, tmp_path / "o1", "uid-a") == 0
         store = RunStore(root, "local-cpu")
         assert store.read_record(RunLayout.LEASE, RunLease).first_attempt == 0
         _left_running(argo, store, "local-cpu")
         yield argo, args, store
     finally:
-        argo.http.close()
+        argo.close()
 
 
 def test_a_resubmission_whose_config_is_refused_takes_nothing_and_its_exit_handler_deletes_nothing(
@@ -458,10 +448,10 @@ def test_a_resubmission_whose_config_is_refused_takes_nothing_and_its_exit_handl
             "--holder",
             "uid-b",
             "--k8s-host",
-            argo.http.url,
+            argo.url,
         ]
     )
-    assert code == 0 and argo.deletes == []
+    assert code == 0 and argo.requests_of("DELETE", "/") == []
     assert store.read_record(RunLayout.LEDGER, Ledger) is None  # the run's ledger untouched
 
 
@@ -474,14 +464,15 @@ def test_an_unreadable_jobset_of_an_open_attempt_is_never_taken_for_not_running(
     """The numbering would move past a live gang, which the next provision-slice refuses to delete (the run stops):
     validate-config exits 69 (retried) for a transient answer, 2 for a refusal, and takes no lease either way."""
     argo, args, store = left_gang
-    argo.jobset_fail = answer
+    jobset_reads = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{argo.ns}/jobsets/"
+    argo.inject(jobset_reads, answer[0], status(*answer, "etcdserver: request timed out"))
     capsys.readouterr()
     assert _validate_as(args, tmp_path / "o2", "uid-b") == code
     err = capsys.readouterr().err
     assert f"cannot read JobSet local-cpu-a0 of open attempt 0: Kubernetes API answered {answer[0]}" in err, err
     assert "Traceback" not in err and not (tmp_path / "o2" / "first-attempt").exists()
     assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"
-    argo.jobset_fail = None  # the API answers again: the retry continues the live attempt
+    argo.faults.clear()  # the API answers again: the retry continues the live attempt
     assert _validate_as(args, tmp_path / "o3", "uid-b") == 0
     assert (tmp_path / "o3" / "first-attempt").read_text() == "0"
     assert store.read_record(RunLayout.LEASE, RunLease).first_attempt == 0

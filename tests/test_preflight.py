@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import urlparse
 
 import pytest
 import yaml
-from support.fake_http import JsonServer
+from support.fake_k8s import FakeCluster
 from support.iam_proxy import IamProxy, gcs_error_403
 
 from recovery_steps import preflight, validate_config
@@ -97,61 +96,17 @@ def test_local_store_write_read_delete(tmp_path):
 # --- the cluster --------------------------------------------------------------------------------
 
 
-def _status(code: int, reason: str, message: str, **details) -> dict:
-    """A Kubernetes ``Status`` object as the API server returns it for a refused request."""
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "details": details,
-        "code": code,
-    }
-
-
-class FakeCluster:
-    """The API paths the preflight reads, answering as the API server does."""
-
-    def __init__(self, *, namespace=True, crd=True, accounts=("jax-recovery", "jax-recovery-worker"), denied=()):
-        self.namespace, self.crd, self.accounts, self.denied = namespace, crd, set(accounts), set(denied)
-        self.reviews: list[dict] = []
-        self.http = JsonServer(self._route)
-        self.url = self.http.url
-
-    def _route(self, method, raw, body):
-        path = urlparse(raw).path
-        if method == "POST" and path == "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews":
-            attrs = body["spec"]["resourceAttributes"]
-            self.reviews.append(attrs)
-            allowed = (attrs["verb"], attrs["resource"]) not in self.denied
-            return 201, {**body, "status": {"allowed": allowed, **({} if allowed else {"reason": ""})}}
-        if path == f"/api/v1/namespaces/{NS}":
-            if self.namespace:
-                return 200, {"kind": "Namespace", "apiVersion": "v1", "metadata": {"name": NS}}
-            return 404, _status(404, "NotFound", f'namespaces "{NS}" not found', name=NS, kind="namespaces")
-        if path == f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets":
-            if self.crd:
-                return 200, {
-                    "apiVersion": "jobset.x-k8s.io/v1alpha2",
-                    "kind": "JobSetList",
-                    "metadata": {},
-                    "items": [],
-                }
-            return 404, _status(404, "NotFound", "the server could not find the requested resource")
-        prefix = f"/api/v1/namespaces/{NS}/serviceaccounts/"
-        if path.startswith(prefix):
-            name = path[len(prefix) :]
-            if name in self.accounts:
-                return 200, {"kind": "ServiceAccount", "apiVersion": "v1", "metadata": {"name": name, "namespace": NS}}
-            return 404, _status(
-                404, "NotFound", f'serviceaccounts "{name}" not found', name=name, kind="serviceaccounts"
-            )
-        return 404, _status(404, "NotFound", "the server could not find the requested resource")
-
-    def close(self):
-        self.http.close()
+def _cluster(*, namespace=True, crd=True, accounts=("jax-recovery", "jax-recovery-worker"), denied=()):
+    """The API the preflight reads: the run's namespace, the JobSet CRD, the ServiceAccounts, RBAC's answers."""
+    kube = FakeCluster(namespace=NS)
+    if not namespace:
+        kube.remove("namespaces", NS)
+    if not crd:
+        kube.uninstall("jobsets")
+    for name in accounts:
+        kube.put("serviceaccounts", {"kind": "ServiceAccount", "apiVersion": "v1", "metadata": {"name": name}})
+    kube.denied = set(denied)
+    return kube
 
 
 @pytest.fixture
@@ -159,7 +114,7 @@ def cluster_factory():
     made = []
 
     def make(**kw):
-        made.append(FakeCluster(**kw))
+        made.append(_cluster(**kw))
         return made[-1]
 
     yield make

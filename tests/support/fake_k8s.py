@@ -1,4 +1,14 @@
-"""A small Kubernetes API at its HTTP boundary: JobSets, Jobs, pods and nodes with list, watch and delete.
+"""One fake of the Kubernetes API at its HTTP boundary, for the fast tier.
+
+One model of the API objects (pods, nodes, namespaces, service accounts, events, Jobs, JobSets, Argo
+Workflows), answered as kube-apiserver v1.36 answers them:
+
+- get, list (label and field selectors), watch, create and delete, on the paths the API server serves
+  (``/api/v1/...``, ``/apis/<group>/<version>/...``, namespaced and cluster-scoped);
+- failures as ``metav1.Status`` bodies: 404 NotFound (an object, or a resource the server does not serve, as
+  when a CRD is not installed), 409 AlreadyExists, 422 Invalid, 400 BadRequest; and any status a test
+  injects (5xx, 429, 403) with :meth:`FakeCluster.inject`;
+- SelfSubjectAccessReviews, answered from the verbs a test denies.
 
 Objects carry ``metadata.resourceVersion`` from one counter, as the API server's do; a watch returns
 the events after the version it asks for as newline-delimited JSON (``{"type": "ADDED", "object":
@@ -10,8 +20,12 @@ supervisor watches it, without sleeping.
 
 from __future__ import annotations
 
+import copy
+import re
 import threading
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -27,9 +41,9 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def status(code: int, reason: str, message: str) -> dict[str, Any]:
-    """A ``metav1.Status`` body."""
-    return {
+def status(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
+    """A ``metav1.Status`` body; ``details`` (name, group, kind, causes, retryAfterSeconds) when given."""
+    body: dict[str, Any] = {
         "kind": "Status",
         "apiVersion": "v1",
         "metadata": {},
@@ -38,6 +52,9 @@ def status(code: int, reason: str, message: str) -> dict[str, Any]:
         "reason": reason,
         "code": code,
     }
+    if details:
+        body["details"] = details
+    return body
 
 
 def pod(
@@ -153,26 +170,143 @@ def node(name: str, *, ready: bool | None = True, unreachable: bool = False) -> 
     }
 
 
-class FakeCluster:
-    """JobSets, Jobs, pods (namespaced) and nodes, with resource versions and watch events."""
+@dataclass(frozen=True)
+class Resource:
+    """A resource the API server serves: its group/version, its kind, and whether its objects live in a namespace."""
 
-    COLLECTIONS = ("jobsets", "jobs", "pods")
+    api_version: str
+    kind: str
+    namespaced: bool = True
+    status_subresource: bool = True  # a create drops the body's ``status`` (only the status subresource writes it)
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+
+RESOURCES = {
+    "pods": Resource("v1", "Pod"),
+    "events": Resource("v1", "Event", status_subresource=False),
+    "serviceaccounts": Resource("v1", "ServiceAccount", status_subresource=False),
+    "nodes": Resource("v1", "Node", namespaced=False),
+    "namespaces": Resource("v1", "Namespace", namespaced=False),
+    "jobs": Resource("batch/v1", "Job"),
+    "jobsets": Resource("jobset.x-k8s.io/v1alpha2", "JobSet"),
+    # Argo's Workflow CRD has no status subresource: the controller writes status with the object.
+    "workflows": Resource("argoproj.io/v1alpha1", "Workflow", status_subresource=False),
+}
+REVIEWS = "selfsubjectaccessreviews"  # authorization.k8s.io/v1, created and answered, never stored
+NOT_ALLOWED = "the server does not allow this method on the requested resource"
+
+
+@dataclass(frozen=True)
+class Where:
+    """What a request path names: ``/api/v1[/namespaces/<ns>]/<resource>[/<name>]`` or ``/apis/<g>/<v>/...``."""
+
+    api_version: str
+    resource: str
+    namespace: str | None = None
+    name: str | None = None
+
+
+def parse_path(path: str) -> Where | None:
+    """The resource, namespace and name a path asks for; None when it is no resource path."""
+    parts = [p for p in path.split("/") if p]
+    if len(parts) >= 3 and parts[0] == "api":
+        api_version, rest = parts[1], parts[2:]
+    elif len(parts) >= 4 and parts[0] == "apis":
+        api_version, rest = f"{parts[1]}/{parts[2]}", parts[3:]
+    else:
+        return None
+    ns = None
+    if len(rest) >= 3 and rest[0] == "namespaces":  # /namespaces/<ns> alone is the Namespace object
+        ns, rest = rest[1], rest[2:]
+    if len(rest) > 2:
+        return None  # a subresource (status, log, exec): none is served here
+    return Where(api_version, rest[0], ns, rest[1] if len(rest) > 1 else None)
+
+
+def _terms(selector: str) -> list[str]:
+    """The comma-separated requirements of a selector (commas inside ``in (a,b)`` belong to their set)."""
+    return [t.strip() for t in re.split(r",(?![^(]*\))", selector) if t.strip()]
+
+
+def labels_match(selector: str, labels: dict[str, str]) -> bool:
+    """Whether ``labels`` satisfy a label selector: ``k=v``, ``k==v``, ``k!=v``, ``k``, ``!k``, ``k in (..)``,
+    ``k notin (..)`` (apimachinery's labels.Parse; ``!=`` and ``notin`` match an absent key)."""
+    for term in _terms(selector):
+        if m := re.fullmatch(r"(\S+)\s+(in|notin)\s+\((.*)\)", term):
+            key, op, values = m[1], m[2], {v.strip() for v in m[3].split(",")}
+            if (labels.get(key) in values) != (op == "in"):
+                return False
+        elif "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def fields_match(selector: str, obj: dict[str, Any]) -> bool:
+    """Whether ``obj`` satisfies a field selector: ``path=v``, ``path==v``, ``path!=v`` on dotted paths such as
+    ``metadata.name`` or ``involvedObject.kind`` (an absent field reads as the empty string)."""
+    for term in _terms(selector):
+        negate = "!=" in term
+        path, value = term.replace("!=", "=").replace("==", "=").split("=", 1)
+        field: Any = obj
+        for key in path.strip().split("."):
+            field = field.get(key) if isinstance(field, dict) else None
+        if ((field if field is not None else "") == value.strip()) == negate:
+            return False
+    return True
+
+
+def _flag(q: dict[str, list[str]], key: str) -> str:
+    return (q.get(key) or [""])[0]
+
+
+class FakeCluster:
+    """The API objects of one namespace (``namespace``) and the cluster-scoped ones, with resource versions and
+    watch events. ``cluster.pods`` (any resource's name) is ``cluster.objects["pods"]``, by object name.
+
+    It starts as a cluster does: the namespace and ``kube-system`` exist. A request for another namespace finds
+    nothing there (404 for an object, an empty list)."""
 
     def __init__(self, script: list[Callable[[FakeCluster], None]] | None = None, *, namespace: str = "training"):
         self.ns = namespace
         self.rv = 100
-        self.objects: dict[str, dict[str, dict[str, Any]]] = {c: {} for c in self.COLLECTIONS}
-        self.events: dict[str, list[tuple[int, str, dict[str, Any]]]] = {c: [] for c in self.COLLECTIONS}
-        self.compacted: dict[str, int] = dict.fromkeys(self.COLLECTIONS, 0)
-        self.nodes: dict[str, dict[str, Any]] = {}
+        self.served = dict(RESOURCES)
+        self.objects: dict[str, dict[str, dict[str, Any]]] = {r: {} for r in RESOURCES}
+        self.changes: dict[str, list[tuple[int, str, dict[str, Any]]]] = {r: [] for r in RESOURCES}
+        self.compacted: dict[str, int] = dict.fromkeys(RESOURCES, 0)
         self.script = list(script or [])
         self.requests: list[tuple[str, str, dict[str, Any]]] = []
+        # (method or None for any, path fragment, status, body): answered instead, first match wins.
+        self.faults: list[tuple[str | None, str, int, dict[str, Any]]] = []
+        self.denied: set[tuple[str, str]] = set()  # (verb, resource) a SelfSubjectAccessReview says no to
+        self.reviews: list[dict[str, Any]] = []  # the resourceAttributes of each review asked
         self.lock = threading.RLock()
         self.on_create: Callable[[FakeCluster, dict[str, Any]], None] | None = None
         # (status, body) every create answers instead (an admission webhook failing closed, a 429, RBAC).
         self.fail_create: tuple[int, dict[str, Any]] | None = None
+        for ns in dict.fromkeys((namespace, "kube-system")):
+            self.put("namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "uid": _uid()}})
         self.server = JsonServer(self.route)
         self.url = self.server.url
+
+    def __getattr__(self, name: str) -> dict[str, dict[str, Any]]:
+        objects = self.__dict__.get("objects")
+        if objects is None or name not in objects:
+            raise AttributeError(name)
+        return objects[name]
 
     def close(self) -> None:
         """Stop the server."""
@@ -180,14 +314,18 @@ class FakeCluster:
 
     # -- mutations (tests and scripts) --
 
-    def put(self, coll: str, obj: dict[str, Any]) -> None:
-        """Create or replace an object; emits ADDED or MODIFIED."""
+    def put(self, coll: str, *objs: dict[str, Any]) -> None:
+        """Create or replace objects (stored as given, in this namespace when namespaced); emits ADDED or MODIFIED."""
         with self.lock:
-            self.rv += 1
-            obj["metadata"]["resourceVersion"] = str(self.rv)
-            kind = "MODIFIED" if obj["metadata"]["name"] in self.objects[coll] else "ADDED"
-            self.objects[coll][obj["metadata"]["name"]] = obj
-            self.events[coll].append((self.rv, kind, obj))
+            for obj in objs:
+                self.rv += 1
+                meta = obj["metadata"]
+                meta["resourceVersion"] = str(self.rv)
+                if RESOURCES[coll].namespaced:
+                    meta.setdefault("namespace", self.ns)
+                kind = "MODIFIED" if meta["name"] in self.objects[coll] else "ADDED"
+                self.objects[coll][meta["name"]] = obj
+                self.changes[coll].append((self.rv, kind, obj))
 
     def remove(self, coll: str, name: str) -> None:
         """Delete an object; emits DELETED."""
@@ -196,7 +334,7 @@ class FakeCluster:
             if obj is not None:
                 self.rv += 1
                 obj["metadata"]["resourceVersion"] = str(self.rv)
-                self.events[coll].append((self.rv, "DELETED", obj))
+                self.changes[coll].append((self.rv, "DELETED", obj))
 
     def compact(self, coll: str) -> None:
         """Forget the event history of ``coll``: an older resourceVersion now gets 410 Gone."""
@@ -204,98 +342,182 @@ class FakeCluster:
             self.rv += 1
             self.compacted[coll] = self.rv
 
+    def uninstall(self, resource: str) -> None:
+        """Stop serving ``resource``, as a cluster without its CRD: every request for it is 404."""
+        self.served.pop(resource, None)
+
+    def inject(self, fragment: str, code: int, body: dict[str, Any], *, method: str | None = None) -> None:
+        """Answer ``code`` and ``body`` to every request (of ``method``; any when None) whose path contains
+        ``fragment``, until ``faults`` is cleared: the API server timing out (503, 504), throttling (429), failing
+        (500), refusing (403)."""
+        self.faults.append((method, fragment, code, body))
+
     def requests_of(self, method: str, fragment: str) -> list[tuple[str, str, dict[str, Any]]]:
         """The requests made with ``method`` whose path contains ``fragment``."""
         return [r for r in self.requests if r[0] == method and fragment in r[1]]
 
     # -- the API --
 
-    def _list(self, coll: str, q: dict[str, list[str]]) -> tuple[int, Any]:
-        sel = (q.get("labelSelector") or [""])[0]
-        field = (q.get("fieldSelector") or [""])[0]
-
-        def match(o: dict[str, Any]) -> bool:
-            if sel:
-                k, _, v = sel.partition("=")
-                if (o["metadata"].get("labels") or {}).get(k) != v:
-                    return False
-            if field.startswith("metadata.name="):
-                return o["metadata"]["name"] == field.split("=", 1)[1]
-            return True
-
-        if (q.get("watch") or ["false"])[0].lower() in ("true", "1"):
-            rv = int((q.get("resourceVersion") or ["0"])[0] or 0)
-            if rv < self.compacted[coll]:
-                gone = status(410, "Expired", f"too old resource version: {rv}")
-                return 200, Stream([{"type": "ERROR", "object": gone}])
-            evs = [{"type": t, "object": o} for v, t, o in self.events[coll] if v > rv and match(o)]
-            return 200, Stream(evs)
-        items = [o for o in self.objects[coll].values() if match(o)]
-        kind = {"jobsets": "JobSetList", "jobs": "JobList", "pods": "PodList"}[coll]
-        return 200, {"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)}, "items": items}
-
     def route(self, method: str, raw: str, body: dict[str, Any]) -> tuple[int, Any]:
         """Answer one request."""
         u = urlparse(raw)
         q = parse_qs(u.query)
-        parts = u.path.strip("/").split("/")
         with self.lock:
             self.requests.append((method, raw, body))
-            coll = next((c for c in self.COLLECTIONS if c in parts), None)
-            if u.path.startswith("/api/v1/nodes/"):
-                n = self.nodes.get(parts[-1])
-                return (200, n) if n else (404, status(404, "NotFound", f'nodes "{parts[-1]}" not found'))
-            if coll is None:
+            for m, fragment, code, answer in self.faults:
+                if m in (None, method) and fragment in u.path:
+                    return code, answer
+            at = parse_path(u.path)
+            if at is not None and at.resource == REVIEWS and at.api_version == "authorization.k8s.io/v1":
+                return self._review(method, body)
+            res = self.served.get(at.resource) if at else None
+            if at is None or res is None or res.api_version != at.api_version or (at.namespace and not res.namespaced):
                 return 404, status(404, "NotFound", "the server could not find the requested resource")
-            tail = parts[parts.index(coll) + 1 :]
-            if method == "GET" and not tail:
-                if coll == "pods" and (q.get("watch") or [""])[0] and self.script:
+            if method == "GET" and at.name is None:
+                if at.resource == "pods" and _flag(q, "watch") and self.script:
                     self.script.pop(0)(self)
-                return self._list(coll, q)
+                return self._list(at, q)
             if method == "GET":
-                o = self.objects[coll].get(tail[0])
-                return (200, o) if o else (404, status(404, "NotFound", f'{coll} "{tail[0]}" not found'))
-            if method == "POST":
-                if self.fail_create is not None:
-                    return self.fail_create
-                name = body["metadata"]["name"]
-                if name in self.objects[coll]:
-                    return 409, status(409, "AlreadyExists", f'{coll} "{name}" already exists')
-                obj = {**body, "metadata": {**body["metadata"], "creationTimestamp": iso(_now()), "uid": "js-uid"}}
-                obj["status"] = {}
-                self.put(coll, obj)
-                if self.on_create:
-                    self.on_create(self, obj)
-                return 201, obj
-            if method == "DELETE":
-                o = self.objects[coll].get(tail[0])
-                if o is None:
-                    return 404, status(404, "NotFound", f'{coll} "{tail[0]}" not found')
-                if coll == "pods" and (q.get("gracePeriodSeconds") or [""])[0] == "0":
-                    self.remove("pods", tail[0])
-                elif coll == "jobsets":
-                    self._delete_gang(tail[0])
-                return 200, o
-        return 405, status(405, "MethodNotAllowed", method)
+                return self._get(at)
+            if method == "POST" and at.name is None:
+                return self._create(at, body)
+            if method == "DELETE" and at.name is not None:
+                return self._delete(at, q)
+        return 405, status(405, "MethodNotAllowed", NOT_ALLOWED)
+
+    def _here(self, at: Where) -> dict[str, dict[str, Any]]:
+        """The objects the path can see: none in another namespace than the fake's."""
+        if at.namespace is not None and at.namespace != self.ns:
+            return {}
+        return self.objects[at.resource]
+
+    def _about(self, code: int, reason: str, resource: str, name: str, says: str) -> tuple[int, dict[str, Any]]:
+        """A Status about one object as the API server words it: ``pods "x" not found``,
+        ``jobsets.jobset.x-k8s.io "x" already exists``, with details naming it."""
+        group = self.served[resource].group
+        qualified = f"{resource}.{group}" if group else resource
+        details = {"name": name, **({"group": group} if group else {}), "kind": resource}
+        return code, status(code, reason, f'{qualified} "{name}" {says}', **details)
+
+    def _not_found(self, at: Where) -> tuple[int, dict[str, Any]]:
+        return self._about(404, "NotFound", at.resource, at.name or "", "not found")
+
+    def _get(self, at: Where) -> tuple[int, Any]:
+        """GET of one object: 200 and the object, or 404 NotFound."""
+        obj = self._here(at).get(at.name or "")
+        return (200, obj) if obj is not None else self._not_found(at)
+
+    def _list(self, at: Where, q: dict[str, list[str]]) -> tuple[int, Any]:
+        """LIST (items sorted by name, as etcd returns its keys) or, with ``watch``, the changes after
+        ``resourceVersion``; both filtered by ``labelSelector`` and ``fieldSelector``."""
+        labels, fields = _flag(q, "labelSelector"), _flag(q, "fieldSelector")
+
+        def match(o: dict[str, Any]) -> bool:
+            if at.namespace is not None and o["metadata"].get("namespace", at.namespace) != at.namespace:
+                return False
+            return labels_match(labels, o["metadata"].get("labels") or {}) and fields_match(fields, o)
+
+        if _flag(q, "watch").lower() in ("true", "1"):
+            rv = int(_flag(q, "resourceVersion") or 0)
+            if rv < self.compacted[at.resource]:
+                gone = status(410, "Expired", f"too old resource version: {rv}")
+                return 200, Stream([{"type": "ERROR", "object": gone}])
+            evs = [{"type": t, "object": o} for v, t, o in self.changes[at.resource] if v > rv and match(o)]
+            return 200, Stream(evs)
+        here = self._here(at)
+        items = [here[name] for name in sorted(here) if match(here[name])]
+        res = self.served[at.resource]
+        return 200, {
+            "kind": f"{res.kind}List",
+            "apiVersion": res.api_version,
+            "metadata": {"resourceVersion": str(self.rv)},
+            "items": items,
+        }
+
+    def _create(self, at: Where, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST to a collection: 201 and the object as stored (name from ``generateName`` when it has none, uid,
+        generation 1, creationTimestamp, resourceVersion; ``status`` dropped where the status subresource writes
+        it); 409 AlreadyExists for a taken name, 422 Invalid for no name, 400 BadRequest for another namespace in
+        the body than in the path, 404 for a namespace that does not exist."""
+        if self.fail_create is not None:
+            return self.fail_create
+        res = self.served[at.resource]
+        meta = dict(body.get("metadata") or {})
+        if at.namespace is not None and meta.get("namespace", at.namespace) != at.namespace:
+            msg = "the namespace of the provided object does not match the namespace sent on the request"
+            return 400, status(400, "BadRequest", msg)
+        if res.namespaced and at.namespace != self.ns:
+            return 404, status(
+                404, "NotFound", f'namespaces "{at.namespace}" not found', name=at.namespace, kind="namespaces"
+            )
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        name = meta.get("name")
+        if not name:
+            msg = f'{res.kind} "" is invalid: metadata.name: Required value: name or generateName is required'
+            return 422, status(422, "Invalid", msg, kind=res.kind)
+        if name in self.objects[at.resource]:
+            return self._about(409, "AlreadyExists", at.resource, name, "already exists")
+        obj = copy.deepcopy(body)
+        obj["metadata"] = {**meta, "uid": _uid(), "generation": 1, "creationTimestamp": iso(_now())}
+        if res.status_subresource:
+            obj.pop("status", None)
+        self.put(at.resource, obj)
+        if self.on_create:
+            self.on_create(self, obj)
+        return 201, obj
+
+    def _delete(self, at: Where, q: dict[str, list[str]]) -> tuple[int, Any]:
+        """DELETE of one object: 200 and the object, or 404 NotFound. A JobSet takes its gang with it
+        (:meth:`_delete_gang`); a pod goes at once on a live node or with ``gracePeriodSeconds=0``, and stays
+        Terminating on a lost node, whose kubelet cannot confirm it; any other object goes."""
+        obj = self._here(at).get(at.name or "")
+        if obj is None:
+            return self._not_found(at)
+        if at.resource == "jobsets":
+            self._delete_gang(obj["metadata"]["name"])
+        elif at.resource == "pods" and _flag(q, "gracePeriodSeconds") != "0" and self._on_lost_node(obj):
+            self._terminating(obj)
+        else:
+            self.remove(at.resource, obj["metadata"]["name"])
+        return 200, obj
+
+    def _review(self, method: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """A SelfSubjectAccessReview: 201 and the review with ``status.allowed`` (RBAC's answer: no for a denied
+        (verb, resource), with an empty reason)."""
+        if method != "POST":
+            return 405, status(405, "MethodNotAllowed", NOT_ALLOWED)
+        attrs = body["spec"]["resourceAttributes"]
+        self.reviews.append(attrs)
+        allowed = (attrs["verb"], attrs["resource"]) not in self.denied
+        return 201, {**body, "status": {"allowed": allowed, **({} if allowed else {"reason": ""})}}
+
+    def _on_lost_node(self, p: dict[str, Any]) -> bool:
+        n = self.objects["nodes"].get(p["spec"].get("nodeName") or "")
+        return n is not None and n["status"]["conditions"][0]["status"] != "True"
+
+    def _terminating(self, p: dict[str, Any]) -> None:
+        meta = {**p["metadata"], "deletionTimestamp": iso(_now()), "deletionGracePeriodSeconds": 30}
+        self.put("pods", {**p, "metadata": meta})
 
     def _delete_gang(self, jobset: str) -> None:
-        """What the garbage collector does: pods on live nodes go; pods on lost nodes stay Terminating."""
+        """What the garbage collector does: the JobSet's Jobs go; pods on live nodes go; pods on lost nodes stay
+        Terminating."""
         for name, p in list(self.objects["pods"].items()):
-            if p["metadata"]["labels"].get(JOBSET_NAME_LABEL) != jobset:
+            if (p["metadata"].get("labels") or {}).get(JOBSET_NAME_LABEL) != jobset:
                 continue
-            n = self.nodes.get(p["spec"].get("nodeName") or "")
-            lost = n is not None and n["status"]["conditions"][0]["status"] != "True"
-            if lost:
-                p = {
-                    **p,
-                    "metadata": {**p["metadata"], "deletionTimestamp": iso(_now()), "deletionGracePeriodSeconds": 30},
-                }
-                self.put("pods", p)
+            if self._on_lost_node(p):
+                self._terminating(p)
             else:
                 self.remove("pods", name)
-        for name in list(self.objects["jobs"]):
-            self.remove("jobs", name)
+        for name, job in list(self.objects["jobs"].items()):
+            if (job["metadata"].get("labels") or {}).get(JOBSET_NAME_LABEL) == jobset:
+                self.remove("jobs", name)
         self.remove("jobsets", jobset)
+
+
+def _uid() -> str:
+    return str(uuid.uuid4())
 
 
 def _now() -> float:
