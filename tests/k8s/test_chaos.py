@@ -138,7 +138,37 @@ def _ended(r: Any, notes: list[str]) -> dict[str, Any]:
         return r.wait_done(600)
     except AssertionError as e:
         notes.append(str(e))
-        return wait_for("the Workflow, as it is", r.wf, 120, 1)
+        wf = wait_for("the Workflow, as it is", r.wf, 120, 1)
+        notes.append(_why_not_ended(r, wf))
+        return wf
+
+
+def _why_not_ended(r: Any, wf: dict[str, Any]) -> str:
+    """What holds a Workflow that has not ended: each unfinished Pod node's pod as the API has it (phase, deletion,
+    containers), and the lines the process kubelets and Argo's controllers logged about it."""
+    nodes = ((wf.get("status") or {}).get("nodes") or {}).values()
+    open_ = {n["id"]: n for n in nodes if n.get("type") == "Pod" and n.get("phase") in ("Pending", "Running")}
+    try:
+        pods = {p["metadata"].get("annotations", {}).get("workflows.argoproj.io/node-id"): p for p in r.rc.pods(r.ns)}
+    except Exception as e:  # noqa: BLE001 - a diagnosis: what could not be read is said
+        return f"pods not read: {e}"
+    dead = [c.name for c in r.rc.components.values() if not c.alive()]
+    lines = [f"unfinished pod nodes: {len(open_)}; components not running: {dead or 'none'}"]
+    for node_id, n in open_.items():
+        pod = pods.get(node_id)
+        if pod is None:
+            lines.append(f"  {n.get('displayName')}: no pod in the API")
+            continue
+        meta, status = pod["metadata"], pod.get("status") or {}
+        states = {c["name"]: list(c.get("state") or {})[:1] for c in status.get("containerStatuses") or []}
+        lines.append(
+            f"  {n.get('displayName')}: pod {meta['name']} {status.get('phase')} on {pod['spec'].get('nodeName')}, "
+            f"deletion {meta.get('deletionTimestamp')}, finalizers {meta.get('finalizers')}, containers {states}"
+        )
+        for c in r.rc.components.values():
+            said = [ln for ln in c.tail(100_000).splitlines() if meta["name"] in ln][-15:]
+            lines += [f"    {c.name} ({'alive' if c.alive() else 'dead'}): {ln[:300]}" for ln in said]
+    return "\n".join(lines)
 
 
 def _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf) -> str:
