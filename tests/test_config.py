@@ -177,18 +177,20 @@ def _webhooks_longest_pod_name(manifest: dict) -> str:
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"])
 def test_longest_pod_name_is_the_one_the_webhook_checks_in_the_manifest(name):
     from recovery_steps.kernel.names import jobset_name, longest_pod_name
-    from workflows.jobset import jobset_manifest
+    from workflows.jobset import JobSetParams, jobset_manifest
 
     cfg = load_config(ROOT / "configs" / name)
     manifest = jobset_manifest(
         cfg,
-        name=jobset_name(cfg.run_id, 99999),
-        run_id=cfg.run_id,
-        store_root="gs://b/p",
-        attempt="99999",
-        restore_step="-1",
-        coordinator_port="1",
-        metrics_port="2",
+        JobSetParams(
+            name=jobset_name(cfg.run_id, 99999),
+            run_id=cfg.run_id,
+            store_root="gs://b/p",
+            attempt="99999",
+            restore_step="-1",
+            coordinator_port="1",
+            metrics_port="2",
+        ),
     )
     assert _webhooks_longest_pod_name(manifest) == longest_pod_name(cfg.run_id, 99999, cfg.slice.num_hosts)
 

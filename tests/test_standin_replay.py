@@ -19,7 +19,7 @@ from support import argo_replay
 
 from recovery_steps.kernel.config import SupervisionConfig, load_config
 from recovery_steps.kernel.store import RunLayout, RunStore
-from workflows.jobset import jobset_manifest
+from workflows.jobset import JobSetParams, jobset_manifest
 from workflows.local import executor as local_executor
 from workflows.local.engine import ERROR, SUCCEEDED, NodeInfo
 from workflows.local.executor import LocalExecutor, SliceHooks, pod_deleted
@@ -97,13 +97,15 @@ def _segment(tmp_path, hooks):
     )
     js = jobset_manifest(
         cfg,
-        name=f"{cfg.run_id}-a0",
-        run_id=cfg.run_id,
-        store_root=store_root,
-        attempt="0",
-        restore_step="-1",
-        coordinator_port="1",
-        metrics_port="0",
+        JobSetParams(
+            name=f"{cfg.run_id}-a0",
+            run_id=cfg.run_id,
+            store_root=store_root,
+            attempt="0",
+            restore_step="-1",
+            coordinator_port="1",
+            metrics_port="0",
+        ),
     )
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     pod["containers"][0]["command"], pod["containers"][0]["args"] = [sys.executable, "-c", WORKER], []

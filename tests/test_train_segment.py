@@ -16,7 +16,7 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport, WorkerHeartbeat
 from recovery_steps.kernel.step import StepError
 from recovery_steps.kernel.store import RunLayout, RunStore
-from workflows.jobset import jobset_manifest
+from workflows.jobset import JobSetParams, jobset_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = 4
@@ -43,13 +43,15 @@ def _cfg(root: Path, **supervision):
 def _manifest(cfg, attempt=0):
     return jobset_manifest(
         cfg,
-        name=f"{cfg.run_id}-a{attempt}",
-        run_id=cfg.run_id,
-        store_root=cfg.storage.root,
-        attempt=str(attempt),
-        restore_step="-1",
-        coordinator_port="8476",
-        metrics_port="9431",
+        JobSetParams(
+            name=f"{cfg.run_id}-a{attempt}",
+            run_id=cfg.run_id,
+            store_root=cfg.storage.root,
+            attempt=str(attempt),
+            restore_step="-1",
+            coordinator_port="8476",
+            metrics_port="9431",
+        ),
     )
 
 

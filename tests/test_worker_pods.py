@@ -9,7 +9,7 @@ import yaml
 
 from recovery_steps.kernel.config import parse_config
 from recovery_steps.kernel.tpu import TPU_TYPES
-from workflows.jobset import jobset_manifest
+from workflows.jobset import JobSetParams, jobset_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TPU_CONFIGS = ["v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"]
@@ -18,13 +18,15 @@ TPU_CONFIGS = ["v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"]
 def _pod(cfg):
     js = jobset_manifest(
         cfg,
-        name="r-a0",
-        run_id="r",
-        store_root="gs://b/p",
-        attempt="0",
-        restore_step="-1",
-        coordinator_port="8476",
-        metrics_port="9431",
+        JobSetParams(
+            name="r-a0",
+            run_id="r",
+            store_root="gs://b/p",
+            attempt="0",
+            restore_step="-1",
+            coordinator_port="8476",
+            metrics_port="9431",
+        ),
     )
     return js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
 

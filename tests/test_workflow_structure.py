@@ -349,20 +349,22 @@ def test_workflow_keeps_failed_pods_and_the_finished_run_for_inspection(cfg_path
 
 
 def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path):
-    from workflows.jobset import jobset_manifest
+    from workflows.jobset import JobSetParams, jobset_manifest
     from workflows.local.engine import NodeInfo
     from workflows.local.executor import LocalExecutor
 
     cfg = load_config(REPO / "configs" / "local-cpu.yaml")
     js = jobset_manifest(
         cfg,
-        name="r-a0",
-        run_id="r",
-        store_root=str(tmp_path),
-        attempt="0",
-        restore_step="-1",
-        coordinator_port="1234",
-        metrics_port="0",
+        JobSetParams(
+            name="r-a0",
+            run_id="r",
+            store_root=str(tmp_path),
+            attempt="0",
+            restore_step="-1",
+            coordinator_port="1234",
+            metrics_port="0",
+        ),
     )
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)

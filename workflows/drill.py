@@ -440,21 +440,29 @@ def refuse_run_in_use(cluster: Cluster, store: RunStore, run_id: str) -> None:
         raise DrillError(f"run {run_id} is in use in namespace {cluster.ns} ({', '.join(objects[:3])}); {fresh}")
 
 
+@dataclass(frozen=True)
+class Injection:
+    """The fault a drill injects and when: once the run passed ``after_step``.
+
+    ``after_checkpoint``: and only once a checkpoint at or past that step is complete too (None: no such wait).
+    """
+
+    fault: Fault
+    after_step: int
+    after_checkpoint: int | None = None
+
+
 def run_drill(
     cluster: Cluster,
     target: Target,
-    fault: Fault,
+    injection: Injection,
     *,
-    after_step: int,
     timeout_s: float,
     say: Callable[[str], None] = print,
     store: RunStore | None = None,
-    after_checkpoint: int | None = None,
 ) -> DrillResult:
-    """Submit, wait for progress, inject, wait for the end, and measure.
-
-    ``after_checkpoint``: inject only once a checkpoint at or past that step is complete, too.
-    """
+    """Submit, wait for progress, inject ``injection.fault`` when it is due, wait for the end, and measure."""
+    fault, after_step, after_checkpoint = injection.fault, injection.after_step, injection.after_checkpoint
     store = store or RunStore(target.store_root, target.run_id)
     deadline = time.time() + timeout_s
     refuse_run_in_use(cluster, store, target.run_id)
@@ -552,14 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         target = load_target(args.workflow, args.params, args.namespace)
         cluster = Cluster(_client(args.kubeconfig, args.context, args.yes), target.namespace)
-        res = run_drill(
-            cluster,
-            target,
-            args.inject,
-            after_step=args.after_step,
-            timeout_s=args.timeout,
-            after_checkpoint=args.after_checkpoint,
-        )
+        injection = Injection(args.inject, after_step=args.after_step, after_checkpoint=args.after_checkpoint)
+        res = run_drill(cluster, target, injection, timeout_s=args.timeout)
     except DrillError as e:
         print(f"drill: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from recovery_steps.kernel.config import JobConfig
@@ -95,24 +96,14 @@ handle: a SIGTERM before its handler is installed ends it at once (exit 143), wh
 until the SIGKILL after the grace period (137)."""
 
 
-def jobset_manifest(
-    cfg: JobConfig,
-    *,
-    name: str,
-    run_id: str,
-    store_root: str,
-    attempt: str,
-    restore_step: str,
-    coordinator_port: str,
-    metrics_port: str,
-) -> dict[str, Any]:
-    """The JobSet of one attempt.
+@dataclass(frozen=True)
+class JobSetParams:
+    """The values one attempt's JobSet is rendered with.
 
-    The string arguments are usually Argo placeholders (``{{inputs.parameters.attempt}}``); tests
-    pass realistic values to validate the result against the JobSet CRD.
+    Usually Argo placeholders (``{{inputs.parameters.attempt}}``); tests pass realistic values to validate the
+    result against the JobSet CRD.
 
-    Args:
-        cfg: The job config (slice shape, image, service account, namespace).
+    Attributes:
         name: JobSet name (``<run-id>-a<attempt>``, from provision-slice).
         run_id: Run id.
         store_root: Run-store root.
@@ -120,10 +111,29 @@ def jobset_manifest(
         restore_step: Step every worker restores (``-1``: fresh start).
         coordinator_port: Local backend: the JAX coordinator port.
         metrics_port: Port of worker 0's metrics endpoint (local workers add their index).
+    """
+
+    name: str
+    run_id: str
+    store_root: str
+    attempt: str
+    restore_step: str
+    coordinator_port: str
+    metrics_port: str
+
+
+def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
+    """The JobSet of one attempt.
+
+    Args:
+        cfg: The job config (slice shape, image, service account, namespace).
+        params: The attempt's JobSet name, run, store root, attempt, restore step and ports.
 
     Returns:
         The manifest as a plain dict (stable key order).
     """
+    name, run_id, store_root, attempt = params.name, params.run_id, params.store_root, params.attempt
+    restore_step, coordinator_port, metrics_port = params.restore_step, params.coordinator_port, params.metrics_port
     sl = cfg.slice
     hosts = sl.num_hosts
     labels = {RUN_ID_LABEL: run_id, ATTEMPT_LABEL: attempt}

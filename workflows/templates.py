@@ -43,7 +43,7 @@ from recovery_steps.kernel.outputs import (
     UndeclaredOutput,
     ValidateOutputs,
 )
-from workflows.jobset import jobset_manifest
+from workflows.jobset import JobSetParams, jobset_manifest
 
 OUTPUT_DIR = "/tmp/outputs"
 CONFIG_PATH = "/tmp/inputs/config.yaml"
@@ -243,13 +243,15 @@ def train_template(cfg: JobConfig) -> Container:
     """
     manifest = jobset_manifest(
         cfg,
-        name="{{inputs.parameters.jobset-name}}",
-        run_id=RUN_ID,
-        store_root=STORE_ROOT,
-        attempt=ATTEMPT_IN,
-        restore_step="{{inputs.parameters.restore-step}}",
-        coordinator_port="{{inputs.parameters.coordinator-port}}",
-        metrics_port="{{inputs.parameters.metrics-port}}",
+        JobSetParams(
+            name="{{inputs.parameters.jobset-name}}",
+            run_id=RUN_ID,
+            store_root=STORE_ROOT,
+            attempt=ATTEMPT_IN,
+            restore_step="{{inputs.parameters.restore-step}}",
+            coordinator_port="{{inputs.parameters.coordinator-port}}",
+            metrics_port="{{inputs.parameters.metrics-port}}",
+        ),
     )
     args = [*ATTEMPT_ARGS, "--jobset-manifest", json.dumps(manifest, separators=(",", ":"))]
     return _step(

@@ -40,13 +40,14 @@ class Drilled:
         self.result: drill.DrillResult | None = None
         self.error: BaseException | None = None
         cluster = drill.Cluster(rc.admin, self.target.namespace)
-        kw = {"after_step": after_step, "timeout_s": timeout_s, "say": self.lines.append, "store": self.store}
-        self.thread = threading.Thread(target=self._run, args=(cluster, fault), kwargs=kw, daemon=True)
+        kw = {"timeout_s": timeout_s, "say": self.lines.append, "store": self.store}
+        injection = drill.Injection(fault, after_step)
+        self.thread = threading.Thread(target=self._run, args=(cluster, injection), kwargs=kw, daemon=True)
         self.thread.start()
 
-    def _run(self, cluster: drill.Cluster, fault: drill.Fault, **kw: Any) -> None:
+    def _run(self, cluster: drill.Cluster, injection: drill.Injection, **kw: Any) -> None:
         try:
-            self.result = drill.run_drill(cluster, self.target, fault, **kw)
+            self.result = drill.run_drill(cluster, self.target, injection, **kw)
         except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
             self.error = e
 
@@ -157,7 +158,9 @@ def test_the_drill_refuses_a_run_id_in_use_before_it_submits_anything(real_clust
     cluster = drill.Cluster(real_cluster.admin, target.namespace)
     store.write_bytes(RunLayout.CONFIG, b"{}")
     with pytest.raises(drill.DrillError, match=r"already has config.json in .*not drilled; .*-p run-id=drill-"):
-        drill.run_drill(cluster, target, drill.Fault.DELETE_WORKER, after_step=1, timeout_s=60, store=store)
+        drill.run_drill(
+            cluster, target, drill.Injection(drill.Fault.DELETE_WORKER, after_step=1), timeout_s=60, store=store
+        )
     store.delete(RunLayout.CONFIG)
     pod = {
         "apiVersion": "v1",
@@ -168,7 +171,9 @@ def test_the_drill_refuses_a_run_id_in_use_before_it_submits_anything(real_clust
     real_cluster.core().create_namespaced_pod(drilled_ns, pod)
     try:
         with pytest.raises(drill.DrillError, match=rf"run {target.run_id} is in use in namespace .*pod/someone-elses"):
-            drill.run_drill(cluster, target, drill.Fault.DELETE_WORKER, after_step=1, timeout_s=60, store=store)
+            drill.run_drill(
+                cluster, target, drill.Injection(drill.Fault.DELETE_WORKER, after_step=1), timeout_s=60, store=store
+            )
     finally:
         real_cluster.core().delete_namespaced_pod("someone-elses", drilled_ns, grace_period_seconds=0)
     from kubernetes import client

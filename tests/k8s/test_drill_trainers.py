@@ -39,8 +39,8 @@ class TrainerDrill:
     def run(self, fault: drill.Fault, after_step: int, after_checkpoint: int | None = None) -> drill.DrillResult:
         cluster = drill.Cluster(self.rc.admin, self.target.namespace)
         t0 = time.monotonic()
-        kw = {"after_step": after_step, "after_checkpoint": after_checkpoint, "say": self.lines.append}
-        res = drill.run_drill(cluster, self.target, fault, timeout_s=600, store=self.store, **kw)
+        injection = drill.Injection(fault, after_step, after_checkpoint)
+        res = drill.run_drill(cluster, self.target, injection, timeout_s=600, store=self.store, say=self.lines.append)
         print("\n".join([*self.lines, *drill.measures_table(res.incidents), f"{time.monotonic() - t0:.0f} s"]))
         return res
 

@@ -19,7 +19,7 @@ from recovery_steps.kernel.config import JobConfig, StorageConfig, SupervisionCo
 from recovery_steps.kernel.names import jobset_name
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
-from workflows.jobset import jobset_manifest
+from workflows.jobset import JobSetParams, jobset_manifest
 from workflows.rbac import rbac_objects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,13 +102,15 @@ class Run:
     def manifest(self, attempt: int) -> dict:
         return jobset_manifest(
             self.cfg,
-            name=jobset_name(self.cfg.run_id, attempt),
-            run_id=self.cfg.run_id,
-            store_root=self.cfg.storage.root,
-            attempt=str(attempt),
-            restore_step="-1",
-            coordinator_port="8476",
-            metrics_port="9431",
+            JobSetParams(
+                name=jobset_name(self.cfg.run_id, attempt),
+                run_id=self.cfg.run_id,
+                store_root=self.cfg.storage.root,
+                attempt=str(attempt),
+                restore_step="-1",
+                coordinator_port="8476",
+                metrics_port="9431",
+            ),
         )
 
     def _env(self) -> dict[str, str]:

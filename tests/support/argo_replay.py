@@ -185,7 +185,7 @@ def replay(rec: Mapping[str, Any]) -> Replay:
     """Run the recorded spec through the stand-in's interpreter, with the real nodes' results and no waiting."""
     ex = ReplayExecutor(rec)
     wf = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": rec["metadata"], "spec": rec["spec"]}
-    run = WorkflowRun(wf, ex, name=rec["metadata"]["name"], uid=rec["metadata"].get("uid"), sleep=lambda _s: None)
+    run = WorkflowRun(wf, ex, name=rec["metadata"]["name"], sleep=lambda _s: None)
     status = run.run()
     return Replay(status, run.nodes, run.inner, ex)
 

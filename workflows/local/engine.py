@@ -132,7 +132,7 @@ ProgressHook = Callable[[str, NodeInfo, NodeResult | None], None]
 
 
 class WorkflowRun:
-    """One execution of a Workflow manifest."""
+    """One execution of a Workflow manifest (its uid: ``metadata.uid``, else a new one)."""
 
     def __init__(
         self,
@@ -143,7 +143,6 @@ class WorkflowRun:
         name: str | None = None,
         progress: ProgressHook | None = None,
         sleep: Callable[[float], None] | None = None,
-        uid: str | None = None,
     ):
         self.wf = workflow
         self.spec = workflow.get("spec", {})
@@ -160,7 +159,7 @@ class WorkflowRun:
         self._abort = threading.Event()
         self._sleep = sleep
         self._ids = 0
-        self.uid = uid or str(uuid.uuid4())
+        self.uid = meta.get("uid") or str(uuid.uuid4())
         self._lock = threading.Lock()
         self.failures: list[dict[str, Any]] = []
         self.status: str = "Running"
@@ -265,7 +264,9 @@ class WorkflowRun:
         rs = tmpl.get("retryStrategy")
         retries = 0
         while True:
-            res = self._invoke_once(tmpl, inputs, display, task, attempt, retries, depth)
+            shown = display if not retries else f"{display}({retries})"
+            node = NodeInfo(self._next_id(), shown, task, tmpl["name"], attempt, retries, now())
+            res = self._invoke_once(tmpl, inputs, node, display, depth)
             if res.phase == SUCCEEDED or rs is None:
                 return res
             delay = self._retry_delay(rs, res, retries, inputs, display)
@@ -320,24 +321,9 @@ class WorkflowRun:
         return delay
 
     def _invoke_once(
-        self,
-        tmpl: Mapping[str, Any],
-        inputs: dict[str, str],
-        display: str,
-        task: str,
-        attempt: str | None,
-        retries: int,
-        depth: int = 1,
+        self, tmpl: Mapping[str, Any], inputs: dict[str, str], node: NodeInfo, display: str, depth: int = 1
     ) -> NodeResult:
-        node = NodeInfo(
-            self._next_id(),
-            display if not retries else f"{display}({retries})",
-            task,
-            tmpl["name"],
-            attempt,
-            retries,
-            now(),
-        )
+        attempt = node.attempt
         leaf = any(k in tmpl for k in ("container", "suspend"))
         if leaf:
             self.progress("start", node, None)

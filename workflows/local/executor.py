@@ -446,19 +446,13 @@ class LocalExecutor:
                     for g in gangs:
                         g.kill()
                     return NodeResult(ERROR, message="the local run was stopped")
-        return self._segment_result(gangs, args, code, template, node_dir, log_path, started)
+        rec = self._settle(gangs, args)
+        outputs, _ = self._read_outputs(template, node_dir)
+        return self._segment_result(rec, gangs[-1].sl if gangs else None, code, outputs, log_path, started)
 
-    def _segment_result(
-        self,
-        gangs: list[LocalGang],
-        args: Any,
-        code: int,
-        template: Mapping[str, Any],
-        node_dir: Path,
-        log_path: Path,
-        started: float,
-    ) -> NodeResult:
-        """The node's result from the step's exit code and record; the slice's own record and hooks."""
+    @staticmethod
+    def _settle(gangs: list[LocalGang], args: Any) -> SupervisionRecord | None:
+        """The step's supervision record, read once it ended; the slice's own record and hooks settled from it."""
         store = RunStore(args.store_root, args.run_id)
         rec = store.read_record(RunLayout.supervision(args.attempt), SupervisionRecord)
         sl = gangs[-1].sl if gangs else None
@@ -466,7 +460,18 @@ class LocalExecutor:
             gangs[-1].settle(rec.detected_at, rec.outcome != SupervisionOutcome.SUCCEEDED, rec.worker)
         elif sl is not None and sl.deleted_at is not None:  # stopped without a verdict (the lease was lost)
             gangs[-1].settle(sl.deleted_at, True, None)
-        outputs, _ = self._read_outputs(template, node_dir)
+        return rec
+
+    @staticmethod
+    def _segment_result(
+        rec: SupervisionRecord | None,
+        sl: LocalSlice | None,
+        code: int,
+        outputs: dict[str, str],
+        log_path: Path,
+        started: float,
+    ) -> NodeResult:
+        """The node's result from the step's exit code and record, with the outputs it wrote."""
         if code == 0:
             return NodeResult(SUCCEEDED, outputs, 0, "", started, now())
         if rec is not None and rec.decided:

@@ -455,7 +455,8 @@ class _LocalRun:
                 executors.append(ex)
                 printer = _Printer(say, t0, self.cfg.slice.num_hosts)
                 progress = self.outages.wrap(printer) if self.outages is not None else printer
-                wrun = WorkflowRun(self.wf, ex, name=nxt[0], uid=nxt[1], progress=progress)
+                wf = {**self.wf, "metadata": {**self.wf.get("metadata", {}), "uid": nxt[1]}}
+                wrun = WorkflowRun(wf, ex, name=nxt[0], progress=progress)
                 names.append(wrun.name)
                 deleted.run = wrun
                 try:
