@@ -12,7 +12,7 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import WorkerExitReport, WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.decisions import SaveReason, TrainerExit, parse_faults, save_decision
-from trainer.hooks import CheckpointHook, FaultHook, HeartbeatHook, check_finite_loss
+from trainer.hooks import CheckpointHook, FaultHook, HeartbeatHook, SaveObservers, SaveOptions, check_finite_loss
 from trainer.loop import Hooks, StepRecord, training_steps
 
 NONE, INTERVAL, PREEMPTION, FINAL = SaveReason.NONE, SaveReason.INTERVAL, SaveReason.PREEMPTION, SaveReason.FINAL
@@ -163,16 +163,8 @@ def _save_hooks(tmp_path, *, done: bool, wait_s: float = 0.0):
     hook = CheckpointHook(
         ckpt,
         stepper,
-        interval_steps=10,
-        total_steps=100,
-        async_save=True,
-        restore_step=-1,
-        kill_during_save=None,
-        events=events,
-        metrics=metrics,
-        report=report,
-        watchdog=watchdog,
-        heartbeat=beat,
+        SaveOptions(interval_steps=10, total_steps=100, async_save=True, restore_step=-1, kill_during_save=None),
+        SaveObservers(events=events, metrics=metrics, report=report, watchdog=watchdog, heartbeat=beat),
     )
     beat.on_step(StepRecord(19, 0.5, first=True))
     return store, hook, watchdog, during

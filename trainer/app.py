@@ -47,6 +47,8 @@ from trainer.hooks import (
     MetricsHook,
     PaceHook,
     ProgressHook,
+    SaveObservers,
+    SaveOptions,
     check_finite_loss,
 )
 from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler, wait_for_listener
@@ -442,6 +444,21 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     raise AssertionError("unreachable")  # _train always exits
 
 
+@dataclass(frozen=True)
+class Training:
+    """What one attempt trains with once opened: the config, the train state, the data, the checkpointer, the tiers.
+
+    ``tr``: the train state's functions and shardings; ``tier``: the local tiers (None when ``checkpoint.local`` is
+    off).
+    """
+
+    cfg: JobConfig
+    tr: Any
+    source: Any
+    ckpt: Any
+    tier: Any = None
+
+
 def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any) -> tuple[Any, Any]:
     """The training state and data iterator of checkpoint ``restore_step``, in the current sharding.
 
@@ -491,11 +508,11 @@ def _resume(cfg: JobConfig, tr: Any, restore_step: int, source: Any, state: Any,
 
 
 def _restore_checked(
-    w: Worker, cfg: JobConfig, tr: Any, ckpt: Any, manifest: CheckpointManifest | None, source: Any, tier: Any = None
+    w: Worker, parts: Training, manifest: CheckpointManifest | None
 ) -> tuple[Any, Any, CheckpointManifest | None]:
     """Restore ``w.args.restore_step`` and check the bytes read; a damaged step falls back as restore-latest would.
 
-    With the local tiers (``tier``), the gang first chooses among the hosts' copies and restore-latest's GCS
+    With the local tiers (``parts.tier``), the gang first chooses among the hosts' copies and restore-latest's GCS
     step (``LocalTier.restore``): a newer step whose every part has a verified copy on the slice is read from
     the hosts' disks instead, and the GCS step is read only when that is the closest complete copy.
 
@@ -503,6 +520,7 @@ def _restore_checked(
         The state and data iterator (None, None for a fresh start) and the manifest of the step restored;
         ``w.args.restore_step`` and the report name the step actually restored.
     """
+    cfg, tr, ckpt, source, tier = parts.cfg, parts.tr, parts.ckpt, parts.source, parts.tier
     step = w.args.restore_step
     if tier is not None:
         got = tier.restore(step, tr.abstract_state)
@@ -593,15 +611,15 @@ def _start_metrics(w: Worker, cfg: JobConfig) -> WorkerMetrics:
 
 def _hooks(
     w: Worker,
-    cfg: JobConfig,
+    parts: Training,
     faults: Faults,
-    ckpt: Any,
     stepper: Stepper,
     cache: CacheCounter | None,
     manifest: CheckpointManifest | None,
 ) -> tuple[Hooks, CheckpointHook]:
     """The loop's subscribers, in the order they see each step."""
     assert w.metrics is not None and w.watchdog is not None
+    cfg, ckpt = parts.cfg, parts.ckpt
     fault = FaultHook(faults)
     agreement = PreemptionAgreement(
         w.args.attempt, w.process_index, cfg.slice.preemption_window_s, distributed_client()
@@ -609,23 +627,19 @@ def _hooks(
     heartbeat = HeartbeatHook(
         w.store, w.args.attempt, w.process_index, cfg.supervision.heartbeat_interval_s, ckpt, w.report
     )
-    saving = CheckpointHook(
-        ckpt,
-        stepper,
+    options = SaveOptions(
         interval_steps=cfg.checkpoint.interval_steps,
         total_steps=cfg.training.total_steps,
         async_save=cfg.checkpoint.async_save,
         restore_step=w.args.restore_step,
         kill_during_save=faults.at.get("kill-during-save") if w.process_index == 0 else None,
-        events=w.events,
-        metrics=w.metrics,
-        report=w.report,
-        watchdog=w.watchdog,
-        agreement=agreement,
         # The restored step's own save time is the first estimate, until this attempt commits a save.
         estimate_s=manifest.save_seconds if manifest is not None else None,
-        heartbeat=heartbeat,
     )
+    observers = SaveObservers(
+        events=w.events, metrics=w.metrics, report=w.report, watchdog=w.watchdog, heartbeat=heartbeat
+    )
+    saving = CheckpointHook(ckpt, stepper, options, observers, agreement=agreement)
     hooks = Hooks()
     hooks.before_step(fault.before_step)
     hooks.add(fault.on_step)
@@ -712,7 +726,8 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
 
     ahead = _compile_ahead(cfg, tr, source, pi, pc)
     t0 = now()
-    state, it, manifest = _restore_checked(w, cfg, tr, ckpt, manifest, source, tier)
+    training = Training(cfg, tr, source, ckpt, tier)
+    state, it, manifest = _restore_checked(w, training, manifest)
     restore_step = w.args.restore_step
     if state is None:
         state = tr.init_fn(np.int32(t.seed))
@@ -739,7 +754,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     m.set("jaxrec_train_step", start)
     if ckpt.last_committed is not None:
         m.set("jaxrec_checkpoint_step", ckpt.last_committed)
-    hooks, saving = _hooks(w, cfg, faults, ckpt, stepper, cache, manifest)
+    hooks, saving = _hooks(w, training, faults, stepper, cache, manifest)
     if tier is not None:
         _watch_local_tier(w, tier)
         snapshot = _snapshot_fn(tr.abstract_state).lower(tr.abstract_state).compile()

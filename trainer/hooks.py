@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from recovery_steps.kernel.contract import ExitCode
@@ -187,6 +188,38 @@ class MetricsHook:
         m.set("jaxrec_checkpoint_age_seconds", now - (self.ckpt.last_commit_time or self.started))
 
 
+@dataclass(frozen=True)
+class SaveOptions:
+    """When ``CheckpointHook`` saves and how.
+
+    ``interval_steps``, ``total_steps`` and ``async_save`` come from the config; ``restore_step``: the step this
+    attempt restored (-1: fresh); ``kill_during_save``: the step whose save this process SIGKILLs itself during (a
+    fault; None: none); ``estimate_s``: seconds one save takes until this attempt commits one (the restored
+    checkpoint's own save time; None: unknown).
+    """
+
+    interval_steps: int
+    total_steps: int
+    async_save: bool
+    restore_step: int = -1
+    kill_during_save: int | None = None
+    estimate_s: float | None = None
+
+
+@dataclass(frozen=True)
+class SaveObservers:
+    """Who hears of ``CheckpointHook``'s saves: the event log, the gauges, the exit report, the watchdog, the heartbeat.
+
+    ``heartbeat``: None when no heartbeat is to say that a save blocks the loop.
+    """
+
+    events: Events
+    metrics: WorkerMetrics
+    report: WorkerExitReport
+    watchdog: Watchdog
+    heartbeat: HeartbeatHook | None = None
+
+
 class CheckpointHook:
     """Saves when ``save_decision`` says so and records each commit (event, gauges, report, watchdog).
 
@@ -197,38 +230,23 @@ class CheckpointHook:
     """
 
     def __init__(
-        self,
-        ckpt: Any,
-        stepper: Stepper,
-        *,
-        interval_steps: int,
-        total_steps: int,
-        async_save: bool,
-        restore_step: int,
-        kill_during_save: int | None,
-        events: Events,
-        metrics: WorkerMetrics,
-        report: WorkerExitReport,
-        watchdog: Watchdog,
-        agreement: Any = None,
-        estimate_s: float | None = None,
-        heartbeat: HeartbeatHook | None = None,
+        self, ckpt: Any, stepper: Stepper, options: SaveOptions, observers: SaveObservers, *, agreement: Any = None
     ):
         self.ckpt = ckpt
-        self.heartbeat = heartbeat
+        self.heartbeat = observers.heartbeat
         self.stepper = stepper
-        self.interval_steps = interval_steps
-        self.total_steps = total_steps
-        self.async_save = async_save
-        self.last_saved: int | None = restore_step if restore_step >= 0 else None
-        self.kill_during_save = kill_during_save
-        self.events = events
-        self.metrics = metrics
-        self.report = report
-        self.watchdog = watchdog
+        self.interval_steps = options.interval_steps
+        self.total_steps = options.total_steps
+        self.async_save = options.async_save
+        self.last_saved: int | None = options.restore_step if options.restore_step >= 0 else None
+        self.kill_during_save = options.kill_during_save
+        self.events = observers.events
+        self.metrics = observers.metrics
+        self.report = observers.report
+        self.watchdog = observers.watchdog
         self.agreement = agreement
         # Seconds one save takes: the restored checkpoint's save_seconds first, then each commit's own.
-        self.estimate_s = estimate_s
+        self.estimate_s = options.estimate_s
         self.abandoned = False  # a SIGTERM stop with no save that fits: nothing more is waited for
         self.busy = False  # saving or waiting for a commit on the training thread (no step completes meanwhile)
 
