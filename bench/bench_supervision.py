@@ -32,7 +32,7 @@ from pathlib import Path
 from recovery_steps.kernel.config import SupervisionConfig, load_config
 from recovery_steps.kernel.records import WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
-from recovery_steps.train_segment import Supervisor
+from recovery_steps.train_segment import Supervisor, SupervisorIO
 from workflows.local.executor import LocalExecutor, LocalGang
 from workflows.local.slices import IMAGE_PULL, UNSCHEDULABLE, LocalSlice, WorkerProc
 
@@ -76,7 +76,7 @@ def one(kind: str, hosts: int, root: Path) -> tuple[float, float, float]:
                 "node-lost": start + DEADLINES.force_delete_grace_s}[kind]  # fmt: skip
     manifest = {"kind": "JobSet", "metadata": {"name": sl.jobset}}
     gang = LocalGang(ex, None, manifest)  # type: ignore[arg-type]  # no node: nothing is created
-    record = Supervisor(cfg, 0, gang, store, say=lambda _line: None).run(manifest)
+    record = Supervisor(cfg, 0, gang, store, io=SupervisorIO(say=lambda _line: None)).run(manifest)
     assert record.outcome == "stalled" and record.stall_kind == kind, record
     assert record.stopped_at is not None and all(w.returncode is not None for w in sl.workers if w.proc), record
     return deadline - sl.created_at, record.detected_at - deadline, record.stopped_at - record.detected_at

@@ -59,6 +59,7 @@ from recovery_steps.kernel.records import HandOver, Ledger, RunLease, now
 from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
+    AttemptRef,
     PreconditionFailed,
     RunLayout,
     RunStore,
@@ -167,6 +168,10 @@ def local_continuation(ledger: Ledger | None, own_uid: str, run_id: str, attempt
     return Continuation(name, str(uuid.uuid4()))
 
 
+LEASE_TRIES = 5
+"""Conditional writes ``pass_lease`` tries before it gives up (the store stayed contended: transient)."""
+
+
 def pass_lease(
     store: RunStore,
     own_uid: str,
@@ -175,7 +180,6 @@ def pass_lease(
     *,
     first_attempt: int,
     clock: Callable[[], float] = now,
-    tries: int = 5,
 ) -> RunLease:
     """Give the run lease from ``own_uid`` to the continuation (idempotent: already given is fine).
 
@@ -186,7 +190,7 @@ def pass_lease(
     Raises:
         StepError: another workflow holds the run, or the lease was released.
     """
-    for _ in range(tries):
+    for _ in range(LEASE_TRIES):
         current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
         if current is not None and current.holder == to.uid and not current.released:
             return current
@@ -214,7 +218,7 @@ def pass_lease(
             return new
         except PreconditionFailed:
             continue
-    raise StepError(ExitCode.TRANSIENT, f"{store.url(RunLayout.LEASE)}: still contended after {tries} tries")
+    raise StepError(ExitCode.TRANSIENT, f"{store.url(RunLayout.LEASE)}: still contended after {LEASE_TRIES} tries")
 
 
 def record(store: RunStore, entry: HandOver) -> Ledger:
@@ -229,23 +233,21 @@ def record(store: RunStore, entry: HandOver) -> Ledger:
 
 
 def run(
-    store_root: str,
-    run_id: str,
-    attempt: int,
-    workflow: str,
-    workflow_uid: str,
+    ref: AttemptRef,
+    own: lease.Claimant,
     output_dir: Path | None = None,
     *,
     api_client: Any = None,
     clock: Callable[[], float] = now,
 ) -> Continuation:
-    """Hand the run over to its continuation Workflow, starting at ``attempt``.
+    """Hand the run over from this Workflow (``own``: its uid and name) to its continuation, from ``ref.attempt``.
 
     Raises:
         StepError: with the exit code and the one line to print.
         StoreUnavailable: the run store is unreachable (transient).
     """
-    store = RunStore(store_root, run_id)
+    store = ref.store()
+    run_id, attempt, workflow, workflow_uid = ref.run_id, ref.attempt, own.name, own.uid
     with ledger_errors(store, _configuration), transient_as_unavailable(store.url()):
         try:
             cfg: JobConfig = read_run_config(store)
@@ -296,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
 def act(args: argparse.Namespace) -> tuple[int, str]:
     """Hand the run over; the line naming the continuation."""
     try:
-        to = run(args.store_root, args.run_id, args.attempt, args.workflow, args.workflow_uid, args.output_dir)
+        to = run(AttemptRef.of(args), lease.Claimant(args.workflow_uid, args.workflow), args.output_dir)
     except lease.LeaseHeld as e:
         raise StepError(ExitCode.CONFIGURATION, str(e)) from None
     return 0, f"run {args.run_id}: attempt {args.attempt} continues in workflow {to.name} (uid {to.uid})"

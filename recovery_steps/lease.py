@@ -76,6 +76,15 @@ LOCAL = Site()
 """The local runner: no namespace, no cluster; another holder's liveness is never known and the TTL decides."""
 
 
+@dataclass(frozen=True)
+class Claimant:
+    """A workflow that takes or renews the run lease: its uid (the lease's holder), its name, and where it runs."""
+
+    uid: str
+    name: str
+    site: Site = LOCAL
+
+
 def _stop_command(lease: RunLease) -> str:
     ns = f"-n {lease.namespace} " if lease.namespace else ""
     return f"argo stop {ns}{lease.holder_name}"
@@ -119,27 +128,25 @@ def decide(current: RunLease | None, holder: str, at: float, holder_alive: bool 
 
 def acquire(
     store: RunStore,
-    holder: str,
-    holder_name: str,
+    claimant: Claimant,
     ttl_s: float,
     *,
-    site: Site = LOCAL,
     is_alive: IsAlive | None = None,
     clock: Callable[[], float] = now,
     tries: int = 5,
 ) -> RunLease:
-    """Take or renew the lease for ``holder``; raise ``LeaseHeld`` when another live workflow holds it.
+    """Take or renew the lease for ``claimant``; raise ``LeaseHeld`` when another live workflow holds it.
 
     Args:
         store: The run store.
-        holder: This workflow's uid.
-        holder_name: This workflow's name.
+        claimant: This workflow: its uid, its name and where it runs (written into the lease; a renewal keeps
+            what it cannot read now).
         ttl_s: Lease lifetime after this renewal.
-        site: Where this workflow runs (written into the lease; a renewal keeps what it cannot read now).
         is_alive: Asks whether another holder's workflow still runs (None: unknown, the TTL decides).
         clock: Epoch seconds.
         tries: Conditional-write attempts.
     """
+    holder, site = claimant.uid, claimant.site
     for _ in range(tries):
         current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
         t = clock()
@@ -152,7 +159,7 @@ def acquire(
         lease = RunLease(
             run_id=store.run_id,
             holder=holder,
-            holder_name=holder_name,
+            holder_name=claimant.name,
             ttl_s=ttl_s,
             acquired_at=current.acquired_at if mine else t,
             renewed_at=t,

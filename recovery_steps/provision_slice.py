@@ -29,10 +29,11 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from recovery_steps import lease
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode
@@ -53,7 +54,7 @@ from recovery_steps.kernel.outputs import ProvisionOutputs
 from recovery_steps.kernel.records import ProvisionRecord, now
 from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
 from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,18 @@ class SlicePolicy:
     now: float = 0.0
     maintenance_window_s: float = 0.0
     wait_for_maintenance: bool = True
+
+
+@dataclass(frozen=True)
+class ProvisionOptions:
+    """How provision-slice clears and checks the slice.
+
+    ``require_nodes``: zero matching nodes is a capacity problem (``--require-nodes``); ``pod_timeout_s``: how long
+    old worker pods are waited for (``--pod-timeout``).
+    """
+
+    require_nodes: bool = False
+    pod_timeout_s: float = 300
 
 
 def maintenance_due(node: NodeInfo, policy: SlicePolicy) -> str | None:
@@ -257,8 +270,6 @@ def wait_pods_gone(
     *,
     timeout_s: float,
     poll_s: float = 2.0,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
     keep: Sequence[str] = (),
 ) -> None:
     """Wait until no worker pod of the run is left but those of the ``keep`` JobSets.
@@ -270,15 +281,15 @@ def wait_pods_gone(
     selector = f"{RUN_ID_LABEL}={run_id},{JOBSET_NAME_LABEL}"
     if keep:
         selector += f",{JOBSET_NAME_LABEL} notin ({','.join(keep)})"
-    deadline = clock() + timeout_s
+    deadline = time.monotonic() + timeout_s
     while True:
         pods = kube.list_pods_where(selector)
         if not pods:
             return
-        if clock() >= deadline:
+        if time.monotonic() >= deadline:
             names = ", ".join(sorted(p["metadata"]["name"] for p in pods))
             raise StepError(ExitCode.CAPACITY, f"worker pods of earlier attempts still present: {names}")
-        sleep(poll_s)
+        time.sleep(poll_s)
 
 
 def list_slice_nodes(api_client: Any, selector: dict[str, str]) -> list[NodeInfo]:
@@ -293,8 +304,6 @@ def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[No
     Only the run's namespace is read (the Role's pods list); another namespace's pods hold their TPUs through the
     scheduler's accounting, which the allocatable check cannot see: those show as Pending pods (capacity).
     """
-    from dataclasses import replace
-
     pods = Kube(api_client, namespace).list_pods_where(f"{RUN_ID_LABEL},{RUN_ID_LABEL}!={run_id}")
     by_node: dict[str, list[str]] = {}
     for p in pods:
@@ -321,13 +330,12 @@ def provision_gke(
     api_client: Any,
     *,
     store: RunStore,
-    require_nodes: bool = False,
-    pod_timeout_s: float = 300,
+    options: ProvisionOptions = ProvisionOptions(),
     clock: Callable[[], float] = time.time,
 ) -> ProvisionOutputs:
     """The GKE backend: clear old JobSets, check the nodes, return the outputs."""
     try:
-        clear_old_gangs(cfg, attempt, store, api_client, pod_timeout_s=pod_timeout_s)
+        clear_old_gangs(cfg, attempt, store, api_client, pod_timeout_s=options.pod_timeout_s)
         nodes = with_other_runs(
             api_client, cfg.namespace, cfg.run_id, list_slice_nodes(api_client, gke_node_selector(cfg.slice))
         )
@@ -340,7 +348,7 @@ def provision_gke(
         maintenance_window_s=cfg.slice.maintenance_window_s,
         wait_for_maintenance=cfg.slice.on_scheduled_maintenance == "wait",
     )
-    verdict = check_slice(nodes, cfg.slice.num_hosts, tolerated, require_nodes=require_nodes, policy=policy)
+    verdict = check_slice(nodes, cfg.slice.num_hosts, tolerated, require_nodes=options.require_nodes, policy=policy)
     if not verdict.ok:
         raise StepError(ExitCode.CAPACITY, f"slice not ready: {verdict.reason}")
     log.info("slice ready: %s", verdict.reason)
@@ -455,33 +463,26 @@ def provision_local(
 
 
 def run(
-    store_root: str,
-    run_id: str,
-    attempt: int,
+    ref: AttemptRef,
     output_dir: Path,
     *,
     api_client: Any = None,
     k8s_host: str | None = None,
-    require_nodes: bool = False,
-    pod_timeout_s: float = 300,
-    holder: str | None = None,
-    holder_name: str | None = None,
+    options: ProvisionOptions = ProvisionOptions(),
+    holder: lease.Claimant | None = None,
 ) -> dict[str, str]:
-    """Provision the slice of ``attempt`` and write the outputs.
+    """Provision the slice of attempt ``ref.attempt`` and write the outputs.
 
     Args:
-        store_root: Run-store root.
-        run_id: Run id.
-        attempt: Attempt number.
+        ref: The run store's root, the run id and the attempt.
         output_dir: Where the output parameter files go.
         api_client: A kubernetes ``ApiClient`` (GKE backend); built from ``k8s_host`` or the pod's
             service account when None.
         k8s_host: API server URL for the client built here.
-        require_nodes: Treat zero matching nodes as a capacity problem.
-        pod_timeout_s: How long to wait for old worker pods to disappear.
-        holder: The workflow's uid: the run lease is renewed for it before anything is deleted (another live
-            holder: StepError, configuration, and nothing is touched).
-        holder_name: The workflow's name (for the message another submission gets).
+        options: Whether zero matching nodes is a capacity problem, and how long to wait for old worker pods.
+        holder: The workflow (its uid and name): the run lease is renewed for it before anything is deleted,
+            naming where it runs as read here (another live holder: StepError, configuration, and nothing is
+            touched).
 
     Returns:
         The outputs written.
@@ -489,34 +490,22 @@ def run(
     Raises:
         StepError: Not provisioned; its ``code`` is the exit code.
     """
-    cfg = load_run_config(store_root, run_id)
-    if holder:
-        from recovery_steps import lease
-
+    cfg = load_run_config(ref.store_root, ref.run_id)
+    if holder is not None:
         site, alive = lease.LOCAL, None
         if uses_cluster(cfg):
             api_client = api_client or k8s_client(k8s_host)
             site, alive = lease.on_gke(api_client, cfg.namespace)
         try:
-            lease.acquire(
-                RunStore(store_root, run_id),
-                holder,
-                holder_name or holder,
-                cfg.retry.lease_ttl_s,
-                site=site,
-                is_alive=alive,
-            )
+            lease.acquire(ref.store(), replace(holder, site=site), cfg.retry.lease_ttl_s, is_alive=alive)
         except lease.LeaseHeld as e:
             raise StepError(ExitCode.CONFIGURATION, str(e)) from None
     if uses_cluster(cfg) and api_client is None:
         api_client = k8s_client(k8s_host)
     if cfg.slice.is_local:
-        outputs = provision_local(cfg, attempt, store_root, api_client, pod_timeout_s=pod_timeout_s)
+        outputs = provision_local(cfg, ref.attempt, ref.store_root, api_client, pod_timeout_s=options.pod_timeout_s)
     else:
-        store = RunStore(store_root, run_id)
-        outputs = provision_gke(
-            cfg, attempt, api_client, store=store, require_nodes=require_nodes, pod_timeout_s=pod_timeout_s
-        )
+        outputs = provision_gke(cfg, ref.attempt, api_client, store=ref.store(), options=options)
     outputs.write(output_dir)
     return outputs.files()
 
@@ -541,15 +530,11 @@ def parser() -> argparse.ArgumentParser:
 def act(args: argparse.Namespace) -> tuple[int, str]:
     """Provision the slice; record this try's outcome for classify-failure; the outputs line."""
     outputs = run(
-        args.store_root,
-        args.run_id,
-        args.attempt,
+        AttemptRef.of(args),
         args.output_dir,
         k8s_host=args.k8s_host,
-        require_nodes=args.require_nodes,
-        pod_timeout_s=args.pod_timeout,
-        holder=args.holder,
-        holder_name=args.holder_name,
+        options=ProvisionOptions(require_nodes=args.require_nodes, pod_timeout_s=args.pod_timeout),
+        holder=lease.Claimant(args.holder, args.holder_name or args.holder) if args.holder else None,
     )
     record_outcome(args.store_root, args.run_id, args.attempt, 0, "slice ready")
     return 0, " ".join(f"{k}={v}" for k, v in outputs.items())

@@ -57,7 +57,7 @@ from recovery_steps.kernel.snapshot import (
 )
 from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
 from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore, store_errors
+from recovery_steps.kernel.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
     AttemptState,
     HeartbeatRead,
@@ -154,41 +154,6 @@ def node_observation(n: NodeEvidence, seen_lost_at: float | None = None) -> Node
         seen_lost_at=seen_lost_at,
         spot=n.spot,
         maintenance=n.maintenance(),
-    )
-
-
-def observation(
-    snap: ClusterSnapshot,
-    *,
-    expected: int,
-    beats: Sequence[WorkerHeartbeat],
-    waits: Mapping[str, WaitClock],
-    created_at: float,
-    lost_seen: Mapping[str, float] | None = None,
-    reads: Mapping[int, HeartbeatRead] | None = None,
-) -> Observation:
-    """The decision's input from one snapshot of the gang and the heartbeats in the store.
-
-    ``waits``: each pod's clock of its current pull or creation failure (``wait_clock``); ``lost_seen``: when the
-    supervisor first saw each lost node lost; ``reads``: the workers whose heartbeat reads failed (``read_clock``).
-    """
-    lost_seen = lost_seen or {}
-    js = snap.jobset if snap.jobset is not None and snap.jobset.found else None
-    return Observation(
-        now=snap.taken_at,
-        expected_workers=expected,
-        created_at=(js.created_at if js else None) or created_at,
-        jobset_exists=js is not None,
-        jobset_terminal_state=js.terminal_state if js else None,
-        jobset_conditions=tuple(js.conditions) if js else (),
-        jobs=tuple(snap.jobs),
-        pods=tuple(pod_observation(p, waits.get(p.name)) for p in snap.pods),
-        nodes=tuple(node_observation(n, lost_seen.get(n.name)) for n in sorted(snap.nodes, key=lambda n: n.name)),
-        progress=tuple(
-            WorkerProgress(index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at, saving=b.saving)
-            for b in beats
-        ),
-        reads=tuple(r for _, r in sorted((reads or {}).items())),
     )
 
 
@@ -310,6 +275,15 @@ def evidence_lines(obs: Observation) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True)
+class SupervisorIO:
+    """The supervisor's clock and where it speaks: its log line and Argo's progress file (None: none)."""
+
+    clock: Callable[[], float] = time.time
+    say: Callable[[str], None] = log.info
+    progress_file: str | None = None
+
+
 class Supervisor:
     """Supervises one attempt's gang, over the port ``kernel.gang.Gang``, until the decision says it is over."""
 
@@ -320,17 +294,15 @@ class Supervisor:
         gang: Gang,
         store: RunStore,
         *,
-        clock: Callable[[], float] = time.time,
-        progress_file: str | None = None,
-        say: Callable[[str], None] = log.info,
+        io: SupervisorIO = SupervisorIO(),
         renew: Callable[[float], LeaseLoss | None] | None = None,
     ):
         self.cfg, self.attempt, self.gang, self.store = cfg, attempt, gang, store
         self.renew = renew
-        self.clock = clock
+        self.clock = io.clock
         self.hosts = cfg.slice.num_hosts
-        self.progress = Progress(self.hosts, cfg.training.total_steps, progress_file, say)
-        self.say = say
+        self.progress = Progress(self.hosts, cfg.training.total_steps, io.progress_file, io.say)
+        self.say = io.say
         self.waits: dict[str, WaitClock] = {}
         self.lost_seen: dict[str, float] = {}
         self.created_at = self.clock()
@@ -398,16 +370,35 @@ class Supervisor:
             else:
                 self.lost_seen.pop(n.name, None)
         beats = self.read_beats(now)
-        obs = observation(
-            snap,
-            expected=self.hosts,
-            beats=beats,
-            waits=self.waits,
-            created_at=self.created_at,
-            lost_seen=self.lost_seen,
-            reads=self.reads,
+        return self.observation(snap, beats), beats, snap
+
+    def observation(self, snap: ClusterSnapshot, beats: Sequence[WorkerHeartbeat]) -> Observation:
+        """The decision's input from one snapshot of the gang and the heartbeats in the store.
+
+        With the supervisor's clocks: each pod's clock of its current pull or creation failure (``wait_clock``),
+        when each lost node was first seen lost, and the workers whose heartbeat reads failed (``read_clock``).
+        """
+        js = snap.jobset if snap.jobset is not None and snap.jobset.found else None
+        return Observation(
+            now=snap.taken_at,
+            expected_workers=self.hosts,
+            created_at=(js.created_at if js else None) or self.created_at,
+            jobset_exists=js is not None,
+            jobset_terminal_state=js.terminal_state if js else None,
+            jobset_conditions=tuple(js.conditions) if js else (),
+            jobs=tuple(snap.jobs),
+            pods=tuple(pod_observation(p, self.waits.get(p.name)) for p in snap.pods),
+            nodes=tuple(
+                node_observation(n, self.lost_seen.get(n.name)) for n in sorted(snap.nodes, key=lambda n: n.name)
+            ),
+            progress=tuple(
+                WorkerProgress(
+                    index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at, saving=b.saving
+                )
+                for b in beats
+            ),
+            reads=tuple(r for _, r in sorted(self.reads.items())),
         )
-        return obs, beats, snap
 
     def read_beats(self, now: float) -> list[WorkerHeartbeat]:
         """The heartbeats now (an unreadable one: the last read), and each worker's reads since one failed."""
@@ -601,23 +592,18 @@ def kube_gang(api_client: Any = None, k8s_host: str | None = None) -> GangFactor
 
 
 def run(
-    store_root: str,
-    run_id: str,
-    attempt: int,
+    ref: AttemptRef,
     manifest_text: str,
     output_dir: Path,
     *,
     gang: GangFactory | None = None,
-    api_client: Any = None,
-    k8s_host: str | None = None,
-    clock: Callable[[], float] = time.time,
-    progress_file: str | None = None,
-    say: Callable[[str], None] = log.info,
+    io: SupervisorIO = SupervisorIO(),
     holder: str | None = None,
 ) -> SupervisionRecord:
-    """Supervise attempt ``attempt`` of the run to its end; write the record and the outputs.
+    """Supervise attempt ``ref.attempt`` of the run to its end; write the record and the outputs.
 
-    ``gang`` builds the world's adapter (default: the Kubernetes one, over ``api_client`` or ``k8s_host``).
+    ``gang`` builds the world's adapter (default: the Kubernetes one, ``kube_gang()``); ``io``: the supervisor's
+    clock, log line and progress file.
     ``holder`` (the Workflow's uid) renews the run lease while the segment runs (``lease.renew_if_due``): a
     segment outlives the lease's TTL. A lease another Workflow holds now ends the segment (exit 2); it deletes its
     gang only when that holder is in another namespace or cluster (``lease.holder_elsewhere``).
@@ -629,20 +615,13 @@ def run(
     Raises:
         StepError: The attempt cannot be supervised (its ``code`` is the exit code).
     """
-    cfg = load_run_config(store_root, run_id)
+    attempt, say = ref.attempt, io.say
+    cfg = load_run_config(ref.store_root, ref.run_id)
     manifest = load_manifest(manifest_text, attempt)
-    store = RunStore(store_root, run_id)
-    port = (gang or kube_gang(api_client, k8s_host))(cfg, manifest, clock, say)
-    sup = Supervisor(
-        cfg,
-        attempt,
-        port,
-        store,
-        clock=clock,
-        progress_file=progress_file,
-        say=say,
-        renew=lease_renewal(store, holder, cfg.retry.lease_ttl_s, say, cfg.namespace) if holder else None,
-    )
+    store = ref.store()
+    port = (gang or kube_gang())(cfg, manifest, io.clock, say)
+    renew = lease_renewal(store, holder, cfg.retry.lease_ttl_s, say, cfg.namespace) if holder else None
+    sup = Supervisor(cfg, attempt, port, store, io=io, renew=renew)
     try:
         record = sup.run(manifest)
     except AlreadyDecided as done:
@@ -755,15 +734,11 @@ def act(
             raise StepError(ExitCode.CONFIGURATION, f"--jobset-manifest: {e.strerror or e}", record=False) from None
     try:
         record = run(
-            args.store_root,
-            args.run_id,
-            args.attempt,
+            AttemptRef.of(args),
             text,
             args.output_dir,
-            gang=gang,
-            k8s_host=args.k8s_host,
-            progress_file=progress_file,
-            say=say,
+            gang=gang or kube_gang(k8s_host=args.k8s_host),
+            io=SupervisorIO(say=say, progress_file=progress_file),
             holder=args.holder,
         )
     except Terminated:

@@ -332,9 +332,9 @@ def _pin_as_holder(args: argparse.Namespace, cfg: JobConfig, store: RunStore) ->
     compared = run(cfg, store, accept_safe_changes=accept, gang_running=gang_running, dry_run=True)
     if compared.code != ExitCode.OK:
         return compared
+    claimant = lease.Claimant(args.holder, args.holder_name or args.holder, site)
     try:
-        lease.acquire(store, args.holder, args.holder_name or args.holder, cfg.retry.lease_ttl_s, site=site,
-                      is_alive=alive)  # fmt: skip
+        lease.acquire(store, claimant, cfg.retry.lease_ttl_s, is_alive=alive)
     except lease.LeaseHeld as e:
         return ValidateResult(ExitCode.CONFIGURATION, [f"configuration: {e}"])
     # Only a holder of the run may adopt what a lost Workflow left running.

@@ -133,7 +133,8 @@ def test_a_run_never_validated_gets_no_ledger_and_one_line(tmp_path, capsys):
     root = tmp_path / "store"
     nodes = json.dumps([{"displayName": "validate-config", "message": "Error (exit code 2)", "phase": "Failed"}])
     store = RunStore(str(root), RUN)
-    lease.acquire(store, "uid-a", "wf-a", 600)  # validate-config took the lease, then refused the config
+    # validate-config took the lease, then refused the config
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a"), 600)
     argv = ["--store-root", str(root), "--run-id", RUN, "--status", "Failed", "--failures", nodes]
     assert finalize.main([*argv, "--holder", "uid-a", "--output-dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
@@ -239,7 +240,7 @@ def _lease(holder="uid-a", released=False, first_attempt=0):
 
 def _take(store, holder="uid-a", first_attempt=0):
     """The lease as validate-config leaves it: taken after the config compared, confirmed once pinned."""
-    lease.acquire(store, holder, f"wf-{holder.removeprefix('uid-')}", 3600)
+    lease.acquire(store, lease.Claimant(holder, f"wf-{holder.removeprefix('uid-')}"), 3600)
     lease.confirm(store, holder, first_attempt)
 
 

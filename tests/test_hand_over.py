@@ -14,7 +14,7 @@ from recovery_steps.kernel.names import continuation_name
 from recovery_steps.kernel.outputs import FinalizeOutputs, HandOverOutputs
 from recovery_steps.kernel.records import AttemptRecord, Ledger, RunLease
 from recovery_steps.kernel.step import StepError
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 from recovery_steps.retry import decide
 from workflows.local.engine import ERROR, MAX_STACK_DEPTH, WorkflowRun
 
@@ -141,7 +141,7 @@ def gke_run(tmp_path):
     root = str(tmp_path / "store")
     run_id = _store_config(root, "v5e-4x4.yaml")
     store = RunStore(root, run_id)
-    lease.acquire(store, "uid-a", "wf-a", 3600, site=lease.Site("training", "kube-system-uid"))
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a", lease.Site("training", "kube-system-uid")), 3600)
     argo = FakeCluster()
     argo.put("workflows", _running_workflow("wf-a", "uid-a", run_id))
     yield root, run_id, store, argo
@@ -149,7 +149,12 @@ def gke_run(tmp_path):
 
 
 def _hand_over(root, run_id, argo, out, attempt=30):
-    return hand_over.run(root, run_id, attempt, "wf-a", "uid-a", out, api_client=make_api_client(argo.url))
+    return hand_over.run(
+        AttemptRef(root, run_id, attempt),
+        lease.Claimant("uid-a", "wf-a"),
+        out,
+        api_client=make_api_client(argo.url),
+    )
 
 
 def test_gke_hand_over_creates_the_continuation_passes_the_lease_and_records_it(gke_run, tmp_path):
@@ -242,9 +247,9 @@ def test_the_old_exit_handler_says_handed_over_and_the_continuation_takes_the_ru
     led = store.read_record(RunLayout.LEDGER, Ledger)
     assert led.final_status is None  # the run has not ended
     # The continuation's validate-config renews the lease it was given (no waiting for a TTL).
-    assert lease.acquire(store, to.uid, to.name, 3600).holder == to.uid
+    assert lease.acquire(store, lease.Claimant(to.uid, to.name), 3600).holder == to.uid
     with pytest.raises(lease.LeaseHeld):
-        lease.acquire(store, "uid-a", "wf-a", 3600)
+        lease.acquire(store, lease.Claimant("uid-a", "wf-a"), 3600)
 
 
 def test_a_hand_over_by_a_workflow_that_lost_the_run_passes_nothing(gke_run):

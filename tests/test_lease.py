@@ -68,12 +68,12 @@ def test_a_refusal_is_one_line_naming_the_holder_and_the_way_out():
 def test_two_holders_cannot_both_win_and_release_frees_it(store_root):
     store = RunStore(store_root, "r")
     clock = iter([1000.0, 1001.0, 1002.0, 1003.0]).__next__
-    lease.acquire(store, "uid-a", "wf-a", 600, clock=clock)
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a"), 600, clock=clock)
     with pytest.raises(lease.LeaseHeld):
-        lease.acquire(store, "uid-b", "wf-b", 600, clock=clock)
+        lease.acquire(store, lease.Claimant("uid-b", "wf-b"), 600, clock=clock)
     assert not lease.release(store, "uid-b")  # never another's lease
     assert lease.release(store, "uid-a")
-    assert lease.acquire(store, "uid-b", "wf-b", 600, clock=clock).holder == "uid-b"
+    assert lease.acquire(store, lease.Claimant("uid-b", "wf-b"), 600, clock=clock).holder == "uid-b"
     assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-b"
 
 
@@ -186,14 +186,19 @@ def test_an_unreadable_cluster_id_trusts_no_404():
 def test_the_lease_names_the_holders_namespace_and_cluster_and_a_renewal_keeps_them(store_root):
     store = RunStore(store_root, "r")
     clock = iter([1000.0, 1100.0, 1200.0]).__next__
-    lease.acquire(store, "uid-a", "wf-a", 600, site=HERE, clock=clock)
-    lease.acquire(store, "uid-a", "wf-a", 600, site=lease.Site(namespace="training"), clock=clock)  # id unreadable
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a", HERE), 600, clock=clock)
+    # id unreadable
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a", lease.Site(namespace="training")), 600, clock=clock)
     held = store.read_record(RunLayout.LEASE, RunLease)
     assert (held.namespace, held.cluster, held.acquired_at, held.renewed_at) == ("training", CLUSTER, 1000.0, 1100.0)
     # Another cluster's workflow cannot tell whether uid-a runs: the TTL decides, never a 404.
     with pytest.raises(lease.LeaseHeld):
         lease.acquire(
-            store, "uid-b", "wf-b", 600, site=lease.Site("training", "other"), is_alive=lambda _: None, clock=clock
+            store,
+            lease.Claimant("uid-b", "wf-b", lease.Site("training", "other")),
+            600,
+            is_alive=lambda _: None,
+            clock=clock,
         )
 
 
@@ -202,7 +207,7 @@ def test_the_lease_names_the_holders_namespace_and_cluster_and_a_renewal_keeps_t
 
 def test_renew_if_due_reads_nothing_before_it_is_due_and_then_renews(tmp_path):
     store = RunStore(str(tmp_path / "store"), "r")
-    lease.acquire(store, "uid-a", "wf-a", 3600, site=HERE, clock=lambda: 1000.0)
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a", HERE), 3600, clock=lambda: 1000.0)
     first = lease.renew_if_due(store, "uid-a", 3600, 1010.0)
     assert first.status is lease.RenewStatus.RENEWED and first.next_at == 1010.0 + 600
     assert store.read_record(RunLayout.LEASE, RunLease).renewed_at == 1010.0
@@ -218,8 +223,9 @@ def test_renew_if_due_reads_nothing_before_it_is_due_and_then_renews(tmp_path):
 
 def test_renew_if_due_never_takes_a_lease_it_lost(store_root):
     store = RunStore(store_root, "r")
-    lease.acquire(store, "uid-a", "wf-a", 60, clock=lambda: 1000.0)
-    lease.acquire(store, "uid-b", "wf-b", 60, site=HERE, clock=lambda: 2000.0)  # expired, taken over elsewhere
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a"), 60, clock=lambda: 1000.0)
+    # expired, taken over elsewhere
+    lease.acquire(store, lease.Claimant("uid-b", "wf-b", HERE), 60, clock=lambda: 2000.0)
     lost = lease.renew_if_due(store, "uid-a", 60, 2001.0)
     assert lost.status is lease.RenewStatus.LOST and lost.next_at == 2011.0  # ttl/6
     assert "now held by workflow wf-b (uid uid-b, namespace training)" in lost.line
@@ -235,7 +241,7 @@ def test_renew_if_due_rides_out_a_store_outage(gcs_emulator, monkeypatch):
             monkeypatch.setenv(k, v)
         monkeypatch.setenv("JAXREC_STORE_RETRY_DEADLINE_S", "0.5")
         store = RunStore(f"gs://test-bucket/renew-outage-{id(proxy)}", "r")
-        lease.acquire(store, "uid-a", "wf-a", 3600, clock=lambda: 1000.0)
+        lease.acquire(store, lease.Claimant("uid-a", "wf-a"), 3600, clock=lambda: 1000.0)
         proxy.down_for(60)
         down = lease.renew_if_due(store, "uid-a", 3600, 1700.0)
         assert down.status is lease.RenewStatus.UNAVAILABLE and proxy.refused >= 1
@@ -279,7 +285,7 @@ def test_provision_slice_of_a_second_submission_deletes_no_live_gang(
     root = str(tmp_path / "store")
     run_id = _store_config(root, "v5e-4x4.yaml")
     store = RunStore(root, run_id)
-    lease.acquire(store, "uid-a", "wf-a", 3600, site=holder_site)
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a", holder_site), 3600)
     kube = _KubeWithWorkflow(jobsets=["lm-v5e-4x4-a0"], nodes=[_node(f"n{i}") for i in range(4)])
     kube.holder_running = holder_running
     try:

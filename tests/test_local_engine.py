@@ -393,7 +393,7 @@ def _local_segment(tmp_path, hosts=2, **supervision):
 
 
 def _supervise(cfg, ex, sl, store):
-    from recovery_steps.train_segment import Supervisor
+    from recovery_steps.train_segment import Supervisor, SupervisorIO
     from workflows.local.executor import LocalGang
 
     for w in sl.workers:
@@ -402,7 +402,7 @@ def _supervise(cfg, ex, sl, store):
     ex.live[sl.jobset] = sl  # a gang left running by a supervisor that was lost
     manifest = {"kind": "JobSet", "metadata": {"name": sl.jobset}}
     lines: list[str] = []
-    rec = Supervisor(cfg, 0, LocalGang(ex, None, manifest), store, say=lines.append).run(manifest)
+    rec = Supervisor(cfg, 0, LocalGang(ex, None, manifest), store, io=SupervisorIO(say=lines.append)).run(manifest)
     return rec, lines
 
 

@@ -15,7 +15,7 @@ from support.provision_api import store_config as _store_config
 from recovery_steps import provision_slice as ps
 from recovery_steps.kernel.config import load_config
 from recovery_steps.kernel.step import StepError
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 
 
 @pytest.fixture
@@ -124,7 +124,13 @@ def test_gke_pods_that_never_go_are_capacity(tmp_path, kube_factory):
     from recovery_steps.kernel.kube import make_api_client
 
     with pytest.raises(StepError) as e:
-        ps.provision_gke(cfg, 1, make_api_client(kube.url), store=RunStore(root, cfg.run_id), pod_timeout_s=0.3)
+        ps.provision_gke(
+            cfg,
+            1,
+            make_api_client(kube.url),
+            store=RunStore(root, cfg.run_id),
+            options=ps.ProvisionOptions(pod_timeout_s=0.3),
+        )
     assert e.value.code == 75 and "still present" in str(e.value)
 
 
@@ -197,7 +203,7 @@ def test_local_stops_leftover_workers_and_picks_free_ports(store_root, tmp_path)
             "trainer" in psutil.Process(p.pid).cmdline() for p in [*mine, other]
         ):
             time.sleep(0.05)
-        out = ps.run(store_root, run_id, 3, tmp_path / "out")
+        out = ps.run(AttemptRef(store_root, run_id, 3), tmp_path / "out")
         for p in mine:
             assert p.wait(10) is not None
         assert other.poll() is None

@@ -15,7 +15,7 @@ from recovery_steps.kernel.config import StorageConfig, SupervisionConfig, load_
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport, WorkerHeartbeat
 from recovery_steps.kernel.step import StepError
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 from workflows.jobset import JobSetParams, jobset_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,14 +85,11 @@ def _run(cfg, tmp_path, cluster, attempt=0):
     lines: list[str] = []
     progress = tmp_path / "progress"
     rec = ts.run(
-        cfg.storage.root,
-        cfg.run_id,
-        attempt,
+        AttemptRef(cfg.storage.root, cfg.run_id, attempt),
         json.dumps(_manifest(cfg, attempt)),
         tmp_path / "out",
-        k8s_host=cluster.url,
-        progress_file=str(progress),
-        say=lines.append,
+        gang=ts.kube_gang(k8s_host=cluster.url),
+        io=ts.SupervisorIO(progress_file=str(progress), say=lines.append),
     )
     return rec, lines, progress
 
@@ -415,17 +412,15 @@ def test_a_lease_held_by_another_workflow_in_another_namespace_ends_this_ones_ga
 
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)
-    lease.acquire(store, "uid-other", "wf-other", 3600, site=lease.Site(namespace="elsewhere", cluster="c1"))
+    lease.acquire(store, lease.Claimant("uid-other", "wf-other", lease.Site(namespace="elsewhere", cluster="c1")), 3600)
     with pytest.raises(StepError) as e:
         ts.run(
-            cfg.storage.root,
-            cfg.run_id,
-            0,
+            AttemptRef(cfg.storage.root, cfg.run_id, 0),
             json.dumps(_manifest(cfg)),
             tmp_path / "out",
-            k8s_host=cluster.url,
+            gang=ts.kube_gang(k8s_host=cluster.url),
             holder="uid-mine",
-            say=lambda _: None,
+            io=ts.SupervisorIO(say=lambda _: None),
         )
     assert e.value.code == 2 and "wf-other" in str(e.value) and "deleted" in str(e.value)
     assert cluster.requests_of("DELETE", "/jobsets/")
@@ -440,17 +435,15 @@ def test_a_lease_lost_to_a_holder_here_leaves_the_gang_to_it(tmp_path, cluster, 
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)
     site = lease.Site(namespace=cfg.namespace if namespace else None, cluster="c1" if namespace else None)
-    lease.acquire(store, "uid-other", "wf-other", 3600, site=site)
+    lease.acquire(store, lease.Claimant("uid-other", "wf-other", site), 3600)
     with pytest.raises(StepError) as e:
         ts.run(
-            cfg.storage.root,
-            cfg.run_id,
-            0,
+            AttemptRef(cfg.storage.root, cfg.run_id, 0),
             json.dumps(_manifest(cfg)),
             tmp_path / "out",
-            k8s_host=cluster.url,
+            gang=ts.kube_gang(k8s_host=cluster.url),
             holder="uid-mine",
-            say=lambda _: None,
+            io=ts.SupervisorIO(say=lambda _: None),
         )
     assert e.value.code == 2 and "wf-other" in str(e.value) and "left to the run's holder" in str(e.value)
     assert not cluster.requests_of("DELETE", "/jobsets/")
@@ -462,7 +455,7 @@ def test_the_supervisor_renews_the_lease_it_holds(tmp_path, cluster):
 
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)
-    lease.acquire(store, "uid-mine", "wf-mine", 3600)
+    lease.acquire(store, lease.Claimant("uid-mine", "wf-mine"), 3600)
     before = store.read_record(RunLayout.LEASE, RunLease).renewed_at
     js = f"{cfg.run_id}-a0"
     t0 = time.time()
@@ -473,14 +466,12 @@ def test_the_supervisor_renews_the_lease_it_holds(tmp_path, cluster):
 
     cluster.script = [lambda c: time.sleep(0.05), done]
     rec = ts.run(
-        cfg.storage.root,
-        cfg.run_id,
-        0,
+        AttemptRef(cfg.storage.root, cfg.run_id, 0),
         json.dumps(_manifest(cfg)),
         tmp_path / "out",
-        k8s_host=cluster.url,
+        gang=ts.kube_gang(k8s_host=cluster.url),
         holder="uid-mine",
-        say=lambda _: None,
+        io=ts.SupervisorIO(say=lambda _: None),
     )
     assert rec.outcome == "succeeded"
     after = store.read_record(RunLayout.LEASE, RunLease)
@@ -693,14 +684,11 @@ def test_a_store_outage_longer_than_the_hang_timeout_is_no_hang(tmp_path, cluste
     _beat(store, 0, 5, time.time())
     cluster.script = [lambda c: None, outage, lambda c: None, lambda c: None, _succeed(js)]
     rec = ts.run(
-        cfg.storage.root,
-        cfg.run_id,
-        0,
+        AttemptRef(cfg.storage.root, cfg.run_id, 0),
         json.dumps(_manifest(cfg)),
         tmp_path / "out",
-        k8s_host=cluster.url,
-        clock=lambda: time.time() + skew["s"],
-        say=lambda _: None,
+        gang=ts.kube_gang(k8s_host=cluster.url),
+        io=ts.SupervisorIO(clock=lambda: time.time() + skew["s"], say=lambda _: None),
     )
     assert rec.outcome == "succeeded", rec.reason
     assert rec.last_step == 5 and any("unreadable for" in e and "Input/output error" in e for e in rec.evidence)

@@ -827,6 +827,24 @@ class RunStore:
         self._b.delete(rel)
 
 
+@dataclass(frozen=True)
+class AttemptRef:
+    """One attempt of one run: the run store's root, the run id and the attempt number a step acts on."""
+
+    store_root: str
+    run_id: str
+    attempt: int
+
+    @classmethod
+    def of(cls, args: Any) -> AttemptRef:
+        """The attempt a step's parsed arguments name (``--store-root``, ``--run-id``, ``--attempt``)."""
+        return cls(args.store_root, args.run_id, args.attempt)
+
+    def store(self) -> RunStore:
+        """The run's store."""
+        return RunStore(self.store_root, self.run_id)
+
+
 def store_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the run store cannot be reached (local files, GCS, its HTTP transport)."""
     import requests

@@ -23,7 +23,7 @@ def _validated(run, uid: str, first_attempt: int) -> None:
 
     cluster = run.rc.core().read_namespace("kube-system").metadata.uid
     name = f"wf-{uid.removeprefix('uid-')}"
-    lease.acquire(run.store, uid, name, 3600, site=lease.Site(run.ns, cluster), is_alive=lambda _: False)
+    lease.acquire(run.store, lease.Claimant(uid, name, lease.Site(run.ns, cluster)), 3600, is_alive=lambda _: False)
     lease.confirm(run.store, uid, first_attempt)
 
 
@@ -86,7 +86,8 @@ def test_a_later_attempt_refuses_an_undecided_gang_and_its_exit_handler_deletes_
     os.killpg(sup.pid, signal.SIGKILL)  # argo delete: the supervisor pod goes with its Workflow
     sup.wait(10)
     uid = run.rc.core().read_namespace("kube-system").metadata.uid
-    lease.acquire(run.store, "uid-a", "wf-a", 3600, site=lease.Site(run.ns, uid))  # the deleted Workflow's lease
+    # the deleted Workflow's lease
+    lease.acquire(run.store, lease.Claimant("uid-a", "wf-a", lease.Site(run.ns, uid)), 3600)
     _validated(run, "uid-b", 1)  # the new submission's validate-config (wf-a is gone: it takes the run over)
     p = run.step(
         "recovery_steps.provision_slice",
