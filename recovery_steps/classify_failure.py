@@ -51,7 +51,7 @@ from recovery_steps.kernel.records import (
 )
 from recovery_steps.kernel.step import Step, StepError, api_error, k8s_client, load_run_config
 from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 from recovery_steps.retry import (
     RetryDecision,
     argo_duration,
@@ -185,29 +185,34 @@ def _restore_never_decided(store: RunStore, ev: Evidence) -> Evidence:
     return ev
 
 
+@dataclass(frozen=True)
+class ClosingAttempt:
+    """The attempt classify-failure closes: which one, its JobSet (or local slice) name, and its Workflow.
+
+    ``workflow``: the Workflow running the attempt (None: not known); its attempts are counted for the hand-over.
+    """
+
+    ref: AttemptRef
+    jobset: str
+    workflow: str | None = None
+
+
 def run(
-    store_root: str,
-    run_id: str,
-    attempt: int,
-    jobset: str,
+    closing: ClosingAttempt,
     output_dir: Path | None = None,
     *,
     api_client: Any = None,
     step_exit_code: int | None = None,
-    workflow: str | None = None,
     clock: Callable[[], float] = now,
 ) -> ClassifyResult:
-    """Classify attempt ``attempt`` of a run, close it in the ledger and decide what follows.
+    """Classify attempt ``closing.ref.attempt`` of a run, close it in the ledger and decide what follows.
 
     Args:
-        store_root: run-store root (``gs://bucket/prefix`` or a local directory).
-        run_id: the run.
-        attempt: the attempt that failed.
-        jobset: the attempt's JobSet name (GKE) or local slice name.
+        closing: The attempt (run-store root, run, number), its JobSet (GKE) or local slice name, and the
+            Workflow running it.
         output_dir: where to write one file per output parameter (None: write nothing).
         api_client: a kubernetes ApiClient (None: in-cluster config on GKE).
         step_exit_code: exit code of a step that failed before the JobSet ran (e.g. 75), when known.
-        workflow: name of the Workflow running the attempt (its attempts are counted for the hand-over).
         clock: epoch-seconds clock for ``closed_at``.
 
     Returns:
@@ -216,11 +221,13 @@ def run(
     Raises:
         StepError: the store could not be read or written, or the run has no usable config.
     """
-    store = RunStore(store_root, run_id)
+    ref = closing.ref
+    attempt = ref.attempt
+    store = ref.store()
     with ledger_errors(store, _failure):
-        cfg = load_run_config(store_root, run_id, check_ledger=False)
+        cfg = load_run_config(ref.store_root, ref.run_id, check_ledger=False)
         read_ledger(store)  # a damaged ledger is refused before anything is written
-        ev = gather(store, cfg, attempt, jobset, api_client=api_client, step_exit_code=step_exit_code)
+        ev = gather(store, cfg, attempt, closing.jobset, api_client=api_client, step_exit_code=step_exit_code)
         lost = orphaned_gang(ev)
         if lost is not None:
             losses = store.read_record(RunLayout.supervisor_losses(attempt), SupervisorLosses)
@@ -228,10 +235,13 @@ def run(
             if len(losses.at) < MAX_SUPERVISOR_LOSSES:
                 losses = losses.model_copy(update={"at": [*losses.at, clock()], "reasons": [*losses.reasons, lost]})
                 store.write_record(RunLayout.supervisor_losses(attempt), losses)
-                return _resupervise(store, cfg, attempt, jobset, ev, lost, len(losses.at), output_dir, workflow)
+                again = _resupervise(store, cfg, closing, ev, lost, len(losses.at))
+                if output_dir is not None:
+                    write_outputs(Path(output_dir), again)
+                return again
             ev.notes.append(f"{lost}; lost {len(losses.at)} times already: the attempt is closed")
         verdict = classify(ev)
-        decision, record, ledger = close_attempt(store, cfg, attempt, jobset, ev, verdict, workflow, clock)
+        decision, record, ledger = close_attempt(store, cfg, closing, ev, verdict, clock)
     spent = budget_exhausted(decision, verdict.failure_class, cfg.retry)
     result = ClassifyResult(verdict, decision, record, ledger, ev, spent)
     if output_dir is not None:
@@ -242,14 +252,13 @@ def run(
 def close_attempt(
     store: RunStore,
     cfg: JobConfig,
-    attempt: int,
-    jobset: str,
+    closing: ClosingAttempt,
     ev: Evidence,
     verdict: Verdict,
-    workflow: str | None,
     clock: Callable[[], float],
 ) -> tuple[RetryDecision, AttemptRecord, Ledger]:
     """Close the attempt in the ledger with its class and the retry decision; write its own record too."""
+    attempt = closing.ref.attempt
     started, ended = _timings(ev)
     base = AttemptRecord(
         attempt=attempt,
@@ -262,10 +271,10 @@ def close_attempt(
         started_at=started,
         ended_at=ended,
         backend=ev.backend,
-        jobset=jobset,
+        jobset=closing.jobset,
         first_worker=verdict.first_worker,
         cause_worker=verdict.cause_worker,
-        workflow=workflow,
+        workflow=closing.workflow,
     )
     holder: dict[str, Any] = {}
 
@@ -291,17 +300,10 @@ def close_attempt(
 
 
 def _resupervise(
-    store: RunStore,
-    cfg: JobConfig,
-    attempt: int,
-    jobset: str,
-    ev: Evidence,
-    lost: str,
-    n: int,
-    output_dir: Path | None,
-    workflow: str | None,
+    store: RunStore, cfg: JobConfig, closing: ClosingAttempt, ev: Evidence, lost: str, n: int
 ) -> ClassifyResult:
     """The decision for a gang that lost its supervisor: supervise the same attempt again; the ledger is unchanged."""
+    attempt = closing.ref.attempt
     reason = f"{lost} ({n} of at most {MAX_SUPERVISOR_LOSSES}); supervising attempt {attempt} again"
     verdict = Verdict(FailureClass.UNKNOWN, reason, [reason, *ev.notes])
     ledger = store.read_record(RunLayout.LEDGER, Ledger) or Ledger(run_id=cfg.run_id)
@@ -313,15 +315,12 @@ def _resupervise(
         reason=reason,
         evidence=verdict.evidence,
         backend=ev.backend,
-        jobset=jobset,
-        workflow=workflow,
+        jobset=closing.jobset,
+        workflow=closing.workflow,
         decision=Decision.RESUPERVISE,
         decision_reason=reason,
     )
-    result = ClassifyResult(verdict, decision, record, ledger, ev)
-    if output_dir is not None:
-        write_outputs(Path(output_dir), result)
-    return result
+    return ClassifyResult(verdict, decision, record, ledger, ev)
 
 
 def _one_line(text: str) -> str:
@@ -404,13 +403,9 @@ def parser() -> argparse.ArgumentParser:
 def act(args: argparse.Namespace) -> tuple[int, str]:
     """Classify, close the attempt, decide; the summary for the step's log."""
     r = run(
-        args.store_root,
-        args.run_id,
-        args.attempt,
-        args.jobset,
+        ClosingAttempt(AttemptRef.of(args), args.jobset, args.workflow),
         args.output_dir,
         step_exit_code=args.step_exit_code,
-        workflow=args.workflow,
     )
     return 0, summary(r)
 

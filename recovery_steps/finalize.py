@@ -280,8 +280,7 @@ def _close_stopped(led: Ledger, stopped: AttemptRecord, why: str) -> Ledger:
 
 
 def run(
-    store_root: str,
-    run_id: str,
+    store: RunStore,
     status: str,
     failures: str | None = None,
     output_dir: Path | None = None,
@@ -298,8 +297,7 @@ def run(
     still lists every attempt the store holds.
 
     Args:
-        store_root: run-store root.
-        run_id: the run.
+        store: the run's store.
         status: Argo's workflow status (Succeeded, Failed, Error).
         failures: Argo's ``{{workflow.failures}}`` JSON, if any.
         output_dir: where to write ``final-status`` (None: nowhere).
@@ -314,7 +312,7 @@ def run(
             validated (no ``config.json``: exit 2, nothing is recorded).
     """
     final = SUCCEEDED if status == SUCCEEDED else FAILED
-    store = RunStore(store_root, run_id)
+    run_id = store.run_id
     failed_nodes = parse_failures(failures)
     with ledger_errors(store, _failure):
         if store.read_bytes(RunLayout.CONFIG) is None:
@@ -485,7 +483,11 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
         return early
     try:
         r = run(
-            args.store_root, args.run_id, args.status, args.failures, args.output_dir, closes_open=bool(args.holder)
+            RunStore(args.store_root, args.run_id),
+            args.status,
+            args.failures,
+            args.output_dir,
+            closes_open=bool(args.holder),
         )
     except StepError as e:
         if e.code == ExitCode.CONFIGURATION and args.holder:

@@ -17,7 +17,7 @@ from recovery_steps.kernel.config import parse_config
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.kube import make_api_client
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 
 NS = "training"
 JS = "llm-a3"
@@ -341,7 +341,11 @@ def test_classify_failure_on_gke_backend(api, tmp_path, capsys):
     store = RunStore.for_config(cfg)
     store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
     out = tmp_path / "out"
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, out, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        out,
+        api_client=make_api_client(api.url),
+    )
     assert r.evidence.backend == "gke"
     assert (out / "failure-class").read_text() == "preemption"
     assert (out / "decision").read_text() == "retry"
@@ -370,7 +374,11 @@ def test_a_cpu_slice_is_classified_from_the_cluster_when_its_steps_run_in_pods(a
         monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     store = RunStore.for_config(cfg)
     store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, tmp_path / "out", api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        tmp_path / "out",
+        api_client=make_api_client(api.url),
+    )
     assert r.evidence.backend == ("gke" if in_pod else "local")
     assert (len(r.evidence.pods) > 0) is in_pod
     assert (r.verdict.failure_class is FailureClass.PREEMPTION) is in_pod
@@ -512,7 +520,11 @@ def test_a_running_gang_whose_supervisor_left_no_verdict_is_supervised_again_not
     _running_gang(api)
     cfg, store = _gke_run(tmp_path)
     out = tmp_path / "out"
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, out, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        out,
+        api_client=make_api_client(api.url),
+    )
     assert (out / "decision").read_text() == "resupervise" and "supervisor was lost" in (out / "reason").read_text()
     # The attempt is not closed: no ledger entry, no budget spent; the loss is counted.
     assert store.read_record(RunLayout.LEDGER, Ledger) is None
@@ -525,7 +537,9 @@ def test_a_running_gang_whose_supervisor_left_no_verdict_is_supervised_again_not
     )
     assert (
         classify_failure.run(
-            cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url)
+            classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+            None,
+            api_client=make_api_client(api.url),
         ).decision.decision
         == "resupervise"
     )
@@ -535,7 +549,11 @@ def test_a_running_gang_whose_supervisor_left_no_verdict_is_supervised_again_not
             attempt=3, jobset=JS, outcome="stalled", stall_kind="hang", reason="no step", detected_at=1.0
         ),
     )
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        None,
+        api_client=make_api_client(api.url),
+    )
     assert r.decision.decision == "retry" and r.verdict.failure_class == "hang"
 
 
@@ -546,7 +564,11 @@ def test_a_supervisor_lost_again_and_again_closes_the_attempt(api, tmp_path):
     cfg, store = _gke_run(tmp_path)
     losses = SupervisorLosses(attempt=3, at=[1.0] * classify_failure.MAX_SUPERVISOR_LOSSES)
     store.write_record(RunLayout.supervisor_losses(3), losses)
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        None,
+        api_client=make_api_client(api.url),
+    )
     assert r.decision.decision != "resupervise"
     assert [a.attempt for a in store.read_record(RunLayout.LEDGER, Ledger).attempts] == [3]
     assert any("lost 10 times" in n for n in r.evidence.notes)
@@ -555,10 +577,18 @@ def test_a_supervisor_lost_again_and_again_closes_the_attempt(api, tmp_path):
 def test_a_finished_or_missing_jobset_is_never_resupervised(api, tmp_path):
     cfg, _ = _gke_run(tmp_path)
     spot_preemption(api)  # the JobSet failed
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        None,
+        api_client=make_api_client(api.url),
+    )
     assert r.decision.decision == "retry"
     api.remove("jobsets", JS)
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 4, JS, None, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 4), JS),
+        None,
+        api_client=make_api_client(api.url),
+    )
     assert r.decision.decision != "resupervise"
 
 
@@ -619,7 +649,11 @@ def test_a_gang_whose_evidence_cannot_be_read_is_neither_closed_nor_resupervised
     api.inject(READS[read], *answer)
     cfg, store = _gke_run(tmp_path)
     with pytest.raises(StepError) as e:
-        classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, tmp_path / "out", api_client=make_api_client(api.url))
+        classify_failure.run(
+            classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+            tmp_path / "out",
+            api_client=make_api_client(api.url),
+        )
     assert e.value.code == 69 and f"answered {answer[0]}" in str(e.value) and "not taken for absence" in str(e.value)
     assert store.read_record(RunLayout.LEDGER, Ledger) is None  # the attempt is not closed
     assert store.read_record(RunLayout.supervisor_losses(3), SupervisorLosses) is None  # nor counted as lost
@@ -634,7 +668,11 @@ def test_a_refused_read_is_configuration_and_decides_nothing(api, tmp_path):
     api.inject(READS["jobset"], *FORBIDDEN)
     cfg, store = _gke_run(tmp_path)
     with pytest.raises(StepError) as e:
-        classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+        classify_failure.run(
+            classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+            None,
+            api_client=make_api_client(api.url),
+        )
     assert e.value.code == 2 and "answered 403" in str(e.value) and "argo/rbac.yaml" in str(e.value)
     assert store.read_record(RunLayout.LEDGER, Ledger) is None
 
@@ -740,7 +778,11 @@ def test_unreadable_events_only_lose_their_detail(api, tmp_path):
             detected_at=1.0,
         ),
     )
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        None,
+        api_client=make_api_client(api.url),
+    )
     assert r.verdict.failure_class == "capacity" and any("events of pod" in line for line in r.verdict.evidence)
 
 
@@ -758,7 +800,11 @@ def test_a_job_at_failure_target_is_a_failed_gang_though_its_jobset_has_not_fail
     api.put("pods", failed)  # replaces worker 2's pod (the same name)
     api.put("jobs", api_job_at_failure_target(failed["metadata"]["name"], 42))
     cfg, store = _gke_run(tmp_path)
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        None,
+        api_client=make_api_client(api.url),
+    )
     assert r.decision.decision == "retry" and r.verdict.failure_class == "application", r.verdict.reason
     assert r.verdict.first_worker == 2
     assert any(
@@ -822,7 +868,11 @@ def test_a_gang_whose_pods_the_api_refused_is_classified_from_its_jobs_events(
 ):
     cfg, store = _gke_run(tmp_path)
     store.write_record(RunLayout.supervision(3), _never_started(api, message, stopped=stopped))
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        None,
+        api_client=make_api_client(api.url),
+    )
     assert r.verdict.failure_class == cls, r.verdict.reason
     assert (
         r.verdict.reason.startswith(f"Job {JS}-workers-0 could not create its worker pods: ")
@@ -854,6 +904,10 @@ def test_the_pull_failure_of_a_pod_torn_down_before_it_ran_is_read_from_its_even
         )
     api.put("pods", *pods)
     cfg, _ = _gke_run(tmp_path)
-    r = classify_failure.run(cfg.storage.root, cfg.run_id, 3, JS, None, api_client=make_api_client(api.url))
+    r = classify_failure.run(
+        classify_failure.ClosingAttempt(AttemptRef(cfg.storage.root, cfg.run_id, 3), JS),
+        None,
+        api_client=make_api_client(api.url),
+    )
     assert r.verdict.failure_class == "configuration", r.verdict.reason
     assert "never ran: its image cannot be pulled" in r.verdict.reason

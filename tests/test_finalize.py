@@ -110,7 +110,7 @@ def test_failed_after_budget_spent(tmp_path, capsys):
             }
         ]
     )
-    r = finalize.run(root, RUN, "Failed", argo_failures, tmp_path / "o")
+    r = finalize.run(RunStore(root, RUN), "Failed", argo_failures, tmp_path / "o")
     assert r.final_status == "Failed"
     assert r.final_reason.startswith("stopped after attempt 1: application budget spent")
     assert "completed" not in r.final_reason
@@ -123,9 +123,9 @@ def test_failed_before_any_attempt_uses_argo_failures(tmp_path):
     root = str(tmp_path / "store")
     validated(RunStore(root, RUN))
     nodes = json.dumps([{"displayName": "provision-slice", "message": "Error (exit code 2)", "phase": "Failed"}])
-    r = finalize.run(root, RUN, "Error", nodes)
+    r = finalize.run(RunStore(root, RUN), "Error", nodes)
     assert (r.final_status, r.final_reason) == ("Failed", "provision-slice failed: Error (exit code 2)")
-    r2 = finalize.run(root, RUN, "Failed", "{{workflow.failures}}")
+    r2 = finalize.run(RunStore(root, RUN), "Failed", "{{workflow.failures}}")
     assert r2.final_reason.startswith("the workflow ended before any attempt was classified")
 
 
@@ -150,8 +150,8 @@ def test_finalize_twice_is_idempotent(tmp_path):
     root = str(tmp_path / "store")
     store = validated(RunStore(root, RUN))
     restore_record(store, 0, -1)
-    finalize.run(root, RUN, "Succeeded")
-    finalize.run(root, RUN, "Succeeded")
+    finalize.run(RunStore(root, RUN), "Succeeded")
+    finalize.run(RunStore(root, RUN), "Succeeded")
     led = Ledger.model_validate(store.read_json(RunLayout.LEDGER))
     assert [(a.attempt, a.outcome) for a in led.attempts] == [(0, "succeeded")]
     assert led.final_reason == "training completed in attempt 0"
@@ -165,15 +165,17 @@ def test_an_attempt_open_when_the_run_was_stopped_is_closed_as_stopped_and_charg
     restore_record(store, 1, 10)
     store.write_json(RunLayout.checkpoint_manifest(20), {"step": 20})
     stop = json.dumps([{"displayName": "train-segment(0)", "message": "Stopped with strategy 'Stop'"}])
-    assert [a.attempt for a in finalize.run(root, RUN, "Failed", stop).ledger.attempts] == [0]  # not the holder's
-    r = finalize.run(root, RUN, "Failed", stop, closes_open=True, clock=lambda: 5.0)
+    assert [a.attempt for a in finalize.run(RunStore(root, RUN), "Failed", stop).ledger.attempts] == [
+        0
+    ]  # not the holder's
+    r = finalize.run(RunStore(root, RUN), "Failed", stop, closes_open=True, clock=lambda: 5.0)
     first, stopped = r.ledger.attempts
     assert first == failed(0, FailureClass.APPLICATION, -1, 10)  # a closed attempt is never rewritten
     assert (stopped.attempt, stopped.outcome, stopped.failure_class, stopped.decision) == (1, "stopped", None, None)
     assert (stopped.checkpoint_step_before, stopped.checkpoint_step_after, stopped.ended_at) == (10, 20, 5.0)
     assert "train-segment(0) failed: Stopped with strategy 'Stop'" in stopped.reason
     assert r.ledger.by_class() == Ledger(run_id=RUN, attempts=[first]).by_class()  # the stop charged no class
-    again = finalize.run(root, RUN, "Failed", stop, closes_open=True, clock=lambda: 9.0)
+    again = finalize.run(RunStore(root, RUN), "Failed", stop, closes_open=True, clock=lambda: 9.0)
     assert again.ledger.attempts == r.ledger.attempts  # a retry of the exit handler changes nothing
 
 
@@ -185,7 +187,7 @@ def test_a_resupervised_attempt_is_closed_as_stopped_with_its_gang_named(tmp_pat
         store,
         AttemptRecord(attempt=0, outcome="running", started_at=2.0, jobset=f"{RUN}-a0", workflow="wf-a", backend="gke"),
     )
-    (stopped,) = finalize.run(root, RUN, "Failed", None, closes_open=True).ledger.attempts
+    (stopped,) = finalize.run(RunStore(root, RUN), "Failed", None, closes_open=True).ledger.attempts
     assert (stopped.outcome, stopped.started_at, stopped.jobset, stopped.workflow) == (
         "stopped",
         2.0,

@@ -145,7 +145,7 @@ def test_finalize_outputs_totals_from_the_store(store_root, tmp_path):
             first_step_at=110.0 + i,
             ended_at=124.0 + i,
         )
-    r = finalize.run(store_root, RUN, "Succeeded", None, tmp_path / "o")
+    r = finalize.run(RunStore(store_root, RUN), "Succeeded", None, tmp_path / "o")
     assert r.totals.steps_lost == 3
     # back at step 8: first step (6) at t=111, 1 step/s, so t=113; failed at t=100.5.
     assert r.totals.recovery_seconds == pytest.approx(12.5)
@@ -156,6 +156,6 @@ def test_finalize_outputs_totals_from_the_store(store_root, tmp_path):
 def test_finalize_without_incidents_outputs_zero_and_minus_one(store_root, tmp_path):
     store = _validated(store_root)
     _report(store, 0, 0, 0, last_step=20, restore_step=-1, first_step_at=10.0, ended_at=20.0)
-    finalize.run(store_root, RUN, "Succeeded", None, tmp_path / "o")
+    finalize.run(RunStore(store_root, RUN), "Succeeded", None, tmp_path / "o")
     assert (tmp_path / "o" / "steps-lost").read_text() == "0"
     assert (tmp_path / "o" / "recovery-seconds").read_text() == "-1"

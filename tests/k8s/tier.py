@@ -18,7 +18,7 @@ from recovery_steps import classify_failure
 from recovery_steps.kernel.config import JobConfig, StorageConfig, SupervisionConfig, load_config
 from recovery_steps.kernel.names import jobset_name
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 from workflows.jobset import JobSetParams, jobset_manifest
 from workflows.rbac import rbac_objects
 
@@ -168,10 +168,9 @@ class Run:
 
     def classify(self, attempt: int) -> classify_failure.ClassifyResult:
         return classify_failure.run(
-            self.cfg.storage.root,
-            self.cfg.run_id,
-            attempt,
-            jobset_name(self.cfg.run_id, attempt),
+            classify_failure.ClosingAttempt(
+                AttemptRef(self.cfg.storage.root, self.cfg.run_id, attempt), jobset_name(self.cfg.run_id, attempt)
+            ),
             api_client=self.rc.api(self.token),
         )
 
