@@ -9,7 +9,8 @@ import sys
 
 import pytest
 from support.ckpt_factory import restore_record, tiny_config, write_run_config
-from support.fake_k8s import FakeCluster, status
+from support.fake_k8s import FakeCluster, forbidden, status
+from support.provision_api import jobset as _jobset
 from support.provision_api import store_config as _store_config
 
 from recovery_steps import finalize, give_up, hand_over, lease
@@ -273,27 +274,6 @@ def test_stops_gang_table(status, current, holder, ledger, stops):
     assert finalize.stops_gang(status, current, holder, ledger) is stops
 
 
-class _Cluster(FakeCluster):
-    """The fake API, and an answer every JobSet request gets instead while ``fail`` is set."""
-
-    fail: tuple[int, str] | None = None
-
-    def route(self, method, raw, body):
-        if self.fail and "/jobsets" in raw:
-            self.requests.append((method, raw, body))
-            return self.fail[0], status(self.fail[0], self.fail[1], "refused")
-        return super().route(method, raw, body)
-
-
-def _jobset(name, run_id, deleting=False, namespace="training"):
-    # Labelled as workflows.jobset labels the attempt's JobSet (its name ends -a<attempt>).
-    labels = {"jaxrec/run-id": run_id, "jaxrec/attempt": name.rsplit("-a", 1)[-1]}
-    meta = {"name": name, "namespace": namespace, "labels": labels}
-    if deleting:
-        meta["deletionTimestamp"] = "2024-05-01T10:00:00Z"
-    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta, "spec": {}, "status": {}}
-
-
 @pytest.fixture
 def gke(tmp_path):
     """A GKE run held by workflow uid-a, its gang (attempt 2, attempt 1 still going) and another run's JobSet."""
@@ -301,7 +281,7 @@ def gke(tmp_path):
     _store_config(root, "v5e-4x4.yaml")
     store = RunStore(root, GKE_RUN)
     _take(store)
-    cluster = _Cluster()
+    cluster = FakeCluster()
     for js in (
         _jobset(f"{GKE_RUN}-a2", GKE_RUN),
         _jobset(f"{GKE_RUN}-a1", GKE_RUN, deleting=True),
@@ -374,12 +354,13 @@ def test_a_holder_that_never_confirmed_records_nothing_and_deletes_nothing(gke, 
 
 def test_an_api_outage_leaves_the_lease_held_for_the_retry_that_stops_the_gang(gke, capsys):
     root, store, cluster = gke
-    cluster.fail = (503, "ServiceUnavailable")
+    unavailable = status(503, "ServiceUnavailable", "the server is currently unable to handle the request")
+    cluster.inject("/jobsets", 503, unavailable)
     assert _finalize(root, cluster) == 69
     err = capsys.readouterr().err
     assert "could not stop run lm-v5e-4x4's gang: Kubernetes API answered 503" in err and "Argo retries" in err
     assert not store.read_record(RunLayout.LEASE, RunLease).released
-    cluster.fail = None
+    cluster.faults.clear()
     assert _finalize(root, cluster) == 0  # Argo's retry of the exit handler
     assert sorted(cluster.objects["jobsets"]) == [f"{GKE_RUN}-a1", "other-run-a0"]
     assert store.read_record(RunLayout.LEASE, RunLease).released
@@ -388,7 +369,7 @@ def test_an_api_outage_leaves_the_lease_held_for_the_retry_that_stops_the_gang(g
 
 def test_a_refused_delete_names_the_command_that_stops_the_gang_by_hand(gke, capsys):
     root, store, cluster = gke
-    cluster.fail = (403, "Forbidden")
+    cluster.inject("/jobsets", 403, forbidden("list", "jobsets", group="jobset.x-k8s.io", namespace="training"))
     assert _finalize(root, cluster) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "Kubernetes API answered 403" in line
@@ -406,7 +387,7 @@ def test_a_cpu_slice_deletes_its_jobset_only_on_a_cluster(tmp_path, capsys, monk
     _take(store)
     if in_pod:
         monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-    cluster = _Cluster(namespace="default")
+    cluster = FakeCluster(namespace="default")
     cluster.put("jobsets", _jobset(f"{run_id}-a0", run_id, namespace="default"))
     try:
         assert (

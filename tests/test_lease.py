@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 from support.fake_k8s import FakeCluster, status
-from support.provision_api import FakeKube
 from support.provision_api import node as _node
+from support.provision_api import slice_cluster
 from support.provision_api import store_config as _store_config
 
 from recovery_steps import finalize, lease, provision_slice, validate_config
@@ -253,20 +253,15 @@ def test_renew_if_due_rides_out_a_store_outage(gcs_emulator, monkeypatch):
         proxy.close()
 
 
-class _KubeWithWorkflow(FakeKube):
-    """provision-slice's API paths plus the cluster id and the lease holder's Workflow object (Running)."""
-
-    def get(self, path, q):
-        if path == "/api/v1/namespaces/kube-system":
-            return 200, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system", "uid": CLUSTER}}
-        if path == "/apis/argoproj.io/v1alpha1/namespaces/training/workflows/wf-a" and self.holder_running:
-            return 200, {
-                "apiVersion": "argoproj.io/v1alpha1",
-                "kind": "Workflow",
-                "metadata": {"name": "wf-a", "uid": "uid-a"},
-                "status": {"phase": "Running"},
-            }
-        return super().get(path, q)
+def _kube_with_workflow(holder_running: bool) -> FakeCluster:
+    """provision-slice's cluster (the run's JobSet of attempt 0, a whole slice) with the cluster id and, when
+    ``holder_running``, the lease holder's Workflow object (Running)."""
+    kube = slice_cluster(jobsets=["lm-v5e-4x4-a0"], nodes=[_node(f"n{i}") for i in range(4)])
+    _cluster_id(kube, CLUSTER)
+    if holder_running:
+        wf = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": {"name": "wf-a", "uid": "uid-a"}}
+        kube.put("workflows", {**wf, "status": {"phase": "Running"}})
+    return kube
 
 
 @pytest.mark.parametrize(
@@ -286,8 +281,7 @@ def test_provision_slice_of_a_second_submission_deletes_no_live_gang(
     run_id = _store_config(root, "v5e-4x4.yaml")
     store = RunStore(root, run_id)
     lease.acquire(store, lease.Claimant("uid-a", "wf-a", holder_site), 3600)
-    kube = _KubeWithWorkflow(jobsets=["lm-v5e-4x4-a0"], nodes=[_node(f"n{i}") for i in range(4)])
-    kube.holder_running = holder_running
+    kube = _kube_with_workflow(holder_running)
     try:
         code = provision_slice.main(
             [
@@ -312,7 +306,7 @@ def test_provision_slice_of_a_second_submission_deletes_no_live_gang(
     deletes = [r for r in kube.requests if r[0] == "DELETE"]
     if not taken:
         assert code == 2 and "held by workflow wf-a" in capsys.readouterr().err
-        assert not deletes and kube.jobsets == ["lm-v5e-4x4-a0"]
+        assert not deletes and list(kube.jobsets) == ["lm-v5e-4x4-a0"]
         assert store.read_record(RunLayout.LEASE, RunLease).holder == "uid-a"
     else:
         assert code == 0 and len(deletes) == 1

@@ -5,10 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from urllib.parse import urlparse
 
 import psutil
 import pytest
-from support.provision_api import JOBSETS, MAINTENANCE, NS, REPO, FakeKube
+from support.fake_k8s import forbidden
+from support.provision_api import JOBSETS, MAINTENANCE, NODES, NS, PODS, REPO, slice_cluster
 from support.provision_api import node as _node
 from support.provision_api import store_config as _store_config
 
@@ -23,12 +25,16 @@ def kube_factory():
     made = []
 
     def make(**kw):
-        made.append(FakeKube(**kw))
+        made.append(slice_cluster(**kw))
         return made[-1]
 
     yield make
     for k in made:
         k.close()
+
+
+def _deletes(kube):
+    return kube.requests_of("DELETE", "/")
 
 
 def _main(root, run_id, out, kube, *extra):
@@ -63,13 +69,13 @@ def test_gke_deletes_old_jobsets_waits_for_pods_and_checks_nodes(tmp_path, kube_
     assert (out / "jobset-name").read_text() == "lm-v5e-4x4-a2"
     assert (out / "coordinator-port").read_text() == "8476"
     assert (out / "metrics-port").read_text() == "9431"
-    deletes = [(p.rsplit("/", 1)[-1], body.get("propagationPolicy")) for m, p, body in kube.requests if m == "DELETE"]
+    deletes = [(urlparse(p).path.rsplit("/", 1)[-1], body.get("propagationPolicy")) for _, p, body in _deletes(kube)]
     assert deletes == [("lm-v5e-4x4-a0", "Foreground"), ("lm-v5e-4x4-a1", "Foreground")]
-    listed = [q for m, p, q in kube.requests if p == JOBSETS and m == "GET"]
+    listed = kube.queries("GET", JOBSETS)
     assert listed[0]["labelSelector"] == "jaxrec/run-id=lm-v5e-4x4"
-    pod_polls = [q for m, p, q in kube.requests if p.endswith("/pods")]
-    assert len(pod_polls) >= 2 and kube.pods_left == 0  # waited until the pods were gone
-    (node_q,) = [q for m, p, q in kube.requests if p == "/api/v1/nodes"]
+    pod_polls = kube.queries("GET", PODS)
+    assert len(pod_polls) >= 2 and not kube.pods  # waited until the pods were gone
+    (node_q,) = kube.queries("GET", NODES)
     assert "cloud.google.com/gke-tpu-topology=4x4" in node_q["labelSelector"]
     assert "cloud.google.com/gke-spot=true" in node_q["labelSelector"]
 
@@ -111,7 +117,8 @@ def test_gke_zero_nodes_is_a_documented_choice(tmp_path, kube_factory):
 def test_gke_forbidden_is_configuration(tmp_path, kube_factory, capsys):
     root = str(tmp_path / "store")
     run_id = _store_config(root, "v5e-4x4.yaml")
-    kube = kube_factory(jobset_status=403)
+    kube = kube_factory()
+    kube.inject("/jobsets", 403, forbidden("list", "jobsets", group="jobset.x-k8s.io", namespace=NS))
     assert _main(root, run_id, tmp_path / "out", kube) == 2
     assert "rbac.yaml" in capsys.readouterr().err
 
@@ -120,7 +127,7 @@ def test_gke_pods_that_never_go_are_capacity(tmp_path, kube_factory):
     root = str(tmp_path / "store")
     cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
     _store_config(root, "v5e-4x4.yaml")
-    kube = kube_factory(jobsets=["lm-v5e-4x4-a0"], pods_after_delete=50, nodes=[_node(f"n{i}") for i in range(4)])
+    kube = kube_factory(jobsets=["lm-v5e-4x4-a0"], pods_per_gang=50, nodes=[_node(f"n{i}") for i in range(4)])
     from recovery_steps.kernel.kube import make_api_client
 
     with pytest.raises(StepError) as e:
@@ -325,7 +332,7 @@ def test_gke_passes_a_whole_slice_and_ignores_far_maintenance_and_finished_pods(
     nodes = [_tpu_node(f"n{i}", labels=far) for i in range(4)]
     kube = kube_factory(nodes=nodes, other_pods=[_other_run_pod("n1", phase="Succeeded")])
     assert _main(root, run_id, tmp_path / "out", kube) == 0
-    (q,) = [q for m, p, q in kube.requests if p.endswith("/pods") and "!=" in q.get("labelSelector", "")]
+    (q,) = [q for q in kube.queries("GET", PODS) if "!=" in q.get("labelSelector", "")]
     assert q["labelSelector"] == f"jaxrec/run-id,jaxrec/run-id!={run_id}"
 
 
@@ -396,4 +403,4 @@ def test_what_is_decided_is_read_from_the_steps_store_root_not_the_files(tmp_pat
     RunStore(root, run_id).write_record(RunLayout.supervision(1), decided)
     kube = kube_factory(jobsets=[f"{run_id}-a1"], labelled=True, nodes=[_node(f"n{i}") for i in range(4)])
     assert _main(root, run_id, tmp_path / "out", kube) == 0
-    assert [r[1].rsplit("/", 1)[1] for r in kube.requests if r[0] == "DELETE"] == [f"{run_id}-a1"]
+    assert [urlparse(r[1]).path.rsplit("/", 1)[1] for r in _deletes(kube)] == [f"{run_id}-a1"]

@@ -7,7 +7,7 @@ Workflows), answered as kube-apiserver v1.36 answers them:
   (``/api/v1/...``, ``/apis/<group>/<version>/...``, namespaced and cluster-scoped);
 - failures as ``metav1.Status`` bodies: 404 NotFound (an object, or a resource the server does not serve, as
   when a CRD is not installed), 409 AlreadyExists, 422 Invalid, 400 BadRequest; and any status a test
-  injects (5xx, 429, 403) with :meth:`FakeCluster.inject`;
+  injects (5xx, 429, 403: :func:`forbidden`) with :meth:`FakeCluster.inject`;
 - SelfSubjectAccessReviews, answered from the verbs a test denies.
 
 Objects carry ``metadata.resourceVersion`` from one counter, as the API server's do; a watch returns
@@ -16,6 +16,22 @@ the events after the version it asks for as newline-delimited JSON (``{"type": "
 ``Status``, as the API server sends (kubernetes API concepts, "Efficient detection of changes").
 Each pods watch request first applies the next step of ``script``: the cluster moves on as the
 supervisor watches it, without sleeping.
+
+Deleting a JobSet hands its Jobs and pods to the garbage collector, by the request's ``propagationPolicy``
+(query or DeleteOptions body), as kube-controller-manager v1.36's does (Kubernetes docs "Garbage Collection"):
+
+- ``Background`` (what a custom resource gets when none is asked): the JobSet and its Jobs go at once, their pods
+  after;
+- ``Foreground``: the JobSet stays, with ``deletionTimestamp`` and the ``foregroundDeletion`` finalizer, until none
+  of its Jobs and pods is left, then goes;
+- ``Orphan``: the JobSet goes, its Jobs and pods stay.
+
+The collector is asynchronous in a real cluster: the pods go some time after the DELETE was answered, a few at a
+time. ``gc_per_list`` sets its pace here: None (the default), it finishes within the DELETE request (a collector
+faster than any poll); n, it removes n more of the deleted JobSets' pods after each pods LIST is answered, so a
+caller that polls for them sees them go. A pod on a lost node stays Terminating either way (its kubelet cannot
+confirm it) until it is deleted with ``gracePeriodSeconds=0``; the Jobs, and a foreground-deleted JobSet, go when
+the last of their pods has.
 """
 
 from __future__ import annotations
@@ -55,6 +71,26 @@ def status(code: int, reason: str, message: str, **details: Any) -> dict[str, An
     if details:
         body["details"] = details
     return body
+
+
+def forbidden(
+    verb: str,
+    resource: str,
+    *,
+    group: str = "",
+    namespace: str | None = None,
+    name: str | None = None,
+    user: str = "system:serviceaccount:training:jax-recovery",
+) -> dict[str, Any]:
+    """The 403 ``Status`` RBAC's authorizer answers a request it denies, worded as kube-apiserver v1.36 words it;
+    for :meth:`FakeCluster.inject`."""
+    what = f"{resource}.{group}" if group else resource
+    if name:
+        what += f' "{name}"'
+    where = f' in the namespace "{namespace}"' if namespace else ""
+    msg = f'{what} is forbidden: User "{user}" cannot {verb} resource "{resource}" in API group "{group}"{where}'
+    details = {**({"name": name} if name else {}), **({"group": group} if group else {}), "kind": resource}
+    return status(403, "Forbidden", msg, **details)
 
 
 def pod(
@@ -273,6 +309,10 @@ def _flag(q: dict[str, list[str]], key: str) -> str:
     return (q.get(key) or [""])[0]
 
 
+def _watching(q: dict[str, list[str]]) -> bool:
+    return _flag(q, "watch").lower() in ("true", "1")
+
+
 class FakeCluster:
     """The API objects of one namespace (``namespace``) and the cluster-scoped ones, with resource versions and
     watch events. ``cluster.pods`` (any resource's name) is ``cluster.objects["pods"]``, by object name.
@@ -280,8 +320,18 @@ class FakeCluster:
     It starts as a cluster does: the namespace and ``kube-system`` exist. A request for another namespace finds
     nothing there (404 for an object, an empty list)."""
 
-    def __init__(self, script: list[Callable[[FakeCluster], None]] | None = None, *, namespace: str = "training"):
+    def __init__(
+        self,
+        script: list[Callable[[FakeCluster], None]] | None = None,
+        *,
+        namespace: str = "training",
+        gc_per_list: int | None = None,
+    ):
         self.ns = namespace
+        self.gc_per_list = gc_per_list
+        # JobSets whose dependents the garbage collector is removing: name -> whether the JobSet waits for them
+        # (foreground deletion).
+        self.collecting: dict[str, bool] = {}
         self.rv = 100
         self.served = dict(RESOURCES)
         self.objects: dict[str, dict[str, dict[str, Any]]] = {r: {} for r in RESOURCES}
@@ -328,13 +378,16 @@ class FakeCluster:
                 self.changes[coll].append((self.rv, kind, obj))
 
     def remove(self, coll: str, name: str) -> None:
-        """Delete an object; emits DELETED."""
+        """Delete an object; emits DELETED. A deleted JobSet's last pod gone, its Jobs (and the JobSet, when it
+        waits for them) go too."""
         with self.lock:
             obj = self.objects[coll].pop(name, None)
             if obj is not None:
                 self.rv += 1
                 obj["metadata"]["resourceVersion"] = str(self.rv)
                 self.changes[coll].append((self.rv, "DELETED", obj))
+                if coll == "pods" and self.collecting:
+                    self._finish_gangs()
 
     def compact(self, coll: str) -> None:
         """Forget the event history of ``coll``: an older resourceVersion now gets 410 Gone."""
@@ -356,6 +409,11 @@ class FakeCluster:
         """The requests made with ``method`` whose path contains ``fragment``."""
         return [r for r in self.requests if r[0] == method and fragment in r[1]]
 
+    def queries(self, method: str, path: str) -> list[dict[str, str]]:
+        """The query parameters (the first value of each) of every ``method`` request on exactly ``path``."""
+        asked = [urlparse(raw) for m, raw, _ in self.requests if m == method]
+        return [{k: v[0] for k, v in parse_qs(u.query).items()} for u in asked if u.path == path]
+
     # -- the API --
 
     def route(self, method: str, raw: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -376,13 +434,17 @@ class FakeCluster:
             if method == "GET" and at.name is None:
                 if at.resource == "pods" and _flag(q, "watch") and self.script:
                     self.script.pop(0)(self)
+                if at.resource == "pods" and self.gc_per_list and not _watching(q):
+                    listed = copy.deepcopy(self._list(at, q))  # as answered, before the collector's next pass
+                    self._collect(self.gc_per_list)
+                    return listed
                 return self._list(at, q)
             if method == "GET":
                 return self._get(at)
             if method == "POST" and at.name is None:
                 return self._create(at, body)
             if method == "DELETE" and at.name is not None:
-                return self._delete(at, q)
+                return self._delete(at, q, body)
         return 405, status(405, "MethodNotAllowed", NOT_ALLOWED)
 
     def _here(self, at: Where) -> dict[str, dict[str, Any]]:
@@ -417,7 +479,7 @@ class FakeCluster:
                 return False
             return labels_match(labels, o["metadata"].get("labels") or {}) and fields_match(fields, o)
 
-        if _flag(q, "watch").lower() in ("true", "1"):
+        if _watching(q):
             rv = int(_flag(q, "resourceVersion") or 0)
             if rv < self.compacted[at.resource]:
                 gone = status(410, "Expired", f"too old resource version: {rv}")
@@ -467,15 +529,16 @@ class FakeCluster:
             self.on_create(self, obj)
         return 201, obj
 
-    def _delete(self, at: Where, q: dict[str, list[str]]) -> tuple[int, Any]:
-        """DELETE of one object: 200 and the object, or 404 NotFound. A JobSet takes its gang with it
-        (:meth:`_delete_gang`); a pod goes at once on a live node or with ``gracePeriodSeconds=0``, and stays
-        Terminating on a lost node, whose kubelet cannot confirm it; any other object goes."""
+    def _delete(self, at: Where, q: dict[str, list[str]], body: dict[str, Any]) -> tuple[int, Any]:
+        """DELETE of one object: 200 and the object, or 404 NotFound. A JobSet's Jobs and pods go to the garbage
+        collector (:meth:`_delete_jobset`); a pod goes at once on a live node or with ``gracePeriodSeconds=0``,
+        and stays Terminating on a lost node, whose kubelet cannot confirm it; any other object goes."""
         obj = self._here(at).get(at.name or "")
         if obj is None:
             return self._not_found(at)
         if at.resource == "jobsets":
-            self._delete_gang(obj["metadata"]["name"])
+            policy = _flag(q, "propagationPolicy") or (body or {}).get("propagationPolicy") or "Background"
+            return 200, self._delete_jobset(obj, policy)
         elif at.resource == "pods" and _flag(q, "gracePeriodSeconds") != "0" and self._on_lost_node(obj):
             self._terminating(obj)
         else:
@@ -500,20 +563,58 @@ class FakeCluster:
         meta = {**p["metadata"], "deletionTimestamp": iso(_now()), "deletionGracePeriodSeconds": 30}
         self.put("pods", {**p, "metadata": meta})
 
-    def _delete_gang(self, jobset: str) -> None:
-        """What the garbage collector does: the JobSet's Jobs go; pods on live nodes go; pods on lost nodes stay
-        Terminating."""
-        for name, p in list(self.objects["pods"].items()):
-            if (p["metadata"].get("labels") or {}).get(JOBSET_NAME_LABEL) != jobset:
+    def _delete_jobset(self, obj: dict[str, Any], policy: str) -> dict[str, Any]:
+        """A JobSet's DELETE by propagation policy (module docstring): what the API answers, the object as it is
+        left (with its ``deletionTimestamp`` while it waits for its dependents)."""
+        name = obj["metadata"]["name"]
+        if policy == "Foreground" and not obj["metadata"].get("deletionTimestamp"):
+            meta = {**obj["metadata"], "deletionTimestamp": iso(_now()), "deletionGracePeriodSeconds": 0}
+            meta["finalizers"] = [*meta.get("finalizers", []), "foregroundDeletion"]
+            obj = {**obj, "metadata": meta}
+            self.put("jobsets", obj)
+        elif policy != "Foreground":
+            self.remove("jobsets", name)
+        if policy == "Background":  # the Jobs are deleted in the background too: they go before their pods
+            for job in self._gang_of("jobs", name):
+                self.remove("jobs", job)
+        if policy != "Orphan":
+            self.collecting[name] = self.collecting.get(name, False) or policy == "Foreground"
+            self._collect(None if self.gc_per_list is None else 0)
+        return obj
+
+    def _gang_of(self, coll: str, jobset: str) -> list[str]:
+        """The names of the ``coll`` objects of ``jobset`` (by its jobset-name label)."""
+        objs = self.objects[coll]
+        return [n for n in sorted(objs) if (objs[n]["metadata"].get("labels") or {}).get(JOBSET_NAME_LABEL) == jobset]
+
+    def _collect(self, limit: int | None) -> None:
+        """One pass of the garbage collector over the deleted JobSets' pods: up to ``limit`` of them (all when
+        None) go, or stay Terminating on a lost node; then :meth:`_finish_gangs`."""
+        for jobset in list(self.collecting):
+            for name in self._gang_of("pods", jobset):
+                p = self.objects["pods"][name]
+                if p["metadata"].get("deletionTimestamp"):
+                    continue  # already Terminating: the kubelet (or a forced delete) ends it
+                if limit is not None and limit <= 0:
+                    break
+                if limit is not None:
+                    limit -= 1
+                if self._on_lost_node(p):
+                    self._terminating(p)
+                else:
+                    self.remove("pods", name)
+        self._finish_gangs()
+
+    def _finish_gangs(self) -> None:
+        """A deleted JobSet with no pod left: its Jobs go, then the JobSet when it waits for them (foreground)."""
+        for jobset, waits in list(self.collecting.items()):
+            if self._gang_of("pods", jobset):
                 continue
-            if self._on_lost_node(p):
-                self._terminating(p)
-            else:
-                self.remove("pods", name)
-        for name, job in list(self.objects["jobs"].items()):
-            if (job["metadata"].get("labels") or {}).get(JOBSET_NAME_LABEL) == jobset:
+            del self.collecting[jobset]
+            for name in self._gang_of("jobs", jobset):
                 self.remove("jobs", name)
-        self.remove("jobsets", jobset)
+            if waits:
+                self.remove("jobsets", jobset)
 
 
 def _uid() -> str:
