@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence
+from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence, PodPhase
 from recovery_steps.kernel.contract import (
     CLASS_INFO,
     PEER_LOSS_MARKERS,
@@ -508,7 +508,9 @@ def _precheck(ev: Evidence) -> Verdict | None:
     if waiting is not None:
         return waiting
     pending = [
-        p for p in ev.pods if p.phase == "Pending" and any(e.split(":", 1)[0] in SCHEDULING_EVENTS for e in p.events)
+        p
+        for p in ev.pods
+        if p.phase == PodPhase.PENDING and any(e.split(":", 1)[0] in SCHEDULING_EVENTS for e in p.events)
     ]
     if pending:
         p = pending[0]

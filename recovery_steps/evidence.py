@@ -24,6 +24,7 @@ from recovery_steps.kernel.snapshot import (
     JobSetEvidence,
     NodeEvidence,
     PodEvidence,
+    PodPhase,
     job_from_api,
     jobset_from_api,
     node_from_api,
@@ -44,6 +45,7 @@ __all__ = [  # the snapshot records are the evidence's own; importers of this mo
     "JobSetEvidence",
     "NodeEvidence",
     "PodEvidence",
+    "PodPhase",
     "gather_kubernetes",
     "gather_reports",
     "gather_snapshot_events",
@@ -193,7 +195,7 @@ def _unstarted(pod: PodEvidence) -> bool:
     """A pod whose trainer never ran: Pending, waiting, or torn down unstarted; its events may say why."""
     c = pod.trainer()
     never = c is None or (c.started_at is None and c.running_since is None)
-    return pod.phase == "Pending" or never or c.state == "waiting"
+    return pod.phase == PodPhase.PENDING or never or c.state == "waiting"
 
 
 # ---------------------------------------------------------------- run store

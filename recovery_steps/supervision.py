@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from recovery_steps.kernel.config import SupervisionConfig
 from recovery_steps.kernel.contract import ExitCode, StallKind
 from recovery_steps.kernel.names import UNREACHABLE_TAINT
-from recovery_steps.kernel.snapshot import Condition, JobEvidence
+from recovery_steps.kernel.snapshot import Condition, JobEvidence, PodPhase
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet
 # pkg/kubelet/images/types.go and kuberuntime): they loop with a back-off and never fail the pod.
@@ -100,7 +100,7 @@ class PodObservation(_Rec):
 
     name: str
     index: int | None = Field(default=None, description="Job completion index (the worker index).")
-    phase: str = Field(default="Pending", description="Pending, Running, Succeeded, Failed or Unknown.")
+    phase: PodPhase = PodPhase.PENDING
     node: str | None = Field(default=None, description="spec.nodeName; None while unscheduled.")
     created_at: float | None = None
     conditions: tuple[Condition, ...] = ()
@@ -335,7 +335,7 @@ def wait_clock(prev: WaitClock | None, reason: str | None, message: str | None, 
 
 def _live(pods: tuple[PodObservation, ...]) -> list[PodObservation]:
     # A pod being deleted while its node is healthy is on its way out; count what the Job counts.
-    return [p for p in pods if p.phase not in ("Succeeded", "Failed")]
+    return [p for p in pods if not p.phase.ended]
 
 
 def _failed(obs: Observation) -> Verdict | None:
@@ -350,7 +350,7 @@ def _failed(obs: Observation) -> Verdict | None:
     jobs = [
         f"Job {j.name} {c.type}: {c.reason or '-'}: {c.message or 'no message'}" for j in obs.jobs if (c := j.failure())
     ]
-    failed = [p for p in obs.pods if p.phase == "Failed"]
+    failed = [p for p in obs.pods if p.phase == PodPhase.FAILED]
     if failed:
         p = min(failed, key=_first_failure)
         return Verdict(
@@ -392,8 +392,8 @@ def _succeeded(obs: Observation) -> Verdict | None:
         return Verdict(state=AttemptState.SUCCEEDED, reason="JobSet completed")
     if obs.jobs and all(j.has("Complete") for j in obs.jobs):
         return Verdict(state=AttemptState.SUCCEEDED, reason="every Job completed")
-    done = {p.index for p in obs.pods if p.phase == "Succeeded"}
-    if len(done) >= obs.expected_workers and all(p.phase == "Succeeded" for p in obs.pods):
+    done = {p.index for p in obs.pods if p.phase == PodPhase.SUCCEEDED}
+    if len(done) >= obs.expected_workers and all(p.phase == PodPhase.SUCCEEDED for p in obs.pods):
         return Verdict(state=AttemptState.SUCCEEDED, reason=f"every worker succeeded ({len(done)}/{len(done)})")
     return None
 
@@ -465,7 +465,7 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
 
 def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     for p in obs.pods:
-        if p.phase != "Pending" or p.node is not None:
+        if p.phase != PodPhase.PENDING or p.node is not None:
             continue
         sched = p.condition("PodScheduled")
         waited = obs.now - (p.created_at if p.created_at is not None else obs.created_at)
@@ -489,7 +489,7 @@ def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
 
 
 def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
-    running = [p for p in obs.pods if p.phase == "Running" and p.running_since is not None]
+    running = [p for p in obs.pods if p.phase == PodPhase.RUNNING and p.running_since is not None]
     if len(running) < obs.expected_workers:
         return None  # the gang is not up yet: startup deadlines apply, not the hang timeout
     gang_up = max(p.running_since for p in running)
@@ -557,7 +557,7 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
         if v is not None:
             return v
     scheduled = sum(1 for p in obs.pods if p.node is not None)
-    running = sum(1 for p in obs.pods if p.phase == "Running")
+    running = sum(1 for p in obs.pods if p.phase == PodPhase.RUNNING)
     steps = [b.step for b in obs.progress if b.step is not None]
     at = f", step {min(steps)}" if len(steps) == obs.expected_workers else ""
     blind = ", ".join(str(r.index) for r in obs.unreadable)

@@ -54,6 +54,7 @@ from recovery_steps.kernel.snapshot import (
     ContainerState,
     NodeEvidence,
     PodEvidence,
+    PodPhase,
 )
 from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
 from recovery_steps.kernel.step import main as step_main
@@ -124,7 +125,7 @@ def pod_observation(p: PodEvidence, clock: WaitClock | None = None) -> PodObserv
     return PodObservation(
         name=p.name or "?",
         index=p.worker_index,
-        phase=p.phase or "Pending",
+        phase=p.phase or PodPhase.PENDING,
         node=p.node,
         created_at=p.created_at,
         conditions=tuple(p.conditions),
@@ -197,7 +198,7 @@ class Progress:
     def update(self, obs: Observation, verdict: Verdict) -> None:
         """Log what changed since the last call; rewrite the progress file when the step moved."""
         scheduled = sum(1 for p in obs.pods if p.node is not None)
-        running = sum(1 for p in obs.pods if p.phase == "Running")
+        running = sum(1 for p in obs.pods if p.phase == PodPhase.RUNNING)
         self._note("scheduled", scheduled, f"workers scheduled {scheduled}/{self.hosts}")
         self._note("running", running, f"workers running {running}/{self.hosts}")
         steps = [b.step for b in obs.progress if b.step is not None]

@@ -7,6 +7,7 @@ deletes the objects), so the evidence survives the stop.
 
 from __future__ import annotations
 
+import enum
 from datetime import datetime
 from typing import Any
 
@@ -56,7 +57,7 @@ class PodEvidence(_Ev):
     name: str
     worker_index: int | None = None
     node: str | None = None
-    phase: str | None = None
+    phase: PodPhase | None = None
     reason: str | None = Field(default=None, description="Pod status reason (Evicted, NodeLost, ...).")
     message: str | None = None
     containers: list[ContainerState] = Field(default_factory=list)
@@ -267,6 +268,28 @@ def _worker_index(meta: dict[str, Any]) -> int | None:
     return None
 
 
+class PodPhase(enum.StrEnum):
+    """A pod's ``status.phase`` (k8s.io/api v0.36.3, ``core/v1/types.go`` ``PodPhase``): a closed set."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    UNKNOWN = "Unknown"
+
+    @classmethod
+    def of(cls, value: str | None) -> PodPhase | None:
+        """The phase an API object reports (``None`` when it reports none; a value outside the set, Unknown)."""
+        if value is None:
+            return None
+        return cls(value) if value in cls._value2member_map_ else cls.UNKNOWN
+
+    @property
+    def ended(self) -> bool:
+        """Succeeded or Failed: every container has ended for good."""
+        return self in (PodPhase.SUCCEEDED, PodPhase.FAILED)
+
+
 def pod_from_api(obj: dict[str, Any], events: list[str] | None = None) -> PodEvidence:
     """A core/v1 Pod -> PodEvidence (worker index from the Job completion index)."""
     meta = obj.get("metadata") or {}
@@ -277,7 +300,7 @@ def pod_from_api(obj: dict[str, Any], events: list[str] | None = None) -> PodEvi
         name=meta.get("name", ""),
         worker_index=_worker_index(meta),
         node=spec.get("nodeName"),
-        phase=status.get("phase"),
+        phase=PodPhase.of(status.get("phase")),
         reason=status.get("reason"),
         message=status.get("message"),
         containers=[_container(cs) for cs in statuses],

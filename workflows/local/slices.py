@@ -35,6 +35,7 @@ from recovery_steps.kernel.snapshot import (
     JobSetEvidence,
     NodeEvidence,
     PodEvidence,
+    PodPhase,
 )
 
 
@@ -173,7 +174,7 @@ def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
     if held == UNSCHEDULABLE:
         room = f"0/{len(sl.workers)} local hosts have room for this worker (rehearsal)"
         cond = Condition(type="PodScheduled", status="False", reason=UNSCHEDULABLE, at=sl.created_at, message=room)
-        return None if sl.deleted_at is not None else PodEvidence(**base, phase="Pending", conditions=[cond])
+        return None if sl.deleted_at is not None else PodEvidence(**base, phase=PodPhase.PENDING, conditions=[cond])
     scheduled = [Condition(type="PodScheduled", at=w.started_at or sl.created_at)]
     if held == IMAGE_PULL:
         # The message as kubelet >= 1.32 writes it: the back-off repeats the pull's error (kubernetes#127918).
@@ -183,15 +184,17 @@ def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
         )
         if sl.deleted_at is not None:
             return None
-        return PodEvidence(**base, phase="Pending", node=node_name(w.index), conditions=scheduled, containers=[waiting])
+        return PodEvidence(
+            **base, phase=PodPhase.PENDING, node=node_name(w.index), conditions=scheduled, containers=[waiting]
+        )
     if w.proc is None:
-        return None if sl.deleted_at is not None else PodEvidence(**base, phase="Pending")
+        return None if sl.deleted_at is not None else PodEvidence(**base, phase=PodPhase.PENDING)
     if w.returncode is None:
         running = ContainerState(name=TRAINER_CONTAINER, state="running", running_since=w.started_at)
         deleted = sl.lost.get(w.index, sl.deleted_at)
         return PodEvidence(
             **base,
-            phase="Running",
+            phase=PodPhase.RUNNING,
             node=node_name(w.index),
             conditions=scheduled,
             containers=[running],
@@ -211,7 +214,11 @@ def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
         finished_at=w.ended_at,
     )
     return PodEvidence(
-        **base, phase="Succeeded" if ok else "Failed", node=node_name(w.index), conditions=scheduled, containers=[ended]
+        **base,
+        phase=PodPhase.SUCCEEDED if ok else PodPhase.FAILED,
+        node=node_name(w.index),
+        conditions=scheduled,
+        containers=[ended],
     )
 
 
@@ -279,7 +286,7 @@ def job_failure(
 
 
 def _job(sl: LocalSlice, pods: Sequence[PodEvidence]) -> JobEvidence:
-    failed = [p for p in pods if p.phase == "Failed"]
+    failed = [p for p in pods if p.phase == PodPhase.FAILED]
     cond = job_failure(sl.failure_policy, sl.backoff_limit, failed, sl.namespace)
     return JobEvidence(name=f"{sl.jobset}-workers-0", conditions=[cond] if cond is not None else [])
 
