@@ -9,6 +9,7 @@ runs of Argo's real workflow-controller through it.
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import threading
@@ -22,7 +23,29 @@ from typing import Any, Protocol
 from recovery_steps.kernel.records import now
 from workflows.local import expr as local_expr
 
-SUCCEEDED, FAILED, ERROR, SKIPPED, OMITTED = "Succeeded", "Failed", "Error", "Skipped", "Omitted"
+
+class NodePhase(enum.StrEnum):
+    """A Workflow node's (and the Workflow's) phase, as Argo writes it.
+
+    argo-workflows v4.0.5, ``pkg/apis/workflow/v1alpha1/workflow_types.go`` ``NodePhase``.
+    """
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    SKIPPED = "Skipped"
+    FAILED = "Failed"
+    ERROR = "Error"
+    OMITTED = "Omitted"
+
+
+SUCCEEDED, FAILED, ERROR, SKIPPED, OMITTED = (
+    NodePhase.SUCCEEDED,
+    NodePhase.FAILED,
+    NodePhase.ERROR,
+    NodePhase.SKIPPED,
+    NodePhase.OMITTED,
+)
 _DONE_BAD = (FAILED, ERROR)
 # Argo's controller refuses a template call nested deeper than this (maxAllowedStackDepth = 100 in
 # workflow/controller/controller.go): a recursive DAG that goes deeper Errors there, and here.
@@ -42,7 +65,7 @@ class Aborted(Exception):
 class NodeResult:
     """What one node (a template invocation) ended with."""
 
-    phase: str
+    phase: NodePhase
     outputs: dict[str, str] = field(default_factory=dict)
     exit_code: int | None = None
     message: str = ""
@@ -162,7 +185,7 @@ class WorkflowRun:
         self.uid = meta.get("uid") or str(uuid.uuid4())
         self._lock = threading.Lock()
         self.failures: list[dict[str, Any]] = []
-        self.status: str = "Running"
+        self.status: NodePhase = NodePhase.RUNNING
         self.nodes: list[tuple[NodeInfo, NodeResult]] = []
         # The DAG nodes and the tasks a ``when`` or ``depends`` left out (Skipped, Omitted), as Argo lists them too.
         self.inner: list[tuple[NodeInfo, NodeResult]] = []

@@ -28,7 +28,7 @@ from recovery_steps.kernel.records import SupervisionRecord, now
 from recovery_steps.kernel.snapshot import ClusterSnapshot
 from recovery_steps.kernel.step import StepError, run_step
 from recovery_steps.kernel.store import RunLayout, RunStore
-from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult, WorkflowError
+from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodePhase, NodeResult, WorkflowError
 from workflows.local.slices import LocalSlice, WorkerProc, pod_name, slice_snapshot
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
@@ -255,7 +255,7 @@ class SliceHooks:
     def on_tick(self, sl: LocalSlice) -> None:
         """Called about every 50 ms while the slice runs."""
 
-    def after_slice(self, sl: LocalSlice, phase: str) -> None:
+    def after_slice(self, sl: LocalSlice, phase: NodePhase) -> None:
         """Called once every worker has exited, before the record is written and the next node runs."""
 
     def withheld(self, attempt: int, hosts: int) -> dict[int, str]:

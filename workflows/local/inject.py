@@ -15,6 +15,7 @@ from pathlib import Path
 
 from recovery_steps.kernel.records import EventKind, now
 from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows.local.engine import NodePhase
 from workflows.local.executor import SliceHooks
 from workflows.local.incidents import EventTail, Injected, max_step
 from workflows.local.slices import LocalSlice
@@ -431,26 +432,26 @@ class Injector(SliceHooks):
             log.warning("preempt: cannot read the run config (%s); assuming a 30 s window", e)
             return 30.0
 
-    def after_slice(self, sl: LocalSlice, phase: str) -> None:
+    def after_slice(self, sl: LocalSlice, phase: NodePhase) -> None:
         """Note the trainer-side faults; ``corrupt-latest``: damage the newest checkpoint after a failure."""
-        if phase != "Succeeded" and sl.first_failure_index is not None:
+        if phase != NodePhase.SUCCEEDED and sl.first_failure_index is not None:
             at = sl.workers[sl.first_failure_index].ended_at or now()
             for i in self.injections:
                 if i.scenario == "app-bug" or (i.scenario == "kill-during-save" and self._slices_seen == 1):
                     i.fired.append(Injected(i.scenario, sl.attempt, at))
-        if phase != "Succeeded" and self._slices_seen == 1:
+        if phase != NodePhase.SUCCEEDED and self._slices_seen == 1:
             hang = self._pending("silent-hang")
             if hang is not None:
                 # The hang began at the last heartbeat the supervisor saw; record when it was detected.
                 hang.fired.append(Injected("silent-hang", sl.attempt, sl.detected_at or now()))
-        if phase != "Succeeded" and sl.first_failure_index is not None:
+        if phase != NodePhase.SUCCEEDED and sl.first_failure_index is not None:
             # One host fault per failed attempt, in the order given.
             inj = next((i for i in self.injections if i.scenario in HOST_FAULTS and not i.fired), None)
             if inj is not None:
                 inj.fired.append(Injected(inj.scenario, sl.attempt, now()))
                 self.say(f"inject: {inj.scenario}: {self.hosts.apply(inj.scenario, len(sl.workers) - 1)}")
         inj = self._pending("corrupt-latest")
-        if inj is None or phase == "Succeeded":
+        if inj is None or phase == NodePhase.SUCCEEDED:
             return
         damaged = corrupt_newest_checkpoint(self.store())
         inj.fired.append(Injected("corrupt-latest", sl.attempt, now()))

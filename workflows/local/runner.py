@@ -31,7 +31,7 @@ from recovery_steps.kernel.config import (
 from recovery_steps.kernel.outputs import STEP_OUTPUTS
 from recovery_steps.kernel.records import now
 from recovery_steps.kernel.store import STORE_RETRY_DEADLINE_ENV, DocumentError, RunLayout, RunStore
-from workflows.local.engine import NodeInfo, NodeResult, WorkflowError, WorkflowRun
+from workflows.local.engine import NodeInfo, NodePhase, NodeResult, WorkflowError, WorkflowRun
 from workflows.local.executor import LocalExecutor
 from workflows.local.incidents import EventTail, Segment, build_incidents
 from workflows.local.inject import SCENARIOS, Injector, parse_injections
@@ -210,10 +210,10 @@ class _Printer:
             self.say(f"{clock} {tag:12} {name:24} started")
             return
         keys = " ".join(f"{k}={_short(v)}" for k, v in res.outputs.items() if k in _KEY_OUTPUTS)
-        msg = f"  {res.message.splitlines()[0]}" if res.message and res.phase != "Succeeded" else ""
+        msg = f"  {res.message.splitlines()[0]}" if res.message and res.phase != NodePhase.SUCCEEDED else ""
         self.say(f"{clock} {tag:12} {name:24} {res.phase:9} {res.duration:6.1f}s  {keys}{msg}")
         port = res.outputs.get("metrics-port", "")
-        if node.template == "provision-slice" and res.phase == "Succeeded" and port.isdigit():
+        if node.template == "provision-slice" and res.phase == NodePhase.SUCCEEDED and port.isdigit():
             self.say(f"{'':8} {worker_metrics_line(node.attempt, int(port), self.hosts)}")
 
 
@@ -576,7 +576,9 @@ def _incidents(
     ledger: records.Ledger | None,
 ) -> list[records.Incident]:
     """The run's incidents, timed from its segments, the workers' events and the provision-slice nodes."""
-    provision_done = [r.finished_at for n, r in nodes if n.template == "provision-slice" and r.phase == "Succeeded"]
+    provision_done = [
+        r.finished_at for n, r in nodes if n.template == "provision-slice" and r.phase == NodePhase.SUCCEEDED
+    ]
     classes = {a.attempt: a.failure_class for a in ledger.attempts} if ledger else {}
     return build_incidents(segments, events.events, provision_done, injector.fired, classes)
 
@@ -591,8 +593,8 @@ def _segments(slices: Sequence[Any], fired: Sequence[Any], t0: float) -> list[Se
         was_deleted = any(started <= f.at <= ended + 1 and f.attempt == sl.attempt for f in deleted_attempts)
         first = sl.workers[sl.first_failure_index].ended_at if sl.first_failure_index is not None else None
         # The supervisor's decision is when the failure was detected (its supervision record's time).
-        detected = sl.detected_at if sl.phase == "Failed" else first
-        failed = sl.phase == "Failed" or sl.first_failure_index is not None or was_deleted
+        detected = sl.detected_at if sl.phase == NodePhase.FAILED else first
+        failed = sl.phase == NodePhase.FAILED or sl.first_failure_index is not None or was_deleted
         segments.append(Segment(sl.attempt, started, ended, failed, detected or first, was_deleted))
     return segments
 

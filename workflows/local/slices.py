@@ -37,6 +37,7 @@ from recovery_steps.kernel.snapshot import (
     PodEvidence,
     PodPhase,
 )
+from workflows.local.engine import NodePhase
 
 
 @dataclass
@@ -99,7 +100,7 @@ class LocalSlice:
     # Set to make the supervisor's own "pod" go away while the workers keep running (it re-attaches).
     supervisor_lost: threading.Event = field(default_factory=threading.Event)
     detected_at: float | None = None
-    phase: str | None = None
+    phase: NodePhase | None = None  # the supervisor's node's, once the slice ended
     # When the supervisor deleted the JobSet (its stop): the workers got SIGTERM, the grace counts from here.
     deleted_at: float | None = None
     # The workers' Job as the manifest gives it: what the Job controller decides a failure from.
