@@ -41,7 +41,9 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
         "fault proxy and answered a resent final chunk 404 where GCS answers 200, so a reset failed orbax's commit "
         "(the GCS stand-in now answers as GCS); the process kubelet died on a task-result 403 right after an API "
         "restart and left the deleted supervisor's pod Terminating for 10 min (it now fails the wait container "
-        "and syncs the status until the API takes it)",
+        "and syncs the status until the API takes it); after an API server restart the real Argo controller's pod "
+        "informer delivered nothing for over 10 minutes, so the deleted supervisor's node stayed Running with no pod "
+        "in the API (Argo's, not the project's: the test says what holds a Workflow and waits out the watch renewal)",
         3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay",
     },
     "test_an_operator_stop_then_the_same_file_again_resumes_under_faults": {
@@ -74,7 +76,7 @@ def _kill_a_worker(r: Any, kills: list[dict[str, Any]], notes: list[str]) -> Non
     kills.append({"attempt": 0, "committed": committed, "at": at, "pod": pods[1]["metadata"]["name"]})
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(2400)
 def test_no_fault_kills_a_healthy_gang_stops_the_run_or_costs_a_step(
     seed: int, real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, pods_gcs, uninterrupted, tmp_path
 ):
@@ -132,32 +134,52 @@ def _checked(rc: RealCluster, o: chaos.Observed) -> list[str]:
         clean_run(rc, o.run.ns, o.run.run_id)
 
 
+# How long the real Argo controller can go on showing a deleted step pod's node Running: measured once, after an API
+# server restart (seed 1), its pod informer's watch delivered nothing for over 10 minutes while a new watch of the
+# same pods saw every event and its Workflow informer kept working. client-go v0.33.1 (Argo v4.0.5's) renews a
+# watch after ``minWatchTimeout`` (5 min) x [1, 2) (``tools/cache/reflector.go``), so a stalled one lasts at most
+# about 10 min; a run that then ends as it should has broken no invariant, and the stall is reported with its length.
+ARGO_STALE_VIEW_S = 660
+
+
 def _ended(r: Any, notes: list[str]) -> dict[str, Any]:
-    """The Workflow once it has ended; when it has not within 10 minutes, as it is then (the check says so)."""
+    """The Workflow once it has ended. When it has not within 10 minutes: as it is then, with what holds it; and when
+    what holds it is Argo's stale view of a pod the API no longer has, as it is once that view is renewed."""
     try:
         return r.wait_done(600)
     except AssertionError as e:
         notes.append(str(e))
-        wf = wait_for("the Workflow, as it is", r.wf, 120, 1)
-        notes.append(_why_not_ended(r, wf))
+    wf = wait_for("the Workflow, as it is", r.wf, 120, 1)
+    why, stale = _why_not_ended(r, wf)
+    notes.append(why)
+    if not stale:
         return wf
+    t = time.monotonic()
+    try:
+        wf = r.wait_done(ARGO_STALE_VIEW_S)
+    except AssertionError as e:
+        notes.append(f"Argo's view of the gone pod was not renewed within {ARGO_STALE_VIEW_S} s: {e}")
+        return wait_for("the Workflow, as it is", r.wf, 120, 1)
+    notes.append(f"finding: Argo's controller saw the gone pod {time.monotonic() - t + 600:.0f} s or more late")
+    return wf
 
 
-def _why_not_ended(r: Any, wf: dict[str, Any]) -> str:
+def _why_not_ended(r: Any, wf: dict[str, Any]) -> tuple[str, bool]:
     """What holds a Workflow that has not ended: each unfinished Pod node's pod as the API has it (phase, deletion,
-    containers), and the lines the process kubelets and Argo's controllers logged about it."""
+    containers), and the lines the process kubelets and Argo's controllers logged about it; and whether it is only
+    Argo's stale view (a node Running whose pod the API no longer has)."""
     nodes = ((wf.get("status") or {}).get("nodes") or {}).values()
     open_ = {n["id"]: n for n in nodes if n.get("type") == "Pod" and n.get("phase") in ("Pending", "Running")}
     try:
         pods = {p["metadata"].get("annotations", {}).get("workflows.argoproj.io/node-id"): p for p in r.rc.pods(r.ns)}
     except Exception as e:  # noqa: BLE001 - a diagnosis: what could not be read is said
-        return f"pods not read: {e}"
+        return f"pods not read: {e}", False
     dead = [c.name for c in r.rc.components.values() if not c.alive()]
     lines = [f"unfinished pod nodes: {len(open_)}; components not running: {dead or 'none'}"]
     for node_id, n in open_.items():
         pod = pods.get(node_id)
         if pod is None:
-            lines.append(f"  {n.get('displayName')}: no pod in the API")
+            lines.append(f"  {n.get('displayName')}: {n.get('phase')} in the Workflow, no pod in the API")
             continue
         meta, status = pod["metadata"], pod.get("status") or {}
         states = {c["name"]: list(c.get("state") or {})[:1] for c in status.get("containerStatuses") or []}
@@ -168,7 +190,8 @@ def _why_not_ended(r: Any, wf: dict[str, Any]) -> str:
         for c in r.rc.components.values():
             said = [ln for ln in c.tail(100_000).splitlines() if meta["name"] in ln][-15:]
             lines += [f"    {c.name} ({'alive' if c.alive() else 'dead'}): {ln[:300]}" for ln in said]
-    return "\n".join(lines)
+    stale = bool(open_) and not dead and all(node_id not in pods for node_id in open_)
+    return "\n".join(lines), stale
 
 
 def _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf) -> str:
@@ -237,7 +260,7 @@ def _exists(objs: Any, where: tuple[str, ...], name: str) -> bool:
     return True
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(2400)
 def test_an_operator_stop_then_the_same_file_again_resumes_under_faults(
     seed: int, real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, pods_gcs, uninterrupted, tmp_path
 ):
