@@ -1,5 +1,11 @@
 """``train-segment``: create (or re-attach to) the attempt's JobSet, supervise it until it is over, then stop it.
 
+The JobSet is rendered here (``kernel.jobset.jobset_manifest``) from the config validate-config pinned for the run
+(``config.json`` in the run store: the config the run uses now, re-pinned by a resubmission with safe changes) and
+the attempt's parameters, its arguments (``--jobset-name``, ``--restore-step``, ``--coordinator-port``,
+``--metrics-port`` with the run, store root and attempt). ``--jobset-manifest`` overrides the rendering with a
+manifest given as it is (tests: a stand-in worker command); the generated Workflow never passes it.
+
 The JobSet alone cannot end every attempt (see ``recovery_steps.supervision``): this program watches
 the JobSet, its Jobs and its pods with the Kubernetes watch API, reads each worker's heartbeat from
 the run store, and calls the pure ``decide()`` on every change and at least every
@@ -18,9 +24,10 @@ Terminating on a node the snapshot shows lost. A heartbeat or API read that fail
 worker: hang clocks pause, and after minutes the step exits 69 with the gang left as it is.
 
 Outputs (``<output-dir>/<name>``): ``outcome``, ``stall-kind``, ``reason``, ``last-step``, ``checkpoint-step``.
-Exit codes: 0 succeeded; 1 the attempt failed or stalled; 2 configuration (no config, the manifest is
-bad, the Kubernetes API refuses with 4xx); 69 transient (the API answers 429/5xx or cannot be reached, a watch
-fails for minutes, the run store cannot be written): the gang is left as it is and the retry re-attaches.
+Exit codes: 0 succeeded; 1 the attempt failed or stalled; 2 configuration (no pinned config or a bad one, a
+manifest override that is bad, the Kubernetes API refuses with 4xx); 69 transient (the API answers 429/5xx or cannot
+be reached, a watch fails for minutes, the run store cannot be read or written): the gang is left as it is and the
+retry re-attaches.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
 from recovery_steps.kernel.gang import Gang
+from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
 from recovery_steps.kernel.kube_gang import KubeGang
 from recovery_steps.kernel.outputs import SegmentOutputs
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
@@ -56,7 +64,15 @@ from recovery_steps.kernel.snapshot import (
     PodEvidence,
     PodPhase,
 )
-from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
+from recovery_steps.kernel.step import (
+    PIN_FIX,
+    Step,
+    StepError,
+    api_error,
+    api_failures,
+    k8s_client,
+    load_run_config,
+)
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
@@ -513,7 +529,7 @@ class Supervisor:
 
 
 def load_manifest(text: str, attempt: int) -> dict[str, Any]:
-    """The JobSet manifest (JSON or YAML) as rendered by ``workflows.jobset``; StepError when unusable."""
+    """The ``--jobset-manifest`` override (JSON or YAML), a JobSet as ``kernel.jobset`` renders one; else StepError."""
     try:
         manifest = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -530,6 +546,39 @@ def load_manifest(text: str, attempt: int) -> dict[str, Any]:
     ):
         raise StepError(ExitCode.CONFIGURATION, "--jobset-manifest: expected a JobSet with metadata.name")
     return manifest
+
+
+def segment_params(args: argparse.Namespace) -> JobSetParams:
+    """The attempt's JobSet parameters from the step's arguments (``parser``), as ``jobset_manifest`` takes them."""
+    return JobSetParams(
+        name=args.jobset_name,
+        run_id=args.run_id,
+        store_root=args.store_root,
+        attempt=str(args.attempt),
+        restore_step=str(args.restore_step),
+        coordinator_port=str(args.coordinator_port),
+        metrics_port=str(args.metrics_port),
+    )
+
+
+def segment_manifest(cfg: JobConfig, jobset: JobSetParams | str, attempt: int, config_url: str) -> dict[str, Any]:
+    """The attempt's JobSet: rendered from the pinned config, or the ``--jobset-manifest`` override as given.
+
+    ``cfg`` is the run's pinned config (read from ``config_url``), ``jobset`` the attempt's parameters or the
+    override's text.
+
+    Raises:
+        StepError: Configuration (exit 2): the override is not a JobSet, or the pinned config renders none.
+    """
+    if isinstance(jobset, str):
+        return load_manifest(jobset, attempt)
+    try:
+        return jobset_manifest(cfg, jobset)
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise StepError(
+            ExitCode.CONFIGURATION,
+            f"{config_url}: the pinned config renders no JobSet ({type(e).__name__}: {e}); {PIN_FIX}",
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -594,7 +643,7 @@ def kube_gang(api_client: Any = None, k8s_host: str | None = None) -> GangFactor
 
 def run(
     ref: AttemptRef,
-    manifest_text: str,
+    jobset: JobSetParams | str,
     output_dir: Path,
     *,
     gang: GangFactory | None = None,
@@ -603,6 +652,8 @@ def run(
 ) -> SupervisionRecord:
     """Supervise attempt ``ref.attempt`` of the run to its end; write the record and the outputs.
 
+    ``jobset``: the attempt's JobSet parameters, rendered with the run's pinned config (``segment_manifest``), or
+    the text of a manifest override.
     ``gang`` builds the world's adapter (default: the Kubernetes one, ``kube_gang()``); ``io``: the supervisor's
     clock, log line and progress file.
     ``holder`` (the Workflow's uid) renews the run lease while the segment runs (``lease.renew_if_due``): a
@@ -618,8 +669,8 @@ def run(
     """
     attempt, say = ref.attempt, io.say
     cfg = load_run_config(ref.store_root, ref.run_id)
-    manifest = load_manifest(manifest_text, attempt)
     store = ref.store()
+    manifest = segment_manifest(cfg, jobset, attempt, store.url(RunLayout.CONFIG))
     port = (gang or kube_gang())(cfg, manifest, io.clock, say)
     renew = lease_renewal(store, holder, cfg.retry.lease_ttl_s, say, cfg.namespace) if holder else None
     sup = Supervisor(cfg, attempt, port, store, io=io, renew=renew)
@@ -701,13 +752,39 @@ def left_behind(store_root: str, run_id: str, attempt: int) -> str:
     )
 
 
+# The attempt's parameters the JobSet is rendered with, beyond the run, store root and attempt (``segment_params``).
+RENDER_FLAGS = ("--jobset-name", "--restore-step", "--coordinator-port", "--metrics-port")
+
+
+class _SegmentParser(cli.StepArgumentParser):
+    """The step's parser: the JobSet's parameters are required unless ``--jobset-manifest`` overrides it."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        ns = super().parse_args(args, namespace)
+        missing = [f for f in RENDER_FLAGS if getattr(ns, f[2:].replace("-", "_")) is None]
+        if ns.jobset_manifest is None and missing:
+            self.error(f"the following arguments are required: {', '.join(missing)}")
+        return ns
+
+
 def parser() -> argparse.ArgumentParser:
     """The step's arguments."""
-    ap = cli.StepArgumentParser(prog="python -m recovery_steps.train_segment", description=__doc__.split("\n")[0])
+    ap = _SegmentParser(prog="python -m recovery_steps.train_segment", description=__doc__.split("\n")[0])
     ap.add_argument("--store-root", required=True, type=cli.store_root)
     ap.add_argument("--run-id", required=True, type=cli.run_id)
     ap.add_argument("--attempt", type=cli.attempt, required=True)
-    ap.add_argument("--jobset-manifest", required=True, help="the JobSet manifest, JSON or YAML (or @FILE)")
+    ap.add_argument("--jobset-name", type=cli.k8s_name, help="the attempt's JobSet name (provision-slice's output)")
+    ap.add_argument(
+        "--restore-step", type=cli.bounded_int(-1, 2**31 - 1, "a step"), help="the step to restore (-1: fresh start)"
+    )
+    ap.add_argument("--coordinator-port", type=cli.bounded_int(0, 65535, "a port"), help="the JAX coordinator port")
+    ap.add_argument("--metrics-port", type=cli.bounded_int(0, 65535, "a port"), help="worker 0's metrics port")
+    ap.add_argument(
+        "--jobset-manifest",
+        default=None,
+        help="override: create this JobSet manifest (JSON or YAML, or @FILE) as given instead of rendering it from "
+        "the run's pinned config (tests; the generated Workflow never passes it)",
+    )
     ap.add_argument("--output-dir", type=cli.output_dir, default=Path("/tmp/outputs"))
     ap.add_argument(
         "--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster config)"
@@ -727,16 +804,16 @@ def act(
 
     A SIGTERM (``argo stop``, a drain, an eviction) ends the step with 143 and one line saying what it leaves.
     """
-    text = args.jobset_manifest
-    if text.startswith("@"):
+    jobset: JobSetParams | str = args.jobset_manifest if args.jobset_manifest is not None else segment_params(args)
+    if isinstance(jobset, str) and jobset.startswith("@"):
         try:
-            text = Path(text[1:]).read_text()
+            jobset = Path(jobset[1:]).read_text()
         except OSError as e:
             raise StepError(ExitCode.CONFIGURATION, f"--jobset-manifest: {e.strerror or e}", record=False) from None
     try:
         record = run(
             AttemptRef.of(args),
-            text,
+            jobset,
             args.output_dir,
             gang=gang or kube_gang(k8s_host=args.k8s_host),
             io=SupervisorIO(say=say, progress_file=progress_file),

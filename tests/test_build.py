@@ -42,7 +42,7 @@ def test_build_is_deterministic_and_check_names_stale_files(tmp_path):
     assert {p.name: p.read_text() for p in out.iterdir()} == first
     assert _run(REPO / "configs", out, check=True)[0] == 0
 
-    (out / "v5e-4x4.yaml").write_text(first["v5e-4x4.yaml"].replace('"maxRestarts":0', '"maxRestarts":3'))
+    (out / "v5e-4x4.yaml").write_text(first["v5e-4x4.yaml"].replace("limit: 20", "limit: 21", 1))
     (out / "rbac.yaml").unlink()
     (out / "old-job.yaml").write_text("kind: Workflow\n")
     code, text = _run(REPO / "configs", out, check=True)

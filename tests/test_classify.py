@@ -15,8 +15,8 @@ from recovery_steps.evidence import (
     PodEvidence,
 )
 from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.jobset import pod_failure_policy
 from recovery_steps.kernel.records import WorkerExitReport
-from workflows.jobset import pod_failure_policy
 from workflows.local.slices import job_failure
 
 T0 = 1_714_557_600.0  # 2024-05-01T10:00:00Z

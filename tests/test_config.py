@@ -176,8 +176,8 @@ def _webhooks_longest_pod_name(manifest: dict) -> str:
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"])
 def test_longest_pod_name_is_the_one_the_webhook_checks_in_the_manifest(name):
+    from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
     from recovery_steps.kernel.names import jobset_name, longest_pod_name
-    from workflows.jobset import JobSetParams, jobset_manifest
 
     cfg = load_config(ROOT / "configs" / name)
     manifest = jobset_manifest(

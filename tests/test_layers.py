@@ -37,6 +37,18 @@ def test_a_layer_imports_no_step_program(layer):
     assert not found, "\n".join(found)
 
 
+@pytest.mark.parametrize("layer", ["trainer", "recovery_steps"])
+def test_steps_and_trainer_import_nothing_of_the_generator(layer):
+    """What a step or the trainer needs of the Workflow's world (the JobSet it renders) lives in the kernel."""
+    found = [
+        f"{path.relative_to(REPO)}:{line} imports {name}"
+        for path in sorted((REPO / layer).rglob("*.py"))
+        for line, name in _imports(path)
+        if name == "workflows" or name.startswith("workflows.")
+    ]
+    assert not found, "\n".join(found)
+
+
 def test_the_check_sees_a_step_program_imported_inside_a_function(tmp_path, monkeypatch):
     f = tmp_path / "mod.py"
     f.write_text("def f():\n    from recovery_steps import restore_latest\n    import recovery_steps.verify\n")

@@ -18,8 +18,8 @@ import pytest
 from support import argo_replay
 
 from recovery_steps.kernel.config import SupervisionConfig, load_config
+from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
 from recovery_steps.kernel.store import RunLayout, RunStore
-from workflows.jobset import JobSetParams, jobset_manifest
 from workflows.local import executor as local_executor
 from workflows.local.engine import ERROR, SUCCEEDED, NodeInfo
 from workflows.local.executor import LocalExecutor, SliceHooks, pod_deleted

@@ -13,10 +13,10 @@ from support.fake_k8s import FakeCluster, iso, node, pod, status
 from recovery_steps import train_segment as ts
 from recovery_steps.kernel.config import StorageConfig, SupervisionConfig, load_config
 from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport, WorkerHeartbeat
 from recovery_steps.kernel.step import StepError
 from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
-from workflows.jobset import JobSetParams, jobset_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = 4
@@ -40,19 +40,36 @@ def _cfg(root: Path, **supervision):
     return cfg
 
 
-def _manifest(cfg, attempt=0):
-    return jobset_manifest(
-        cfg,
-        JobSetParams(
-            name=f"{cfg.run_id}-a{attempt}",
-            run_id=cfg.run_id,
-            store_root=cfg.storage.root,
-            attempt=str(attempt),
-            restore_step="-1",
-            coordinator_port="8476",
-            metrics_port="9431",
-        ),
+def _params(cfg, attempt=0):
+    """The attempt's JobSet parameters, as the step's arguments carry them (``_flags``)."""
+    return JobSetParams(
+        name=f"{cfg.run_id}-a{attempt}",
+        run_id=cfg.run_id,
+        store_root=cfg.storage.root,
+        attempt=str(attempt),
+        restore_step="-1",
+        coordinator_port="8476",
+        metrics_port="9431",
     )
+
+
+def _flags(cfg, attempt=0):
+    """The step's arguments for the JobSet's parameters beyond the run, store root and attempt."""
+    p = _params(cfg, attempt)
+    return [
+        "--jobset-name",
+        p.name,
+        "--restore-step",
+        p.restore_step,
+        "--coordinator-port",
+        p.coordinator_port,
+        "--metrics-port",
+        p.metrics_port,
+    ]
+
+
+def _manifest(cfg, attempt=0):
+    return jobset_manifest(cfg, _params(cfg, attempt))
 
 
 def _job(js, conditions=()):
@@ -86,7 +103,7 @@ def _run(cfg, tmp_path, cluster, attempt=0):
     progress = tmp_path / "progress"
     rec = ts.run(
         AttemptRef(cfg.storage.root, cfg.run_id, attempt),
-        json.dumps(_manifest(cfg, attempt)),
+        _params(cfg, attempt),
         tmp_path / "out",
         gang=ts.kube_gang(k8s_host=cluster.url),
         io=ts.SupervisorIO(progress_file=str(progress), say=lines.append),
@@ -297,7 +314,7 @@ def test_unreachable_api_and_bad_manifest_are_one_line_each(tmp_path, capsys):
         "--output-dir",
         str(tmp_path / "out"),
     ]
-    code = ts.main([*common, "--jobset-manifest", json.dumps(_manifest(cfg)), "--k8s-host", "http://127.0.0.1:9"])
+    code = ts.main([*common, *_flags(cfg), "--k8s-host", "http://127.0.0.1:9"])
     err = capsys.readouterr().err.strip().splitlines()
     # No answer at all is transient (69): Argo retries the step in place.
     assert code == 69 and len(err) == 1 and err[0].startswith("train-segment: Kubernetes API unreachable")
@@ -374,7 +391,7 @@ def test_a_refused_create_is_transient_or_configuration_by_its_status(tmp_path, 
         "--k8s-host",
         cluster.url,
     ]
-    assert ts.main([*common, "--jobset-manifest", json.dumps(_manifest(cfg))]) == code
+    assert ts.main([*common, *_flags(cfg)]) == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"answered {answer}" in err[0]
     assert not cluster.objects["jobsets"]
@@ -416,7 +433,7 @@ def test_a_lease_held_by_another_workflow_in_another_namespace_ends_this_ones_ga
     with pytest.raises(StepError) as e:
         ts.run(
             AttemptRef(cfg.storage.root, cfg.run_id, 0),
-            json.dumps(_manifest(cfg)),
+            _params(cfg),
             tmp_path / "out",
             gang=ts.kube_gang(k8s_host=cluster.url),
             holder="uid-mine",
@@ -439,7 +456,7 @@ def test_a_lease_lost_to_a_holder_here_leaves_the_gang_to_it(tmp_path, cluster, 
     with pytest.raises(StepError) as e:
         ts.run(
             AttemptRef(cfg.storage.root, cfg.run_id, 0),
-            json.dumps(_manifest(cfg)),
+            _params(cfg),
             tmp_path / "out",
             gang=ts.kube_gang(k8s_host=cluster.url),
             holder="uid-mine",
@@ -467,7 +484,7 @@ def test_the_supervisor_renews_the_lease_it_holds(tmp_path, cluster):
     cluster.script = [lambda c: time.sleep(0.05), done]
     rec = ts.run(
         AttemptRef(cfg.storage.root, cfg.run_id, 0),
-        json.dumps(_manifest(cfg)),
+        _params(cfg),
         tmp_path / "out",
         gang=ts.kube_gang(k8s_host=cluster.url),
         holder="uid-mine",
@@ -619,8 +636,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_any_jobset_is_cr
                 "0",
                 "--k8s-host",
                 cluster.url,
-                "--jobset-manifest",
-                json.dumps(_manifest(cfg)),
+                *_flags(cfg),
                 "--output-dir",
                 "/sys/kernel/x",
             ]
@@ -685,7 +701,7 @@ def test_a_store_outage_longer_than_the_hang_timeout_is_no_hang(tmp_path, cluste
     cluster.script = [lambda c: None, outage, lambda c: None, lambda c: None, _succeed(js)]
     rec = ts.run(
         AttemptRef(cfg.storage.root, cfg.run_id, 0),
-        json.dumps(_manifest(cfg)),
+        _params(cfg),
         tmp_path / "out",
         gang=ts.kube_gang(k8s_host=cluster.url),
         io=ts.SupervisorIO(clock=lambda: time.time() + skew["s"], say=lambda _: None),
@@ -722,3 +738,138 @@ def test_a_gang_that_ran_and_is_gone_is_never_created_again(tmp_path, cluster, c
     assert not cluster.requests_of("POST", "/jobsets"), "a second gang was created"
     assert rec.outcome == outcome and fragment in rec.reason, rec.reason
     assert any("not creating a second gang" in ln for ln in lines), lines
+
+
+# --- the JobSet the step renders from the run's pinned config -------------------------------------------------------
+
+
+def _segment_main(cfg, tmp_path, cluster, *extra):
+    """The step program for attempt 0 against ``cluster`` (``extra``: its JobSet's parameters or an override)."""
+    run = ["--store-root", cfg.storage.root, "--run-id", cfg.run_id, "--attempt", "0"]
+    return ts.main([*run, "--output-dir", str(tmp_path / "out"), "--k8s-host", cluster.url, *extra])
+
+
+def _refuse_creates(cluster):
+    """The API refuses every create (422): the step ends right after it rendered and posted the JobSet."""
+    cluster.fail_create = (422, status(422, "Invalid", "no"))
+
+
+def _posted(cluster):
+    return [body for _, _, body in cluster.requests_of("POST", "/jobsets")]
+
+
+def test_the_step_renders_the_jobset_of_the_pinned_config_and_the_attempts_parameters(tmp_path, cluster, capsys):
+    cfg = _cfg(tmp_path / "store")
+    # The run's pinned config, not the file the Workflow was generated from: another image, another grace.
+    pinned = cfg.model_copy(
+        update={"image": "example.com/worker:pinned", "slice": cfg.slice.model_copy(update={"termination_grace_s": 45})}
+    )
+    RunStore(cfg.storage.root, cfg.run_id).write_json(
+        RunLayout.CONFIG, {"config": pinned.model_dump(mode="json"), "hash": pinned.config_hash()}
+    )
+    _refuse_creates(cluster)
+    flags = ["--jobset-name", f"{cfg.run_id}-a0", "--restore-step", "1500"]
+    flags += ["--coordinator-port", "41234", "--metrics-port", "9431"]
+    assert _segment_main(cfg, tmp_path, cluster, *flags) == 2
+    expected = jobset_manifest(
+        pinned,
+        JobSetParams(
+            name=f"{cfg.run_id}-a0",
+            run_id=cfg.run_id,
+            store_root=cfg.storage.root,
+            attempt="0",
+            restore_step="1500",
+            coordinator_port="41234",
+            metrics_port="9431",
+        ),
+    )
+    assert _posted(cluster) == [expected]
+    pod_spec = expected["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod_spec["containers"][0]["image"] == "example.com/worker:pinned"
+    assert pod_spec["terminationGracePeriodSeconds"] == 45
+    assert "--restore-step" in pod_spec["containers"][0]["args"] and "1500" in pod_spec["containers"][0]["args"]
+    capsys.readouterr()
+
+
+def test_a_resubmission_with_a_safe_change_re_pins_the_config_the_segment_renders_from(tmp_path, cluster, capsys):
+    from recovery_steps import validate_config
+
+    cfg = _cfg(tmp_path / "store")
+    path = tmp_path / "job.yaml"
+
+    def submit(c, *accept):
+        path.write_text(json.dumps(c.model_dump(mode="json")))
+        return validate_config.main(["--config", str(path), "--output-dir", str(tmp_path / "vc"), *accept])
+
+    assert submit(cfg) == 0
+    changed = cfg.model_copy(update={"image": "example.com/worker:fixed"})  # safe: a new image may fix a bug
+    assert submit(changed) == 2  # refused unless accepted: the pinned config stays
+    assert submit(changed, "--accept-safe-changes", "true") == 0
+    _refuse_creates(cluster)
+    assert _segment_main(cfg, tmp_path, cluster, *_flags(cfg)) == 2
+    (posted,) = _posted(cluster)
+    assert posted == _manifest(changed)
+    assert posted["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        "example.com/worker:fixed"
+    )
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("document", "says"),
+    [
+        (None, "run validate-config first"),
+        ("{torn", "validate-config"),
+        ({"config": {"run_id": "x"}, "hash": "h"}, "validate-config"),
+    ],
+    ids=["absent", "not-json", "invalid-config"],
+)
+def test_a_missing_or_bad_pinned_config_is_one_line_and_configuration(tmp_path, cluster, capsys, document, says):
+    cfg = _cfg(tmp_path / "store")
+    config = Path(cfg.storage.root) / "runs" / cfg.run_id / RunLayout.CONFIG
+    if document is None:
+        config.unlink()
+    else:
+        config.write_text(document if isinstance(document, str) else json.dumps(document))
+    assert _segment_main(cfg, tmp_path, cluster, *_flags(cfg)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train-segment: ") and says in err[0], err
+    assert "Traceback" not in err[0] and not cluster.requests
+
+
+def test_a_store_that_cannot_be_read_is_transient_not_an_absent_config(tmp_path, cluster, capsys, monkeypatch):
+    cfg = _cfg(tmp_path / "store")
+    read = RunStore.read_bytes
+
+    def read_bytes(self, rel):
+        if rel == RunLayout.CONFIG:
+            raise OSError(5, "Input/output error")
+        return read(self, rel)
+
+    monkeypatch.setattr(RunStore, "read_bytes", read_bytes)
+    assert _segment_main(cfg, tmp_path, cluster, *_flags(cfg)) == ExitCode.TRANSIENT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Input/output error" in err[0] and "validate-config" not in err[0], err
+    assert not cluster.requests
+
+
+def test_without_an_override_the_jobsets_parameters_are_required(tmp_path, cluster, capsys):
+    cfg = _cfg(tmp_path / "store")
+    with pytest.raises(SystemExit) as e:
+        _segment_main(cfg, tmp_path, cluster, "--jobset-name", f"{cfg.run_id}-a0")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert "--restore-step, --coordinator-port, --metrics-port" in err[0] and not cluster.requests
+
+
+def test_a_pinned_config_that_renders_no_jobset_is_one_line_and_configuration(tmp_path, cluster, capsys, monkeypatch):
+    cfg = _cfg(tmp_path / "store")
+
+    def unrenderable(cfg, params):
+        raise KeyError("v9x")
+
+    monkeypatch.setattr(ts, "jobset_manifest", unrenderable)
+    assert _segment_main(cfg, tmp_path, cluster, *_flags(cfg)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "renders no JobSet (KeyError: 'v9x')" in err[0] and "validate-config" in err[0], err
+    assert not cluster.requests

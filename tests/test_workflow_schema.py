@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from support.schemas import argo_errors, core_errors, jobset_errors, substitute
+from support.segment import segment_jobset
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW_FILES = sorted(p for p in (REPO / "argo").glob("*.yaml") if "\nkind: Workflow\n" in p.read_text())
@@ -18,9 +19,8 @@ def _load(path: Path) -> dict:
 
 
 def _jobset(wf: dict) -> dict:
-    (tpl,) = [t for t in wf["spec"]["templates"] if t["name"] == "train-segment"]
-    args = tpl["container"]["args"]
-    return yaml.safe_load(substitute(args[args.index("--jobset-manifest") + 1]))
+    """The JobSet train-segment renders for ``wf``, its arguments given realistic values."""
+    return segment_jobset(wf, substitute)
 
 
 def test_every_config_has_a_workflow():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 import yaml
+from support.segment import segment_jobset
 
 from recovery_steps.kernel.config import load_config
 from recovery_steps.kernel.contract import trainer_exit_codes
@@ -31,8 +33,24 @@ def _tasks(tpl: dict) -> dict[str, dict]:
 
 
 def _jobset(wf: dict) -> dict:
+    """The JobSet train-segment renders from the pinned config, with the Argo placeholders its arguments carry."""
+    return segment_jobset(wf)
+
+
+SEGMENT_ARGS_MAX = 512
+"""Bytes the train-segment template's arguments may take (JSON): its node in the Argo UI shows them (they were
+about 3 KB while they carried the rendered JobSet)."""
+
+
+@pytest.mark.parametrize("cfg_path", CONFIGS, ids=lambda p: p.stem)
+def test_the_train_segment_node_carries_the_attempts_parameters_not_the_jobset(cfg_path):
+    wf = build_workflow(load_config(cfg_path)).to_dict()
     args = _templates(wf)["train-segment"]["container"]["args"]
-    return yaml.safe_load(args[args.index("--jobset-manifest") + 1])
+    assert "--jobset-manifest" not in args and not any("JobSet" in a or a.startswith('{"') for a in args)
+    assert len(json.dumps(args, separators=(",", ":"))) <= SEGMENT_ARGS_MAX
+    values = dict(zip(args[::2], args[1::2], strict=False))
+    for name in ("jobset-name", "restore-step", "coordinator-port", "metrics-port"):
+        assert values[f"--{name}"] == f"{{{{inputs.parameters.{name}}}}}"
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +367,7 @@ def test_workflow_keeps_failed_pods_and_the_finished_run_for_inspection(cfg_path
 
 
 def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path):
-    from workflows.jobset import JobSetParams, jobset_manifest
+    from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
     from workflows.local.engine import NodeInfo
     from workflows.local.executor import LocalExecutor
 

@@ -32,10 +32,10 @@ import yaml
 
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.incidents import TimedIncident, incidents_from_facts, read_attempt_facts
+from recovery_steps.kernel.jobset import CONTAINER
 from recovery_steps.kernel.kube import api_error_line
 from recovery_steps.kernel.names import ATTEMPT_LABEL, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, RUN_ID_LABEL
 from recovery_steps.kernel.store import RunLayout, RunStore, first_line, store_errors
-from workflows.jobset import CONTAINER
 
 ARGO = ("argoproj.io", "v1alpha1", "workflows")
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"  # Argo puts it on every pod of a Workflow (workflow/common)
@@ -214,7 +214,7 @@ class Cluster:
         Raises:
             DrillError: the trainer is its container's PID 1: a signal sent from inside the pod cannot kill it
                 (the kernel drops SIGKILL sent to a PID namespace's init from inside the namespace). The worker
-                pods this project generates share their process namespace (``workflows.jobset``): the pause
+                pods this project generates share their process namespace (``kernel.jobset``): the pause
                 process is PID 1 there; a Workflow generated before that has the trainer as PID 1.
         """
         from kubernetes.stream import stream

@@ -6,7 +6,6 @@ this module wires their outputs to the next step's inputs and to ``when`` condit
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,6 @@ from recovery_steps.kernel.outputs import (
     UndeclaredOutput,
     ValidateOutputs,
 )
-from workflows.jobset import JobSetParams, jobset_manifest
 
 OUTPUT_DIR = "/tmp/outputs"
 CONFIG_PATH = "/tmp/inputs/config.yaml"
@@ -241,19 +239,11 @@ def train_template(cfg: JobConfig) -> Container:
     It creates (or re-attaches to) the JobSet, decides when the attempt is over and stops it: a Resource
     template would wait without bound on a gang that can never end.
     """
-    manifest = jobset_manifest(
-        cfg,
-        JobSetParams(
-            name="{{inputs.parameters.jobset-name}}",
-            run_id=RUN_ID,
-            store_root=STORE_ROOT,
-            attempt=ATTEMPT_IN,
-            restore_step="{{inputs.parameters.restore-step}}",
-            coordinator_port="{{inputs.parameters.coordinator-port}}",
-            metrics_port="{{inputs.parameters.metrics-port}}",
-        ),
-    )
-    args = [*ATTEMPT_ARGS, "--jobset-manifest", json.dumps(manifest, separators=(",", ":"))]
+    # The step renders the JobSet from the run's pinned config and these parameters (kernel.jobset): the
+    # Workflow carries the attempt's parameters, not the manifest.
+    args = [*ATTEMPT_ARGS]
+    for name in SEGMENT_INPUTS[1:]:  # --jobset-name, --restore-step, --coordinator-port, --metrics-port
+        args += [f"--{name}", f"{{{{inputs.parameters.{name}}}}}"]
     return _step(
         cfg,
         "train-segment",

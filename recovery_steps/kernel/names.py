@@ -138,7 +138,7 @@ def longest_pod_name(run_id: str, attempt: int | str, hosts: int, replicated_job
     Job controller's 5-character random pod suffix) is a DNS-1035 label of at most 63 characters; ``GenPodName``
     is ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>`` (``pkg/util/placement/placement.go``). The run's
     JobSet has one Job (index 0) of ``hosts`` pods (indices 0 to hosts-1) in the replicated job ``workers``
-    (``workflows/jobset.py`` ``REPLICATED_JOB``).
+    (``recovery_steps/kernel/jobset.py`` ``REPLICATED_JOB``).
     """
     return f"{jobset_name(run_id, attempt)}-{replicated_job}-0-{hosts - 1}-abcde"
 

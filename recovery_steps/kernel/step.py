@@ -63,26 +63,37 @@ def api_failures() -> tuple[type[BaseException], ...]:
     return (ApiException, urllib3.exceptions.HTTPError, OSError)
 
 
+PIN_FIX = "pin a valid one with validate-config, by resubmitting the run's Workflow"
+
+
 def load_run_config(store_root: str, run_id: str, *, check_ledger: bool = True) -> JobConfig:
     """The run's validated config from its store (pinned by validate-config).
 
-    ``check_ledger``: a damaged ledger is refused as well, before the step deletes or creates anything.
+    ``check_ledger``: a damaged ledger is refused as well, before the step deletes or creates anything. A read of
+    the store that fails (unreachable, refused) is not an absent config: its error propagates (``run_step`` maps
+    it to the step's store exit code, transient).
 
     Raises:
-        StepError: Configuration (exit 2) when the config is absent or unusable, or the ledger is damaged.
+        StepError: Configuration (exit 2), one line naming the fix, when the config is absent or unusable, or the
+            ledger is damaged.
     """
     from recovery_steps.kernel.documents import read_ledger, read_run_config
 
+    store = RunStore(store_root, run_id)
     try:
-        store = RunStore(store_root, run_id)
         cfg = read_run_config(store)
-        if check_ledger:
-            read_ledger(store)
-        return cfg
     except ConfigError as e:
-        raise StepError(ExitCode.CONFIGURATION, e.render()) from None
+        shown = "; ".join(e.problems[:3]) + (f"; and {len(e.problems) - 3} more" if len(e.problems) > 3 else "")
+        raise StepError(ExitCode.CONFIGURATION, f"invalid pinned config {e.source}: {shown}; {PIN_FIX}") from None
     except DocumentError as e:
-        raise StepError(ExitCode.CONFIGURATION, f"{e} (check --store-root and --run-id)") from None
+        fix = "" if "validate-config" in str(e) else f", or {PIN_FIX}"  # an absent config names its fix already
+        raise StepError(ExitCode.CONFIGURATION, f"{e} (check --store-root and --run-id{fix})") from None
+    if check_ledger:
+        try:
+            read_ledger(store)
+        except DocumentError as e:
+            raise StepError(ExitCode.CONFIGURATION, f"{e} (check --store-root and --run-id)") from None
+    return cfg
 
 
 def k8s_config_errors() -> tuple[type[BaseException], ...]:

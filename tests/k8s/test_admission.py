@@ -3,13 +3,13 @@ the JobSet webhooks, by server-side dry run (nothing is created)."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 from realcluster import RealCluster
+from support.segment import segment_jobset
 
 pytestmark = pytest.mark.k8s
 
@@ -33,16 +33,15 @@ def _substitute(text: str, wf: dict) -> str:
     def one(m: re.Match) -> str:
         key = m.group(1).strip()
         if key not in values:
-            raise AssertionError(f"placeholder {{{{{key}}}}} in the JobSet manifest has no value here")
+            raise AssertionError(f"placeholder {{{{{key}}}}} in the train-segment arguments has no value here")
         return values[key]
 
     return re.sub(r"\{\{([^}]+)\}\}", one, text)
 
 
 def _jobset_of(wf: dict) -> dict:
-    (tpl,) = [t for t in wf["spec"]["templates"] if t["name"] == "train-segment"]
-    args = tpl["container"]["args"]
-    return json.loads(_substitute(args[args.index("--jobset-manifest") + 1], wf))
+    """The JobSet train-segment renders for ``wf`` (from its pinned config), its arguments as Argo gives them."""
+    return segment_jobset(wf, lambda text: _substitute(text, wf))
 
 
 def _ensure_namespace(rc: RealCluster, name: str) -> None:

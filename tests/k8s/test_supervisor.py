@@ -59,7 +59,7 @@ EXIT_CLASSES = {
 @pytest.mark.parametrize("code", [*sorted(EXIT_CLASSES), 1])
 def test_the_real_job_controller_matches_each_exit_code_to_its_pod_failure_policy_rule(run, code):
     """Without a supervisor: the JobSet as train-segment creates it, one worker exits with ``code``."""
-    from workflows.jobset import pod_failure_policy
+    from recovery_steps.kernel.jobset import pod_failure_policy
 
     run.rc.apply(run.manifest(0), api=run.rc.api(run.token))  # as the steps' ServiceAccount
     pods = run.workers(0)

@@ -3,7 +3,6 @@ credentials, and its step programs run as processes under that ServiceAccount.""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,10 +15,10 @@ from realcluster import RealCluster, pdeathsig, wait_for
 
 from recovery_steps import classify_failure
 from recovery_steps.kernel.config import JobConfig, StorageConfig, SupervisionConfig, load_config
+from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
 from recovery_steps.kernel.names import jobset_name
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat
 from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
-from workflows.jobset import JobSetParams, jobset_manifest
 from workflows.rbac import rbac_objects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,19 +98,21 @@ class Run:
     def store(self) -> RunStore:
         return RunStore(self.cfg.storage.root, self.cfg.run_id)
 
-    def manifest(self, attempt: int) -> dict:
-        return jobset_manifest(
-            self.cfg,
-            JobSetParams(
-                name=jobset_name(self.cfg.run_id, attempt),
-                run_id=self.cfg.run_id,
-                store_root=self.cfg.storage.root,
-                attempt=str(attempt),
-                restore_step="-1",
-                coordinator_port="8476",
-                metrics_port="9431",
-            ),
+    def params(self, attempt: int) -> JobSetParams:
+        """The attempt's JobSet parameters (a fresh start), as train-segment's arguments carry them."""
+        return JobSetParams(
+            name=jobset_name(self.cfg.run_id, attempt),
+            run_id=self.cfg.run_id,
+            store_root=self.cfg.storage.root,
+            attempt=str(attempt),
+            restore_step="-1",
+            coordinator_port="8476",
+            metrics_port="9431",
         )
+
+    def manifest(self, attempt: int) -> dict:
+        """The JobSet train-segment renders for ``attempt`` from the pinned config (``self.cfg``)."""
+        return jobset_manifest(self.cfg, self.params(attempt))
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
@@ -121,6 +122,7 @@ class Run:
         """Start train-segment for ``attempt`` as the steps' ServiceAccount (its output in supervisor-<n>.log)."""
         out = self.tmp / f"out-{attempt}-{len(self.procs)}"
         log = (self.tmp / f"supervisor-{attempt}-{len(self.procs)}.log").open("wb")
+        params = self.params(attempt)  # train-segment renders the JobSet from the pinned config and these
         argv = [
             sys.executable,
             "-m",
@@ -131,8 +133,14 @@ class Run:
             self.cfg.run_id,
             "--attempt",
             str(attempt),
-            "--jobset-manifest",
-            json.dumps(self.manifest(attempt)),
+            "--jobset-name",
+            params.name,
+            "--restore-step",
+            params.restore_step,
+            "--coordinator-port",
+            params.coordinator_port,
+            "--metrics-port",
+            params.metrics_port,
             "--output-dir",
             str(out),
         ]

@@ -143,7 +143,7 @@ class LocalGang:
         try:
             sl = self.ex._build_slice(self.node, manifest)
         except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise StepError(ExitCode.CONFIGURATION, f"--jobset-manifest: cannot read {e}") from None
+            raise StepError(ExitCode.CONFIGURATION, f"JobSet {self.name}: cannot read its manifest ({e})") from None
         sl.withheld = dict(self.ex.hooks.withheld(sl.attempt, len(sl.workers)))
         self.ex.slices.append(sl)
         self.ex.live[self.name] = sl
@@ -404,7 +404,8 @@ class LocalExecutor:
         """Run ``python -m recovery_steps.train_segment`` here: the step's own program over a ``LocalGang``.
 
         The same supervisor, decision, record, stop and error mapping as on GKE (``train_segment.step`` under the
-        kernel's ``run_step``) run over the worker processes; a JobSet of this attempt that is still running is
+        kernel's ``run_step``) run over the worker processes, with the JobSet the step renders from the run's pinned
+        config (``kernel.jobset``, as on GKE); a JobSet of this attempt that is still running is
         re-attached, not started again.
         """
         from recovery_steps import train_segment

@@ -1,4 +1,8 @@
-"""The JobSet manifest of one training segment (the gang of workers), as the train-segment template creates it."""
+"""The JobSet manifest of one training segment (the gang of workers), as train-segment creates it.
+
+The step renders it when it runs, from the run's pinned config and the attempt's parameters (its arguments): the
+Workflow carries the parameters, not the manifest.
+"""
 
 from __future__ import annotations
 
@@ -100,8 +104,8 @@ until the SIGKILL after the grace period (137)."""
 class JobSetParams:
     """The values one attempt's JobSet is rendered with.
 
-    Usually Argo placeholders (``{{inputs.parameters.attempt}}``); tests pass realistic values to validate the
-    result against the JobSet CRD.
+    train-segment gives the values of its arguments (``train_segment.segment_params``); tests pass realistic
+    values to validate the result against the JobSet CRD.
 
     Attributes:
         name: JobSet name (``<run-id>-a<attempt>``, from provision-slice).
