@@ -54,7 +54,7 @@ def node(name, *, pool="tpu-pool-a", ready=True, taints=(), labels=None, unsched
 def jobset(
     name: str, run_id: str, *, attempt_label: bool = True, deleting: bool = False, namespace: str = NS
 ) -> dict[str, Any]:
-    """A run's JobSet, labelled as workflows.jobset labels it (its attempt, when ``attempt_label``: the name ends
+    """A run's JobSet, labelled as kernel.jobset labels it (its attempt, when ``attempt_label``: the name ends
     -a<attempt>); ``deleting``: its deletion is under way."""
     labels = {"jaxrec/run-id": run_id}
     if attempt_label:
