@@ -62,7 +62,7 @@ def one(kind: str, hosts: int, root: Path) -> tuple[float, float, float]:
     for w in sl.workers:
         if w.index not in sl.withheld:
             sl.spawn(w)
-    ex.live[sl.jobset] = sl  # the supervisor re-attaches to this slice (its ensure finds it)
+    ex.cluster.adopt(sl)  # the supervisor re-attaches to this slice (its ensure finds it)
     start = time.time()
     if kind == "hang":
         for i in range(hosts):
@@ -75,7 +75,7 @@ def one(kind: str, hosts: int, root: Path) -> tuple[float, float, float]:
                 "hang": start + DEADLINES.hang_timeout_s,
                 "node-lost": start + DEADLINES.force_delete_grace_s}[kind]  # fmt: skip
     manifest = {"kind": "JobSet", "metadata": {"name": sl.jobset}}
-    gang = LocalGang(ex, None, manifest)  # type: ignore[arg-type]  # no node: nothing is created
+    gang = LocalGang(ex.cluster, None, manifest)  # type: ignore[arg-type]  # no node: nothing is created
     record = Supervisor(cfg, 0, gang, store, io=SupervisorIO(say=lambda _line: None)).run(manifest)
     assert record.outcome == "stalled" and record.stall_kind == kind, record
     assert record.stopped_at is not None and all(w.returncode is not None for w in sl.workers if w.proc), record

@@ -399,10 +399,11 @@ def _supervise(cfg, ex, sl, store):
     for w in sl.workers:
         if w.index not in sl.withheld and w.proc is None:
             sl.spawn(w)
-    ex.live[sl.jobset] = sl  # a gang left running by a supervisor that was lost
+    ex.cluster.adopt(sl)  # a gang left running by a supervisor that was lost
     manifest = {"kind": "JobSet", "metadata": {"name": sl.jobset}}
     lines: list[str] = []
-    rec = Supervisor(cfg, 0, LocalGang(ex, None, manifest), store, io=SupervisorIO(say=lines.append)).run(manifest)
+    gang = LocalGang(ex.cluster, None, manifest)
+    rec = Supervisor(cfg, 0, gang, store, io=SupervisorIO(say=lines.append)).run(manifest)
     return rec, lines
 
 

@@ -386,14 +386,15 @@ def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path)
     )
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)
-    sl = LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js)
+    sl = LocalExecutor(repo_root=REPO, work_dir=tmp_path).cluster.build_slice(js, node)
     assert sl.grace_seconds == pod["terminationGracePeriodSeconds"] == cfg.slice.termination_grace_s
     pod["terminationGracePeriodSeconds"] = 17
-    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js).grace_seconds == 17
+    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path).cluster.build_slice(js, node).grace_seconds == 17
     del pod["terminationGracePeriodSeconds"]  # the Kubernetes default
-    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path)._build_slice(node, js).grace_seconds == 30
+    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path).cluster.build_slice(js, node).grace_seconds == 30
     # A benchmark may still pin the grace for every slice.
-    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path, grace_seconds=2)._build_slice(node, js).grace_seconds == 2
+    pinned = LocalExecutor(repo_root=REPO, work_dir=tmp_path, grace_seconds=2).cluster
+    assert pinned.build_slice(js, node).grace_seconds == 2
 
 
 @pytest.mark.parametrize("config", [p.name for p in CONFIGS])

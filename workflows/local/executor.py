@@ -1,10 +1,11 @@
 """Runs the leaf templates of a Workflow on this machine: containers as processes, the JobSet as N workers.
 
 Container templates run the same command with ``python`` mapped to this interpreter and ``/tmp/outputs``,
-``/tmp/inputs`` mapped to a folder per node. The JobSet runs ``parallelism`` worker processes with the
-environment a pod would get, and keeps JobSet's semantics: the first failed worker fails the set and
-the others are stopped (SIGTERM, the pod's ``terminationGracePeriodSeconds``, then SIGKILL, as the kubelet
-does when a pod is deleted: Kubernetes docs "Pod Lifecycle", termination of pods).
+``/tmp/inputs`` mapped to a folder per node. The train-segment step creates its JobSet in the executor's
+``LocalCluster`` (``cluster``): ``parallelism`` worker processes with the environment a pod would get, under JobSet's
+semantics: the first failed worker fails the set and the others are stopped (SIGTERM, the pod's
+``terminationGracePeriodSeconds``, then SIGKILL, as the kubelet does when a pod is deleted: Kubernetes docs "Pod
+Lifecycle", termination of pods).
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,15 +22,24 @@ from typing import Any
 
 from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
 from recovery_steps.kernel.gang import Attachment
-from recovery_steps.kernel.kube import IN_POD_ENV
 from recovery_steps.kernel.records import SupervisionRecord, now
 from recovery_steps.kernel.snapshot import ClusterSnapshot
 from recovery_steps.kernel.step import StepError, run_step
 from recovery_steps.kernel.store import RunLayout, RunStore
-from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodePhase, NodeResult, WorkflowError
-from workflows.local.slices import LocalSlice, WorkerProc, pod_name, slice_snapshot
+from workflows.local.cluster import (
+    TICK,
+    ClusterSetup,
+    InvalidManifest,
+    LocalCluster,
+    SliceHooks,
+    local_command,
+    process_env,
+    resolve_env,
+    rewrite_arg,
+)
+from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult
+from workflows.local.slices import LocalSlice
 
-_PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
 # What Argo's controller makes of a Pod node whose pod is gone (argo-workflows v4.0.5,
 # workflow/controller/operator.go, podReconciliation, lines 1257-1292): within RECENTLY_STARTED_POD_DURATION (10 s)
 # of the node's start it waits for the pod (the node runs on, and the pod is created again); later it marks the node
@@ -41,50 +49,6 @@ POD_DELETED = "pod deleted"
 RECENTLY_STARTED_POD_S = 10.0
 # The train-segment supervisor: run here as the local JobSet stand-in under the same decision.
 SUPERVISOR_MODULE = "recovery_steps.train_segment"
-COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
-
-
-def free_port() -> int:
-    """A TCP port free on localhost right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rewrite_arg(arg: str, node_dir: Path) -> str:
-    """Map the container paths ``/tmp/outputs`` and ``/tmp/inputs`` (anywhere in ``arg``) into ``node_dir``."""
-    for prefix in _PATH_PREFIXES:
-        arg = arg.replace(prefix, str(node_dir / prefix.removeprefix("/tmp/")))
-    return arg
-
-
-def local_command(command: list[str], node_dir: Path) -> list[str]:
-    """The container command as a local one: ``python`` is this interpreter; container paths mapped."""
-    out = [rewrite_arg(str(a), node_dir) for a in command]
-    if out and out[0] in ("python", "python3", "python3.11", "/usr/bin/python3", "/usr/local/bin/python"):
-        out[0] = sys.executable
-    return out
-
-
-def resolve_env(env: list[Mapping[str, Any]], field_values: Mapping[str, str]) -> dict[str, str]:
-    """A container's ``env`` list as a dict, ``valueFrom.fieldRef`` resolved from ``field_values``.
-
-    Raises:
-        WorkflowError: for a fieldRef this runner cannot resolve.
-    """
-    out = {}
-    for e in env or []:
-        if "value" in e:
-            out[e["name"]] = str(e["value"])
-            continue
-        ref = (e.get("valueFrom") or {}).get("fieldRef")
-        if ref is None:
-            continue  # secrets and config maps do not exist locally
-        path = ref["fieldPath"]
-        if path not in field_values:
-            raise WorkflowError(f"env {e['name']}: fieldRef {path!r} is not known to the local runner")
-        out[e["name"]] = field_values[path]
-    return out
 
 
 def pod_deleted(started_at: float = 0.0, finished_at: float = 0.0) -> NodeResult:
@@ -103,23 +67,22 @@ class RunStopped(Exception):
 class LocalGang:
     """One attempt's JobSet as local worker processes: train-segment's port (``kernel.gang.Gang``) on this machine.
 
-    ``observe`` answers with the same ``ClusterSnapshot`` the Kubernetes adapter builds (``slice_snapshot``);
-    ``delete`` does what deleting the JobSet does to its pods (SIGTERM, then SIGKILL after the pod's termination
-    grace, as the kubelet does; a worker on a lost host gets nothing: its kubelet is gone); ``force_delete`` is
-    SIGKILL. Between observations the runner's hooks tick (fault injection) every ``TICK`` seconds.
+    It acts through the run's ``LocalCluster``: ``observe`` answers with the same ``ClusterSnapshot`` the Kubernetes
+    adapter builds (``slice_snapshot``); ``delete`` does what deleting the JobSet does to its pods (SIGTERM, then
+    SIGKILL after the pod's termination grace, as the kubelet does; a worker on a lost host gets nothing: its
+    kubelet is gone); ``force_delete`` is SIGKILL. Between observations the runner's hooks tick (fault injection)
+    every ``cluster.TICK`` seconds.
     """
-
-    TICK = 0.05
 
     def __init__(
         self,
-        ex: LocalExecutor,
+        cluster: LocalCluster,
         node: NodeInfo,
         manifest: Mapping[str, Any],
         *,
         clock: Callable[[], float] = time.time,
     ):
-        self.ex, self.node, self.manifest, self.clock = ex, node, manifest, clock
+        self.cluster, self.node, self.manifest, self.clock = cluster, node, manifest, clock
         self.name = manifest["metadata"]["name"]
         self.sl: LocalSlice | None = None
         try:
@@ -128,38 +91,28 @@ class LocalGang:
         except (KeyError, IndexError, TypeError):
             self.image = ""
 
-    def find(self) -> Attachment | None:
-        """The attempt's slice if its workers still run (a retried supervisor re-attaches to it)."""
-        sl = self.ex.live.get(self.name)
+    def _attached(self, sl: LocalSlice | None) -> Attachment | None:
         if sl is None:
             return None
         self.sl = sl
         return Attachment(self.name, sl.created_at, str(sl.attempt))
 
+    def find(self) -> Attachment | None:
+        """The attempt's slice if its workers still run (a retried supervisor re-attaches to it)."""
+        return self._attached(self.cluster.find(self.name))
+
     def create(self, manifest: Mapping[str, Any]) -> Attachment | None:
         """Start the workers of the JobSet ``manifest`` describes (those a hook withholds stay Pending)."""
-        if self.name in self.ex.live:
-            return None
         try:
-            sl = self.ex._build_slice(self.node, manifest)
-        except (KeyError, IndexError, TypeError, ValueError) as e:
+            return self._attached(self.cluster.create(manifest, self.node))
+        except InvalidManifest as e:
             raise StepError(ExitCode.CONFIGURATION, f"JobSet {self.name}: cannot read its manifest ({e})") from None
-        sl.withheld = dict(self.ex.hooks.withheld(sl.attempt, len(sl.workers)))
-        self.ex.slices.append(sl)
-        self.ex.live[self.name] = sl
-        self.ex.events_dir.mkdir(parents=True, exist_ok=True)
-        for w in sl.workers:
-            if w.index not in sl.withheld:
-                sl.spawn(w)
-                self.ex._track(w.proc)
-        self.sl = sl
-        return Attachment(self.name, sl.created_at, str(sl.attempt))
 
     def start(self) -> None:
         """Nothing to list: the processes are here."""
 
     def _check(self) -> None:
-        if self.ex._stopping.is_set():
+        if self.cluster.stopping:
             raise RunStopped()
         if self.sl.supervisor_lost.is_set():
             self.sl.supervisor_lost.clear()
@@ -168,8 +121,7 @@ class LocalGang:
     def observe(self) -> ClusterSnapshot:
         """The workers as pods and their hosts as nodes, now."""
         self._check()
-        self.ex._poll_exits(self.sl)
-        return slice_snapshot(self.sl, self.clock(), self.image)
+        return self.cluster.snapshot(self.sl, self.clock(), self.image)
 
     def _state(self) -> tuple[Any, ...]:
         sl = self.sl
@@ -179,35 +131,19 @@ class LocalGang:
         """Tick the hooks (or, once deleted, the kubelet's grace) until a worker changed or ``timeout`` passed."""
         sl, end, before = self.sl, self.clock() + timeout, self._state()
         while self.clock() < end:
-            if sl.deleted_at is None:
-                self.ex.hooks.on_tick(sl)
-            else:
-                for w in sl.workers:
-                    # The kubelet's SIGKILL once the pod's termination grace is over (lost hosts have no kubelet).
-                    if w.index not in sl.lost and self.clock() - sl.deleted_at >= sl.grace_seconds:
-                        sl.signal_worker(w.index, signal.SIGKILL)
-            time.sleep(self.TICK)
-            self.ex._poll_exits(sl)
-            if self._state() != before or self.ex._stopping.is_set() or sl.supervisor_lost.is_set():
+            self.cluster.tick(sl, self.clock())
+            time.sleep(TICK)
+            self.cluster.poll(sl)
+            if self._state() != before or self.cluster.stopping or sl.supervisor_lost.is_set():
                 return
 
     def delete(self) -> None:
-        """SIGTERM every running worker whose host is not lost (deleting the JobSet deletes its pods)."""
-        sl = self.sl
-        sl.deleted_at = self.clock()
-        for w in sl.workers:
-            if w.returncode is None and w.proc is not None and w.index not in sl.lost:
-                w.stopped_by_jobset = True
-                sl.signal_worker(w.index, signal.SIGCONT)
-                sl.signal_worker(w.index, signal.SIGTERM)
+        """Delete the JobSet: SIGTERM every running worker whose host is not lost (its pods are deleted)."""
+        self.cluster.delete(self.sl, self.clock())
 
     def force_delete(self, pod: str) -> None:
         """SIGKILL the worker of ``pod`` (its host is lost: nothing else would end it)."""
-        for w in self.sl.workers:
-            if pod_name(self.sl.jobset, w.index) == pod:
-                sl = self.sl
-                sl.signal_worker(w.index, signal.SIGCONT)
-                sl.signal_worker(w.index, signal.SIGKILL)
+        self.cluster.force_delete(self.sl, pod)
 
     def close(self) -> None:
         """Nothing to stop watching."""
@@ -217,63 +153,14 @@ class LocalGang:
 
         The runner times its incidents from it and the injector's hooks see it; the classifier reads the pods.
         """
-        sl = self.sl
-        sl.detected_at, sl.phase = detected, FAILED if failed else SUCCEEDED
-        exited = [w for w in sl.workers if w.returncode not in (None, 0) and (w.ended_at or detected) <= detected]
-        if failed and exited and sl.first_failure_index is None:
-            first = min(exited, key=lambda w: w.ended_at or detected)
-            first.first_failure, sl.first_failure_index = True, first.index
-        elif failed and worker is not None and sl.first_failure_index is None:
-            sl.first_failure_index = worker
-        sl.mark_stopped(detected)
-        self.ex.live.pop(sl.jobset, None)
-        if not self.ex._stopping.is_set():
-            self.ex.hooks.after_slice(sl, sl.phase)
+        self.cluster.settle(self.sl, detected, failed, worker)
 
     def kill(self) -> None:
         """The whole run is deleted: SIGKILL every worker, wait up to 10 s for them, settle the slice."""
-        sl = self.sl
-        if sl is None:
+        if self.sl is None:
             return
-        for w in sl.workers:
-            sl.signal_worker(w.index, signal.SIGCONT)
-            sl.signal_worker(w.index, signal.SIGKILL)
-        end = now() + 10
-        while now() < end and any(w.returncode is None and w.proc is not None for w in sl.workers):
-            self.ex._poll_exits(sl)
-            time.sleep(self.TICK)
+        self.cluster.kill(self.sl)
         self.settle(now(), True, None)
-
-
-class SliceHooks:
-    """What the runner lets an injector do around a local slice (all optional)."""
-
-    def extra_env(self, attempt: int) -> dict[str, str]:
-        """Environment added to every worker of ``attempt``."""
-        return {}
-
-    def on_tick(self, sl: LocalSlice) -> None:
-        """Called about every 50 ms while the slice runs."""
-
-    def after_slice(self, sl: LocalSlice, phase: NodePhase) -> None:
-        """Called once every worker has exited, before the record is written and the next node runs."""
-
-    def withheld(self, attempt: int, hosts: int) -> dict[int, str]:
-        """Workers of ``attempt`` the slice does not start, and the reason their pod would show."""
-        return {}
-
-    def placement(self, attempt: int, hosts: int) -> list[str]:
-        """The node each worker of ``attempt`` runs on (its host-local directory is ``hosts/<node>``)."""
-        return [f"local-host-{i}" for i in range(hosts)]
-
-
-def _arg_value(cmd: list[str], flag: str) -> str | None:
-    for i, a in enumerate(cmd):
-        if a == flag and i + 1 < len(cmd):
-            return cmd[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
 
 
 class LocalExecutor:
@@ -292,25 +179,25 @@ class LocalExecutor:
         self.repo_root = repo_root
         self.work_dir = work_dir
         self.base_env = dict(base_env or {})
-        self.hooks = hooks or SliceHooks()
-        self.events_dir = events_dir or (work_dir / "events")
-        # None: each JobSet's own terminationGracePeriodSeconds (a number overrides it, for benchmarks).
-        self.grace_seconds = grace_seconds
         self._procs: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self.slices: list[LocalSlice] = []
-        # JobSets whose workers are still running: a retried supervisor re-attaches to them.
-        self.live: dict[str, LocalSlice] = {}
+        setup = ClusterSetup(repo_root, work_dir, self.base_env, events_dir, grace_seconds)
+        # The JobSets this executor's train-segment steps create: their workers, tracked with its own processes.
+        self.cluster = LocalCluster(setup, hooks, track=self._track, stopping=self._stopping)
+
+    @property
+    def slices(self) -> list[LocalSlice]:
+        """Every slice this executor's steps created, in order."""
+        return self.cluster.slices
+
+    @property
+    def live(self) -> Mapping[str, LocalSlice]:
+        """The JobSets whose workers still run, by name: a retried supervisor re-attaches to them."""
+        return self.cluster.live
 
     def _env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        # Not a pod, even when the runner itself runs in one: the steps act on local processes (kernel.kube.in_pod).
-        env = {k: v for k, v in os.environ.items() if k != IN_POD_ENV}
-        env.update(self.base_env)
-        pp = env.get("PYTHONPATH", "")
-        env["PYTHONPATH"] = str(self.repo_root) + (os.pathsep + pp if pp else "")
-        env.update(extra)
-        return env
+        return process_env(self.repo_root, self.base_env, extra)
 
     def _track(self, p: subprocess.Popen) -> None:
         with self._lock:
@@ -416,7 +303,7 @@ class LocalExecutor:
         gangs: list[LocalGang] = []
 
         def gang(cfg: Any, manifest: Mapping[str, Any], clock: Callable[[], float], _say: Any) -> LocalGang:
-            gangs.append(LocalGang(self, node, manifest, clock=clock))
+            gangs.append(LocalGang(self.cluster, node, manifest, clock=clock))
             return gangs[-1]
 
         with open(log_path, "a") as log:
@@ -480,59 +367,6 @@ class LocalExecutor:
         else:
             msg = f"exit code {code}; log: {log_path}{_tail(log_path)}"
         return NodeResult(FAILED, outputs, code, msg, started, now())
-
-    @staticmethod
-    def _poll_exits(sl: LocalSlice) -> None:
-        with sl.lock:
-            for w in sl.workers:
-                if w.returncode is None and w.proc is not None and w.index not in sl.expected_exit:
-                    rc = w.proc.poll()
-                    if rc is not None:
-                        w.returncode, w.ended_at = rc, now()
-
-    def _build_slice(self, node: NodeInfo, manifest: Mapping[str, Any]) -> LocalSlice:
-        name = manifest["metadata"]["name"]
-        rj = manifest["spec"]["replicatedJobs"][0]
-        job_spec = rj["template"]["spec"]
-        n = int(job_spec.get("parallelism") or job_spec.get("completions") or 1) * int(rj.get("replicas", 1))
-        pod_spec = job_spec["template"]["spec"]
-        c = pod_spec["containers"][0]
-        node_dir = self.work_dir / "nodes" / f"{node.id}-{node.task}"
-        command = local_command([*c.get("command", []), *c.get("args", [])], node_dir)
-        attempt = int(_arg_value(command, "--attempt") or node.attempt or 0)
-        log_dir = self.work_dir / "logs" / f"attempt-{attempt}"
-        sl = LocalSlice(name, attempt, command, str(self.repo_root), log_dir)
-        sl.failure_policy = list((job_spec.get("podFailurePolicy") or {}).get("rules") or [])
-        sl.backoff_limit = int(job_spec.get("backoffLimit", 6))
-        sl.namespace = str(manifest["metadata"].get("namespace") or "default")
-        # The kubelet's default grace is 30 s when the pod spec names none (Kubernetes API PodSpec).
-        grace = pod_spec.get("terminationGracePeriodSeconds", 30)
-        sl.grace_seconds = float(grace if self.grace_seconds is None else self.grace_seconds)
-        port = free_port()
-        extra = self.hooks.extra_env(attempt)
-        nodes = self.hooks.placement(attempt, n)
-        for i in range(n):
-            pod = f"{name}-{rj.get('name', 'workers')}-0-{i}"
-            fields = {
-                f"metadata.annotations['{COMPLETION_INDEX_KEY}']": str(i),
-                f"metadata.labels['{COMPLETION_INDEX_KEY}']": str(i),
-                "metadata.name": pod,
-                "metadata.namespace": manifest["metadata"].get("namespace", "default"),
-                "status.podIP": "127.0.0.1",
-                "spec.nodeName": nodes[i],
-            }
-            env = resolve_env(c.get("env", []), fields)
-            env.setdefault("TRAINER_COORDINATOR_ADDRESS", f"127.0.0.1:{port}")
-            env.setdefault("TRAINER_NUM_PROCESSES", str(n))
-            env["JOB_COMPLETION_INDEX"] = str(i)
-            env["HOSTNAME"] = pod
-            # One machine, one directory per node: what a hostPath volume is to the pods of one node.
-            env.setdefault("TRAINER_LOCAL_DIR", str(self.work_dir / "hosts" / nodes[i]))
-            env.setdefault("TRAINER_EVENTS_DIR", str(self.events_dir))
-            env.setdefault("JAX_PLATFORMS", "cpu")
-            env.update(extra)
-            sl.workers.append(WorkerProc(i, self._env(env)))
-        return sl
 
 
 def _is_module(cmd: list[str], module: str) -> bool:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from recovery_steps.kernel.records import EventKind, now
 from recovery_steps.kernel.store import RunLayout, RunStore
+from workflows.local.cluster import SliceHooks
 from workflows.local.engine import NodePhase
-from workflows.local.executor import SliceHooks
 from workflows.local.incidents import EventTail, Injected, max_step
 from workflows.local.slices import LocalSlice
 

@@ -1,14 +1,14 @@
 """The local slices: one attempt's worker processes (``LocalSlice``), and how the Kubernetes API would show them.
 
-``slice_snapshot`` turns the worker processes of a ``LocalSlice`` into the same record the Kubernetes adapter of
-``train-segment`` builds from the API (``recovery_steps.kernel.snapshot``), so that one supervisor, one decision,
-one record and one classifier serve both worlds. A worker the slice could not place is a Pending pod the scheduler
-refused; one whose image "cannot be pulled" is a Pending pod waiting in ``ImagePullBackOff``; a worker whose "node"
-was lost is Running on a node that is unreachable (Ready Unknown, the unreachable taint), with a deletion timestamp;
-a worker being stopped is a pod being deleted, and one that exited after the delete is gone. An ended worker's
-container is terminated as the kubelet reports it (exit code 128 + signal, reason ``Error``), and the workers' Job
-fails as the Job controller decides it (``job_failure``): the podFailurePolicy rule the first failed pod matches,
-else the backoff limit.
+``slice_snapshot`` (what ``cluster.LocalCluster`` answers with) turns the worker processes of a ``LocalSlice`` into the
+same record the Kubernetes adapter of ``train-segment`` builds from the API (``recovery_steps.kernel.snapshot``), so
+that one supervisor, one decision, one record and one classifier serve both worlds. A worker the slice could not place
+is a Pending pod the scheduler refused; one whose image "cannot be pulled" is a Pending pod waiting in
+``ImagePullBackOff``; a worker whose "node" was lost is Running on a node that is unreachable (Ready Unknown, the
+unreachable taint), with a deletion timestamp; a worker being stopped is a pod being deleted, and one that exited after
+the delete is gone. An ended worker's container is terminated as the kubelet reports it (exit code 128 + signal, reason
+``Error``), and the workers' Job fails as the Job controller decides it (``job_failure``): the podFailurePolicy rule the
+first failed pod matches, else the backoff limit.
 """
 
 from __future__ import annotations

@@ -1,0 +1,342 @@
+"""The local cluster: the JobSets of one local run by name, and what the Kubernetes API would say of them.
+
+``LocalCluster`` is the one place a local slice is created from its JobSet manifest (the JobSet controller's Job,
+the Job controller's ``parallelism`` pods, each with the environment its pod would get), found by its JobSet's
+name, polled, stopped and force-deleted; it answers with the records the Kubernetes adapter of ``train-segment``
+builds from the API (``slices.slice_snapshot``: the JobSet, its Job, its pods and their nodes). Deleting a JobSet
+does to its workers what the kubelet does to a deleted pod's containers: SIGTERM, then SIGKILL once the pod's
+``terminationGracePeriodSeconds`` is over (Kubernetes docs "Pod Lifecycle", termination of pods); a worker on a lost
+host gets nothing, its kubelet is gone, until it is force-deleted. Between observations the runner's hooks
+(``SliceHooks``: fault injection) act on a running slice.
+
+What a local process gets in place of a pod (``python`` mapped to this interpreter, the container paths mapped
+into a folder, the env's fieldRefs resolved) is here too: the executor's container templates run the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from recovery_steps.kernel.kube import IN_POD_ENV
+from recovery_steps.kernel.records import now
+from recovery_steps.kernel.snapshot import ClusterSnapshot
+from workflows.local.engine import FAILED, SUCCEEDED, NodeInfo, NodePhase, WorkflowError
+from workflows.local.slices import LocalSlice, WorkerProc, pod_name, slice_snapshot
+
+_PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
+COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+# How often a running slice's hooks act (fault injection), and a killed slice's workers are reaped.
+TICK = 0.05
+# How long the whole run's deletion waits for the SIGKILLed workers of a slice to be reaped.
+KILL_WAIT_S = 10.0
+
+
+def free_port() -> int:
+    """A TCP port free on localhost right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rewrite_arg(arg: str, node_dir: Path) -> str:
+    """Map the container paths ``/tmp/outputs`` and ``/tmp/inputs`` (anywhere in ``arg``) into ``node_dir``."""
+    for prefix in _PATH_PREFIXES:
+        arg = arg.replace(prefix, str(node_dir / prefix.removeprefix("/tmp/")))
+    return arg
+
+
+def local_command(command: list[str], node_dir: Path) -> list[str]:
+    """The container command as a local one: ``python`` is this interpreter; container paths mapped."""
+    out = [rewrite_arg(str(a), node_dir) for a in command]
+    if out and out[0] in ("python", "python3", "python3.11", "/usr/bin/python3", "/usr/local/bin/python"):
+        out[0] = sys.executable
+    return out
+
+
+def resolve_env(env: list[Mapping[str, Any]], field_values: Mapping[str, str]) -> dict[str, str]:
+    """A container's ``env`` list as a dict, ``valueFrom.fieldRef`` resolved from ``field_values``.
+
+    Raises:
+        WorkflowError: for a fieldRef this runner cannot resolve.
+    """
+    out = {}
+    for e in env or []:
+        if "value" in e:
+            out[e["name"]] = str(e["value"])
+            continue
+        ref = (e.get("valueFrom") or {}).get("fieldRef")
+        if ref is None:
+            continue  # secrets and config maps do not exist locally
+        path = ref["fieldPath"]
+        if path not in field_values:
+            raise WorkflowError(f"env {e['name']}: fieldRef {path!r} is not known to the local runner")
+        out[e["name"]] = field_values[path]
+    return out
+
+
+def process_env(repo_root: Path, base_env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a local process: this one's, ``base_env``, the repository on ``PYTHONPATH``, ``extra``."""
+    # Not a pod, even when the runner itself runs in one: the steps act on local processes (kernel.kube.in_pod).
+    env = {k: v for k, v in os.environ.items() if k != IN_POD_ENV}
+    env.update(base_env)
+    pp = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(repo_root) + (os.pathsep + pp if pp else "")
+    env.update(extra)
+    return env
+
+
+def _arg_value(cmd: list[str], flag: str) -> str | None:
+    for i, a in enumerate(cmd):
+        if a == flag and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+class SliceHooks:
+    """What the runner lets an injector do around a local slice (all optional)."""
+
+    def extra_env(self, attempt: int) -> dict[str, str]:
+        """Environment added to every worker of ``attempt``."""
+        return {}
+
+    def on_tick(self, sl: LocalSlice) -> None:
+        """Called about every 50 ms while the slice runs."""
+
+    def after_slice(self, sl: LocalSlice, phase: NodePhase) -> None:
+        """Called once every worker has exited, before the record is written and the next node runs."""
+
+    def withheld(self, attempt: int, hosts: int) -> dict[int, str]:
+        """Workers of ``attempt`` the slice does not start, and the reason their pod would show."""
+        return {}
+
+    def placement(self, attempt: int, hosts: int) -> list[str]:
+        """The node each worker of ``attempt`` runs on (its host-local directory is ``hosts/<node>``)."""
+        return [f"local-host-{i}" for i in range(hosts)]
+
+
+class InvalidManifest(ValueError):
+    """A JobSet manifest the local cluster cannot read (what it lacks is the message)."""
+
+
+@dataclass(frozen=True)
+class ClusterSetup:
+    """What every slice of a local cluster is made with."""
+
+    repo_root: Path
+    work_dir: Path
+    base_env: Mapping[str, str] = field(default_factory=dict)
+    events_dir: Path | None = None  # None: work_dir / "events"
+    # None: each JobSet's own terminationGracePeriodSeconds (a number overrides it, for benchmarks).
+    grace_seconds: float | None = None
+
+    @property
+    def events(self) -> Path:
+        """The folder the workers write their events to."""
+        return self.events_dir or (self.work_dir / "events")
+
+
+class LocalCluster:
+    """The JobSets of a local run by name: their worker processes, and their pods and nodes as the API shows them.
+
+    ``track`` is told of every worker process started (the run's deletion kills them all); ``stopping`` is set once
+    the whole run is being deleted.
+    """
+
+    def __init__(
+        self,
+        setup: ClusterSetup,
+        hooks: SliceHooks | None = None,
+        *,
+        track: Callable[[subprocess.Popen], None] = lambda _p: None,
+        stopping: threading.Event | None = None,
+    ):
+        self.setup = setup
+        self.hooks = hooks or SliceHooks()
+        self._track = track
+        self._stopping = stopping or threading.Event()
+        # Every slice this cluster created, in order (the runner times its incidents from them).
+        self.slices: list[LocalSlice] = []
+        # JobSets whose workers are still running: a retried supervisor re-attaches to them.
+        self._live: dict[str, LocalSlice] = {}
+
+    @property
+    def live(self) -> Mapping[str, LocalSlice]:
+        """The JobSets whose workers still run, by name (a read-only view)."""
+        return MappingProxyType(self._live)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the whole local run is being deleted."""
+        return self._stopping.is_set()
+
+    def find(self, name: str) -> LocalSlice | None:
+        """The slice of JobSet ``name`` if its workers still run."""
+        return self._live.get(name)
+
+    def adopt(self, sl: LocalSlice) -> None:
+        """Hold ``sl`` as the running JobSet of its name (one a lost supervisor left running, to re-attach to)."""
+        self._live[sl.jobset] = sl
+
+    def create(self, manifest: Mapping[str, Any], origin: NodeInfo) -> LocalSlice | None:
+        """Create the JobSet ``manifest`` describes and start its workers (those a hook withholds stay Pending).
+
+        None when a JobSet of that name is running already.
+
+        Raises:
+            InvalidManifest: the manifest lacks what a slice is made from.
+        """
+        try:
+            if manifest["metadata"]["name"] in self._live:
+                return None
+            sl = self.build_slice(manifest, origin)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise InvalidManifest(str(e)) from None
+        sl.withheld = dict(self.hooks.withheld(sl.attempt, len(sl.workers)))
+        self.slices.append(sl)
+        self._live[sl.jobset] = sl
+        self.setup.events.mkdir(parents=True, exist_ok=True)
+        for w in sl.workers:
+            if w.index not in sl.withheld:
+                sl.spawn(w)
+                self._track(w.proc)
+        return sl
+
+    def build_slice(self, manifest: Mapping[str, Any], origin: NodeInfo) -> LocalSlice:
+        """The slice of the JobSet ``manifest``, its workers not started: one per pod of its first replicated Job.
+
+        ``origin`` is the Workflow node that creates it (its folder maps the container paths; its attempt is the
+        fallback when the command names none).
+        """
+        setup = self.setup
+        name = manifest["metadata"]["name"]
+        rj = manifest["spec"]["replicatedJobs"][0]
+        job_spec = rj["template"]["spec"]
+        n = int(job_spec.get("parallelism") or job_spec.get("completions") or 1) * int(rj.get("replicas", 1))
+        pod_spec = job_spec["template"]["spec"]
+        c = pod_spec["containers"][0]
+        node_dir = setup.work_dir / "nodes" / f"{origin.id}-{origin.task}"
+        command = local_command([*c.get("command", []), *c.get("args", [])], node_dir)
+        attempt = int(_arg_value(command, "--attempt") or origin.attempt or 0)
+        log_dir = setup.work_dir / "logs" / f"attempt-{attempt}"
+        sl = LocalSlice(name, attempt, command, str(setup.repo_root), log_dir)
+        sl.failure_policy = list((job_spec.get("podFailurePolicy") or {}).get("rules") or [])
+        sl.backoff_limit = int(job_spec.get("backoffLimit", 6))
+        sl.namespace = str(manifest["metadata"].get("namespace") or "default")
+        # The kubelet's default grace is 30 s when the pod spec names none (Kubernetes API PodSpec).
+        grace = pod_spec.get("terminationGracePeriodSeconds", 30)
+        sl.grace_seconds = float(grace if setup.grace_seconds is None else setup.grace_seconds)
+        port = free_port()
+        extra = self.hooks.extra_env(attempt)
+        nodes = self.hooks.placement(attempt, n)
+        for i in range(n):
+            pod = f"{name}-{rj.get('name', 'workers')}-0-{i}"
+            fields = {
+                f"metadata.annotations['{COMPLETION_INDEX_KEY}']": str(i),
+                f"metadata.labels['{COMPLETION_INDEX_KEY}']": str(i),
+                "metadata.name": pod,
+                "metadata.namespace": manifest["metadata"].get("namespace", "default"),
+                "status.podIP": "127.0.0.1",
+                "spec.nodeName": nodes[i],
+            }
+            env = resolve_env(c.get("env", []), fields)
+            env.setdefault("TRAINER_COORDINATOR_ADDRESS", f"127.0.0.1:{port}")
+            env.setdefault("TRAINER_NUM_PROCESSES", str(n))
+            env["JOB_COMPLETION_INDEX"] = str(i)
+            env["HOSTNAME"] = pod
+            # One machine, one directory per node: what a hostPath volume is to the pods of one node.
+            env.setdefault("TRAINER_LOCAL_DIR", str(setup.work_dir / "hosts" / nodes[i]))
+            env.setdefault("TRAINER_EVENTS_DIR", str(setup.events))
+            env.setdefault("JAX_PLATFORMS", "cpu")
+            env.update(extra)
+            sl.workers.append(WorkerProc(i, process_env(setup.repo_root, setup.base_env, env)))
+        return sl
+
+    @staticmethod
+    def poll(sl: LocalSlice) -> None:
+        """Reap the workers of ``sl`` that exited (a worker restarted on purpose is not reaped)."""
+        with sl.lock:
+            for w in sl.workers:
+                if w.returncode is None and w.proc is not None and w.index not in sl.expected_exit:
+                    rc = w.proc.poll()
+                    if rc is not None:
+                        w.returncode, w.ended_at = rc, now()
+
+    def snapshot(self, sl: LocalSlice, at: float, image: str = "") -> ClusterSnapshot:
+        """The JobSet of ``sl``, its Job, its pods and their nodes at ``at``, as the Kubernetes adapter reports them."""
+        self.poll(sl)
+        return slice_snapshot(sl, at, image)
+
+    def tick(self, sl: LocalSlice, at: float) -> None:
+        """Let time pass for ``sl``: the hooks act on a running slice; a deleted one's kubelets keep the grace.
+
+        The kubelet SIGKILLs a deleted pod's container once its termination grace is over; a lost host has no
+        kubelet to do it.
+        """
+        if sl.deleted_at is None:
+            self.hooks.on_tick(sl)
+            return
+        for w in sl.workers:
+            if w.index not in sl.lost and at - sl.deleted_at >= sl.grace_seconds:
+                sl.signal_worker(w.index, signal.SIGKILL)
+
+    @staticmethod
+    def delete(sl: LocalSlice, at: float) -> None:
+        """Delete the JobSet of ``sl`` at ``at``: SIGTERM every running worker whose host is not lost.
+
+        Deleting the JobSet deletes its pods: the kubelet sends SIGTERM and starts the pod's termination grace.
+        """
+        sl.deleted_at = at
+        for w in sl.workers:
+            if w.returncode is None and w.proc is not None and w.index not in sl.lost:
+                w.stopped_by_jobset = True
+                sl.signal_worker(w.index, signal.SIGCONT)
+                sl.signal_worker(w.index, signal.SIGTERM)
+
+    @staticmethod
+    def force_delete(sl: LocalSlice, pod: str) -> None:
+        """SIGKILL the worker of ``pod`` (its host is lost: nothing else would end it)."""
+        for w in sl.workers:
+            if pod_name(sl.jobset, w.index) == pod:
+                sl.signal_worker(w.index, signal.SIGCONT)
+                sl.signal_worker(w.index, signal.SIGKILL)
+
+    def kill(self, sl: LocalSlice) -> None:
+        """The whole run is deleted: SIGKILL every worker of ``sl``, wait up to ``KILL_WAIT_S`` for them."""
+        for w in sl.workers:
+            sl.signal_worker(w.index, signal.SIGCONT)
+            sl.signal_worker(w.index, signal.SIGKILL)
+        end = now() + KILL_WAIT_S
+        while now() < end and any(w.returncode is None and w.proc is not None for w in sl.workers):
+            self.poll(sl)
+            time.sleep(TICK)
+
+    def settle(self, sl: LocalSlice, detected: float, failed: bool, worker: int | None) -> None:
+        """The slice's own state once its supervisor is done: when the end was seen, which worker failed first.
+
+        The JobSet is no longer running (nothing re-attaches to it); the hooks see it unless the run is being
+        deleted.
+        """
+        sl.detected_at, sl.phase = detected, FAILED if failed else SUCCEEDED
+        exited = [w for w in sl.workers if w.returncode not in (None, 0) and (w.ended_at or detected) <= detected]
+        if failed and exited and sl.first_failure_index is None:
+            first = min(exited, key=lambda w: w.ended_at or detected)
+            first.first_failure, sl.first_failure_index = True, first.index
+        elif failed and worker is not None and sl.first_failure_index is None:
+            sl.first_failure_index = worker
+        sl.mark_stopped(detected)
+        self._live.pop(sl.jobset, None)
+        if not self.stopping:
+            self.hooks.after_slice(sl, sl.phase)
