@@ -16,10 +16,10 @@ from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEviden
 from recovery_steps.kernel.contract import (
     CLASS_INFO,
     PEER_LOSS_MARKERS,
+    AttemptOutcome,
     ExitCode,
     FailureClass,
     StallKind,
-    SupervisionOutcome,
     exit_code_info,
 )
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
@@ -470,7 +470,7 @@ def _supervised(ev: Evidence) -> Verdict | None:
     s = ev.supervision
     if s is None:
         return None
-    if s.outcome == SupervisionOutcome.ERROR:
+    if s.outcome == AttemptOutcome.ERROR:
         info = exit_code_info(s.exit_code) if s.exit_code is not None else None
         cls = info.usual_class if info and info.usual_class else FailureClass.UNKNOWN
         return Verdict(
@@ -478,7 +478,7 @@ def _supervised(ev: Evidence) -> Verdict | None:
             f"train-segment could not supervise the attempt: {s.reason}",
             [f"train-segment exit code {s.exit_code}: {s.reason}"],
         )
-    if s.outcome != SupervisionOutcome.STALLED or s.stall_kind not in STALL_CLASSES:
+    if s.outcome != AttemptOutcome.STALLED or s.stall_kind not in STALL_CLASSES:
         return None
     lines = [f"supervisor: stalled ({s.stall_kind}): {s.reason}", *s.evidence]
     cls, reason = STALL_CLASSES[s.stall_kind], f"the attempt stalled ({s.stall_kind}) and was stopped: {s.reason}"

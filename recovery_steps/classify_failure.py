@@ -37,7 +37,7 @@ from recovery_steps.evidence import (
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel.config import JobConfig, RetryConfig
-from recovery_steps.kernel.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass, SupervisionOutcome
+from recovery_steps.kernel.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.kube import uses_cluster
 from recovery_steps.kernel.outputs import ClassifyOutputs
@@ -104,7 +104,7 @@ def orphaned_gang(ev: Evidence) -> str | None:
         return None
     sup = ev.supervision
     if sup is not None and (
-        sup.decided or (sup.outcome == SupervisionOutcome.ERROR and sup.exit_code != ExitCode.TRANSIENT)
+        sup.decided or (sup.outcome == AttemptOutcome.ERROR and sup.exit_code != ExitCode.TRANSIENT)
     ):
         return None
     why = "no supervision record" if sup is None else f"the supervisor left transient ({sup.reason})"

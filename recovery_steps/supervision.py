@@ -30,15 +30,15 @@ What a supervisor must not take for an end (sources in ``docs/FAILURES.md``):
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 import signal
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.config import SupervisionConfig
-from recovery_steps.kernel.contract import ExitCode, StallKind
+from recovery_steps.kernel.contract import AttemptOutcome, ExitCode, StallKind, outcome_check
 from recovery_steps.kernel.names import UNREACHABLE_TAINT
 from recovery_steps.kernel.snapshot import Condition, JobEvidence, PodPhase
 
@@ -86,13 +86,10 @@ class _Rec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class AttemptState(enum.StrEnum):
-    """Where an attempt stands."""
-
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STALLED = "stalled"
+# Where an attempt stands, as the supervisor's verdict says it: running, or over (succeeded, failed or stalled).
+_VerdictState = Annotated[
+    AttemptOutcome, AfterValidator(outcome_check(AttemptOutcome.VERDICT_STATES, "a supervisor's verdict"))
+]
 
 
 class PodObservation(_Rec):
@@ -263,7 +260,7 @@ class Observation(_Rec):
 class Verdict(_Rec):
     """The decision: the attempt's state, the stall kind when stalled, and one line saying why."""
 
-    state: AttemptState
+    state: _VerdictState
     kind: StallKind | None = None
     reason: str
     worker: int | None = Field(default=None, description="The worker the reason is about, if one.")
@@ -271,7 +268,7 @@ class Verdict(_Rec):
     @property
     def over(self) -> bool:
         """True when the attempt has ended (the supervisor stops it and exits)."""
-        return self.state != AttemptState.RUNNING
+        return self.state != AttemptOutcome.RUNNING
 
 
 def waiting_cause(reason: str | None, message: str | None) -> str:
@@ -340,11 +337,11 @@ def _live(pods: tuple[PodObservation, ...]) -> list[PodObservation]:
 
 def _failed(obs: Observation) -> Verdict | None:
     if not obs.jobset_exists:
-        return Verdict(state=AttemptState.FAILED, reason="the attempt's JobSet was deleted by someone else")
+        return Verdict(state=AttemptOutcome.FAILED, reason="the attempt's JobSet was deleted by someone else")
     if obs.jobset_terminal_state == "Failed":
         c = next((c for c in obs.jobset_conditions if c.type == "Failed" and c.status == "True"), None)
         why = f": {c.reason}: {c.message}" if c and (c.reason or c.message) else ""
-        return Verdict(state=AttemptState.FAILED, reason=f"JobSet failed{why}")
+        return Verdict(state=AttemptOutcome.FAILED, reason=f"JobSet failed{why}")
     # FailureTarget is the Job controller's verdict; Failed only follows once every pod is terminal (the
     # snapshot's Job record keeps either, ``JobEvidence.failure``). The worker that failed first is named before it.
     jobs = [
@@ -354,10 +351,10 @@ def _failed(obs: Observation) -> Verdict | None:
     if failed:
         p = min(failed, key=_first_failure)
         return Verdict(
-            state=AttemptState.FAILED, reason="; ".join([f"{p.label} failed ({_ended(p)})", *jobs]), worker=p.index
+            state=AttemptOutcome.FAILED, reason="; ".join([f"{p.label} failed ({_ended(p)})", *jobs]), worker=p.index
         )
     if jobs:
-        return Verdict(state=AttemptState.FAILED, reason="; ".join(jobs))
+        return Verdict(state=AttemptOutcome.FAILED, reason="; ".join(jobs))
     return None
 
 
@@ -389,12 +386,12 @@ def _first_failure(p: PodObservation) -> tuple[bool, float, bool, bool, int]:
 
 def _succeeded(obs: Observation) -> Verdict | None:
     if obs.jobset_terminal_state == "Completed":
-        return Verdict(state=AttemptState.SUCCEEDED, reason="JobSet completed")
+        return Verdict(state=AttemptOutcome.SUCCEEDED, reason="JobSet completed")
     if obs.jobs and all(j.has("Complete") for j in obs.jobs):
-        return Verdict(state=AttemptState.SUCCEEDED, reason="every Job completed")
+        return Verdict(state=AttemptOutcome.SUCCEEDED, reason="every Job completed")
     done = {p.index for p in obs.pods if p.phase == PodPhase.SUCCEEDED}
     if len(done) >= obs.expected_workers and all(p.phase == PodPhase.SUCCEEDED for p in obs.pods):
-        return Verdict(state=AttemptState.SUCCEEDED, reason=f"every worker succeeded ({len(done)}/{len(done)})")
+        return Verdict(state=AttemptOutcome.SUCCEEDED, reason=f"every worker succeeded ({len(done)}/{len(done)})")
     return None
 
 
@@ -403,7 +400,7 @@ def _container(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         for c in p.conditions:
             if c.type in d.config_conditions and c.status == "True":
                 return Verdict(
-                    state=AttemptState.STALLED,
+                    state=AttemptOutcome.STALLED,
                     kind=StallKind.CONFIGURATION,
                     reason=f"{p.label}: pod condition {c.type}: {c.reason or '-'}: {c.message or 'no message'}",
                     worker=p.index,
@@ -422,7 +419,7 @@ def _container(obs: Observation, d: SupervisionConfig) -> Verdict | None:
             said = p.waiting_message or "no message"
             told = f" (last error: {cause})" if cause and cause not in said else ""
             return Verdict(
-                state=AttemptState.STALLED,
+                state=AttemptOutcome.STALLED,
                 kind=StallKind.CONFIGURATION if permanent else StallKind.IMAGE_PULL,
                 reason=f"{p.label}: container waiting {reason} for {waited:.0f} s (deadline {deadline:g} s for a "
                 f"{'permanent' if permanent else 'transient'} failure): {said}{told}",
@@ -446,7 +443,7 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
                 continue
             pod = f"; its pod Terminating for {obs.now - p.deletion_timestamp:.0f} s" if terminating else ""
             return Verdict(
-                state=AttemptState.STALLED,
+                state=AttemptOutcome.STALLED,
                 kind=StallKind.NODE_LOST,
                 reason=f"{p.label}: node {p.node} is {n.state} for {lost_for:.0f} s "
                 f"(grace {d.node_lost_grace_s:g} s){pod}",
@@ -454,7 +451,7 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
             )
         if stuck:
             return Verdict(
-                state=AttemptState.STALLED,
+                state=AttemptOutcome.STALLED,
                 kind=StallKind.NODE_LOST,
                 reason=f"{p.label}: pod Terminating for {obs.now - p.deletion_timestamp:.0f} s "
                 f"(grace {d.force_delete_grace_s:g} s) on node {p.node or '?'}",
@@ -471,7 +468,7 @@ def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         waited = obs.now - (p.created_at if p.created_at is not None else obs.created_at)
         if sched is not None and sched.status == "False" and waited >= d.startup_deadline_s:
             return Verdict(
-                state=AttemptState.STALLED,
+                state=AttemptOutcome.STALLED,
                 kind=StallKind.CAPACITY,
                 reason=f"{p.label}: unschedulable for {waited:.0f} s (deadline {d.startup_deadline_s:g} s): "
                 f"{sched.reason or '-'}: {sched.message or 'no message'}",
@@ -480,7 +477,7 @@ def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     waited = obs.now - obs.created_at
     if len(obs.pods) < obs.expected_workers and waited >= d.startup_deadline_s:
         return Verdict(
-            state=AttemptState.STALLED,
+            state=AttemptOutcome.STALLED,
             kind=StallKind.CAPACITY,
             reason=f"only {len(obs.pods)}/{obs.expected_workers} worker pods exist after {waited:.0f} s "
             f"(deadline {d.startup_deadline_s:g} s)",
@@ -508,7 +505,7 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
             waited = obs.now - gang_up
             if waited >= d.compile_grace_s:
                 return Verdict(
-                    state=AttemptState.STALLED,
+                    state=AttemptOutcome.STALLED,
                     kind=StallKind.HANG,
                     reason=f"{p.label}: no first step {waited:.0f} s after every worker started "
                     f"(compile grace {d.compile_grace_s:g} s)",
@@ -529,7 +526,9 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
             limit = d.hang_timeout_s
             why = f"no progress past step {b.step} for {silent:.0f} s (hang timeout {limit:g} s)"
         if silent >= limit:
-            return Verdict(state=AttemptState.STALLED, kind=StallKind.HANG, reason=f"{p.label}: {why}", worker=p.index)
+            return Verdict(
+                state=AttemptOutcome.STALLED, kind=StallKind.HANG, reason=f"{p.label}: {why}", worker=p.index
+            )
     return None
 
 
@@ -565,7 +564,7 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
     saves = sorted({b.saving for b in obs.progress if b.saving is not None})
     waits = f", waiting for the save of checkpoint {', '.join(map(str, saves))}" if saves else ""
     return Verdict(
-        state=AttemptState.RUNNING,
+        state=AttemptOutcome.RUNNING,
         reason=f"scheduled {scheduled}/{obs.expected_workers}, running {running}/{obs.expected_workers}{at}{waits}"
         f"{unread}",
     )

@@ -50,7 +50,7 @@ import yaml
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.checkpoints import newest_complete_step
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
+from recovery_steps.kernel.contract import AttemptOutcome, ExitCode
 from recovery_steps.kernel.gang import Gang
 from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
 from recovery_steps.kernel.kube_gang import KubeGang
@@ -76,7 +76,6 @@ from recovery_steps.kernel.step import (
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
-    AttemptState,
     HeartbeatRead,
     NodeObservation,
     Observation,
@@ -465,7 +464,7 @@ class Supervisor:
             record = SupervisionRecord(
                 attempt=self.attempt,
                 jobset=self.gang.name,
-                outcome=verdict.state.value,
+                outcome=verdict.state,
                 stall_kind=verdict.kind.value if verdict.kind else None,
                 reason=verdict.reason,
                 worker=verdict.worker,
@@ -482,7 +481,7 @@ class Supervisor:
             # act (its retry re-attaches to the gang and decides again), and one lost during the stop leaves
             # its verdict for the retry (``recorded_verdict``) instead of a deleted gang it would re-create.
             self.store.write_record(RunLayout.supervision(self.attempt), record)
-            if verdict.state != AttemptState.SUCCEEDED:
+            if verdict.state != AttemptOutcome.SUCCEEDED:
                 record = self.stop_attempt(record, snap)
             else:
                 record = record.model_copy(update={"stopped_at": detected})
@@ -698,10 +697,10 @@ def gone_record(jobset: str, attempt: int, hosts: int, gone: GangGone) -> Superv
     """
     ok = sorted({r.process_index for r in gone.reports if r.exit_code == ExitCode.OK})
     if len(ok) >= hosts:
-        outcome = SupervisionOutcome.SUCCEEDED
+        outcome = AttemptOutcome.SUCCEEDED
         reason = f"every worker succeeded ({len(ok)}/{hosts}), as their exit reports say; the JobSet is gone"
     else:
-        outcome = SupervisionOutcome.FAILED
+        outcome = AttemptOutcome.FAILED
         reason = (
             f"the attempt's JobSet is gone after its gang ran ({gone}; {len(ok)}/{hosts} workers reported exit 0): "
             "deleted by someone else"
@@ -717,7 +716,7 @@ def record_error(store_root: str, run_id: str, attempt: int, e: StepError) -> No
     rec = SupervisionRecord(
         attempt=attempt,
         jobset="",
-        outcome=SupervisionOutcome.ERROR,
+        outcome=AttemptOutcome.ERROR,
         exit_code=int(e.code),
         reason=str(e),
         detected_at=now(),
@@ -822,7 +821,7 @@ def act(
     except Terminated:
         line = left_behind(args.store_root, args.run_id, args.attempt)
         raise StepError(128 + signal.SIGTERM, line, record=False) from None
-    if record.outcome == AttemptState.SUCCEEDED:
+    if record.outcome == AttemptOutcome.SUCCEEDED:
         return int(ExitCode.OK), " ".join(f"{k}={v}" for k, v in outputs_of(record).files().items())
     # The line a user reads first: the node's message in the Argo UI (kernel.step.say_why).
     kind = f" ({record.stall_kind})" if record.stall_kind else ""

@@ -17,7 +17,6 @@ from recovery_steps.kernel.contract import (
     FinalStatus,
     SkipKind,
     StallKind,
-    SupervisionOutcome,
 )
 from recovery_steps.kernel.documents import read_run_config, read_worker_reports
 from recovery_steps.kernel.outputs import STEP_OUTPUTS, ClassifyOutputs, RestoreOutputs, SegmentOutputs
@@ -93,7 +92,7 @@ def test_closed_vocabularies_read_the_documents_written_before_they_were_enums(s
     )
     store.write_bytes(RunLayout.supervision(1), sup)
     rec = store.read_record(RunLayout.supervision(1), records.SupervisionRecord)
-    assert (rec.outcome, rec.stall_kind) == (SupervisionOutcome.STALLED, StallKind.IMAGE_PULL) and rec.decided
+    assert (rec.outcome, rec.stall_kind) == (AttemptOutcome.STALLED, StallKind.IMAGE_PULL) and rec.decided
     assert json.loads(rec.model_dump_json())["stall_kind"] == "image-pull"
     ledger = (
         b'{"run_id": "docs-run", "final_status": "Failed", "attempts": [{"attempt": 0, "outcome": "failed", '
@@ -137,6 +136,42 @@ def test_a_value_outside_a_closed_vocabulary_is_refused_naming_the_field(record,
     with pytest.raises(ValidationError) as e:
         record.model_validate(doc)
     assert [err["loc"] for err in e.value.errors()] == [(field,)]
+
+
+_SUBSET_HOLDERS = [
+    (
+        records.SupervisionRecord.model_validate,
+        {"attempt": 1, "jobset": "j", "reason": "r", "detected_at": 1},
+        AttemptOutcome.SUPERVISION_OUTCOMES,
+    ),
+    (records.AttemptRecord.model_validate, {"attempt": 1}, AttemptOutcome.RECORD_OUTCOMES),
+    (
+        SegmentOutputs.parse,
+        {"stall-kind": "", "reason": "r", "last-step": "3", "checkpoint-step": "-1"},
+        AttemptOutcome.SUPERVISION_OUTCOMES,
+    ),
+]
+
+
+@pytest.mark.parametrize(("validate", "doc", "allowed"), _SUBSET_HOLDERS)
+@pytest.mark.parametrize("outcome", [o.value for o in AttemptOutcome])
+def test_each_record_holds_only_its_subset_of_the_outcomes(validate, doc, allowed, outcome):
+    # One vocabulary, but supervision.json and the outcome output hold no "running" or "stopped", and an
+    # attempt's record no "stalled" or "error": those are refused where the record is read, naming the field.
+    if outcome in allowed:
+        assert validate({**doc, "outcome": outcome}).outcome is AttemptOutcome(outcome)
+        return
+    with pytest.raises(ValidationError) as e:
+        validate({**doc, "outcome": outcome})
+    assert [err["loc"] for err in e.value.errors()] == [("outcome",)]
+    assert f"no outcome {outcome!r}" in str(e.value)
+
+
+def test_the_outcome_subsets_cover_the_vocabulary():
+    assert AttemptOutcome.SUPERVISOR_VERDICTS == {"succeeded", "failed", "stalled"}
+    assert AttemptOutcome.SUPERVISION_OUTCOMES == {"succeeded", "failed", "stalled", "error"}
+    assert AttemptOutcome.RECORD_OUTCOMES == {"succeeded", "failed", "running", "stopped"}
+    assert AttemptOutcome.SUPERVISION_OUTCOMES | AttemptOutcome.RECORD_OUTCOMES == set(AttemptOutcome)
 
 
 def test_missing_config_names_the_step_to_run(store):
@@ -190,7 +225,7 @@ def test_outputs_round_trip_and_render_as_argo_reads_them(tmp_path):
     # An optional output left unset is an empty file, as a `when` on it expects, and reads back as unset.
     seg = SegmentOutputs(outcome="failed", stall_kind="", reason="r", last_step=3, checkpoint_step=-1)
     assert seg.stall_kind is None and seg.files()["stall-kind"] == "" and SegmentOutputs.parse(seg.files()) == seg
-    stalled = seg.model_copy(update={"outcome": SupervisionOutcome.STALLED, "stall_kind": StallKind.NODE_LOST})
+    stalled = seg.model_copy(update={"outcome": AttemptOutcome.STALLED, "stall_kind": StallKind.NODE_LOST})
     assert stalled.files()["stall-kind"] == "node-lost" and SegmentOutputs.parse(stalled.files()) == stalled
 
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from recovery_steps.kernel.config import ConfigError, SupervisionConfig, parse_config
+from recovery_steps.kernel.contract import AttemptOutcome
 from recovery_steps.kernel.snapshot import Condition, JobEvidence
 from recovery_steps.supervision import (
-    AttemptState,
     HeartbeatRead,
     NodeObservation,
     Observation,
     PodObservation,
     StallKind,
+    Verdict,
     WaitClock,
     WorkerProgress,
     decide,
@@ -167,7 +169,7 @@ FAILURE_TARGET = JobEvidence(
 
 # (id, observation, expected state, expected stall kind, a fragment the reason must contain)
 CASES = [
-    ("all-running-stepping", obs(510, ALL_RUNNING, progress=STEPPING), AttemptState.RUNNING, None, "step 40"),
+    ("all-running-stepping", obs(510, ALL_RUNNING, progress=STEPPING), AttemptOutcome.RUNNING, None, "step 40"),
     (
         "slow-start-within-deadlines",
         obs(
@@ -186,30 +188,30 @@ CASES = [
                 ),
             ],
         ),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "scheduled 3/4",
     ),
     (
         "compiling-within-grace",
         obs(900, ALL_RUNNING, progress=[beat(i, None, T0 + 890) for i in range(HOSTS)]),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "running 4/4",
     ),
-    ("heartbeat-just-within-timeout", obs(619, ALL_RUNNING, progress=STEPPING), AttemptState.RUNNING, None, ""),
-    ("every-pod-succeeded", obs(900, [done(i) for i in range(HOSTS)]), AttemptState.SUCCEEDED, None, "4/4"),
+    ("heartbeat-just-within-timeout", obs(619, ALL_RUNNING, progress=STEPPING), AttemptOutcome.RUNNING, None, ""),
+    ("every-pod-succeeded", obs(900, [done(i) for i in range(HOSTS)]), AttemptOutcome.SUCCEEDED, None, "4/4"),
     (
         "jobset-completed",
         obs(900, [done(i) for i in range(HOSTS)], jobset_terminal_state="Completed"),
-        AttemptState.SUCCEEDED,
+        AttemptOutcome.SUCCEEDED,
         None,
         "completed",
     ),
     (
         "partial-completion-one-failed",
         obs(900, [done(0), done(1), done(2), done(3, code=42)]),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "worker 3 failed (exit code 42",
     ),
@@ -223,7 +225,7 @@ CASES = [
                 Condition(type="Failed", reason="FailedJobs", message="jobset failed due to one or more job failures"),
             ),
         ),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "FailedJobs",
     ),
@@ -240,7 +242,7 @@ CASES = [
             jobs=[FAILURE_TARGET],
             node_list=nodes(3),
         ),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "FailureTarget",
     ),
@@ -255,14 +257,14 @@ CASES = [
             jobs=[FAILURE_TARGET],
             progress=STEPPING,
         ),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "worker 3 failed (exit code 20); Job run-a0-workers-0 FailureTarget: PodFailurePolicy: Container trainer",
     ),
     (
         "node-unreachable-no-job-verdict",
         obs(700, ALL_RUNNING, progress=STEPPING, node_list=nodes(2)),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.NODE_LOST,
         "node gke-tpu-2 is unreachable",
     ),
@@ -277,28 +279,28 @@ CASES = [
                 for n in nodes()
             ),
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.NODE_LOST,
         "gone",
     ),
     (
         "pod-stuck-terminating-past-grace",
         obs(700, [*ALL_RUNNING[:3], running(3, deletion_timestamp=T0 + 630)], progress=STEPPING),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.NODE_LOST,
         "Terminating for 70 s",
     ),
     (
         "stuck-pending-no-tpu",
         obs(620, [running(0), running(1), running(2), pending(3)]),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.CAPACITY,
         "Insufficient google.com/tpu",
     ),
     (
         "too-few-pods-created",
         obs(620, [running(0), running(1), running(2)]),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.CAPACITY,
         "only 3/4",
     ),
@@ -320,7 +322,7 @@ CASES = [
                 ),
             ],
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.CONFIGURATION,
         "ImagePullBackOff for 310 s (deadline 300 s for a permanent failure)",
     ),
@@ -333,7 +335,7 @@ CASES = [
                 for i in range(HOSTS)
             ],
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.CONFIGURATION,
         "InvalidImageName",
     ),
@@ -353,7 +355,7 @@ CASES = [
                 ),
             ],
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.CONFIGURATION,
         "ConfigIssue: MissingSecret",
     ),
@@ -364,7 +366,7 @@ CASES = [
             ALL_RUNNING,
             progress=[beat(0, 40, T0 + 600), beat(1, 40, T0 + 600), beat(2, 40, T0 + 600), beat(3, 38, T0 + 500)],
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.HANG,
         "worker 3: no progress past step 38 for 121 s",
     ),
@@ -381,7 +383,7 @@ CASES = [
                 beat(3, 40, T0 + 500, saving=30),
             ],
         ),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "step 40, waiting for the save of checkpoint 30",
     ),
@@ -397,7 +399,7 @@ CASES = [
                 beat(3, 40, T0 + 1090),
             ],
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.HANG,
         "worker 0: waited 601 s after step 40 for the save of checkpoint 30 to commit (save timeout 600 s)",
     ),
@@ -414,7 +416,7 @@ CASES = [
                 beat(3, 41, T0 + 620),
             ],
         ),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "waiting for the save of checkpoint 30",
     ),
@@ -430,7 +432,7 @@ CASES = [
                 beat(3, 38, T0 + 400),
             ],
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.HANG,
         "worker 3: no progress past step 38 for 401 s",
     ),
@@ -441,21 +443,21 @@ CASES = [
             ALL_RUNNING,
             progress=[beat(0, 40, T0 + 500), beat(1, 40, T0 + 600), beat(2, 40, T0 + 600), beat(3, 40, T0 + 600)],
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.HANG,
         "worker 0: no progress past step 40 for 121 s",
     ),
     (
         "no-first-step-past-compile-grace",
         obs(961, ALL_RUNNING),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.HANG,
         "no first step 901 s",
     ),
     (
         "jobset-deleted-underneath",
         obs(500, ALL_RUNNING, jobset_exists=False),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "deleted",
     ),
@@ -463,7 +465,7 @@ CASES = [
     (
         "node-shutting-down-within-grace",
         obs(600, ALL_RUNNING, progress=STEPPING, node_list=with_node(shutting_down(2, T0 + 590, spot=True))),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "running 4/4",
     ),
@@ -475,7 +477,7 @@ CASES = [
             progress=STEPPING,
             node_list=with_node(shutting_down(2, T0 + 590, spot=True)),
         ),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "worker 2 failed (exit code 143",
     ),
@@ -491,7 +493,7 @@ CASES = [
             ],
             progress=STEPPING,
         ),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "worker 3 failed (exit code 137, SIGKILL)",  # the signal 137 stands for, not the runtime's "Error"
     ),
@@ -508,7 +510,7 @@ CASES = [
             ],
             progress=STEPPING,
         ),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "worker 3 failed (exit code 42",
     ),
@@ -517,7 +519,7 @@ CASES = [
         obs(
             620, ALL_RUNNING, jobs=[FAILURE_TARGET], progress=STEPPING, node_list=with_node(shutting_down(3, T0 + 590))
         ),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "FailureTarget",
     ),
@@ -531,7 +533,7 @@ CASES = [
                 shutting_down(2, T0 + 590, spot=True, maintenance="taint cloud.google.com/impending-node-termination")
             ),
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.NODE_LOST,
         "node gke-tpu-2 is NotReady (KubeletNotReady: node is shutting down, Spot, taint "
         "cloud.google.com/impending-node-termination) for 121 s (grace 120 s)",
@@ -544,7 +546,7 @@ CASES = [
             progress=[beat(i, 60, T0 + 890) for i in range(HOSTS)],
             node_list=with_node(NodeObservation(name="gke-tpu-1", ready=True, since=T0 + 640)),
         ),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "step 60",
     ),
@@ -556,7 +558,7 @@ CASES = [
             progress=STEPPING,
             node_list=with_node(NodeObservation(name="gke-tpu-1", exists=False, seen_lost_at=T0 + 560)),
         ),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "",
     ),
@@ -570,7 +572,7 @@ CASES = [
                 NodeObservation(name="gke-tpu-1", ready=True, unreachable=True, since=T0 - 9000, seen_lost_at=T0 + 650)
             ),
         ),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "",
     ),
@@ -582,7 +584,7 @@ CASES = [
             progress=STEPPING,
             node_list=with_node(NodeObservation(name="gke-tpu-3", ready=None, unreachable=True, since=T0 + 650)),
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.NODE_LOST,
         "node gke-tpu-3 is unreachable for 50 s (grace 120 s); its pod Terminating for 80 s",
     ),
@@ -590,14 +592,14 @@ CASES = [
     (
         "transient-pull-error-past-the-permanent-deadline-keeps-waiting",
         obs(700, [*ALL_RUNNING[:3], pulling(3, "ImagePullBackOff", BACK_OFF_UNAVAILABLE, T0 + 100)]),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "running 3/4",
     ),
     (
         "transient-pull-error-past-its-own-deadline-is-an-image-pull-stall",
         obs(1001, [*ALL_RUNNING[:3], pulling(3, "ErrImagePull", UNAVAILABLE, T0 + 100)]),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.IMAGE_PULL,
         "ErrImagePull for 901 s (deadline 900 s for a transient failure)",
     ),
@@ -616,21 +618,21 @@ CASES = [
                 ),
             ],
         ),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.CONFIGURATION,
         "(last error: us-docker.pkg.dev/p/ml/worker:typo: not found)",
     ),
     (
         "create-container-error-timeout-is-transient",
         obs(420, [*ALL_RUNNING[:3], pulling(3, "CreateContainerError", "context deadline exceeded", T0 + 10)]),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "",
     ),
     (
         "missing-secret-is-configuration-after-the-deadline",
         obs(420, [*ALL_RUNNING[:3], pulling(3, "CreateContainerConfigError", 'secret "wandb" not found', T0 + 110)]),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.CONFIGURATION,
         "CreateContainerConfigError for 310 s",
     ),
@@ -638,7 +640,7 @@ CASES = [
     (
         "reattached-to-a-gang-of-days-whose-first-heartbeat-reads-fail",
         obs(3 * 86400, ALL_RUNNING, reads=failing(3 * 86400)),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "heartbeats unreadable: worker 0, 1, 2, 3",
     ),
@@ -650,49 +652,49 @@ CASES = [
             progress=[beat(i, 40, T0 + 3 * 86400 - 5) for i in (0, 1, 2)],
             reads=failing(3 * 86400, 3),
         ),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "heartbeats unreadable: worker 3",
     ),
     (
         "store-outage-longer-than-hang-timeout-after-good-beats",
         obs(500 + 10 * 120, ALL_RUNNING, progress=STEPPING, reads=failing(510)),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "heartbeats unreadable",
     ),
     (
         "heartbeats-readable-again-for-less-than-hang-timeout",
         obs(2119, ALL_RUNNING, progress=STEPPING, reads=recovered(2000)),
-        AttemptState.RUNNING,
+        AttemptOutcome.RUNNING,
         None,
         "step 40",
     ),
     (
         "silent-for-hang-timeout-once-heartbeats-read-again",
         obs(2120, ALL_RUNNING, progress=STEPPING, reads=recovered(2000)),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.HANG,
         "worker 0: no progress past step 40 for 1620 s",
     ),
     (
         "store-outage-then-a-worker-fails",
         obs(2000, [*ALL_RUNNING[:3], done(3, code=20)], progress=STEPPING, reads=failing(510)),
-        AttemptState.FAILED,
+        AttemptOutcome.FAILED,
         None,
         "worker 3 failed (exit code 20",
     ),
     (
         "store-outage-then-a-node-lost-past-its-grace",
         obs(2000, ALL_RUNNING, progress=STEPPING, reads=failing(510), node_list=nodes(2)),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.NODE_LOST,
         "worker 2: node gke-tpu-2 is unreachable",
     ),
     (
         "reattached-heartbeat-read-and-absent-past-compile-grace",
         obs(3 * 86400, ALL_RUNNING, reads=recovered(1000)),
-        AttemptState.STALLED,
+        AttemptOutcome.STALLED,
         StallKind.HANG,
         "worker 0: no first step",
     ),
@@ -704,13 +706,24 @@ def test_decide(case, observation, state, kind, fragment):
     v = decide(observation, D)
     assert (v.state, v.kind) == (state, kind), v.reason
     assert fragment in v.reason
-    assert v.over is (state != AttemptState.RUNNING)
+    assert v.over is (state != AttemptOutcome.RUNNING)
 
 
 def test_table_is_large_enough_and_covers_every_state_and_kind():
     assert len(CASES) >= 15
-    assert {c[2] for c in CASES} == set(AttemptState)
+    assert {c[2] for c in CASES} == set(AttemptOutcome.VERDICT_STATES)
     assert {c[3] for c in CASES} - {None} == set(StallKind)
+
+
+@pytest.mark.parametrize("outcome", [o.value for o in AttemptOutcome])
+def test_a_verdict_holds_only_running_or_a_supervisors_verdict(outcome):
+    # "error" (a supervisor that could not supervise) and "stopped" (the exit handler's) are no verdict's state.
+    if outcome in AttemptOutcome.VERDICT_STATES:
+        assert Verdict(state=outcome, reason="r").state is AttemptOutcome(outcome)
+        return
+    with pytest.raises(ValidationError) as e:
+        Verdict(state=outcome, reason="r")
+    assert [err["loc"] for err in e.value.errors()] == [("state",)]
 
 
 def test_hang_timeout_below_two_heartbeats_is_one_line_naming_both_fields():
@@ -808,7 +821,7 @@ def test_an_old_kubelets_back_off_keeps_the_cause_and_decide_uses_it():
     assert clock is not None and clock.cause == NOT_FOUND
     pod = pulling(3, "ImagePullBackOff", f'Back-off pulling image "{IMAGE}"', clock.since, waiting_cause=clock.cause)
     v = decide(obs(301, [*ALL_RUNNING[:3], pod]), D)
-    assert (v.state, v.kind) == (AttemptState.STALLED, StallKind.CONFIGURATION), v.reason
+    assert (v.state, v.kind) == (AttemptOutcome.STALLED, StallKind.CONFIGURATION), v.reason
 
 
 @pytest.mark.parametrize(
@@ -905,9 +918,9 @@ RECORD_ONLY = JobEvidence(
 @pytest.mark.parametrize(
     ("job", "state", "fragment"),
     [
-        (_api_job(BACKOFF_TARGET), AttemptState.FAILED, "FailureTarget: BackoffLimitExceeded: Job has reached"),
-        (_api_job({**BACKOFF_TARGET, "status": "False"}), AttemptState.RUNNING, "running 4/4"),
-        (RECORD_ONLY, AttemptState.FAILED, "PodFailurePolicy: Container trainer"),
+        (_api_job(BACKOFF_TARGET), AttemptOutcome.FAILED, "FailureTarget: BackoffLimitExceeded: Job has reached"),
+        (_api_job({**BACKOFF_TARGET, "status": "False"}), AttemptOutcome.RUNNING, "running 4/4"),
+        (RECORD_ONLY, AttemptOutcome.FAILED, "PodFailurePolicy: Container trainer"),
     ],
     ids=["failure-target-backoff-limit", "failure-target-not-true", "record-without-conditions"],
 )

@@ -9,7 +9,9 @@ on them, a stored document holds them). It imports nothing heavy.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 # Substrings (lower case) of errors raised when another process of the gang or the coordination service is gone:
 # the trainer exits 20 (peer lost) on them, and the classifier reads a traceback that has them as a lost peer.
@@ -103,16 +105,6 @@ class Decision(enum.StrEnum):
     RESUPERVISE = "resupervise"
 
 
-class SupervisionOutcome(enum.StrEnum):
-    """How train-segment's supervisor saw an attempt end: its ``outcome`` output and ``supervision.json``."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STALLED = "stalled"
-    # Not a verdict: this supervisor could not supervise (the record's exit_code says why).
-    ERROR = "error"
-
-
 class StallKind(enum.StrEnum):
     """Why a stalled attempt cannot end by itself: train-segment's ``stall-kind`` output."""
 
@@ -125,15 +117,62 @@ class StallKind(enum.StrEnum):
 
 
 class AttemptOutcome(enum.StrEnum):
-    """An attempt's outcome in its ``record.json`` and the ledger."""
+    """Where an attempt stands or how it ended: the one vocabulary of every place that says it.
 
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    # Classify-failure's record of an attempt whose gang still runs with no supervisor (resupervised).
+    The supervisor's live verdict (``supervision.Verdict.state``), train-segment's ``outcome`` output and
+    ``attempts/<n>/supervision.json``, and ``attempts/<n>/record.json`` and the ledger each hold a subset, named by
+    the sets below and checked where the record is validated (``outcome_check``): a value outside its place's
+    subset is refused there.
+    """
+
+    # Verdict: the gang runs and nothing says the attempt is over (the supervisor keeps watching).
+    # record.json, ledger: classify-failure's record of an attempt whose gang still runs with no supervisor
+    # (resupervised: the attempt is not closed).
     RUNNING = "running"
-    # The Workflow ended other than Succeeded while the attempt was open (``argo stop``, or a step that failed
-    # outside the loop) and its exit handler stopped the gang: no failure class, no budget charged.
+    # Verdict, supervision.json, outcome output, record.json, ledger: every worker ended successfully.
+    SUCCEEDED = "succeeded"
+    # Verdict, supervision.json, outcome output: the gang failed. record.json, ledger: the attempt was closed
+    # as failed, with a failure class (a stalled attempt is recorded failed too).
+    FAILED = "failed"
+    # Verdict, supervision.json, outcome output: the attempt cannot end by itself (``StallKind`` says why).
+    STALLED = "stalled"
+    # supervision.json, outcome output: not a verdict: this supervisor could not supervise (the record's
+    # exit_code says why).
+    ERROR = "error"
+    # record.json, ledger: the Workflow ended other than Succeeded while the attempt was open (``argo stop``, or a
+    # step that failed outside the loop) and its exit handler stopped the gang: no failure class, no budget charged.
     STOPPED = "stopped"
+
+    SUPERVISOR_VERDICTS: ClassVar[frozenset[AttemptOutcome]]
+    """A supervisor's verdict on an attempt that is over: succeeded, failed or stalled."""
+    VERDICT_STATES: ClassVar[frozenset[AttemptOutcome]]
+    """What the supervisor's live verdict (``supervision.Verdict.state``) holds: running, or a verdict."""
+    SUPERVISION_OUTCOMES: ClassVar[frozenset[AttemptOutcome]]
+    """What supervision.json and train-segment's ``outcome`` output hold: a verdict, or error."""
+    RECORD_OUTCOMES: ClassVar[frozenset[AttemptOutcome]]
+    """What record.json and the ledger hold: succeeded, failed, running (resupervised) or stopped."""
+
+
+AttemptOutcome.SUPERVISOR_VERDICTS = frozenset(
+    {AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.STALLED}
+)
+AttemptOutcome.VERDICT_STATES = AttemptOutcome.SUPERVISOR_VERDICTS | {AttemptOutcome.RUNNING}
+AttemptOutcome.SUPERVISION_OUTCOMES = AttemptOutcome.SUPERVISOR_VERDICTS | {AttemptOutcome.ERROR}
+AttemptOutcome.RECORD_OUTCOMES = frozenset(
+    {AttemptOutcome.SUCCEEDED, AttemptOutcome.FAILED, AttemptOutcome.RUNNING, AttemptOutcome.STOPPED}
+)
+
+
+def outcome_check(allowed: frozenset[AttemptOutcome], where: str) -> Callable[[AttemptOutcome], AttemptOutcome]:
+    """A validator (pydantic ``AfterValidator``): refuses an outcome outside ``allowed``, the subset ``where`` holds."""
+    names = ", ".join(o.value for o in AttemptOutcome if o in allowed)
+
+    def check(outcome: AttemptOutcome) -> AttemptOutcome:
+        if outcome not in allowed:
+            raise ValueError(f"{where} holds no outcome {outcome.value!r} (only {names})")
+        return outcome
+
+    return check
 
 
 class FinalStatus(enum.StrEnum):

@@ -12,11 +12,24 @@ import enum
 import json
 from pathlib import Path
 from types import UnionType
-from typing import Any, ClassVar, Self, get_args
+from typing import Annotated, Any, ClassVar, Self, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from recovery_steps.kernel.contract import Decision, FailureClass, FinalStatus, StallKind, SupervisionOutcome
+from recovery_steps.kernel.contract import (
+    AttemptOutcome,
+    Decision,
+    FailureClass,
+    FinalStatus,
+    StallKind,
+    outcome_check,
+)
+
+# train-segment's outcome: the outcomes supervision.json holds (a verdict, or error).
+_SegmentOutcome = Annotated[
+    AttemptOutcome,
+    AfterValidator(outcome_check(AttemptOutcome.SUPERVISION_OUTCOMES, "train-segment's outcome output")),
+]
 
 
 def out(description: str, *, shown: bool = False) -> Any:
@@ -157,7 +170,7 @@ class SegmentOutputs(StepOutputs):
     """``train-segment`` (the attempt's supervisor)."""
 
     TEMPLATE: ClassVar[str] = "train-segment"
-    outcome: SupervisionOutcome = out("succeeded, failed or stalled (supervision.AttemptState).", shown=True)
+    outcome: _SegmentOutcome = out("succeeded, failed or stalled (supervision.AttemptState).", shown=True)
     stall_kind: StallKind | None = out(
         "capacity, configuration, image-pull, hang or node-lost when stalled; empty otherwise.", shown=True
     )

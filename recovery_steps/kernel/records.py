@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, ClassVar
+from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -30,10 +31,18 @@ from recovery_steps.kernel.contract import (
     FinalStatus,
     SkipKind,
     StallKind,
-    SupervisionOutcome,
+    outcome_check,
 )
 from recovery_steps.kernel.snapshot import ClusterSnapshot
 from recovery_steps.kernel.tiers import Tier
+
+# The outcomes each record holds (``AttemptOutcome``'s subsets), refused outside them when a record is validated.
+_RecordedOutcome = Annotated[
+    AttemptOutcome, AfterValidator(outcome_check(AttemptOutcome.RECORD_OUTCOMES, "an attempt's record"))
+]
+_SupervisedOutcome = Annotated[
+    AttemptOutcome, AfterValidator(outcome_check(AttemptOutcome.SUPERVISION_OUTCOMES, "supervision.json"))
+]
 
 
 class _Record(BaseModel):
@@ -214,7 +223,7 @@ class AttemptRecord(_Record):
     """``attempts/<n>/record.json`` and one entry of the ledger."""
 
     attempt: int
-    outcome: AttemptOutcome = Field(description="succeeded, failed or stopped (running: resupervised, not closed).")
+    outcome: _RecordedOutcome = Field(description="succeeded, failed or stopped (running: resupervised, not closed).")
     failure_class: FailureClass | None = None
     reason: str = ""
     evidence: list[str] = Field(default_factory=list, description="Evidence lines the verdict used.")
@@ -562,7 +571,7 @@ class SupervisionRecord(_Record):
 
     attempt: int
     jobset: str
-    outcome: SupervisionOutcome = Field(
+    outcome: _SupervisedOutcome = Field(
         description="succeeded, failed or stalled, or error when the supervisor could not supervise (exit_code "
         "says why)."
     )
@@ -585,15 +594,10 @@ class SupervisionRecord(_Record):
         "deletes them): classify-failure's evidence when the API has nothing left.",
     )
 
-    # The outcomes that are a verdict on the attempt; "error" says only that this supervisor could not supervise.
-    VERDICTS: ClassVar[frozenset[SupervisionOutcome]] = frozenset(
-        {SupervisionOutcome.SUCCEEDED, SupervisionOutcome.FAILED, SupervisionOutcome.STALLED}
-    )
-
     @property
     def decided(self) -> bool:
-        """A supervisor decided the attempt (succeeded, failed or stalled)."""
-        return self.outcome in self.VERDICTS
+        """A supervisor decided the attempt (succeeded, failed or stalled); error says only that it could not."""
+        return self.outcome in AttemptOutcome.SUPERVISOR_VERDICTS
 
 
 class SupervisorLosses(_Record):

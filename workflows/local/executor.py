@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.contract import ExitCode, SupervisionOutcome
+from recovery_steps.kernel.contract import AttemptOutcome, ExitCode
 from recovery_steps.kernel.gang import Attachment
 from recovery_steps.kernel.records import SupervisionRecord, now
 from recovery_steps.kernel.snapshot import ClusterSnapshot
@@ -345,7 +345,7 @@ class LocalExecutor:
         rec = store.read_record(RunLayout.supervision(args.attempt), SupervisionRecord)
         sl = gangs[-1].sl if gangs else None
         if sl is not None and rec is not None and rec.decided and rec.detected_at is not None:
-            gangs[-1].settle(rec.detected_at, rec.outcome != SupervisionOutcome.SUCCEEDED, rec.worker)
+            gangs[-1].settle(rec.detected_at, rec.outcome != AttemptOutcome.SUCCEEDED, rec.worker)
         elif sl is not None and sl.deleted_at is not None:  # stopped without a verdict (the lease was lost)
             gangs[-1].settle(sl.deleted_at, True, None)
         return rec
