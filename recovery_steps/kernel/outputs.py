@@ -170,7 +170,7 @@ class SegmentOutputs(StepOutputs):
     """``train-segment`` (the attempt's supervisor)."""
 
     TEMPLATE: ClassVar[str] = "train-segment"
-    outcome: _SegmentOutcome = out("succeeded, failed or stalled (supervision.AttemptState).", shown=True)
+    outcome: _SegmentOutcome = out("succeeded, failed or stalled (kernel.contract.AttemptOutcome).", shown=True)
     stall_kind: StallKind | None = out(
         "capacity, configuration, image-pull, hang or node-lost when stalled; empty otherwise.", shown=True
     )
