@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 from support.fake_k8s import FakeCluster, status
+from support.provision_api import jobset, slice_cluster
 from support.provision_api import node as _node
-from support.provision_api import slice_cluster
 from support.provision_api import store_config as _store_config
 
 from recovery_steps import finalize, lease, provision_slice, validate_config
@@ -387,19 +387,7 @@ def test_the_local_file_in_a_pod_names_its_cluster_so_a_resubmission_takes_over_
 def _left_running(argo: FakeCluster, store: RunStore, run_id: str) -> None:
     """Attempt 0 of a Workflow since deleted: it trained, nothing decided or closed it, its JobSet still runs."""
     store.write_json(RunLayout.heartbeat(0, 0), {"process_index": 0, "step": 12, "at": 1.0})
-    argo.put(
-        "jobsets",
-        {
-            "apiVersion": "jobset.x-k8s.io/v1alpha2",
-            "kind": "JobSet",
-            "metadata": {
-                "name": f"{run_id}-a0",
-                "namespace": "default",
-                "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"},
-            },
-            "status": {"conditions": []},
-        },
-    )
+    argo.put("jobsets", {**jobset(f"{run_id}-a0", run_id, namespace="default"), "status": {"conditions": []}})
 
 
 @pytest.fixture

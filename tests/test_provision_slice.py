@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 from support.fake_k8s import forbidden
-from support.provision_api import JOBSETS, MAINTENANCE, NODES, NS, PODS, REPO, slice_cluster
+from support.provision_api import JOBSETS, MAINTENANCE, NODES, NS, PODS, REPO, jobset, slice_cluster
 from support.provision_api import node as _node
 from support.provision_api import store_config as _store_config
 
@@ -237,20 +237,7 @@ def test_a_cpu_slice_in_a_pod_clears_earlier_jobsets_through_the_api(store_root,
     monkeypatch.setattr(ps, "stop_leftover_workers", lambda *a, **k: pytest.fail("looked for local processes"))
     cluster = FakeCluster(namespace="default")
     cond = [] if live else [{"type": "Failed", "status": "True", "reason": "FailedJobs"}]
-    cluster.put(
-        "jobsets",
-        {
-            "apiVersion": "jobset.x-k8s.io/v1alpha2",
-            "kind": "JobSet",
-            "metadata": {
-                "name": f"{run_id}-a0",
-                "namespace": "default",
-                "labels": {"jaxrec/run-id": run_id, "jaxrec/attempt": "0"},
-            },
-            "spec": {},
-            "status": {"conditions": cond},
-        },
-    )
+    cluster.put("jobsets", {**jobset(f"{run_id}-a0", run_id, namespace="default"), "status": {"conditions": cond}})
     try:
         code = ps.main(
             [
