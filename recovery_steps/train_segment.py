@@ -573,7 +573,7 @@ def segment_manifest(cfg: JobConfig, jobset: JobSetParams | str, attempt: int, c
         return load_manifest(jobset, attempt)
     try:
         return jobset_manifest(cfg, jobset)
-    except (KeyError, ValueError, TypeError, AttributeError) as e:
+    except (KeyError, ValueError) as e:  # an unknown TPU type, a value the JobSet cannot carry
         raise StepError(
             ExitCode.CONFIGURATION,
             f"{config_url}: the pinned config renders no JobSet ({type(e).__name__}: {e}); {PIN_FIX}",

@@ -215,7 +215,7 @@ class Cluster:
             DrillError: the trainer is its container's PID 1: a signal sent from inside the pod cannot kill it
                 (the kernel drops SIGKILL sent to a PID namespace's init from inside the namespace). The worker
                 pods this project generates share their process namespace (``kernel.jobset``): the pause
-                process is PID 1 there; a Workflow generated before that has the trainer as PID 1.
+                process is PID 1 there; a step image from before that has the trainer as PID 1.
         """
         from kubernetes.stream import stream
 

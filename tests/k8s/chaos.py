@@ -79,6 +79,7 @@ class Summary:
     kinds: Counter[str] = field(default_factory=Counter)
     violations: int = 0
     failing: list[int] = field(default_factory=list)
+    findings: int = 0  # what the real components did that the invariants tolerate (docs/TESTING.md, "Chaos")
 
     def line(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.kinds.items())) or "none"
@@ -86,6 +87,7 @@ class Summary:
         return (
             f"chaos: {self.runs} run(s), {sum(self.kinds.values())} fault(s) injected ({kinds}), "
             f"{self.violations} invariant violation(s){failing}"
+            + (f", {self.findings} finding(s) of the real components" if self.findings else "")
         )
 
 

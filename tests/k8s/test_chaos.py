@@ -76,7 +76,7 @@ def _kill_a_worker(r: Any, kills: list[dict[str, Any]], notes: list[str]) -> Non
     kills.append({"attempt": 0, "committed": committed, "at": at, "pod": pods[1]["metadata"]["name"]})
 
 
-@pytest.mark.timeout(2400)
+@pytest.mark.timeout(2700)
 def test_no_fault_kills_a_healthy_gang_stops_the_run_or_costs_a_step(
     seed: int, real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, pods_gcs, uninterrupted, tmp_path
 ):
@@ -134,17 +134,20 @@ def _checked(rc: RealCluster, o: chaos.Observed) -> list[str]:
         clean_run(rc, o.run.ns, o.run.run_id)
 
 
-# How long the real Argo controller can go on showing a deleted step pod's node Running: measured once, after an API
-# server restart (seed 1), its pod informer's watch delivered nothing for over 10 minutes while a new watch of the
-# same pods saw every event and its Workflow informer kept working. client-go v0.33.1 (Argo v4.0.5's) renews a
-# watch after ``minWatchTimeout`` (5 min) x [1, 2) (``tools/cache/reflector.go``), so a stalled one lasts at most
-# about 10 min; a run that then ends as it should has broken no invariant, and the stall is reported with its length.
-ARGO_STALE_VIEW_S = 660
+# How long, from the first wait for the Workflow, the real Argo controller may go on showing a deleted step pod's node
+# Running. Seen once, after an API server restart (seed 1): its pod informer's watch delivered nothing for over 10
+# minutes while a new watch of the same pods saw every event and its Workflow informer kept working. client-go
+# v0.33.1 (Argo v4.0.5's) asks the API server to end a watch after ``minWatchTimeout`` (5 min) x [1, 2)
+# (``tools/cache/reflector.go``), so a stalled one should end within 10 min of the restart, which comes in the
+# schedule's first minute; 5 min more for the relist and the retry. A run that then ends as it should has broken no
+# invariant, and the delay is reported as a finding; one that does not fails with what held it.
+ARGO_STALE_VIEW_S = 960
 
 
 def _ended(r: Any, notes: list[str]) -> dict[str, Any]:
     """The Workflow once it has ended. When it has not within 10 minutes: as it is then, with what holds it; and when
     what holds it is Argo's stale view of a pod the API no longer has, as it is once that view is renewed."""
+    began = time.monotonic()
     try:
         return r.wait_done(600)
     except AssertionError as e:
@@ -154,13 +157,16 @@ def _ended(r: Any, notes: list[str]) -> dict[str, Any]:
     notes.append(why)
     if not stale:
         return wf
-    t = time.monotonic()
     try:
-        wf = r.wait_done(ARGO_STALE_VIEW_S)
+        wf = r.wait_done(max(60.0, ARGO_STALE_VIEW_S - (time.monotonic() - began)))
     except AssertionError as e:
         notes.append(f"Argo's view of the gone pod was not renewed within {ARGO_STALE_VIEW_S} s: {e}")
         return wait_for("the Workflow, as it is", r.wf, 120, 1)
-    notes.append(f"finding: Argo's controller saw the gone pod {time.monotonic() - t + 600:.0f} s or more late")
+    chaos.SUMMARY.findings += 1
+    notes.append(
+        f"finding: Argo's controller went on showing the gone pod's node Running; ended after "
+        f"{time.monotonic() - began:.0f} s of waiting"
+    )
     return wf
 
 
@@ -170,6 +176,7 @@ def _why_not_ended(r: Any, wf: dict[str, Any]) -> tuple[str, bool]:
     Argo's stale view (a node Running whose pod the API no longer has)."""
     nodes = ((wf.get("status") or {}).get("nodes") or {}).values()
     open_ = {n["id"]: n for n in nodes if n.get("type") == "Pod" and n.get("phase") in ("Pending", "Running")}
+    running = [i for i, n in open_.items() if n.get("phase") == "Running"]
     try:
         pods = {p["metadata"].get("annotations", {}).get("workflows.argoproj.io/node-id"): p for p in r.rc.pods(r.ns)}
     except Exception as e:  # noqa: BLE001 - a diagnosis: what could not be read is said
@@ -190,7 +197,9 @@ def _why_not_ended(r: Any, wf: dict[str, Any]) -> tuple[str, bool]:
         for c in r.rc.components.values():
             said = [ln for ln in c.tail(100_000).splitlines() if meta["name"] in ln][-15:]
             lines += [f"    {c.name} ({'alive' if c.alive() else 'dead'}): {ln[:300]}" for ln in said]
-    stale = bool(open_) and not dead and all(node_id not in pods for node_id in open_)
+    # Argo's stale view: every unfinished node Running (a pod it saw start) and gone from the API. A Pending node
+    # with no pod (creation refused: admission, RBAC, quota) is not that, and is not waited on.
+    stale = bool(open_) and not dead and len(running) == len(open_) and all(i not in pods for i in open_)
     return "\n".join(lines), stale
 
 
@@ -260,7 +269,7 @@ def _exists(objs: Any, where: tuple[str, ...], name: str) -> bool:
     return True
 
 
-@pytest.mark.timeout(2400)
+@pytest.mark.timeout(2700)
 def test_an_operator_stop_then_the_same_file_again_resumes_under_faults(
     seed: int, real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, pods_gcs, uninterrupted, tmp_path
 ):
