@@ -43,7 +43,8 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
         "restart and left the deleted supervisor's pod Terminating for 10 min (it now fails the wait container "
         "and syncs the status until the API takes it); after an API server restart the real Argo controller's pod "
         "informer delivered nothing for over 10 minutes, so the deleted supervisor's node stayed Running with no pod "
-        "in the API (Argo's, not the project's: the test says what holds a Workflow and waits out the watch renewal)",
+        "in the API (Argo's, not the project's: its pod list keeps no resourceVersion; the test says what holds a "
+        "Workflow and restarts the controller, as docs/DEPLOY.md tells an operator)",
         3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay",
     },
     "test_an_operator_stop_then_the_same_file_again_resumes_under_faults": {
@@ -134,20 +135,20 @@ def _checked(rc: RealCluster, o: chaos.Observed) -> list[str]:
         clean_run(rc, o.run.ns, o.run.run_id)
 
 
-# How long, from the first wait for the Workflow, the real Argo controller may go on showing a deleted step pod's node
-# Running. Seen once, after an API server restart (seed 1): its pod informer's watch delivered nothing for over 10
-# minutes while a new watch of the same pods saw every event and its Workflow informer kept working. client-go
-# v0.33.1 (Argo v4.0.5's) asks the API server to end a watch after ``minWatchTimeout`` (5 min) x [1, 2)
-# (``tools/cache/reflector.go``), so a stalled one should end within 10 min of the restart, which comes in the
-# schedule's first minute; 5 min more for the relist and the retry. A run that then ends as it should has broken no
-# invariant, and the delay is reported as a finding; one that does not fails with what held it.
-ARGO_STALE_VIEW_S = 960
+# What the real Argo controller (v4.0.5) can leave after an API server restart: its pod informer's list function
+# returns the pods without the list's resourceVersion (``workflow/controller/pod/controller.go``,
+# ``newWorkflowPodWatch``), so after a relist the reflector watches from "now" and a pod deleted between that list and
+# that watch is never seen gone (the class of argoproj/argo-workflows#15106). Seen on seed 1: the deleted supervisor's
+# pod went during the new API server's start-up, its node stayed Running with no pod in the API for good (over 17
+# minutes, through the watch's own renewals), while a new watch of the same pods saw every event. Nothing the run
+# does can refresh another component's informer: the test applies what docs/DEPLOY.md tells an operator (restart the
+# workflow-controller, which lists every pod again), counts it as a finding, and checks every invariant as usual.
+ARGO_CONTROLLER = "workflow-controller-{ns}"
 
 
 def _ended(r: Any, notes: list[str]) -> dict[str, Any]:
     """The Workflow once it has ended. When it has not within 10 minutes: as it is then, with what holds it; and when
-    what holds it is Argo's stale view of a pod the API no longer has, as it is once that view is renewed."""
-    began = time.monotonic()
+    what holds it is Argo's stale view of a pod the API no longer has, as it is once the controller was restarted."""
     try:
         return r.wait_done(600)
     except AssertionError as e:
@@ -157,17 +158,16 @@ def _ended(r: Any, notes: list[str]) -> dict[str, Any]:
     notes.append(why)
     if not stale:
         return wf
-    try:
-        wf = r.wait_done(max(60.0, ARGO_STALE_VIEW_S - (time.monotonic() - began)))
-    except AssertionError as e:
-        notes.append(f"Argo's view of the gone pod was not renewed within {ARGO_STALE_VIEW_S} s: {e}")
-        return wait_for("the Workflow, as it is", r.wf, 120, 1)
     chaos.SUMMARY.findings += 1
     notes.append(
-        f"finding: Argo's controller went on showing the gone pod's node Running; ended after "
-        f"{time.monotonic() - began:.0f} s of waiting"
+        "finding: Argo's controller went on showing a gone pod's node Running; restarted, as an operator would"
     )
-    return wf
+    r.rc.restart(ARGO_CONTROLLER.format(ns=r.ns))
+    try:
+        return r.wait_done(600)
+    except AssertionError as e:
+        notes.append(f"not ended within 600 s of the controller's restart: {e}")
+        return wait_for("the Workflow, as it is", r.wf, 120, 1)
 
 
 def _why_not_ended(r: Any, wf: dict[str, Any]) -> tuple[str, bool]:
