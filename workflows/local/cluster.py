@@ -272,7 +272,7 @@ class LocalCluster:
                 if w.returncode is None and w.proc is not None and w.index not in sl.expected_exit:
                     rc = w.proc.poll()
                     if rc is not None:
-                        w.returncode, w.ended_at = rc, now()
+                        w.returncode, w.ended_at = rc, w.exited_at or now()
 
     def snapshot(self, sl: LocalSlice, at: float, image: str = "") -> ClusterSnapshot:
         """The JobSet of ``sl``, its Job, its pods and their nodes at ``at``, as the Kubernetes adapter reports them."""

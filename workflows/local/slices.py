@@ -50,6 +50,9 @@ class WorkerProc:
     pid: int | None = None
     started_at: float | None = None
     ended_at: float | None = None
+    # When the process ended, stamped by a thread that waits on it (the kubelet's PLEG sees a container end as it
+    # ends): workers found ended in one poll keep the order they ended in, the peers after the one they lost.
+    exited_at: float | None = None
     returncode: int | None = None
     first_failure: bool = False
     stopped_by_jobset: bool = False
@@ -127,7 +130,8 @@ class LocalSlice:
         w.pid = w.proc.pid
         w.started_at = w.started_at or now()
         w.returncode = None
-        w.ended_at = None
+        w.ended_at = w.exited_at = None
+        threading.Thread(target=_stamp_exit, args=(w, w.proc), name=f"exit-{w.index}", daemon=True).start()
 
     def signal_worker(self, index: int, sig: int) -> None:
         """Send ``sig`` to worker ``index`` (its whole process group)."""
@@ -249,6 +253,13 @@ def _matches(rule: Mapping[str, Any], pod: PodEvidence) -> bool:
         return False
     wanted = rule.get("onPodConditions") or []
     return any(c.type == w.get("type") and c.status == w.get("status", "True") for w in wanted for c in pod.conditions)
+
+
+def _stamp_exit(w: WorkerProc, proc: subprocess.Popen) -> None:
+    """Stamp when ``proc`` ended on ``w``, unless ``w`` was started again meanwhile."""
+    proc.wait()
+    if w.proc is proc:
+        w.exited_at = now()
 
 
 def job_failure(
