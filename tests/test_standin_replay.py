@@ -21,8 +21,9 @@ from recovery_steps.kernel.config import SupervisionConfig, load_config
 from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local import executor as local_executor
+from workflows.local.cluster import SliceHooks, local_command
 from workflows.local.engine import ERROR, SUCCEEDED, NodeInfo
-from workflows.local.executor import LocalExecutor, SliceHooks, pod_deleted
+from workflows.local.executor import LocalExecutor, pod_deleted
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDINGS = REPO / "tests" / "data" / "argo-v4.0.5"
@@ -128,7 +129,7 @@ def _segment(tmp_path, hooks):
     node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)
     tmpl = {"outputs": {"parameters": []}}
     node_dir = tmp_path / "work" / "nodes" / "n1"
-    return ex, lambda: ex.run_segment(node, tmpl, local_executor.local_command(command, node_dir), node_dir)
+    return ex, lambda: ex.run_segment(node, tmpl, local_command(command, node_dir), node_dir)
 
 
 def test_a_supervisor_lost_in_its_nodes_first_seconds_is_created_again_in_the_same_node(tmp_path):
