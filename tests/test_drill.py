@@ -289,3 +289,34 @@ def test_kill_script_sigkills_the_trainer_unless_it_is_pid_1(tmp_path, trainer_i
         [_UNSHARE, "-pf", "--mount-proc", "sh", "-c", body], capture_output=True, text=True, timeout=30
     )
     assert out.stdout.split() == [f"rc={want}", "w=137"]  # the sleeper ended by SIGKILL (128 + 9)
+
+
+# -- which pods are workers ---------------------------------------------------------------------------------
+
+
+def _matches(selector: str, labels: dict[str, str]) -> bool:
+    """A label selector of ``key=value`` and bare ``key`` (exists) terms, as the API server reads them."""
+    for term in selector.split(","):
+        key, _, value = term.partition("=")
+        if key not in labels or ("=" in term and labels[key] != value):
+            return False
+    return True
+
+
+WORKFLOW_FILES = sorted(p.name for p in (ROOT / "argo").glob("*.yaml") if p.name.count(".") == 1 and p.stem != "rbac")
+
+
+@pytest.mark.parametrize("name", WORKFLOW_FILES)
+def test_the_drill_picks_its_victim_among_the_workers_never_a_step_pod(name):
+    """Step pods carry the run and attempt labels too: the drill's selector matches none of them, and matches a
+    worker pod (the attempt's labels of the JobSet's pod template, plus the JobSet controller's own)."""
+    doc = yaml.safe_load((ROOT / "argo" / name).read_text())
+    assert doc["kind"] == "Workflow"
+    sel = drill.workers_selector("r1", 3)
+    steps = [t for t in doc["spec"]["templates"] if (t.get("metadata") or {}).get("labels")]
+    assert steps, "no step template carries labels: the check would prove nothing"
+    for t in steps:
+        labels = {k: "r1" if "run-id" in k else "3" for k in t["metadata"]["labels"]}
+        assert not _matches(sel, labels), f"the drill's worker selector matches step {t['name']}'s pods: {labels}"
+    worker = {"jaxrec/run-id": "r1", "jaxrec/attempt": "3", "jobset.sigs.k8s.io/jobset-name": "r1-a3"}
+    assert _matches(sel, worker)

@@ -34,7 +34,14 @@ from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.incidents import TimedIncident, incidents_from_facts, read_attempt_facts
 from recovery_steps.kernel.jobset import CONTAINER
 from recovery_steps.kernel.kube import api_error_line
-from recovery_steps.kernel.names import ATTEMPT_LABEL, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, RUN_ID_LABEL
+from recovery_steps.kernel.names import (
+    ATTEMPT_LABEL,
+    JOBSET_GROUP,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    RUN_ID_LABEL,
+)
 from recovery_steps.kernel.store import RunLayout, RunStore, first_line, store_errors
 
 ARGO = ("argoproj.io", "v1alpha1", "workflows")
@@ -309,6 +316,17 @@ CORRUPT_WAIT_S = 600.0
 """How long corrupt-checkpoint waits for the attempt's workers to stop after the deletion."""
 
 
+def workers_selector(run_id: str, attempt: int) -> str:
+    """The label selector of the attempt's worker pods, and of nothing else.
+
+    The run and attempt labels are on the attempt's step pods too (train-segment, the supervisor, carries them), so
+    they alone may pick the supervisor as a victim. What makes a pod a worker is that its JobSet made it: the JobSet
+    controller labels every pod of its Jobs with ``jobset.sigs.k8s.io/jobset-name`` (JobSet v0.12.0,
+    ``pkg/controllers/jobset_controller.go`` ``labelAndAnnotateObject``); no step pod carries it.
+    """
+    return f"{RUN_ID_LABEL}={run_id},{ATTEMPT_LABEL}={attempt},{JOBSET_NAME_LABEL}"
+
+
 def _corrupt_after_stop(cluster: Cluster, store: RunStore, target: Target, victim: str, attempt: int) -> str:
     """Delete a worker pod; once every worker of the attempt has stopped, flip a byte of the newest checkpoint.
 
@@ -321,7 +339,7 @@ def _corrupt_after_stop(cluster: Cluster, store: RunStore, target: Target, victi
     stopped.
     """
     cluster.delete_pod(victim)
-    selector = f"{RUN_ID_LABEL}={target.run_id},{ATTEMPT_LABEL}={attempt}"
+    selector = workers_selector(target.run_id, attempt)
     stopped = lambda: not cluster.running(selector)  # noqa: E731
     wait_until(f"the workers of attempt {attempt} to stop", stopped, time.time() + CORRUPT_WAIT_S, every=0.2)
     rel = newest_checkpoint_file(store)
@@ -333,7 +351,7 @@ def _corrupt_after_stop(cluster: Cluster, store: RunStore, target: Target, victi
 
 def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fault: Fault, attempt: int) -> str:
     """Inject ``fault`` into the run's attempt; one line saying what was done."""
-    workers = cluster.pods(f"{RUN_ID_LABEL}={target.run_id},{ATTEMPT_LABEL}={attempt}")
+    workers = cluster.pods(workers_selector(target.run_id, attempt))
     if fault in (Fault.DELETE_WORKER, Fault.KILL_WORKER, Fault.DRAIN_NODE, Fault.CORRUPT_CHECKPOINT) and not workers:
         raise DrillError(f"no running worker pod of run {target.run_id} attempt {attempt}")
     victim = workers[-1].metadata.name if workers else ""
