@@ -6,6 +6,7 @@ import os
 import tempfile
 
 import pytest
+from support.areas import AREAS, area_of
 from support.local_job import reference_digest, shrunken_workflow
 
 from workflows.local.emulator import GcsEmulator
@@ -27,6 +28,34 @@ def pytest_addoption(parser):
     group.addoption("--chaos-seed", type=int, action="append", default=[], help="replay this seed (repeatable)")
     group.addoption("--chaos-rounds", type=int, default=1, help="how many seeds to run (default 1)")
     group.addoption("--chaos-first-seed", type=int, default=1, help="the first of the --chaos-rounds seeds")
+
+
+def pytest_configure(config):
+    """One marker per area of the product (``tests/support/areas.py``): ``pytest -m AREA``."""
+    for area, (modules, _) in AREAS.items():
+        config.addinivalue_line("markers", f"{area}: the tests of {modules}")
+
+
+TIER_TEST_LIMIT_S = 240
+"""The most a real-controller tier test may take, fixtures included (a chaos run says its own, at most 600 s)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its module's area (a test module in no area is a collection error), and give each tier
+    test without a limit of its own the tier's."""
+    missing: set[str] = set()
+    for item in items:
+        if item.get_closest_marker("k8s") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(TIER_TEST_LIMIT_S))
+        path = item.path
+        module = f"k8s/{path.stem}" if path.parent.name == "k8s" else path.stem
+        area = area_of(module)
+        if area is None:
+            missing.add(module)
+            continue
+        item.add_marker(getattr(pytest.mark, area))
+    if missing:
+        raise pytest.UsageError(f"test modules in no area: {sorted(missing)}; add each to tests/support/areas.py")
 
 
 @pytest.fixture(scope="session")

@@ -186,9 +186,10 @@ class Chaos:
             self._threads.append(t)
 
     def wait(self, timeout: float) -> None:
-        """Wait for every fault to have ended."""
+        """Wait for every fault to have ended, ``timeout`` seconds at most in all."""
+        deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join(max(0.0, timeout))
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _one(self, f: Fault, t0: float) -> None:
         time.sleep(max(0.0, t0 + f.at - time.monotonic()))
