@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from recovery_steps.kernel.config import LEASE_RENEW_MAX_S, lease_renew_every
 from recovery_steps.kernel.records import RunLease, now
 from recovery_steps.kernel.store import (
     DocumentError,
@@ -47,7 +48,7 @@ IsAlive = Callable[[RunLease], bool | None]
 
 # The supervisor renews the lease this often at most (and at least six times per TTL), so a lease read by someone
 # else is never older than this while a segment runs; a failed renewal is tried again after RENEW_RETRY_S.
-RENEW_EVERY_S = 600.0
+RENEW_EVERY_S = LEASE_RENEW_MAX_S
 RENEW_RETRY_S = 60.0
 KUBE_SYSTEM = "kube-system"
 
@@ -196,7 +197,7 @@ class Renewal:
 
 def renew_every(ttl_s: float) -> float:
     """Seconds between the supervisor's renewals: six per TTL, and at least every ``RENEW_EVERY_S``."""
-    return min(ttl_s / 6, RENEW_EVERY_S)
+    return lease_renew_every(ttl_s)
 
 
 def renew_if_due(

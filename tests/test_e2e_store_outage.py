@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_store_outage_in_restore_and_classify_leaves_the_run_succeeded(tmp_path, monkeypatch):
-    wf = shrunken_workflow(tmp_path, "outage-e2e")
+    # Retries in place a second apart: the outages, not the backoff, are what the run waits out.
+    wf = shrunken_workflow(tmp_path, "outage-e2e", retry_section={"transient_backoff_s": 1})
     monkeypatch.chdir(tmp_path)
     lines: list[str] = []
     res = local.run(
@@ -22,14 +23,14 @@ def test_store_outage_in_restore_and_classify_leaves_the_run_succeeded(tmp_path,
             gcs_emulator=True,
             run_id="outage-e2e",
             metrics_port=None,
-            store_outages=["restore-latest=5", "classify-failure=5"],
+            store_outages=["restore-latest=2", "classify-failure=2"],
             report=False,
         ),
         say=lines.append,
     )
     out = "\n".join(lines)
     assert res.status == "Succeeded", out
-    assert "store outage: 5s from the start of" in out
+    assert "store outage: 2s from the start of" in out
     # Each outage made a try of the step exit transient (69); a retry in place succeeded.
     for template in ("restore-latest", "classify-failure"):
         mine = [ln for ln in lines if f" {template}" in ln]

@@ -31,6 +31,7 @@ RUNBOOK_SECTIONS = {
     "configuration",
     "unknown",
     "no-progress",
+    "unsupervised",
 }
 ALLOWED_LABELS = {"run_id", "attempt", "process_index", "class", "reason", "status"}
 SCRAPED_NAMES = {exposed_name(m.name, argo=True) for m in METRICS}
@@ -248,6 +249,7 @@ def test_rule_resources_and_plain_rules_hold_the_same_rules(path):
         "JaxrecCheckpointLag",
         "JaxrecNoStep",
         "JaxrecWorkersBelowExpected",
+        "JaxrecRunUnsupervised",
         *backup,
         "JaxrecRepeatedFailures",
         "JaxrecBudgetExhausted",
@@ -304,7 +306,7 @@ def test_promtool_checks_and_tests_the_rules(tmp_path, path, variant):
     _write_rules_and_tests(tmp_path, cfg, cfg, path.stem)
     check = _promtool("check", "rules", f"{path.stem}.rules.yaml", cwd=tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
-    rules = 6 + (1 if cfg.checkpoint.local.enabled else 0)  # JaxrecGcsBackupLag with the local tiers
+    rules = 7 + (1 if cfg.checkpoint.local.enabled else 0)  # JaxrecGcsBackupLag with the local tiers
     assert f"SUCCESS: {rules} rules found" in check.stdout
     test = _promtool("test", "rules", f"{path.stem}.test.yaml", cwd=tmp_path)
     assert test.returncode == 0, test.stdout + test.stderr

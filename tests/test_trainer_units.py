@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -232,6 +233,31 @@ def test_worker_metrics_cover_the_table():
         if spec.scope == "worker":
             assert f"# TYPE {spec.name} gauge" in text
     assert 'jaxrec_train_step{attempt="3",process_index="1",run_id="run-a"} 12.0' in text
+
+
+def test_worker_zero_exports_when_the_run_lease_was_last_renewed_and_keeps_it_through_an_unreadable_read(tmp_path):
+    from recovery_steps.kernel.records import RunLease
+    from recovery_steps.kernel.store import RunLayout, RunStore
+    from trainer.hooks import LeaseGauge
+
+    store = RunStore(str(tmp_path / "store"), "run-a")
+    m = WorkerMetrics("run-a", 0, 0)
+    gauge = LeaseGauge(store, m, every_s=0.05)
+    line = 'jaxrec_run_lease_renewed_timestamp_seconds{attempt="0",process_index="0",run_id="run-a"}'
+    assert gauge.read_once() is None and f"{line} 0.0" in m.exposition()  # no lease yet: nothing read
+    lease = RunLease(run_id="run-a", holder="u1", holder_name="wf", acquired_at=100.0, renewed_at=1234.0, ttl_s=600)
+    store.write_record(RunLayout.LEASE, lease)
+    gauge.start()
+    try:
+        deadline = time.monotonic() + 10
+        while f"{line} 1234.0" not in m.exposition():
+            assert time.monotonic() < deadline, m.exposition()
+            time.sleep(0.02)
+        store.write_bytes(RunLayout.LEASE, b"{not json")  # unreadable: unknown, never a new value
+        time.sleep(0.2)
+        assert f"{line} 1234.0" in m.exposition()
+    finally:
+        gauge.stop()
 
 
 def test_compilation_cache_is_on_by_default_under_the_run_store(tmp_path):

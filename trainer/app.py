@@ -43,6 +43,7 @@ from trainer.hooks import (
     EventsHook,
     FaultHook,
     HeartbeatHook,
+    LeaseGauge,
     LocalSaveHook,
     MetricsHook,
     PaceHook,
@@ -63,6 +64,9 @@ log = logging.getLogger("trainer")
 
 REFUSE_TOGETHER_S = 10.0
 """How long a worker refusing the restore waits for the others to reach the same verdict before it leaves."""
+LEASE_GAUGE_EVERY_S = 60.0
+"""How often worker 0 reads the run lease for its gauge: one small read a minute, well inside the two renewal
+periods (20 minutes at most) the unsupervised-run alert waits."""
 
 
 @dataclass(frozen=True)
@@ -605,6 +609,8 @@ def _start_metrics(w: Worker, cfg: JobConfig) -> WorkerMetrics:
         m.serve(base_port + (w.process_index if cfg.slice.is_local else 0))
     m.set("jaxrec_expected_workers", cfg.slice.num_hosts)
     m.set("jaxrec_worker_up", 1)
+    if w.process_index == 0:
+        LeaseGauge(w.store, m, LEASE_GAUGE_EVERY_S).start()
     w.metrics = w.exit.metrics = m
     return m
 

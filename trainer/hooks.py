@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import EventKind, PreemptionSave, WorkerExitReport, WorkerHeartbeat, now
+from recovery_steps.kernel.records import (
+    EventKind,
+    PreemptionSave,
+    RunLease,
+    WorkerExitReport,
+    WorkerHeartbeat,
+    now,
+)
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.compile_cache import CacheCounter
 from trainer.decisions import Faults, PreemptionAction, PreemptionPlan, SaveReason, TrainerExit, save_decision
@@ -145,6 +152,49 @@ class HeartbeatHook:
             log.warning("could not write the heartbeat: %s", e)
             return False
         return True
+
+
+class LeaseGauge:
+    """Worker 0 exports when the run lease was last renewed (``jaxrec_run_lease_renewed_timestamp_seconds``).
+
+    It reads the lease every ``every_s``, off the training thread.
+    The supervisor renews the lease while it supervises the gang; a gang that trains while the renewals stop runs
+    with nothing to end it when it fails or stalls (its supervisor's pod gone while Argo still shows the step
+    Running). The gang is what is scraped then, so it is the gang that tells (alert ``JaxrecRunUnsupervised``). A
+    read that fails leaves the gauge as it was: unknown is not stale.
+    """
+
+    def __init__(self, store: RunStore, metrics: WorkerMetrics, every_s: float):
+        self.store, self.metrics, self.every_s = store, metrics, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-gauge", daemon=True)
+
+    def start(self) -> LeaseGauge:
+        """Start reading (a daemon thread: it never holds the process up)."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop reading (the thread ends at its next wake-up at the latest)."""
+        self._stop.set()
+
+    def read_once(self) -> float | None:
+        """Read the lease once and set the gauge; its renewal time (None: absent or unreadable)."""
+        try:
+            lease = self.store.read_record(RunLayout.LEASE, RunLease)
+        except Exception as e:  # noqa: BLE001 - a gauge's read never stops training
+            log.warning("could not read the run lease: %s", e)
+            return None
+        if lease is None:
+            return None
+        self.metrics.set("jaxrec_run_lease_renewed_timestamp_seconds", lease.renewed_at)
+        return lease.renewed_at
+
+    def _run(self) -> None:
+        while True:
+            self.read_once()
+            if self._stop.wait(self.every_s):
+                return
 
 
 class EventsHook:

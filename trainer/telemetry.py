@@ -53,6 +53,7 @@ _WORKER_METRICS = (
     "jaxrec_compile_seconds",
     "jaxrec_worker_up",
     "jaxrec_expected_workers",
+    "jaxrec_run_lease_renewed_timestamp_seconds",
 )
 
 

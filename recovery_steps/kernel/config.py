@@ -563,6 +563,15 @@ def _default_scopes() -> dict[FailureClass, str]:
     return {c.cls: c.scope for c in FAILURE_CLASSES}  # why each: the table's comment
 
 
+LEASE_RENEW_MAX_S = 600.0
+"""The supervisor renews the run lease six times per TTL, and at least this often (``recovery_steps.lease``)."""
+
+
+def lease_renew_every(ttl_s: float) -> float:
+    """Seconds between the supervisor's renewals of a lease of ``ttl_s``."""
+    return min(ttl_s / 6, LEASE_RENEW_MAX_S)
+
+
 class RetryConfig(_Section):
     """Retry budgets per failure class, backoff, and the no-progress guard."""
 
@@ -632,6 +641,11 @@ class RetryConfig(_Section):
     @classmethod
     def _fill_scopes(cls, v: dict[FailureClass, str]) -> dict[FailureClass, str]:
         return {**_default_scopes(), **v}
+
+    @property
+    def lease_renew_every_s(self) -> float:
+        """Seconds between the supervisor's renewals of the run lease while a segment runs."""
+        return lease_renew_every(self.lease_ttl_s)
 
     def scope(self, cls_: FailureClass) -> str:
         """Over what ``cls_``'s budget is counted: 'run' or 'since_progress'."""

@@ -75,6 +75,7 @@ def rule_tests(cfg: JobConfig, rules_file: str) -> dict[str, object]:
         ra={r.alert: r for r in run_alerts(cfg)},
     )
     tests = [*_checkpoint_lag_cases(c), *_no_step_cases(c), *_workers_cases(c), *_failure_cases(c), *_run_end_cases(c)]
+    tests += _unsupervised_cases(c, int(2 * cfg.retry.lease_renew_every_s))
     if "JaxrecGcsBackupLag" in c.wa:
         tests += _backup_lag_cases(c, 2 * cfg.checkpoint.interval_steps)
     return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
@@ -184,6 +185,48 @@ def _no_step_cases(c: _Cases) -> list[dict[str, object]]:
             ],
             "alert_rule_test": [{"eval_time": f"{5 + no_step + 3}m", "alertname": "JaxrecNoStep", "exp_alerts": []}],
         },
+    ]
+
+
+def _unsupervised_cases(c: _Cases, limit: int) -> list[dict[str, object]]:
+    """JaxrecRunUnsupervised: the lease last renewed at 5 min with workers up; never read; workers down."""
+    wl, ann, wa = c.wl, c.ann, c.wa
+    quiet = (limit + 300) // 60  # time() - 300 <= limit here
+    fire = quiet + 3
+    lease = gke_name("jaxrec_run_lease_renewed_timestamp_seconds")
+    up = gke_name("jaxrec_worker_up")
+    return [
+        {
+            "name": "a lease unrenewed past twice its period while workers are up fires; not before",
+            "interval": "1m",
+            "input_series": [
+                {"series": f"{lease}{{{wl(0)}}}", "values": f"300x{fire + 2}"},
+                {"series": f"{up}{{{wl(0)}}}", "values": f"1x{fire + 2}"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": f"{quiet}m", "alertname": "JaxrecRunUnsupervised", "exp_alerts": []},
+                {
+                    "eval_time": f"{fire}m",
+                    "alertname": "JaxrecRunUnsupervised",
+                    "exp_alerts": [ann(wa["JaxrecRunUnsupervised"], _humanize_seconds(fire * 60 - 300))],
+                },
+            ],
+        },
+        *(
+            {
+                "name": name,
+                "interval": "1m",
+                "input_series": [
+                    {"series": f"{lease}{{{wl(0)}}}", "values": f"{renewed}x{fire + 2}"},
+                    {"series": f"{up}{{{wl(0)}}}", "values": f"{workers}x{fire + 2}"},
+                ],
+                "alert_rule_test": [{"eval_time": f"{fire}m", "alertname": "JaxrecRunUnsupervised", "exp_alerts": []}],
+            }
+            for name, renewed, workers in (
+                ("a lease never read (the gauge's 0) does not fire", 0, 1),
+                ("an unrenewed lease with every worker down does not fire (no gang runs)", 300, 0),
+            )
+        ),
     ]
 
 

@@ -102,8 +102,37 @@ def worker_alerts(cfg: JobConfig) -> list[AlertRule]:
             ),
             runbook="infrastructure",
         ),
+        _unsupervised_alert(cfg),
         *_local_tier_alerts(cfg),
     ]
+
+
+def _unsupervised_alert(cfg: JobConfig) -> AlertRule:
+    """A gang that trains while its run lease goes unrenewed: nothing supervises it.
+
+    Its train-segment's pod is gone while the Workflow still shows the step Running, or the Workflow went without
+    its exit handler.
+    """
+    sel = f'{{run_id="{cfg.run_id}"}}'
+    every = cfg.retry.lease_renew_every_s
+    limit = int(2 * every)
+    return AlertRule(
+        alert="JaxrecRunUnsupervised",
+        expr=(
+            # A worker exports 0 until it has read the lease once: only a reading counts.
+            f"time() - max by (run_id) ({gke_name('jaxrec_run_lease_renewed_timestamp_seconds')}{sel} > 0)"
+            f" > {limit} and on (run_id) sum by (run_id) ({gke_name('jaxrec_worker_up')}{sel}) > 0"
+        ),
+        for_="1m",
+        severity="critical",
+        summary="{{ $labels.run_id }} trains with nothing supervising it",
+        description=(
+            "Workers are up but the run lease was last renewed {{ $value | humanizeDuration }} ago; its supervisor "
+            f"renews it every {every:g} s while a segment runs (limit: twice that). A failure of this gang now "
+            "ends no attempt and starts no recovery."
+        ),
+        runbook="unsupervised",
+    )
 
 
 def _local_tier_alerts(cfg: JobConfig) -> list[AlertRule]:
