@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -16,7 +18,10 @@ BUCKET = "test-bucket"
 # One compilation cache for every job this session starts (workers inherit it through the config): each
 # program shape compiles cold once, not once per test. A fresh folder per session, so no run is warmed by
 # an earlier session.
-os.environ.setdefault("JAXREC_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="jaxrec-test-compile-cache-"))
+# With pytest-xdist the workers inherit the controller's folder; whoever made it removes it when it ends.
+if "JAXREC_TEST_COMPILE_CACHE" not in os.environ:
+    os.environ["JAXREC_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jaxrec-test-compile-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXREC_TEST_COMPILE_CACHE"], ignore_errors=True)
 # Steps called in this process act as the local runner's (recovery_steps.kernel.kube.in_pod), even where the suite
 # itself runs in a pod; a test that plays a step in a pod sets the variable itself.
 os.environ.pop("KUBERNETES_SERVICE_HOST", None)
@@ -112,7 +117,6 @@ def pytest_terminal_summary(terminalreporter, config):
     )
     if ran:
         return
-    import shutil
 
     why = "Go found" if shutil.which("go") else "no Go toolchain here"
     terminalreporter.write_line(

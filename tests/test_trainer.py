@@ -64,18 +64,30 @@ def reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def lm_reference(tmp_path_factory):
+    """The same on 2 processes: the gang the kill and preemption tests compare with (a gang of two fails, stops
+    and resumes as one of four does, at half the start-up)."""
+    work = tmp_path_factory.mktemp("lm-reference")
+    return _uninterrupted(work, tiny_config(str(work / "store"), run_id="reference", hosts=2))
+
+
+def _lm_config(root: str, run_id: str, **sections):
+    return tiny_config(root, run_id=run_id, hosts=2, **sections)
+
+
+@pytest.fixture(scope="module")
 def classifier_reference(tmp_path_factory):
     """The same for the example image classifier (flax NNX, batch-norm statistics as extra state), 2 processes."""
     work = tmp_path_factory.mktemp("classifier-reference")
     return _uninterrupted(work, tiny_classifier_config(str(work / "store"), run_id="reference"))
 
 
-TASKS = {"lm": (tiny_config, "reference"), "image-classifier": (tiny_classifier_config, "classifier_reference")}
+TASKS = {"lm": (_lm_config, "lm_reference"), "image-classifier": (tiny_classifier_config, "classifier_reference")}
 
 
 @pytest.fixture(params=sorted(TASKS))
 def task(request):
-    """Each task's config maker and uninterrupted reference run (the lm on 4 processes, the classifier on 2)."""
+    """Each task's config maker and uninterrupted reference run (2 processes each)."""
     make, reference_fixture = TASKS[request.param]
     return make, request.getfixturevalue(reference_fixture)
 
@@ -192,6 +204,7 @@ def test_sigterm_with_a_window_too_short_for_the_save_exits_at_once_without_savi
     cfg = tiny_config(
         str(tmp_path / "store"),
         run_id="preempt-skip",
+        hosts=2,
         training={"step_delay_s": 0.05},
         slice={"termination_grace_s": grace, "shutdown_window_s": 1},
     )
@@ -199,10 +212,11 @@ def test_sigterm_with_a_window_too_short_for_the_save_exits_at_once_without_savi
     gang = launch(cfg, 0, -1, tmp_path)
     gang.wait_for(0, EventKind.SAVE_COMMITTED, 5, timeout=240)  # compilation is slow on a loaded machine
     gang.wait_for(0, EventKind.SAVE_STARTED, 10)  # the step-10 save is (most likely) in flight: it is abandoned too
-    gang.preempt(list(range(N)), grace)
+    n = cfg.slice.num_hosts
+    gang.preempt(list(range(n)), grace)
     codes = gang.wait(120)
-    assert codes == [ExitCode.PREEMPTED] * N, gang.log(0)[-3000:]
-    reports = [read_report(store, 0, i) for i in range(N)]
+    assert codes == [ExitCode.PREEMPTED] * n, gang.log(0)[-3000:]
+    reports = [read_report(store, 0, i) for i in range(n)]
     (stop,) = {r["last_step"] for r in reports}
     for r in reports:
         assert r["preemption_save"] == PreemptionSave.SKIPPED, r
