@@ -33,6 +33,11 @@ def pytest_addoption(parser):
     group.addoption("--chaos-seed", type=int, action="append", default=[], help="replay this seed (repeatable)")
     group.addoption("--chaos-rounds", type=int, default=1, help="how many seeds to run (default 1)")
     group.addoption("--chaos-first-seed", type=int, default=1, help="the first of the --chaos-rounds seeds")
+    group.addoption(
+        "--chaos-results",
+        default=None,
+        help="append one JSON line per chaos run to this file (seed, faults by kind, violations, seconds, outcome)",
+    )
 
 
 def pytest_configure(config):

@@ -92,6 +92,8 @@ class Summary:
 
 
 SUMMARY = Summary()
+RUNS: dict[str, dict[str, Any]] = {}
+"""What each chaos run threw and found, by test id (``_record`` in test_chaos); the results file's lines."""
 
 
 @dataclass

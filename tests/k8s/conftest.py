@@ -79,10 +79,38 @@ def tpu_nodes(real_cluster: RealCluster, namespace: str) -> Iterator[Callable[..
 
 
 def pytest_runtest_makereport(item, call):
-    """Attach the control plane's log tails to a failing tier test's report."""
+    """Attach the control plane's log tails to a failing tier test's report; note each chaos run's result."""
+    if item.path.name == "test_chaos.py" and item.config.getoption("--chaos-results"):
+        _chaos_result(item, call)
     if call.when != "call" or call.excinfo is None or "cluster" not in _STARTED:
         return
     item.add_report_section("call", "control-plane logs", _STARTED["cluster"].tails(25))
+
+
+def _chaos_result(item, call) -> None:
+    """With ``--chaos-results FILE``: one JSON line per chaos run once its teardown ended, whatever ended it (the
+    soak's record, ``tools/chaos_soak.py``): seed, outcome, seconds, faults by kind, invariant violations, notes."""
+    import json
+
+    import chaos
+
+    seen = item.stash.setdefault(_CHAOS_KEY, {"seconds": 0.0, "outcome": "passed"})
+    seen["seconds"] += call.duration
+    if call.excinfo is not None and seen["outcome"] == "passed":
+        seen["outcome"] = (
+            f"{'failed' if call.when == 'call' else 'error'}: {call.excinfo.exconly().splitlines()[0][:200]}"
+        )
+    if call.when != "teardown":
+        return
+    run = chaos.RUNS.pop(item.nodeid, {})
+    seed = item.callspec.params.get("seed") if hasattr(item, "callspec") else None
+    line = {"test": item.originalname, "seed": seed, "outcome": seen["outcome"], "seconds": round(seen["seconds"], 1)}
+    line |= {"faults": run.get("faults", {}), "violations": run.get("violations"), "notes": run.get("notes", [])}
+    with open(item.config.getoption("--chaos-results"), "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+_CHAOS_KEY = pytest.StashKey[dict]()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -298,9 +326,21 @@ def cpu_hosts(real_cluster: RealCluster, argo, pods_gcs, tmp_path_factory) -> It
 def uninterrupted(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator) -> Iterator[tuple]:
     """One run of the local file that nothing disturbs, ended (the run, its Workflow): the reference the runs that
     fail and recover are compared with."""
+    yield from _undisturbed(real_cluster, cpu_hosts, gcs_emulator, None)
+
+
+@pytest.fixture(scope="session")
+def chaos_uninterrupted(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator) -> Iterator[tuple]:
+    """The same for the chaos runs' smaller job (``trainers.chaos_shape``)."""
     import trainers
 
-    r = trainers.new_run(real_cluster, cpu_hosts, gcs_emulator)
+    yield from _undisturbed(real_cluster, cpu_hosts, gcs_emulator, trainers.chaos_shape)
+
+
+def _undisturbed(real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, shape) -> Iterator[tuple]:
+    import trainers
+
+    r = trainers.new_run(real_cluster, cpu_hosts, gcs_emulator, shape=shape)
     try:
         ended = trainers.run_undisturbed(r)
     finally:

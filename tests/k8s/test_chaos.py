@@ -1,5 +1,7 @@
 """Chaos runs: ``argo/local-cpu.yaml`` with real trainers on the real controllers while a seeded schedule throws
-faults at every dependency (``chaos``), then every invariant checked (``chaos.INVARIANTS``).
+faults at every dependency (``chaos``), then every invariant checked (``chaos.INVARIANTS``). The file's job is
+shrunk for them (``trainers.chaos_shape``: two hosts, 30 steps, a checkpoint every 5), so that one run ends within
+5 minutes; the faults' window is fitted to its undisturbed run.
 
 ``pytest -m chaos`` runs ``--chaos-rounds`` seeds from ``--chaos-first-seed`` (1 from 1 by default: what
 ``pytest -m k8s`` and CI run) and every regression seed; ``--chaos-seed N`` replays one schedule (repeatable). A
@@ -20,7 +22,7 @@ import pytest
 from argoctl import LOCAL_ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import REPO, CpuHosts
-from trainers import clean_run, final_digest, new_run
+from trainers import chaos_shape, clean_run, final_digest, new_run
 
 from recovery_steps.kernel.config import load_config
 
@@ -87,12 +89,12 @@ def _kill_a_worker(r: Any, kills: list[dict[str, Any]], notes: list[str]) -> Non
 
 @pytest.mark.timeout(CHAOS_TEST_LIMIT_S)
 def test_no_fault_kills_a_healthy_gang_stops_the_run_or_costs_a_step(
-    seed: int, real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, pods_gcs, uninterrupted, tmp_path
+    seed: int, real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, pods_gcs, chaos_uninterrupted, tmp_path
 ):
     """Six faults of the seed's schedule (and, for half the seeds, one real worker failure) thrown at a run of
     real trainers; the run Succeeds with the undisturbed run's parameters and every invariant holds."""
-    ref, _ = uninterrupted
-    r = new_run(real_cluster, cpu_hosts, gcs_emulator, prefix=f"chaos{seed}")
+    ref, _ = chaos_uninterrupted
+    r = new_run(real_cluster, cpu_hosts, gcs_emulator, prefix=f"chaos{seed}", shape=chaos_shape)
     faults, kill = chaos.schedule(seed, window_s=max(30.0, 0.8 * ref.seconds))
     log = chaos.FaultLog(tmp_path / "faults.jsonl")
     sa = load_config(REPO / "configs" / LOCAL_ARGO_FILE).service_account
@@ -250,12 +252,22 @@ def _why_not_ended(r: Any, wf: dict[str, Any]) -> tuple[str, bool]:
     return "\n".join(lines), stale
 
 
+def _current_test() -> str:
+    """The running test's node id (pytest sets it in the environment for the duration of each phase)."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+
+
 def _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf) -> str:
     """Count the run in the session's summary; its report (printed, and the failure message)."""
     s = chaos.SUMMARY
     s.runs += 1
     s.kinds.update(log.kinds)
     s.violations += len(violations)
+    chaos.RUNS[_current_test()] = {
+        "faults": dict(log.kinds),
+        "violations": len(violations),
+        "notes": [n.splitlines()[0][:200] for n in notes if n],
+    }
     if violations:
         s.failing.append(seed)
     report = "\n".join(
@@ -318,18 +330,18 @@ def _exists(objs: Any, where: tuple[str, ...], name: str) -> bool:
 
 @pytest.mark.timeout(CHAOS_TEST_LIMIT_S)
 def test_an_operator_stop_then_the_same_file_again_resumes_under_faults(
-    seed: int, real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, pods_gcs, uninterrupted, tmp_path
+    seed: int, real_cluster: RealCluster, cpu_hosts: CpuHosts, gcs_emulator, pods_gcs, chaos_uninterrupted, tmp_path
 ):
     """While the seed's faults fly, an operator stops, terminates or deletes the Workflow once a checkpoint has
     committed, then submits the file again with the same run id, as it was, with a safe config change, or first
     with an unsafe one (refused: it ends Failed and deletes nothing) and then as it was: the last Workflow adopts
     or restores the run and Succeeds with the undisturbed run's parameters; never two live gangs, and nothing the
     stop ended is charged."""
-    ref, _ = uninterrupted
+    ref, _ = chaos_uninterrupted
     rng = random.Random(seed)
     action = rng.choice(OPERATOR_ACTIONS)
     again = rng.choice(RESUBMISSIONS)
-    r = new_run(real_cluster, cpu_hosts, gcs_emulator, prefix=f"op{seed}")
+    r = new_run(real_cluster, cpu_hosts, gcs_emulator, prefix=f"op{seed}", shape=chaos_shape)
     faults, _ = chaos.schedule(seed + 10_000, window_s=max(30.0, 0.8 * ref.seconds), faults=4)
     log = chaos.FaultLog(tmp_path / "faults.jsonl")
     sa = load_config(REPO / "configs" / LOCAL_ARGO_FILE).service_account

@@ -149,3 +149,24 @@ def test_the_metadata_faults_leave_a_seeds_other_faults_as_they_were(monkeypatch
     monkeypatch.setattr(chaos, "_metadata_faults", lambda seed, window_s: [])
     without, kill_before = chaos.schedule(7, 60)
     assert [f for f in with_md if f.kind in chaos.KINDS] == without and kill == kill_before
+
+
+def test_the_soak_totals_count_runs_faults_violations_and_name_each_failing_seed(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chaos_soak", Path(__file__).parents[2] / "tools" / "chaos_soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    results = tmp_path / "soak.jsonl"
+    rows = [
+        {"test": "t", "seed": 101, "outcome": "passed", "seconds": 80.0, "faults": {"gcs-error": 2}, "violations": 0},
+        {"test": "t", "seed": 102, "outcome": "failed: boom", "seconds": 200.0, "faults": {"gcs-error": 1,
+         "apiserver-restart": 1}, "violations": 2},
+    ]  # fmt: skip
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = soak.totals(results)
+    assert out.splitlines()[0] == (
+        "chaos soak: 2 run(s), 1 passed, 2 invariant violation(s), 4 fault(s) (apiserver-restart 1, gcs-error 3)"
+    )
+    assert "max 200" in out and "t[seed102]: failed: boom" in out
+    assert soak.totals(tmp_path / "none.jsonl").startswith("chaos soak: 0 run(s)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ class TrainerRun:
     name: str = ""
     seconds: float = 0.0
     nodes: set[str] = field(default_factory=set)
+    gang: int = HOSTS  # worker processes of the run's gang
+    shape: Callable[[dict[str, Any]], None] | None = None  # what the run changes in the file's config, if anything
 
     @property
     def ns(self) -> str:
@@ -45,7 +48,13 @@ class TrainerRun:
     def submit(self, params: dict[str, str] | None = None, edit_config=None) -> str:
         """Submit the file for this run (``params`` over its own, ``edit_config``: ``argoctl.submit``)."""
         params = {"store-root": self.store_root, "run-id": self.run_id, **(params or {})}
-        wf = argoctl.submit(self.rc, REPO / "argo" / LOCAL_ARGO_FILE, params, edit_config=edit_config)
+        edits = [e for e in (self.shape, edit_config) if e is not None]
+
+        def edit(cfg: dict[str, Any]) -> None:
+            for e in edits:
+                e(cfg)
+
+        wf = argoctl.submit(self.rc, REPO / "argo" / LOCAL_ARGO_FILE, params, edit_config=edit if edits else None)
         self.name = wf["metadata"]["name"]
         return self.name
 
@@ -61,9 +70,10 @@ class TrainerRun:
 
         def running():
             pods = [p for p in self.rc.pods(self.ns, sel) if p["status"].get("phase") == "Running"]
-            return sorted(pods, key=lambda p: int(p["metadata"]["labels"][INDEX])) if len(pods) >= HOSTS else None
+            n = self.gang
+            return sorted(pods, key=lambda p: int(p["metadata"]["labels"][INDEX])) if len(pods) >= n else None
 
-        return self.until(f"{HOSTS} worker pods Running of attempt {attempt}", running, timeout, 0.5)
+        return self.until(f"{self.gang} worker pods Running of attempt {attempt}", running, timeout, 0.5)
 
     def committed_past(self, attempt: int, timeout: float = 300) -> tuple[int, int]:
         """Wait until a checkpoint has committed (manifest written) and the attempt trained past it; both steps."""
@@ -72,10 +82,10 @@ class TrainerRun:
             steps = [s for s in self.store.checkpoint_steps() if self.store.exists(RunLayout.checkpoint_manifest(s))]
             beats = [
                 self.store.read_json(RunLayout.heartbeat(attempt, i))
-                for i in range(HOSTS)
+                for i in range(self.gang)
                 if self.store.exists(RunLayout.heartbeat(attempt, i))
             ]
-            step = min((b["step"] for b in beats), default=None) if len(beats) == HOSTS else None
+            step = min((b["step"] for b in beats), default=None) if len(beats) == self.gang else None
             return (steps[-1], step) if steps and step is not None and step > steps[-1] else None
 
         return self.until(f"attempt {attempt} past a committed checkpoint", past, timeout, 0.2)
@@ -127,11 +137,31 @@ def clean_run(rc: RealCluster, ns: str, run_id: str) -> None:
 BUCKET = "tier-trainers"  # created in the session's GCS emulator
 
 
-def new_run(rc: RealCluster, hosts: CpuHosts, gcs_emulator: Any, prefix: str = "tier") -> TrainerRun:
-    """A run with a run id and a GCS prefix of its own (not submitted yet)."""
+CHAOS_HOSTS = 2
+CHAOS_STEPS = 30
+CHAOS_INTERVAL = 5
+
+
+def chaos_shape(cfg: dict[str, Any]) -> None:
+    """The chaos runs' job: the local file's on two hosts, 30 steps, a checkpoint every 5 (its faults find a gang
+    of two as they find one of four, at half the start-up, and a checkpoint to lose every few steps)."""
+    cfg["slice"]["hosts"] = CHAOS_HOSTS
+    cfg["training"]["total_steps"] = CHAOS_STEPS
+    cfg["checkpoint"]["interval_steps"] = CHAOS_INTERVAL
+
+
+def new_run(
+    rc: RealCluster,
+    hosts: CpuHosts,
+    gcs_emulator: Any,
+    prefix: str = "tier",
+    shape: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainerRun:
+    """A run with a run id and a GCS prefix of its own (not submitted yet); ``shape``: ``chaos_shape`` or None."""
     gcs_emulator.create_bucket(BUCKET)
     run_id = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    return TrainerRun(rc, hosts, f"gs://{BUCKET}/{run_id}", run_id)
+    n = CHAOS_HOSTS if shape is chaos_shape else HOSTS
+    return TrainerRun(rc, hosts, f"gs://{BUCKET}/{run_id}", run_id, gang=n, shape=shape)
 
 
 def run_undisturbed(r: TrainerRun) -> tuple[TrainerRun, dict[str, Any]]:
