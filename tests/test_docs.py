@@ -111,3 +111,16 @@ def test_the_scenario_tables_of_the_docs_are_the_scenario_table():
         assert ("Failed" in outcome) == (s.ends == "Failed"), (name, outcome, s.ends)
     for s in SCENARIO_TABLE:
         assert f"`{s.name}`" in README, s.name
+
+
+def test_the_testing_guide_has_one_row_per_area_with_its_commands():
+    """docs/TESTING.md's area table is the area table of the tests (tests/support/areas.py): one row each, in the
+    same order, naming the markers its commands select by."""
+    from support.areas import AREAS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "TESTING.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \|(.*)$", doc.split("## Checking one change", 1)[1].split("\n## ", 1)[0], re.M)
+    assert [a for a, _ in rows] == list(AREAS), "the area table's rows are not tests/support/areas.py's areas"
+    for area, rest in rows:
+        assert f'-m "{area} and not k8s"' in rest or "no fast tests" in rest, area
+        assert f'-m "k8s and {area}"' in rest or "no tier tests" in rest, area

@@ -281,7 +281,7 @@ def test_kill_script_sigkills_the_trainer_unless_it_is_pid_1(tmp_path, trainer_i
             assert init.poll() is None  # still alive: nothing from inside can SIGKILL a namespace's init
         finally:
             init.kill()
-            init.wait()
+            init.wait(timeout=30)
         return
     py = sys.executable
     body = f"{py} -c '{fake}' -m trainer & sleep 0.3; {py} {script}; echo rc=$?; wait $!; echo w=$?"

@@ -434,7 +434,7 @@ def _race_restore_latest(root: Path, threads: int = 6) -> list[str]:
     barrier, steps, errors = threading.Barrier(threads), [], []
 
     def one() -> None:
-        barrier.wait()
+        barrier.wait(timeout=60)
         try:
             steps.append(str(restore_latest.run(RunStore(str(root), RUN), 1).selection.step))
         except BaseException as e:  # noqa: BLE001 - a traceback is the failure this test looks for
@@ -444,7 +444,8 @@ def _race_restore_latest(root: Path, threads: int = 6) -> list[str]:
     for t in started:
         t.start()
     for t in started:
-        t.join()
+        t.join(120)
+    assert not any(t.is_alive() for t in started), "a racer did not finish within 120 s"
     assert errors == []
     return steps
 

@@ -34,13 +34,15 @@ def clients():
     for t in joins:
         t.start()
     for t in joins:
-        t.join()
+        t.join(60)
+    assert not any(t.is_alive() for t in joins), "a client did not connect within 60 s"
     yield cs
     downs = [threading.Thread(target=c.shutdown) for c in cs]  # a shutdown barrier: both at once
     for t in downs:
         t.start()
     for t in downs:
-        t.join()
+        t.join(60)
+    assert not any(t.is_alive() for t in downs), "a client did not shut down within 60 s"
     service.shutdown()
 
 

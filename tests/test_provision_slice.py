@@ -217,7 +217,7 @@ def test_local_stops_leftover_workers_and_picks_free_ports(store_root, tmp_path)
     finally:
         for p in [*mine, other]:
             p.kill()
-            p.wait()
+            p.wait(timeout=30)
     assert out["jobset-name"] == f"{run_id}-a3"
     coord, base = int(out["coordinator-port"]), int(out["metrics-port"])
     assert coord not in range(base, base + 4)

@@ -176,7 +176,8 @@ def test_concurrent_appends_lose_nothing(store_root):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a writer did not finish within 120 s"
     assert errors == []
     stored = Ledger.model_validate(store.read_json(RunLayout.LEDGER))
     assert sorted(a.attempt for a in stored.attempts) == list(range(6))

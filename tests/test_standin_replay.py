@@ -153,4 +153,4 @@ def test_a_supervisor_lost_later_ends_its_node_as_argo_ends_a_deleted_pod(tmp_pa
     assert ex.live == {sl.jobset: sl}  # the gang runs on for the retried supervisor to re-attach to
     for w in sl.workers:
         sl.signal_worker(w.index, signal.SIGKILL)
-        w.proc.wait()
+        w.proc.wait(timeout=30)

@@ -64,7 +64,8 @@ def test_concurrent_read_modify_write_loses_no_update(store):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a writer did not finish within 120 s"
     assert store.read_json("counter.json") == {"n": 20}
 
 

@@ -79,7 +79,8 @@ def listen_in_netns(pid: int, host: str = "127.0.0.1") -> socket.socket:
 
     t = threading.Thread(target=make, name="netns-listen")
     t.start()
-    t.join()
+    t.join(30)
+    assert not t.is_alive(), "the network namespace's listener was not made within 30 s"
     if "error" in got:
         raise got["error"]
     return got["socket"]

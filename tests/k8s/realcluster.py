@@ -47,6 +47,7 @@ EXIT_CODE_ANNOTATION = "jaxrec.test/exit-code"
 EXIT_REASON_ANNOTATION = "jaxrec.test/exit-reason"
 NEVER_PULLS_IMAGE = "registry.invalid/never-pulls:0"
 NODE_LEASE_S = 4  # KWOK renews every lease/4 s
+RESTART_LIMIT_S = 120.0  # one component stopped and started again (an API server waits for etcd and its caches)
 NODE_MONITOR_GRACE_S = 8  # NotReady (Unknown) after this long without a renewal
 # DefaultTolerationSeconds for not-ready/unreachable (300 s by default): taint eviction marks the pods on a lost
 # node this long after the taint. Shortened so that a lost-node test takes seconds.
@@ -457,7 +458,7 @@ class RealCluster:
             comp.stop()
             comp.start()
 
-        _STARTER.submit(again).result()
+        _STARTER.submit(again).result(timeout=RESTART_LIMIT_S)
         if name == "jobset":
             self.wait_jobset_webhooks()
 

@@ -65,7 +65,7 @@ def test_app_bug_fails_the_workflow_with_class_application_once_its_budget_is_sp
     for attempt in (0, 1):
         pods = argo_run.workers(attempt)
         argo_run.rc.exit_pod(argo_run.ns, pods[1]["metadata"]["name"], 42)
-    wf = argo_run.wait_done(300)
+    wf = argo_run.wait_done(200)
     report = argoctl.summary(wf)
     assert wf["status"]["phase"] == "Failed", report
     verdicts = [argoctl.outputs(n) for n in argoctl.pods_of(wf, "classify-failure")]
@@ -114,7 +114,7 @@ def test_a_recoverable_failure_is_a_new_attempt_and_the_run_succeeds(argo_run, s
     argo_run.workers(1)
     argo_run.beat(1, 12)
     argo_run.exit_all(1, 0)
-    wf = argo_run.wait_done(300)
+    wf = argo_run.wait_done(200)
     report = argoctl.summary(wf)
     assert wf["status"]["phase"] == "Succeeded", report
     verdicts = [argoctl.outputs(n) for n in argoctl.pods_of(wf, "classify-failure")]
@@ -152,7 +152,7 @@ def test_supervisor_lost_an_evicted_supervisor_is_retried_and_reattaches_to_the_
     argo_run.beat(0, 15)
     assert [p["metadata"]["uid"] for p in argo_run.workers(0)] == [p["metadata"]["uid"] for p in workers]
     argo_run.exit_all(0, 0)
-    wf = argo_run.wait_done(300)
+    wf = argo_run.wait_done(200)
     report = argoctl.summary(wf)
     assert wf["status"]["phase"] == "Succeeded", report
     *lost, last = argoctl.pods_of(wf, "train-segment")

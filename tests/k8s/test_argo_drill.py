@@ -68,7 +68,7 @@ class Drilled:
             self.store.write_record(RunLayout.heartbeat(attempt, i), hb)
 
     def wait(self) -> drill.DrillResult:
-        self.thread.join(480)
+        self.thread.join(200)
         assert not self.thread.is_alive(), "the drill did not end"
         if self.error is not None:
             raise self.error

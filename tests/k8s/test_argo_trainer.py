@@ -75,7 +75,7 @@ def test_kill_worker_a_sigkilled_trainer_is_recovered_from_a_real_checkpoint(tra
     committed, at = r.committed_past(0)
     victim = pods[2]
     os.kill(r.hosts.pid(victim), signal.SIGKILL)
-    wf = r.wait_done(600)
+    wf = r.wait_done(200)
     report = argoctl.summary(wf)
     assert wf["status"]["phase"] == "Succeeded", report
     verdicts = [argoctl.outputs(n) for n in argoctl.pods_of(wf, "classify-failure")]

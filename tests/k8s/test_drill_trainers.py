@@ -40,7 +40,7 @@ class TrainerDrill:
         cluster = drill.Cluster(self.rc.admin, self.target.namespace)
         t0 = time.monotonic()
         injection = drill.Injection(fault, after_step, after_checkpoint)
-        res = drill.run_drill(cluster, self.target, injection, timeout_s=600, store=self.store, say=self.lines.append)
+        res = drill.run_drill(cluster, self.target, injection, timeout_s=200, store=self.store, say=self.lines.append)
         print("\n".join([*self.lines, *drill.measures_table(res.incidents), f"{time.monotonic() - t0:.0f} s"]))
         return res
 

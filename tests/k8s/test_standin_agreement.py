@@ -120,7 +120,7 @@ def test_the_stand_in_decides_as_the_real_controller_did(real_run, scenario):
     t0 = time.monotonic()
     real_run.submit()
     SCENARIOS[scenario](real_run)
-    wf = real_run.wait_done(300)
+    wf = real_run.wait_done(200)
     report = argoctl.summary(wf)
     rec = argo_replay.record(wf)
     _save(scenario, rec)

@@ -140,6 +140,7 @@ BUCKET = "tier-trainers"  # created in the session's GCS emulator
 CHAOS_HOSTS = 2
 CHAOS_STEPS = 30
 CHAOS_INTERVAL = 5
+CHAOS_COORDINATION_HEARTBEAT_S = 15
 
 
 def chaos_shape(cfg: dict[str, Any]) -> None:
@@ -148,6 +149,10 @@ def chaos_shape(cfg: dict[str, Any]) -> None:
     cfg["slice"]["hosts"] = CHAOS_HOSTS
     cfg["training"]["total_steps"] = CHAOS_STEPS
     cfg["checkpoint"]["interval_steps"] = CHAOS_INTERVAL
+    # The control plane restarts on the gang's own two cores here (never on a slice's hosts): seed 1 once starved
+    # worker 0's JAX coordination heartbeat past the local 5 s while the API server restarted under a slowed etcd,
+    # and both workers exited 20 on a healthy gang. A killed worker is still found at once (its pod fails the Job).
+    cfg["training"]["heartbeat_timeout_s"] = CHAOS_COORDINATION_HEARTBEAT_S
 
 
 def new_run(
@@ -169,7 +174,7 @@ def run_undisturbed(r: TrainerRun) -> tuple[TrainerRun, dict[str, Any]]:
     t0 = time.monotonic()
     r.submit()
     r.nodes = {p["spec"]["nodeName"] for p in r.workers(0)}
-    wf = r.wait_done(420)
+    wf = r.wait_done(240)
     r.seconds = time.monotonic() - t0
     return r, wf
 

@@ -135,7 +135,7 @@ class Gang:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+                p.wait(timeout=30)
 
     def signal(self, index: int, sig: int = signal.SIGKILL) -> float:
         """Send ``sig`` to worker ``index``; return when (epoch s)."""
