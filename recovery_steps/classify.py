@@ -49,8 +49,17 @@ FAILED_CREATE = "FailedCreate"
 # (the mutating webhook then sets the follower's node selector, and the Job controller's retry is admitted): "an
 # expected, transient error" in jobset v0.12.0 pkg/webhooks/pod_webhook.go ``ValidateCreate``. No refusal.
 JOBSET_SEQUENCING = re.compile(
-    r"follower pod node selector (not set|for topology domain not found)|leader pod not yet scheduled", re.I
+    r"follower pod node selector (not set|for topology domain not found)|leader pod not yet scheduled"
+    r"|expected 1 leader pod",
+    re.I,
 )
+# Refusals that say the API could not decide yet, and that the Job controller's next try gets past: ResourceQuota
+# admission refuses every pod it charges while the quota's status lacks the usage of one of its resources ("status
+# unknown for quota: NAME, resources: ...", kubernetes plugin/pkg/admission/resourcequota/controller.go
+# ``CheckRequest``), until the quota controller has counted it; JobSet's webhook refuses a follower pod while the
+# leader pod is missing or doubled (``leaderPodForFollower``: "expected 1 leader pod (NAME), but got N. this is an
+# expected, transient error", jobset v0.12.0 pkg/webhooks/pod_webhook.go). No refusal either.
+TRANSIENT_REFUSALS = re.compile(r"status unknown for quota|this is an expected, transient error", re.I)
 # What the refusal says, first match wins: (pattern, class, what refused the pods, the fix). A spent ResourceQuota
 # is a 403 "is forbidden: exceeded quota" too, so it comes before the other refusals; a webhook that cannot be
 # called (500 "failed calling webhook") is a fault of the webhook's service, not of the pods.
@@ -81,10 +90,25 @@ CREATE_REFUSALS: tuple[tuple[re.Pattern[str], FailureClass, str, str], ...] = (
         "retried; check the webhook's service if this repeats",
     ),
     (
-        re.compile(r"forbidden", re.I),
+        # LimitRanger admission (plugin/pkg/admission/limitranger): "maximum memory usage per Container is 64Gi,
+        # but limit is 400Gi", and the minimum, ratio and default forms of the same sentence.
+        re.compile(r"(?:maximum|minimum) \S+ usage per (\w+) is|\S+ max limit to request ratio per (\w+) is", re.I),
         FailureClass.CONFIGURATION,
-        "the API server forbids them",
-        "fix what the message names (a LimitRange, the ServiceAccount, a policy)",
+        "the namespace's LimitRange forbids them",
+        "fix the workers' requests and limits (worker_resources) or the LimitRange",
+    ),
+    (
+        # ServiceAccount admission: "error looking up service account NS/NAME: serviceaccount NAME not found".
+        re.compile(r"error looking up service account ([\w./-]+)", re.I),
+        FailureClass.CONFIGURATION,
+        "the API server forbids them: no service account {0}",
+        "apply argo/rbac.yaml in the namespace, or name an existing account (worker_service_account)",
+    ),
+    (
+        re.compile(r"forbidden", re.I),
+        FailureClass.UNKNOWN,
+        "the API server forbids them, for a reason the classifier does not know",
+        "read the message: a LimitRange, the ServiceAccount or a policy needs fixing, or it passes on a retry",
     ),
 )
 
@@ -544,7 +568,7 @@ def create_refusal(event: str) -> tuple[FailureClass, str] | None:
         not a FailedCreate (``CREATE_REFUSALS``).
     """
     reason, _, msg = event.partition(": ")
-    if reason != FAILED_CREATE or JOBSET_SEQUENCING.search(msg):
+    if reason != FAILED_CREATE or JOBSET_SEQUENCING.search(msg) or TRANSIENT_REFUSALS.search(msg):
         return None
     for pattern, cls, what, fix in CREATE_REFUSALS:
         m = pattern.search(msg)

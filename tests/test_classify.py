@@ -856,6 +856,22 @@ JOBSET_LEADER = (
     "yet scheduled, not creating follower pod. this is an expected, transient error"
 )
 
+# JobSet's webhook while the leader pod is gone or doubled (a restart racing the Job controller), and ResourceQuota
+# admission while the quota controller has not counted a resource yet: both pass on the Job controller's retry.
+JOBSET_NO_LEADER = (
+    'FailedCreate: Error creating: admission webhook "vpod.kb.io" denied the request: expected 1 leader pod '
+    "(js-workers-0-0), but got 0. this is an expected, transient error"
+)
+QUOTA_UNKNOWN = (
+    'FailedCreate: Error creating: pods "js-workers-0-1-q2x9z" is forbidden: status unknown for quota: tpu-quota, '
+    "resources: google.com/tpu"
+)
+# A refusal no rule names: what it means is not known, so it is not called configuration (budget 0).
+UNRECOGNISED = (
+    'FailedCreate: Error creating: pods "js-workers-0-0-x8k2p" is forbidden: node affinity of the pod is not '
+    "allowed in this namespace by the cluster's placement policy"
+)
+
 # (id, the Job's warning event, the class (None: not a refusal), fragments of the line)
 CREATE_REFUSALS = [
     (
@@ -877,12 +893,15 @@ CREATE_REFUSALS = [
         FailureClass.INFRASTRUCTURE,
         ["validation.gatekeeper.sh could not be called", "context deadline exceeded"],
     ),
-    ("limit-range", LIMIT_RANGE, FailureClass.CONFIGURATION, ["forbids them", "limit is 400Gi", "LimitRange"]),
-    ("service-account", NO_ACCOUNT, FailureClass.CONFIGURATION, ["forbids them", "jax-recovery-worker"]),
+    ("limit-range", LIMIT_RANGE, FailureClass.CONFIGURATION, ["LimitRange forbids them", "limit is 400Gi"]),
+    ("service-account", NO_ACCOUNT, FailureClass.CONFIGURATION, ["no service account training/jax-recovery-worker"]),
+    ("unrecognised", UNRECOGNISED, FailureClass.UNKNOWN, ["does not know", "node affinity"]),
     ("another-warning", "FailedScheduling: 0/8 nodes are available: 8 Insufficient google.com/tpu.", None, []),
     ("backoff", "BackoffLimitExceeded: Job has reached the specified backoff limit", None, []),
     ("jobset-follower-before-leader", JOBSET_FOLLOWER, None, []),
     ("jobset-leader-not-scheduled", JOBSET_LEADER, None, []),
+    ("jobset-leader-missing", JOBSET_NO_LEADER, None, []),
+    ("quota-status-unknown", QUOTA_UNKNOWN, None, []),
 ]
 
 

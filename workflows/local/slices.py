@@ -147,7 +147,7 @@ class LocalSlice:
             self.expected_exit.add(index)
             self.signal_worker(index, signal.SIGKILL)
             if w.proc is not None:
-                w.proc.wait()
+                w.proc.wait(timeout=30)  # SIGKILLed: only an uninterruptible sleep holds it this long
             w.restarts += 1
             self.spawn(w)
             self.expected_exit.discard(index)
