@@ -36,7 +36,7 @@ from recovery_steps.evidence import (
 )
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkpoint_step
-from recovery_steps.kernel.config import JobConfig, RetryConfig
+from recovery_steps.kernel.config import ARGO_MAX_DEPTH, JobConfig, RetryConfig, segment_pod_depth
 from recovery_steps.kernel.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.kube import uses_cluster
@@ -229,19 +229,28 @@ def run(
         read_ledger(store)  # a damaged ledger is refused before anything is written
         ev = gather(store, cfg, attempt, closing.jobset, api_client=api_client, step_exit_code=step_exit_code)
         lost = orphaned_gang(ev)
+        resupervised = _resupervised_in(store, closing.workflow, attempt)
         if lost is not None:
             losses = store.read_record(RunLayout.supervisor_losses(attempt), SupervisorLosses)
             losses = losses or SupervisorLosses(attempt=attempt)
-            if len(losses.at) < MAX_SUPERVISOR_LOSSES:
+            ran = _attempts_in(store, closing.workflow, attempt)
+            deep = segment_pod_depth(ran, resupervised + 1) >= ARGO_MAX_DEPTH
+            if deep:
+                ev.notes.append(
+                    f"{lost}; supervising it again would nest {segment_pod_depth(ran, resupervised + 1)} calls deep "
+                    f"and Argo refuses {ARGO_MAX_DEPTH}: the attempt is closed"
+                )
+            elif len(losses.at) < MAX_SUPERVISOR_LOSSES:
                 losses = losses.model_copy(update={"at": [*losses.at, clock()], "reasons": [*losses.reasons, lost]})
                 store.write_record(RunLayout.supervisor_losses(attempt), losses)
                 again = _resupervise(store, cfg, closing, ev, lost, len(losses.at))
                 if output_dir is not None:
                     write_outputs(Path(output_dir), again)
                 return again
-            ev.notes.append(f"{lost}; lost {len(losses.at)} times already: the attempt is closed")
+            else:
+                ev.notes.append(f"{lost}; lost {len(losses.at)} times already: the attempt is closed")
         verdict = classify(ev)
-        decision, record, ledger = close_attempt(store, cfg, closing, ev, verdict, clock)
+        decision, record, ledger = close_attempt(store, cfg, closing, ev, verdict, clock, resupervised)
     spent = budget_exhausted(decision, verdict.failure_class, cfg.retry)
     result = ClassifyResult(verdict, decision, record, ledger, ev, spent)
     if output_dir is not None:
@@ -256,8 +265,12 @@ def close_attempt(
     ev: Evidence,
     verdict: Verdict,
     clock: Callable[[], float],
+    resupervised: int = 0,
 ) -> tuple[RetryDecision, AttemptRecord, Ledger]:
-    """Close the attempt in the ledger with its class and the retry decision; write its own record too."""
+    """Close the attempt in the ledger with its class and the retry decision; write its own record too.
+
+    ``resupervised``: supervisors re-attached in the attempt's Workflow (the hand-over counts their nesting).
+    """
     attempt = closing.ref.attempt
     started, ended = _timings(ev)
     base = AttemptRecord(
@@ -279,7 +292,7 @@ def close_attempt(
     holder: dict[str, Any] = {}
 
     def close(led: Ledger) -> Ledger:
-        d = decide(led.attempts, base, cfg.retry)
+        d = decide(led.attempts, base, cfg.retry, resupervised=resupervised)
         closed = clock()
         wait = backoff_wait(d.backoff_seconds, base.ended_at, closed) if d.decision != Decision.STOP else 0.0
         rec = base.model_copy(
@@ -297,6 +310,24 @@ def close_attempt(
     ledger = update_ledger(store, close)
     store.write_record(RunLayout.attempt_record(attempt), holder["record"])
     return holder["decision"], holder["record"], ledger
+
+
+def _attempts_in(store: RunStore, workflow: str | None, attempt: int) -> int:
+    """Attempts the Workflow ``workflow`` ran, ``attempt`` (not closed yet) included."""
+    ledger = store.read_record(RunLayout.LEDGER, Ledger)
+    closed = {a.attempt for a in (ledger.attempts if ledger else []) if workflow and a.workflow == workflow}
+    return len(closed | {attempt})
+
+
+def _resupervised_in(store: RunStore, workflow: str | None, attempt: int) -> int:
+    """Supervisors re-attached in the Workflow ``workflow`` so far (its attempts' ``SupervisorLosses``)."""
+    ledger = store.read_record(RunLayout.LEDGER, Ledger)
+    mine = {a.attempt for a in (ledger.attempts if ledger else []) if workflow and a.workflow == workflow}
+    n = 0
+    for a in sorted(mine | {attempt}):
+        losses = store.read_record(RunLayout.supervisor_losses(a), SupervisorLosses)
+        n += len(losses.at) if losses else 0
+    return n
 
 
 def _resupervise(

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from recovery_steps.kernel.config import RetryConfig
+from recovery_steps.kernel.config import ARGO_MAX_DEPTH, RetryConfig, segment_pod_depth
 from recovery_steps.kernel.contract import FAILURE_CLASSES, AttemptOutcome, Decision, FailureClass
 from recovery_steps.kernel.records import AttemptRecord, Ledger
 from recovery_steps.kernel.store import (
@@ -115,18 +115,22 @@ def failures_in_scope(attempts: Sequence[AttemptRecord], cls: FailureClass, scop
     return n
 
 
-def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: RetryConfig) -> RetryDecision:
+def decide(
+    previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: RetryConfig, *, resupervised: int = 0
+) -> RetryDecision:
     """Retry or stop after ``current`` failed, given the attempts closed before it.
 
     Args:
         previous: the ledger's attempts (an entry with ``current.attempt`` is ignored: re-runs are idempotent).
         current: the attempt being closed, with its class and checkpoint steps before and after.
         cfg: budgets per class, backoff, no-progress guard and the attempt cap.
+        resupervised: supervisors re-attached in ``current.workflow`` so far (each nests one template call deeper).
 
     Returns:
         The decision, a reason that names the budget when it stops, the backoff and the counts by class. A
-        retry after ``cfg.attempts_per_workflow`` attempts of ``current.workflow`` is ``HAND_OVER``: the same
-        retry, in a continuation Workflow of the run id.
+        retry after ``cfg.attempts_per_workflow`` attempts of ``current.workflow``, or one whose pods Argo would
+        refuse as nested too deep (``resupervised``: supervisors re-attached in that Workflow, each one call
+        deeper), is ``HAND_OVER``: the same retry, in a continuation Workflow of the run id.
     """
     cls = current.failure_class or FailureClass.UNKNOWN
     attempts = [a for a in previous if a.attempt != current.attempt] + [current]
@@ -159,12 +163,16 @@ def decide(previous: Sequence[AttemptRecord], current: AttemptRecord, cfg: Retry
     since = " since progress" if scope == "since_progress" else ""
     reason = f"{cls.value} retry {spent_k} of {budget}{since}, next attempt {current.attempt + 1} after {wait}s"
     ran = workflow_attempts(attempts, current.workflow)
-    if ran >= cfg.attempts_per_workflow:
-        # Every attempt nests one template call deeper: the next one runs in a continuation Workflow.
-        reason += (
-            f", in a continuation Workflow ({ran} attempts ran in {current.workflow}; "
-            f"retry.attempts_per_workflow={cfg.attempts_per_workflow})"
+    too_deep = ran > 0 and segment_pod_depth(ran + 1, resupervised) >= ARGO_MAX_DEPTH
+    if ran >= cfg.attempts_per_workflow or too_deep:
+        # Every attempt nests two template calls deeper: the next one runs in a continuation Workflow.
+        why = (
+            f"its pods would nest {segment_pod_depth(ran + 1, resupervised)} calls deep ({resupervised} "
+            f"supervisor(s) re-attached), Argo refuses {ARGO_MAX_DEPTH}"
+            if too_deep and ran < cfg.attempts_per_workflow
+            else f"retry.attempts_per_workflow={cfg.attempts_per_workflow}"
         )
+        reason += f", in a continuation Workflow ({ran} attempts ran in {current.workflow}; {why})"
         return RetryDecision(Decision.HAND_OVER, reason, wait, counts, k)
     return RetryDecision(Decision.RETRY, reason, wait, counts, k)
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 from support.fake_k8s import FakeCluster, status
 from support.provision_api import store_config as _store_config
 
@@ -89,9 +92,11 @@ def test_an_attempt_with_no_workflow_name_never_hands_over():
 def test_attempts_per_workflow_is_bounded_below_the_nesting_limit():
     from recovery_steps.kernel.config import ConfigError, parse_config
 
-    with pytest.raises(ConfigError) as e:
-        parse_config({"run_id": "r", "retry": {"attempts_per_workflow": 200}}, "cfg.yaml")
-    assert any("retry.attempts_per_workflow" in p for p in e.value.problems)
+    for too_many in (49, 200):  # the 49th attempt's pods would be Argo's 100th nested call
+        with pytest.raises(ConfigError) as e:
+            parse_config({"run_id": "r", "retry": {"attempts_per_workflow": too_many}}, "cfg.yaml")
+        assert any("retry.attempts_per_workflow" in p and "48" in p for p in e.value.problems)
+    assert parse_config({"run_id": "r", "retry": {"attempts_per_workflow": 48}}, "cfg.yaml").retry
 
 
 # --- the GKE path, against the Argo API faked at its HTTP boundary ------------------------------------------
@@ -279,5 +284,77 @@ def test_local_engine_errors_a_recursion_past_argos_limit_as_the_controller_does
     assert run.run() == ERROR
     (failure,) = run.failures
     assert failure["phase"] == ERROR and "Maximum recursion depth exceeded" in failure["message"]
-    # main, go and 98 levels of "again" run: the call one deeper than MAX_STACK_DEPTH is the one refused.
-    assert failure["displayName"].count(".") == MAX_STACK_DEPTH
+    # main (call 1), go (2) and 97 levels of "again" run: call MAX_STACK_DEPTH itself is the one refused (Argo's `>=`).
+    assert failure["displayName"].count(".") == MAX_STACK_DEPTH - 1
+
+
+# --- the deepest Workflow the config accepts, against Argo's rule ------------------------------------------
+
+
+class _Scripted:
+    """An executor over the compiled Workflow: every train-segment fails; classify-failure answers ``decisions``
+    in turn (then retry); every other step succeeds. Each container's declared outputs get plausible values."""
+
+    def __init__(self, decisions: list[str]):
+        self.decisions = list(decisions)
+        self.segments: list[str] = []  # the attempt of each train-segment pod run
+
+    def run_container(self, node, template):
+        from workflows.local.engine import FAILED, SUCCEEDED, NodeResult
+
+        names = [p["name"] for p in (template.get("outputs") or {}).get("parameters", [])]
+        out = dict.fromkeys(names, "0")
+        if node.template == "train-segment":
+            self.segments.append(node.attempt)
+            return NodeResult(FAILED, out, 1, "failed")
+        if node.template == "classify-failure":
+            decision = self.decisions.pop(0) if self.decisions else "retry"
+            out |= {"decision": decision, "next-attempt": str(int(node.attempt) + 1), "backoff-wait": "0"}
+            out |= {"failure-class": "infrastructure", "reason": "scripted", "attempts-by-class": "{}"}
+        if node.template == "validate-config":
+            out |= {"run-id": "deep", "first-attempt": "0", "hosts": "4", "store-root": "/tmp/x", "config-hash": "h"}
+        if node.template == "provision-slice":
+            out |= {"jobset-name": f"deep-a{node.attempt}"}
+        return NodeResult(SUCCEEDED, out, 0, "")
+
+    def stop_all(self):
+        """Nothing runs."""
+
+
+@pytest.mark.parametrize("resupervised", [0, 5])
+def test_the_deepest_workflow_the_config_accepts_runs_every_attempt_argo_would_and_no_more(resupervised):
+    """Every classify-failure retries (none hands over): the compiled Workflow, on the local engine that nests and
+    refuses as Argo's controller does, runs exactly as many attempts as ``segment_pod_depth`` says fit: 48, the
+    config's most, with no supervisor re-attached; fewer with some, which the hand-over counts."""
+    from recovery_steps.kernel.config import ARGO_MAX_DEPTH, MAX_ATTEMPTS_PER_WORKFLOW, segment_pod_depth
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "argo" / "local-cpu.yaml").read_text())
+    ex = _Scripted(["resupervise"] * resupervised)
+    run = WorkflowRun(doc, executor=ex, sleep=lambda _: None)
+    assert run.run() in (ERROR, "Failed")
+    refused = [f for f in run.failures if "Maximum recursion depth exceeded" in f.get("message", "")]
+    assert refused, run.failures
+    attempts = len(set(ex.segments))
+    assert segment_pod_depth(attempts, resupervised) < ARGO_MAX_DEPTH <= segment_pod_depth(attempts + 1, resupervised)
+    if resupervised == 0:
+        assert attempts == MAX_ATTEMPTS_PER_WORKFLOW == 48
+    # The hand-over comes before Argo's refusal: after the last attempt that fits, decide() hands over.
+    cfg = RetryConfig(attempts_per_workflow=MAX_ATTEMPTS_PER_WORKFLOW)
+    ledger = [_attempt(n, "wf-1") for n in range(attempts - 1)]
+    d = decide(ledger, _attempt(attempts - 1, "wf-1"), cfg, resupervised=resupervised)
+    assert d.decision is Decision.HAND_OVER, d.reason
+    if attempts > 1:
+        d = decide(ledger[:-1], _attempt(attempts - 2, "wf-1"), cfg, resupervised=resupervised)
+        assert d.decision is Decision.RETRY, d.reason
+
+
+def _attempt(n: int, workflow: str) -> AttemptRecord:
+    return AttemptRecord(
+        attempt=n,
+        outcome="failed",
+        failure_class=P,
+        reason="preempted",
+        checkpoint_step_before=n * 10,
+        checkpoint_step_after=(n + 1) * 10,
+        workflow=workflow,
+    )

@@ -563,6 +563,29 @@ def _default_scopes() -> dict[FailureClass, str]:
     return {c.cls: c.scope for c in FAILURE_CLASSES}  # why each: the table's comment
 
 
+ARGO_MAX_DEPTH = 100
+"""Argo's ``maxStackDepth``: the template call whose count reaches it is refused (argo-workflows v4
+workflow/controller/operator.go ``executeTemplate``: ``currentStackDepth++``, then ``>= maxStackDepth``)."""
+
+
+def segment_pod_depth(attempts: int, resupervised: int = 0) -> int:
+    """The template-call depth of the last attempt's train-segment and classify-failure pods in one Workflow.
+
+    ``main`` (1) calls ``attempt`` (2), which calls ``segment`` (3), which runs the pods (4); each next attempt is
+    called from the segment before it (two calls deeper: ``attempt``, ``segment``), each supervisor that re-attached
+    (``resupervise``: ``segment`` calls ``segment``) one deeper. The workflows tests hold the count to the DAG.
+
+    Args:
+        attempts: Attempts this Workflow ran, the last included (1 for its first).
+        resupervised: Supervisors re-attached in this Workflow so far.
+    """
+    return 4 + 2 * (attempts - 1) + resupervised
+
+
+MAX_ATTEMPTS_PER_WORKFLOW = max(n for n in range(1, ARGO_MAX_DEPTH) if segment_pod_depth(n) < ARGO_MAX_DEPTH)
+"""The most attempts one Workflow runs before Argo would refuse the last one's pods (48)."""
+
+
 LEASE_RENEW_MAX_S = 600.0
 """The supervisor renews the run lease six times per TTL, and at least this often (``recovery_steps.lease``)."""
 
@@ -607,10 +630,12 @@ class RetryConfig(_Section):
     attempts_per_workflow: int = Field(
         default=30,
         ge=1,
-        le=90,
+        le=MAX_ATTEMPTS_PER_WORKFLOW,
         description="Attempts one Workflow runs before it hands the run over to a continuation Workflow of the "
-        "same run id (each attempt nests one template call deeper and Argo refuses more than 100; the Workflow "
-        "object also grows by every attempt's nodes). Numbering, budgets and history carry over in the ledger.",
+        "same run id, at most 48: each attempt nests two template calls deeper and Argo refuses the 100th "
+        "(a supervisor that re-attached nests one more; the hand-over counts those too, so it may come earlier). "
+        "The Workflow object also grows by every attempt's nodes. Numbering, budgets and history carry over in "
+        "the ledger.",
     )
     provision_retry_limit: int = Field(
         default=10, ge=0, description="provision-slice retries while capacity is not available yet."

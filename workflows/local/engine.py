@@ -264,8 +264,10 @@ class WorkflowRun:
         tmpl = self.templates.get(template_name)
         if tmpl is None:
             raise WorkflowError(f"{display}: template {template_name!r} not found")
-        if depth > MAX_STACK_DEPTH:
-            # Argo's controller errors the node at this depth (maxAllowedStackDepth, workflow/controller).
+        if depth >= MAX_STACK_DEPTH:
+            # Argo's controller counts the call it is about to make and errors it when the count reaches the limit
+            # (argo-workflows v4 workflow/controller/operator.go ``executeTemplate``: ``currentStackDepth++``, then
+            # ``currentStackDepth >= maxStackDepth``): the entry template is call 1, call 100 is refused.
             node = NodeInfo(self._next_id(), display, task, tmpl["name"], attempt, 0, now())
             res = NodeResult(ERROR, message=f"Maximum recursion depth exceeded ({MAX_STACK_DEPTH} nested calls)")
             with self._lock:
