@@ -96,7 +96,9 @@ def test_attempts_per_workflow_is_bounded_below_the_nesting_limit():
         with pytest.raises(ConfigError) as e:
             parse_config({"run_id": "r", "retry": {"attempts_per_workflow": too_many}}, "cfg.yaml")
         assert any("retry.attempts_per_workflow" in p and "48" in p for p in e.value.problems)
-    assert parse_config({"run_id": "r", "retry": {"attempts_per_workflow": 48}}, "cfg.yaml").retry
+    with pytest.raises(ConfigError) as e:  # 48 is accepted: what is refused is the missing sections only
+        parse_config({"run_id": "r", "retry": {"attempts_per_workflow": 48}}, "cfg.yaml")
+    assert not any("retry" in p for p in e.value.problems), e.value.problems
 
 
 # --- the GKE path, against the Argo API faked at its HTTP boundary ------------------------------------------
