@@ -14,7 +14,7 @@ from support.provision_api import jobset as _jobset
 from support.provision_api import store_config as _store_config
 
 from recovery_steps import finalize, give_up, hand_over, lease
-from recovery_steps.kernel.contract import Decision, FailureClass
+from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
 from recovery_steps.kernel.records import AttemptRecord, HandOver, Ledger, RunLease
 from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import append_attempt
@@ -445,3 +445,36 @@ def test_the_failed_step_named_is_the_same_whatever_order_argo_lists_the_failure
     ledger = Ledger(run_id="x", attempts=[])
     reasons = {final_reason("Failed", ledger, list(p)) for p in itertools.permutations(failures)}
     assert reasons == {"provision-slice(2) failed: main: Error (exit code 3)"}
+
+
+def test_a_store_outage_at_the_last_lease_release_is_transient_and_the_retry_releases(gcs_emulator, monkeypatch):
+    """The exit handler recorded the run's end; the one write left, the lease's release, meets a 503: the step exits
+    transient (69) for Argo's retry, which finds the end recorded and releases the lease, never exit 1."""
+    from workflows.local.outage import OutageProxy
+
+    proxy = OutageProxy(gcs_emulator.url)
+    try:
+        for k, v in proxy.env(gcs_emulator.env).items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("JAXREC_STORE_RETRY_DEADLINE_S", "0.5")
+        root = f"gs://test-bucket/final-release-{id(proxy)}"
+        _store_config(root, "v5e-4x4.yaml")
+        store = RunStore(root, GKE_RUN)
+        _take(store)
+        release = lease.release
+
+        def down_then_release(s, holder):  # the outage begins with the release's own requests
+            proxy.down_for(60)
+            return release(s, holder)
+
+        monkeypatch.setattr(lease, "release", down_then_release)
+        args = ["--store-root", root, "--run-id", GKE_RUN, "--status", "Succeeded", "--holder", "uid-a"]
+        assert finalize.main(args) == ExitCode.TRANSIENT and proxy.refused >= 1
+        proxy.down_for(0)
+        monkeypatch.setattr(lease, "release", release)
+        assert not store.read_record(RunLayout.LEASE, RunLease).released
+        assert finalize.main(args) == 0  # Argo's retry of the exit handler
+        assert store.read_record(RunLayout.LEASE, RunLease).released
+        assert store.read_record(RunLayout.LEDGER, Ledger).final_status == "Succeeded"
+    finally:
+        proxy.close()
