@@ -545,7 +545,7 @@ def record_failure(args: argparse.Namespace, e: StepError) -> None:
     record_outcome(args.store_root, args.run_id, args.attempt, int(e.code), str(e))
 
 
-# A run store that cannot be reached ends the step with 1 (its retry policy retries it as any failure).
+# A run store that refuses (not a transient answer: those are 69, retried) ends the step with 1.
 STEP = Step("provision-slice", parser, act, ProvisionOutputs, record_failure, store_code=1)
 
 

@@ -136,3 +136,21 @@ def test_no_step_imports_another_step(step):
             imported.update(a.name for a in node.names)
     others = {f"recovery_steps.{s}" for s in STEPS if s != step}
     assert not imported & others, f"{step} imports {sorted(imported & others)}"
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ("ServiceUnavailable", ExitCode.TRANSIENT),  # a 503 no part of the step wrapped: still transient
+        ("TooManyRequests", ExitCode.TRANSIENT),
+        ("Forbidden", 1),  # a refusal: the step's own code for an unusable store
+    ],
+)
+def test_a_steps_store_code_applies_to_refusals_and_never_to_a_transient_answer(error, code):
+    """provision-slice, restore-latest, classify-failure, hand-over and finalize end with 1 when the store refuses;
+    a transient answer in their first seconds (or their last) is 69 for Argo's retry, charged to no class."""
+    from google.api_core import exceptions as gexc
+
+    step = _step(_raise(getattr(gexc, error)("gs://b/r")), [])
+    step = Step(step.name, step.parser, step.act, store_code=1)
+    assert run_step(step, _args(), out=lambda _: None, err=lambda _: None) == code

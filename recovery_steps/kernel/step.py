@@ -172,7 +172,7 @@ def run_step(
 ) -> int:
     """The step after its arguments: act, print its outputs, and map every failure to one line and its exit code."""
     from recovery_steps.kernel.cli import store_error_line
-    from recovery_steps.kernel.store import StoreUnavailable, store_errors
+    from recovery_steps.kernel.store import StoreUnavailable, is_transient, store_errors
 
     def failed(line: str, code: int) -> int:
         err(line)
@@ -191,7 +191,9 @@ def run_step(
         return failed(f"{step.name}: {e}; transient, Argo retries this step", int(ExitCode.TRANSIENT))
     except store_errors() as e:
         line = store_error_line(step.name, RunStore(args.store_root, args.run_id).url(), e)
-        return failed(line if line.startswith(f"{step.name}:") else f"{step.name}: {line}", step.store_code)
+        # A transient answer that no part of the step wrapped is still transient: Argo's retry, charged to no class.
+        code = int(ExitCode.TRANSIENT) if is_transient(e) else step.store_code
+        return failed(line if line.startswith(f"{step.name}:") else f"{step.name}: {line}", code)
     if line:
         out(line)
         if code != 0:
