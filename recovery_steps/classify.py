@@ -228,12 +228,18 @@ def _normalise(code: int | None, signal: int | None) -> tuple[int | None, int | 
 def _observations(ev: Evidence) -> list[_Obs]:
     by_index: dict[int, _Obs] = {}
     loose: list[_Obs] = []
-    job_pods = {m.group(1) for m, _ in _job_failures(ev)}
+    job_pods = {m.group(1): (int(m.group(2)), c) for m, c in _job_failures(ev)}
     spot = any(n.spot for n in ev.nodes)
     for p in ev.pods:
         c = p.trainer()
         placeholder = c is not None and c.reason == PLACEHOLDER_REASON
         code, sig = (None, None) if placeholder else _normalise(c.exit_code if c else None, c.signal if c else None)
+        named = job_pods.get(p.name)
+        from_job = named is not None and code is None and sig is None and not placeholder
+        if from_job:
+            # The pod as last seen still ran, its Job has since failed naming its exit code: a view of the pod older
+            # than the Job's (two watches, one behind). The Job controller saw the exit; it is the fresher fact.
+            code, sig = _normalise(named[0], None)
         o = _Obs(
             index=p.worker_index,
             pod=p,
@@ -243,10 +249,12 @@ def _observations(ev: Evidence) -> list[_Obs]:
             signal=sig,
             term_reason=c.reason if c else None,
             message=(c.message if c else None) or p.message,
-            named_by_job=p.name in job_pods,
+            named_by_job=named is not None,
             placeholder=placeholder,
             slice_spot=spot,
         )
+        if o.at is None and from_job:
+            o.at = named[1].at
         if o.at is None:
             d = p.disruption()
             o.at = d.at if d else (o.node.ready_since if o.node and o.node.ready is False else None)

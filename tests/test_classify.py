@@ -991,3 +991,19 @@ def test_the_exit_code_a_jobs_failure_target_names_classifies_a_worker_whose_pod
     assert v.failure_class is FailureClass.APPLICATION, v.reason
     assert (v.first_worker, v.cause_worker) == (2, 2)
     assert "pod js-workers-0-2-x2, gone" in v.reason and "exit 42" in v.reason
+
+
+def test_the_exit_code_a_jobs_failure_target_names_classifies_a_worker_whose_pod_was_last_seen_running():
+    """The supervisor's pod view lagged its Job view (two watches): worker 1's pod still ran in the snapshot while
+    its Job had failed naming the pod and its exit code. That exit is the fresher fact: application, not unknown."""
+    target = Condition(
+        type="FailureTarget",
+        reason="PodFailurePolicy",
+        at=T0 + 42,
+        message="Container trainer for pod default/js-workers-0-1-x1 failed with exit code 42 matching "
+        "FailJob rule at index 5",
+    )
+    job = JobEvidence(name="js-workers-0", conditions=[target])
+    v = classify(gke([pod(i, phase="Running") for i in range(HOSTS)], jobs=[job]))
+    assert v.failure_class is FailureClass.APPLICATION, v.reason
+    assert v.first_worker == 1 and "exit 42" in v.reason, v.reason

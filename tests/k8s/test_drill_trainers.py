@@ -166,7 +166,8 @@ def test_drill_refuses_kill_worker_when_the_trainer_is_pid_1(real_cluster, argo,
     """A worker pod without shareProcessNamespace (a Workflow generated before the pods shared it) has the trainer
     as PID 1 of its PID namespace, which nothing inside the pod can SIGKILL: the drill says so in one DrillError,
     and the trainer still runs."""
-    labels = {drill.RUN_ID_LABEL: "pid-one", drill.ATTEMPT_LABEL: "0"}
+    # A worker pod carries its JobSet's label: the drill picks its victims by it, never a step pod.
+    labels = {drill.RUN_ID_LABEL: "pid-one", drill.ATTEMPT_LABEL: "0", drill.JOBSET_NAME_LABEL: "pid-one-a0"}
     pod = worker_like_pod(real_cluster, namespace, "pid-one-0", share=False, labels=labels)
     target = drill.Target(doc={}, namespace=namespace, run_id="pid-one", store_root="")
     cluster = drill.Cluster(real_cluster.admin, namespace)
