@@ -253,13 +253,14 @@ def submit(
 
     target = load_target(path, [f"{k}={v}" for k, v in parameters.items()], namespace)
     if edit_config is not None:
-        _edit_config(target.doc, edit_config)
+        edit_carried_config(target.doc, edit_config)
     return client.CustomObjectsApi(rc.admin).create_namespaced_custom_object(
         "argoproj.io", "v1alpha1", target.namespace, "workflows", target.doc
     )
 
 
-def _edit_config(doc: dict[str, Any], edit: Callable[[dict[str, Any]], None]) -> None:
+def edit_carried_config(doc: dict[str, Any], edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change the config a Workflow document carries (validate-config's raw artifact) in place."""
     raws = [
         a["raw"]
         for t in doc["spec"]["templates"]

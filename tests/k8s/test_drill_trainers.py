@@ -1,5 +1,6 @@
 """``python -m workflows.drill``'s code against the real controllers with real trainers: the drill submits
-argo/local-cpu.yaml (``-p run-id``, ``-p store-root`` on the GCS emulator), waits until the gang of four real
+argo/local-cpu.yaml (``-p run-id``, ``-p store-root`` on the GCS emulator; its job on two hosts, 30 steps, a
+checkpoint every 5, as the chaos runs'), waits until the gang of real
 trainers has passed its step, injects the failure itself, and measures the incident from the run store. Nothing in
 the test plays the trainer: heartbeats, checkpoints, exit codes and exit reports are the workers' own.
 """
@@ -10,11 +11,12 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import argoctl
 import pytest
 from argoctl import LOCAL_ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import REPO, CpuHosts, kube_exec, worker_like_pod
-from trainers import BUCKET, final_digest
+from trainers import BUCKET, chaos_shape, final_digest
 
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.records import SupervisionRecord
@@ -33,6 +35,9 @@ class TrainerDrill:
         root = f"gs://{bucket}/{self.run_id}"
         params = [f"store-root={root}", f"run-id={self.run_id}"]
         self.target = drill.load_target(REPO / "argo" / LOCAL_ARGO_FILE, params, None)
+        # The file's job on two hosts, 30 steps, a checkpoint every 5 (the chaos runs' shape): the drill finds a gang
+        # of two as it finds one of four, at half the start-up; test_argo_trainer runs the file as shipped.
+        argoctl.edit_carried_config(self.target.doc, chaos_shape)
         self.store = RunStore(root, self.run_id)
         self.lines: list[str] = []
 
@@ -83,7 +88,7 @@ def _one_incident(res: drill.DrillResult, fault: drill.Fault) -> drill.TimedInci
     return t
 
 
-def test_drill_drain_node_real_trainers(trainer_drill, uninterrupted):
+def test_drill_drain_node_real_trainers(trainer_drill, chaos_uninterrupted):
     """``drain-node``: the drill cordons the node of the last worker and evicts the run's pods on it (the Eviction
     API: DisruptionTarget, SIGTERM to the trainer). The Job fails by its podFailurePolicy, the attempt is
     classified preemption, the next gang lands on the nodes left and restores the newest checkpoint."""
@@ -102,15 +107,15 @@ def test_drill_drain_node_real_trainers(trainer_drill, uninterrupted):
         (1, "succeeded", None),
     ], ledger
     # data.resume_mode exact, the same process count: the recovered run ends where the undisturbed one did.
-    assert final_digest(d) == final_digest(uninterrupted[0])
+    assert final_digest(d) == final_digest(chaos_uninterrupted[0])
 
 
-def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, uninterrupted):
+def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, chaos_uninterrupted):
     """``corrupt-checkpoint``: the drill deletes a worker pod and, once every worker of the attempt has stopped,
     flips a byte of the newest checkpoint on the GCS emulator. restore-latest finds the damage (CRC32C against the
     manifest), quarantines the step and the next attempt restores the one before it."""
     d = trainer_drill
-    res = d.run(drill.Fault.CORRUPT_CHECKPOINT, after_step=25)
+    res = d.run(drill.Fault.CORRUPT_CHECKPOINT, after_step=18)
     corrupted = int(res.injected.split("/checkpoints/")[1].split("/")[0])
     t = _one_incident(res, drill.Fault.CORRUPT_CHECKPOINT)
     quarantined = d.store.children(RunLayout.QUARANTINE)
@@ -118,10 +123,10 @@ def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, uninterrupted):
     assert t.incident.restored_step is not None and t.incident.restored_step < corrupted, t.incident
     # A deleted pod gets SIGTERM and its grace: the gang stops together (143) as for any SIGTERM.
     assert t.incident.failure_class == "preemption", t.incident
-    assert final_digest(d) == final_digest(uninterrupted[0])
+    assert final_digest(d) == final_digest(chaos_uninterrupted[0])
 
 
-def test_drill_resubmit_real_trainers(trainer_drill, uninterrupted):
+def test_drill_resubmit_real_trainers(trainer_drill, chaos_uninterrupted):
     """``resubmit``: the drill deletes the Workflow (no exit handler runs; the gang, which the Workflow does not own,
     trains on) and submits the same file again. The new Workflow's validate-config takes the run lease at once (the
     old holder's Workflow is gone from the same cluster and namespace), continues at attempt 0, and its supervisor
@@ -133,10 +138,10 @@ def test_drill_resubmit_real_trainers(trainer_drill, uninterrupted):
     ledger = read_ledger(d.store)
     assert [(a.attempt, a.outcome) for a in ledger.attempts] == [(0, "succeeded")], ledger
     assert d.supervision(0).reattached, d.supervision(0)
-    assert final_digest(d) == final_digest(uninterrupted[0])
+    assert final_digest(d) == final_digest(chaos_uninterrupted[0])
 
 
-def test_drill_kill_worker_real_trainers(trainer_drill, uninterrupted):
+def test_drill_kill_worker_real_trainers(trainer_drill, chaos_uninterrupted):
     """``kill-worker``: the drill execs into the last worker, through the API server's exec subresource to
     podexec's kubelet endpoint, and SIGKILLs its trainer there. The generated pod shares its process namespace, so
     the trainer is not PID 1 and the kill lands: the container ends 137, the attempt is classified
@@ -159,7 +164,7 @@ def test_drill_kill_worker_real_trainers(trainer_drill, uninterrupted):
         (0, "failed", "infrastructure"),
         (1, "succeeded", None),
     ], ledger
-    assert final_digest(d) == final_digest(uninterrupted[0])
+    assert final_digest(d) == final_digest(chaos_uninterrupted[0])
 
 
 def test_drill_refuses_kill_worker_when_the_trainer_is_pid_1(real_cluster, argo, namespace):
