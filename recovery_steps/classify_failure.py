@@ -229,11 +229,10 @@ def run(
         read_ledger(store)  # a damaged ledger is refused before anything is written
         ev = gather(store, cfg, attempt, closing.jobset, api_client=api_client, step_exit_code=step_exit_code)
         lost = orphaned_gang(ev)
-        resupervised = _resupervised_in(store, closing.workflow, attempt)
+        ran, resupervised = _workflow_nesting(store, closing.workflow, attempt)
         if lost is not None:
             losses = store.read_record(RunLayout.supervisor_losses(attempt), SupervisorLosses)
             losses = losses or SupervisorLosses(attempt=attempt)
-            ran = _attempts_in(store, closing.workflow, attempt)
             deep = segment_pod_depth(ran, resupervised + 1) >= ARGO_MAX_DEPTH
             if deep:
                 ev.notes.append(
@@ -312,22 +311,15 @@ def close_attempt(
     return holder["decision"], holder["record"], ledger
 
 
-def _attempts_in(store: RunStore, workflow: str | None, attempt: int) -> int:
-    """Attempts the Workflow ``workflow`` ran, ``attempt`` (not closed yet) included."""
-    ledger = store.read_record(RunLayout.LEDGER, Ledger)
-    closed = {a.attempt for a in (ledger.attempts if ledger else []) if workflow and a.workflow == workflow}
-    return len(closed | {attempt})
+def _workflow_nesting(store: RunStore, workflow: str | None, attempt: int) -> tuple[int, int]:
+    """The attempts of Workflow ``workflow`` (``attempt``, not closed yet, included) and its re-attached supervisors.
 
-
-def _resupervised_in(store: RunStore, workflow: str | None, attempt: int) -> int:
-    """Supervisors re-attached in the Workflow ``workflow`` so far (its attempts' ``SupervisorLosses``)."""
+    Both nest the Workflow deeper (``segment_pod_depth``); the supervisors are counted from ``SupervisorLosses``.
+    """
     ledger = store.read_record(RunLayout.LEDGER, Ledger)
-    mine = {a.attempt for a in (ledger.attempts if ledger else []) if workflow and a.workflow == workflow}
-    n = 0
-    for a in sorted(mine | {attempt}):
-        losses = store.read_record(RunLayout.supervisor_losses(a), SupervisorLosses)
-        n += len(losses.at) if losses else 0
-    return n
+    mine = {a.attempt for a in (ledger.attempts if ledger else []) if workflow and a.workflow == workflow} | {attempt}
+    losses = [store.read_record(RunLayout.supervisor_losses(a), SupervisorLosses) for a in sorted(mine)]
+    return len(mine), sum(len(x.at) for x in losses if x is not None)
 
 
 def _resupervise(

@@ -499,10 +499,8 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
     if code == ExitCode.TRANSIENT:
         return code, ""  # the retry stops the gang, then releases the lease (the ledger write is idempotent)
     if args.holder:
-        # The last write: a transient answer is Argo's to retry (69); the retry finds the run's end recorded.
-        store = RunStore(args.store_root, args.run_id)
-        with transient_as_unavailable(store.url()):
-            lease.release(store, args.holder)
+        # The last write: a transient answer ends the step 69 (``run_step``), and Argo's retry finds the end recorded.
+        lease.release(RunStore(args.store_root, args.run_id), args.holder)
     lines = [f"run {args.run_id}: {r.final_status}: {r.final_reason}", table(r.ledger)]
     if r.totals is not None:
         rec = "-" if r.totals.recovery_seconds is None else f"{r.totals.recovery_seconds:.1f}s"

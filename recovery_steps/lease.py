@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from recovery_steps.kernel.config import LEASE_RENEW_MAX_S, lease_renew_every
+from recovery_steps.kernel.config import lease_renew_every
 from recovery_steps.kernel.records import RunLease, now
 from recovery_steps.kernel.store import (
     DocumentError,
@@ -46,9 +46,9 @@ log = logging.getLogger(__name__)
 IsAlive = Callable[[RunLease], bool | None]
 """Whether another holder's workflow still runs: True, False (gone or finished), None (unknown: the TTL decides)."""
 
-# The supervisor renews the lease this often at most (and at least six times per TTL), so a lease read by someone
-# else is never older than this while a segment runs; a failed renewal is tried again after RENEW_RETRY_S.
-RENEW_EVERY_S = LEASE_RENEW_MAX_S
+# The supervisor renews the lease every ``lease_renew_every(ttl)`` (kernel.config: six times per TTL, at least every
+# 10 minutes), so a lease read by someone else is never older than that while a segment runs; a failed renewal is
+# tried again after RENEW_RETRY_S.
 RENEW_RETRY_S = 60.0
 KUBE_SYSTEM = "kube-system"
 
@@ -195,11 +195,6 @@ class Renewal:
     lease: RunLease | None = None  # RENEWED: the lease as renewed; LOST: the lease as read (None: there is none)
 
 
-def renew_every(ttl_s: float) -> float:
-    """Seconds between the supervisor's renewals: six per TTL, and at least every ``RENEW_EVERY_S``."""
-    return lease_renew_every(ttl_s)
-
-
 def renew_if_due(
     store: RunStore, holder: str, ttl_s: float, at: float, *, next_at: float = 0.0, tries: int = 3
 ) -> Renewal:
@@ -217,12 +212,12 @@ def renew_if_due(
         tries: Conditional-write attempts.
 
     Returns:
-        The status, when the next call is due (``renew_every(ttl_s)`` after a renewal or a loss,
+        The status, when the next call is due (``lease_renew_every(ttl_s)`` after a renewal or a loss,
         ``RENEW_RETRY_S`` after a store failure) and one line to log (empty when not due).
     """
     if at < next_at:
         return Renewal(RenewStatus.NOT_DUE, next_at)
-    every = renew_every(ttl_s)
+    every = lease_renew_every(ttl_s)
     try:
         for _ in range(tries):
             current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)

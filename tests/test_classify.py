@@ -977,15 +977,19 @@ def test_a_job_at_failure_target_is_the_failure_when_no_worker_explains_it():
     )
 
 
-def test_the_exit_code_a_jobs_failure_target_names_classifies_a_worker_whose_pod_is_gone():
-    target = Condition(
+def _fail_job_target(pod_name: str, rule: int) -> Condition:
+    """The FailureTarget the Job controller sets when a pod matches a FailJob rule with exit code 42."""
+    return Condition(
         type="FailureTarget",
         reason="PodFailurePolicy",
         at=T0 + 42,
-        message="Container trainer for pod default/js-workers-0-2-x2 failed with exit code 42 matching "
-        "FailJob rule at index 0",
+        message=f"Container trainer for pod default/{pod_name} failed with exit code 42 matching "
+        f"FailJob rule at index {rule}",
     )
-    job = JobEvidence(name="js-workers-0", conditions=[target])
+
+
+def test_the_exit_code_a_jobs_failure_target_names_classifies_a_worker_whose_pod_is_gone():
+    job = JobEvidence(name="js-workers-0", conditions=[_fail_job_target("js-workers-0-2-x2", 0)])
     pods = [pod(i, 143, 44) for i in (0, 1, 3)]  # worker 2's pod was deleted; its Job still says how it ended
     v = classify(gke(pods, jobs=[job]))
     assert v.failure_class is FailureClass.APPLICATION, v.reason
@@ -996,14 +1000,7 @@ def test_the_exit_code_a_jobs_failure_target_names_classifies_a_worker_whose_pod
 def test_the_exit_code_a_jobs_failure_target_names_classifies_a_worker_whose_pod_was_last_seen_running():
     """The supervisor's pod view lagged its Job view (two watches): worker 1's pod still ran in the snapshot while
     its Job had failed naming the pod and its exit code. That exit is the fresher fact: application, not unknown."""
-    target = Condition(
-        type="FailureTarget",
-        reason="PodFailurePolicy",
-        at=T0 + 42,
-        message="Container trainer for pod default/js-workers-0-1-x1 failed with exit code 42 matching "
-        "FailJob rule at index 5",
-    )
-    job = JobEvidence(name="js-workers-0", conditions=[target])
+    job = JobEvidence(name="js-workers-0", conditions=[_fail_job_target("js-workers-0-1-x1", 5)])
     v = classify(gke([pod(i, phase="Running") for i in range(HOSTS)], jobs=[job]))
     assert v.failure_class is FailureClass.APPLICATION, v.reason
     assert v.first_worker == 1 and "exit 42" in v.reason, v.reason
