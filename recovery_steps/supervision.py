@@ -26,6 +26,10 @@ What a supervisor must not take for an end (sources in ``docs/FAILURES.md``):
 - A heartbeat that cannot be read (the store unreachable, a record of another schema) is not a worker that
   stopped stepping: no hang is judged on it, and its hang clocks count only once it reads again (``read_clock``).
   The cluster's evidence still ends the attempt meanwhile.
+- A view of the cluster that cannot be refreshed (a watch in error, a node that cannot be read: an API server
+  restarting) is an old view: only its terminal facts end the attempt, and every stall clock counts from when it
+  is current again (``view_clock``). A view that stays unreadable for ``STALE_VIEW_LIMIT_S`` ends the step as
+  transient, and the next supervisor re-attaches.
 """
 
 from __future__ import annotations
@@ -192,13 +196,28 @@ class WorkerProgress(_Rec):
     saving: int | None = Field(default=None, description="The checkpoint step the loop waits for since ``at``.")
 
 
-class HeartbeatRead(_Rec):
-    """How the supervisor's reads of one worker's heartbeat stand once one failed: failing now, or readable again."""
+class ReadState(_Rec):
+    """How one kind of the supervisor's reads stands once one failed: failing now, or readable again."""
 
-    index: int
     ok: bool = Field(description="The newest read succeeded.")
     since: float = Field(description="When the reads turned failing (ok False) or readable again (ok True).")
     error: str = Field(default="", description="The newest failed read's error.")
+
+
+class HeartbeatRead(ReadState):
+    """How the supervisor's reads of one worker's heartbeat stand once one failed."""
+
+    index: int
+
+
+def _turned(prev: ReadState | None, error: str | None, now: float) -> dict[str, object] | None:
+    """The fields of a read state after one more read; None when it is unchanged (no failure, or none since)."""
+    if error is not None:
+        since = prev.since if prev is not None and not prev.ok else now
+        return {"ok": False, "since": since, "error": error}
+    if prev is None or prev.ok:
+        return None
+    return {"ok": True, "since": now}
 
 
 def read_clock(prev: HeartbeatRead | None, index: int, error: str | None, now: float) -> HeartbeatRead | None:
@@ -217,12 +236,34 @@ def read_clock(prev: HeartbeatRead | None, index: int, error: str | None, now: f
     Returns:
         The state now; None while no read has failed.
     """
-    if error is not None:
-        since = prev.since if prev is not None and not prev.ok else now
-        return HeartbeatRead(index=index, ok=False, since=since, error=error)
-    if prev is None or prev.ok:
-        return prev
-    return HeartbeatRead(index=index, ok=True, since=now)
+    turned = _turned(prev, error, now)
+    return prev if turned is None else HeartbeatRead(index=index, **turned)
+
+
+def view_clock(prev: ReadState | None, error: str | None, now: float) -> ReadState | None:
+    """The state of the supervisor's view of the cluster (its watches and node reads) after one more observation.
+
+    While the view is failing, what it holds may be old: only a terminal fact in it (a failed pod, a Job at
+    ``FailureTarget``, a terminal JobSet, every worker succeeded) ends the attempt, and every stall clock counts
+    only from when the view is current again (a Job controller that was down creates its pods late; a node whose
+    status could not be read may be fine).
+
+    Args:
+        prev: The state after the previous observation (None: no observation has failed).
+        error: Why the view is not current now (``ClusterSnapshot.unreadable``; None: it is).
+        now: The observation's time.
+
+    Returns:
+        The state now; None while no observation has failed.
+    """
+    turned = _turned(prev, error, now)
+    return prev if turned is None else ReadState(**turned)
+
+
+# How long the supervisor may go without a current view of the gang (its watches, node reads or a worker's
+# heartbeat failing all along) before its step ends as transient (exit 69): Argo retries the step and the new
+# supervisor re-attaches to the gang, which is left running; a gang is never held unsupervised for good.
+STALE_VIEW_LIMIT_S = 300.0
 
 
 class Observation(_Rec):
@@ -243,11 +284,19 @@ class Observation(_Rec):
         description="The workers whose heartbeat reads failed (``read_clock``); a worker not named had every read "
         "succeed, and a missing beat of it is absent.",
     )
+    view: ReadState | None = Field(
+        default=None,
+        description="How the cluster view (watches, node reads) stands once an observation failed (``view_clock``).",
+    )
 
     @property
     def unreadable(self) -> list[HeartbeatRead]:
         """The workers whose heartbeat cannot be read now."""
         return [r for r in self.reads if not r.ok]
+
+    def counted_from(self, start: float) -> float:
+        """When a stall clock that started at ``start`` counts from: never before the view was current again."""
+        return max(start, self.view.since) if self.view is not None else start
 
     def heard_for(self, index: int | None) -> float:
         """Seconds the worker's heartbeat has been readable: since its reads last failed, or ever (``inf``)."""
@@ -408,7 +457,7 @@ def _container(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         reason = p.waiting_reason
         if reason not in IMAGE_WAITING_REASONS:
             continue
-        waited = obs.now - (p.waiting_since if p.waiting_since is not None else obs.now)
+        waited = obs.now - obs.counted_from(p.waiting_since if p.waiting_since is not None else obs.now)
         cause = p.waiting_cause or waiting_cause(reason, p.waiting_message)
         permanent = pull_failure_is_permanent(reason, cause)
         if reason in IMMEDIATE_WAITING_REASONS:
@@ -436,9 +485,9 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     for p in _live(obs.pods):
         n = nodes.get(p.node) if p.node else None
         terminating = p.deletion_timestamp is not None
-        stuck = terminating and obs.now - p.deletion_timestamp >= d.force_delete_grace_s
+        stuck = terminating and obs.now - obs.counted_from(p.deletion_timestamp) >= d.force_delete_grace_s
         if n is not None and n.lost:
-            lost_for = obs.now - n.lost_since(obs.now)
+            lost_for = obs.now - obs.counted_from(n.lost_since(obs.now))
             if lost_for < d.node_lost_grace_s and not stuck:
                 continue
             pod = f"; its pod Terminating for {obs.now - p.deletion_timestamp:.0f} s" if terminating else ""
@@ -465,7 +514,7 @@ def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         if p.phase != PodPhase.PENDING or p.node is not None:
             continue
         sched = p.condition("PodScheduled")
-        waited = obs.now - (p.created_at if p.created_at is not None else obs.created_at)
+        waited = obs.now - obs.counted_from(p.created_at if p.created_at is not None else obs.created_at)
         if sched is not None and sched.status == "False" and waited >= d.startup_deadline_s:
             return Verdict(
                 state=AttemptOutcome.STALLED,
@@ -474,7 +523,7 @@ def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
                 f"{sched.reason or '-'}: {sched.message or 'no message'}",
                 worker=p.index,
             )
-    waited = obs.now - obs.created_at
+    waited = obs.now - obs.counted_from(obs.created_at)
     if len(obs.pods) < obs.expected_workers and waited >= d.startup_deadline_s:
         return Verdict(
             state=AttemptOutcome.STALLED,
@@ -489,7 +538,7 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     running = [p for p in obs.pods if p.phase == PodPhase.RUNNING and p.running_since is not None]
     if len(running) < obs.expected_workers:
         return None  # the gang is not up yet: startup deadlines apply, not the hang timeout
-    gang_up = max(p.running_since for p in running)
+    gang_up = obs.counted_from(max(p.running_since for p in running))
     beats = {b.index: b for b in obs.progress}
     save_limit = max(d.save_timeout_s, d.hang_timeout_s)
     # A gang steps together: while one worker's loop waits for a save (within its timeout), a peer blocked in the
@@ -513,7 +562,7 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
                 )
             continue
         # A heartbeat is written at most every heartbeat_interval_s: the last step may be that old.
-        silent = obs.now - b.at
+        silent = obs.now - obs.counted_from(b.at)
         if b.saving is not None:  # the loop waits for a save's commit: a slow store is not a hung step
             limit = save_limit
             why = (
@@ -551,10 +600,21 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
     for check in (_failed(obs), _succeeded(obs)):
         if check is not None:
             return check
+    if obs.view is not None and not obs.view.ok:
+        return Verdict(
+            state=AttemptOutcome.RUNNING,
+            reason=f"{_gang_state(obs)}; the cluster view is not current for {obs.now - obs.view.since:.0f} s "
+            f"({obs.view.error}): no stall is judged on it",
+        )
     for stall in (_container, _node_lost, _capacity, _hang):
         v = stall(obs, deadlines)
         if v is not None:
             return v
+    return Verdict(state=AttemptOutcome.RUNNING, reason=_gang_state(obs))
+
+
+def _gang_state(obs: Observation) -> str:
+    """The running gang in one line: scheduled and running pods, the gang's step, saves waited for, blind reads."""
     scheduled = sum(1 for p in obs.pods if p.node is not None)
     running = sum(1 for p in obs.pods if p.phase == PodPhase.RUNNING)
     steps = [b.step for b in obs.progress if b.step is not None]
@@ -563,8 +623,4 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
     unread = f", heartbeats unreadable: worker {blind}" if blind else ""
     saves = sorted({b.saving for b in obs.progress if b.saving is not None})
     waits = f", waiting for the save of checkpoint {', '.join(map(str, saves))}" if saves else ""
-    return Verdict(
-        state=AttemptOutcome.RUNNING,
-        reason=f"scheduled {scheduled}/{obs.expected_workers}, running {running}/{obs.expected_workers}{at}{waits}"
-        f"{unread}",
-    )
+    return f"scheduled {scheduled}/{obs.expected_workers}, running {running}/{obs.expected_workers}{at}{waits}{unread}"

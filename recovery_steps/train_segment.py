@@ -21,13 +21,14 @@ progress file (``ARGO_PROGRESS_FILE``, argo docs "Progress").
 Destructive acts and their evidence (``supervise``): the JobSet is deleted once the attempt's verdict is in the
 store, or when the run lease is held in another namespace or cluster; a pod is force-deleted only while
 Terminating on a node the snapshot shows lost. A heartbeat or API read that fails is never a silent or absent
-worker: hang clocks pause, and after minutes the step exits 69 with the gang left as it is.
+worker: while it fails only terminal facts end the attempt, every stall clock counts from when it reads again, and
+after ``supervision.STALE_VIEW_LIMIT_S`` the step exits 69 with the gang left as it is.
 
 Outputs (``<output-dir>/<name>``): ``outcome``, ``stall-kind``, ``reason``, ``last-step``, ``checkpoint-step``.
 Exit codes: 0 succeeded; 1 the attempt failed or stalled; 2 configuration (no pinned config or a bad one, a
 manifest override that is bad, the Kubernetes API refuses with 4xx); 69 transient (the API answers 429/5xx or cannot
-be reached, a watch fails for minutes, the run store cannot be read or written): the gang is left as it is and the
-retry re-attaches.
+be reached, the view or a heartbeat stays unreadable for minutes, the run store cannot be read or written): the gang
+is left as it is and the retry re-attaches.
 """
 
 from __future__ import annotations
@@ -76,15 +77,18 @@ from recovery_steps.kernel.step import (
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
+    STALE_VIEW_LIMIT_S,
     HeartbeatRead,
     NodeObservation,
     Observation,
     PodObservation,
+    ReadState,
     Verdict,
     WaitClock,
     WorkerProgress,
     decide,
     read_clock,
+    view_clock,
     wait_clock,
 )
 
@@ -222,6 +226,13 @@ class Progress:
             with contextlib.suppress(OSError):
                 Path(self.file).write_text(f"{step}/{self.total}")
         self._note("step", step, f"step {step}")
+        if obs.view is not None:
+            line = (
+                "the cluster view is current again: stall clocks count from now"
+                if obs.view.ok
+                else f"the cluster view is not current ({obs.view.error}): no stall is judged until it is"
+            )
+            self._note("view", (obs.view.ok, obs.view.since), line)
         if verdict.over:
             self._note("verdict", verdict.state, f"{verdict.state.value}: {verdict.reason}")
 
@@ -325,6 +336,7 @@ class Supervisor:
         self.reattached = False
         self.beats: dict[int, WorkerHeartbeat] = {}
         self.reads: dict[int, HeartbeatRead] = {}
+        self.view: ReadState | None = None  # how the cluster view stands once an observation failed (view_clock)
 
     def ensure_jobset(self, manifest: Mapping[str, Any]) -> None:
         """Create the attempt's JobSet, or re-attach when it already exists (the supervisor's pod was lost).
@@ -385,8 +397,21 @@ class Supervisor:
                 self.lost_seen.setdefault(n.name, now)
             else:
                 self.lost_seen.pop(n.name, None)
+        self.view = view_clock(self.view, snap.unreadable, now)
         beats = self.read_beats(now)
+        self._bound_blindness(now)
         return self.observation(snap, beats), beats, snap
+
+    def _bound_blindness(self, now: float) -> None:
+        """Exit 69 once the view or a worker's heartbeat has been unreadable for ``STALE_VIEW_LIMIT_S``."""
+        failing = [("the cluster view", self.view), *((f"worker {i}'s heartbeat", r) for i, r in self.reads.items())]
+        for what, r in failing:
+            if r is not None and not r.ok and now - r.since >= STALE_VIEW_LIMIT_S:
+                raise StepError(
+                    ExitCode.TRANSIENT,
+                    f"{what} has been unreadable for {now - r.since:.0f} s ({r.error}): not deciding on a stale "
+                    f"view; JobSet {self.gang.name} is left running for the retry to re-attach",
+                )
 
     def observation(self, snap: ClusterSnapshot, beats: Sequence[WorkerHeartbeat]) -> Observation:
         """The decision's input from one snapshot of the gang and the heartbeats in the store.
@@ -414,6 +439,7 @@ class Supervisor:
                 for b in beats
             ),
             reads=tuple(r for _, r in sorted(self.reads.items())),
+            view=self.view,
         )
 
     def read_beats(self, now: float) -> list[WorkerHeartbeat]:

@@ -100,3 +100,19 @@ def test_move_to_quarantine_keeps_every_byte(store):
     for rel, data in files.items():
         assert store.read_bytes(rel.replace("checkpoints/", "quarantine/")) == data
     assert store.move("checkpoints/99", "quarantine/99") == 0
+
+
+def test_a_create_only_record_retried_after_its_own_unseen_success_is_done(store):
+    """A create-only write whose first try landed but whose answer was lost (a reset): the retry's precondition
+    failure on the very same bytes is success; another document there is refused."""
+    from pydantic import BaseModel
+
+    class Doc(BaseModel):
+        run_id: str
+        step: int
+
+    first = store.create_record("checkpoints/5/manifest.json", Doc(run_id="run-a", step=5))
+    assert store.create_record("checkpoints/5/manifest.json", Doc(run_id="run-a", step=5)) == first
+    with pytest.raises(PreconditionFailed):
+        store.create_record("checkpoints/5/manifest.json", Doc(run_id="run-a", step=6))
+    assert store.read_json("checkpoints/5/manifest.json") == {"run_id": "run-a", "step": 5}

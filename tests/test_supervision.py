@@ -13,6 +13,7 @@ from recovery_steps.supervision import (
     NodeObservation,
     Observation,
     PodObservation,
+    ReadState,
     StallKind,
     Verdict,
     WaitClock,
@@ -20,6 +21,7 @@ from recovery_steps.supervision import (
     decide,
     pull_failure_is_permanent,
     read_clock,
+    view_clock,
     wait_clock,
     waiting_cause,
 )
@@ -146,6 +148,19 @@ def failing(since: float, *workers: int) -> tuple[HeartbeatRead, ...]:
         HeartbeatRead(index=i, ok=False, since=T0 + since, error="OSError: [Errno 5] Input/output error")
         for i in workers or range(HOSTS)
     )
+
+
+REFUSED = "the pods watch: MaxRetryError: HTTPSConnectionPool(host='10.0.0.1', port=443): Connection refused"
+
+
+def view_down(since: float) -> ReadState:
+    """The cluster view failing since ``since`` (an API server restarting: its watches and node reads refused)."""
+    return ReadState(ok=False, since=T0 + since, error=REFUSED)
+
+
+def view_back(since: float) -> ReadState:
+    """The cluster view current again since ``since``, after failed observations."""
+    return ReadState(ok=True, since=T0 + since)
 
 
 def recovered(since: float) -> tuple[HeartbeatRead, ...]:
@@ -691,6 +706,99 @@ CASES = [
         StallKind.NODE_LOST,
         "worker 2: node gke-tpu-2 is unreachable",
     ),
+    # A view of the cluster that cannot be refreshed is an old view: only its terminal facts end the attempt, and
+    # every stall clock counts from when it is current again (a Job controller down with the API creates pods late).
+    (
+        "api-outage-too-few-pods-no-verdict-while-the-view-fails",
+        obs(620, [running(0), running(1), running(2)], view=view_down(500)),
+        AttemptOutcome.RUNNING,
+        None,
+        "the cluster view is not current for 120 s (the pods watch: MaxRetryError",
+    ),
+    (
+        "api-outage-over-too-few-pods-counted-from-the-view-current-again",
+        obs(620, [running(0), running(1), running(2)], view=view_back(560)),
+        AttemptOutcome.RUNNING,
+        None,
+        "scheduled 3/4",
+    ),
+    (
+        "api-outage-over-too-few-pods-past-the-deadline-counted-from-then",
+        obs(1160, [running(0), running(1), running(2)], view=view_back(560)),
+        AttemptOutcome.STALLED,
+        StallKind.CAPACITY,
+        "only 3/4 worker pods exist after 600 s",
+    ),
+    (
+        "api-outage-unschedulable-counted-from-the-view-current-again",
+        obs(620, [running(0), running(1), running(2), pending(3)], view=view_back(560)),
+        AttemptOutcome.RUNNING,
+        None,
+        "scheduled 3/4",
+    ),
+    (
+        "api-outage-node-lost-no-verdict-while-the-view-fails",
+        obs(700, ALL_RUNNING, progress=STEPPING, node_list=nodes(2), view=view_down(510)),
+        AttemptOutcome.RUNNING,
+        None,
+        "no stall is judged on it",
+    ),
+    (
+        "api-outage-over-node-lost-grace-counted-from-then",
+        obs(700, ALL_RUNNING, progress=STEPPING, node_list=nodes(2), view=view_back(650)),
+        AttemptOutcome.RUNNING,
+        None,
+        "running 4/4",
+    ),
+    (
+        "api-outage-over-node-lost-past-its-grace-counted-from-then",
+        obs(770, ALL_RUNNING, progress=STEPPING, node_list=nodes(2), view=view_back(650)),
+        AttemptOutcome.STALLED,
+        StallKind.NODE_LOST,
+        "node gke-tpu-2 is unreachable for 120 s",
+    ),
+    (
+        "api-outage-image-pull-no-verdict-while-the-view-fails",
+        obs(420, [*ALL_RUNNING[:3], pulling(3, "ImagePullBackOff", BACK_OFF_NOT_FOUND, T0 + 10)], view=view_down(400)),
+        AttemptOutcome.RUNNING,
+        None,
+        "not current",
+    ),
+    (
+        "api-outage-no-hang-while-the-view-fails",
+        obs(2000, ALL_RUNNING, progress=STEPPING, view=view_down(600)),
+        AttemptOutcome.RUNNING,
+        None,
+        "not current for 1400 s",
+    ),
+    (
+        "api-outage-over-hang-counted-from-then",
+        obs(2110, ALL_RUNNING, progress=STEPPING, view=view_back(2000)),
+        AttemptOutcome.RUNNING,
+        None,
+        "step 40",
+    ),
+    (
+        "api-outage-a-failed-pod-still-ends-the-attempt",
+        obs(700, [*ALL_RUNNING[:3], done(3, code=20)], progress=STEPPING, view=view_down(600)),
+        AttemptOutcome.FAILED,
+        None,
+        "worker 3 failed (exit code 20",
+    ),
+    (
+        "api-outage-the-jobs-failure-target-still-ends-the-attempt",
+        obs(700, ALL_RUNNING, jobs=[FAILURE_TARGET], progress=STEPPING, view=view_down(600)),
+        AttemptOutcome.FAILED,
+        None,
+        "FailureTarget",
+    ),
+    (
+        "api-outage-every-worker-succeeded-still-ends-the-attempt",
+        obs(700, [done(i) for i in range(HOSTS)], view=view_down(600)),
+        AttemptOutcome.SUCCEEDED,
+        None,
+        "",
+    ),
     (
         "reattached-heartbeat-read-and-absent-past-compile-grace",
         obs(3 * 86400, ALL_RUNNING, reads=recovered(1000)),
@@ -749,6 +857,17 @@ def test_read_clock_keeps_an_outages_start_and_starts_again_when_reads_succeed()
     up = read_clock(still, 2, None, T0 + 30)
     assert (up.ok, up.since) == (True, T0 + 30) and read_clock(up, 2, None, T0 + 40) == up
     assert read_clock(up, 2, "OSError: timeout", T0 + 50).since == T0 + 50
+
+
+def test_view_clock_keeps_an_outages_start_and_starts_again_when_the_view_is_current():
+    assert view_clock(None, None, T0) is None  # every observation was current: nothing to keep
+    down = view_clock(None, REFUSED, T0 + 10)
+    assert (down.ok, down.since, down.error) == (False, T0 + 10, REFUSED)
+    still = view_clock(down, "node gke-tpu-1: ReadTimeoutError", T0 + 20)
+    assert (still.ok, still.since, still.error) == (False, T0 + 10, "node gke-tpu-1: ReadTimeoutError")
+    up = view_clock(still, None, T0 + 30)
+    assert (up.ok, up.since) == (True, T0 + 30) and view_clock(up, None, T0 + 40) == up
+    assert view_clock(up, REFUSED, T0 + 50).since == T0 + 50
 
 
 TIMEOUT = "dial tcp 142.250.1.1:443: i/o timeout"

@@ -873,3 +873,62 @@ def test_a_pinned_config_that_renders_no_jobset_is_one_line_and_configuration(tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "renders no JobSet (KeyError: 'v9x')" in err[0] and "validate-config" in err[0], err
     assert not cluster.requests
+
+
+# --- a view of the cluster that cannot be refreshed: only terminal facts, clocks from when it is current again ----
+
+UNAVAILABLE = status(503, "ServiceUnavailable", "the server is currently unable to handle the request")
+
+
+def test_an_api_outage_at_start_up_is_no_capacity_stall(tmp_path, cluster):
+    """An API server restarting while the gang starts: three pods exist, the nodes cannot be read, and the start-up
+    deadline passes during the outage. No stall is judged on that view; the fourth pod comes once the API is back
+    (the Job controller was down with it), and the attempt succeeds."""
+    import threading
+
+    cfg = _cfg(tmp_path / "store", startup_deadline_s=0.3)
+    js = f"{cfg.run_id}-a0"
+    timers: list[threading.Timer] = []
+
+    def back(c):
+        c.put("pods", pod(js, HOSTS - 1, time.time(), node=f"gke-tpu-{HOSTS - 1}", phase="Running", running=True))
+        c.faults.clear()
+        timers.append(threading.Timer(0.6, _succeed(js), (c,)))
+        timers[-1].start()
+
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        t = time.time()
+        for i in range(HOSTS - 1):
+            c.put("pods", pod(js, i, t, node=f"gke-tpu-{i}", phase="Running", running=True))
+        c.inject("/nodes/", 503, UNAVAILABLE)
+        timers.append(threading.Timer(1.5, back, (c,)))
+        timers[-1].start()
+
+    cluster.on_create = created
+    try:
+        rec, lines, _ = _run(cfg, tmp_path, cluster)
+    finally:
+        for t in timers:
+            t.join(timeout=5)
+    assert rec.outcome == "succeeded", rec.reason
+    assert any("the cluster view is not current" in line and "node gke-tpu-0" in line for line in lines), lines
+
+
+def test_a_view_unreadable_past_its_limit_ends_the_step_as_transient_and_leaves_the_gang(
+    tmp_path, cluster, monkeypatch
+):
+    cfg = _cfg(tmp_path / "store")
+    js = f"{cfg.run_id}-a0"
+    monkeypatch.setattr(ts, "STALE_VIEW_LIMIT_S", 0.5)
+
+    def created(c, obj):
+        _running_gang(js)(c, obj)
+        c.inject("/nodes/", 503, UNAVAILABLE)
+
+    cluster.on_create = created
+    with pytest.raises(StepError) as e:
+        _run(cfg, tmp_path, cluster)
+    assert e.value.code == ExitCode.TRANSIENT
+    assert "the cluster view has been unreadable" in str(e.value) and "left running" in str(e.value)
+    assert not cluster.requests_of("DELETE", f"/jobsets/{js}") and js in cluster.objects["jobsets"]

@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from support.trainer_harness import launch, read_report, tiny_classifier_config, tiny_config, write_config
+from support.trainer_harness import launch, loopback, read_report, tiny_classifier_config, tiny_config, write_config
 
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import CheckpointManifest, EventKind, PreemptionSave
@@ -118,6 +118,9 @@ def test_sigkill_of_one_worker_then_resume_is_bit_identical(task, tmp_path):
     gang = launch(cfg, 0, -1, tmp_path)
     gang.wait_for(0, EventKind.SAVE_COMMITTED, 10)
     gang.wait_for(victim, EventKind.STEP, 12)
+    # A local gang listens on loopback alone (its coordinator, its metrics), never on every interface.
+    listening = gang.listening()
+    assert listening and all(loopback(ip) for ip, _ in listening), listening
     killed_at = gang.signal(victim, signal.SIGKILL)
     codes = gang.wait(30)
     ends = [e.t for i in survivors for e in gang.events(i) if e.event == EventKind.EXIT]

@@ -86,3 +86,27 @@ def test_restore_gives_back_the_state_and_the_data_position(setup):
     fresh.set_state(saved_iter)
     assert fresh.get_state()["next_index"] == 5
     np.testing.assert_array_equal(next(fresh), expected)
+
+
+def test_a_manifest_the_store_cannot_take_leaves_the_step_incomplete_and_the_next_save_commits(setup, monkeypatch):
+    """GCS answers 503 past the library's retries on one manifest write: that step is an incomplete transaction
+    (never restored), the worker goes on training, and the next save commits."""
+    from google.api_core.exceptions import ServiceUnavailable
+
+    _, store, ckpt, it = setup
+    create = RunStore.create_record
+
+    def refused_once(self, rel, record):
+        if rel == RunLayout.checkpoint_manifest(2):
+            raise ServiceUnavailable("POST https://storage.googleapis.com/upload: 503 Backend Error")
+        return create(self, rel, record)
+
+    monkeypatch.setattr(RunStore, "create_record", refused_once)
+    for step in (2, 4):
+        for _ in range(2):
+            next(it)
+        ckpt.save(step, state_at(step), it)
+        got = ckpt.finish_pending()
+        assert got == (None if step == 2 else 4), step
+    assert manifest_of(store, 2) is None and manifest_of(store, 4) is not None
+    assert ckpt.last_committed == 4

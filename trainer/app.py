@@ -299,8 +299,11 @@ class Worker:
             # Everything JAX could detect is given, so no detection runs: in a pod (KUBERNETES_SERVICE_HOST set)
             # JAX's K8sCluster would load the in-cluster config, which a worker whose account mounts no token
             # lacks (jax 0.10.2, jax/_src/clusters/k8s_cluster.py, K8sCluster.is_env_present).
+            # The coordination service listens where the local gang reaches it (loopback), not on every
+            # interface (JAX's default is [::]:port, jax/_src/distributed.py).
             kw.update(
                 coordinator_address=ident.coordinator_address,
+                coordinator_bind_address=ident.coordinator_address,
                 num_processes=ident.num_processes,
                 process_id=ident.process_id,
                 cluster_detection_method="deactivate",
@@ -606,7 +609,10 @@ def _start_metrics(w: Worker, cfg: JobConfig) -> WorkerMetrics:
     m = WorkerMetrics(cfg.run_id, w.args.attempt, w.process_index)
     base_port = cfg.monitoring.metrics_port if w.args.metrics_port is None else w.args.metrics_port
     if base_port > 0:
-        m.serve(base_port + (w.process_index if cfg.slice.is_local else 0))
+        # A local gang's workers share one host: each its own port, on loopback (Prometheus on that host scrapes
+        # it); a pod's is scraped at the pod's address.
+        local = cfg.slice.is_local
+        m.serve(base_port + (w.process_index if local else 0), addr="127.0.0.1" if local else "0.0.0.0")
     m.set("jaxrec_expected_workers", cfg.slice.num_hosts)
     m.set("jaxrec_worker_up", 1)
     if w.process_index == 0:

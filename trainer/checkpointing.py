@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from recovery_steps.kernel.checkpoints import TooManyFiles, gather_files, host_files, step_files, write_manifest
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.records import CheckpointManifest, ManifestFile, RestoreRecord, SkippedStep, now
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore, store_errors
 from trainer.preemption import distributed_client
 
 log = logging.getLogger(__name__)
@@ -427,6 +427,11 @@ class Checkpointer:
             except TooManyFiles as e:  # the step stays without a manifest: never restored, quarantined later
                 log.error("%s", e)
                 p.incomplete = str(e)
+            except (PreconditionFailed, *store_errors()) as e:
+                # The store failed past its retries (or holds another manifest of the step): the step is an
+                # incomplete transaction, never restored; training goes on and the next save commits.
+                p.incomplete = f"its manifest could not be written ({type(e).__name__}: {str(e)[:300]})"
+                log.error("checkpoint %d: %s", p.step, p.incomplete)
             self._announce_manifest(p.step, p.incomplete)
         else:
             if not self.store.is_gcs:

@@ -75,17 +75,17 @@ class WorkerMetrics:
         """Set gauge ``name`` (a name from the metric table)."""
         self._g[name].set(value)
 
-    def serve(self, port: int) -> None:
-        """Serve /metrics on ``port`` (0: do not serve). A busy port is logged, never fatal."""
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Serve /metrics on ``addr:port`` (port 0: do not serve). A busy port is logged, never fatal."""
         if port <= 0:
             return
         from prometheus_client import start_http_server
 
         try:
-            self._server = start_http_server(port, registry=self.registry)
-            log.info("metrics on :%d", port)
+            self._server = start_http_server(port, addr=addr, registry=self.registry)
+            log.info("metrics on %s:%d", addr, port)
         except OSError as e:
-            log.warning("metrics server not started on :%d: %s", port, e)
+            log.warning("metrics server not started on %s:%d: %s", addr, port, e)
 
     def exposition(self) -> str:
         """The metrics in the text exposition format (what a scrape returns)."""

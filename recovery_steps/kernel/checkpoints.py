@@ -173,8 +173,12 @@ class TooManyFiles(ValueError):
 def write_manifest(store: RunStore, manifest: CheckpointManifest) -> None:
     """Write ``checkpoints/<step>/manifest.json``, filling ``files`` from what is stored now when it has none.
 
+    The manifest is written once (create-only): a transient answer is retried, and our own earlier try that
+    succeeded unseen counts as done (``RunStore.create_record``).
+
     Raises:
         TooManyFiles: the step has more than ``MAX_MANIFEST_FILES`` files (no manifest is written).
+        PreconditionFailed: another manifest of the step is there.
     """
     if not manifest.files:
         manifest = manifest.model_copy(update={"files": step_files(store, manifest.step)})
@@ -183,4 +187,4 @@ def write_manifest(store: RunStore, manifest: CheckpointManifest) -> None:
             f"checkpoint {manifest.step} has {len(manifest.files)} files, more than a manifest lists "
             f"({MAX_MANIFEST_FILES}); save with OCDBT (orbax's default), which packs array chunks into a few files"
         )
-    store.write_record(RunLayout.checkpoint_manifest(manifest.step), manifest)
+    store.create_record(RunLayout.checkpoint_manifest(manifest.step), manifest)

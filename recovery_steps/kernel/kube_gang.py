@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 
 # The API server ends a watch after timeoutSeconds; a new one continues from the last resourceVersion.
 WATCH_TIMEOUT_S = 60
-# How long the first LIST of the JobSet, its Jobs and pods may take, and how long a watcher may stay in error
-# later, before the supervisor leaves with exit 69 (transient: Argo retries it and the retry re-attaches)
-# rather than decide on a view it cannot refresh.
+# How long the first LIST of the JobSet, its Jobs and pods may take before the supervisor leaves with exit 69
+# (transient: Argo retries it and the retry re-attaches). A view that fails later is bounded by the supervisor
+# (``supervision.STALE_VIEW_LIMIT_S``).
 SYNC_TIMEOUT_S = 300
 
 
@@ -60,26 +60,18 @@ class Watcher(threading.Thread):
         self.lock = threading.Lock()
         self.synced = threading.Event()
         self.relists = 0
-        self.error: str | None = None
-        self.error_since: float | None = None  # monotonic time of the first error since the last success
-        self.last_heard = time.monotonic()
+        self.error: str | None = None  # why the last list or watch failed; None once one succeeds again
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The objects now, sorted by name."""
         with self.lock:
             return [self.objects[k] for k in sorted(self.objects)]
 
-    def failing_for(self) -> float:
-        """Seconds this watcher has been unable to list or watch (0 when it is fine)."""
-        return 0.0 if self.error_since is None else time.monotonic() - self.error_since
-
     def _ok(self) -> None:
-        self.error, self.error_since, self.last_heard = None, None, time.monotonic()
+        self.error = None
 
     def _failed(self, what: str) -> None:
         self.error = what
-        if self.error_since is None:
-            self.error_since = time.monotonic()
 
     def _relist(self) -> str:
         resp = self.list_call(_preload_content=False, _request_timeout=API_TIMEOUT_S)
@@ -107,7 +99,6 @@ class Watcher(threading.Thread):
         )
         events = 0
         for ev in stream:
-            self.last_heard = time.monotonic()
             obj, kind = ev.get("raw_object") or {}, ev.get("type")
             rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
             if kind == "BOOKMARK":
@@ -226,22 +217,21 @@ class KubeGang:
     def observe(self) -> ClusterSnapshot:
         """The JobSet, its Jobs, pods and their nodes as the watches hold them now.
 
-        Raises:
-            StepError: A watcher has failed for longer than ``SYNC_TIMEOUT_S``: exit 69 (retried; the retry
-                re-attaches) rather than a decision on a stale view.
+        A watch in error or a node that could not be read leaves its last view in place and says so in the
+        snapshot's ``unreadable``: the supervisor gives no stall verdict on it (``supervision.decide``), and ends
+        the step as transient once the view has stayed unreadable for ``supervision.STALE_VIEW_LIMIT_S``.
         """
-        for w in self.watch.values():
-            if w.failing_for() > SYNC_TIMEOUT_S:
-                raise StepError(
-                    ExitCode.TRANSIENT,
-                    f"the {w.kind} watch has failed for {w.failing_for():.0f} s ({w.error}): not deciding on a "
-                    "stale view; the gang is left running for the retry to re-attach",
-                )
+        failing = [f"the {w.kind} watch: {w.error}" for w in self.watch.values() if w.error]
         pods = [pod_from_api(p) for p in self.watch["pods"].snapshot()]
         for name in sorted({p.node for p in pods if p.node}):
-            with contextlib.suppress(Exception):  # an unreadable node keeps its last known state
+            try:
                 body = self.kube.get_node(name)
-                self.node_cache[name] = node_from_api(body) if body else NodeEvidence(name=name, found=False)
+            except Exception as e:  # noqa: BLE001 - an unreadable node keeps its last known state, said stale
+                said = str(e).splitlines()[0][:160] if str(e) else ""
+                # One observation takes one API timeout at most: the other nodes keep their last state too.
+                failing.append(f"node {name}: {type(e).__name__}: {said}")
+                break
+            self.node_cache[name] = node_from_api(body) if body else NodeEvidence(name=name, found=False)
         js = self.watch["jobset"].snapshot()
         return ClusterSnapshot(
             taken_at=self.clock(),
@@ -249,6 +239,7 @@ class KubeGang:
             jobs=[job_from_api(j) for j in self.watch["jobs"].snapshot()],
             pods=pods,
             nodes=[self.node_cache[n] for n in sorted(self.node_cache)],
+            unreadable="; ".join(failing) or None,
         )
 
     def wait(self, timeout: float) -> None:

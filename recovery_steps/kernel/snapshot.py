@@ -175,6 +175,11 @@ class ClusterSnapshot(_Ev):
     jobs: list[JobEvidence] = Field(default_factory=list)
     pods: list[PodEvidence] = Field(default_factory=list)
     nodes: list[NodeEvidence] = Field(default_factory=list)
+    unreadable: str | None = Field(
+        default=None,
+        description="Why part of this view is not current (a watch or a node read failing now; the parts kept are "
+        "the last ones read); None when every read behind it succeeded.",
+    )
 
 
 # ---------------------------------------------------------------- raw API JSON -> records

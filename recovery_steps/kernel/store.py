@@ -706,8 +706,26 @@ class RunStore:
 
     def write_json(self, rel: str, obj: Any, *, if_generation_match: int | None = None) -> int:
         """Write ``obj`` as indented, key-sorted JSON (see ``write_bytes``)."""
-        data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
-        return self.write_bytes(rel, data, if_generation_match=if_generation_match)
+        return self.write_bytes(rel, _json_bytes(obj), if_generation_match=if_generation_match)
+
+    def create_record(self, rel: str, record: BaseModel) -> int:
+        """Write ``record`` at ``rel`` only if nothing is there, retried on a transient answer.
+
+        A create-only write is safe to repeat, so a 429, a 503 or a reset is retried (``GcsBackend.write`` retries
+        conditional writes). A precondition failure on an object that holds these very bytes is an earlier try of
+        this write that succeeded unseen: done.
+
+        Raises:
+            PreconditionFailed: ``rel`` holds another document.
+        """
+        data = _json_bytes(record.model_dump(mode="json", by_alias=True))
+        try:
+            return self._b.write(rel, data, 0)
+        except PreconditionFailed:
+            got = self._b.read(rel)
+            if got is not None and got[0] == data:
+                return got[1]
+            raise
 
     def read_record(self, rel: str, model: type[R]) -> R | None:
         """The record at ``rel``, or None when absent.
@@ -843,6 +861,11 @@ class AttemptRef:
     def store(self) -> RunStore:
         """The run's store."""
         return RunStore(self.store_root, self.run_id)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    """A document as the store writes it: indented, key-sorted JSON."""
+    return json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
 
 
 def store_errors() -> tuple[type[BaseException], ...]:

@@ -78,6 +78,20 @@ def tpu_nodes(real_cluster: RealCluster, namespace: str) -> Iterator[Callable[..
         real_cluster.delete_nodes(made)
 
 
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test(request) -> Iterator[None]:
+    """A test on the CPU hosts leaves no run behind, whatever ended it (a test that raised mid-run would leave its
+    gang training beside the next test's)."""
+    yield
+    if "cpu_hosts" not in request.fixturenames:
+        return
+    import trainers
+
+    hosts: CpuHosts = request.getfixturevalue("cpu_hosts")
+    rc: RealCluster = request.getfixturevalue("real_cluster")
+    trainers.clean_run(rc, hosts.namespace, None)
+
+
 def pytest_runtest_makereport(item, call):
     """Attach the control plane's log tails to a failing tier test's report; note each chaos run's result."""
     if item.path.name == "test_chaos.py" and item.config.getoption("--chaos-results"):

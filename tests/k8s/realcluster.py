@@ -131,6 +131,9 @@ def module_dir(bin_dir: Path, module: str) -> Path:
     return d
 
 
+ADMIN_CONNECT_RETRIES = 10  # the tests' own client: refused connections tried again over about 30 s
+
+
 def wait_for(what: str, check: Callable[[], T | None], timeout: float, interval: float = 0.2) -> T:
     """Poll ``check`` until it returns something other than None or False; AssertionError naming ``what`` after
     ``timeout`` seconds (with the last exception it raised, if any)."""
@@ -213,16 +216,33 @@ class RealCluster:
     # --- clients ------------------------------------------------------------------------------------
 
     def api(self, token: str | None = None) -> Any:
-        """A kubernetes ``ApiClient``: the admin's (client certificate) or a bearer token's, with timeouts."""
+        """A kubernetes ``ApiClient``: the admin's (client certificate) or a bearer token's, with timeouts.
+
+        The admin's is the tests' own: a connection the API server refuses (it is restarting, a chaos fault) is
+        tried again for about 30 s, as an operator's kubectl would be run again; the request never reached the
+        server, so any verb is safe to repeat. A token's client answers at once (tests of what a step sees).
+        """
         from kubernetes import client
+        from urllib3.util.retry import Retry
 
         cfg = client.Configuration(host=self.server)
         cfg.ssl_ca_cert = str(self.pki.ca)
         if token is None:
             cfg.cert_file, cfg.key_file = str(self.pki.admin_cert), str(self.pki.admin_key)
+            # Waits of 0, 1, 2, then 4 s each: 10 tries span 31 s (an API server restart here takes 6-15 s).
+            cfg.retries = Retry(
+                total=ADMIN_CONNECT_RETRIES,
+                connect=ADMIN_CONNECT_RETRIES,
+                read=0,
+                redirect=0,
+                status=0,
+                other=0,
+                backoff_factor=0.5,
+                backoff_max=4,
+            )
         else:
             cfg.api_key = {"authorization": f"Bearer {token}"}
-        cfg.retries = 0
+            cfg.retries = 0
         return client.ApiClient(cfg)
 
     @property

@@ -47,7 +47,10 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
         "informer delivered nothing for over 10 minutes, so the deleted supervisor's node stayed Running with no pod "
         "in the API (Argo's, not the project's: its pod list keeps no resourceVersion; the test says what holds a "
         "Workflow and restarts the controller, as docs/DEPLOY.md tells an operator)",
-        3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay",
+        3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay; "
+        "later the supervisor called a capacity stall ('only 1/2 worker pods exist after 6 s') on the view it held "
+        "while the API server restarted, the Job controller down with it creating the second pod late (it now "
+        "judges no stall on a view it cannot refresh, and counts its clocks from when it can: supervision.view_clock)",
     },
     "test_an_operator_stop_then_the_same_file_again_resumes_under_faults": {
         2: "after argo stop the ledger never closed the attempt the exit handler stopped (store attempts [0, 1], "

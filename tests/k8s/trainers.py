@@ -107,19 +107,21 @@ class TrainerRun:
         return got
 
 
-def clean_run(rc: RealCluster, ns: str, run_id: str) -> None:
-    """Delete the run's Workflows, JobSets and pods; wait until no pod of the run is left."""
+def clean_run(rc: RealCluster, ns: str, run_id: str | None) -> None:
+    """Delete the run's Workflows, JobSets and pods (every run's when ``run_id`` is None); wait until no pod of
+    them is left."""
     from kubernetes import client
 
     objs = client.CustomObjectsApi(rc.admin)
-    sel = f"jaxrec/run-id={run_id}"
+    sel = f"jaxrec/run-id={run_id}" if run_id else "jaxrec/run-id"
+    what = run_id or "any run"
     for group, plural in (("argoproj.io", "workflows"), ("jobset.x-k8s.io", "jobsets")):
         version = "v1alpha1" if group == "argoproj.io" else "v1alpha2"
         objs.delete_collection_namespaced_custom_object(group, version, ns, plural, label_selector=sel)
     # Argo's pods go with their Workflow (garbage collector), but not always within the wait: delete them too.
     rc.core().delete_collection_namespaced_pod(ns, label_selector=sel)
     try:
-        wait_for(f"no pods of {run_id} left", lambda: not rc.pods(ns, sel), 90, 0.5)
+        wait_for(f"no pods of {what} left", lambda: not rc.pods(ns, sel), 90, 0.5)
     except AssertionError as e:
         left = [
             (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -109,6 +110,14 @@ def write_config(cfg: JobConfig) -> RunStore:
     return store
 
 
+def loopback(ip: str) -> bool:
+    """True for a loopback address, an IPv4 one written as IPv6 (``::ffff:127.0.0.1``) included."""
+    import ipaddress
+
+    a = ipaddress.ip_address(ip)
+    return (getattr(a, "ipv4_mapped", None) or a).is_loopback
+
+
 @dataclass
 class Gang:
     """The worker processes of one attempt."""
@@ -129,6 +138,17 @@ class Gang:
         codes = [p.poll() for p in self.procs]
         self.kill()
         return codes
+
+    def listening(self) -> set[tuple[str, int]]:
+        """The (address, port) every running worker listens on (TCP): the coordinator's, the metrics server's."""
+        import psutil
+
+        out = set()
+        for p in self.procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                conns = psutil.Process(p.pid).net_connections(kind="inet")
+                out |= {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+        return out
 
     def kill(self) -> None:
         """SIGKILL every worker still running (and reap it)."""
