@@ -69,13 +69,18 @@ PERMANENT_WAITING_REASONS = frozenset({"CreateContainerConfigError", "SignatureV
 PERMANENT_PULL_MARKERS = (
     "not found",
     "manifest unknown",
-    "unauthorized",
     "denied",
     "403 forbidden",
     "invalid reference format",
     "invalidimagename",
     "errimageneverpull",
 )
+# What a registry says when the pull's credentials were not accepted (401: none, or an expired token): the kubelet's
+# credential provider fetches a new token on its next try, so it is waited on as long as a transient failure; one
+# that outlives that wait is not an expiry but missing credentials (configuration). Artifact Registry words it
+# "401 Unauthorized ... unauthorized: not authenticated: No valid credential was supplied" (gitpod-io/gitpod#11454:
+# after a stretch of inactivity, healed once credentials were fetched again). A refused permission is 403/denied.
+CREDENTIAL_PULL_MARKERS = ("unauthorized", "not authenticated", "no valid credential")
 # The kubelet's back-off wrapper. Since Kubernetes 1.32 it repeats the failed pull's error
 # ('Back-off pulling image "X": ErrImagePull: <error>'; pkg/kubelet/images/image_manager.go prevPullErrMsg,
 # kubernetes#127918);
@@ -340,6 +345,12 @@ def pull_failure_is_permanent(reason: str | None, cause: str | None) -> bool:
     return any(m in text for m in PERMANENT_PULL_MARKERS)
 
 
+def pull_failure_is_credentials(reason: str | None, cause: str | None) -> bool:
+    """True when the registry did not accept the pull's credentials (401), which a refreshed token may heal."""
+    text = (cause or "").lower()
+    return not pull_failure_is_permanent(reason, cause) and any(m in text for m in CREDENTIAL_PULL_MARKERS)
+
+
 class WaitClock(_Rec):
     """How long one container has waited on one failure; the adapter keeps it from one observation to the next."""
 
@@ -460,6 +471,7 @@ def _container(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         waited = obs.now - obs.counted_from(p.waiting_since if p.waiting_since is not None else obs.now)
         cause = p.waiting_cause or waiting_cause(reason, p.waiting_message)
         permanent = pull_failure_is_permanent(reason, cause)
+        credentials = pull_failure_is_credentials(reason, cause)
         if reason in IMMEDIATE_WAITING_REASONS:
             deadline = 0.0
         else:
@@ -467,11 +479,12 @@ def _container(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         if waited >= deadline:
             said = p.waiting_message or "no message"
             told = f" (last error: {cause})" if cause and cause not in said else ""
+            what = "permanent" if permanent else "credentials" if credentials else "transient"
             return Verdict(
                 state=AttemptOutcome.STALLED,
-                kind=StallKind.CONFIGURATION if permanent else StallKind.IMAGE_PULL,
+                kind=StallKind.CONFIGURATION if permanent or credentials else StallKind.IMAGE_PULL,
                 reason=f"{p.label}: container waiting {reason} for {waited:.0f} s (deadline {deadline:g} s for a "
-                f"{'permanent' if permanent else 'transient'} failure): {said}{told}",
+                f"{what} failure): {said}{told}",
                 worker=p.index,
             )
     return None

@@ -19,6 +19,7 @@ from recovery_steps.supervision import (
     WaitClock,
     WorkerProgress,
     decide,
+    pull_failure_is_credentials,
     pull_failure_is_permanent,
     read_clock,
     view_clock,
@@ -973,7 +974,7 @@ def test_waiting_cause_is_the_same_for_a_pull_error_and_its_back_off(reason, mes
     [
         ("ErrImagePull", NOT_FOUND, True),
         ("ErrImagePull", 'manifest unknown: Failed to fetch "typo"', True),
-        ("ErrImagePull", "failed to authorize: failed to fetch oauth token: unexpected status: 401 Unauthorized", True),
+        ("ErrImagePull", "failed to authorize: failed to fetch oauth token: unexpected status: 401 Unauthorized", False),
         (
             "ErrImagePull",
             'denied: Permission "artifactregistry.repositories.downloadArtifacts" denied on resource',
@@ -994,6 +995,41 @@ def test_waiting_cause_is_the_same_for_a_pull_error_and_its_back_off(reason, mes
 )
 def test_only_a_failure_waiting_cannot_heal_is_permanent(reason, cause, permanent):
     assert pull_failure_is_permanent(reason, cause) is permanent
+
+
+EXPIRED = (
+    "failed to pull and unpack image \"us-docker.pkg.dev/p/ml/worker:1\": failed to copy: httpReadSeeker: failed "
+    "open: unexpected status code https://us-docker.pkg.dev/v2/p/ml/worker/blobs/sha256:6bd5: 401 Unauthorized - "
+    "Server message: unauthorized: not authenticated: No valid credential was supplied."
+)
+
+
+@pytest.mark.parametrize(
+    ("cause", "credentials"),
+    [
+        (EXPIRED, True),
+        ("failed to authorize: failed to fetch oauth token: unexpected status: 401 Unauthorized", True),
+        ('denied: Permission "artifactregistry.repositories.downloadArtifacts" denied on resource', False),
+        ("unexpected status from HEAD request to https://us-docker.pkg.dev/v2/: 403 Forbidden", False),
+        (UNAVAILABLE, False),
+    ],
+)
+def test_a_401_is_a_credentials_failure_a_403_a_permanent_one(cause, credentials):
+    assert pull_failure_is_credentials("ErrImagePull", cause) is credentials
+
+
+@pytest.mark.parametrize(
+    ("waited", "state", "kind"),
+    [(310, AttemptOutcome.RUNNING, None), (900, AttemptOutcome.STALLED, StallKind.CONFIGURATION)],
+)
+def test_an_expired_pull_token_is_waited_on_for_its_refresh_then_is_missing_credentials(waited, state, kind):
+    """A 401 may be a token the kubelet refreshes on its next try: not configuration at the permanent deadline;
+    one that outlives the transient deadline is missing credentials, configuration."""
+    pod = pulling(3, "ErrImagePull", EXPIRED, T0 + 10)
+    v = decide(obs(10 + waited, [*ALL_RUNNING[:3], pod]), D)
+    assert (v.state, v.kind) == (state, kind), v.reason
+    if kind is not None:
+        assert "deadline 900 s for a credentials failure" in v.reason, v.reason
 
 
 def _api_job(*conditions: dict) -> JobEvidence:

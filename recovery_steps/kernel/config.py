@@ -704,7 +704,7 @@ class SupervisionConfig(_Section):
         default=300,
         gt=0,
         description="End the attempt (configuration) when a worker container has waited this long on a failure "
-        "that waiting cannot heal: an image pull refused as not found, manifest unknown, unauthorized or denied, "
+        "that waiting cannot heal: an image pull refused as not found, manifest unknown, denied or 403 Forbidden, "
         "or CreateContainerConfigError (InvalidImageName and ErrImageNeverPull end it at once). The clock restarts "
         "when the failure changes or the container starts.",
     )
@@ -714,7 +714,9 @@ class SupervisionConfig(_Section):
         description="End the attempt (stall kind image-pull, class infrastructure) when a worker container has "
         "waited this long on any other image pull or container creation failure (registry 5xx, i/o timeout, a "
         "runtime timeout). The kubelet keeps reporting its last pull failure while it retries, also through a slow "
-        "multi-GB pull that follows one transient error: this must exceed the image's pull time.",
+        "multi-GB pull that follows one transient error: this must exceed the image's pull time. A pull whose "
+        "credentials were not accepted (401 Unauthorized: an expired token the kubelet fetches again) waits this "
+        "long too, then ends as configuration (missing credentials).",
     )
     node_lost_grace_s: float = Field(
         default=120,
