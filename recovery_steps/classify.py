@@ -23,7 +23,7 @@ from recovery_steps.kernel.contract import (
     exit_code_info,
 )
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
-from recovery_steps.supervision import pull_failure_is_permanent, waiting_cause
+from recovery_steps.supervision import create_refusal, pull_failure_is_permanent, waiting_cause
 
 SIGABRT, SIGKILL, SIGTERM = 6, 9, 15
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
@@ -42,75 +42,6 @@ PLACEHOLDER_REASON = "ContainerStatusUnknown"
 # could not be created ("Error: ...").
 PULL_EVENTS = ("ErrImagePull", "ImagePullBackOff", "InspectFailed", "ErrImageNeverPull")
 _EVENT_ONLY_REASON = re.compile(r"^Error: (ErrImagePull|ImagePullBackOff)$")
-# The Job controller's event when the API refuses a pod it creates: reason FailedCreate, message 'Error creating:
-# <the API's error>' (kubernetes pkg/controller/controller_utils.go, FailedCreatePodReason).
-FAILED_CREATE = "FailedCreate"
-# JobSet's own pod webhook refuses a follower pod of an exclusive-placement Job until its leader pod is scheduled
-# (the mutating webhook then sets the follower's node selector, and the Job controller's retry is admitted): "an
-# expected, transient error" in jobset v0.12.0 pkg/webhooks/pod_webhook.go ``ValidateCreate``. No refusal.
-JOBSET_SEQUENCING = re.compile(
-    r"follower pod node selector (not set|for topology domain not found)|leader pod not yet scheduled"
-    r"|expected 1 leader pod",
-    re.I,
-)
-# Refusals that say the API could not decide yet, and that the Job controller's next try gets past: ResourceQuota
-# admission refuses every pod it charges while the quota's status lacks the usage of one of its resources ("status
-# unknown for quota: NAME, resources: ...", kubernetes plugin/pkg/admission/resourcequota/controller.go
-# ``CheckRequest``), until the quota controller has counted it; JobSet's webhook refuses a follower pod while the
-# leader pod is missing or doubled (``leaderPodForFollower``: "expected 1 leader pod (NAME), but got N. this is an
-# expected, transient error", jobset v0.12.0 pkg/webhooks/pod_webhook.go). No refusal either.
-TRANSIENT_REFUSALS = re.compile(r"status unknown for quota|this is an expected, transient error", re.I)
-# What the refusal says, first match wins: (pattern, class, what refused the pods, the fix). A spent ResourceQuota
-# is a 403 "is forbidden: exceeded quota" too, so it comes before the other refusals; a webhook that cannot be
-# called (500 "failed calling webhook") is a fault of the webhook's service, not of the pods.
-CREATE_REFUSALS: tuple[tuple[re.Pattern[str], FailureClass, str, str], ...] = (
-    (
-        re.compile(r"exceeded quota: ([\w.-]+)", re.I),
-        FailureClass.CAPACITY,
-        "the namespace's ResourceQuota {0} is spent",
-        "the next attempt waits for capacity; raise the quota or free what holds it",
-    ),
-    (
-        re.compile(r'violates PodSecurity "([^"]+)"', re.I),
-        FailureClass.CONFIGURATION,
-        "the namespace's Pod Security admission ({0}) forbids them",
-        "label the namespace pod-security.kubernetes.io/enforce with a level that admits the workers, or take what "
-        "the policy forbids out of the pod spec",
-    ),
-    (
-        re.compile(r'admission webhook "([^"]+)" denied the request', re.I),
-        FailureClass.CONFIGURATION,
-        "admission webhook {0} denied them",
-        "change the pod spec to pass the webhook's policy, or exempt the namespace from it",
-    ),
-    (
-        re.compile(r'failed calling webhook "([^"]+)"', re.I),
-        FailureClass.INFRASTRUCTURE,
-        "admission webhook {0} could not be called",
-        "retried; check the webhook's service if this repeats",
-    ),
-    (
-        # LimitRanger admission (plugin/pkg/admission/limitranger): "maximum memory usage per Container is 64Gi,
-        # but limit is 400Gi", and the minimum, ratio and default forms of the same sentence.
-        re.compile(r"(?:maximum|minimum) \S+ usage per (\w+) is|\S+ max limit to request ratio per (\w+) is", re.I),
-        FailureClass.CONFIGURATION,
-        "the namespace's LimitRange forbids them",
-        "fix the workers' requests and limits (worker_resources) or the LimitRange",
-    ),
-    (
-        # ServiceAccount admission: "error looking up service account NS/NAME: serviceaccount NAME not found".
-        re.compile(r"error looking up service account ([\w./-]+)", re.I),
-        FailureClass.CONFIGURATION,
-        "the API server forbids them: no service account {0}",
-        "apply argo/rbac.yaml in the namespace, or name an existing account (worker_service_account)",
-    ),
-    (
-        re.compile(r"forbidden", re.I),
-        FailureClass.UNKNOWN,
-        "the API server forbids them, for a reason the classifier does not know",
-        "read the message: a LimitRange, the ServiceAccount or a policy needs fixing, or it passes on a retry",
-    ),
-)
 
 
 @dataclass(frozen=True)
@@ -565,23 +496,6 @@ def _precheck(ev: Evidence) -> Verdict | None:
             f"the step before training exited {ev.step_exit_code}: {meaning}",
             [f"step exit code {ev.step_exit_code}"],
         )
-    return None
-
-
-def create_refusal(event: str) -> tuple[FailureClass, str] | None:
-    """What a Job's warning event ('Reason: message') says about worker pods the API refused to create (pure).
-
-    Returns:
-        The class and one line naming what refused the pods, the API's words and the fix; None when the event is
-        not a FailedCreate (``CREATE_REFUSALS``).
-    """
-    reason, _, msg = event.partition(": ")
-    if reason != FAILED_CREATE or JOBSET_SEQUENCING.search(msg) or TRANSIENT_REFUSALS.search(msg):
-        return None
-    for pattern, cls, what, fix in CREATE_REFUSALS:
-        m = pattern.search(msg)
-        if m is not None:
-            return cls, f"{what.format(*m.groups())} ({_short(msg, 240)}); {fix}"
     return None
 
 

@@ -42,7 +42,7 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from recovery_steps.kernel.config import SupervisionConfig
-from recovery_steps.kernel.contract import AttemptOutcome, ExitCode, StallKind, outcome_check
+from recovery_steps.kernel.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
 from recovery_steps.kernel.names import UNREACHABLE_TAINT
 from recovery_steps.kernel.snapshot import Condition, JobEvidence, PodPhase
 
@@ -74,6 +74,75 @@ PERMANENT_PULL_MARKERS = (
     "invalid reference format",
     "invalidimagename",
     "errimageneverpull",
+)
+# The Job controller's event when the API refuses a pod it creates: reason FailedCreate, message 'Error creating:
+# <the API's error>' (kubernetes pkg/controller/controller_utils.go, FailedCreatePodReason).
+FAILED_CREATE = "FailedCreate"
+# JobSet's own pod webhook refuses a follower pod of an exclusive-placement Job until its leader pod is scheduled
+# (the mutating webhook then sets the follower's node selector, and the Job controller's retry is admitted): "an
+# expected, transient error" in jobset v0.12.0 pkg/webhooks/pod_webhook.go ``ValidateCreate``. No refusal.
+JOBSET_SEQUENCING = re.compile(
+    r"follower pod node selector (not set|for topology domain not found)|leader pod not yet scheduled"
+    r"|expected 1 leader pod",
+    re.I,
+)
+# Refusals that say the API could not decide yet, and that the Job controller's next try gets past: ResourceQuota
+# admission refuses every pod it charges while the quota's status lacks the usage of one of its resources ("status
+# unknown for quota: NAME, resources: ...", kubernetes plugin/pkg/admission/resourcequota/controller.go
+# ``CheckRequest``), until the quota controller has counted it; JobSet's webhook refuses a follower pod while the
+# leader pod is missing or doubled (``leaderPodForFollower``: "expected 1 leader pod (NAME), but got N. this is an
+# expected, transient error", jobset v0.12.0 pkg/webhooks/pod_webhook.go). No refusal either.
+TRANSIENT_REFUSALS = re.compile(r"status unknown for quota|this is an expected, transient error", re.I)
+# What the refusal says, first match wins: (pattern, class, what refused the pods, the fix). A spent ResourceQuota
+# is a 403 "is forbidden: exceeded quota" too, so it comes before the other refusals; a webhook that cannot be
+# called (500 "failed calling webhook") is a fault of the webhook's service, not of the pods.
+CREATE_REFUSALS: tuple[tuple[re.Pattern[str], FailureClass, str, str], ...] = (
+    (
+        re.compile(r"exceeded quota: ([\w.-]+)", re.I),
+        FailureClass.CAPACITY,
+        "the namespace's ResourceQuota {0} is spent",
+        "the next attempt waits for capacity; raise the quota or free what holds it",
+    ),
+    (
+        re.compile(r'violates PodSecurity "([^"]+)"', re.I),
+        FailureClass.CONFIGURATION,
+        "the namespace's Pod Security admission ({0}) forbids them",
+        "label the namespace pod-security.kubernetes.io/enforce with a level that admits the workers, or take what "
+        "the policy forbids out of the pod spec",
+    ),
+    (
+        re.compile(r'admission webhook "([^"]+)" denied the request', re.I),
+        FailureClass.CONFIGURATION,
+        "admission webhook {0} denied them",
+        "change the pod spec to pass the webhook's policy, or exempt the namespace from it",
+    ),
+    (
+        re.compile(r'failed calling webhook "([^"]+)"', re.I),
+        FailureClass.INFRASTRUCTURE,
+        "admission webhook {0} could not be called",
+        "retried; check the webhook's service if this repeats",
+    ),
+    (
+        # LimitRanger admission (plugin/pkg/admission/limitranger): "maximum memory usage per Container is 64Gi,
+        # but limit is 400Gi", and the minimum, ratio and default forms of the same sentence.
+        re.compile(r"(?:maximum|minimum) \S+ usage per (\w+) is|\S+ max limit to request ratio per (\w+) is", re.I),
+        FailureClass.CONFIGURATION,
+        "the namespace's LimitRange forbids them",
+        "fix the workers' requests and limits (worker_resources) or the LimitRange",
+    ),
+    (
+        # ServiceAccount admission: "error looking up service account NS/NAME: serviceaccount NAME not found".
+        re.compile(r"error looking up service account ([\w./-]+)", re.I),
+        FailureClass.CONFIGURATION,
+        "the API server forbids them: no service account {0}",
+        "apply argo/rbac.yaml in the namespace, or name an existing account (worker_service_account)",
+    ),
+    (
+        re.compile(r"forbidden", re.I),
+        FailureClass.UNKNOWN,
+        "the API server forbids them, for a reason the classifier does not know",
+        "read the message: a LimitRange, the ServiceAccount or a policy needs fixing, or it passes on a retry",
+    ),
 )
 # What a registry says when the pull's credentials were not accepted (401: none, or an expired token): the kubelet's
 # credential provider fetches a new token on its next try, so it is waited on as long as a transient failure; one
@@ -351,6 +420,28 @@ def pull_failure_is_credentials(reason: str | None, cause: str | None) -> bool:
     return not pull_failure_is_permanent(reason, cause) and any(m in text for m in CREDENTIAL_PULL_MARKERS)
 
 
+def create_refusal(event: str) -> tuple[FailureClass, str] | None:
+    """What a Job's warning event ('Reason: message') says about worker pods the API refused to create (pure).
+
+    Returns:
+        The class and one line naming what refused the pods, the API's words and the fix; None when the event is
+        not a FailedCreate (``CREATE_REFUSALS``).
+    """
+    reason, _, msg = event.partition(": ")
+    if reason != FAILED_CREATE or JOBSET_SEQUENCING.search(msg) or TRANSIENT_REFUSALS.search(msg):
+        return None
+    for pattern, cls, what, fix in CREATE_REFUSALS:
+        m = pattern.search(msg)
+        if m is not None:
+            return cls, f"{what.format(*m.groups())} ({_first_line(msg, 240)}); {fix}"
+    return None
+
+
+def _first_line(text: str, n: int) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first if len(first) <= n else first[: n - 3] + "..."
+
+
 class WaitClock(_Rec):
     """How long one container has waited on one failure; the adapter keeps it from one observation to the next."""
 
@@ -490,6 +581,24 @@ def _container(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     return None
 
 
+def _refused(obs: Observation, d: SupervisionConfig) -> Verdict | None:
+    # Worker pods the API refuses by a policy no retry gets past (Pod Security, an admission webhook's denial, a
+    # LimitRange, a missing ServiceAccount): the Job controller says so at once in a FailedCreate event, and keeps
+    # trying for good; waiting for the start-up deadline would only delay the same verdict.
+    if len(obs.pods) >= obs.expected_workers:
+        return None
+    for j in obs.jobs:
+        for event in j.events:
+            refusal = create_refusal(event)
+            if refusal is not None and refusal[0] is FailureClass.CONFIGURATION:
+                return Verdict(
+                    state=AttemptOutcome.STALLED,
+                    kind=StallKind.CONFIGURATION,
+                    reason=f"Job {j.name} could not create its worker pods: {refusal[1]}",
+                )
+    return None
+
+
 def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     # A node lost for less than the grace ends nothing: a graceful shutdown marks it NotReady while the workers
     # still save, and the pods' failure (or the Job's FailureTarget, checked before this) follows; a kubelet
@@ -619,7 +728,7 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
             reason=f"{_gang_state(obs)}; the cluster view is not current for {obs.now - obs.view.since:.0f} s "
             f"({obs.view.error}): no stall is judged on it",
         )
-    for stall in (_container, _node_lost, _capacity, _hang):
+    for stall in (_container, _refused, _node_lost, _capacity, _hang):
         v = stall(obs, deadlines)
         if v is not None:
             return v

@@ -661,7 +661,8 @@ def kube_gang(api_client: Any = None, k8s_host: str | None = None) -> GangFactor
     def make(cfg: JobConfig, manifest: Mapping[str, Any], clock: Callable[[], float], say: Callable[[str], None]):
         client = api_client if api_client is not None else k8s_client(k8s_host)
         meta = manifest["metadata"]
-        return KubeGang(client, meta.get("namespace") or cfg.namespace, meta["name"], clock=clock, say=say)
+        ns = meta.get("namespace") or cfg.namespace
+        return KubeGang(client, ns, meta["name"], clock=clock, say=say, expected_pods=cfg.slice.num_hosts)
 
     return make
 

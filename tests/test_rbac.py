@@ -26,7 +26,7 @@ EXPECTED = {
     ("", "nodes", "list"): "provision-slice",
     ("batch", "jobs", "list"): "train-segment",
     ("batch", "jobs", "watch"): "train-segment",
-    ("", "events", "list"): "classify-failure",
+    ("", "events", "list"): "train-segment",
     ("", "nodes", "get"): "train-segment",
     ("", "namespaces", "get"): "preflight",
     ("argoproj.io", "workflows", "get"): "validate-config",

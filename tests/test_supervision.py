@@ -151,6 +151,21 @@ def failing(since: float, *workers: int) -> tuple[HeartbeatRead, ...]:
     )
 
 
+POD_SECURITY_REFUSAL = (
+    'FailedCreate: Error creating: pods "run-a0-workers-0-3-x8k2p" is forbidden: violates PodSecurity '
+    '"baseline:latest": hostPath volumes (volume "tpu-dev")'
+)
+QUOTA_UNKNOWN_REFUSAL = (
+    'FailedCreate: Error creating: pods "run-a0-workers-0-3-q2x9z" is forbidden: status unknown for quota: '
+    "tpu-quota, resources: google.com/tpu"
+)
+
+
+def refusing(event: str) -> JobEvidence:
+    """The gang's Job as the supervisor reads it while the API refuses one of its pods (its FailedCreate event)."""
+    return JobEvidence(name="run-a0-workers-0", events=[event])
+
+
 REFUSED = "the pods watch: MaxRetryError: HTTPSConnectionPool(host='10.0.0.1', port=443): Connection refused"
 
 
@@ -707,6 +722,28 @@ CASES = [
         StallKind.NODE_LOST,
         "worker 2: node gke-tpu-2 is unreachable",
     ),
+    # The API refusing a worker pod by a policy no retry gets past: the Job says so at once, the attempt ends then.
+    (
+        "pod-security-refuses-a-worker-pod-ends-at-once",
+        obs(12, [running(0), running(1), running(2)], jobs=[refusing(POD_SECURITY_REFUSAL)]),
+        AttemptOutcome.STALLED,
+        StallKind.CONFIGURATION,
+        "Job run-a0-workers-0 could not create its worker pods: the namespace's Pod Security admission",
+    ),
+    (
+        "a-refusal-the-next-try-gets-past-waits-for-the-start-up-deadline",
+        obs(12, [running(0), running(1), running(2)], jobs=[refusing(QUOTA_UNKNOWN_REFUSAL)]),
+        AttemptOutcome.RUNNING,
+        None,
+        "scheduled 3/4",
+    ),
+    (
+        "an-old-refusal-of-a-gang-now-whole-ends-nothing",
+        obs(600, ALL_RUNNING, jobs=[refusing(POD_SECURITY_REFUSAL)], progress=STEPPING),
+        AttemptOutcome.RUNNING,
+        None,
+        "running 4/4",
+    ),
     # A view of the cluster that cannot be refreshed is an old view: only its terminal facts end the attempt, and
     # every stall clock counts from when it is current again (a Job controller down with the API creates pods late).
     (
@@ -974,7 +1011,11 @@ def test_waiting_cause_is_the_same_for_a_pull_error_and_its_back_off(reason, mes
     [
         ("ErrImagePull", NOT_FOUND, True),
         ("ErrImagePull", 'manifest unknown: Failed to fetch "typo"', True),
-        ("ErrImagePull", "failed to authorize: failed to fetch oauth token: unexpected status: 401 Unauthorized", False),
+        (
+            "ErrImagePull",
+            "failed to authorize: failed to fetch oauth token: unexpected status: 401 Unauthorized",
+            False,
+        ),
         (
             "ErrImagePull",
             'denied: Permission "artifactregistry.repositories.downloadArtifacts" denied on resource',
@@ -998,7 +1039,7 @@ def test_only_a_failure_waiting_cannot_heal_is_permanent(reason, cause, permanen
 
 
 EXPIRED = (
-    "failed to pull and unpack image \"us-docker.pkg.dev/p/ml/worker:1\": failed to copy: httpReadSeeker: failed "
+    'failed to pull and unpack image "us-docker.pkg.dev/p/ml/worker:1": failed to copy: httpReadSeeker: failed '
     "open: unexpected status code https://us-docker.pkg.dev/v2/p/ml/worker/blobs/sha256:6bd5: 401 Unauthorized - "
     "Server message: unauthorized: not authenticated: No valid credential was supplied."
 )

@@ -331,7 +331,7 @@ def _verb(method: str, path: str) -> tuple[str, str, str]:
     u = urlparse(path)
     parts = u.path.strip("/").split("/")
     group = "" if parts[0] == "api" else parts[1]
-    coll = next(p for p in ("jobsets", "jobs", "pods", "nodes") if p in parts)
+    coll = next(p for p in ("jobsets", "jobs", "pods", "nodes", "events") if p in parts)
     item = parts.index(coll) + 1 < len(parts)
     q = parse_qs(u.query)
     verb = {"POST": "create", "DELETE": "delete"}.get(method) or (
@@ -932,3 +932,51 @@ def test_a_view_unreadable_past_its_limit_ends_the_step_as_transient_and_leaves_
     assert e.value.code == ExitCode.TRANSIENT
     assert "the cluster view has been unreadable" in str(e.value) and "left running" in str(e.value)
     assert not cluster.requests_of("DELETE", f"/jobsets/{js}") and js in cluster.objects["jobsets"]
+
+
+# --- a refusal of the gang's pods: ended as soon as the Job reports it ---------------------------------------------
+
+
+def test_a_pod_the_api_refuses_by_policy_ends_the_attempt_as_soon_as_the_job_reports_it(tmp_path, cluster):
+    """Pod Security refuses one worker pod (hostPath): the Job controller's FailedCreate event says so, and the
+    attempt ends as configuration at once, not at the start-up deadline as capacity; every call is in the Role."""
+    from workflows.rbac import NODE_RULES, ROLE_RULES
+
+    cfg = _cfg(tmp_path / "store", startup_deadline_s=5)
+    js = f"{cfg.run_id}-a0"
+    refusal = (
+        f'Error creating: pods "{js}-workers-0-3-x8k2p" is forbidden: violates PodSecurity "baseline:latest": '
+        'hostPath volumes (volume "tpu-dev")'
+    )
+
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        t = time.time()
+        for i in range(HOSTS - 1):
+            c.put("pods", pod(js, i, t, node=f"gke-tpu-{i}", phase="Running", running=True))
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{js}-workers-0.1"},
+            "involvedObject": {"kind": "Job", "name": f"{js}-workers-0", "namespace": "training"},
+            "type": "Warning",
+            "reason": "FailedCreate",
+            "message": refusal,
+        }
+        c.put("events", event)
+
+    cluster.on_create = created
+    t0 = time.monotonic()
+    rec, _, _ = _run(cfg, tmp_path, cluster)
+    assert (rec.outcome, rec.stall_kind) == ("stalled", "configuration"), rec.reason
+    assert "could not create its worker pods: the namespace's Pod Security admission" in rec.reason
+    assert time.monotonic() - t0 < 5
+    used = {_verb(m, p) for m, p, _ in cluster.requests}
+    assert ("", "events", "list") in used
+    for group, res, verb in used:
+        rules = NODE_RULES if res == "nodes" else ROLE_RULES
+        assert any(group in r["apiGroups"] and res in r["resources"] and verb in r["verbs"] for r in rules), (
+            group,
+            res,
+            verb,
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -38,6 +39,9 @@ WATCH_TIMEOUT_S = 60
 # (transient: Argo retries it and the retry re-attaches). A view that fails later is bounded by the supervisor
 # (``supervision.STALE_VIEW_LIMIT_S``).
 SYNC_TIMEOUT_S = 300
+# While the gang has fewer pods than hosts, how often its Jobs' warning events are read: the Job controller reports
+# a pod the API refused (FailedCreate) only there, and a policy's refusal ends the attempt at once.
+JOB_EVENTS_EVERY_S = 2.0
 
 
 class Watcher(threading.Thread):
@@ -155,10 +159,14 @@ class KubeGang:
         *,
         clock: Callable[[], float] = time.time,
         say: Callable[[str], None] = log.info,
+        expected_pods: int | None = None,
     ):
         self.kube = Kube(api_client, namespace)
         self.name = jobset
         self.clock, self.say = clock, say
+        self.expected_pods = expected_pods
+        self.job_events: dict[str, list[str]] = {}  # each Job's warning events, read while pods are missing
+        self.events_read_at = -math.inf
         self.changed = threading.Event()
         self.stopped = threading.Event()
         lists = {
@@ -233,14 +241,33 @@ class KubeGang:
                 break
             self.node_cache[name] = node_from_api(body) if body else NodeEvidence(name=name, found=False)
         js = self.watch["jobset"].snapshot()
+        jobs = [job_from_api(j) for j in self.watch["jobs"].snapshot()]
+        if self.expected_pods is not None and len(pods) < self.expected_pods:
+            failing += self._read_job_events([j.name for j in jobs])
         return ClusterSnapshot(
             taken_at=self.clock(),
             jobset=jobset_from_api(js[0]) if js else None,
-            jobs=[job_from_api(j) for j in self.watch["jobs"].snapshot()],
+            jobs=[j.model_copy(update={"events": self.job_events.get(j.name, [])}) for j in jobs],
             pods=pods,
             nodes=[self.node_cache[n] for n in sorted(self.node_cache)],
             unreadable="; ".join(failing) or None,
         )
+
+    def _read_job_events(self, jobs: list[str]) -> list[str]:
+        """Read the Jobs' warning events (a FailedCreate: the API refused their pods), at most every few seconds.
+
+        Returns what could not be read (the events kept are the last read).
+        """
+        now = time.monotonic()
+        if now - self.events_read_at < JOB_EVENTS_EVERY_S:
+            return []
+        self.events_read_at = now
+        for name in jobs:
+            try:
+                self.job_events[name] = self.kube.job_warnings(name)
+            except Exception as e:  # noqa: BLE001 - the events kept are said stale, like a node's
+                return [f"the events of Job {name}: {type(e).__name__}"]
+        return []
 
     def wait(self, timeout: float) -> None:
         """Until a watcher saw a change, or ``timeout`` seconds."""

@@ -82,6 +82,7 @@ STEP_VERBS: tuple[VerbUse, ...] = (
     VerbUse("train-segment", "", "pods", "delete", "force-delete a pod stuck Terminating on a lost node"),
     VerbUse("train-segment", "batch", "jobs", "list", "the JobSet's Jobs (supervisor)"),
     VerbUse("train-segment", "batch", "jobs", "watch", "a Job's FailureTarget ends the attempt before JobSet"),
+    VerbUse("train-segment", "", "events", "list", "a Job's FailedCreate: the API refused the gang's pods"),
     VerbUse("train-segment", "", "nodes", "get", "a worker node's Ready condition", cluster_scoped=True),
     VerbUse("provision-slice", JOBSET_GROUP, JOBSET_PLURAL, "list", "find the JobSets earlier attempts left"),
     VerbUse("provision-slice", JOBSET_GROUP, JOBSET_PLURAL, "delete", "tear down earlier attempts' gangs"),
