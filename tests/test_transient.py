@@ -130,3 +130,32 @@ def test_a_resent_final_chunk_of_a_completed_upload_is_answered_as_gcs_does(gcs_
     finally:
         proxy.close()
     assert lost and proxy.completed_resends == 1, (lost, proxy.completed_resends)
+
+
+def test_a_failure_aimed_at_checkpoint_manifests_refuses_those_writes_alone_and_a_create_only_write_retries_through(
+    gcs_emulator, monkeypatch
+):
+    """``fail_matching("manifest.json", s)``: every manifest write answered 503 for ``s`` seconds while other writes
+    go through; the store's create-only write of a manifest is retried by the storage client and lands once the
+    window is over (one 503 on one write costs nothing)."""
+    from pydantic import BaseModel
+
+    from recovery_steps.kernel.store import RunStore
+
+    class Doc(BaseModel):
+        run_id: str
+        step: int
+
+    proxy = OutageProxy(gcs_emulator.url)
+    try:
+        for k, v in proxy.env(gcs_emulator.env).items():
+            monkeypatch.setenv(k, v)
+        store = RunStore("gs://test-bucket/aimed", "r")
+        proxy.fail_matching("manifest.json", 1.5)
+        store.write_json("attempts/0/heartbeats/0.json", {"step": 5})
+        assert proxy.refused == 0  # another write: through at once
+        store.create_record("checkpoints/5/manifest.json", Doc(run_id="r", step=5))
+        assert proxy.refused >= 1
+        assert store.read_json("checkpoints/5/manifest.json") == {"run_id": "r", "step": 5}
+    finally:
+        proxy.close()

@@ -68,6 +68,10 @@ KINDS = {
 # Drawn apart from KINDS (one or two a run, from a generator of their own): added after seeds had become regression
 # tests, whose other faults stay what they were.
 METADATA_KINDS = ("metadata-error", "metadata-hang", "metadata-slow")
+# Aimed at the one request or second that matters (one a run, from a generator of their own as well): every
+# checkpoint manifest write refused 503 while the rest of GCS answers (a save's commit on a store blip); the metadata
+# server silent from the moment the next step pod of the run is created (a pod's first seconds on a fresh node).
+AIMED_KINDS = ("gcs-manifest-error", "metadata-step-start")
 CONTROLLERS = ("jobset", "kube-controller-manager", "kube-scheduler", "workflow-controller")
 
 
@@ -127,7 +131,14 @@ def schedule(seed: int, window_s: float, faults: int = 6) -> tuple[list[Fault], 
             f.params = {"toxicity": rng.choice((0.3, 1.0))}
         out.append(f)
     kill = rng.random() < 0.5
-    return sorted(out + _metadata_faults(seed, window_s), key=lambda f: f.at), kill
+    aimed = _metadata_faults(seed, window_s) + _aimed_faults(seed, window_s)
+    return sorted(out + aimed, key=lambda f: f.at), kill
+
+
+def _aimed_faults(seed: int, window_s: float) -> list[Fault]:
+    rng = random.Random(f"aimed-{seed}")
+    kind = rng.choice(AIMED_KINDS)
+    return [Fault(round(rng.uniform(2, window_s), 1), kind, round(rng.uniform(3, 12), 1))]
 
 
 def _metadata_faults(seed: int, window_s: float) -> list[Fault]:
@@ -141,6 +152,10 @@ def _metadata_faults(seed: int, window_s: float) -> list[Fault]:
             f.params = {"delay": rng.choice((1.0, 2.5, 5.0))}
         out.append(f)
     return out
+
+
+STEP_START_WAIT_S = 30.0
+"""How long an aimed metadata fault waits for the run's next step pod to be created."""
 
 
 class FaultLog:
@@ -351,6 +366,12 @@ class Chaos:
         time.sleep(f.seconds)
         return {"target": "gcs", "refused": self.gcs.proxy.refused - before}
 
+    def _gcs_manifest_error(self, f: Fault) -> dict[str, Any]:
+        before = self.gcs.proxy.refused
+        self.gcs.proxy.fail_matching("manifest.json", f.seconds, 503)
+        time.sleep(f.seconds)
+        return {"target": "gcs: checkpoint manifests", "refused": self.gcs.proxy.refused - before}
+
     def _toxic(self, f: Fault, kind: str, attributes: dict[str, Any]) -> dict[str, Any]:
         if self.gcs.tcp is None:
             raise RuntimeError("toxiproxy is not built (tools/k8s/build.sh)")
@@ -389,6 +410,26 @@ class Chaos:
     def _metadata_hang(self, f: Fault) -> dict[str, Any]:
         return self._metadata(f, lambda: self.gcs.metadata.hang_for(f.seconds))
 
+    def _metadata_step_start(self, f: Fault) -> dict[str, Any]:
+        """The metadata server silent for ``seconds`` from the creation of the run's next step pod (at most
+        ``STEP_START_WAIT_S`` after the fault's time; none created by then: no fault)."""
+        began = time.time()
+        sel = f"workflows.argoproj.io/workflow={self.workflow}"
+
+        def created() -> str | None:
+            for p in self.rc.pods(self.namespace, sel):
+                meta = p["metadata"]
+                at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00")).timestamp()
+                if at >= began - 1:
+                    return meta["name"]
+            return None
+
+        try:
+            pod = wait_for("a step pod created", created, STEP_START_WAIT_S, 0.2)
+        except AssertionError:
+            return {"target": "metadata", "pod": None}
+        return {"pod": pod, **self._metadata(f, lambda: self.gcs.metadata.hang_for(f.seconds))}
+
     def _metadata_slow(self, f: Fault) -> dict[str, Any]:
         return self._metadata(f, lambda: self.gcs.metadata.slow_for(f.seconds, f.params["delay"]))
 
@@ -398,6 +439,7 @@ class Chaos:
             with contextlib.suppress(Exception):
                 undo()
         self.gcs.proxy.fail_for(0)
+        self.gcs.proxy.fail_matching("", 0)
         self.gcs.metadata.clear()
         for name in list(self.rc.components):
             if not self.rc.components[name].alive():

@@ -140,15 +140,20 @@ def test_a_schedule_is_its_seed():
     assert [f.at for f in faults] == sorted(f.at for f in faults)
     others = [f for f in faults if f.kind in chaos.KINDS]
     metadata = [f for f in faults if f.kind in chaos.METADATA_KINDS]
-    assert len(others) == 6 and 1 <= len(metadata) <= 2 and len(others) + len(metadata) == len(faults)
+    aimed = [f for f in faults if f.kind in chaos.AIMED_KINDS]
+    assert len(others) == 6 and 1 <= len(metadata) <= 2 and len(aimed) == 1
+    assert len(others) + len(metadata) + len(aimed) == len(faults)
 
 
-def test_the_metadata_faults_leave_a_seeds_other_faults_as_they_were(monkeypatch):
-    assert {f.kind for seed in range(1, 40) for f in chaos._metadata_faults(seed, 60)} == set(chaos.METADATA_KINDS)
-    with_md, kill = chaos.schedule(7, 60)
-    monkeypatch.setattr(chaos, "_metadata_faults", lambda seed, window_s: [])
+@pytest.mark.parametrize(
+    ("stream", "kinds"), [("_metadata_faults", "METADATA_KINDS"), ("_aimed_faults", "AIMED_KINDS")]
+)
+def test_the_faults_of_a_stream_of_their_own_leave_a_seeds_other_faults_as_they_were(monkeypatch, stream, kinds):
+    assert {f.kind for seed in range(1, 40) for f in getattr(chaos, stream)(seed, 60)} == set(getattr(chaos, kinds))
+    with_them, kill = chaos.schedule(7, 60)
+    monkeypatch.setattr(chaos, stream, lambda seed, window_s: [])
     without, kill_before = chaos.schedule(7, 60)
-    assert [f for f in with_md if f.kind in chaos.KINDS] == without and kill == kill_before
+    assert [f for f in with_them if f.kind not in getattr(chaos, kinds)] == without and kill == kill_before
 
 
 def test_the_soak_totals_count_runs_faults_violations_and_name_each_failing_seed(tmp_path):

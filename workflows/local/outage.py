@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, quote, urlparse
+from urllib.parse import parse_qs, quote, unquote, urlparse
 
 UNAVAILABLE = {
     "error": {
@@ -87,6 +87,7 @@ class OutageProxy:
         self.unauthorized = 0
         self._down_until = 0.0
         self._status, self._share = 503, 1.0
+        self._aimed: tuple[str, int, float] | None = None  # (what the request names, status, until)
         self._rng = random.Random(seed)
         self.refused = 0
         self.completed_resends = 0
@@ -102,7 +103,7 @@ class OutageProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                status = proxy.refusal()
+                status = proxy.refusal(self.path, body)
                 token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
                 if status is None and authorize is not None and not authorize(token):
                     proxy.unauthorized += 1
@@ -215,8 +216,24 @@ class OutageProxy:
         self._status, self._share = status, share
         self._down_until = self._clock() + seconds
 
-    def refusal(self) -> int | None:
+    def fail_matching(self, fragment: str, seconds: float, status: int = 503) -> None:
+        """From now for ``seconds``, answer ``status`` to every request that names ``fragment``.
+
+        Named in its path, its query or the first KB of its body (where a multipart upload names its object): one
+        kind of write failing while every other request goes through.
+        """
+        if status not in BODIES:
+            raise ValueError(f"status {status}: the proxy answers {sorted(BODIES)}")
+        self._aimed = (fragment, status, self._clock() + seconds)
+
+    def refusal(self, path: str = "", body: bytes | None = None) -> int | None:
         """The status to answer the request now with, or None to forward it (counts refusals)."""
+        aimed = self._aimed
+        if aimed is not None and self._clock() < aimed[2]:
+            named = unquote(path) + (body or b"")[:1024].decode("latin-1")
+            if aimed[0] in named:
+                self.refused += 1
+                return aimed[1]
         if not self.is_down or self._rng.random() >= self._share:
             return None
         self.refused += 1
