@@ -1,10 +1,10 @@
 """The local stand-in against recordings of Argo's real workflow-controller (v4.0.5), and its lost supervisor.
 
 ``tests/data/argo-v4.0.5/<scenario>.json`` are Workflows as the real controller finished them in the
-real-controller tier (``tests/k8s/test_standin_agreement.py``, written with ``JAXREC_RECORD_ARGO=<dir>``): the
-shipped ``argo/v5e-4x4.yaml`` with the README scenarios' step results. Replayed through the stand-in's interpreter
-with the same step results, it must run the same nodes, retry as often and end in the same phase. Re-record them
-when the tier's comparison changes what it keeps.
+real-controller tier (``tests/k8s/test_argo.py`` through ``standin.agrees``, written with
+``JAXREC_RECORD_ARGO=<dir>``): the shipped ``argo/v5e-4x4.yaml`` with the README scenarios' step results.
+Replayed through the stand-in's interpreter with the same step results, it must run the same nodes, retry as often
+and end in the same phase. Re-record them when the tier's comparison changes what it keeps.
 """
 
 from __future__ import annotations

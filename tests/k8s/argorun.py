@@ -1,5 +1,5 @@
 """One submission of the shipped Workflow on the real Argo controller (``ArgoRun``), its clean-up, and a lost
-supervisor: what test_argo.py and test_standin_agreement.py share."""
+supervisor: what test_argo.py and its stand-in check (standin.py) share."""
 
 from __future__ import annotations
 

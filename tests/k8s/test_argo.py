@@ -1,7 +1,8 @@
 """The shipped Workflow (argo/v5e-4x4.yaml, unchanged but for ``argo submit -p store-root=...``) on the real Argo
 workflow-controller (v4.0.5), against the real API server, Job and JobSet controllers, scheduler and webhooks.
 
-Every step pod runs its real step program as a local process (``podexec``, a simulated kubelet: it also writes the
+Each scenario's run also checks the local stand-in against the real controller (``standin.agrees``): one run for
+both. Every step pod runs its real step program as a local process (``podexec``, a simulated kubelet: it also writes the
 WorkflowTaskResult Argo's wait container would write). The JobSet's worker pods stay on KWOK (simulated): a test
 makes a worker exit with a code (``exit_pod``) and writes the heartbeats the trainer would write. What follows is
 decided by the real controllers: retryStrategy expressions, ``depends`` and ``when``, parameter passing, the nested
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 
 import argoctl
 import pytest
+import standin
 import yaml
 from argoctl import ARGO_FILE
 from argorun import ArgoRun, lose_supervisor
@@ -86,6 +88,7 @@ def test_app_bug_fails_the_workflow_with_class_application_once_its_budget_is_sp
         (1, "application", "stop"),
     ]
     assert ledger.final_status == "Failed"
+    standin.agrees(argo_run, wf, "app-bug")
     print(f"app-bug on the real controller: {time.monotonic() - t0:.0f} s\n{report}")
 
 
@@ -133,6 +136,7 @@ def test_a_recoverable_failure_is_a_new_attempt_and_the_run_succeeds(argo_run, s
         (1, "succeeded", None),
     ]
     assert ledger.final_status == "Succeeded"
+    standin.agrees(argo_run, wf, scenario)
     print(f"{scenario} on the real controller: {time.monotonic() - t0:.0f} s\n{report}")
 
 
@@ -168,4 +172,5 @@ def test_supervisor_lost_an_evicted_supervisor_is_retried_and_reattaches_to_the_
     assert rec.outcome == "succeeded" and rec.reattached, rec
     ledger = argo_run.ledger()
     assert [(a.attempt, a.outcome) for a in ledger.attempts] == [(0, "succeeded")], ledger
+    standin.agrees(argo_run, wf, "supervisor-lost")
     print(f"supervisor-lost on the real controller: retried after {lost[0]['phase']} ({lost[0].get('message')})")

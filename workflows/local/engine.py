@@ -3,7 +3,7 @@
 It decides what runs next and with which values; running a container is delegated to
 an executor (``workflows.local.executor``), so the same interpreter is tested with tiny ``python -c`` steps.
 It models what the compiled workflows use and nothing more (no ``steps`` or ``script`` templates, no
-``{{=...}}`` expression templates, no template outputs of a DAG); ``tests/k8s/test_standin_agreement.py`` replays
+``{{=...}}`` expression templates, no template outputs of a DAG); ``tests/k8s/standin.py`` replays
 runs of Argo's real workflow-controller through it.
 """
 
