@@ -174,6 +174,19 @@ def test_an_image_that_never_pulls_ends_as_configuration(run):
     _stalls_and_is_classified(run, "configuration", "configuration")
 
 
+@pytest.mark.supervision(startup_deadline_s=180)
+def test_a_pod_security_refusal_ends_the_attempt_as_soon_as_the_real_job_controller_reports_it(run):
+    """The namespace enforces the restricted Pod Security level, which the worker pods do not meet: the real API
+    server refuses them, the real Job controller says so in its FailedCreate event, and the supervisor ends the
+    attempt as configuration then, not at the 180 s start-up deadline; classify-failure says configuration."""
+    run.rc.core().patch_namespace(
+        run.ns, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}}
+    )
+    rec = _stalls_and_is_classified(run, "configuration", "configuration")
+    assert "could not create its worker pods: the namespace's Pod Security admission" in rec.reason, rec.reason
+    assert rec.detected_at - rec.created_at < 60, rec
+
+
 def test_a_supervisor_killed_and_started_again_reattaches_to_the_live_jobset(run):
     first = run.supervise(0)
     pods = run.workers(0)
