@@ -31,7 +31,12 @@ def pytest_addoption(parser):
     """The chaos runs of the real-controller tier (``pytest -m chaos``): which seeds."""
     group = parser.getgroup("chaos", "chaos runs on the real controllers (tests/k8s/test_chaos.py)")
     group.addoption("--chaos-seed", type=int, action="append", default=[], help="replay this seed (repeatable)")
-    group.addoption("--chaos-rounds", type=int, default=1, help="how many seeds to run (default 1)")
+    group.addoption(
+        "--chaos-rounds",
+        type=int,
+        default=0,
+        help="how many seeds to run beside each test's regression seeds (default 0: the regression seeds alone)",
+    )
     group.addoption("--chaos-first-seed", type=int, default=1, help="the first of the --chaos-rounds seeds")
     group.addoption(
         "--chaos-results",

@@ -3,9 +3,10 @@ faults at every dependency (``chaos``), then every invariant checked (``chaos.IN
 shrunk for them (``trainers.chaos_shape``: two hosts, 30 steps, a checkpoint every 5), so that one run ends within
 5 minutes; the faults' window is fitted to its undisturbed run.
 
-``pytest -m chaos`` runs ``--chaos-rounds`` seeds from ``--chaos-first-seed`` (1 from 1 by default: what
-``pytest -m k8s`` and CI run) and every regression seed; ``--chaos-seed N`` replays one schedule (repeatable). A
-failing run prints its fault log and the line that replays it; a seed that found a bug joins ``REGRESSION_SEEDS``.
+``pytest -m chaos`` runs every test's regression seeds (``REGRESSION_SEEDS``: what ``pytest -m k8s`` and CI run),
+and ``--chaos-rounds`` seeds more from ``--chaos-first-seed`` (the soak: ``tools/chaos_soak.py``); ``--chaos-seed N``
+replays one schedule (repeatable). A failing run prints its fault log and the line that replays it; a seed that
+found a bug joins ``REGRESSION_SEEDS``.
 """
 
 from __future__ import annotations

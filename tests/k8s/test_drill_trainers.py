@@ -16,7 +16,7 @@ import pytest
 from argoctl import LOCAL_ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import REPO, CpuHosts, kube_exec, worker_like_pod
-from trainers import BUCKET, chaos_shape, final_digest
+from trainers import BUCKET, CHAOS_HOSTS, CHAOS_STEPS, chaos_shape, final_digest, final_reports
 
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.records import SupervisionRecord
@@ -164,6 +164,14 @@ def test_drill_kill_worker_real_trainers(trainer_drill, chaos_uninterrupted):
         (0, "failed", "infrastructure"),
         (1, "succeeded", None),
     ], ledger
+    # The killed trainer wrote no exit report (SIGKILL); its peer left as peer-lost or on the stop's SIGTERM; the
+    # next attempt's gang restored the incident's step and trained to the last one.
+    first = {w.process_index: w for w in final_reports(d, 0)}
+    assert killed.index not in first and {w.exit_code for w in first.values()} <= {20, 143}, first
+    second = final_reports(d, 1)
+    assert [(w.exit_code, w.restore_step, w.last_step) for w in second] == [
+        (0, t.incident.restored_step, CHAOS_STEPS)
+    ] * CHAOS_HOSTS, second
     assert final_digest(d) == final_digest(chaos_uninterrupted[0])
 
 
