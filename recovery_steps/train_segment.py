@@ -94,6 +94,10 @@ from recovery_steps.supervision import (
 
 log = logging.getLogger(__name__)
 
+# A heartbeat read that takes this long was retried through refusals or a slow store (a read answers in tens of
+# milliseconds): it counts as a failed read for the hang clock (``read_clock``), which starts again once reads are
+# quick again.
+SLOW_HEARTBEAT_READ_S = 5.0
 # How long the stop waits, beyond the pods' own termination grace, before it reports pods left over.
 STOP_SLACK_S = 30
 
@@ -192,11 +196,17 @@ def read_heartbeats(
     last = last or {}
     out, failed = [], {}
     for i in range(hosts):
+        began = time.monotonic()
         try:
             beat = store.read_record(RunLayout.heartbeat(attempt, i), WorkerHeartbeat)
         except (DocumentError, *store_errors()) as e:
             log.warning("heartbeat of worker %d unreadable (keeping the last one read): %s", i, e)
             beat, failed[i] = last.get(i), f"{type(e).__name__}: {e}"
+        took = time.monotonic() - began
+        if i not in failed and took >= SLOW_HEARTBEAT_READ_S:
+            # The storage client retried its way through refusals (429, 5xx) or the store was slow: the worker's
+            # own heartbeat writes, to the same store, were held as long. Its silence says nothing meanwhile.
+            failed[i] = f"the store answered this read after {took:.1f} s (retried or slow): writes were held too"
         if beat is not None:
             out.append(beat)
     return out, failed

@@ -980,3 +980,42 @@ def test_a_pod_the_api_refuses_by_policy_ends_the_attempt_as_soon_as_the_job_rep
             res,
             verb,
         )
+
+
+def test_a_heartbeat_read_the_store_answered_only_after_retries_is_no_evidence_of_silence(
+    tmp_path, cluster, monkeypatch
+):
+    """A 429 storm that the storage client retries through: reads come back late with the beat the worker wrote
+    before (its own writes were held as long). Time spent so does not count towards hang_timeout_s."""
+    cfg = _cfg(tmp_path / "store")  # hang_timeout_s 30
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    js = f"{cfg.run_id}-a0"
+    monkeypatch.setattr(ts, "SLOW_HEARTBEAT_READ_S", 0.2)
+    # By the supervisor's observations (its read of worker 0's beat starts each one): from the 3rd, the clock is
+    # 5 hang timeouts on and every read slow; from the 6th, reads are quick again; at the 9th the gang succeeds.
+    state = {"observation": 0, "skew": 0.0}
+    read = RunStore.read_record
+
+    def read_record(self, rel, model):
+        if rel == RunLayout.heartbeat(0, 0):
+            state["observation"] += 1
+            if state["observation"] == 3:
+                state["skew"] = 5 * cfg.supervision.hang_timeout_s
+            if state["observation"] == 9:
+                _succeed(js)(cluster)
+        if "heartbeats" in rel and 3 <= state["observation"] < 6:
+            time.sleep(0.25)
+        return read(self, rel, model)
+
+    monkeypatch.setattr(RunStore, "read_record", read_record)
+    cluster.on_create = _running_gang(js)
+    _beat(store, 0, 5, time.time())
+    rec = ts.run(
+        AttemptRef(cfg.storage.root, cfg.run_id, 0),
+        _params(cfg),
+        tmp_path / "out",
+        gang=ts.kube_gang(k8s_host=cluster.url),
+        io=ts.SupervisorIO(clock=lambda: time.time() + state["skew"], say=lambda _: None),
+    )
+    assert rec.outcome == "succeeded", rec.reason
+    assert state["observation"] >= 9
