@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from realcluster import NEVER_PULLS_IMAGE, wait_for
 from tier import HOSTS
 
 from recovery_steps.kernel.names import jobset_name
+from recovery_steps.kernel.snapshot import parse_time
 
 pytestmark = pytest.mark.k8s
 
@@ -144,6 +146,34 @@ def test_a_lost_node_is_seen_by_the_real_node_lifecycle_and_its_stuck_pod_force_
     result = run.classify(0)
     # A Spot VM that vanished was reclaimed (GKE docs "Spot VMs"); an on-demand one failed.
     assert result.verdict.failure_class == ("preemption" if spot else "infrastructure"), result.verdict
+
+
+@pytest.mark.supervision(node_lost_grace_s=20)
+def test_a_node_lost_while_the_api_server_restarts_is_judged_only_once_the_view_is_current_again(run):
+    """A worker's node is lost; 15 s into its 20 s grace the API server restarts. The supervisor's cached view says
+    the node is lost, but the view cannot be refreshed: no stall is judged on it, and the node-lost clock counts from
+    when the view is current again. The verdict comes a full grace after the API server is back, never during."""
+    sup = run.supervise(0)
+    pods = run.workers(0)
+    run.beat(0, 3)
+    lost = pods[3]["spec"]["nodeName"]
+    run.rc.lose_node(lost)
+
+    def lost_since() -> float | None:
+        ready = next(c for c in run.rc.node(lost)["status"]["conditions"] if c["type"] == "Ready")
+        return parse_time(ready["lastTransitionTime"]) if ready["status"] == "Unknown" else None
+
+    since = wait_for(f"node {lost} NotReady", lost_since, 90, 0.5)
+    time.sleep(max(0.0, since + 15 - time.time()))
+    run.rc.restart("kube-apiserver")
+    wait_for("kube-apiserver /readyz", lambda: run.rc._https("/readyz") == "ok", 90, 0.3)
+    back = time.time()
+    code, log = run.finish(sup, timeout=180)
+    assert code == 1, log
+    rec = run.record(0)
+    assert rec.outcome == "stalled" and rec.stall_kind == "node-lost", rec
+    assert "the cluster view is not current" in log and "the cluster view is current again" in log, log
+    assert rec.detected_at >= back + 10, (rec.detected_at - back, rec.reason)
 
 
 def _stalls_and_is_classified(run, kind: str, cls: str):
