@@ -131,6 +131,7 @@ class ApiAnswer:
     status: int
     reason: str = ""
     allowed: bool | None = None
+    labels: dict[str, str] | None = None  # the object's labels, where the query reads one (the namespace)
 
 
 def cluster_problems(cfg: JobConfig, answers: dict[str, ApiAnswer]) -> list[Problem]:
@@ -145,6 +146,8 @@ def cluster_problems(cfg: JobConfig, answers: dict[str, ApiAnswer]) -> list[Prob
     a = answers.get("namespace")
     if a is not None and a.status == 404:
         problems.append(Problem("cluster", f"namespace {ns}", f"kubectl create namespace {ns}"))
+    if a is not None and a.status == 200:
+        problems += pod_security_problems(cfg, a.labels or {})
     a = answers.get("jobset-crd")
     if a is not None and a.status == 404:
         problems.append(Problem("cluster", "the JobSet CRD (jobsets.jobset.x-k8s.io)", JOBSET_INSTALL))
@@ -160,6 +163,78 @@ def cluster_problems(cfg: JobConfig, answers: dict[str, ApiAnswer]) -> list[Prob
         elif ans.status == 403:
             problems.append(Problem("cluster", f"RBAC to read {key} ({ans.reason})", RBAC_APPLY))
     return problems
+
+
+# Pod Security admission's level label (kubernetes.io/docs/concepts/security/pod-security-admission): a namespace
+# without it enforces "privileged" (the API server's default, which admits anything).
+POD_SECURITY_ENFORCE = "pod-security.kubernetes.io/enforce"
+
+
+def pod_security_problems(cfg: JobConfig, labels: dict[str, str]) -> list[Problem]:
+    """Pure: what the namespace's enforced Pod Security level refuses in the worker pods the config renders.
+
+    The Job controller's retries of a refused pod never succeed, so it is said before any gang is created. Checked
+    (Pod Security Standards, kubernetes.io/docs/concepts/security/pod-security-standards): ``baseline`` and
+    ``restricted`` forbid hostPath volumes (``checkpoint.local``'s host directory); ``restricted`` also requires
+    every container to run as non-root, without privilege escalation, with every capability dropped and a
+    RuntimeDefault or Localhost seccomp profile, which the rendered pods do not set.
+    """
+    from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
+
+    level = (labels.get(POD_SECURITY_ENFORCE) or "privileged").strip().lower()
+    if level not in ("baseline", "restricted"):
+        return []
+    params = JobSetParams(
+        name=f"{cfg.run_id}-a0",
+        run_id=cfg.run_id,
+        store_root=cfg.storage.root,
+        attempt="0",
+        restore_step="-1",
+        coordinator_port="8476",
+        metrics_port=str(cfg.monitoring.metrics_port),
+    )
+    pod = jobset_manifest(cfg, params)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    why = [f"hostPath volume {v['name']}" for v in pod.get("volumes") or [] if "hostPath" in v]
+    if level == "restricted":
+        why += _restricted_gaps(pod)
+    if not why:
+        return []
+    ns = cfg.namespace
+    fix = (
+        f"kubectl label namespace {ns} {POD_SECURITY_ENFORCE}=privileged --overwrite (a level that admits TPU "
+        "workers), or run the workers in a namespace that does"
+        + (
+            ", or turn checkpoint.local off (its host directory is a hostPath volume)"
+            if cfg.checkpoint.local.enabled
+            else ""
+        )
+    )
+    return [
+        Problem(
+            "cluster",
+            f"a Pod Security level that admits the worker pods (namespace {ns} enforces {level}, which refuses: "
+            f"{'; '.join(why)})",
+            fix,
+        )
+    ]
+
+
+def _restricted_gaps(pod: dict[str, Any]) -> list[str]:
+    """What the ``restricted`` Pod Security level requires that the pod spec does not set."""
+    psc = pod.get("securityContext") or {}
+    gaps = []
+    for c in [*(pod.get("initContainers") or []), *(pod.get("containers") or [])]:
+        sc = c.get("securityContext") or {}
+        if sc.get("allowPrivilegeEscalation") is not False:
+            gaps.append(f"container {c['name']}: allowPrivilegeEscalation is not false")
+        if "ALL" not in ((sc.get("capabilities") or {}).get("drop") or []):
+            gaps.append(f"container {c['name']}: capabilities do not drop ALL")
+        if not (sc.get("runAsNonRoot") if "runAsNonRoot" in sc else psc.get("runAsNonRoot")):
+            gaps.append(f"container {c['name']}: runAsNonRoot is not true")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            gaps.append(f"container {c['name']}: no RuntimeDefault or Localhost seccomp profile")
+    return gaps
 
 
 def check_cluster(cfg: JobConfig, api_client: Any) -> list[Problem]:
@@ -191,8 +266,9 @@ def check_cluster(cfg: JobConfig, api_client: Any) -> list[Problem]:
     try:
         for key, q in queries.items():
             try:
-                q()
-                answers[key] = ApiAnswer(200)
+                got = q()
+                meta = getattr(got, "metadata", None)
+                answers[key] = ApiAnswer(200, labels=dict(getattr(meta, "labels", None) or {}))
             except client.ApiException as e:
                 if e.status in (429,) or e.status >= 500:
                     raise PreflightUnreachable(f"Kubernetes API answered {e.status} {e.reason}") from None

@@ -204,3 +204,41 @@ def test_permission_from_403_reads_the_gcs_message():
     msg = gcs_error_403("storage.buckets.get")["error"]["message"]
     assert iam.permission_from_403(msg, "x") == "storage.buckets.get"
     assert iam.permission_from_403("Forbidden", "storage.objects.get") == "storage.objects.get"
+
+
+def _enforcing(kube, level: str) -> None:
+    ns = kube.namespaces[NS]
+    ns["metadata"]["labels"] = {"pod-security.kubernetes.io/enforce": level}
+    kube.put("namespaces", ns)
+
+
+@pytest.mark.parametrize(
+    ("level", "local_tier", "refused"),
+    [
+        ("privileged", True, []),
+        ("baseline", False, []),
+        ("baseline", True, ["hostPath volume jaxrec-local"]),
+        ("restricted", False, ["container trainer: runAsNonRoot is not true", "allowPrivilegeEscalation"]),
+    ],
+    ids=["privileged", "baseline", "baseline-with-the-local-tier", "restricted"],
+)
+def test_a_pod_security_level_that_refuses_the_worker_pods_is_said_before_any_gang(
+    cluster_factory, level, local_tier, refused
+):
+    """The namespace's enforced Pod Security level refuses what the rendered worker pods carry: said by preflight
+    in one line with the fix, before a Job controller retries a refused pod for good."""
+    kube = cluster_factory()
+    _enforcing(kube, level)
+    data = yaml.safe_load((REPO / "configs" / "v5e-4x4.yaml").read_text())
+    data["storage"]["root"] = f"gs://{BUCKET}/pod-security"
+    if local_tier:
+        data["checkpoint"]["local"] = {"interval_steps": 50, "keep": 2}
+    cfg = parse_config(data)
+    problems = preflight.check_cluster(cfg, make_api_client(kube.url))
+    if not refused:
+        assert problems == []
+        return
+    (p,) = problems
+    assert f"namespace {NS} enforces {level}" in p.missing and all(r in p.missing for r in refused), p.line()
+    assert "pod-security.kubernetes.io/enforce=privileged" in p.fix
+    assert ("checkpoint.local off" in p.fix) is local_tier
