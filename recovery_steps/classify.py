@@ -23,7 +23,7 @@ from recovery_steps.kernel.contract import (
     exit_code_info,
 )
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
-from recovery_steps.supervision import create_refusal, pull_failure_is_permanent, waiting_cause
+from recovery_steps.supervision import create_refusal, one_line, pull_failure_is_permanent, waiting_cause
 
 SIGABRT, SIGKILL, SIGTERM = 6, 9, 15
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
@@ -134,17 +134,10 @@ def _line(o: _Obs) -> str:
     if o.node is not None and (o.node.ready is False or not o.node.found):
         text += "; node gone" if not o.node.found else f"; node NotReady ({o.node.ready_reason})"
     if o.report is not None and o.report.exception_type:
-        text += f"; {o.report.exception_type}: {_short(o.report.exception_message)}"
+        text += f"; {o.report.exception_type}: {one_line(o.report.exception_message)}"
     if o.report is not None and o.report.last_step is not None:
         text += f"; last step {o.report.last_step}"
     return text
-
-
-def _short(text: str | None, n: int = 160) -> str:
-    if not text:
-        return ""
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    return first if len(first) <= n else first[: n - 3] + "..."
 
 
 def _normalise(code: int | None, signal: int | None) -> tuple[int | None, int | None]:
@@ -347,10 +340,10 @@ def _event_finding(p: PodEvidence | None) -> _Finding | None:
         if pull or reason in ("Failed", "FailedMount", "FailedCreatePodSandBox"):
             what = "its image cannot be pulled" if pull else f"its container could not start ({reason})"
             if pull_failure_is_permanent("ErrImagePull", msg):
-                found.append(_Finding(FailureClass.CONFIGURATION, f"{what}: {_short(msg, 120)}"))
+                found.append(_Finding(FailureClass.CONFIGURATION, f"{what}: {one_line(msg, 120)}"))
             else:
                 why = "a registry or network fault" if pull else "a node or runtime fault"
-                found.append(_Finding(FailureClass.INFRASTRUCTURE, f"{what}, {why}: {_short(msg, 120)}"))
+                found.append(_Finding(FailureClass.INFRASTRUCTURE, f"{what}, {why}: {one_line(msg, 120)}"))
     found.sort(key=lambda f: f.cls is not FailureClass.CONFIGURATION)
     return found[0] if found else None
 
@@ -479,11 +472,11 @@ def _precheck(ev: Evidence) -> Verdict | None:
         p = pending[0]
         msg = next(e for e in p.events if e.split(":", 1)[0] in SCHEDULING_EVENTS)
         tpu = "google.com/tpu" in msg
-        lines = [f"pod {q.name}: Pending: {_short(next(iter(q.events)), 200)}" for q in pending]
+        lines = [f"pod {q.name}: Pending: {one_line(next(iter(q.events)), 200)}" for q in pending]
         return Verdict(
             FailureClass.CAPACITY,
             f"{len(pending)} of {len(ev.pods)} worker pods stayed Pending "
-            f"({'no free TPU slice of this shape' if tpu else 'unschedulable'}): {_short(msg, 120)}. "
+            f"({'no free TPU slice of this shape' if tpu else 'unschedulable'}): {one_line(msg, 120)}. "
             "Nothing ran; the next attempt waits for capacity.",
             lines,
         )
@@ -512,7 +505,7 @@ def _refused(ev: Evidence) -> Verdict | None:
         return None
     found.sort(key=lambda f: f[2][0] is not FailureClass.CONFIGURATION)
     job, _, (cls, what) = found[0]
-    lines = [f"Job {job.name}: {_short(e, 300)}" for j, e, _ in found if j is job]
+    lines = [f"Job {job.name}: {one_line(e, 300)}" for j, e, _ in found if j is job]
     return Verdict(cls, f"Job {job.name} could not create its worker pods: {what}. {CLASS_INFO[cls].advice}", lines)
 
 
@@ -535,12 +528,12 @@ def _cannot_start(ev: Evidence, *, permanent: bool) -> Verdict | None:
             cause = waiting_cause(c.waiting_reason, c.waiting_message)
             if pull_failure_is_permanent(c.waiting_reason, cause) != permanent:
                 continue
-            line = f"pod {p.name}: container {c.name} waiting: {c.waiting_reason}: {_short(c.waiting_message)}"
+            line = f"pod {p.name}: container {c.name} waiting: {c.waiting_reason}: {one_line(c.waiting_message)}"
             if not permanent:
                 return Verdict(
                     FailureClass.INFRASTRUCTURE,
                     f"worker {p.worker_index} (pod {p.name}) could not start: {c.waiting_reason}"
-                    f" ({_short(c.waiting_message, 100)}); a registry, network or runtime fault the kubelet was "
+                    f" ({one_line(c.waiting_message, 100)}); a registry, network or runtime fault the kubelet was "
                     "still retrying. Retried on a fresh slice.",
                     [line],
                     first_worker=p.worker_index,
@@ -552,7 +545,7 @@ def _cannot_start(ev: Evidence, *, permanent: bool) -> Verdict | None:
             return Verdict(
                 FailureClass.CONFIGURATION,
                 f"worker {p.worker_index} (pod {p.name}) cannot start: {c.waiting_reason}"
-                f" ({_short(c.waiting_message, 100)}); {fix}. Retrying will not help.",
+                f" ({one_line(c.waiting_message, 100)}); {fix}. Retrying will not help.",
                 [line],
                 first_worker=p.worker_index,
                 cause_worker=p.worker_index,
@@ -566,7 +559,7 @@ def _never_ran(ev: Evidence) -> Verdict | None:
         c = p.trainer()
         found = _event_finding(p) if c is not None and c.reason == PLACEHOLDER_REASON else None
         if found is not None and found.cls is FailureClass.CONFIGURATION:
-            events = "; ".join(_short(e, 200) for e in p.events)
+            events = "; ".join(one_line(e, 200) for e in p.events)
             return Verdict(
                 FailureClass.CONFIGURATION,
                 f"worker {p.worker_index} (pod {p.name}) never ran: {found.what}. Retrying will not help.",
@@ -651,16 +644,16 @@ def _unexplained(ev: Evidence) -> str:
     for j in ev.jobs:
         c = j.failure()
         if c is not None:
-            return f"Job {j.name} {c.type} ({c.reason}: {_short(c.message, 100)})"
+            return f"Job {j.name} {c.type} ({c.reason}: {one_line(c.message, 100)})"
     js = ev.jobset
     cond = next((c for c in (js.conditions if js else []) if c.type == "Failed" and c.status == "True"), None)
-    return f"JobSet failed ({cond.reason}: {_short(cond.message, 100)})" if cond else "no failed worker found"
+    return f"JobSet failed ({cond.reason}: {one_line(cond.message, 100)})" if cond else "no failed worker found"
 
 
 def _reason(cf: _Finding, cause: _Obs, first: _Obs, f: _Finding, obs: list[_Obs], judged: dict[int, _Finding]) -> str:
     text = f"{cause.who} {_exit_text(cause)} at {_hms(cause.at)}: {cf.what}"
     if cause.report is not None and cause.report.exception_type:
-        text += f" ({cause.report.exception_type}: {_short(cause.report.exception_message, 100)}"
+        text += f" ({cause.report.exception_type}: {one_line(cause.report.exception_message, 100)}"
         text += f", step {cause.report.last_step})" if cause.report.last_step is not None else ")"
     same = [o for o in obs if judged[id(o)].cls is cf.cls and judged[id(o)].what == cf.what and o is not cause]
     if same and cf.cls is FailureClass.APPLICATION:
@@ -690,10 +683,10 @@ def _context_lines(ev: Evidence) -> list[str]:
     if ev.jobset is not None:
         for c in ev.jobset.conditions:
             if c.status == "True" and c.type in ("Failed", "Suspended"):
-                lines.append(f"JobSet {ev.jobset.name} {c.type}: {c.reason}: {_short(c.message)}")
+                lines.append(f"JobSet {ev.jobset.name} {c.type}: {c.reason}: {one_line(c.message)}")
     for j in ev.jobs:
         c = j.failure()
         if c is not None:
-            lines.append(f"Job {j.name} {c.type} at {_hms(c.at)}: {c.reason}: {_short(c.message)}")
+            lines.append(f"Job {j.name} {c.type} at {_hms(c.at)}: {c.reason}: {one_line(c.message)}")
     lines += [f"note: {n}" for n in ev.notes]
     return lines

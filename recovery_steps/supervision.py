@@ -433,12 +433,15 @@ def create_refusal(event: str) -> tuple[FailureClass, str] | None:
     for pattern, cls, what, fix in CREATE_REFUSALS:
         m = pattern.search(msg)
         if m is not None:
-            return cls, f"{what.format(*m.groups())} ({_first_line(msg, 240)}); {fix}"
+            return cls, f"{what.format(*m.groups())} ({one_line(msg, 240)}); {fix}"
     return None
 
 
-def _first_line(text: str, n: int) -> str:
-    first = text.strip().splitlines()[0] if text.strip() else ""
+def one_line(text: str | None, n: int = 160) -> str:
+    """The first line of ``text``, cut to ``n`` characters (an API's message, a waiting reason's cause)."""
+    if not text or not text.strip():
+        return ""
+    first = text.strip().splitlines()[0]
     return first if len(first) <= n else first[: n - 3] + "..."
 
 

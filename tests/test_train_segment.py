@@ -111,6 +111,17 @@ def _run(cfg, tmp_path, cluster, attempt=0):
     return rec, lines, progress
 
 
+def _run_on_clock(cfg, tmp_path, cluster, clock):
+    """Supervise attempt 0 with the supervisor's clock ``clock`` (a test moves it on); its record."""
+    return ts.run(
+        AttemptRef(cfg.storage.root, cfg.run_id, 0),
+        _params(cfg),
+        tmp_path / "out",
+        gang=ts.kube_gang(k8s_host=cluster.url),
+        io=ts.SupervisorIO(clock=clock, say=lambda _: None),
+    )
+
+
 @pytest.fixture
 def cluster():
     c = FakeCluster()
@@ -340,9 +351,20 @@ def _verb(method: str, path: str) -> tuple[str, str, str]:
     return group, coll, verb
 
 
-def test_rbac_grants_every_call_the_supervisor_makes(tmp_path, cluster):
+def _granted_by_the_role(used: set[tuple[str, str, str]]) -> None:
+    """Every (group, resource, verb) the supervisor used is in the Role (nodes: the ClusterRole) rbac.py writes."""
     from workflows.rbac import NODE_RULES, ROLE_RULES
 
+    for group, res, verb in used:
+        rules = NODE_RULES if res == "nodes" else ROLE_RULES
+        assert any(group in r["apiGroups"] and res in r["resources"] and verb in r["verbs"] for r in rules), (
+            group,
+            res,
+            verb,
+        )
+
+
+def test_rbac_grants_every_call_the_supervisor_makes(tmp_path, cluster):
     cfg = _cfg(tmp_path / "store", startup_deadline_s=0.2)
     js = f"{cfg.run_id}-a0"
 
@@ -356,13 +378,7 @@ def test_rbac_grants_every_call_the_supervisor_makes(tmp_path, cluster):
     assert rec.stall_kind == "node-lost" and rec.force_deleted
     used = {_verb(m, p) for m, p, _ in cluster.requests}
     assert {v for _, _, v in used} >= {"create", "get", "list", "watch", "delete"}
-    for group, res, verb in used:
-        rules = NODE_RULES if res == "nodes" else ROLE_RULES
-        assert any(group in r["apiGroups"] and res in r["resources"] and verb in r["verbs"] for r in rules), (
-            group,
-            res,
-            verb,
-        )
+    _granted_by_the_role(used)
 
 
 @pytest.mark.parametrize(("answer", "code"), [(500, 69), (429, 69), (503, 69), (403, 2), (422, 2)])
@@ -699,13 +715,7 @@ def test_a_store_outage_longer_than_the_hang_timeout_is_no_hang(tmp_path, cluste
     cluster.on_create = _running_gang(js)
     _beat(store, 0, 5, time.time())
     cluster.script = [lambda c: None, outage, lambda c: None, lambda c: None, _succeed(js)]
-    rec = ts.run(
-        AttemptRef(cfg.storage.root, cfg.run_id, 0),
-        _params(cfg),
-        tmp_path / "out",
-        gang=ts.kube_gang(k8s_host=cluster.url),
-        io=ts.SupervisorIO(clock=lambda: time.time() + skew["s"], say=lambda _: None),
-    )
+    rec = _run_on_clock(cfg, tmp_path, cluster, lambda: time.time() + skew["s"])
     assert rec.outcome == "succeeded", rec.reason
     assert rec.last_step == 5 and any("unreadable for" in e and "Input/output error" in e for e in rec.evidence)
 
@@ -940,8 +950,6 @@ def test_a_view_unreadable_past_its_limit_ends_the_step_as_transient_and_leaves_
 def test_a_pod_the_api_refuses_by_policy_ends_the_attempt_as_soon_as_the_job_reports_it(tmp_path, cluster):
     """Pod Security refuses one worker pod (hostPath): the Job controller's FailedCreate event says so, and the
     attempt ends as configuration at once, not at the start-up deadline as capacity; every call is in the Role."""
-    from workflows.rbac import NODE_RULES, ROLE_RULES
-
     cfg = _cfg(tmp_path / "store", startup_deadline_s=5)
     js = f"{cfg.run_id}-a0"
     refusal = (
@@ -973,13 +981,7 @@ def test_a_pod_the_api_refuses_by_policy_ends_the_attempt_as_soon_as_the_job_rep
     assert time.monotonic() - t0 < 5
     used = {_verb(m, p) for m, p, _ in cluster.requests}
     assert ("", "events", "list") in used
-    for group, res, verb in used:
-        rules = NODE_RULES if res == "nodes" else ROLE_RULES
-        assert any(group in r["apiGroups"] and res in r["resources"] and verb in r["verbs"] for r in rules), (
-            group,
-            res,
-            verb,
-        )
+    _granted_by_the_role(used)
 
 
 def test_a_heartbeat_read_the_store_answered_only_after_retries_is_no_evidence_of_silence(
@@ -1010,12 +1012,6 @@ def test_a_heartbeat_read_the_store_answered_only_after_retries_is_no_evidence_o
     monkeypatch.setattr(RunStore, "read_record", read_record)
     cluster.on_create = _running_gang(js)
     _beat(store, 0, 5, time.time())
-    rec = ts.run(
-        AttemptRef(cfg.storage.root, cfg.run_id, 0),
-        _params(cfg),
-        tmp_path / "out",
-        gang=ts.kube_gang(k8s_host=cluster.url),
-        io=ts.SupervisorIO(clock=lambda: time.time() + state["skew"], say=lambda _: None),
-    )
+    rec = _run_on_clock(cfg, tmp_path, cluster, lambda: time.time() + state["skew"])
     assert rec.outcome == "succeeded", rec.reason
     assert state["observation"] >= 9

@@ -30,6 +30,7 @@ from recovery_steps.kernel.snapshot import (
     pod_from_api,
 )
 from recovery_steps.kernel.step import StepError
+from recovery_steps.kernel.store import first_line
 
 log = logging.getLogger(__name__)
 
@@ -235,9 +236,8 @@ class KubeGang:
             try:
                 body = self.kube.get_node(name)
             except Exception as e:  # noqa: BLE001 - an unreadable node keeps its last known state, said stale
-                said = str(e).splitlines()[0][:160] if str(e) else ""
                 # One observation takes one API timeout at most: the other nodes keep their last state too.
-                failing.append(f"node {name}: {type(e).__name__}: {said}")
+                failing.append(f"node {name}: {type(e).__name__}: {first_line(e)}")
                 break
             self.node_cache[name] = node_from_api(body) if body else NodeEvidence(name=name, found=False)
         js = self.watch["jobset"].snapshot()
