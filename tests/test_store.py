@@ -116,3 +116,16 @@ def test_a_create_only_record_retried_after_its_own_unseen_success_is_done(store
     with pytest.raises(PreconditionFailed):
         store.create_record("checkpoints/5/manifest.json", Doc(run_id="run-a", step=6))
     assert store.read_json("checkpoints/5/manifest.json") == {"run_id": "run-a", "step": 5}
+
+
+def test_a_last_writer_wins_write_takes_another_writers_generation_and_lands(store):
+    """Two stores rewrite one record (a supervisor and its replacement): each write is conditional on the generation
+    its store last saw, and one that finds another writer's object takes its generation and lands on top."""
+    other = RunStore(store.root, store.run_id)
+    store.write_json("attempts/0/supervision.json", {"by": "first"})
+    other.write_json("attempts/0/supervision.json", {"by": "second"})
+    store.write_json("attempts/0/supervision.json", {"by": "first, again"})  # its cached generation is stale
+    assert other.read_json("attempts/0/supervision.json") == {"by": "first, again"}
+    other.delete("attempts/0/supervision.json")
+    store.write_json("attempts/0/supervision.json", {"by": "first, after a delete"})
+    assert other.read_json("attempts/0/supervision.json") == {"by": "first, after a delete"}

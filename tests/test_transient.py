@@ -159,3 +159,41 @@ def test_a_failure_aimed_at_checkpoint_manifests_refuses_those_writes_alone_and_
         assert store.read_json("checkpoints/5/manifest.json") == {"run_id": "r", "step": 5}
     finally:
         proxy.close()
+
+
+def test_a_last_writer_wins_record_is_retried_through_503s_and_through_its_own_unseen_success(
+    gcs_emulator, monkeypatch
+):
+    """A heartbeat or a supervisor's verdict (one writer, rewritten in place): every try is conditional on the
+    generation this store last wrote, so the storage client retries it. A 503 window on heartbeats costs nothing;
+    an answer lost after the write landed (reset after upload) is found done, not written twice."""
+    from recovery_steps.kernel.store import RunStore
+
+    proxy = OutageProxy(gcs_emulator.url)
+    real, lost = proxy.upstream, []
+
+    def reset_after_a_completed_verdict(method, path, body, headers):
+        got = real(method, path, body, headers)
+        if method == "POST" and b"supervision.json" in (body or b"") and got[0] in (200, 201) and not lost:
+            lost.append(path)
+            raise ConnectionResetError("connection reset by peer (after the upload completed)")
+        return got
+
+    proxy.upstream = reset_after_a_completed_verdict
+    try:
+        for k, v in proxy.env(gcs_emulator.env).items():
+            monkeypatch.setenv(k, v)
+        store = RunStore("gs://test-bucket/last-writer", "r")
+        store.write_json("attempts/0/heartbeats/0.json", {"step": 1})
+        proxy.fail_matching("heartbeats", 1.5)
+        store.write_json("attempts/0/heartbeats/0.json", {"step": 2})
+        assert proxy.refused >= 1
+        assert store.read_json("attempts/0/heartbeats/0.json") == {"step": 2}
+
+        store.write_json("attempts/0/supervision.json", {"verdict": "succeeded"})
+        assert lost, "the reset after a completed upload was not made"
+        assert store.read_json("attempts/0/supervision.json") == {"verdict": "succeeded"}
+        store.write_json("attempts/0/supervision.json", {"verdict": "failed"})  # its generation is known: one try
+        assert store.read_json("attempts/0/supervision.json") == {"verdict": "failed"}
+    finally:
+        proxy.close()

@@ -85,13 +85,19 @@ class HeartbeatHook:
     """The worker's heartbeat (``WorkerHeartbeat``) in the run store: at most one write per interval.
 
     The train-segment supervisor decides "no progress" from it; the first and the last step are always
-    written. One small write per interval costs the loop nothing measurable; a store failure is logged only.
+    written. One small write per interval costs the loop nothing measurable; a transient answer is retried for one
+    interval at most (the write is on the training thread), and a failure is logged only.
     """
 
     def __init__(
         self, store: RunStore, attempt: int, process_index: int, interval_s: float, ckpt: Any, report: WorkerExitReport
     ):
-        self.store, self.attempt, self.index, self.interval_s = store, attempt, process_index, interval_s
+        self.store, self.attempt, self.index, self.interval_s = (
+            store.bounded(interval_s),
+            attempt,
+            process_index,
+            interval_s,
+        )
         self.ckpt, self.report = ckpt, report
         self._last = float("-inf")
         self._step: int | None = None

@@ -18,6 +18,7 @@ generation precondition so that two writers cannot silently overwrite each other
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import fcntl
 import json
@@ -231,6 +232,10 @@ class RunLayout:
         return f"local/events/{name}"
 
 
+PUT_TRIES = 3
+"""How many conditional tries a last-writer-wins write makes when other writers keep changing the object."""
+
+
 class _Backend(Protocol):
     def url(self, rel: str) -> str: ...
     def read(self, rel: str) -> tuple[bytes, int] | None: ...
@@ -240,6 +245,7 @@ class _Backend(Protocol):
     def odd(self, prefix: str) -> list[str]: ...
     def kind(self, rel: str) -> str: ...
     def crc32c(self, rel: str) -> tuple[str, int] | None: ...
+    def generation(self, rel: str) -> int: ...
 
 
 class LocalBackend:
@@ -382,6 +388,13 @@ class LocalBackend:
             return None
         return h.digest().hex(), n
 
+    def generation(self, rel: str) -> int:
+        """The generation of ``rel`` (its modification time in nanoseconds), 0 when absent."""
+        try:
+            return (self.root / rel).stat().st_mtime_ns
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return 0
+
     def kind(self, rel: str) -> str:
         """``dir``, ``file``, ``link``, ``other`` or ``absent`` for ``rel`` (links not followed)."""
         try:
@@ -427,6 +440,14 @@ class GcsBackend:
         self._bucket = None
         self._retry = None
 
+    def bounded(self, deadline_s: float) -> GcsBackend:
+        """The same objects, each call retried for ``deadline_s`` at most."""
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        twin = GcsBackend(self.bucket_name, self.prefix, self._client)
+        twin._retry = DEFAULT_RETRY.with_deadline(deadline_s)
+        return twin
+
     @property
     def retry(self):
         """The retry policy of every call: the library's, with this store's deadline."""
@@ -470,7 +491,8 @@ class GcsBackend:
         blob = self.bucket.blob(self._key(rel))
         try:
             # Small uploads are multipart: the precondition is enforced (0 = "must not exist").
-            # Retried only when conditional (a retried unconditional upload could overwrite a newer writer).
+            # Retried only when conditional (a retried unconditional upload could overwrite a newer writer):
+            # RunStore makes every write conditional (RunStore.write_bytes).
             retry = self.retry if if_generation_match is not None else None
             blob.upload_from_string(data, if_generation_match=if_generation_match, retry=retry)
         except exceptions.PreconditionFailed as e:
@@ -498,6 +520,11 @@ class GcsBackend:
         if blob is None or not blob.crc32c:
             return None
         return gcs_crc32c_hex(blob.crc32c) or "", int(blob.size or 0)
+
+    def generation(self, rel: str) -> int:
+        """The generation of ``rel`` as GCS keeps it (metadata only), 0 when absent."""
+        blob = self.bucket.get_blob(self._key(rel), retry=self.retry)
+        return 0 if blob is None else int(blob.generation or 0)
 
     def copy(self, rel: str, dst: str) -> bool:
         """Copy ``rel`` to ``dst`` inside the bucket (server-side rewrite: no byte passes through this host).
@@ -667,11 +694,23 @@ class RunStore:
             self._b: _Backend = GcsBackend(bucket, run_prefix, gcs_client)
         else:
             self._b = LocalBackend(Path(root).resolve() / "runs" / run_id)
+        self._generations: dict[str, int] = {}  # what this store last wrote at each path (write_bytes)
 
     @classmethod
     def for_config(cls, cfg: Any, **kw: Any) -> RunStore:
         """The run store of a JobConfig."""
         return cls(cfg.storage.root, cfg.run_id, **kw)
+
+    def bounded(self, deadline_s: float) -> RunStore:
+        """The same run's store with each call retried for ``deadline_s`` at most.
+
+        For a writer on the training thread (a heartbeat), whose write is worth less than a step's wait.
+        """
+        twin = copy.copy(self)
+        twin._generations = {}
+        if isinstance(self._b, GcsBackend):
+            twin._b = self._b.bounded(deadline_s)
+        return twin
 
     @property
     def is_gcs(self) -> bool:
@@ -701,8 +740,38 @@ class RunStore:
         return json.loads(got[0]), got[1]
 
     def write_bytes(self, rel: str, data: bytes, *, if_generation_match: int | None = None) -> int:
-        """Write ``rel`` atomically; with ``if_generation_match`` only if unchanged (0: only if absent)."""
-        return self._b.write(rel, data, if_generation_match)
+        """Write ``rel`` atomically; with ``if_generation_match`` only if unchanged (0: only if absent).
+
+        Without it the last writer wins, and the write is still retried on a transient answer (a 429, a 503, a
+        reset): each try is conditional on the generation this store last wrote or saw there (its metadata read
+        first when it has none), so a retry can never put an older try over a newer write. A precondition failure
+        whose object holds these very bytes is an earlier try that succeeded unseen: done. One that holds other
+        bytes is another writer's, whose generation the next try takes (``PUT_TRIES`` in all).
+
+        Raises:
+            PreconditionFailed: ``if_generation_match`` did not hold, or every try met another writer's object.
+        """
+        if if_generation_match is not None:
+            gen = self._b.write(rel, data, if_generation_match)
+            self._generations[rel] = gen
+            return gen
+        expected = self._generations.get(rel)
+        for _ in range(PUT_TRIES):
+            if expected is None:
+                expected = self._b.generation(rel)
+            try:
+                gen = self._b.write(rel, data, expected)
+            except PreconditionFailed:
+                got = self._b.read(rel)
+                if got is not None and got[0] == data:
+                    gen = got[1]
+                else:
+                    expected = 0 if got is None else got[1]
+                    continue
+            self._generations[rel] = gen
+            return gen
+        self._generations.pop(rel, None)
+        raise PreconditionFailed(f"{self.url(rel)}: another writer changed it on each of {PUT_TRIES} tries")
 
     def write_json(self, rel: str, obj: Any, *, if_generation_match: int | None = None) -> int:
         """Write ``obj`` as indented, key-sorted JSON (see ``write_bytes``)."""
