@@ -18,6 +18,7 @@ through its ``-data`` directory (hard links to the local files) rather than uplo
 largest size to the smallest: flat is 1.
 
     .venv/bin/python bench/bench_integrity.py [--gb 0.25 1 4] [--backends local gcs]
+    .venv/bin/python bench/bench_integrity.py --entries   # the in-memory part's time, 10,000 -> 80,000 entries
 """
 
 from __future__ import annotations
@@ -292,15 +293,50 @@ def run(gbs: list[float], backends: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def entries_growth(sizes: tuple[int, int] = (10_000, 80_000)) -> float:
+    """The in-memory part of verification (the listing against the manifest) at two entry counts, best of 5 each,
+    interleaved; prints and returns the time ratio (linear: the entries' ratio)."""
+    from recovery_steps.kernel import verify
+    from recovery_steps.kernel.records import CheckpointManifest, ManifestFile
+    from recovery_steps.kernel.store import ObjectInfo, RunStore
+
+    store = RunStore(tempfile.mkdtemp(prefix="bench-entries-"), "bench")
+
+    def timed(n: int) -> float:
+        files = [ManifestFile(path=f"state/d/{i:08x}", size=1, crc32c="00000000") for i in range(n)]
+        objs = [ObjectInfo(f.path, 1, 1, "00000000") for f in files]
+        m = CheckpointManifest.model_construct(files=files)
+        t = time.perf_counter()
+        assert verify.file_problems(store, str(STEP), m, objs) == []
+        return time.perf_counter() - t
+
+    best = {n: float("inf") for n in sizes}
+    for _ in range(5):
+        for n in sizes:
+            best[n] = min(best[n], timed(n))
+    lo, hi = sizes
+    ratio = best[hi] / best[lo]
+    print(
+        f"verification's in-memory part: {lo:,} entries {best[lo] * 1000:.1f} ms, {hi:,} entries "
+        f"{best[hi] * 1000:.1f} ms: x{ratio:.2f} for x{hi / lo:g} the entries (linear: x{hi / lo:g}; quadratic: "
+        f"x{(hi / lo) ** 2:g})"
+    )
+    return ratio
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, nargs="+", default=[0.25, 1.0, 4.0])
     p.add_argument("--backends", nargs="+", default=["local", "gcs"], choices=["local", "gcs"])
     p.add_argument("--child", nargs=4, metavar=("WHAT", "METHOD", "ROOT", "RUN_ID"), help=argparse.SUPPRESS)
+    p.add_argument("--entries", action="store_true", help="only how verification's time grows with the entries")
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child)))
+        return 0
+    if args.entries:
+        entries_growth()
         return 0
     run(sorted(args.gb), args.backends)
     return 0
