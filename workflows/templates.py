@@ -6,6 +6,7 @@ this module wires their outputs to the next step's inputs and to ``when`` condit
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,19 @@ SEGMENT_INPUTS = ("attempt", "jobset-name", "restore-step", "coordinator-port", 
 # a supervisor of a long segment; ``cap`` bounds the backoff instead. The retry re-attaches to the gang.
 SUPERVISOR_RETRIES = 20
 SUPERVISOR_RESOURCES = Resources(cpu_request="500m", cpu_limit="500m", memory_request="1Gi", memory_limit="1Gi")
+# A pod is Guaranteed only when every container's requests equal its limits, Argo's own included; Argo gives its
+# init and wait containers the controller's ``executor.resources`` (none unless an operator sets them: argo-workflows
+# v4.0.5 config/config.go GetExecutor, workflow/controller/workflowpod.go newExecContainer), which leaves the
+# supervisor's pod Burstable. The template's podSpecPatch, applied after Argo adds them (createWorkflowPod), sets
+# theirs; the patch merges containers by name ("init", "wait").
+EXECUTOR_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "100m", "memory": "128Mi"}}
+SUPERVISOR_POD_PATCH = json.dumps(
+    {
+        "initContainers": [{"name": "init", "resources": EXECUTOR_RESOURCES}],
+        "containers": [{"name": "wait", "resources": EXECUTOR_RESOURCES}],
+    },
+    sort_keys=True,
+)
 SUPERVISOR_RETRY = (
     f"asInt(lastRetry.exitCode) != {int(ExitCode.ATTEMPT_FAILED)} && "
     f"asInt(lastRetry.exitCode) != {int(ExitCode.CONFIGURATION)}"
@@ -251,10 +265,12 @@ def train_template(cfg: JobConfig) -> Container:
         [*args, "--holder", "{{workflow.uid}}"],
         inputs=SEGMENT_INPUTS,
         outputs=SegmentOutputs,
-        # Guaranteed QoS (requests equal limits) and a PriorityClass: the kubelet evicts it after BestEffort
-        # and Burstable pods and lower priorities under node pressure (Kubernetes docs "Node-pressure
-        # Eviction"). A drain or a node shutdown still ends it: the retry and classify's resupervise cover that.
+        # Guaranteed QoS (requests equal limits in every container, Argo's too) and a PriorityClass: the kubelet
+        # evicts it after BestEffort and Burstable pods and lower priorities under node pressure (Kubernetes docs
+        # "Node-pressure Eviction"). A drain or a node shutdown still ends it: the retry and classify's
+        # resupervise cover that.
         resources=None if cfg.slice.is_local else SUPERVISOR_RESOURCES,
+        pod_spec_patch=None if cfg.slice.is_local else SUPERVISOR_POD_PATCH,
         priority_class_name=None if cfg.slice.is_local else STEP_PRIORITY_CLASS,
         retry_strategy=RetryStrategy(
             limit=SUPERVISOR_RETRIES,

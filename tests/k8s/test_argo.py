@@ -66,6 +66,9 @@ def test_app_bug_fails_the_workflow_with_class_application_once_its_budget_is_sp
     argo_run.submit()
     for attempt in (0, 1):
         pods = argo_run.workers(attempt)
+        if attempt == 0:  # the supervisor's pod as the API server classed it: Argo's init and wait containers too
+            (sup,) = [p for p in argo_run.rc.pods(argo_run.ns) if "-train-segment-" in p["metadata"]["name"]]
+            assert sup["status"]["qosClass"] == "Guaranteed", [c.get("resources") for c in sup["spec"]["containers"]]
         argo_run.rc.exit_pod(argo_run.ns, pods[1]["metadata"]["name"], 42)
     wf = argo_run.wait_done(200)
     report = argoctl.summary(wf)
