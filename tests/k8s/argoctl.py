@@ -148,6 +148,7 @@ class ArgoController(Component):
     started_in_s: float = 0.0
 
     def start(self) -> None:
+        self.held, self.down_since = False, None
         with self.log.open("ab") as out:
             # The shell brings lo up in the new namespace, then waits for the forwarder before exec'ing the controller.
             self.proc = subprocess.Popen(

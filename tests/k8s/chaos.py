@@ -194,6 +194,7 @@ class Chaos:
         self._undo: list[Callable[[], None]] = []
         self._threads: list[threading.Thread] = []
         self.errors: list[str] = []
+        self.exits_from = len(rc.exits)  # the control plane's exits nobody asked for before this run
 
     def run(self, faults: Iterable[Fault], t0: float) -> None:
         """Start each fault at its time (one thread per fault, so that they overlap)."""

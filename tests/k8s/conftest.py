@@ -128,7 +128,8 @@ _CHAOS_KEY = pytest.StashKey[dict]()
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say how long the control plane took to start, and what the chaos runs threw and found."""
+    """Say how long the control plane took to start, which components exited unasked (started again), and what the
+    chaos runs threw and found."""
     import chaos
 
     if chaos.SUMMARY.runs:
@@ -138,6 +139,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"real-controller tier: control plane ({', '.join(rc.components)}) started in {rc.started_in_s:.1f} s"
         )
+        for e in rc.exits:  # started again by the keeper; said, never hidden
+            terminalreporter.write_line(f"real-controller tier: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.request
 import uuid
@@ -52,6 +53,16 @@ NODE_MONITOR_GRACE_S = 8  # NotReady (Unknown) after this long without a renewal
 # DefaultTolerationSeconds for not-ready/unreachable (300 s by default): taint eviction marks the pods on a lost
 # node this long after the taint. Shortened so that a lost-node test takes seconds.
 TOLERATION_S = 3
+
+# A component that exits without being stopped is started again, as the kubelet restarts a control-plane static pod
+# (restartPolicy Always). Real components exit on purpose to be restarted: kube-scheduler logs "Scheduler cache is
+# corrupted and can badly affect scheduling decisions" and exits 1 when a pod it updates or removes sits on another
+# node than its cache holds, which a relist after an API server restart can bring (k8s.io/kubernetes v1.36.3,
+# pkg/scheduler/backend/cache/cache.go, UpdatePod and RemovePod). The kubelet's CrashLoopBackOff waits 10 s,
+# doubling to 300 s; shortened here so that a run under faults is not held by it.
+KEEPER_EVERY_S = 1.0
+KEEPER_BACKOFF_S = 1.0
+KEEPER_BACKOFF_MAX_S = 16.0
 
 T = TypeVar("T")
 # Starts restarted components (``RealCluster.restart``); its one thread lives until the test process ends.
@@ -160,8 +171,12 @@ class Component:
     log: Path
     env: Mapping[str, str | None] | None = None  # over os.environ; a None value removes the variable
     proc: subprocess.Popen | None = None
+    held: bool = False  # stopped on purpose (a test, a fault, the teardown): the keeper leaves it stopped
+    exits: list[str] = field(default_factory=list)  # each exit nobody asked for, as the keeper recorded it
+    down_since: float | None = None  # when the keeper saw it exited, until it starts it again
 
     def start(self) -> None:
+        self.held, self.down_since = False, None
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -177,6 +192,7 @@ class Component:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace: float = 5.0) -> None:
+        self.held = True
         if self.proc is None or self.proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -206,7 +222,9 @@ class RealCluster:
     server: str = ""
     components: dict[str, Component] = field(default_factory=dict)
     started_in_s: float = 0.0
+    exits: list[str] = field(default_factory=list)  # every component's exits nobody asked for, in order
     _admin: Any = None
+    _closing: threading.Event = field(default_factory=threading.Event)
 
     @property
     def audit_log(self) -> Path:
@@ -482,6 +500,34 @@ class RealCluster:
         if name == "jobset":
             self.wait_jobset_webhooks()
 
+    def keep(self) -> None:
+        """Start the keeper: every ``KEEPER_EVERY_S`` a component that exited unasked (not ``held``) is recorded in
+        ``exits`` and, after its back-off, started again with the same flags. It runs on the starter's thread, so it
+        never sees the gap inside ``restart``'s stop and start."""
+
+        def loop() -> None:
+            while not self._closing.wait(KEEPER_EVERY_S):
+                try:
+                    _STARTER.submit(self._start_exited).result(timeout=RESTART_LIMIT_S)
+                except Exception as e:  # noqa: BLE001 - a start that failed is tried again at the next look
+                    self.exits.append(f"keeper: {type(e).__name__}: {e}")
+
+        threading.Thread(target=loop, name="component-keeper", daemon=True).start()
+
+    def _start_exited(self) -> None:
+        now = time.monotonic()
+        for c in list(self.components.values()):
+            if c.held or c.proc is None or c.proc.poll() is None or self._closing.is_set():
+                continue
+            if c.down_since is None:
+                c.down_since = now
+                said = next((ln for ln in reversed(c.tail(20).splitlines()) if ln.strip()), "(no log)")
+                c.exits.append(f"{c.name} exited with {c.proc.returncode} unasked; its last line: {said[:300]}")
+                self.exits.append(c.exits[-1])
+            if now - c.down_since >= min(KEEPER_BACKOFF_S * 2 ** (len(c.exits) - 1), KEEPER_BACKOFF_MAX_S):
+                c.stop()  # nothing to stop: what goes with the process (Argo's forwarder) is closed
+                c.start()
+
     def tails(self, lines: int = 30) -> str:
         return "\n".join(f"----- {c.name} ({c.log}) -----\n{c.tail(lines)}" for c in self.components.values())
 
@@ -491,6 +537,7 @@ class RealCluster:
             raise AssertionError(f"control-plane component(s) exited: {', '.join(dead)}\n{self.tails()}")
 
     def stop(self) -> None:
+        self._closing.set()
         for c in reversed(list(self.components.values())):
             c.stop()
 
@@ -517,6 +564,7 @@ def start(root: Path, bin_dir: Path, say: Callable[[str], None] = print) -> Real
         rc.stop()
         raise
     rc.started_in_s = time.monotonic() - t0
+    rc.keep()
     return rc
 
 

@@ -271,6 +271,9 @@ def _record(seed, faults, log, thrower, sampler, t0, violations, notes, wf) -> s
     s.runs += 1
     s.kinds.update(log.kinds)
     s.violations += len(violations)
+    exits = thrower.rc.exits[thrower.exits_from :]
+    s.findings += len(exits)
+    notes += [f"finding: {e}; started again, as its kubelet would" for e in exits]
     chaos.RUNS[_current_test()] = {
         "faults": dict(log.kinds),
         "violations": len(violations),

@@ -46,3 +46,34 @@ def test_the_apiserver_is_the_version_the_tools_module_pins(real_cluster):
         if line.strip().startswith("k8s.io/kubernetes ")
     )
     assert client.VersionApi(real_cluster.admin).get_code().git_version == pinned
+
+
+def test_a_component_that_exits_unasked_is_started_again_and_one_stopped_on_purpose_is_not(real_cluster):
+    """As the kubelet restarts a control-plane static pod: kube-scheduler killed (as when it exits on a corrupted
+    cache) is recorded and running again after its back-off, with the same flags; stopped by a test or a fault, it
+    stays stopped until started."""
+    import os
+    import signal
+    import time
+
+    from realcluster import KEEPER_BACKOFF_S, KEEPER_EVERY_S, wait_for
+
+    comp = real_cluster.components["kube-scheduler"]
+    before, exits = comp.proc.pid, len(real_cluster.exits)
+    os.kill(before, signal.SIGKILL)
+    wait_for("kube-scheduler started again", lambda: comp.alive() and comp.proc.pid != before, 30)
+    assert comp.proc.args == comp.argv
+    [said] = real_cluster.exits[exits:]
+    assert said.startswith(f"kube-scheduler exited with {-signal.SIGKILL} unasked"), said
+    real_cluster.exits[exits:] = []  # this test's own exit: not a finding of the tier run's summary
+    comp.exits.pop()
+
+    real_cluster.restart("kube-scheduler")  # stop and start on the starter's thread: the keeper sees no gap
+    assert len(real_cluster.exits) == exits
+    comp.stop()
+    try:
+        time.sleep(3 * KEEPER_EVERY_S + KEEPER_BACKOFF_S)
+        assert not comp.alive() and len(real_cluster.exits) == exits
+    finally:
+        real_cluster.restart("kube-scheduler")
+    assert comp.alive()
