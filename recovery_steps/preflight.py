@@ -6,14 +6,18 @@ Run by ``validate-config --preflight true`` (the first step of every submission)
   it opens an existing checkpoint directory and after deleting old steps, orbax-checkpoint 0.12.x
   ``_src/path/gcs_utils.py`` and ``step.py``), then write, read and delete one object under the run;
 - on GKE: the namespace, the JobSet CRD, the workflow's and the workers' ServiceAccounts, and (by
-  ``SelfSubjectAccessReview``, which every authenticated identity may create) each verb the steps use.
+  ``SelfSubjectAccessReview``, which every authenticated identity may create) each verb the steps use;
+- once those pass, one worker pod as the config renders it, created with ``dryRun=All``: every admission plugin
+  and webhook judges it (Pod Security, GKE Autopilot's policies on hostPath and privilege, Gatekeeper or Kyverno,
+  LimitRange) and nothing is stored. A refusal the Job controller would meet on every retry is said here, before
+  any slice is provisioned (``dry_run_problems``).
 
 A missing permission or object is class ``configuration``: one line names it and the command that fixes it.
 An unreachable store or API server is ``transient`` (Argo retries the step). The decisions over the results
 are pure (``verdict``); the adapters do the I/O.
 
 Destructive acts: none. It writes and removes only a probe object of its own (a fresh random name) in the store,
-and its cluster checks are reads and access reviews.
+and its cluster checks are reads, access reviews and a dry-run create (which the API server never persists).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.contract import ExitCode, FailureClass
 from recovery_steps.kernel.iam import grant_command, permission_from_403
 from recovery_steps.kernel.kube import API_TIMEOUT_S
 from recovery_steps.kernel.names import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
@@ -170,20 +174,10 @@ def cluster_problems(cfg: JobConfig, answers: dict[str, ApiAnswer]) -> list[Prob
 POD_SECURITY_ENFORCE = "pod-security.kubernetes.io/enforce"
 
 
-def pod_security_problems(cfg: JobConfig, labels: dict[str, str]) -> list[Problem]:
-    """Pure: what the namespace's enforced Pod Security level refuses in the worker pods the config renders.
-
-    The Job controller's retries of a refused pod never succeed, so it is said before any gang is created. Checked
-    (Pod Security Standards, kubernetes.io/docs/concepts/security/pod-security-standards): ``baseline`` and
-    ``restricted`` forbid hostPath volumes (``checkpoint.local``'s host directory); ``restricted`` also requires
-    every container to run as non-root, without privilege escalation, with every capability dropped and a
-    RuntimeDefault or Localhost seccomp profile, which the rendered pods do not set.
-    """
+def worker_pod_template(cfg: JobConfig) -> dict[str, Any]:
+    """The pod template of the first replicated Job of the JobSet the config renders for attempt 0."""
     from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
 
-    level = (labels.get(POD_SECURITY_ENFORCE) or "privileged").strip().lower()
-    if level not in ("baseline", "restricted"):
-        return []
     params = JobSetParams(
         name=f"{cfg.run_id}-a0",
         run_id=cfg.run_id,
@@ -193,7 +187,47 @@ def pod_security_problems(cfg: JobConfig, labels: dict[str, str]) -> list[Proble
         coordinator_port="8476",
         metrics_port=str(cfg.monitoring.metrics_port),
     )
-    pod = jobset_manifest(cfg, params)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    return jobset_manifest(cfg, params)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+
+
+def dry_run_problems(cfg: JobConfig, status: int, message: str) -> list[Problem]:
+    """Pure: what the API server's answer to the worker pod's dry-run create says (``status`` 201: admitted).
+
+    A refusal is read as the supervisor reads a Job's FailedCreate (``supervision.create_refusal``): one the
+    configuration causes (Pod Security, a webhook's policy, a LimitRange, a missing account) is a problem with its
+    fix, and so is one it does not recognise; a spent quota, a webhook that could not be called and a refusal that
+    says it is transient are not the config's doing, and are left to the run (which classifies them if they last).
+    """
+    from recovery_steps.supervision import TRANSIENT_REFUSALS, create_refusal, one_line
+
+    if status < 400 or TRANSIENT_REFUSALS.search(message):
+        return []
+    known = create_refusal(f"FailedCreate: {message}")
+    if known is not None and known[0] != FailureClass.CONFIGURATION:
+        return []
+    why = known[1] if known else f"refused with {status}: {one_line(message, 240)}"
+    fix = (
+        "see the refusal's own words; the Job controller would retry a refused pod for good"
+        if known
+        else "change what the cluster's policy refuses in the pod spec (worker_resources, checkpoint.local), or "
+        "have the namespace exempted; the Job controller would retry a refused pod for good"
+    )
+    return [Problem("cluster", f"a worker pod the cluster admits (a dry-run create of one: {why})", fix)]
+
+
+def pod_security_problems(cfg: JobConfig, labels: dict[str, str]) -> list[Problem]:
+    """Pure: what the namespace's enforced Pod Security level refuses in the worker pods the config renders.
+
+    The Job controller's retries of a refused pod never succeed, so it is said before any gang is created. Checked
+    (Pod Security Standards, kubernetes.io/docs/concepts/security/pod-security-standards): ``baseline`` and
+    ``restricted`` forbid hostPath volumes (``checkpoint.local``'s host directory); ``restricted`` also requires
+    every container to run as non-root, without privilege escalation, with every capability dropped and a
+    RuntimeDefault or Localhost seccomp profile, which the rendered pods do not set.
+    """
+    level = (labels.get(POD_SECURITY_ENFORCE) or "privileged").strip().lower()
+    if level not in ("baseline", "restricted"):
+        return []
+    pod = worker_pod_template(cfg)["spec"]
     why = [f"hostPath volume {v['name']}" for v in pod.get("volumes") or [] if "hostPath" in v]
     if level == "restricted":
         why += _restricted_gaps(pod)
@@ -289,11 +323,48 @@ def check_cluster(cfg: JobConfig, api_client: Any) -> list[Problem]:
             got = authz.create_self_subject_access_review(review, _request_timeout=API_TIMEOUT_S)
             key = f"can/{use.verb} {use.resource}"
             answers[key] = ApiAnswer(201, allowed=bool(got.status and got.status.allowed))
+        problems = cluster_problems(cfg, answers)
+        if not problems:  # a refusal for a missing account or namespace is said once, above
+            problems = dry_run_worker_pod(cfg, core)
     except client.ApiException as e:
         raise PreflightUnreachable(f"Kubernetes API answered {e.status} {e.reason}") from None
     except urllib3.exceptions.HTTPError as e:
         raise PreflightUnreachable(f"Kubernetes API unreachable: {e}") from None
-    return cluster_problems(cfg, answers)
+    return problems
+
+
+def dry_run_worker_pod(cfg: JobConfig, core: Any) -> list[Problem]:
+    """Create one worker pod as rendered with ``dryRun=All`` (admitted and validated, never stored); its problems.
+
+    Raises:
+        ApiException: 429 or 5xx (the caller's transient).
+    """
+    from kubernetes import client
+
+    template = worker_pod_template(cfg)
+    meta = template.get("metadata") or {}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**meta, "generateName": f"{cfg.run_id}-preflight-"},
+        "spec": template["spec"],
+    }
+    try:
+        core.create_namespaced_pod(cfg.namespace, body, dry_run="All", _request_timeout=API_TIMEOUT_S)
+    except client.ApiException as e:
+        if e.status == 429 or e.status >= 500:
+            raise
+        if e.status == 403 and "cannot create resource" in _status_message(e):
+            return []  # RBAC, not admission: the access review of create pods says it
+        return dry_run_problems(cfg, e.status, _status_message(e))
+    return []
+
+
+def _status_message(e: Any) -> str:
+    try:
+        return str(json.loads(e.body).get("message") or e.reason)
+    except (TypeError, ValueError):
+        return str(e.reason)
 
 
 def _status_reason(e: Any) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.fake_k8s import FakeCluster
+from support.fake_k8s import FakeCluster, status
 from support.iam_proxy import IamProxy, gcs_error_403
 
 from recovery_steps import preflight, validate_config
@@ -129,6 +129,54 @@ def test_a_ready_cluster_passes_and_every_verb_is_reviewed(cluster_factory, tmp_
     asked = {(r["verb"], r["resource"], r.get("namespace")) for r in kube.reviews}
     for use in STEP_VERBS:
         assert (use.verb, use.resource, None if use.cluster_scoped else NS) in asked, use
+    # One worker pod as rendered went through admission as a dry run, and nothing was stored.
+    (dry,) = kube.queries("POST", f"/api/v1/namespaces/{NS}/pods")
+    assert dry["dryRun"] == "All" and not kube.pods
+    (_, _, body) = kube.requests_of("POST", "/pods")[0]
+    assert body["spec"] == preflight.worker_pod_template(cfg)["spec"]
+
+
+# Each a pod create's refusal as kube-apiserver v1.36 words it; GKE Autopilot's is its Warden webhook's, whose
+# "admission webhook ... denied the request" prefix is GKE's documented one (cloud.google.com/kubernetes-engine/docs/
+# troubleshooting/autopilot-privileged-workloads); the constraint's own words after it are illustrative.
+WARDEN = (
+    'pods "r-preflight-x1" is forbidden: admission webhook "warden-validating.common-webhooks.networking.gke.io" '
+    "denied the request: GKE Warden rejected the request because it violates one or more constraints."
+)
+
+
+@pytest.mark.parametrize(
+    "code, message, said",
+    [
+        (403, WARDEN, "admission webhook warden-validating.common-webhooks.networking.gke.io denied them"),
+        (422, 'Pod "r-preflight-x1" is invalid: spec.volumes[0].hostPath.path: Invalid value', "refused with 422"),
+        (403, 'pods "r-preflight-x1" is forbidden: exceeded quota: tpu, requested: google.com/tpu=4', None),
+        (403, 'pods "r-preflight-x1" is forbidden: status unknown for quota: tpu, resources: google.com/tpu', None),
+    ],
+    ids=["autopilot-warden", "unrecognised", "spent-quota", "quota-not-counted-yet"],
+)
+def test_a_worker_pod_the_cluster_refuses_at_admission_is_one_line_before_any_slice(
+    cluster_factory, code, message, said
+):
+    """The dry-run create of one worker pod is refused at admission: a refusal the config causes, or one not
+    recognised, is one problem with the API's words; a spent quota or a quota not counted yet belongs to the run."""
+    kube = cluster_factory()
+    kube.inject("/pods", code, status(code, "Forbidden" if code == 403 else "Invalid", message), method="POST")
+    problems = preflight.check_cluster(_cfg(f"gs://{BUCKET}/cluster-only"), make_api_client(kube.url))
+    if said is None:
+        assert problems == []
+        return
+    (p,) = problems
+    assert said in p.missing and "a dry-run create" in p.missing, p.line()
+    assert "\n" not in p.line()
+
+
+def test_a_dry_run_the_steps_may_not_make_is_the_rbac_line_alone(cluster_factory):
+    """Without create pods the access review says it (kubectl apply -f argo/rbac.yaml); no dry run is tried."""
+    kube = cluster_factory(denied=[("create", "pods")])
+    problems = preflight.check_cluster(_cfg(f"gs://{BUCKET}/cluster-only"), make_api_client(kube.url))
+    assert [p.missing for p in problems] == [f"RBAC create pods for ServiceAccount {NS}/jax-recovery"]
+    assert kube.queries("POST", f"/api/v1/namespaces/{NS}/pods") == []
 
 
 @pytest.mark.parametrize(

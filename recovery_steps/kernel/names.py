@@ -99,6 +99,8 @@ STEP_VERBS: tuple[VerbUse, ...] = (
     VerbUse("hand-over", "argoproj.io", "workflows", "create", "start the run's continuation Workflow"),
     VerbUse("preflight", "", "namespaces", "get", "check the run's namespace exists", cluster_scoped=True),
     VerbUse("preflight", "", "serviceaccounts", "get", "check the steps' and workers' ServiceAccounts exist"),
+    # Only ever with dryRun=All; no power the steps lack: a JobSet they create makes pods of any spec in the namespace.
+    VerbUse("preflight", "", "pods", "create", "a dry run of one worker pod through admission (never stored)"),
     # The run lease (recovery_steps.lease): the cluster id is kube-system's uid; a holder's Workflow is read by name.
     VerbUse("validate-config", "", "namespaces", "get", "the lease's cluster id: kube-system uid", cluster_scoped=True),
     VerbUse("provision-slice", "", "namespaces", "get", "the lease's cluster id: kube-system uid", cluster_scoped=True),

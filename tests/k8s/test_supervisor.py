@@ -320,3 +320,27 @@ def test_provision_slice_never_deletes_a_live_gang_nothing_decided(run):
     p, _ = _provision(run, 0)
     assert p.returncode == 0, p.stdout + p.stderr
     assert len(run.workers(0)) == HOSTS
+
+
+def test_preflight_dry_runs_a_worker_pod_through_the_real_admission_and_says_a_limit_range_refusal(run):
+    """As the steps' account, under the generated Role: one worker pod as rendered passes the real API server's
+    admission as a dry run (nothing stored); a LimitRange, which no namespace label shows, refuses it, and preflight
+    says so in one line before any slice."""
+    from recovery_steps import preflight
+
+    api = run.rc.api(run.token)
+    assert preflight.check_cluster(run.cfg, api) == []
+    assert run.rc.pods(run.ns) == []
+    limits = {
+        "apiVersion": "v1",
+        "kind": "LimitRange",
+        "metadata": {"name": "tiny", "namespace": run.ns},
+        "spec": {"limits": [{"type": "Container", "min": {"memory": "2000Gi"}}]},
+    }
+    run.rc.apply(limits)
+    try:
+        (p,) = preflight.check_cluster(run.cfg, api)
+    finally:
+        run.rc.core().delete_namespaced_limit_range("tiny", run.ns)
+    assert "the namespace's LimitRange forbids them" in p.missing and "minimum memory usage" in p.missing, p.line()
+    assert run.rc.pods(run.ns) == []

@@ -442,7 +442,7 @@ class FakeCluster:
             if method == "GET":
                 return self._get(at)
             if method == "POST" and at.name is None:
-                return self._create(at, body)
+                return self._create(at, body, dry_run=_flag(q, "dryRun") == "All")
             if method == "DELETE" and at.name is not None:
                 return self._delete(at, q, body)
         return 405, status(405, "MethodNotAllowed", NOT_ALLOWED)
@@ -496,11 +496,12 @@ class FakeCluster:
             "items": items,
         }
 
-    def _create(self, at: Where, body: dict[str, Any]) -> tuple[int, Any]:
+    def _create(self, at: Where, body: dict[str, Any], *, dry_run: bool = False) -> tuple[int, Any]:
         """POST to a collection: 201 and the object as stored (name from ``generateName`` when it has none, uid,
         generation 1, creationTimestamp, resourceVersion; ``status`` dropped where the status subresource writes
         it); 409 AlreadyExists for a taken name, 422 Invalid for no name, 400 BadRequest for another namespace in
-        the body than in the path, 404 for a namespace that does not exist."""
+        the body than in the path, 404 for a namespace that does not exist. ``dryRun=All``: the same answer, and
+        nothing stored or reacted to."""
         if self.fail_create is not None:
             return self.fail_create
         res = self.served[at.resource]
@@ -524,6 +525,8 @@ class FakeCluster:
         obj["metadata"] = {**meta, "uid": _uid(), "generation": 1, "creationTimestamp": iso(_now())}
         if res.status_subresource:
             obj.pop("status", None)
+        if dry_run:
+            return 201, obj
         self.put(at.resource, obj)
         if self.on_create:
             self.on_create(self, obj)
