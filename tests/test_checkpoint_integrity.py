@@ -194,6 +194,18 @@ def test_verification_of_a_manifest_of_many_entries_names_each_problem_once(run)
     ]
 
 
+def test_no_manifest_is_written_for_a_step_moved_to_quarantine_before_it(run):
+    """A straggler's manifest (a worker of an attempt whose gang was already counted gone) for a step restore-latest
+    moved away meanwhile: nothing is written, so no manifest lands alone where the next attempt saves that step."""
+    store, _, ck = run
+    m = _manifest(ck / "20")
+    (ck / "20" / "manifest.json").unlink()
+    store.move("checkpoints/20", "quarantine/20")
+    with pytest.raises(checkpoints.StepGone, match="checkpoint 20 was moved away"):
+        checkpoints.write_manifest(store, m)
+    assert not (ck / "20").exists()
+
+
 def test_a_manifest_file_beyond_the_byte_bound_is_refused_unread(run, monkeypatch):
     store, _, ck = run
     bound = min((ck / s / "manifest.json").stat().st_size for s in ("10", "20")) - 1

@@ -19,7 +19,14 @@ import jax.monitoring
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from recovery_steps.kernel.checkpoints import TooManyFiles, gather_files, host_files, step_files, write_manifest
+from recovery_steps.kernel.checkpoints import (
+    StepGone,
+    TooManyFiles,
+    gather_files,
+    host_files,
+    step_files,
+    write_manifest,
+)
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.records import CheckpointManifest, ManifestFile, RestoreRecord, SkippedStep, now
 from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore, store_errors
@@ -426,6 +433,9 @@ class Checkpointer:
                 write_manifest(self.store, manifest.model_copy(update={"files": self._gather_files(p.step)}))
             except TooManyFiles as e:  # the step stays without a manifest: never restored, quarantined later
                 log.error("%s", e)
+                p.incomplete = str(e)
+            except StepGone as e:  # quarantined by a restore-latest that ran while this attempt ended
+                log.warning("%s", e)
                 p.incomplete = str(e)
             except (PreconditionFailed, *store_errors()) as e:
                 # The store failed past its retries (or holds another manifest of the step): the step is an

@@ -36,6 +36,11 @@ import google_crc32c
 from recovery_steps.kernel.records import CheckpointManifest, ManifestFile
 from recovery_steps.kernel.store import CRC_CHUNK, ObjectInfo, RunLayout, RunStore
 
+GCS_COMMIT = "commit_success.txt"
+"""On GCS orbax writes the step in place and this file last, in the step directory."""
+LOCAL_METADATA = "_CHECKPOINT_METADATA"
+"""Orbax's step metadata, present in every finished local step directory."""
+
 CRC_THREADS = 4
 """Files summed at once on a local directory (each holds one ``CRC_CHUNK`` buffer)."""
 
@@ -170,14 +175,27 @@ class TooManyFiles(ValueError):
     """A step has more files than a manifest may list (``MAX_MANIFEST_FILES``)."""
 
 
+class StepGone(Exception):
+    """The step's commit marker is no longer where orbax wrote it: restore-latest moved the step to quarantine."""
+
+
+def commit_marker(store: RunStore, step: int) -> str:
+    """The file orbax writes last in a committed step (``GCS_COMMIT`` on GCS, ``LOCAL_METADATA`` locally)."""
+    return f"{RunLayout.checkpoint(step)}/{GCS_COMMIT if store.is_gcs else LOCAL_METADATA}"
+
+
 def write_manifest(store: RunStore, manifest: CheckpointManifest) -> None:
     """Write ``checkpoints/<step>/manifest.json``, filling ``files`` from what is stored now when it has none.
 
     The manifest is written once (create-only): a transient answer is retried, and our own earlier try that
-    succeeded unseen counts as done (``RunStore.create_record``).
+    succeeded unseen counts as done (``RunStore.create_record``). A step whose commit marker is gone by then was
+    moved to quarantine by a restore-latest that ran while this attempt ended (its gang was already counted gone:
+    a straggler on a lost node): no manifest is written, so none lands alone where the next attempt saves that
+    step again.
 
     Raises:
         TooManyFiles: the step has more than ``MAX_MANIFEST_FILES`` files (no manifest is written).
+        StepGone: the step was moved away (no manifest is written).
         PreconditionFailed: another manifest of the step is there.
     """
     if not manifest.files:
@@ -187,4 +205,6 @@ def write_manifest(store: RunStore, manifest: CheckpointManifest) -> None:
             f"checkpoint {manifest.step} has {len(manifest.files)} files, more than a manifest lists "
             f"({MAX_MANIFEST_FILES}); save with OCDBT (orbax's default), which packs array chunks into a few files"
         )
+    if store.crc32c(commit_marker(store, manifest.step)) is None:
+        raise StepGone(f"checkpoint {manifest.step} was moved away before its manifest was written")
     store.create_record(RunLayout.checkpoint_manifest(manifest.step), manifest)

@@ -18,7 +18,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recovery_steps.kernel.checkpoints import MAX_MANIFEST_BYTES, MAX_MANIFEST_FILES, stream_digests
+from recovery_steps.kernel.checkpoints import (
+    GCS_COMMIT,
+    LOCAL_METADATA,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_FILES,
+    stream_digests,
+)
 from recovery_steps.kernel.compat import check_compatible
 from recovery_steps.kernel.contract import SkipKind
 from recovery_steps.kernel.records import CheckpointManifest, Ledger, ManifestFile
@@ -27,10 +33,6 @@ from recovery_steps.kernel.tasks import TaskError, resolve_task
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 """Orbax names a local step directory ``<step>.orbax-checkpoint-tmp-<n>`` until the save is committed."""
-GCS_COMMIT = "commit_success.txt"
-"""On GCS orbax writes the step in place and this file last, in the step directory."""
-LOCAL_METADATA = "_CHECKPOINT_METADATA"
-"""Orbax's step metadata, present in every finished local step directory."""
 
 _STEP_NAME = re.compile(r"^(\d+)(.*)$")
 
