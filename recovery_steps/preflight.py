@@ -195,7 +195,7 @@ def dry_run_problems(cfg: JobConfig, status: int, message: str) -> list[Problem]
 
     A refusal is read as the supervisor reads a Job's FailedCreate (``supervision.create_refusal``): one the
     configuration causes (Pod Security, a webhook's policy, a LimitRange, a missing account) is a problem with its
-    fix, and so is one it does not recognise; a spent quota, a webhook that could not be called and a refusal that
+    fix, and so is one it does not recognise (a refusal of one pod as rendered is the gang's); a spent quota, a webhook that could not be called and a refusal that
     says it is transient are not the config's doing, and are left to the run (which classifies them if they last).
     """
     from recovery_steps.supervision import TRANSIENT_REFUSALS, create_refusal, one_line
@@ -203,7 +203,7 @@ def dry_run_problems(cfg: JobConfig, status: int, message: str) -> list[Problem]
     if status < 400 or TRANSIENT_REFUSALS.search(message):
         return []
     known = create_refusal(f"FailedCreate: {message}")
-    if known is not None and known[0] != FailureClass.CONFIGURATION:
+    if known is not None and known[0] not in (FailureClass.CONFIGURATION, FailureClass.UNKNOWN):
         return []
     why = known[1] if known else f"refused with {status}: {one_line(message, 240)}"
     fix = (

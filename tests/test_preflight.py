@@ -150,10 +150,11 @@ WARDEN = (
     [
         (403, WARDEN, "admission webhook warden-validating.common-webhooks.networking.gke.io denied them"),
         (422, 'Pod "r-preflight-x1" is invalid: spec.volumes[0].hostPath.path: Invalid value', "refused with 422"),
+        (403, 'pods "r-preflight-x1" is forbidden: node pool policy says no', "for a reason the classifier does not"),
         (403, 'pods "r-preflight-x1" is forbidden: exceeded quota: tpu, requested: google.com/tpu=4', None),
         (403, 'pods "r-preflight-x1" is forbidden: status unknown for quota: tpu, resources: google.com/tpu', None),
     ],
-    ids=["autopilot-warden", "unrecognised", "spent-quota", "quota-not-counted-yet"],
+    ids=["autopilot-warden", "unrecognised", "unknown-forbidden", "spent-quota", "quota-not-counted-yet"],
 )
 def test_a_worker_pod_the_cluster_refuses_at_admission_is_one_line_before_any_slice(
     cluster_factory, code, message, said
