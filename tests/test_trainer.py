@@ -273,6 +273,21 @@ def test_process_count_mismatch_exits_2(tmp_path):
     assert "JOB_COMPLETION_INDEX" in read_report(store, 0, 3)["exception_message"]
 
 
+def test_a_gang_of_one_joins_no_coordinator_and_trains_checkpoints_and_exits_zero(tmp_path):
+    """One host is a gang of one: no coordination service, no port bound (a TPU VM may allow no socket), and its
+    checkpoints committed with their manifests as a gang's are."""
+    cfg = tiny_config(str(tmp_path / "store"), run_id="one", hosts=1, training={"total_steps": 10})
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, tmp_path)
+    gang.wait_for(0, EventKind.STEP, 3)
+    assert gang.listening() == set()
+    assert gang.wait(120) == [0], gang.log(0)[-2000:]
+    assert "a gang of one process: no coordinator joined" in gang.log(0)
+    steps = committed_steps(store)
+    assert steps and all(manifest(store, s) is not None for s in steps), steps
+    assert read_report(store, 0, 0)["last_step"] == 10  # steps count from 1
+
+
 def test_injected_nan_exits_42(tmp_path):
     cfg = tiny_config(str(tmp_path / "store"), run_id="nan", hosts=2, training={"total_steps": 6})
     store = write_config(cfg)

@@ -312,6 +312,22 @@ class Worker:
         # SIGTERM is ours: the stop flag folded into each step makes every process save the same step.
         # JAX's preemption service would install its own SIGTERM handler over it.
         jax.config.update("jax_enable_preemption_service", False)
+        if cfg.slice.num_hosts == 1:
+            # A gang of one has nothing to coordinate: no coordination service, no port bound (a TPU VM may not
+            # let a process open any socket), and the trainer's key-value uses are skipped for one process.
+            log.info("a gang of one process: no coordinator joined")
+        else:
+            self._join(t, kw, ident)
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+        self._set_identity(jax.process_index(), jax.process_count())
+        configure_logging(self.process_index)
+        self.peer_notice = PeerLossNotice(self.args.attempt, self.process_index, distributed_client())
+        self.exit.on_peer_lost = self.peer_notice.announce
+
+    def _join(self, t: Any, kw: dict[str, Any], ident: Any) -> None:
+        """``jax.distributed.initialize`` with the config's timeouts, once the coordinator listens (bounded)."""
+        import jax
+
         coordinator = coordinator_to_wait_for(self.env, ident)
         if coordinator is not None:
             # One start-up budget: the wait takes at most half of it, and JAX's own wait gets the rest (so a
@@ -323,11 +339,6 @@ class Worker:
             kw["initialization_timeout"] = max(1, math.ceil(t.init_timeout_s - spent))
         with _client_shutdown_timeout(t.shutdown_timeout_s):
             jax.distributed.initialize(**kw)
-        signal.signal(signal.SIGTERM, self.on_sigterm)
-        self._set_identity(jax.process_index(), jax.process_count())
-        configure_logging(self.process_index)
-        self.peer_notice = PeerLossNotice(self.args.attempt, self.process_index, distributed_client())
-        self.exit.on_peer_lost = self.peer_notice.announce
 
     @contextlib.contextmanager
     def refusing_together(self) -> Iterator[None]:
