@@ -70,7 +70,35 @@ def test_every_tpu_type_has_labels_and_only_multi_host_topologies_spanning_hosts
     for t in TPU_TYPES.values():
         assert t.gke_accelerator and t.machine_type and t.chips_per_vm == 4
         assert all(t.hosts(top) >= 2 for top in t.multi_host_topologies), t.name
-        assert all(t.chips(top) <= t.chips_per_vm * 2 for top in t.single_host_topologies), t.name
+        # One VM holds a single-host topology whole: its chips are the topology's.
+        assert all(t.hosts(top) == 1 and t.vm(top).chips == t.chips(top) for top in t.single_host_topologies), t.name
+
+
+@pytest.mark.parametrize(
+    ("acc", "topology", "machine", "chips", "cpu", "memory"),
+    [
+        ("v5e", "1x1", "ct5lp-hightpu-1t", 1, "19", "38Gi"),
+        ("v5e", "2x2", "ct5lp-hightpu-4t", 4, "89", "153Gi"),
+        ("v5e", "2x4", "ct5lp-hightpu-8t", 8, "179", "307Gi"),
+        ("v6e", "1x1", "ct6e-standard-1t", 1, "35", "140Gi"),
+        ("v4", "2x2x1", "ct4p-hightpu-4t", 4, "192", "325Gi"),
+    ],
+)
+def test_a_single_host_topology_is_a_gang_of_one_on_its_own_machine(acc, topology, machine, chips, cpu, memory):
+    """One VM holds the topology: one process, the VM's chips, requests from that machine type's size."""
+    from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
+
+    data = with_("slice", {"accelerator": acc, "topology": topology})
+    data["data"] = {"global_batch_size": 4 * chips}
+    cfg = parse_config(data)
+    assert (cfg.slice.num_hosts, cfg.slice.devices_per_process) == (1, chips)
+    assert TPU_TYPES[acc].vm(topology).name == machine
+    assert cfg.slice.worker_requests() == {"cpu": cpu, "memory": memory}
+    params = JobSetParams("r-a0", cfg.run_id, cfg.storage.root, "0", "-1", "8476", "9431")
+    job = jobset_manifest(cfg, params)["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == 1
+    (trainer,) = job["template"]["spec"]["containers"]
+    assert trainer["resources"]["limits"]["google.com/tpu"] == chips
 
 
 @pytest.mark.parametrize(
@@ -78,7 +106,7 @@ def test_every_tpu_type_has_labels_and_only_multi_host_topologies_spanning_hosts
     [
         (with_("slice", {"accelerator": "v9"}), ["slice.accelerator", "'v9'", "v5e", "local"]),
         (with_("slice", {"accelerator": "v5e", "topology": "3x3"}), ["slice.topology", "'3x3'", "4x4"]),
-        (with_("slice", {"accelerator": "v6e", "topology": "2x2"}), ["single-host", "'2x2'", "8x8"]),
+        (with_("slice", {"accelerator": "v6e", "topology": "2x2x1"}), ["'2x2x1'", "single-host: 1x1, 2x2", "8x8"]),
         (with_("slice", {"accelerator": "v5e", "topology": "4x4", "hosts": 3}), ["slice.hosts", "3", "hosts: 4"]),
         (with_("retry", {"budgets": {"hang": -1}}), ["retry.budgets.hang", "-1", "greater than or equal to 0"]),
         (with_("retry", {"budgets": {"flaky": 2}}), ["retry.budgets", "flaky", "preemption"]),

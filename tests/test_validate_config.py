@@ -55,7 +55,12 @@ BAD = {
         ["slice.accelerator", "'v9z'", "v5e", "v6e", "local"],
     ),
     "topology-not-valid-for-type": ("v5e-4x4", "slice.topology", "4x4x4", ["slice.topology", "'4x4x4'", "4x8", "8x8"]),
-    "single-host-topology": ("v5e-4x4", "slice.topology", "2x2", ["slice.topology", "'2x2'", "single-host", "4x4"]),
+    "topology-of-another-generation": (
+        "v5e-4x4",
+        "slice.topology",
+        "2x2x1",
+        ["slice.topology", "'2x2x1'", "single-host: 1x1, 2x2, 2x4", "multi-host: 4x4"],
+    ),
     "hosts-contradict-topology": ("v5e-4x4", "slice.hosts", 8, ["slice.hosts", "8", "4x4", "set hosts: 4"]),
     "negative-budget": (
         "local-cpu",

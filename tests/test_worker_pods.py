@@ -49,11 +49,11 @@ def _qos(pod) -> str:
 def test_tpu_workers_request_cpu_and_memory_from_the_tpu_table(name):
     cfg = parse_config(_data(name))
     pod = _pod(cfg)
-    tpu = TPU_TYPES[cfg.slice.accelerator]
+    vm = TPU_TYPES[cfg.slice.accelerator].vm(cfg.slice.topology)
     req = pod["containers"][0]["resources"]["requests"]
-    assert req["cpu"] == f"{int(tpu.vm_vcpus * 0.8)}" and req["memory"] == f"{int(tpu.vm_memory_gib * 0.8)}Gi"
-    assert 0 < float(req["cpu"]) < tpu.vm_vcpus
-    assert req["google.com/tpu"] == tpu.chips_per_vm
+    assert req["cpu"] == f"{int(vm.vcpus * 0.8)}" and req["memory"] == f"{int(vm.memory_gib * 0.8)}Gi"
+    assert 0 < float(req["cpu"]) < vm.vcpus
+    assert req["google.com/tpu"] == vm.chips
     assert _qos(pod) != "BestEffort"
     assert pod["serviceAccountName"] == cfg.worker_service_account != cfg.service_account
 

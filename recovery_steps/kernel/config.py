@@ -118,11 +118,13 @@ class _Section(BaseModel):
 
 
 class SliceConfig(_Section):
-    """Where the gang runs: a multi-host TPU slice on GKE, or local CPU processes."""
+    """Where the gang runs: a TPU slice on GKE (one host or many), or local CPU processes."""
 
     accelerator: str = Field(description=f"TPU type ({', '.join(TPU_TYPES)}) or '{LOCAL}' for CPU processes.")
     topology: str | None = Field(
-        default=None, description="TPU topology such as '4x4' or '4x4x4'; required for TPU, unset for local."
+        default=None,
+        description="TPU topology such as '4x4' or '4x4x4' (a single-host one such as '2x2' or '2x2x1' is a gang "
+        "of one process); required for TPU, unset for local.",
     )
     hosts: int | None = Field(
         default=None,
@@ -214,31 +216,25 @@ class SliceConfig(_Section):
         tpu = TPU_TYPES.get(acc)
         if tpu is None:
             raise ValueError(f"slice.accelerator: unknown accelerator {acc!r}; valid: {', '.join([*TPU_TYPES, LOCAL])}")
+        valid = (
+            f"single-host: {', '.join(tpu.single_host_topologies)}; multi-host: {', '.join(tpu.multi_host_topologies)}"
+        )
+        if self.topology is None:
+            raise ValueError(f"slice.topology: required for {acc} ({valid})")
+        if self.topology not in tpu.topologies:
+            raise ValueError(f"slice.topology: {self.topology!r} is not a valid {acc} topology ({valid})")
+        vm = tpu.vm(self.topology)
         # Not "given at all": a stored config carries every field, the default (1) included.
         if self.devices_per_host != 1:
             raise ValueError(
-                f"slice.devices_per_host: applies to accelerator 'local' only; a {acc} VM has {tpu.chips_per_vm} "
-                "chips (from the TPU table): remove it"
-            )
-        if self.topology is None:
-            raise ValueError(
-                f"slice.topology: required for {acc}; multi-host topologies: {', '.join(tpu.multi_host_topologies)}"
-            )
-        if self.topology in tpu.single_host_topologies:
-            raise ValueError(
-                f"slice.topology: {self.topology!r} is a single-host topology of {acc}, but this job is a "
-                f"multi-host gang; use one of {', '.join(tpu.multi_host_topologies)}"
-            )
-        if self.topology not in tpu.multi_host_topologies:
-            raise ValueError(
-                f"slice.topology: {self.topology!r} is not a valid {acc} topology; valid multi-host "
-                f"topologies: {', '.join(tpu.multi_host_topologies)}"
+                f"slice.devices_per_host: applies to accelerator 'local' only; a {acc} {self.topology} VM "
+                f"({vm.name}) has {vm.chips} chips (from the TPU table): remove it"
             )
         derived = tpu.hosts(self.topology)
         if self.hosts is not None and self.hosts != derived:
             raise ValueError(
                 f"slice.hosts: {self.hosts} contradicts topology {self.topology} of {acc} "
-                f"({tpu.chips(self.topology)} chips / {tpu.chips_per_vm} per VM = {derived} hosts); "
+                f"({tpu.chips(self.topology)} chips / {vm.chips} per VM = {derived} hosts); "
                 f"set hosts: {derived} or remove it"
             )
         return self
@@ -260,15 +256,15 @@ class SliceConfig(_Section):
         """CPU and memory requests of one worker pod (empty for the local backend)."""
         if self.is_local:
             return {}
-        tpu = TPU_TYPES[self.accelerator]
-        cpu = self.worker_cpu if self.worker_cpu is not None else tpu.worker_cpu
-        mem = self.worker_memory_gib if self.worker_memory_gib is not None else tpu.worker_memory_gib
+        vm = TPU_TYPES[self.accelerator].vm(self.topology or "")
+        cpu = self.worker_cpu if self.worker_cpu is not None else vm.worker_cpu
+        mem = self.worker_memory_gib if self.worker_memory_gib is not None else vm.worker_memory_gib
         return {"cpu": f"{cpu:g}", "memory": f"{mem:g}Gi"}
 
     @property
     def devices_per_process(self) -> int:
         """Accelerator devices each process sees (TPU chips per VM, or local CPU devices)."""
-        return self.devices_per_host if self.is_local else TPU_TYPES[self.accelerator].chips_per_vm
+        return self.devices_per_host if self.is_local else TPU_TYPES[self.accelerator].vm(self.topology or "").chips
 
 
 class StorageConfig(_Section):

@@ -21,7 +21,6 @@ from recovery_steps.kernel.names import (
     TPU_RESOURCE,
     gke_node_selector,
 )
-from recovery_steps.kernel.tpu import TPU_TYPES
 
 REPLICATED_JOB = "workers"
 CONTAINER = "trainer"
@@ -54,7 +53,7 @@ def pod_failure_policy() -> dict[str, Any]:
 def _on_tpu_nodes(cfg: JobConfig, container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
     """Put the worker on the slice's TPU nodes: its chips, its metrics port, the node selector and tolerations."""
     sl = cfg.slice
-    chips = TPU_TYPES[sl.accelerator].chips_per_vm
+    chips = sl.devices_per_process
     container["ports"] = [{"name": "metrics", "containerPort": cfg.monitoring.metrics_port}]
     # CPU and memory requests keep the workers out of BestEffort (extended resources such as google.com/tpu
     # do not count for QoS; Kubernetes docs "Pod Quality of Service Classes"), so node memory pressure evicts
