@@ -452,8 +452,10 @@ def provision_local(
             clear_old_gangs(cfg, attempt, RunStore(store_root, cfg.run_id), api_client, pod_timeout_s=pod_timeout_s)
         except api_failures() as e:
             raise api_error(e) from None
-    coordinator = free_port()
-    metrics = free_port_range(cfg.slice.num_hosts, exclude=[coordinator])
+    # A gang of one joins no coordinator, and metrics port 0 serves none: no port taken (a TPU VM may let no
+    # process open a socket).
+    coordinator = free_port() if cfg.slice.num_hosts > 1 else 0
+    metrics = 0 if cfg.monitoring.metrics_port == 0 else free_port_range(cfg.slice.num_hosts, exclude=[coordinator])
     return ProvisionOutputs(
         jobset_name=jobset_name(cfg.run_id, attempt), coordinator_port=coordinator, metrics_port=metrics
     )

@@ -34,7 +34,7 @@ def test_build_is_deterministic_and_check_names_stale_files(tmp_path):
     first = {p.name: p.read_text() for p in out.iterdir()}
     gke = ("v5e-4x4", "v5p-64", "v6e-8x8")
     monitoring = {f"{s}.{kind}" for s in gke for kind in ("monitoring.yaml", "rules.yaml", "dashboard.json")}
-    local = ("local-cpu.yaml", "local-image-classifier.yaml", "local-tiers.yaml")
+    local = ("local-cpu.yaml", "local-image-classifier.yaml", "local-tiers.yaml", "local-tpu.yaml")
     assert set(first) == {*local, *(f"{s}.yaml" for s in gke), "rbac.yaml", *monitoring}
     assert all("creationTimestamp" not in t for t in first.values())
     shutil.rmtree(out)

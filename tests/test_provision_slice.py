@@ -391,3 +391,24 @@ def test_what_is_decided_is_read_from_the_steps_store_root_not_the_files(tmp_pat
     kube = kube_factory(jobsets=[f"{run_id}-a1"], labelled=True, nodes=[_node(f"n{i}") for i in range(4)])
     assert _main(root, run_id, tmp_path / "out", kube) == 0
     assert [urlparse(r[1]).path.rsplit("/", 1)[1] for r in _deletes(kube)] == [f"{run_id}-a1"]
+
+
+def test_a_local_gang_of_one_without_metrics_takes_no_port_where_no_socket_opens(monkeypatch, tmp_path):
+    """The TPU machine lets no process open a socket (bind: errno 97): a gang of one joins no coordinator and,
+    with metrics_port 0, serves no endpoint, so provision-slice and the local slice take no port."""
+    import errno
+    import socket
+
+    from support.trainer_harness import tiny_config
+
+    from workflows.local.cluster import free_port
+
+    def refused(*_a, **_k):
+        raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+
+    cfg = tiny_config(str(tmp_path / "store"), run_id="one", hosts=1, monitoring={"metrics_port": 0})
+    monkeypatch.setattr(socket.socket, "bind", refused)
+    with pytest.raises(OSError):
+        free_port()  # as on that machine
+    out = ps.provision_local(cfg, 0, str(tmp_path / "store"))
+    assert (out.coordinator_port, out.metrics_port) == (0, 0)

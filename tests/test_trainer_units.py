@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from support.trainer_harness import lm_examples, tiny_config
 
+from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.metrics import METRICS
 from trainer.data import DataPosition, SyntheticSequences, build_dataset, resume_position
@@ -118,6 +119,17 @@ def test_topology_agrees_and_disagrees(tmp_path):
     assert topology_problems(cfg, **ok) == []
     bad = topology_problems(cfg, process_count=2, local_devices=2, global_devices=4, platform="tpu")
     assert [p.split(":")[0] for p in bad] == ["slice.hosts", "slice.devices_per_host", "slice.accelerator"]
+
+
+def test_a_local_gang_of_one_on_the_machines_accelerator_needs_one(tmp_path):
+    """slice.local_devices 'accelerator' (a TPU VM's chip): JAX must find one, and the gang is one host."""
+    cfg = tiny_config(str(tmp_path), hosts=1, slice={"local_devices": "accelerator"}, data={"global_batch_size": 4})
+    one = dict(process_count=1, local_devices=1, global_devices=1)
+    assert topology_problems(cfg, **one, platform="tpu") == []
+    (bad,) = topology_problems(cfg, **one, platform="cpu")
+    assert bad.startswith("slice.local_devices: 'accelerator', but JAX finds no accelerator"), bad
+    with pytest.raises(ConfigError, match="one program at a time can hold"):
+        tiny_config(str(tmp_path), hosts=2, slice={"local_devices": "accelerator"})
 
 
 def test_tpu_topology_checks_chips(tmp_path):

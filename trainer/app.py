@@ -293,9 +293,10 @@ class Worker:
                     f"slice.hosts: the config expects {cfg.slice.num_hosts} processes but the slice started "
                     f"{ident.num_processes} (TRAINER_NUM_PROCESSES); start one worker per host or fix the slice",
                 )
-            os.environ["JAX_PLATFORMS"] = "cpu"
-            jax.config.update("jax_platforms", "cpu")
-            jax.config.update("jax_num_cpu_devices", cfg.slice.devices_per_host)
+            if cfg.slice.local_devices == "cpu":
+                os.environ["JAX_PLATFORMS"] = "cpu"
+                jax.config.update("jax_platforms", "cpu")
+                jax.config.update("jax_num_cpu_devices", cfg.slice.devices_per_host)
             # Everything JAX could detect is given, so no detection runs: in a pod (KUBERNETES_SERVICE_HOST set)
             # JAX's K8sCluster would load the in-cluster config, which a worker whose account mounts no token
             # lacks (jax 0.10.2, jax/_src/clusters/k8s_cluster.py, K8sCluster.is_env_present).

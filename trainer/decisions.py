@@ -113,8 +113,13 @@ def topology_problems(
     if global_devices != expected_global:
         out.append(f"slice: the config expects {expected_global} devices in all but the job has {global_devices}")
     if s.is_local:
-        if platform != "cpu":
+        if s.local_devices == "cpu" and platform != "cpu":
             out.append(f"slice.accelerator: 'local' runs on the CPU, but the JAX platform is {platform!r}")
+        elif s.local_devices == "accelerator" and platform == "cpu":
+            out.append(
+                "slice.local_devices: 'accelerator', but JAX finds no accelerator on this machine (only the CPU); "
+                "set local_devices: cpu"
+            )
     else:
         if platform != "tpu":
             out.append(f"slice.accelerator: {s.accelerator} needs TPU devices, but the JAX platform is {platform!r}")

@@ -49,6 +49,7 @@ RULES: tuple[Rule, ...] = (
     Rule("slice.topology", False, _RESHARD),
     Rule("slice.hosts", False, _RESHARD),
     Rule("slice.devices_per_host", False, _RESHARD),
+    Rule("slice.local_devices", False, "the CPU or this machine's chips: numerics and the device count change"),
     # What is trained: the state's shapes and meaning.
     Rule("task.name", False, "another task: the saved state belongs to another model and data"),
     Rule(

@@ -135,6 +135,11 @@ class SliceConfig(_Section):
     devices_per_host: int = Field(
         default=1, ge=1, le=8, description="Local only: CPU devices per process (XLA host platform devices)."
     )
+    local_devices: Literal["cpu", "accelerator"] = Field(
+        default="cpu",
+        description="Local only: 'cpu' (XLA host devices, the default) or 'accelerator': the worker uses this "
+        "machine's own accelerator (a TPU VM's chips); one program at a time can hold a chip, so hosts must be 1.",
+    )
     spot: bool = Field(default=False, description="Schedule on Spot VMs (preemptible; TPU only).")
     reservation: str | None = Field(default=None, description="GKE reservation name to consume (TPU only).")
     maintenance_window_s: int = Field(
@@ -212,6 +217,11 @@ class SliceConfig(_Section):
                     f"slice.topology: {self.topology!r} given for accelerator 'local'; remove it "
                     "(local slices have only a host count)"
                 )
+            if self.local_devices == "accelerator" and self.hosts != 1:
+                raise ValueError(
+                    f"slice.local_devices: 'accelerator' with hosts {self.hosts}; one program at a time can hold "
+                    "this machine's chips: set hosts: 1 (a gang of one)"
+                )
             return self
         tpu = TPU_TYPES.get(acc)
         if tpu is None:
@@ -224,6 +234,10 @@ class SliceConfig(_Section):
         if self.topology not in tpu.topologies:
             raise ValueError(f"slice.topology: {self.topology!r} is not a valid {acc} topology ({valid})")
         vm = tpu.vm(self.topology)
+        if self.local_devices != "cpu":
+            raise ValueError(
+                f"slice.local_devices: applies to accelerator 'local' only; a {acc} slice runs on its chips: remove it"
+            )
         # Not "given at all": a stored config carries every field, the default (1) included.
         if self.devices_per_host != 1:
             raise ValueError(
@@ -779,7 +793,21 @@ class SupervisionConfig(_Section):
 class MonitoringConfig(_Section):
     """Metrics and alert thresholds."""
 
-    metrics_port: int = Field(default=9431, ge=1024, le=65535, description="Port of each worker's Prometheus endpoint.")
+    metrics_port: int = Field(
+        default=9431,
+        ge=0,
+        le=65535,
+        description="Port of each worker's Prometheus endpoint (1024-65535); 0: none (local runs only, for a machine "
+        "where no process may open a socket).",
+    )
+
+    @field_validator("metrics_port")
+    @classmethod
+    def _check_metrics_port(cls, v: int) -> int:
+        if 0 < v < 1024:
+            raise ValueError(f"{v} is a privileged port; use 1024-65535, or 0 for no endpoint (local runs)")
+        return v
+
     scrape_interval_s: int = Field(default=15, ge=1, description="PodMonitoring scrape interval.")
     recovery_window_steps: int = Field(
         default=200,
@@ -940,6 +968,11 @@ class JobConfig(_Section):
                 "damaged; keep at least 2"
             )
         problems += self._local_tier_problems()
+        if not self.slice.is_local and self.monitoring.metrics_port == 0:
+            problems.append(
+                "monitoring.metrics_port: 0 (no endpoint) is for local runs; a TPU slice's workers are scraped at "
+                "their metrics port: give one (default 9431)"
+            )
         if self.slice.is_local and self.monitoring.metrics_port + self.slice.num_hosts - 1 > 65535:
             problems.append(
                 f"monitoring.metrics_port: {self.monitoring.metrics_port} + one port per local host "

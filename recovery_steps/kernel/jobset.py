@@ -175,8 +175,9 @@ def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
         env += [
             {"name": "TRAINER_COORDINATOR_ADDRESS", "value": f"127.0.0.1:{coordinator_port}"},
             {"name": "TRAINER_NUM_PROCESSES", "value": str(hosts)},
-            {"name": "JAX_PLATFORMS", "value": "cpu"},
         ]
+        if sl.local_devices == "cpu":  # else JAX finds this machine's own accelerator
+            env.append({"name": "JAX_PLATFORMS", "value": "cpu"})
     else:
         _on_tpu_nodes(cfg, container, pod_spec)
         jobset_meta["annotations"] = {EXCLUSIVE_TOPOLOGY: NODEPOOL_LABEL}

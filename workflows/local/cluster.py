@@ -238,7 +238,8 @@ class LocalCluster:
         # The kubelet's default grace is 30 s when the pod spec names none (Kubernetes API PodSpec).
         grace = pod_spec.get("terminationGracePeriodSeconds", 30)
         sl.grace_seconds = float(grace if setup.grace_seconds is None else setup.grace_seconds)
-        port = free_port()
+        # A gang of one joins no coordinator: no port is taken (a machine may let no process open a socket).
+        port = free_port() if n > 1 else 0
         extra = self.hooks.extra_env(attempt)
         nodes = self.hooks.placement(attempt, n)
         for i in range(n):
@@ -259,7 +260,6 @@ class LocalCluster:
             # One machine, one directory per node: what a hostPath volume is to the pods of one node.
             env.setdefault("TRAINER_LOCAL_DIR", str(setup.work_dir / "hosts" / nodes[i]))
             env.setdefault("TRAINER_EVENTS_DIR", str(setup.events))
-            env.setdefault("JAX_PLATFORMS", "cpu")
             env.update(extra)
             sl.workers.append(WorkerProc(i, process_env(setup.repo_root, setup.base_env, env)))
         return sl

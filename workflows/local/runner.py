@@ -213,7 +213,7 @@ class _Printer:
         msg = f"  {res.message.splitlines()[0]}" if res.message and res.phase != NodePhase.SUCCEEDED else ""
         self.say(f"{clock} {tag:12} {name:24} {res.phase:9} {res.duration:6.1f}s  {keys}{msg}")
         port = res.outputs.get("metrics-port", "")
-        if node.template == "provision-slice" and res.phase == NodePhase.SUCCEEDED and port.isdigit():
+        if node.template == "provision-slice" and res.phase == NodePhase.SUCCEEDED and port.isdigit() and int(port):
             self.say(f"{'':8} {worker_metrics_line(node.attempt, int(port), self.hosts)}")
 
 
@@ -667,6 +667,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reference", action="store_true", help="also run without faults and compare final parameters")
     p.add_argument("--metrics-port", type=int, default=0, help="run metrics port (default: any free port)")
     p.add_argument(
+        "--no-metrics",
+        action="store_true",
+        help="serve no run metrics (a machine where no process may open a socket)",
+    )
+    p.add_argument(
         "-p",
         "--parameter",
         action="append",
@@ -688,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_id=args.run_id,
             store_root=args.store_root,
             reference=args.reference,
-            metrics_port=args.metrics_port,
+            metrics_port=None if args.no_metrics else args.metrics_port,
             parameters=dict(x.split("=", 1) for x in args.parameter),
             store_outages=args.store_outage,
         )
