@@ -195,8 +195,9 @@ def dry_run_problems(cfg: JobConfig, status: int, message: str) -> list[Problem]
 
     A refusal is read as the supervisor reads a Job's FailedCreate (``supervision.create_refusal``): one the
     configuration causes (Pod Security, a webhook's policy, a LimitRange, a missing account) is a problem with its
-    fix, and so is one it does not recognise (a refusal of one pod as rendered is the gang's); a spent quota, a webhook that could not be called and a refusal that
-    says it is transient are not the config's doing, and are left to the run (which classifies them if they last).
+    fix, and so is one it does not recognise (a refusal of one pod as rendered is the gang's); a spent quota, a
+    webhook that could not be called and a refusal that says it is transient are not the config's doing, and are
+    left to the run (which classifies them if they last).
     """
     from recovery_steps.supervision import TRANSIENT_REFUSALS, create_refusal, one_line
 
