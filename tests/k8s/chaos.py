@@ -72,6 +72,10 @@ METADATA_KINDS = ("metadata-error", "metadata-hang", "metadata-slow")
 # checkpoint manifest write refused 503 while the rest of GCS answers (a save's commit on a store blip); the metadata
 # server silent from the moment the next step pod of the run is created (a pod's first seconds on a fresh node).
 AIMED_KINDS = ("gcs-manifest-error", "metadata-step-start")
+# Aimed at a stall clock (one a run, from a generator of its own, added after the others): the API server down from
+# the moment the run's first gang has a pod, while the supervisor's start-up clocks (capacity, pull) would count, for
+# longer than the start-up deadline (6 s in the local file): no verdict may come of a view it cannot refresh.
+STALL_KINDS = ("apiserver-down-at-gang-start",)
 CONTROLLERS = ("jobset", "kube-controller-manager", "kube-scheduler", "workflow-controller")
 
 
@@ -131,7 +135,7 @@ def schedule(seed: int, window_s: float, faults: int = 6) -> tuple[list[Fault], 
             f.params = {"toxicity": rng.choice((0.3, 1.0))}
         out.append(f)
     kill = rng.random() < 0.5
-    aimed = _metadata_faults(seed, window_s) + _aimed_faults(seed, window_s)
+    aimed = _metadata_faults(seed, window_s) + _aimed_faults(seed, window_s) + _stall_faults(seed, window_s)
     return sorted(out + aimed, key=lambda f: f.at), kill
 
 
@@ -139,6 +143,12 @@ def _aimed_faults(seed: int, window_s: float) -> list[Fault]:
     rng = random.Random(f"aimed-{seed}")
     kind = rng.choice(AIMED_KINDS)
     return [Fault(round(rng.uniform(2, window_s), 1), kind, round(rng.uniform(3, 12), 1))]
+
+
+def _stall_faults(seed: int, window_s: float) -> list[Fault]:
+    """At the schedule's earliest time: the fault itself waits for the first gang's first pod."""
+    rng = random.Random(f"stall-{seed}")
+    return [Fault(2.0, rng.choice(STALL_KINDS), round(rng.uniform(8, 20), 1))]
 
 
 def _metadata_faults(seed: int, window_s: float) -> list[Fault]:
@@ -156,6 +166,8 @@ def _metadata_faults(seed: int, window_s: float) -> list[Fault]:
 
 STEP_START_WAIT_S = 30.0
 """How long an aimed metadata fault waits for the run's next step pod to be created."""
+GANG_START_WAIT_S = 90.0
+"""How long a stall fault waits for the run's first worker pod (the undisturbed run has its gang up in seconds)."""
 
 
 class FaultLog:
@@ -247,6 +259,28 @@ class Chaos:
         self.rc.restart("kube-apiserver")
         wait_for("kube-apiserver /readyz after restart", lambda: self.rc._https("/readyz") == "ok", 90, 0.3)
         return {"target": "kube-apiserver", "down_s": round(time.monotonic() - t, 1)}
+
+    def _apiserver_down_at_gang_start(self, f: Fault) -> dict[str, Any]:
+        """The API server stopped for ``seconds`` from the moment a worker pod of the run exists (at most
+        ``GANG_START_WAIT_S`` after the fault's time; none by then: no fault), then started and ready again."""
+        began = time.time()
+
+        def gang_pod() -> str | None:
+            for p in self.rc.pods(self.namespace, "jobset.sigs.k8s.io/jobset-name"):
+                meta = p["metadata"]
+                at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00")).timestamp()
+                if at >= began - 1:
+                    return f"{meta['name']} ({(p.get('status') or {}).get('phase')})"
+            return None
+
+        try:
+            pod = wait_for("a worker pod of the run", gang_pod, GANG_START_WAIT_S, 0.2)
+        except AssertionError:
+            return {"target": "kube-apiserver", "pod": None}
+        t = time.monotonic()
+        self.rc.down_for("kube-apiserver", f.seconds)
+        wait_for("kube-apiserver /readyz after its outage", lambda: self.rc._https("/readyz") == "ok", 90, 0.3)
+        return {"target": "kube-apiserver", "pod": pod, "down_s": round(time.monotonic() - t, 1)}
 
     def _apf_throttle(self, f: Fault) -> dict[str, Any]:
         """Real APF: the steps' ServiceAccount on a priority level of its own with the fewest seats and no queue

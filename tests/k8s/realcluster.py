@@ -500,6 +500,18 @@ class RealCluster:
         if name == "jobset":
             self.wait_jobset_webhooks()
 
+    def down_for(self, name: str, seconds: float) -> None:
+        """Stop a component, keep it stopped ``seconds``, start it again with the same flags (on the starter's
+        thread, as ``restart``: the keeper leaves a component stopped on purpose alone)."""
+        comp = self.components[name]
+
+        def outage() -> None:
+            comp.stop()
+            time.sleep(seconds)
+            comp.start()
+
+        _STARTER.submit(outage).result(timeout=RESTART_LIMIT_S + seconds)
+
     def keep(self) -> None:
         """Start the keeper: every ``KEEPER_EVERY_S`` a component that exited unasked (not ``held``) is recorded in
         ``exits`` and, after its back-off, started again with the same flags. It runs on the starter's thread, so it

@@ -141,12 +141,14 @@ def test_a_schedule_is_its_seed():
     others = [f for f in faults if f.kind in chaos.KINDS]
     metadata = [f for f in faults if f.kind in chaos.METADATA_KINDS]
     aimed = [f for f in faults if f.kind in chaos.AIMED_KINDS]
-    assert len(others) == 6 and 1 <= len(metadata) <= 2 and len(aimed) == 1
-    assert len(others) + len(metadata) + len(aimed) == len(faults)
+    stall = [f for f in faults if f.kind in chaos.STALL_KINDS]
+    assert len(others) == 6 and 1 <= len(metadata) <= 2 and len(aimed) == 1 and len(stall) == 1
+    assert len(others) + len(metadata) + len(aimed) + len(stall) == len(faults)
 
 
 @pytest.mark.parametrize(
-    ("stream", "kinds"), [("_metadata_faults", "METADATA_KINDS"), ("_aimed_faults", "AIMED_KINDS")]
+    ("stream", "kinds"),
+    [("_metadata_faults", "METADATA_KINDS"), ("_aimed_faults", "AIMED_KINDS"), ("_stall_faults", "STALL_KINDS")],
 )
 def test_the_faults_of_a_stream_of_their_own_leave_a_seeds_other_faults_as_they_were(monkeypatch, stream, kinds):
     assert {f.kind for seed in range(1, 40) for f in getattr(chaos, stream)(seed, 60)} == set(getattr(chaos, kinds))
