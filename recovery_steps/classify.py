@@ -26,6 +26,18 @@ from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
 from recovery_steps.supervision import create_refusal, one_line, pull_failure_is_permanent, waiting_cause
 
 SIGABRT, SIGKILL, SIGTERM = 6, 9, 15
+# A crash in native code: the process dies by the signal (exit 128 + it) with no exit report. The trainer has Python's
+# faulthandler write every thread's stack to its termination message from a C handler (trainer.__main__); the
+# kubelet keeps its last 4096 bytes as the container's termination message.
+FATAL_SIGNALS = {4: "SIGILL", 7: "SIGBUS", 8: "SIGFPE", 11: "SIGSEGV"}
+_FRAME = re.compile(r'File "([^"]+)", line \d+ in (\S+)')
+# Where a frame says the worker was: the training loop, or its start-up (the accelerator's runtime and backends,
+# jax.distributed and its coordination service, the trainer's own joining and building of its state).
+_TRAINING_FRAME = re.compile(r"trainer/loop\.py")
+_STARTUP_FRAME = re.compile(
+    r"jax/_src/(distributed|xla_bridge)\.py|jax/_src/clusters/|trainer/app\.py (initialize|_join|_backend)|"
+    r"trainer/(compile_cache|train_state)\.py"
+)
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONTAINER_CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
 SCHEDULING_EVENTS = ("FailedScheduling", "NotTriggerScaleUp", "FailedScaleUp")
@@ -141,10 +153,13 @@ def _line(o: _Obs) -> str:
 
 
 def _normalise(code: int | None, signal: int | None) -> tuple[int | None, int | None]:
-    """Negative codes (a local process killed by a signal) become signals; 134/137 imply SIGABRT/SIGKILL."""
+    """Negative codes (a local process killed by a signal) become signals; 128 + a signal implies it.
+
+    That is 134 SIGABRT, 137 SIGKILL and the fatal ones: 139 SIGSEGV, 135 SIGBUS, 132 SIGILL, 136 SIGFPE.
+    """
     if code is not None and code < 0:
         return 128 - code, -code
-    if signal is None and code in (128 + SIGABRT, 128 + SIGKILL):
+    if signal is None and code is not None and code - 128 in (SIGABRT, SIGKILL, *FATAL_SIGNALS):
         return code, code - 128
     return code, signal
 
@@ -299,6 +314,8 @@ def _judge(o: _Obs) -> _Finding:
         )
     if sig == SIGKILL:
         return _Finding(FailureClass.INFRASTRUCTURE, "SIGKILLed without OOMKilled (host or kubelet killed it)")
+    if sig in FATAL_SIGNALS and o.report is None:
+        return _native_crash(FATAL_SIGNALS[sig], o.message or "")
     if code == ExitCode.PEER_LOST:
         return _Finding(usual_class(code), "lost a peer (collective or coordination service failed)", True)
     if sig == SIGABRT:
@@ -315,6 +332,29 @@ def _judge(o: _Obs) -> _Finding:
             return found
         return _Finding(FailureClass.UNKNOWN, "torn down before it ran; no event says why")
     return _Finding(FailureClass.UNKNOWN, f"exit {code} is outside the exit-code contract" if code else "no cause")
+
+
+def _native_crash(name: str, trace: str) -> _Finding:
+    """A worker killed by a fatal signal with no exit report: where its stacks (the termination message) say it was.
+
+    In its start-up (the accelerator's runtime, jax.distributed) it is what exit 22 says, an initialisation that
+    failed; in the training loop a crash in native code (a host or driver fault, or a kernel's bug, which the
+    no-progress guard stops if it repeats). No stack at all is unknown, and says so.
+    """
+    frames = [f"{path} {fn}" for path, fn in _FRAME.findall(trace)]
+    if not frames:
+        return _Finding(
+            FailureClass.UNKNOWN, f"killed by {name} with no exit report and no stack in its termination message"
+        )
+    innermost = frames[0].rsplit("/", 1)[-1]
+    if any(_TRAINING_FRAME.search(f) for f in frames):
+        return _Finding(FailureClass.INFRASTRUCTURE, f"killed by {name} in native code while training ({innermost})")
+    if any(_STARTUP_FRAME.search(f) for f in frames):
+        what = usual_class(ExitCode.ACCELERATOR_INIT)
+        return _Finding(
+            what, f"killed by {name} in its start-up ({innermost}): accelerator or runtime initialisation failed"
+        )
+    return _Finding(FailureClass.UNKNOWN, f"killed by {name} with no exit report ({innermost})")
 
 
 def _shutting_down(node: NodeEvidence) -> bool:

@@ -157,6 +157,27 @@ def local(workers, reports=()):
     return Evidence(backend="local", attempt=0, pods=pods, jobs=[job], nodes=nodes, reports=list(reports))
 
 
+def _fatal(frames: list[tuple[str, str]]) -> str:
+    """A termination message as faulthandler writes it on SIGSEGV (innermost frame first)."""
+    lines = ["Fatal Python error: Segmentation fault", "", "Current thread 0x00007f2c (most recent call first):"]
+    lines += [f'  File "{path}", line {n + 10} in {fn}' for n, (path, fn) in enumerate(frames)]
+    return "\n".join([*lines, "", "Extension modules: numpy._core._multiarray_umath (total: 1)"])
+
+
+_SITE = "/usr/local/lib/python3.11/site-packages"
+_STARTUP = [
+    (f"{_SITE}/jax/_src/xla_bridge.py", "backends"),
+    (f"{_SITE}/jax/_src/xla_bridge.py", "devices"),
+    ("/app/trainer/app.py", "initialize"),
+    ("/app/trainer/app.py", "run"),
+]
+_TRAINING = [
+    (f"{_SITE}/jax/_src/pjit.py", "_pjit_call_impl"),
+    ("/app/trainer/loop.py", "run_steps"),
+    ("/app/trainer/app.py", "_train"),
+]
+
+
 GLOO = "JaxRuntimeError: UNKNOWN: Gloo all-reduce failed: Connection closed by peer"
 
 CASES = [
@@ -562,6 +583,26 @@ CASES = [
         FailureClass.CAPACITY,
         "75",
         id="provision-capacity-exit",
+    ),
+    # A fatal signal in native code (exit 139) with no exit report: where the stacks faulthandler left in the
+    # termination message say the worker was.
+    pytest.param(
+        gke([pod(0, 139, 5, message=_fatal(_STARTUP)), pod(1, 143, 6), pod(2, 143, 6), pod(3, 143, 6)]),
+        FailureClass.INFRASTRUCTURE,
+        "killed by SIGSEGV in its start-up (xla_bridge.py backends): accelerator or runtime initialisation failed",
+        id="native-crash-in-start-up",
+    ),
+    pytest.param(
+        gke([pod(0, 139, 5, message=_fatal(_TRAINING)), pod(1, 143, 6), pod(2, 143, 6), pod(3, 143, 6)]),
+        FailureClass.INFRASTRUCTURE,
+        "killed by SIGSEGV in native code while training (pjit.py _pjit_call_impl)",
+        id="native-crash-while-training",
+    ),
+    pytest.param(
+        gke([pod(0, 135, 5), pod(1, 143, 6), pod(2, 143, 6), pod(3, 143, 6)]),
+        FailureClass.UNKNOWN,
+        "killed by SIGBUS with no exit report and no stack in its termination message",
+        id="native-crash-without-a-stack",
     ),
     pytest.param(
         gke([pod(0, 1, 5), pod(1, 143, 6), pod(2, 143, 6), pod(3, 143, 6)]),

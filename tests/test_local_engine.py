@@ -440,3 +440,16 @@ def test_a_worker_on_a_lost_local_host_is_force_deleted_after_the_grace(tmp_path
     assert sl.workers[1].exit_code == 137 and not sl.workers[1].stopped_by_jobset
     node = next(n for n in rec.snapshot.nodes if n.name == "local-1")
     assert node.unreachable and node.ready is None
+
+
+def test_a_local_worker_s_termination_message_is_the_last_4096_bytes_of_its_file_as_the_kubelet_reads_it(tmp_path):
+    from recovery_steps.kernel.names import TERMINATION_LOG_ENV
+    from workflows.local.slices import TERMINATION_MESSAGE_MAX, WorkerProc
+
+    log = tmp_path / "w-0.termination-log"
+    w = WorkerProc(0, {TERMINATION_LOG_ENV: str(log)})
+    assert w.termination_message() is None  # no file: none
+    log.write_text("")
+    assert w.termination_message() is None  # empty: none
+    log.write_text("a" * 1000 + "b" * TERMINATION_MESSAGE_MAX)
+    assert w.termination_message() == "b" * TERMINATION_MESSAGE_MAX  # the tail (kubelet's tail.ReadAtMost)

@@ -288,6 +288,32 @@ def test_a_gang_of_one_joins_no_coordinator_and_trains_checkpoints_and_exits_zer
     assert read_report(store, 0, 0)["last_step"] == 10  # steps count from 1
 
 
+@pytest.mark.parametrize(("at", "phase"), [(0, "in its start-up"), (3, "in native code while training")])
+def test_a_native_crash_leaves_its_stacks_in_the_termination_message_and_is_classified_by_where_it_was(
+    tmp_path, at, phase
+):
+    """A SIGSEGV writes no exit report: faulthandler's C handler leaves every thread's stack in the termination
+    message, and classify-failure reads from it whether the worker was starting or training."""
+    from recovery_steps.classify import classify
+    from recovery_steps.evidence import Evidence
+    from recovery_steps.kernel.names import TERMINATION_LOG_ENV
+    from recovery_steps.kernel.snapshot import ContainerState, NodeEvidence, PodEvidence
+
+    cfg = tiny_config(str(tmp_path / "store"), run_id=f"segv{at}", hosts=1, training={"total_steps": 6})
+    store = write_config(cfg)
+    trace = tmp_path / "termination-log"
+    gang = launch(cfg, 0, -1, tmp_path, fault=f"native-crash@{at}", extra_env={TERMINATION_LOG_ENV: str(trace)})
+    assert gang.wait(120) == [-signal.SIGSEGV]
+    assert store.read_bytes(RunLayout.worker_report(0, 0)) is None  # no Python ran to write one
+    text = trace.read_text()
+    assert text.startswith("Fatal Python error: Segmentation fault"), text[:300]
+    ended = ContainerState(name="trainer", state="terminated", exit_code=139, reason="Error", message=text)
+    pod = PodEvidence(name="w-0", worker_index=0, node="local-0", phase="Failed", containers=[ended])
+    node = NodeEvidence(name="local-0", ready=True, ready_reason="KubeletReady")
+    v = classify(Evidence(backend="local", attempt=0, pods=[pod], nodes=[node]))
+    assert v.failure_class == "infrastructure" and f"killed by SIGSEGV {phase}" in v.reason, v.reason
+
+
 def test_injected_nan_exits_42(tmp_path):
     cfg = tiny_config(str(tmp_path / "store"), run_id="nan", hosts=2, training={"total_steps": 6})
     store = write_config(cfg)

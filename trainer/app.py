@@ -52,7 +52,7 @@ from trainer.hooks import (
     SaveOptions,
     check_finite_loss,
 )
-from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler, wait_for_listener
+from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler, native_crash, wait_for_listener
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
 from trainer.preemption import PeerLossNotice, PreemptionAgreement, distributed_client
 from trainer.telemetry import Events, WorkerMetrics, cpu_seconds
@@ -272,8 +272,8 @@ class Worker:
                 str(e).splitlines()[0][:200] if str(e) else "",
             )
 
-    def initialize(self, cfg: JobConfig) -> None:
-        """Join the gang with jax.distributed, using the config's timeouts."""
+    def initialize(self, cfg: JobConfig, faults: Faults | None = None) -> None:
+        """Join the gang with jax.distributed, using the config's timeouts (``native-crash@0``: die in it)."""
         import jax
 
         t = cfg.training
@@ -313,6 +313,8 @@ class Worker:
         # SIGTERM is ours: the stop flag folded into each step makes every process save the same step.
         # JAX's preemption service would install its own SIGTERM handler over it.
         jax.config.update("jax_enable_preemption_service", False)
+        if faults is not None and faults.due("native-crash", 0):
+            native_crash()
         if cfg.slice.num_hosts == 1:
             # A gang of one has nothing to coordinate: no coordination service, no port bound (a TPU VM may not
             # let a process open any socket), and the trainer's key-value uses are skipped for one process.
@@ -440,7 +442,7 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     except TrainerExit as e:
         out.exit_now(e.code, message=str(e))
     try:
-        w.initialize(cfg)
+        w.initialize(cfg, faults)
     except TrainerExit as e:
         out.exit_now(e.code, message=str(e))
     except Exception as e:  # noqa: BLE001 - any failure to start the runtime has one contract code

@@ -14,7 +14,8 @@ from recovery_steps.kernel.contract import PEER_LOSS_MARKERS, ExitCode
 from recovery_steps.kernel.records import CheckpointManifest
 from recovery_steps.kernel.tpu import TPU_TYPES
 
-FAULT_KINDS = ("app-bug", "nan", "hang", "kill-during-save")
+FAULT_KINDS = ("app-bug", "nan", "hang", "kill-during-save", "native-crash")
+"""``native-crash@0`` dies by SIGSEGV in the start-up (the runtime's initialisation), ``@N`` before step N."""
 
 
 class TrainerExit(Exception):

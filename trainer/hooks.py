@@ -23,7 +23,7 @@ from recovery_steps.kernel.records import (
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.compile_cache import CacheCounter
 from trainer.decisions import Faults, PreemptionAction, PreemptionPlan, SaveReason, TrainerExit, save_decision
-from trainer.lifecycle import Watchdog
+from trainer.lifecycle import Watchdog, native_crash
 from trainer.loop import Stepper, StepRecord
 from trainer.telemetry import Events, WorkerMetrics, cpu_seconds
 
@@ -50,6 +50,8 @@ class FaultHook:
                 time.sleep(3600)
         if self.faults.due("app-bug", step):
             raise RuntimeError(f"injected application bug in step {step}")
+        if step > 0 and self.faults.due("native-crash", step):
+            native_crash()
 
     def on_step(self, rec: StepRecord) -> None:
         """``nan``: the loss of that step is reported non-finite."""

@@ -41,6 +41,14 @@ def wait_for_listener(address: str, timeout_s: float, poll_s: float = 0.02) -> f
             time.sleep(poll_s)
 
 
+def native_crash() -> None:
+    """Die as a crash in native code does: a read of address 0 (SIGSEGV; rehearsal fault ``native-crash``)."""
+    import ctypes
+
+    log.warning("injected native crash: reading address 0")
+    ctypes.string_at(0)
+
+
 def install_abort_handler(on_abort: Callable[[], None]) -> Any:
     """Run ``on_abort()`` when the runtime aborts the process (SIGABRT from C++), before it dies.
 

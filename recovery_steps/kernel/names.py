@@ -171,3 +171,9 @@ def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
     if slice_cfg.reservation:
         sel[RESERVATION_LABEL] = slice_cfg.reservation
     return sel
+
+
+TERMINATION_LOG_ENV = "TRAINER_TERMINATION_LOG"
+"""A worker's terminationMessagePath when not the kubelet's /dev/termination-log (the local slice gives each worker
+its own file, as the kubelet gives each container its own); ``trainer.__main__`` writes a fatal signal's stacks
+there and the local slice reads it back as the container's termination message."""

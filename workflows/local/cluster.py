@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any
 
 from recovery_steps.kernel.kube import IN_POD_ENV
+from recovery_steps.kernel.names import TERMINATION_LOG_ENV
 from recovery_steps.kernel.records import now
 from recovery_steps.kernel.snapshot import ClusterSnapshot
 from workflows.local.engine import FAILED, SUCCEEDED, NodeInfo, NodePhase, WorkflowError
@@ -260,6 +261,8 @@ class LocalCluster:
             # One machine, one directory per node: what a hostPath volume is to the pods of one node.
             env.setdefault("TRAINER_LOCAL_DIR", str(setup.work_dir / "hosts" / nodes[i]))
             env.setdefault("TRAINER_EVENTS_DIR", str(setup.events))
+            # Each container's own terminationMessagePath, as the kubelet gives it one.
+            env.setdefault(TERMINATION_LOG_ENV, str(log_dir / f"{pod}.termination-log"))
             env.update(extra)
             sl.workers.append(WorkerProc(i, process_env(setup.repo_root, setup.base_env, env)))
         return sl

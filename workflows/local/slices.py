@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.names import UNREACHABLE_TAINT
+from recovery_steps.kernel.names import TERMINATION_LOG_ENV, UNREACHABLE_TAINT
 from recovery_steps.kernel.records import now
 from recovery_steps.kernel.snapshot import (
     TRAINER_CONTAINER,
@@ -38,6 +38,9 @@ from recovery_steps.kernel.snapshot import (
     PodPhase,
 )
 from workflows.local.engine import NodePhase
+
+TERMINATION_MESSAGE_MAX = 4096
+"""How much of it the kubelet keeps, from its end (kubernetes v1.36.3 ``MaxContainerTerminationMessageLength``)."""
 
 
 @dataclass
@@ -57,6 +60,23 @@ class WorkerProc:
     first_failure: bool = False
     stopped_by_jobset: bool = False
     restarts: int = 0
+
+    def termination_message(self) -> str | None:
+        """The container's termination message as the kubelet reads it, None when empty or absent.
+
+        The last 4096 bytes of the file the worker was given (``TRAINER_TERMINATION_LOG``, its
+        terminationMessagePath): kubelet v1.36.3 reads it with ``tail.ReadAtMost`` (kuberuntime_container.go).
+        """
+        path = self.env.get(TERMINATION_LOG_ENV)
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - TERMINATION_MESSAGE_MAX))
+                data = f.read(TERMINATION_MESSAGE_MAX)
+        except OSError:
+            return None
+        return data.decode(errors="replace") or None
 
     @property
     def exit_code(self) -> int | None:
@@ -215,6 +235,7 @@ def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
         state="terminated",
         exit_code=w.exit_code,
         reason="Completed" if ok else "Error",
+        message=w.termination_message(),
         started_at=w.started_at,
         finished_at=w.ended_at,
     )
