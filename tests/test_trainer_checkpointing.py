@@ -57,6 +57,25 @@ def test_poll_reports_a_step_only_with_its_manifest(setup):
     assert ckpt.poll() is None
 
 
+def test_a_save_s_blocking_time_counts_the_loop_s_wait_for_its_commit(setup, monkeypatch):
+    """The loop that waits for a save in flight (the next save, the end) does not step: that wait is the save's
+    cost too, in its blocking_seconds and its parts, not only the start that hands it to the saver thread."""
+    _, _, ckpt, it = setup
+    slow = ckpt.mgr.save
+
+    def slowed(*a, **k):
+        time.sleep(0.5)
+        return slow(*a, **k)
+
+    monkeypatch.setattr(ckpt.mgr, "save", slowed)
+    next(it)
+    ckpt.save(1, state_at(1), it)
+    started = ckpt.pending.blocking
+    assert ckpt.finish_pending() == 1
+    waited = ckpt.last_parts["the loop's wait for its commit"]
+    assert waited >= 0.4 and ckpt.last_blocking == pytest.approx(started + waited)
+
+
 def test_next_save_and_finish_wait_for_the_previous_manifest(setup):
     _, store, ckpt, it = setup
     ckpt.save(1, state_at(1), it)

@@ -356,8 +356,11 @@ class Checkpointer:
         return list(self.mgr.all_steps())
 
     def save(self, step: int, state: Any, data_iter: Any) -> None:
-        """Start saving ``step`` (after recording the previous save, which orbax would wait for anyway)."""
-        t0 = now()
+        """Start saving ``step`` (after recording the previous save, which orbax would wait for anyway).
+
+        Its ``blocking`` is the time the loop does not step because of this save: starting it here, and later the
+        wait for its commit (``_record``), whoever waits (the next save, the end, a preemption).
+        """
         self.finish_pending()
         t1 = now()
         p = PendingSave(step, t1, self.attempt)
@@ -372,14 +375,8 @@ class Checkpointer:
         if not self.async_save:
             p.writing.wait()
         t3 = now()
-        p.blocking = t3 - t0
-        p.parts.update(
-            {
-                "wait for the previous save": t1 - t0,
-                "snapshot of state and data position": t2 - t1,
-                "hand-off to the saver thread": t3 - t2,
-            }
-        )
+        p.blocking = t3 - t1
+        p.parts.update({"snapshot of state and data position": t2 - t1, "hand-off to the saver thread": t3 - t2})
 
     def wait_until_writing(self, timeout: float = 60) -> None:
         """Wait until orbax's save of the pending step returned (its writes are in flight, not committed)."""
@@ -518,7 +515,14 @@ class Checkpointer:
     def _record(self, p: PendingSave) -> int | None:
         """Wait for ``p``'s commit and manifest (raising its error) and record the step as committed."""
         assert p.done is not None
-        p.done.result()
+        t0 = now()
+        try:
+            p.done.result()
+        finally:
+            # The loop waited this long for the save in flight: part of what the save cost it.
+            waited = now() - t0
+            p.blocking += waited
+            p.parts["the loop's wait for its commit"] = waited
         assert p.committed is not None
         self.pending = None
         if p.incomplete is not None:

@@ -157,8 +157,13 @@ def goodput(events: Sequence[WorkerEvent], *, start: float | None = None, end: f
         elif nxt is not None:
             nxt_start = _first(nxt, EventKind.STARTED, default=max(e.t for e in evs))
             bad["waiting_for_resources"] += max(0.0, nxt_start - max(marks))
+        # What saves held the loop between its first and last step (a save's blocking counts the loop's wait for
+        # its commit: the end's wait for the last save lies after the last step, outside the training time).
+        last = steps[-1][0] if steps else None
         bad["checkpoint_save"] += sum(
-            e.blocking_seconds or 0.0 for e in evs if e.event == EventKind.SAVE_COMMITTED and e.process_index == 0
+            e.blocking_seconds or 0.0
+            for e in evs
+            if e.event == EventKind.SAVE_COMMITTED and e.process_index == 0 and (last is None or e.t <= last)
         )
     productive = max(0.0, training - bad["recomputed"] - bad["checkpoint_save"])
     wall = max(0.0, t1 - t0)
