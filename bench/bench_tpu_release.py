@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.monotonic()
         r = subprocess.run([sys.executable, "-c", OPEN], capture_output=True, text=True, timeout=300)
         said = (r.stdout or r.stderr).strip().splitlines()[-1:] or [""]
+        took = time.monotonic() - t1
         print(
-            f"next program {i}: started {t1 - reaped:.2f} s after, rc {r.returncode} in {time.monotonic() - t1:.2f} s: {said[0][:160]}"
+            f"next program {i}: started {t1 - reaped:.2f} s after, rc {r.returncode} in {took:.2f} s: {said[0][:160]}"
         )
         if r.returncode == 0:
             break
