@@ -312,18 +312,38 @@ def _unsafe_change(cfg: dict[str, Any]) -> None:
 RESUBMISSIONS = ("same", "safe", "unsafe")
 
 
+OPERATOR_RETRY_S = 90.0
+"""How long the operator tries again while the API server does not answer or answers 429/5xx (it may be starting
+after a fault: "the request has been made before all known HTTP paths have been installed", 503 Retry-After), as a
+person running ``argo stop`` again would: an API server restart takes 6-30 s here, a fault's outage up to 20 s."""
+
+
 def _operator(r: Any, rc: RealCluster, action: str) -> None:
     """``argo stop`` / ``argo terminate`` (the Workflow's ``spec.shutdown``, what the CLI patches) or
-    ``argo delete``; returns once the Workflow has ended or is gone."""
+    ``argo delete``, tried again through a transient answer; returns once the Workflow has ended or is gone."""
     from kubernetes import client
+    from podexec import retrying
 
     objs = client.CustomObjectsApi(rc.admin)
     where = ("argoproj.io", "v1alpha1", r.ns, "workflows")
     if action == "delete":
-        objs.delete_namespaced_custom_object(*where, r.name)
+
+        def delete() -> None:
+            try:
+                objs.delete_namespaced_custom_object(*where, r.name)
+            except client.ApiException as e:
+                if e.status != 404:  # gone: an earlier try that was answered 5xx had deleted it
+                    raise
+
+        retrying(f"argo delete {r.name}", delete, OPERATOR_RETRY_S)
         wait_for(f"Workflow {r.name} gone", lambda: not _exists(objs, where, r.name), 120, 0.5)
         return
-    objs.patch_namespaced_custom_object(*where, r.name, {"spec": {"shutdown": action.capitalize()}})
+    shutdown = {"spec": {"shutdown": action.capitalize()}}
+    retrying(
+        f"argo {action} {r.name}",
+        lambda: objs.patch_namespaced_custom_object(*where, r.name, shutdown),
+        OPERATOR_RETRY_S,
+    )
     r.wait_done(GANG_UP_S)
 
 
