@@ -649,14 +649,22 @@ def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
                 worker=p.index,
             )
     waited = obs.now - obs.counted_from(obs.created_at)
-    if len(obs.pods) < obs.expected_workers and waited >= d.startup_deadline_s:
+    deadline = max(d.startup_deadline_s, MISSING_PODS_GRACE_S)
+    if len(obs.pods) < obs.expected_workers and waited >= deadline:
         return Verdict(
             state=AttemptOutcome.STALLED,
             kind=StallKind.CAPACITY,
             reason=f"only {len(obs.pods)}/{obs.expected_workers} worker pods exist after {waited:.0f} s "
-            f"(deadline {d.startup_deadline_s:g} s)",
+            f"(deadline {deadline:g} s)",
         )
     return None
+
+
+MISSING_PODS_GRACE_S = 60.0
+"""The least a pod the API refused nothing for may take to exist: the JobSet and Job controllers create the pods,
+and one that restarts acts only once it wins its leader election (kube-controller-manager's lease is 15 s by
+default, renewed within 10 s) and has synced its caches; a start-up deadline shorter than that (a rehearsal's) would
+charge a control-plane restart to capacity. A refused pod is the Job's FailedCreate, judged at once (``_refused``)."""
 
 
 def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:

@@ -855,6 +855,21 @@ def test_decide(case, observation, state, kind, fragment):
     assert v.over is (state != AttemptOutcome.RUNNING)
 
 
+def test_pods_not_created_yet_get_a_restarting_controllers_time_whatever_a_short_start_up_deadline_says():
+    """A rehearsal's 6 s start-up deadline is no verdict on pods no controller has created yet (kube-controller-manager
+    restarting waits out its leader lease): they get MISSING_PODS_GRACE_S; an unschedulable pod keeps the deadline."""
+    from recovery_steps.supervision import MISSING_PODS_GRACE_S
+
+    short = D.model_copy(update={"startup_deadline_s": 6})
+    three = [running(0), running(1), running(2)]
+    assert decide(obs(30, three), short).state == AttemptOutcome.RUNNING
+    late = decide(obs(MISSING_PODS_GRACE_S + 1, three), short)
+    assert (late.state, late.kind) == (AttemptOutcome.STALLED, StallKind.CAPACITY), late.reason
+    assert f"deadline {MISSING_PODS_GRACE_S:g} s" in late.reason
+    stuck = decide(obs(30, [*three, pending(3)]), short)
+    assert (stuck.state, stuck.kind) == (AttemptOutcome.STALLED, StallKind.CAPACITY), stuck.reason
+
+
 def test_table_is_large_enough_and_covers_every_state_and_kind():
     assert len(CASES) >= 15
     assert {c[2] for c in CASES} == set(AttemptOutcome.VERDICT_STATES)
