@@ -51,7 +51,10 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
         3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay; "
         "later the supervisor called a capacity stall ('only 1/2 worker pods exist after 6 s') on the view it held "
         "while the API server restarted, the Job controller down with it creating the second pod late (it now "
-        "judges no stall on a view it cannot refresh, and counts its clocks from when it can: supervision.view_clock)",
+        "judges no stall on a view it cannot refresh, and counts its clocks from when it can: supervision.view_clock); "
+        "then, with kube-controller-manager restarted twice and the API server three times, three attempts in a row "
+        "were called capacity ('only 0/2 worker pods exist after 6 s'): pods no controller has created yet now get "
+        "supervision.MISSING_PODS_GRACE_S, a restarting controller's leader election",
     },
     "test_an_operator_stop_then_the_same_file_again_resumes_under_faults": {
         2: "after argo stop the ledger never closed the attempt the exit handler stopped (store attempts [0, 1], "
