@@ -193,17 +193,17 @@ def worker_pod_template(cfg: JobConfig) -> dict[str, Any]:
 def dry_run_problems(cfg: JobConfig, status: int, message: str) -> list[Problem]:
     """Pure: what the API server's answer to the worker pod's dry-run create says (``status`` 201: admitted).
 
-    A refusal is read as the supervisor reads a Job's FailedCreate (``supervision.create_refusal``): one the
+    A refusal is read as the supervisor reads a Job's FailedCreate (``supervision.pod_refusal``): one the
     configuration causes (Pod Security, a webhook's policy, a LimitRange, a missing account) is a problem with its
     fix, and so is one it does not recognise (a refusal of one pod as rendered is the gang's); a spent quota, a
     webhook that could not be called and a refusal that says it is transient are not the config's doing, and are
     left to the run (which classifies them if they last).
     """
-    from recovery_steps.supervision import TRANSIENT_REFUSALS, create_refusal, one_line
+    from recovery_steps.supervision import TRANSIENT_REFUSALS, one_line, pod_refusal
 
     if status < 400 or TRANSIENT_REFUSALS.search(message):
         return []
-    known = create_refusal(f"FailedCreate: {message}")
+    known = pod_refusal(message)
     if known is not None and known[0] not in (FailureClass.CONFIGURATION, FailureClass.UNKNOWN):
         return []
     why = known[1] if known else f"refused with {status}: {one_line(message, 240)}"

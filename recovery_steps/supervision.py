@@ -428,7 +428,17 @@ def create_refusal(event: str) -> tuple[FailureClass, str] | None:
         not a FailedCreate (``CREATE_REFUSALS``).
     """
     reason, _, msg = event.partition(": ")
-    if reason != FAILED_CREATE or JOBSET_SEQUENCING.search(msg) or TRANSIENT_REFUSALS.search(msg):
+    return pod_refusal(msg) if reason == FAILED_CREATE else None
+
+
+def pod_refusal(msg: str) -> tuple[FailureClass, str] | None:
+    """What the API's refusal of a worker pod's create says (pure): a Job's FailedCreate, or a dry run's answer.
+
+    Returns:
+        The class and one line naming what refused the pod, the API's words and the fix; None for a refusal that
+        passes on its own (JobSet's leader handshake, a quota not counted yet) or that no rule names.
+    """
+    if JOBSET_SEQUENCING.search(msg) or TRANSIENT_REFUSALS.search(msg):
         return None
     for pattern, cls, what, fix in CREATE_REFUSALS:
         m = pattern.search(msg)

@@ -8,10 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
-from recovery_steps.kernel.names import TERMINATION_LOG_ENV
-
-TERMINATION_LOG = "/dev/termination-log"
-"""Where the kubelet reads a container's termination message (its first 4096 bytes; PodSpec terminationMessagePath)."""
+from recovery_steps.kernel.names import TERMINATION_LOG, TERMINATION_LOG_ENV
 
 _fatal_trace: IO[str] | None = None  # kept open for the process's life: faulthandler writes to its descriptor
 
@@ -27,7 +24,7 @@ def trace_fatal_signals() -> str | None:
     where there is none: a process outside a pod, nothing set).
     """
     global _fatal_trace
-    path = os.environ.get(TERMINATION_LOG_ENV) or (TERMINATION_LOG if os.path.exists(TERMINATION_LOG) else None)
+    path = os.environ.get(TERMINATION_LOG_ENV) or (str(TERMINATION_LOG) if TERMINATION_LOG.exists() else None)
     if path is None:
         return None
     try:

@@ -7,6 +7,7 @@ No client here: the workflow generator (``workflows/``) builds manifests from th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Labels every object of a run carries (Workflow, JobSet, pods) so that steps can find them.
@@ -172,6 +173,11 @@ def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
         sel[RESERVATION_LABEL] = slice_cfg.reservation
     return sel
 
+
+TERMINATION_LOG = Path("/dev/termination-log")
+"""The file the kubelet mounts in every container (``terminationMessagePath``'s default): what a container writes
+there becomes its terminated state's ``message`` (the kubelet keeps its last 4096 bytes), which Argo appends to the
+failed node's message in its UI (workflow/controller/operator.go ``inferFailedReason``, v4.0.5)."""
 
 TERMINATION_LOG_ENV = "TRAINER_TERMINATION_LOG"
 """A worker's terminationMessagePath when not the kubelet's /dev/termination-log (the local slice gives each worker

@@ -18,6 +18,7 @@ from typing import Any
 
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
+from recovery_steps.kernel.names import TERMINATION_LOG
 from recovery_steps.kernel.store import DocumentError, RunStore
 
 
@@ -122,12 +123,6 @@ def k8s_client(host: str | None, *, fix: str = "run in the cluster or give --k8s
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
-
-
-TERMINATION_LOG = Path("/dev/termination-log")
-"""The file the kubelet mounts in every container (``terminationMessagePath``'s default): what a container writes
-there becomes its terminated state's ``message``, which Argo appends to the failed node's message in its UI
-(workflow/controller/operator.go ``inferFailedReason``, v4.0.5)."""
 
 
 def say_why(line: str, path: Path | None = None) -> None:
