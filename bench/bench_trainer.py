@@ -6,15 +6,26 @@
 3. time to the first step with a warm vs a cold persistent compilation cache, for the whole gang (the
    slowest process decides when the gang's first step is done), with each process's cache hits.
 
+4. (``--loop``) the trainer against the bare ``jax.jit`` step loop of the same model (the same step function,
+   data iterator and batch assembly, no hooks, no telemetry, no saves, no host read of the loss until the end):
+   steps/s, tokens/s, TFLOP/s and MFU on this machine's accelerator (a gang of one; the CPU where there is none),
+   for a tiny, a 134.6M and a 269M model; then the two larger models with a save every ``--save-every`` steps
+   against none: the steps/s kept, the time each save cost the loop (measured) against the ``blocking_seconds``
+   the trainer reported, and each worker's peak host memory.
+
 Usage: python bench/bench_trainer.py [--hosts 4] [--steps 60] [--interval 10] [--repeats 3] [--kills 3]
        [--cache-repeats 2] [--only-checkpoints | --only-cache]
+       python bench/bench_trainer.py --loop [--models tiny,134.6M,269M] [--loop-steps 300] [--save-every 100]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -146,6 +157,160 @@ def bench_compile_cache(work: Path, hosts: int, repeats: int) -> list[dict[str, 
     return out
 
 
+# The models of the loop bench: the tiny one of configs/local-tpu.yaml, and two that fill a v5e chip's step with
+# matrix work (d_model 1024, seq 256, batch 64; 8 layers and a 32k vocabulary, 16 layers and a 64k one).
+LOOP_MODELS: dict[str, dict] = {
+    "tiny": {"model": {"vocab_size": 256, "d_model": 256, "n_layers": 4, "n_heads": 4, "d_ff": 1024, "seq_len": 128},
+             "batch": 32},
+    "134.6M": {"model": {"vocab_size": 32768, "d_model": 1024, "n_layers": 8, "n_heads": 8, "d_ff": 4096,
+                         "seq_len": 256}, "batch": 64},
+    "269M": {"model": {"vocab_size": 65536, "d_model": 1024, "n_layers": 16, "n_heads": 8, "d_ff": 4096,
+                       "seq_len": 256}, "batch": 64},
+}  # fmt: skip
+# Dense bf16 peak of one chip by JAX's device_kind (Cloud TPU docs, "TPU versions"); MFU is left out elsewhere.
+PEAK_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
+WARMUP_STEPS = 10
+
+
+def loop_config(root: str, name: str, steps: int, save_every: int | None, accelerator: bool, cache: str):
+    """A gang of one training model ``name`` for ``steps`` steps, saving every ``save_every`` (None: at the end)."""
+    m = LOOP_MODELS[name]
+    return tiny_config(root, run_id=f"bench-loop-{name.replace('.', '-').lower()}", hosts=1, share_compile_cache=False,
+                       slice={"local_devices": "accelerator" if accelerator else "cpu"},
+                       model=m["model"], data={"global_batch_size": m["batch"], "num_records": 4 * m["batch"]},
+                       training={"total_steps": steps, "compile_grace_s": 900, "hang_timeout_s": 600,
+                                 "compilation_cache_dir": cache},
+                       checkpoint={"interval_steps": save_every or steps, "keep": 2})  # fmt: skip
+
+
+def bare_loop(config_json: str, steps: int) -> dict:
+    """The bare step loop of the config in ``config_json`` (run in a process of its own): its steady rate."""
+    import jax
+
+    from recovery_steps.kernel.config import parse_config
+    from trainer import compile_cache, train_state
+    from trainer import data as data_lib
+
+    cfg = parse_config(json.loads(config_json))
+    compile_cache.enable(cfg.training.compilation_cache_dir, platform=jax.devices()[0].platform, process_count=1)
+    task = cfg.task.spec().build(cfg.task_options())
+    tr = train_state.build(cfg, train_state.make_mesh(), task)
+    source = data_lib.open_source(task, cfg.data)
+    it = data_lib.make_iterator(cfg.data, source.examples, data_lib.DataPosition(cfg.data.seed, 0, 0), 0, 1)
+    state = tr.init_fn(0)
+    flags = train_state.stop_flags(tr, 0)
+
+    def batch():
+        return train_state.global_batch(tr, next(it), 1)
+
+    compiled = tr.step_fn.lower(state, batch(), flags).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    for _ in range(WARMUP_STEPS):
+        state, loss, _stop = compiled(state, batch(), flags)
+    jax.block_until_ready(loss)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, loss, _stop = compiled(state, batch(), flags)
+    float(loss)
+    elapsed = time.perf_counter() - t0
+    params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    dev = jax.devices()[0]
+    return {"rate": steps / elapsed, "flops": float((cost or {}).get("flops", 0.0)), "params": int(params),
+            "device": f"{dev.platform}:{dev.device_kind}", "kind": dev.device_kind}  # fmt: skip
+
+
+def run_bare(cfg, steps: int) -> dict:
+    """``bare_loop`` of ``cfg`` in a child process (one program at a time may hold a chip)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if cfg.slice.local_devices == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, __file__, "--bare", cfg.model_dump_json(), "--loop-steps", str(steps)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    if out.returncode != 0:
+        raise SystemExit(f"bare loop: exit {out.returncode}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_trainer(cfg, work: Path) -> dict:
+    """The trainer on ``cfg`` as a gang of one: steady steps/s after warm-up, each save's blocking_seconds, RSS."""
+    store = write_config(cfg)
+    gang = launch(cfg, 0, -1, work)
+    codes = gang.wait(900)
+    if codes != [0]:
+        raise SystemExit(f"trainer: exit codes {codes}\n{gang.log(0)[-3000:]}")
+    events = gang.events(0)
+    steps = [(e.step, e.t) for e in events if e.event == EventKind.STEP and e.step > WARMUP_STEPS]
+    (s0, t0), (s1, t1) = steps[0], steps[-1]
+    total = cfg.training.total_steps
+    commits = [e for e in events if e.event == EventKind.SAVE_COMMITTED and e.step != total]
+    saves = {e.step: e.blocking_seconds for e in commits}
+    report = read_report(store, 0, 0) or {}
+    return {"rate": (s1 - s0) / (t1 - t0), "span": (s0, s1), "elapsed": t1 - t0,
+            "blocking": [v or 0.0 for k, v in saves.items() if s0 < k < s1 and k != total],
+            "rss": report.get("peak_rss_mib") or 0.0,
+            "save_s": [e.save_seconds for e in commits if s0 < e.step < s1 and e.save_seconds is not None],
+            "parts": [e.blocking_parts or {} for e in commits if s0 < e.step < s1]}  # fmt: skip
+
+
+def bench_loop(work: Path, models: list[str], steps: int, save_every: int, accelerator: bool) -> None:
+    """Trainer vs bare loop for each model, then save every ``save_every`` vs none for the larger ones."""
+    cache = str(work / "xla-cache")
+    rows, saves = [], []
+    for name in models:
+        cfg = loop_config(str(work / f"{name}-none" / "store"), name, steps + WARMUP_STEPS, None, accelerator, cache)
+        bare = run_bare(cfg, steps)
+        none = run_trainer(cfg, work / f"{name}-none")
+        rows.append((name, cfg, bare, none))
+        print(f"measured {name}: bare {bare}, trainer {none}", flush=True)
+        if name != "tiny":
+            cfg_s = loop_config(str(work / f"{name}-save" / "store"), name, steps + WARMUP_STEPS, save_every,
+                                accelerator, cache)  # fmt: skip
+            saves.append((name, none, run_trainer(cfg_s, work / f"{name}-save")))
+            print(f"measured {name} saving every {save_every}: {saves[-1][2]}", flush=True)
+    print(f"\n## the trainer vs the bare jit step loop, a gang of one on {rows[0][2]['device']} "
+          f"({steps} steps after {WARMUP_STEPS} of warm-up; no save inside the measured span)")  # fmt: skip
+    print(f"{'model':<8} {'params':>8} {'bare st/s':>10} {'trainer st/s':>13} {'ratio':>6} {'tokens/s':>10} "
+          f"{'TFLOP/s':>8} {'MFU':>6} {'peak RSS MiB':>13}")  # fmt: skip
+    for name, cfg, bare, none in rows:
+        tokens = cfg.data.global_batch_size * cfg.model.seq_len
+        tflops = bare["flops"] * none["rate"] / 1e12
+        peak = PEAK_FLOPS.get(bare["kind"])
+        mfu = f"{tflops * 1e12 / peak:.1%}" if peak and bare["flops"] else "-"
+        print(f"{name:<8} {bare['params'] / 1e6:>7.1f}M {bare['rate']:>10.2f} {none['rate']:>13.2f} "
+              f"{none['rate'] / bare['rate']:>6.3f} {tokens * none['rate']:>10.0f} {tflops:>8.1f} {mfu:>6} "
+              f"{none['rss']:>13.0f}")  # fmt: skip
+    print("target: trainer / bare >= 0.97 on the two larger models, >= 0.90 on the tiny one; MFU >= 55% (134.6M)")
+    if not saves:
+        return
+    print(f"\n## a save every {save_every} steps vs none (asynchronous saves; measured loss per save = extra "
+          "seconds of the run with saves / saves in the span)")  # fmt: skip
+    print(f"{'model':<8} {'none st/s':>10} {'saving st/s':>12} {'kept':>6} {'saves':>6} {'lost s/save':>12} "
+          f"{'blocking_s':>11} {'reported/lost':>14}")  # fmt: skip
+    for name, none, saving in saves:
+        n = len(saving["blocking"])
+        span = saving["span"][1] - saving["span"][0]
+        lost = (saving["elapsed"] - span / none["rate"]) / n if n else float("nan")
+        reported = statistics.mean(saving["blocking"]) if n else float("nan")
+        share = reported / lost if lost > 0 else float("nan")
+        print(f"{name:<8} {none['rate']:>10.2f} {saving['rate']:>12.2f} {saving['rate'] / none['rate']:>6.3f} "
+              f"{n:>6} {lost:>12.3f} {reported:>11.3f} {share:>14.2f}")  # fmt: skip
+    print("target: kept >= 0.97 (134.6M), >= 0.95 (269M); blocking_seconds within 10% of the measured loss")
+    for name, _none, saving in saves:
+        if saving["save_s"]:
+            print(f"{name}: a save takes {statistics.median(saving['save_s']):.2f} s from its start to its commit "
+                  f"(median of {len(saving['save_s'])}); the loop's share of it, by part:")  # fmt: skip
+        if saving["parts"]:
+            print_blocking_parts(saving["parts"])
+
+
+def has_accelerator() -> bool:
+    """Whether JAX finds an accelerator here (asked in a child process, which lets the chip go when it ends)."""
+    code = "import jax; print(jax.devices()[0].platform)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return out.returncode == 0 and out.stdout.strip().splitlines()[-1:] != ["cpu"]
+
+
 def print_blocking_parts(parts: list[dict[str, float]]) -> None:
     """Median of each part of a save's blocking time (the slowest worker's save, per step)."""
     names = sorted({k for p in parts for k in p}, key=lambda k: -statistics.median(p.get(k, 0.0) for p in parts))
@@ -165,7 +330,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-repeats", type=int, default=2, help="cold/warm compilation cache pairs")
     p.add_argument("--only-checkpoints", action="store_true", help="skip the kill and compile-cache benchmarks")
     p.add_argument("--only-cache", action="store_true", help="only the compilation-cache benchmark")
+    p.add_argument("--loop", action="store_true", help="only the trainer vs bare loop and save-cost benchmark")
+    p.add_argument("--models", default="tiny,134.6M,269M", help="the --loop models, comma-separated")
+    p.add_argument("--loop-steps", type=int, default=300, help="measured steps of each --loop run")
+    p.add_argument("--save-every", type=int, default=100, help="the --loop save interval")
+    p.add_argument("--cpu", action="store_true", help="--loop on the CPU even where there is an accelerator")
+    p.add_argument("--bare", help=argparse.SUPPRESS)  # internal: the bare loop of this config JSON
     a = p.parse_args(argv)
+    if a.bare:
+        print(json.dumps(bare_loop(a.bare, a.loop_steps)))
+        return
+    if a.loop:
+        with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
+            accelerator = not a.cpu and has_accelerator()
+            bench_loop(Path(tmp), a.models.split(","), a.loop_steps, a.save_every, accelerator)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
         if a.only_cache:

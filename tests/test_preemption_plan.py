@@ -78,11 +78,13 @@ class AgedStop:
 
 
 def test_the_step_record_carries_the_age_of_the_sigterm_at_the_end_of_the_step():
-    flags = iter([0, 0, stop_flag(0.5)])
+    # A process's flag stays raised once its SIGTERM came (its age grows): read one step late, the agreement
+    # of step 3 takes effect after step 4, already dispatched with the flag.
+    flags = iter([0, 0, stop_flag(0.5), stop_flag(0.6)])
     recs = list(training_steps(AgedStop(), 0, 10, lambda: next(flags), Hooks()))
-    assert [(r.step, r.stop_agreed) for r in recs] == [(1, False), (2, False), (3, True)]
-    assert recs[0].sigterm_age_s is None and recs[1].sigterm_age_s is None
-    assert recs[2].sigterm_age_s == pytest.approx(0.5 + recs[2].seconds)
+    assert [(r.step, r.stop_agreed) for r in recs] == [(1, False), (2, False), (3, False), (4, True)]
+    assert all(r.sigterm_age_s is None for r in recs[:3])
+    assert recs[3].sigterm_age_s == pytest.approx(0.6 + recs[3].seconds)
 
 
 @pytest.mark.parametrize(

@@ -108,8 +108,12 @@ def test_gang_trains_checkpoints_and_exits_zero(reference):
         assert r["peak_rss_mib"] < 1024
 
 
+def state_digests(store: RunStore, attempt: int, n: int) -> list[str]:
+    return [read_report(store, attempt, i)["state_digest"] for i in range(n)]
+
+
 def test_sigkill_of_one_worker_then_resume_is_bit_identical(task, tmp_path):
-    make, (_, _, want) = task
+    make, (_, ref_store, want) = task
     cfg = make(str(tmp_path / "store"), run_id="killed", training={"step_delay_s": 0.05})
     store = write_config(cfg)
     n = cfg.slice.num_hosts
@@ -139,6 +143,8 @@ def test_sigkill_of_one_worker_then_resume_is_bit_identical(task, tmp_path):
     assert gang.wait(240) == [0] * n, gang.log(0)[-3000:]
     assert [e.step for e in gang.events(1) if e.event == EventKind.RESTORED] == [restore]
     assert digests(store, 1, n) == {want}
+    # The whole state, optimizer state included, shard by shard: as the uninterrupted run's.
+    assert state_digests(store, 1, n) == state_digests(ref_store, 0, n) and None not in state_digests(store, 1, n)
 
 
 def test_sigkill_during_async_save_leaves_no_committed_step(tmp_path):

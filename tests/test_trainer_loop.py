@@ -71,8 +71,67 @@ def test_training_steps_ends_after_the_agreed_stop_and_passes_the_request():
     for rec in training_steps(fake, 0, 10, lambda: requested["now"], Hooks()):
         recs.append(rec)
         requested["now"] = rec.step >= 2
+    # Step 4 was dispatched (with the request raised after step 2's hooks) before step 3's agreement was read:
+    # it carries the agreement too, and training stops after it.
+    assert [(r.step, r.stop_agreed) for r in recs] == [(1, False), (2, False), (3, False), (4, True)]
+    assert fake.requests == [False, False, False, True]
+
+
+def test_a_stop_read_at_a_held_step_ends_training_there():
+    hooks = Hooks()
+    hooks.hold(lambda step: step == 3)
+    recs = list(training_steps(FakeStep(0, stop_at=3), 0, 10, lambda: False, hooks))
     assert [(r.step, r.stop_agreed) for r in recs] == [(1, False), (2, False), (3, True)]
-    assert fake.requests == [False, False, True]
+
+
+class Deferred:
+    """A step result read later, as a device array is: reading it is logged."""
+
+    def __init__(self, log: list[str], name: str, value: float):
+        self.log, self.name, self.value = log, name, value
+
+    def __float__(self) -> float:
+        self.log.append(f"read {self.name}")
+        return float(self.value)
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+
+def test_the_next_step_is_dispatched_before_this_one_is_read_except_where_a_hook_holds_it():
+    log: list[str] = []
+    steps = iter(range(1, 100))
+
+    def run_step(flag: int):
+        n = next(steps)
+        log.append(f"dispatch {n}")
+        return Deferred(log, str(n), 1.0 / n), 0
+
+    hooks = Hooks()
+    hooks.hold(lambda step: step == 3)  # a hook reads the state step 3 produced
+    for rec in training_steps(run_step, 0, 5, lambda: 0, hooks):
+        log.append(f"hooks {rec.step}")
+    assert log == [
+        "dispatch 1",
+        "dispatch 2", "read 1", "hooks 1",
+        "dispatch 3", "read 2", "hooks 2",
+        "read 3", "hooks 3",  # held: step 4 waits for step 3's hooks
+        "dispatch 4",
+        "dispatch 5", "read 4", "hooks 4",
+        "read 5", "hooks 5",  # the last step: nothing after it
+    ]  # fmt: skip
+
+
+def test_a_fault_before_a_step_comes_after_the_hooks_of_the_step_before():
+    fault = FaultHook(parse_faults("app-bug@3"))
+    hooks = Hooks()
+    hooks.before_step(fault.before_step)
+    hooks.hold(fault.acts_before_next)
+    seen = []
+    with pytest.raises(RuntimeError, match="injected application bug in step 3"):
+        for rec in training_steps(FakeStep(0), 0, 10, lambda: False, hooks):
+            seen.append(rec.step)
+    assert seen == [1, 2]
 
 
 def test_nothing_runs_when_the_restored_step_is_the_last():
@@ -207,3 +266,18 @@ def test_a_wait_shorter_than_an_interval_costs_no_write_and_a_failed_clear_force
     beat.on_step(StepRecord(21, 0.5, finished_at=first.at + 1))  # within the interval, yet written
     got = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)
     assert refused and (got.step, got.saving) == (21, None), got
+
+
+def test_a_save_longer_than_its_interval_is_said_once_with_the_interval_that_fits(tmp_path, caplog):
+    store, hook, watchdog, during = _save_hooks(tmp_path, done=True)
+    hook.started = (10, time.time() - 2.0)  # step 10's save started 2 s (10 steps of 0.2 s) before step 20
+    hook.ckpt.pending.done = concurrent.futures.Future()  # ... and is still running when step 20 is due
+    hook.ckpt.last_duration = 5.0
+    with caplog.at_level("WARNING", logger="trainer.hooks"):
+        hook.on_step(StepRecord(20, 0.5))
+        hook.on_step(StepRecord(30, 0.5))  # late again: not said twice
+    said = [r.getMessage() for r in caplog.records if "checkpoint.interval_steps" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "the save of step 10 took 5.0 s, longer than the 10 steps after it" in said[0]
+    assert "An interval of at least 25 steps fits" in said[0] or "at least 26 steps" in said[0], said[0]
+    assert hook.ckpt.saved == [20, 30]

@@ -25,7 +25,7 @@ from trainer.decisions import (
     topology_problems,
     watchdog_limit,
 )
-from trainer.lifecycle import wait_for_listener
+from trainer.lifecycle import _lock_held, wait_for_chips, wait_for_listener
 from trainer.telemetry import WorkerMetrics
 
 
@@ -165,6 +165,12 @@ class JaxRuntimeError(RuntimeError):
         (RuntimeError("DEADLINE_EXCEEDED: Barrier timed out"), False, ExitCode.PEER_LOST),
         (ValueError("shapes do not match"), False, ExitCode.APPLICATION),
         (JaxRuntimeError("INTERNAL: unable to initialize backend"), True, ExitCode.ACCELERATOR_INIT),
+        # Another program still holds the chips (libtpu 0.0.42's words): it lets them go when it ends.
+        (
+            JaxRuntimeError('ABORTED: Internal error when accessing libtpu multi-process lockfile. Run "$ sudo lsof'),
+            True,
+            ExitCode.TRANSIENT,
+        ),
         (TrainerExit(ExitCode.INCOMPATIBLE_CHECKPOINT, "x"), False, ExitCode.INCOMPATIBLE_CHECKPOINT),
         (TrainerExit(ExitCode.CONFIGURATION, "x"), True, ExitCode.CONFIGURATION),
     ],
@@ -422,3 +428,53 @@ def test_worker_without_bucket_metadata_rights_exits_2_before_joining_the_gang(g
         assert "lacks storage.buckets.get" in report["exception_message"]
         lines = [ln for ln in gang.log(i).splitlines() if "exiting with 2" in ln]
         assert len(lines) == 1 and "roles/storage.legacyBucketReader" in lines[0] and "Traceback" not in gang.log(i)
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+if sys.argv[2] == "flock":
+    fcntl.flock(fd, fcntl.LOCK_EX)
+else:
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def _holder(path, kind: str, seconds: float):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", HOLD_LOCK, str(path), kind, str(seconds)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+@pytest.mark.parametrize("kind", ["flock", "lockf"])
+def test_chips_another_program_holds_are_waited_for_then_taken(tmp_path, kind):
+    lock = tmp_path / "libtpu_lockfile"
+    assert not _lock_held(str(lock))  # no lock file: nothing holds the chips
+    lock.touch()
+    assert not _lock_held(str(lock)) and wait_for_chips(5, str(lock)) == 0.0  # a file nobody locks: stale
+    holder = _holder(lock, kind, 1.0)
+    try:
+        assert _lock_held(str(lock))
+        waited = wait_for_chips(30, str(lock), poll_s=0.05)
+        assert 0 < waited < 30 and holder.wait(5) == 0
+    finally:
+        holder.kill()
+
+
+def test_chips_held_past_the_bound_end_the_worker_as_transient_saying_why(tmp_path):
+    lock = tmp_path / "libtpu_lockfile"
+    holder = _holder(lock, "flock", 60)
+    try:
+        with pytest.raises(TrainerExit) as e:
+            wait_for_chips(0.3, str(lock), poll_s=0.05)
+    finally:
+        holder.kill()
+        holder.wait(5)
+    assert e.value.code == ExitCode.TRANSIENT
+    assert "still held by another program" in str(e.value) and str(lock) in str(e.value)

@@ -52,7 +52,14 @@ from trainer.hooks import (
     SaveOptions,
     check_finite_loss,
 )
-from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler, native_crash, wait_for_listener
+from trainer.lifecycle import (
+    ExitPath,
+    Watchdog,
+    install_abort_handler,
+    native_crash,
+    wait_for_chips,
+    wait_for_listener,
+)
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
 from trainer.preemption import PeerLossNotice, PreemptionAgreement, distributed_client
 from trainer.telemetry import Events, WorkerMetrics, cpu_seconds
@@ -309,6 +316,11 @@ class Worker:
                 process_id=ident.process_id,
                 cluster_detection_method="deactivate",
             )
+        if not (cfg.slice.is_local and cfg.slice.local_devices == "cpu"):
+            # TPU chips an earlier program on this host still holds: wait (bounded) rather than fail in libtpu.
+            waited = wait_for_chips()
+            if waited > 0:
+                log.info("waited %.1f s for another program to let this host's TPU chips go", waited)
         self._abort_handler = install_abort_handler(self.exit.on_abort)
         # SIGTERM is ours: the stop flag folded into each step makes every process save the same step.
         # JAX's preemption service would install its own SIGTERM handler over it.
@@ -668,6 +680,8 @@ def _hooks(
     saving = CheckpointHook(ckpt, stepper, options, observers, agreement=agreement)
     hooks = Hooks()
     hooks.before_step(fault.before_step)
+    hooks.hold(fault.acts_before_next)
+    hooks.hold(saving.due)
     hooks.add(fault.on_step)
     hooks.add(check_finite_loss)
     hooks.add(ProgressHook(w.report, w.watchdog, cache).on_step)
@@ -784,7 +798,9 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     if tier is not None:
         _watch_local_tier(w, tier)
         snapshot = _snapshot_fn(tr.abstract_state).lower(tr.abstract_state).compile()
-        hooks.add(LocalSaveHook(tier, stepper, snapshot, t.total_steps).on_step)
+        local = LocalSaveHook(tier, stepper, snapshot, t.total_steps)
+        hooks.add(local.on_step)
+        hooks.hold(local.due)
     last = StepRecord(start)
     for last in training_steps(stepper, start, t.total_steps, w.stop_flag, hooks):
         hooks.run(last)
@@ -839,6 +855,7 @@ def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord, *, abandon
     code = ExitCode.PREEMPTED if last.stop_agreed else ExitCode.OK
     if code == ExitCode.OK:
         w.report.params_digest = train_state.params_digest(stepper.state["params"])
+        w.report.state_digest = train_state.local_state_digest(stepper.state)
         log.info("step %d reached; params digest %s", last.step, w.report.params_digest[:16])
     w.exit.write_report(code)
     if not abandoned:

@@ -161,16 +161,25 @@ def parse_faults(text: str | None) -> Faults:
     return Faults(at)
 
 
+# What libtpu says when another program holds this host's TPU chips (its lock file); the holder lets them go
+# when it ends, so a start-up that meets it is transient, not a broken accelerator.
+LIBTPU_HELD_MARKERS = ("libtpu multi-process lockfile", "tpu in use", "the tpu is already in use")
+
+
 def exit_code_for(exc: BaseException, *, during_init: bool = False) -> ExitCode:
-    """The contract code of an exception: decided exits keep theirs; init 22; peer loss 20; else 42."""
+    """The contract code of an exception: decided exits keep theirs; at start-up 69 (chips held) or 22; 20; 42.
+
+    At start-up, chips another program holds are transient (69) and any other failure is the accelerator's (22);
+    later, a lost peer is 20 and anything else the application's (42).
+    """
     if isinstance(exc, TrainerExit):
         return exc.code
-    if during_init:
-        return ExitCode.ACCELERATOR_INIT
     text = f"{type(exc).__name__}: {exc}".lower()
     cause = exc.__cause__ or exc.__context__
     if cause is not None:
         text += f" {type(cause).__name__}: {cause}".lower()
+    if during_init:
+        return ExitCode.TRANSIENT if any(m in text for m in LIBTPU_HELD_MARKERS) else ExitCode.ACCELERATOR_INIT
     if any(m in text for m in PEER_LOSS_MARKERS):
         return ExitCode.PEER_LOST
     return ExitCode.APPLICATION

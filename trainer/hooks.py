@@ -53,6 +53,10 @@ class FaultHook:
         if step > 0 and self.faults.due("native-crash", step):
             native_crash()
 
+    def acts_before_next(self, step: int) -> bool:
+        """Whether ``before_step`` acts before the step after ``step`` (which then is not run ahead)."""
+        return any(self.faults.due(kind, step + 1) for kind in ("hang", "app-bug", "native-crash"))
+
     def on_step(self, rec: StepRecord) -> None:
         """``nan``: the loss of that step is reported non-finite."""
         if self.faults.due("nan", rec.step):
@@ -307,6 +311,19 @@ class CheckpointHook:
         self.estimate_s = options.estimate_s
         self.abandoned = False  # a SIGTERM stop with no save that fits: nothing more is waited for
         self.busy = False  # saving or waiting for a commit on the training thread (no step completes meanwhile)
+        self.started: tuple[int, float] | None = None  # the step and time of the last save started
+        self.late_said = False  # a save still running when the next was due has been said (once)
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is saved without a stop (the loop runs no step ahead of its save)."""
+        decided = save_decision(
+            step,
+            interval_steps=self.interval_steps,
+            total_steps=self.total_steps,
+            stop_agreed=False,
+            last_saved=self.last_saved,
+        )
+        return decided is not SaveReason.NONE
 
     def on_step(self, rec: StepRecord) -> None:
         """Record a commit seen since the last step, then save if this step is due."""
@@ -386,7 +403,12 @@ class CheckpointHook:
             self.heartbeat.saving(None)
 
     def _save(self, step: int) -> None:
+        p = self.ckpt.pending
+        late = p is not None and p.done is not None and not p.done.done()
         self.note_commit(self.ckpt.finish_pending())
+        if late and not self.late_said:
+            self._say_late(step)
+        self.started = (step, now())
         kill = self.kill_during_save == step
         self.events.emit(EventKind.SAVE_STARTED, step)
         self.watchdog.touch()
@@ -397,6 +419,22 @@ class CheckpointHook:
         if kill:  # once orbax's writes are in flight, before they are committed
             self.ckpt.wait_until_writing()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _say_late(self, step: int) -> None:
+        """Say, once, that a save outlasts the interval between saves, and the interval that would fit."""
+        duration = self.ckpt.last_duration
+        if self.started is None or duration is None:
+            return
+        prev, at = self.started
+        per_step = (now() - at) / max(1, step - prev)
+        fits = math.ceil(duration / per_step) if per_step > 0 else None
+        self.late_said = True
+        log.warning(
+            "checkpoint.interval_steps %d: the save of step %d took %.1f s, longer than the %d steps after it "
+            "(%.3f s each); the loop waited for it before saving step %d. An interval of at least %s steps fits "
+            "a save this long",
+            self.interval_steps, prev, duration, step - prev, per_step, step, fits if fits is not None else "more",
+        )  # fmt: skip
 
     def finish(self) -> None:
         """Wait for the save in flight to commit with its manifest, and record it."""
@@ -442,6 +480,10 @@ class LocalSaveHook:
 
     def __init__(self, tier: Any, stepper: Stepper, snapshot: Any, total_steps: int):
         self.tier, self.stepper, self.snapshot, self.total_steps = tier, stepper, snapshot, total_steps
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is saved locally (the loop runs no step ahead of its save)."""
+        return step < self.total_steps and self.tier.due(step)
 
     def on_step(self, rec: StepRecord) -> None:
         """Start a local save when ``rec.step`` is due (not the last step: the final GCS save covers it)."""

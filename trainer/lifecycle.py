@@ -16,10 +16,68 @@ from typing import Any, NoReturn
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import EventKind, WorkerExitReport, now
 from recovery_steps.kernel.store import RunLayout, RunStore
-from trainer.decisions import watchdog_limit
+from trainer.decisions import TrainerExit, watchdog_limit
 from trainer.telemetry import Events
 
 log = logging.getLogger("trainer")
+
+
+# libtpu's lock on the TPU chips of a host: one program at a time holds them. A second program fails within
+# about 2 s with "Internal error when accessing libtpu multi-process lockfile" (no fallback to the CPU); the holder
+# releases them when it ends (measured on a v5e host: 4.6 s after its SIGKILL, bench/bench_tpu_release.py).
+LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
+# How long a worker waits for an earlier program to let the chips go: a killed worker's release takes seconds, and
+# the kubelet starts the next pod after the old one ended; a lock held past this is another program or a stuck one.
+CHIP_WAIT_S = 60.0
+
+
+def _lock_held(path: str) -> bool:
+    """Whether another process holds a lock on ``path`` (a BSD ``flock`` or a POSIX record lock: either counts)."""
+    import errno
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # no lock file: nothing holds the chips
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while another holds it exclusively
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return True
+            raise
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def wait_for_chips(timeout_s: float = CHIP_WAIT_S, path: str = LIBTPU_LOCKFILE, poll_s: float = 0.25) -> float:
+    """Wait until no other program holds this host's TPU chips (libtpu's lock); return the seconds waited.
+
+    Raises ``TrainerExit(TRANSIENT)`` when they are still held after ``timeout_s``: the attempt is retried without
+    charging a class, and the message says what held it.
+    """
+    if not _lock_held(path):
+        return 0.0
+    start = time.monotonic()
+    while _lock_held(path):
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            raise TrainerExit(
+                ExitCode.TRANSIENT,
+                f"the TPU chips of this host are still held by another program after {waited:.0f} s (libtpu's lock "
+                f"{path}); an earlier worker that has not ended yet, or another program on the host "
+                "(find it with: lsof -w /dev/accel* /dev/vfio/*)",
+            )
+        time.sleep(poll_s)
+    return time.monotonic() - start
 
 
 def wait_for_listener(address: str, timeout_s: float, poll_s: float = 0.02) -> float | None:

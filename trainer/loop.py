@@ -1,8 +1,14 @@
 """The training loop: run steps, yield one record per step; everything else subscribes as a hook.
 
 The loop knows nothing of checkpoints, metrics, events or faults. ``training_steps`` yields a
-``StepRecord`` after each step; ``Hooks`` runs the subscribers on it, each at its own frequency,
-before the next step starts (so a hook may read the state the step produced).
+``StepRecord`` after each step; ``Hooks`` runs the subscribers on it, each at its own frequency.
+
+The host never waits for the device between two steps: step n+1 is dispatched before step n's loss and stop
+flag are read, so the accelerator has the next step queued while the host runs step n's hooks (JAX dispatches
+asynchronously; reading a result is what waits). A hook that reads the state step n produced (a save) says so
+with ``Hooks.hold``: at such a step, and at the last one, the next step is dispatched only after the hooks ran.
+A stop is agreed inside a step; read one step late, it takes effect after the step already in flight, which
+carries the same agreement (a process's stop flag stays set once raised).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class Hooks:
     def __init__(self) -> None:
         self._before: list[Callable[[int], None]] = []
         self._after: list[tuple[Hook, int]] = []
+        self._holds: list[Callable[[int], bool]] = []
 
     def before_step(self, fn: Callable[[int], None]) -> None:
         """Run ``fn(step)`` before each step is started (``step``: the number it will have)."""
@@ -56,6 +63,18 @@ class Hooks:
         if every < 1:
             raise ValueError(f"every: {every} is not a positive number of steps")
         self._after.append((fn, every))
+
+    def hold(self, fn: Callable[[int], bool]) -> None:
+        """Run no step ahead of the hooks of each step ``s`` where ``fn(s)``.
+
+        Such hooks read the state ``s`` produced (donated to the next step once it runs), or a before-step hook
+        acts at ``s + 1``.
+        """
+        self._holds.append(fn)
+
+    def holds(self, step: int) -> bool:
+        """Whether the step after ``step`` waits for the hooks of ``step``."""
+        return any(fn(step) for fn in self._holds)
 
     def run_before(self, step: int) -> None:
         """Run the before-step hooks for the step about to start."""
@@ -84,11 +103,11 @@ class Stepper:
         self.compiled = compiled
         self._checked = False
 
-    def __call__(self, stop_requested: int) -> tuple[float, int]:
-        """Run one step on the next global batch; return its loss and the reduced stop flag (0: no stop).
+    def __call__(self, stop_requested: int) -> tuple[Any, Any]:
+        """Dispatch one step on the next global batch; return its loss and the reduced stop flag (0: no stop).
 
-        ``stop_requested`` is this process's flag (``decisions.stop_flag``); the step returns the max
-        over every process.
+        Both are device arrays, not yet read: ``float`` and ``int`` of them wait for the step. ``stop_requested``
+        is this process's flag (``decisions.stop_flag``); the step returns the max over every process.
         """
         from trainer import train_state
 
@@ -109,11 +128,11 @@ class Stepper:
                 out = self.compiled(self.state, batch, flags)
             self._checked = True
         self.state, loss, stop = out
-        return float(loss), int(stop)
+        return loss, stop
 
 
 def training_steps(
-    run_step: Callable[[int], tuple[float, int]],
+    run_step: Callable[[int], tuple[Any, Any]],
     start_step: int,
     total_steps: int,
     stop_requested: Callable[[], int],
@@ -121,27 +140,44 @@ def training_steps(
 ) -> Iterator[StepRecord]:
     """Run steps ``start_step + 1 .. total_steps`` (or until a stop is agreed), yielding each one's record.
 
-    The caller runs ``hooks.run(record)`` on each record; the before-step hooks run here. A stop flag is
-    0 (no stop) or 1 + milliseconds since SIGTERM when the step was started (``decisions.stop_flag``); a
-    bool counts as a flag of age 0.
+    ``run_step(flag)`` dispatches a step and returns its loss and reduced stop flag, read here with ``float``
+    and ``int`` (device arrays or plain numbers). The caller runs ``hooks.run(record)`` on each record; the
+    before-step hooks run here, before each step is dispatched. Step n+1 is dispatched before step n's results
+    are read unless ``hooks.holds(n)``. A stop flag is 0 (no stop) or 1 + milliseconds since SIGTERM when the
+    step was dispatched (``decisions.stop_flag``); a bool counts as a flag of age 0.
     """
-    step = start_step
-    while step < total_steps:
-        hooks.run_before(step + 1)
+
+    def dispatch(step: int) -> tuple[int, float, Any, Any]:
+        hooks.run_before(step)
         t0 = now()
         loss, stop = run_step(stop_requested())
-        step += 1
+        return step, t0, loss, stop
+
+    if start_step >= total_steps:
+        return
+    current = dispatch(start_step + 1)
+    stopping = False  # a stop was read in the step before ``current``: it is the last
+    while True:
+        step, t0, loss, stop = current
+        ahead = None
+        if step < total_steps and not stopping and not hooks.holds(step):
+            ahead = dispatch(step + 1)
+        loss_v, stop_v = float(loss), int(stop)
         t1 = now()
-        age = sigterm_age(int(stop))
+        # Agreed in ``step`` with a step already in flight: that one carries the agreement and is the last.
+        agreed = bool(stop_v) and ahead is None
+        age = sigterm_age(stop_v) if agreed else None
         yield StepRecord(
             step,
-            loss,
+            loss_v,
             t0,
             t1,
             first=step == start_step + 1,
-            stop_agreed=bool(stop),
+            stop_agreed=agreed,
             sigterm_age_s=None if age is None else age + (t1 - t0),
             last=step >= total_steps,
         )
-        if stop:
+        if agreed or (ahead is None and step >= total_steps):
             return
+        stopping = bool(stop_v)
+        current = ahead if ahead is not None else dispatch(step + 1)

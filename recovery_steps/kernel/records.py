@@ -110,6 +110,11 @@ class WorkerExitReport(_Record):
     params_digest: str | None = Field(
         default=None, description="sha256 of the final parameters (exit 0): resumes compare it."
     )
+    state_digest: str | None = Field(
+        default=None,
+        description="sha256 of this process's shards of the whole final state: parameters, optimizer state, step, "
+        "RNG, data position (exit 0). Equal between runs of one sharding when the states are identical.",
+    )
     preemption_save: PreemptionSave = Field(
         default=PreemptionSave.NONE,
         description="After a SIGTERM stop: saved, in-flight-only, skipped (no save fitted the window) or none.",

@@ -61,6 +61,7 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
             "test_trainer_loop",
             "test_trainer_records",
             "test_trainer_units",
+            "test_tpu",
             "test_peer_notice",
             "test_preemption_plan",
             "test_e2e_tasks",

@@ -223,7 +223,8 @@ def gang_env(port: int, index: int, n: int, events_dir: Path) -> dict[str, str]:
         "TRAINER_NUM_PROCESSES": str(n),
         "TRAINER_EVENTS_DIR": str(events_dir),
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(REPO),
+        # The repository first, then whatever the machine's Python needs (where its JAX may live).
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     }
 
 
@@ -239,12 +240,14 @@ def launch(
 ) -> Gang:
     """Start ``cfg.slice.hosts`` workers of ``attempt`` the way the local runner does."""
     n = cfg.slice.num_hosts
-    port = free_port()
+    port = free_port() if n > 1 else 0  # a gang of one joins no coordinator (and may run where no port binds)
     events_dir = workdir / f"events-{attempt}"
     events_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for i in range(n):
         env = {**gang_env(port, i, n, events_dir), **(extra_env or {})}
+        if cfg.slice.local_devices == "accelerator":
+            env.pop("JAX_PLATFORMS", None)  # the machine's own chips
         env.pop("TRAINER_FAULT", None)
         if fault:
             env["TRAINER_FAULT"] = fault
