@@ -731,7 +731,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
 
     from trainer import data as data_lib
     from trainer import train_state
-    from trainer.checkpointing import Checkpointer, DataIdentity, _snapshot_fn
+    from trainer.checkpointing import Checkpointer, DataIdentity
 
     assert w.watchdog is not None
     t = cfg.training
@@ -796,17 +796,24 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
         m.set("jaxrec_checkpoint_step", ckpt.last_committed)
     hooks, saving = _hooks(w, training, faults, stepper, cache, manifest)
     if tier is not None:
-        _watch_local_tier(w, tier)
-        snapshot = _snapshot_fn(tr.abstract_state).lower(tr.abstract_state).compile()
-        local = LocalSaveHook(tier, stepper, snapshot, t.total_steps)
-        hooks.add(local.on_step)
-        hooks.hold(local.due)
+        _add_local_saves(w, hooks, tier, stepper, tr.abstract_state, t.total_steps)
     last = StepRecord(start)
     for last in training_steps(stepper, start, t.total_steps, w.stop_flag, hooks):
         hooks.run(last)
     if not saving.abandoned:
         saving.finish()
     _finish(w, stepper, ckpt, last, abandoned=saving.abandoned)
+
+
+def _add_local_saves(w: Worker, hooks: Hooks, tier: Any, stepper: Stepper, abstract_state: Any, total: int) -> None:
+    """Save to the hosts' disks at the local tier's interval (the loop holds at those steps), watched."""
+    from trainer.checkpointing import _snapshot_fn
+
+    _watch_local_tier(w, tier)
+    snapshot = _snapshot_fn(abstract_state).lower(abstract_state).compile()
+    local = LocalSaveHook(tier, stepper, snapshot, total)
+    hooks.add(local.on_step)
+    hooks.hold(local.due)
 
 
 def _open_local_tier(w: Worker, cfg: JobConfig, mesh_shape: dict[str, int], dataset_version: str) -> Any:
