@@ -405,9 +405,10 @@ class CheckpointHook:
     def _save(self, step: int) -> None:
         p = self.ckpt.pending
         late = p is not None and p.done is not None and not p.done.done()
+        due_at = now()  # the steps' pace is measured up to here, not through the wait that follows
         self.note_commit(self.ckpt.finish_pending())
         if late and not self.late_said:
-            self._say_late(step)
+            self._say_late(step, due_at)
         self.started = (step, now())
         kill = self.kill_during_save == step
         self.events.emit(EventKind.SAVE_STARTED, step)
@@ -420,13 +421,13 @@ class CheckpointHook:
             self.ckpt.wait_until_writing()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _say_late(self, step: int) -> None:
+    def _say_late(self, step: int, due_at: float) -> None:
         """Say, once, that a save outlasts the interval between saves, and the interval that would fit."""
         duration = self.ckpt.last_duration
         if self.started is None or duration is None:
             return
         prev, at = self.started
-        per_step = (now() - at) / max(1, step - prev)
+        per_step = (due_at - at) / max(1, step - prev)
         fits = math.ceil(duration / per_step) if per_step > 0 else None
         self.late_said = True
         log.warning(
