@@ -180,6 +180,7 @@ there becomes its terminated state's ``message`` (the kubelet keeps its last 409
 failed node's message in its UI (workflow/controller/operator.go ``inferFailedReason``, v4.0.5)."""
 
 TERMINATION_LOG_ENV = "TRAINER_TERMINATION_LOG"
-"""A worker's terminationMessagePath when not the kubelet's /dev/termination-log (the local slice gives each worker
-its own file, as the kubelet gives each container its own); ``trainer.__main__`` writes a fatal signal's stacks
-there and the local slice reads it back as the container's termination message."""
+"""A container's terminationMessagePath when not the kubelet's /dev/termination-log (the local slice gives each worker
+its own file, as the kubelet gives each container its own, and so does the tier's process kubelet to every pod);
+``trainer.__main__`` writes a fatal signal's stacks there, a failed step its one-line reason (``step.say_why``), and
+what runs the container reads it back as the container's termination message."""

@@ -54,12 +54,19 @@ node as it came, except one asking for ``v5.channel.k8s.io`` (``kubectl exec``'s
 unless the node declares ``ExtendWebSocketsToKubelet`` in ``status.declaredFeatures``. The Python client asks for
 ``v4.channel.k8s.io``; podexec's nodes declare the feature, so a v5 request reaches podexec as a WebSocket too.
 podexec speaks those two (binary messages, the first byte the channel: 1 stdout, 2 stderr, 3 the exit status as
-``metav1.Status``) and nothing else: no SPDY, no stdin, no TTY, no attach, port-forward or logs. The command runs
+``metav1.Status``) and nothing else: no SPDY, no stdin, no TTY, no attach or port-forward. The command runs
 with ``nsenter`` in the main process's PID and mount namespaces and working directory, with the container's
 environment. The API server verifies podexec's serving certificate (``--kubelet-certificate-authority``: without
 it, it verifies none, ``pkg/kubelet/client/kubelet_client.go``) and presents ``--kubelet-client-certificate``;
 podexec requires a client certificate from the tier's CA (``--client-ca-file``), as the kubelet's x509
 authentication does, but asks the API server no SubjectAccessReview: any client the CA signed may exec.
+
+The same endpoint serves the kubelet's ``/containerLogs/{namespace}/{pod}/{container}`` (what ``kubectl logs``,
+``argo logs`` and the Argo UI's log pane read through the API server): the main container's output (stdout and
+stderr together), each line kept with the time it was written, as a container runtime keeps it (RFC 3339 with
+nanoseconds, sent first on each line with ``timestamps=true``); ``tailLines``, ``sinceSeconds``/``sinceTime``,
+``limitBytes``, and ``follow`` until the container ended. The logs go with the pod, as on a node. Argo's other
+containers (``init``, ``wait``) run no process here: their logs are empty.
 
 Run as ``python podexec.py --kubeconfig K --node N [--node N2 ...] [--label K=V ...] --root DIR
 [--tls-cert-file C --tls-private-key-file K --client-ca-file CA]``.
@@ -85,6 +92,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("podexec")
+TERMINATION_LOG_ENV = "TRAINER_TERMINATION_LOG"  # recovery_steps.kernel.names: a container's message file
 
 ARGO = ("argoproj.io", "v1alpha1")
 WAIT, MAIN = "wait", "main"
@@ -233,16 +241,25 @@ def argo_env(pod: dict[str, Any]) -> dict[str, str]:
 
 # pkg/kubelet/container/runtime.go (v1.36.3): the most of a log the kubelet makes a termination message of.
 TERMINATION_LOG_LINES, TERMINATION_LOG_BYTES = 80, 2048
+TERMINATION_MESSAGE_BYTES = 4096  # what the kubelet keeps of the file (pkg/kubelet/container/runtime.go, v1.36.3)
 
 
-def termination_message(container: dict[str, Any], log: Path, code: int) -> str:
+def termination_message(container: dict[str, Any], log: Path, code: int, message_file: Path | None = None) -> str:
     """The terminated state's ``message`` the kubelet gives a container that exited ``code``.
 
-    ``terminationMessagePolicy: FallbackToLogsOnError`` and a non-zero exit: the last 80 lines of its log, at most
-    2048 bytes (pkg/kubelet/kuberuntime/kuberuntime_container.go, v1.36.3). The file at ``terminationMessagePath``
-    comes first there; no process here has one (the kubelet bind-mounts a file of its own at /dev/termination-log,
-    which podexec cannot without a /dev of the pod's own), so the fallback is what a pod here reports.
+    What the container wrote to its termination-message file first (its last 4096 bytes); else, with
+    ``terminationMessagePolicy: FallbackToLogsOnError`` and a non-zero exit, the last 80 lines of its log, at most
+    2048 bytes (pkg/kubelet/kuberuntime/kuberuntime_container.go, v1.36.3). The kubelet bind-mounts that file at
+    ``terminationMessagePath`` (/dev/termination-log), which podexec cannot without a /dev of the pod's own: it makes
+    the file in the pod's folder and names it in ``TRAINER_TERMINATION_LOG``, the variable the project's programs
+    read that path from when it is not the kubelet's.
     """
+    try:
+        written = message_file.read_bytes() if message_file is not None else b""
+    except OSError:
+        written = b""
+    if written:
+        return written[-TERMINATION_MESSAGE_BYTES:].decode(errors="replace")
     if code == 0 or container.get("terminationMessagePolicy") != "FallbackToLogsOnError":
         return ""
     try:
@@ -396,6 +413,7 @@ class PodRun:
     env: dict[str, str] = field(default_factory=dict)  # its environment (an exec gets it too)
     deleting: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    log_closed: threading.Event = field(default_factory=threading.Event)  # the container's output ended
 
     @property
     def ns(self) -> str:
@@ -457,7 +475,7 @@ class PodRun:
                 log.warning("%s: outputs not reported (%s): the wait container fails", self.name, first_line(e))
                 error = error or f"failed to report the outputs: {first_line(e)}"
         wait_code = 1 if error else 0
-        message = termination_message(main, self.root / "main.log", code)
+        message = termination_message(main, self.root / "main.log", code, self.root / "termination-log")
         retrying(
             f"{self.name}: status",
             lambda: self.kubelet.report_terminated(
@@ -470,6 +488,8 @@ class PodRun:
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
         env.update(self.kubelet.service_env())
         env.update(container_env(self.pod, main))
+        (self.root / "termination-log").touch()  # as the kubelet makes the file before the container starts
+        env[TERMINATION_LOG_ENV] = str(self.root / "termination-log")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
         binds = []
         for d in [*mount_points(template), *([secrets] if secrets else [])]:
@@ -479,19 +499,21 @@ class PodRun:
         script = " && ".join([*binds, 'exec "$@"'])
         argv, extra = container_argv(self.pod, ["sh", "-c", script, "step", *main_command(main)])
         self.env = env
-        with (self.root / "main.log").open("ab") as out:
-            if self.deleting.is_set():
-                return 143
-            self.proc = subprocess.Popen(
-                argv,
-                env={**env, **extra},
-                cwd=self.root,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=pdeathsig,
-            )
+        if self.deleting.is_set():
+            self.log_closed.set()
+            return 143
+        self.proc = subprocess.Popen(
+            argv,
+            env={**env, **extra},
+            cwd=self.root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=pdeathsig,
+        )
+        pump = threading.Thread(target=self._pump_log, args=(self.proc.stdout,), name=f"log-{self.name}", daemon=True)
+        pump.start()
         self.main_pid = main_pid(self.proc.pid, container_depth(self.pod))
         (self.root / "pid").write_text(f"{self.main_pid}\n")  # the container's process (tests signal it)
         if self.deleting.is_set():  # deleted between the check above and the start: kill() found no process
@@ -501,9 +523,27 @@ class PodRun:
             "pod %s/%s: started %s (pid %d)", self.ns, self.name, " ".join(main_command(main))[:200], self.proc.pid
         )
         code = self.proc.wait()
+        pump.join(LOG_DRAIN_S)  # a process the container left behind may hold the output open: not waited on
+        self.log_closed.set()
         code = 128 - code if code < 0 else code  # killed by signal N: the runtime reports 128 + N
         log.info("pod %s/%s: exit %d", self.ns, self.name, code)
         return code
+
+    @property
+    def timed_log(self) -> Path:
+        """The container's output, one record per line: ``<epoch ns> <RFC 3339 time> <line>``."""
+        return self.root / "main.log.timed"
+
+    def _pump_log(self, pipe: Any) -> None:
+        """Keep the container's output as the runtime does: each line with the time it was written."""
+        with (self.root / "main.log").open("ab") as raw, self.timed_log.open("ab") as timed:
+            for line in iter(pipe.readline, b""):
+                ns = time.time_ns()
+                raw.write(line)
+                raw.flush()
+                timed.write(f"{ns} {rfc3339_nano(ns)} ".encode() + (line if line.endswith(b"\n") else line + b"\n"))
+                timed.flush()
+        self.log_closed.set()
 
     def kill(self, grace_s: float) -> None:
         """SIGTERM, then SIGKILL after ``grace_s`` (the kubelet's kill of a deleted pod)."""
@@ -950,6 +990,83 @@ def exec_argv(run: PodRun, command: list[str]) -> list[str]:
     return ["nsenter", "--target", str(run.main_pid), "--pid", "--mount", "--wd", "--", *command]
 
 
+# How long a finished container's output is read after its process ended (a process it left may hold it open).
+LOG_DRAIN_S = 5.0
+LOG_FOLLOW_POLL_S = 0.2
+
+
+def rfc3339_nano(ns: int) -> str:
+    """``ns`` since the epoch as the kubelet writes a log line's time: RFC 3339, nanoseconds, UTC."""
+    return datetime.fromtimestamp(ns // 1_000_000_000, UTC).strftime("%Y-%m-%dT%H:%M:%S") + f".{ns % 10**9:09d}Z"
+
+
+@dataclass(frozen=True)
+class LogOptions:
+    """The query of a ``/containerLogs`` request, as the API server passes ``PodLogOptions`` on (``LogLocation``,
+    pkg/registry/core/pod/strategy.go, kubernetes v1.36.3)."""
+
+    follow: bool = False
+    timestamps: bool = False
+    tail_lines: int | None = None
+    since_ns: int | None = None  # sinceSeconds or sinceTime, as a time
+    limit_bytes: int | None = None
+    previous: bool = False
+
+
+def log_request(path: str, query: str, now_ns: int | None = None) -> tuple[str, str, str, LogOptions]:
+    """Namespace, pod, container and options of a ``/containerLogs/{ns}/{pod}/{container}`` request.
+
+    Raises:
+        ExecRefused: Not a logs path, or an option that does not parse (400, as the kubelet answers).
+    """
+    from urllib.parse import parse_qs, unquote
+
+    parts = path.split("/")
+    if len(parts) != 5 or parts[1] != "containerLogs":
+        raise ExecRefused(404, f"{path}: not /containerLogs/<namespace>/<pod>/<container>")
+    q = {k: v[-1] for k, v in parse_qs(query).items()}
+    try:
+        since = None
+        if "sinceSeconds" in q:
+            since = (now_ns or time.time_ns()) - int(q["sinceSeconds"]) * 10**9
+        elif "sinceTime" in q:
+            since = int(datetime.fromisoformat(q["sinceTime"].replace("Z", "+00:00")).timestamp() * 10**9)
+        opts = LogOptions(
+            follow=q.get("follow") == "true",
+            timestamps=q.get("timestamps") == "true",
+            tail_lines=int(q["tailLines"]) if "tailLines" in q else None,
+            since_ns=since,
+            limit_bytes=int(q["limitBytes"]) if "limitBytes" in q else None,
+            previous=q.get("previous") == "true",
+        )
+    except ValueError as e:
+        raise ExecRefused(400, f"bad log options {query!r}: {e}") from None
+    return unquote(parts[2]), unquote(parts[3]), unquote(parts[4]), opts
+
+
+def log_records(data: bytes) -> tuple[list[tuple[int, bytes, bytes]], int]:
+    """The complete records at the start of ``data`` (a timed log from some offset): (epoch ns, RFC 3339 time, line
+    with its newline) each, and how many bytes they took (a record still being written is left for later)."""
+    out, used = [], 0
+    for rec in data.splitlines(keepends=True):
+        if not rec.endswith(b"\n"):
+            break
+        ns, stamp, line = rec.split(b" ", 2)
+        out.append((int(ns), stamp, line))
+        used += len(rec)
+    return out, used
+
+
+def select_log(records: list[tuple[int, bytes, bytes]], opts: LogOptions) -> bytes:
+    """What the kubelet sends of ``records`` for ``opts``: lines since the time, the last ``tailLines`` of them,
+    each with its time first when asked, cut at ``limitBytes``."""
+    chosen = [r for r in records if opts.since_ns is None or r[0] >= opts.since_ns]
+    if opts.tail_lines is not None:
+        chosen = chosen[-opts.tail_lines :] if opts.tail_lines > 0 else []
+    body = b"".join((stamp + b" " + line) if opts.timestamps else line for _, stamp, line in chosen)
+    return body if opts.limit_bytes is None else body[: opts.limit_bytes]
+
+
 class ExecHandler(BaseHTTPRequestHandler):
     """One exec: the WebSocket upgrade the API server passes through, the command's stdout and stderr on channels
     1 and 2, its exit status on channel 3."""
@@ -966,6 +1083,9 @@ class ExecHandler(BaseHTTPRequestHandler):
         log.info("exec: " + format, *args)
 
     def do_GET(self) -> None:  # noqa: N802 - the base class's name
+        if self.path.startswith("/containerLogs/"):
+            self._logs()
+            return
         try:
             ns, name, container, command = exec_request(*(self.path.split("?", 1) + [""])[:2])
             run = self.server.find(ns, name, container)
@@ -980,6 +1100,47 @@ class ExecHandler(BaseHTTPRequestHandler):
         self._send(ERROR, json.dumps(status, separators=(",", ":")).encode())
         self.wfile.write(ws_frame((1000).to_bytes(2, "big"), opcode=0x8))  # close: normal closure
         self.wfile.flush()
+
+    def _logs(self) -> None:
+        """A container's log as the kubelet streams it (chunked; with ``follow``, until the container ended)."""
+        try:
+            ns, name, container, opts = log_request(*(self.path.split("?", 1) + [""])[:2])
+            run = self.server.logs_of(ns, name, container, previous=opts.previous)
+        except ExecRefused as e:
+            self._refuse(e)
+            return
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        sent, offset, first = 0, 0, True
+        try:
+            while True:
+                closed = run is None or run.log_closed.is_set()  # before the read: nothing written after is lost
+                data = b""
+                if run is not None and run.timed_log.exists():
+                    with run.timed_log.open("rb") as f:
+                        f.seek(offset)
+                        data = f.read()
+                records, used = log_records(data)
+                offset += used
+                chunk = select_log(records, opts if first else LogOptions(timestamps=opts.timestamps))
+                first = False
+                if opts.limit_bytes is not None:
+                    chunk = chunk[: max(0, opts.limit_bytes - sent)]
+                if chunk:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                    sent += len(chunk)
+                limited = opts.limit_bytes is not None and sent >= opts.limit_bytes
+                if not opts.follow or closed or limited:
+                    break
+                time.sleep(LOG_FOLLOW_POLL_S)
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
+            pass  # the reader went away (a follow that was stopped)
 
     def _refuse(self, e: ExecRefused) -> None:
         body = f"{e}\n".encode()
@@ -1043,7 +1204,8 @@ class ExecServer(ThreadingHTTPServer):
     """The kubelet API's exec endpoint of every node podexec runs, on one HTTPS port of 127.0.0.1. Like the
     kubelet, it requires a client certificate from the cluster's CA (``--client-ca-file``: x509 authentication
     of the API server's ``--kubelet-client-certificate``); unlike it, it asks no SubjectAccessReview of the API
-    server (any client the CA signed may exec). Only exec is served: no attach, port-forward, logs or stats."""
+    server (any client the CA signed may exec). Exec and container logs are served: no attach, port-forward or
+    stats."""
 
     daemon_threads = True
 
@@ -1059,6 +1221,25 @@ class ExecServer(ThreadingHTTPServer):
     @property
     def port(self) -> int:
         return self.server_address[1]
+
+    def logs_of(self, ns: str, name: str, container: str, *, previous: bool = False) -> PodRun | None:
+        """The run whose log a ``/containerLogs`` request reads; None for a container of the pod podexec does not
+        run (Argo's ``init`` and ``wait``: nothing is written there).
+
+        Raises:
+            ExecRefused: No such pod or container, or ``previous`` (no container restarts here).
+        """
+        runs = [r for k in self.kubelets for r in list(k.runs.values()) if (r.ns, r.name) == (ns, name)]
+        run = min(runs, key=lambda r: r.done.is_set(), default=None)
+        if run is None:
+            raise ExecRefused(404, f"pod {ns}/{name} is not on this node")
+        spec = run.pod["spec"]
+        names = [c["name"] for c in (spec.get("initContainers") or []) + spec["containers"]]
+        if container not in names:
+            raise ExecRefused(400, f"container {container} is not valid for pod {name}")
+        if previous:
+            raise ExecRefused(400, f"previous terminated container {container} in pod {name} not found")
+        return run if container == main_container(run.pod)["name"] else None
 
     def find(self, ns: str, name: str, container: str) -> PodRun:
         """The pod's run, its main container started and not ended.

@@ -154,7 +154,7 @@ def test_drill_kill_worker_real_trainers(trainer_drill, chaos_uninterrupted):
     killed = next(w for w in d.supervision(0).workers if w.pod == victim)
     assert "137" in killed.last_state, d.supervision(0).workers
     # The Argo UI says why: the failed segment's node message carries the supervisor's line (its container's
-    # termination message, from its log's tail under FallbackToLogsOnError: podexec has no /dev/termination-log).
+    # termination message, the file podexec gives each container as the kubelet does).
     nodes = drill.Cluster(d.rc.admin, d.target.namespace).workflow(res.workflow)["status"]["nodes"].values()
     failed = [n.get("message") or "" for n in nodes if n.get("templateName") == "train-segment" and n["type"] == "Pod"]
     assert any("main: Error (exit code 1): " in m and "failed (exit code 137, SIGKILL)" in m for m in failed), failed

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from datetime import datetime
 
 import pytest
 from podexec import (
@@ -24,6 +26,7 @@ from podexec import (
     save_parameters,
     termination_message,
 )
+from realcluster import wait_for
 from tier import kube_exec, worker_like_pod
 
 pytestmark = pytest.mark.k8s
@@ -245,3 +248,63 @@ def test_a_v5_websocket_exec_is_passed_through_to_the_node_that_declares_it(real
         "NonZeroExitCode",
         [{"reason": "ExitCode", "message": "4"}],
     )
+
+
+def test_a_log_request_is_read_as_the_api_server_sends_it():
+    from podexec import ExecRefused, LogOptions, log_request
+
+    now = 1_800_000_000 * 10**9
+    q = "follow=true&timestamps=true&tailLines=5&sinceSeconds=10&limitBytes=100"
+    ns, pod, container, opts = log_request("/containerLogs/training/wf-1/main", q, now_ns=now)
+    assert (ns, pod, container) == ("training", "wf-1", "main")
+    assert opts == LogOptions(True, True, 5, now - 10 * 10**9, 100, False)
+    _, _, _, opts = log_request("/containerLogs/t/p/c", "sinceTime=2027-01-15T08:00:00Z")
+    assert opts.since_ns == now and not opts.follow and not opts.timestamps
+    for path, query in (("/containerLogs/t/p", ""), ("/containerLogs/t/p/c", "tailLines=x")):
+        with pytest.raises(ExecRefused):
+            log_request(path, query)
+
+
+def test_the_log_sent_is_the_lines_asked_for_with_their_times():
+    from podexec import LogOptions, log_records, rfc3339_nano, select_log
+
+    t0 = 1_800_000_000 * 10**9
+    data = b"".join(f"{t0 + i * 10**9} {rfc3339_nano(t0 + i * 10**9)} line {i}\n".encode() for i in range(5))
+    records, used = log_records(data + b"17 partial")  # a record being written waits for the next read
+    assert len(records) == 5 and used == len(data)
+    assert rfc3339_nano(t0 + 5) == "2027-01-15T08:00:00.000000005Z"
+    assert select_log(records, LogOptions()) == b"".join(b"line %d\n" % i for i in range(5))
+    assert select_log(records, LogOptions(tail_lines=2)) == b"line 3\nline 4\n"
+    assert select_log(records, LogOptions(tail_lines=0)) == b""
+    assert select_log(records, LogOptions(since_ns=t0 + 3 * 10**9)) == b"line 3\nline 4\n"
+    assert select_log(records, LogOptions(timestamps=True, tail_lines=1)) == b"2027-01-15T08:00:04.000000000Z line 4\n"
+    assert select_log(records, LogOptions(limit_bytes=9)) == b"line 0\nli"
+
+
+def test_logs_come_through_the_api_server_as_kubectl_logs_reads_them(real_cluster, argo, namespace):
+    """The container's output with the time of each line (RFC 3339, as ``argo logs`` needs), the last lines, a
+    follow that ends with the container, and a clear refusal for a container the pod does not have."""
+    from kubernetes.client.exceptions import ApiException
+
+    pod = worker_like_pod(real_cluster, namespace, "logs-lines", share=False)
+    core = real_cluster.core()
+    kube_exec(real_cluster, namespace, pod, ["sh", "-c", "for i in 1 2 3; do echo line-$i > /proc/1/fd/1; done"])
+    text = wait_for(
+        "the three lines in the pod's log",
+        lambda: (t := core.read_namespaced_pod_log(pod, namespace, container="trainer")).count("line-") == 3 and t,
+        30,
+    )
+    assert text.splitlines()[-3:] == ["line-1", "line-2", "line-3"], text
+    stamped = core.read_namespaced_pod_log(pod, namespace, container="trainer", timestamps=True, tail_lines=2)
+    lines = stamped.splitlines()
+    assert [line.split(" ", 1)[1] for line in lines] == ["line-2", "line-3"], stamped
+    for line in lines:  # RFC 3339 with nanoseconds, UTC, a moment ago
+        at = datetime.fromisoformat(line.split(" ", 1)[0][:26] + "+00:00")
+        assert abs(time.time() - at.timestamp()) < 60, line
+    with pytest.raises(ApiException, match="not valid"):
+        core.read_namespaced_pod_log(pod, namespace, container="sidecar")
+    # follow: the log streams until the container ends (the pod deleted: SIGTERM, then gone).
+    stream = core.read_namespaced_pod_log(pod, namespace, container="trainer", follow=True, _preload_content=False)
+    real_cluster.core().delete_namespaced_pod(pod, namespace, grace_period_seconds=1)
+    got = b"".join(stream.stream(1024, decode_content=False))
+    assert b"line-3" in got
