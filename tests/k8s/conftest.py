@@ -239,6 +239,24 @@ def pods_gcs(real_cluster: RealCluster, gcs_emulator, tmp_path_factory) -> Itera
             tox.stop()
 
 
+@pytest.fixture
+def argo_run(real_cluster: RealCluster, argo, tpu_nodes, tmp_path) -> Iterator[Any]:
+    """The shipped config's RBAC applied in its namespace, a TPU node pool for its slice, a store of the test's
+    own; every Workflow, JobSet and pod of the namespace deleted afterwards."""
+    from argorun import ArgoRun, clean
+
+    from recovery_steps.kernel.config import load_config
+
+    cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
+    apply_rbac(real_cluster, cfg)
+    tpu_nodes(HOSTS, cfg)
+    r = ArgoRun(real_cluster, cfg, tmp_path / "store")
+    try:
+        yield r
+    finally:
+        clean(real_cluster, cfg.namespace)
+
+
 @pytest.fixture(scope="session")
 def argo(real_cluster: RealCluster, argo_crds, pods_gcs, tmp_path_factory) -> Iterator[realcluster.Component]:
     """Argo's workflow-controller for the namespace the shipped Workflow names (``argoctl``: its own network

@@ -12,37 +12,20 @@ attempt DAG, the exit handler and the run mutex, and by the project's steps unde
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import argoctl
 import pytest
 import standin
 import yaml
 from argoctl import ARGO_FILE
-from argorun import ArgoRun, lose_supervisor
-from argorun import clean as _clean
-from realcluster import RealCluster, netns_listeners
-from tier import HOSTS, REPO, apply_rbac
+from argorun import lose_supervisor
+from realcluster import netns_listeners
+from tier import REPO
 
-from recovery_steps.kernel.config import load_config
 from recovery_steps.kernel.records import SupervisionRecord
 from recovery_steps.kernel.store import RunLayout
 
 pytestmark = pytest.mark.k8s
-
-
-@pytest.fixture
-def argo_run(real_cluster: RealCluster, argo, tpu_nodes, tmp_path) -> Iterator[ArgoRun]:
-    """The shipped config's RBAC applied in its namespace, a TPU node pool for its slice, a store of the test's
-    own; every Workflow, JobSet and pod of the namespace deleted afterwards."""
-    cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
-    apply_rbac(real_cluster, cfg)
-    tpu_nodes(HOSTS, cfg)
-    r = ArgoRun(real_cluster, cfg, tmp_path / "store")
-    try:
-        yield r
-    finally:
-        _clean(real_cluster, cfg.namespace)
 
 
 def test_the_controller_listens_only_inside_its_own_network_namespace(real_cluster, argo):

@@ -9,16 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 from argoctl import ARGO_FILE
-from argorun import ArgoRun
-from argorun import clean as _clean
 from realcluster import RealCluster
-from tier import HOSTS, REPO, apply_rbac
-
-from recovery_steps.kernel.config import load_config
+from tier import REPO
 
 pytestmark = pytest.mark.k8s
 
@@ -35,19 +30,6 @@ def argo_cli(rc: RealCluster, *args: str, timeout: float = CLI_TIMEOUT_S) -> sub
         pytest.fail(msg, pytrace=False) if _required() else pytest.skip(msg)
     cmd = [str(cli), f"--kubeconfig={rc.root / 'admin.kubeconfig'}", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-@pytest.fixture
-def argo_run(real_cluster: RealCluster, argo, tpu_nodes, tmp_path) -> Iterator[ArgoRun]:
-    """The shipped config's RBAC in its namespace, a TPU node pool for its slice, a store of the test's own."""
-    cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
-    apply_rbac(real_cluster, cfg)
-    tpu_nodes(HOSTS, cfg)
-    r = ArgoRun(real_cluster, cfg, tmp_path / "store")
-    try:
-        yield r
-    finally:
-        _clean(real_cluster, cfg.namespace)
 
 
 def test_the_cli_is_the_tiers_argo_version(real_cluster):
