@@ -24,7 +24,8 @@ log = logging.getLogger("trainer")
 
 # libtpu's lock on the TPU chips of a host: one program at a time holds them. A second program fails within
 # about 2 s with "Internal error when accessing libtpu multi-process lockfile" (no fallback to the CPU); the holder
-# releases them when it ends (measured on a v5e host: 4.6 s after its SIGKILL, bench/bench_tpu_release.py).
+# releases them when it ends (measured on a v5e host: 4.6 s after its SIGKILL, bench/bench_tpu_release.py). The
+# holder keeps a POSIX record lock (fcntl) on this file; a flock on it stays free (probed there, libtpu 0.0.42.1).
 LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
 # How long a worker waits for an earlier program to let the chips go: a killed worker's release takes seconds, and
 # the kubelet starts the next pod after the old one ended; a lock held past this is another program or a stuck one.
