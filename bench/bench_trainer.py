@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from support.trainer_harness import launch, read_report, tiny_config, write_config  # noqa: E402
+from support.trainer_harness import jax_platform, launch, read_report, tiny_config, write_config  # noqa: E402
 
 from recovery_steps.kernel.records import EventKind  # noqa: E402
 
@@ -306,9 +306,8 @@ def bench_loop(work: Path, models: list[str], steps: int, save_every: int, accel
 
 def has_accelerator() -> bool:
     """Whether JAX finds an accelerator here (asked in a child process, which lets the chip go when it ends)."""
-    code = "import jax; print(jax.devices()[0].platform)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    return out.returncode == 0 and out.stdout.strip().splitlines()[-1:] != ["cpu"]
+    rc, platform = jax_platform()
+    return rc == 0 and platform != "cpu"
 
 
 def print_blocking_parts(parts: list[dict[str, float]]) -> None:

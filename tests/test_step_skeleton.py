@@ -58,10 +58,11 @@ def test_a_failed_steps_line_is_its_containers_termination_message(tmp_path, mon
     """What the step prints last when it fails is what the kubelet reads from /dev/termination-log, and Argo puts
     after "main: Error (exit code N)" in the node's message; a step that succeeds leaves the file empty."""
     from recovery_steps.kernel import step as kstep
+    from recovery_steps.kernel.names import TERMINATION_LOG_ENV
 
     log = tmp_path / "termination-log"
     log.touch()  # the kubelet creates it, empty, before the container starts
-    monkeypatch.setattr(kstep, "TERMINATION_LOG", log)
+    monkeypatch.setenv(TERMINATION_LOG_ENV, str(log))  # the container's file, where the tier's kubelet names it
     err: list[str] = []
     assert run_step(_step(_raise(StepError(ExitCode.CAPACITY, "slice not ready")), []), _args(), err=err.append) == 75
     assert log.read_text() == "demo: slice not ready" == err[0]

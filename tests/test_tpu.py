@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import signal
-import subprocess
-import sys
 
 import pytest
-from support.trainer_harness import launch, read_report, tiny_config, write_config
+from support.trainer_harness import jax_platform, launch, read_report, tiny_config, write_config
 
 from recovery_steps.kernel.records import EventKind
 from recovery_steps.kernel.store import RunLayout, RunStore
@@ -28,11 +26,9 @@ def tpu_absent() -> str | None:
     """Why there is no TPU to test on here (None: there is one)."""
     if importlib.util.find_spec("libtpu") is None:
         return "no TPU here: libtpu is not installed (run on a TPU machine: pytest -m tpu tests/test_tpu.py)"
-    code = "import jax; print(jax.devices()[0].platform)"
-    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    platform = probe.stdout.strip().splitlines()[-1:] or [""]
-    if probe.returncode != 0 or platform != ["tpu"]:
-        return f"JAX finds no TPU here (platform {platform[0] or '?'}, exit {probe.returncode})"
+    rc, platform = jax_platform()
+    if rc != 0 or platform != "tpu":
+        return f"JAX finds no TPU here (platform {platform or '?'}, exit {rc})"
     return None
 
 

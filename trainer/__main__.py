@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import faulthandler
-import os
 import sys
 from collections.abc import Sequence
 from typing import IO
 
-from recovery_steps.kernel.names import TERMINATION_LOG, TERMINATION_LOG_ENV
+from recovery_steps.kernel.names import termination_log
 
 _fatal_trace: IO[str] | None = None  # kept open for the process's life: faulthandler writes to its descriptor
 
@@ -24,7 +23,7 @@ def trace_fatal_signals() -> str | None:
     where there is none: a process outside a pod, nothing set).
     """
     global _fatal_trace
-    path = os.environ.get(TERMINATION_LOG_ENV) or (str(TERMINATION_LOG) if TERMINATION_LOG.exists() else None)
+    path = termination_log()
     if path is None:
         return None
     try:

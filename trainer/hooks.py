@@ -316,27 +316,23 @@ class CheckpointHook:
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved without a stop (the loop runs no step ahead of its save)."""
-        decided = save_decision(
+        return self._decision(step, stop_agreed=False) is not SaveReason.NONE
+
+    def _decision(self, step: int, *, stop_agreed: bool) -> SaveReason:
+        return save_decision(
             step,
             interval_steps=self.interval_steps,
             total_steps=self.total_steps,
-            stop_agreed=False,
+            stop_agreed=stop_agreed,
             last_saved=self.last_saved,
         )
-        return decided is not SaveReason.NONE
 
     def on_step(self, rec: StepRecord) -> None:
         """Record a commit seen since the last step, then save if this step is due."""
         self.note_commit(self.ckpt.poll())
         if rec.stop_agreed:
             log.info("stop agreed by every process after step %d", rec.step)
-        reason = save_decision(
-            rec.step,
-            interval_steps=self.interval_steps,
-            total_steps=self.total_steps,
-            stop_agreed=rec.stop_agreed,
-            last_saved=self.last_saved,
-        )
+        reason = self._decision(rec.step, stop_agreed=rec.stop_agreed)
         if reason is SaveReason.NONE:
             return
         if reason is SaveReason.PREEMPTION and self.agreement is not None:

@@ -184,3 +184,16 @@ TERMINATION_LOG_ENV = "TRAINER_TERMINATION_LOG"
 its own file, as the kubelet gives each container its own, and so does the tier's process kubelet to every pod);
 ``trainer.__main__`` writes a fatal signal's stacks there, a failed step its one-line reason (``step.say_why``), and
 what runs the container reads it back as the container's termination message."""
+
+
+def termination_log() -> Path | None:
+    """The container's termination-message file, None for a process outside a pod.
+
+    The file ``TRAINER_TERMINATION_LOG`` names, else the kubelet's where it exists.
+    """
+    import os
+
+    named = os.environ.get(TERMINATION_LOG_ENV)
+    if named:
+        return Path(named)
+    return TERMINATION_LOG if TERMINATION_LOG.exists() else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any
 
 from recovery_steps.kernel.config import ConfigError, JobConfig
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.names import TERMINATION_LOG, TERMINATION_LOG_ENV
+from recovery_steps.kernel.names import termination_log
 from recovery_steps.kernel.store import DocumentError, RunStore
 
 
@@ -132,9 +131,9 @@ def say_why(line: str, path: Path | None = None) -> None:
     Only where the kubelet made the file (a process outside a pod has none); at most the kubelet's 4096 bytes
     (pkg/kubelet/container/runtime.go, v1.36.3). Reporting why must never change how the step ends.
     """
-    path = path or Path(os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG)
+    path = path or termination_log()
     try:
-        if path.is_file():
+        if path is not None and path.is_file():
             path.write_bytes(line.encode()[:4096].decode(errors="ignore").encode())  # whole characters
     except OSError:
         pass

@@ -91,8 +91,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from recovery_steps.kernel.names import TERMINATION_LOG_ENV
+
 log = logging.getLogger("podexec")
-TERMINATION_LOG_ENV = "TRAINER_TERMINATION_LOG"  # recovery_steps.kernel.names: a container's message file
 
 ARGO = ("argoproj.io", "v1alpha1")
 WAIT, MAIN = "wait", "main"
@@ -1222,6 +1223,16 @@ class ExecServer(ThreadingHTTPServer):
     def port(self) -> int:
         return self.server_address[1]
 
+    def _run_of(self, ns: str, name: str) -> PodRun:
+        """The run of pod ``ns/name`` on these nodes (ExecRefused 404 when there is none)."""
+        # Copies: the watch threads add and drop runs meanwhile. A pod deleted and made again under its name has
+        # two runs for a moment: the one still running is the pod's.
+        runs = [r for k in self.kubelets for r in list(k.runs.values()) if (r.ns, r.name) == (ns, name)]
+        run = min(runs, key=lambda r: r.done.is_set(), default=None)
+        if run is None:
+            raise ExecRefused(404, f"pod {ns}/{name} is not on this node")
+        return run
+
     def logs_of(self, ns: str, name: str, container: str, *, previous: bool = False) -> PodRun | None:
         """The run whose log a ``/containerLogs`` request reads; None for a container of the pod podexec does not
         run (Argo's ``init`` and ``wait``: nothing is written there).
@@ -1229,10 +1240,7 @@ class ExecServer(ThreadingHTTPServer):
         Raises:
             ExecRefused: No such pod or container, or ``previous`` (no container restarts here).
         """
-        runs = [r for k in self.kubelets for r in list(k.runs.values()) if (r.ns, r.name) == (ns, name)]
-        run = min(runs, key=lambda r: r.done.is_set(), default=None)
-        if run is None:
-            raise ExecRefused(404, f"pod {ns}/{name} is not on this node")
+        run = self._run_of(ns, name)
         spec = run.pod["spec"]
         names = [c["name"] for c in (spec.get("initContainers") or []) + spec["containers"]]
         if container not in names:
@@ -1247,12 +1255,7 @@ class ExecServer(ThreadingHTTPServer):
         Raises:
             ExecRefused: No such pod on these nodes, another container, or the container is not running.
         """
-        # Copies: the watch threads add and drop runs meanwhile. A pod deleted and made again under its name has
-        # two runs for a moment: the one still running is the pod's.
-        runs = [r for k in self.kubelets for r in list(k.runs.values()) if (r.ns, r.name) == (ns, name)]
-        run = min(runs, key=lambda r: r.done.is_set(), default=None)
-        if run is None:
-            raise ExecRefused(404, f"pod {ns}/{name} is not on this node")
+        run = self._run_of(ns, name)
         main = main_container(run.pod)["name"]
         if container != main:
             raise ExecRefused(400, f"container {container} is not running: podexec runs the main container {main}")

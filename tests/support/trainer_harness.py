@@ -214,6 +214,13 @@ class Gang:
         return self.logs[index].read_text(errors="replace")
 
 
+def jax_platform(timeout_s: float = 300) -> tuple[int, str]:
+    """Exit code and platform of JAX's first device, asked in a child process (which lets a chip go when it ends)."""
+    code = "import jax; print(jax.devices()[0].platform)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    return out.returncode, (out.stdout.strip().splitlines()[-1:] or [""])[0]
+
+
 def gang_env(port: int, index: int, n: int, events_dir: Path) -> dict[str, str]:
     """The environment of worker ``index`` of ``n`` on localhost, as the local runner sets it."""
     return {
