@@ -339,6 +339,12 @@ def view_clock(prev: ReadState | None, error: str | None, now: float) -> ReadSta
 # supervisor re-attaches to the gang, which is left running; a gang is never held unsupervised for good.
 STALE_VIEW_LIMIT_S = 300.0
 
+# How long a supervisor waits for the JobSet controller to create any Job of a JobSet it sees with neither Job nor
+# pod before its step ends as transient (exit 69), the JobSet left for the retry to re-attach to. A JobSet no
+# controller has acted on says nothing about capacity: a restarting controller re-lists (client-go's watch back-off
+# reaches 30 s) and re-queues an object whose reconcile failed with a growing back-off; one not running never acts.
+JOBSET_UNACTED_LIMIT_S = 300.0
+
 
 class Observation(_Rec):
     """Everything the decision looks at, at one instant."""
@@ -658,7 +664,10 @@ def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
                 f"{sched.reason or '-'}: {sched.message or 'no message'}",
                 worker=p.index,
             )
-    waited = obs.now - obs.counted_from(obs.created_at)
+    # Counted from the last Job's creation when later: the Job controller creates the pods once the JobSet
+    # controller has created their Job, and either may have been restarting.
+    jobs_at = [j.created_at for j in obs.jobs if j.created_at is not None]
+    waited = obs.now - obs.counted_from(max([obs.created_at, *jobs_at]))
     deadline = max(d.startup_deadline_s, MISSING_PODS_GRACE_S)
     if len(obs.pods) < obs.expected_workers and waited >= deadline:
         return Verdict(
@@ -748,6 +757,12 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
             state=AttemptOutcome.RUNNING,
             reason=f"{_gang_state(obs)}; the cluster view is not current for {obs.now - obs.view.since:.0f} s "
             f"({obs.view.error}): no stall is judged on it",
+        )
+    if obs.jobset_exists and not obs.jobs and not obs.pods:
+        return Verdict(
+            state=AttemptOutcome.RUNNING,
+            reason=f"JobSet has no Job {obs.now - obs.counted_from(obs.created_at):.0f} s after its creation: the "
+            "JobSet controller has not acted on it yet (restarting, or not running); no stall is judged before it does",
         )
     for stall in (_container, _refused, _node_lost, _capacity, _hang):
         v = stall(obs, deadlines)

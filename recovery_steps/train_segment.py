@@ -22,13 +22,14 @@ Destructive acts and their evidence (``supervise``): the JobSet is deleted once 
 store, or when the run lease is held in another namespace or cluster; a pod is force-deleted only while
 Terminating on a node the snapshot shows lost. A heartbeat or API read that fails is never a silent or absent
 worker: while it fails only terminal facts end the attempt, every stall clock counts from when it reads again, and
-after ``supervision.STALE_VIEW_LIMIT_S`` the step exits 69 with the gang left as it is.
+after ``supervision.STALE_VIEW_LIMIT_S`` the step exits 69 with the gang left as it is. A JobSet with neither Job
+nor pod is no stall either (its controller has not acted): after ``supervision.JOBSET_UNACTED_LIMIT_S`` the same.
 
 Outputs (``<output-dir>/<name>``): ``outcome``, ``stall-kind``, ``reason``, ``last-step``, ``checkpoint-step``.
 Exit codes: 0 succeeded; 1 the attempt failed or stalled; 2 configuration (no pinned config or a bad one, a
 manifest override that is bad, the Kubernetes API refuses with 4xx); 69 transient (the API answers 429/5xx or cannot
-be reached, the view or a heartbeat stays unreadable for minutes, the run store cannot be read or written): the gang
-is left as it is and the retry re-attaches.
+be reached, the view or a heartbeat stays unreadable for minutes, no controller acts on the JobSet, the run store
+cannot be read or written): the gang is left as it is and the retry re-attaches.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ from recovery_steps.kernel.step import (
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
 from recovery_steps.supervision import (
+    JOBSET_UNACTED_LIMIT_S,
+    MISSING_PODS_GRACE_S,
     STALE_VIEW_LIMIT_S,
     HeartbeatRead,
     NodeObservation,
@@ -347,6 +350,8 @@ class Supervisor:
         self.beats: dict[int, WorkerHeartbeat] = {}
         self.reads: dict[int, HeartbeatRead] = {}
         self.view: ReadState | None = None  # how the cluster view stands once an observation failed (view_clock)
+        self.unacted_since: float | None = None  # when this supervisor first saw the JobSet with no Job and no pod
+        self.unacted_said = False
 
     def ensure_jobset(self, manifest: Mapping[str, Any]) -> None:
         """Create the attempt's JobSet, or re-attach when it already exists (the supervisor's pod was lost).
@@ -410,6 +415,7 @@ class Supervisor:
         self.view = view_clock(self.view, snap.unreadable, now)
         beats = self.read_beats(now)
         self._bound_blindness(now)
+        self._bound_unacted(snap, now)
         return self.observation(snap, beats), beats, snap
 
     def _bound_blindness(self, now: float) -> None:
@@ -422,6 +428,29 @@ class Supervisor:
                     f"{what} has been unreadable for {now - r.since:.0f} s ({r.error}): not deciding on a stale "
                     f"view; JobSet {self.gang.name} is left running for the retry to re-attach",
                 )
+
+    def _bound_unacted(self, snap: ClusterSnapshot, now: float) -> None:
+        """Exit 69 once the JobSet has had no Job and no pod for ``JOBSET_UNACTED_LIMIT_S`` of this supervisor's watch.
+
+        ``decide`` judges no stall on such a JobSet: its controller has not acted on it.
+        """
+        unacted = snap.jobset is not None and snap.jobset.found and not snap.jobs and not snap.pods
+        if not unacted or snap.unreadable:
+            self.unacted_since, self.unacted_said = None, False
+            return
+        since = self.unacted_since = now if self.unacted_since is None else self.unacted_since
+        if not self.unacted_said and now - since >= max(self.cfg.supervision.startup_deadline_s, MISSING_PODS_GRACE_S):
+            self.unacted_said = True
+            self.say(
+                f"JobSet {self.gang.name} has had no Job for {now - since:.0f} s: the JobSet controller has not "
+                f"acted on it yet; no stall is judged before it does (transient after {JOBSET_UNACTED_LIMIT_S:g} s)"
+            )
+        if now - since >= JOBSET_UNACTED_LIMIT_S:
+            raise StepError(
+                ExitCode.TRANSIENT,
+                f"JobSet {self.gang.name} has had no Job for {now - since:.0f} s: the JobSet controller has not "
+                "acted on it (is it running? kubectl -n jobset-system get pods); left for the retry to re-attach",
+            )
 
     def observation(self, snap: ClusterSnapshot, beats: Sequence[WorkerHeartbeat]) -> Observation:
         """The decision's input from one snapshot of the gang and the heartbeats in the store.

@@ -870,6 +870,23 @@ def test_pods_not_created_yet_get_a_restarting_controllers_time_whatever_a_short
     assert (stuck.state, stuck.kind) == (AttemptOutcome.STALLED, StallKind.CAPACITY), stuck.reason
 
 
+def test_a_jobset_no_controller_has_acted_on_is_no_stall_and_its_jobs_pods_count_from_the_job():
+    """Neither Job nor pod, long past every deadline: the JobSet controller has not acted (it was restarting), which
+    says nothing of capacity; once it creates the Job, the missing pods' grace counts from the Job's creation."""
+    from recovery_steps.supervision import MISSING_PODS_GRACE_S
+
+    idle = decide(obs(900), D)
+    assert idle.state == AttemptOutcome.RUNNING and "the JobSet controller has not acted on it yet" in idle.reason
+    late_job = JobEvidence(name="run-a0-workers-0", created_at=T0 + 890)
+    assert decide(obs(900, jobs=[late_job]), D).state == AttemptOutcome.RUNNING
+    after = max(D.startup_deadline_s, MISSING_PODS_GRACE_S) + 1
+    stalled = decide(obs(890 + after, jobs=[late_job]), D)
+    assert (stalled.state, stalled.kind) == (AttemptOutcome.STALLED, StallKind.CAPACITY), stalled.reason
+    assert "only 0/4 worker pods exist" in stalled.reason
+    # A Job with no creation time: the pods' grace counts from the JobSet's.
+    assert decide(obs(900, jobs=[JobEvidence(name="old")]), D).kind == StallKind.CAPACITY
+
+
 def test_table_is_large_enough_and_covers_every_state_and_kind():
     assert len(CASES) >= 15
     assert {c[2] for c in CASES} == set(AttemptOutcome.VERDICT_STATES)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
@@ -941,6 +942,55 @@ def test_a_view_unreadable_past_its_limit_ends_the_step_as_transient_and_leaves_
         _run(cfg, tmp_path, cluster)
     assert e.value.code == ExitCode.TRANSIENT
     assert "the cluster view has been unreadable" in str(e.value) and "left running" in str(e.value)
+    assert not cluster.requests_of("DELETE", f"/jobsets/{js}") and js in cluster.objects["jobsets"]
+
+
+# --- a JobSet no controller has acted on: no stall, and a bounded wait -------------------------------------------
+
+
+def test_a_jobset_its_controller_acts_on_late_is_no_capacity_stall(tmp_path, cluster, monkeypatch):
+    """The JobSet controller creates the Job a while after every start-up deadline (it was restarting): the
+    supervisor judges no stall on a JobSet with neither Job nor pod, and the gang it then creates succeeds."""
+    from recovery_steps import supervision
+
+    for module in (supervision, ts):
+        monkeypatch.setattr(module, "MISSING_PODS_GRACE_S", 1.5)  # creation times are whole seconds
+    cfg = _cfg(tmp_path / "store", startup_deadline_s=1.5)
+    js = f"{cfg.run_id}-a0"
+    timers: list[threading.Timer] = []
+
+    def acts(c):
+        job = _job(js)
+        job["metadata"]["creationTimestamp"] = iso(time.time())  # the Job's pods get their grace from it
+        c.put("jobs", job)
+        _gang(c, js, time.time(), phase="Running", running=True)
+        timers.append(threading.Timer(0.5, _succeed(js), (c,)))
+        timers[-1].start()
+
+    def created(c, obj):
+        timers.append(threading.Timer(2.5, acts, (c,)))
+        timers[-1].start()
+
+    cluster.on_create = created
+    try:
+        rec, lines, _ = _run(cfg, tmp_path, cluster)
+    finally:
+        for t in timers:
+            t.join(timeout=5)
+    assert rec.outcome == "succeeded", rec.reason
+    assert any("the JobSet controller has not acted on it yet" in line for line in lines), lines
+
+
+def test_a_jobset_no_controller_acts_on_ends_the_step_as_transient_past_its_limit_and_is_left(
+    tmp_path, cluster, monkeypatch
+):
+    cfg = _cfg(tmp_path / "store", startup_deadline_s=0.1)
+    js = f"{cfg.run_id}-a0"
+    monkeypatch.setattr(ts, "JOBSET_UNACTED_LIMIT_S", 0.5)
+    with pytest.raises(StepError) as e:
+        _run(cfg, tmp_path, cluster)
+    assert e.value.code == ExitCode.TRANSIENT
+    assert f"JobSet {js} has had no Job for" in str(e.value) and "the JobSet controller has not acted" in str(e.value)
     assert not cluster.requests_of("DELETE", f"/jobsets/{js}") and js in cluster.objects["jobsets"]
 
 

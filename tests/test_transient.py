@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import time
 
 import pytest
 import requests
@@ -103,6 +104,41 @@ def test_the_proxy_throttles_a_share_of_requests_with_the_body_gcs_sends(gcs_emu
         proxy.close()
     assert set(answers) == {200, 429} and 8 <= answers.count(429) <= 32, answers
     assert proxy.refused == answers.count(429) and after == 200
+
+
+def test_a_hold_leaves_the_writes_it_names_unanswered_until_released_or_its_limit(gcs_emulator):
+    """``hold_matching(fragment, s)``: a request naming ``fragment`` waits (a slow answer) while others are
+    answered; ``release()`` lets it go on to the emulator; a hold nobody releases ends by itself after ``s``."""
+    import concurrent.futures
+    import urllib.request
+
+    gcs_emulator.create_bucket("held")
+    proxy = OutageProxy(gcs_emulator.url)
+    base = f"{proxy.url}/upload/storage/v1/b/held/o?uploadType=media&name="
+
+    def put(name: str) -> int:
+        req = urllib.request.Request(base + name, data=b"x", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310 - loopback
+            return r.status
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        proxy.hold_matching("checkpoints/30/", 60)
+        held = pool.submit(put, "run/checkpoints/30/a")
+        assert put("run/checkpoints/25/a") == 200
+        with pytest.raises(concurrent.futures.TimeoutError):
+            held.result(timeout=1.0)
+        assert proxy.held == 1
+        proxy.release()
+        assert held.result(timeout=10) == 200
+        proxy.hold_matching("checkpoints/30/", 0.5)
+        began = time.monotonic()
+        assert put("run/checkpoints/30/b") == 200
+        waited = time.monotonic() - began
+    finally:
+        proxy.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+    assert 0.4 <= waited < 10 and proxy.held == 2, (waited, proxy.held)
 
 
 def test_a_resent_final_chunk_of_a_completed_upload_is_answered_as_gcs_does(gcs_emulator):

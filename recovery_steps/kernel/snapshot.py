@@ -123,6 +123,7 @@ class JobEvidence(_Ev):
     """A child Job of the JobSet."""
 
     name: str
+    created_at: float | None = Field(default=None, description="creationTimestamp, epoch seconds.")
     failed: bool = False
     failure_reason: str | None = Field(default=None, description="PodFailurePolicy, BackoffLimitExceeded, ...")
     failure_message: str | None = None
@@ -228,7 +229,10 @@ def job_from_api(obj: dict[str, Any]) -> JobEvidence:
     Failed only once every pod is terminal (kubernetes ``pkg/controller/job/job_controller.go``); a Job seen
     between the two, or deleted before Failed, has already failed for the same reason and message.
     """
-    job = JobEvidence(name=(obj.get("metadata") or {}).get("name", ""), conditions=_conditions(obj))
+    meta = obj.get("metadata") or {}
+    job = JobEvidence(
+        name=meta.get("name", ""), created_at=parse_time(meta.get("creationTimestamp")), conditions=_conditions(obj)
+    )
     failed = job.failure()
     if failed is not None:
         job.failed, job.failure_reason, job.failure_message, job.failed_at = (

@@ -23,9 +23,10 @@ import pytest
 from argoctl import LOCAL_ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import REPO, CpuHosts
-from trainers import chaos_shape, clean_run, final_digest, new_run
+from trainers import CHAOS_STEPS, chaos_shape, clean_run, final_digest, new_run
 
 from recovery_steps.kernel.config import load_config
+from recovery_steps.kernel.store import RunLayout
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.chaos]
 
@@ -315,6 +316,10 @@ def _unsafe_change(cfg: dict[str, Any]) -> None:
 RESUBMISSIONS = ("same", "safe", "unsafe")
 
 
+FINAL_SAVE_HELD_S = 90.0
+"""How long the operator test holds the last step's save at most: within the trainer's and supervisor's
+``save_timeout_s`` (120 s in the local file), so a held save is never a hang."""
+
 OPERATOR_RETRY_S = 90.0
 """How long the operator tries again while the API server does not answer or answers 429/5xx (it may be starting
 after a fault: "the request has been made before all known HTTP paths have been installed", 503 Retry-After), as a
@@ -382,6 +387,9 @@ def test_an_operator_stop_then_the_same_file_again_resumes_under_faults(
     sampler = chaos.GangSampler(real_cluster, r.ns, r.run_id).start()
     unauthorized = pods_gcs.proxy.unauthorized
     t0 = time.monotonic()
+    # The last step's save answered slowly until the operator has acted: the run cannot end before the stop
+    # lands (its 30 steps take 2-3 s past the first commit, less than one API server restart).
+    pods_gcs.proxy.hold_matching(f"{r.run_id}/{RunLayout.CHECKPOINTS}/{CHAOS_STEPS}/", FINAL_SAVE_HELD_S)
     first = r.submit()
     thrower = chaos.Chaos(real_cluster, pods_gcs, log, namespace=r.ns, workflow=first, steps_sa=sa)
     thrower.run(faults, t0)
@@ -393,6 +401,8 @@ def test_an_operator_stop_then_the_same_file_again_resumes_under_faults(
         r.committed_past(0, timeout=GANG_UP_S)
         stopped_at = time.time()
         _operator(r, real_cluster, action)
+        pods_gcs.proxy.release()
+        notes.append(f"the last step's save held: {pods_gcs.proxy.held} requests")
         if again == "unsafe":
             refused = _refused(r, thrower, notes)
         params = {"accept-safe-changes": "true"} if again == "safe" else {}
@@ -400,6 +410,7 @@ def test_an_operator_stop_then_the_same_file_again_resumes_under_faults(
         thrower.workflow = last
         wf = _ended(r, notes)
     finally:
+        pods_gcs.proxy.release()
         _quiet(thrower, sampler)
     names = (first, *((refused[0],) if refused else ()), last)
     observed = chaos.Observed(

@@ -88,6 +88,9 @@ class OutageProxy:
         self._down_until = 0.0
         self._status, self._share = 503, 1.0
         self._aimed: tuple[str, int, float] | None = None  # (what the request names, status, until)
+        self._held: tuple[str, float] | None = None  # (what the request names, until)
+        self._released = threading.Event()
+        self.held = 0
         self._rng = random.Random(seed)
         self.refused = 0
         self.completed_resends = 0
@@ -103,6 +106,7 @@ class OutageProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                proxy.hold(self.path, body)
                 status = proxy.refusal(self.path, body)
                 token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
                 if status is None and authorize is not None and not authorize(token):
@@ -226,12 +230,35 @@ class OutageProxy:
             raise ValueError(f"status {status}: the proxy answers {sorted(BODIES)}")
         self._aimed = (fragment, status, self._clock() + seconds)
 
+    def hold_matching(self, fragment: str, seconds: float) -> None:
+        """From now, hold every request that names ``fragment`` (as ``fail_matching`` finds it).
+
+        A held request waits, unanswered, until ``release()`` or for ``seconds`` at most, then goes on: a slow
+        answer to one kind of write.
+        """
+        self._released.clear()
+        self._held = (fragment, self._clock() + seconds)
+
+    def release(self) -> None:
+        """End ``hold_matching``: the requests it holds go on now."""
+        self._held = None
+        self._released.set()
+
+    def hold(self, path: str, body: bytes | None) -> None:
+        """Wait while a hold names this request (counts the requests held)."""
+        held = self._held
+        if held is None or held[0] not in _named(path, body):
+            return
+        left = held[1] - self._clock()
+        if left > 0:
+            self.held += 1
+            self._released.wait(left)
+
     def refusal(self, path: str = "", body: bytes | None = None) -> int | None:
         """The status to answer the request now with, or None to forward it (counts refusals)."""
         aimed = self._aimed
         if aimed is not None and self._clock() < aimed[2]:
-            named = unquote(path) + (body or b"")[:1024].decode("latin-1")
-            if aimed[0] in named:
+            if aimed[0] in _named(path, body):
                 self.refused += 1
                 return aimed[1]
         if not self.is_down or self._rng.random() >= self._share:
@@ -247,9 +274,15 @@ class OutageProxy:
         return out
 
     def close(self) -> None:
-        """Stop serving."""
+        """Stop serving (what a hold holds goes on first)."""
+        self.release()
         self._server.shutdown()
         self._server.server_close()
+
+
+def _named(path: str, body: bytes | None) -> str:
+    """What a request names: its path and query, and the first KB of its body (a multipart upload's object)."""
+    return unquote(path) + (body or b"")[:1024].decode("latin-1")
 
 
 def _upload_total(headers: Mapping[str, str]) -> int | None:
