@@ -55,11 +55,17 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
         "judges no stall on a view it cannot refresh, and counts its clocks from when it can: supervision.view_clock); "
         "then, with kube-controller-manager restarted twice and the API server three times, three attempts in a row "
         "were called capacity ('only 0/2 worker pods exist after 6 s'): pods no controller has created yet now get "
-        "supervision.MISSING_PODS_GRACE_S, a restarting controller's leader election",
+        "supervision.MISSING_PODS_GRACE_S, a restarting controller's leader election; and after the same restarts "
+        "a JobSet had neither Job nor pod for 60 s and was called capacity ('only 0/2 worker pods exist after 60 s'): "
+        "a JobSet its controller has not acted on is now no capacity stall (the supervisor waits, says so past the "
+        "start-up grace, and ends as transient after supervision.JOBSET_UNACTED_LIMIT_S), and missing pods' grace "
+        "counts from their Job's creation",
     },
     "test_an_operator_stop_then_the_same_file_again_resumes_under_faults": {
         2: "after argo stop the ledger never closed the attempt the exit handler stopped (store attempts [0, 1], "
-        "ledger [1]): finalize now closes it as stopped, charged to no class",
+        "ledger [1]): finalize now closes it as stopped, charged to no class; later the 30 steps ended about 2 s "
+        "after the first commit while the operator's client waited out an API server restart, so the Workflow "
+        "ended before the stop (the test now holds the last step's save in the GCS proxy until the stop is in)",
     },
 }
 
