@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recovery_steps import lease
 from recovery_steps.classify import Verdict, classify
 from recovery_steps.evidence import (
     Evidence,
@@ -420,11 +421,16 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="name of the Workflow running the attempt ({{workflow.name}}): counts its attempts for the hand-over",
     )
+    p.add_argument("--holder", default=None, help="this workflow's uid: a Workflow that has ended once acts no more")
     return p
 
 
 def act(args: argparse.Namespace) -> tuple[int, str]:
     """Classify, close the attempt, decide; the summary for the step's log."""
+    if args.holder and args.workflow:
+        cfg = load_run_config(args.store_root, args.run_id, check_ledger=False)
+        store = RunStore(args.store_root, args.run_id)
+        lease.refuse_replay(store, args.holder, args.workflow, cfg.namespace, _api_client)
     r = run(
         ClosingAttempt(AttemptRef.of(args), args.jobset, args.workflow),
         args.output_dir,

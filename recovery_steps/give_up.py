@@ -1,7 +1,16 @@
 """``give-up``: fail the workflow on purpose when ``classify-failure`` decided to stop.
 
-Usage: ``python -m recovery_steps.give_up --failure-class C --reason TEXT``. Prints
-``giving up: class C: TEXT`` to stderr and exits 1; Argo shows that message on the failed node.
+Usage: ``python -m recovery_steps.give_up --failure-class C --reason TEXT [--store-root R --run-id ID --holder UID
+--workflow NAME --namespace NS]``. Prints one line, ``giving up: class C: TEXT; to go on after a fix: argo resubmit
+...`` (also the container's termination message: the node's message in Argo), and exits 1.
+
+With ``--holder`` it first asks whether this Workflow has already ended once: its own exit handler released the run
+lease, or another Workflow holds it. That is ``argo retry`` of a run that gave up: Argo v4.0.5 resets only this step
+and the nodes above it (``workflow/util/util.go``, ``FormulateRetryWorkflow``: a failed node with a succeeded
+descendant is kept), so the verdict is the same, and the Workflow then stays Running with nothing left to run (its
+nested DAG is not assessed again; argo-workflows issue #10425). A retried give-up therefore stops its own Workflow
+(``spec.shutdown: Stop``, as ``argo stop`` does) and says what to run instead: ``argo resubmit``, a new Workflow of
+the same run id, which continues the run from its latest checkpoint with the ledger's budgets.
 
 Destructive acts: none (the exit handler stops the gang, on its own evidence).
 """
@@ -12,10 +21,29 @@ import argparse
 import sys
 from typing import TextIO
 
+from recovery_steps import lease
 from recovery_steps.kernel import cli
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.step import Step
+from recovery_steps.kernel.contract import ExitCode, FailureClass
+from recovery_steps.kernel.records import RunLease
+from recovery_steps.kernel.step import Step, StepError, k8s_client, say_why
 from recovery_steps.kernel.step import main as step_main
+from recovery_steps.kernel.store import RunLayout, RunStore
+
+
+def verdict(failure_class: str, reason: str) -> str:
+    """The one line that says why the run stops."""
+    known = {c.value for c in FailureClass}
+    cls = failure_class if failure_class in known else f"{failure_class} (not a known failure class)"
+    return f"giving up: class {cls}: {' '.join(reason.split()) or 'no reason given'}"
+
+
+def replayed(current: RunLease | None, holder: str) -> bool:
+    """True when the Workflow ``holder`` has already ended once (pure).
+
+    Its exit handler released the run lease, or another Workflow took the run since. A lease that only expired is
+    still this Workflow's.
+    """
+    return current is not None and not lease.held_by(current, holder)
 
 
 def run(failure_class: str, reason: str, err: TextIO | None = None) -> int:
@@ -30,9 +58,7 @@ def run(failure_class: str, reason: str, err: TextIO | None = None) -> int:
         1.
     """
     err = err if err is not None else sys.stderr
-    known = {c.value for c in FailureClass}
-    cls = failure_class if failure_class in known else f"{failure_class} (not a known failure class)"
-    print(f"giving up: class {cls}: {' '.join(reason.split()) or 'no reason given'}", file=err)
+    print(verdict(failure_class, reason), file=err)
     return 1
 
 
@@ -41,12 +67,29 @@ def parser() -> argparse.ArgumentParser:
     p = cli.StepArgumentParser(prog="python -m recovery_steps.give_up", description=__doc__)
     p.add_argument("--failure-class", required=True, type=cli.bounded_text(64, "--failure-class"))
     p.add_argument("--reason", required=True, type=cli.bounded_text(4096, "--reason"))
+    p.add_argument("--store-root", default=None, type=cli.store_root, help="the run store's root (with --holder)")
+    p.add_argument("--run-id", default=None, type=cli.run_id, help="the run id (with --holder)")
+    p.add_argument("--holder", default=None, help="this workflow's uid: stop it when it had already ended once")
+    p.add_argument("--workflow", default=None, type=cli.k8s_name, help="this workflow's name ({{workflow.name}})")
+    p.add_argument("--namespace", default=None, type=cli.k8s_name, help="this workflow's namespace")
+    p.add_argument("--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster)")
     return p
 
 
 def act(args: argparse.Namespace) -> tuple[int, str]:
-    """Say why the run stops (on stderr, where Argo shows it) and fail."""
-    return run(args.failure_class, args.reason), ""
+    """Say why the run stops (on stderr, where Argo shows it) and fail; stop this Workflow when it is a replay."""
+    line = verdict(args.failure_class, args.reason)
+    if args.holder:
+        if not (args.store_root and args.run_id and args.workflow and args.namespace):
+            raise StepError(ExitCode.CONFIGURATION, "--holder needs --store-root, --run-id, --workflow and --namespace")
+        current = RunStore(args.store_root, args.run_id).read_record(RunLayout.LEASE, RunLease)
+        if replayed(current, args.holder):
+            lease.stop_workflow(k8s_client(args.k8s_host), args.namespace, args.workflow)
+            line = f"{line}; {lease.REPLAYED}"
+    line = f"{line}; {lease.resubmit_line(args.workflow, args.namespace)}"
+    print(line, file=sys.stderr)
+    say_why(line)
+    return 1, ""
 
 
 STEP = Step("give-up", parser, act)

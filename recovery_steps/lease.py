@@ -310,6 +310,60 @@ def held_by(current: RunLease | None, holder: str) -> bool:
     return current is not None and current.holder == holder and not current.released
 
 
+def ended_here(current: RunLease | None, holder: str) -> bool:
+    """True when the Workflow ``holder`` released the lease itself (pure).
+
+    Its exit handler ran, so the Workflow has ended once, and a step of it that runs now is Argo replaying it
+    (``argo retry``).
+    """
+    return current is not None and current.holder == holder and current.released
+
+
+def resubmit_line(workflow: str | None, namespace: str | None) -> str:
+    """How to continue a run once its Workflow has ended: a new Workflow of the same run id."""
+    where = f" -n {namespace}" if namespace else ""
+    again = f"argo resubmit{where} {workflow}" if workflow else "argo resubmit"
+    return f"to go on after a fix: {again} (docs/RUNBOOK.md section 4)"
+
+
+REPLAYED = "this Workflow had already ended (argo retry replays it; its exit handler released the run): stopped it"
+
+
+def stop_workflow(api_client: Any, namespace: str, name: str) -> None:
+    """Stop the Workflow ``name`` as ``argo stop`` does (its exit handler runs).
+
+    Raises:
+        StepError: The API refused (configuration) or could not be reached (transient).
+    """
+    from recovery_steps.kernel.kube import Kube
+    from recovery_steps.kernel.step import api_error, api_failures
+
+    try:
+        Kube(api_client, namespace).stop_workflow(name)
+    except api_failures() as e:
+        raise api_error(e, doing=f"stop workflow {name} in {namespace}") from None
+
+
+def refuse_replay(store: RunStore, holder: str, workflow: str, namespace: str, api_client: Callable[[], Any]) -> None:
+    """End a step of a Workflow that has already ended once (``ended_here``) before it acts.
+
+    Argo v4.0.5's retry resets a failed node whose descendants did not succeed and the nodes above it
+    (``workflow/util/util.go``, ``FormulateRetryWorkflow``) and runs it again in the same Workflow, whose lease its
+    own exit handler released.
+    Acting then would take the run back with no confirmed first attempt, so nothing it does would be recorded. The
+    Workflow is stopped (its exit handler runs and records nothing) and the line says to resubmit.
+
+    Raises:
+        StepError: Always when replayed: configuration, with the line a user reads (or the stop's own error).
+    """
+    from recovery_steps.kernel.contract import ExitCode
+    from recovery_steps.kernel.step import StepError
+
+    if ended_here(store.read_record(RunLayout.LEASE, RunLease), holder):
+        stop_workflow(api_client(), namespace, workflow)
+        raise StepError(ExitCode.CONFIGURATION, f"{REPLAYED}; {resubmit_line(workflow, namespace)}")
+
+
 def holds(store: RunStore, holder: str) -> bool:
     """True when ``holder`` has the lease now (unreleased), or nobody ever took one."""
     current = store.read_record(RunLayout.LEASE, RunLease)

@@ -494,6 +494,8 @@ def run(
     """
     cfg = load_run_config(ref.store_root, ref.run_id)
     if holder is not None:
+        client = lambda: api_client or k8s_client(k8s_host)  # noqa: E731 - only a replayed Workflow needs it
+        lease.refuse_replay(ref.store(), holder.uid, holder.name, cfg.namespace, client)
         site, alive = lease.LOCAL, None
         if uses_cluster(cfg):
             api_client = api_client or k8s_client(k8s_host)

@@ -282,3 +282,34 @@ def test_a_cluster_backend_without_a_kubernetes_config_decides_nothing(tmp_path,
     err = capsys.readouterr().err
     assert "no Kubernetes API" in err and "classify-failure reads the attempt's gang in the cluster" in err, err
     assert store.read_record(RunLayout.LEDGER, Ledger) is None
+
+
+def test_a_replayed_classify_failure_stops_its_workflow_before_it_closes_anything(
+    store_root, tmp_path, capsys, monkeypatch
+):
+    """argo retry of a stopped Workflow: Argo runs classify-failure of the stopped attempt after the exit handler
+    closed it and released the lease; it stops the Workflow and says to resubmit, the ledger as the stop left it."""
+    from support.fake_k8s import FakeCluster
+
+    from recovery_steps import lease
+    from recovery_steps.kernel.kube import make_api_client
+    from recovery_steps.kernel.step import load_run_config
+
+    store = setup_run(store_root)
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a"), 3600)
+    lease.release(store, "uid-a")
+    before = store.read_record(RunLayout.LEDGER, Ledger)
+    kube = FakeCluster(namespace=load_run_config(store_root, RUN, check_ledger=False).namespace)
+    kube.put("workflows", {"metadata": {"name": "wf-a"}, "spec": {}})
+    monkeypatch.setattr(classify_failure, "_api_client", lambda: make_api_client(kube.url))
+    try:
+        args = ["--store-root", store_root, "--run-id", RUN, "--attempt", "0", "--jobset", f"{RUN}-a0"]
+        code = classify_failure.main(
+            [*args, "--output-dir", str(tmp_path / "o"), "--workflow", "wf-a", "--holder", "uid-a"]
+        )
+    finally:
+        kube.close()
+    assert code == 2
+    assert "this Workflow had already ended (argo retry replays it" in capsys.readouterr().err
+    assert kube.objects["workflows"]["wf-a"]["spec"] == {"shutdown": "Stop"}
+    assert store.read_record(RunLayout.LEDGER, Ledger) == before

@@ -716,11 +716,11 @@ def _cli_cases(box: Path) -> list[tuple[str, Callable, list[str], int, str]]:
         ]
     cases.append(
         (
-            "give-up reads and writes no store",
+            "give-up without --holder reads and writes no store",
             give_up.main,
             ["--failure-class", "hang", "--reason", "r"],
             1,
-            r"^giving up: class hang: r$",
+            r"^giving up: class hang: r; to go on after a fix: argo resubmit \(docs/RUNBOOK.md section 4\)$",
         )
     )
     cf = [*base, "--attempt", "1", "--output-dir", out]

@@ -219,8 +219,62 @@ def test_give_up_as_a_program():
         timeout=60,
     )
     assert p.returncode == 1
-    assert p.stderr.strip() == "giving up: class hang: hang budget spent"
+    assert p.stderr.strip() == (
+        "giving up: class hang: hang budget spent; to go on after a fix: argo resubmit (docs/RUNBOOK.md section 4)"
+    )
     assert p.stdout == ""
+
+
+def _give_up(root, cluster, holder="uid-a", *extra):
+    args = ["--failure-class", "application", "--reason", "application budget spent: 2 failures"]
+    args += ["--store-root", root, "--run-id", GKE_RUN, "--holder", holder, "--workflow", "wf-a"]
+    return give_up.main([*args, "--namespace", "training", "--k8s-host", cluster.url, *extra])
+
+
+def test_give_up_of_the_lease_holder_gives_up_and_says_how_to_go_on(gke, capsys):
+    root, _, cluster = gke
+    cluster.put("workflows", {"metadata": {"name": "wf-a"}, "spec": {}})
+    assert _give_up(root, cluster) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "giving up: class application: application budget spent: 2 failures; "
+        "to go on after a fix: argo resubmit -n training wf-a (docs/RUNBOOK.md section 4)"
+    )
+    assert not cluster.requests_of("PATCH", "/workflows")  # the Workflow is left to fail on its own
+
+
+@pytest.mark.parametrize("case", ["released", "another-holder"])
+def test_a_replayed_give_up_stops_its_own_workflow_and_says_what_to_run(gke, capsys, case):
+    """argo retry of a run that gave up: Argo runs give-up again after the exit handler released the lease."""
+    root, store, cluster = gke
+    cluster.put("workflows", {"metadata": {"name": "wf-a"}, "spec": {"entrypoint": "main"}})
+    lease.release(store, "uid-a")
+    if case == "another-holder":
+        _take(store, "uid-b")  # the run resubmitted since
+    assert _give_up(root, cluster) == 1
+    (patch,) = cluster.requests_of("PATCH", "/workflows/wf-a")
+    assert patch[2] == {"spec": {"shutdown": "Stop"}}
+    assert cluster.objects["workflows"]["wf-a"]["spec"] == {"entrypoint": "main", "shutdown": "Stop"}
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "giving up: class application: application budget spent: 2 failures; this Workflow had already ended "
+        "(argo retry replays it; its exit handler released the run): stopped it; to go on after a fix: argo "
+        "resubmit -n training wf-a (docs/RUNBOOK.md section 4)"
+    )
+
+
+def test_a_replayed_give_up_that_cannot_stop_its_workflow_says_why(gke, capsys):
+    root, store, cluster = gke
+    lease.release(store, "uid-a")
+    cluster.inject("/workflows/wf-a", 503, status(503, "ServiceUnavailable", "etcd leader changed"), method="PATCH")
+    assert _give_up(root, cluster) == int(ExitCode.TRANSIENT)  # retried by the step's retryStrategy
+    assert "stop workflow wf-a in training" in capsys.readouterr().err
+
+
+def test_give_up_with_a_holder_needs_where_it_runs(tmp_path, capsys):
+    args = ["--failure-class", "hang", "--reason", "r", "--holder", "uid-a"]
+    assert give_up.main(args) == int(ExitCode.CONFIGURATION)
+    assert "--holder needs --store-root" in capsys.readouterr().err
 
 
 # --- a run that ends other than Succeeded stops its gang --------------------------------------------------

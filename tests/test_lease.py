@@ -314,6 +314,43 @@ def test_provision_slice_of_a_second_submission_deletes_no_live_gang(
         assert (held.holder, held.namespace, held.cluster) == ("uid-b", "training", CLUSTER)
 
 
+def test_a_replayed_provision_slice_stops_its_workflow_and_touches_nothing(tmp_path, capsys):
+    """argo retry of a Workflow that failed at provision-slice: its exit handler released the lease; the replayed
+    step would take the run back unconfirmed (nothing it did recorded), so it stops the Workflow and says to
+    resubmit, with no JobSet deleted and the lease left released."""
+    root = str(tmp_path / "store")
+    run_id = _store_config(root, "v5e-4x4.yaml")
+    store = RunStore(root, run_id)
+    lease.acquire(store, lease.Claimant("uid-a", "wf-a", HERE), 3600)
+    lease.release(store, "uid-a")
+    kube = _kube_with_workflow(True)
+    try:
+        args = ["--store-root", root, "--run-id", run_id, "--attempt", "1", "--output-dir", str(tmp_path / "o")]
+        code = provision_slice.main([*args, "--k8s-host", kube.url, "--holder", "uid-a", "--holder-name", "wf-a"])
+    finally:
+        kube.close()
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "this Workflow had already ended (argo retry replays it" in err and "argo resubmit -n training wf-a" in err
+    (patch,) = kube.requests_of("PATCH", "/workflows/wf-a")
+    assert patch[2] == {"spec": {"shutdown": "Stop"}}
+    assert not [r for r in kube.requests if r[0] == "DELETE"] and list(kube.jobsets) == ["lm-v5e-4x4-a0"]
+    assert store.read_record(RunLayout.LEASE, RunLease).released
+
+
+@pytest.mark.parametrize(
+    "current, replayed",
+    [
+        (None, False),  # nothing was ever taken
+        (_lease(), False),  # held: this Workflow acts
+        (_lease(released=True), True),  # its own exit handler released it
+        (_lease(holder="uid-b", released=True), False),  # another's: the lease's own rules decide
+    ],
+)
+def test_ended_here_is_only_the_holders_own_release(current, replayed):
+    assert lease.ended_here(current, "uid-a") is replayed
+
+
 def _validate_as(args: list[str], out: Path, uid: str) -> int:
     """validate-config of the workflow with uid ``uid`` (named wf-<uid>)."""
     return validate_config.main([*args, "--output-dir", str(out), "--holder", uid, "--holder-name", f"wf-{uid}"])

@@ -222,6 +222,16 @@ def test_steps_run_their_module_with_contract_args(local):
         "{{inputs.parameters.failure-class}}",
         "--reason",
         "{{inputs.parameters.reason}}",
+        "--store-root",
+        "{{workflow.parameters.store-root}}",
+        "--run-id",
+        "{{workflow.parameters.run-id}}",
+        "--holder",
+        "{{workflow.uid}}",
+        "--workflow",
+        "{{workflow.name}}",
+        "--namespace",
+        local["metadata"]["namespace"],
     ]
     assert {o["name"] for o in t["classify-failure"]["outputs"]["parameters"]} >= {
         "failure-class",

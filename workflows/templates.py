@@ -309,6 +309,7 @@ def classify_template(cfg: JobConfig) -> Container:
         value="1",
     )
     args = [*ATTEMPT_ARGS, "--jobset", "{{inputs.parameters.jobset-name}}", "--workflow", "{{workflow.name}}"]
+    args += HOLDER[:2]  # a Workflow that has ended once (argo retry) is stopped before it classifies anything
     return _step(
         cfg,
         "classify-failure",
@@ -334,6 +335,8 @@ def hand_over_template(cfg: JobConfig) -> Container:
 def give_up_template(cfg: JobConfig) -> Container:
     """``give-up``: ends the Workflow failed, naming the class and the reason."""
     args = ["--failure-class", "{{inputs.parameters.failure-class}}", "--reason", "{{inputs.parameters.reason}}"]
+    # With the lease's holder: a give-up that Argo replays (argo retry) stops its Workflow and says what to run.
+    args += [*RUN_ARGS, *HOLDER[:2], "--workflow", "{{workflow.name}}", "--namespace", cfg.namespace]
     return _step(cfg, "give-up", "give_up", args, inputs=["failure-class", "reason"])
 
 

@@ -98,6 +98,7 @@ STEP_VERBS: tuple[VerbUse, ...] = (
     VerbUse("validate-config", JOBSET_GROUP, JOBSET_PLURAL, "get", "continue at an attempt whose gang still runs"),
     VerbUse("hand-over", "argoproj.io", "workflows", "get", "read this Workflow's spec to continue it"),
     VerbUse("hand-over", "argoproj.io", "workflows", "create", "start the run's continuation Workflow"),
+    VerbUse("give-up", "argoproj.io", "workflows", "patch", "stop its own Workflow when argo retry replays a verdict"),
     VerbUse("preflight", "", "namespaces", "get", "check the run's namespace exists", cluster_scoped=True),
     VerbUse("preflight", "", "serviceaccounts", "get", "check the steps' and workers' ServiceAccounts exist"),
     # Only ever with dryRun=All; no power the steps lack: a JobSet they create makes pods of any spec in the namespace.

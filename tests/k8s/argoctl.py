@@ -51,24 +51,21 @@ def netns_of(pid: int | str) -> str:
     return os.readlink(f"/proc/{pid}/ns/net")
 
 
-def listen_in_netns(pid: int, host: str = "127.0.0.1") -> socket.socket:
-    """A TCP socket listening on ``host``:<free port> inside the network namespace of process ``pid``.
+def _socket_in_netns(pid: int, make: Callable[[], socket.socket], what: str) -> socket.socket:
+    """The socket ``make()`` returns, made inside the network namespace of process ``pid``.
 
-    Created by a short-lived thread that enters the namespace (``setns`` changes only the calling thread) and
-    returns to its own before it ends; the socket stays in the namespace it was created in.
+    Made by a short-lived thread that enters the namespace (``setns`` changes only the calling thread) and returns
+    to its own before it ends; the socket stays in the namespace it was created in.
     """
     got: dict[str, Any] = {}
 
-    def make() -> None:
+    def run() -> None:
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
         try:
             _setns(target)
             try:
-                s = socket.socket()
-                s.bind((host, 0))
-                s.listen(64)
-                got["socket"] = s
+                got["socket"] = make()
             finally:
                 _setns(own)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
@@ -77,13 +74,30 @@ def listen_in_netns(pid: int, host: str = "127.0.0.1") -> socket.socket:
             os.close(own)
             os.close(target)
 
-    t = threading.Thread(target=make, name="netns-listen")
+    t = threading.Thread(target=run, name=f"netns-{what}")
     t.start()
     t.join(30)
-    assert not t.is_alive(), "the network namespace's listener was not made within 30 s"
+    assert not t.is_alive(), f"the network namespace's {what} was not made within 30 s"
     if "error" in got:
         raise got["error"]
     return got["socket"]
+
+
+def listen_in_netns(pid: int, host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket listening on ``host``:<free port> inside the network namespace of process ``pid``."""
+
+    def make() -> socket.socket:
+        s = socket.socket()
+        s.bind((host, 0))
+        s.listen(64)
+        return s
+
+    return _socket_in_netns(pid, make, "listener")
+
+
+def connect_in_netns(pid: int, port: int) -> socket.socket:
+    """A TCP connection to 127.0.0.1:``port`` inside the network namespace of process ``pid``."""
+    return _socket_in_netns(pid, lambda: socket.create_connection(("127.0.0.1", port), timeout=10), "connection")
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:
@@ -99,10 +113,12 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 
 @dataclass
 class Forwarder:
-    """Relays each connection accepted on ``listener`` (in another network namespace) to 127.0.0.1:``target``."""
+    """Relays each connection accepted on ``listener`` (in another network namespace) to 127.0.0.1:``target``, or to
+    what ``dial`` connects to (a listener on the host relaying into a namespace)."""
 
     listener: socket.socket
     target: int
+    dial: Callable[[], socket.socket] | None = None
     connections: int = 0
     _closed: bool = False
     _socks: list[socket.socket] = field(default_factory=list)
@@ -121,7 +137,7 @@ class Forwarder:
             except OSError:
                 return
             try:
-                outer = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+                outer = self.dial() if self.dial else socket.create_connection(("127.0.0.1", self.target), timeout=10)
                 outer.settimeout(None)
             except OSError:
                 inner.close()
@@ -177,6 +193,75 @@ class ArgoController(Component):
         super().stop(grace)
         if self.forwarder is not None:
             self.forwarder.close()
+
+
+# `argo server`'s port. It listens on every address of its network namespace (only --port, no bind address), and
+# ignores SIGTERM and SIGINT (argo-workflows v4.0.5 util/logging/init.go): it runs in a namespace of its own like the
+# controller, reached through a listener on the host's loopback, and is stopped with SIGKILL.
+SERVER_PORT = 2746
+
+
+@dataclass
+class ArgoServer(ArgoController):
+    """``argo server`` (the API and the UI) in its own network namespace: the API server reached through the
+    controller's kind of forwarder, and its own port through ``inbound``, a listener on the host's 127.0.0.1."""
+
+    inbound: Forwarder | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.inbound is not None
+        return f"http://127.0.0.1:{self.inbound.port}"
+
+    def stop(self, grace: float = 0.5) -> None:
+        super().stop(grace)  # SIGTERM is ignored: SIGKILL after the grace
+        if self.inbound is not None:
+            self.inbound.close()
+
+
+def start_server(rc: RealCluster, namespace: str, log_dir: Path, argo_bin: Path) -> ArgoServer:
+    """Start ``argo server`` for ``namespace`` (server auth mode, plain HTTP, the first-visit modals off); returns
+    once its version endpoint answers on the host's loopback."""
+    import urllib.request
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    name = "argo-server"
+    srv = ArgoServer(
+        name,
+        [
+            str(argo_bin),
+            "server",
+            f"--kubeconfig={log_dir / (name + '.kubeconfig')}",
+            "--namespaced",
+            f"--managed-namespace={namespace}",
+            f"--namespace={namespace}",
+            "--auth-mode=server",
+            "--secure=false",
+            f"--port={SERVER_PORT}",
+        ],
+        log_dir / f"{name}.log",
+        env={"FEEDBACK_MODAL": "false", "FIRST_TIME_USER_MODAL": "false", "NEW_VERSION_MODAL": "false"},
+        rc=rc,
+        namespace=namespace,
+    )
+    srv.start()
+    rc.components[name] = srv
+    host = socket.socket()
+    host.bind(("127.0.0.1", 0))
+    host.listen(64)
+    assert srv.proc is not None
+    pid = srv.proc.pid
+    srv.inbound = Forwarder(host, SERVER_PORT, dial=lambda: connect_in_netns(pid, SERVER_PORT))
+    srv.inbound.start()
+
+    def answers() -> bool:
+        if not srv.alive():
+            raise AssertionError(f"argo server exited:\n{srv.tail()}")
+        with urllib.request.urlopen(f"{srv.url}/api/v1/version", timeout=5) as r:
+            return r.status == 200
+
+    wait_for("argo server answering", answers, 60, 0.5)
+    return srv
 
 
 def _kubeconfig(rc: RealCluster, path: Path, port: int, namespace: str) -> None:

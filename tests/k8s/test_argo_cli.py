@@ -1,7 +1,8 @@
 """The real ``argo`` CLI (argo-workflows v4.0.5, built by ``tools/k8s/build.sh`` into the tier's bin directory)
 driving the shipped Workflow as ``README.md`` tells users to: ``argo submit argo/<job>.yaml -p ...``, ``argo list``,
-``argo get``, ``argo logs``, ``argo wait``, against the real workflow-controller and API server; the step pods run
-their real programs (``podexec``, which also serves their logs as the kubelet does).
+``argo get``, ``argo logs``, ``argo wait``, ``argo stop``, ``argo retry`` and ``argo resubmit``, against the real
+workflow-controller and API server; the step pods run their real programs (``podexec``, which also serves their logs
+as the kubelet does).
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import time
 
 import pytest
 from argoctl import ARGO_FILE
-from realcluster import RealCluster
+from argorun import ArgoRun
+from realcluster import RealCluster, wait_for
 from tier import REPO
+
+from recovery_steps.kernel.contract import AttemptOutcome
+from recovery_steps.kernel.names import jobset_name
 
 pytestmark = pytest.mark.k8s
 
@@ -38,22 +43,44 @@ def test_the_cli_is_the_tiers_argo_version(real_cluster):
     assert out.stdout.strip() == "argo: v4.0.5", out.stdout
 
 
+def _submit(r: ArgoRun) -> str:
+    """``argo submit argo/<job>.yaml -p store-root=...``: the Workflow's name."""
+    sub = argo_cli(r.rc, "submit", f"argo/{ARGO_FILE}", "-n", r.ns, "-p", f"store-root={r.store_root}", "-o", "name")
+    assert sub.returncode == 0, sub.stderr
+    r.name = sub.stdout.strip().rsplit("/", 1)[-1]
+    return r.name
+
+
+def _wait(r: ArgoRun, phase: str, timeout: float = 180) -> None:
+    """``argo wait`` until the Workflow ends, in ``phase``."""
+    t0 = time.monotonic()
+    waited = argo_cli(r.rc, "wait", r.name, "-n", r.ns, timeout=timeout)
+    assert time.monotonic() - t0 < timeout and r.name in waited.stdout and phase in waited.stdout, (
+        waited,
+        argo_cli(r.rc, "get", r.name, "-n", r.ns, "--no-color").stdout,
+    )
+
+
+def _trains_to_the_end(r: ArgoRun, attempt: int) -> None:
+    """The attempt's gang runs, beats and completes."""
+    r.workers(attempt)
+    r.beat(attempt, 12)
+    r.exit_all(attempt, 0)
+
+
 def test_a_run_that_gives_up_as_a_user_follows_it_with_the_cli(argo_run):
     """README scenario ``app-bug`` through the CLI: submitted from the file, listed, waited for; ``argo get`` shows
     each attempt's failed train-segment with its one-line reason and the give-up; ``argo logs`` has the failed
-    supervisor's log with the time of each line."""
+    supervisor's log with the time of each line. ``argo retry`` of it is refused: Argo replays only the give-up, which
+    stops its Workflow and says to resubmit; ``argo resubmit`` continues the run at its next attempt."""
     rc, ns = argo_run.rc, argo_run.ns
-    sub = argo_cli(rc, "submit", f"argo/{ARGO_FILE}", "-n", ns, "-p", f"store-root={argo_run.store_root}", "-o", "name")
-    assert sub.returncode == 0, sub.stderr
-    argo_run.name = sub.stdout.strip().rsplit("/", 1)[-1]
+    first = _submit(argo_run)
     listed = argo_cli(rc, "list", "-n", ns)
     assert listed.returncode == 0 and argo_run.name in listed.stdout, listed
     for attempt in (0, 1):
         pods = argo_run.workers(attempt)
         rc.exit_pod(ns, pods[1]["metadata"]["name"], 42)
-    t0 = time.monotonic()
-    waited = argo_cli(rc, "wait", argo_run.name, "-n", ns, timeout=240)
-    assert time.monotonic() - t0 < 240 and argo_run.name in waited.stdout and "Failed" in waited.stdout, waited
+    _wait(argo_run, "Failed", 240)
 
     got = argo_cli(rc, "get", argo_run.name, "-n", ns, "--no-color")  # plain text: it goes to a pipe
     assert got.returncode == 0, got.stderr
@@ -68,3 +95,51 @@ def test_a_run_that_gives_up_as_a_user_follows_it_with_the_cli(argo_run):
     logs = argo_cli(rc, "logs", argo_run.name, "-n", ns, "--timestamps")
     assert logs.returncode == 0, logs.stderr
     assert "worker 1 failed (exit code 42" in logs.stdout, logs.stdout[-3000:]
+    (gave_up,) = [line for line in lines if "give-up" in line and "✖" in line]
+    assert "giving up: class application" in gave_up and f"argo resubmit -n {ns} {first}" in gave_up, got.stdout
+
+    retried = argo_cli(rc, "retry", first, "-n", ns)
+    assert retried.returncode == 0, retried.stderr
+    _wait(argo_run, "Failed", 120)
+    got = argo_cli(rc, "get", first, "-n", ns, "--no-color").stdout
+    assert "argo retry replays it" in got, got
+    assert [(a.attempt, a.decision) for a in argo_run.ledger().attempts] == [(0, "retry"), (1, "stop")]
+
+    again = argo_cli(rc, "resubmit", first, "-n", ns, "-o", "name")
+    assert again.returncode == 0, again.stderr
+    argo_run.name = again.stdout.strip().rsplit("/", 1)[-1]
+    assert argo_run.name != first
+    _trains_to_the_end(argo_run, 2)
+    _wait(argo_run, "Succeeded")
+    ledger = argo_run.ledger()
+    assert [(a.attempt, a.outcome) for a in ledger.attempts][-1] == (2, AttemptOutcome.SUCCEEDED), ledger
+    assert ledger.final_status == "Succeeded"
+
+
+def test_argo_stop_takes_the_gang_and_argo_retry_of_it_is_refused(argo_run):
+    """``argo stop`` of a training run: the exit handler deletes the gang and the ledger closes the attempt as
+    stopped, charged to no class. ``argo retry`` of the stopped Workflow is refused: Argo replays its classify-failure
+    after the exit handler released the run, which stops the Workflow again and says to resubmit; the ledger stays as
+    the stop left it."""
+    rc, ns = argo_run.rc, argo_run.ns
+    name = _submit(argo_run)
+    argo_run.workers(0)
+    argo_run.beat(0, 5)
+    stop = argo_cli(rc, "stop", name, "-n", ns)
+    assert stop.returncode == 0 and f"workflow {name} stopped" in stop.stdout, stop
+    _wait(argo_run, "Failed", 120)
+    gang = f"jobset.sigs.k8s.io/jobset-name={jobset_name(argo_run.cfg.run_id, 0)}"
+    wait_for("the stopped run's gang gone", lambda: not rc.pods(ns, gang), 60, 0.5)
+    stopped = argo_run.ledger()
+    assert [(a.attempt, a.outcome, a.failure_class) for a in stopped.attempts] == [(0, AttemptOutcome.STOPPED, None)]
+    logs = argo_cli(rc, "logs", name, "-n", ns)
+    assert f"deleted JobSet {argo_run.cfg.run_id}-a0" in logs.stdout, logs.stdout[-3000:]
+
+    retried = argo_cli(rc, "retry", name, "-n", ns)
+    assert retried.returncode == 0, retried.stderr
+    _wait(argo_run, "Failed", 120)
+    got = argo_cli(rc, "get", name, "-n", ns, "--no-color").stdout
+    (classify,) = [line for line in got.splitlines() if "classify-failure" in line and "✖" in line]
+    assert "argo retry replays it" in classify and f"argo resubmit -n {ns} {name}" in classify, got
+    assert argo_run.ledger().attempts == stopped.attempts
+    assert not rc.pods(ns, gang)

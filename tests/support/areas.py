@@ -81,7 +81,7 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "argo": (
         "the generated Workflow on Argo's real controller; the local stand-in's agreement with it",
-        ("test_standin_replay", "k8s/test_argo", "k8s/test_argo_cli", "k8s/test_podexec"),
+        ("test_standin_replay", "k8s/test_argo", "k8s/test_argo_cli", "k8s/test_argo_ui", "k8s/test_podexec"),
     ),
     "drill": (
         "workflows/drill.py",

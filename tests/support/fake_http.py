@@ -20,7 +20,7 @@ class Stream:
 
 
 class JsonServer:
-    """Serves GET, POST and DELETE on 127.0.0.1 (any free port), answering each request with ``route``."""
+    """Serves GET, POST, PATCH and DELETE on 127.0.0.1 (any free port), answering each request with ``route``."""
 
     def __init__(self, route: Route):
         class Handler(BaseHTTPRequestHandler):
@@ -54,6 +54,9 @@ class JsonServer:
 
             def do_POST(self):
                 self._answer("POST")
+
+            def do_PATCH(self):
+                self._answer("PATCH")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
