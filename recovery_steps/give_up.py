@@ -19,22 +19,26 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from recovery_steps import lease
 from recovery_steps.kernel import cli
 from recovery_steps.kernel.contract import ExitCode, FailureClass
+from recovery_steps.kernel.kube import in_pod
+from recovery_steps.kernel.names import DESCRIPTION_ANNOTATION, FAILURE_CLASS_LABEL
 from recovery_steps.kernel.records import RunLease
-from recovery_steps.kernel.step import Step, StepError, k8s_client, say_why
+from recovery_steps.kernel.step import Step, StepError, api_failures, k8s_client, say_why
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import RunLayout, RunStore
+
+GIVING_UP = "giving up: "
 
 
 def verdict(failure_class: str, reason: str) -> str:
     """The one line that says why the run stops."""
     known = {c.value for c in FailureClass}
     cls = failure_class if failure_class in known else f"{failure_class} (not a known failure class)"
-    return f"giving up: class {cls}: {' '.join(reason.split()) or 'no reason given'}"
+    return f"{GIVING_UP}class {cls}: {' '.join(reason.split()) or 'no reason given'}"
 
 
 def replayed(current: RunLease | None, holder: str) -> bool:
@@ -62,6 +66,49 @@ def run(failure_class: str, reason: str, err: TextIO | None = None) -> int:
     return 1
 
 
+def mark_workflow(args: argparse.Namespace, line: str) -> None:
+    """Label the Workflow with the class and put ``line`` first in its description (shown in the workflow list).
+
+    The Argo UI's workflow list shows a Workflow's description under its name; Argo fills the list's MESSAGE
+    column from the root node's message (v4.0.5 ``operator.go``: ``workflowMessage = node.Message``), which a DAG
+    failed by a child leaves empty. ``argo resubmit`` copies both to the new Workflow, whose validate-config takes
+    them off (``clear_marks``). Best effort: a refusal is logged and the step gives up all the same.
+    """
+    from recovery_steps.kernel.kube import Kube
+
+    cls = args.failure_class if args.failure_class in {c.value for c in FailureClass} else "unknown"
+    try:
+        kube = Kube(k8s_client(args.k8s_host), args.namespace)
+        before = _description(kube.get_workflow(args.workflow))
+        text = line[:1024] + (f"\n\n{before}" if before else "")
+        patch = {"metadata": {"labels": {FAILURE_CLASS_LABEL: cls}, "annotations": {DESCRIPTION_ANNOTATION: text}}}
+        kube.patch_workflow(args.workflow, patch)
+    except (StepError, *api_failures()) as e:
+        print(f"give-up: the Workflow keeps no label of its class: {' '.join(str(e).split())[:200]}", file=sys.stderr)
+
+
+def _description(wf: dict[str, Any] | None) -> str | None:
+    return (((wf or {}).get("metadata") or {}).get("annotations") or {}).get(DESCRIPTION_ANNOTATION)
+
+
+def clear_marks(kube: Any, workflow: str) -> bool:
+    """Take a give-up's label and line off the Workflow ``workflow``; True when there were any.
+
+    ``argo resubmit`` copied them from the Workflow that gave up. The caller decides what a refusal means.
+    """
+    wf = kube.get_workflow(workflow) or {}
+    labels = (wf.get("metadata") or {}).get("labels") or {}
+    before = _description(wf)
+    if FAILURE_CLASS_LABEL not in labels and not (before or "").startswith(GIVING_UP):
+        return False
+    rest = before.split("\n\n", 1)[1] if before and before.startswith(GIVING_UP) and "\n\n" in before else None
+    keep = rest if before and before.startswith(GIVING_UP) else before
+    kube.patch_workflow(
+        workflow, {"metadata": {"labels": {FAILURE_CLASS_LABEL: None}, "annotations": {DESCRIPTION_ANNOTATION: keep}}}
+    )
+    return True
+
+
 def parser() -> argparse.ArgumentParser:
     """The step's arguments."""
     p = cli.StepArgumentParser(prog="python -m recovery_steps.give_up", description=__doc__)
@@ -86,6 +133,8 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
         if replayed(current, args.holder):
             lease.stop_workflow(k8s_client(args.k8s_host), args.namespace, args.workflow)
             line = f"{line}; {lease.REPLAYED}"
+        elif args.k8s_host or in_pod():  # the Workflow is an object of that API (the local runner serves none)
+            mark_workflow(args, line)
     line = f"{line}; {lease.resubmit_line(args.workflow, args.namespace)}"
     print(line, file=sys.stderr)
     say_why(line)

@@ -29,10 +29,10 @@ from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
 from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, run_id_pod_name_problem
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.kube import uses_cluster
+from recovery_steps.kernel.kube import Kube, uses_cluster
 from recovery_steps.kernel.outputs import ValidateOutputs
 from recovery_steps.kernel.records import RunConfigDocument
-from recovery_steps.kernel.step import Step, StepError, k8s_client
+from recovery_steps.kernel.step import Step, StepError, api_failures, k8s_client
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
     DocumentError,
@@ -346,7 +346,23 @@ def _pin_as_holder(args: argparse.Namespace, cfg: JobConfig, store: RunStore) ->
         lease.confirm(store, args.holder, r.outputs.first_attempt)
     except lease.LeaseHeld as e:
         return ValidateResult(ExitCode.CONFIGURATION, [f"configuration: {e}"])
+    if args.holder_name and uses_cluster(cfg):
+        _clear_give_up_marks(cfg, args.holder_name, args.k8s_host)
     return r
+
+
+def _clear_give_up_marks(cfg: JobConfig, workflow: str, k8s_host: str | None) -> None:
+    """Take the give-up's label and line that ``argo resubmit`` copied to this Workflow off again.
+
+    Best effort: a refusal is logged and the run goes on.
+    """
+    from recovery_steps.give_up import clear_marks
+
+    try:
+        if clear_marks(Kube(k8s_client(k8s_host), cfg.namespace), workflow):
+            print(f"validate-config: took the give-up's label and line of the resubmitted run off {workflow}")
+    except (StepError, *api_failures()) as e:
+        print(f"validate-config: {workflow} keeps a give-up's label: {first_line(e)}", file=sys.stderr)
 
 
 STEP = Step("validate-config", parser, act, ValidateOutputs)

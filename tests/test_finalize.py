@@ -231,16 +231,59 @@ def _give_up(root, cluster, holder="uid-a", *extra):
     return give_up.main([*args, "--namespace", "training", "--k8s-host", cluster.url, *extra])
 
 
-def test_give_up_of_the_lease_holder_gives_up_and_says_how_to_go_on(gke, capsys):
+def test_give_up_of_the_lease_holder_gives_up_says_how_to_go_on_and_labels_its_workflow(gke, capsys):
     root, _, cluster = gke
-    cluster.put("workflows", {"metadata": {"name": "wf-a"}, "spec": {}})
+    described = {"workflows.argoproj.io/description": "Run continued from attempt 30"}
+    cluster.put("workflows", {"metadata": {"name": "wf-a", "annotations": described}, "spec": {}})
     assert _give_up(root, cluster) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line == (
         "giving up: class application: application budget spent: 2 failures; "
         "to go on after a fix: argo resubmit -n training wf-a (docs/RUNBOOK.md section 4)"
     )
-    assert not cluster.requests_of("PATCH", "/workflows")  # the Workflow is left to fail on its own
+    wf = cluster.objects["workflows"]["wf-a"]
+    assert wf["spec"] == {}  # left to fail on its own
+    assert wf["metadata"]["labels"] == {"jaxrec/failure-class": "application"}
+    assert wf["metadata"]["annotations"]["workflows.argoproj.io/description"] == (
+        "giving up: class application: application budget spent: 2 failures\n\nRun continued from attempt 30"
+    )
+
+
+@pytest.mark.parametrize(
+    "description, kept",
+    [
+        ("giving up: class application: r\n\nRun continued from attempt 30", "Run continued from attempt 30"),
+        ("giving up: class application: r", None),
+        ("Run continued from attempt 30", "Run continued from attempt 30"),
+    ],
+)
+def test_a_resubmitted_workflow_loses_the_give_up_marks_it_copied(description, kept):
+    """argo resubmit copies labels and annotations: validate-config of the new Workflow takes the give-up's off."""
+    from recovery_steps.kernel.kube import Kube, make_api_client
+
+    cluster = FakeCluster()
+    meta = {"name": "wf-b", "labels": {"jaxrec/failure-class": "application", "jaxrec/run-id": GKE_RUN}}
+    cluster.put("workflows", {"metadata": {**meta, "annotations": {"workflows.argoproj.io/description": description}}})
+    try:
+        kube = Kube(make_api_client(cluster.url), "training")
+        assert give_up.clear_marks(kube, "wf-b")
+        assert not give_up.clear_marks(kube, "wf-b")  # nothing left to take
+    finally:
+        cluster.close()
+    wf = cluster.objects["workflows"]["wf-b"]["metadata"]
+    assert wf["labels"] == {"jaxrec/run-id": GKE_RUN}
+    assert (wf.get("annotations") or {}).get("workflows.argoproj.io/description") == kept
+    assert len(cluster.requests_of("PATCH", "/workflows/wf-b")) == 1
+
+
+def test_give_up_gives_up_all_the_same_when_its_workflow_cannot_be_labelled(gke, capsys):
+    root, _, cluster = gke
+    cluster.put("workflows", {"metadata": {"name": "wf-a"}, "spec": {}})
+    cluster.inject("/workflows/wf-a", 403, status(403, "Forbidden", "patch forbidden"), method="PATCH")
+    assert _give_up(root, cluster) == 1
+    log, line = capsys.readouterr().err.splitlines()
+    assert log.startswith("give-up: the Workflow keeps no label of its class:") and "403" in log
+    assert line.startswith("giving up: class application: application budget spent: 2 failures; to go on")
 
 
 @pytest.mark.parametrize("case", ["released", "another-holder"])

@@ -49,8 +49,8 @@ def test_each_granted_verb_has_the_step_that_needs_it():
         first_user.setdefault((use.group, use.resource, use.verb), use.step)
     assert first_user == EXPECTED
     assert _granted(ROLE_RULES) | _granted(NODE_RULES) == set(EXPECTED)
-    # Nothing the steps never call: no pod patch, no writes to Jobs or nodes; the one Workflow patch is give-up's stop
-    # of its own replayed Workflow (spec.shutdown, as argo stop sends).
+    # Nothing the steps never call: no pod patch, no writes to Jobs or nodes; the one Workflow patch is give-up's, on
+    # its own Workflow (its class label and description; spec.shutdown, as argo stop sends, when it is replayed).
     own_stop = {("argoproj.io", "workflows", "patch")}
     for verb in ("patch", "update", "deletecollection", "*"):
         granted = _granted(ROLE_RULES) - own_stop

@@ -208,21 +208,19 @@ class Kube:
             raise
         return self._json(resp)
 
+    def patch_workflow(self, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        """Merge-patch the Workflow ``name``; the Workflow as patched, or None when it does not exist."""
+        return self._maybe(
+            self.custom.patch_namespaced_custom_object, ARGO_GROUP, ARGO_VERSION, self.ns, WORKFLOW_PLURAL, name, patch
+        )
+
     def stop_workflow(self, name: str) -> dict[str, Any] | None:
         """Set the Workflow's ``spec.shutdown`` to ``Stop``; the Workflow as patched, or None when it does not exist.
 
         The merge patch ``argo stop`` sends (argo-workflows v4.0.5 ``workflow/util/util.go``,
         ``patchShutdownStrategy``): Argo fails what still runs and runs the exit handler.
         """
-        return self._maybe(
-            self.custom.patch_namespaced_custom_object,
-            ARGO_GROUP,
-            ARGO_VERSION,
-            self.ns,
-            WORKFLOW_PLURAL,
-            name,
-            {"spec": {"shutdown": "Stop"}},
-        )
+        return self.patch_workflow(name, {"spec": {"shutdown": "Stop"}})
 
     def get_namespace(self, name: str) -> dict[str, Any] | None:
         """The namespace ``name`` (cluster-scoped), or None when it does not exist."""

@@ -15,6 +15,8 @@ RUN_ID_LABEL = "jaxrec/run-id"
 ATTEMPT_LABEL = "jaxrec/attempt"
 # A continuation Workflow names the Workflow it continues (``argo list -l jaxrec/continues=NAME``).
 CONTINUES_LABEL = "jaxrec/continues"
+# Set on a Workflow by its give-up step, with its one line in the description (DESCRIPTION_ANNOTATION).
+FAILURE_CLASS_LABEL = "jaxrec/failure-class"
 # Shown in the Argo UI's workflow list, Markdown allowed (argo docs "Title and Description").
 TITLE_ANNOTATION = "workflows.argoproj.io/title"
 DESCRIPTION_ANNOTATION = "workflows.argoproj.io/description"
@@ -98,7 +100,9 @@ STEP_VERBS: tuple[VerbUse, ...] = (
     VerbUse("validate-config", JOBSET_GROUP, JOBSET_PLURAL, "get", "continue at an attempt whose gang still runs"),
     VerbUse("hand-over", "argoproj.io", "workflows", "get", "read this Workflow's spec to continue it"),
     VerbUse("hand-over", "argoproj.io", "workflows", "create", "start the run's continuation Workflow"),
-    VerbUse("give-up", "argoproj.io", "workflows", "patch", "stop its own Workflow when argo retry replays a verdict"),
+    VerbUse("give-up", "argoproj.io", "workflows", "get", "read its Workflow's description before it adds its own"),
+    VerbUse("give-up", "argoproj.io", "workflows", "patch", "label its Workflow; stop it when argo retry replays it"),
+    VerbUse("validate-config", "argoproj.io", "workflows", "patch", "take a resubmitted give-up's label off its own"),
     VerbUse("preflight", "", "namespaces", "get", "check the run's namespace exists", cluster_scoped=True),
     VerbUse("preflight", "", "serviceaccounts", "get", "check the steps' and workers' ServiceAccounts exist"),
     # Only ever with dryRun=All; no power the steps lack: a JobSet they create makes pods of any spec in the namespace.

@@ -95,6 +95,8 @@ def test_a_run_that_gives_up_as_a_user_follows_it_with_the_cli(argo_run):
     logs = argo_cli(rc, "logs", argo_run.name, "-n", ns, "--timestamps")
     assert logs.returncode == 0, logs.stderr
     assert "worker 1 failed (exit code 42" in logs.stdout, logs.stdout[-3000:]
+    by_class = argo_cli(rc, "list", "-n", ns, "-l", "jaxrec/failure-class=application")
+    assert by_class.returncode == 0 and first in by_class.stdout, by_class  # labelled by give-up
     (gave_up,) = [line for line in lines if "give-up" in line and "✖" in line]
     assert "giving up: class application" in gave_up and f"argo resubmit -n {ns} {first}" in gave_up, got.stdout
 

@@ -64,10 +64,23 @@ else
   curl -fsSL --retry 3 "$url" -o "$work/argo-ui.tgz" || missing "could not fetch $url: set ARGO_UI_TARBALL"
   tar -xzf "$work/argo-ui.tgz" -C "$work/argo-ui" --strip-components=1
 fi
-[ -f "$work/argo-ui/package.json" ] && [ -d "$work/argo-ui/src" ] || missing "the argo-ui source has no package.json and src/"
+[ -f "$work/argo-ui/package.json" ] || missing "the argo-ui source has no package.json"
+python3 - "$work/argo-ui" <<'PY' || missing "the argo-ui source is incomplete (a tarball of its package.json \"files\" is needed)"
+import json, sys
+from pathlib import Path
 
-cp -r "$argo_dir/ui" "$work/ui" && chmod -R u+w "$work/ui"
-python3 - "$work/ui" "$ui_ref" <<'PY'
+root = Path(sys.argv[1])
+lacking = [f for f in json.loads((root / "package.json").read_text()).get("files", []) if not (root / f).exists()]
+if lacking:
+    sys.exit(f"argo-ui/build.sh: the argo-ui source lacks {', '.join(lacking)}, which its package.json ships")
+PY
+
+# The UI builds inside a writable copy of the whole module: webpack reads ../api/ (the OpenAPI and JSON schemas);
+# the same copy, with the built app in place, is what the binary is linked from.
+cp -r "$argo_dir" "$work/argo-src" && chmod -R u+w "$work/argo-src"
+mv "$work/argo-ui" "$work/argo-src/argo-ui"
+ui="$work/argo-src/ui"
+python3 - "$ui" "$ui_ref" <<'PY'
 import json, re, sys
 from pathlib import Path
 
@@ -89,22 +102,20 @@ PY
 export YARN_CACHE_FOLDER="$cache_root/yarn-cache" npm_config_update_notifier=false
 yarn=(npx --yes "yarn@${YARN_VERSION}")
 echo "argo-ui/build.sh: yarn install, then webpack (argo ${ARGO_VERSION}, argo-ui ${ui_ref:0:7}, node ${node_major})" >&2
-(cd "$work/ui" && "${yarn[@]}" install --non-interactive --frozen-lockfile --network-timeout 600000 >&2)
-(cd "$work/ui" && VERSION="$ARGO_VERSION" "${yarn[@]}" build >&2)
-find "$work/ui/dist/app" -name '*.map' -delete
-[ -f "$work/ui/dist/app/index.html" ] || missing "the UI build made no dist/app/index.html"
+(cd "$ui" && "${yarn[@]}" install --non-interactive --frozen-lockfile --network-timeout 600000 >&2)
+(cd "$ui" && VERSION="$ARGO_VERSION" "${yarn[@]}" build >&2)
+find "$ui/dist/app" -name '*.map' -delete
+[ -f "$ui/dist/app/index.html" ] || missing "the UI build made no dist/app/index.html"
+rm -rf "$ui/node_modules"  # not part of the module: go build would walk it
 
-# The CLI embeds ui/dist/app (go:embed): relinked from a writable copy of the module with the built app in place,
-# stamped as tools/k8s/build.sh stamps it.
-cp -r "$argo_dir" "$work/argo-src" && chmod -R u+w "$work/argo-src"
-rm -rf "$work/argo-src/ui/dist/app" && mkdir -p "$work/argo-src/ui/dist" && cp -r "$work/ui/dist/app" "$work/argo-src/ui/dist/app"
+# The CLI embeds ui/dist/app (go:embed), stamped as tools/k8s/build.sh stamps it.
 stage="$cache_root/$key.partial.$$"
 mkdir -p "$stage"
 argo_pkg=github.com/argoproj/argo-workflows/v4
 (cd "$work/argo-src" && go build -trimpath -ldflags "-s -w -X ${argo_pkg}.version=${ARGO_VERSION} \
   -X ${argo_pkg}.gitTag=${ARGO_VERSION} -X ${argo_pkg}.gitCommit=${ARGO_COMMIT} -X ${argo_pkg}.gitTreeState=clean" \
   -o "$stage/argo" ./cmd/argo)
-cp -r "$work/ui/dist/app" "$stage/app"
+cp -r "$ui/dist/app" "$stage/app"
 rm -rf "$out" && mv "$stage" "$out"
 for old in "$cache_root"/*/; do
   case "${old%/}" in "$out" | "$cache_root/yarn-cache") ;; *) rm -rf "$old" ;; esac
