@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, TextIO
+from typing import Any
 
 from recovery_steps import lease
 from recovery_steps.kernel import cli
@@ -48,22 +48,6 @@ def replayed(current: RunLease | None, holder: str) -> bool:
     still this Workflow's.
     """
     return current is not None and not lease.held_by(current, holder)
-
-
-def run(failure_class: str, reason: str, err: TextIO | None = None) -> int:
-    """Print why the run stops and return the exit code (always 1: this step exists to fail).
-
-    Args:
-        failure_class: the class of the last failure (one of ``FailureClass``; anything else is shown as given).
-        reason: classify-failure's reason.
-        err: stream for the message (stderr by default).
-
-    Returns:
-        1.
-    """
-    err = err if err is not None else sys.stderr
-    print(verdict(failure_class, reason), file=err)
-    return 1
 
 
 def mark_workflow(args: argparse.Namespace, line: str) -> None:
@@ -99,10 +83,10 @@ def clear_marks(kube: Any, workflow: str) -> bool:
     wf = kube.get_workflow(workflow) or {}
     labels = (wf.get("metadata") or {}).get("labels") or {}
     before = _description(wf)
-    if FAILURE_CLASS_LABEL not in labels and not (before or "").startswith(GIVING_UP):
+    line_first = (before or "").startswith(GIVING_UP)
+    if FAILURE_CLASS_LABEL not in labels and not line_first:
         return False
-    rest = before.split("\n\n", 1)[1] if before and before.startswith(GIVING_UP) and "\n\n" in before else None
-    keep = rest if before and before.startswith(GIVING_UP) else before
+    keep = ([*before.split("\n\n", 1)[1:], None][0] if before else None) if line_first else before
     kube.patch_workflow(
         workflow, {"metadata": {"labels": {FAILURE_CLASS_LABEL: None}, "annotations": {DESCRIPTION_ANNOTATION: keep}}}
     )

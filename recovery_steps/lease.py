@@ -349,9 +349,9 @@ def refuse_replay(store: RunStore, holder: str, workflow: str, namespace: str, a
 
     Argo v4.0.5's retry resets a failed node whose descendants did not succeed and the nodes above it
     (``workflow/util/util.go``, ``FormulateRetryWorkflow``) and runs it again in the same Workflow, whose lease its
-    own exit handler released.
-    Acting then would take the run back with no confirmed first attempt, so nothing it does would be recorded. The
-    Workflow is stopped (its exit handler runs and records nothing) and the line says to resubmit.
+    own exit handler released. Acting then would take the run back with no confirmed first attempt, so nothing it
+    did would be recorded. The Workflow is stopped (its exit handler runs and records nothing) and the line says to
+    resubmit.
 
     Raises:
         StepError: Always when replayed: configuration, with the line a user reads (or the stop's own error).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -205,10 +204,11 @@ def test_unreadable_ledger_exits_with_message(tmp_path, capsys):
     assert err.startswith("finalize: ") and "unreadable ledger" in err
 
 
-def test_give_up_fails_on_purpose_with_class_and_reason():
-    err = io.StringIO()
-    assert give_up.run("application", "application budget spent:\n 2 failures", err) == 1
-    assert err.getvalue() == "giving up: class application: application budget spent: 2 failures\n"
+def test_give_up_says_the_class_and_the_reason_in_one_line():
+    assert give_up.verdict("application", "application budget spent:\n 2 failures") == (
+        "giving up: class application: application budget spent: 2 failures"
+    )
+    assert give_up.verdict("weird", " ") == "giving up: class weird (not a known failure class): no reason given"
 
 
 def test_give_up_as_a_program():
