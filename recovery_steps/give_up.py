@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from recovery_steps import lease
 from recovery_steps.kernel import cli
@@ -31,14 +30,12 @@ from recovery_steps.kernel.step import Step, StepError, api_failures, k8s_client
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import RunLayout, RunStore
 
-GIVING_UP = "giving up: "
-
 
 def verdict(failure_class: str, reason: str) -> str:
     """The one line that says why the run stops."""
     known = {c.value for c in FailureClass}
     cls = failure_class if failure_class in known else f"{failure_class} (not a known failure class)"
-    return f"{GIVING_UP}class {cls}: {' '.join(reason.split()) or 'no reason given'}"
+    return f"{lease.GIVING_UP}class {cls}: {' '.join(reason.split()) or 'no reason given'}"
 
 
 def replayed(current: RunLease | None, holder: str) -> bool:
@@ -56,41 +53,19 @@ def mark_workflow(args: argparse.Namespace, line: str) -> None:
     The Argo UI's workflow list shows a Workflow's description under its name; Argo fills the list's MESSAGE
     column from the root node's message (v4.0.5 ``operator.go``: ``workflowMessage = node.Message``), which a DAG
     failed by a child leaves empty. ``argo resubmit`` copies both to the new Workflow, whose validate-config takes
-    them off (``clear_marks``). Best effort: a refusal is logged and the step gives up all the same.
+    them off (``lease.clear_give_up_marks``). Best effort: a refusal is logged and the step gives up all the same.
     """
     from recovery_steps.kernel.kube import Kube
 
     cls = args.failure_class if args.failure_class in {c.value for c in FailureClass} else "unknown"
     try:
         kube = Kube(k8s_client(args.k8s_host), args.namespace)
-        before = _description(kube.get_workflow(args.workflow))
+        before = lease.description(kube.get_workflow(args.workflow))
         text = line[:1024] + (f"\n\n{before}" if before else "")
         patch = {"metadata": {"labels": {FAILURE_CLASS_LABEL: cls}, "annotations": {DESCRIPTION_ANNOTATION: text}}}
         kube.patch_workflow(args.workflow, patch)
     except (StepError, *api_failures()) as e:
         print(f"give-up: the Workflow keeps no label of its class: {' '.join(str(e).split())[:200]}", file=sys.stderr)
-
-
-def _description(wf: dict[str, Any] | None) -> str | None:
-    return (((wf or {}).get("metadata") or {}).get("annotations") or {}).get(DESCRIPTION_ANNOTATION)
-
-
-def clear_marks(kube: Any, workflow: str) -> bool:
-    """Take a give-up's label and line off the Workflow ``workflow``; True when there were any.
-
-    ``argo resubmit`` copied them from the Workflow that gave up. The caller decides what a refusal means.
-    """
-    wf = kube.get_workflow(workflow) or {}
-    labels = (wf.get("metadata") or {}).get("labels") or {}
-    before = _description(wf)
-    line_first = (before or "").startswith(GIVING_UP)
-    if FAILURE_CLASS_LABEL not in labels and not line_first:
-        return False
-    keep = ([*before.split("\n\n", 1)[1:], None][0] if before else None) if line_first else before
-    kube.patch_workflow(
-        workflow, {"metadata": {"labels": {FAILURE_CLASS_LABEL: None}, "annotations": {DESCRIPTION_ANNOTATION: keep}}}
-    )
-    return True
 
 
 def parser() -> argparse.ArgumentParser:

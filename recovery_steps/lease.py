@@ -364,6 +364,37 @@ def refuse_replay(store: RunStore, holder: str, workflow: str, namespace: str, a
         raise StepError(ExitCode.CONFIGURATION, f"{REPLAYED}; {resubmit_line(workflow, namespace)}")
 
 
+GIVING_UP = "giving up: "
+"""How give-up's line starts; give-up puts the line first in its Workflow's description."""
+
+
+def description(wf: dict[str, Any] | None) -> str | None:
+    """A Workflow's description annotation (shown under its name in the Argo UI's list), or None."""
+    from recovery_steps.kernel.names import DESCRIPTION_ANNOTATION
+
+    return (((wf or {}).get("metadata") or {}).get("annotations") or {}).get(DESCRIPTION_ANNOTATION)
+
+
+def clear_give_up_marks(kube: Any, workflow: str) -> bool:
+    """Take a give-up's label and line off the Workflow ``workflow``; True when there were any.
+
+    ``argo resubmit`` copied them from the Workflow that gave up. The caller decides what a refusal means.
+    """
+    from recovery_steps.kernel.names import DESCRIPTION_ANNOTATION, FAILURE_CLASS_LABEL
+
+    wf = kube.get_workflow(workflow) or {}
+    labels = (wf.get("metadata") or {}).get("labels") or {}
+    before = description(wf)
+    line_first = (before or "").startswith(GIVING_UP)
+    if FAILURE_CLASS_LABEL not in labels and not line_first:
+        return False
+    keep = ([*before.split("\n\n", 1)[1:], None][0] if before else None) if line_first else before
+    kube.patch_workflow(
+        workflow, {"metadata": {"labels": {FAILURE_CLASS_LABEL: None}, "annotations": {DESCRIPTION_ANNOTATION: keep}}}
+    )
+    return True
+
+
 def holds(store: RunStore, holder: str) -> bool:
     """True when ``holder`` has the lease now (unreleased), or nobody ever took one."""
     current = store.read_record(RunLayout.LEASE, RunLease)

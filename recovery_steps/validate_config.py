@@ -356,10 +356,10 @@ def _clear_give_up_marks(cfg: JobConfig, workflow: str, k8s_host: str | None) ->
 
     Best effort: a refusal is logged and the run goes on.
     """
-    from recovery_steps.give_up import clear_marks
+    from recovery_steps.lease import clear_give_up_marks
 
     try:
-        if clear_marks(Kube(k8s_client(k8s_host), cfg.namespace), workflow):
+        if clear_give_up_marks(Kube(k8s_client(k8s_host), cfg.namespace), workflow):
             print(f"validate-config: took the give-up's label and line of the resubmitted run off {workflow}")
     except (StepError, *api_failures()) as e:
         print(f"validate-config: {workflow} keeps a give-up's label: {first_line(e)}", file=sys.stderr)

@@ -266,8 +266,8 @@ def test_a_resubmitted_workflow_loses_the_give_up_marks_it_copied(description, k
     cluster.put("workflows", {"metadata": {**meta, "annotations": {"workflows.argoproj.io/description": description}}})
     try:
         kube = Kube(make_api_client(cluster.url), "training")
-        assert give_up.clear_marks(kube, "wf-b")
-        assert not give_up.clear_marks(kube, "wf-b")  # nothing left to take
+        assert lease.clear_give_up_marks(kube, "wf-b")
+        assert not lease.clear_give_up_marks(kube, "wf-b")  # nothing left to take
     finally:
         cluster.close()
     wf = cluster.objects["workflows"]["wf-b"]["metadata"]

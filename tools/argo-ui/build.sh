@@ -54,26 +54,35 @@ fi
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/argo-ui.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/argo-ui"
-if [ -n "${ARGO_UI_TARBALL:-}" ]; then
-  [ -f "$ARGO_UI_TARBALL" ] || missing "ARGO_UI_TARBALL=$ARGO_UI_TARBALL is not a file"
-  tar -xzf "$ARGO_UI_TARBALL" -C "$work/argo-ui"
-else
-  url="https://codeload.github.com/argoproj/argo-ui/tar.gz/$ui_ref"
-  echo "argo-ui/build.sh: fetching argo-ui $ui_ref from $url (set ARGO_UI_TARBALL to build offline)" >&2
-  curl -fsSL --retry 3 "$url" -o "$work/argo-ui.tgz" || missing "could not fetch $url: set ARGO_UI_TARBALL"
-  tar -xzf "$work/argo-ui.tgz" -C "$work/argo-ui" --strip-components=1
-fi
-[ -f "$work/argo-ui/package.json" ] || missing "the argo-ui source has no package.json"
-python3 - "$work/argo-ui" <<'PY' || missing "the argo-ui source is incomplete (a tarball of its package.json \"files\" is needed)"
+# complete DIR: whether DIR has argo-ui's package.json and every entry of its "files" (src and v2 at this ref).
+complete() {
+  python3 - "$1" <<'PY'
 import json, sys
 from pathlib import Path
 
 root = Path(sys.argv[1])
+if not (root / "package.json").is_file():
+    sys.exit("argo-ui/build.sh: the argo-ui source has no package.json")
 lacking = [f for f in json.loads((root / "package.json").read_text()).get("files", []) if not (root / f).exists()]
 if lacking:
     sys.exit(f"argo-ui/build.sh: the argo-ui source lacks {', '.join(lacking)}, which its package.json ships")
 PY
+}
+mkdir -p "$work/argo-ui"
+source_ok=0
+if [ -n "${ARGO_UI_TARBALL:-}" ]; then
+  [ -f "$ARGO_UI_TARBALL" ] || missing "ARGO_UI_TARBALL=$ARGO_UI_TARBALL is not a file"
+  tar -xzf "$ARGO_UI_TARBALL" -C "$work/argo-ui"
+  if complete "$work/argo-ui"; then source_ok=1; else rm -rf "$work/argo-ui" && mkdir -p "$work/argo-ui"; fi
+fi
+if [ "$source_ok" = 0 ]; then
+  url="https://codeload.github.com/argoproj/argo-ui/tar.gz/$ui_ref"
+  echo "argo-ui/build.sh: fetching argo-ui $ui_ref from $url" >&2
+  curl -fsSL --retry 3 --max-time 120 "$url" -o "$work/argo-ui.tgz" \
+    || missing "no complete argo-ui source: ARGO_UI_TARBALL=${ARGO_UI_TARBALL:-(not set)}, and $url could not be fetched"
+  tar -xzf "$work/argo-ui.tgz" -C "$work/argo-ui" --strip-components=1
+  complete "$work/argo-ui" || missing "the argo-ui source from $url is incomplete"
+fi
 
 # The UI builds inside a writable copy of the whole module: webpack reads ../api/ (the OpenAPI and JSON schemas);
 # the same copy, with the built app in place, is what the binary is linked from.
