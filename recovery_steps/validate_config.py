@@ -200,13 +200,14 @@ def _write_config(
     try:
         if replace_old is not None:
             store.write_record(previous_config_path(replace_old.hash), replace_old)
-            store.write_record(RunLayout.CONFIG, doc, if_generation_match=generation)
+            store.write_record(RunLayout.CONFIG, doc, if_generation_match=generation, idempotent=True)
         elif stored is None:
-            store.write_record(RunLayout.CONFIG, doc, if_generation_match=0)
+            store.write_record(RunLayout.CONFIG, doc, if_generation_match=0, idempotent=True)
         else:
             # The same config, pinned again under the generation read: when another validate-config replaced it
-            # meanwhile, one of the two writes fails, so two different configs never both succeed.
-            store.write_record(RunLayout.CONFIG, stored, if_generation_match=generation)
+            # meanwhile, one of the two writes fails, so two different configs never both succeed. The pinned
+            # document is a state (idempotent): the same bytes there, a try whose answer was lost, are done.
+            store.write_record(RunLayout.CONFIG, stored, if_generation_match=generation, idempotent=True)
     except PreconditionFailed:
         return f"{store.url(RunLayout.CONFIG)} changed while being validated; run validate-config again"
     return None

@@ -233,3 +233,36 @@ def test_a_last_writer_wins_record_is_retried_through_503s_and_through_its_own_u
         assert store.read_json("attempts/0/supervision.json") == {"verdict": "failed"}
     finally:
         proxy.close()
+
+
+def test_a_conditional_write_whose_answer_was_lost_is_done_not_refused(gcs_emulator, monkeypatch):
+    """validate-config pins the config with an explicit precondition (only if absent, or unchanged): a reset after
+    the upload landed makes the client's retry meet its own object. For a document that is a state (idempotent) the
+    same bytes are done; other bytes there are still another writer's, refused. (A read-modify-write counter is not
+    idempotent: tests/test_store.py holds that no update is lost there.)"""
+    from recovery_steps.kernel.store import PreconditionFailed, RunStore
+
+    proxy = OutageProxy(gcs_emulator.url)
+    real, lost = proxy.upstream, []
+
+    def reset_after_a_completed_pin(method, path, body, headers):
+        got = real(method, path, body, headers)
+        if method == "POST" and b"config.json" in (body or b"") and got[0] in (200, 201) and len(lost) < 2:
+            lost.append(path)
+            raise ConnectionResetError("connection reset by peer (after the upload completed)")
+        return got
+
+    proxy.upstream = reset_after_a_completed_pin
+    try:
+        for k, v in proxy.env(gcs_emulator.env).items():
+            monkeypatch.setenv(k, v)
+        store = RunStore("gs://test-bucket/conditional", "r")
+        first = store.write_json("config.json", {"hash": "a"}, if_generation_match=0, idempotent=True)
+        assert len(lost) == 1, "the reset after a completed upload was not made"
+        second = store.write_json("config.json", {"hash": "b"}, if_generation_match=first, idempotent=True)
+        assert len(lost) == 2 and second != first
+        assert store.read_json("config.json") == {"hash": "b"}
+        with pytest.raises(PreconditionFailed):  # another writer's now
+            store.write_json("config.json", {"hash": "c"}, if_generation_match=first, idempotent=True)
+    finally:
+        proxy.close()

@@ -739,20 +739,32 @@ class RunStore:
             return None, 0
         return json.loads(got[0]), got[1]
 
-    def write_bytes(self, rel: str, data: bytes, *, if_generation_match: int | None = None) -> int:
+    def write_bytes(
+        self, rel: str, data: bytes, *, if_generation_match: int | None = None, idempotent: bool = False
+    ) -> int:
         """Write ``rel`` atomically; with ``if_generation_match`` only if unchanged (0: only if absent).
 
-        Without it the last writer wins, and the write is still retried on a transient answer (a 429, a 503, a
-        reset): each try is conditional on the generation this store last wrote or saw there (its metadata read
-        first when it has none), so a retry can never put an older try over a newer write. A precondition failure
-        whose object holds these very bytes is an earlier try that succeeded unseen: done. One that holds other
-        bytes is another writer's, whose generation the next try takes (``PUT_TRIES`` in all).
+        Every write is conditional, so the storage client retries it on a transient answer (a 429, a 503, a
+        reset). Without ``if_generation_match`` the last writer wins: each try is conditional on the generation this
+        store last wrote or saw there (its metadata read first when it has none), so a retry can never put an older
+        try over a newer write; a precondition failure whose object holds these very bytes is an earlier try that
+        succeeded unseen (its answer lost): done; one holding other bytes is another writer's, whose generation the
+        next try takes (``PUT_TRIES`` in all). With ``if_generation_match`` a precondition failure is the caller's,
+        unless ``idempotent``: the document is the same state whoever wrote it (a pinned config, a create-only
+        record), so these very bytes there are done. A read-modify-write must not say so: another writer's equal
+        bytes are a lost update there.
 
         Raises:
             PreconditionFailed: ``if_generation_match`` did not hold, or every try met another writer's object.
         """
         if if_generation_match is not None:
-            gen = self._b.write(rel, data, if_generation_match)
+            try:
+                gen = self._b.write(rel, data, if_generation_match)
+            except PreconditionFailed:
+                got = self._b.read(rel) if idempotent else None
+                if got is None or got[0] != data:
+                    raise
+                gen = got[1]
             self._generations[rel] = gen
             return gen
         expected = self._generations.get(rel)
@@ -773,9 +785,11 @@ class RunStore:
         self._generations.pop(rel, None)
         raise PreconditionFailed(f"{self.url(rel)}: another writer changed it on each of {PUT_TRIES} tries")
 
-    def write_json(self, rel: str, obj: Any, *, if_generation_match: int | None = None) -> int:
+    def write_json(
+        self, rel: str, obj: Any, *, if_generation_match: int | None = None, idempotent: bool = False
+    ) -> int:
         """Write ``obj`` as indented, key-sorted JSON (see ``write_bytes``)."""
-        return self.write_bytes(rel, _json_bytes(obj), if_generation_match=if_generation_match)
+        return self.write_bytes(rel, _json_bytes(obj), if_generation_match=if_generation_match, idempotent=idempotent)
 
     def create_record(self, rel: str, record: BaseModel) -> int:
         """Write ``record`` at ``rel`` only if nothing is there, retried on a transient answer.
@@ -788,13 +802,7 @@ class RunStore:
             PreconditionFailed: ``rel`` holds another document.
         """
         data = _json_bytes(record.model_dump(mode="json", by_alias=True))
-        try:
-            return self._b.write(rel, data, 0)
-        except PreconditionFailed:
-            got = self._b.read(rel)
-            if got is not None and got[0] == data:
-                return got[1]
-            raise
+        return self.write_bytes(rel, data, if_generation_match=0, idempotent=True)
 
     def read_record(self, rel: str, model: type[R]) -> R | None:
         """The record at ``rel``, or None when absent.
@@ -812,11 +820,12 @@ class RunStore:
             return None, 0
         return parse_document(got[0], model, self.url(rel), run_id=self.run_id), got[1]
 
-    def write_record(self, rel: str, record: BaseModel, *, if_generation_match: int | None = None) -> int:
+    def write_record(
+        self, rel: str, record: BaseModel, *, if_generation_match: int | None = None, idempotent: bool = False
+    ) -> int:
         """Write ``record`` at ``rel`` as JSON (see ``write_bytes``)."""
-        return self.write_json(
-            rel, record.model_dump(mode="json", by_alias=True), if_generation_match=if_generation_match
-        )
+        dump = record.model_dump(mode="json", by_alias=True)
+        return self.write_json(rel, dump, if_generation_match=if_generation_match, idempotent=idempotent)
 
     def checkpoint_steps(self) -> list[int]:
         """Steps of the directories under ``checkpoints/``, ascending (complete or not: verification decides)."""
