@@ -1,9 +1,10 @@
 """``hand-over``: continue the run in a new Workflow of the same run id before this one nests too deep.
 
-Every attempt of a Workflow is one template call deeper than the one before, and Argo refuses more than 100
-nested calls (``maxAllowedStackDepth`` in the workflow controller); every attempt also adds its nodes to the
-Workflow object. After ``retry.attempts_per_workflow`` attempts classify-failure decides ``hand-over`` instead
-of ``retry``, and this step:
+Every attempt of a Workflow is two template calls deeper than the one before (``attempt`` and ``segment``; a
+re-attached supervisor one more), and Argo refuses the call whose depth reaches 100 (``kernel.config``:
+``ARGO_MAX_DEPTH``, counted as ``segment_pod_depth`` counts it); every attempt also adds its nodes to the Workflow
+object. After ``retry.attempts_per_workflow`` attempts, or sooner by depth, classify-failure decides ``hand-over``
+instead of ``retry``, and this step:
 
 1. creates the continuation Workflow ``<run-id>-c<attempt>`` from this Workflow's own spec (same arguments,
    same config), labelled with the run id and ``jaxrec/continues=<this workflow>``, with an Argo UI title and a

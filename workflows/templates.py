@@ -391,8 +391,8 @@ def _route(classify: Task, t: StepTemplates, resupervise: dict[str, str] | None 
     wait = {"duration": output_of(classify, ClassifyOutputs, "backoff_wait")}
     retry_or_hand_over = f"{is_(Decision.RETRY)} || {is_(Decision.HAND_OVER)}"
     Task(name="backoff", template=t.backoff, arguments=wait, depends=classify.name, when=retry_or_hand_over)
-    # Each attempt nests one call deeper (Argo refuses more than 100): after retry.attempts_per_workflow
-    # attempts the run continues in a new Workflow of the same run id instead.
+    # Each attempt nests two calls deeper (Argo refuses the call whose depth reaches 100: config.segment_pod_depth):
+    # after retry.attempts_per_workflow attempts, or sooner by depth, the run continues in a new Workflow instead.
     Task(
         name="hand-over",
         template=t.hand_over,
