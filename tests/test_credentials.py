@@ -211,3 +211,34 @@ def _children_behind_the_token_check(metadata, gcs_emulator, child, modes, arg) 
         return {mode: _as_pod(metadata, child, mode, arg(mode), STORAGE_EMULATOR_HOST=proxy.url) for mode in modes}
     finally:
         proxy.close()
+
+
+# A worker reading its config as its first act in a pod (trainer.app.Worker.load_config).
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from trainer.app import RunArgs, Worker
+    from trainer.decisions import TrainerExit
+    try:
+        out = {"run_id": Worker(RunArgs(sys.argv[1], sys.argv[2], 0, -1), env={}).load_config().run_id}
+    except TrainerExit as e:
+        out = {"code": int(e.code), "line": str(e)}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_worker_waits_out_a_metadata_server_not_ready_in_its_first_seconds_and_reads_its_config(
+    metadata, gcs_bucket, request
+):
+    from support.trainer_harness import tiny_config, write_config
+
+    cfg = tiny_config(f"gs://{gcs_bucket}/{request.node.name}", hosts=1)
+    write_config(cfg)
+    metadata.fail_for(6, status=503)
+    assert _as_pod(metadata, WORKER, cfg.storage.root, cfg.run_id) == {"run_id": cfg.run_id}
+    assert metadata.counts["refused"] >= 1  # it asked while the server was not ready
+
+    metadata.fail_for(600, status=503)  # still not ready past the store's retry deadline: transient, one line
+    out = _as_pod(metadata, WORKER, cfg.storage.root, cfg.run_id, JAXREC_STORE_RETRY_DEADLINE_S="2")
+    assert out["code"] == 69 and "transient" in out["line"] and "\n" not in out["line"], out

@@ -228,13 +228,33 @@ class Worker:
     # --- phases ----------------------------------------------------------------------------------
 
     def load_config(self) -> JobConfig:
-        """Read the validated config from the run store."""
+        """Read the validated config from the run store, in a pod once the metadata server gives a token.
+
+        A pod's metadata server may not answer in its first seconds (GKE's Workload Identity server starts with the
+        node's other agents): that is waited out within the store's retry deadline, and a store still unreachable
+        after it ends the worker as transient (69), never as an uncaught error; a refusal is configuration (2).
+        """
+        from recovery_steps.kernel.store import (
+            await_credentials,
+            first_line,
+            is_transient,
+            store_errors,
+            store_retry_deadline_s,
+        )
+
         try:
+            if self.store.is_gcs:
+                await_credentials(store_retry_deadline_s())
             return read_run_config(self.store)
         except ConfigError as e:
             raise TrainerExit(ExitCode.CONFIGURATION, "; ".join(e.problems)) from None
         except DocumentError as e:
             raise TrainerExit(ExitCode.CONFIGURATION, str(e)) from None
+        except store_errors() as e:
+            said = f"the run config at {self.store.url()} could not be read: {type(e).__name__}: {first_line(e)}"
+            if is_transient(e):
+                raise TrainerExit(ExitCode.TRANSIENT, f"{said}; transient, the attempt is retried") from None
+            raise TrainerExit(ExitCode.CONFIGURATION, f"{said}; check the workers' access to the run store") from None
 
     def check_bucket(self, cfg: JobConfig) -> None:
         """Wait for a token, then read the run bucket's metadata; raise TrainerExit(2) when either is refused.
