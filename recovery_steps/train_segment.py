@@ -195,16 +195,31 @@ def read_heartbeats(
     A heartbeat that cannot be read now (torn, of another schema, the store or its credentials unreachable) is
     the last one read (``last``) and is named in the errors: a store outage is not a worker that stopped stepping,
     and never escapes the supervision loop. A worker with no readable heartbeat yet has none.
+
+    One call takes a bounded time: each read is retried for ``SLOW_HEARTBEAT_READ_S`` at most, and once the store
+    failed one read, the workers after it are not read this round (the last beat read stands for each, named as
+    unread), so an outage costs one bounded read, not one per host.
     """
     last = last or {}
+    quick = store.bounded(SLOW_HEARTBEAT_READ_S)
     out, failed = [], {}
+    outage: str | None = None
     for i in range(hosts):
+        if outage is not None:
+            beat, failed[i] = last.get(i), f"not read this round: {outage}"
+            if beat is not None:
+                out.append(beat)
+            continue
         began = time.monotonic()
         try:
-            beat = store.read_record(RunLayout.heartbeat(attempt, i), WorkerHeartbeat)
-        except (DocumentError, *store_errors()) as e:
+            beat = quick.read_record(RunLayout.heartbeat(attempt, i), WorkerHeartbeat)
+        except DocumentError as e:  # this worker's document: the others are read
             log.warning("heartbeat of worker %d unreadable (keeping the last one read): %s", i, e)
             beat, failed[i] = last.get(i), f"{type(e).__name__}: {e}"
+        except store_errors() as e:
+            log.warning("heartbeat of worker %d unreadable (keeping the last ones read): %s", i, e)
+            beat, failed[i] = last.get(i), f"{type(e).__name__}: {e}"
+            outage = f"the store failed worker {i}'s read ({type(e).__name__})"
         took = time.monotonic() - began
         if i not in failed and took >= SLOW_HEARTBEAT_READ_S:
             # The storage client retried its way through refusals (429, 5xx) or the store was slow: the worker's

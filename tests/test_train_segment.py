@@ -428,6 +428,29 @@ def test_an_unreadable_heartbeat_keeps_the_last_one_read(tmp_path):
     assert [b.process_index for b in beats] == [1, 2, 3] and list(failed) == [0]  # nothing read before: unreadable
 
 
+def test_a_store_outage_costs_one_heartbeat_read_per_round_not_one_per_host(tmp_path, monkeypatch):
+    """One observation takes a bounded time: after the store fails one worker's read, the others are not read this
+    round; each keeps its last beat and is named unread, so the hang clock of none of them counts through it."""
+    from google.api_core.exceptions import ServiceUnavailable
+
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    for i in range(HOSTS):
+        _beat(store, i, 9, 1000.0)
+    last = {b.process_index: b for b in ts.read_heartbeats(store, 0, HOSTS)[0]}
+    reads = []
+
+    def down(self, rel, model):
+        reads.append(rel)
+        raise ServiceUnavailable("backend error")
+
+    monkeypatch.setattr(RunStore, "read_record", down)
+    beats, failed = ts.read_heartbeats(store, 0, HOSTS, last)
+    assert len(reads) == 1 and beats == [last[i] for i in range(HOSTS)]
+    assert sorted(failed) == list(range(HOSTS)) and "ServiceUnavailable" in failed[0]
+    assert all(failed[i].startswith("not read this round: the store failed worker 0's read") for i in range(1, HOSTS))
+
+
 def test_a_retry_after_the_stop_reports_the_recorded_verdict_and_creates_no_gang(tmp_path, cluster):
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)
