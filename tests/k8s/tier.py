@@ -74,8 +74,21 @@ def tier_config(root: Path, namespace: str, config: str = "v5e-4x4.yaml", **supe
 
 def apply_rbac(rc: RealCluster, cfg: JobConfig) -> None:
     """The project's ServiceAccounts, Role and bindings (``workflows.rbac``, as in ``argo/rbac.yaml``) for the
-    config's namespace. Cluster-scoped objects are replaced: tests run one at a time."""
+    config's namespace. A cluster-scoped binding keeps the subjects earlier tests bound (the shared CPU hosts' runs
+    in ``default`` read the cluster's id through it after a test in ``training`` bound its own), as
+    ``argo/rbac.yaml`` built for every config binds them all."""
+    from kubernetes import client
+
     for obj in rbac_objects([cfg]):
+        if obj["kind"] == "ClusterRoleBinding":
+            try:
+                have = client.RbacAuthorizationV1Api(rc.admin).read_cluster_role_binding(obj["metadata"]["name"])
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise
+            else:
+                known = [{"kind": s.kind, "name": s.name, "namespace": s.namespace} for s in have.subjects or []]
+                obj = {**obj, "subjects": [*known, *(x for x in obj["subjects"] if x not in known)]}
         rc.apply(obj)
 
 
