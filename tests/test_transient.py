@@ -197,6 +197,22 @@ def test_a_failure_aimed_at_checkpoint_manifests_refuses_those_writes_alone_and_
         proxy.close()
 
 
+def _reset_after_upload(proxy: OutageProxy, name: bytes, times: int) -> list[str]:
+    """Make the proxy reset the connection after an upload of ``name`` landed (the answer lost), ``times`` times;
+    the paths it did so for."""
+    real, lost = proxy.upstream, []
+
+    def reset_after_a_completed_upload(method, path, body, headers):
+        got = real(method, path, body, headers)
+        if method == "POST" and name in (body or b"") and got[0] in (200, 201) and len(lost) < times:
+            lost.append(path)
+            raise ConnectionResetError("connection reset by peer (after the upload completed)")
+        return got
+
+    proxy.upstream = reset_after_a_completed_upload
+    return lost
+
+
 def test_a_last_writer_wins_record_is_retried_through_503s_and_through_its_own_unseen_success(
     gcs_emulator, monkeypatch
 ):
@@ -206,16 +222,7 @@ def test_a_last_writer_wins_record_is_retried_through_503s_and_through_its_own_u
     from recovery_steps.kernel.store import RunStore
 
     proxy = OutageProxy(gcs_emulator.url)
-    real, lost = proxy.upstream, []
-
-    def reset_after_a_completed_verdict(method, path, body, headers):
-        got = real(method, path, body, headers)
-        if method == "POST" and b"supervision.json" in (body or b"") and got[0] in (200, 201) and not lost:
-            lost.append(path)
-            raise ConnectionResetError("connection reset by peer (after the upload completed)")
-        return got
-
-    proxy.upstream = reset_after_a_completed_verdict
+    lost = _reset_after_upload(proxy, b"supervision.json", times=1)
     try:
         for k, v in proxy.env(gcs_emulator.env).items():
             monkeypatch.setenv(k, v)
@@ -243,16 +250,7 @@ def test_a_conditional_write_whose_answer_was_lost_is_done_not_refused(gcs_emula
     from recovery_steps.kernel.store import PreconditionFailed, RunStore
 
     proxy = OutageProxy(gcs_emulator.url)
-    real, lost = proxy.upstream, []
-
-    def reset_after_a_completed_pin(method, path, body, headers):
-        got = real(method, path, body, headers)
-        if method == "POST" and b"config.json" in (body or b"") and got[0] in (200, 201) and len(lost) < 2:
-            lost.append(path)
-            raise ConnectionResetError("connection reset by peer (after the upload completed)")
-        return got
-
-    proxy.upstream = reset_after_a_completed_pin
+    lost = _reset_after_upload(proxy, b"config.json", times=2)
     try:
         for k, v in proxy.env(gcs_emulator.env).items():
             monkeypatch.setenv(k, v)
