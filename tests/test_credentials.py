@@ -242,3 +242,64 @@ def test_a_worker_waits_out_a_metadata_server_not_ready_in_its_first_seconds_and
     metadata.fail_for(600, status=503)  # still not ready past the store's retry deadline: transient, one line
     out = _as_pod(metadata, WORKER, cfg.storage.root, cfg.run_id, JAXREC_STORE_RETRY_DEADLINE_S="2")
     assert out["code"] == 69 and "transient" in out["line"] and "\n" not in out["line"], out
+
+
+# tensorstore's first GCS request in a pod, then (after the parent made the metadata server fail) an array write.
+TENSORSTORE_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import tensorstore as ts
+    from trainer.checkpointing import settle_tensorstores_credentials
+    mode, bucket, flag = sys.argv[1:4]
+    if mode == "settled":
+        settle_tensorstores_credentials(bucket, "probe/.tensorstore-credentials")
+    print("ready", flush=True)
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+    out = {}
+    try:
+        kv = ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result()
+        kv.write("probe/array-chunk", b"x" * 64).result(timeout=20)
+        out["wrote"] = True
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    print(json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("mode, authorized", [("settled", True), ("left-to-the-save", False)])
+def test_tensorstore_decides_on_its_credentials_while_the_metadata_server_answers(
+    metadata, gcs_emulator, gcs_bucket, tmp_path, mode, authorized
+):
+    """A worker has tensorstore make its once-per-process credentials decision right after its own token came
+    (``settle_tensorstores_credentials``): a save that meets the metadata server silent later still sends a token.
+    Left to the first save, tensorstore asks the silent server then, and the save waits or goes on with no token
+    (chaos seed 1: a save hung 120 s and two requests carried no token)."""
+    from workflows.local.outage import OutageProxy
+
+    proxy = OutageProxy(gcs_emulator.url, authorize=metadata.issued)
+    flag = tmp_path / "metadata-down"
+    env = {**os.environ, **proxy.env(gcs_emulator.env), **metadata.env(), "KUBERNETES_SERVICE_HOST": "127.0.0.1"}
+    for k in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_AUTH_TOKEN_FOR_TESTING"):
+        env.pop(k, None)
+    child = subprocess.Popen(
+        [sys.executable, "-c", TENSORSTORE_CHILD, mode, gcs_bucket, str(flag)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
+        metadata.hang_for(60)
+        flag.touch()
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+        proxy.close()
+    got = json.loads(out.strip().splitlines()[-1])
+    if authorized:
+        assert got == {"wrote": True} and proxy.unauthorized == 0, (got, err[-2000:])
+    else:  # it asks the silent server first: the write waits out its time (or goes on with no token: 401)
+        assert "wrote" not in got, (got, proxy.unauthorized, err[-2000:])

@@ -276,9 +276,9 @@ class Worker:
             split_gcs_url,
             store_retry_deadline_s,
         )
-        from trainer.checkpointing import give_orbax_the_pods_credentials
+        from trainer.checkpointing import give_orbax_the_pods_credentials, settle_tensorstores_credentials
 
-        bucket, _ = split_gcs_url(self.args.store_root)
+        bucket, prefix = split_gcs_url(self.args.store_root)
         retry = DEFAULT_RETRY.with_deadline(store_retry_deadline_s())
         # In a pod, every GCS client of the worker takes the metadata server's credentials when it needs a token:
         # gcsfs would go on anonymous, orbax's own client would ping, when the metadata server did not answer.
@@ -287,6 +287,7 @@ class Worker:
         try:
             # First a token: orbax's tensorstore decides once, at its first request, whether it has credentials.
             await_credentials(store_retry_deadline_s())
+            settle_tensorstores_credentials(bucket, f"{prefix}/.tensorstore-credentials".lstrip("/"))
             storage.Bucket(make_gcs_client(), bucket).reload(retry=retry)
         except Exception as e:  # noqa: BLE001 - bucket_check_exit decides; anything else is left to later calls
             verdict = bucket_check_exit(e, cfg, bucket)

@@ -63,6 +63,29 @@ def give_orbax_the_pods_credentials() -> None:
     gcs_utils.get_bucket = get_bucket
 
 
+def settle_tensorstores_credentials(bucket: str, key: str) -> None:
+    """In a pod, have tensorstore decide on its credentials now, while the metadata server answers.
+
+    tensorstore decides once per process, at its first GCS request, whether it has credentials: it asks the metadata
+    server whether it runs on GCE (3 tries within about a second), and without an answer it works with none for
+    good (tensorstore ``internal/oauth2/google_auth_provider.cc``). Left to orbax, that first request is the first
+    save's, which may meet the metadata server silent (a step pod starting beside it, chaos seed 1): every array
+    write is then refused 401 and the save hangs. One read (of a key that need not exist) right after the store's
+    own token came makes the decision while the server is known to answer. A failed read is logged: the saves
+    decide then, as before.
+    """
+    from recovery_steps.kernel.store import credentials_source
+
+    if credentials_source() != "pod":
+        return
+    try:
+        import tensorstore as ts
+
+        ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result().read(key).result()
+    except Exception as e:  # noqa: BLE001 - the saves decide later; nothing here ends the worker
+        log.warning("tensorstore's first GCS read failed (%s: %s); its saves decide later", type(e).__name__, e)
+
+
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorstore")
 
 

@@ -48,7 +48,9 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
         "and syncs the status until the API takes it); after an API server restart the real Argo controller's pod "
         "informer delivered nothing for over 10 minutes, so the deleted supervisor's node stayed Running with no pod "
         "in the API (Argo's, not the project's: its pod list keeps no resourceVersion; the test says what holds a "
-        "Workflow and restarts the controller, as docs/DEPLOY.md tells an operator)",
+        "Workflow and restarts the controller, as docs/DEPLOY.md tells an operator); a worker's first save met the "
+        "metadata server silent, hung 120 s and sent requests with no token (tensorstore decides on credentials at "
+        "its first GCS request: the worker now has it decide right after its own token came)",
         3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay; "
         "later the supervisor called a capacity stall ('only 1/2 worker pods exist after 6 s') on the view it held "
         "while the API server restarted, the Job controller down with it creating the second pod late (it now "
