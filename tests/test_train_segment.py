@@ -99,6 +99,16 @@ def _beat(store, attempt, step, t, ckpt=None):
         store.write_json(RunLayout.heartbeat(attempt, i), b.model_dump())
 
 
+def _run_joining(cfg, tmp_path, cluster, timers: list[threading.Timer]):
+    """``_run``, then every timer the cluster's script started joined (bounded): the record and the log lines."""
+    try:
+        rec, lines, _ = _run(cfg, tmp_path, cluster)
+    finally:
+        for t in timers:
+            t.join(timeout=5)
+    return rec, lines
+
+
 def _run(cfg, tmp_path, cluster, attempt=0):
     lines: list[str] = []
     progress = tmp_path / "progress"
@@ -940,11 +950,7 @@ def test_an_api_outage_at_start_up_is_no_capacity_stall(tmp_path, cluster):
         timers[-1].start()
 
     cluster.on_create = created
-    try:
-        rec, lines, _ = _run(cfg, tmp_path, cluster)
-    finally:
-        for t in timers:
-            t.join(timeout=5)
+    rec, lines = _run_joining(cfg, tmp_path, cluster, timers)
     assert rec.outcome == "succeeded", rec.reason
     assert any("the cluster view is not current" in line and "node gke-tpu-0" in line for line in lines), lines
 
@@ -995,11 +1001,7 @@ def test_a_jobset_its_controller_acts_on_late_is_no_capacity_stall(tmp_path, clu
         timers[-1].start()
 
     cluster.on_create = created
-    try:
-        rec, lines, _ = _run(cfg, tmp_path, cluster)
-    finally:
-        for t in timers:
-            t.join(timeout=5)
+    rec, lines = _run_joining(cfg, tmp_path, cluster, timers)
     assert rec.outcome == "succeeded", rec.reason
     assert any("the JobSet controller has not acted on it yet" in line for line in lines), lines
 

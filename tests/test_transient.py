@@ -44,8 +44,7 @@ def test_transient_becomes_one_line_and_others_pass_through():
 def test_restore_latest_exits_transient_while_the_store_answers_503(gcs_emulator, tmp_path, monkeypatch, capsys):
     proxy = OutageProxy(gcs_emulator.url)
     try:
-        for k, v in proxy.env(gcs_emulator.env).items():
-            monkeypatch.setenv(k, v)
+        _through(proxy, gcs_emulator, monkeypatch)
         monkeypatch.setenv("JAXREC_STORE_RETRY_DEADLINE_S", "0.5")
         proxy.down_for(60)
         code = restore_latest.main(
@@ -184,8 +183,7 @@ def test_a_failure_aimed_at_checkpoint_manifests_refuses_those_writes_alone_and_
 
     proxy = OutageProxy(gcs_emulator.url)
     try:
-        for k, v in proxy.env(gcs_emulator.env).items():
-            monkeypatch.setenv(k, v)
+        _through(proxy, gcs_emulator, monkeypatch)
         store = RunStore("gs://test-bucket/aimed", "r")
         proxy.fail_matching("manifest.json", 1.5)
         store.write_json("attempts/0/heartbeats/0.json", {"step": 5})
@@ -195,6 +193,12 @@ def test_a_failure_aimed_at_checkpoint_manifests_refuses_those_writes_alone_and_
         assert store.read_json("checkpoints/5/manifest.json") == {"run_id": "r", "step": 5}
     finally:
         proxy.close()
+
+
+def _through(proxy: OutageProxy, gcs_emulator, monkeypatch) -> None:
+    """Point this process's GCS clients at the emulator through ``proxy``."""
+    for k, v in proxy.env(gcs_emulator.env).items():
+        monkeypatch.setenv(k, v)
 
 
 def _reset_after_upload(proxy: OutageProxy, name: bytes, times: int) -> list[str]:
@@ -224,8 +228,7 @@ def test_a_last_writer_wins_record_is_retried_through_503s_and_through_its_own_u
     proxy = OutageProxy(gcs_emulator.url)
     lost = _reset_after_upload(proxy, b"supervision.json", times=1)
     try:
-        for k, v in proxy.env(gcs_emulator.env).items():
-            monkeypatch.setenv(k, v)
+        _through(proxy, gcs_emulator, monkeypatch)
         store = RunStore("gs://test-bucket/last-writer", "r")
         store.write_json("attempts/0/heartbeats/0.json", {"step": 1})
         proxy.fail_matching("heartbeats", 1.5)
@@ -252,8 +255,7 @@ def test_a_conditional_write_whose_answer_was_lost_is_done_not_refused(gcs_emula
     proxy = OutageProxy(gcs_emulator.url)
     lost = _reset_after_upload(proxy, b"config.json", times=2)
     try:
-        for k, v in proxy.env(gcs_emulator.env).items():
-            monkeypatch.setenv(k, v)
+        _through(proxy, gcs_emulator, monkeypatch)
         store = RunStore("gs://test-bucket/conditional", "r")
         first = store.write_json("config.json", {"hash": "a"}, if_generation_match=0, idempotent=True)
         assert len(lost) == 1, "the reset after a completed upload was not made"
