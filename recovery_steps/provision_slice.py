@@ -494,8 +494,10 @@ def run(
     """
     cfg = load_run_config(ref.store_root, ref.run_id)
     if holder is not None:
-        client = lambda: api_client or k8s_client(k8s_host)  # noqa: E731 - only a replayed Workflow needs it
-        lease.refuse_replay(ref.store(), holder.uid, holder.name, cfg.namespace, client)
+        # The client is made only for a replayed Workflow, to stop it.
+        lease.refuse_replay(
+            ref.store(), holder.uid, holder.name, cfg.namespace, lambda: api_client or k8s_client(k8s_host)
+        )
         site, alive = lease.LOCAL, None
         if uses_cluster(cfg):
             api_client = api_client or k8s_client(k8s_host)

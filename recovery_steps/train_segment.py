@@ -213,13 +213,11 @@ def read_heartbeats(
         began = time.monotonic()
         try:
             beat = quick.read_record(RunLayout.heartbeat(attempt, i), WorkerHeartbeat)
-        except DocumentError as e:  # this worker's document: the others are read
+        except (DocumentError, *store_errors()) as e:
             log.warning("heartbeat of worker %d unreadable (keeping the last one read): %s", i, e)
             beat, failed[i] = last.get(i), f"{type(e).__name__}: {e}"
-        except store_errors() as e:
-            log.warning("heartbeat of worker %d unreadable (keeping the last ones read): %s", i, e)
-            beat, failed[i] = last.get(i), f"{type(e).__name__}: {e}"
-            outage = f"the store failed worker {i}'s read ({type(e).__name__})"
+            if not isinstance(e, DocumentError):  # the store's failure, not this worker's document: read no more
+                outage = f"the store failed worker {i}'s read ({type(e).__name__})"
         took = time.monotonic() - began
         if i not in failed and took >= SLOW_HEARTBEAT_READ_S:
             # The storage client retried its way through refusals (429, 5xx) or the store was slow: the worker's
