@@ -7,6 +7,7 @@ as the kubelet does).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -61,6 +62,16 @@ def _wait(r: ArgoRun, phase: str, timeout: float = 180) -> None:
     )
 
 
+def _verdicts(r: ArgoRun, name: str) -> list[dict[str, str]]:
+    """Each attempt's classify-failure outputs, in order, from ``argo get -o json``."""
+    got = argo_cli(r.rc, "get", name, "-n", r.ns, "-o", "json")
+    assert got.returncode == 0, got.stderr
+    nodes = json.loads(got.stdout)["status"]["nodes"].values()
+    pods = [n for n in nodes if n["type"] == "Pod" and n["displayName"].startswith("classify-failure")]
+    pods.sort(key=lambda n: n["startedAt"])
+    return [{p["name"]: p.get("value", "") for p in n.get("outputs", {}).get("parameters", [])} for n in pods]
+
+
 def _trains_to_the_end(r: ArgoRun, attempt: int) -> None:
     """The attempt's gang runs, beats and completes."""
     r.workers(attempt)
@@ -91,6 +102,14 @@ def test_a_run_that_gives_up_as_a_user_follows_it_with_the_cli(argo_run):
     # The node message is the step's one-line reason (its termination message), not a log tail.
     assert all("worker 1 failed (exit code 42" in line for line in failed_segments), got.stdout
     assert any("give-up" in line and "✖" in line for line in lines), got.stdout
+    # Argo gives a step that succeeded no message (assessNodeStatus sets one only for a pending or failed pod): the
+    # decision of a retried attempt shows as the branches it skipped, its class and reason as classify-failure's
+    # outputs (``argo get -o json``, the UI's node panel).
+    skipped = [line for line in lines if "give-up" in line and "'retry' == 'stop'" in line]
+    assert len(skipped) == 1 and "evaluated false" in skipped[0], got.stdout
+    verdicts = _verdicts(argo_run, argo_run.name)
+    assert [(v["failure-class"], v["decision"]) for v in verdicts] == [("application", "retry"), ("application", "stop")]
+    assert all("worker 1" in v["reason"] for v in verdicts), verdicts
 
     logs = argo_cli(rc, "logs", argo_run.name, "-n", ns, "--timestamps")
     assert logs.returncode == 0, logs.stderr
