@@ -16,11 +16,13 @@
 Usage: python bench/bench_trainer.py [--hosts 4] [--steps 60] [--interval 10] [--repeats 3] [--kills 3]
        [--cache-repeats 2] [--only-checkpoints | --only-cache]
        python bench/bench_trainer.py --loop [--models tiny,134.6M,269M] [--loop-steps 300] [--save-every 100]
+       python bench/bench_trainer.py --save-probe [--models 134.6M] [--loop-steps 300] [--save-every 100]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
@@ -183,8 +185,8 @@ def loop_config(root: str, name: str, steps: int, save_every: int | None, accele
                        checkpoint={"interval_steps": save_every or steps, "keep": 2})  # fmt: skip
 
 
-def bare_loop(config_json: str, steps: int) -> dict:
-    """The bare step loop of the config in ``config_json`` (run in a process of its own): its steady rate."""
+def _bare_setup(config_json: str):
+    """The config's compiled step, initial state, batch source and stop flags, as the trainer builds them."""
     import jax
 
     from recovery_steps.kernel.config import parse_config
@@ -204,11 +206,19 @@ def bare_loop(config_json: str, steps: int) -> dict:
         return train_state.global_batch(tr, next(it), 1)
 
     compiled = tr.step_fn.lower(state, batch(), flags).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
     for _ in range(WARMUP_STEPS):
         state, loss, _stop = compiled(state, batch(), flags)
     jax.block_until_ready(loss)
+    return compiled, state, batch, flags
+
+
+def bare_loop(config_json: str, steps: int) -> dict:
+    """The bare step loop of the config in ``config_json`` (run in a process of its own): its steady rate."""
+    import jax
+
+    compiled, state, batch, flags = _bare_setup(config_json)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
     t0 = time.perf_counter()
     for _ in range(steps):
         state, loss, _stop = compiled(state, batch(), flags)
@@ -220,12 +230,115 @@ def bare_loop(config_json: str, steps: int) -> dict:
             "device": f"{dev.platform}:{dev.device_kind}", "kind": dev.device_kind}  # fmt: skip
 
 
-def run_bare(cfg, steps: int) -> dict:
-    """``bare_loop`` of ``cfg`` in a child process (one program at a time may hold a chip)."""
+SAVE_PROBES: dict[str, tuple[str, int | None, float]] = {
+    # name: (what each save does, how many steps behind the loop reads the loss (None: only at the end), the GIL's
+    # switch interval in seconds)
+    "none": ("none", None, 0.005),
+    "none, loss read 1 step behind": ("none", 1, 0.005),
+    "device-to-host copy on a thread": ("d2h", None, 0.005),
+    "orbax on a saver thread": ("orbax", None, 0.005),
+    "orbax on a saver thread, loss 1 behind": ("orbax", 1, 0.005),
+    "orbax on a saver thread, loss 1 behind, GIL 0.5 ms": ("orbax", 1, 0.0005),
+    "orbax + file digests, loss 1 behind": ("orbax+digests", 1, 0.005),
+    "orbax on a saver thread, loss 4 behind": ("orbax", 4, 0.005),
+    "orbax on a saver thread, loss 16 behind": ("orbax", 16, 0.005),
+}
+"""The bare loop with each part of a save added (``--save-probe``): where a save's cost to the loop goes."""
+
+
+def bare_saves(config_json: str, steps: int, every: int) -> dict:
+    """The bare loop of the config with each of ``SAVE_PROBES`` in turn, in one process (one compile).
+
+    Each probe runs ``steps`` steps and starts a save (its kind) at every ``every``-th step from ``every // 2`` on,
+    each on a snapshot of the state taken as the trainer takes it (a jitted on-device copy); orbax with the
+    trainer's handler and options. Returns, per probe: steps/s, saves, and the slowest iteration of the loop.
+    """
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    from recovery_steps.kernel.checkpoints import stream_digests
+    from trainer import checkpointing as ck
+
+    compiled, state, batch, flags = _bare_setup(config_json)
+    snapshot = ck._snapshot_fn(state).lower(state).compile()
+    ck.configure_orbax()
+    root = Path(tempfile.mkdtemp(prefix="bench-save-probe-"))
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True, create=True)
+    mgr = ocp.CheckpointManager(root, options=opts, item_handlers={"state": ocp.PyTreeCheckpointHandler(
+        use_compression=False)})  # fmt: skip
+    saver = ThreadPoolExecutor(1)
+    counter = iter(range(1, 1_000_000))
+
+    def orbax_save(snap, digests: bool) -> None:
+        n = next(counter)
+        mgr.save(n, args=ocp.args.Composite(state=ocp.args.PyTreeSave(snap, save_args=ck._save_args(snap))),
+                 force=True)  # fmt: skip
+        if digests:
+            mgr.wait_until_finished()
+            files = [f for f in (root / str(n)).rglob("*") if f.is_file()]
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(stream_digests, files))
+
+    orbax_save(snapshot(state), False)  # orbax's first save sets itself up: not any probe's cost
+    mgr.wait_until_finished()
+    out = {}
+    for probe, (kind, lag, switch) in SAVE_PROBES.items():
+        sys.setswitchinterval(switch)
+        pending, losses, saves, slowest = [], collections.deque(), 0, 0.0
+        t0 = last = time.perf_counter()
+        for i in range(1, steps + 1):
+            state, loss, _stop = compiled(state, batch(), flags)
+            if lag is not None:
+                losses.append(loss)
+                if len(losses) > lag:
+                    float(losses.popleft())
+            if kind != "none" and i % every == every // 2:
+                snap = snapshot(state)
+                saves += 1
+                if kind == "d2h":
+                    pending.append(saver.submit(jax.device_get, snap))
+                else:
+                    pending.append(saver.submit(orbax_save, snap, kind == "orbax+digests"))
+            t = time.perf_counter()
+            slowest, last = max(slowest, t - last), t
+        float(loss)
+        elapsed = time.perf_counter() - t0
+        for f in pending:
+            f.result(timeout=600)
+        mgr.wait_until_finished()
+        out[probe] = {"rate": steps / elapsed, "steps": steps, "saves": saves, "slowest_iteration_s": slowest,
+                      "lag": lag}  # fmt: skip
+    sys.setswitchinterval(0.005)
+    saver.shutdown()
+    mgr.close()
+    return out
+
+
+def print_save_probe(name: str, every: int, probes: dict[str, dict]) -> None:
+    """One model's save-probe table: each probe's steps/s against the bare loop's and its loss per save."""
+    print(f"\n## {name}: where a save's cost goes (the bare loop, a save every {every} steps of each kind; kept and "
+          "lost against the loop without saves that reads the loss as far behind, or never)")  # fmt: skip
+    print(f"{'probe':<52} {'st/s':>7} {'kept':>6} {'lost s/save':>12} {'slowest iteration s':>20}")
+    for probe, r in probes.items():
+        n = r["saves"]
+        same = [x for x in probes.values() if x["saves"] == 0 and x["lag"] == r["lag"]]
+        base = (same or [probes["none"]])[0]["rate"]
+        lost = (1 / r["rate"] - 1 / base) * r["steps"] / n if n else 0.0
+        print(f"{probe:<52} {r['rate']:>7.2f} {r['rate'] / base:>6.3f} {lost:>12.3f} {r['slowest_iteration_s']:>20.3f}")
+
+
+def run_bare(cfg, steps: int, save_probe_every: int | None = None) -> dict:
+    """``bare_loop`` of ``cfg`` in a child process (one program at a time may hold a chip); with
+    ``save_probe_every``, ``bare_saves`` instead."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     if cfg.slice.local_devices == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, __file__, "--bare", cfg.model_dump_json(), "--loop-steps", str(steps)]
+    if save_probe_every:
+        cmd += ["--bare-saves", "--save-every", str(save_probe_every)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     if out.returncode != 0:
         raise SystemExit(f"bare loop: exit {out.returncode}\n{out.stderr[-3000:]}")
@@ -334,10 +447,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loop-steps", type=int, default=300, help="measured steps of each --loop run")
     p.add_argument("--save-every", type=int, default=100, help="the --loop save interval")
     p.add_argument("--cpu", action="store_true", help="--loop on the CPU even where there is an accelerator")
+    p.add_argument(
+        "--save-probe",
+        action="store_true",
+        help="only the bare loop with each part of a save added (--models, --loop-steps, --save-every)",
+    )
     p.add_argument("--bare", help=argparse.SUPPRESS)  # internal: the bare loop of this config JSON
+    p.add_argument("--bare-saves", action="store_true", help=argparse.SUPPRESS)  # internal: with SAVE_PROBES
     a = p.parse_args(argv)
     if a.bare:
-        print(json.dumps(bare_loop(a.bare, a.loop_steps)))
+        out = bare_saves(a.bare, a.loop_steps, a.save_every) if a.bare_saves else bare_loop(a.bare, a.loop_steps)
+        print(json.dumps(out))
+        return
+    if a.save_probe:
+        with tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
+            accelerator = not a.cpu and has_accelerator()
+            for name in a.models.split(","):
+                cfg = loop_config(str(Path(tmp) / name / "store"), name, a.loop_steps, None, accelerator,
+                                  str(Path(tmp) / "xla-cache"))  # fmt: skip
+                print_save_probe(name, a.save_every, run_bare(cfg, a.loop_steps, a.save_every))
         return
     if a.loop:
         with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
