@@ -15,8 +15,8 @@
 
 Usage: python bench/bench_trainer.py [--hosts 4] [--steps 60] [--interval 10] [--repeats 3] [--kills 3]
        [--cache-repeats 2] [--only-checkpoints | --only-cache]
-       python bench/bench_trainer.py --loop [--models tiny,134.6M,269M] [--loop-steps 300] [--save-every 100]
-       python bench/bench_trainer.py --save-probe [--models 134.6M] [--loop-steps 300] [--save-every 100]
+       python bench/bench_trainer.py --loop [--models tiny,134.6M,269M] [--loop-steps 300] [--save-every 100] [--steps-ahead 16]
+       python bench/bench_trainer.py --save-probe [--models 134.6M] [--loop-steps 300] [--save-every 100] [--steps-ahead 16]
 """
 
 from __future__ import annotations
@@ -174,14 +174,17 @@ PEAK_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v
 WARMUP_STEPS = 10
 
 
-def loop_config(root: str, name: str, steps: int, save_every: int | None, accelerator: bool, cache: str):
-    """A gang of one training model ``name`` for ``steps`` steps, saving every ``save_every`` (None: at the end)."""
+def loop_config(
+    root: str, name: str, steps: int, save_every: int | None, accelerator: bool, cache: str, steps_ahead: int = 1
+):
+    """A gang of one training model ``name`` for ``steps`` steps, saving every ``save_every`` (None: at the end),
+    dispatching ``steps_ahead`` steps beyond the one it reads."""
     m = LOOP_MODELS[name]
     return tiny_config(root, run_id=f"bench-loop-{name.replace('.', '-').lower()}", hosts=1, share_compile_cache=False,
                        slice={"local_devices": "accelerator" if accelerator else "cpu"},
                        model=m["model"], data={"global_batch_size": m["batch"], "num_records": 4 * m["batch"]},
                        training={"total_steps": steps, "compile_grace_s": 900, "hang_timeout_s": 600,
-                                 "compilation_cache_dir": cache},
+                                 "compilation_cache_dir": cache, "steps_ahead": steps_ahead},
                        checkpoint={"interval_steps": save_every or steps, "keep": 2})  # fmt: skip
 
 
@@ -366,23 +369,27 @@ def run_trainer(cfg, work: Path) -> dict:
             "parts": [e.blocking_parts or {} for e in commits if s0 < e.step < s1]}  # fmt: skip
 
 
-def bench_loop(work: Path, models: list[str], steps: int, save_every: int, accelerator: bool) -> None:
+def bench_loop(
+    work: Path, models: list[str], steps: int, save_every: int, accelerator: bool, steps_ahead: int = 1
+) -> None:
     """Trainer vs bare loop for each model, then save every ``save_every`` vs none for the larger ones."""
     cache = str(work / "xla-cache")
     rows, saves = [], []
     for name in models:
-        cfg = loop_config(str(work / f"{name}-none" / "store"), name, steps + WARMUP_STEPS, None, accelerator, cache)
+        cfg = loop_config(str(work / f"{name}-none" / "store"), name, steps + WARMUP_STEPS, None, accelerator, cache,
+                          steps_ahead)  # fmt: skip
         bare = run_bare(cfg, steps)
         none = run_trainer(cfg, work / f"{name}-none")
         rows.append((name, cfg, bare, none))
         print(f"measured {name}: bare {bare}, trainer {none}", flush=True)
         if name != "tiny":
             cfg_s = loop_config(str(work / f"{name}-save" / "store"), name, steps + WARMUP_STEPS, save_every,
-                                accelerator, cache)  # fmt: skip
+                                accelerator, cache, steps_ahead)  # fmt: skip
             saves.append((name, none, run_trainer(cfg_s, work / f"{name}-save")))
             print(f"measured {name} saving every {save_every}: {saves[-1][2]}", flush=True)
     print(f"\n## the trainer vs the bare jit step loop, a gang of one on {rows[0][2]['device']} "
-          f"({steps} steps after {WARMUP_STEPS} of warm-up; no save inside the measured span)")  # fmt: skip
+          f"({steps} steps after {WARMUP_STEPS} of warm-up; no save inside the measured span; the trainer "
+          f"dispatching {steps_ahead} steps ahead)")  # fmt: skip
     print(f"{'model':<8} {'params':>8} {'bare st/s':>10} {'trainer st/s':>13} {'ratio':>6} {'tokens/s':>10} "
           f"{'TFLOP/s':>8} {'MFU':>6} {'peak RSS MiB':>13}")  # fmt: skip
     for name, cfg, bare, none in rows:
@@ -446,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="tiny,134.6M,269M", help="the --loop models, comma-separated")
     p.add_argument("--loop-steps", type=int, default=300, help="measured steps of each --loop run")
     p.add_argument("--save-every", type=int, default=100, help="the --loop save interval")
+    p.add_argument("--steps-ahead", type=int, default=16, help="the --loop trainer's training.steps_ahead")
     p.add_argument("--cpu", action="store_true", help="--loop on the CPU even where there is an accelerator")
     p.add_argument(
         "--save-probe",
@@ -470,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.loop:
         with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
             accelerator = not a.cpu and has_accelerator()
-            bench_loop(Path(tmp), a.models.split(","), a.loop_steps, a.save_every, accelerator)
+            bench_loop(Path(tmp), a.models.split(","), a.loop_steps, a.save_every, accelerator, a.steps_ahead)
         return
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)

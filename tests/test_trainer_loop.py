@@ -122,6 +122,47 @@ def test_the_next_step_is_dispatched_before_this_one_is_read_except_where_a_hook
     ]  # fmt: skip
 
 
+def test_with_steps_ahead_that_many_steps_are_in_flight_and_a_held_step_drains_them():
+    log: list[str] = []
+    steps = iter(range(1, 100))
+
+    def run_step(flag: int):
+        n = next(steps)
+        log.append(f"dispatch {n}")
+        return Deferred(log, str(n), 1.0 / n), 0
+
+    hooks = Hooks()
+    hooks.hold(lambda step: step == 4)  # a save reads the state step 4 produced
+    recs = []
+    for rec in training_steps(run_step, 0, 7, lambda: 0, hooks, steps_ahead=3):
+        recs.append(rec.step)
+        log.append(f"hooks {rec.step}")
+    assert recs == [1, 2, 3, 4, 5, 6, 7]
+    assert log == [
+        "dispatch 1", "dispatch 2", "dispatch 3",
+        "dispatch 4", "read 1", "hooks 1",  # three steps in flight beyond the one read
+        "read 2", "hooks 2",  # step 5 waits for step 4's hooks
+        "read 3", "hooks 3",
+        "read 4", "hooks 4",
+        "dispatch 5", "dispatch 6", "dispatch 7",
+        "read 5", "hooks 5", "read 6", "hooks 6", "read 7", "hooks 7",  # the last step: nothing after it
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="steps_ahead"):
+        list(training_steps(run_step, 0, 7, lambda: 0, hooks, steps_ahead=0))
+
+
+def test_a_stop_read_with_steps_in_flight_ends_after_the_last_of_them():
+    requested = {"now": False}
+    fake = FakeStep(0, stop_at=3)
+    recs = []
+    for rec in training_steps(fake, 0, 20, lambda: requested["now"], Hooks(), steps_ahead=4):
+        recs.append(rec)
+        requested["now"] = rec.step >= 2
+    # Steps 4 to 7 were in flight when step 3's agreement was read: they carry it, and training stops after 7.
+    assert [(r.step, r.stop_agreed) for r in recs] == [(s, s == 7) for s in range(1, 8)]
+    assert fake.step == 7  # nothing dispatched after the stop was read
+
+
 def test_a_fault_before_a_step_comes_after_the_hooks_of_the_step_before():
     fault = FaultHook(parse_faults("app-bug@3"))
     hooks = Hooks()

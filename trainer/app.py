@@ -819,7 +819,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     if tier is not None:
         _add_local_saves(w, hooks, tier, stepper, tr.abstract_state, t.total_steps)
     last = StepRecord(start)
-    for last in training_steps(stepper, start, t.total_steps, w.stop_flag, hooks):
+    for last in training_steps(stepper, start, t.total_steps, w.stop_flag, hooks, t.steps_ahead):
         hooks.run(last)
     if not saving.abandoned:
         saving.finish()

@@ -3,17 +3,20 @@
 The loop knows nothing of checkpoints, metrics, events or faults. ``training_steps`` yields a
 ``StepRecord`` after each step; ``Hooks`` runs the subscribers on it, each at its own frequency.
 
-The host never waits for the device between two steps: step n+1 is dispatched before step n's loss and stop
-flag are read, so the accelerator has the next step queued while the host runs step n's hooks (JAX dispatches
-asynchronously; reading a result is what waits). A hook that reads the state step n produced (a save) says so
-with ``Hooks.hold``: at such a step, and at the last one, the next step is dispatched only after the hooks ran.
-A stop is agreed inside a step; read one step late, it takes effect after the step already in flight, which
-carries the same agreement (a process's stop flag stays set once raised).
+The host never waits for the device between two steps: steps n+1 .. n+k (``training.steps_ahead``, k >= 1)
+are dispatched before step n's loss and stop flag are read, so the accelerator has work queued while the host
+runs step n's hooks (JAX dispatches asynchronously; reading a result is what waits), and a pause of the host
+shorter than k steps (an asynchronous save's own work on its thread holds the interpreter for up to a second)
+costs the accelerator nothing. A hook that reads the state step n produced (a save) says so with
+``Hooks.hold``: at such a step, and at the last one, the next step is dispatched only after the hooks ran. A
+stop is agreed inside a step; read up to k steps late, it takes effect after the steps already in flight, which
+carry the same agreement (a process's stop flag stays set once raised).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -137,35 +140,45 @@ def training_steps(
     total_steps: int,
     stop_requested: Callable[[], int],
     hooks: Hooks,
+    steps_ahead: int = 1,
 ) -> Iterator[StepRecord]:
     """Run steps ``start_step + 1 .. total_steps`` (or until a stop is agreed), yielding each one's record.
 
     ``run_step(flag)`` dispatches a step and returns its loss and reduced stop flag, read here with ``float``
     and ``int`` (device arrays or plain numbers). The caller runs ``hooks.run(record)`` on each record; the
-    before-step hooks run here, before each step is dispatched. Step n+1 is dispatched before step n's results
-    are read unless ``hooks.holds(n)``. A stop flag is 0 (no stop) or 1 + milliseconds since SIGTERM when the
-    step was dispatched (``decisions.stop_flag``); a bool counts as a flag of age 0.
+    before-step hooks run here, before each step is dispatched. Up to ``steps_ahead`` steps are dispatched beyond
+    the one whose results are read, never one past a step ``n`` where ``hooks.holds(n)`` before n's hooks ran. A
+    stop flag is 0 (no stop) or 1 + milliseconds since SIGTERM when the step was dispatched
+    (``decisions.stop_flag``); a bool counts as a flag of age 0.
     """
-
-    def dispatch(step: int) -> tuple[int, float, Any, Any]:
-        hooks.run_before(step)
-        t0 = now()
-        loss, stop = run_step(stop_requested())
-        return step, t0, loss, stop
-
+    if steps_ahead < 1:
+        raise ValueError(f"steps_ahead: {steps_ahead} is not a positive number of steps")
     if start_step >= total_steps:
         return
-    current = dispatch(start_step + 1)
-    stopping = False  # a stop was read in the step before ``current``: it is the last
-    while True:
-        step, t0, loss, stop = current
-        ahead = None
-        if step < total_steps and not stopping and not hooks.holds(step):
-            ahead = dispatch(step + 1)
+    in_flight: deque[tuple[int, float, Any, Any]] = deque()
+    following = start_step + 1  # the next step to dispatch
+    hooks_done = start_step  # the last step whose hooks ran
+    stopping = False  # a stop was read: the steps in flight carry it, the last of them ends training
+
+    def fill() -> None:
+        nonlocal following
+        while following <= total_steps and not stopping and len(in_flight) < steps_ahead:
+            if following - 1 > hooks_done and hooks.holds(following - 1):
+                return
+            hooks.run_before(following)
+            t0 = now()
+            loss, stop = run_step(stop_requested())
+            in_flight.append((following, t0, loss, stop))
+            following += 1
+
+    fill()
+    while in_flight:
+        step, t0, loss, stop = in_flight.popleft()
+        fill()
         loss_v, stop_v = float(loss), int(stop)
         t1 = now()
-        # Agreed in ``step`` with a step already in flight: that one carries the agreement and is the last.
-        agreed = bool(stop_v) and ahead is None
+        # Agreed in ``step`` with steps already in flight: they carry the same agreement, the last of them ends it.
+        agreed = bool(stop_v) and not in_flight
         age = sigterm_age(stop_v) if agreed else None
         yield StepRecord(
             step,
@@ -177,7 +190,8 @@ def training_steps(
             sigterm_age_s=None if age is None else age + (t1 - t0),
             last=step >= total_steps,
         )
-        if agreed or (ahead is None and step >= total_steps):
+        if agreed:
             return
-        stopping = bool(stop_v)
-        current = ahead if ahead is not None else dispatch(step + 1)
+        hooks_done = step
+        stopping = stopping or bool(stop_v)
+        fill()

@@ -95,6 +95,7 @@ RULES: tuple[Rule, ...] = (
     Rule("training.heartbeat_timeout_s", True, "a timeout"),
     Rule("training.init_timeout_s", True, "a timeout"),
     Rule("training.shutdown_timeout_s", True, "a timeout"),
+    Rule("training.steps_ahead", True, "how far the host dispatches ahead; the steps and their results are the same"),
     Rule("training.hang_timeout_s", True, "a timeout"),
     Rule("training.compile_grace_s", True, "a timeout"),
     Rule("training.compilation_cache", True, "a cache: compiled programs are rebuilt when absent"),

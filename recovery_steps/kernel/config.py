@@ -479,6 +479,15 @@ class TrainingConfig(_Section):
         description="How long jax.distributed.initialize waits for every process. Default 120 locally, 1800 on TPU.",
     )
     shutdown_timeout_s: int = Field(default=10, ge=1, description="JAX distributed shutdown barrier timeout.")
+    steps_ahead: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Steps the host dispatches beyond the one whose loss it reads: a pause of the host shorter "
+        "than this many steps (an asynchronous save's own work held it up to 1 s on a TPU v5e) costs the "
+        "accelerator nothing; a stop or a save takes effect after the steps already in flight. About 1 s of "
+        "steps on an accelerator (docs/PERFORMANCE.md).",
+    )
     hang_timeout_s: int = Field(
         default=60,
         ge=1,

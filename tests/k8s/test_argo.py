@@ -42,42 +42,6 @@ def test_the_controller_listens_only_inside_its_own_network_namespace(real_clust
     real_cluster.check_alive()
 
 
-def test_app_bug_fails_the_workflow_with_class_application_once_its_budget_is_spent(argo_run):
-    """README scenario ``app-bug``: an exception in the training step on every attempt (exit 42, podFailurePolicy
-    FailJob) -> Failed with class ``application`` once its budget (1) is spent; train-segment is never retried."""
-    t0 = time.monotonic()
-    argo_run.submit()
-    for attempt in (0, 1):
-        pods = argo_run.workers(attempt)
-        if attempt == 0:  # the supervisor's pod as the API server classed it: Argo's init and wait containers too
-            (sup,) = [p for p in argo_run.rc.pods(argo_run.ns) if "-train-segment-" in p["metadata"]["name"]]
-            assert sup["status"]["qosClass"] == "Guaranteed", [c.get("resources") for c in sup["spec"]["containers"]]
-        argo_run.rc.exit_pod(argo_run.ns, pods[1]["metadata"]["name"], 42)
-    wf = argo_run.wait_done(200)
-    report = argoctl.summary(wf)
-    assert wf["status"]["phase"] == "Failed", report
-    verdicts = [argoctl.outputs(n) for n in argoctl.pods_of(wf, "classify-failure")]
-    assert [(v["failure-class"], v["decision"]) for v in verdicts] == [
-        ("application", "retry"),
-        ("application", "stop"),
-    ], report
-    segments = argoctl.pods_of(wf, "train-segment")
-    assert [n["outputs"]["exitCode"] for n in segments] == ["1", "1"], report  # the verdict: no Argo retry
-    assert [argoctl.outputs(n)["outcome"] for n in segments] == ["failed", "failed"], report
-    (give_up,) = argoctl.pods_of(wf, "give-up")
-    assert give_up["phase"] == "Failed", report
-    (final,) = argoctl.pods_of(wf, "exit-handler")
-    assert argoctl.outputs(final)["final-status"] == "Failed", report
-    ledger = argo_run.ledger()
-    assert [(a.attempt, a.failure_class, a.decision) for a in ledger.attempts] == [
-        (0, "application", "retry"),
-        (1, "application", "stop"),
-    ]
-    assert ledger.final_status == "Failed"
-    standin.agrees(argo_run, wf, "app-bug")
-    print(f"app-bug on the real controller: {time.monotonic() - t0:.0f} s\n{report}")
-
-
 # README scenario -> what the worker pods report (KWOK: the exit code of the trainer's container), the class
 # classify-failure gives it.
 RECOVERABLE = {

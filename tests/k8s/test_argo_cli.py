@@ -12,7 +12,9 @@ import os
 import subprocess
 import time
 
+import argoctl
 import pytest
+import standin
 from argoctl import ARGO_FILE
 from argorun import ArgoRun
 from realcluster import RealCluster, wait_for
@@ -62,6 +64,28 @@ def _wait(r: ArgoRun, phase: str, timeout: float = 180) -> None:
     )
 
 
+def _gave_up_as_the_budget_says(r: ArgoRun) -> None:
+    """The app-bug run as the controller ended it: the verdicts, the segments' exits, the give-up, the exit
+    handler, the ledger, and the stand-in's replay of the same Workflow."""
+    wf = r.wf()
+    report = argoctl.summary(wf)
+    assert wf["status"]["phase"] == "Failed", report
+    segments = argoctl.pods_of(wf, "train-segment")
+    assert [n["outputs"]["exitCode"] for n in segments] == ["1", "1"], report  # the verdict: no Argo retry
+    assert [argoctl.outputs(n)["outcome"] for n in segments] == ["failed", "failed"], report
+    (give_up,) = argoctl.pods_of(wf, "give-up")
+    assert give_up["phase"] == "Failed", report
+    (final,) = argoctl.pods_of(wf, "exit-handler")
+    assert argoctl.outputs(final)["final-status"] == "Failed", report
+    ledger = r.ledger()
+    assert [(a.attempt, a.failure_class, a.decision) for a in ledger.attempts] == [
+        (0, "application", "retry"),
+        (1, "application", "stop"),
+    ]
+    assert ledger.final_status == "Failed"
+    standin.agrees(r, wf, "app-bug")
+
+
 def _verdicts(r: ArgoRun, name: str) -> list[dict[str, str]]:
     """Each attempt's classify-failure outputs, in order, from ``argo get -o json``."""
     got = argo_cli(r.rc, "get", name, "-n", r.ns, "-o", "json")
@@ -80,18 +104,25 @@ def _trains_to_the_end(r: ArgoRun, attempt: int) -> None:
 
 
 def test_a_run_that_gives_up_as_a_user_follows_it_with_the_cli(argo_run):
-    """README scenario ``app-bug`` through the CLI: submitted from the file, listed, waited for; ``argo get`` shows
-    each attempt's failed train-segment with its one-line reason and the give-up; ``argo logs`` has the failed
-    supervisor's log with the time of each line. ``argo retry`` of it is refused: Argo replays only the give-up, which
-    stops its Workflow and says to resubmit; ``argo resubmit`` continues the run at its next attempt."""
+    """README scenario ``app-bug`` through the CLI: an exception in the training step on every attempt (exit 42,
+    podFailurePolicy FailJob) -> Failed with class ``application`` once its budget (1) is spent; train-segment is
+    never retried by Argo, and the stand-in runs the finished Workflow as the controller ran it. Submitted from the
+    file, listed, waited for; ``argo get`` shows each attempt's failed train-segment with its one-line reason and the
+    give-up; ``argo logs`` has the failed supervisor's log with the time of each line. ``argo retry`` of it is
+    refused: Argo replays only the give-up, which stops its Workflow and says to resubmit; ``argo resubmit``
+    continues the run at its next attempt."""
     rc, ns = argo_run.rc, argo_run.ns
     first = _submit(argo_run)
     listed = argo_cli(rc, "list", "-n", ns)
     assert listed.returncode == 0 and argo_run.name in listed.stdout, listed
     for attempt in (0, 1):
         pods = argo_run.workers(attempt)
+        if attempt == 0:  # the supervisor's pod as the API server classed it: Argo's init and wait containers too
+            (sup,) = [p for p in rc.pods(ns) if "-train-segment-" in p["metadata"]["name"]]
+            assert sup["status"]["qosClass"] == "Guaranteed", [c.get("resources") for c in sup["spec"]["containers"]]
         rc.exit_pod(ns, pods[1]["metadata"]["name"], 42)
     _wait(argo_run, "Failed", 240)
+    _gave_up_as_the_budget_says(argo_run)
 
     got = argo_cli(rc, "get", argo_run.name, "-n", ns, "--no-color")  # plain text: it goes to a pipe
     assert got.returncode == 0, got.stderr
@@ -108,7 +139,8 @@ def test_a_run_that_gives_up_as_a_user_follows_it_with_the_cli(argo_run):
     skipped = [line for line in lines if "give-up" in line and "'retry' == 'stop'" in line]
     assert len(skipped) == 1 and "evaluated false" in skipped[0], got.stdout
     verdicts = _verdicts(argo_run, argo_run.name)
-    assert [(v["failure-class"], v["decision"]) for v in verdicts] == [("application", "retry"), ("application", "stop")]
+    want = [("application", "retry"), ("application", "stop")]
+    assert [(v["failure-class"], v["decision"]) for v in verdicts] == want, verdicts
     assert all("worker 1" in v["reason"] for v in verdicts), verdicts
 
     logs = argo_cli(rc, "logs", argo_run.name, "-n", ns, "--timestamps")
