@@ -420,6 +420,7 @@ STALL_CLASSES = {
     StallKind.HANG: FailureClass.HANG,
     StallKind.IMAGE_PULL: FailureClass.INFRASTRUCTURE,
     StallKind.NODE_LOST: FailureClass.INFRASTRUCTURE,
+    StallKind.REFUSED: FailureClass.UNKNOWN,
 }
 
 

@@ -437,6 +437,17 @@ def create_refusal(event: str) -> tuple[FailureClass, str] | None:
     return pod_refusal(msg) if reason == FAILED_CREATE else None
 
 
+def unnamed_refusal(event: str) -> str | None:
+    """The API's words in a Job's FailedCreate that no rule names and that does not say it passes (pure).
+
+    A 500, a 422 or an unknown webhook's answer; None for any other event.
+    """
+    reason, _, msg = event.partition(": ")
+    if reason != FAILED_CREATE or JOBSET_SEQUENCING.search(msg) or TRANSIENT_REFUSALS.search(msg):
+        return None
+    return None if pod_refusal(msg) is not None else one_line(msg, 240)
+
+
 def pod_refusal(msg: str) -> tuple[FailureClass, str] | None:
     """What the API's refusal of a worker pod's create says (pure): a Job's FailedCreate, or a dry run's answer.
 
@@ -670,11 +681,19 @@ def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     waited = obs.now - obs.counted_from(max([obs.created_at, *jobs_at]))
     deadline = max(d.startup_deadline_s, MISSING_PODS_GRACE_S)
     if len(obs.pods) < obs.expected_workers and waited >= deadline:
+        missing = f"only {len(obs.pods)}/{obs.expected_workers} worker pods exist after {waited:.0f} s "
+        # The Job said why: the API refused its pods, in words no rule names. Not capacity (nothing asked the
+        # scheduler), and not configuration (whose budget is 0) without knowing: the class is unknown.
+        said = [(j.name, w) for j in obs.jobs for e in j.events if (w := unnamed_refusal(e)) is not None]
+        if said:
+            return Verdict(
+                state=AttemptOutcome.STALLED,
+                kind=StallKind.REFUSED,
+                reason=f"{missing}(deadline {deadline:g} s): Job {said[-1][0]} says the API refused them: "
+                f"{said[-1][1]}",
+            )
         return Verdict(
-            state=AttemptOutcome.STALLED,
-            kind=StallKind.CAPACITY,
-            reason=f"only {len(obs.pods)}/{obs.expected_workers} worker pods exist after {waited:.0f} s "
-            f"(deadline {deadline:g} s)",
+            state=AttemptOutcome.STALLED, kind=StallKind.CAPACITY, reason=f"{missing}(deadline {deadline:g} s)"
         )
     return None
 

@@ -713,6 +713,7 @@ def _supervised(outcome, kind, reason, code=None, snapshot=None):
         ("hang", FailureClass.HANG),
         ("node-lost", FailureClass.INFRASTRUCTURE),
         ("image-pull", FailureClass.INFRASTRUCTURE),
+        ("refused", FailureClass.UNKNOWN),
     ],
 )
 def test_a_stall_the_supervisor_stopped_decides_over_the_sigterm_exits_it_caused(kind, cls):

@@ -160,6 +160,12 @@ QUOTA_UNKNOWN_REFUSAL = (
     "tpu-quota, resources: google.com/tpu"
 )
 
+# A webhook that answers 500 for a reason of its own: no rule names it, and it does not say it passes.
+UNNAMED_REFUSAL = (
+    'FailedCreate: Error creating: Internal error occurred: admission plugin "PodNodeSelector" failed to complete '
+    "validation in 13s"
+)
+
 
 def refusing(event: str) -> JobEvidence:
     """The gang's Job as the supervisor reads it while the API refuses one of its pods (its FailedCreate event)."""
@@ -736,6 +742,27 @@ CASES = [
         AttemptOutcome.RUNNING,
         None,
         "scheduled 3/4",
+    ),
+    (
+        "a-refusal-no-rule-names-waits-for-the-start-up-deadline",
+        obs(590, [running(0), running(1), running(2)], jobs=[refusing(UNNAMED_REFUSAL)]),
+        AttemptOutcome.RUNNING,
+        None,
+        "scheduled 3/4",
+    ),
+    (
+        "pods-missing-past-the-deadline-with-a-refusal-no-rule-names-are-refused-not-capacity",
+        obs(610, [running(0), running(1), running(2)], jobs=[refusing(UNNAMED_REFUSAL)]),
+        AttemptOutcome.STALLED,
+        StallKind.REFUSED,
+        'Job run-a0-workers-0 says the API refused them: Error creating: Internal error occurred: admission plugin',
+    ),
+    (
+        "pods-missing-past-the-deadline-after-a-transient-refusal-are-capacity",
+        obs(610, [running(0), running(1), running(2)], jobs=[refusing(QUOTA_UNKNOWN_REFUSAL)]),
+        AttemptOutcome.STALLED,
+        StallKind.CAPACITY,
+        "only 3/4 worker pods exist after 610 s",
     ),
     (
         "an-old-refusal-of-a-gang-now-whole-ends-nothing",

@@ -114,6 +114,9 @@ class StallKind(enum.StrEnum):
     # An image pull or container creation that keeps failing for a reason waiting may cure (class infrastructure).
     IMAGE_PULL = "image-pull"
     NODE_LOST = "node-lost"
+    # Worker pods missing past the start-up deadline while their Job says the API refused them for a reason no rule
+    # names (class unknown: neither capacity nor configuration is known).
+    REFUSED = "refused"
 
 
 class AttemptOutcome(enum.StrEnum):

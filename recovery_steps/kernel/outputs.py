@@ -172,7 +172,7 @@ class SegmentOutputs(StepOutputs):
     TEMPLATE: ClassVar[str] = "train-segment"
     outcome: _SegmentOutcome = out("succeeded, failed or stalled (kernel.contract.AttemptOutcome).", shown=True)
     stall_kind: StallKind | None = out(
-        "capacity, configuration, image-pull, hang or node-lost when stalled; empty otherwise.", shown=True
+        "capacity, configuration, image-pull, hang, node-lost or refused when stalled; empty otherwise.", shown=True
     )
     reason: str = out("One line: why the attempt is over.", shown=True)
     last_step: int = out("Newest step any worker reported (-1: none).")
