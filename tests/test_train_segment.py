@@ -974,6 +974,26 @@ def test_a_view_unreadable_past_its_limit_ends_the_step_as_transient_and_leaves_
     assert not cluster.requests_of("DELETE", f"/jobsets/{js}") and js in cluster.objects["jobsets"]
 
 
+def test_a_heartbeat_unreadable_past_its_limit_ends_the_step_as_transient_and_leaves_the_gang(
+    tmp_path, cluster, monkeypatch
+):
+    """A worker's heartbeat that stays unreadable (torn here; a store that keeps failing its reads the same) past
+    ``STALE_VIEW_LIMIT_S``: no hang is judged on it, and the step ends transient (69) for a new supervisor, the
+    gang left running for it to re-attach."""
+    cfg = _cfg(tmp_path / "store")
+    js = f"{cfg.run_id}-a0"
+    monkeypatch.setattr(ts, "STALE_VIEW_LIMIT_S", 0.5)
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    _beat(store, 0, 9, time.time())
+    (Path(cfg.storage.root) / "runs" / cfg.run_id / RunLayout.heartbeat(0, 2)).write_text("{torn")
+    cluster.on_create = _running_gang(js)
+    with pytest.raises(StepError) as e:
+        _run(cfg, tmp_path, cluster)
+    assert e.value.code == ExitCode.TRANSIENT
+    assert "worker 2's heartbeat has been unreadable" in str(e.value) and "left running" in str(e.value), e.value
+    assert not cluster.requests_of("DELETE", f"/jobsets/{js}") and js in cluster.objects["jobsets"]
+
+
 # --- a JobSet no controller has acted on: no stall, and a bounded wait -------------------------------------------
 
 
