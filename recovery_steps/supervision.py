@@ -685,16 +685,10 @@ def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         # The Job said why: the API refused its pods, in words no rule names. Not capacity (nothing asked the
         # scheduler), and not configuration (whose budget is 0) without knowing: the class is unknown.
         said = [(j.name, w) for j in obs.jobs for e in j.events if (w := unnamed_refusal(e)) is not None]
+        kind, why = StallKind.CAPACITY, ""
         if said:
-            return Verdict(
-                state=AttemptOutcome.STALLED,
-                kind=StallKind.REFUSED,
-                reason=f"{missing}(deadline {deadline:g} s): Job {said[-1][0]} says the API refused them: "
-                f"{said[-1][1]}",
-            )
-        return Verdict(
-            state=AttemptOutcome.STALLED, kind=StallKind.CAPACITY, reason=f"{missing}(deadline {deadline:g} s)"
-        )
+            kind, why = StallKind.REFUSED, f": Job {said[-1][0]} says the API refused them: {said[-1][1]}"
+        return Verdict(state=AttemptOutcome.STALLED, kind=kind, reason=f"{missing}(deadline {deadline:g} s){why}")
     return None
 
 

@@ -98,14 +98,21 @@ class Deferred:
         return int(self.value)
 
 
-def test_the_next_step_is_dispatched_before_this_one_is_read_except_where_a_hook_holds_it():
-    log: list[str] = []
+def _logged_steps(log: list[str]):
+    """A step function that logs each dispatch and returns results that log when they are read."""
     steps = iter(range(1, 100))
 
     def run_step(flag: int):
         n = next(steps)
         log.append(f"dispatch {n}")
         return Deferred(log, str(n), 1.0 / n), 0
+
+    return run_step
+
+
+def test_the_next_step_is_dispatched_before_this_one_is_read_except_where_a_hook_holds_it():
+    log: list[str] = []
+    run_step = _logged_steps(log)
 
     hooks = Hooks()
     hooks.hold(lambda step: step == 3)  # a hook reads the state step 3 produced
@@ -124,12 +131,7 @@ def test_the_next_step_is_dispatched_before_this_one_is_read_except_where_a_hook
 
 def test_with_steps_ahead_that_many_steps_are_in_flight_and_a_held_step_drains_them():
     log: list[str] = []
-    steps = iter(range(1, 100))
-
-    def run_step(flag: int):
-        n = next(steps)
-        log.append(f"dispatch {n}")
-        return Deferred(log, str(n), 1.0 / n), 0
+    run_step = _logged_steps(log)
 
     hooks = Hooks()
     hooks.hold(lambda step: step == 4)  # a save reads the state step 4 produced
