@@ -15,8 +15,9 @@
 
 Usage: python bench/bench_trainer.py [--hosts 4] [--steps 60] [--interval 10] [--repeats 3] [--kills 3]
        [--cache-repeats 2] [--only-checkpoints | --only-cache]
-       python bench/bench_trainer.py --loop [--models tiny,134.6M,269M] [--loop-steps 300] [--save-every 100] [--steps-ahead 16]
-       python bench/bench_trainer.py --save-probe [--models 134.6M] [--loop-steps 300] [--save-every 100] [--steps-ahead 16]
+       python bench/bench_trainer.py --loop [--models tiny,134.6M,269M] [--loop-steps 300] [--save-every 100]
+              [--steps-ahead 16]
+       python bench/bench_trainer.py --save-probe [--models 134.6M] [--loop-steps 300] [--save-every 100]
 """
 
 from __future__ import annotations

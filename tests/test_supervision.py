@@ -755,7 +755,7 @@ CASES = [
         obs(610, [running(0), running(1), running(2)], jobs=[refusing(UNNAMED_REFUSAL)]),
         AttemptOutcome.STALLED,
         StallKind.REFUSED,
-        'Job run-a0-workers-0 says the API refused them: Error creating: Internal error occurred: admission plugin',
+        "Job run-a0-workers-0 says the API refused them: Error creating: Internal error occurred: admission plugin",
     ),
     (
         "pods-missing-past-the-deadline-after-a-transient-refusal-are-capacity",
