@@ -257,13 +257,14 @@ def bare_saves(config_json: str, steps: int, every: int) -> dict:
     each on a snapshot of the state taken as the trainer takes it (a jitted on-device copy); orbax with the
     trainer's handler and options. Returns, per probe: steps/s, saves, and the slowest iteration of the loop.
     """
+    import shutil
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
     import jax
     import orbax.checkpoint as ocp
 
-    from recovery_steps.kernel.checkpoints import stream_digests
+    from recovery_steps.kernel.checkpoints import CRC_THREADS, stream_digests
     from trainer import checkpointing as ck
 
     compiled, state, batch, flags = _bare_setup(config_json)
@@ -283,7 +284,7 @@ def bare_saves(config_json: str, steps: int, every: int) -> dict:
         if digests:
             mgr.wait_until_finished()
             files = [f for f in (root / str(n)).rglob("*") if f.is_file()]
-            with ThreadPoolExecutor(4) as pool:
+            with ThreadPoolExecutor(CRC_THREADS) as pool:
                 list(pool.map(stream_digests, files))
 
     orbax_save(snapshot(state), False)  # orbax's first save sets itself up: not any probe's cost
@@ -318,6 +319,7 @@ def bare_saves(config_json: str, steps: int, every: int) -> dict:
     sys.setswitchinterval(0.005)
     saver.shutdown()
     mgr.close()
+    shutil.rmtree(root, ignore_errors=True)  # a few copies of the model's state
     return out
 
 

@@ -90,10 +90,7 @@ def _verdicts(r: ArgoRun, name: str) -> list[dict[str, str]]:
     """Each attempt's classify-failure outputs, in order, from ``argo get -o json``."""
     got = argo_cli(r.rc, "get", name, "-n", r.ns, "-o", "json")
     assert got.returncode == 0, got.stderr
-    nodes = json.loads(got.stdout)["status"]["nodes"].values()
-    pods = [n for n in nodes if n["type"] == "Pod" and n["displayName"].startswith("classify-failure")]
-    pods.sort(key=lambda n: n["startedAt"])
-    return [{p["name"]: p.get("value", "") for p in n.get("outputs", {}).get("parameters", [])} for n in pods]
+    return [argoctl.outputs(n) for n in argoctl.pods_of(json.loads(got.stdout), "classify-failure")]
 
 
 def _trains_to_the_end(r: ArgoRun, attempt: int) -> None:
