@@ -153,6 +153,60 @@ def test_with_steps_ahead_that_many_steps_are_in_flight_and_a_held_step_drains_t
         list(training_steps(run_step, 0, 7, lambda: 0, hooks, steps_ahead=0))
 
 
+def test_an_async_save_copies_the_state_as_its_step_is_dispatched_and_holds_no_step_back(tmp_path):
+    """Step 20's save takes its copy right after step 20 is dispatched, before step 21 donates the state: steps 21
+    and on are in flight while step 20's hooks start the save, which writes that copy. A save due while another copy
+    waits for its hooks (one copy at a time) holds the loop at its step and copies the live state there."""
+    _store, hook, _watchdog, _during = _save_hooks(tmp_path, done=True)
+    log: list[str] = []
+    run_step = _logged_steps(log)
+    stepper = hook.stepper
+
+    def step(flag):
+        out = run_step(flag)
+        stepper.state = f"state {len(log)}"
+        return out
+
+    def capture(s: int) -> None:
+        hook.capture(s)
+        if hook.captured is not None and hook.captured.step == s:
+            log.append(f"capture {s}")
+
+    hooks = Hooks()
+    hooks.after_dispatch(capture)
+    hooks.hold(hook.holds)
+    hooks.add(hook.on_step)
+    for rec in training_steps(step, 18, 24, lambda: 0, hooks, steps_ahead=3):
+        log.append(f"hooks {rec.step}")
+        hooks.run(rec)
+    assert hook.ckpt.captures == [20] and hook.ckpt.saved == [20] and hook.ckpt.used == [20], hook.ckpt.__dict__
+    assert log.index("capture 20") == log.index("dispatch 2") + 1  # step 20 is the second dispatched (from 18)
+    assert log.index("dispatch 4") < log.index("hooks 20")  # steps 21 and 22 in flight before step 20's save
+    assert hook.captured is None
+
+    # interval 1: step 2's copy waits for step 1's hooks, so step 2 reads the live state and holds the loop
+    hook.interval_steps, hook.ckpt.captures, hook.ckpt.saved, hook.ckpt.used = 1, [], [], []
+    hook.last_saved = 0
+    for rec in training_steps(step, 0, 3, lambda: 0, hooks, steps_ahead=2):
+        hooks.run(rec)
+    assert hook.ckpt.saved == [1, 2, 3], hook.ckpt.saved
+    assert hook.ckpt.used[0] == 1 and None in hook.ckpt.used, hook.ckpt.used
+    assert hook.captured is None
+
+
+def test_a_copy_not_saved_after_all_is_dropped(tmp_path):
+    _store, hook, _watchdog, _during = _save_hooks(tmp_path, done=True)
+    hook.capture(30)
+    assert hook.captured.step == 30 and not hook.holds(30) and hook.holds(40)
+    hook.last_saved = 30  # saved meanwhile (a stop's save): step 30 is no longer due
+    hook.on_step(StepRecord(30, 0.5))
+    assert hook.captured is None and hook.ckpt.saved == []
+    sync = _save_hooks(tmp_path / "sync", done=True)[1]
+    sync.async_save = False
+    sync.capture(30)
+    assert sync.captured is None and sync.holds(30)  # a synchronous save reads the live state: the loop holds
+
+
 def test_a_stop_read_with_steps_in_flight_ends_after_the_last_of_them():
     requested = {"now": False}
     fake = FakeStep(0, stop_at=3)
@@ -221,6 +275,8 @@ class SlowCheckpointer:
         self.last_parts = {}
         self.pending = SimpleNamespace(step=10, done=concurrent.futures.Future())
         self.saved = []
+        self.captures: list[int] = []  # steps whose state was copied as they were dispatched
+        self.used: list[int | None] = []  # per save, the step of the copy it wrote (None: taken in save)
 
     def poll(self):
         return self._record() if self.pending is not None and self.pending.done.done() else None
@@ -235,8 +291,13 @@ class SlowCheckpointer:
         self.pending, self.last_committed = None, 10
         return 10
 
-    def save(self, step, state, data_iter):
+    def capture(self, step, state, data_iter):
+        self.captures.append(step)
+        return SimpleNamespace(step=step, state=state, data=data_iter, seconds=0.0)
+
+    def save(self, step, state, data_iter, capture=None):
         self.saved.append(step)
+        self.used.append(None if capture is None else capture.step)
         self.pending = SimpleNamespace(step=step, done=concurrent.futures.Future())
 
 

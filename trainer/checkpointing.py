@@ -264,6 +264,20 @@ class _IteratorSnapshot:
 
 
 @dataclass
+class Capture:
+    """What an asynchronous save of ``step`` writes, taken on the training thread right after the step was dispatched.
+
+    The copy of the state runs on the device in the order dispatched, before any later step donates the state, so
+    the loop need not wait for the step to finish or hold its next steps back for the save.
+    """
+
+    step: int
+    state: Any  # the on-device copy of the state the step produced
+    data: _IteratorSnapshot  # the data position after the step
+    seconds: float  # the training thread's time taking them
+
+
+@dataclass
 class PendingSave:
     """A save handed to the saver thread and not yet recorded as committed."""
 
@@ -378,28 +392,44 @@ class Checkpointer:
         """Committed steps orbax lists."""
         return list(self.mgr.all_steps())
 
-    def save(self, step: int, state: Any, data_iter: Any) -> None:
+    def capture(self, step: int, state: Any, data_iter: Any) -> Capture:
+        """Copy ``state`` (on the device, dispatched asynchronously) and the data position for a save of ``step``."""
+        t0 = now()
+        if self._snapshot is None:
+            self._snapshot = _snapshot_fn(state)
+        snap = self._snapshot(state)
+        return Capture(step, snap, _IteratorSnapshot(data_iter.get_state()), now() - t0)
+
+    def save(self, step: int, state: Any, data_iter: Any, capture: Capture | None = None) -> None:
         """Start saving ``step`` (after recording the previous save, which orbax would wait for anyway).
 
-        Its ``blocking`` is the time the loop does not step because of this save: starting it here, and later the
-        wait for its commit (``_record``), whoever waits (the next save, the end, a preemption).
+        ``capture``: the state and data position taken as the step was dispatched (asynchronous saves), else they
+        are taken here from ``state`` and ``data_iter``. Its ``blocking`` is the time the loop does not step because
+        of this save: taking them, starting it here, and later the wait for its commit (``_record``), whoever waits
+        (the next save, the end, a preemption).
         """
         self.finish_pending()
         t1 = now()
         p = PendingSave(step, t1, self.attempt)
-        if self.async_save:
-            if self._snapshot is None:
-                self._snapshot = _snapshot_fn(state)
-            state = self._snapshot(state)
-        data = _IteratorSnapshot(data_iter.get_state())
+        if not self.async_save:
+            capture = None
+        elif capture is None or capture.step != step:
+            capture = self.capture(step, state, data_iter)
+            capture.seconds = 0.0  # counted below, in this call's own time
+        if capture is not None:
+            state, data, taken = capture.state, capture.data, capture.seconds
+        else:
+            data, taken = _IteratorSnapshot(data_iter.get_state()), 0.0
         t2 = now()
         p.done = self._saver.submit(self._save_and_commit, p, state, data)
         self.pending = p
         if not self.async_save:
             p.writing.wait()
         t3 = now()
-        p.blocking = t3 - t1
-        p.parts.update({"snapshot of state and data position": t2 - t1, "hand-off to the saver thread": t3 - t2})
+        p.blocking = taken + (t3 - t1)
+        p.parts.update(
+            {"snapshot of state and data position": taken + (t2 - t1), "hand-off to the saver thread": t3 - t2}
+        )
 
     def wait_until_writing(self, timeout: float = 60) -> None:
         """Wait until orbax's save of the pending step returned (its writes are in flight, not committed)."""

@@ -313,10 +313,27 @@ class CheckpointHook:
         self.busy = False  # saving or waiting for a commit on the training thread (no step completes meanwhile)
         self.started: tuple[int, float] | None = None  # the step and time of the last save started
         self.late_said = False  # a save still running when the next was due has been said (once)
+        self.captured: Any = None  # the copy taken for the next save as its step was dispatched (``capture``)
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is saved without a stop (the loop runs no step ahead of its save)."""
+        """Whether ``step`` is saved without a stop."""
         return self._decision(step, stop_agreed=False) is not SaveReason.NONE
+
+    def capture(self, step: int) -> None:
+        """Right after ``step`` was dispatched: take the copy an asynchronous save due at it writes.
+
+        The next step donates the state, so its copy and the data position are taken now, one save at a time, and
+        the loop keeps its steps in flight through the save.
+        """
+        if self.async_save and self.captured is None and self.due(step):
+            self.captured = self.ckpt.capture(step, self.stepper.state, self.stepper.data_iter)
+
+    def holds(self, step: int) -> bool:
+        """Whether the loop runs no step ahead of ``step``'s hooks: a save is due there that reads the live state.
+
+        A synchronous one, or one whose copy was not taken as the step was dispatched.
+        """
+        return self.due(step) and (self.captured is None or self.captured.step != step)
 
     def _decision(self, step: int, *, stop_agreed: bool) -> SaveReason:
         return save_decision(
@@ -333,6 +350,9 @@ class CheckpointHook:
         if rec.stop_agreed:
             log.info("stop agreed by every process after step %d", rec.step)
         reason = self._decision(rec.step, stop_agreed=rec.stop_agreed)
+        c = self.captured
+        if c is not None and (c.step < rec.step or (c.step == rec.step and reason is SaveReason.NONE)):
+            self.captured = None  # not saved after all: its device copy goes
         if reason is SaveReason.NONE:
             return
         if reason is SaveReason.PREEMPTION and self.agreement is not None:
@@ -411,7 +431,8 @@ class CheckpointHook:
         self.watchdog.touch()
         if kill and not self.async_save:
             os.kill(os.getpid(), signal.SIGKILL)
-        self.ckpt.save(step, self.stepper.state, self.stepper.data_iter)
+        capture, self.captured = self.captured, None
+        self.ckpt.save(step, self.stepper.state, self.stepper.data_iter, capture=capture)
         self.last_saved = step
         if kill:  # once orbax's writes are in flight, before they are committed
             self.ckpt.wait_until_writing()

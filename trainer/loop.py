@@ -7,8 +7,10 @@ The host never waits for the device between two steps: steps n+1 .. n+k (``train
 are dispatched before step n's loss and stop flag are read, so the accelerator has work queued while the host
 runs step n's hooks (JAX dispatches asynchronously; reading a result is what waits), and a pause of the host
 shorter than k steps (an asynchronous save's own work on its thread holds the interpreter for up to a second)
-costs the accelerator nothing. A hook that reads the state step n produced (a save) says so with
-``Hooks.hold``: at such a step, and at the last one, the next step is dispatched only after the hooks ran. A
+costs the accelerator nothing. A hook that reads the state step n produced takes it right after n is dispatched
+(``Hooks.after_dispatch``: an asynchronous save copies it on the device there, so the steps stay in flight through
+the save), or says so with ``Hooks.hold``: at such a step, and at the last one, the next step is dispatched only
+after the hooks ran (a synchronous save, the local tier's copy, a fault that acts before the next step). A
 stop is agreed inside a step; read up to k steps late, it takes effect after the steps already in flight, which
 carry the same agreement (a process's stop flag stays set once raised).
 """
@@ -56,6 +58,7 @@ class Hooks:
         self._before: list[Callable[[int], None]] = []
         self._after: list[tuple[Hook, int]] = []
         self._holds: list[Callable[[int], bool]] = []
+        self._dispatched: list[Callable[[int], None]] = []
 
     def before_step(self, fn: Callable[[int], None]) -> None:
         """Run ``fn(step)`` before each step is started (``step``: the number it will have)."""
@@ -66,6 +69,18 @@ class Hooks:
         if every < 1:
             raise ValueError(f"every: {every} is not a positive number of steps")
         self._after.append((fn, every))
+
+    def after_dispatch(self, fn: Callable[[int], None]) -> None:
+        """Run ``fn(step)`` right after ``step`` is dispatched, before any later step is.
+
+        The state it will produce is ``Stepper.state`` until the next step donates it (a save copies it there).
+        """
+        self._dispatched.append(fn)
+
+    def run_dispatched(self, step: int) -> None:
+        """Run the after-dispatch hooks of the step just dispatched."""
+        for fn in self._dispatched:
+            fn(step)
 
     def hold(self, fn: Callable[[int], bool]) -> None:
         """Run no step ahead of the hooks of each step ``s`` where ``fn(s)``.
@@ -169,6 +184,7 @@ def training_steps(
             t0 = now()
             loss, stop = run_step(stop_requested())
             in_flight.append((following, t0, loss, stop))
+            hooks.run_dispatched(following)
             following += 1
 
     fill()
