@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,9 @@ from support.trainer_harness import lm_examples, tiny_config
 
 from recovery_steps.kernel.records import CheckpointManifest
 from recovery_steps.kernel.store import RunLayout, RunStore
+from trainer import checkpointing
 from trainer import data as data_lib
-from trainer.checkpointing import Checkpointer
+from trainer.checkpointing import Checkpointer, device_copy_fits
 
 
 @pytest.fixture
@@ -129,3 +131,48 @@ def test_a_manifest_the_store_cannot_take_leaves_the_step_incomplete_and_the_nex
         assert got == (None if step == 2 else 4), step
     assert manifest_of(store, 2) is None and manifest_of(store, 4) is not None
     assert ckpt.last_committed == 4
+
+
+class _Device:
+    def __init__(self, limit: int | None, in_use: int):
+        self.stats = None if limit is None else {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def _sharded(device, nbytes: int):
+    return SimpleNamespace(addressable_shards=[SimpleNamespace(device=device, data=np.zeros(nbytes, np.uint8))])
+
+
+def test_a_device_copy_fits_only_beside_what_is_in_use_and_what_the_step_needs():
+    """The copy's bytes on each device + the device's bytes in use + the step's temporaries and code <= its limit;
+    a device without a limit (the CPU) always fits."""
+    dev = _Device(limit=10_000, in_use=4_000)
+    state = {"params": _sharded(dev, 3_000), "opt": _sharded(dev, 1_000)}
+    step = SimpleNamespace(memory_analysis=lambda: SimpleNamespace(temp_size_in_bytes=1_000,
+                                                                   generated_code_size_in_bytes=0))  # fmt: skip
+    assert device_copy_fits(state, step)  # 4,000 + 1,000 + 4,000 of 10,000
+    big = SimpleNamespace(memory_analysis=lambda: SimpleNamespace(temp_size_in_bytes=2_500,
+                                                                  generated_code_size_in_bytes=10))  # fmt: skip
+    assert not device_copy_fits(state, big)  # 10,510 of 10,000
+    assert device_copy_fits({"p": _sharded(_Device(limit=None, in_use=0), 10**9)}, big)
+    assert device_copy_fits(state_at(1), None)  # this machine's devices
+
+
+def test_where_no_device_copy_fits_the_save_reads_the_live_state_and_returns_once_it_is_on_the_host(
+    setup, monkeypatch, caplog
+):
+    """The next step donates the live state: the loop waits for orbax's host copy of it (counted in the save's
+    blocking time), says so once, and the step commits as any other."""
+    _, store, ckpt, it = setup
+    monkeypatch.setattr(checkpointing, "device_copy_fits", lambda *a: False)
+    with caplog.at_level("WARNING", logger="trainer.checkpointing"):
+        for step in (1, 2):
+            next(it)
+            ckpt.save(step, state_at(step), it)
+            assert ckpt.pending.writing.is_set(), "save returned before orbax had the state on the host"
+            assert ckpt.pending.blocking >= ckpt.pending.parts["hand-off to the saver thread"]
+    assert ckpt.finish_pending() == 2 and manifest_of(store, 2) is not None
+    said = [r.getMessage() for r in caplog.records if "does not fit in device memory" in r.getMessage()]
+    assert len(said) == 1, said

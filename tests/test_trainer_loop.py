@@ -205,6 +205,10 @@ def test_a_copy_not_saved_after_all_is_dropped(tmp_path):
     sync.async_save = False
     sync.capture(30)
     assert sync.captured is None and sync.holds(30)  # a synchronous save reads the live state: the loop holds
+    tight = _save_hooks(tmp_path / "tight", done=True)[1]
+    tight.ckpt.fits = False
+    tight.capture(30)
+    assert tight.captured is None and tight.holds(30)  # no device copy fits: the save reads the live state too
 
 
 def test_a_stop_read_with_steps_in_flight_ends_after_the_last_of_them():
@@ -276,6 +280,7 @@ class SlowCheckpointer:
         self.pending = SimpleNamespace(step=10, done=concurrent.futures.Future())
         self.saved = []
         self.captures: list[int] = []  # steps whose state was copied as they were dispatched
+        self.fits = True  # a copy of the state fits on the device beside the step
         self.used: list[int | None] = []  # per save, the step of the copy it wrote (None: taken in save)
 
     def poll(self):
@@ -290,6 +295,9 @@ class SlowCheckpointer:
     def _record(self):
         self.pending, self.last_committed = None, 10
         return 10
+
+    def copy_fits(self, state, compiled=None):
+        return self.fits
 
     def capture(self, step, state, data_iter):
         self.captures.append(step)
@@ -322,7 +330,7 @@ def _save_hooks(tmp_path, *, done: bool, wait_s: float = 0.0):
     beat = HeartbeatHook(store, 0, 1, 0.05 if wait_s else 30.0, ckpt, report)
     metrics = SimpleNamespace(set=lambda *a: None)
     events = SimpleNamespace(emit=lambda *a, **k: None)
-    stepper = SimpleNamespace(state=None, data_iter=None)
+    stepper = SimpleNamespace(state=None, data_iter=None, compiled=None)
     hook = CheckpointHook(
         ckpt,
         stepper,

@@ -158,6 +158,9 @@ def configure_orbax() -> None:
 RESTORE_CHECK_WAIT_S = 600.0
 """How long process 0 waits for each process's check of the restored step (and the others for its verdict)."""
 
+SNAPSHOT_WAIT_S = 600.0
+"""How long the loop waits for orbax's host copy of the live state, where no device copy fits (a bound, not a pace)."""
+
 MANIFEST_WAIT_S = 120.0
 """How long a non-primary process waits for process 0's manifest before it leaves the step uncounted."""
 
@@ -171,6 +174,31 @@ def _snapshot_fn(target: Any) -> Any:
     """
     shardings = jax.tree.map(lambda x: x.sharding, target)
     return jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
+
+
+def device_copy_fits(state: Any, compiled: Any = None) -> bool:
+    """Whether a second copy of ``state`` fits in each local device's memory beside what the step needs.
+
+    An asynchronous save copies the state on the device so that the next step can run while orbax reads the copy;
+    on a device with a memory limit, the copy, what is in use now and the compiled step's temporaries and code
+    (``compiled.memory_analysis()``, per device) must fit under it: a copy that does not leaves the step unable to
+    load (RESOURCE_EXHAUSTED; seen on a v5e with the 269M model, whose step reserves 10.5 GB beside 3.2 GB of state,
+    of 15.7). A device that reports no limit (the CPU) always fits.
+    """
+    per_device: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(state):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    step_bytes = 0
+    analysis = compiled.memory_analysis() if compiled is not None and hasattr(compiled, "memory_analysis") else None
+    if analysis is not None:
+        step_bytes = int(analysis.temp_size_in_bytes) + int(analysis.generated_code_size_in_bytes)
+    for device, copy_bytes in per_device.items():
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if limit and stats.get("bytes_in_use", 0) + step_bytes + copy_bytes > limit:
+            return False
+    return True
 
 
 def _save_args(state: Any) -> Any:
@@ -379,6 +407,7 @@ class Checkpointer:
         self._libs = library_versions()
         self._orbax_timings = _OrbaxTimings()
         self._snapshot: Any = None
+        self._copy_fits: bool | None = None  # a copy of the state fits on the device beside the step (decided once)
         self._announced: int | None = None  # the step whose manifest key process 0 set last
         self._saver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-saver")
         self._kv = distributed_client() if jax.process_count() > 1 else None
@@ -391,6 +420,20 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """Committed steps orbax lists."""
         return list(self.mgr.all_steps())
+
+    def copy_fits(self, state: Any, compiled: Any = None) -> bool:
+        """Whether saves copy the state on the device (``device_copy_fits``, decided at the first ask and said once).
+
+        Where it does not fit, orbax reads the live state and the loop waits until its host copy is taken.
+        """
+        if self._copy_fits is None:
+            self._copy_fits = device_copy_fits(state, compiled)
+            if not self._copy_fits:
+                log.warning(
+                    "a copy of the state does not fit in device memory beside the step: each save holds the loop "
+                    "until orbax has copied the state to the host (blocking_seconds says how long)"
+                )
+        return self._copy_fits
 
     def capture(self, step: int, state: Any, data_iter: Any) -> Capture:
         """Copy ``state`` (on the device, dispatched asynchronously) and the data position for a save of ``step``."""
@@ -411,7 +454,8 @@ class Checkpointer:
         self.finish_pending()
         t1 = now()
         p = PendingSave(step, t1, self.attempt)
-        if not self.async_save:
+        copies = self.async_save and self.copy_fits(state)
+        if not copies:
             capture = None
         elif capture is None or capture.step != step:
             capture = self.capture(step, state, data_iter)
@@ -425,6 +469,8 @@ class Checkpointer:
         self.pending = p
         if not self.async_save:
             p.writing.wait()
+        elif not copies:  # orbax reads the live state, which the next step donates: wait for its host copy
+            p.writing.wait(SNAPSHOT_WAIT_S)
         t3 = now()
         p.blocking = taken + (t3 - t1)
         p.parts.update(

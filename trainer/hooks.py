@@ -325,8 +325,9 @@ class CheckpointHook:
         The next step donates the state, so its copy and the data position are taken now, one save at a time, and
         the loop keeps its steps in flight through the save.
         """
-        if self.async_save and self.captured is None and self.due(step):
-            self.captured = self.ckpt.capture(step, self.stepper.state, self.stepper.data_iter)
+        st = self.stepper
+        if self.async_save and self.captured is None and self.due(step) and self.ckpt.copy_fits(st.state, st.compiled):
+            self.captured = self.ckpt.capture(step, st.state, st.data_iter)
 
     def holds(self, step: int) -> bool:
         """Whether the loop runs no step ahead of ``step``'s hooks: a save is due there that reads the live state.
@@ -390,7 +391,10 @@ class CheckpointHook:
         self.busy = True
         blocks = False
         try:
-            blocks = self._blocking_wait(step if not self.async_save else None)
+            # The loop waits for the save itself where it is synchronous or no device copy of the state fits.
+            st = self.stepper
+            live = not self.async_save or not self.ckpt.copy_fits(st.state, st.compiled)
+            blocks = self._blocking_wait(step if live else None)
             self._save(step)
         finally:
             self._waited(blocks)
