@@ -60,6 +60,12 @@ SEGMENT_INPUTS = ("attempt", "jobset-name", "restore-step", "coordinator-port", 
 # start and makes it the retry's deadline (operator.go processNodeRetries, ARGO_DEADLINE), which would kill
 # a supervisor of a long segment; ``cap`` bounds the backoff instead. The retry re-attaches to the gang.
 SUPERVISOR_RETRIES = 20
+# Argo waits out a retry's backoff before it evaluates the retry's expression (argo-workflows v4.0.5
+# workflow/controller/operator.go processNodeRetries: "Backoff for ..." is returned ahead of the retry policy and
+# the expression), so the first backoff delays every supervisor's verdict (exit 1) by that much before
+# classify-failure runs: a short one, doubling to the cap, which the 20 retries still reach (a window of about
+# half an hour for a supervisor that keeps losing its pod or its API).
+SUPERVISOR_BACKOFF_S = 1
 SUPERVISOR_RESOURCES = Resources(cpu_request="500m", cpu_limit="500m", memory_request="1Gi", memory_limit="1Gi")
 # A pod is Guaranteed only when every container's requests equal its limits, Argo's own included; Argo gives its
 # init and wait containers the controller's ``executor.resources`` (none unless an operator sets them: argo-workflows
@@ -275,7 +281,7 @@ def train_template(cfg: JobConfig) -> Container:
         retry_strategy=RetryStrategy(
             limit=SUPERVISOR_RETRIES,
             retry_policy="Always",
-            backoff=Backoff(duration="5s", factor=2, cap="2m"),
+            backoff=Backoff(duration=f"{SUPERVISOR_BACKOFF_S}s", factor=2, cap="2m"),
             expression=SUPERVISOR_RETRY,
         ),
     )

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +360,19 @@ def edit_carried_config(doc: dict[str, Any], edit: Callable[[dict[str, Any]], No
     raws[0]["data"] = yaml.safe_dump(cfg, sort_keys=True)
 
 
+# The shipped config waits 30 s before a retry (capacity 120 s), counted from the attempt's end: on the real
+# controller a Suspend node doing nothing for most of a recovery test. The tier's runs of the shipped file
+# wait this instead; the Suspend's duration still comes from classify-failure's output (test_argo asserts it).
+TIER_BACKOFF = {"base_s": 2, "factor": 2, "max_s": 10}
+
+
+def tier_backoff(cfg: dict[str, Any]) -> None:
+    """``edit_carried_config``: every class's retry backoff ``TIER_BACKOFF``."""
+    retry = cfg.setdefault("retry", {})
+    retry["default_backoff"] = dict(TIER_BACKOFF)
+    retry["backoff"] = {cls: dict(TIER_BACKOFF) for cls in retry.get("backoff") or {}}
+
+
 def workflow(rc: RealCluster, namespace: str, name: str) -> dict[str, Any]:
     from kubernetes import client
 
@@ -406,7 +420,17 @@ def summary(wf: dict[str, Any]) -> str:
         f"workflow {wf['metadata']['name']}: {(wf.get('status') or {}).get('phase')} "
         f"{(wf.get('status') or {}).get('message', '')}"
     ]
-    for n in nodes(wf):
+    t0 = at((wf.get("status") or {}).get("startedAt"))
+    for n in sorted(nodes(wf), key=lambda n: n.get("startedAt") or "~"):  # in the order they ran; skipped last
         code = (n.get("outputs") or {}).get("exitCode", "")
-        lines.append(f"  {n.get('displayName')} [{n.get('type')}] {n.get('phase')} exit={code} {n.get('message', '')}")
+        began, ended = at(n.get("startedAt")), at(n.get("finishedAt"))
+        when = f"+{began - t0:.0f}s" if began is not None and t0 is not None else ""
+        took = f" {ended - began:.0f}s" if ended is not None and began is not None else ""
+        name, kind, phase = n.get("displayName"), n.get("type"), n.get("phase")
+        lines.append(f"  {when}{took} {name} [{kind}] {phase} exit={code} {n.get('message', '')}")
     return "\n".join(lines)
+
+
+def at(stamp: str | None) -> float | None:
+    """An Argo time stamp (RFC 3339, whole seconds) as epoch seconds."""
+    return None if not stamp else datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()

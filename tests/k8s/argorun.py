@@ -45,7 +45,8 @@ class ArgoRun:
         return RunStore(str(self.store_root), self.cfg.run_id)
 
     def submit(self) -> str:
-        wf = argoctl.submit(self.rc, REPO / "argo" / ARGO_FILE, {"store-root": str(self.store_root)})
+        params = {"store-root": str(self.store_root)}
+        wf = argoctl.submit(self.rc, REPO / "argo" / ARGO_FILE, params, edit_config=argoctl.tier_backoff)
         self.name = wf["metadata"]["name"]
         return self.name
 

@@ -1,5 +1,6 @@
-"""The shipped Workflow (argo/v5e-4x4.yaml, unchanged but for ``argo submit -p store-root=...``) on the real Argo
-workflow-controller (v4.0.5), against the real API server, Job and JobSet controllers, scheduler and webhooks.
+"""The shipped Workflow (argo/v5e-4x4.yaml, unchanged but for ``argo submit -p store-root=...`` and a 2 s retry
+backoff in the config it carries, ``argoctl.TIER_BACKOFF``) on the real Argo workflow-controller (v4.0.5), against
+the real API server, Job and JobSet controllers, scheduler and webhooks.
 
 Each scenario's run also checks the local stand-in against the real controller (``standin.agrees``): one run for
 both. Every step pod runs its real step program as a local process (``podexec``, a simulated kubelet: it also writes the
@@ -72,6 +73,11 @@ def test_a_recoverable_failure_is_a_new_attempt_and_the_run_succeeds(argo_run, s
     assert wf["status"]["phase"] == "Succeeded", report
     verdicts = [argoctl.outputs(n) for n in argoctl.pods_of(wf, "classify-failure")]
     assert [(v["failure-class"], v["decision"], v["next-attempt"]) for v in verdicts] == [(cls, "retry", "1")], report
+    # The wait before the next attempt is the config's: classify-failure's backoff, the Suspend node's duration.
+    assert [float(v["backoff-seconds"]) for v in verdicts] == [argoctl.TIER_BACKOFF["base_s"]], report
+    (wait,) = [n for n in argoctl.nodes(wf) if n.get("type") == "Suspend"]
+    took = argoctl.at(wait["finishedAt"]) - argoctl.at(wait["startedAt"])
+    assert took <= argoctl.TIER_BACKOFF["base_s"] + 2, report  # whole seconds; the 30 s shipped would be seen
     segments = argoctl.pods_of(wf, "train-segment")
     assert [(n["outputs"]["exitCode"], argoctl.outputs(n)["outcome"]) for n in segments] == [
         ("1", "failed"),

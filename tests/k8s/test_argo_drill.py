@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import argoctl
 import pytest
 from argoctl import ARGO_FILE
 from realcluster import RealCluster, wait_for
@@ -35,6 +36,7 @@ class Drilled:
     def __init__(self, rc: RealCluster, store_root: str, fault: drill.Fault, after_step: int, timeout_s: float = 420):
         self.rc = rc
         self.target = drill.load_target(REPO / "argo" / ARGO_FILE, [f"store-root={store_root}"], None)
+        argoctl.edit_carried_config(self.target.doc, argoctl.tier_backoff)
         self.store = RunStore(store_root, self.target.run_id)
         self.lines: list[str] = []
         self.result: drill.DrillResult | None = None

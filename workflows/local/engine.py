@@ -323,6 +323,10 @@ class WorkflowRun:
             raise WorkflowError(f"{display}: retryPolicy {policy!r} is not one the local runner models")
         if policy == "OnFailure" and res.phase != FAILED:
             return None
+        # Argo waits out the backoff before it evaluates the policy and the expression, so a retry it will not
+        # make still costs the first backoff (argo-workflows v4.0.5 workflow/controller/operator.go
+        # processNodeRetries); here a refused retry costs nothing. The generated templates keep that first
+        # backoff short (templates.SUPERVISOR_BACKOFF_S), and no check compares the two worlds' durations.
         if expression:
             env = {
                 "lastRetry.exitCode": str(res.exit_code if res.exit_code is not None else -1),
