@@ -189,7 +189,7 @@ def test_the_drill_refuses_a_run_id_in_use_before_it_submits_anything(real_clust
 def test_a_drill_that_cannot_go_on_stops_its_workflow_and_the_gang_goes_with_it(real_cluster, drilled_ns, tmp_path):
     """The run never reaches --after-step before --timeout: the drill stops the Workflow it submitted (argo stop), so
     its exit handler deletes the gang, and the ledger closes the attempt as stopped, charged to no class."""
-    d = Drilled(real_cluster, str(tmp_path / "store"), drill.Fault.DELETE_WORKER, after_step=10**6, timeout_s=40)
+    d = Drilled(real_cluster, str(tmp_path / "store"), drill.Fault.DELETE_WORKER, after_step=10**6, timeout_s=20)
     d.workers(0)
     d.beat(0, 5)
     d.thread.join(120)

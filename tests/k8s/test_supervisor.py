@@ -125,7 +125,7 @@ def test_a_worker_exit_code_is_matched_by_the_real_pod_failure_policy_and_classi
 
 
 @pytest.mark.parametrize("spot", [pytest.param(False, marks=pytest.mark.on_demand), True], ids=["on-demand", "spot"])
-@pytest.mark.supervision(node_lost_grace_s=20)
+@pytest.mark.supervision(node_lost_grace_s=10)
 def test_a_lost_node_is_seen_by_the_real_node_lifecycle_and_its_stuck_pod_force_deleted(run, spot):
     sup = run.supervise(0)
     pods = run.workers(0)
