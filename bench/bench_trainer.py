@@ -173,6 +173,7 @@ LOOP_MODELS: dict[str, dict] = {
 # Dense bf16 peak of one chip by JAX's device_kind (Cloud TPU docs, "TPU versions"); MFU is left out elsewhere.
 PEAK_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
 WARMUP_STEPS = 10
+COMMIT_WAIT = "the loop's wait for its commit"  # the part of a save's blocking_seconds spent waiting for its commit
 
 
 def loop_config(
@@ -363,10 +364,13 @@ def run_trainer(cfg, work: Path) -> dict:
     (s0, t0), (s1, t1) = steps[0], steps[-1]
     total = cfg.training.total_steps
     commits = [e for e in events if e.event == EventKind.SAVE_COMMITTED and e.step != total]
-    saves = {e.step: e.blocking_seconds for e in commits}
+    saves = {e.step: e.blocking_seconds or 0.0 for e in commits if s0 < e.step < s1}
+    if saves:  # the last save in the span is waited for by the final one, after the span: not the span's cost
+        last = next(e for e in commits if e.step == max(saves))
+        saves[last.step] -= (last.blocking_parts or {}).get(COMMIT_WAIT, 0.0)
     report = read_report(store, 0, 0) or {}
     return {"rate": (s1 - s0) / (t1 - t0), "span": (s0, s1), "elapsed": t1 - t0,
-            "blocking": [v or 0.0 for k, v in saves.items() if s0 < k < s1 and k != total],
+            "blocking": list(saves.values()),
             "rss": report.get("peak_rss_mib") or 0.0,
             "save_s": [e.save_seconds for e in commits if s0 < e.step < s1 and e.save_seconds is not None],
             "parts": [e.blocking_parts or {} for e in commits if s0 < e.step < s1]}  # fmt: skip

@@ -4,6 +4,7 @@ supervisor: what test_argo.py and its stand-in check (standin.py) share."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,9 +45,16 @@ class ArgoRun:
     def store(self) -> RunStore:
         return RunStore(str(self.store_root), self.cfg.run_id)
 
-    def submit(self) -> str:
+    def submit(self, edit_config: Callable[[dict[str, Any]], None] | None = None) -> str:
+        """Submit the shipped file (``edit_config``: what the test changes in its config, beside the backoff)."""
+
+        def edit(cfg: dict[str, Any]) -> None:
+            argoctl.tier_backoff(cfg)
+            if edit_config is not None:
+                edit_config(cfg)
+
         params = {"store-root": str(self.store_root)}
-        wf = argoctl.submit(self.rc, REPO / "argo" / ARGO_FILE, params, edit_config=argoctl.tier_backoff)
+        wf = argoctl.submit(self.rc, REPO / "argo" / ARGO_FILE, params, edit_config=edit)
         self.name = wf["metadata"]["name"]
         return self.name
 

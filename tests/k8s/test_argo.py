@@ -23,7 +23,8 @@ from argorun import lose_supervisor
 from realcluster import netns_listeners
 from tier import REPO
 
-from recovery_steps.kernel.records import SupervisionRecord
+from recovery_steps.kernel.names import CONTINUES_LABEL, RUN_ID_LABEL, continuation_name
+from recovery_steps.kernel.records import RunLease, SupervisionRecord
 from recovery_steps.kernel.store import RunLayout
 
 pytestmark = pytest.mark.k8s
@@ -130,3 +131,48 @@ def test_supervisor_lost_an_evicted_supervisor_is_retried_and_reattaches_to_the_
     assert [(a.attempt, a.outcome) for a in ledger.attempts] == [(0, "succeeded")], ledger
     standin.agrees(argo_run, wf, "supervisor-lost")
     print(f"supervisor-lost on the real controller: retried after {lost[0]['phase']} ({lost[0].get('message')})")
+
+
+def test_a_workflow_past_its_attempts_hands_the_run_to_a_continuation_on_the_real_controller(argo_run):
+    """``retry.attempts_per_workflow: 1``: attempt 0 fails (a worker killed), classify-failure decides ``hand-over``,
+    and the step creates the continuation Workflow through the API under the project's RBAC (``<run-id>-c1``,
+    labelled with the run and the Workflow it continues), passes it the run lease and records the hand-over. The
+    first Workflow ends leaving the ledger to the continuation (its exit handler says handed over), which waits on
+    the run's mutex, continues at attempt 1 and Succeeds."""
+    rc, ns, run_id = argo_run.rc, argo_run.ns, argo_run.cfg.run_id
+    first = argo_run.submit(lambda cfg: cfg.setdefault("retry", {}).update(attempts_per_workflow=1))
+    argo_run.workers(0)
+    argo_run.beat(0, 5)
+    rc.exit_pod(ns, argo_run.workers(0)[2]["metadata"]["name"], 137)
+    ended = argo_run.wait_done(200)
+    report = argoctl.summary(ended)
+    verdicts = [argoctl.outputs(n) for n in argoctl.pods_of(ended, "classify-failure")]
+    assert [(v["failure-class"], v["decision"]) for v in verdicts] == [("infrastructure", "hand-over")], report
+    (handed,) = argoctl.pods_of(ended, "hand-over")
+    continuation = argoctl.outputs(handed)["continuation"]
+    assert continuation == continuation_name(run_id, 1), report
+    (final,) = argoctl.pods_of(ended, "exit-handler")
+    assert argoctl.outputs(final)["final-status"] == "HandedOver", report
+    cont = argoctl.workflow(rc, ns, continuation)
+    labels = cont["metadata"]["labels"]
+    assert (labels[RUN_ID_LABEL], labels[CONTINUES_LABEL]) == (run_id, first), labels
+    argo_run.name = continuation
+    argo_run.workers(1)
+    argo_run.beat(1, 12)
+    argo_run.exit_all(1, 0)
+    done = argo_run.wait_done(200)
+    report = f"{report}\n{argoctl.summary(done)}"
+    assert done["status"]["phase"] == "Succeeded", report
+    ledger = argo_run.ledger()
+    (h,) = ledger.hand_overs
+    assert (h.from_workflow, h.to_workflow, h.next_attempt) == (first, continuation, 1), ledger
+    assert h.to_uid == cont["metadata"]["uid"], (h, cont["metadata"]["uid"])
+    assert [(a.attempt, a.outcome, a.decision) for a in ledger.attempts] == [
+        (0, "failed", "hand-over"),
+        (1, "succeeded", None),
+    ], ledger
+    assert ledger.attempts[0].workflow == first, ledger
+    assert ledger.final_status == "Succeeded", ledger
+    held = argo_run.store.read_record(RunLayout.LEASE, RunLease)
+    assert (held.holder, held.holder_name, held.released) == (h.to_uid, continuation, True), held
+    print(f"hand-over on the real controller:\n{report}")
