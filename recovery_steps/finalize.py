@@ -252,8 +252,10 @@ def table(ledger: Ledger) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-def _last_attempt(store: RunStore, final: str, clock: Callable[[], float]) -> AttemptRecord | None:
-    """The newest attempt as the run's end closes it (succeeded, or stopped), or None when there is none."""
+def _last_attempt(
+    store: RunStore, final: str, clock: Callable[[], float], workflow: str | None = None
+) -> AttemptRecord | None:
+    """The newest attempt as the run's end closes it (succeeded, or stopped, by ``workflow``); None without one."""
     numbers = store.attempts()
     if not numbers:
         return None
@@ -266,6 +268,7 @@ def _last_attempt(store: RunStore, final: str, clock: Callable[[], float]) -> At
         checkpoint_step_after=newest_checkpoint_step(store),
         ended_at=clock() if final != SUCCEEDED else None,
         closed_at=clock(),
+        workflow=workflow,
     )
 
 
@@ -275,7 +278,8 @@ def _close_stopped(led: Ledger, stopped: AttemptRecord, why: str) -> Ledger:
     if mine is not None and mine.outcome != AttemptOutcome.RUNNING:
         return led  # closed already (failed, succeeded, or stopped by an earlier try of this step)
     reason = f"the workflow ended while the attempt was open ({why}); the exit handler stopped its gang"
-    keep = mine.model_dump(include={"started_at", "backend", "jobset", "workflow"}) if mine else {}
+    kept = mine.model_dump(include={"started_at", "backend", "jobset", "workflow"}) if mine else {}
+    keep = {k: v for k, v in kept.items() if v is not None}
     return with_attempt(led, stopped.model_copy(update={"reason": reason, **keep}))
 
 
@@ -287,6 +291,7 @@ def run(
     *,
     closes_open: bool = False,
     clock: Callable[[], float] = now,
+    workflow: str | None = None,
 ) -> FinalizeResult:
     """Record the run's final status and reason in the ledger (conditional write).
 
@@ -303,6 +308,7 @@ def run(
         output_dir: where to write ``final-status`` (None: nowhere).
         closes_open: close an open newest attempt as 'stopped' when the run did not succeed.
         clock: epoch-seconds clock.
+        workflow: the Workflow ending (``{{workflow.name}}``), named on the attempt it closes (None: not known).
 
     Returns:
         The final status ('Succeeded' or 'Failed'), the reason and the ledger as written.
@@ -323,7 +329,7 @@ def run(
                 f"{store.url(RunLayout.CONFIG)}: no config for run {run_id!r}: it was never validated{why}, nothing "
                 "is recorded; check --store-root and --run-id",
             )
-        done = _last_attempt(store, final, clock) if final == SUCCEEDED or closes_open else None
+        done = _last_attempt(store, final, clock, workflow) if final == SUCCEEDED or closes_open else None
         holder: dict[str, str] = {}
 
         def close(led: Ledger) -> Ledger:
@@ -473,6 +479,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output-dir", type=cli.output_dir, default=None)
     p.add_argument("--holder", default=None, help="this workflow's uid: act only if it holds the run lease")
+    p.add_argument(
+        "--workflow",
+        type=cli.k8s_name,
+        default=None,
+        help="this workflow's name ({{workflow.name}}): the ledger names it on the attempt the run's end closes",
+    )
     p.add_argument("--k8s-host", default=None, type=cli.http_url, help="Kubernetes API URL (default: in-cluster)")
     return p
 
@@ -488,6 +500,7 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
             args.failures,
             args.output_dir,
             closes_open=bool(args.holder),
+            workflow=args.workflow,
         )
     except StepError as e:
         if e.code == ExitCode.CONFIGURATION and args.holder:

@@ -294,7 +294,7 @@ def test_a_workflow_past_its_attempts_hands_the_run_to_a_continuation(tmp_path, 
     assert (h.from_workflow, h.to_workflow, h.next_attempt, h.backend) == ("handover", "handover-c1", 1, "local")
     first, second = led.attempts
     assert (first.attempt, first.workflow, first.decision) == (0, "handover", Decision.HAND_OVER)
-    assert (second.attempt, second.outcome) == (1, "succeeded")
+    assert (second.attempt, second.outcome, second.workflow) == (1, "succeeded", "handover-c1")
     assert led.final_status == "Succeeded"
     # The continuation held the run from the hand-over on, and its exit handler released it.
     held = store.read_record(RunLayout.LEASE, RunLease)

@@ -60,6 +60,8 @@ def test_succeeded_after_recoveries(store_root, tmp_path, capsys):
             "null",
             "--output-dir",
             str(tmp_path / "o"),
+            "--workflow",
+            "wf-c1",
         ]
     )
     assert code == 0
@@ -75,6 +77,7 @@ def test_succeeded_after_recoveries(store_root, tmp_path, capsys):
         40,
         60,
     )
+    assert done.workflow == "wf-c1"  # the Workflow that ran it to the end (a continuation's, after a hand-over)
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"run {RUN}: Succeeded: {led.final_reason}"
     table = out.splitlines()[1:]
@@ -168,8 +171,9 @@ def test_an_attempt_open_when_the_run_was_stopped_is_closed_as_stopped_and_charg
     assert [a.attempt for a in finalize.run(RunStore(root, RUN), "Failed", stop).ledger.attempts] == [
         0
     ]  # not the holder's
-    r = finalize.run(RunStore(root, RUN), "Failed", stop, closes_open=True, clock=lambda: 5.0)
+    r = finalize.run(RunStore(root, RUN), "Failed", stop, closes_open=True, clock=lambda: 5.0, workflow="wf-b")
     first, stopped = r.ledger.attempts
+    assert stopped.workflow == "wf-b"
     assert first == failed(0, FailureClass.APPLICATION, -1, 10)  # a closed attempt is never rewritten
     assert (stopped.attempt, stopped.outcome, stopped.failure_class, stopped.decision) == (1, "stopped", None, None)
     assert (stopped.checkpoint_step_before, stopped.checkpoint_step_after, stopped.ended_at) == (10, 20, 5.0)

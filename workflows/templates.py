@@ -376,7 +376,7 @@ def finalize_template(cfg: JobConfig) -> Container:
         cfg,
         "exit-handler",
         "finalize",
-        [*args, "--holder", "{{workflow.uid}}"],
+        [*args, "--holder", "{{workflow.uid}}", "--workflow", "{{workflow.name}}"],
         outputs=FinalizeOutputs,
         metrics=[status, lost, seconds],
     )
