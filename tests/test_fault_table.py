@@ -455,6 +455,23 @@ def test_concurrent_restore_latest_threads_agree_and_quarantine_once(template, t
     _check_race(run, _race_restore_latest(root), template[3])
 
 
+def test_a_mover_that_loses_the_quarantine_name_leaves_the_step_to_the_mover_that_took_it(template, tmp_path):
+    """The race's worst interleaving, held open: another restore-latest has created ``quarantine/60`` (exclusively)
+    and not yet renamed the step into it. This one finds the name taken: it waits for that mover to take the step
+    rather than racing it for the step under ``60.attempt1.1`` (which left the step under a suffixed name and its
+    own name empty)."""
+    root, run = _racing_store(template, tmp_path)
+    (run / "quarantine").mkdir(exist_ok=True)
+    os.mkdir(run / "quarantine" / "60")  # the other mover's exclusive name
+    other = threading.Timer(0.5, os.rename, (run / "checkpoints" / "60", run / "quarantine" / "60"))
+    other.start()
+    r = restore_latest.run(RunStore(str(root), RUN), 1)
+    other.join(10)
+    assert r.selection.step == 50 and r.quarantined == [], r
+    assert sorted(p.name for p in (run / "quarantine").iterdir()) == ["60"]
+    assert (run / "quarantine" / "60" / "commit_success.txt").exists()  # the step, moved whole by the other
+
+
 @pytest.mark.slow
 def test_concurrent_restore_latest_processes_agree_and_quarantine_once(template, tmp_path):
     root, run = _racing_store(template, tmp_path)

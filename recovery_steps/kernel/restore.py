@@ -10,6 +10,7 @@ saying why) only on positive evidence against it, read after every candidate was
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from recovery_steps.kernel.config import ConfigError
@@ -41,7 +42,7 @@ class RestoreResult:
 
 
 def _quarantine_targets(store: RunStore, name: str, attempt: int):
-    """Candidate quarantine names for step directory ``name``: ``<name>``, then ``<name>.attempt<n>.<k>``."""
+    """Candidate quarantine names for ``name``: ``<name>``, then ``<name>.attempt<n>.<k>``, free when listed."""
     existing = set(store.children(RunLayout.QUARANTINE))
     if name not in existing:
         yield f"{RunLayout.QUARANTINE}/{name}"
@@ -50,6 +51,30 @@ def _quarantine_targets(store: RunStore, name: str, attempt: int):
         if f"{name}.attempt{attempt}.{k}" not in existing:
             yield f"{RunLayout.QUARANTINE}/{name}.attempt{attempt}.{k}"
         k += 1
+
+
+CONCURRENT_MOVE_WAIT_S = 5.0
+"""How long a mover that lost a quarantine name to a concurrent mover waits for that mover to take the step."""
+
+
+def _being_moved_into(store: RunStore, name: str) -> bool:
+    """``quarantine/<name>`` is there and holds nothing: a concurrent mover's name, the step not yet renamed in."""
+    return name in store.children(RunLayout.QUARANTINE) and not store.list(f"{RunLayout.QUARANTINE}/{name}")
+
+
+def _taken_by_another(store: RunStore, src: str) -> bool:
+    """Whether the concurrent mover that took a name free when listed has moved step directory ``src`` there.
+
+    A concurrent restore-latest quarantining the same step creates the name, then renames the step into it. True
+    once the step is gone; False when it stays past ``CONCURRENT_MOVE_WAIT_S`` (the other died between its two
+    calls: this mover takes the next name).
+    """
+    deadline = time.monotonic() + CONCURRENT_MOVE_WAIT_S
+    while store.exists(src):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def quarantine(store: RunStore, skip: Skip, attempt: int) -> str | None:
@@ -63,11 +88,18 @@ def quarantine(store: RunStore, skip: Skip, attempt: int) -> str | None:
         The quarantine path, or None when the directory was already gone (another mover took it).
     """
     src = f"{RunLayout.CHECKPOINTS}/{skip.name}"
+    if _being_moved_into(store, skip.name) and _taken_by_another(store, src):
+        return None
     for target in _quarantine_targets(store, skip.name, attempt):
         try:
             moved = store.move(src, target)
         except FileExistsError:
-            continue  # taken between listing and moving: the next name
+            # Taken between listing and moving, by a concurrent mover of this step: it has the name the step
+            # belongs under, and moves it there. Racing it for the step under the next name would leave the step
+            # under a suffixed name with its own name free.
+            if _taken_by_another(store, src):
+                return None
+            continue
         break
     else:
         raise StoreLayoutError(f"{store.url(RunLayout.QUARANTINE)}: no free name for {skip.name!r}")
