@@ -171,7 +171,7 @@ def test_a_workflow_past_its_attempts_hands_the_run_to_a_continuation_on_the_rea
         (0, "failed", "hand-over"),
         (1, "succeeded", None),
     ], ledger
-    assert ledger.attempts[0].workflow == first, ledger
+    assert [a.workflow for a in ledger.attempts] == [first, continuation], ledger
     assert ledger.final_status == "Succeeded", ledger
     held = argo_run.store.read_record(RunLayout.LEASE, RunLease)
     assert (held.holder, held.holder_name, held.released) == (h.to_uid, continuation, True), held
