@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from types import SimpleNamespace
 
@@ -209,6 +210,10 @@ def test_a_copy_not_saved_after_all_is_dropped(tmp_path):
     tight.ckpt.fits = False
     tight.capture(30)
     assert tight.captured is None and tight.holds(30)  # no device copy fits: the save reads the live state too
+    busy = _save_hooks(tmp_path / "busy", done=False)[1]
+    busy.ckpt.pending.writing.clear()  # orbax's save() of step 10 has not returned
+    busy.capture(30)
+    assert busy.captured is None and busy.holds(30)  # step 10's save still holds its copy: one copy at a time
 
 
 def test_a_stop_read_with_steps_in_flight_ends_after_the_last_of_them():
@@ -277,7 +282,7 @@ class SlowCheckpointer:
         self.last_committed = None
         self.last_duration = self.last_blocking = self.last_commit_time = None
         self.last_parts = {}
-        self.pending = SimpleNamespace(step=10, done=concurrent.futures.Future())
+        self.pending = self._pending(10)
         self.saved = []
         self.captures: list[int] = []  # steps whose state was copied as they were dispatched
         self.fits = True  # a copy of the state fits on the device beside the step
@@ -299,6 +304,9 @@ class SlowCheckpointer:
     def copy_fits(self, state, compiled=None):
         return self.fits
 
+    def copy_released(self):
+        return self.pending is None or self.pending.writing.is_set()
+
     def capture(self, step, state, data_iter):
         self.captures.append(step)
         return SimpleNamespace(step=step, state=state, data=data_iter, seconds=0.0)
@@ -306,7 +314,14 @@ class SlowCheckpointer:
     def save(self, step, state, data_iter, capture=None):
         self.saved.append(step)
         self.used.append(None if capture is None else capture.step)
-        self.pending = SimpleNamespace(step=step, done=concurrent.futures.Future())
+        self.pending = self._pending(step)
+
+    @staticmethod
+    def _pending(step):
+        """A save handed over, its writes in flight: orbax's save() returned (the device copy released)."""
+        writing = threading.Event()
+        writing.set()
+        return SimpleNamespace(step=step, done=concurrent.futures.Future(), writing=writing)
 
 
 def _save_hooks(tmp_path, *, done: bool, wait_s: float = 0.0):

@@ -435,6 +435,11 @@ class Checkpointer:
                 )
         return self._copy_fits
 
+    def copy_released(self) -> bool:
+        """Whether no earlier save still holds its device copy (orbax has the save in flight on the host)."""
+        p = self.pending
+        return p is None or p.writing.is_set()
+
     def capture(self, step: int, state: Any, data_iter: Any) -> Capture:
         """Copy ``state`` (on the device, dispatched asynchronously) and the data position for a save of ``step``."""
         t0 = now()

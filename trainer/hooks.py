@@ -322,11 +322,14 @@ class CheckpointHook:
     def capture(self, step: int) -> None:
         """Right after ``step`` was dispatched: take the copy an asynchronous save due at it writes.
 
-        The next step donates the state, so its copy and the data position are taken now, one save at a time, and
-        the loop keeps its steps in flight through the save.
+        The next step donates the state, so its copy and the data position are taken now, one save at a time (and
+        one copy on the device: not while an earlier save still holds its own), and the loop keeps its steps in
+        flight through the save.
         """
         st = self.stepper
-        if self.async_save and self.captured is None and self.due(step) and self.ckpt.copy_fits(st.state, st.compiled):
+        if not (self.async_save and self.captured is None and self.due(step) and self.ckpt.copy_released()):
+            return
+        if self.ckpt.copy_fits(st.state, st.compiled):
             self.captured = self.ckpt.capture(step, st.state, st.data_iter)
 
     def holds(self, step: int) -> bool:
