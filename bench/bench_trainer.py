@@ -363,17 +363,15 @@ def run_trainer(cfg, work: Path) -> dict:
     steps = [(e.step, e.t) for e in events if e.event == EventKind.STEP and e.step > WARMUP_STEPS]
     (s0, t0), (s1, t1) = steps[0], steps[-1]
     total = cfg.training.total_steps
-    commits = [e for e in events if e.event == EventKind.SAVE_COMMITTED and e.step != total]
-    saves = {e.step: e.blocking_seconds or 0.0 for e in commits if s0 < e.step < s1}
-    if saves:  # the last save in the span is waited for by the final one, after the span: not the span's cost
-        last = next(e for e in commits if e.step == max(saves))
-        saves[last.step] -= (last.blocking_parts or {}).get(COMMIT_WAIT, 0.0)
+    span = [e for e in events if e.event == EventKind.SAVE_COMMITTED and s0 < e.step < s1 and e.step != total]
+    blocking = [e.blocking_seconds or 0.0 for e in span]
+    if span:  # the last save in the span is waited for by the final one, after the span: not the span's cost
+        blocking[-1] -= (span[-1].blocking_parts or {}).get(COMMIT_WAIT, 0.0)
     report = read_report(store, 0, 0) or {}
-    return {"rate": (s1 - s0) / (t1 - t0), "span": (s0, s1), "elapsed": t1 - t0,
-            "blocking": list(saves.values()),
+    return {"rate": (s1 - s0) / (t1 - t0), "span": (s0, s1), "elapsed": t1 - t0, "blocking": blocking,
             "rss": report.get("peak_rss_mib") or 0.0,
-            "save_s": [e.save_seconds for e in commits if s0 < e.step < s1 and e.save_seconds is not None],
-            "parts": [e.blocking_parts or {} for e in commits if s0 < e.step < s1]}  # fmt: skip
+            "save_s": [e.save_seconds for e in span if e.save_seconds is not None],
+            "parts": [e.blocking_parts or {} for e in span]}  # fmt: skip
 
 
 def bench_loop(

@@ -460,15 +460,14 @@ class Checkpointer:
         t1 = now()
         p = PendingSave(step, t1, self.attempt)
         copies = self.async_save and self.copy_fits(state)
-        if not copies:
-            capture = None
-        elif capture is None or capture.step != step:
-            capture = self.capture(step, state, data_iter)
-            capture.seconds = 0.0  # counted below, in this call's own time
-        if capture is not None:
+        taken = 0.0  # the loop's time taking the copy before this call (as the step was dispatched)
+        if copies and capture is not None and capture.step == step:
             state, data, taken = capture.state, capture.data, capture.seconds
+        elif copies:
+            c = self.capture(step, state, data_iter)
+            state, data = c.state, c.data
         else:
-            data, taken = _IteratorSnapshot(data_iter.get_state()), 0.0
+            data = _IteratorSnapshot(data_iter.get_state())
         t2 = now()
         p.done = self._saver.submit(self._save_and_commit, p, state, data)
         self.pending = p

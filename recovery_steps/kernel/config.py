@@ -485,8 +485,9 @@ class TrainingConfig(_Section):
         le=64,
         description="Steps the host dispatches beyond the one whose loss it reads: a pause of the host shorter "
         "than this many steps (an asynchronous save's own work held it up to 1 s on a TPU v5e) costs the "
-        "accelerator nothing; a stop takes effect after the steps already in flight, and the queue empties at each "
-        "save. About 1 s of steps on an accelerator (docs/PERFORMANCE.md).",
+        "accelerator nothing; a stop takes effect after the steps already in flight, and the queue empties only "
+        "at a save that reads the live state (synchronous, or no device copy fits). About 1 s of steps on an "
+        "accelerator (docs/PERFORMANCE.md).",
     )
     hang_timeout_s: int = Field(
         default=60,

@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -420,17 +419,14 @@ def summary(wf: dict[str, Any]) -> str:
         f"workflow {wf['metadata']['name']}: {(wf.get('status') or {}).get('phase')} "
         f"{(wf.get('status') or {}).get('message', '')}"
     ]
-    t0 = at((wf.get("status") or {}).get("startedAt"))
+    from recovery_steps.kernel.snapshot import parse_time
+
+    t0 = parse_time((wf.get("status") or {}).get("startedAt"))
     for n in sorted(nodes(wf), key=lambda n: n.get("startedAt") or "~"):  # in the order they ran; skipped last
         code = (n.get("outputs") or {}).get("exitCode", "")
-        began, ended = at(n.get("startedAt")), at(n.get("finishedAt"))
+        began, ended = parse_time(n.get("startedAt")), parse_time(n.get("finishedAt"))
         when = f"+{began - t0:.0f}s" if began is not None and t0 is not None else ""
         took = f" {ended - began:.0f}s" if ended is not None and began is not None else ""
         name, kind, phase = n.get("displayName"), n.get("type"), n.get("phase")
         lines.append(f"  {when}{took} {name} [{kind}] {phase} exit={code} {n.get('message', '')}")
     return "\n".join(lines)
-
-
-def at(stamp: str | None) -> float | None:
-    """An Argo time stamp (RFC 3339, whole seconds) as epoch seconds."""
-    return None if not stamp else datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()

@@ -25,6 +25,7 @@ from tier import REPO
 
 from recovery_steps.kernel.names import CONTINUES_LABEL, RUN_ID_LABEL, continuation_name
 from recovery_steps.kernel.records import RunLease, SupervisionRecord
+from recovery_steps.kernel.snapshot import parse_time
 from recovery_steps.kernel.store import RunLayout
 
 pytestmark = pytest.mark.k8s
@@ -77,7 +78,7 @@ def test_a_recoverable_failure_is_a_new_attempt_and_the_run_succeeds(argo_run, s
     # The wait before the next attempt is the config's: classify-failure's backoff, the Suspend node's duration.
     assert [float(v["backoff-seconds"]) for v in verdicts] == [argoctl.TIER_BACKOFF["base_s"]], report
     (wait,) = [n for n in argoctl.nodes(wf) if n.get("type") == "Suspend"]
-    took = argoctl.at(wait["finishedAt"]) - argoctl.at(wait["startedAt"])
+    took = parse_time(wait["finishedAt"]) - parse_time(wait["startedAt"])
     assert took <= argoctl.TIER_BACKOFF["base_s"] + 2, report  # whole seconds; the 30 s shipped would be seen
     segments = argoctl.pods_of(wf, "train-segment")
     assert [(n["outputs"]["exitCode"], argoctl.outputs(n)["outcome"]) for n in segments] == [
