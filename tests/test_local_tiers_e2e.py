@@ -2,7 +2,8 @@
 
 Two runs, each a chain of failures (one attempt per fault): GCS every 5 steps, local every 2, each part copied to
 the next host. The kills come one step after a local save that is newer than the newest GCS step (7, 13, 19),
-and steps are paced (0.2 s) so that the save and its peer copy have landed by then.
+once that save's parts and their peer copies have landed (the injector waits for their events; steps are paced,
+0.2 s, so that the gang is not far past the step by then).
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from recovery_steps.kernel.config import LocalTierConfig
 from recovery_steps.kernel.contract import FailureClass
 from recovery_steps.kernel.records import (
     EventKind,
@@ -19,8 +21,9 @@ from recovery_steps.kernel.records import (
 )
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local, report
+from workflows.local import inject
 from workflows.local.incidents import EventTail, Injected, Segment, build_incidents, read_events
-from workflows.local.inject import parse_injections
+from workflows.local.inject import Injector, parse_injections
 
 
 def _ev(t, event, attempt, i, step=None, **kw):
@@ -113,6 +116,46 @@ def test_default_steps_and_corrupt_latest_brings_a_kill():
         ("corrupt-latest", 15, True),
         ("kill-worker", 15, True),
     ]
+
+
+class _Slice(SimpleNamespace):
+    """The parts of a local slice the injector reads, and the signals it sends."""
+
+    def __init__(self, hosts: int):
+        super().__init__(attempt=0, first_failure_index=None, signals=[])
+        self.workers = [SimpleNamespace(index=i, pid=100 + i, started_at=100.0) for i in range(hosts)]
+
+    def signal_worker(self, index, sig):
+        self.signals.append((index, sig))
+
+
+def test_a_host_faults_kill_waits_for_the_newest_local_step_on_every_host(tmp_path, monkeypatch):
+    """swap-hosts@13 with local saves every 2 steps: the kill waits for step 12's own and peer parts on both hosts;
+    one that never lands holds it only LOCAL_WAIT_S, and the run says what was missing."""
+    injections, _ = parse_injections(["swap-hosts@13"], 5)
+    assert [(i.scenario, i.after_local) for i in injections] == [("swap-hosts", False), ("kill-worker", True)]
+    tail = EventTail(tmp_path / "events")
+    said: list[str] = []
+    injector = Injector(
+        injections, tail, lambda: None, say=said.append, local_tier=LocalTierConfig(interval_steps=2, peers=1)
+    )
+    sl = _Slice(2)
+    tail.events += [_ev(110 + s, "step", 0, i, s) for i in range(2) for s in range(1, 14)]
+    tail.events += [_ev(123, "local_saved", 0, i, 12, reason="local") for i in range(2)]
+    tail.events += [_ev(123, "local_saved", 0, 0, 12, reason="peer")]
+    injector.on_tick(sl)
+    assert sl.signals == []  # 3 of step 12's 4 parts: worker 0's copy on worker 1's host is still on its way
+    monkeypatch.setattr(inject, "LOCAL_WAIT_S", 0.0)
+    injector.on_tick(sl)
+    assert [i for i, _ in sl.signals] == [1] and any("3 of 4 local and peer parts of step 12" in s for s in said)
+
+    injections, _ = parse_injections(["corrupt-local@13"], 5)
+    injector = Injector(injections, tail, lambda: None, say=said.append, local_tier=LocalTierConfig(interval_steps=2))
+    tail.events.append(_ev(124, "local_saved", 0, 1, 12, reason="peer"))
+    monkeypatch.setattr(inject, "LOCAL_WAIT_S", 1e9)
+    sl = _Slice(2)
+    injector.on_tick(sl)
+    assert [i for i, _ in sl.signals] == [1]  # all four landed: no wait
 
 
 def test_report_prints_table_and_writes_timeline(store_root, capsys):

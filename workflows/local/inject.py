@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recovery_steps.kernel.records import EventKind, now
+from recovery_steps.kernel.config import LocalTierConfig
+from recovery_steps.kernel.records import EventKind, WorkerEvent, now
 from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local.cluster import SliceHooks
 from workflows.local.engine import NodePhase
@@ -176,6 +177,15 @@ class Injection:
     # Without @STEP the fault waits for the attempt's first committed checkpoint as well as its step:
     # an asynchronous commit can still be in flight at the step, most of all on a loaded machine.
     after_commit: bool = False
+    # A host fault's kill waits until the newest local step at or before STEP has landed, every part on its own
+    # host and on its peers (a loaded machine can be a step or two behind the pacing), up to LOCAL_WAIT_S.
+    after_local: bool = False
+    reached_at: float | None = None  # when a worker first reported STEP
+
+
+# How long a host fault's kill waits, past its step, for that step's local and peer parts to land (a save the
+# trainer skipped because the previous one still ran never lands: the kill goes ahead and says so).
+LOCAL_WAIT_S = 30.0
 
 
 def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], list[str]]:
@@ -205,7 +215,11 @@ def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], 
         after = next(i.after_commit for i in out if i.scenario == "corrupt-latest")
         out.append(Injection("kill-worker", step, after_commit=after))
     # Each host fault is one failure: a kill at its step, then the fault on the hosts before the next attempt.
-    out += [Injection("kill-worker", i.step, after_commit=i.after_commit) for i in out if i.scenario in HOST_FAULTS]
+    out += [
+        Injection("kill-worker", i.step, after_commit=i.after_commit, after_local=True)
+        for i in out
+        if i.scenario in HOST_FAULTS
+    ]
     return out, problems
 
 
@@ -306,8 +320,10 @@ class Injector(SliceHooks):
         on_delete: Callable[[], None] | None = None,
         say: Callable[[str], None] = print,
         hosts_dir: Path | None = None,
+        local_tier: LocalTierConfig | None = None,
     ):
         self.injections = injections
+        self.local_tier = local_tier  # the run's checkpoint.local: a host fault's kill waits for its parts
         self.hosts = Hosts(hosts_dir or Path("hosts"))
         self.events = events
         self.store = store
@@ -386,8 +402,31 @@ class Injector(SliceHooks):
             return
         committed = any(e.event == EventKind.SAVE_COMMITTED for e in mine)
         for inj in pending:
-            if step >= inj.step and (committed or not inj.after_commit):
+            if step >= inj.step and (committed or not inj.after_commit) and self._parts_landed(inj, sl, mine):
                 self._fire(inj, sl, step)
+
+    def _parts_landed(self, inj: Injection, sl: LocalSlice, mine: list[WorkerEvent]) -> bool:
+        """Whether a host fault's kill may fire.
+
+        It may once the newest local step at or before its step is on every host that holds a copy of it, or once
+        LOCAL_WAIT_S passed since the step was reached (then it says what is missing).
+        """
+        if not inj.after_local:
+            return True
+        tier = self.local_tier
+        if tier is None or not tier.interval_steps:
+            return True
+        target = inj.step - inj.step % tier.interval_steps
+        hosts = len(sl.workers)
+        want = hosts * (1 + min(tier.peers, hosts - 1))
+        got = sum(1 for e in mine if e.event == EventKind.LOCAL_SAVED and e.step == target)
+        if target <= 0 or got >= want:
+            return True
+        inj.reached_at = inj.reached_at or now()
+        if now() - inj.reached_at < LOCAL_WAIT_S:
+            return False
+        self.say(f"inject: {got} of {want} local and peer parts of step {target} landed in {LOCAL_WAIT_S:.0f} s")
+        return True
 
     def _fire(self, inj: Injection, sl: LocalSlice, step: int) -> None:
         victim = len(sl.workers) - 1

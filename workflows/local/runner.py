@@ -430,7 +430,13 @@ class _LocalRun:
         events = EventTail(work_dir / "events")
         deleted = _Deletion()
         injector = Injector(
-            injections, events, lambda: store, deleted, lambda s: say(f"         {s}"), work_dir / "hosts"
+            injections,
+            events,
+            lambda: store,
+            deleted,
+            lambda s: say(f"         {s}"),
+            work_dir / "hosts",
+            local_tier=self.cfg.checkpoint.local,
         )
         feed = _MetricsFeed(store, self.cfg, metrics_port, say, logs=work_dir / "logs")
         status = "Running"
