@@ -160,13 +160,42 @@ def test_a_device_copy_fits_only_beside_what_is_in_use_and_what_the_step_needs()
     assert device_copy_fits(state_at(1), None)  # this machine's devices
 
 
-def test_where_no_device_copy_fits_the_save_reads_the_live_state_and_returns_once_it_is_on_the_host(
+def test_where_no_device_copy_fits_the_save_copies_the_state_to_pinned_host_memory_the_next_step_may_donate(
+    setup, monkeypatch, caplog
+):
+    """The copy is a dispatched transfer into the host's pinned memory: the save returns before orbax has it, the
+    step right after may donate the state, and the step restores with the values it had when it was taken."""
+    cfg, store, ckpt, it = setup
+    monkeypatch.setattr(checkpointing, "device_copy_fits", lambda *a: False)
+    double = jax.jit(lambda s: jax.tree.map(lambda a: a * 2, s), donate_argnums=0)
+    with caplog.at_level("WARNING", logger="trainer.checkpointing"):
+        state = state_at(3)
+        assert ckpt.copy_fits(state)
+        taken = ckpt.capture(3, state, it)
+        assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(taken.state)} == {"pinned_host"}
+        state = double(state)  # the live buffers are donated while the transfer may still be on its way
+        ckpt.save(3, state, it, capture=taken)
+    assert ckpt.finish_pending() == 3 and float(state["w"][0, 0]) == 6.0
+    said = [r.getMessage() for r in caplog.records if "does not fit in device memory" in r.getMessage()]
+    assert len(said) == 1 and "pinned memory" in said[0], said
+    restored = Checkpointer(store, cfg, attempt=1, mesh_shape={"data": 1})
+    try:
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+        got = restored.restore_state(3, target)
+        assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(got)} == {"device"}
+        assert float(got["w"][0, 0]) == 3.0 and int(got["step"]) == 3
+    finally:
+        restored.close()
+
+
+def test_where_no_copy_fits_anywhere_the_save_reads_the_live_state_and_returns_once_it_is_on_the_host(
     setup, monkeypatch, caplog
 ):
     """The next step donates the live state: the loop waits for orbax's host copy of it (counted in the save's
     blocking time), says so once, and the step commits as any other."""
     _, store, ckpt, it = setup
     monkeypatch.setattr(checkpointing, "device_copy_fits", lambda *a: False)
+    monkeypatch.setattr(checkpointing, "pinned_host_copy", lambda state: None)
     with caplog.at_level("WARNING", logger="trainer.checkpointing"):
         for step in (1, 2):
             next(it)
@@ -175,4 +204,4 @@ def test_where_no_device_copy_fits_the_save_reads_the_live_state_and_returns_onc
             assert ckpt.pending.blocking >= ckpt.pending.parts["hand-off to the saver thread"]
     assert ckpt.finish_pending() == 2 and manifest_of(store, 2) is not None
     said = [r.getMessage() for r in caplog.records if "does not fit in device memory" in r.getMessage()]
-    assert len(said) == 1, said
+    assert len(said) == 1 and "holds the loop" in said[0], said

@@ -201,6 +201,21 @@ def device_copy_fits(state: Any, compiled: Any = None) -> bool:
     return True
 
 
+def pinned_host_copy(state: Any) -> Any:
+    """A function that copies ``state`` into the host's pinned memory, or None where a device has none.
+
+    ``jax.device_put`` to the same shardings with ``memory_kind="pinned_host"`` (JAX docs, "Memory spaces and host
+    offloading"): the transfer is dispatched asynchronously, in order, and takes no device memory; a later step that
+    donates the state waits on the device for the transfer to have read it, not the loop on the host.
+    """
+    leaves = jax.tree.leaves(state)
+    devices = {d for leaf in leaves for d in getattr(leaf, "devices", set)()}
+    if not devices or not all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices):
+        return None
+    shardings = jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), state)
+    return lambda s: jax.device_put(s, shardings, may_alias=False)
+
+
 def _save_args(state: Any) -> Any:
     """Per-array save options: uncompressed, chunked (see ``_CHUNK_BYTES``)."""
     return jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=_CHUNK_BYTES), state)
@@ -406,8 +421,8 @@ class Checkpointer:
         self._code_version = code_version() if self.primary else ""
         self._libs = library_versions()
         self._orbax_timings = _OrbaxTimings()
-        self._snapshot: Any = None
-        self._copy_fits: bool | None = None  # a copy of the state fits on the device beside the step (decided once)
+        self._snapshot: Any = None  # the copy a save writes: on the device, or in the host's pinned memory
+        self._copy_fits: bool | None = None  # a copy of the state can be taken without the loop waiting (decided once)
         self._announced: int | None = None  # the step whose manifest key process 0 set last
         self._saver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-saver")
         self._kv = distributed_client() if jax.process_count() > 1 else None
@@ -422,16 +437,24 @@ class Checkpointer:
         return list(self.mgr.all_steps())
 
     def copy_fits(self, state: Any, compiled: Any = None) -> bool:
-        """Whether saves copy the state on the device (``device_copy_fits``, decided at the first ask and said once).
+        """Whether saves take a copy of the state the loop need not wait for (decided at the first ask, said once).
 
-        Where it does not fit, orbax reads the live state and the loop waits until its host copy is taken.
+        On the device where it fits beside the step (``device_copy_fits``); else in the host's pinned memory
+        (``pinned_host_copy``: the next step waits on the device for the transfer); else not at all: orbax reads
+        the live state and the loop waits until its host copy is taken.
         """
         if self._copy_fits is None:
             self._copy_fits = device_copy_fits(state, compiled)
             if not self._copy_fits:
+                self._snapshot = pinned_host_copy(state)
+                self._copy_fits = self._snapshot is not None
                 log.warning(
-                    "a copy of the state does not fit in device memory beside the step: each save holds the loop "
-                    "until orbax has copied the state to the host (blocking_seconds says how long)"
+                    "a copy of the state does not fit in device memory beside the step: %s",
+                    "each save copies it to the host's pinned memory as its step is dispatched (the step after waits "
+                    "on the device for that transfer)"
+                    if self._copy_fits
+                    else "each save holds the loop until orbax has copied the state to the host "
+                    "(blocking_seconds says how long)",
                 )
         return self._copy_fits
 
@@ -441,7 +464,7 @@ class Checkpointer:
         return p is None or p.writing.is_set()
 
     def capture(self, step: int, state: Any, data_iter: Any) -> Capture:
-        """Copy ``state`` (on the device, dispatched asynchronously) and the data position for a save of ``step``."""
+        """Copy ``state`` (dispatched asynchronously; ``copy_fits`` says where) and the data position for ``step``'s save."""
         t0 = now()
         if self._snapshot is None:
             self._snapshot = _snapshot_fn(state)
