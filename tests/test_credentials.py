@@ -259,7 +259,7 @@ TENSORSTORE_CHILD = textwrap.dedent(
     out = {}
     try:
         kv = ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result()
-        kv.write("probe/array-chunk", b"x" * 64).result(timeout=20)
+        kv.write("probe/array-chunk", b"x" * 64).result(timeout=8)
         out["wrote"] = True
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e)[:200]}"

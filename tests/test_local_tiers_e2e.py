@@ -23,16 +23,13 @@ TIERS = {"interval_steps": 2, "keep": 2, "peers": 1}
 def _job(tmp_path_factory, hosts: int):
     d = tmp_path_factory.mktemp(f"tiers{hosts}")
     root = str(d / "store")
+    batch = {"global_batch_size": 4 * hosts}
     wf = shrunken_workflow(
-        d,
-        f"tiers{hosts}",
-        store_root=root,
-        local_tier=TIERS,
-        hosts=hosts,
-        data_section={"global_batch_size": 4 * hosts},
-        step_delay_s=0.2,
+        d, f"tiers{hosts}", store_root=root, local_tier=TIERS, hosts=hosts, data_section=batch, step_delay_s=0.2
     )
-    return wf, root, reference_digest(wf, root)
+    # The same model, data and gang, neither paced nor saving to the hosts (neither changes a parameter).
+    plain = shrunken_workflow(d, f"tiers{hosts}-plain", store_root=root, hosts=hosts, data_section=batch)
+    return wf, root, reference_digest(plain, root)
 
 
 @pytest.fixture(scope="module")
