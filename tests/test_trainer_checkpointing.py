@@ -205,3 +205,50 @@ def test_where_no_copy_fits_anywhere_the_save_reads_the_live_state_and_returns_o
     assert ckpt.finish_pending() == 2 and manifest_of(store, 2) is not None
     said = [r.getMessage() for r in caplog.records if "does not fit in device memory" in r.getMessage()]
     assert len(said) == 1 and "holds the loop" in said[0], said
+
+
+def test_a_step_whose_commit_marker_the_store_refuses_past_its_retries_is_incomplete_and_the_next_commits(
+    gcs_emulator, gcs_bucket, monkeypatch, request
+):
+    """GCS answers 503 to step 2's commit marker (orbax writes it through gcsfs, whose back-off is shortened here)
+    past gcsfs's own retries: step 2 is an incomplete transaction, never counted and without a manifest; the worker
+    goes on, and step 4 commits with its manifest. A failure that is not the store's still ends the worker."""
+    import gcsfs.retry
+
+    from workflows.local.outage import OutageProxy
+
+    async def at_once(_seconds):
+        return None
+
+    proxy = OutageProxy(gcs_emulator.url)
+    try:
+        for k, v in proxy.env(gcs_emulator.env).items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setattr(gcsfs.retry, "asyncio", SimpleNamespace(sleep=at_once))
+        root = f"gs://{gcs_bucket}/{request.node.name}"
+        cfg = tiny_config(root, run_id="ckpt-marker", hosts=1, checkpoint={"keep": 5})
+        store = RunStore.for_config(cfg)
+        ckpt = Checkpointer(store, cfg, attempt=0, mesh_shape={"data": 1})
+        it = data_lib.make_iterator(cfg.data, lm_examples(cfg), data_lib.DataPosition(cfg.data.seed, 0, 0), 0, 1)
+        try:
+            proxy.fail_matching("checkpoints/2/commit_success.txt", 600)
+            for step in (2, 4):
+                for _ in range(2):
+                    next(it)
+                ckpt.save(step, state_at(step), it)
+                assert ckpt.finish_pending() == (None if step == 2 else 4), step
+            assert proxy.refused >= 6  # gcsfs asked six times
+            assert manifest_of(store, 2) is None and manifest_of(store, 4) is not None
+            assert ckpt.last_committed == 4 and ckpt.steps() == [4]
+
+            def broken(*a, **kw):
+                raise TypeError("a bug in a handler")
+
+            monkeypatch.setattr(ckpt.mgr, "save", broken)
+            ckpt.save(6, state_at(6), it)
+            with pytest.raises(TypeError):
+                ckpt.finish_pending()
+        finally:
+            ckpt.close()
+    finally:
+        proxy.close()

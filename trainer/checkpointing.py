@@ -29,7 +29,14 @@ from recovery_steps.kernel.checkpoints import (
 )
 from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.records import CheckpointManifest, ManifestFile, RestoreRecord, SkippedStep, now
-from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore, store_errors
+from recovery_steps.kernel.store import (
+    PreconditionFailed,
+    RunLayout,
+    RunStore,
+    first_line,
+    is_transient,
+    store_errors,
+)
 from trainer.preemption import distributed_client
 
 log = logging.getLogger(__name__)
@@ -214,6 +221,35 @@ def pinned_host_copy(state: Any) -> Any:
         return None
     shardings = jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), state)
     return lambda s: jax.device_put(s, shardings, may_alias=False)
+
+
+# tensorstore's status for an answer worth retrying, in the error its GCS driver raises once its own retries are
+# spent (absl status names; "HTTP response code: 429" or 5xx in the message).
+_TENSORSTORE_TRANSIENT = ("unavailable:", "deadline_exceeded:", "http response code: 429", "http response code: 5")
+
+
+def failed_on_the_store(e: BaseException) -> bool:
+    """Whether a save failed because the run store did not answer past its clients' retries.
+
+    A 429, a 5xx, a reset or a timeout anywhere in the exception's chain: orbax's writes go through tensorstore (the
+    arrays) and gcsfs (its metadata and commit marker on ``gs://``), the manifest through the run store's own client.
+    """
+    try:
+        from gcsfs.retry import HttpError, is_retriable
+    except ImportError:  # no gcsfs: no gs:// path goes through it
+        HttpError, is_retriable = None, None  # noqa: N806
+    seen: BaseException | None = e
+    for _ in range(8):  # a chain is short; a cycle must not loop
+        if seen is None:
+            return False
+        if isinstance(seen, store_errors()) and is_transient(seen):
+            return True
+        if HttpError and isinstance(seen, HttpError) and is_retriable(seen):
+            return True
+        if isinstance(seen, ValueError) and any(m in str(seen).lower() for m in _TENSORSTORE_TRANSIENT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _save_args(state: Any) -> Any:
@@ -464,7 +500,7 @@ class Checkpointer:
         return p is None or p.writing.is_set()
 
     def capture(self, step: int, state: Any, data_iter: Any) -> Capture:
-        """Copy ``state`` (dispatched asynchronously; ``copy_fits`` says where) and the data position for ``step``'s save."""
+        """Copy ``state`` (dispatched asynchronously, where ``copy_fits`` says) and the data position for a save."""
         t0 = now()
         if self._snapshot is None:
             self._snapshot = _snapshot_fn(state)
@@ -541,12 +577,24 @@ class Checkpointer:
                 force=True,
             )
             saver["orbax save() on the saver thread"] = now() - t0
+            del state  # the snapshot's device buffers go once orbax has its host copy
+            self.mgr.wait_until_finished()  # raises a failed save's error
+        except Exception as e:
+            if not failed_on_the_store(e):
+                raise
+            # The store did not take a file of the step (an array, orbax's metadata, its commit marker) past the
+            # clients' retries: the step is an incomplete transaction, never restored (no manifest); training goes
+            # on and the next save commits. A bug or a refusal still ends the worker.
+            p.committed = now()
+            p.incomplete = f"orbax could not write it to the run store ({type(e).__name__}: {first_line(e)[:300]})"
+            log.error("checkpoint %d: %s", p.step, p.incomplete)
+            if self.primary:
+                self._announce_manifest(p.step, p.incomplete)
+            return
         finally:
             self._orbax_timings.stop()
             p.writing.set()
-        p.parts.update({f"off the loop: {k}": v for k, v in saver.items()})
-        del state  # the snapshot's device buffers go once orbax has its host copy
-        self.mgr.wait_until_finished()  # raises a failed save's error
+            p.parts.update({f"off the loop: {k}": v for k, v in saver.items()})
         p.committed = now()
         if self.primary:
             if p.step not in self.mgr.all_steps():
