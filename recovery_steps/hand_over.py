@@ -185,8 +185,9 @@ def pass_lease(
     """Give the run lease from ``own_uid`` to the continuation (idempotent: already given is fine).
 
     The continuation's lease keeps this one's namespace and cluster, so a later submission can still tell
-    whether the continuation's Workflow is alive, and names ``first_attempt``, the attempt it starts with: its
-    exit handler acts on the JobSets of its own attempts only.
+    whether the continuation's Workflow is alive, and names ``first_attempt``, the attempt it starts with: a
+    confirmed holder, so its exit handler records the run's end and deletes the run's JobSets (every one with the
+    run's label, whichever attempt made it, as ``finalize.stop_gang`` does).
 
     Raises:
         StepError: another workflow holds the run, or the lease was released.
