@@ -212,7 +212,8 @@ def test_a_step_whose_commit_marker_the_store_refuses_past_its_retries_is_incomp
 ):
     """GCS answers 503 to step 2's commit marker (orbax writes it through gcsfs, whose back-off is shortened here)
     past gcsfs's own retries: step 2 is an incomplete transaction, never counted and without a manifest; the worker
-    goes on, and step 4 commits with its manifest. A failure that is not the store's still ends the worker."""
+    goes on, and step 4 commits with its manifest. A failure that is not the store's still ends the worker, and
+    orbax's host copy releases the loop before the commit, as before."""
     import gcsfs.retry
 
     from workflows.local.outage import OutageProxy
@@ -240,12 +241,19 @@ def test_a_step_whose_commit_marker_the_store_refuses_past_its_retries_is_incomp
             assert proxy.refused >= 6  # gcsfs asked six times
             assert manifest_of(store, 2) is None and manifest_of(store, 4) is not None
             assert ckpt.last_committed == 4 and ckpt.steps() == [4]
+            # orbax's host copy releases the loop (and the next copy) before the commit, not after it.
+            proxy.hold_matching("checkpoints/6/commit_success.txt", 60)
+            ckpt.save(6, state_at(6), it)
+            ckpt.wait_until_writing(30)
+            assert ckpt.pending.writing.is_set() and not ckpt.pending.done.done()
+            proxy.release()
+            assert ckpt.finish_pending() == 6
 
             def broken(*a, **kw):
                 raise TypeError("a bug in a handler")
 
             monkeypatch.setattr(ckpt.mgr, "save", broken)
-            ckpt.save(6, state_at(6), it)
+            ckpt.save(8, state_at(8), it)
             with pytest.raises(TypeError):
                 ckpt.finish_pending()
         finally:

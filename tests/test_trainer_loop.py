@@ -408,3 +408,28 @@ def test_a_save_longer_than_its_interval_is_said_once_with_the_interval_that_fit
     assert "the save of step 10 took 5.0 s, longer than the 10 steps after it" in said[0]
     assert "An interval of at least 25 steps fits" in said[0] or "at least 26 steps" in said[0], said[0]
     assert hook.ckpt.saved == [20, 30]
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_a_last_checkpoint_left_incomplete_ends_the_worker_as_transient_not_as_a_finished_run(tmp_path, complete):
+    """Exit 0 promises a complete last checkpoint: a final save the store left incomplete (its manifest or a file of
+    orbax's not written past the retries) ends the worker with 69 and why, so the next attempt trains to the end."""
+    _, hook, _, _ = _save_hooks(tmp_path, done=True)
+    ckpt = hook.ckpt
+    ckpt.last_incomplete = "checkpoint 100: orbax could not write it to the run store (HttpError: 503)"
+
+    def record():
+        step, ckpt.pending = ckpt.pending.step, None
+        return step if complete else None
+
+    ckpt._record = record
+    hook.on_step(StepRecord(90))
+    ckpt.pending.done.set_result(None)
+    if complete:
+        hook.on_step(StepRecord(100, last=True))
+        assert ckpt.saved == [90, 100]
+        return
+    with pytest.raises(TrainerExit) as e:
+        hook.on_step(StepRecord(100, last=True))
+    assert e.value.code == ExitCode.TRANSIENT and "last checkpoint (step 100)" in str(e.value)
+    assert "HttpError: 503" in str(e.value)

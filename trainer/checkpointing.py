@@ -28,6 +28,7 @@ from recovery_steps.kernel.checkpoints import (
     write_manifest,
 )
 from recovery_steps.kernel.config import JobConfig
+from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import CheckpointManifest, ManifestFile, RestoreRecord, SkippedStep, now
 from recovery_steps.kernel.store import (
     PreconditionFailed,
@@ -37,6 +38,7 @@ from recovery_steps.kernel.store import (
     is_transient,
     store_errors,
 )
+from trainer.decisions import TrainerExit
 from trainer.preemption import distributed_client
 
 log = logging.getLogger(__name__)
@@ -454,6 +456,7 @@ class Checkpointer:
         self.last_duration: float | None = None
         self.last_blocking: float | None = None
         self.last_parts: dict[str, float] = {}
+        self.last_incomplete: str | None = None  # why the newest step not counted is not (one line)
         self._code_version = code_version() if self.primary else ""
         self._libs = library_versions()
         self._orbax_timings = _OrbaxTimings()
@@ -568,33 +571,36 @@ class Checkpointer:
         saver: dict[str, float] = {}
         self._orbax_timings.collect(saver)
         try:
-            t0 = now()
-            self.mgr.save(
-                p.step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeSave(state, save_args=_save_args(state)), data=DataSave(data)
-                ),
-                force=True,
-            )
-            saver["orbax save() on the saver thread"] = now() - t0
+            try:
+                t0 = now()
+                self.mgr.save(
+                    p.step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.PyTreeSave(state, save_args=_save_args(state)), data=DataSave(data)
+                    ),
+                    force=True,
+                )
+                saver["orbax save() on the saver thread"] = now() - t0
+            finally:  # orbax has the state on the host (or failed): the loop and the next copy may go on
+                self._orbax_timings.stop()
+                p.writing.set()
+                p.parts.update({f"off the loop: {k}": v for k, v in saver.items()})
             del state  # the snapshot's device buffers go once orbax has its host copy
             self.mgr.wait_until_finished()  # raises a failed save's error
         except Exception as e:
             if not failed_on_the_store(e):
-                raise
+                raise  # a bug or a refusal ends the worker
             # The store did not take a file of the step (an array, orbax's metadata, its commit marker) past the
-            # clients' retries: the step is an incomplete transaction, never restored (no manifest); training goes
-            # on and the next save commits. A bug or a refusal still ends the worker.
-            p.committed = now()
-            p.incomplete = f"orbax could not write it to the run store ({type(e).__name__}: {first_line(e)[:300]})"
-            log.error("checkpoint %d: %s", p.step, p.incomplete)
-            if self.primary:
-                self._announce_manifest(p.step, p.incomplete)
+            # clients' retries: the step is an incomplete transaction, never restored (no manifest).
+            why = f"orbax could not write it to the run store ({type(e).__name__}: {first_line(e)[:300]})"
+            if jax.process_count() > 1:
+                # The other processes wait in orbax's barriers for this one's part or process 0's commit, until
+                # orbax's timeout: ending now, as transient, lets the gang restart from the newest complete step
+                # at once instead.
+                raise TrainerExit(ExitCode.TRANSIENT, f"checkpoint {p.step}: {why}") from e
+            p.committed, p.incomplete = now(), why  # a gang of one goes on training; the next save commits
+            log.error("checkpoint %d: %s", p.step, why)
             return
-        finally:
-            self._orbax_timings.stop()
-            p.writing.set()
-            p.parts.update({f"off the loop: {k}": v for k, v in saver.items()})
         p.committed = now()
         if self.primary:
             if p.step not in self.mgr.all_steps():
@@ -700,7 +706,8 @@ class Checkpointer:
         assert p.committed is not None
         self.pending = None
         if p.incomplete is not None:
-            log.warning("checkpoint %d committed by orbax, not counted: %s", p.step, p.incomplete)
+            log.warning("checkpoint %d not counted: %s", p.step, p.incomplete)
+            self.last_incomplete = f"checkpoint {p.step}: {p.incomplete}"
             return None
         duration = p.committed - p.started
         self.last_committed, self.last_commit_time, self.last_duration = p.step, now(), duration

@@ -364,7 +364,15 @@ class CheckpointHook:
             return
         self.save(rec.step)
         if reason in (SaveReason.PREEMPTION, SaveReason.FINAL):
-            self.finish()
+            committed = self.finish()
+            if reason is SaveReason.FINAL and committed != rec.step:
+                # Exit 0 promises a complete last checkpoint: without it the run would end short of its last step.
+                raise TrainerExit(
+                    ExitCode.TRANSIENT,
+                    f"the last checkpoint (step {rec.step}) is an incomplete transaction "
+                    f"({getattr(self.ckpt, 'last_incomplete', None) or 'see the log'}); the next attempt restores "
+                    "the newest complete checkpoint and trains to the end",
+                )
 
     def on_preemption(self, rec: StepRecord) -> None:
         """Carry out the gang's plan for the SIGTERM stop agreed at ``rec`` and record it in the exit report."""
@@ -461,13 +469,15 @@ class CheckpointHook:
             self.interval_steps, prev, duration, step - prev, per_step, step, fits if fits is not None else "more",
         )  # fmt: skip
 
-    def finish(self) -> None:
-        """Wait for the save in flight to commit with its manifest, and record it."""
+    def finish(self) -> int | None:
+        """Wait for the save in flight to commit with its manifest, and record it; the step, None if incomplete."""
         self.busy = True
         blocks = False
         try:
             blocks = self._blocking_wait(None)
-            self.note_commit(self.ckpt.finish_pending())
+            committed = self.ckpt.finish_pending()
+            self.note_commit(committed)
+            return committed
         finally:
             self._waited(blocks)
             self.busy = False
