@@ -51,7 +51,9 @@ REGRESSION_SEEDS: dict[str, dict[int, str]] = {
         "Workflow and restarts the controller, as docs/DEPLOY.md tells an operator); a worker's first save met the "
         "metadata server silent, hung 120 s and sent requests with no token (tensorstore decides on credentials at "
         "its first GCS request: the worker now has it decide right after its own token came)",
-        3: "the run ended with no ledger, under a check that could not yet say why; it has passed on every replay; "
+        3: "the run ended with no ledger, under a check that could not yet say why (most likely a GCS reset after "
+        "validate-config's upload: its retry was refused as a changed config and the Workflow ended before any "
+        "attempt; a retried idempotent write that finds its own bytes is now done); "
         "later the supervisor called a capacity stall ('only 1/2 worker pods exist after 6 s') on the view it held "
         "while the API server restarted, the Job controller down with it creating the second pod late (it now "
         "judges no stall on a view it cannot refresh, and counts its clocks from when it can: supervision.view_clock); "
