@@ -282,6 +282,7 @@ class SlowCheckpointer:
         self.last_committed = None
         self.last_duration = self.last_blocking = self.last_commit_time = None
         self.last_parts = {}
+        self.last_incomplete = None
         self.pending = self._pending(10)
         self.saved = []
         self.captures: list[int] = []  # steps whose state was copied as they were dispatched

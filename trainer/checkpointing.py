@@ -456,7 +456,7 @@ class Checkpointer:
         self.last_duration: float | None = None
         self.last_blocking: float | None = None
         self.last_parts: dict[str, float] = {}
-        self.last_incomplete: str | None = None  # why the newest step not counted is not (one line)
+        self.last_incomplete: str | None = None  # why the newest step left uncounted is (one line)
         self._code_version = code_version() if self.primary else ""
         self._libs = library_versions()
         self._orbax_timings = _OrbaxTimings()

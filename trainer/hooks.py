@@ -370,7 +370,7 @@ class CheckpointHook:
                 raise TrainerExit(
                     ExitCode.TRANSIENT,
                     f"the last checkpoint (step {rec.step}) is an incomplete transaction "
-                    f"({getattr(self.ckpt, 'last_incomplete', None) or 'see the log'}); the next attempt restores "
+                    f"({self.ckpt.last_incomplete or 'see the log'}); the next attempt restores "
                     "the newest complete checkpoint and trains to the end",
                 )
 
