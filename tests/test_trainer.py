@@ -214,7 +214,9 @@ def test_sigterm_with_a_window_too_short_for_the_save_exits_at_once_without_savi
         str(tmp_path / "store"),
         run_id="preempt-skip",
         hosts=2,
-        training={"step_delay_s": 0.05},
+        # 40 steps 0.1 s apart: the SIGTERMs land about step 10, seconds before the last step even on a loaded
+        # machine (with 20 steps 0.05 s apart the gang could reach its end first and exit 0).
+        training={"step_delay_s": 0.1, "total_steps": 40},
         slice={"termination_grace_s": grace, "shutdown_window_s": 1},
     )
     store = write_config(cfg)
