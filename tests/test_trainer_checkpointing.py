@@ -260,3 +260,21 @@ def test_a_step_whose_commit_marker_the_store_refuses_past_its_retries_is_incomp
             ckpt.close()
     finally:
         proxy.close()
+
+
+def test_a_save_failed_on_the_store_is_told_from_a_bug_and_from_a_peer_missing_at_orbaxs_barrier():
+    """What ends a save as an incomplete step is the store's answer past its clients' retries, anywhere in the
+    chain; orbax's barrier timing out (a TimeoutError, as a store timeout is) is a peer gone, and a bug is a bug."""
+    import gcsfs.retry
+
+    def chained(outer: BaseException, inner: BaseException) -> BaseException:
+        outer.__cause__ = inner
+        return outer
+
+    assert checkpointing.failed_on_the_store(chained(RuntimeError("save failed"), gcsfs.retry.HttpError({"code": 503})))
+    assert checkpointing.failed_on_the_store(ValueError("UNAVAILABLE: HTTP response code: 503 with body: ..."))
+    assert checkpointing.failed_on_the_store(ConnectionResetError("connection reset by peer"))
+    assert not checkpointing.failed_on_the_store(gcsfs.retry.HttpError({"code": 403, "message": "Forbidden"}))
+    assert not checkpointing.failed_on_the_store(TypeError("a bug in a handler"))
+    barrier = chained(TimeoutError("Timed out while waiting for async_write_complete barrier."), RuntimeError("x"))
+    assert not checkpointing.failed_on_the_store(barrier)

@@ -244,6 +244,8 @@ def failed_on_the_store(e: BaseException) -> bool:
     for _ in range(8):  # a chain is short; a cycle must not loop
         if seen is None:
             return False
+        if "barrier" in str(seen).lower():  # orbax's cross-process barrier timed out: a peer, not the store
+            return False
         if isinstance(seen, store_errors()) and is_transient(seen):
             return True
         if HttpError and isinstance(seen, HttpError) and is_retriable(seen):
