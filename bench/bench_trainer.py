@@ -173,7 +173,6 @@ LOOP_MODELS: dict[str, dict] = {
 # Dense bf16 peak of one chip by JAX's device_kind (Cloud TPU docs, "TPU versions"); MFU is left out elsewhere.
 PEAK_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
 WARMUP_STEPS = 10
-COMMIT_WAIT = "the loop's wait for its commit"  # the part of a save's blocking_seconds spent waiting for its commit
 
 
 def loop_config(
@@ -366,7 +365,9 @@ def run_trainer(cfg, work: Path) -> dict:
     span = [e for e in events if e.event == EventKind.SAVE_COMMITTED and s0 < e.step < s1 and e.step != total]
     blocking = [e.blocking_seconds or 0.0 for e in span]
     if span:  # the last save in the span is waited for by the final one, after the span: not the span's cost
-        blocking[-1] -= (span[-1].blocking_parts or {}).get(COMMIT_WAIT, 0.0)
+        from trainer.checkpointing import COMMIT_WAIT_PART
+
+        blocking[-1] -= (span[-1].blocking_parts or {}).get(COMMIT_WAIT_PART, 0.0)
     report = read_report(store, 0, 0) or {}
     return {"rate": (s1 - s0) / (t1 - t0), "span": (s0, s1), "elapsed": t1 - t0, "blocking": blocking,
             "rss": report.get("peak_rss_mib") or 0.0,

@@ -74,7 +74,7 @@ def test_a_save_s_blocking_time_counts_the_loop_s_wait_for_its_commit(setup, mon
     ckpt.save(1, state_at(1), it)
     started = ckpt.pending.blocking
     assert ckpt.finish_pending() == 1
-    waited = ckpt.last_parts["the loop's wait for its commit"]
+    waited = ckpt.last_parts[checkpointing.COMMIT_WAIT_PART]
     assert waited >= 0.4 and ckpt.last_blocking == pytest.approx(started + waited)
 
 

@@ -170,6 +170,9 @@ RESTORE_CHECK_WAIT_S = 600.0
 SNAPSHOT_WAIT_S = 600.0
 """How long the loop waits for orbax's host copy of the live state, where no device copy fits (a bound, not a pace)."""
 
+COMMIT_WAIT_PART = "the loop's wait for its commit"
+"""The part of a save's ``blocking_parts`` that the loop spent waiting for its commit (the next save, the end)."""
+
 MANIFEST_WAIT_S = 120.0
 """How long a non-primary process waits for process 0's manifest before it leaves the step uncounted."""
 
@@ -704,7 +707,7 @@ class Checkpointer:
             # The loop waited this long for the save in flight: part of what the save cost it.
             waited = now() - t0
             p.blocking += waited
-            p.parts["the loop's wait for its commit"] = waited
+            p.parts[COMMIT_WAIT_PART] = waited
         assert p.committed is not None
         self.pending = None
         if p.incomplete is not None:
