@@ -13,7 +13,16 @@ from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.records import WorkerExitReport, WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.decisions import SaveReason, TrainerExit, parse_faults, save_decision
-from trainer.hooks import CheckpointHook, FaultHook, HeartbeatHook, SaveObservers, SaveOptions, check_finite_loss
+from trainer.hooks import (
+    SLOWED_PART,
+    CheckpointHook,
+    FaultHook,
+    HeartbeatHook,
+    SaveObservers,
+    SaveOptions,
+    SaveSlowdown,
+    check_finite_loss,
+)
 from trainer.loop import Hooks, StepRecord, training_steps
 
 NONE, INTERVAL, PREEMPTION, FINAL = SaveReason.NONE, SaveReason.INTERVAL, SaveReason.PREEMPTION, SaveReason.FINAL
@@ -281,6 +290,7 @@ class SlowCheckpointer:
         self.seen = seen
         self.last_committed = None
         self.last_duration = self.last_blocking = self.last_commit_time = None
+        self.last_held = 0.0
         self.last_parts = {}
         self.last_incomplete = None
         self.pending = self._pending(10)
@@ -409,6 +419,66 @@ def test_a_save_longer_than_its_interval_is_said_once_with_the_interval_that_fit
     assert "the save of step 10 took 5.0 s, longer than the 10 steps after it" in said[0]
     assert "An interval of at least 25 steps fits" in said[0] or "at least 26 steps" in said[0], said[0]
     assert hook.ckpt.saved == [20, 30]
+
+
+def _read_at(slow: SaveSlowdown, step: int, t: float) -> None:
+    slow.step(StepRecord(step, 0.5, finished_at=t))
+
+
+def test_a_save_s_slowdown_is_its_steps_time_beyond_the_usual_pace_catch_up_and_earlier_waits_apart():
+    """Steps read every 0.1 s; during a save one is read 0.8 s after the one before (0.7 s late) and the two after it
+    at once (the accelerator kept working on queued steps while the loop's thread was held): the save cost the loop
+    0.5 s. The wait for an earlier save's commit at the start of a span is that save's, not this one's."""
+    slow, t = SaveSlowdown(), 0.0
+    assert slow.close() is None  # no span open
+    for step in range(1, 11):
+        t += 0.1
+        _read_at(slow, step, t)
+    slow.open()
+    for step, gap in ((11, 0.8), (12, 0.0), (13, 0.0), (14, 0.1), (15, 0.1)):
+        t += gap
+        _read_at(slow, step, t)
+    assert slow.close() == pytest.approx(0.5)
+    assert slow.close() is None  # closed once
+    slow.open(waited=0.3)  # step 15's hooks waited 0.3 s for the commit of the save before
+    for step, gap in ((16, 0.4), (17, 0.1)):
+        t += gap
+        _read_at(slow, step, t)
+    assert slow.close() == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_save_s_slowdown_is_not_measured_without_a_usual_pace():
+    slow = SaveSlowdown(least=5)
+    for step, t in ((1, 0.1), (2, 0.2), (3, 0.3)):
+        _read_at(slow, step, t)
+    slow.open()
+    _read_at(slow, 4, 5.0)
+    assert slow.close() is None  # two usual intervals: no pace to measure against
+
+
+def test_a_committed_save_s_blocking_counts_its_steps_slowed_beyond_its_own_wait(tmp_path, monkeypatch):
+    """The event of a commit carries the slowdown over the save's span, less the loop's time inside save() (which
+    the span holds and blocking_seconds already counts), as its own part."""
+    _, hook, _, _ = _save_hooks(tmp_path, done=True)
+    monkeypatch.setattr("trainer.hooks.now", lambda: 1000.0)  # no wait for an earlier commit at step 20's save
+    emitted = []
+    hook.events = SimpleNamespace(emit=lambda kind, step, **k: emitted.append(k))
+    t = 1000.0
+    for step in range(11, 21):  # step 10's save committed in the background; step 20 starts the next
+        t += 0.1
+        hook.on_step(StepRecord(step, 0.5, finished_at=t))
+    assert hook.ckpt.saved == [20]
+    ckpt = hook.ckpt
+    ckpt.last_blocking, ckpt.last_held, ckpt.last_parts = 0.05, 0.04, {"hand-off to the saver thread": 0.04}
+    for step, gap in ((21, 0.7), (22, 0.1)):
+        t += gap
+        hook.on_step(StepRecord(step, 0.5, finished_at=t))
+    ckpt.pending.done.set_result(None)
+    t += 0.1
+    hook.on_step(StepRecord(23, 0.5, finished_at=t))
+    got = emitted[-1]
+    assert got["blocking_parts"][SLOWED_PART] == pytest.approx(0.6 - 0.04, abs=1e-9)
+    assert got["blocking_seconds"] == pytest.approx(0.05 + 0.6 - 0.04, abs=1e-9)
 
 
 @pytest.mark.parametrize("complete", [True, False])

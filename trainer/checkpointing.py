@@ -371,6 +371,7 @@ class PendingSave:
     started: float
     attempt: int
     blocking: float = 0.0  # seconds the training thread spent in save()
+    held: float = 0.0  # of them, the seconds inside save() (not the copy taken as the step was dispatched)
     parts: dict[str, float] = field(default_factory=dict)  # where those seconds (and the saver's) went
     committed: float | None = None  # when this worker saw orbax's commit
     incomplete: str | None = None  # why the transaction is not known complete (process 0's manifest not heard of)
@@ -460,6 +461,7 @@ class Checkpointer:
         self.last_commit_time: float | None = None
         self.last_duration: float | None = None
         self.last_blocking: float | None = None
+        self.last_held: float = 0.0  # of the last committed save's blocking, the seconds inside save()
         self.last_parts: dict[str, float] = {}
         self.last_incomplete: str | None = None  # why the newest step left uncounted is (one line)
         self._code_version = code_version() if self.primary else ""
@@ -543,7 +545,7 @@ class Checkpointer:
         elif not copies:  # orbax reads the live state, which the next step donates: wait for its host copy
             p.writing.wait(SNAPSHOT_WAIT_S)
         t3 = now()
-        p.blocking = taken + (t3 - t1)
+        p.blocking, p.held = taken + (t3 - t1), t3 - t1
         p.parts.update(
             {"snapshot of state and data position": taken + (t2 - t1), "hand-off to the saver thread": t3 - t2}
         )
@@ -716,7 +718,7 @@ class Checkpointer:
             return None
         duration = p.committed - p.started
         self.last_committed, self.last_commit_time, self.last_duration = p.step, now(), duration
-        self.last_blocking, self.last_parts = p.blocking, dict(p.parts)
+        self.last_blocking, self.last_held, self.last_parts = p.blocking, p.held, dict(p.parts)
         log.info("checkpoint %d committed in %.2f s", p.step, duration)
         return p.step
 

@@ -6,8 +6,10 @@ import logging
 import math
 import os
 import signal
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,6 +284,51 @@ class SaveObservers:
     heartbeat: HeartbeatHook | None = None
 
 
+SLOWED_PART = "the steps slowed while it ran"
+"""The part of a save's ``blocking_parts`` that its steps took beyond their usual pace, its waits apart
+(``SaveSlowdown``): the loop's thread held by the save's own threads, the accelerator left without work."""
+
+
+class SaveSlowdown:
+    """How much longer the loop's steps took while a save ran than at their usual pace.
+
+    An asynchronous save costs the loop more than its waits: while orbax's threads run they hold the interpreter,
+    the loop reads and dispatches late, and the accelerator may run out of queued steps. The steps' read times
+    say how much: over the span from the save's step to the step read when its commit is recorded, the time
+    beyond that many steps at the usual pace (the median interval between steps read while no save ran, the
+    last ``window`` of them). The spans of successive saves join end to start, so their sum is the run's.
+    """
+
+    def __init__(self, window: int = 32, least: int = 5):
+        self._usual: deque[float] = deque(maxlen=window)
+        self.least = least  # usual intervals needed before a span is measured
+        self._last: float | None = None  # when the last step was read
+        self._span: tuple[float, int] | None = None  # the open span: its start and the steps read in it
+
+    def step(self, rec: StepRecord) -> None:
+        """Note a step read (before its hooks record a commit or start a save)."""
+        if self._last is not None and self._span is not None:
+            self._span = (self._span[0], self._span[1] + 1)
+        elif self._last is not None:
+            self._usual.append(rec.finished_at - self._last)
+        self._last = rec.finished_at
+
+    def open(self, waited: float = 0.0) -> None:
+        """A save starts at the step read last: its span starts there (an earlier span left open is dropped).
+
+        ``waited``: seconds since that step counted elsewhere (the wait for an earlier save's commit).
+        """
+        self._span = None if self._last is None else (self._last + waited, 0)
+
+    def close(self) -> float | None:
+        """End the open span at the step read last: its seconds beyond the usual pace (None: not measured)."""
+        span, self._span = self._span, None
+        if span is None or self._last is None or len(self._usual) < self.least:
+            return None
+        start, steps = span
+        return max(0.0, (self._last - start) - steps * statistics.median(self._usual))
+
+
 class CheckpointHook:
     """Saves when ``save_decision`` says so and records each commit (event, gauges, report, watchdog).
 
@@ -314,6 +361,7 @@ class CheckpointHook:
         self.started: tuple[int, float] | None = None  # the step and time of the last save started
         self.late_said = False  # a save still running when the next was due has been said (once)
         self.captured: Any = None  # the copy taken for the next save as its step was dispatched (``capture``)
+        self.slowdown = SaveSlowdown()  # what a save cost the loop beyond its waits
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved without a stop."""
@@ -350,6 +398,7 @@ class CheckpointHook:
 
     def on_step(self, rec: StepRecord) -> None:
         """Record a commit seen since the last step, then save if this step is due."""
+        self.slowdown.step(rec)
         self.note_commit(self.ckpt.poll())
         if rec.stop_agreed:
             log.info("stop agreed by every process after step %d", rec.step)
@@ -438,6 +487,7 @@ class CheckpointHook:
         late = p is not None and p.done is not None and not p.done.done()
         due_at = now()  # the steps' pace is measured up to here, not through the wait that follows
         self.note_commit(self.ckpt.finish_pending())
+        self.slowdown.open(waited=now() - due_at)  # that wait is the earlier save's cost, not this one's
         if late and not self.late_said:
             self._say_late(step, due_at)
         self.started = (step, now())
@@ -487,12 +537,18 @@ class CheckpointHook:
         if committed is None:
             return
         c = self.ckpt
+        blocking, parts = c.last_blocking, c.last_parts
+        slowed = self.slowdown.close()
+        if slowed is not None and blocking is not None:
+            # Its span holds the loop's time inside save(), not the copy taken before it nor the commit wait after.
+            parts = {**parts, SLOWED_PART: max(0.0, slowed - c.last_held)}
+            blocking += parts[SLOWED_PART]
         self.events.emit(
             EventKind.SAVE_COMMITTED,
             committed,
             save_seconds=c.last_duration,
-            blocking_seconds=c.last_blocking,
-            blocking_parts=c.last_parts,
+            blocking_seconds=blocking,
+            blocking_parts=parts,
         )
         self.metrics.set("jaxrec_checkpoint_step", committed)
         self.metrics.set("jaxrec_checkpoint_last_commit_timestamp_seconds", c.last_commit_time or 0)
