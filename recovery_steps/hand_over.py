@@ -61,7 +61,7 @@ from recovery_steps.kernel.step import Step, StepError, api_error, api_failures,
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
     AttemptRef,
-    PreconditionFailed,
+    Contended,
     RunLayout,
     RunStore,
     transient_as_unavailable,
@@ -192,8 +192,8 @@ def pass_lease(
     Raises:
         StepError: another workflow holds the run, or the lease was released.
     """
-    for _ in range(LEASE_TRIES):
-        current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
+
+    def give(current: RunLease | None) -> RunLease:
         if current is not None and current.holder == to.uid and not current.released:
             return current
         if current is not None and (current.holder != own_uid or current.released):
@@ -204,7 +204,7 @@ def pass_lease(
             )
         t = clock()
         # The continuation runs where this Workflow runs (same namespace, same cluster).
-        new = RunLease(
+        return RunLease(
             run_id=store.run_id,
             holder=to.uid,
             holder_name=to.name,
@@ -215,12 +215,11 @@ def pass_lease(
             cluster=current.cluster if current else None,
             first_attempt=first_attempt,
         )
-        try:
-            store.write_record(RunLayout.LEASE, new, if_generation_match=gen)
-            return new
-        except PreconditionFailed:
-            continue
-    raise StepError(ExitCode.TRANSIENT, f"{store.url(RunLayout.LEASE)}: still contended after {LEASE_TRIES} tries")
+
+    try:
+        return store.update_record(RunLayout.LEASE, RunLease, give, tries=LEASE_TRIES)
+    except Contended as e:
+        raise StepError(ExitCode.TRANSIENT, str(e)) from None
 
 
 def record(store: RunStore, entry: HandOver) -> Ledger:

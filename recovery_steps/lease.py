@@ -32,6 +32,7 @@ from typing import Any
 from recovery_steps.kernel.config import lease_renew_every
 from recovery_steps.kernel.records import RunLease, now
 from recovery_steps.kernel.store import (
+    Contended,
     DocumentError,
     PreconditionFailed,
     RunLayout,
@@ -148,8 +149,8 @@ def acquire(
         tries: Conditional-write attempts.
     """
     holder, site = claimant.uid, claimant.site
-    for _ in range(tries):
-        current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
+
+    def take(current: RunLease | None) -> RunLease:
         t = clock()
         other = current is not None and current.holder != holder and not current.released
         alive = is_alive(current) if is_alive is not None and other else None
@@ -157,7 +158,7 @@ def acquire(
         if not verdict.ok:
             raise LeaseHeld(verdict.reason)
         mine = current is not None and current.holder == holder and not current.released
-        lease = RunLease(
+        return RunLease(
             run_id=store.run_id,
             holder=holder,
             holder_name=claimant.name,
@@ -168,12 +169,11 @@ def acquire(
             cluster=site.cluster or (current.cluster if mine else None),
             first_attempt=current.first_attempt if mine else None,
         )
-        try:
-            store.write_record(RunLayout.LEASE, lease, if_generation_match=gen)
-            return lease
-        except PreconditionFailed:
-            continue  # another submission wrote first: decide again on what it wrote
-    raise LeaseHeld(f"{store.url(RunLayout.LEASE)}: still contended after {tries} tries")
+
+    try:  # another submission that wrote first: decided on again from what it wrote
+        return store.update_record(RunLayout.LEASE, RunLease, take, tries=tries)
+    except Contended as e:
+        raise LeaseHeld(str(e)) from None
 
 
 class RenewStatus(enum.StrEnum):
@@ -219,17 +219,20 @@ def renew_if_due(
         return Renewal(RenewStatus.NOT_DUE, next_at)
     every = lease_renew_every(ttl_s)
     try:
-        for _ in range(tries):
-            current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
+        lost: list[RunLease | None] = []
+
+        def extend(current: RunLease | None) -> RunLease | None:
             if current is None or current.released or current.holder != holder:
-                return Renewal(RenewStatus.LOST, at + every, lost_line(store.run_id, current), current)
-            renewed = current.model_copy(update={"renewed_at": at, "ttl_s": ttl_s})
-            try:
-                store.write_record(RunLayout.LEASE, renewed, if_generation_match=gen)
-            except PreconditionFailed:
-                continue
-            line = f"renewed the lease of run {store.run_id!r} for {ttl_s:.0f} s"
-            return Renewal(RenewStatus.RENEWED, at + every, line, renewed)
+                lost.append(current)
+                return current  # nothing written
+            return current.model_copy(update={"renewed_at": at, "ttl_s": ttl_s})
+
+        renewed = store.update_record(RunLayout.LEASE, RunLease, extend, tries=tries)
+        if lost:
+            return Renewal(RenewStatus.LOST, at + every, lost_line(store.run_id, lost[-1]), lost[-1])
+        line = f"renewed the lease of run {store.run_id!r} for {ttl_s:.0f} s"
+        return Renewal(RenewStatus.RENEWED, at + every, line, renewed)
+    except Contended:
         problem = f"still contended after {tries} tries"
     except (DocumentError, StoreUnavailable, *store_errors()) as e:
         problem = f"{type(e).__name__}: {first_line(e)}"
@@ -278,19 +281,18 @@ def confirm(store: RunStore, holder: str, first_attempt: int, *, tries: int = 5)
         LeaseHeld: ``holder`` no longer holds the run (released, or another workflow took it).
         StoreUnavailable: the write stayed contended (transient: the step is retried and confirms again).
     """
-    for _ in range(tries):
-        current, gen = store.read_record_versioned(RunLayout.LEASE, RunLease)
+
+    def first(current: RunLease | None) -> RunLease:
         if not held_by(current, holder):
             raise LeaseHeld(lost_line(store.run_id, current))
         if current.first_attempt == first_attempt:
             return current
-        confirmed = current.model_copy(update={"first_attempt": first_attempt})
-        try:
-            store.write_record(RunLayout.LEASE, confirmed, if_generation_match=gen)
-            return confirmed
-        except PreconditionFailed:
-            continue
-    raise StoreUnavailable(f"{store.url(RunLayout.LEASE)}: still contended after {tries} tries")
+        return current.model_copy(update={"first_attempt": first_attempt})
+
+    try:
+        return store.update_record(RunLayout.LEASE, RunLease, first, tries=tries)
+    except Contended as e:
+        raise StoreUnavailable(str(e)) from None
 
 
 def release(store: RunStore, holder: str) -> bool:

@@ -202,16 +202,15 @@ def update_ledger(
     Returns:
         The ledger as written.
     """
-    for i in range(tries):
-        current, gen = store.read_record_versioned(RunLayout.LEDGER, Ledger)
-        new = mutate(current if current is not None else Ledger(run_id=store.run_id))
-        try:
-            store.write_record(RunLayout.LEDGER, new, if_generation_match=gen)
-            return new
-        except PreconditionFailed as e:
-            log.info("ledger changed while updating (%s); retrying", e)
-            sleep(min(0.05 * (i + 1), 0.5))
-    raise PreconditionFailed(f"{store.url(RunLayout.LEDGER)}: still contended after {tries} tries")
+
+    def change(current: Ledger | None) -> Ledger:
+        return mutate(current if current is not None else Ledger(run_id=store.run_id))
+
+    def pause(i: int) -> None:
+        log.info("the ledger changed while it was updated; reading it again")
+        sleep(min(0.05 * (i + 1), 0.5))
+
+    return store.update_record(RunLayout.LEDGER, Ledger, change, tries=tries, pause=pause)
 
 
 def with_attempt(ledger: Ledger, record: AttemptRecord) -> Ledger:

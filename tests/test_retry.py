@@ -205,7 +205,7 @@ def test_update_gives_up_after_tries(tmp_path):
 
     def always_race(led: Ledger) -> Ledger:
         RunStore(str(tmp_path), "run-busy").write_json(RunLayout.LEDGER, {"run_id": "run-busy", "attempts": []})
-        return led
+        return led.model_copy()  # a ledger to write (the very one read would write nothing)
 
     with pytest.raises(PreconditionFailed, match="still contended after 3 tries"):
         update_ledger(store, always_race, tries=3, sleep=lambda s: None)

@@ -6,8 +6,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
-from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore
+from recovery_steps.kernel.store import Contended, PreconditionFailed, RunLayout, RunStore
+
+
+class _Counter(BaseModel):
+    n: int = 0
 
 
 @pytest.fixture
@@ -67,6 +72,33 @@ def test_concurrent_read_modify_write_loses_no_update(store):
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a writer did not finish within 120 s"
     assert store.read_json("counter.json") == {"n": 20}
+
+
+def test_update_record_decides_again_on_what_won_the_race_and_writes_nothing_when_told(store):
+    """A writer that lands between the read and the write makes update_record read and decide again (never
+    overwrite); ``mutate`` returning what it read writes nothing; a race lost every time is Contended."""
+    seen: list[int | None] = []
+
+    def bump(current):
+        seen.append(None if current is None else current.n)
+        if len(seen) == 1:  # another writer lands between this read and this write
+            store.write_record("counter.json", _Counter(n=10))
+        return _Counter(n=(current.n if current else 0) + 1)
+
+    assert store.update_record("counter.json", _Counter, bump).n == 11
+    assert seen == [None, 10] and store.read_record("counter.json", _Counter).n == 11
+    _, gen = store.read_record_versioned("counter.json", _Counter)
+    assert store.update_record("counter.json", _Counter, lambda c: c).n == 11
+    assert store.read_record_versioned("counter.json", _Counter)[1] == gen  # nothing written
+
+    def always_beaten(current):
+        store.write_record("counter.json", _Counter(n=current.n + 100))
+        return _Counter(n=-1)
+
+    pauses: list[int] = []
+    with pytest.raises(Contended, match="still contended after 3 tries"):
+        store.update_record("counter.json", _Counter, always_beaten, tries=3, pause=pauses.append)
+    assert pauses == [0, 1] and store.read_record("counter.json", _Counter).n == 311
 
 
 def test_list_children_and_url(store):

@@ -17,7 +17,7 @@ from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import ExitCode
 from recovery_steps.kernel.documents import read_run_config
 from recovery_steps.kernel.records import QuarantineReason, RestoreRecord, SkippedStep, now
-from recovery_steps.kernel.store import DocumentError, PreconditionFailed, RunLayout, RunStore
+from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 from recovery_steps.kernel.verify import (
     Selection,
     Skip,
@@ -184,28 +184,24 @@ def write_restore_record(store: RunStore, record: RestoreRecord, *, tries: int =
         The record as written.
     """
     path = RunLayout.restore_record(record.attempt)
-    for _ in range(tries):
-        try:
-            current, gen = store.read_record_versioned(path, RestoreRecord)
-        except DocumentError as e:  # a damaged earlier record holds nothing to keep: this decision replaces it
-            log.warning("%s; replaced by this decision", e)
-            store.write_record(path, record)
+
+    def merge(current: RestoreRecord | None) -> RestoreRecord:
+        if current is None or current.attempt != record.attempt:
             return record
-        merged = record
-        if current is not None and current.attempt == record.attempt:
-            names = {s.name for s in record.skipped}
-            merged = record.model_copy(
-                update={
-                    "quarantined": sorted({*current.quarantined, *record.quarantined}),
-                    "skipped": [*record.skipped, *(s for s in current.skipped if s.name not in names)],
-                }
-            )
-        try:
-            store.write_record(path, merged, if_generation_match=gen)
-            return merged
-        except PreconditionFailed:
-            continue
-    raise PreconditionFailed(f"{store.url(path)}: still contended after {tries} tries")
+        names = {s.name for s in record.skipped}
+        return record.model_copy(
+            update={
+                "quarantined": sorted({*current.quarantined, *record.quarantined}),
+                "skipped": [*record.skipped, *(s for s in current.skipped if s.name not in names)],
+            }
+        )
+
+    try:
+        return store.update_record(path, RestoreRecord, merge, tries=tries)
+    except DocumentError as e:  # a damaged earlier record holds nothing to keep: this decision replaces it
+        log.warning("%s; replaced by this decision", e)
+        store.write_record(path, record)
+        return record
 
 
 def _record(store: RunStore, attempt: int, config_hash: str, r: RestoreResult) -> RestoreRecord:

@@ -25,6 +25,7 @@ import json
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -36,6 +37,10 @@ R = TypeVar("R", bound=BaseModel)
 
 class PreconditionFailed(Exception):
     """A conditional write lost a race: the object changed since it was read."""
+
+
+class Contended(PreconditionFailed):
+    """``RunStore.update_record`` lost every race it ran: other writers kept changing the document."""
 
 
 class StoreUnavailable(Exception):
@@ -819,6 +824,41 @@ class RunStore:
         if got is None:
             return None, 0
         return parse_document(got[0], model, self.url(rel), run_id=self.run_id), got[1]
+
+    def update_record(
+        self,
+        rel: str,
+        model: type[R],
+        mutate: Callable[[R | None], R | None],
+        *,
+        tries: int = 5,
+        pause: Callable[[int], None] | None = None,
+    ) -> R | None:
+        """Read-modify-write the record at ``rel`` under its generation; a lost race reads and decides again.
+
+        ``mutate(current)`` (None: absent) returns the record to write, or ``current`` itself (or None) to write
+        nothing; it may raise to give up (what it raises goes to the caller). ``pause(i)`` runs after the
+        ``i``-th lost race when another try follows (None: try again at once).
+
+        Returns:
+            The record as written, or as read when ``mutate`` wrote nothing.
+
+        Raises:
+            Contended: every one of ``tries`` conditional writes lost its race.
+            DocumentError: the record there is damaged.
+        """
+        for i in range(tries):
+            current, gen = self.read_record_versioned(rel, model)
+            new = mutate(current)
+            if new is None or new is current:
+                return current
+            try:
+                self.write_record(rel, new, if_generation_match=gen)
+                return new
+            except PreconditionFailed:
+                if pause is not None and i + 1 < tries:
+                    pause(i)
+        raise Contended(f"{self.url(rel)}: still contended after {tries} tries")
 
     def write_record(
         self, rel: str, record: BaseModel, *, if_generation_match: int | None = None, idempotent: bool = False
