@@ -16,7 +16,7 @@
 Usage: python bench/bench_trainer.py [--hosts 4] [--steps 60] [--interval 10] [--repeats 3] [--kills 3]
        [--cache-repeats 2] [--only-checkpoints | --only-cache]
        python bench/bench_trainer.py --loop [--models tiny,134.6M,269M] [--loop-steps 300] [--save-every 100]
-              [--steps-ahead 16]
+              [--steps-ahead 16] [--saves-only]
        python bench/bench_trainer.py --save-probe [--models 134.6M] [--loop-steps 300] [--save-every 100]
 """
 
@@ -87,7 +87,7 @@ def bench_checkpoint_overhead(work: Path, hosts: int, steps: int, interval: int,
             parts: dict[int, dict[str, float]] = {}
             for i in range(hosts):
                 for e in gang.events(i):
-                    if e.event == EventKind.SAVE_COMMITTED and e.blocking_seconds is not None:
+                    if e.event == EventKind.SAVE_COST and e.blocking_seconds is not None:
                         if e.blocking_seconds >= per_step.get(e.step, -1.0):
                             per_step[e.step] = e.blocking_seconds
                             parts[e.step] = e.blocking_parts or {}
@@ -362,7 +362,11 @@ def run_trainer(cfg, work: Path) -> dict:
     steps = [(e.step, e.t) for e in events if e.event == EventKind.STEP and e.step > WARMUP_STEPS]
     (s0, t0), (s1, t1) = steps[0], steps[-1]
     total = cfg.training.total_steps
-    span = [e for e in events if e.event == EventKind.SAVE_COMMITTED and s0 < e.step < s1 and e.step != total]
+
+    def saves(kind: EventKind) -> list:
+        return [e for e in events if e.event == kind and s0 < e.step < s1 and e.step != total]
+
+    span = saves(EventKind.SAVE_COST)
     blocking = [e.blocking_seconds or 0.0 for e in span]
     if span:  # the last save in the span is waited for by the final one, after the span: not the span's cost
         from trainer.checkpointing import COMMIT_WAIT_PART
@@ -371,28 +375,46 @@ def run_trainer(cfg, work: Path) -> dict:
     report = read_report(store, 0, 0) or {}
     return {"rate": (s1 - s0) / (t1 - t0), "span": (s0, s1), "elapsed": t1 - t0, "blocking": blocking,
             "rss": report.get("peak_rss_mib") or 0.0,
-            "save_s": [e.save_seconds for e in span if e.save_seconds is not None],
+            "save_s": [e.save_seconds for e in saves(EventKind.SAVE_COMMITTED) if e.save_seconds is not None],
             "parts": [e.blocking_parts or {} for e in span]}  # fmt: skip
 
 
 def bench_loop(
-    work: Path, models: list[str], steps: int, save_every: int, accelerator: bool, steps_ahead: int = 1
+    work: Path,
+    models: list[str],
+    steps: int,
+    save_every: int,
+    accelerator: bool,
+    steps_ahead: int = 1,
+    saves_only: bool = False,
 ) -> None:
-    """Trainer vs bare loop for each model, then save every ``save_every`` vs none for the larger ones."""
+    """Trainer vs bare loop for each model, then save every ``save_every`` vs none for the larger ones
+    (``saves_only``: the second part alone)."""
     cache = str(work / "xla-cache")
     rows, saves = [], []
     for name in models:
+        if saves_only and name == "tiny":
+            continue
         cfg = loop_config(str(work / f"{name}-none" / "store"), name, steps + WARMUP_STEPS, None, accelerator, cache,
                           steps_ahead)  # fmt: skip
-        bare = run_bare(cfg, steps)
         none = run_trainer(cfg, work / f"{name}-none")
-        rows.append((name, cfg, bare, none))
-        print(f"measured {name}: bare {bare}, trainer {none}", flush=True)
+        if not saves_only:
+            bare = run_bare(cfg, steps)
+            rows.append((name, cfg, bare, none))
+            print(f"measured {name}: bare {bare}, trainer {none}", flush=True)
         if name != "tiny":
             cfg_s = loop_config(str(work / f"{name}-save" / "store"), name, steps + WARMUP_STEPS, save_every,
                                 accelerator, cache, steps_ahead)  # fmt: skip
             saves.append((name, none, run_trainer(cfg_s, work / f"{name}-save")))
             print(f"measured {name} saving every {save_every}: {saves[-1][2]}", flush=True)
+    if rows:
+        print_loop_table(rows, steps, steps_ahead)
+    if saves:
+        print_save_table(saves, save_every)
+
+
+def print_loop_table(rows: list[tuple], steps: int, steps_ahead: int) -> None:
+    """The trainer against the bare loop, per model."""
     print(f"\n## the trainer vs the bare jit step loop, a gang of one on {rows[0][2]['device']} "
           f"({steps} steps after {WARMUP_STEPS} of warm-up; no save inside the measured span; the trainer "
           f"dispatching {steps_ahead} steps ahead)")  # fmt: skip
@@ -407,8 +429,10 @@ def bench_loop(
               f"{none['rate'] / bare['rate']:>6.3f} {tokens * none['rate']:>10.0f} {tflops:>8.1f} {mfu:>6} "
               f"{none['rss']:>13.0f}")  # fmt: skip
     print("target: trainer / bare >= 0.97 on the two larger models, >= 0.90 on the tiny one; MFU >= 55% (134.6M)")
-    if not saves:
-        return
+
+
+def print_save_table(saves: list[tuple], save_every: int) -> None:
+    """A save every ``save_every`` steps against none, per model: kept, lost per save, blocking_seconds."""
     print(f"\n## a save every {save_every} steps vs none (asynchronous saves; measured loss per save = extra "
           "seconds of the run with saves / saves in the span)")  # fmt: skip
     print(f"{'model':<8} {'none st/s':>10} {'saving st/s':>12} {'kept':>6} {'saves':>6} {'lost s/save':>12} "
@@ -461,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-every", type=int, default=100, help="the --loop save interval")
     p.add_argument("--steps-ahead", type=int, default=16, help="the --loop trainer's training.steps_ahead")
     p.add_argument("--cpu", action="store_true", help="--loop on the CPU even where there is an accelerator")
+    p.add_argument("--saves-only", action="store_true", help="--loop: only the save cost (no bare loop, no tiny)")
     p.add_argument(
         "--save-probe",
         action="store_true",
@@ -484,7 +509,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.loop:
         with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
             accelerator = not a.cpu and has_accelerator()
-            bench_loop(Path(tmp), a.models.split(","), a.loop_steps, a.save_every, accelerator, a.steps_ahead)
+            bench_loop(Path(tmp), a.models.split(","), a.loop_steps, a.save_every, accelerator, a.steps_ahead,
+                       a.saves_only)  # fmt: skip
         return
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)

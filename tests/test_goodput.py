@@ -22,7 +22,8 @@ def _attempt(a, t_start, t_init, t_restored, t_first, first_step, last_step, *, 
         evs.append(_ev(t_first + 0.1 * (s - first_step), "step", a, 0, s))
         evs.append(_ev(t_first + 0.1 * (s - first_step), "step", a, 1, s))  # other processes are not counted
     if save_at is not None:
-        evs.append(_ev(t_first + 0.1 * (save_at - first_step), "save_committed", a, 0, save_at, blocking_seconds=0.05))
+        evs.append(_ev(t_first + 0.1 * (save_at - first_step), "save_committed", a, 0, save_at, save_seconds=1.0))
+        evs.append(_ev(t_first + 0.1 * (save_at - first_step), "save_cost", a, 0, save_at, blocking_seconds=0.05))
     return evs
 
 

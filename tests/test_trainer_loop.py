@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import WorkerExitReport, WorkerHeartbeat
+from recovery_steps.kernel.records import EventKind, WorkerExitReport, WorkerHeartbeat
 from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.decisions import SaveReason, TrainerExit, parse_faults, save_decision
 from trainer.hooks import (
@@ -456,13 +456,16 @@ def test_a_save_s_slowdown_is_not_measured_without_a_usual_pace():
     assert slow.close() is None  # two usual intervals: no pace to measure against
 
 
-def test_a_committed_save_s_blocking_counts_its_steps_slowed_beyond_its_own_wait(tmp_path, monkeypatch):
-    """The event of a commit carries the slowdown over the save's span, less the loop's time inside save() (which
-    the span holds and blocking_seconds already counts), as its own part."""
+def test_a_save_s_cost_counts_its_steps_slowed_until_the_steps_in_flight_at_its_commit_were_read(tmp_path, monkeypatch):
+    """The commit is said at once; what the save cost the loop (``save_cost``) once the steps in flight at the commit
+    were read (steps_ahead + 1 reads: any the accelerator finished while the loop was held are read at once, and
+    make up for the late ones): the span's time beyond the usual pace, less the loop's time inside save() (which
+    the span holds and blocking_seconds already count), as its own part."""
     _, hook, _, _ = _save_hooks(tmp_path, done=True)
     monkeypatch.setattr("trainer.hooks.now", lambda: 1000.0)  # no wait for an earlier commit at step 20's save
-    emitted = []
-    hook.events = SimpleNamespace(emit=lambda kind, step, **k: emitted.append(k))
+    emitted: list[tuple] = []
+    hook.events = SimpleNamespace(emit=lambda kind, step, **k: emitted.append((kind, step, k)))
+    hook.settle = 3  # steps_ahead 2
     t = 1000.0
     for step in range(11, 21):  # step 10's save committed in the background; step 20 starts the next
         t += 0.1
@@ -470,15 +473,22 @@ def test_a_committed_save_s_blocking_counts_its_steps_slowed_beyond_its_own_wait
     assert hook.ckpt.saved == [20]
     ckpt = hook.ckpt
     ckpt.last_blocking, ckpt.last_held, ckpt.last_parts = 0.05, 0.04, {"hand-off to the saver thread": 0.04}
-    for step, gap in ((21, 0.7), (22, 0.1)):
+    for step, gap in ((21, 0.9), (22, 0.1)):  # the loop held: step 21 read 0.8 s late
         t += gap
         hook.on_step(StepRecord(step, 0.5, finished_at=t))
     ckpt.pending.done.set_result(None)
-    t += 0.1
-    hook.on_step(StepRecord(23, 0.5, finished_at=t))
-    got = emitted[-1]
+    emitted.clear()
+    for step, gap in ((23, 0.1), (24, 0.0), (25, 0.0), (26, 0.1)):  # committed at 23; 24 and 25 were done already
+        t += gap
+        hook.on_step(StepRecord(step, 0.5, finished_at=t))
+        if step == 23:
+            assert [e[0] for e in emitted] == [EventKind.SAVE_COMMITTED]  # its cost is not known yet
+    assert [e[0] for e in emitted] == [EventKind.SAVE_COMMITTED, EventKind.SAVE_COST]
+    got = emitted[-1][2]
     assert got["blocking_parts"][SLOWED_PART] == pytest.approx(0.6 - 0.04, abs=1e-9)
     assert got["blocking_seconds"] == pytest.approx(0.05 + 0.6 - 0.04, abs=1e-9)
+    hook.finish()
+    assert [e[0] for e in emitted] == [EventKind.SAVE_COMMITTED, EventKind.SAVE_COST]  # said once
 
 
 @pytest.mark.parametrize("complete", [True, False])

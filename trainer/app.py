@@ -694,6 +694,7 @@ def _hooks(
         kill_during_save=faults.at.get("kill-during-save") if w.process_index == 0 else None,
         # The restored step's own save time is the first estimate, until this attempt commits a save.
         estimate_s=manifest.save_seconds if manifest is not None else None,
+        steps_ahead=cfg.training.steps_ahead,
     )
     observers = SaveObservers(
         events=w.events, metrics=w.metrics, report=w.report, watchdog=w.watchdog, heartbeat=heartbeat

@@ -268,6 +268,7 @@ class SaveOptions:
     restore_step: int = -1
     kill_during_save: int | None = None
     estimate_s: float | None = None
+    steps_ahead: int = 1  # the loop's ``training.steps_ahead``: reads after a commit until a save's cost is known
 
 
 @dataclass(frozen=True)
@@ -362,6 +363,11 @@ class CheckpointHook:
         self.late_said = False  # a save still running when the next was due has been said (once)
         self.captured: Any = None  # the copy taken for the next save as its step was dispatched (``capture``)
         self.slowdown = SaveSlowdown()  # what a save cost the loop beyond its waits
+        # After a commit, the loop may still be reading steps the accelerator finished while it was held: a save's
+        # span ends once the steps in flight then were read (or at the next save, or the end).
+        self.settle = options.steps_ahead + 1
+        self._cost: tuple[int, float, float, dict[str, float]] | None = None  # committed, its span still open
+        self._settling = 0  # reads left before ``_cost`` is emitted
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is saved without a stop."""
@@ -399,6 +405,10 @@ class CheckpointHook:
     def on_step(self, rec: StepRecord) -> None:
         """Record a commit seen since the last step, then save if this step is due."""
         self.slowdown.step(rec)
+        if self._cost is not None:
+            self._settling -= 1
+            if self._settling <= 0:
+                self.emit_cost()
         self.note_commit(self.ckpt.poll())
         if rec.stop_agreed:
             log.info("stop agreed by every process after step %d", rec.step)
@@ -487,6 +497,7 @@ class CheckpointHook:
         late = p is not None and p.done is not None and not p.done.done()
         due_at = now()  # the steps' pace is measured up to here, not through the wait that follows
         self.note_commit(self.ckpt.finish_pending())
+        self.emit_cost()
         self.slowdown.open(waited=now() - due_at)  # that wait is the earlier save's cost, not this one's
         if late and not self.late_said:
             self._say_late(step, due_at)
@@ -527,6 +538,7 @@ class CheckpointHook:
             blocks = self._blocking_wait(None)
             committed = self.ckpt.finish_pending()
             self.note_commit(committed)
+            self.emit_cost()
             return committed
         finally:
             self._waited(blocks)
@@ -537,19 +549,9 @@ class CheckpointHook:
         if committed is None:
             return
         c = self.ckpt
-        blocking, parts = c.last_blocking, c.last_parts
-        slowed = self.slowdown.close()
-        if slowed is not None and blocking is not None:
-            # Its span holds the loop's time inside save(), not the copy taken before it nor the commit wait after.
-            parts = {**parts, SLOWED_PART: max(0.0, slowed - c.last_held)}
-            blocking += parts[SLOWED_PART]
-        self.events.emit(
-            EventKind.SAVE_COMMITTED,
-            committed,
-            save_seconds=c.last_duration,
-            blocking_seconds=blocking,
-            blocking_parts=parts,
-        )
+        self.events.emit(EventKind.SAVE_COMMITTED, committed, save_seconds=c.last_duration)
+        if c.last_blocking is not None:
+            self._cost, self._settling = (committed, c.last_blocking, c.last_held, c.last_parts), self.settle
         self.metrics.set("jaxrec_checkpoint_step", committed)
         self.metrics.set("jaxrec_checkpoint_last_commit_timestamp_seconds", c.last_commit_time or 0)
         self.metrics.set("jaxrec_checkpoint_duration_seconds", c.last_duration or 0)
@@ -560,6 +562,18 @@ class CheckpointHook:
         if c.last_duration is not None:
             self.estimate_s = c.last_duration
         self.watchdog.touch()
+
+    def emit_cost(self) -> None:
+        """End the span of the save committed last and say what it cost the loop (``save_cost``), once."""
+        slowed = self.slowdown.close()
+        if self._cost is None:
+            return
+        (step, blocking, held, parts), self._cost = self._cost, None
+        if slowed is not None:
+            # Its span holds the loop's time inside save(), not the copy taken before it nor the commit wait after.
+            parts = {**parts, SLOWED_PART: max(0.0, slowed - held)}
+            blocking += parts[SLOWED_PART]
+        self.events.emit(EventKind.SAVE_COST, step, blocking_seconds=blocking, blocking_parts=parts)
 
 
 class LocalSaveHook:

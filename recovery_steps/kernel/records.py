@@ -484,6 +484,7 @@ class EventKind(enum.StrEnum):
     STEP = "step"
     SAVE_STARTED = "save_started"
     SAVE_COMMITTED = "save_committed"
+    SAVE_COST = "save_cost"  # what a save cost the loop, known once its steps are read at their pace again
     LOCAL_SAVED = "local_saved"  # a part landed on a host's disk: reason "local" (own) or "peer" (a copy)
     SIGTERM = "sigterm"
     PREEMPTION_PLAN = "preemption_plan"  # what the gang does with its state on a SIGTERM stop
@@ -515,9 +516,11 @@ class WorkerEvent(_Record):
         default=None, description="compiled: seconds the worker waited for it after the state was restored."
     )
     save_seconds: float | None = Field(default=None, description="save_committed: save start to commit.")
-    blocking_seconds: float | None = Field(default=None, description="save_committed: time the loop was held.")
+    blocking_seconds: float | None = Field(
+        default=None, description="save_cost: the time the loop did not step because of the save."
+    )
     blocking_parts: dict[str, float] | None = Field(
-        default=None, description="save_committed: where the blocking time went, and what ran off the loop."
+        default=None, description="save_cost: where the blocking time went, and what ran off the loop."
     )
     restore_seconds: float | None = Field(default=None, description="restored: restoring (or building) the state.")
     cpu_s: float | None = Field(

@@ -163,7 +163,7 @@ def goodput(events: Sequence[WorkerEvent], *, start: float | None = None, end: f
         bad["checkpoint_save"] += sum(
             e.blocking_seconds or 0.0
             for e in evs
-            if e.event == EventKind.SAVE_COMMITTED and e.process_index == 0 and (last is None or e.t <= last)
+            if e.event == EventKind.SAVE_COST and e.process_index == 0 and (last is None or e.t <= last)
         )
     productive = max(0.0, training - bad["recomputed"] - bad["checkpoint_save"])
     wall = max(0.0, t1 - t0)
