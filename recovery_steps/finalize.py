@@ -4,8 +4,9 @@ Usage: ``python -m recovery_steps.finalize --store-root R --run-id ID --status S
 [--output-dir D]``. ``S`` is Argo's ``{{workflow.status}}`` (Succeeded, Failed, Error); ``--failures``
 is ``{{workflow.failures}}``. Outputs: ``final-status``, ``steps-lost`` (steps recomputed because of
 failures, summed over the run's incidents) and ``recovery-seconds`` (failure to back-at-the-pre-failure
-step for the last incident that recovered; ``-1`` when none did), computed from the ledger and the
-workers' exit reports.
+step for the last incident that recovered; ``-1`` when none did), computed from each attempt's records (the
+supervisor's verdict, the restore decision, the workers' exit reports and heartbeats, the ledger) as the run's
+report builds its incidents.
 
 With ``--holder`` (``{{workflow.uid}}``) it acts only when this Workflow holds the run lease, and then, when
 the run ends other than Succeeded (``argo stop`` too: Argo runs the exit handler after a stop), it stops the
@@ -30,7 +31,7 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,12 @@ from recovery_steps.kernel import cli
 from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import AttemptOutcome, Decision, ExitCode, FinalStatus
-from recovery_steps.kernel.documents import read_run_config, read_worker_reports
+from recovery_steps.kernel.documents import read_run_config
+from recovery_steps.kernel.incidents import incidents_from_facts, read_attempt_facts
 from recovery_steps.kernel.kube import api_error_line, api_exit_code, delete_run_jobsets, uses_cluster
 from recovery_steps.kernel.names import RUN_ID_LABEL
 from recovery_steps.kernel.outputs import FinalizeOutputs
-from recovery_steps.kernel.records import AttemptRecord, Incident, Ledger, RunLease, WorkerExitReport, now
+from recovery_steps.kernel.records import AttemptRecord, Ledger, RunLease, now
 from recovery_steps.kernel.step import Step, StepError, k8s_client
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import (
@@ -56,27 +58,13 @@ from recovery_steps.kernel.store import (
     store_errors,
     transient_as_unavailable,
 )
-from recovery_steps.kernel.totals import RunTotals, run_totals, steps_lost
+from recovery_steps.kernel.totals import RunTotals, run_totals
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
 
 log = logging.getLogger(__name__)
 
 SUCCEEDED, FAILED = FinalStatus.SUCCEEDED, FinalStatus.FAILED
 HANDED_OVER, NOT_HOLDER = FinalStatus.HANDED_OVER, FinalStatus.NOT_HOLDER
-
-
-@dataclass(frozen=True)
-class AttemptTrace:
-    """What the workers' exit reports and the ledger tell about one attempt (plain values, epoch seconds)."""
-
-    attempt: int
-    failed: bool
-    restore_step: int = -1
-    last_step: int | None = None
-    failed_at: float | None = None
-    restored_at: float | None = None
-    first_step_at: float | None = None
-    ended_at: float | None = None
 
 
 @dataclass
@@ -89,94 +77,14 @@ class FinalizeResult:
     totals: RunTotals | None = None
 
 
-def _recovered_at(pre: int, restored: int, nxt: AttemptTrace) -> float | None:
-    """When attempt ``nxt`` was back at step ``pre`` (estimated from its first and last step times)."""
-    if restored >= pre:
-        return nxt.first_step_at or nxt.restored_at
-    if nxt.last_step is None or nxt.last_step < pre or nxt.first_step_at is None:
-        return None
-    first = restored + 1  # the step first_step_at times
-    if nxt.last_step == first or nxt.ended_at is None or pre <= first:
-        return nxt.first_step_at
-    # Steps run at a steady rate between the first step and the last one the attempt reported.
-    rate = (nxt.ended_at - nxt.first_step_at) / (nxt.last_step - first)
-    return nxt.first_step_at + (pre - first) * rate
+def recovery_totals(store: RunStore, ledger: Ledger) -> RunTotals:
+    """Steps lost and the last recovery time over the run's incidents, as the report and the drill build them.
 
-
-def recovery_totals(traces: Sequence[AttemptTrace]) -> RunTotals:
-    """Steps lost and the last recovery time over a run's attempts (pure).
-
-    Each failed attempt followed by another is an incident: it lost ``last_step - restore step of the
-    next attempt`` steps (a fresh restart restores step 0), and it recovered when the next attempt was
-    back at the failed attempt's last step. A failed attempt with no next one lost an unknown number of
-    steps and is not counted.
-
-    Args:
-        traces: One trace per attempt, any order.
-
-    Returns:
-        The steps lost summed over the incidents, the failure-to-recovered seconds of the newest incident
-        that recovered (None when none did), and the number of incidents counted.
+    Each failed attempt followed by another is an incident: it lost the steps past the point the next attempt
+    restored (a fresh restart restores step 0), and it recovered when the next attempt was back at the failed
+    attempt's last step. A failed attempt with no next one lost an unknown number of steps and is not counted.
     """
-    return run_totals(incidents_from_traces(traces))
-
-
-def incidents_from_traces(traces: Sequence[AttemptTrace]) -> list[Incident]:
-    """One incident per failed attempt followed by another, timed from the workers' exit reports (pure)."""
-    ordered = sorted(traces, key=lambda t: t.attempt)
-    out = []
-    for cur, nxt in zip(ordered, ordered[1:], strict=False):
-        if not cur.failed or cur.last_step is None:
-            continue
-        restored = max(0, nxt.restore_step)
-        back = _recovered_at(cur.last_step, restored, nxt)
-        out.append(
-            Incident(
-                attempt=cur.attempt,
-                detected_at=cur.failed_at,
-                recovered_at=back if cur.failed_at is not None else None,
-                pre_failure_step=cur.last_step,
-                restored_step=restored,
-                steps_lost=steps_lost(cur.last_step, restored),
-            )
-        )
-    return out
-
-
-def _reports(store: RunStore, attempt: int) -> list[WorkerExitReport]:
-    reports, problems = read_worker_reports(store, attempt)
-    for p in problems:
-        log.warning("attempt %d: unreadable worker report %s", attempt, p)
-    return reports
-
-
-def attempt_traces(store: RunStore, ledger: Ledger) -> list[AttemptTrace]:
-    """The trace of every attempt of the run, from its workers' exit reports and its ledger record."""
-    records = {a.attempt: a for a in ledger.attempts}
-    traces = []
-    for n in sorted(set(store.attempts()) | set(records)):
-        rec = records.get(n)
-        reps = _reports(store, n)
-        failed = rec.outcome == AttemptOutcome.FAILED if rec is not None else any(r.exit_code != 0 for r in reps)
-        restore = [r.restore_step for r in reps if r.restore_step is not None]
-        if not restore and rec is not None and rec.checkpoint_step_before is not None:
-            restore = [rec.checkpoint_step_before]
-        bad_ends = [r.ended_at for r in reps if r.exit_code != 0 and r.ended_at]
-        if not bad_ends and rec is not None and rec.ended_at:
-            bad_ends = [rec.ended_at]
-        traces.append(
-            AttemptTrace(
-                attempt=n,
-                failed=failed,
-                restore_step=max(restore, default=-1),
-                last_step=max((r.last_step for r in reps if r.last_step is not None), default=None),
-                failed_at=min(bad_ends, default=None) if failed else None,
-                restored_at=max((r.restored_at for r in reps if r.restored_at), default=None),
-                first_step_at=max((r.first_step_at for r in reps if r.first_step_at), default=None),
-                ended_at=max((r.ended_at for r in reps if r.ended_at), default=None),
-            )
-        )
-    return traces
+    return run_totals([t.incident for t in incidents_from_facts(read_attempt_facts(store, ledger))])
 
 
 def parse_failures(text: str | None) -> list[dict[str, Any]]:
@@ -345,9 +253,9 @@ def run(
 
         ledger = update_ledger(store, close)
     try:
-        totals = recovery_totals(attempt_traces(store, ledger))
-    except store_errors() as e:
-        log.warning("run store %s: worker reports unreadable (%s); no recovery totals", store.url(), e)
+        totals = recovery_totals(store, ledger)
+    except (DocumentError, *store_errors()) as e:
+        log.warning("run store %s: an attempt's records unreadable (%s); no recovery totals", store.url(), e)
         totals = None
     if output_dir is not None:
         rec = totals.recovery_seconds if totals else None

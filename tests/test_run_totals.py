@@ -6,33 +6,43 @@ import pytest
 
 from recovery_steps import finalize
 from recovery_steps.classify_failure import budget_exhausted
-from recovery_steps.finalize import AttemptTrace, recovery_totals
 from recovery_steps.kernel.config import RetryConfig
 from recovery_steps.kernel.contract import Decision, FailureClass
-from recovery_steps.kernel.records import AttemptRecord
+from recovery_steps.kernel.incidents import AttemptFacts, incidents_from_facts
+from recovery_steps.kernel.records import AttemptRecord, SupervisionRecord, WorkerExitReport
 from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.totals import run_totals
 from recovery_steps.retry import RetryDecision, append_attempt
 
 RUN = "totals-run"
 
 
+def _sup(n, outcome, at, last):
+    return SupervisionRecord(attempt=n, jobset=f"js-{n}", outcome=outcome, reason="r", detected_at=at, last_step=last)
+
+
+def _worker(n, **kw):
+    return WorkerExitReport(run_id=RUN, attempt=n, process_index=0, process_count=1, exit_code=0, exit_name="OK", **kw)
+
+
 def fail(n, last, at, restore=-1):
-    return AttemptTrace(attempt=n, failed=True, restore_step=restore, last_step=last, failed_at=at)
+    """Attempt ``n`` failed after step ``last``, seen at ``at``, having restored ``restore``."""
+    return AttemptFacts(attempt=n, supervision=_sup(n, "failed", at, last), reports=(_worker(n, restore_step=restore),))
 
 
 def ok(n, restore, first_at, last, end_at):
-    return AttemptTrace(
-        attempt=n,
-        failed=False,
-        restore_step=restore,
-        last_step=last,
-        restored_at=first_at - 1,
-        first_step_at=first_at,
-        ended_at=end_at,
-    )
+    """Attempt ``n`` restored ``restore``, ran its first step at ``first_at`` and the rest steadily to ``last``."""
+    rate = (last - max(restore, 0) - 1) / (end_at - first_at)
+    report = _worker(n, restore_step=restore, last_step=last, first_step_at=first_at, steps_per_second=rate)
+    return AttemptFacts(attempt=n, supervision=_sup(n, "succeeded", end_at, last), reports=(report,))
 
 
-# (traces, steps lost, recovery seconds, incidents)
+def recovery_totals(facts):
+    return run_totals([t.incident for t in incidents_from_facts(facts)])
+
+
+# (each attempt's records, steps lost, recovery seconds, incidents): finalize's totals over the incidents the
+# report and the drill build.
 CASES = {
     "no failure": ([ok(0, -1, 10.0, 20, 30.0)], 0, None, 0),
     # killed at step 8, restored 5: steps 6..20 at 1 step/s from t=110, back at step 8 at t=112.
@@ -57,14 +67,19 @@ CASES = {
     # the final attempt failed (run stopped): no next attempt, not an incident.
     "run ends failed": ([fail(0, 8, 100.0), fail(1, 9, 150.0, restore=5)], 3, None, 1),
     "unordered input": ([ok(1, 5, 110.0, 20, 124.0), fail(0, 8, 100.0)], 3, 12.0, 1),
-    "failed attempt without reports": ([AttemptTrace(attempt=0, failed=True), ok(1, 5, 110.0, 20, 124.0)], 0, None, 0),
+    "failed attempt without reports": (
+        [AttemptFacts(attempt=0, supervision=_sup(0, "failed", 100.0, None)), ok(1, 5, 110.0, 20, 124.0)],
+        0,
+        None,
+        0,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_recovery_totals(name):
-    traces, lost, seconds, incidents = CASES[name]
-    t = recovery_totals(traces)
+    facts, lost, seconds, incidents = CASES[name]
+    t = recovery_totals(facts)
     assert t.steps_lost == lost
     assert t.incidents == incidents
     if seconds is None:
@@ -144,6 +159,7 @@ def test_finalize_outputs_totals_from_the_store(store_root, tmp_path):
             restored_at=108.0 + i,
             first_step_at=110.0 + i,
             ended_at=124.0 + i,
+            steps_per_second=1.0,
         )
     r = finalize.run(RunStore(store_root, RUN), "Succeeded", None, tmp_path / "o")
     assert r.totals.steps_lost == 3

@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from recovery_steps.kernel.contract import FailureClass
+from recovery_steps.kernel.contract import AttemptOutcome, FailureClass
 from recovery_steps.kernel.documents import read_ledger, read_worker_reports
 from recovery_steps.kernel.records import (
+    AttemptRecord,
     Incident,
+    Ledger,
     ProvisionRecord,
     RestoreRecord,
     SupervisionRecord,
@@ -42,11 +44,27 @@ class AttemptFacts:
     reports: Sequence[WorkerExitReport] = field(default_factory=tuple)
     heartbeats: Sequence[WorkerHeartbeat] = field(default_factory=tuple)
     failure_class: FailureClass | None = None  # classify-failure's verdict, from the ledger
+    record: AttemptRecord | None = None  # the ledger's entry of the attempt
 
     @property
     def failed(self) -> bool:
-        """The supervisor's verdict was a failure or a stall (an attempt without a verdict is not an incident)."""
-        return self.supervision is not None and self.supervision.outcome in ("failed", "stalled")
+        """The supervisor's verdict was a failure or a stall, or (no verdict kept) the ledger closed it as failed.
+
+        An attempt with neither (still running, or stopped) is not an incident.
+        """
+        if self.supervision is not None:
+            return self.supervision.outcome in ("failed", "stalled")
+        return self.record is not None and self.record.outcome == AttemptOutcome.FAILED
+
+    @property
+    def failed_at(self) -> float | None:
+        """When the failure was seen: the supervisor's verdict, else the first worker to end badly, else the ledger."""
+        if self.supervision is not None:
+            return self.supervision.detected_at
+        bad = [r.ended_at for r in self.reports if r.exit_code != 0 and r.ended_at]
+        if bad:
+            return min(bad)
+        return self.record.ended_at if self.record is not None else None
 
     @property
     def progress(self) -> int | None:
@@ -111,7 +129,7 @@ def incident_from_facts(
         scenario=scenario,
         failure_class=failed.failure_class,
         injected_at=injected_at,
-        detected_at=sup.detected_at if sup else None,
+        detected_at=failed.failed_at,
         stopped_at=sup.stopped_at if sup else None,
         pre_failure_step=pre,
     )
@@ -166,12 +184,12 @@ def _heartbeats(store: RunStore, attempt: int) -> list[WorkerHeartbeat]:
     return out
 
 
-def read_attempt_facts(store: RunStore) -> list[AttemptFacts]:
-    """Every attempt's records, as the run store holds them now."""
-    ledger = read_ledger(store)
-    classes = {r.attempt: r.failure_class for r in (ledger.attempts if ledger else [])}
+def read_attempt_facts(store: RunStore, ledger: Ledger | None = None) -> list[AttemptFacts]:
+    """Every attempt's records, as the run store holds them now (``ledger``: the ledger as just written)."""
+    ledger = ledger if ledger is not None else read_ledger(store)
+    records = {r.attempt: r for r in (ledger.attempts if ledger else [])}
     out = []
-    for a in store.attempts():
+    for a in sorted(set(store.attempts()) | set(records)):
         out.append(
             AttemptFacts(
                 attempt=a,
@@ -181,7 +199,8 @@ def read_attempt_facts(store: RunStore) -> list[AttemptFacts]:
                 tiers=store.read_record(RunLayout.tier_record(a), TierRecord),
                 reports=tuple(read_worker_reports(store, a)[0]),
                 heartbeats=tuple(_heartbeats(store, a)),
-                failure_class=classes.get(a),
+                failure_class=records[a].failure_class if a in records else None,
+                record=records.get(a),
             )
         )
     return out
