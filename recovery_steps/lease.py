@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recovery_steps.kernel.config import lease_renew_every
+from recovery_steps.kernel.contract import WORKFLOW_FINISHED
 from recovery_steps.kernel.records import RunLease, now
 from recovery_steps.kernel.store import (
     Contended,
@@ -446,7 +447,7 @@ def workflow_alive(api_client: Any, site: Site) -> IsAlive:
             return False  # 404 in the holder's own namespace of this cluster: its Workflow is gone
         if wf.get("metadata", {}).get("uid") != lease.holder:
             return False  # another Workflow of the same name: the holder is gone
-        return wf.get("status", {}).get("phase") not in ("Succeeded", "Failed", "Error")
+        return wf.get("status", {}).get("phase") not in WORKFLOW_FINISHED
 
     return alive
 

@@ -52,6 +52,7 @@ from recovery_steps.kernel.names import (
 )
 from recovery_steps.kernel.outputs import ProvisionOutputs
 from recovery_steps.kernel.records import ProvisionRecord, now
+from recovery_steps.kernel.snapshot import PodPhase
 from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
@@ -309,7 +310,7 @@ def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[No
     for p in pods:
         node = (p.get("spec") or {}).get("nodeName")
         phase = (p.get("status") or {}).get("phase")
-        if node and phase not in ("Succeeded", "Failed"):
+        if node and phase not in (PodPhase.SUCCEEDED, PodPhase.FAILED):
             by_node.setdefault(node, []).append(((p.get("metadata") or {}).get("labels") or {}).get(RUN_ID_LABEL, "?"))
     return [replace(n, other_runs=tuple(by_node.get(n.name, ()))) for n in nodes]
 

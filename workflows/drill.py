@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from recovery_steps.kernel.contract import WORKFLOW_FINISHED, NodePhase
 from recovery_steps.kernel.documents import read_ledger
 from recovery_steps.kernel.incidents import TimedIncident, incidents_from_facts, read_attempt_facts
 from recovery_steps.kernel.jobset import CONTAINER
@@ -42,12 +43,13 @@ from recovery_steps.kernel.names import (
     JOBSET_VERSION,
     RUN_ID_LABEL,
 )
+from recovery_steps.kernel.snapshot import PodPhase
 from recovery_steps.kernel.store import RunLayout, RunStore, first_line, store_errors
+from workflows.faults import corrupt_newest_checkpoint
 
 ARGO = ("argoproj.io", "v1alpha1", "workflows")
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"  # Argo puts it on every pod of a Workflow (workflow/common)
 NODE_NAME_ANNOTATION = "workflows.argoproj.io/node-name"
-FINISHED = ("Succeeded", "Failed", "Error")
 JOBSET = (JOBSET_GROUP, JOBSET_VERSION)
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"  # on a static pod's mirror (kubernetes pkg/kubelet/types)
 
@@ -165,13 +167,13 @@ class Cluster:
     def pods(self, selector: str) -> list[Any]:
         """Running pods matching a label selector, oldest first."""
         items = self.core.list_namespaced_pod(self.ns, label_selector=selector).items
-        live = [p for p in items if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
+        live = [p for p in items if p.status.phase == PodPhase.RUNNING and not p.metadata.deletion_timestamp]
         return sorted(live, key=lambda p: (p.metadata.creation_timestamp, p.metadata.name))
 
     def running(self, selector: str) -> list[str]:
         """Pods matching a label selector whose containers still run (being deleted or not)."""
         items = self.core.list_namespaced_pod(self.ns, label_selector=selector).items
-        return [p.metadata.name for p in items if p.status.phase in ("Pending", "Running")]
+        return [p.metadata.name for p in items if p.status.phase in (PodPhase.PENDING, PodPhase.RUNNING)]
 
     def delete_pod(self, name: str, grace_s: int | None = None) -> None:
         """Delete one pod (with its own grace period unless ``grace_s`` says otherwise)."""
@@ -295,23 +297,6 @@ def has_checkpoint(store: RunStore, at_least: int) -> bool:
     return any(store.exists(RunLayout.checkpoint_manifest(s)) for s in store.checkpoint_steps() if s >= at_least)
 
 
-def newest_checkpoint_file(store: RunStore) -> str | None:
-    """The smallest non-empty data file of the newest checkpoint step with a manifest."""
-    for step in reversed(store.checkpoint_steps()):
-        if not store.exists(RunLayout.checkpoint_manifest(step)):
-            continue
-        files = [o for o in store.list(RunLayout.checkpoint(step)) if o.size > 0 and "manifest" not in o.name]
-        if files:
-            return min(files, key=lambda o: o.size).name
-    return None
-
-
-def _flip_byte(store: RunStore, rel: str) -> None:
-    data = bytearray(store.read_bytes(rel) or b"")
-    data[len(data) // 2] ^= 0xFF
-    store.write_bytes(rel, bytes(data))
-
-
 CORRUPT_WAIT_S = 600.0
 """How long corrupt-checkpoint waits for the attempt's workers to stop after the deletion."""
 
@@ -328,7 +313,7 @@ def workers_selector(run_id: str, attempt: int) -> str:
 
 
 def _corrupt_after_stop(cluster: Cluster, store: RunStore, target: Target, victim: str, attempt: int) -> str:
-    """Delete a worker pod; once every worker of the attempt has stopped, flip a byte of the newest checkpoint.
+    """Delete a worker pod; once every worker of the attempt has stopped, damage the newest checkpoint.
 
     The damage comes after the stop because no deletion leaves the gang without time to save: the kubelet gives
     a container at least 2 s after SIGTERM even for a pod deleted with grace 0 (kubernetes v1.36.3,
@@ -342,11 +327,10 @@ def _corrupt_after_stop(cluster: Cluster, store: RunStore, target: Target, victi
     selector = workers_selector(target.run_id, attempt)
     stopped = lambda: not cluster.running(selector)  # noqa: E731
     wait_until(f"the workers of attempt {attempt} to stop", stopped, time.time() + CORRUPT_WAIT_S, every=0.2)
-    rel = newest_checkpoint_file(store)
+    rel = corrupt_newest_checkpoint(store)
     if rel is None:
         raise DrillError(f"run {target.run_id} has no checkpoint with a manifest yet; raise --after-step")
-    _flip_byte(store, rel)
-    return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped a byte of {store.url(rel)}"
+    return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped bytes of {store.url(rel)}"
 
 
 def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fault: Fault, attempt: int) -> str:
@@ -428,7 +412,7 @@ class DrillResult:
 
 def _phase(cluster: Cluster, name: str) -> str | None:
     phase = cluster.workflow(name).get("status", {}).get("phase")
-    return phase if phase in FINISHED else None
+    return phase if phase in WORKFLOW_FINISHED else None
 
 
 def refuse_run_in_use(cluster: Cluster, store: RunStore, run_id: str) -> None:
@@ -586,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in measures_table(res.incidents):
         print(line)
     print(f"drill: workflow {res.workflow} ended {res.phase}; the run's ledger says {res.final_status or 'nothing'}")
-    return 0 if res.phase == "Succeeded" else 1
+    return 0 if res.phase == NodePhase.SUCCEEDED else 1
 
 
 if __name__ == "__main__":

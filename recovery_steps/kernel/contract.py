@@ -178,6 +178,25 @@ def outcome_check(allowed: frozenset[AttemptOutcome], where: str) -> Callable[[A
     return check
 
 
+class NodePhase(enum.StrEnum):
+    """A Workflow node's (and the Workflow's) phase, as Argo writes it.
+
+    argo-workflows v4.0.5, ``pkg/apis/workflow/v1alpha1/workflow_types.go`` ``NodePhase``.
+    """
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    SKIPPED = "Skipped"
+    FAILED = "Failed"
+    ERROR = "Error"
+    OMITTED = "Omitted"
+
+
+WORKFLOW_FINISHED = frozenset({NodePhase.SUCCEEDED, NodePhase.FAILED, NodePhase.ERROR})
+"""The phases a Workflow ends in (argo-workflows v4.0.5 ``WorkflowPhase``: Succeeded, Failed, Error)."""
+
+
 class FinalStatus(enum.StrEnum):
     """How the exit handler ends a Workflow's part in the run: its ``final-status`` output and the ledger's."""
 

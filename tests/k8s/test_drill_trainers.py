@@ -112,7 +112,7 @@ def test_drill_drain_node_real_trainers(trainer_drill, chaos_uninterrupted):
 
 def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, chaos_uninterrupted):
     """``corrupt-checkpoint``: the drill deletes a worker pod and, once every worker of the attempt has stopped,
-    flips a byte of the newest checkpoint on the GCS emulator. restore-latest finds the damage (CRC32C against the
+    flips bytes of the newest checkpoint on the GCS emulator. restore-latest finds the damage (CRC32C against the
     manifest), quarantines the step and the next attempt restores the one before it."""
     d = trainer_drill
     res = d.run(drill.Fault.CORRUPT_CHECKPOINT, after_step=18)

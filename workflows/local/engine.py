@@ -9,7 +9,6 @@ runs of Argo's real workflow-controller through it.
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 import threading
@@ -20,24 +19,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from recovery_steps.kernel.contract import NodePhase
 from recovery_steps.kernel.records import now
 from workflows.local import expr as local_expr
-
-
-class NodePhase(enum.StrEnum):
-    """A Workflow node's (and the Workflow's) phase, as Argo writes it.
-
-    argo-workflows v4.0.5, ``pkg/apis/workflow/v1alpha1/workflow_types.go`` ``NodePhase``.
-    """
-
-    PENDING = "Pending"
-    RUNNING = "Running"
-    SUCCEEDED = "Succeeded"
-    SKIPPED = "Skipped"
-    FAILED = "Failed"
-    ERROR = "Error"
-    OMITTED = "Omitted"
-
 
 SUCCEEDED, FAILED, ERROR, SKIPPED, OMITTED = (
     NodePhase.SUCCEEDED,

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from recovery_steps.kernel.config import LocalTierConfig
 from recovery_steps.kernel.records import EventKind, WorkerEvent, now
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.kernel.store import RunStore
+from workflows.faults import corrupt_newest_checkpoint, flip_middle
 from workflows.local.cluster import SliceHooks
 from workflows.local.engine import NodePhase
 from workflows.local.incidents import EventTail, Injected, max_step
@@ -221,37 +222,6 @@ def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], 
         if i.scenario in HOST_FAULTS
     ]
     return out, problems
-
-
-def flip_middle(data: bytes) -> bytes:
-    """``data`` with the 16 bytes in its middle inverted (same size: only a checksum can tell)."""
-    out = bytearray(data)
-    mid = len(out) // 2
-    for i in range(mid, min(len(out), mid + 16)):
-        out[i] ^= 0xFF
-    return bytes(out)
-
-
-def corrupt_newest_checkpoint(store: RunStore) -> str | None:
-    """Flip bytes in the largest array file of the newest checkpoint that has a manifest.
-
-    Returns:
-        What was damaged (``checkpoints/<step>/<file>``), or None when there is no checkpoint.
-    """
-    for step in reversed(store.checkpoint_steps()):
-        if not store.exists(RunLayout.checkpoint_manifest(step)):
-            continue
-        files = [
-            o
-            for o in store.list(RunLayout.checkpoint(step))
-            if not o.name.endswith(".json") and "METADATA" not in o.name.upper() and o.size > 0
-        ]
-        if not files:
-            continue
-        target = max(files, key=lambda o: o.size)
-        store.write_bytes(target.name, flip_middle(store.read_bytes(target.name) or b""))
-        return target.name
-    return None
 
 
 class Hosts:
