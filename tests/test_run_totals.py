@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from recovery_steps import finalize
@@ -22,7 +24,8 @@ def _sup(n, outcome, at, last):
 
 
 def _worker(n, **kw):
-    return WorkerExitReport(run_id=RUN, attempt=n, process_index=0, process_count=1, exit_code=0, exit_name="OK", **kw)
+    fields = {"run_id": RUN, "attempt": n, "process_index": 0, "process_count": 1, "exit_code": 0, "exit_name": "OK"}
+    return WorkerExitReport(**{**fields, **kw})
 
 
 def fail(n, last, at, restore=-1):
@@ -86,6 +89,20 @@ def test_recovery_totals(name):
         assert t.recovery_seconds is None
     else:
         assert t.recovery_seconds == pytest.approx(seconds)
+
+
+def test_an_attempt_its_supervisor_could_not_decide_is_failed_by_the_ledger_and_timed_by_its_workers():
+    """A supervisor that could not supervise (outcome error) decided nothing: the ledger's ``failed`` makes the attempt
+    an incident, timed from the first worker that ended badly."""
+    sup = SupervisionRecord(attempt=0, jobset="js-0", outcome="error", exit_code=69, reason="r", detected_at=90.0)
+    record = AttemptRecord(attempt=0, outcome="failed", decision=Decision.RETRY, ended_at=101.0, closed_at=102.0)
+    worker = _worker(0, exit_code=20, exit_name="PEER_LOST", restore_step=-1, last_step=8, ended_at=100.5)
+    failed = AttemptFacts(attempt=0, supervision=sup, record=record, reports=(worker,))
+    t = recovery_totals([failed, ok(1, 5, 110.0, 20, 124.0)])
+    assert (t.steps_lost, t.incidents) == (3, 1)
+    assert t.recovery_seconds == pytest.approx(112.0 - 100.5)
+    stopped = replace(failed, record=record.model_copy(update={"outcome": "stopped"}))
+    assert recovery_totals([stopped, ok(1, 5, 110.0, 20, 124.0)]).incidents == 0  # stopped: no failure
 
 
 def _decision(decision, failures):

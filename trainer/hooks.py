@@ -295,9 +295,10 @@ class SaveSlowdown:
 
     An asynchronous save costs the loop more than its waits: while orbax's threads run they hold the interpreter,
     the loop reads and dispatches late, and the accelerator may run out of queued steps. The steps' read times
-    say how much: over the span from the save's step to the step read when its commit is recorded, the time
-    beyond that many steps at the usual pace (the median interval between steps read while no save ran, the
-    last ``window`` of them). The spans of successive saves join end to start, so their sum is the run's.
+    say how much: over the span from the save's step to where ``close`` is called (``CheckpointHook``: once the
+    steps in flight at the commit were read), the time beyond that many steps at the usual pace (the median
+    interval between steps read while no save ran, the last ``window`` of them). Spans never overlap: a save's
+    span ends where the next one's starts at the latest.
     """
 
     def __init__(self, window: int = 32, least: int = 5):

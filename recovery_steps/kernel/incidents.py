@@ -52,14 +52,14 @@ class AttemptFacts:
 
         An attempt with neither (still running, or stopped) is not an incident.
         """
-        if self.supervision is not None:
+        if self.supervision is not None and self.supervision.decided:
             return self.supervision.outcome in ("failed", "stalled")
         return self.record is not None and self.record.outcome == AttemptOutcome.FAILED
 
     @property
     def failed_at(self) -> float | None:
         """When the failure was seen: the supervisor's verdict, else the first worker to end badly, else the ledger."""
-        if self.supervision is not None:
+        if self.supervision is not None and self.supervision.decided:
             return self.supervision.detected_at
         bad = [r.ended_at for r in self.reports if r.exit_code != 0 and r.ended_at]
         if bad:
