@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from recovery_steps import lease
+from recovery_steps.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.classify import Verdict, classify
 from recovery_steps.evidence import (
     Evidence,
@@ -36,7 +37,6 @@ from recovery_steps.evidence import (
     use_supervisor_snapshot,
 )
 from recovery_steps.kernel import cli
-from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel.config import ARGO_MAX_DEPTH, JobConfig, RetryConfig, segment_pod_depth
 from recovery_steps.kernel.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass
 from recovery_steps.kernel.documents import read_ledger

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from recovery_steps import lease
+from recovery_steps.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel import cli
-from recovery_steps.kernel.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.kernel.config import ConfigError
 from recovery_steps.kernel.contract import AttemptOutcome, Decision, ExitCode, FinalStatus
 from recovery_steps.kernel.documents import read_run_config

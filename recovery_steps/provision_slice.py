@@ -238,7 +238,7 @@ def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]
     decided by a supervisor nor closed in the ledger is a gang nothing watches: StepError (configuration),
     naming it, instead of killing what may be healthy work.
     """
-    from recovery_steps.kernel.attempts import left_open
+    from recovery_steps.attempts import left_open
     from recovery_steps.kernel.snapshot import jobset_from_api
 
     def keep(obj: dict[str, Any]) -> bool:

@@ -55,7 +55,6 @@ from recovery_steps.kernel.config import JobConfig
 from recovery_steps.kernel.contract import AttemptOutcome, ExitCode
 from recovery_steps.kernel.gang import Gang
 from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
-from recovery_steps.kernel.kube_gang import KubeGang
 from recovery_steps.kernel.outputs import SegmentOutputs
 from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
 from recovery_steps.kernel.snapshot import (
@@ -77,6 +76,7 @@ from recovery_steps.kernel.step import (
 )
 from recovery_steps.kernel.step import main as step_main
 from recovery_steps.kernel.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
+from recovery_steps.kube_gang import KubeGang
 from recovery_steps.supervision import (
     JOBSET_UNACTED_LIMIT_S,
     MISSING_PODS_GRACE_S,

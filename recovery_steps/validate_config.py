@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from recovery_steps.attempts import left_open
 from recovery_steps.kernel import cli
-from recovery_steps.kernel.attempts import left_open
 from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
 from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, run_id_pod_name_problem
 from recovery_steps.kernel.contract import ExitCode

@@ -360,7 +360,7 @@ def _save_hooks(tmp_path, *, done: bool, wait_s: float = 0.0):
     hook = CheckpointHook(
         ckpt,
         stepper,
-        SaveOptions(interval_steps=10, total_steps=100, async_save=True, restore_step=-1, kill_during_save=None),
+        SaveOptions(interval_steps=10, total_steps=100, async_save=True, restore_step=-1),
         SaveObservers(events=events, metrics=metrics, report=report, watchdog=watchdog, heartbeat=beat),
     )
     beat.on_step(StepRecord(19, 0.5, first=True))

@@ -1,7 +1,7 @@
 """The port train-segment's supervisor runs over: one attempt's gang in some world (GKE, or local processes).
 
 The supervisor (``recovery_steps.train_segment.Supervisor``) is written once over this port; each world is one
-adapter: ``kernel.kube_gang.KubeGang`` over the Kubernetes API (JobSet, Jobs, pods, nodes), and
+adapter: ``recovery_steps.kube_gang.KubeGang`` over the Kubernetes API (JobSet, Jobs, pods, nodes), and
 ``workflows.local.executor.LocalGang`` over the worker processes of the local runner. Both answer ``observe`` with
 the same record, ``kernel.snapshot.ClusterSnapshot``, so the decision, the record and the stop cannot drift apart
 between the two worlds (house style: one port, several adapters, as JobSet's reconciler runs over an injected

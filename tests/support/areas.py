@@ -25,7 +25,8 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
         ),
     ),
     "supervisor": (
-        "recovery_steps/supervision.py, train_segment.py, provision_slice.py; kernel/kube*.py, jobset.py, gang.py",
+        "recovery_steps/supervision.py, train_segment.py, provision_slice.py, kube_gang.py; "
+        "kernel/kube.py, jobset.py, gang.py",
         ("test_supervision", "test_train_segment", "test_provision_slice", "test_step_skeleton", "k8s/test_supervisor"),
     ),
     "classify": (
@@ -33,7 +34,7 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("test_classify", "test_classify_failure", "test_evidence", "test_retry", "test_transient"),
     ),
     "lease": (
-        "recovery_steps/lease.py, hand_over.py, finalize.py, give_up.py; kernel/attempts.py",
+        "recovery_steps/lease.py, hand_over.py, finalize.py, give_up.py, attempts.py",
         ("test_lease", "test_hand_over", "test_finalize", "k8s/test_run_lease"),
     ),
     "checkpoints": (
