@@ -679,7 +679,7 @@ def _hooks(
     """The loop's subscribers, in the order they see each step."""
     assert w.metrics is not None and w.watchdog is not None
     cfg, ckpt = parts.cfg, parts.ckpt
-    fault = FaultHook(faults)
+    fault = FaultHook(faults, primary=w.process_index == 0)
     agreement = PreemptionAgreement(
         w.args.attempt, w.process_index, cfg.slice.preemption_window_s, distributed_client()
     )
@@ -691,13 +691,12 @@ def _hooks(
         total_steps=cfg.training.total_steps,
         async_save=cfg.checkpoint.async_save,
         restore_step=w.args.restore_step,
-        kill_during_save=faults.at.get("kill-during-save") if w.process_index == 0 else None,
         # The restored step's own save time is the first estimate, until this attempt commits a save.
         estimate_s=manifest.save_seconds if manifest is not None else None,
         steps_ahead=cfg.training.steps_ahead,
     )
     observers = SaveObservers(
-        events=w.events, metrics=w.metrics, report=w.report, watchdog=w.watchdog, heartbeat=heartbeat
+        events=w.events, metrics=w.metrics, report=w.report, watchdog=w.watchdog, heartbeat=heartbeat, faults=fault
     )
     saving = CheckpointHook(ckpt, stepper, options, observers, agreement=agreement)
     hooks = Hooks()

@@ -39,10 +39,15 @@ def check_finite_loss(rec: StepRecord) -> None:
 
 
 class FaultHook:
-    """Rehearsal faults of ``TRAINER_FAULT`` that concern the step (``kill-during-save`` is the checkpoint's)."""
+    """Rehearsal faults of ``TRAINER_FAULT``: before a step, on its loss, and during a save.
 
-    def __init__(self, faults: Faults):
+    ``CheckpointHook`` calls ``save_starting`` and ``save_handed_over``; ``kill-during-save`` acts on process 0
+    alone (``primary``).
+    """
+
+    def __init__(self, faults: Faults, *, primary: bool = True):
         self.faults = faults
+        self.primary = primary
 
     def before_step(self, step: int) -> None:
         """``hang`` stops making progress and ``app-bug`` raises, before step ``step``."""
@@ -63,6 +68,20 @@ class FaultHook:
         """``nan``: the loss of that step is reported non-finite."""
         if self.faults.due("nan", rec.step):
             check_finite_loss(StepRecord(rec.step, float("nan")))
+
+    def save_starting(self, step: int, async_save: bool) -> None:
+        """``kill-during-save`` of a synchronous save: SIGKILL as it starts (once it returns it is complete)."""
+        if not async_save and self._kills_save(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def save_handed_over(self, step: int, ckpt: Any) -> None:
+        """``kill-during-save`` of an asynchronous save: SIGKILL once orbax's writes are in flight, not committed."""
+        if self._kills_save(step):
+            ckpt.wait_until_writing()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _kills_save(self, step: int) -> bool:
+        return self.primary and self.faults.due("kill-during-save", step)
 
 
 class ProgressHook:
@@ -257,8 +276,7 @@ class SaveOptions:
     """When ``CheckpointHook`` saves and how.
 
     ``interval_steps``, ``total_steps`` and ``async_save`` come from the config; ``restore_step``: the step this
-    attempt restored (-1: fresh); ``kill_during_save``: the step whose save this process SIGKILLs itself during (a
-    fault; None: none); ``estimate_s``: seconds one save takes until this attempt commits one (the restored
+    attempt restored (-1: fresh); ``estimate_s``: seconds one save takes until this attempt commits one (the restored
     checkpoint's own save time; None: unknown).
     """
 
@@ -266,7 +284,6 @@ class SaveOptions:
     total_steps: int
     async_save: bool
     restore_step: int = -1
-    kill_during_save: int | None = None
     estimate_s: float | None = None
     steps_ahead: int = 1  # the loop's ``training.steps_ahead``: reads after a commit until a save's cost is known
 
@@ -275,7 +292,8 @@ class SaveOptions:
 class SaveObservers:
     """Who hears of ``CheckpointHook``'s saves: the event log, the gauges, the exit report, the watchdog, the heartbeat.
 
-    ``heartbeat``: None when no heartbeat is to say that a save blocks the loop.
+    ``heartbeat``: None when no heartbeat is to say that a save blocks the loop; ``faults``: the rehearsal faults
+    that act during a save (None: none).
     """
 
     events: Events
@@ -283,6 +301,7 @@ class SaveObservers:
     report: WorkerExitReport
     watchdog: Watchdog
     heartbeat: HeartbeatHook | None = None
+    faults: FaultHook | None = None
 
 
 SLOWED_PART = "the steps slowed while it ran"
@@ -350,7 +369,7 @@ class CheckpointHook:
         self.total_steps = options.total_steps
         self.async_save = options.async_save
         self.last_saved: int | None = options.restore_step if options.restore_step >= 0 else None
-        self.kill_during_save = options.kill_during_save
+        self.faults = observers.faults
         self.events = observers.events
         self.metrics = observers.metrics
         self.report = observers.report
@@ -503,17 +522,15 @@ class CheckpointHook:
         if late and not self.late_said:
             self._say_late(step, due_at)
         self.started = (step, now())
-        kill = self.kill_during_save == step
         self.events.emit(EventKind.SAVE_STARTED, step)
         self.watchdog.touch()
-        if kill and not self.async_save:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults is not None:
+            self.faults.save_starting(step, self.async_save)
         capture, self.captured = self.captured, None
         self.ckpt.save(step, self.stepper.state, self.stepper.data_iter, capture=capture)
         self.last_saved = step
-        if kill:  # once orbax's writes are in flight, before they are committed
-            self.ckpt.wait_until_writing()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults is not None:
+            self.faults.save_handed_over(step, self.ckpt)
 
     def _say_late(self, step: int, due_at: float) -> None:
         """Say, once, that a save outlasts the interval between saves, and the interval that would fit."""
