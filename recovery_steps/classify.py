@@ -23,6 +23,7 @@ from recovery_steps.kernel.contract import (
     exit_code_info,
 )
 from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
+from recovery_steps.kernel.snapshot import first_failed
 from recovery_steps.supervision import create_refusal, one_line, pull_failure_is_permanent, waiting_cause
 
 SIGABRT, SIGKILL, SIGTERM = 6, 9, 15
@@ -611,19 +612,6 @@ def _never_ran(ev: Evidence) -> Verdict | None:
     return None
 
 
-def _first(obs: list[_Obs], judged: dict[int, _Finding]) -> _Obs:
-    def key(o: _Obs) -> tuple:
-        t = o.at if o.at is not None else float("inf")
-        return (
-            int(t) if t != float("inf") else t,
-            _rank(o, judged[id(o)]),
-            0 if o.named_by_job else 1,
-            t,
-        )
-
-    return min(obs, key=key)
-
-
 def classify(evidence: Evidence) -> Verdict:
     """Classify a failed attempt from its evidence (pure; no I/O).
 
@@ -658,7 +646,10 @@ def classify(evidence: Evidence) -> Verdict:
             [_inventory(evidence)] + context,
         )
     judged = {id(o): _judge(o) for o in obs}
-    first = _first(obs, judged)
+    first = first_failed(
+        obs, ended=lambda o: o.at, index=lambda o: o.index, rank=lambda o: _rank(o, judged[id(o)]),
+        named=lambda o: o.named_by_job,
+    )  # fmt: skip
     f = judged[id(first)]
     cause, cf = first, f
     if f.secondary:

@@ -44,7 +44,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from recovery_steps.kernel.config import SupervisionConfig
 from recovery_steps.kernel.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
 from recovery_steps.kernel.names import UNREACHABLE_TAINT
-from recovery_steps.kernel.snapshot import Condition, JobEvidence, PodPhase
+from recovery_steps.kernel.snapshot import Condition, JobEvidence, PodPhase, first_failed
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet
 # pkg/kubelet/images/types.go and kuberuntime): they loop with a back-off and never fail the pod.
@@ -530,7 +530,13 @@ def _failed(obs: Observation) -> Verdict | None:
     ]
     failed = [p for p in obs.pods if p.phase == PodPhase.FAILED]
     if failed:
-        p = min(failed, key=_first_failure)
+        # The first to fail, not a worker that exited on losing it (exit 20 comes a heartbeat timeout later).
+        p = first_failed(
+            failed,
+            ended=lambda p: p.finished_at,
+            index=lambda p: p.index,
+            rank=lambda p: int(p.exit_code == ExitCode.PEER_LOST),
+        )
         return Verdict(
             state=AttemptOutcome.FAILED, reason="; ".join([f"{p.label} failed ({_ended(p)})", *jobs]), worker=p.index
         )
@@ -552,17 +558,6 @@ def _ended(p: PodObservation) -> str:
     if p.terminated_reason and p.terminated_reason != "Error":
         parts.append(p.terminated_reason)
     return ", ".join(parts)
-
-
-def _first_failure(p: PodObservation) -> tuple[bool, float, bool, bool, int]:
-    """The failed worker the attempt's failure is named after.
-
-    The first to end (finishedAt has one-second steps), and in a tie not one that exited on losing a peer (exit 20
-    follows the failure it reports), then the lowest index: a SIGKILLed worker is the cause, its peers' exit 20
-    come a heartbeat timeout later.
-    """
-    ended = p.finished_at if p.finished_at is not None else float("inf")
-    return (p.finished_at is None, ended, p.exit_code == ExitCode.PEER_LOST, p.index is None, p.index or 0)
 
 
 def _succeeded(obs: Observation) -> Verdict | None:

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from recovery_steps.kernel.config import ConfigError, SupervisionConfig, parse_config
 from recovery_steps.kernel.contract import AttemptOutcome
-from recovery_steps.kernel.snapshot import Condition, JobEvidence
+from recovery_steps.kernel.snapshot import Condition, JobEvidence, first_failed
 from recovery_steps.supervision import (
     HeartbeatRead,
     NodeObservation,
@@ -1183,3 +1183,20 @@ def test_a_job_at_failure_target_fails_the_attempt_before_its_jobset_does(job, s
     """The JobSet has no condition yet and every pod still runs: the Job's record alone decides."""
     v = decide(obs(520, ALL_RUNNING, jobs=[job], progress=STEPPING), D)
     assert v.state is state and fragment in v.reason, v.reason
+
+
+@pytest.mark.parametrize(
+    ("failures", "want"),
+    [
+        # (name, end, index, rank, named by its Job)
+        ([("a", 10.9, 1, 0, False), ("b", 11.0, 0, 0, False)], "a"),  # the first by the second
+        ([("peer", 10.2, 0, 1, False), ("cause", 10.8, 1, 0, False)], "cause"),  # one second: cause first
+        ([("x", 10.5, 1, 0, False), ("job", 10.7, 2, 0, True)], "job"),  # then the one its Job names
+        ([("late", 10.6, 0, 0, False), ("early", 10.1, 3, 0, False)], "early"),  # then the finer clock
+        ([("i2", 10.0, 2, 0, False), ("i1", 10.0, 1, 0, False)], "i1"),  # then the lowest index
+        ([("unknown", None, 0, 0, False), ("known", 99.0, 5, 3, False)], "known"),  # an end not known: last
+    ],
+)
+def test_the_first_failure_is_one_rule_for_the_supervisor_and_classify(failures, want):
+    got = first_failed(failures, ended=lambda f: f[1], index=lambda f: f[2], rank=lambda f: f[3], named=lambda f: f[4])
+    assert got[0] == want

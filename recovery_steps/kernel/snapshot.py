@@ -8,8 +8,9 @@ deletes the objects), so the evidence survives the stop.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -275,6 +276,33 @@ def _worker_index(meta: dict[str, Any]) -> int | None:
                 except (TypeError, ValueError):
                     return None
     return None
+
+
+F = TypeVar("F")
+
+
+def first_failed(
+    failures: Sequence[F],
+    *,
+    ended: Callable[[F], float | None],
+    index: Callable[[F], int | None],
+    rank: Callable[[F], int] = lambda _: 0,
+    named: Callable[[F], bool] = lambda _: False,
+) -> F:
+    """The failure an attempt's end is named after, the supervisor's and classify-failure's one rule.
+
+    The first to end, by the second (a container's ``finishedAt`` has one-second steps: ends within one second
+    are a tie, whatever finer clock a record has), an end not known last; in a tie the cause before what follows
+    from it (``rank``: 0 a cause, higher a consequence, such as a worker's exit on losing its peer, which comes a
+    heartbeat timeout after the failure it reports), then the one its Job's failure names (``named``), then the
+    earlier by the finer clock, then the lowest index.
+    """
+
+    def key(f: F) -> tuple:
+        t, i = ended(f), index(f)
+        return (t is None, int(t) if t is not None else 0, rank(f), not named(f), t or 0.0, i is None, i or 0)
+
+    return min(failures, key=key)
 
 
 class PodPhase(enum.StrEnum):
