@@ -195,12 +195,16 @@ def update_ledger(
 
     Args:
         store: the run store.
-        mutate: builds the new ledger from the current one (called again after each lost race).
+        mutate: builds the new ledger from the current one (called again after each lost race); the very
+            ledger it was given back writes nothing.
         tries: attempts before giving up.
         sleep: pause between tries (a parameter so tests need not wait).
 
     Returns:
-        The ledger as written.
+        The ledger as written (as read, where nothing changed).
+
+    Raises:
+        Contended: every try lost its race (a ``PreconditionFailed``).
     """
 
     def change(current: Ledger | None) -> Ledger:
