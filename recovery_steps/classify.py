@@ -647,9 +647,12 @@ def classify(evidence: Evidence) -> Verdict:
         )
     judged = {id(o): _judge(o) for o in obs}
     first = first_failed(
-        obs, ended=lambda o: o.at, index=lambda o: o.index, rank=lambda o: _rank(o, judged[id(o)]),
+        obs,
+        ended=lambda o: o.at,
+        index=lambda o: o.index,
+        rank=lambda o: _rank(o, judged[id(o)]),
         named=lambda o: o.named_by_job,
-    )  # fmt: skip
+    )
     f = judged[id(first)]
     cause, cf = first, f
     if f.secondary:

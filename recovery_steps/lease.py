@@ -220,17 +220,15 @@ def renew_if_due(
         return Renewal(RenewStatus.NOT_DUE, next_at)
     every = lease_renew_every(ttl_s)
     try:
-        lost: list[RunLease | None] = []
 
         def extend(current: RunLease | None) -> RunLease | None:
-            if current is None or current.released or current.holder != holder:
-                lost.append(current)
-                return current  # nothing written
+            if not held_by(current, holder):
+                return current  # lost: nothing written
             return current.model_copy(update={"renewed_at": at, "ttl_s": ttl_s})
 
         renewed = store.update_record(RunLayout.LEASE, RunLease, extend, tries=tries)
-        if lost:
-            return Renewal(RenewStatus.LOST, at + every, lost_line(store.run_id, lost[-1]), lost[-1])
+        if not held_by(renewed, holder):
+            return Renewal(RenewStatus.LOST, at + every, lost_line(store.run_id, renewed), renewed)
         line = f"renewed the lease of run {store.run_id!r} for {ttl_s:.0f} s"
         return Renewal(RenewStatus.RENEWED, at + every, line, renewed)
     except Contended:

@@ -53,7 +53,7 @@ class AttemptFacts:
         An attempt with neither (still running, or stopped) is not an incident.
         """
         if self.supervision is not None and self.supervision.decided:
-            return self.supervision.outcome in ("failed", "stalled")
+            return self.supervision.outcome in (AttemptOutcome.FAILED, AttemptOutcome.STALLED)
         return self.record is not None and self.record.outcome == AttemptOutcome.FAILED
 
     @property
