@@ -372,6 +372,26 @@ def _worker(root: str):
     return Worker(RunArgs(root, cfg.run_id, 0, -1), env={}), cfg
 
 
+def test_the_sigterm_handler_takes_no_lock_the_thread_it_interrupts_may_hold(tmp_path):
+    import signal
+    import threading
+
+    from trainer.telemetry import Events
+
+    w, _ = _worker(str(tmp_path / "store"))
+    w.events = Events(str(tmp_path / "events"), 0, 0)
+
+    def interrupted_inside_an_event_line():  # the training thread, writing the commit's event as SIGTERM comes
+        with w.events._lock:
+            w.on_sigterm(signal.SIGTERM, None)
+
+    t = threading.Thread(target=interrupted_inside_an_event_line, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the handler waits for a lock its own thread holds: the worker hangs until SIGKILL"
+    assert w.stop_requested and w.stop_flag() >= 1 and w._sigterm.is_set()
+
+
 def test_bucket_check_passes_against_the_real_emulator_and_skips_a_local_root(gcs_bucket, tmp_path):
     w, cfg = _worker(f"gs://{gcs_bucket}/bucket-check")
     w.check_bucket(cfg)  # the bucket's metadata reads: nothing to say

@@ -173,22 +173,44 @@ class Worker:
         self.watchdog: Watchdog | None = None
         self.stop_requested = False
         self.sigterm_at: float | None = None  # time.monotonic() of the first SIGTERM
+        self._sigterm_step: int | None = None  # the last step completed when it came
+        self._sigterm = threading.Event()  # set by the handler; ``_after_sigterm`` says it and watches the stop
+        self._sigterm_watcher: threading.Thread | None = None
         self.last_step_seconds: float | None = None  # wall time of the newest step (the first includes its compile)
         self.saving: Any = None  # the CheckpointHook, once the loop runs
         self.peer_notice: PeerLossNotice | None = None  # once the distributed runtime is up
         self._abort_handler: Any = None
 
+    def install_sigterm(self) -> None:
+        """Make SIGTERM ours; the thread that acts on it is started first, not by the handler."""
+        if self._sigterm_watcher is None:
+            self._sigterm_watcher = threading.Thread(target=self._after_sigterm, name="sigterm", daemon=True)
+            self._sigterm_watcher.start()
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
     def on_sigterm(self, signum: int, frame: Any) -> None:
-        """Ask the gang to stop after the next step; there it decides whether a save fits the window."""
+        """Ask the gang to stop after the next step; there it decides whether a save fits the window.
+
+        The handler runs on the training thread between two of its bytecodes, maybe inside a lock that thread
+        holds (an event line half written): it takes none itself (no log, no event), only records the time and
+        wakes ``_after_sigterm``. An event written here while the loop wrote the commit's event hung the worker
+        until its SIGKILL, and its peers with it.
+        """
         if not self.stop_requested:
             self.sigterm_at = time.monotonic()
-            log.info(
-                "SIGTERM: stopping after the next step, saving only if it fits the shutdown window; exit %d",
-                ExitCode.PREEMPTED,
-            )
-            self.events.emit(EventKind.SIGTERM, self.report.last_step)
-            threading.Thread(target=self._leave_if_stuck, args=(self.report.last_step,), daemon=True).start()
-        self.stop_requested = True
+            self._sigterm_step = self.report.last_step
+            self.stop_requested = True
+            self._sigterm.set()
+
+    def _after_sigterm(self) -> None:
+        """Once SIGTERM came: say so (log, event), then leave if the gang cannot step to agree on the stop."""
+        self._sigterm.wait()
+        log.info(
+            "SIGTERM: stopping after the next step, saving only if it fits the shutdown window; exit %d",
+            ExitCode.PREEMPTED,
+        )
+        self.events.emit(EventKind.SIGTERM, self._sigterm_step)
+        self._leave_if_stuck(self._sigterm_step)
 
     def _leave_if_stuck(self, step_at_sigterm: int | None) -> None:
         """Leave at once when no step completes soon after SIGTERM: the stop can never be agreed.
@@ -354,7 +376,7 @@ class Worker:
             log.info("a gang of one process: no coordinator joined")
         else:
             self._join(t, kw, ident)
-        signal.signal(signal.SIGTERM, self.on_sigterm)
+        self.install_sigterm()
         self._set_identity(jax.process_index(), jax.process_count())
         configure_logging(self.process_index)
         self.peer_notice = PeerLossNotice(self.args.attempt, self.process_index, distributed_client())
@@ -466,7 +488,7 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     out = w.exit
     configure_logging(w.process_index)
     w.events.emit(EventKind.STARTED, cpu_s=cpu_seconds())
-    signal.signal(signal.SIGTERM, w.on_sigterm)
+    w.install_sigterm()
     try:
         cfg = w.load_config()
         w.cfg = cfg
