@@ -14,6 +14,7 @@ RUN pip install "jax[tpu]>=0.10,<0.11" \
       -f https://storage.googleapis.com/jax-releases/libtpu_releases.html
 
 COPY pyproject.toml README.md ./
+COPY jaxrec ./jaxrec
 COPY recovery_steps ./recovery_steps
 COPY trainer ./trainer
 COPY workflows ./workflows

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.totals import CATEGORIES, CATEGORY_HELP, goodput
+from jaxrec.model.config import load_config
+from jaxrec.model.totals import CATEGORIES, CATEGORY_HELP, goodput
 from workflows import local
 from workflows.build import render_workflow
 from workflows.report import load_events, open_run

@@ -59,9 +59,9 @@ def _peak_mib() -> float:
 
 def readback_step_files(store, step: int) -> list[Any]:
     """The manifest's file list as the trainer built it before: each file read whole, then summed."""
-    from recovery_steps.kernel.checkpoints import crc32c_hex
-    from recovery_steps.kernel.records import ManifestFile
-    from recovery_steps.kernel.store import RunLayout
+    from jaxrec.adapters.checkpoints import crc32c_hex
+    from jaxrec.adapters.store import RunLayout
+    from jaxrec.model.records import ManifestFile
 
     base = RunLayout.checkpoint(step) + "/"
     out = []
@@ -76,9 +76,9 @@ def readback_step_files(store, step: int) -> list[Any]:
 
 def readback_check(store, step: int) -> list[str]:
     """restore-latest's check before: every listed file read whole (eight at a time) and summed."""
-    from recovery_steps.kernel.checkpoints import crc32c_hex
-    from recovery_steps.kernel.records import CheckpointManifest
-    from recovery_steps.kernel.store import RunLayout
+    from jaxrec.adapters.checkpoints import crc32c_hex
+    from jaxrec.adapters.store import RunLayout
+    from jaxrec.model.records import CheckpointManifest
 
     m = store.read_record(RunLayout.checkpoint_manifest(step), CheckpointManifest)
     sizes = {o.name: o.size for o in store.list(RunLayout.checkpoint(step))}
@@ -99,10 +99,10 @@ def child(what: str, method: str, root: str, run_id: str) -> dict[str, float]:
     """Run one measurement in this process; return seconds and peak memory (MiB)."""
     from support.ckpt_factory import tiny_config
 
+    from jaxrec.adapters.checkpoints import step_files, write_manifest
+    from jaxrec.adapters.store import RunStore
+    from jaxrec.model.records import CheckpointManifest
     from recovery_steps import restore_latest
-    from recovery_steps.kernel.checkpoints import step_files, write_manifest
-    from recovery_steps.kernel.records import CheckpointManifest
-    from recovery_steps.kernel.store import RunStore
 
     store = RunStore(root, run_id)
     cfg = tiny_config(run_id=run_id)
@@ -220,7 +220,7 @@ def run(gbs: list[float], backends: list[str]) -> list[dict[str, Any]]:
     """Measure every backend x size x method; print the table and the ratios; return the rows."""
     from support.ckpt_factory import tiny_config, write_run_config
 
-    from recovery_steps.kernel.store import RunStore
+    from jaxrec.adapters.store import RunStore
 
     rows: list[dict[str, Any]] = []
     header = (
@@ -296,9 +296,9 @@ def run(gbs: list[float], backends: list[str]) -> list[dict[str, Any]]:
 def entries_growth(sizes: tuple[int, int] = (10_000, 80_000)) -> float:
     """The in-memory part of verification (the listing against the manifest) at two entry counts, best of 5 each,
     interleaved; prints and returns the time ratio (linear: the entries' ratio)."""
-    from recovery_steps.kernel import verify
-    from recovery_steps.kernel.records import CheckpointManifest, ManifestFile
-    from recovery_steps.kernel.store import ObjectInfo, RunStore
+    from jaxrec.adapters import verify
+    from jaxrec.adapters.store import ObjectInfo, RunStore
+    from jaxrec.model.records import CheckpointManifest, ManifestFile
 
     store = RunStore(tempfile.mkdtemp(prefix="bench-entries-"), "bench")
 

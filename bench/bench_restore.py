@@ -74,8 +74,8 @@ def save_step(store, cfg, step: int, state: dict[str, Any], chunk_mib: int | Non
     import jax
     import orbax.checkpoint as ocp
 
-    from recovery_steps.kernel.checkpoints import write_manifest
-    from recovery_steps.kernel.records import CheckpointManifest
+    from jaxrec.adapters.checkpoints import write_manifest
+    from jaxrec.model.records import CheckpointManifest
 
     if chunk_mib is None:
         handler, state_args = ocp.StandardCheckpointHandler(), ocp.args.StandardSave(state)
@@ -184,7 +184,7 @@ def tensorstore_read_alignment(directory: str, floats: int = 1 << 20) -> int:
 
 def verifier(store, cfg) -> Callable[[], None]:
     """restore-latest's verification of the run (it must select ``STEP``)."""
-    from recovery_steps.kernel.verify import closed_attempts, verify_checkpoints
+    from jaxrec.adapters.verify import closed_attempts, verify_checkpoints
 
     def verify() -> None:
         sel, _ = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed_attempts(store))
@@ -210,7 +210,7 @@ def run(mb: int, repeats: int, chunk_mibs: list[int]) -> list[dict[str, Any]]:
     """Measure every backend x layout; print the table; return its rows."""
     from support.ckpt_factory import tiny_config, write_run_config
 
-    from recovery_steps.kernel.store import RunStore
+    from jaxrec.adapters.store import RunStore
     from workflows.local.emulator import GcsEmulator
 
     layouts: list[tuple[str, int | None]] = [("zstd-1chunk", None)] + [(f"raw-{c}MiB", c) for c in chunk_mibs]

@@ -39,8 +39,8 @@ def floor_worker(store_root: str, run_id: str, out: str) -> None:
     """One bare worker: imports, join, build + lower + compile the step, one step; writes its timings to ``out``."""
     import numpy as np
 
-    from recovery_steps.kernel.documents import read_run_config
-    from recovery_steps.kernel.store import RunStore
+    from jaxrec.adapters.documents import read_run_config
+    from jaxrec.adapters.store import RunStore
     from trainer import compile_cache
     from trainer.decisions import coordinator_to_wait_for, local_identity
     from trainer.lifecycle import wait_for_listener
@@ -115,7 +115,7 @@ def run_trainer(cfg, work: Path, attempt: int) -> dict:
     """Wall seconds from spawning the trainer gang (restoring step 10) to its last first step, and CPU."""
     from support.trainer_harness import launch
 
-    from recovery_steps.kernel.records import EventKind
+    from jaxrec.model.records import EventKind
 
     gang = launch(cfg, attempt, 10, work)
     codes = gang.wait(300)

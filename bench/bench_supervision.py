@@ -29,9 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from recovery_steps.kernel.config import SupervisionConfig, load_config
-from recovery_steps.kernel.records import WorkerHeartbeat
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import SupervisionConfig, load_config
+from jaxrec.model.records import WorkerHeartbeat
 from recovery_steps.train_segment import Supervisor, SupervisorIO
 from workflows.local.executor import LocalExecutor, LocalGang
 from workflows.local.slices import IMAGE_PULL, UNSCHEDULABLE, LocalSlice, WorkerProc

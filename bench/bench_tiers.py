@@ -27,9 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.records import EventKind, TierRecord
-from recovery_steps.kernel.store import RunLayout
+from jaxrec.adapters.store import RunLayout
+from jaxrec.model.config import load_config
+from jaxrec.model.records import EventKind, TierRecord
 from workflows import local
 from workflows.build import render_workflow
 from workflows.report import load_events, open_run
@@ -104,8 +104,8 @@ def step_seconds(res: local.LocalRunResult) -> float:
 
 def step_bytes(res: local.LocalRunResult) -> int:
     """Bytes of the newest GCS checkpoint step of ``res`` (its manifest's files)."""
-    from recovery_steps.kernel.checkpoints import newest_complete_step
-    from recovery_steps.kernel.records import CheckpointManifest
+    from jaxrec.adapters.checkpoints import newest_complete_step
+    from jaxrec.model.records import CheckpointManifest
 
     store = _store(res)
     step = newest_complete_step(store)

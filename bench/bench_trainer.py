@@ -39,7 +39,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from support.trainer_harness import jax_platform, launch, read_report, tiny_config, write_config  # noqa: E402
 
-from recovery_steps.kernel.records import EventKind  # noqa: E402
+from jaxrec.model.records import EventKind  # noqa: E402
 
 
 def steady_rate(gang, index: int = 0) -> float:
@@ -193,7 +193,7 @@ def _bare_setup(config_json: str):
     """The config's compiled step, initial state, batch source and stop flags, as the trainer builds them."""
     import jax
 
-    from recovery_steps.kernel.config import parse_config
+    from jaxrec.model.config import parse_config
     from trainer import compile_cache, train_state
     from trainer import data as data_lib
 
@@ -264,7 +264,7 @@ def bare_saves(config_json: str, steps: int, every: int) -> dict:
     import jax
     import orbax.checkpoint as ocp
 
-    from recovery_steps.kernel.checkpoints import CRC_THREADS, stream_digests
+    from jaxrec.adapters.checkpoints import CRC_THREADS, stream_digests
     from trainer import checkpointing as ck
 
     compiled, state, batch, flags = _bare_setup(config_json)

@@ -6,9 +6,9 @@ attempt is still open.
 
 from __future__ import annotations
 
-from recovery_steps.kernel.checkpoints import newest_complete_step
-from recovery_steps.kernel.records import Ledger, RestoreRecord, SupervisionRecord
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.checkpoints import newest_complete_step
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import Ledger, RestoreRecord, SupervisionRecord
 
 
 def checkpoint_step_before(store: RunStore, attempt: int) -> int:

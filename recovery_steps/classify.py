@@ -12,8 +12,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence, PodPhase
-from recovery_steps.kernel.contract import (
+from jaxrec.model.contract import (
     CLASS_INFO,
     PEER_LOSS_MARKERS,
     AttemptOutcome,
@@ -22,8 +21,9 @@ from recovery_steps.kernel.contract import (
     StallKind,
     exit_code_info,
 )
-from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
-from recovery_steps.kernel.snapshot import first_failed
+from jaxrec.model.records import SupervisionRecord, WorkerExitReport
+from jaxrec.model.snapshot import first_failed
+from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence, PodPhase
 from recovery_steps.supervision import create_refusal, one_line, pull_failure_is_permanent, waiting_cause
 
 SIGABRT, SIGKILL, SIGTERM = 6, 9, 15

@@ -24,6 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxrec.adapters import cli
+from jaxrec.adapters.documents import read_ledger
+from jaxrec.adapters.kube import uses_cluster
+from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
+from jaxrec.model.config import ARGO_MAX_DEPTH, JobConfig, RetryConfig, segment_pod_depth
+from jaxrec.model.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass
+from jaxrec.model.outputs import ClassifyOutputs
+from jaxrec.model.records import (
+    AttemptRecord,
+    Ledger,
+    ProvisionRecord,
+    RestoreRecord,
+    SupervisorLosses,
+    now,
+)
 from recovery_steps import lease
 from recovery_steps.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.classify import Verdict, classify
@@ -36,23 +51,6 @@ from recovery_steps.evidence import (
     gather_supervision,
     use_supervisor_snapshot,
 )
-from recovery_steps.kernel import cli
-from recovery_steps.kernel.config import ARGO_MAX_DEPTH, JobConfig, RetryConfig, segment_pod_depth
-from recovery_steps.kernel.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass
-from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.kube import uses_cluster
-from recovery_steps.kernel.outputs import ClassifyOutputs
-from recovery_steps.kernel.records import (
-    AttemptRecord,
-    Ledger,
-    ProvisionRecord,
-    RestoreRecord,
-    SupervisorLosses,
-    now,
-)
-from recovery_steps.kernel.step import Step, StepError, api_error, k8s_client, load_run_config
-from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 from recovery_steps.retry import (
     RetryDecision,
     argo_duration,
@@ -62,6 +60,8 @@ from recovery_steps.retry import (
     update_ledger,
     with_attempt,
 )
+from recovery_steps.step import Step, StepError, api_error, k8s_client, load_run_config
+from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 

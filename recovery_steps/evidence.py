@@ -1,8 +1,8 @@
 """Evidence of a failed attempt: plain records, and the adapters that gather them (Kubernetes, run store).
 
 The records here are the input of the pure ``classify(evidence)``; the ``gather_*`` functions are the
-only parts that talk to the cluster or the store. The Kubernetes adapter reads through the kernel's one client
-layer (``kernel.kube.Kube``: raw API JSON, client-side timeouts) into the one snapshot model (``kernel.snapshot``).
+only parts that talk to the cluster or the store. The Kubernetes adapter reads through the one client (adapters.kube)
+layer (``adapters.kube.Kube``: raw API JSON, client-side timeouts) into the one snapshot model (``model.snapshot``).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from recovery_steps.kernel.contract import Backend
-from recovery_steps.kernel.documents import read_worker_reports
-from recovery_steps.kernel.kube import Kube
-from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
-from recovery_steps.kernel.snapshot import (
+from jaxrec.adapters.documents import read_worker_reports
+from jaxrec.adapters.kube import Kube
+from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.model.contract import Backend
+from jaxrec.model.records import SupervisionRecord, WorkerExitReport
+from jaxrec.model.snapshot import (
     Condition,
     ContainerState,
     JobEvidence,
@@ -31,7 +32,6 @@ from recovery_steps.kernel.snapshot import (
     parse_time,
     pod_from_api,
 )
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,12 +97,12 @@ class EvidenceUnreadable(Exception):
     """A read the verdict depends on failed: the attempt cannot be classified now.
 
     A read that failed is never evidence of absence: a JobSet, Job, pod or node that cannot be read may be a gang
-    that still runs, or the failure's cause. ``error`` is the client's own error (``kernel.kube.api_exit_code`` maps
+    that still runs, or the failure's cause. ``error`` is the client's own error (``adapters.kube.api_exit_code`` maps
     it to the step's exit code); only a 404 is absence, and the adapter never raises this for one.
     """
 
     def __init__(self, what: str, error: BaseException):
-        from recovery_steps.kernel.kube import api_error_line
+        from jaxrec.adapters.kube import api_error_line
 
         super().__init__(f"cannot read {what}: {api_error_line(error)}")
         self.what, self.error = what, error
@@ -110,7 +110,7 @@ class EvidenceUnreadable(Exception):
 
 def _read_errors() -> tuple[type[BaseException], ...]:
     """What a Kubernetes read raises when the API refuses, cannot be reached, or answers a body that is not JSON."""
-    from recovery_steps.kernel.step import api_failures
+    from recovery_steps.step import api_failures
 
     return (*api_failures(), ValueError)
 
@@ -184,7 +184,7 @@ def _warnings(evidence: Evidence, what: str, read: Callable[[str], list[str]], n
     try:
         return read(name)
     except _read_errors() as e:
-        from recovery_steps.kernel.kube import api_error_line
+        from jaxrec.adapters.kube import api_error_line
 
         evidence.notes.append(f"the events of {what} are unreadable ({api_error_line(e)}); classified without them")
         log.warning("events of %s unreadable: %s", what, e)

@@ -36,20 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recovery_steps import lease
-from recovery_steps.attempts import checkpoint_step_before, newest_checkpoint_step
-from recovery_steps.kernel import cli
-from recovery_steps.kernel.config import ConfigError
-from recovery_steps.kernel.contract import AttemptOutcome, Decision, ExitCode, FinalStatus
-from recovery_steps.kernel.documents import read_run_config
-from recovery_steps.kernel.incidents import incidents_from_facts, read_attempt_facts
-from recovery_steps.kernel.kube import api_error_line, api_exit_code, delete_run_jobsets, uses_cluster
-from recovery_steps.kernel.names import RUN_ID_LABEL
-from recovery_steps.kernel.outputs import FinalizeOutputs
-from recovery_steps.kernel.records import AttemptRecord, Ledger, RunLease, now
-from recovery_steps.kernel.step import Step, StepError, k8s_client
-from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import (
+from jaxrec.adapters import cli
+from jaxrec.adapters.documents import read_run_config
+from jaxrec.adapters.incidents import incidents_from_facts, read_attempt_facts
+from jaxrec.adapters.kube import api_error_line, api_exit_code, delete_run_jobsets, uses_cluster
+from jaxrec.adapters.store import (
     DocumentError,
     RunLayout,
     RunStore,
@@ -58,8 +49,17 @@ from recovery_steps.kernel.store import (
     store_errors,
     transient_as_unavailable,
 )
-from recovery_steps.kernel.totals import RunTotals, run_totals
+from jaxrec.model.config import ConfigError
+from jaxrec.model.contract import AttemptOutcome, Decision, ExitCode, FinalStatus
+from jaxrec.model.names import RUN_ID_LABEL
+from jaxrec.model.outputs import FinalizeOutputs
+from jaxrec.model.records import AttemptRecord, Ledger, RunLease, now
+from jaxrec.model.totals import RunTotals, run_totals
+from recovery_steps import lease
+from recovery_steps.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
+from recovery_steps.step import Step, StepError, k8s_client
+from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxrec.adapters import cli
+from jaxrec.adapters.kube import in_pod
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import ExitCode, FailureClass
+from jaxrec.model.names import DESCRIPTION_ANNOTATION, FAILURE_CLASS_LABEL
+from jaxrec.model.records import RunLease
 from recovery_steps import lease
-from recovery_steps.kernel import cli
-from recovery_steps.kernel.contract import ExitCode, FailureClass
-from recovery_steps.kernel.kube import in_pod
-from recovery_steps.kernel.names import DESCRIPTION_ANNOTATION, FAILURE_CLASS_LABEL
-from recovery_steps.kernel.records import RunLease
-from recovery_steps.kernel.step import Step, StepError, api_failures, k8s_client, say_why
-from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import RunLayout, RunStore
+from recovery_steps.step import Step, StepError, api_failures, k8s_client, say_why
+from recovery_steps.step import main as step_main
 
 
 def verdict(failure_class: str, reason: str) -> str:
@@ -55,7 +55,7 @@ def mark_workflow(args: argparse.Namespace, line: str) -> None:
     failed by a child leaves empty. ``argo resubmit`` copies both to the new Workflow, whose validate-config takes
     them off (``lease.clear_give_up_marks``). Best effort: a refusal is logged and the step gives up all the same.
     """
-    from recovery_steps.kernel.kube import Kube
+    from jaxrec.adapters.kube import Kube
 
     cls = args.failure_class if args.failure_class in {c.value for c in FailureClass} else "unknown"
     try:

@@ -1,7 +1,7 @@
 """``hand-over``: continue the run in a new Workflow of the same run id before this one nests too deep.
 
 Every attempt of a Workflow is two template calls deeper than the one before (``attempt`` and ``segment``; a
-re-attached supervisor one more), and Argo refuses the call whose depth reaches 100 (``kernel.config``:
+re-attached supervisor one more), and Argo refuses the call whose depth reaches 100 (``model.config``:
 ``ARGO_MAX_DEPTH``, counted as ``segment_pod_depth`` counts it); every attempt also adds its nodes to the Workflow
 object. After ``retry.attempts_per_workflow`` attempts, or sooner by depth, classify-failure decides ``hand-over``
 instead of ``retry``, and this step:
@@ -40,13 +40,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recovery_steps import lease
-from recovery_steps.kernel import cli
-from recovery_steps.kernel.config import ConfigError, JobConfig
-from recovery_steps.kernel.contract import Backend, ExitCode
-from recovery_steps.kernel.documents import read_ledger, read_run_config
-from recovery_steps.kernel.kube import Kube, uses_cluster
-from recovery_steps.kernel.names import (
+from jaxrec.adapters import cli
+from jaxrec.adapters.documents import read_ledger, read_run_config
+from jaxrec.adapters.kube import Kube, uses_cluster
+from jaxrec.adapters.store import (
+    AttemptRef,
+    Contended,
+    RunLayout,
+    RunStore,
+    transient_as_unavailable,
+)
+from jaxrec.model.config import ConfigError, JobConfig
+from jaxrec.model.contract import Backend, ExitCode
+from jaxrec.model.names import (
     ARGO_GROUP,
     ARGO_VERSION,
     CONTINUES_LABEL,
@@ -55,18 +61,12 @@ from recovery_steps.kernel.names import (
     TITLE_ANNOTATION,
     continuation_name,
 )
-from recovery_steps.kernel.outputs import HandOverOutputs
-from recovery_steps.kernel.records import HandOver, Ledger, RunLease, now
-from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client
-from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import (
-    AttemptRef,
-    Contended,
-    RunLayout,
-    RunStore,
-    transient_as_unavailable,
-)
+from jaxrec.model.outputs import HandOverOutputs
+from jaxrec.model.records import HandOver, Ledger, RunLease, now
+from recovery_steps import lease
 from recovery_steps.retry import ledger_errors, update_ledger
+from recovery_steps.step import Step, StepError, api_error, api_failures, k8s_client
+from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""The supervisor's gang over the Kubernetes API, beside the client it uses (``kernel.kube``).
+"""The supervisor's gang over the Kubernetes API, beside the client it uses (``adapters.kube``).
 
 The attempt's JobSet, its Jobs, pods and their nodes kept current by LIST + WATCH (``Watcher``), behind the
-``kernel.gang.Gang`` port (``KubeGang``). The local runner's adapter over its worker processes is
+``model.gang.Gang`` port (``KubeGang``). The local runner's adapter over its worker processes is
 ``workflows.local.executor.LocalGang``.
 """
 
@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.gang import Attachment
-from recovery_steps.kernel.kube import API_TIMEOUT_S, CONNECT_TIMEOUT_S, Kube
-from recovery_steps.kernel.names import ATTEMPT_LABEL
-from recovery_steps.kernel.snapshot import (
+from jaxrec.adapters.kube import API_TIMEOUT_S, CONNECT_TIMEOUT_S, Kube
+from jaxrec.adapters.store import first_line
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.gang import Attachment
+from jaxrec.model.names import ATTEMPT_LABEL
+from jaxrec.model.snapshot import (
     ClusterSnapshot,
     NodeEvidence,
     job_from_api,
@@ -29,8 +30,7 @@ from recovery_steps.kernel.snapshot import (
     parse_time,
     pod_from_api,
 )
-from recovery_steps.kernel.step import StepError
-from recovery_steps.kernel.store import first_line
+from recovery_steps.step import StepError
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class Watcher(threading.Thread):
 
 
 class KubeGang:
-    """The attempt's JobSet on a cluster: the supervisor's port (``kernel.gang.Gang``) over the Kubernetes API.
+    """The attempt's JobSet on a cluster: the supervisor's port (``model.gang.Gang``) over the Kubernetes API.
 
     The JobSet, its Jobs and pods are followed by one watcher each; the nodes the pods are bound to are read on
     every ``observe`` (an unreadable node keeps its last known state).

@@ -29,10 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from recovery_steps.kernel.config import lease_renew_every
-from recovery_steps.kernel.contract import WORKFLOW_FINISHED
-from recovery_steps.kernel.records import RunLease, now
-from recovery_steps.kernel.store import (
+from jaxrec.adapters.store import (
     Contended,
     DocumentError,
     PreconditionFailed,
@@ -42,13 +39,16 @@ from recovery_steps.kernel.store import (
     first_line,
     store_errors,
 )
+from jaxrec.model.config import lease_renew_every
+from jaxrec.model.contract import WORKFLOW_FINISHED
+from jaxrec.model.records import RunLease, now
 
 log = logging.getLogger(__name__)
 
 IsAlive = Callable[[RunLease], bool | None]
 """Whether another holder's workflow still runs: True, False (gone or finished), None (unknown: the TTL decides)."""
 
-# The supervisor renews the lease every ``lease_renew_every(ttl)`` (kernel.config: six times per TTL, at least every
+# The supervisor renews the lease every ``lease_renew_every(ttl)`` (model.config: six times per TTL, at least every
 # 10 minutes), so a lease read by someone else is never older than that while a segment runs; a failed renewal is
 # tried again after RENEW_RETRY_S.
 RENEW_RETRY_S = 60.0
@@ -336,8 +336,8 @@ def stop_workflow(api_client: Any, namespace: str, name: str) -> None:
     Raises:
         StepError: The API refused (configuration) or could not be reached (transient).
     """
-    from recovery_steps.kernel.kube import Kube
-    from recovery_steps.kernel.step import api_error, api_failures
+    from jaxrec.adapters.kube import Kube
+    from recovery_steps.step import api_error, api_failures
 
     try:
         Kube(api_client, namespace).stop_workflow(name)
@@ -357,8 +357,8 @@ def refuse_replay(store: RunStore, holder: str, workflow: str, namespace: str, a
     Raises:
         StepError: Always when replayed: configuration, with the line a user reads (or the stop's own error).
     """
-    from recovery_steps.kernel.contract import ExitCode
-    from recovery_steps.kernel.step import StepError
+    from jaxrec.model.contract import ExitCode
+    from recovery_steps.step import StepError
 
     if ended_here(store.read_record(RunLayout.LEASE, RunLease), holder):
         stop_workflow(api_client(), namespace, workflow)
@@ -371,7 +371,7 @@ GIVING_UP = "giving up: "
 
 def description(wf: dict[str, Any] | None) -> str | None:
     """A Workflow's description annotation (shown under its name in the Argo UI's list), or None."""
-    from recovery_steps.kernel.names import DESCRIPTION_ANNOTATION
+    from jaxrec.model.names import DESCRIPTION_ANNOTATION
 
     return (((wf or {}).get("metadata") or {}).get("annotations") or {}).get(DESCRIPTION_ANNOTATION)
 
@@ -381,7 +381,7 @@ def clear_give_up_marks(kube: Any, workflow: str) -> bool:
 
     ``argo resubmit`` copied them from the Workflow that gave up. The caller decides what a refusal means.
     """
-    from recovery_steps.kernel.names import DESCRIPTION_ANNOTATION, FAILURE_CLASS_LABEL
+    from jaxrec.model.names import DESCRIPTION_ANNOTATION, FAILURE_CLASS_LABEL
 
     wf = kube.get_workflow(workflow) or {}
     labels = (wf.get("metadata") or {}).get("labels") or {}
@@ -411,7 +411,7 @@ def cluster_id(api_client: Any) -> str | None:
     kube-system exists in every cluster and keeps its uid for the cluster's life; two clusters never share one.
     Needs ``namespaces get`` (the ClusterRole in ``argo/rbac.yaml``).
     """
-    from recovery_steps.kernel.kube import Kube
+    from jaxrec.adapters.kube import Kube
 
     try:
         ns = Kube(api_client, KUBE_SYSTEM).get_namespace(KUBE_SYSTEM)
@@ -428,7 +428,7 @@ def workflow_alive(api_client: Any, site: Site) -> IsAlive:
     (deleted: it never ran its exit handler, so its lease would otherwise block a resubmission until it expired).
     A holder elsewhere, or whose lease names no cluster, and any other API answer are "unknown": the TTL decides.
     """
-    from recovery_steps.kernel.kube import Kube
+    from jaxrec.adapters.kube import Kube
 
     kube = Kube(api_client, site.namespace or "")
 

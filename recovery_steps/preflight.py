@@ -29,14 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import ExitCode, FailureClass
-from recovery_steps.kernel.iam import grant_command, permission_from_403
-from recovery_steps.kernel.kube import API_TIMEOUT_S
-from recovery_steps.kernel.names import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
-from recovery_steps.kernel.records import PreflightCheck
-from recovery_steps.kernel.step import k8s_client
-from recovery_steps.kernel.store import RunLayout, RunStore, split_gcs_url
+from jaxrec.adapters.iam import grant_command, permission_from_403
+from jaxrec.adapters.kube import API_TIMEOUT_S
+from jaxrec.adapters.store import RunLayout, RunStore, split_gcs_url
+from jaxrec.model.config import JobConfig
+from jaxrec.model.contract import ExitCode, FailureClass
+from jaxrec.model.names import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
+from jaxrec.model.records import PreflightCheck
+from recovery_steps.step import k8s_client
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def check_store(cfg: JobConfig, store: RunStore, *, gcs_client: Any = None) -> l
     from google.api_core import exceptions
     from google.cloud import storage
 
-    from recovery_steps.kernel.store import make_gcs_client, store_errors
+    from jaxrec.adapters.store import make_gcs_client, store_errors
 
     client = gcs_client or make_gcs_client()
     # The store's root, not the config's: a submission may point the run at another bucket (-p store-root=...).
@@ -176,7 +176,7 @@ POD_SECURITY_ENFORCE = "pod-security.kubernetes.io/enforce"
 
 def worker_pod_template(cfg: JobConfig) -> dict[str, Any]:
     """The pod template of the first replicated Job of the JobSet the config renders for attempt 0."""
-    from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
+    from jaxrec.model.jobset import JobSetParams, jobset_manifest
 
     params = JobSetParams(
         name=f"{cfg.run_id}-a0",

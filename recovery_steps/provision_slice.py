@@ -33,12 +33,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from recovery_steps import lease
-from recovery_steps.kernel import cli
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.kube import Kube, delete_run_jobsets, uses_cluster
-from recovery_steps.kernel.names import (
+from jaxrec.adapters import cli
+from jaxrec.adapters.kube import Kube, delete_run_jobsets, uses_cluster
+from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
+from jaxrec.model.config import JobConfig
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.names import (
     ACTIVE_MAINTENANCE_LABEL,
     ATTEMPT_LABEL,
     JOBSET_NAME_LABEL,
@@ -50,12 +50,12 @@ from recovery_steps.kernel.names import (
     gke_node_selector,
     jobset_name,
 )
-from recovery_steps.kernel.outputs import ProvisionOutputs
-from recovery_steps.kernel.records import ProvisionRecord, now
-from recovery_steps.kernel.snapshot import PodPhase
-from recovery_steps.kernel.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
-from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
+from jaxrec.model.outputs import ProvisionOutputs
+from jaxrec.model.records import ProvisionRecord, now
+from jaxrec.model.snapshot import PodPhase
+from recovery_steps import lease
+from recovery_steps.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
+from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def check_slice(
 
 
 def node_info(node: dict[str, Any]) -> NodeInfo:
-    """A ``NodeInfo`` from a Node as the API returns it (its JSON, read through ``kernel.kube.Kube``)."""
+    """A ``NodeInfo`` from a Node as the API returns it (its JSON, read through ``adapters.kube.Kube``)."""
     meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
     labels = {k: str(v) for k, v in (meta.get("labels") or {}).items()}
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
@@ -238,8 +238,8 @@ def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]
     decided by a supervisor nor closed in the ledger is a gang nothing watches: StepError (configuration),
     naming it, instead of killing what may be healthy work.
     """
+    from jaxrec.model.snapshot import jobset_from_api
     from recovery_steps.attempts import left_open
-    from recovery_steps.kernel.snapshot import jobset_from_api
 
     def keep(obj: dict[str, Any]) -> bool:
         if jobset_from_api(obj).finished:

@@ -17,15 +17,15 @@ import argparse
 import logging
 import sys
 
-from recovery_steps.kernel import cli
-from recovery_steps.kernel.outputs import RestoreOutputs
+from jaxrec.adapters import cli
 
-# The decision lives in the kernel (the trainer runs it too); the step is its command line and outputs.
-from recovery_steps.kernel.restore import RestoreResult, run
-from recovery_steps.kernel.step import Step
-from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import RunStore, transient_as_unavailable
-from recovery_steps.kernel.verify import Selection
+# The decision lives in jaxrec.adapters.restore (the trainer runs it too); the step is its command line and outputs.
+from jaxrec.adapters.restore import RestoreResult, run
+from jaxrec.adapters.store import RunStore, transient_as_unavailable
+from jaxrec.adapters.verify import Selection
+from jaxrec.model.outputs import RestoreOutputs
+from recovery_steps.step import Step
+from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from recovery_steps.kernel.config import ARGO_MAX_DEPTH, RetryConfig, segment_pod_depth
-from recovery_steps.kernel.contract import FAILURE_CLASSES, AttemptOutcome, Decision, FailureClass
-from recovery_steps.kernel.records import AttemptRecord, Ledger
-from recovery_steps.kernel.store import (
+from jaxrec.adapters.store import (
     DocumentError,
     PreconditionFailed,
     RunLayout,
@@ -27,6 +24,9 @@ from recovery_steps.kernel.store import (
     is_transient,
     store_errors,
 )
+from jaxrec.model.config import ARGO_MAX_DEPTH, RetryConfig, segment_pod_depth
+from jaxrec.model.contract import FAILURE_CLASSES, AttemptOutcome, Decision, FailureClass
+from jaxrec.model.records import AttemptRecord, Ledger
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,6 @@ def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterato
             raise StoreUnavailable(
                 f"run store {store.url()} unreachable: {type(e).__name__}: {first_line(e)}"
             ) from None
-        from recovery_steps.kernel.cli import store_error_line
+        from jaxrec.adapters.cli import store_error_line
 
         raise error(store_error_line("run store", store.url(), e).removeprefix("run store: ")) from None

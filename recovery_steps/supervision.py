@@ -41,10 +41,10 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from recovery_steps.kernel.config import SupervisionConfig
-from recovery_steps.kernel.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
-from recovery_steps.kernel.names import UNREACHABLE_TAINT
-from recovery_steps.kernel.snapshot import Condition, JobEvidence, PodPhase, first_failed
+from jaxrec.model.config import SupervisionConfig
+from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
+from jaxrec.model.names import UNREACHABLE_TAINT
+from jaxrec.model.snapshot import Condition, JobEvidence, PodPhase, first_failed
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet
 # pkg/kubelet/images/types.go and kuberuntime): they loop with a back-off and never fail the pod.

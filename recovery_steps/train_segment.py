@@ -1,6 +1,6 @@
 """``train-segment``: create (or re-attach to) the attempt's JobSet, supervise it until it is over, then stop it.
 
-The JobSet is rendered here (``kernel.jobset.jobset_manifest``) from the config validate-config pinned for the run
+The JobSet is rendered here (``model.jobset.jobset_manifest``) from the config validate-config pinned for the run
 (``config.json`` in the run store: the config the run uses now, re-pinned by a resubmission with safe changes) and
 the attempt's parameters, its arguments (``--jobset-name``, ``--restore-step``, ``--coordinator-port``,
 ``--metrics-port`` with the run, store root and attempt). ``--jobset-manifest`` overrides the rendering with a
@@ -49,15 +49,16 @@ from typing import Any
 
 import yaml
 
-from recovery_steps.kernel import cli
-from recovery_steps.kernel.checkpoints import newest_complete_step
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import AttemptOutcome, ExitCode
-from recovery_steps.kernel.gang import Gang
-from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
-from recovery_steps.kernel.outputs import SegmentOutputs
-from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
-from recovery_steps.kernel.snapshot import (
+from jaxrec.adapters import cli
+from jaxrec.adapters.checkpoints import newest_complete_step
+from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
+from jaxrec.model.config import JobConfig
+from jaxrec.model.contract import AttemptOutcome, ExitCode
+from jaxrec.model.gang import Gang
+from jaxrec.model.jobset import JobSetParams, jobset_manifest
+from jaxrec.model.outputs import SegmentOutputs
+from jaxrec.model.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
+from jaxrec.model.snapshot import (
     TRAINER_CONTAINER,
     ClusterSnapshot,
     ContainerState,
@@ -65,7 +66,8 @@ from recovery_steps.kernel.snapshot import (
     PodEvidence,
     PodPhase,
 )
-from recovery_steps.kernel.step import (
+from recovery_steps.kube_gang import KubeGang
+from recovery_steps.step import (
     PIN_FIX,
     Step,
     StepError,
@@ -74,9 +76,7 @@ from recovery_steps.kernel.step import (
     k8s_client,
     load_run_config,
 )
-from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
-from recovery_steps.kube_gang import KubeGang
+from recovery_steps.step import main as step_main
 from recovery_steps.supervision import (
     JOBSET_UNACTED_LIMIT_S,
     MISSING_PODS_GRACE_S,
@@ -338,7 +338,7 @@ class SupervisorIO:
 
 
 class Supervisor:
-    """Supervises one attempt's gang, over the port ``kernel.gang.Gang``, until the decision says it is over."""
+    """Supervises one attempt's gang, over the port ``model.gang.Gang``, until the decision says it is over."""
 
     def __init__(
         self,
@@ -399,7 +399,7 @@ class Supervisor:
         Every worker writes one on any exit it lives to make: a gang deleted by someone else leaves its SIGTERMed
         workers' reports. A read that fails raises too: it is no evidence that the gang never ran.
         """
-        from recovery_steps.kernel.documents import read_worker_reports
+        from jaxrec.adapters.documents import read_worker_reports
 
         reports, unreadable = read_worker_reports(self.store, self.attempt)
         if reports or unreadable:
@@ -606,7 +606,7 @@ class Supervisor:
 
 
 def load_manifest(text: str, attempt: int) -> dict[str, Any]:
-    """The ``--jobset-manifest`` override (JSON or YAML), a JobSet as ``kernel.jobset`` renders one; else StepError."""
+    """The ``--jobset-manifest`` override (JSON or YAML), a JobSet as ``model.jobset`` renders one; else StepError."""
     try:
         manifest = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -902,7 +902,7 @@ def act(
         raise StepError(128 + signal.SIGTERM, line, record=False) from None
     if record.outcome == AttemptOutcome.SUCCEEDED:
         return int(ExitCode.OK), " ".join(f"{k}={v}" for k, v in outputs_of(record).files().items())
-    # The line a user reads first: the node's message in the Argo UI (kernel.step.say_why).
+    # The line a user reads first: the node's message in the Argo UI (recovery_steps.step.say_why).
     kind = f" ({record.stall_kind})" if record.stall_kind else ""
     return int(ExitCode.ATTEMPT_FAILED), f"attempt {args.attempt} {record.outcome}{kind}: {record.reason}"
 

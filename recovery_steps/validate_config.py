@@ -23,18 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.attempts import left_open
-from recovery_steps.kernel import cli
-from recovery_steps.kernel.compat import diff_configs, is_safe, rule_for
-from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, run_id_pod_name_problem
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.kube import Kube, uses_cluster
-from recovery_steps.kernel.outputs import ValidateOutputs
-from recovery_steps.kernel.records import RunConfigDocument
-from recovery_steps.kernel.step import Step, StepError, api_failures, k8s_client
-from recovery_steps.kernel.step import main as step_main
-from recovery_steps.kernel.store import (
+from jaxrec.adapters import cli
+from jaxrec.adapters.documents import read_ledger
+from jaxrec.adapters.kube import Kube, uses_cluster
+from jaxrec.adapters.store import (
     DocumentError,
     PreconditionFailed,
     RunLayout,
@@ -43,7 +35,15 @@ from recovery_steps.kernel.store import (
     store_errors,
     transient_as_unavailable,
 )
-from recovery_steps.kernel.verify import manifest_compat_problems, read_manifest
+from jaxrec.adapters.verify import manifest_compat_problems, read_manifest
+from jaxrec.model.compat import diff_configs, is_safe, rule_for
+from jaxrec.model.config import ConfigError, JobConfig, load_config, run_id_pod_name_problem
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.outputs import ValidateOutputs
+from jaxrec.model.records import RunConfigDocument
+from recovery_steps.attempts import left_open
+from recovery_steps.step import Step, StepError, api_failures, k8s_client
+from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 
@@ -411,10 +411,10 @@ def _gang_running(api_client: Any, cfg: JobConfig) -> Callable[[int], bool]:
     failed is not "not running", or the numbering would move past a live gang that the next provision-slice then
     refuses to delete and the run stops.
     """
-    from recovery_steps.kernel.kube import Kube
-    from recovery_steps.kernel.names import jobset_name
-    from recovery_steps.kernel.snapshot import jobset_from_api
-    from recovery_steps.kernel.step import api_error
+    from jaxrec.adapters.kube import Kube
+    from jaxrec.model.names import jobset_name
+    from jaxrec.model.snapshot import jobset_from_api
+    from recovery_steps.step import api_error
 
     def running(attempt: int) -> bool:
         name = jobset_name(cfg.run_id, attempt)

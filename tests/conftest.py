@@ -22,7 +22,7 @@ BUCKET = "test-bucket"
 if "JAXREC_TEST_COMPILE_CACHE" not in os.environ:
     os.environ["JAXREC_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jaxrec-test-compile-cache-")
     atexit.register(shutil.rmtree, os.environ["JAXREC_TEST_COMPILE_CACHE"], ignore_errors=True)
-# Steps called in this process act as the local runner's (recovery_steps.kernel.kube.in_pod), even where the suite
+# Steps called in this process act as the local runner's (jaxrec.adapters.kube.in_pod), even where the suite
 # itself runs in a pod; a test that plays a step in a pod sets the variable itself.
 os.environ.pop("KUBERNETES_SERVICE_HOST", None)
 

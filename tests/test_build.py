@@ -10,8 +10,8 @@ import pytest
 from hera.workflows import Task
 from pydantic import create_model
 
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.outputs import ClassifyOutputs, ProvisionOutputs, StepOutputs, UndeclaredOutput
+from jaxrec.model.config import load_config
+from jaxrec.model.outputs import ClassifyOutputs, ProvisionOutputs, StepOutputs, UndeclaredOutput
 from workflows import build, templates
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def test_extra_renderers_write_next_to_the_workflow(tmp_path):
 
 
 def _renamed(declared: type[StepOutputs], old: str, new: str) -> type[StepOutputs]:
-    """``declared`` with output ``old`` renamed to ``new``, as a change to kernel/outputs.py would rename it."""
+    """``declared`` with output ``old`` renamed to ``new``, as a change to jaxrec/model/outputs.py would rename it."""
     fields = {(new if n == old else n): (f.annotation, f) for n, f in declared.model_fields.items()}
     renamed = create_model(declared.__name__, __base__=StepOutputs, **fields)
     renamed.TEMPLATE = declared.TEMPLATE

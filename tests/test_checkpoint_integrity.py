@@ -11,11 +11,11 @@ import google_crc32c
 import pytest
 from support.ckpt_factory import tiny_config, write_checkpoint, write_run_config
 
+from jaxrec.adapters import checkpoints, verify
+from jaxrec.adapters.checkpoints import gather_files, host_files, step_files, writer_of
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import CheckpointManifest
 from recovery_steps import restore_latest
-from recovery_steps.kernel import checkpoints, verify
-from recovery_steps.kernel.checkpoints import gather_files, host_files, step_files, writer_of
-from recovery_steps.kernel.records import CheckpointManifest
-from recovery_steps.kernel.store import RunLayout, RunStore
 
 
 @pytest.fixture
@@ -178,8 +178,8 @@ def test_verification_of_a_manifest_of_many_entries_names_each_problem_once(run)
     """At 80,000 entries (OCDBT's bound is far below: this is the in-memory part alone) a missing file, a resized
     one and one the manifest does not list are each named once, and nothing else. How the time grows with the
     entries is measured side by side by ``bench/bench_integrity.py --entries``."""
-    from recovery_steps.kernel.records import ManifestFile
-    from recovery_steps.kernel.store import ObjectInfo
+    from jaxrec.adapters.store import ObjectInfo
+    from jaxrec.model.records import ManifestFile
 
     files = [ManifestFile(path=f"state/d/{i:08x}", size=1, crc32c="00000000") for i in range(80_000)]
     objs = [ObjectInfo(f.path, 1, 1, "00000000") for f in files]

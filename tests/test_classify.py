@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 from support.local_evidence import ended_slice
 
+from jaxrec.model.contract import FailureClass
+from jaxrec.model.jobset import pod_failure_policy
+from jaxrec.model.records import WorkerExitReport
 from recovery_steps.classify import classify
 from recovery_steps.evidence import (
     Condition,
@@ -14,9 +17,6 @@ from recovery_steps.evidence import (
     NodeEvidence,
     PodEvidence,
 )
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.jobset import pod_failure_policy
-from recovery_steps.kernel.records import WorkerExitReport
 from workflows.local.slices import job_failure
 
 T0 = 1_714_557_600.0  # 2024-05-01T10:00:00Z
@@ -690,7 +690,7 @@ def test_classify_is_pure():
 
 
 def _supervised(outcome, kind, reason, code=None, snapshot=None):
-    from recovery_steps.kernel.records import SupervisionRecord
+    from jaxrec.model.records import SupervisionRecord
 
     return SupervisionRecord(
         attempt=0,
@@ -838,7 +838,7 @@ NODE_LOST = [
 def test_a_node_lost_stall_is_a_preemption_when_the_node_or_the_workers_say_so(
     case, nodes, reports, why, cls, fragment
 ):
-    from recovery_steps.kernel.snapshot import ClusterSnapshot
+    from jaxrec.model.snapshot import ClusterSnapshot
 
     snap = None
     if nodes is not None:

@@ -8,12 +8,12 @@ import pytest
 from support.ckpt_factory import restore_record
 from support.local_evidence import ended_slice
 
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import parse_config
+from jaxrec.model.contract import FailureClass
+from jaxrec.model.records import Ledger, SupervisionRecord, WorkerExitReport
+from jaxrec.model.snapshot import ClusterSnapshot, JobSetEvidence
 from recovery_steps import classify_failure
-from recovery_steps.kernel.config import parse_config
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import Ledger, SupervisionRecord, WorkerExitReport
-from recovery_steps.kernel.snapshot import ClusterSnapshot, JobSetEvidence
-from recovery_steps.kernel.store import RunLayout, RunStore
 
 RUN = "cf-run"
 T0 = 1_714_557_600.0
@@ -291,9 +291,9 @@ def test_a_replayed_classify_failure_stops_its_workflow_before_it_closes_anythin
     closed it and released the lease; it stops the Workflow and says to resubmit, the ledger as the stop left it."""
     from support.fake_k8s import FakeCluster
 
+    from jaxrec.adapters.kube import make_api_client
     from recovery_steps import lease
-    from recovery_steps.kernel.kube import make_api_client
-    from recovery_steps.kernel.step import load_run_config
+    from recovery_steps.step import load_run_config
 
     store = setup_run(store_root)
     lease.acquire(store, lease.Claimant("uid-a", "wf-a"), 3600)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from recovery_steps.kernel.compat import (
+from jaxrec.model.compat import (
     MISSING,
     RULES,
     Change,
@@ -13,7 +13,7 @@ from recovery_steps.kernel.compat import (
     rule_for,
     table_markdown,
 )
-from recovery_steps.kernel.config import load_config
+from jaxrec.model.config import load_config
 
 
 @pytest.fixture
@@ -147,6 +147,6 @@ def test_checkpoints_doc_embeds_the_current_table():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "CHECKPOINTS.md").read_text()
-    start = doc.index("-->\n", doc.index("<!-- generated from recovery_steps.kernel.compat")) + len("-->\n")
+    start = doc.index("-->\n", doc.index("<!-- generated from jaxrec.model.compat")) + len("-->\n")
     end = doc.index("<!-- end of generated table -->")
     assert doc[start:end].strip() == table_markdown(), "regenerate the table in docs/CHECKPOINTS.md"

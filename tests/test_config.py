@@ -8,9 +8,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from recovery_steps.kernel.config import ConfigError, JobConfig, load_config, parse_config
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.tpu import TPU_TYPES
+from jaxrec.model.config import ConfigError, JobConfig, load_config, parse_config
+from jaxrec.model.contract import FailureClass
+from jaxrec.model.tpu import TPU_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {
@@ -88,7 +88,7 @@ def test_every_tpu_type_has_labels_and_only_multi_host_topologies_spanning_hosts
 )
 def test_a_single_host_topology_is_a_gang_of_one_on_its_own_machine(acc, topology, machine, chips, cpu, memory):
     """One VM holds the topology: one process, the VM's chips, requests from that machine type's size."""
-    from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
+    from jaxrec.model.jobset import JobSetParams, jobset_manifest
 
     data = with_("slice", {"accelerator": acc, "topology": topology})
     data["data"] = {"global_batch_size": 4 * chips}
@@ -176,7 +176,7 @@ def test_every_field_is_described():
 
 @pytest.mark.parametrize("name", ["v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"])
 def test_tpu_configs_get_timeouts_a_long_compile_cannot_trip(name):
-    from recovery_steps.kernel.config import TPU_TIMEOUT_DEFAULTS
+    from jaxrec.model.config import TPU_TIMEOUT_DEFAULTS
 
     t = load_config(ROOT / "configs" / name).training
     assert t.heartbeat_timeout_s == TPU_TIMEOUT_DEFAULTS["heartbeat_timeout_s"] >= 1200 > 100  # JAX's default: 100
@@ -206,8 +206,8 @@ def _webhooks_longest_pod_name(manifest: dict) -> str:
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"])
 def test_longest_pod_name_is_the_one_the_webhook_checks_in_the_manifest(name):
-    from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
-    from recovery_steps.kernel.names import jobset_name, longest_pod_name
+    from jaxrec.model.jobset import JobSetParams, jobset_manifest
+    from jaxrec.model.names import jobset_name, longest_pod_name
 
     cfg = load_config(ROOT / "configs" / name)
     manifest = jobset_manifest(
@@ -226,7 +226,7 @@ def test_longest_pod_name_is_the_one_the_webhook_checks_in_the_manifest(name):
 
 
 def test_largest_attempt_follows_the_retry_policy():
-    from recovery_steps.kernel.config import ATTEMPT_CEILING, largest_attempt
+    from jaxrec.model.config import ATTEMPT_CEILING, largest_attempt
 
     def retry(**kw):
         return parse_config(with_("retry", kw)).retry
@@ -255,8 +255,8 @@ def test_largest_attempt_follows_the_retry_policy():
     ],
 )
 def test_run_id_is_checked_against_the_pod_names_of_the_highest_attempt(slice_, retry, longest):
-    from recovery_steps.kernel.config import largest_attempt, longest_run_id, run_id_pod_name_problem
-    from recovery_steps.kernel.names import POD_NAME_MAX, longest_pod_name
+    from jaxrec.model.config import largest_attempt, longest_run_id, run_id_pod_name_problem
+    from jaxrec.model.names import POD_NAME_MAX, longest_pod_name
 
     def cfg(run_id):
         data = {**BASE, "run_id": run_id, "slice": slice_, "retry": retry, "data": {"global_batch_size": 64}}
@@ -276,7 +276,7 @@ def test_run_id_is_checked_against_the_pod_names_of_the_highest_attempt(slice_, 
 
 
 def test_the_fix_names_the_attempt_cap_that_would_do():
-    from recovery_steps.kernel.config import run_id_pod_name_problem
+    from jaxrec.model.config import run_id_pod_name_problem
 
     problem = run_id_pod_name_problem(parse_config({**BASE, "run_id": "r" * 40}))
     assert problem is not None and "retry.max_attempts to at most 1000" in problem
@@ -288,7 +288,7 @@ def test_the_fix_names_the_attempt_cap_that_would_do():
 def test_local_runner_run_ids_stay_within_the_limits(name, reference):
     import time
 
-    from recovery_steps.kernel.config import largest_attempt, longest_run_id, run_id_pod_name_problem, run_id_problem
+    from jaxrec.model.config import largest_attempt, longest_run_id, run_id_pod_name_problem, run_id_problem
     from workflows.local.runner import REFERENCE_SUFFIX, run_id_problems, stamped_run_id
 
     cfg = load_config(ROOT / "configs" / name)

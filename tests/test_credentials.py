@@ -14,14 +14,14 @@ import time
 import pytest
 from support.metadata_server import MetadataServer
 
-from recovery_steps.kernel.store import credentials_source
+from jaxrec.adapters.store import credentials_source
 
 # A child process, because google-auth reads GCE_METADATA_HOST when it is imported.
 CHILD = textwrap.dedent(
     """
     import json, sys, time
-    from recovery_steps.kernel.cli import store_error_line
-    from recovery_steps.kernel.store import RunStore, await_credentials, credentials_source, is_transient
+    from jaxrec.adapters.cli import store_error_line
+    from jaxrec.adapters.store import RunStore, await_credentials, credentials_source, is_transient
     out = {"source": credentials_source()}
     try:
         if sys.argv[1] == "await":
@@ -150,7 +150,7 @@ def test_gcs_behind_the_proxy_refuses_a_request_without_an_issued_token(metadata
 GCSFS_CHILD = textwrap.dedent(
     """
     import json, sys
-    from recovery_steps.kernel.store import share_credentials_with_gcsfs
+    from jaxrec.adapters.store import share_credentials_with_gcsfs
     if sys.argv[1] == "shared":
         share_credentials_with_gcsfs()
     import fsspec

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from recovery_steps.kernel.contract import CLASS_INFO, EXIT_CODES, FAILURE_CLASSES, FailureClass
+from jaxrec.model.contract import CLASS_INFO, EXIT_CODES, FAILURE_CLASSES, FailureClass
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -54,10 +54,10 @@ def test_readme_links_resolve():
 
 
 def test_contracts_output_table_is_generated_from_the_declarations():
-    from recovery_steps.kernel.outputs import outputs_table_markdown
+    from jaxrec.model.outputs import outputs_table_markdown
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "CONTRACTS.md").read_text()
-    begin = doc.index("-->\n", doc.index("<!-- generated from recovery_steps.kernel.outputs")) + len("-->\n")
+    begin = doc.index("-->\n", doc.index("<!-- generated from jaxrec.model.outputs")) + len("-->\n")
     current = doc[begin : doc.index("<!-- end of generated table -->")].strip()
     assert current == outputs_table_markdown(), "docs/CONTRACTS.md step-output table is stale"
 
@@ -67,7 +67,7 @@ def test_your_training_guide_snippets_run(tmp_path, monkeypatch):
 
     import yaml
 
-    from recovery_steps.kernel.config import ConfigError, parse_config
+    from jaxrec.model.config import ConfigError, parse_config
 
     root = Path(__file__).resolve().parents[1]
     guide = (root / "docs" / "YOUR-TRAINING.md").read_text()

@@ -7,9 +7,11 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from recovery_steps.kernel import records
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.contract import (
+from jaxrec.adapters.documents import read_run_config, read_worker_reports
+from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.model import records
+from jaxrec.model.config import load_config
+from jaxrec.model.contract import (
     AttemptOutcome,
     Backend,
     Decision,
@@ -18,9 +20,7 @@ from recovery_steps.kernel.contract import (
     SkipKind,
     StallKind,
 )
-from recovery_steps.kernel.documents import read_run_config, read_worker_reports
-from recovery_steps.kernel.outputs import STEP_OUTPUTS, ClassifyOutputs, RestoreOutputs, SegmentOutputs
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
+from jaxrec.model.outputs import STEP_OUTPUTS, ClassifyOutputs, RestoreOutputs, SegmentOutputs
 from workflows.templates import build_workflow
 
 RUN = "docs-run"

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recovery_steps.kernel.incidents import AttemptFacts, incidents_from_facts, read_attempt_facts
-from recovery_steps.kernel.records import (
+from jaxrec.adapters.incidents import AttemptFacts, incidents_from_facts, read_attempt_facts
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import (
     ProvisionRecord,
     RestoreRecord,
     SupervisionRecord,
     WorkerExitReport,
     WorkerHeartbeat,
 )
-from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import drill
 
 ROOT = Path(__file__).resolve().parents[1]

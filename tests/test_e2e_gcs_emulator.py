@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from support.local_job import HOSTS, shrunken_workflow
 
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import FailureClass
 from workflows import local, report
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ import pytest
 from support import argo_replay
 from support.local_job import HOSTS, INTERVAL, reference_digest, shrunken_workflow, steps_lost_bound
 
-from recovery_steps.kernel.contract import ExitCode, FailureClass
-from recovery_steps.kernel.records import SupervisionRecord
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import ExitCode, FailureClass
+from jaxrec.model.records import SupervisionRecord
 from workflows import local
 from workflows.local.executor import RECENTLY_STARTED_POD_S
 
@@ -76,7 +76,7 @@ def _assert_restores_were_good(store: RunStore, damaged: list[str]):
     still there, or verified by that attempt's restore-latest before a later save let orbax delete the step
     (``checkpoint.keep``).
     """
-    from recovery_steps.kernel.records import EventKind, RestoreRecord
+    from jaxrec.model.records import EventKind, RestoreRecord
     from workflows.report import load_events
 
     events = load_events(store)
@@ -192,7 +192,7 @@ def test_delete_workflow_resumes_with_the_same_run_id(e2e_workflow, reference):
 
 
 def _supervision(store: RunStore, attempt: int):
-    from recovery_steps.kernel.records import SupervisionRecord
+    from jaxrec.model.records import SupervisionRecord
 
     return SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(attempt)))
 
@@ -239,7 +239,7 @@ def test_silent_hang_is_found_by_the_supervisor_alone(e2e_workflow, reference):
 
 
 def test_supervisor_lost_reattaches_and_loses_nothing(e2e_workflow, reference):
-    from recovery_steps.kernel.records import EventKind
+    from jaxrec.model.records import EventKind
     from workflows.report import load_events
 
     res, store, out = _run(e2e_workflow, reference, "suplost", ["supervisor-lost@8"])
@@ -267,8 +267,8 @@ def test_supervisor_lost_reattaches_and_loses_nothing(e2e_workflow, reference):
 
 def test_a_workflow_past_its_attempts_hands_the_run_to_a_continuation(tmp_path, reference):
     """After retry.attempts_per_workflow attempts the next one runs in a continuation Workflow of the run id."""
-    from recovery_steps.kernel.contract import Decision
-    from recovery_steps.kernel.records import Ledger, RunLease
+    from jaxrec.model.contract import Decision
+    from jaxrec.model.records import Ledger, RunLease
 
     root = str(tmp_path / "store")
     wf = shrunken_workflow(tmp_path, "e2e", store_root=root, retry_section={"attempts_per_workflow": 1})

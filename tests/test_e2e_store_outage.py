@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from support.local_job import shrunken_workflow
 
-from recovery_steps.kernel.contract import ExitCode
+from jaxrec.model.contract import ExitCode
 from workflows import local
 
 pytestmark = pytest.mark.slow

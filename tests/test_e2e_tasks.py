@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from support.local_job import reference_digest, shrunken_workflow, steps_lost_bound
 
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import CheckpointManifest
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import FailureClass
+from jaxrec.model.records import CheckpointManifest
 from workflows import local
 
 pytestmark = pytest.mark.slow

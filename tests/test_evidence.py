@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from support.fake_k8s import FakeCluster
 
+from jaxrec.adapters.kube import make_api_client
+from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
+from jaxrec.model.config import parse_config
+from jaxrec.model.contract import FailureClass
+from jaxrec.model.records import SupervisionRecord, WorkerExitReport
 from recovery_steps import classify_failure
 from recovery_steps.classify import classify
 from recovery_steps.evidence import Evidence, gather_kubernetes, gather_reports
-from recovery_steps.kernel.config import parse_config
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.kube import make_api_client
-from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport
-from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 
 NS = "training"
 JS = "llm-a3"
@@ -313,8 +313,8 @@ def _closed_port() -> int:
 
 
 def test_an_unreachable_api_is_never_taken_for_a_missing_gang():
+    from jaxrec.adapters.kube import api_exit_code
     from recovery_steps.evidence import EvidenceUnreadable
-    from recovery_steps.kernel.kube import api_exit_code
 
     url = f"http://127.0.0.1:{_closed_port()}"
     with pytest.raises(EvidenceUnreadable) as e:
@@ -385,7 +385,7 @@ def test_a_cpu_slice_is_classified_from_the_cluster_when_its_steps_run_in_pods(a
 
 
 def _failed_attempt_snapshot(code: int):
-    from recovery_steps.kernel.snapshot import ClusterSnapshot, job_from_api, node_from_api, pod_from_api
+    from jaxrec.model.snapshot import ClusterSnapshot, job_from_api, node_from_api, pod_from_api
 
     pods = []
     for i in range(4):
@@ -460,8 +460,8 @@ def test_a_job_at_failure_target_counts_as_failed_with_its_rule_message():
     ],
 )
 def test_the_supervisors_snapshot_is_the_evidence_when_its_stop_left_nothing_in_the_api(code, cls):
+    from jaxrec.model.records import SupervisionRecord
     from recovery_steps.evidence import use_supervisor_snapshot
-    from recovery_steps.kernel.records import SupervisionRecord
 
     sup = SupervisionRecord(
         attempt=3,
@@ -482,9 +482,9 @@ def test_the_supervisors_snapshot_is_the_evidence_when_its_stop_left_nothing_in_
 
 
 def test_pods_the_api_still_has_win_over_the_snapshot():
+    from jaxrec.model.records import SupervisionRecord
+    from jaxrec.model.snapshot import PodEvidence
     from recovery_steps.evidence import use_supervisor_snapshot
-    from recovery_steps.kernel.records import SupervisionRecord
-    from recovery_steps.kernel.snapshot import PodEvidence
 
     sup = SupervisionRecord(
         attempt=3, jobset=JS, outcome="failed", reason="x", detected_at=2.0, snapshot=_failed_attempt_snapshot(42)
@@ -515,7 +515,7 @@ def _gke_run(tmp_path):
 
 
 def test_a_running_gang_whose_supervisor_left_no_verdict_is_supervised_again_not_closed(api, tmp_path):
-    from recovery_steps.kernel.records import Ledger, SupervisionRecord, SupervisorLosses
+    from jaxrec.model.records import Ledger, SupervisionRecord, SupervisorLosses
 
     _running_gang(api)
     cfg, store = _gke_run(tmp_path)
@@ -558,7 +558,7 @@ def test_a_running_gang_whose_supervisor_left_no_verdict_is_supervised_again_not
 
 
 def test_a_supervisor_lost_again_and_again_closes_the_attempt(api, tmp_path):
-    from recovery_steps.kernel.records import Ledger, SupervisorLosses
+    from jaxrec.model.records import Ledger, SupervisorLosses
 
     _running_gang(api)
     cfg, store = _gke_run(tmp_path)
@@ -642,8 +642,8 @@ READS = {
 @pytest.mark.parametrize("read", list(READS))
 def test_a_gang_whose_evidence_cannot_be_read_is_neither_closed_nor_resupervised(api, tmp_path, read, answer):
     """The supervisor was lost and the gang still runs: a failed read is not a missing JobSet (transient, 69)."""
-    from recovery_steps.kernel.records import Ledger, SupervisorLosses
-    from recovery_steps.kernel.step import StepError
+    from jaxrec.model.records import Ledger, SupervisorLosses
+    from recovery_steps.step import StepError
 
     _running_gang(api)
     api.inject(READS[read], *answer)
@@ -661,8 +661,8 @@ def test_a_gang_whose_evidence_cannot_be_read_is_neither_closed_nor_resupervised
 
 
 def test_a_refused_read_is_configuration_and_decides_nothing(api, tmp_path):
-    from recovery_steps.kernel.records import Ledger
-    from recovery_steps.kernel.step import StepError
+    from jaxrec.model.records import Ledger
+    from recovery_steps.step import StepError
 
     _running_gang(api)
     api.inject(READS["jobset"], *FORBIDDEN)
@@ -704,7 +704,7 @@ def kubeconfig(monkeypatch, tmp_path):
 
 
 def test_classify_failure_exits_transient_while_the_api_cannot_answer(api, tmp_path, kubeconfig, capsys):
-    from recovery_steps.kernel.records import Ledger
+    from jaxrec.model.records import Ledger
 
     _running_gang(api)
     api.inject(READS["jobset"], *UNAVAILABLE)
@@ -829,7 +829,7 @@ QUOTA_REFUSAL = (
 
 def _never_started(api: FakeCluster, message: str, *, stopped: bool) -> SupervisionRecord:
     """A gang whose pods the API refused: the supervisor's capacity stall; ``stopped``: its stop deleted the gang."""
-    from recovery_steps.kernel.snapshot import ClusterSnapshot, job_from_api, jobset_from_api
+    from jaxrec.model.snapshot import ClusterSnapshot, job_from_api, jobset_from_api
 
     job = {
         "apiVersion": "batch/v1",

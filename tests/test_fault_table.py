@@ -26,6 +26,9 @@ import pytest
 import yaml
 from support.ckpt_factory import tiny_config, write_checkpoint, write_run_config
 
+from jaxrec.adapters.checkpoints import crc32c_hex
+from jaxrec.adapters.store import RunStore
+from jaxrec.adapters.verify import LOCAL_METADATA
 from recovery_steps import (
     classify_failure,
     finalize,
@@ -35,9 +38,6 @@ from recovery_steps import (
     restore_latest,
     validate_config,
 )
-from recovery_steps.kernel.checkpoints import crc32c_hex
-from recovery_steps.kernel.store import RunStore
-from recovery_steps.kernel.verify import LOCAL_METADATA
 from workflows.local import runner as local_runner
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,10 +12,10 @@ from support.fake_k8s import FakeCluster, forbidden, status
 from support.provision_api import jobset as _jobset
 from support.provision_api import store_config as _store_config
 
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import Decision, ExitCode, FailureClass
+from jaxrec.model.records import AttemptRecord, HandOver, Ledger, RunLease
 from recovery_steps import finalize, give_up, hand_over, lease
-from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
-from recovery_steps.kernel.records import AttemptRecord, HandOver, Ledger, RunLease
-from recovery_steps.kernel.store import RunLayout, RunStore
 from recovery_steps.retry import append_attempt
 
 RUN = "fin-run"
@@ -263,7 +263,7 @@ def test_give_up_of_the_lease_holder_gives_up_says_how_to_go_on_and_labels_its_w
 )
 def test_a_resubmitted_workflow_loses_the_give_up_marks_it_copied(description, kept):
     """argo resubmit copies labels and annotations: validate-config of the new Workflow takes the give-up's off."""
-    from recovery_steps.kernel.kube import Kube, make_api_client
+    from jaxrec.adapters.kube import Kube, make_api_client
 
     cluster = FakeCluster()
     meta = {"name": "wf-b", "labels": {"jaxrec/failure-class": "application", "jaxrec/run-id": GKE_RUN}}
@@ -522,8 +522,8 @@ def test_a_cpu_slice_deletes_its_jobset_only_on_a_cluster(tmp_path, capsys, monk
 def test_the_failed_step_named_is_the_same_whatever_order_argo_lists_the_failures_in():
     import itertools
 
+    from jaxrec.model.records import Ledger
     from recovery_steps.finalize import final_reason
-    from recovery_steps.kernel.records import Ledger
 
     # As Argo v4.0.5 lists them for a provision that failed for good: DAG nodes (no message), the Retry node
     # (its expression), the pod node (its own message); a pod name for each.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from recovery_steps.kernel.records import Incident, WorkerEvent
-from recovery_steps.kernel.totals import CATEGORIES, goodput, incident_badput
+from jaxrec.model.records import Incident, WorkerEvent
+from jaxrec.model.totals import CATEGORIES, goodput, incident_badput
 
 
 def _ev(t, event, attempt, pi=0, step=None, **kw):

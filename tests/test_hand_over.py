@@ -9,16 +9,16 @@ import yaml
 from support.fake_k8s import FakeCluster, status
 from support.provision_api import store_config as _store_config
 
+from jaxrec.adapters.kube import make_api_client
+from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
+from jaxrec.model.config import RetryConfig
+from jaxrec.model.contract import Decision, ExitCode, FailureClass
+from jaxrec.model.names import continuation_name
+from jaxrec.model.outputs import FinalizeOutputs, HandOverOutputs
+from jaxrec.model.records import AttemptRecord, Ledger, RunLease
 from recovery_steps import finalize, hand_over, lease
-from recovery_steps.kernel.config import RetryConfig
-from recovery_steps.kernel.contract import Decision, ExitCode, FailureClass
-from recovery_steps.kernel.kube import make_api_client
-from recovery_steps.kernel.names import continuation_name
-from recovery_steps.kernel.outputs import FinalizeOutputs, HandOverOutputs
-from recovery_steps.kernel.records import AttemptRecord, Ledger, RunLease
-from recovery_steps.kernel.step import StepError
-from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 from recovery_steps.retry import decide
+from recovery_steps.step import StepError
 from workflows.local.engine import ERROR, MAX_STACK_DEPTH, WorkflowRun
 
 P = FailureClass.PREEMPTION
@@ -90,7 +90,7 @@ def test_an_attempt_with_no_workflow_name_never_hands_over():
 
 
 def test_attempts_per_workflow_is_bounded_below_the_nesting_limit():
-    from recovery_steps.kernel.config import ConfigError, parse_config
+    from jaxrec.model.config import ConfigError, parse_config
 
     for too_many in (49, 200):  # the 49th attempt's pods would be Argo's 100th nested call
         with pytest.raises(ConfigError) as e:
@@ -328,7 +328,7 @@ def test_the_deepest_workflow_the_config_accepts_runs_every_attempt_argo_would_a
     """Every classify-failure retries (none hands over): the compiled Workflow, on the local engine that nests and
     refuses as Argo's controller does, runs exactly as many attempts as ``segment_pod_depth`` says fit: 48, the
     config's most, with no supervisor re-attached; fewer with some, which the hand-over counts."""
-    from recovery_steps.kernel.config import ARGO_MAX_DEPTH, MAX_ATTEMPTS_PER_WORKFLOW, segment_pod_depth
+    from jaxrec.model.config import ARGO_MAX_DEPTH, MAX_ATTEMPTS_PER_WORKFLOW, segment_pod_depth
 
     doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "argo" / "local-cpu.yaml").read_text())
     ex = _Scripted(["resupervise"] * resupervised)

@@ -11,10 +11,10 @@ from support.provision_api import jobset, slice_cluster
 from support.provision_api import node as _node
 from support.provision_api import store_config as _store_config
 
+from jaxrec.adapters.kube import make_api_client
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import Ledger, RunLease
 from recovery_steps import finalize, lease, provision_slice, validate_config
-from recovery_steps.kernel.kube import make_api_client
-from recovery_steps.kernel.records import Ledger, RunLease
-from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows.local.engine import WorkflowRun
 from workflows.local.outage import OutageProxy
 

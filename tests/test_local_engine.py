@@ -376,8 +376,8 @@ IDLE = [
 def _local_segment(tmp_path, hosts=2, **supervision):
     from pathlib import Path
 
-    from recovery_steps.kernel.config import SupervisionConfig, load_config
-    from recovery_steps.kernel.store import RunStore
+    from jaxrec.adapters.store import RunStore
+    from jaxrec.model.config import SupervisionConfig, load_config
     from workflows.local.slices import LocalSlice, WorkerProc
 
     repo = Path(__file__).resolve().parents[1]
@@ -443,7 +443,7 @@ def test_a_worker_on_a_lost_local_host_is_force_deleted_after_the_grace(tmp_path
 
 
 def test_a_local_worker_s_termination_message_is_the_last_4096_bytes_of_its_file_as_the_kubelet_reads_it(tmp_path):
-    from recovery_steps.kernel.names import TERMINATION_LOG_ENV
+    from jaxrec.model.names import TERMINATION_LOG_ENV
     from workflows.local.slices import TERMINATION_MESSAGE_MAX, WorkerProc
 
     log = tmp_path / "w-0.termination-log"

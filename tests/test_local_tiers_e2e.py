@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from support.local_job import reference_digest, shrunken_workflow
 
-from recovery_steps.kernel.records import TierRecord
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import TierRecord
 from workflows import local
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 import yaml
 
-from recovery_steps.kernel.config import JobConfig, load_config
-from recovery_steps.kernel.metrics import ARGO_PREFIX, METRICS, exposed_name
+from jaxrec.model.config import JobConfig, load_config
+from jaxrec.model.metrics import ARGO_PREFIX, METRICS, exposed_name
 from workflows import monitoring
 
 ROOT = Path(__file__).resolve().parent.parent

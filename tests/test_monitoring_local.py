@@ -9,10 +9,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from recovery_steps.kernel import records
-from recovery_steps.kernel.config import RetryConfig
-from recovery_steps.kernel.contract import Decision, FailureClass
-from recovery_steps.kernel.metrics import METRICS
+from jaxrec.model import records
+from jaxrec.model.config import RetryConfig
+from jaxrec.model.contract import Decision, FailureClass
+from jaxrec.model.metrics import METRICS
 from workflows.local.metrics import RunMetricsServer, run_samples
 
 RUN = "local-cpu"

@@ -14,9 +14,9 @@ import time
 import pytest
 from jax._src.lib import _jax
 
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import WorkerExitReport
-from recovery_steps.kernel.store import RunStore
+from jaxrec.adapters.store import RunStore
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import WorkerExitReport
 from trainer.lifecycle import PEER_POLL_AFTER_S, ExitPath, Watchdog
 from trainer.preemption import PeerLossNotice
 from trainer.telemetry import Events

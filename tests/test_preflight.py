@@ -10,13 +10,13 @@ import yaml
 from support.fake_k8s import FakeCluster, status
 from support.iam_proxy import IamProxy, gcs_error_403
 
+from jaxrec.adapters import iam
+from jaxrec.adapters.kube import make_api_client
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import load_config, parse_config
+from jaxrec.model.names import STEP_VERBS
+from jaxrec.model.records import PreflightCheck
 from recovery_steps import preflight, validate_config
-from recovery_steps.kernel import iam
-from recovery_steps.kernel.config import load_config, parse_config
-from recovery_steps.kernel.kube import make_api_client
-from recovery_steps.kernel.names import STEP_VERBS
-from recovery_steps.kernel.records import PreflightCheck
-from recovery_steps.kernel.store import RunLayout, RunStore
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "test-bucket"

@@ -14,10 +14,10 @@ from support.provision_api import JOBSETS, MAINTENANCE, NODES, NS, PODS, REPO, j
 from support.provision_api import node as _node
 from support.provision_api import store_config as _store_config
 
+from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
+from jaxrec.model.config import load_config
 from recovery_steps import provision_slice as ps
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.step import StepError
-from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
+from recovery_steps.step import StepError
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_gke_pods_that_never_go_are_capacity(tmp_path, kube_factory):
     cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
     _store_config(root, "v5e-4x4.yaml")
     kube = kube_factory(jobsets=["lm-v5e-4x4-a0"], pods_per_gang=50, nodes=[_node(f"n{i}") for i in range(4)])
-    from recovery_steps.kernel.kube import make_api_client
+    from jaxrec.adapters.kube import make_api_client
 
     with pytest.raises(StepError) as e:
         ps.provision_gke(
@@ -347,7 +347,7 @@ def _js(name: str, attempt: int, terminal: str | None = None) -> dict:
 
 
 def test_a_live_gang_nothing_decided_is_never_deleted(tmp_path):
-    from recovery_steps.kernel.records import AttemptRecord, Ledger, SupervisionRecord
+    from jaxrec.model.records import AttemptRecord, Ledger, SupervisionRecord
 
     root = str(tmp_path / "store")
     run_id = _store_config(root, "v5e-4x4.yaml")
@@ -381,7 +381,7 @@ def test_what_is_decided_is_read_from_the_steps_store_root_not_the_files(tmp_pat
     """``-p store-root=`` moves the run's store away from the file's ``storage.root`` (which the pinned config keeps):
     the supervision record that decided attempt 1 is in the step's store, so its gang is cleared; read from the
     file's root instead, it would look undecided and block the run."""
-    from recovery_steps.kernel.records import SupervisionRecord
+    from jaxrec.model.records import SupervisionRecord
 
     root = str(tmp_path / "elsewhere")
     run_id = _store_config(root, "v5e-4x4.yaml")

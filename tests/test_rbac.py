@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from recovery_steps.kernel.names import STEP_VERBS
+from jaxrec.model.names import STEP_VERBS
 from workflows.rbac import NODE_RULES, ROLE_RULES
 
 REPO = Path(__file__).resolve().parents[1]

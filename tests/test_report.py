@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from recovery_steps.kernel.config import LocalTierConfig
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import (
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import LocalTierConfig
+from jaxrec.model.contract import FailureClass
+from jaxrec.model.records import (
     EventKind,
     Incident,
     PreemptionSave,
@@ -19,7 +20,6 @@ from recovery_steps.kernel.records import (
     WorkerEvent,
     WorkerExitReport,
 )
-from recovery_steps.kernel.store import RunLayout, RunStore
 from workflows import local, report
 from workflows.local import inject
 from workflows.local.incidents import EventTail, Injected, Segment, build_incidents, read_events

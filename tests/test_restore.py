@@ -8,11 +8,11 @@ import time
 import pytest
 from support.ckpt_factory import tiny_config, write_checkpoint, write_run_config
 
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.adapters.verify import GCS_COMMIT, LOCAL_METADATA
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import AttemptRecord, Ledger
 from recovery_steps import restore_latest
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import AttemptRecord, Ledger
-from recovery_steps.kernel.store import RunLayout, RunStore
-from recovery_steps.kernel.verify import GCS_COMMIT, LOCAL_METADATA
 
 
 @pytest.fixture
@@ -244,8 +244,8 @@ def test_cli_without_config_exits_2_without_traceback(store_root, tmp_path, caps
 
 def test_manifest_pins_what_the_store_holds(run):
     """Each entry is the file's size and CRC32C (and its GCS generation), whoever computed them."""
-    from recovery_steps.kernel.checkpoints import crc32c_hex
-    from recovery_steps.kernel.records import CheckpointManifest
+    from jaxrec.adapters.checkpoints import crc32c_hex
+    from jaxrec.model.records import CheckpointManifest
 
     store, cfg = run
     write_checkpoint(store, cfg, 10, floats=300_000)  # an array file over CRC_CHUNK: streamed in pieces locally
@@ -277,7 +277,7 @@ def test_same_bytes_rewritten_on_gcs_are_not_the_committed_object(run):
 
 def test_manifest_without_generations_still_verifies_and_says_so(run, caplog):
     """A manifest written before generations were recorded verifies by size and CRC32C, and the log says so."""
-    from recovery_steps.kernel.records import CheckpointManifest
+    from jaxrec.model.records import CheckpointManifest
 
     store, cfg = run
     write_checkpoint(store, cfg, 10)
@@ -287,7 +287,7 @@ def test_manifest_without_generations_still_verifies_and_says_so(run, caplog):
     for f in old["files"]:
         del f["generation"]
     store.write_json(rel, old)
-    with caplog.at_level("INFO", logger="recovery_steps.kernel.restore"):
+    with caplog.at_level("INFO", logger="jaxrec.adapters.restore"):
         r = _restore(store)
     assert r.selection.step == 10 and not r.selection.skipped
     if store.is_gcs:
@@ -309,8 +309,8 @@ def test_step_beyond_total_steps_is_refused(run):
 def test_workers_check_of_a_restored_step_finds_what_changed_after_restore_latest(run):
     """``verify.part_problems``, what each worker runs on the step it just read: the gang finds a rewritten or
     flipped file between them (locally each process streams its share; on GCS process 0 compares one listing)."""
-    from recovery_steps.kernel import verify
-    from recovery_steps.kernel.records import CheckpointManifest
+    from jaxrec.adapters import verify
+    from jaxrec.model.records import CheckpointManifest
 
     store, cfg = run
     write_checkpoint(store, cfg, 10, floats=5000)

@@ -8,9 +8,9 @@ import shutil
 import pytest
 from support.trainer_harness import launch, read_report, tiny_config, write_config
 
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import CheckpointManifest, EventKind, QuarantineReason, RestoreRecord
 from recovery_steps import restore_latest
-from recovery_steps.kernel.records import CheckpointManifest, EventKind, QuarantineReason, RestoreRecord
-from recovery_steps.kernel.store import RunLayout, RunStore
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,9 @@ from support.ckpt_factory import tiny_config, write_run_config
 from support.trainer_harness import tiny_classifier_config, write_config
 from support.trainer_harness import tiny_config as tiny_job
 
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import ExitCode
 from recovery_steps import restore_latest
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.checkpointing import Checkpointer
 
 CHUNK = 64 * 1024

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from recovery_steps.kernel.config import BackoffConfig, RetryConfig
-from recovery_steps.kernel.contract import Decision, FailureClass, FinalStatus
-from recovery_steps.kernel.records import AttemptRecord, Ledger
-from recovery_steps.kernel.store import PreconditionFailed, RunLayout, RunStore
+from jaxrec.adapters.store import PreconditionFailed, RunLayout, RunStore
+from jaxrec.model.config import BackoffConfig, RetryConfig
+from jaxrec.model.contract import Decision, FailureClass, FinalStatus
+from jaxrec.model.records import AttemptRecord, Ledger
 from recovery_steps.retry import (
     append_attempt,
     argo_duration,

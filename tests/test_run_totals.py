@@ -6,14 +6,14 @@ from dataclasses import replace
 
 import pytest
 
+from jaxrec.adapters.incidents import AttemptFacts, incidents_from_facts
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import RetryConfig
+from jaxrec.model.contract import Decision, FailureClass
+from jaxrec.model.records import AttemptRecord, SupervisionRecord, WorkerExitReport
+from jaxrec.model.totals import run_totals
 from recovery_steps import finalize
 from recovery_steps.classify_failure import budget_exhausted
-from recovery_steps.kernel.config import RetryConfig
-from recovery_steps.kernel.contract import Decision, FailureClass
-from recovery_steps.kernel.incidents import AttemptFacts, incidents_from_facts
-from recovery_steps.kernel.records import AttemptRecord, SupervisionRecord, WorkerExitReport
-from recovery_steps.kernel.store import RunLayout, RunStore
-from recovery_steps.kernel.totals import run_totals
 from recovery_steps.retry import RetryDecision, append_attempt
 
 RUN = "totals-run"

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from support import argo_replay
 
-from recovery_steps.kernel.config import SupervisionConfig, load_config
-from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import SupervisionConfig, load_config
+from jaxrec.model.jobset import JobSetParams, jobset_manifest
 from workflows.local import executor as local_executor
 from workflows.local.cluster import SliceHooks, local_command
 from workflows.local.engine import ERROR, SUCCEEDED, NodeInfo

@@ -1,4 +1,4 @@
-"""The one step skeleton (kernel.step): one error type, one error mapping, one failure record, one main."""
+"""The one step skeleton (recovery_steps.step): one error type, one error mapping, one failure record, one main."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.kube import api_exit_code
-from recovery_steps.kernel.step import Step, StepError, api_error, main, run_step
-from recovery_steps.kernel.store import StoreUnavailable
+from jaxrec.adapters.kube import api_exit_code
+from jaxrec.adapters.store import StoreUnavailable
+from jaxrec.model.contract import ExitCode
+from recovery_steps.step import Step, StepError, api_error, main, run_step
 
 
 def _step(act, recorded):
@@ -57,8 +57,8 @@ def test_every_failure_is_one_line_its_exit_code_and_the_steps_failure_record(er
 def test_a_failed_steps_line_is_its_containers_termination_message(tmp_path, monkeypatch):
     """What the step prints last when it fails is what the kubelet reads from /dev/termination-log, and Argo puts
     after "main: Error (exit code N)" in the node's message; a step that succeeds leaves the file empty."""
-    from recovery_steps.kernel import step as kstep
-    from recovery_steps.kernel.names import TERMINATION_LOG_ENV
+    from jaxrec.model.names import TERMINATION_LOG_ENV
+    from recovery_steps import step as kstep
 
     log = tmp_path / "termination-log"
     log.touch()  # the kubelet creates it, empty, before the container starts

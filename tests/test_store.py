@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from recovery_steps.kernel.store import Contended, PreconditionFailed, RunLayout, RunStore
+from jaxrec.adapters.store import Contended, PreconditionFailed, RunLayout, RunStore
 
 
 class _Counter(BaseModel):

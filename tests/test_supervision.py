@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from recovery_steps.kernel.config import ConfigError, SupervisionConfig, parse_config
-from recovery_steps.kernel.contract import AttemptOutcome
-from recovery_steps.kernel.snapshot import Condition, JobEvidence, first_failed
+from jaxrec.model.config import ConfigError, SupervisionConfig, parse_config
+from jaxrec.model.contract import AttemptOutcome
+from jaxrec.model.snapshot import Condition, JobEvidence, first_failed
 from recovery_steps.supervision import (
     HeartbeatRead,
     NodeObservation,
@@ -1134,7 +1134,7 @@ def test_an_expired_pull_token_is_waited_on_for_its_refresh_then_is_missing_cred
 
 def _api_job(*conditions: dict) -> JobEvidence:
     """A JobSet's Job as the API returns it (batch/v1), through the snapshot's record."""
-    from recovery_steps.kernel.snapshot import job_from_api
+    from jaxrec.model.snapshot import job_from_api
 
     return job_from_api(
         {

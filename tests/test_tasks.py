@@ -8,9 +8,9 @@ import sys
 import pytest
 from support.trainer_harness import REPO
 
-from recovery_steps.kernel.compat import check_compatible
-from recovery_steps.kernel.config import ConfigError, parse_config
-from recovery_steps.kernel.records import CheckpointManifest
+from jaxrec.model.compat import check_compatible
+from jaxrec.model.config import ConfigError, parse_config
+from jaxrec.model.records import CheckpointManifest
 from trainer.decisions import task_problems
 
 BASE = {"run_id": "t", "image": "i:1", "slice": {"accelerator": "local", "hosts": 2}, "storage": {"root": "/tmp/s"}}
@@ -49,7 +49,7 @@ def test_user_task_options_are_validated_and_filled_in():
 
 def test_validate_config_of_a_user_task_does_not_import_jax():
     code = (
-        "import sys; from recovery_steps.kernel.config import load_config; "
+        "import sys; from jaxrec.model.config import load_config; "
         "c = load_config('configs/local-image-classifier.yaml'); c.task_options(); "
         "print('jax' in sys.modules, 'flax' in sys.modules)"
     )
@@ -140,7 +140,7 @@ def test_gcs_record_files_are_listed_one_level_deep_copied_by_generation_and_fin
 
     import numpy as np
 
-    from recovery_steps.kernel.store import make_gcs_client
+    from jaxrec.adapters.store import make_gcs_client
     from trainer import records
 
     examples = [np.full((2,), i, np.int32) for i in range(6)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from recovery_steps.kernel.tiers import GcsStep, PartCopy, Tier, TierPlan, TierSkip, choose_restore
+from jaxrec.model.tiers import GcsStep, PartCopy, Tier, TierPlan, TierSkip, choose_restore
 
 L, P, G = Tier.LOCAL, Tier.PEER, Tier.GCS
 HOME = {0: "n0", 1: "n1", 2: "n2", 3: "n3"}  # part (process index) -> the node it runs on now

@@ -12,8 +12,8 @@ import signal
 import pytest
 from support.trainer_harness import jax_platform, launch, read_report, tiny_config, write_config
 
-from recovery_steps.kernel.records import EventKind
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import EventKind
 
 pytestmark = [pytest.mark.tpu, pytest.mark.slow]
 

@@ -11,13 +11,13 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from support.fake_k8s import FakeCluster, iso, node, pod, status
 
+from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
+from jaxrec.model.config import StorageConfig, SupervisionConfig, load_config
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.jobset import JobSetParams, jobset_manifest
+from jaxrec.model.records import SupervisionRecord, WorkerExitReport, WorkerHeartbeat
 from recovery_steps import train_segment as ts
-from recovery_steps.kernel.config import StorageConfig, SupervisionConfig, load_config
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
-from recovery_steps.kernel.records import SupervisionRecord, WorkerExitReport, WorkerHeartbeat
-from recovery_steps.kernel.step import StepError
-from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
+from recovery_steps.step import StepError
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = 4
@@ -517,8 +517,8 @@ def test_a_lease_lost_to_a_holder_here_leaves_the_gang_to_it(tmp_path, cluster, 
 
 
 def test_the_supervisor_renews_the_lease_it_holds(tmp_path, cluster):
+    from jaxrec.model.records import RunLease
     from recovery_steps import lease
-    from recovery_steps.kernel.records import RunLease
 
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)

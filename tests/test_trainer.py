@@ -9,9 +9,9 @@ import time
 import pytest
 from support.trainer_harness import launch, loopback, read_report, tiny_classifier_config, tiny_config, write_config
 
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import CheckpointManifest, EventKind, PreemptionSave
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import CheckpointManifest, EventKind, PreemptionSave
 from trainer.decisions import save_budget
 
 pytestmark = pytest.mark.slow
@@ -302,10 +302,10 @@ def test_a_native_crash_leaves_its_stacks_in_the_termination_message_and_is_clas
 ):
     """A SIGSEGV writes no exit report: faulthandler's C handler leaves every thread's stack in the termination
     message, and classify-failure reads from it whether the worker was starting or training."""
+    from jaxrec.model.names import TERMINATION_LOG_ENV
+    from jaxrec.model.snapshot import ContainerState, NodeEvidence, PodEvidence
     from recovery_steps.classify import classify
     from recovery_steps.evidence import Evidence
-    from recovery_steps.kernel.names import TERMINATION_LOG_ENV
-    from recovery_steps.kernel.snapshot import ContainerState, NodeEvidence, PodEvidence
 
     cfg = tiny_config(str(tmp_path / "store"), run_id=f"segv{at}", hosts=1, training={"total_steps": 6})
     store = write_config(cfg)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from support.trainer_harness import lm_examples, tiny_config
 
-from recovery_steps.kernel.records import CheckpointManifest
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import CheckpointManifest
 from trainer import checkpointing
 from trainer import data as data_lib
 from trainer.checkpointing import Checkpointer, device_copy_fits

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import EventKind, WorkerExitReport, WorkerHeartbeat
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import EventKind, WorkerExitReport, WorkerHeartbeat
 from trainer.decisions import SaveReason, TrainerExit, parse_faults, save_decision
 from trainer.hooks import (
     SLOWED_PART,

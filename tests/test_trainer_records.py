@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from support.trainer_harness import launch, read_report, tiny_config, write_config
 
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import CheckpointManifest, EventKind
-from recovery_steps.kernel.store import RunLayout, RunStore, make_gcs_client
+from jaxrec.adapters.store import RunLayout, RunStore, make_gcs_client
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import CheckpointManifest, EventKind
 from trainer import records, write_records
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from support.trainer_harness import lm_examples, tiny_config
 
-from recovery_steps.kernel.config import ConfigError
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.metrics import METRICS
+from jaxrec.model.config import ConfigError
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.metrics import METRICS
 from trainer.data import DataPosition, SyntheticSequences, build_dataset, resume_position
 from trainer.decisions import (
     LocalIdentity,
@@ -254,8 +254,8 @@ def test_worker_metrics_cover_the_table():
 
 
 def test_worker_zero_exports_when_the_run_lease_was_last_renewed_and_keeps_it_through_an_unreadable_read(tmp_path):
-    from recovery_steps.kernel.records import RunLease
-    from recovery_steps.kernel.store import RunLayout, RunStore
+    from jaxrec.adapters.store import RunLayout, RunStore
+    from jaxrec.model.records import RunLease
     from trainer.hooks import LeaseGauge
 
     store = RunStore(str(tmp_path / "store"), "run-a")
@@ -279,7 +279,7 @@ def test_worker_zero_exports_when_the_run_lease_was_last_renewed_and_keeps_it_th
 
 
 def test_compilation_cache_is_on_by_default_under_the_run_store(tmp_path):
-    from recovery_steps.kernel.store import RunStore
+    from jaxrec.adapters.store import RunStore
     from trainer.compile_cache import cache_dir
 
     local = tiny_config(str(tmp_path / "store"), run_id="cache-run", share_compile_cache=False)
@@ -307,7 +307,7 @@ def gcs_answering(monkeypatch):
     request with the status and GCS error body given, and counts the requests."""
     from support.fake_http import JsonServer
 
-    from recovery_steps.kernel.store import STORE_RETRY_DEADLINE_ENV
+    from jaxrec.adapters.store import STORE_RETRY_DEADLINE_ENV
 
     servers, seen = [], []
 

@@ -9,8 +9,8 @@ import pytest
 import requests
 from google.api_core import exceptions as gexc
 
+from jaxrec.adapters.store import StoreUnavailable, is_transient, transient_as_unavailable
 from recovery_steps import restore_latest
-from recovery_steps.kernel.store import StoreUnavailable, is_transient, transient_as_unavailable
 from workflows.local.outage import OutageProxy, parse_outages
 
 
@@ -175,7 +175,7 @@ def test_a_failure_aimed_at_checkpoint_manifests_refuses_those_writes_alone_and_
     window is over (one 503 on one write costs nothing)."""
     from pydantic import BaseModel
 
-    from recovery_steps.kernel.store import RunStore
+    from jaxrec.adapters.store import RunStore
 
     class Doc(BaseModel):
         run_id: str
@@ -223,7 +223,7 @@ def test_a_last_writer_wins_record_is_retried_through_503s_and_through_its_own_u
     """A heartbeat or a supervisor's verdict (one writer, rewritten in place): every try is conditional on the
     generation this store last wrote, so the storage client retries it. A 503 window on heartbeats costs nothing;
     an answer lost after the write landed (reset after upload) is found done, not written twice."""
-    from recovery_steps.kernel.store import RunStore
+    from jaxrec.adapters.store import RunStore
 
     proxy = OutageProxy(gcs_emulator.url)
     lost = _reset_after_upload(proxy, b"supervision.json", times=1)
@@ -250,7 +250,7 @@ def test_a_conditional_write_whose_answer_was_lost_is_done_not_refused(gcs_emula
     the upload landed makes the client's retry meet its own object. For a document that is a state (idempotent) the
     same bytes are done; other bytes there are still another writer's, refused. (A read-modify-write counter is not
     idempotent: tests/test_store.py holds that no update is lost there.)"""
-    from recovery_steps.kernel.store import PreconditionFailed, RunStore
+    from jaxrec.adapters.store import PreconditionFailed, RunStore
 
     proxy = OutageProxy(gcs_emulator.url)
     lost = _reset_after_upload(proxy, b"config.json", times=2)

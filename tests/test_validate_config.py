@@ -11,10 +11,10 @@ import pytest
 import yaml
 from support.ckpt_factory import write_checkpoint
 
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import load_config
+from jaxrec.model.contract import ExitCode
 from recovery_steps import validate_config
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.store import RunLayout, RunStore
 
 CONFIGS = sorted(Path("configs").glob("*.yaml"))
 

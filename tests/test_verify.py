@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from recovery_steps.kernel.verify import CandidateInfo, SkipKind, judge, select_restore_step
+from jaxrec.adapters.verify import CandidateInfo, SkipKind, judge, select_restore_step
 
 
 def good(step: int, **kw) -> CandidateInfo:

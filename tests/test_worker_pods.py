@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recovery_steps.kernel.config import parse_config
-from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
-from recovery_steps.kernel.tpu import TPU_TYPES
+from jaxrec.model.config import parse_config
+from jaxrec.model.jobset import JobSetParams, jobset_manifest
+from jaxrec.model.tpu import TPU_TYPES
 
 REPO = Path(__file__).resolve().parents[1]
 TPU_CONFIGS = ["v5e-4x4.yaml", "v5p-64.yaml", "v6e-8x8.yaml"]

@@ -10,10 +10,10 @@ import pytest
 import yaml
 from support.segment import segment_jobset
 
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.contract import trainer_exit_codes
-from recovery_steps.kernel.metrics import BY_NAME
-from recovery_steps.kernel.tpu import TPU_TYPES
+from jaxrec.model.config import load_config
+from jaxrec.model.contract import trainer_exit_codes
+from jaxrec.model.metrics import BY_NAME
+from jaxrec.model.tpu import TPU_TYPES
 from workflows.templates import build_workflow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -377,7 +377,7 @@ def test_workflow_keeps_failed_pods_and_the_finished_run_for_inspection(cfg_path
 
 
 def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path):
-    from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
+    from jaxrec.model.jobset import JobSetParams, jobset_manifest
     from workflows.local.engine import NodeInfo
     from workflows.local.executor import LocalExecutor
 
@@ -411,7 +411,7 @@ def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path)
 def test_every_output_reference_names_an_output_its_step_declares(config):
     # Read back from the compiled manifest: each {{tasks.T.outputs.parameters.P}} in a DAG names a task T of that
     # DAG whose step declares P, and each {{outputs.parameters.P}} in a template names one of its own outputs.
-    from recovery_steps.kernel.outputs import STEP_OUTPUTS
+    from jaxrec.model.outputs import STEP_OUTPUTS
 
     declared = {d.TEMPLATE: set(d.names()) for d in STEP_OUTPUTS}
     wf = _wf(config)

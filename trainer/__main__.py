@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
-from recovery_steps.kernel.names import termination_log
+from jaxrec.model.names import termination_log
 
 _fatal_trace: IO[str] | None = None  # kept open for the process's life: faulthandler writes to its descriptor
 

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from recovery_steps.kernel.records import now
+from jaxrec.model.records import now
 
 log = logging.getLogger(__name__)
 

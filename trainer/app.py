@@ -15,13 +15,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from recovery_steps.kernel.config import ConfigError, JobConfig
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.documents import read_run_config
-from recovery_steps.kernel.records import CheckpointManifest, EventKind, PreemptionSave, WorkerExitReport, now
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
-from recovery_steps.kernel.tasks import TaskSpec, options_hash
-from recovery_steps.kernel.tiers import Tier
+from jaxrec.adapters.documents import read_run_config
+from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.model.config import ConfigError, JobConfig
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import CheckpointManifest, EventKind, PreemptionSave, WorkerExitReport, now
+from jaxrec.model.tasks import TaskSpec, options_hash
+from jaxrec.model.tiers import Tier
 from trainer import compile_cache
 from trainer.compile_cache import CacheCounter
 from trainer.decisions import (
@@ -256,7 +256,7 @@ class Worker:
         node's other agents): that is waited out within the store's retry deadline, and a store still unreachable
         after it ends the worker as transient (69), never as an uncaught error; a refusal is configuration (2).
         """
-        from recovery_steps.kernel.store import (
+        from jaxrec.adapters.store import (
             await_credentials,
             first_line,
             is_transient,
@@ -291,7 +291,7 @@ class Worker:
         from google.cloud import storage
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        from recovery_steps.kernel.store import (
+        from jaxrec.adapters.store import (
             await_credentials,
             make_gcs_client,
             share_credentials_with_gcsfs,
@@ -920,7 +920,7 @@ def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord, *, abandon
 
 def parse_args(argv: Sequence[str] | None) -> RunArgs:
     """Parse the worker's command line."""
-    from recovery_steps.kernel import cli
+    from jaxrec.adapters import cli
 
     p = cli.StepArgumentParser(prog="python -m trainer", description="Run one worker of a training segment.")
     p.add_argument(

@@ -19,7 +19,7 @@ import jax.monitoring
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from recovery_steps.kernel.checkpoints import (
+from jaxrec.adapters.checkpoints import (
     StepGone,
     TooManyFiles,
     gather_files,
@@ -27,10 +27,7 @@ from recovery_steps.kernel.checkpoints import (
     step_files,
     write_manifest,
 )
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import CheckpointManifest, ManifestFile, RestoreRecord, SkippedStep, now
-from recovery_steps.kernel.store import (
+from jaxrec.adapters.store import (
     PreconditionFailed,
     RunLayout,
     RunStore,
@@ -38,6 +35,9 @@ from recovery_steps.kernel.store import (
     is_transient,
     store_errors,
 )
+from jaxrec.model.config import JobConfig
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import CheckpointManifest, ManifestFile, RestoreRecord, SkippedStep, now
 from trainer.decisions import TrainerExit
 from trainer.preemption import distributed_client
 
@@ -55,7 +55,7 @@ def give_orbax_the_pods_credentials() -> None:
     """
     import functools
 
-    from recovery_steps.kernel.store import credentials_source, make_gcs_client
+    from jaxrec.adapters.store import credentials_source, make_gcs_client
 
     if credentials_source() != "pod":
         return
@@ -83,7 +83,7 @@ def settle_tensorstores_credentials(bucket: str, key: str) -> None:
     own token came makes the decision while the server is known to answer. A failed read is logged: the saves
     decide then, as before.
     """
-    from recovery_steps.kernel.store import credentials_source
+    from jaxrec.adapters.store import credentials_source
 
     if credentials_source() != "pod":
         return
@@ -773,7 +773,7 @@ class Checkpointer:
         Raises:
             TrainerExit: restore-latest's decision was a stop (no compatible checkpoint: exit 3; or 2).
         """
-        from recovery_steps.kernel import verify
+        from jaxrec.adapters import verify
 
         pi, pc = jax.process_index(), jax.process_count()
         name = str(step)
@@ -806,9 +806,9 @@ class Checkpointer:
 
     def _fall_back(self, step: int, problems: list[str]) -> dict[str, Any]:
         """Process 0: quarantine the damaged ``step`` and decide again as restore-latest does; the gang's verdict."""
-        from recovery_steps.kernel import restore
-        from recovery_steps.kernel.contract import SkipKind
-        from recovery_steps.kernel.verify import Skip
+        from jaxrec.adapters import restore
+        from jaxrec.adapters.verify import Skip
+        from jaxrec.model.contract import SkipKind
 
         shown = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
         why = f"damaged data found by the workers while restoring: {shown}"

@@ -24,8 +24,8 @@ import logging
 import threading
 from typing import Any
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import JobConfig
 
 log = logging.getLogger(__name__)
 

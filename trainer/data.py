@@ -16,7 +16,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from recovery_steps.kernel.config import DataConfig
+from jaxrec.model.config import DataConfig
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from recovery_steps.kernel.compat import check_compatible
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import PEER_LOSS_MARKERS, ExitCode
-from recovery_steps.kernel.records import CheckpointManifest
-from recovery_steps.kernel.tpu import TPU_TYPES
+from jaxrec.model.compat import check_compatible
+from jaxrec.model.config import JobConfig
+from jaxrec.model.contract import PEER_LOSS_MARKERS, ExitCode
+from jaxrec.model.records import CheckpointManifest
+from jaxrec.model.tpu import TPU_TYPES
 
 FAULT_KINDS = ("app-bug", "nan", "hang", "kill-during-save", "native-crash")
 """``native-crash@0`` dies by SIGSEGV in the start-up (the runtime's initialisation), ``@N`` before step N."""
@@ -197,8 +197,8 @@ def bucket_check_exit(exc: BaseException, cfg: JobConfig, bucket: str) -> Traine
     """
     from google.api_core import exceptions
 
-    from recovery_steps.kernel.iam import ROLE_FOR_PERMISSION, permission_from_403, workload_principal
-    from recovery_steps.kernel.store import first_line, is_transient, store_errors
+    from jaxrec.adapters.iam import ROLE_FOR_PERMISSION, permission_from_403, workload_principal
+    from jaxrec.adapters.store import first_line, is_transient, store_errors
 
     if not isinstance(exc, store_errors()) or is_transient(exc):
         return None
@@ -262,7 +262,7 @@ def compatibility_problems(
 ) -> list[str]:
     """Why a checkpoint written under ``saved_config`` cannot be restored under ``cfg`` (empty: it can).
 
-    The config difference is judged by the shared compatibility table (``recovery_steps.kernel.compat``);
+    The config difference is judged by the shared compatibility table (``jaxrec.model.compat``);
     the process count that wrote the checkpoint must also equal the gang's (the per-process data
     state and bit-exact resume depend on it).
     """

@@ -13,8 +13,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import (
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import (
     EventKind,
     PreemptionSave,
     RunLease,
@@ -22,7 +23,6 @@ from recovery_steps.kernel.records import (
     WorkerHeartbeat,
     now,
 )
-from recovery_steps.kernel.store import RunLayout, RunStore
 from trainer.compile_cache import CacheCounter
 from trainer.decisions import Faults, PreemptionAction, PreemptionPlan, SaveReason, TrainerExit, save_decision
 from trainer.lifecycle import Watchdog, native_crash

@@ -13,9 +13,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.records import EventKind, WorkerExitReport, now
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import EventKind, WorkerExitReport, now
 from trainer.decisions import TrainerExit, watchdog_limit
 from trainer.telemetry import Events
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from recovery_steps.kernel.config import ModelConfig
-from recovery_steps.kernel.tasks import TaskSpec
+from jaxrec.model.config import ModelConfig
+from jaxrec.model.tasks import TaskSpec
 
 
 def _build(options: ModelConfig) -> Any:

@@ -41,7 +41,7 @@ import google_crc32c
 import numpy as np
 from pydantic import ValidationError
 
-from recovery_steps.kernel.records import LocalPartManifest, ManifestFile, now
+from jaxrec.model.records import LocalPartManifest, ManifestFile, now
 
 log = logging.getLogger(__name__)
 

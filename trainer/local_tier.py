@@ -8,7 +8,7 @@ their hosts. A local save still running when the next one is due is skipped (cou
 
 Restores. Every process lists the parts on its own disk (a metadata check: manifest, identity, sizes) and
 publishes them with its node and its part server's address; process 0 decides with
-``recovery_steps.kernel.tiers.choose_restore`` (restore-latest's GCS step as the bucket's candidate) and publishes
+``jaxrec.model.tiers.choose_restore`` (restore-latest's GCS step as the bucket's candidate) and publishes
 the plan; each process reads its part from its own disk or copies it from the peer the plan names, checking every
 byte it will use, and says whether it could. If one could not, process 0 marks that copy bad and decides again
 (each round excludes at least one copy, so the rounds end); the GCS step, when there is one, is always a candidate.
@@ -30,10 +30,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.records import TierPart, TierRecord, TierSkipped, now
-from recovery_steps.kernel.store import RunLayout, RunStore
-from recovery_steps.kernel.tiers import GcsStep, PartCopy, PartSource, Tier, TierPlan, TierSkip, choose_restore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import JobConfig
+from jaxrec.model.records import TierPart, TierRecord, TierSkipped, now
+from jaxrec.model.tiers import GcsStep, PartCopy, PartSource, Tier, TierPlan, TierSkip, choose_restore
 from trainer.local_parts import Layout, LoadedPart, LocalParts, PartProblem, PartServer, Shard, index_key
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from recovery_steps.kernel.records import now
+from jaxrec.model.records import now
 from trainer.decisions import sigterm_age
 
 log = logging.getLogger(__name__)

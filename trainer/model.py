@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from recovery_steps.kernel.config import DataConfig, ModelConfig
+from jaxrec.model.config import DataConfig, ModelConfig
 from trainer.data import sequence_dataset
 from trainer.task import TaskState
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from recovery_steps.kernel.config import OptimizerConfig
+from jaxrec.model.config import OptimizerConfig
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:

@@ -31,8 +31,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from recovery_steps.kernel.checkpoints import crc32c_hex
-from recovery_steps.kernel.store import make_gcs_client, split_gcs_url
+from jaxrec.adapters.checkpoints import crc32c_hex
+from jaxrec.adapters.store import make_gcs_client, split_gcs_url
 
 SUFFIX = ".array_record"
 _BARE = "__array__"  # the npz key of an example that is a bare array

@@ -4,7 +4,7 @@ A task is three things — a model's initial state, its loss, and the examples i
 optionally, how its parameters are laid out on the mesh. The harness owns everything else: the
 optimizer (from the ``optimizer`` section), the jitted step, the RNG, the data order and position,
 checkpoints, restore, stop agreement and exit codes. The config names the task by a ``TaskSpec``
-(``recovery_steps.kernel.tasks``), which lives in a module that imports without JAX; its ``build``
+(``jaxrec.model.tasks``), which lives in a module that imports without JAX; its ``build``
 returns an object with the methods below.
 
 What recovery guarantees for every task (the one place they are stated):
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import jax
     from jax.sharding import Mesh, PartitionSpec
 
-    from recovery_steps.kernel.config import DataConfig
+    from jaxrec.model.config import DataConfig
 
 
 class TaskState(NamedTuple):

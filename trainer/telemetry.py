@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.metrics import spec
-from recovery_steps.kernel.records import EventKind, WorkerEvent, now
+from jaxrec.model.metrics import spec
+from jaxrec.model.records import EventKind, WorkerEvent, now
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ _WORKER_METRICS = (
 
 
 class WorkerMetrics:
-    """The per-worker gauges of ``recovery_steps.kernel.metrics`` in a dedicated registry, labelled for this worker."""
+    """The per-worker gauges of ``jaxrec.model.metrics`` in a dedicated registry, labelled for this worker."""
 
     def __init__(self, run_id: str, attempt: int, process_index: int):
         from prometheus_client import CollectorRegistry, Gauge

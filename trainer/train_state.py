@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from recovery_steps.kernel.config import JobConfig
+from jaxrec.model.config import JobConfig
 from trainer.decisions import fsdp_axis
 from trainer.optim import make_optimizer
 from trainer.task import Task, TaskState, partition_of

@@ -6,8 +6,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from recovery_steps.kernel import cli
-from recovery_steps.kernel.config import ConfigError, load_config
+from jaxrec.adapters import cli
+from jaxrec.model.config import ConfigError, load_config
 
 
 def run(config_path: str, out_dir: str, num_files: int, num_records: int | None = None) -> list[str]:

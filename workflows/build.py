@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from recovery_steps.kernel.config import ConfigError, JobConfig, load_config
-from recovery_steps.kernel.outputs import UndeclaredOutput
+from jaxrec.model.config import ConfigError, JobConfig, load_config
+from jaxrec.model.outputs import UndeclaredOutput
 from workflows.monitoring import render_monitoring
 from workflows.rbac import rbac_objects
 from workflows.templates import build_workflow

@@ -30,12 +30,13 @@ from typing import Any
 
 import yaml
 
-from recovery_steps.kernel.contract import WORKFLOW_FINISHED, NodePhase
-from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.incidents import TimedIncident, incidents_from_facts, read_attempt_facts
-from recovery_steps.kernel.jobset import CONTAINER
-from recovery_steps.kernel.kube import api_error_line
-from recovery_steps.kernel.names import (
+from jaxrec.adapters.documents import read_ledger
+from jaxrec.adapters.incidents import TimedIncident, incidents_from_facts, read_attempt_facts
+from jaxrec.adapters.kube import api_error_line
+from jaxrec.adapters.store import RunLayout, RunStore, first_line, store_errors
+from jaxrec.model.contract import WORKFLOW_FINISHED, NodePhase
+from jaxrec.model.jobset import CONTAINER
+from jaxrec.model.names import (
     ATTEMPT_LABEL,
     JOBSET_GROUP,
     JOBSET_NAME_LABEL,
@@ -43,8 +44,7 @@ from recovery_steps.kernel.names import (
     JOBSET_VERSION,
     RUN_ID_LABEL,
 )
-from recovery_steps.kernel.snapshot import PodPhase
-from recovery_steps.kernel.store import RunLayout, RunStore, first_line, store_errors
+from jaxrec.model.snapshot import PodPhase
 from workflows.faults import corrupt_newest_checkpoint
 
 ARGO = ("argoproj.io", "v1alpha1", "workflows")
@@ -223,7 +223,7 @@ class Cluster:
         Raises:
             DrillError: the trainer is its container's PID 1: a signal sent from inside the pod cannot kill it
                 (the kernel drops SIGKILL sent to a PID namespace's init from inside the namespace). The worker
-                pods this project generates share their process namespace (``kernel.jobset``): the pause
+                pods this project generates share their process namespace (``model.jobset``): the pause
                 process is PID 1 there; a step image from before that has the trainer as PID 1.
         """
         from kubernetes.stream import stream
@@ -422,7 +422,7 @@ def refuse_run_in_use(cluster: Cluster, store: RunStore, run_id: str) -> None:
         DrillError: the run's store holds a config, lease or attempt, a JobSet or pod carries the run's label, or
             either could not be read (a failed read is no evidence that the run is free).
     """
-    from recovery_steps.kernel.step import api_failures
+    from recovery_steps.step import api_failures
 
     fresh = "give the drill a run of its own: -p run-id=drill-$(date +%s) (and -p store-root=gs://<bucket>/drills)"
     try:

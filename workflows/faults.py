@@ -6,7 +6,7 @@ corruption.
 
 from __future__ import annotations
 
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
 
 
 def flip_middle(data: bytes) -> bytes:

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.names import STEP_PRIORITY_CLASS, STEP_VERBS
+from jaxrec.model.config import JobConfig
+from jaxrec.model.names import STEP_PRIORITY_CLASS, STEP_VERBS
 
 ROLE = "jaxrec-workflow"
 NODE_READER = "jaxrec-node-reader"
 
 
 def _rules(cluster_scoped: bool) -> list[dict[str, Any]]:
-    """RBAC rules from the kernel's table of verbs: one rule per (API group, resource), verbs in table order."""
+    """RBAC rules from the table of verbs (model.names): one rule per (API group, resource), verbs in table order."""
     grouped: dict[tuple[str, str], list[str]] = {}
     for use in STEP_VERBS:
         if use.cluster_scoped == cluster_scoped:

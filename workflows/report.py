@@ -8,9 +8,10 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from recovery_steps.kernel.documents import read_worker_reports
-from recovery_steps.kernel.incidents import incidents_from_facts, read_attempt_facts
-from recovery_steps.kernel.records import (
+from jaxrec.adapters.documents import read_worker_reports
+from jaxrec.adapters.incidents import incidents_from_facts, read_attempt_facts
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import (
     EventKind,
     Incident,
     Ledger,
@@ -20,8 +21,7 @@ from recovery_steps.kernel.records import (
     WorkerExitReport,
     parse_event_line,
 )
-from recovery_steps.kernel.store import RunLayout, RunStore
-from recovery_steps.kernel.totals import CATEGORIES, CATEGORY_HELP, Goodput, goodput, incident_badput
+from jaxrec.model.totals import CATEGORIES, CATEGORY_HELP, Goodput, goodput, incident_badput
 
 TIMELINE = "timeline.png"
 
@@ -54,7 +54,7 @@ def load_incidents(store: RunStore) -> list[Incident]:
     """Every incident of the run, by attempt.
 
     A local run stores its incident records (timed from the workers' events); a run on a cluster does not, and its
-    incidents are built from what each attempt left in the store (``kernel.incidents``).
+    incidents are built from what each attempt left in the store (``adapters.incidents``).
     """
     out = []
     for a in store.attempts():

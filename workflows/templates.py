@@ -28,11 +28,11 @@ from hera.workflows import (
 )
 from hera.workflows.models import Backoff, Mutex, PodGC, Synchronization, TTLStrategy, ValueFrom
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import Decision, ExitCode
-from recovery_steps.kernel.metrics import spec as metric_spec
-from recovery_steps.kernel.names import ATTEMPT_LABEL, RUN_ID_LABEL, STEP_PRIORITY_CLASS, jobset_name
-from recovery_steps.kernel.outputs import (
+from jaxrec.model.config import JobConfig
+from jaxrec.model.contract import Decision, ExitCode
+from jaxrec.model.metrics import spec as metric_spec
+from jaxrec.model.names import ATTEMPT_LABEL, RUN_ID_LABEL, STEP_PRIORITY_CLASS, jobset_name
+from jaxrec.model.outputs import (
     ClassifyOutputs,
     FinalizeOutputs,
     HandOverOutputs,
@@ -178,7 +178,7 @@ def _step(
         inputs=[Parameter(name=n) for n in inputs] + kw.pop("input_artifacts", []),
         outputs=_outputs(outputs),
         labels=labels,
-        # The step's one line (kernel.step.say_why) or, after a crash before it, its log's tail: the node's message.
+        # The step's one line (step.say_why) or, after a crash before it, its log's tail: the node's message.
         termination_message_policy="FallbackToLogsOnError",
         **kw,
     )
@@ -259,7 +259,7 @@ def train_template(cfg: JobConfig) -> Container:
     It creates (or re-attaches to) the JobSet, decides when the attempt is over and stops it: a Resource
     template would wait without bound on a gang that can never end.
     """
-    # The step renders the JobSet from the run's pinned config and these parameters (kernel.jobset): the
+    # The step renders the JobSet from the run's pinned config and these parameters (model.jobset): the
     # Workflow carries the attempt's parameters, not the manifest.
     args = [*ATTEMPT_ARGS]
     for name in SEGMENT_INPUTS[1:]:  # --jobset-name, --restore-step, --coordinator-port, --metrics-port

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from examples.image_classifier.task import Options
-from recovery_steps.kernel.config import DataConfig
+from jaxrec.model.config import DataConfig
 from trainer.task import TaskState
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from recovery_steps.kernel.tasks import TaskSpec
+from jaxrec.model.tasks import TaskSpec
 
 
 class Options(BaseModel):

@@ -419,7 +419,7 @@ def summary(wf: dict[str, Any]) -> str:
         f"workflow {wf['metadata']['name']}: {(wf.get('status') or {}).get('phase')} "
         f"{(wf.get('status') or {}).get('message', '')}"
     ]
-    from recovery_steps.kernel.snapshot import parse_time
+    from jaxrec.model.snapshot import parse_time
 
     t0 = parse_time((wf.get("status") or {}).get("startedAt"))
     for n in sorted(nodes(wf), key=lambda n: n.get("startedAt") or "~"):  # in the order they ran; skipped last

@@ -15,10 +15,10 @@ from argoctl import ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import HOSTS, INDEX, REPO
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.names import jobset_name
-from recovery_steps.kernel.records import Ledger, WorkerHeartbeat
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import JobConfig
+from jaxrec.model.names import jobset_name
+from jaxrec.model.records import Ledger, WorkerHeartbeat
 
 # How long after its start the supervisor's node is evicted. Argo v4.0.5 treats a pod that vanishes within
 # RECENTLY_STARTED_POD_DURATION (10 s) of its node's start as not yet synced and creates it again for the same node

@@ -581,10 +581,10 @@ def check(o: Observed) -> list[str]:
     """One line per violated invariant (``INVARIANTS``); empty when every one held."""
     from trainers import final_digest
 
-    from recovery_steps.kernel.documents import read_ledger, read_worker_reports
-    from recovery_steps.kernel.names import jobset_name
-    from recovery_steps.kernel.records import SupervisionRecord
-    from recovery_steps.kernel.store import RunLayout
+    from jaxrec.adapters.documents import read_ledger, read_worker_reports
+    from jaxrec.adapters.store import RunLayout
+    from jaxrec.model.names import jobset_name
+    from jaxrec.model.records import SupervisionRecord
 
     r, bad = o.run, []
     phase = (o.wf.get("status") or {}).get("phase")

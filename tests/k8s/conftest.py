@@ -14,8 +14,8 @@ import realcluster
 from realcluster import RealCluster, TierUnavailable
 from tier import CPU_HOST_LABEL, CPU_HOSTS, HOSTS, PODEXEC_NODE, REPO, CpuHosts, Run, apply_rbac, tier_config
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import JobConfig
 
 _STARTED: dict[str, RealCluster] = {}
 
@@ -54,8 +54,8 @@ def namespace(real_cluster: RealCluster) -> Iterator[str]:
 def tpu_nodes(real_cluster: RealCluster, namespace: str) -> Iterator[Callable[..., list[str]]]:
     """``add(count, cfg)``: KWOK nodes of one GKE TPU node pool (named after the test's namespace) matching the
     config's slice (accelerator and topology labels, chips, Spot); every node is deleted after the test."""
-    from recovery_steps.kernel.names import gke_node_selector
-    from recovery_steps.kernel.tpu import TPU_TYPES
+    from jaxrec.model.names import gke_node_selector
+    from jaxrec.model.tpu import TPU_TYPES
 
     made: list[str] = []
 
@@ -245,7 +245,7 @@ def argo_run(real_cluster: RealCluster, argo, tpu_nodes, tmp_path) -> Iterator[A
     own; every Workflow, JobSet and pod of the namespace deleted afterwards."""
     from argorun import ArgoRun, clean
 
-    from recovery_steps.kernel.config import load_config
+    from jaxrec.model.config import load_config
 
     cfg = load_config(REPO / "configs" / "v5e-4x4.yaml")
     apply_rbac(real_cluster, cfg)
@@ -315,7 +315,7 @@ def cpu_hosts(real_cluster: RealCluster, argo, pods_gcs, tmp_path_factory) -> It
     import argoctl
     import yaml
 
-    from recovery_steps.kernel.config import load_config
+    from jaxrec.model.config import load_config
     from workflows.rbac import rbac_objects
 
     argo_podexec = real_cluster.components["podexec"]

@@ -91,7 +91,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.names import TERMINATION_LOG_ENV
+from jaxrec.model.names import TERMINATION_LOG_ENV
 
 log = logging.getLogger("podexec")
 

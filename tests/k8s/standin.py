@@ -7,7 +7,7 @@ through the stand-in's interpreter (``workflows.local.engine``) with the real no
 the same nodes, retry each template as often, take the same branches, give the exit handler the same
 ``{{workflow.status}}`` and end in the same phase. Its attempts must be the ledger's, and the incidents its builder
 (``workflows.local.incidents``) makes of them must name the attempts and classes, and the slice-ready times, that
-``recovery_steps.kernel.incidents`` reads from the run store. For the evicted supervisor, the node the stand-in
+``jaxrec.adapters.incidents`` reads from the run store. For the evicted supervisor, the node the stand-in
 makes of a lost supervisor must be the node the real controller made. One run serves both checks: the scenario's
 own assertions and the stand-in's agreement.
 
@@ -26,9 +26,9 @@ import argoctl
 from argorun import ArgoRun
 from support import argo_replay
 
-from recovery_steps.kernel.incidents import incidents_from_facts, read_attempt_facts
-from recovery_steps.kernel.records import SupervisionRecord
-from recovery_steps.kernel.store import RunLayout
+from jaxrec.adapters.incidents import incidents_from_facts, read_attempt_facts
+from jaxrec.adapters.store import RunLayout
+from jaxrec.model.records import SupervisionRecord
 from workflows.local.executor import pod_deleted
 from workflows.local.incidents import Segment, build_incidents
 

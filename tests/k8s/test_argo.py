@@ -23,10 +23,10 @@ from argorun import lose_supervisor
 from realcluster import netns_listeners
 from tier import REPO
 
-from recovery_steps.kernel.names import CONTINUES_LABEL, RUN_ID_LABEL, continuation_name
-from recovery_steps.kernel.records import RunLease, SupervisionRecord
-from recovery_steps.kernel.snapshot import parse_time
-from recovery_steps.kernel.store import RunLayout
+from jaxrec.adapters.store import RunLayout
+from jaxrec.model.names import CONTINUES_LABEL, RUN_ID_LABEL, continuation_name
+from jaxrec.model.records import RunLease, SupervisionRecord
+from jaxrec.model.snapshot import parse_time
 
 pytestmark = pytest.mark.k8s
 

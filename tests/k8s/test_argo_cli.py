@@ -20,8 +20,8 @@ from argorun import ArgoRun
 from realcluster import RealCluster, wait_for
 from tier import REPO
 
-from recovery_steps.kernel.contract import AttemptOutcome
-from recovery_steps.kernel.names import jobset_name
+from jaxrec.model.contract import AttemptOutcome
+from jaxrec.model.names import jobset_name
 
 pytestmark = pytest.mark.k8s
 

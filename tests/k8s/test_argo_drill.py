@@ -20,11 +20,11 @@ from argoctl import ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import HOSTS, INDEX, REPO, apply_rbac
 
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.names import jobset_name
-from recovery_steps.kernel.records import WorkerHeartbeat
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.documents import read_ledger
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import load_config
+from jaxrec.model.names import jobset_name
+from jaxrec.model.records import WorkerHeartbeat
 from workflows import drill
 
 pytestmark = pytest.mark.k8s

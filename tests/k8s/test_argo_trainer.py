@@ -18,9 +18,9 @@ import pytest
 from tier import HOSTS
 from trainers import TOTAL_STEPS, final_reports
 
-from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.records import SupervisionRecord
-from recovery_steps.kernel.store import RunLayout
+from jaxrec.adapters.documents import read_ledger
+from jaxrec.adapters.store import RunLayout
+from jaxrec.model.records import SupervisionRecord
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

@@ -25,8 +25,8 @@ from realcluster import RealCluster, wait_for
 from tier import REPO, CpuHosts
 from trainers import CHAOS_STEPS, chaos_shape, clean_run, final_digest, new_run
 
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.store import RunLayout
+from jaxrec.adapters.store import RunLayout
+from jaxrec.model.config import load_config
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow, pytest.mark.chaos]
 

@@ -11,8 +11,8 @@ from typing import Any
 import chaos
 import pytest
 
-from recovery_steps.kernel.records import AttemptRecord, Ledger, SupervisionRecord, WorkerExitReport
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import AttemptRecord, Ledger, SupervisionRecord, WorkerExitReport
 
 NS, RUN, WF = "default", "chaos9-abc123", "local-cpu-x1"
 STEPS = f"system:serviceaccount:{NS}:jaxrec-steps"

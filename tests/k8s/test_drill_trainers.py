@@ -18,9 +18,9 @@ from realcluster import RealCluster, wait_for
 from tier import REPO, CpuHosts, kube_exec, worker_like_pod
 from trainers import BUCKET, CHAOS_HOSTS, CHAOS_STEPS, chaos_shape, final_digest, final_reports
 
-from recovery_steps.kernel.documents import read_ledger
-from recovery_steps.kernel.records import SupervisionRecord
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.documents import read_ledger
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import SupervisionRecord
 from workflows import drill
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]

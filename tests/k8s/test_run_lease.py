@@ -9,9 +9,9 @@ import pytest
 from realcluster import wait_for
 from tier import HOSTS
 
-from recovery_steps.kernel.names import jobset_name
-from recovery_steps.kernel.records import RunLease
-from recovery_steps.kernel.store import RunLayout
+from jaxrec.adapters.store import RunLayout
+from jaxrec.model.names import jobset_name
+from jaxrec.model.records import RunLease
 
 pytestmark = pytest.mark.k8s
 

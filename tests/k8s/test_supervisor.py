@@ -17,8 +17,8 @@ import pytest
 from realcluster import NEVER_PULLS_IMAGE, wait_for
 from tier import HOSTS
 
-from recovery_steps.kernel.names import jobset_name
-from recovery_steps.kernel.snapshot import parse_time
+from jaxrec.model.names import jobset_name
+from jaxrec.model.snapshot import parse_time
 
 pytestmark = pytest.mark.k8s
 
@@ -61,7 +61,7 @@ EXIT_CLASSES = {
 @pytest.mark.parametrize("code", [*sorted(EXIT_CLASSES), 1])
 def test_the_real_job_controller_matches_each_exit_code_to_its_pod_failure_policy_rule(run, code):
     """Without a supervisor: the JobSet as train-segment creates it, one worker exits with ``code``."""
-    from recovery_steps.kernel.jobset import pod_failure_policy
+    from jaxrec.model.jobset import pod_failure_policy
 
     run.rc.apply(run.manifest(0), api=run.rc.api(run.token))  # as the steps' ServiceAccount
     pods = run.workers(0)

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from realcluster import RealCluster, pdeathsig, wait_for
 
+from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
+from jaxrec.model.config import JobConfig, StorageConfig, SupervisionConfig, load_config
+from jaxrec.model.jobset import JobSetParams, jobset_manifest
+from jaxrec.model.names import jobset_name
+from jaxrec.model.records import SupervisionRecord, WorkerHeartbeat
 from recovery_steps import classify_failure
-from recovery_steps.kernel.config import JobConfig, StorageConfig, SupervisionConfig, load_config
-from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
-from recovery_steps.kernel.names import jobset_name
-from recovery_steps.kernel.records import SupervisionRecord, WorkerHeartbeat
-from recovery_steps.kernel.store import AttemptRef, RunLayout, RunStore
 from workflows.rbac import rbac_objects
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,10 +14,10 @@ from argoctl import LOCAL_ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import HOSTS, INDEX, REPO, CpuHosts
 
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.documents import read_worker_reports
-from recovery_steps.kernel.names import jobset_name
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.documents import read_worker_reports
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import load_config
+from jaxrec.model.names import jobset_name
 
 TERMINAL = argoctl.TERMINAL
 TOTAL_STEPS = load_config(REPO / "configs" / LOCAL_ARGO_FILE).training.total_steps

@@ -9,7 +9,7 @@ from __future__ import annotations
 # area -> (the product modules it covers, the test modules that check them; tests/k8s ones under "k8s/").
 AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "config": (
-        "recovery_steps/validate_config.py, preflight.py; kernel/config.py, compat.py, tpu.py, tasks.py",
+        "recovery_steps/validate_config.py, preflight.py; jaxrec/model/config.py, compat.py, tpu.py, tasks.py",
         ("test_config", "test_compat", "test_validate_config", "test_preflight", "test_fault_table", "test_tasks"),
     ),
     "workflow": (
@@ -26,11 +26,11 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "supervisor": (
         "recovery_steps/supervision.py, train_segment.py, provision_slice.py, kube_gang.py; "
-        "kernel/kube.py, jobset.py, gang.py",
+        "jaxrec/adapters/kube.py, model/jobset.py, gang.py",
         ("test_supervision", "test_train_segment", "test_provision_slice", "test_step_skeleton", "k8s/test_supervisor"),
     ),
     "classify": (
-        "recovery_steps/classify.py, evidence.py, classify_failure.py, retry.py; kernel/snapshot.py, contract.py",
+        "recovery_steps/classify.py, evidence.py, classify_failure.py, retry.py; jaxrec/model/snapshot.py, contract.py",
         ("test_classify", "test_classify_failure", "test_evidence", "test_retry", "test_transient"),
     ),
     "lease": (
@@ -38,7 +38,8 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("test_lease", "test_hand_over", "test_finalize", "k8s/test_run_lease"),
     ),
     "checkpoints": (
-        "recovery_steps/restore_latest.py; kernel/checkpoints.py, restore.py, verify.py, tiers.py; trainer/local_*",
+        "recovery_steps/restore_latest.py; jaxrec/adapters/checkpoints.py, restore.py, verify.py, model/tiers.py; "
+        "trainer/local_*",
         (
             "test_restore",
             "test_restore_check",
@@ -51,7 +52,7 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
         ),
     ),
     "store": (
-        "recovery_steps/kernel/store.py, documents.py, records.py, iam.py",
+        "jaxrec/adapters/store.py, documents.py, iam.py, model/records.py",
         ("test_store", "test_documents", "test_credentials"),
     ),
     "trainers": (
@@ -89,7 +90,7 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("test_drill", "k8s/test_argo_drill", "k8s/test_drill_trainers"),
     ),
     "report": (
-        "workflows/report.py; kernel/incidents.py, totals.py, metrics.py",
+        "workflows/report.py; jaxrec/adapters/incidents.py, model/totals.py, metrics.py",
         ("test_report", "test_goodput", "test_run_totals"),
     ),
     "chaos": (

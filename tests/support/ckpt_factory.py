@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from recovery_steps.kernel.checkpoints import write_manifest
-from recovery_steps.kernel.config import JobConfig, load_config
-from recovery_steps.kernel.records import CheckpointManifest, RestoreRecord
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.checkpoints import write_manifest
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import JobConfig, load_config
+from jaxrec.model.records import CheckpointManifest, RestoreRecord
 
 
 def tiny_config(**overrides: Any) -> JobConfig:

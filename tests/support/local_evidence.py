@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from recovery_steps.kernel.jobset import pod_failure_policy
-from recovery_steps.kernel.snapshot import ContainerState, JobEvidence, PodEvidence
+from jaxrec.model.jobset import pod_failure_policy
+from jaxrec.model.snapshot import ContainerState, JobEvidence, PodEvidence
 from workflows.local.slices import job_failure
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.records import EventKind
-from recovery_steps.kernel.store import RunStore
+from jaxrec.adapters.store import RunStore
+from jaxrec.model.config import load_config
+from jaxrec.model.records import EventKind
 from workflows.build import render_workflow
 from workflows.report import load_events
 

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.config import load_config
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import load_config
 from support.fake_k8s import JOBSET_NAME_LABEL, FakeCluster, pod
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def node(name, *, pool="tpu-pool-a", ready=True, taints=(), labels=None, unsched
 def jobset(
     name: str, run_id: str, *, attempt_label: bool = True, deleting: bool = False, namespace: str = NS
 ) -> dict[str, Any]:
-    """A run's JobSet, labelled as kernel.jobset labels it (its attempt, when ``attempt_label``: the name ends
+    """A run's JobSet, labelled as model.jobset labels it (its attempt, when ``attempt_label``: the name ends
     -a<attempt>); ``deleting``: its deletion is under way."""
     labels = {"jaxrec/run-id": run_id}
     if attempt_label:

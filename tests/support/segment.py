@@ -1,6 +1,6 @@
 """The JobSet a generated Workflow's train-segment step creates, rendered as the step renders it.
 
-The Workflow carries no manifest: train-segment renders it (``kernel.jobset.jobset_manifest``) from the config
+The Workflow carries no manifest: train-segment renders it (``model.jobset.jobset_manifest``) from the config
 validate-config pins (the Workflow's ``config`` artifact, stored as ``config.json``) and the attempt's parameters
 its arguments carry.
 """
@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
+from jaxrec.model.config import JobConfig, parse_config
+from jaxrec.model.jobset import JobSetParams, jobset_manifest
 from recovery_steps import train_segment as ts
-from recovery_steps.kernel.config import JobConfig, parse_config
-from recovery_steps.kernel.jobset import JobSetParams, jobset_manifest
 
 # The train-segment arguments the JobSet is rendered from, by the JobSetParams field each fills.
 PARAM_FLAGS = {

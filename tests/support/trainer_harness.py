@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.config import JobConfig, parse_config
-from recovery_steps.kernel.records import EventKind, WorkerEvent, parse_event_line
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.config import JobConfig, parse_config
+from jaxrec.model.records import EventKind, WorkerEvent, parse_event_line
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -28,10 +28,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from recovery_steps.kernel.kube import IN_POD_ENV
-from recovery_steps.kernel.names import TERMINATION_LOG_ENV
-from recovery_steps.kernel.records import now
-from recovery_steps.kernel.snapshot import ClusterSnapshot
+from jaxrec.adapters.kube import IN_POD_ENV
+from jaxrec.model.names import TERMINATION_LOG_ENV
+from jaxrec.model.records import now
+from jaxrec.model.snapshot import ClusterSnapshot
 from workflows.local.engine import FAILED, SUCCEEDED, NodeInfo, NodePhase, WorkflowError
 from workflows.local.slices import LocalSlice, WorkerProc, pod_name, slice_snapshot
 
@@ -88,7 +88,7 @@ def resolve_env(env: list[Mapping[str, Any]], field_values: Mapping[str, str]) -
 
 def process_env(repo_root: Path, base_env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
     """The environment of a local process: this one's, ``base_env``, the repository on ``PYTHONPATH``, ``extra``."""
-    # Not a pod, even when the runner itself runs in one: the steps act on local processes (kernel.kube.in_pod).
+    # Not a pod, even when the runner itself runs in one: the steps act on local processes (adapters.kube.in_pod).
     env = {k: v for k, v in os.environ.items() if k != IN_POD_ENV}
     env.update(base_env)
     pp = env.get("PYTHONPATH", "")

@@ -19,8 +19,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from recovery_steps.kernel.contract import NodePhase
-from recovery_steps.kernel.records import now
+from jaxrec.model.contract import NodePhase
+from jaxrec.model.records import now
 from workflows.local import expr as local_expr
 
 SUCCEEDED, FAILED, ERROR, SKIPPED, OMITTED = (

@@ -20,12 +20,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.contract import AttemptOutcome, ExitCode
-from recovery_steps.kernel.gang import Attachment
-from recovery_steps.kernel.records import SupervisionRecord, now
-from recovery_steps.kernel.snapshot import ClusterSnapshot
-from recovery_steps.kernel.step import StepError, run_step
-from recovery_steps.kernel.store import RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.contract import AttemptOutcome, ExitCode
+from jaxrec.model.gang import Attachment
+from jaxrec.model.records import SupervisionRecord, now
+from jaxrec.model.snapshot import ClusterSnapshot
+from recovery_steps.step import StepError, run_step
 from workflows.local.cluster import (
     TICK,
     ClusterSetup,
@@ -65,7 +65,7 @@ class RunStopped(Exception):
 
 
 class LocalGang:
-    """One attempt's JobSet as local worker processes: train-segment's port (``kernel.gang.Gang``) on this machine.
+    """One attempt's JobSet as local worker processes: train-segment's port (``model.gang.Gang``) on this machine.
 
     It acts through the run's ``LocalCluster``: ``observe`` answers with the same ``ClusterSnapshot`` the Kubernetes
     adapter builds (``slice_snapshot``); ``delete`` does what deleting the JobSet does to its pods (SIGTERM, then
@@ -291,8 +291,8 @@ class LocalExecutor:
         """Run ``python -m recovery_steps.train_segment`` here: the step's own program over a ``LocalGang``.
 
         The same supervisor, decision, record, stop and error mapping as on GKE (``train_segment.step`` under the
-        kernel's ``run_step``) run over the worker processes, with the JobSet the step renders from the run's pinned
-        config (``kernel.jobset``, as on GKE); a JobSet of this attempt that is still running is
+        steps' ``run_step``) run over the worker processes, with the JobSet the step renders from the run's pinned
+        config (``model.jobset``, as on GKE); a JobSet of this attempt that is still running is
         re-attached, not started again.
         """
         from recovery_steps import train_segment

@@ -11,9 +11,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.records import EventKind, Incident, WorkerEvent, parse_event_line
-from recovery_steps.kernel.totals import steps_lost
+from jaxrec.model.contract import FailureClass
+from jaxrec.model.records import EventKind, Incident, WorkerEvent, parse_event_line
+from jaxrec.model.totals import steps_lost
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recovery_steps.kernel.config import LocalTierConfig
-from recovery_steps.kernel.records import EventKind, WorkerEvent, now
-from recovery_steps.kernel.store import RunStore
+from jaxrec.adapters.store import RunStore
+from jaxrec.model.config import LocalTierConfig
+from jaxrec.model.records import EventKind, WorkerEvent, now
 from workflows.faults import corrupt_newest_checkpoint, flip_middle
 from workflows.local.cluster import SliceHooks
 from workflows.local.engine import NodePhase
@@ -433,7 +433,7 @@ class Injector(SliceHooks):
 
     def _shutdown_window(self) -> float:
         """The run's ``slice.preemption_window_s`` (30 s, the Spot notice, when the config cannot be read)."""
-        from recovery_steps.kernel.documents import read_run_config
+        from jaxrec.adapters.documents import read_run_config
 
         try:
             return float(read_run_config(self.store()).slice.preemption_window_s)

@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from recovery_steps.kernel import records
-from recovery_steps.kernel.config import RetryConfig
-from recovery_steps.kernel.contract import FailureClass
-from recovery_steps.kernel.metrics import spec
-from recovery_steps.kernel.totals import run_totals
+from jaxrec.model import records
+from jaxrec.model.config import RetryConfig
+from jaxrec.model.contract import FailureClass
+from jaxrec.model.metrics import spec
+from jaxrec.model.totals import run_totals
 
 RUN_STATUSES = ("Running", "Succeeded", "Failed")
 REASON_MAX_CHARS = 200

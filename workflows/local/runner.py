@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from recovery_steps import lease
-from recovery_steps.kernel import records
-from recovery_steps.kernel.config import (
+from jaxrec.adapters.store import STORE_RETRY_DEADLINE_ENV, DocumentError, RunLayout, RunStore
+from jaxrec.model import records
+from jaxrec.model.config import (
     ConfigError,
     JobConfig,
     largest_attempt,
@@ -28,9 +28,9 @@ from recovery_steps.kernel.config import (
     run_id_pod_name_problem,
     run_id_problem,
 )
-from recovery_steps.kernel.outputs import STEP_OUTPUTS
-from recovery_steps.kernel.records import now
-from recovery_steps.kernel.store import STORE_RETRY_DEADLINE_ENV, DocumentError, RunLayout, RunStore
+from jaxrec.model.outputs import STEP_OUTPUTS
+from jaxrec.model.records import now
+from recovery_steps import lease
 from workflows.local.engine import NodeInfo, NodePhase, NodeResult, WorkflowError, WorkflowRun
 from workflows.local.executor import LocalExecutor
 from workflows.local.incidents import EventTail, Segment, build_incidents

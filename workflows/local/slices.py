@@ -1,7 +1,7 @@
 """The local slices: one attempt's worker processes (``LocalSlice``), and how the Kubernetes API would show them.
 
 ``slice_snapshot`` (what ``cluster.LocalCluster`` answers with) turns the worker processes of a ``LocalSlice`` into the
-same record the Kubernetes adapter of ``train-segment`` builds from the API (``recovery_steps.kernel.snapshot``), so
+same record the Kubernetes adapter of ``train-segment`` builds from the API (``jaxrec.model.snapshot``), so
 that one supervisor, one decision, one record and one classifier serve both worlds. A worker the slice could not place
 is a Pending pod the scheduler refused; one whose image "cannot be pulled" is a Pending pod waiting in
 ``ImagePullBackOff``; a worker whose "node" was lost is Running on a node that is unreachable (Ready Unknown, the
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.names import TERMINATION_LOG_ENV, UNREACHABLE_TAINT
-from recovery_steps.kernel.records import now
-from recovery_steps.kernel.snapshot import (
+from jaxrec.model.names import TERMINATION_LOG_ENV, UNREACHABLE_TAINT
+from jaxrec.model.records import now
+from jaxrec.model.snapshot import (
     TRAINER_CONTAINER,
     ClusterSnapshot,
     Condition,

@@ -1,7 +1,7 @@
 """GKE monitoring for one job: PodMonitoring, alert rules, a Grafana dashboard, and the rules' promtool tests.
 
 Everything here is a pure function of the job config and the metric table
-(``recovery_steps.kernel.metrics``): the same config always renders the same text.
+(``jaxrec.model.metrics``): the same config always renders the same text.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from recovery_steps.kernel.config import ConfigError, JobConfig, load_config
-from recovery_steps.kernel.metrics import METRICS, exposed_name
+from jaxrec.model.config import ConfigError, JobConfig, load_config
+from jaxrec.model.metrics import METRICS, exposed_name
 from workflows.monitoring.dashboard import dashboard
 from workflows.monitoring.manifests import dump_yaml, pod_monitoring, rules_resources
 from workflows.monitoring.promtool import rule_tests
 from workflows.monitoring.rules import prometheus_rules, run_alerts, worker_alerts
 
-DOC_BEGIN = "<!-- metric-table:begin (generated from recovery_steps/kernel/metrics.py) -->"
+DOC_BEGIN = "<!-- metric-table:begin (generated from jaxrec/model/metrics.py) -->"
 DOC_END = "<!-- metric-table:end -->"
 
 __all__ = [
@@ -66,7 +66,7 @@ def render_rule_tests(cfg: JobConfig, stem: str) -> str:
 
 
 def metric_table_markdown() -> str:
-    """The metric table of docs/MONITORING.md, generated from ``recovery_steps.kernel.metrics``."""
+    """The metric table of docs/MONITORING.md, generated from ``jaxrec.model.metrics``."""
     rows = [
         "| metric | type | labels | exported by | GKE scrape name | meaning |",
         "|---|---|---|---|---|---|",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recovery_steps.kernel.config import JobConfig
+from jaxrec.model.config import JobConfig
 from workflows.monitoring.rules import gke_name
 
 DASHBOARD_PANELS = (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import yaml
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.names import RUN_ID_LABEL
+from jaxrec.model.config import JobConfig
+from jaxrec.model.names import RUN_ID_LABEL
 from workflows.monitoring.rules import rule_groups, rule_interval
 
 METRICS_PORT_NAME = "metrics"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recovery_steps.kernel.config import JobConfig
+from jaxrec.model.config import JobConfig
 from workflows.monitoring.rules import RUNBOOK, AlertRule, gke_name, run_alerts, worker_alerts
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.metrics import exposed_name
+from jaxrec.model.config import JobConfig
+from jaxrec.model.metrics import exposed_name
 
 RUNBOOK = "docs/RUNBOOK.md"
 

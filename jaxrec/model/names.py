@@ -1,7 +1,7 @@
 """The names and labels of a run's Kubernetes objects, the GKE node labels, and the verbs each step uses.
 
 No client here: the workflow generator (``workflows/``) builds manifests from these, and the steps' client
-(``kernel.kube``) finds objects by them.
+(``adapters.kube``) finds objects by them.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def longest_pod_name(run_id: str, attempt: int | str, hosts: int, replicated_job
     Job controller's 5-character random pod suffix) is a DNS-1035 label of at most 63 characters; ``GenPodName``
     is ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>`` (``pkg/util/placement/placement.go``). The run's
     JobSet has one Job (index 0) of ``hosts`` pods (indices 0 to hosts-1) in the replicated job ``workers``
-    (``recovery_steps/kernel/jobset.py`` ``REPLICATED_JOB``).
+    (``jaxrec/model/jobset.py`` ``REPLICATED_JOB``).
     """
     return f"{jobset_name(run_id, attempt)}-{replicated_job}-0-{hosts - 1}-abcde"
 
@@ -166,7 +166,7 @@ def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
     """
     if slice_cfg.is_local:
         return {}
-    from recovery_steps.kernel.tpu import TPU_TYPES
+    from jaxrec.model.tpu import TPU_TYPES
 
     sel = {
         TPU_ACCELERATOR_LABEL: TPU_TYPES[slice_cfg.accelerator].gke_accelerator,

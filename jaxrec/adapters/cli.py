@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from recovery_steps.kernel.config import ATTEMPT_CEILING, StorageConfig, run_id_problem
+from jaxrec.model.config import ATTEMPT_CEILING, StorageConfig, run_id_problem
 
 ATTEMPT_MAX = ATTEMPT_CEILING
 """Highest attempt number accepted: the one validate-config checks the run id's pod names against."""
@@ -227,7 +227,7 @@ def store_error_line(step: str, url: str, exc: BaseException) -> str:
     detail = " ".join(str(exc).split()) or name
     if len(detail) > 160:
         detail = detail[:157] + "..."
-    from recovery_steps.kernel.store import is_transient
+    from jaxrec.adapters.store import is_transient
 
     if is_transient(exc):
         fix = "transient (the store, or the metadata server that gives its credentials, did not answer); retried"

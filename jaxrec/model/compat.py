@@ -118,7 +118,7 @@ def task_rules(config: Mapping[str, Any]) -> dict[str, Rule]:
 
     An unresolvable task declares none: its options stay under the unsafe ``task.options`` rule.
     """
-    from recovery_steps.kernel.tasks import TaskError, resolve_task
+    from jaxrec.model.tasks import TaskError, resolve_task
 
     name = (config.get("task") or {}).get("name", "lm")
     try:

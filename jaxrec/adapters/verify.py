@@ -18,18 +18,18 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from recovery_steps.kernel.checkpoints import (
+from jaxrec.adapters.checkpoints import (
     GCS_COMMIT,
     LOCAL_METADATA,
     MAX_MANIFEST_BYTES,
     MAX_MANIFEST_FILES,
     stream_digests,
 )
-from recovery_steps.kernel.compat import check_compatible
-from recovery_steps.kernel.contract import SkipKind
-from recovery_steps.kernel.records import CheckpointManifest, Ledger, ManifestFile
-from recovery_steps.kernel.store import ObjectInfo, RunLayout, RunStore
-from recovery_steps.kernel.tasks import TaskError, resolve_task
+from jaxrec.adapters.store import ObjectInfo, RunLayout, RunStore
+from jaxrec.model.compat import check_compatible
+from jaxrec.model.contract import SkipKind
+from jaxrec.model.records import CheckpointManifest, Ledger, ManifestFile
+from jaxrec.model.tasks import TaskError, resolve_task
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 """Orbax names a local step directory ``<step>.orbax-checkpoint-tmp-<n>`` until the save is committed."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.store import split_gcs_url
+from jaxrec.adapters.store import split_gcs_url
+from jaxrec.model.config import JobConfig
 
 # The role that grants each storage permission the run needs on its bucket (GCS IAM roles:
 # roles/storage.objectUser has storage.objects.*, not storage.buckets.get; roles/storage.legacyBucketReader

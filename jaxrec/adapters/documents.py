@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from recovery_steps.kernel.config import JobConfig, parse_config
-from recovery_steps.kernel.records import Ledger, RunConfigDocument, WorkerExitReport
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
+from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.model.config import JobConfig, parse_config
+from jaxrec.model.records import Ledger, RunConfigDocument, WorkerExitReport
 
 
 def read_run_config(store: RunStore) -> JobConfig:

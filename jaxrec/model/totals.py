@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from recovery_steps.kernel.records import EventKind, Incident, WorkerEvent
+from jaxrec.model.records import EventKind, Incident, WorkerEvent
 
 
 def steps_lost(pre_failure_step: int, restored_step: int) -> int:

@@ -2,8 +2,8 @@
 
 A step raises ``StepError(code, line)`` for anything that ends it early; one ``main`` (``Step``, ``main``,
 ``run_step``) parses its arguments, proves its outputs writable, configures logging, and maps every failure to one
-line and its exit code (``kernel.contract.ExitCode``), leaving the step's failure record. No step imports another
-step: what two steps share lives here or elsewhere in the kernel.
+line and its exit code (``model.contract.ExitCode``), leaving the step's failure record. No step imports another
+step: what two steps share lives here, beside them, or in ``jaxrec``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recovery_steps.kernel.config import ConfigError, JobConfig
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.names import termination_log
-from recovery_steps.kernel.store import DocumentError, RunStore
+from jaxrec.adapters.store import DocumentError, RunStore
+from jaxrec.model.config import ConfigError, JobConfig
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.names import termination_log
 
 
 class StepError(Exception):
@@ -45,11 +45,11 @@ def api_error(
     transient_hint: str = "",
     refused_hint: str = REFUSED_HINT,
 ) -> StepError:
-    """A failed Kubernetes API call as the step's error: the one mapping (``kernel.kube.api_exit_code``), one line.
+    """A failed Kubernetes API call as the step's error: the one mapping (``adapters.kube.api_exit_code``), one line.
 
     429, 5xx and a connection that fails are transient (69, retried); any other refusal is configuration (2).
     """
-    from recovery_steps.kernel.kube import api_error_line, api_exit_code
+    from jaxrec.adapters.kube import api_error_line, api_exit_code
 
     code = ExitCode(api_exit_code(e))
     line = f"{doing}: {api_error_line(e)}" if doing else api_error_line(e)
@@ -78,7 +78,7 @@ def load_run_config(store_root: str, run_id: str, *, check_ledger: bool = True) 
         StepError: Configuration (exit 2), one line naming the fix, when the config is absent or unusable, or the
             ledger is damaged.
     """
-    from recovery_steps.kernel.documents import read_ledger, read_run_config
+    from jaxrec.adapters.documents import read_ledger, read_run_config
 
     store = RunStore(store_root, run_id)
     try:
@@ -105,14 +105,14 @@ def k8s_config_errors() -> tuple[type[BaseException], ...]:
 
 
 def k8s_client(host: str | None, *, fix: str = "run in the cluster or give --k8s-host") -> Any:
-    """The steps' one Kubernetes client factory (``kernel.kube.make_api_client``).
+    """The steps' one Kubernetes client factory (``adapters.kube.make_api_client``).
 
     A missing config is one line ending in ``fix``, exit 2.
 
     Raises:
         StepError: No in-cluster config, no kubeconfig and no ``host``.
     """
-    from recovery_steps.kernel.kube import make_api_client
+    from jaxrec.adapters.kube import make_api_client
 
     try:
         return make_api_client(host)
@@ -166,8 +166,8 @@ def run_step(
     err: Callable[[str], None] = _stderr,
 ) -> int:
     """The step after its arguments: act, print its outputs, and map every failure to one line and its exit code."""
-    from recovery_steps.kernel.cli import store_error_line
-    from recovery_steps.kernel.store import StoreUnavailable, is_transient, store_errors
+    from jaxrec.adapters.cli import store_error_line
+    from jaxrec.adapters.store import StoreUnavailable, is_transient, store_errors
 
     def failed(line: str, code: int) -> int:
         err(line)
@@ -198,7 +198,7 @@ def run_step(
 
 def main(step: Step, argv: Sequence[str] | None = None) -> int:
     """A step's ``main``: parse (a bad argument is one line, exit 2), prove the outputs writable, log, run."""
-    from recovery_steps.kernel import cli
+    from jaxrec.adapters import cli
 
     ap = step.parser()
     args = ap.parse_args(argv)

@@ -75,7 +75,7 @@ def resolve_task(name: str) -> TaskSpec:
     if not isinstance(spec, TaskSpec):
         raise TaskError(
             f"task.name: {module_name}.{attr} is {'missing' if spec is None else type(spec).__name__}, not a "
-            "TaskSpec; point task.name at a TaskSpec (recovery_steps.kernel.tasks.TaskSpec)"
+            "TaskSpec; point task.name at a TaskSpec (jaxrec.model.tasks.TaskSpec)"
         )
     if not _VERSION.match(spec.version):
         raise TaskError(f"task.name: {target} declares version {spec.version!r}; use 1-40 letters, digits, '.-_'")

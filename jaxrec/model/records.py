@@ -1,6 +1,6 @@
 """Every document the parts exchange through the run store, each declared once as a pydantic record.
 
-Each record's path is one function of ``RunLayout`` (``recovery_steps.kernel.store``); writers and readers go
+Each record's path is one function of ``RunLayout`` (``jaxrec.adapters.store``); writers and readers go
 through ``RunStore.write_record`` / ``RunStore.read_record``, which refuse an unreadable or wrong-shaped
 document with one line naming the file (``DocumentError``). The decisions made over these records live
 elsewhere (``classify``, ``verify``, ``retry``).
@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from recovery_steps.kernel.contract import (
+from jaxrec.model.contract import (
     AttemptOutcome,
     Backend,
     Decision,
@@ -33,8 +33,8 @@ from recovery_steps.kernel.contract import (
     StallKind,
     outcome_check,
 )
-from recovery_steps.kernel.snapshot import ClusterSnapshot
-from recovery_steps.kernel.tiers import Tier
+from jaxrec.model.snapshot import ClusterSnapshot
+from jaxrec.model.tiers import Tier
 
 # The outcomes each record holds (``AttemptOutcome``'s subsets), refused outside them when a record is validated.
 _RecordedOutcome = Annotated[

@@ -3,7 +3,7 @@
 The supervisor (``recovery_steps.train_segment.Supervisor``) is written once over this port; each world is one
 adapter: ``recovery_steps.kube_gang.KubeGang`` over the Kubernetes API (JobSet, Jobs, pods, nodes), and
 ``workflows.local.executor.LocalGang`` over the worker processes of the local runner. Both answer ``observe`` with
-the same record, ``kernel.snapshot.ClusterSnapshot``, so the decision, the record and the stop cannot drift apart
+the same record, ``model.snapshot.ClusterSnapshot``, so the decision, the record and the stop cannot drift apart
 between the two worlds (house style: one port, several adapters, as JobSet's reconciler runs over an injected
 client and clock).
 """
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from recovery_steps.kernel.snapshot import ClusterSnapshot
+from jaxrec.model.snapshot import ClusterSnapshot
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from recovery_steps.kernel.contract import FAILURE_CLASSES, FailureClass
-from recovery_steps.kernel.names import POD_NAME_MAX, longest_pod_name
-from recovery_steps.kernel.tasks import BUILTIN_TASKS, TaskError, TaskSpec, resolve_task, validate_options
-from recovery_steps.kernel.tpu import LOCAL, TPU_TYPES
+from jaxrec.model.contract import FAILURE_CLASSES, FailureClass
+from jaxrec.model.names import POD_NAME_MAX, longest_pod_name
+from jaxrec.model.tasks import BUILTIN_TASKS, TaskError, TaskSpec, resolve_task, validate_options
+from jaxrec.model.tpu import LOCAL, TPU_TYPES
 
 _GCS_URL = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$")
 _NAMED = re.compile(r"^[a-z_]+(\.[a-z_]+)+: ")

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from recovery_steps.kernel.names import MAINTENANCE_LABELS, RECLAIM_TAINTS, SPOT_LABEL, UNREACHABLE_TAINT
+from jaxrec.model.names import MAINTENANCE_LABELS, RECLAIM_TAINTS, SPOT_LABEL, UNREACHABLE_TAINT
 
 COMPLETION_INDEX_KEYS = ("batch.kubernetes.io/job-completion-index",)
 TRAINER_CONTAINER = "trainer"

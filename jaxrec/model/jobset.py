@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from recovery_steps.kernel.config import JobConfig
-from recovery_steps.kernel.contract import EXIT_CODES
-from recovery_steps.kernel.names import (
+from jaxrec.model.config import JobConfig
+from jaxrec.model.contract import EXIT_CODES
+from jaxrec.model.names import (
     ATTEMPT_LABEL,
     JOBSET_GROUP,
     JOBSET_VERSION,

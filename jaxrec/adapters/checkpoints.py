@@ -33,8 +33,8 @@ from pathlib import Path
 
 import google_crc32c
 
-from recovery_steps.kernel.records import CheckpointManifest, ManifestFile
-from recovery_steps.kernel.store import CRC_CHUNK, ObjectInfo, RunLayout, RunStore
+from jaxrec.adapters.store import CRC_CHUNK, ObjectInfo, RunLayout, RunStore
+from jaxrec.model.records import CheckpointManifest, ManifestFile
 
 GCS_COMMIT = "commit_success.txt"
 """On GCS orbax writes the step in place and this file last, in the step directory."""

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from recovery_steps.kernel.contract import AttemptOutcome, FailureClass
-from recovery_steps.kernel.documents import read_ledger, read_worker_reports
-from recovery_steps.kernel.records import (
+from jaxrec.adapters.documents import read_ledger, read_worker_reports
+from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.model.contract import AttemptOutcome, FailureClass
+from jaxrec.model.records import (
     AttemptRecord,
     Incident,
     Ledger,
@@ -28,8 +29,7 @@ from recovery_steps.kernel.records import (
     WorkerExitReport,
     WorkerHeartbeat,
 )
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
-from recovery_steps.kernel.totals import steps_lost
+from jaxrec.model.totals import steps_lost
 
 
 @dataclass(frozen=True)

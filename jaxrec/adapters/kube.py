@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from recovery_steps.kernel.names import (
+from jaxrec.model.names import (
     ARGO_GROUP,
     ARGO_VERSION,
     JOBSET_GROUP,
@@ -36,7 +36,7 @@ def api_exit_code(e: BaseException) -> int:
     Fail``), no answer at all and every transport error are transient (69, retried in place); any other refusal
     (401, 403, 404, 422, ...) is configuration (2).
     """
-    from recovery_steps.kernel.contract import ExitCode
+    from jaxrec.model.contract import ExitCode
 
     status = getattr(e, "status", None)
     if type(e).__name__ == "ApiException" and status not in (None, 0):
@@ -148,7 +148,7 @@ class Kube:
     """The calls the steps make to the Kubernetes API for one namespace, answered as the API's own JSON.
 
     Every call passes a client-side timeout (``API_TIMEOUT_S``) and asks for the raw body (``_preload_content=False``)
-    so that what the steps read is exactly what the API returns, parsed once into ``kernel.snapshot`` records.
+    so that what the steps read is exactly what the API returns, parsed once into ``model.snapshot`` records.
     A 404 on a read by name is None; every other refusal is the client's ``ApiException``, which
     ``api_exit_code`` maps to the step's exit code.
     """

@@ -3,7 +3,7 @@
 Each step's declaration drives the Hera template's output parameters (``workflows.templates``), the step's
 writer (``StepOutputs.write``: one file per parameter, as Argo's ``valueFrom.path`` reads them) and every
 reader (``StepOutputs.read``: the local runner, the tests). A ``when`` condition compares the values of the
-enums in ``recovery_steps.kernel.contract``, never a literal typed twice.
+enums in ``jaxrec.model.contract``, never a literal typed twice.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Self, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from recovery_steps.kernel.contract import (
+from jaxrec.model.contract import (
     AttemptOutcome,
     Decision,
     FailureClass,
@@ -170,7 +170,7 @@ class SegmentOutputs(StepOutputs):
     """``train-segment`` (the attempt's supervisor)."""
 
     TEMPLATE: ClassVar[str] = "train-segment"
-    outcome: _SegmentOutcome = out("succeeded, failed or stalled (kernel.contract.AttemptOutcome).", shown=True)
+    outcome: _SegmentOutcome = out("succeeded, failed or stalled (model.contract.AttemptOutcome).", shown=True)
     stall_kind: StallKind | None = out(
         "capacity, configuration, image-pull, hang, node-lost or refused when stalled; empty otherwise.", shown=True
     )

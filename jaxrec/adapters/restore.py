@@ -13,12 +13,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from recovery_steps.kernel.config import ConfigError
-from recovery_steps.kernel.contract import ExitCode
-from recovery_steps.kernel.documents import read_run_config
-from recovery_steps.kernel.records import QuarantineReason, RestoreRecord, SkippedStep, now
-from recovery_steps.kernel.store import DocumentError, RunLayout, RunStore
-from recovery_steps.kernel.verify import (
+from jaxrec.adapters.documents import read_run_config
+from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.adapters.verify import (
     Selection,
     Skip,
     StoreLayoutError,
@@ -26,6 +23,9 @@ from recovery_steps.kernel.verify import (
     closed_attempts,
     verify_checkpoints,
 )
+from jaxrec.model.config import ConfigError
+from jaxrec.model.contract import ExitCode
+from jaxrec.model.records import QuarantineReason, RestoreRecord, SkippedStep, now
 
 log = logging.getLogger(__name__)
 

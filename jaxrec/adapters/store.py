@@ -594,7 +594,7 @@ def credentials_source() -> str:
     """
     if os.environ.get("STORAGE_EMULATOR_HOST") and not os.environ.get("GCE_METADATA_HOST"):
         return "anonymous"
-    from recovery_steps.kernel.kube import in_pod
+    from jaxrec.adapters.kube import in_pod
 
     if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") or not in_pod():
         return "adc"
@@ -685,7 +685,7 @@ class RunStore:
     """The documents and checkpoints of one run, under ``<root>/runs/<run_id>/``."""
 
     def __init__(self, root: str, run_id: str, *, gcs_client: Any = None):
-        from recovery_steps.kernel.config import run_id_problem
+        from jaxrec.model.config import run_id_problem
 
         # The run id names a folder: one syntax (the config's) keeps every write under runs/<run-id>/.
         problem = run_id_problem(run_id)
