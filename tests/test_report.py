@@ -1,4 +1,4 @@
-"""Incident building (pure), the report's table and picture, and the local runner's input errors."""
+"""Incident building (one builder, over records and events), the report's table and picture, input errors."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from jaxrec.adapters.incidents import AttemptFacts, incidents_from_facts
 from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.config import LocalTierConfig
 from jaxrec.model.contract import FailureClass
@@ -22,7 +23,7 @@ from jaxrec.model.records import (
 )
 from workflows import local, report
 from workflows.local import inject
-from workflows.local.incidents import EventTail, Injected, Segment, build_incidents, read_events
+from workflows.local.events import EventTail, read_events
 from workflows.local.inject import Injector, parse_injections
 
 
@@ -44,25 +45,52 @@ def _events():
     return ev
 
 
-def test_incident_timings_from_events_and_segments():
-    segs = [Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)]
-    incs = build_incidents(
-        segs, _events(), [128.0], [Injected("kill-worker", 0, 125.8)], {0: FailureClass.INFRASTRUCTURE}
+def _facts(events, *, supervised=True):
+    """Attempt 0 failed (the supervisor decided at 126.0, its gang gone at 126.5); attempt 1's slice was ready at
+    128.0; each attempt's workers' ``events``."""
+    sup = SupervisionRecord(
+        attempt=0, jobset="r-a0", outcome="failed", reason="worker 1 exit 137", detected_at=126.0, stopped_at=126.5
     )
-    assert len(incs) == 1
-    inc = incs[0]
+    return [
+        AttemptFacts(
+            0,
+            supervision=sup if supervised else None,
+            failure_class=FailureClass.INFRASTRUCTURE,
+            events=tuple(e for e in events if e.attempt == 0),
+        ),
+        AttemptFacts(
+            1,
+            provision=ProvisionRecord(exit_code=0, message="", at=128.0),
+            events=tuple(e for e in events if e.attempt == 1),
+        ),
+    ]
+
+
+def test_incident_timings_from_the_records_and_the_workers_events():
+    [t] = incidents_from_facts(_facts(_events()), {0: ("kill-worker", 125.8)})
+    inc = t.incident
     assert (inc.pre_failure_step, inc.restored_step, inc.steps_lost) == (15, 10, 5)
     assert inc.scenario == "kill-worker" and inc.failure_class == FailureClass.INFRASTRUCTURE
     assert (inc.injected_at, inc.detected_at, inc.stopped_at, inc.slice_ready_at) == (125.8, 126.0, 126.5, 128.0)
     assert (inc.workers_started_at, inc.restored_at, inc.first_step_at) == (131, 136, 141)
-    assert inc.recovered_at == 145  # first event at step 15 in attempt 1
+    assert inc.recovered_at == 145 and not t.recovered_estimated  # first event at step 15 in attempt 1
     assert inc.recovery_seconds == pytest.approx(145 - 125.8)
+
+
+def test_an_attempt_left_open_that_a_later_one_followed_is_an_incident_timed_by_its_last_sign_of_life():
+    # Its Workflow was deleted: no verdict, no ledger entry; its workers' last event was step 15 at 125.
+    [t] = incidents_from_facts(_facts(_events(), supervised=False), {0: ("delete-workflow", 124.0)})
+    inc = t.incident
+    assert (inc.detected_at, inc.stopped_at, inc.pre_failure_step, inc.steps_lost) == (125, 125, 15, 5)
+    assert inc.recovered_at == 145
+    # The last attempt left open (still running, nothing after it) is not one.
+    assert incidents_from_facts(_facts(_events(), supervised=False)[:1]) == []
 
 
 def test_no_lost_step_means_recovered_at_first_step():
     ev = [e for e in _events() if not (e.attempt == 0 and (e.step or 0) > 10)]
-    incs = build_incidents([Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)], ev, [], [])
-    assert incs[0].steps_lost == 0 and incs[0].recovered_at == incs[0].first_step_at
+    [t] = incidents_from_facts(_facts(ev))
+    assert t.incident.steps_lost == 0 and t.incident.recovered_at == t.incident.first_step_at
 
 
 def test_a_failure_before_the_first_step_loses_nothing_beyond_its_start():
@@ -70,13 +98,13 @@ def test_a_failure_before_the_first_step_loses_nothing_beyond_its_start():
     ev = [e for e in _events() if e.attempt == 1 or e.event in (EventKind.STARTED, EventKind.RESTORED)]
     fresh = {"step": 0, "restore_step": -1}
     ev = [e.model_copy(update=fresh) if e.attempt == 1 and e.event == EventKind.RESTORED else e for e in ev]
-    incs = build_incidents([Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)], ev, [], [])
-    assert (incs[0].pre_failure_step, incs[0].restored_step, incs[0].steps_lost) == (0, 0, 0)
-    assert incs[0].recovered_at == incs[0].first_step_at
+    [t] = incidents_from_facts(_facts(ev))
+    assert (t.incident.pre_failure_step, t.incident.restored_step, t.incident.steps_lost) == (0, 0, 0)
+    assert t.incident.recovered_at == t.incident.first_step_at
     # Died before even restoring: what it had is unknown from its events, and nothing is claimed.
     ev = [e for e in ev if e.attempt == 1 or e.event == EventKind.STARTED]
-    incs = build_incidents([Segment(0, 100, 126.5, True, 126.0), Segment(1, 130, 160, False)], ev, [], [])
-    assert incs[0].pre_failure_step is None and incs[0].steps_lost is None
+    [t] = incidents_from_facts(_facts(ev))
+    assert t.incident.pre_failure_step is None and t.incident.steps_lost is None
 
 
 def test_event_files_read_as_typed_events_skipping_torn_and_foreign_lines(tmp_path):
@@ -92,8 +120,8 @@ def test_event_files_read_as_typed_events_skipping_torn_and_foreign_lines(tmp_pa
 
 
 def test_last_failure_without_a_next_attempt_has_no_recovery():
-    incs = build_incidents([Segment(0, 100, 126.5, True, 126.0)], _events(), [], [])
-    assert incs[0].recovered_at is None and incs[0].restored_step is None
+    [t] = incidents_from_facts(_facts(_events())[:1])
+    assert t.incident.recovered_at is None and t.incident.restored_step is None
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from jaxrec.model.records import EventKind, WorkerEvent, now
 from workflows.faults import corrupt_newest_checkpoint, flip_middle
 from workflows.local.cluster import SliceHooks
 from workflows.local.engine import NodePhase
-from workflows.local.incidents import EventTail, Injected, max_step
+from workflows.local.events import EventTail, Injected, max_step
 from workflows.local.slices import LocalSlice
 
 log = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from jaxrec.adapters.incidents import incidents_from_facts, read_attempt_facts
 from jaxrec.adapters.store import STORE_RETRY_DEADLINE_ENV, DocumentError, RunLayout, RunStore
 from jaxrec.model import records
 from jaxrec.model.config import (
@@ -32,8 +33,8 @@ from jaxrec.model.outputs import STEP_OUTPUTS
 from jaxrec.model.records import now
 from recovery_steps import lease
 from workflows.local.engine import NodeInfo, NodePhase, NodeResult, WorkflowError, WorkflowRun
+from workflows.local.events import EventTail
 from workflows.local.executor import LocalExecutor
-from workflows.local.incidents import EventTail, Segment, build_incidents
 from workflows.local.inject import SCENARIOS, Injector, parse_injections
 from workflows.local.outage import OutagePlan, OutageProxy, parse_outages
 
@@ -443,7 +444,6 @@ class _LocalRun:
         t0 = now()
         all_nodes: list[tuple[NodeInfo, NodeResult]] = []
         all_inner: list[tuple[NodeInfo, NodeResult]] = []
-        executors: list[LocalExecutor] = []
         restarts = 0
         names: list[str] = []
         # The next Workflow to run: (name, uid); a continuation's are the ones its hand-over step recorded.
@@ -458,7 +458,6 @@ class _LocalRun:
                     events_dir=work_dir / "events",
                     grace_seconds=self.grace_seconds,
                 )
-                executors.append(ex)
                 printer = _Printer(say, t0, self.cfg.slice.num_hosts)
                 progress = self.outages.wrap(printer) if self.outages is not None else printer
                 wf = {**self.wf, "metadata": {**self.wf.get("metadata", {}), "uid": nxt[1]}}
@@ -490,8 +489,7 @@ class _LocalRun:
             feed.stop_feeding()
         events.poll()
         ledger = _read_ledger(store)
-        segments = _segments([sl for ex in executors for sl in ex.slices], injector.fired, t0)
-        incidents = _incidents(segments, events, all_nodes, injector, ledger)
+        incidents = _incidents(store, events, injector, ledger, say)
         feed.close(ledger, incidents)
         digest = _safe(lambda: final_digest(store))
         result = LocalRunResult(
@@ -575,34 +573,28 @@ def _handed_to(
 
 
 def _incidents(
-    segments: list[Segment],
+    store: RunStore,
     events: EventTail,
-    nodes: Sequence[tuple[NodeInfo, NodeResult]],
     injector: Injector,
     ledger: records.Ledger | None,
+    say: Callable[[str], None],
 ) -> list[records.Incident]:
-    """The run's incidents, timed from its segments, the workers' events and the provision-slice nodes."""
-    provision_done = [
-        r.finished_at for n, r in nodes if n.template == "provision-slice" and r.phase == NodePhase.SUCCEEDED
-    ]
-    classes = {a.attempt: a.failure_class for a in ledger.attempts} if ledger else {}
-    return build_incidents(segments, events.events, provision_done, injector.fired, classes)
+    """The run's incidents, from the one builder (``adapters.incidents``).
 
-
-def _segments(slices: Sequence[Any], fired: Sequence[Any], t0: float) -> list[Segment]:
-    """One training segment per local slice the executors ran: its window, whether it failed, when detected."""
-    segments = []
-    deleted_attempts = [f for f in fired if f.scenario == "delete-workflow"]
-    for sl in slices:
-        started = min(w.started_at or sl.ended_at or t0 for w in sl.workers)
-        ended = sl.ended_at or now()
-        was_deleted = any(started <= f.at <= ended + 1 and f.attempt == sl.attempt for f in deleted_attempts)
-        first = sl.workers[sl.first_failure_index].ended_at if sl.first_failure_index is not None else None
-        # The supervisor's decision is when the failure was detected (its supervision record's time).
-        detected = sl.detected_at if sl.phase == NodePhase.FAILED else first
-        failed = sl.phase == NodePhase.FAILED or sl.first_failure_index is not None or was_deleted
-        segments.append(Segment(sl.attempt, started, ended, failed, detected or first, was_deleted))
-    return segments
+    Over the run store's records of each attempt, timed by the workers' events, named by the faults injected into it.
+    """
+    scenarios: dict[int, list[str]] = {}
+    for f in injector.fired:
+        scenarios.setdefault(f.attempt, []).append(f.scenario)
+    injected = {
+        a: ("+".join(dict.fromkeys(names)), min(f.at for f in injector.fired if f.attempt == a))
+        for a, names in scenarios.items()
+    }
+    facts = _safe(lambda: read_attempt_facts(store, ledger, events.events))
+    if facts is None:
+        say("incidents not built: the run store could not be read (the log says why)")
+        return []
+    return [t.incident for t in incidents_from_facts(facts, injected)]
 
 
 def _hand_over_from(store: RunStore, uid: str) -> records.HandOver | None:
