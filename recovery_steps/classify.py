@@ -646,7 +646,9 @@ def classify(evidence: Evidence) -> Verdict:
             [_inventory(evidence)] + context,
         )
     judged = {id(o): _judge(o) for o in obs}
-    first = first_failed(
+    # The worker the supervisor named when it saw the gang fail (by the same rule, on its live view), else the
+    # rule over what is left to see now.
+    first = _named_by_supervisor(evidence, obs) or first_failed(
         obs,
         ended=lambda o: o.at,
         index=lambda o: o.index,
@@ -672,6 +674,14 @@ def classify(evidence: Evidence) -> Verdict:
         first_worker=first.index,
         cause_worker=cause.index,
     )
+
+
+def _named_by_supervisor(ev: Evidence, obs: list[_Obs]) -> _Obs | None:
+    """The failed worker the supervisor's failure verdict names, when it is among ``obs``."""
+    sup = ev.supervision
+    if sup is None or sup.outcome != AttemptOutcome.FAILED or sup.worker is None:
+        return None
+    return next((o for o in obs if o.index == sup.worker), None)
 
 
 def _unexplained(ev: Evidence) -> str:

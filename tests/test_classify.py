@@ -737,6 +737,19 @@ def test_a_supervised_ordinary_failure_is_classified_from_the_workers():
     assert classify(ev).failure_class == FailureClass.APPLICATION
 
 
+def test_the_worker_the_supervisors_failure_verdict_names_is_the_first_that_failed():
+    # Two workers killed within one second: alone, the lower index is named first; the supervisor saw worker 3 go
+    # first on its live view and named it (_supervised: worker 3), and classify-failure names the same one.
+    pods = [pod(0, 137, 60, reason="Error"), pod(1, 20, 62), pod(2, 20, 62), pod(3, 137, 60, reason="Error")]
+    alone = classify(Evidence(backend="gke", attempt=0, pods=pods))
+    assert alone.first_worker == 0
+    v = classify(Evidence(backend="gke", attempt=0, pods=pods, supervision=_supervised("failed", None, "why")))
+    assert v.first_worker == 3 and v.reason.startswith("worker 3 ") and v.failure_class == alone.failure_class
+    # A named worker no longer among the failed ones (its pod gone from the evidence): the rule over the rest.
+    rest = Evidence(backend="gke", attempt=0, pods=pods[:3], supervision=_supervised("failed", None, "why"))
+    assert classify(rest).first_worker == 0
+
+
 IMPENDING = "cloud.google.com/impending-node-termination:NoSchedule"
 # A node-lost stall, as the supervisor recorded it with its snapshot (worker 3 on gke-tpu-3), and the class it is.
 # (id, the snapshot's nodes, the workers' exit reports, the stall's reason, class, a fragment of the reason)
