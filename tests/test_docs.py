@@ -113,6 +113,16 @@ def test_the_scenario_tables_of_the_docs_are_the_scenario_table():
         assert f"`{s.name}`" in README, s.name
 
 
+def test_the_runbooks_drill_table_has_one_row_per_fault_the_drill_injects():
+    """docs/RUNBOOK.md's ``--inject`` table names the rows of the one fault table that act on a cluster."""
+    from workflows.faults import FAULTS
+
+    runbook = (Path(__file__).resolve().parents[1] / "docs" / "RUNBOOK.md").read_text()
+    section = runbook.split("| `--inject` | what it does | expect |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `([\w-]+)` \|", section, re.M)
+    assert sorted(rows) == sorted(f.name for f in FAULTS if f.on_cluster), rows
+
+
 def test_the_testing_guide_has_one_row_per_area_with_its_commands():
     """docs/TESTING.md's area table is the area table of the tests (tests/support/areas.py): one row each, in the
     same order, naming the markers its commands select by."""

@@ -126,7 +126,11 @@ def test_last_failure_without_a_next_attempt_has_no_recovery():
 
 @pytest.mark.parametrize(
     ("specs", "problem"),
-    [(["explode"], "unknown scenario 'explode'"), (["kill-worker@x"], "STEP must be a positive integer")],
+    [
+        (["explode"], "unknown scenario 'explode'"),
+        (["kill-worker@x"], "STEP must be a positive integer"),
+        (["drain-node@5"], "drain-node acts on a cluster only: inject it with python -m workflows.drill"),
+    ],
 )
 def test_bad_injections_name_the_option(specs, problem):
     _, problems = parse_injections(specs, 10)

@@ -45,7 +45,7 @@ from jaxrec.model.names import (
     RUN_ID_LABEL,
 )
 from jaxrec.model.snapshot import PodPhase
-from workflows.faults import corrupt_newest_checkpoint
+from workflows.faults import FAULTS, corrupt_newest_checkpoint
 
 ARGO = ("argoproj.io", "v1alpha1", "workflows")
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"  # Argo puts it on every pod of a Workflow (workflow/common)
@@ -54,15 +54,8 @@ JOBSET = (JOBSET_GROUP, JOBSET_VERSION)
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"  # on a static pod's mirror (kubernetes pkg/kubelet/types)
 
 
-class Fault(enum.StrEnum):
-    """The failures the drill injects (the design's list of worker, host and control failures)."""
-
-    DELETE_WORKER = "delete-worker"  # a worker pod deleted through the API
-    KILL_WORKER = "kill-worker"  # the trainer process of one worker SIGKILLed (pod exec)
-    DRAIN_NODE = "drain-node"  # one worker's node cordoned and its pods evicted, as `kubectl drain` does
-    DELETE_SUPERVISOR = "delete-supervisor"  # the train-segment pod evicted, as a drain of its node does
-    RESUBMIT = "resubmit"  # the Workflow deleted and the same file submitted again (same run id)
-    CORRUPT_CHECKPOINT = "corrupt-checkpoint"  # a worker deleted; once the attempt stopped, the newest step damaged
+# The faults the drill injects: the rows of the one fault table (``workflows.faults``) with a way to act on a cluster.
+Fault = enum.StrEnum("Fault", [(f.name.upper().replace("-", "_"), f.name) for f in FAULTS if f.on_cluster])
 
 
 class DrillError(Exception):
@@ -298,7 +291,7 @@ def has_checkpoint(store: RunStore, at_least: int) -> bool:
 
 
 CORRUPT_WAIT_S = 600.0
-"""How long corrupt-checkpoint waits for the attempt's workers to stop after the deletion."""
+"""How long corrupt-latest waits for the attempt's workers to stop after the deletion."""
 
 
 def workers_selector(run_id: str, attempt: int) -> str:
@@ -336,7 +329,7 @@ def _corrupt_after_stop(cluster: Cluster, store: RunStore, target: Target, victi
 def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fault: Fault, attempt: int) -> str:
     """Inject ``fault`` into the run's attempt; one line saying what was done."""
     workers = cluster.pods(workers_selector(target.run_id, attempt))
-    if fault in (Fault.DELETE_WORKER, Fault.KILL_WORKER, Fault.DRAIN_NODE, Fault.CORRUPT_CHECKPOINT) and not workers:
+    if fault in (Fault.DELETE_WORKER, Fault.KILL_WORKER, Fault.DRAIN_NODE, Fault.CORRUPT_LATEST) and not workers:
         raise DrillError(f"no running worker pod of run {target.run_id} attempt {attempt}")
     victim = workers[-1].metadata.name if workers else ""
     if fault is Fault.DELETE_WORKER:
@@ -355,13 +348,13 @@ def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fau
             if p.spec.node_name == node:
                 cluster.evict(p.metadata.name)
         return f"drained node {node} (cordoned; the run's pods on it evicted)"
-    if fault is Fault.DELETE_SUPERVISOR:
+    if fault is Fault.SUPERVISOR_LOST:
         sup = [p for p in cluster.pods(f"{WORKFLOW_LABEL}={workflow}") if _is_supervisor(p)]
         if not sup:
             raise DrillError(f"no running train-segment pod of workflow {workflow}")
         cluster.evict(sup[-1].metadata.name)
         return f"evicted supervisor pod {sup[-1].metadata.name}"
-    if fault is Fault.CORRUPT_CHECKPOINT:
+    if fault is Fault.CORRUPT_LATEST:
         return _corrupt_after_stop(cluster, store, target, victim, attempt)
     raise DrillError(f"--inject {fault}: handled by the caller")
 
@@ -483,7 +476,7 @@ def run_drill(
         waited += f" with a checkpoint at or past step {after_checkpoint}" if after_checkpoint is not None else ""
         attempt, step = wait_until(waited, progress, deadline)
         at = time.time()
-        if fault is Fault.RESUBMIT:
+        if fault is Fault.DELETE_WORKFLOW:
             cluster.delete_workflow(name)
             wait_until(f"workflow {name} to go", lambda: not _exists(cluster, name), deadline)
             name = cluster.submit(target.doc)
@@ -544,7 +537,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; exit 0 when the drill ran and the run ended Succeeded, 1 when it ended otherwise, 2 on error."""
     ap = argparse.ArgumentParser(prog="python -m workflows.drill", description=__doc__.splitlines()[0])
     ap.add_argument("--workflow", type=Path, required=True, help="A file from argo/, submitted as it is.")
-    ap.add_argument("--inject", type=Fault, choices=list(Fault), required=True)
+    ap.add_argument(
+        "--inject",
+        type=Fault,
+        choices=list(Fault),
+        required=True,
+        help="; ".join(f"{f.name}: {f.on_cluster}" for f in FAULTS if f.on_cluster),
+    )
     ap.add_argument("--context", help="The kubeconfig context of the cluster to drill (required unless --yes).")
     ap.add_argument("--yes", action="store_true", help="Drill the current kubeconfig context.")
     ap.add_argument("--kubeconfig", help="Default: $KUBECONFIG or ~/.kube/config.")

@@ -131,10 +131,10 @@ def test_drill_delete_worker_is_recovered_and_measured(real_cluster, drilled_ns,
     assert table[1].split()[:3] == ["0", "delete-worker", str(inc.failure_class)]
 
 
-def test_drill_delete_supervisor_leaves_the_gang_training_and_closes_no_attempt(real_cluster, drilled_ns, tmp_path):
+def test_drill_supervisor_lost_leaves_the_gang_training_and_closes_no_attempt(real_cluster, drilled_ns, tmp_path):
     """The drill evicts the train-segment pod (as a drain of its node does): Argo retries the step, the new
     supervisor re-attaches to the same gang, which keeps its pods; the run Succeeds on attempt 0 with no incident."""
-    d = Drilled(real_cluster, str(tmp_path / "store"), drill.Fault.DELETE_SUPERVISOR, after_step=20)
+    d = Drilled(real_cluster, str(tmp_path / "store"), drill.Fault.SUPERVISOR_LOST, after_step=20)
     first = d.workers(0)
     d.beat(0, 25)
     wait_for("the drill to inject", lambda: len(d.lines) >= 2 or d.error, 120, 0.5)

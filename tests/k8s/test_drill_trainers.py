@@ -110,14 +110,14 @@ def test_drill_drain_node_real_trainers(trainer_drill, chaos_uninterrupted):
     assert final_digest(d) == final_digest(chaos_uninterrupted[0])
 
 
-def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, chaos_uninterrupted):
-    """``corrupt-checkpoint``: the drill deletes a worker pod and, once every worker of the attempt has stopped,
+def test_drill_corrupt_latest_real_trainers(trainer_drill, chaos_uninterrupted):
+    """``corrupt-latest``: the drill deletes a worker pod and, once every worker of the attempt has stopped,
     flips bytes of the newest checkpoint on the GCS emulator. restore-latest finds the damage (CRC32C against the
     manifest), quarantines the step and the next attempt restores the one before it."""
     d = trainer_drill
-    res = d.run(drill.Fault.CORRUPT_CHECKPOINT, after_step=18)
+    res = d.run(drill.Fault.CORRUPT_LATEST, after_step=18)
     corrupted = int(res.injected.split("/checkpoints/")[1].split("/")[0])
-    t = _one_incident(res, drill.Fault.CORRUPT_CHECKPOINT)
+    t = _one_incident(res, drill.Fault.CORRUPT_LATEST)
     quarantined = d.store.children(RunLayout.QUARANTINE)
     assert any(q.split("-")[0].split(".")[0] == str(corrupted) for q in quarantined), (corrupted, quarantined)
     assert t.incident.restored_step is not None and t.incident.restored_step < corrupted, t.incident
@@ -126,13 +126,13 @@ def test_drill_corrupt_checkpoint_real_trainers(trainer_drill, chaos_uninterrupt
     assert final_digest(d) == final_digest(chaos_uninterrupted[0])
 
 
-def test_drill_resubmit_real_trainers(trainer_drill, chaos_uninterrupted):
-    """``resubmit``: the drill deletes the Workflow (no exit handler runs; the gang, which the Workflow does not own,
-    trains on) and submits the same file again. The new Workflow's validate-config takes the run lease at once (the
+def test_drill_delete_workflow_real_trainers(trainer_drill, chaos_uninterrupted):
+    """``delete-workflow``: the drill deletes the Workflow (no exit handler runs; the gang, which the Workflow does not
+    own, trains on) and submits the same file again. The new Workflow's validate-config takes the run lease at once (the
     old holder's Workflow is gone from the same cluster and namespace), continues at attempt 0, and its supervisor
     re-attaches to the gang that never stopped: no attempt closed, no incident, no step lost."""
     d = trainer_drill
-    res = d.run(drill.Fault.RESUBMIT, after_step=10)
+    res = d.run(drill.Fault.DELETE_WORKFLOW, after_step=10)
     assert (res.phase, res.final_status, res.incidents) == ("Succeeded", "Succeeded", []), res
     assert res.injected.startswith("deleted the workflow and submitted it again as "), res.injected
     ledger = read_ledger(d.store)

@@ -16,7 +16,7 @@ from pathlib import Path
 from jaxrec.adapters.store import RunStore
 from jaxrec.model.config import LocalTierConfig
 from jaxrec.model.records import EventKind, WorkerEvent, now
-from workflows.faults import corrupt_newest_checkpoint, flip_middle
+from workflows.faults import FAULTS, corrupt_newest_checkpoint, flip_middle
 from workflows.local.cluster import SliceHooks
 from workflows.local.engine import NodePhase
 from workflows.local.events import EventTail, Injected, max_step
@@ -25,142 +25,7 @@ from workflows.local.slices import LocalSlice
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """One injectable fault: its name, what it does (``--inject``'s help), how it acts, and how the run ends."""
-
-    name: str
-    does: str
-    # watch: on the workers when one reaches STEP; trainer: the trainer injects it into itself (TRAINER_FAULT);
-    # withhold: the first attempt's slice never starts one worker; after-failure: on the store after a failed
-    # attempt; hosts: on the hosts (local disks, placement) after the failed attempt, which a kill at STEP causes.
-    acts: str
-    withheld: str | None  # withhold: the waiting reason the worker's pod shows
-    ends: str  # how the run ends: Succeeded, or Failed (the class's budget spent)
-
-
-SCENARIO_TABLE: tuple[Scenario, ...] = (
-    Scenario("kill-worker", "SIGKILL one non-zero worker at STEP", "watch", None, "Succeeded"),
-    Scenario(
-        "restart-worker",
-        "kill one worker and start it again alone (it cannot rejoin: the gang fails and recovers)",
-        "watch",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "preempt",
-        "SIGTERM every worker at STEP, SIGKILL after the shutdown window (saved if it fits: no step lost)",
-        "watch",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "freeze-worker",
-        "SIGSTOP one worker at STEP (peers notice through heartbeats or the watchdog)",
-        "watch",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "delete-workflow",
-        "stop the whole local run at STEP and start it again with the same run id",
-        "watch",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "corrupt-latest",
-        "after a failure, damage the newest checkpoint (a kill at STEP unless another fault is given)",
-        "after-failure",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "kill-during-save",
-        "process 0 kills itself while the checkpoint of STEP is written (first attempt)",
-        "trainer",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "app-bug",
-        "an exception in the training step at STEP on every attempt (ends Failed: application)",
-        "trainer",
-        None,
-        "Failed",
-    ),
-    Scenario(
-        "stuck-pending",
-        'the first attempt"s slice cannot place one worker (Pending, no room): capacity stall',
-        "withhold",
-        "Unschedulable",
-        "Succeeded",
-    ),
-    Scenario(
-        "image-pull",
-        "one worker of the first attempt never starts (ImagePullBackOff): configuration stall",
-        "withhold",
-        "ImagePullBackOff",
-        "Failed",
-    ),
-    Scenario(
-        "node-lost",
-        'at STEP one worker"s host is lost: frozen (SIGSTOP) and its pod Terminating: node-lost stall',
-        "watch",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "silent-hang",
-        "every worker stops stepping at STEP, alive, in-process watchdog off (first attempt): hang stall",
-        "trainer",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "supervisor-lost",
-        "the train-segment supervisor is lost at STEP; its retry re-attaches to the running gang",
-        "watch",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "lose-host",
-        'local tiers: a kill at STEP, then the killed worker"s host is replaced (its local disk is gone)',
-        "hosts",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "lose-two-hosts",
-        'local tiers: a kill at STEP, then the killed worker"s host and the one before it are replaced',
-        "hosts",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "corrupt-local",
-        'local tiers: a kill at STEP, then the killed worker"s newest part on its own disk is damaged',
-        "hosts",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "swap-hosts",
-        'local tiers: a kill at STEP, then workers 0 and 1 come back on each other"s hosts',
-        "hosts",
-        None,
-        "Succeeded",
-    ),
-    Scenario(
-        "lose-slice",
-        "local tiers: a kill at STEP, then every host is replaced (only GCS is left)",
-        "hosts",
-        None,
-        "Succeeded",
-    ),
-)
+SCENARIO_TABLE = tuple(f for f in FAULTS if f.acts is not None)  # the faults a local run rehearses
 SCENARIOS = {s.name: s.does for s in SCENARIO_TABLE}
 HOST_FAULTS = tuple(s.name for s in SCENARIO_TABLE if s.acts == "hosts")
 _WATCHED = tuple(s.name for s in SCENARIO_TABLE if s.acts == "watch")
@@ -199,7 +64,12 @@ def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], 
     for spec in specs:
         name, _, step_s = spec.partition("@")
         if name not in SCENARIOS:
-            problems.append(f"--inject {spec}: unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
+            if any(f.name == name for f in FAULTS):
+                problems.append(
+                    f"--inject {spec}: {name} acts on a cluster only: inject it with python -m workflows.drill"
+                )
+            else:
+                problems.append(f"--inject {spec}: unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
             continue
         if step_s:
             if not step_s.isdigit() or int(step_s) < 1:
