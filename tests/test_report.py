@@ -137,6 +137,20 @@ def test_bad_injections_name_the_option(specs, problem):
     assert len(problems) == 1 and problem in problems[0] and specs[0] in problems[0]
 
 
+def test_each_fault_the_trainer_injects_is_one_of_the_trainers_kinds_and_sets_it_when_its_row_says():
+    from trainer.decisions import FAULT_KINDS
+    from workflows.faults import FAULTS
+
+    acting = [f for f in FAULTS if f.acts == "trainer"]
+    assert acting and all(f.trainer_fault in FAULT_KINDS for f in acting), acting
+    assert all(f.trainer_fault is None for f in FAULTS if f.acts != "trainer")
+    injections, _ = parse_injections(["app-bug@7", "silent-hang@9"], 5)
+    injector = Injector(injections, EventTail(Path("/nonexistent")), lambda: None)
+    first, second = injector.extra_env(0), injector.extra_env(1)
+    assert first == {"TRAINER_FAULT": "app-bug@7,hang@9", "TRAINER_WATCHDOG": "off"}
+    assert second == {"TRAINER_FAULT": "app-bug@7"}  # the hang: the first attempt only
+
+
 def test_default_steps_and_corrupt_latest_brings_a_kill():
     inj, problems = parse_injections(["corrupt-latest", "kill-during-save", "preempt@7"], 10)
     assert not problems

@@ -30,6 +30,11 @@ class Fault:
     ends: str  # how the local run ends: Succeeded, or Failed (the class's budget spent)
     # What ``workflows.drill`` does on a cluster (``docs/RUNBOOK.md`` says what to expect).
     on_cluster: str | None = None
+    # acts "trainer": the fault the trainer injects into itself (``TRAINER_FAULT``'s KIND, one of
+    # ``trainer.decisions.FAULT_KINDS``), into the first attempt only unless ``every_attempt``, with ``trainer_env``.
+    trainer_fault: str | None = None
+    every_attempt: bool = False
+    trainer_env: tuple[tuple[str, str], ...] = ()
 
 
 FAULTS: tuple[Fault, ...] = (
@@ -84,6 +89,7 @@ FAULTS: tuple[Fault, ...] = (
         "trainer",
         None,
         "Succeeded",
+        trainer_fault="kill-during-save",
     ),
     Fault(
         "app-bug",
@@ -91,6 +97,8 @@ FAULTS: tuple[Fault, ...] = (
         "trainer",
         None,
         "Failed",
+        trainer_fault="app-bug",
+        every_attempt=True,
     ),
     Fault(
         "stuck-pending",
@@ -119,6 +127,9 @@ FAULTS: tuple[Fault, ...] = (
         "trainer",
         None,
         "Succeeded",
+        # Every worker sleeps before STEP and nothing inside it notices: only the supervisor can.
+        trainer_fault="hang",
+        trainer_env=(("TRAINER_WATCHDOG", "off"),),
     ),
     Fault(
         "supervisor-lost",

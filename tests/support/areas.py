@@ -86,7 +86,7 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("test_standin_replay", "k8s/test_argo", "k8s/test_argo_cli", "k8s/test_argo_ui", "k8s/test_podexec"),
     ),
     "drill": (
-        "workflows/drill.py",
+        "workflows/drill.py, faults.py (the one fault table)",
         ("test_drill", "k8s/test_argo_drill", "k8s/test_drill_trainers"),
     ),
     "report": (

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 SCENARIO_TABLE = tuple(f for f in FAULTS if f.acts is not None)  # the faults a local run rehearses
 SCENARIOS = {s.name: s.does for s in SCENARIO_TABLE}
+FAULT_ROWS = {s.name: s for s in SCENARIO_TABLE}
 HOST_FAULTS = tuple(s.name for s in SCENARIO_TABLE if s.acts == "hosts")
 _WATCHED = tuple(s.name for s in SCENARIO_TABLE if s.acts == "watch")
 # Faults of the first attempt only that the slice itself plays (no worker process is signalled).
@@ -187,20 +188,15 @@ class Injector(SliceHooks):
         return None
 
     def extra_env(self, attempt: int) -> dict[str, str]:
-        """``TRAINER_FAULT`` for the trainer-side scenarios."""
+        """``TRAINER_FAULT`` (and what else the row sets) for the faults the trainer injects into itself."""
         self._slices_seen += 1
-        faults = []
+        faults: list[str] = []
+        env: dict[str, str] = {}
         for i in self.injections:
-            if i.scenario == "app-bug":
-                faults.append(f"app-bug@{i.step}")
-            elif i.scenario == "kill-during-save" and self._slices_seen == 1:
-                faults.append(f"kill-during-save@{i.step}")
-        env = {}
-        if any(i.scenario == "silent-hang" for i in self.injections) and self._slices_seen == 1:
-            # Every worker sleeps before STEP and nothing inside it notices: only the supervisor can.
-            hang = next(i for i in self.injections if i.scenario == "silent-hang")
-            faults.append(f"hang@{hang.step}")
-            env["TRAINER_WATCHDOG"] = "off"
+            row = FAULT_ROWS[i.scenario]
+            if row.trainer_fault is not None and (row.every_attempt or self._slices_seen == 1):
+                faults.append(f"{row.trainer_fault}@{i.step}")
+                env.update(row.trainer_env)
         if faults:
             env["TRAINER_FAULT"] = ",".join(faults)
         return env
