@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrec.adapters.iam import grant_command, permission_from_403
-from jaxrec.adapters.kube import API_TIMEOUT_S
+from jaxrec.adapters.kube import Kube
 from jaxrec.adapters.store import RunLayout, RunStore, split_gcs_url
 from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import ExitCode, FailureClass
-from jaxrec.model.names import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, STEP_VERBS
+from jaxrec.model.names import JOBSET_GROUP, STEP_VERBS
 from jaxrec.model.records import PreflightCheck
 from recovery_steps.step import k8s_client
 
@@ -273,74 +273,60 @@ def _restricted_gaps(pod: dict[str, Any]) -> list[str]:
 
 
 def check_cluster(cfg: JobConfig, api_client: Any) -> list[Problem]:
-    """Ask the API server what ``cluster_problems`` needs.
+    """Ask the API server what ``cluster_problems`` needs, through the steps' one client (``adapters.kube``).
 
     Raises:
         PreflightUnreachable: The API server did not answer or answered 429/5xx.
     """
     import urllib3
-    from kubernetes import client
+    from kubernetes.client import ApiException
 
-    core = client.CoreV1Api(api_client)
-    custom = client.CustomObjectsApi(api_client)
-    authz = client.AuthorizationV1Api(api_client)
-    ns = cfg.namespace
+    kube = Kube(api_client, cfg.namespace)
+
+    def answer(read: Any) -> ApiAnswer:
+        try:
+            got = read()
+        except ApiException as e:
+            if e.status == 429 or e.status >= 500:
+                raise
+            return ApiAnswer(e.status, _status_reason(e))
+        if not got:
+            return ApiAnswer(404, "NotFound")
+        labels = (got.get("metadata") or {}).get("labels") if isinstance(got, dict) else None
+        return ApiAnswer(200, labels=dict(labels or {}))
+
     queries: dict[str, Any] = {
-        "namespace": lambda: core.read_namespace(ns, _request_timeout=API_TIMEOUT_S),
+        "namespace": lambda: kube.get_namespace(cfg.namespace),
         # Listing in the namespace answers 404 "the server could not find the requested resource" when the
         # CRD is not installed, and needs only the list verb the steps have anyway.
-        "jobset-crd": lambda: custom.list_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, ns, JOBSET_PLURAL, limit=1, _request_timeout=API_TIMEOUT_S
-        ),
+        "jobset-crd": kube.jobsets_served,
     }
     for sa in sorted({cfg.service_account, cfg.worker_service_account}):
-        queries[f"serviceaccount/{sa}"] = lambda sa=sa: core.read_namespaced_service_account(
-            sa, ns, _request_timeout=API_TIMEOUT_S
-        )
-    answers: dict[str, ApiAnswer] = {}
+        queries[f"serviceaccount/{sa}"] = lambda sa=sa: kube.get_service_account(sa)
     try:
-        for key, q in queries.items():
-            try:
-                got = q()
-                meta = getattr(got, "metadata", None)
-                answers[key] = ApiAnswer(200, labels=dict(getattr(meta, "labels", None) or {}))
-            except client.ApiException as e:
-                if e.status in (429,) or e.status >= 500:
-                    raise PreflightUnreachable(f"Kubernetes API answered {e.status} {e.reason}") from None
-                answers[key] = ApiAnswer(e.status, _status_reason(e))
+        answers = {key: answer(q) for key, q in queries.items()}
         for use in STEP_VERBS:
-            if use.group == JOBSET_GROUP and answers.get("jobset-crd", ApiAnswer(200)).status == 404:
+            if use.group == JOBSET_GROUP and answers["jobset-crd"].status == 404:
                 continue
-            review = client.V1SelfSubjectAccessReview(
-                spec=client.V1SelfSubjectAccessReviewSpec(
-                    resource_attributes=client.V1ResourceAttributes(
-                        group=use.group,
-                        resource=use.resource,
-                        verb=use.verb,
-                        namespace=None if use.cluster_scoped else ns,
-                    )
-                )
-            )
-            got = authz.create_self_subject_access_review(review, _request_timeout=API_TIMEOUT_S)
-            key = f"can/{use.verb} {use.resource}"
-            answers[key] = ApiAnswer(201, allowed=bool(got.status and got.status.allowed))
+            allowed = kube.can(use.verb, use.resource, use.group, cluster_scoped=use.cluster_scoped)
+            answers[f"can/{use.verb} {use.resource}"] = ApiAnswer(201, allowed=allowed)
         problems = cluster_problems(cfg, answers)
         if not problems:  # a refusal for a missing account or namespace is said once, above
-            problems = dry_run_worker_pod(cfg, core)
-    except client.ApiException as e:
+            problems = dry_run_worker_pod(cfg, kube)
+    except ApiException as e:
         raise PreflightUnreachable(f"Kubernetes API answered {e.status} {e.reason}") from None
     except urllib3.exceptions.HTTPError as e:
         raise PreflightUnreachable(f"Kubernetes API unreachable: {e}") from None
     return problems
 
 
-def dry_run_worker_pod(cfg: JobConfig, core: Any) -> list[Problem]:
+def dry_run_worker_pod(cfg: JobConfig, kube: Kube) -> list[Problem]:
     """Create one worker pod as rendered with ``dryRun=All`` (admitted and validated, never stored); its problems.
 
     Raises:
         ApiException: 429 or 5xx (the caller's transient).
     """
-    from kubernetes import client
+    from kubernetes.client import ApiException
 
     template = worker_pod_template(cfg)
     meta = template.get("metadata") or {}
@@ -351,8 +337,8 @@ def dry_run_worker_pod(cfg: JobConfig, core: Any) -> list[Problem]:
         "spec": template["spec"],
     }
     try:
-        core.create_namespaced_pod(cfg.namespace, body, dry_run="All", _request_timeout=API_TIMEOUT_S)
-    except client.ApiException as e:
+        kube.dry_run_pod(body)
+    except ApiException as e:
         if e.status == 429 or e.status >= 500:
             raise
         if e.status == 403 and "cannot create resource" in _status_message(e):

@@ -230,6 +230,41 @@ class Kube:
         """The node ``name``, or None when the Node object is gone."""
         return self._maybe(self.core.read_node, name)
 
+    def get_service_account(self, name: str) -> dict[str, Any] | None:
+        """The namespace's ServiceAccount ``name``, or None when it does not exist."""
+        return self._maybe(self.core.read_namespaced_service_account, name, self.ns)
+
+    def jobsets_served(self) -> bool:
+        """Whether the API serves JobSets in the namespace (a LIST of at most one answers 404 without the CRD)."""
+        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
+        return self._maybe(self.custom.list_namespaced_custom_object, *where, limit=1) is not None
+
+    def can(self, verb: str, resource: str, group: str = "", *, cluster_scoped: bool = False) -> bool:
+        """Whether this client's identity may ``verb`` ``resource`` here.
+
+        A SelfSubjectAccessReview, which every authenticated identity may create (authorization.k8s.io/v1).
+        """
+        from kubernetes import client
+
+        attributes = {"group": group, "resource": resource, "verb": verb}
+        if not cluster_scoped:
+            attributes["namespace"] = self.ns
+        body = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": attributes},
+        }
+        resp = client.AuthorizationV1Api(self.core.api_client).create_self_subject_access_review(
+            body, _preload_content=False, _request_timeout=API_TIMEOUT_S
+        )
+        return bool((self._json(resp).get("status") or {}).get("allowed"))
+
+    def dry_run_pod(self, body: dict[str, Any]) -> None:
+        """Create the pod ``body`` with ``dryRun=All``: admitted and validated, never stored; a refusal raises."""
+        self.core.create_namespaced_pod(
+            self.ns, body, dry_run="All", _preload_content=False, _request_timeout=API_TIMEOUT_S
+        )
+
     def list_jobs(self, jobset: str, **kw: Any) -> Any:
         """The JobSet's Jobs: the list's JSON, or with ``watch=True`` the client's watch response."""
         return self.batch.list_namespaced_job(self.ns, label_selector=f"{JOBSET_NAME_LABEL}={jobset}", **kw)
