@@ -43,8 +43,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jaxrec.model.config import SupervisionConfig
 from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
-from jaxrec.model.names import UNREACHABLE_TAINT
-from jaxrec.model.snapshot import Condition, JobEvidence, PodPhase, first_failed
+from jaxrec.model.snapshot import Condition, JobEvidence, NodeEvidence, PodEvidence, PodPhase, first_failed
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet
 # pkg/kubelet/images/types.go and kuberuntime): they loop with a back-off and never fail the pod.
@@ -170,96 +169,6 @@ _VerdictState = Annotated[
 ]
 
 
-class PodObservation(_Rec):
-    """One worker pod as the supervisor last saw it."""
-
-    name: str
-    index: int | None = Field(default=None, description="Job completion index (the worker index).")
-    phase: PodPhase = PodPhase.PENDING
-    node: str | None = Field(default=None, description="spec.nodeName; None while unscheduled.")
-    created_at: float | None = None
-    conditions: tuple[Condition, ...] = ()
-    waiting_reason: str | None = Field(default=None, description="The trainer container's waiting reason.")
-    waiting_message: str | None = None
-    waiting_since: float | None = Field(
-        default=None,
-        description="When the container's current failure was first seen (``wait_clock``: the same pull failing "
-        "again keeps the time; another failure, or a container that started, starts it again).",
-    )
-    waiting_cause: str | None = Field(
-        default=None,
-        description="The failure behind the waiting reason as the adapter last saw it: an ImagePullBackOff message "
-        "of a kubelet before 1.32 does not repeat the pull's error, the ErrImagePull before it did.",
-    )
-    running_since: float | None = Field(
-        default=None, description="The trainer container's startedAt (running or ended)."
-    )
-    exit_code: int | None = Field(default=None, description="The trainer container's terminated exit code.")
-    terminated_reason: str | None = None
-    finished_at: float | None = Field(default=None, description="The trainer container's finishedAt (ended).")
-    deletion_timestamp: float | None = Field(default=None, description="Set once the pod is being deleted.")
-
-    def condition(self, type_: str) -> Condition | None:
-        """The condition of ``type_``, if the pod has it."""
-        return next((c for c in self.conditions if c.type == type_), None)
-
-    @property
-    def label(self) -> str:
-        """``worker <i>`` (or the pod name when the index is unknown)."""
-        return f"worker {self.index}" if self.index is not None else f"pod {self.name}"
-
-
-class NodeObservation(_Rec):
-    """One node a worker pod is bound to."""
-
-    name: str
-    ready: bool | None = Field(default=True, description="Ready condition: True, False, or None (Unknown).")
-    unreachable: bool = Field(default=False, description=f"Tainted {UNREACHABLE_TAINT}.")
-    since: float | None = Field(default=None, description="When Ready last changed (its lastTransitionTime).")
-    exists: bool = Field(default=True, description="False when the Node object is gone.")
-    ready_reason: str | None = Field(default=None, description="The Ready condition's reason (KubeletNotReady, ...).")
-    ready_message: str | None = Field(
-        default=None, description="The Ready condition's message ('node is shutting down' in a graceful shutdown)."
-    )
-    seen_lost_at: float | None = Field(
-        default=None,
-        description="When the supervisor first saw the node lost: the grace counts from it when the Ready condition "
-        "gives no time (the Node is gone, or Ready is True while the unreachable taint is on).",
-    )
-    spot: bool = Field(default=False, description="A Spot or preemptible VM (its GKE label is 'true').")
-    maintenance: str | None = Field(
-        default=None, description="A maintenance label or reclaim taint of the node ('taint k:effect', 'label k=v')."
-    )
-
-    @property
-    def lost(self) -> bool:
-        """True when the node cannot run (or confirm the end of) its pods."""
-        return not self.exists or self.unreachable or self.ready is not True
-
-    @property
-    def shutting_down(self) -> bool:
-        """True when the kubelet reports a graceful node shutdown (pkg/kubelet/nodeshutdown ``ShutdownStatus``)."""
-        text = f"{self.ready_reason or ''} {self.ready_message or ''}".lower()
-        return "shutting down" in text or "shutdown" in text
-
-    def lost_since(self, now: float) -> float:
-        """When the node was lost: its Ready transition, else when it was first seen lost, else ``now``."""
-        if self.exists and self.ready is not True and self.since is not None:
-            return self.since
-        return self.seen_lost_at if self.seen_lost_at is not None else now
-
-    @property
-    def state(self) -> str:
-        """``gone``, ``unreachable``, ``NotReady`` or ``Ready``, then what the node says about it."""
-        state = "gone" if not self.exists else ("unreachable" if self.unreachable else "NotReady")
-        if not self.lost:
-            state = "Ready"
-        facts = [f"{self.ready_reason or '-'}: {self.ready_message}" if self.ready_message else self.ready_reason]
-        facts += ["Spot" if self.spot else None, self.maintenance]
-        told = ", ".join(f for f in facts if f and self.exists)
-        return f"{state} ({told})" if told else state
-
-
 class WorkerProgress(_Rec):
     """A worker's newest heartbeat: its last completed step and when."""
 
@@ -346,6 +255,14 @@ STALE_VIEW_LIMIT_S = 300.0
 JOBSET_UNACTED_LIMIT_S = 300.0
 
 
+class WaitClock(_Rec):
+    """How long one container has waited on one failure; the adapter keeps it from one observation to the next."""
+
+    key: str = Field(description="The failure: pull or the creation reason, and its cause with digits masked.")
+    since: float = Field(description="When this failure was first seen.")
+    cause: str = Field(default="", description="The failure's own text (``waiting_cause``).")
+
+
 class Observation(_Rec):
     """Everything the decision looks at, at one instant."""
 
@@ -356,8 +273,19 @@ class Observation(_Rec):
     jobset_terminal_state: str | None = Field(default=None, description="status.terminalState of the JobSet.")
     jobset_conditions: tuple[Condition, ...] = ()
     jobs: tuple[JobEvidence, ...] = ()
-    pods: tuple[PodObservation, ...] = ()
-    nodes: tuple[NodeObservation, ...] = ()
+    pods: tuple[PodEvidence, ...] = Field(default=(), description="The worker pods, as the snapshot holds them.")
+    nodes: tuple[NodeEvidence, ...] = Field(default=(), description="Their nodes, as the snapshot holds them.")
+    waits: dict[str, WaitClock] = Field(
+        default_factory=dict,
+        description="The supervisor's clock of each pod's current pull or creation failure, by pod name "
+        "(``wait_clock``: the same failure again keeps the time; another, or a container that started, starts it "
+        "again).",
+    )
+    lost_seen: dict[str, float] = Field(
+        default_factory=dict,
+        description="When the supervisor first saw each lost node lost, by name: the grace counts from it when the "
+        "Ready condition gives no time (the Node is gone, or Ready is True while the unreachable taint is on).",
+    )
     progress: tuple[WorkerProgress, ...] = ()
     reads: tuple[HeartbeatRead, ...] = Field(
         default=(),
@@ -472,14 +400,6 @@ def one_line(text: str | None, n: int = 160) -> str:
     return first if len(first) <= n else first[: n - 3] + "..."
 
 
-class WaitClock(_Rec):
-    """How long one container has waited on one failure; the adapter keeps it from one observation to the next."""
-
-    key: str = Field(description="The failure: pull or the creation reason, and its cause with digits masked.")
-    since: float = Field(description="When this failure was first seen.")
-    cause: str = Field(default="", description="The failure's own text (``waiting_cause``).")
-
-
 def wait_clock(prev: WaitClock | None, reason: str | None, message: str | None, now: float) -> WaitClock | None:
     """The clock of a container's image-pull or creation failure after one more look at its waiting state.
 
@@ -511,9 +431,9 @@ def wait_clock(prev: WaitClock | None, reason: str | None, message: str | None, 
     return WaitClock(key=key, since=now, cause=cause)
 
 
-def _live(pods: tuple[PodObservation, ...]) -> list[PodObservation]:
+def _live(pods: tuple[PodEvidence, ...]) -> list[PodEvidence]:
     # A pod being deleted while its node is healthy is on its way out; count what the Job counts.
-    return [p for p in pods if not p.phase.ended]
+    return [p for p in pods if not p.ended]
 
 
 def _failed(obs: Observation) -> Verdict | None:
@@ -545,7 +465,7 @@ def _failed(obs: Observation) -> Verdict | None:
     return None
 
 
-def _ended(p: PodObservation) -> str:
+def _ended(p: PodEvidence) -> str:
     """``exit code 137, SIGKILL``: the code, the signal a code above 128 stands for, a reason other than Error."""
     if p.exit_code is None:
         return "no exit code"
@@ -584,8 +504,9 @@ def _container(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         reason = p.waiting_reason
         if reason not in IMAGE_WAITING_REASONS:
             continue
-        waited = obs.now - obs.counted_from(p.waiting_since if p.waiting_since is not None else obs.now)
-        cause = p.waiting_cause or waiting_cause(reason, p.waiting_message)
+        clock = obs.waits.get(p.name)
+        waited = obs.now - obs.counted_from(clock.since if clock is not None else obs.now)
+        cause = (clock.cause if clock is not None else "") or waiting_cause(reason, p.waiting_message)
         permanent = pull_failure_is_permanent(reason, cause)
         credentials = pull_failure_is_credentials(reason, cause)
         if reason in IMMEDIATE_WAITING_REASONS:
@@ -631,13 +552,13 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     nodes = {n.name: n for n in obs.nodes}
     for p in _live(obs.pods):
         n = nodes.get(p.node) if p.node else None
-        terminating = p.deletion_timestamp is not None
-        stuck = terminating and obs.now - obs.counted_from(p.deletion_timestamp) >= d.force_delete_grace_s
+        terminating = p.deleted_at is not None
+        stuck = terminating and obs.now - obs.counted_from(p.deleted_at) >= d.force_delete_grace_s
         if n is not None and n.lost:
-            lost_for = obs.now - obs.counted_from(n.lost_since(obs.now))
+            lost_for = obs.now - obs.counted_from(n.lost_since(obs.now, obs.lost_seen.get(n.name)))
             if lost_for < d.node_lost_grace_s and not stuck:
                 continue
-            pod = f"; its pod Terminating for {obs.now - p.deletion_timestamp:.0f} s" if terminating else ""
+            pod = f"; its pod Terminating for {obs.now - p.deleted_at:.0f} s" if terminating else ""
             return Verdict(
                 state=AttemptOutcome.STALLED,
                 kind=StallKind.NODE_LOST,
@@ -649,7 +570,7 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
             return Verdict(
                 state=AttemptOutcome.STALLED,
                 kind=StallKind.NODE_LOST,
-                reason=f"{p.label}: pod Terminating for {obs.now - p.deletion_timestamp:.0f} s "
+                reason=f"{p.label}: pod Terminating for {obs.now - p.deleted_at:.0f} s "
                 f"(grace {d.force_delete_grace_s:g} s) on node {p.node or '?'}",
                 worker=p.index,
             )

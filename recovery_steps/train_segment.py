@@ -82,9 +82,7 @@ from recovery_steps.supervision import (
     MISSING_PODS_GRACE_S,
     STALE_VIEW_LIMIT_S,
     HeartbeatRead,
-    NodeObservation,
     Observation,
-    PodObservation,
     ReadState,
     Verdict,
     WaitClock,
@@ -140,48 +138,6 @@ def recorded_verdict(store: RunStore, attempt: int) -> SupervisionRecord | None:
 
 def _trainer(p: PodEvidence) -> ContainerState | None:
     return next((c for c in p.containers if c.name == TRAINER_CONTAINER), None)
-
-
-def pod_observation(p: PodEvidence, clock: WaitClock | None = None) -> PodObservation:
-    """One pod as the decision sees it (``clock``: the clock of its current pull or creation failure)."""
-    c = _trainer(p)
-    ended = c is not None and c.state == "terminated"
-    waiting = c.waiting_reason if c is not None else None
-    clock = clock if waiting else None
-    return PodObservation(
-        name=p.name or "?",
-        index=p.worker_index,
-        phase=p.phase or PodPhase.PENDING,
-        node=p.node,
-        created_at=p.created_at,
-        conditions=tuple(p.conditions),
-        waiting_reason=waiting,
-        waiting_message=c.waiting_message if c is not None else None,
-        waiting_since=clock.since if clock else None,
-        waiting_cause=clock.cause if clock else None,
-        running_since=(c.running_since or (c.started_at if ended else None)) if c is not None else None,
-        exit_code=c.exit_code if ended else None,
-        terminated_reason=c.reason if ended else None,
-        finished_at=c.finished_at if ended else None,
-        deletion_timestamp=p.deleted_at,
-    )
-
-
-def node_observation(n: NodeEvidence, seen_lost_at: float | None = None) -> NodeObservation:
-    """A node as the decision sees it (``found`` False: the Node object is gone)."""
-    if not n.found:
-        return NodeObservation(name=n.name, ready=None, exists=False, seen_lost_at=seen_lost_at)
-    return NodeObservation(
-        name=n.name,
-        ready=n.ready,
-        unreachable=n.unreachable,
-        since=n.ready_since,
-        ready_reason=n.ready_reason,
-        ready_message=n.ready_message,
-        seen_lost_at=seen_lost_at,
-        spot=n.spot,
-        maintenance=n.maintenance(),
-    )
 
 
 # --- the supervisor ------------------------------------------------------------------------------
@@ -291,13 +247,13 @@ def worker_records(obs: Observation, beats: Sequence[WorkerHeartbeat], hosts: in
     return out
 
 
-def _pod_line(p: PodObservation, n: NodeObservation | None) -> str:
-    parts = [p.phase]
+def _pod_line(p: PodEvidence, n: NodeEvidence | None) -> str:
+    parts: list[str] = [p.phase or PodPhase.PENDING]
     if p.waiting_reason:
         parts.append(f"waiting {p.waiting_reason}")
     if p.exit_code is not None:
         parts.append(f"exit {p.exit_code} {p.terminated_reason or ''}".strip())
-    if p.deletion_timestamp is not None:
+    if p.deleted_at is not None:
         parts.append("Terminating")
     sched = p.condition("PodScheduled")
     if sched is not None and sched.status == "False":
@@ -305,7 +261,7 @@ def _pod_line(p: PodObservation, n: NodeObservation | None) -> str:
     if n is not None:
         parts.append(
             f"node {n.name} "
-            + ("gone" if not n.exists else "unreachable" if n.unreachable else "Ready" if n.ready else "NotReady")
+            + ("gone" if not n.found else "unreachable" if n.unreachable else "Ready" if n.ready else "NotReady")
         )
     return ", ".join(parts)
 
@@ -318,7 +274,7 @@ def evidence_lines(obs: Observation) -> list[str]:
         for p in sorted(obs.pods, key=lambda p: p.name)
     ]
     for n in obs.nodes:
-        state = "gone" if not n.exists else f"Ready={n.ready}" + (" unreachable" if n.unreachable else "")
+        state = "gone" if not n.found else f"Ready={n.ready}" + (" unreachable" if n.unreachable else "")
         lines.append(f"node {n.name}: {state}")
     for r in obs.unreadable:
         lines.append(
@@ -421,7 +377,7 @@ class Supervisor:
         # When each lost node was first seen lost: the grace counts from it when the node's Ready condition gives no
         # time (the Node is gone). A node seen healthy again starts over.
         for n in snap.nodes:
-            if node_observation(n).lost:
+            if n.lost:
                 self.lost_seen.setdefault(n.name, now)
             else:
                 self.lost_seen.pop(n.name, None)
@@ -480,10 +436,10 @@ class Supervisor:
             jobset_terminal_state=js.terminal_state if js else None,
             jobset_conditions=tuple(js.conditions) if js else (),
             jobs=tuple(snap.jobs),
-            pods=tuple(pod_observation(p, self.waits.get(p.name)) for p in snap.pods),
-            nodes=tuple(
-                node_observation(n, self.lost_seen.get(n.name)) for n in sorted(snap.nodes, key=lambda n: n.name)
-            ),
+            pods=tuple(snap.pods),
+            nodes=tuple(sorted(snap.nodes, key=lambda n: n.name)),
+            waits=dict(self.waits),
+            lost_seen=dict(self.lost_seen),
             progress=tuple(
                 WorkerProgress(
                     index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at, saving=b.saving

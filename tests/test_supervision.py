@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import pytest
 from pydantic import ValidationError
 
 from jaxrec.model.config import ConfigError, SupervisionConfig, parse_config
 from jaxrec.model.contract import AttemptOutcome
-from jaxrec.model.snapshot import Condition, JobEvidence, first_failed
+from jaxrec.model.names import SPOT_LABEL, UNREACHABLE_TAINT
+from jaxrec.model.snapshot import Condition, ContainerState, JobEvidence, NodeEvidence, PodEvidence, first_failed
 from recovery_steps.supervision import (
     HeartbeatRead,
-    NodeObservation,
     Observation,
-    PodObservation,
     ReadState,
     StallKind,
     Verdict,
@@ -49,29 +50,79 @@ UNSCHEDULABLE = Condition(
 )
 
 
-def running(i: int, *, since: float = T0 + 60, **kw) -> PodObservation:
-    base = dict(
+class Clocked(NamedTuple):
+    """A pod or a node with the supervisor's own clock of it (``obs`` hands the clocks to the observation)."""
+
+    thing: Any
+    clock: Any  # a pod's WaitClock of its pull or creation failure; when a node was first seen lost
+
+
+def _pod(
+    i: int,
+    *,
+    phase: str,
+    node: str | None = None,
+    created_at: float = T0 + 1,
+    conditions=(),
+    running_since: float | None = None,
+    exit_code: int | None = None,
+    terminated_reason: str | None = None,
+    finished_at: float | None = None,
+    deletion_timestamp: float | None = None,
+    waiting_reason: str | None = None,
+    waiting_message: str | None = None,
+) -> PodEvidence:
+    """A worker pod as the snapshot holds it: its trainer container terminated, waiting or running."""
+    if exit_code is not None:
+        c = ContainerState(
+            name="trainer",
+            state="terminated",
+            exit_code=exit_code,
+            reason=terminated_reason,
+            started_at=running_since,
+            finished_at=finished_at,
+        )
+    elif waiting_reason is not None:
+        c = ContainerState(
+            name="trainer", state="waiting", waiting_reason=waiting_reason, waiting_message=waiting_message
+        )
+    elif running_since is not None:
+        c = ContainerState(name="trainer", state="running", started_at=running_since, running_since=running_since)
+    else:
+        c = None
+    return PodEvidence(
         name=f"run-a0-workers-0-{i}-abcde",
-        index=i,
+        worker_index=i,
+        phase=phase,
+        node=node,
+        created_at=created_at,
+        conditions=list(conditions),
+        containers=[c] if c is not None else [],
+        deleted_at=deletion_timestamp,
+    )
+
+
+def running(i: int, *, since: float = T0 + 60, **kw) -> PodEvidence:
+    base = dict(
         phase="Running",
         node=f"gke-tpu-{i}",
-        created_at=T0 + 1,
         running_since=since,
         conditions=(Condition(type="PodScheduled", at=T0 + 2), Condition(type="Ready", at=since)),
     )
     base.update(kw)
-    return PodObservation(**base)
+    return _pod(i, **base)
 
 
-def pending(i: int, **kw) -> PodObservation:
-    base = dict(
-        name=f"run-a0-workers-0-{i}-abcde", index=i, phase="Pending", created_at=T0 + 1, conditions=(UNSCHEDULABLE,)
-    )
+def pending(i: int, *, waiting_since: float | None = None, waiting_cause: str = "", **kw) -> PodEvidence | Clocked:
+    base = dict(phase="Pending", conditions=(UNSCHEDULABLE,))
     base.update(kw)
-    return PodObservation(**base)
+    pod = _pod(i, **base)
+    if waiting_since is None:
+        return pod
+    return Clocked(pod, WaitClock(key=f"pull:{waiting_cause}", since=waiting_since, cause=waiting_cause))
 
 
-def done(i: int, code: int = 0) -> PodObservation:
+def done(i: int, code: int = 0) -> PodEvidence:
     phase = "Succeeded" if code == 0 else "Failed"
     return running(i, phase=phase, exit_code=code, terminated_reason="Completed" if code == 0 else "Error")
 
@@ -81,19 +132,56 @@ def beat(i: int, step: int | None, at: float, saving: int | None = None) -> Work
     return WorkerProgress(index=i, step=step, at=at, first_step_at=first, saving=saving)
 
 
-def nodes(*lost: int, unreachable: bool = True) -> tuple[NodeObservation, ...]:
+def node(
+    name: str,
+    *,
+    ready: bool | None = True,
+    unreachable: bool = False,
+    since: float | None = None,
+    exists: bool = True,
+    seen_lost_at: float | None = None,
+    spot: bool = False,
+    maintenance: str | None = None,
+    ready_reason: str | None = None,
+    ready_message: str | None = None,
+) -> NodeEvidence | Clocked:
+    """A node as the snapshot holds it (``maintenance``: the taint a reclaim puts on it); with ``seen_lost_at``, and
+    the supervisor's clock of when it first saw it lost."""
+    taints = [f"{UNREACHABLE_TAINT}:NoExecute"] if unreachable else []
+    taints += [maintenance.removeprefix("taint ")] if maintenance else []
+    n = NodeEvidence(
+        name=name,
+        ready=ready if exists else None,
+        ready_since=since,
+        ready_reason=ready_reason,
+        ready_message=ready_message,
+        taints=taints,
+        labels={SPOT_LABEL: "true"} if spot else {},
+        found=exists,
+    )
+    return n if seen_lost_at is None else Clocked(n, seen_lost_at)
+
+
+def nodes(*lost: int, unreachable: bool = True) -> tuple[NodeEvidence, ...]:
     return tuple(
-        NodeObservation(
-            name=f"gke-tpu-{i}",
-            ready=None if i in lost else True,
-            unreachable=unreachable and i in lost,
-            since=T0 + 500,
-        )
+        node(f"gke-tpu-{i}", ready=None if i in lost else True, unreachable=unreachable and i in lost, since=T0 + 500)
         for i in range(HOSTS)
     )
 
 
+def _unclocked(things) -> tuple[list[Any], dict[str, Any]]:
+    plain, clocks = [], {}
+    for t in things:
+        if isinstance(t, Clocked):
+            clocks[t.thing.name] = t.clock
+            t = t.thing
+        plain.append(t)
+    return plain, clocks
+
+
 def obs(now: float, pods=(), *, jobs=(), progress=(), node_list=None, **kw) -> Observation:
+    pods, waits = _unclocked(pods)
+    node_list, lost_seen = _unclocked(nodes() if node_list is None else node_list)
     return Observation(
         now=T0 + now,
         expected_workers=HOSTS,
@@ -101,7 +189,9 @@ def obs(now: float, pods=(), *, jobs=(), progress=(), node_list=None, **kw) -> O
         pods=tuple(pods),
         jobs=tuple(jobs),
         progress=tuple(progress),
-        nodes=nodes() if node_list is None else node_list,
+        nodes=tuple(node_list),
+        waits=waits,
+        lost_seen=lost_seen,
         **kw,
     )
 
@@ -121,10 +211,10 @@ UNAVAILABLE = (
 BACK_OFF_UNAVAILABLE = f'Back-off pulling image "{IMAGE}": ErrImagePull: {UNAVAILABLE}'
 
 
-def shutting_down(i: int, since: float, **kw) -> NodeObservation:
+def shutting_down(i: int, since: float, **kw) -> NodeEvidence:
     """The node as the kubelet reports it once a graceful shutdown starts (pkg/kubelet/nodeshutdown)."""
-    return NodeObservation(
-        name=f"gke-tpu-{i}",
+    return node(
+        f"gke-tpu-{i}",
         ready=False,
         since=since,
         ready_reason="KubeletNotReady",
@@ -133,11 +223,12 @@ def shutting_down(i: int, since: float, **kw) -> NodeObservation:
     )
 
 
-def with_node(node: NodeObservation) -> tuple[NodeObservation, ...]:
-    return tuple(node if n.name == node.name else n for n in nodes())
+def with_node(one: NodeEvidence | Clocked) -> tuple[NodeEvidence | Clocked, ...]:
+    name = one.thing.name if isinstance(one, Clocked) else one.name
+    return tuple(one if n.name == name else n for n in nodes())
 
 
-def pulling(i: int, reason: str, message: str, since: float, **kw) -> PodObservation:
+def pulling(i: int, reason: str, message: str, since: float, **kw) -> Clocked:
     return pending(
         i, node=f"gke-tpu-{i}", conditions=(), waiting_reason=reason, waiting_message=message, waiting_since=since, **kw
     )
@@ -312,8 +403,7 @@ CASES = [
             ALL_RUNNING,
             progress=STEPPING,
             node_list=tuple(
-                n if n.name != "gke-tpu-1" else NodeObservation(name="gke-tpu-1", exists=False, seen_lost_at=T0 + 550)
-                for n in nodes()
+                n if n.name != "gke-tpu-1" else node("gke-tpu-1", exists=False, seen_lost_at=T0 + 550) for n in nodes()
             ),
         ),
         AttemptOutcome.STALLED,
@@ -581,7 +671,7 @@ CASES = [
             900,
             ALL_RUNNING,
             progress=[beat(i, 60, T0 + 890) for i in range(HOSTS)],
-            node_list=with_node(NodeObservation(name="gke-tpu-1", ready=True, since=T0 + 640)),
+            node_list=with_node(node("gke-tpu-1", ready=True, since=T0 + 640)),
         ),
         AttemptOutcome.RUNNING,
         None,
@@ -593,7 +683,7 @@ CASES = [
             600,
             ALL_RUNNING,
             progress=STEPPING,
-            node_list=with_node(NodeObservation(name="gke-tpu-1", exists=False, seen_lost_at=T0 + 560)),
+            node_list=with_node(node("gke-tpu-1", exists=False, seen_lost_at=T0 + 560)),
         ),
         AttemptOutcome.RUNNING,
         None,
@@ -606,7 +696,7 @@ CASES = [
             ALL_RUNNING,
             progress=[beat(i, 44, T0 + 690) for i in range(HOSTS)],
             node_list=with_node(
-                NodeObservation(name="gke-tpu-1", ready=True, unreachable=True, since=T0 - 9000, seen_lost_at=T0 + 650)
+                node("gke-tpu-1", ready=True, unreachable=True, since=T0 - 9000, seen_lost_at=T0 + 650)
             ),
         ),
         AttemptOutcome.RUNNING,
@@ -619,7 +709,7 @@ CASES = [
             700,
             [*ALL_RUNNING[:3], running(3, deletion_timestamp=T0 + 620)],
             progress=STEPPING,
-            node_list=with_node(NodeObservation(name="gke-tpu-3", ready=None, unreachable=True, since=T0 + 650)),
+            node_list=with_node(node("gke-tpu-3", ready=None, unreachable=True, since=T0 + 650)),
         ),
         AttemptOutcome.STALLED,
         StallKind.NODE_LOST,

@@ -86,6 +86,65 @@ class PodEvidence(_Ev):
                 return c
         return self.containers[0] if self.containers else None
 
+    # What follows is derived from the trainer container's state, as the supervisor and classify-failure read it.
+
+    @property
+    def index(self) -> int | None:
+        """The worker index (the Job completion index)."""
+        return self.worker_index
+
+    @property
+    def label(self) -> str:
+        """``worker <i>`` (or the pod name when the index is unknown)."""
+        return f"worker {self.worker_index}" if self.worker_index is not None else f"pod {self.name}"
+
+    def _ended(self) -> ContainerState | None:
+        c = self.trainer()
+        return c if c is not None and c.state == "terminated" else None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The trainer container's exit code, once it has ended."""
+        c = self._ended()
+        return c.exit_code if c else None
+
+    @property
+    def terminated_reason(self) -> str | None:
+        """Why the trainer container ended (Completed, Error, OOMKilled, ...), once it has."""
+        c = self._ended()
+        return c.reason if c else None
+
+    @property
+    def finished_at(self) -> float | None:
+        """The trainer container's finishedAt, once it has ended."""
+        c = self._ended()
+        return c.finished_at if c else None
+
+    @property
+    def running_since(self) -> float | None:
+        """The trainer container's startedAt (running, or ended)."""
+        c = self.trainer()
+        if c is None:
+            return None
+        return c.running_since or (c.started_at if c.state == "terminated" else None)
+
+    @property
+    def waiting_reason(self) -> str | None:
+        """The trainer container's waiting reason (ErrImagePull, ContainerCreating, ...)."""
+        c = self.trainer()
+        return c.waiting_reason if c else None
+
+    @property
+    def waiting_message(self) -> str | None:
+        """The trainer container's waiting message."""
+        c = self.trainer()
+        return c.waiting_message if c else None
+
+    @property
+    def ended(self) -> bool:
+        """Succeeded or Failed: every container has ended for good."""
+        return self.phase is not None and self.phase.ended
+
 
 class NodeEvidence(_Ev):
     """A node a worker ran on."""
@@ -118,6 +177,34 @@ class NodeEvidence(_Ev):
             if k in self.labels:
                 return f"label {k}={self.labels[k]}"
         return None
+
+    @property
+    def lost(self) -> bool:
+        """True when the node cannot run (or confirm the end of) its pods: gone, unreachable or not Ready."""
+        return not self.found or self.unreachable or self.ready is not True
+
+    @property
+    def shutting_down(self) -> bool:
+        """True when the kubelet reports a graceful node shutdown (pkg/kubelet/nodeshutdown ``ShutdownStatus``)."""
+        text = f"{self.ready_reason or ''} {self.ready_message or ''}".lower()
+        return "shutting down" in text or "shutdown" in text
+
+    def lost_since(self, now: float, seen_lost_at: float | None = None) -> float:
+        """When the node was lost: its Ready transition, else when it was first seen lost, else ``now``."""
+        if self.found and self.ready is not True and self.ready_since is not None:
+            return self.ready_since
+        return seen_lost_at if seen_lost_at is not None else now
+
+    @property
+    def state(self) -> str:
+        """``gone``, ``unreachable``, ``NotReady`` or ``Ready``, then what the node says about it."""
+        state = "gone" if not self.found else ("unreachable" if self.unreachable else "NotReady")
+        if not self.lost:
+            state = "Ready"
+        facts = [f"{self.ready_reason or '-'}: {self.ready_message}" if self.ready_message else self.ready_reason]
+        facts += ["Spot" if self.spot else None, self.maintenance()]
+        told = ", ".join(f for f in facts if f and self.found)
+        return f"{state} ({told})" if told else state
 
 
 class JobEvidence(_Ev):
