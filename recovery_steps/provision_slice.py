@@ -28,8 +28,8 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ from jaxrec.model.names import (
     ACTIVE_MAINTENANCE_LABEL,
     ATTEMPT_LABEL,
     JOBSET_NAME_LABEL,
-    NODEPOOL_LABEL,
     RUN_ID_LABEL,
     SCHEDULED_MAINTENANCE_LABEL,
     SPOT_LABEL,
@@ -52,7 +51,7 @@ from jaxrec.model.names import (
 )
 from jaxrec.model.outputs import ProvisionOutputs
 from jaxrec.model.records import ProvisionRecord, now
-from jaxrec.model.snapshot import PodPhase
+from jaxrec.model.snapshot import NodeEvidence, PodPhase, node_from_api
 from recovery_steps import lease
 from recovery_steps.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
 from recovery_steps.step import main as step_main
@@ -66,23 +65,6 @@ _INACTIVE = {"", "false", "none", "0"}
 
 
 # --- the node check: pure ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """What the node check needs to know about one node."""
-
-    name: str
-    pool: str
-    ready: bool
-    unschedulable: bool = False
-    taints: tuple[tuple[str, str], ...] = ()  # (key, effect)
-    labels: dict[str, str] = field(default_factory=dict)
-    # status.allocatable's google.com/tpu (0 when the device plugin reports none); None when the node object
-    # carries no allocatable at all (not checked).
-    allocatable_tpu: int | None = None
-    # Pods of other runs of this namespace on the node (their run ids).
-    other_runs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,7 +89,7 @@ class ProvisionOptions:
     pod_timeout_s: float = 300
 
 
-def maintenance_due(node: NodeInfo, policy: SlicePolicy) -> str | None:
+def maintenance_due(node: NodeEvidence, policy: SlicePolicy) -> str | None:
     """Why ``node``'s scheduled maintenance rules it out now, or None.
 
     GKE sets ``cloud.google.com/scheduled-maintenance-time`` to the epoch seconds of the scheduled start (GKE docs
@@ -134,20 +116,23 @@ class SliceCheck:
     reason: str
 
 
-def node_problems(node: NodeInfo, tolerated: Sequence[str], policy: SlicePolicy | None = None) -> list[str]:
+def node_problems(
+    node: NodeEvidence, tolerated: Sequence[str], policy: SlicePolicy | None = None, other_runs: Sequence[str] = ()
+) -> list[str]:
     """Why ``node`` cannot run a worker now (empty: healthy).
 
     Args:
-        node: The node.
+        node: The node, as the snapshot holds it.
         tolerated: Taint keys the workers tolerate (GKE's ``google.com/tpu`` taint, Spot).
         policy: Chips each worker needs and the maintenance window (None: health only).
+        other_runs: The other runs whose live worker pods sit on the node (with ``policy``).
     """
     problems = []
-    if not node.ready:
+    if node.ready is not True:
         problems.append("not Ready")
     if node.unschedulable:
         problems.append("cordoned")
-    for key, effect in node.taints:
+    for key, effect in node.taint_effects:
         if effect in ("NoSchedule", "NoExecute") and key not in tolerated:
             problems.append(f"taint {key}:{effect}")
     for label in MAINTENANCE_LABELS:
@@ -157,8 +142,8 @@ def node_problems(node: NodeInfo, tolerated: Sequence[str], policy: SlicePolicy 
     if policy is not None:
         if node.allocatable_tpu is not None and node.allocatable_tpu < policy.chips_per_host:
             problems.append(f"allocatable {TPU_RESOURCE} {node.allocatable_tpu} < {policy.chips_per_host}")
-        if node.other_runs:
-            problems.append(f"running pods of run(s) {', '.join(sorted(set(node.other_runs)))}")
+        if other_runs:
+            problems.append(f"running pods of run(s) {', '.join(sorted(set(other_runs)))}")
         due = maintenance_due(node, policy)
         if due:
             problems.append(due)
@@ -166,68 +151,42 @@ def node_problems(node: NodeInfo, tolerated: Sequence[str], policy: SlicePolicy 
 
 
 def check_slice(
-    nodes: Sequence[NodeInfo],
+    nodes: Sequence[NodeEvidence],
     hosts: int,
     tolerated: Sequence[str],
     *,
     require_nodes: bool,
     policy: SlicePolicy | None = None,
+    other_runs: Mapping[str, Sequence[str]] | None = None,
 ) -> SliceCheck:
     """Decide whether the matching nodes can host a gang of ``hosts`` workers.
 
     Nodes are grouped by node pool (the exclusive-topology unit): one pool with ``hosts`` healthy
     nodes is enough. No nodes at all is accepted unless ``require_nodes`` (autoscaled pools
-    scale up from zero for the pending pods).
+    scale up from zero for the pending pods). ``other_runs``: by node name, the other runs on it.
     """
     if not nodes:
         if require_nodes:
             return SliceCheck(False, "no nodes match the slice's selectors")
         return SliceCheck(True, "no nodes yet; the node pool scales up for the pending workers")
-    pools: dict[str, list[NodeInfo]] = {}
+
+    def problems(n: NodeEvidence) -> list[str]:
+        return node_problems(n, tolerated, policy, (other_runs or {}).get(n.name, ()))
+
+    pools: dict[str, list[NodeEvidence]] = {}
     for n in nodes:
-        pools.setdefault(n.pool, []).append(n)
+        pools.setdefault(n.pool or "<none>", []).append(n)
     details = []
     for pool, members in sorted(pools.items()):
-        healthy = [n for n in members if not node_problems(n, tolerated, policy)]
+        healthy = [n for n in members if not problems(n)]
         if len(healthy) >= hosts:
             return SliceCheck(True, f"node pool {pool}: {len(healthy)} healthy nodes for {hosts} hosts")
-        bad = [
-            f"{n.name} {', '.join(node_problems(n, tolerated, policy))}"
-            for n in members
-            if node_problems(n, tolerated, policy)
-        ]
+        bad = [f"{n.name} {', '.join(problems(n))}" for n in members if problems(n)]
         details.append(f"node pool {pool}: {len(healthy)}/{hosts} healthy" + (f" ({'; '.join(bad)})" if bad else ""))
     return SliceCheck(False, "; ".join(details))
 
 
 # --- Kubernetes adapters --------------------------------------------------------------------------
-
-
-def node_info(node: dict[str, Any]) -> NodeInfo:
-    """A ``NodeInfo`` from a Node as the API returns it (its JSON, read through ``adapters.kube.Kube``)."""
-    meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
-    labels = {k: str(v) for k, v in (meta.get("labels") or {}).items()}
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    taints = tuple((t.get("key"), t.get("effect")) for t in spec.get("taints") or [])
-    allocatable = status.get("allocatable")
-    tpu = None if allocatable is None else _quantity_int(allocatable.get(TPU_RESOURCE, "0"))
-    return NodeInfo(
-        name=meta.get("name", ""),
-        pool=labels.get(NODEPOOL_LABEL, "<none>"),
-        ready=ready,
-        unschedulable=bool(spec.get("unschedulable")),
-        taints=taints,
-        labels=labels,
-        allocatable_tpu=tpu,
-    )
-
-
-def _quantity_int(q: Any) -> int:
-    """An integer resource quantity (``google.com/tpu`` is a whole count: ``"4"``)."""
-    try:
-        return int(str(q))
-    except ValueError:
-        return 0
 
 
 def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]], bool]:
@@ -293,14 +252,14 @@ def wait_pods_gone(
         time.sleep(poll_s)
 
 
-def list_slice_nodes(api_client: Any, selector: dict[str, str]) -> list[NodeInfo]:
+def list_slice_nodes(api_client: Any, selector: dict[str, str]) -> list[NodeEvidence]:
     """Nodes that carry every label of ``selector``."""
     label_selector = ",".join(f"{k}={v}" for k, v in selector.items())
-    return [node_info(n) for n in Kube(api_client, "").list_nodes(label_selector)]
+    return [node_from_api(n) for n in Kube(api_client, "").list_nodes(label_selector)]
 
 
-def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[NodeInfo]) -> list[NodeInfo]:
-    """``nodes`` with the other runs whose live worker pods (of this namespace) sit on them.
+def other_runs_by_node(api_client: Any, namespace: str, run_id: str) -> dict[str, list[str]]:
+    """By node name, the other runs whose live worker pods (of this namespace) sit on it.
 
     Only the run's namespace is read (the Role's pods list); another namespace's pods hold their TPUs through the
     scheduler's accounting, which the allocatable check cannot see: those show as Pending pods (capacity).
@@ -312,7 +271,7 @@ def with_other_runs(api_client: Any, namespace: str, run_id: str, nodes: list[No
         phase = (p.get("status") or {}).get("phase")
         if node and phase not in (PodPhase.SUCCEEDED, PodPhase.FAILED):
             by_node.setdefault(node, []).append(((p.get("metadata") or {}).get("labels") or {}).get(RUN_ID_LABEL, "?"))
-    return [replace(n, other_runs=tuple(by_node.get(n.name, ()))) for n in nodes]
+    return by_node
 
 
 def clear_old_gangs(cfg: JobConfig, attempt: int, store: RunStore, api_client: Any, *, pod_timeout_s: float) -> None:
@@ -337,9 +296,8 @@ def provision_gke(
     """The GKE backend: clear old JobSets, check the nodes, return the outputs."""
     try:
         clear_old_gangs(cfg, attempt, store, api_client, pod_timeout_s=options.pod_timeout_s)
-        nodes = with_other_runs(
-            api_client, cfg.namespace, cfg.run_id, list_slice_nodes(api_client, gke_node_selector(cfg.slice))
-        )
+        nodes = list_slice_nodes(api_client, gke_node_selector(cfg.slice))
+        others = other_runs_by_node(api_client, cfg.namespace, cfg.run_id)
     except api_failures() as e:
         raise api_error(e) from None
     tolerated = [TPU_RESOURCE] + ([SPOT_LABEL] if cfg.slice.spot else [])
@@ -349,7 +307,9 @@ def provision_gke(
         maintenance_window_s=cfg.slice.maintenance_window_s,
         wait_for_maintenance=cfg.slice.on_scheduled_maintenance == "wait",
     )
-    verdict = check_slice(nodes, cfg.slice.num_hosts, tolerated, require_nodes=options.require_nodes, policy=policy)
+    verdict = check_slice(
+        nodes, cfg.slice.num_hosts, tolerated, require_nodes=options.require_nodes, policy=policy, other_runs=others
+    )
     if not verdict.ok:
         raise StepError(ExitCode.CAPACITY, f"slice not ready: {verdict.reason}")
     log.info("slice ready: %s", verdict.reason)

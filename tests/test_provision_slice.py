@@ -16,6 +16,7 @@ from support.provision_api import store_config as _store_config
 
 from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
 from jaxrec.model.config import load_config
+from jaxrec.model.snapshot import NodeEvidence
 from recovery_steps import provision_slice as ps
 from recovery_steps.step import StepError
 
@@ -150,29 +151,32 @@ def test_missing_config_is_configuration(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()  # no document for a run that does not exist
 
 
+def _seen(name: str, pool: str, ready: bool, **kw) -> NodeEvidence:
+    """A node as the snapshot holds it."""
+    return NodeEvidence(name=name, pool=pool, ready=ready, **kw)
+
+
 def test_check_slice_table():
     tol = ["google.com/tpu"]
-    healthy = [ps.NodeInfo(f"n{i}", "a", True, taints=(("google.com/tpu", "NoSchedule"),)) for i in range(4)]
+    healthy = [_seen(f"n{i}", "a", True, taints=["google.com/tpu:NoSchedule"]) for i in range(4)]
     assert ps.check_slice(healthy, 4, tol, require_nodes=True).ok
     # A second pool with a broken node does not matter when one pool is whole.
-    broken = [ps.NodeInfo("m0", "b", False)]
+    broken = [_seen("m0", "b", False)]
     assert ps.check_slice(broken + healthy, 4, tol, require_nodes=True).ok
     # Healthy nodes split across pools do not make one slice.
-    split = healthy[:2] + [ps.NodeInfo(f"m{i}", "b", True) for i in range(2)]
+    split = healthy[:2] + [_seen(f"m{i}", "b", True) for i in range(2)]
     verdict = ps.check_slice(split, 4, tol, require_nodes=True)
     assert not verdict.ok and "node pool a: 2/4" in verdict.reason
-    assert not ps.check_slice(
-        [ps.NodeInfo("c", "a", True, unschedulable=True)] + healthy[:3], 4, tol, require_nodes=True
-    ).ok
+    assert not ps.check_slice([_seen("c", "a", True, unschedulable=True)] + healthy[:3], 4, tol, require_nodes=True).ok
     assert ps.check_slice([], 4, tol, require_nodes=False).ok
     assert not ps.check_slice([], 4, tol, require_nodes=True).ok
     # PreferNoSchedule is not a blocker; maintenance "false" is not maintenance.
     soft = [
-        ps.NodeInfo(
+        _seen(
             f"n{i}",
             "a",
             True,
-            taints=(("x", "PreferNoSchedule"),),
+            taints=["x:PreferNoSchedule"],
             labels={"cloud.google.com/active-node-maintenance": "false"},
         )
         for i in range(4)
@@ -324,13 +328,13 @@ def test_gke_passes_a_whole_slice_and_ignores_far_maintenance_and_finished_pods(
 
 
 def test_maintenance_policy_proceed_uses_the_node():
-    soon = ps.NodeInfo("n", "a", True, labels={"cloud.google.com/scheduled-maintenance-time": "1000"})
+    soon = _seen("n", "a", True, labels={"cloud.google.com/scheduled-maintenance-time": "1000"})
     wait = ps.SlicePolicy(chips_per_host=4, now=900, maintenance_window_s=3600, wait_for_maintenance=True)
     assert ps.maintenance_due(soon, wait) == "maintenance scheduled in 1 min (within 3600 s)"
     assert ps.maintenance_due(soon, ps.SlicePolicy(now=900, maintenance_window_s=60)) is None
     proceed = ps.SlicePolicy(now=900, maintenance_window_s=3600, wait_for_maintenance=False)
     assert ps.maintenance_due(soon, proceed) is None
-    past = ps.NodeInfo("n", "a", True, labels={"cloud.google.com/scheduled-maintenance-time": "800"})
+    past = _seen("n", "a", True, labels={"cloud.google.com/scheduled-maintenance-time": "800"})
     assert ps.maintenance_due(past, wait) is not None
 
 

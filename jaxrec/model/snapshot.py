@@ -14,7 +14,14 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxrec.model.names import MAINTENANCE_LABELS, RECLAIM_TAINTS, SPOT_LABEL, UNREACHABLE_TAINT
+from jaxrec.model.names import (
+    MAINTENANCE_LABELS,
+    NODEPOOL_LABEL,
+    RECLAIM_TAINTS,
+    SPOT_LABEL,
+    TPU_RESOURCE,
+    UNREACHABLE_TAINT,
+)
 
 COMPLETION_INDEX_KEYS = ("batch.kubernetes.io/job-completion-index",)
 TRAINER_CONTAINER = "trainer"
@@ -157,6 +164,20 @@ class NodeEvidence(_Ev):
     taints: list[str] = Field(default_factory=list, description="'key=value:effect'.")
     labels: dict[str, str] = Field(default_factory=dict, description="Maintenance and spot labels only.")
     found: bool = True
+    pool: str | None = Field(default=None, description=f"Its GKE node pool (the {NODEPOOL_LABEL} label).")
+    unschedulable: bool = Field(default=False, description="spec.unschedulable: cordoned.")
+    allocatable_tpu: int | None = Field(
+        default=None, description=f"status.allocatable {TPU_RESOURCE} (None: the node reports no allocatable)."
+    )
+
+    @property
+    def taint_effects(self) -> list[tuple[str, str]]:
+        """Each taint's key and effect."""
+        out = []
+        for t in self.taints:
+            head, _, effect = t.rpartition(":")
+            out.append((head.split("=", 1)[0], effect))
+        return out
 
     @property
     def unreachable(self) -> bool:
@@ -446,6 +467,7 @@ def node_from_api(obj: dict[str, Any]) -> NodeEvidence:
     for t in (obj.get("spec") or {}).get("taints") or []:
         value = f"={t['value']}" if t.get("value") else ""
         taints.append(f"{t.get('key', '')}{value}:{t.get('effect', '')}")
+    spec, allocatable = obj.get("spec") or {}, (obj.get("status") or {}).get("allocatable")
     return NodeEvidence(
         name=meta.get("name", ""),
         ready=None if ready is None or ready.status == "Unknown" else ready.status == "True",
@@ -454,4 +476,15 @@ def node_from_api(obj: dict[str, Any]) -> NodeEvidence:
         ready_since=ready.at if ready else None,
         taints=taints,
         labels=keep,
+        pool=labels.get(NODEPOOL_LABEL),
+        unschedulable=bool(spec.get("unschedulable")),
+        allocatable_tpu=None if allocatable is None else _whole(allocatable.get(TPU_RESOURCE, "0")),
     )
+
+
+def _whole(quantity: Any) -> int:
+    """A whole-count resource quantity (``google.com/tpu``: ``"4"``); 0 when it is not one."""
+    try:
+        return int(str(quantity))
+    except ValueError:
+        return 0
