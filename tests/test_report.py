@@ -151,6 +151,13 @@ def test_each_fault_the_trainer_injects_is_one_of_the_trainers_kinds_and_sets_it
     assert second == {"TRAINER_FAULT": "app-bug@7"}  # the hang: the first attempt only
 
 
+def test_every_fault_the_local_run_watches_for_has_its_act_and_no_act_is_left_over():
+    from workflows.faults import FAULTS
+
+    watched = {f.name for f in FAULTS if f.acts == "watch"}
+    assert watched == set(inject._ACTS)
+
+
 def test_default_steps_and_corrupt_latest_brings_a_kill():
     inj, problems = parse_injections(["corrupt-latest", "kill-during-save", "preempt@7"], 10)
     assert not problems

@@ -265,37 +265,44 @@ class Injector(SliceHooks):
         return True
 
     def _fire(self, inj: Injection, sl: LocalSlice, step: int) -> None:
-        victim = len(sl.workers) - 1
-        at = now()
-        inj.fired.append(Injected(inj.scenario, sl.attempt, at))
-        if inj.scenario == "kill-worker":
-            self.say(f"inject: SIGKILL worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
-            sl.signal_worker(victim, signal.SIGKILL)
-        elif inj.scenario == "restart-worker":
-            self.say(f"inject: kill worker {victim} at step {step} and start it again alone")
-            sl.restart(victim)
-        elif inj.scenario == "preempt":
-            window = self._shutdown_window()
-            self.say(f"inject: SIGTERM to every worker at step {step} (preemption notice; killed after {window} s)")
-            for w in sl.workers:
-                sl.signal_worker(w.index, signal.SIGTERM)
-            # The node goes away at the end of its shutdown window, whatever the pods' grace says
-            # (GKE docs "Spot VMs": the notice is 30 s, non-system pods get its first 15 s by default).
-            self._kill_at.append((sl, at + window))
-        elif inj.scenario == "freeze-worker":
-            self.say(f"inject: SIGSTOP worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
-            sl.signal_worker(victim, signal.SIGSTOP)
-        elif inj.scenario == "node-lost":
-            self.say(f"inject: the host of worker {victim} is lost at step {step} (frozen; its pod Terminating)")
-            sl.signal_worker(victim, signal.SIGSTOP)
-            sl.lost[victim] = at
-        elif inj.scenario == "supervisor-lost":
-            self.say(f"inject: the train-segment supervisor is lost at step {step}; the workers keep running")
-            sl.supervisor_lost.set()
-        elif inj.scenario == "delete-workflow":
-            self.say(f"inject: delete the whole local run at step {step}; it starts again with the same run id")
-            if self.on_delete is not None:
-                self.on_delete()
+        """Act on ``sl`` for the watched fault ``inj`` (its row's act in ``_ACTS``), at ``step``."""
+        inj.fired.append(Injected(inj.scenario, sl.attempt, now()))
+        _ACTS[inj.scenario](self, sl, len(sl.workers) - 1, step)
+
+    def _kill(self, sl: LocalSlice, victim: int, step: int) -> None:
+        self.say(f"inject: SIGKILL worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
+        sl.signal_worker(victim, signal.SIGKILL)
+
+    def _restart(self, sl: LocalSlice, victim: int, step: int) -> None:
+        self.say(f"inject: kill worker {victim} at step {step} and start it again alone")
+        sl.restart(victim)
+
+    def _preempt(self, sl: LocalSlice, victim: int, step: int) -> None:
+        window = self._shutdown_window()
+        self.say(f"inject: SIGTERM to every worker at step {step} (preemption notice; killed after {window} s)")
+        for w in sl.workers:
+            sl.signal_worker(w.index, signal.SIGTERM)
+        # The node goes away at the end of its shutdown window, whatever the pods' grace says
+        # (GKE docs "Spot VMs": the notice is 30 s, non-system pods get its first 15 s by default).
+        self._kill_at.append((sl, now() + window))
+
+    def _freeze(self, sl: LocalSlice, victim: int, step: int) -> None:
+        self.say(f"inject: SIGSTOP worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
+        sl.signal_worker(victim, signal.SIGSTOP)
+
+    def _lose_node(self, sl: LocalSlice, victim: int, step: int) -> None:
+        self.say(f"inject: the host of worker {victim} is lost at step {step} (frozen; its pod Terminating)")
+        sl.signal_worker(victim, signal.SIGSTOP)
+        sl.lost[victim] = now()
+
+    def _lose_supervisor(self, sl: LocalSlice, victim: int, step: int) -> None:
+        self.say(f"inject: the train-segment supervisor is lost at step {step}; the workers keep running")
+        sl.supervisor_lost.set()
+
+    def _delete_workflow(self, sl: LocalSlice, victim: int, step: int) -> None:
+        self.say(f"inject: delete the whole local run at step {step}; it starts again with the same run id")
+        if self.on_delete is not None:
+            self.on_delete()
 
     def _shutdown_window(self) -> float:
         """The run's ``slice.preemption_window_s`` (30 s, the Spot notice, when the config cannot be read)."""
@@ -333,3 +340,15 @@ class Injector(SliceHooks):
         if damaged:
             self.corrupted.append(damaged)
         self.say(f"inject: corrupted {damaged or 'nothing (no checkpoint yet)'}")
+
+
+# How the local run acts on each fault the injector watches for (a row of ``workflows.faults`` acting "watch").
+_ACTS: dict[str, Callable[[Injector, LocalSlice, int, int], None]] = {
+    "kill-worker": Injector._kill,
+    "restart-worker": Injector._restart,
+    "preempt": Injector._preempt,
+    "freeze-worker": Injector._freeze,
+    "node-lost": Injector._lose_node,
+    "supervisor-lost": Injector._lose_supervisor,
+    "delete-workflow": Injector._delete_workflow,
+}
