@@ -320,3 +320,10 @@ def test_the_drill_picks_its_victim_among_the_workers_never_a_step_pod(name):
         assert not _matches(sel, labels), f"the drill's worker selector matches step {t['name']}'s pods: {labels}"
     worker = {"jaxrec/run-id": "r1", "jaxrec/attempt": "3", "jobset.sigs.k8s.io/jobset-name": "r1-a3"}
     assert _matches(sel, worker)
+
+
+def test_the_drill_acts_on_every_fault_of_the_table_it_injects():
+    """Each row with a way to act on a cluster has its act (delete-workflow: on the Workflow, by ``run``)."""
+    from workflows.faults import FAULTS
+
+    assert set(drill.ACTS) | {"delete-workflow"} == {f.name for f in FAULTS if f.on_cluster}

@@ -326,37 +326,77 @@ def _corrupt_after_stop(cluster: Cluster, store: RunStore, target: Target, victi
     return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped bytes of {store.url(rel)}"
 
 
+@dataclass(frozen=True)
+class Scene:
+    """What an act on a cluster works with: the run, its store, its Workflow, the attempt and its worker pods."""
+
+    cluster: Cluster
+    store: RunStore
+    target: Target
+    workflow: str
+    attempt: int
+    workers: list[Any]
+
+    @property
+    def victim(self) -> str:
+        """The worker pod a fault on one worker hits: the last one."""
+        if not self.workers:
+            raise DrillError(f"no running worker pod of run {self.target.run_id} attempt {self.attempt}")
+        return self.workers[-1].metadata.name
+
+
+def _delete_worker(s: Scene) -> str:
+    s.cluster.delete_pod(s.victim)
+    return f"deleted worker pod {s.victim}"
+
+
+def _kill_worker(s: Scene) -> str:
+    s.cluster.kill_trainer(s.victim)
+    return f"SIGKILLed the trainer in {s.victim}"
+
+
+def _drain_node(s: Scene) -> str:
+    node = next(p.spec.node_name for p in s.workers if p.metadata.name == s.victim)
+    others = s.cluster.others_on(node, s.target.run_id)
+    if others:
+        raise DrillError(f"node {node} also runs {', '.join(others[:3])}: the drill drains only the run's nodes")
+    s.cluster.cordon(node)
+    for p in s.workers:
+        if p.spec.node_name == node:
+            s.cluster.evict(p.metadata.name)
+    return f"drained node {node} (cordoned; the run's pods on it evicted)"
+
+
+def _lose_supervisor(s: Scene) -> str:
+    sup = [p for p in s.cluster.pods(f"{WORKFLOW_LABEL}={s.workflow}") if _is_supervisor(p)]
+    if not sup:
+        raise DrillError(f"no running train-segment pod of workflow {s.workflow}")
+    s.cluster.evict(sup[-1].metadata.name)
+    return f"evicted supervisor pod {sup[-1].metadata.name}"
+
+
+def _corrupt_latest(s: Scene) -> str:
+    return _corrupt_after_stop(s.cluster, s.store, s.target, s.victim, s.attempt)
+
+
+# How the drill acts on each fault of the table it injects into a running attempt (delete-workflow acts on the
+# Workflow itself: ``run`` deletes and submits it again).
+ACTS: dict[str, Callable[[Scene], str]] = {
+    "delete-worker": _delete_worker,
+    "kill-worker": _kill_worker,
+    "drain-node": _drain_node,
+    "supervisor-lost": _lose_supervisor,
+    "corrupt-latest": _corrupt_latest,
+}
+
+
 def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fault: Fault, attempt: int) -> str:
     """Inject ``fault`` into the run's attempt; one line saying what was done."""
+    act = ACTS.get(str(fault))
+    if act is None:
+        raise DrillError(f"--inject {fault}: handled by the caller")
     workers = cluster.pods(workers_selector(target.run_id, attempt))
-    if fault in (Fault.DELETE_WORKER, Fault.KILL_WORKER, Fault.DRAIN_NODE, Fault.CORRUPT_LATEST) and not workers:
-        raise DrillError(f"no running worker pod of run {target.run_id} attempt {attempt}")
-    victim = workers[-1].metadata.name if workers else ""
-    if fault is Fault.DELETE_WORKER:
-        cluster.delete_pod(victim)
-        return f"deleted worker pod {victim}"
-    if fault is Fault.KILL_WORKER:
-        cluster.kill_trainer(victim)
-        return f"SIGKILLed the trainer in {victim}"
-    if fault is Fault.DRAIN_NODE:
-        node = workers[-1].spec.node_name
-        others = cluster.others_on(node, target.run_id)
-        if others:
-            raise DrillError(f"node {node} also runs {', '.join(others[:3])}: the drill drains only the run's nodes")
-        cluster.cordon(node)
-        for p in workers:
-            if p.spec.node_name == node:
-                cluster.evict(p.metadata.name)
-        return f"drained node {node} (cordoned; the run's pods on it evicted)"
-    if fault is Fault.SUPERVISOR_LOST:
-        sup = [p for p in cluster.pods(f"{WORKFLOW_LABEL}={workflow}") if _is_supervisor(p)]
-        if not sup:
-            raise DrillError(f"no running train-segment pod of workflow {workflow}")
-        cluster.evict(sup[-1].metadata.name)
-        return f"evicted supervisor pod {sup[-1].metadata.name}"
-    if fault is Fault.CORRUPT_LATEST:
-        return _corrupt_after_stop(cluster, store, target, victim, attempt)
-    raise DrillError(f"--inject {fault}: handled by the caller")
+    return act(Scene(cluster, store, target, workflow, attempt, workers))
 
 
 def _is_supervisor(pod: Any) -> bool:
