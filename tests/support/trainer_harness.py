@@ -213,6 +213,11 @@ class Gang:
         """Combined stdout/stderr of worker ``index``."""
         return self.logs[index].read_text(errors="replace")
 
+    def tails(self, chars: int = 2000) -> str:
+        """The end of every worker's log, each under its index: what a gang's failure message shows (one worker's
+        hang is often seen only as its peer's peer-lost exit)."""
+        return "\n".join(f"--- worker {i} ---\n{self.log(i)[-chars:]}" for i in range(len(self.logs)))
+
 
 def jax_platform(timeout_s: float = 300) -> tuple[int, str]:
     """Exit code and platform of JAX's first device, asked in a child process (which lets a chip go when it ends)."""
