@@ -43,6 +43,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jaxrec.model.config import SupervisionConfig
 from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
+from jaxrec.model.records import SupervisionRecord
 from jaxrec.model.snapshot import Condition, JobEvidence, NodeEvidence, PodEvidence, PodPhase, first_failed
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet
@@ -295,6 +296,11 @@ class Observation(_Rec):
     view: ReadState | None = Field(
         default=None,
         description="How the cluster view (watches, node reads) stands once an observation failed (``view_clock``).",
+    )
+    startup_before_s: float | None = Field(
+        default=None,
+        description="The longest this run's earlier attempts took from every worker running to every worker's "
+        "first step (``startup_seconds`` of their supervision records); None when none is known.",
     )
 
     @property
@@ -615,6 +621,31 @@ default, renewed within 10 s) and has synced its caches; a start-up deadline sho
 charge a control-plane restart to capacity. A refused pod is the Job's FailedCreate, judged at once (``_refused``)."""
 
 
+STARTUP_MARGIN = 2.0
+"""The no-first-step grace is never shorter than this many times the run's own earlier start-up: a restore or a
+compilation as long as one this run already went through is not a hang."""
+
+
+def startup_seconds(record: SupervisionRecord) -> float | None:
+    """From every worker running to every worker's first step, as the supervisor of an attempt recorded it."""
+    workers = record.workers
+    started = [w.started_at for w in workers]
+    first = [w.first_step_at for w in workers]
+    if not workers or None in started or None in first:
+        return None
+    return max(0.0, max(first) - max(started))
+
+
+def _first_step_grace(obs: Observation, d: SupervisionConfig) -> tuple[float, str]:
+    """How long the gang may go without a first step, and what says so."""
+    grace, why = d.compile_grace_s, f"compile grace {d.compile_grace_s:g} s"
+    before = obs.startup_before_s
+    if before is not None and STARTUP_MARGIN * before > grace:
+        grace = STARTUP_MARGIN * before
+        why = f"{STARTUP_MARGIN:g} times this run's earlier start-up of {before:.0f} s, above the {why}"
+    return grace, why
+
+
 def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     running = [p for p in obs.pods if p.phase == PodPhase.RUNNING and p.running_since is not None]
     if len(running) < obs.expected_workers:
@@ -633,12 +664,12 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         b = beats.get(p.index) if p.index is not None else None
         if b is None or b.step is None:
             waited = obs.now - gang_up
-            if waited >= d.compile_grace_s:
+            grace, why = _first_step_grace(obs, d)
+            if waited >= grace:
                 return Verdict(
                     state=AttemptOutcome.STALLED,
                     kind=StallKind.HANG,
-                    reason=f"{p.label}: no first step {waited:.0f} s after every worker started "
-                    f"(compile grace {d.compile_grace_s:g} s)",
+                    reason=f"{p.label}: no first step {waited:.0f} s after every worker started ({why})",
                     worker=p.index,
                 )
             continue

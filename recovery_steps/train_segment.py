@@ -89,6 +89,7 @@ from recovery_steps.supervision import (
     WorkerProgress,
     decide,
     read_clock,
+    startup_seconds,
     view_clock,
     wait_clock,
 )
@@ -293,6 +294,29 @@ class SupervisorIO:
     progress_file: str | None = None
 
 
+EARLIER_ATTEMPTS_READ = 5
+"""How many of the run's latest earlier attempts the supervisor reads its start-up durations from."""
+
+
+def earlier_startup(store: RunStore, attempt: int) -> float | None:
+    """The longest start-up (every worker running to every first step) of the run's latest earlier attempts.
+
+    As their supervisors recorded it; None when none is known. A record that cannot be read adds nothing: the
+    configured grace then stands alone.
+    """
+    seen = []
+    for a in range(attempt - 1, max(-1, attempt - 1 - EARLIER_ATTEMPTS_READ), -1):
+        try:
+            rec = store.read_record(RunLayout.supervision(a), SupervisionRecord)
+        except (DocumentError, *store_errors()) as e:  # a failed read leaves the configured grace as it is
+            log.info("start-up of attempt %d not read (%s): the configured compile grace stands", a, e)
+            continue
+        took = startup_seconds(rec) if rec is not None else None
+        if took is not None:
+            seen.append(took)
+    return max(seen) if seen else None
+
+
 class Supervisor:
     """Supervises one attempt's gang, over the port ``model.gang.Gang``, until the decision says it is over."""
 
@@ -321,6 +345,7 @@ class Supervisor:
         self.view: ReadState | None = None  # how the cluster view stands once an observation failed (view_clock)
         self.unacted_since: float | None = None  # when this supervisor first saw the JobSet with no Job and no pod
         self.unacted_said = False
+        self.startup_before_s = earlier_startup(store, attempt)
 
     def ensure_jobset(self, manifest: Mapping[str, Any]) -> None:
         """Create the attempt's JobSet, or re-attach when it already exists (the supervisor's pod was lost).
@@ -448,6 +473,7 @@ class Supervisor:
             ),
             reads=tuple(r for _, r in sorted(self.reads.items())),
             view=self.view,
+            startup_before_s=self.startup_before_s,
         )
 
     def read_beats(self, now: float) -> list[WorkerHeartbeat]:

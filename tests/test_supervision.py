@@ -23,6 +23,7 @@ from recovery_steps.supervision import (
     pull_failure_is_credentials,
     pull_failure_is_permanent,
     read_clock,
+    startup_seconds,
     view_clock,
     wait_clock,
     waiting_cause,
@@ -580,6 +581,29 @@ CASES = [
         AttemptOutcome.STALLED,
         StallKind.HANG,
         "no first step 901 s",
+    ),
+    # An earlier attempt of this run took 600 s to its first step (a long restore and compilation): twice that.
+    (
+        "no-first-step-within-twice-this-runs-earlier-start-up",
+        obs(1100, ALL_RUNNING, startup_before_s=600),
+        AttemptOutcome.RUNNING,
+        None,
+        "",
+    ),
+    (
+        "no-first-step-past-twice-this-runs-earlier-start-up",
+        obs(1261, ALL_RUNNING, startup_before_s=600),
+        AttemptOutcome.STALLED,
+        StallKind.HANG,
+        "no first step 1201 s after every worker started (2 times this run's earlier start-up of 600 s, above the "
+        "compile grace 900 s)",
+    ),
+    (
+        "a-short-earlier-start-up-leaves-the-compile-grace",
+        obs(961, ALL_RUNNING, startup_before_s=30),
+        AttemptOutcome.STALLED,
+        StallKind.HANG,
+        "no first step 901 s after every worker started (compile grace 900 s)",
     ),
     (
         "jobset-deleted-underneath",
@@ -1290,3 +1314,18 @@ def test_a_job_at_failure_target_fails_the_attempt_before_its_jobset_does(job, s
 def test_the_first_failure_is_one_rule_for_the_supervisor_and_classify(failures, want):
     got = first_failed(failures, ended=lambda f: f[1], index=lambda f: f[2], rank=lambda f: f[3], named=lambda f: f[4])
     assert got[0] == want
+
+
+def test_startup_seconds_is_every_worker_running_to_every_first_step_or_unknown():
+    from jaxrec.model.records import SupervisionRecord, WorkerSupervision
+
+    def rec(*workers):
+        return SupervisionRecord(
+            attempt=0, jobset="js", outcome="failed", reason="r", detected_at=T0 + 900, workers=list(workers)
+        )
+
+    a = WorkerSupervision(index=0, started_at=T0 + 60, first_step_at=T0 + 400)
+    b = WorkerSupervision(index=1, started_at=T0 + 90, first_step_at=T0 + 410)
+    assert startup_seconds(rec(a, b)) == 320  # from the last to start to the last first step
+    assert startup_seconds(rec(a, WorkerSupervision(index=1, started_at=T0 + 90))) is None  # one never stepped
+    assert startup_seconds(rec()) is None

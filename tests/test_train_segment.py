@@ -1110,3 +1110,24 @@ def test_a_heartbeat_read_the_store_answered_only_after_retries_is_no_evidence_o
     rec = _run_on_clock(cfg, tmp_path, cluster, lambda: time.time() + state["skew"])
     assert rec.outcome == "succeeded", rec.reason
     assert state["observation"] >= 9
+
+
+def test_the_supervisor_reads_the_longest_start_up_of_the_runs_earlier_attempts(tmp_path):
+    from jaxrec.model.records import WorkerSupervision
+
+    store = RunStore(str(tmp_path), "r")
+
+    def record(attempt: int, took: float) -> SupervisionRecord:
+        w = WorkerSupervision(index=0, started_at=1000.0, first_step_at=1000.0 + took)
+        return SupervisionRecord(
+            attempt=attempt, jobset=f"r-a{attempt}", outcome="failed", reason="r", detected_at=5000.0, workers=[w]
+        )
+
+    assert ts.earlier_startup(store, 0) is None  # the first attempt has nothing before it
+    store.write_record(RunLayout.supervision(0), record(0, 420.0))
+    store.write_record(RunLayout.supervision(1), record(1, 95.0))
+    store.write_bytes(RunLayout.supervision(2), b"{torn")  # unreadable: adds nothing, stops nothing
+    assert ts.earlier_startup(store, 3) == 420.0
+    assert ts.earlier_startup(store, 2) == 420.0
+    # Only the latest attempts count: a start-up long ago (a cold cache, another config) is not read.
+    assert ts.earlier_startup(store, 1 + ts.EARLIER_ATTEMPTS_READ) == 95.0

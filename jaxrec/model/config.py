@@ -758,7 +758,8 @@ class SupervisionConfig(_Section):
         default=1800,
         gt=0,
         description="Before a worker's first step: how long after every worker runs it may take to report a "
-        "step (startup, restore and the first compilation) before the attempt counts as hung.",
+        "step (startup, restore and the first compilation) before the attempt counts as hung; never less than "
+        "twice the longest start-up the supervisors recorded for the run's latest earlier attempts.",
     )
     save_timeout_s: float = Field(
         default=900,
