@@ -498,3 +498,40 @@ def test_chips_held_past_the_bound_end_the_worker_as_transient_saying_why(tmp_pa
         holder.wait(5)
     assert e.value.code == ExitCode.TRANSIENT
     assert "still held by another program" in str(e.value) and str(lock) in str(e.value)
+
+
+def test_the_first_step_grace_is_never_shorter_than_twice_the_runs_earlier_start_up():
+    from trainer.decisions import first_step_grace
+
+    assert first_step_grace(240, []) == 240  # the first attempt: the configured grace
+    assert first_step_grace(240, [100, 300]) == 600  # a compilation of 300 s already happened: 600 s
+    assert first_step_grace(240, [50]) == 240  # a short one leaves the configured grace
+
+
+def test_the_worker_reads_its_runs_earlier_start_ups_from_the_exit_reports(tmp_path):
+    from jaxrec.adapters.store import RunLayout, RunStore
+    from jaxrec.model.records import WorkerExitReport
+    from trainer.app import EARLIER_ATTEMPTS_READ, earlier_first_steps
+
+    store = RunStore(str(tmp_path), "r")
+
+    def report(attempt: int, index: int, took: float | None) -> WorkerExitReport:
+        first = None if took is None else 1000.0 + took
+        return WorkerExitReport(
+            run_id="r",
+            attempt=attempt,
+            process_index=index,
+            process_count=2,
+            exit_code=20,
+            exit_name="PEER_LOST",
+            initialized_at=1000.0,
+            first_step_at=first,
+        )
+
+    store.write_record(RunLayout.worker_report(0, 0), report(0, 0, 310.0))
+    store.write_record(RunLayout.worker_report(0, 1), report(0, 1, 305.0))
+    store.write_record(RunLayout.worker_report(1, 0), report(1, 0, None))  # died before its first step
+    store.write_bytes(RunLayout.worker_report(1, 1), b"{torn")  # unreadable: adds nothing, stops nothing
+    assert earlier_first_steps(store, 0) == []
+    assert sorted(earlier_first_steps(store, 2)) == [305.0, 310.0]
+    assert earlier_first_steps(store, 1 + EARLIER_ATTEMPTS_READ) == []  # only the latest attempts are read

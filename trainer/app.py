@@ -15,8 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from jaxrec.adapters.documents import read_run_config
-from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.adapters.documents import read_run_config, read_worker_reports
+from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, store_errors
 from jaxrec.model.config import ConfigError, JobConfig
 from jaxrec.model.contract import ExitCode
 from jaxrec.model.records import CheckpointManifest, EventKind, PreemptionSave, WorkerExitReport, now
@@ -31,6 +31,7 @@ from trainer.decisions import (
     compatibility_problems,
     coordinator_to_wait_for,
     exit_code_for,
+    first_step_grace,
     local_identity,
     parse_faults,
     stop_flag,
@@ -481,6 +482,26 @@ class Worker:
         self.gang_barrier(barrier, timeout_s)
 
 
+EARLIER_ATTEMPTS_READ = 5
+"""How many of the run's latest earlier attempts the watchdog reads its start-up durations from."""
+
+
+def earlier_first_steps(store: RunStore, attempt: int) -> list[float]:
+    """Seconds from the runtime being ready to the first step, per worker report of the run's latest earlier attempts.
+
+    A report that cannot be read adds nothing: the configured grace then stands alone.
+    """
+    out = []
+    for a in range(attempt - 1, max(-1, attempt - 1 - EARLIER_ATTEMPTS_READ), -1):
+        try:
+            reports, _ = read_worker_reports(store, a)
+        except (DocumentError, *store_errors()) as e:
+            log.info("start-up of attempt %d not read (%s): the configured compile grace stands", a, e)
+            continue
+        out += [r.first_step_at - r.initialized_at for r in reports if r.first_step_at and r.initialized_at]
+    return out
+
+
 def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     """Run one worker to its end; always leaves by ``os._exit`` with a contract code."""
     env = dict(os.environ if env is None else env)
@@ -503,9 +524,10 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     except Exception as e:  # noqa: BLE001 - any failure to start the runtime has one contract code
         out.exit_now(exit_code_for(e, during_init=True), e)
     w.report.initialized_at = now()
-    w.watchdog = Watchdog(
-        cfg.training.hang_timeout_s, cfg.training.compile_grace_s, out, save_timeout_s=cfg.supervision.save_timeout_s
-    )
+    grace = first_step_grace(cfg.training.compile_grace_s, earlier_first_steps(w.store, w.args.attempt))
+    if grace > cfg.training.compile_grace_s:
+        log.info("first-step grace %.0f s: twice the longest start-up of this run's latest attempts", grace)
+    w.watchdog = Watchdog(cfg.training.hang_timeout_s, grace, out, save_timeout_s=cfg.supervision.save_timeout_s)
     if w.peer_notice is not None:
         w.watchdog.peer_lost = w.peer_notice.heard
     # TRAINER_WATCHDOG=off: rehearse a silent hang that only the supervisor's heartbeat deadline can see.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -218,6 +218,20 @@ def bucket_check_exit(exc: BaseException, cfg: JobConfig, bucket: str) -> Traine
         f"{first_line(exc)[:200]}); check that the bucket exists and that the workers have Google credentials "
         "(Workload Identity)",
     )
+
+
+FIRST_STEP_MARGIN = 2.0
+"""The watchdog's grace before the first step is never shorter than this many times the longest time the run's
+latest earlier attempts took from their runtime being ready to their first step."""
+
+
+def first_step_grace(configured_s: float, earlier_s: Sequence[float]) -> float:
+    """The watchdog's grace before the first step.
+
+    The configured one, or ``FIRST_STEP_MARGIN`` times the longest of ``earlier_s`` (this run's earlier start-ups)
+    when that is longer: a restore or compilation as long as one the run already went through is not a hang.
+    """
+    return max(configured_s, FIRST_STEP_MARGIN * max(earlier_s, default=0.0))
 
 
 def watchdog_limit(

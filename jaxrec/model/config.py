@@ -495,7 +495,12 @@ class TrainingConfig(_Section):
         description="Watchdog: exit with the hang code when no step completes within this many seconds "
         "(the first step's compilation is allowed compile_grace_s more).",
     )
-    compile_grace_s: int = Field(default=240, ge=0, description="Extra watchdog time for the first step.")
+    compile_grace_s: int = Field(
+        default=240,
+        ge=0,
+        description="Extra watchdog time for the first step; never less than twice the longest start-up (runtime "
+        "ready to first step) of the run's latest earlier attempts, as their exit reports say.",
+    )
     compilation_cache: bool = Field(
         default=True,
         description="JAX's persistent compilation cache, on unless false: the next attempt reuses the compiled "
