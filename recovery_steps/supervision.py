@@ -585,7 +585,7 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
 
 def _capacity(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     for p in obs.pods:
-        if p.phase != PodPhase.PENDING or p.node is not None:
+        if (p.phase or PodPhase.PENDING) != PodPhase.PENDING or p.node is not None:  # no phase yet: Pending
             continue
         sched = p.condition("PodScheduled")
         waited = obs.now - obs.counted_from(p.created_at if p.created_at is not None else obs.created_at)

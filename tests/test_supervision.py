@@ -426,6 +426,13 @@ CASES = [
         "Insufficient google.com/tpu",
     ),
     (
+        "stuck-pending-whose-status-has-no-phase-yet",
+        obs(620, [running(0), running(1), running(2), pending(3, phase=None)]),
+        AttemptOutcome.STALLED,
+        StallKind.CAPACITY,
+        "Insufficient google.com/tpu",
+    ),
+    (
         "too-few-pods-created",
         obs(620, [running(0), running(1), running(2)]),
         AttemptOutcome.STALLED,
