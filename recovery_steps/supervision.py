@@ -43,7 +43,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jaxrec.model.config import SupervisionConfig
 from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
-from jaxrec.model.records import SupervisionRecord
+from jaxrec.model.records import SupervisionRecord, WorkerPhase
 from jaxrec.model.snapshot import Condition, JobEvidence, NodeEvidence, PodEvidence, PodPhase, first_failed
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet
@@ -178,6 +178,7 @@ class WorkerProgress(_Rec):
     at: float = Field(description="When the heartbeat was written (epoch seconds).")
     first_step_at: float | None = None
     saving: int | None = Field(default=None, description="The checkpoint step the loop waits for since ``at``.")
+    phase: WorkerPhase | None = Field(default=None, description="What the worker was doing from ``at`` on.")
 
 
 class ReadState(_Rec):
@@ -666,10 +667,11 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
             waited = obs.now - gang_up
             grace, why = _first_step_grace(obs, d)
             if waited >= grace:
+                where = f"; in {b.phase.value} for {obs.now - b.at:.0f} s" if b is not None and b.phase else ""
                 return Verdict(
                     state=AttemptOutcome.STALLED,
                     kind=StallKind.HANG,
-                    reason=f"{p.label}: no first step {waited:.0f} s after every worker started ({why})",
+                    reason=f"{p.label}: no first step {waited:.0f} s after every worker started ({why}){where}",
                     worker=p.index,
                 )
             continue

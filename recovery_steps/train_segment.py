@@ -467,7 +467,12 @@ class Supervisor:
             lost_seen=dict(self.lost_seen),
             progress=tuple(
                 WorkerProgress(
-                    index=b.process_index, step=b.step, at=b.at, first_step_at=b.first_step_at, saving=b.saving
+                    index=b.process_index,
+                    step=b.step,
+                    at=b.at,
+                    first_step_at=b.first_step_at,
+                    saving=b.saving,
+                    phase=b.phase,
                 )
                 for b in beats
             ),

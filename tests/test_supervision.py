@@ -606,6 +606,13 @@ CASES = [
         "compile grace 900 s)",
     ),
     (
+        "no-first-step-names-the-phase-each-heartbeat-says",
+        obs(961, ALL_RUNNING, progress=[WorkerProgress(index=0, at=T0 + 300, phase="compile")]),
+        AttemptOutcome.STALLED,
+        StallKind.HANG,
+        "worker 0: no first step 901 s after every worker started (compile grace 900 s); in compile for 661 s",
+    ),
+    (
         "a-short-earlier-start-up-leaves-the-compile-grace",
         obs(961, ALL_RUNNING, startup_before_s=30),
         AttemptOutcome.STALLED,

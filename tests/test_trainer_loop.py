@@ -374,9 +374,10 @@ def test_a_wait_for_a_save_in_flight_is_in_the_heartbeat_and_ends_with_it(tmp_pa
     hook.heartbeat.on_step(StepRecord(20, 0.5, finished_at=time.time()))
     hook.on_step(StepRecord(20, 0.5))
     assert during["beat"].saving == 10 and during["beat"].step == 20, during
+    assert during["beat"].phase == "save", during
     assert during["watchdog_saving"] is True
     after = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)
-    assert after.saving is None and after.checkpoint_step == 10, after
+    assert after.saving is None and after.checkpoint_step == 10 and after.phase == "step", after
     assert watchdog.saving is False
     assert hook.ckpt.saved == [20]
 

@@ -535,3 +535,20 @@ def test_the_worker_reads_its_runs_earlier_start_ups_from_the_exit_reports(tmp_p
     assert earlier_first_steps(store, 0) == []
     assert sorted(earlier_first_steps(store, 2)) == [305.0, 310.0]
     assert earlier_first_steps(store, 1 + EARLIER_ATTEMPTS_READ) == []  # only the latest attempts are read
+
+
+def test_a_phase_heartbeat_says_where_the_worker_is_before_its_first_step_and_never_stops_it(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from jaxrec.adapters.store import RunLayout, RunStore
+    from jaxrec.model.records import WorkerHeartbeat, WorkerPhase
+    from trainer.app import phase_beat
+
+    store = RunStore(str(tmp_path), "r")
+    w = SimpleNamespace(store=store, process_index=1, args=SimpleNamespace(attempt=2))
+    phase_beat(w, WorkerPhase.COMPILE, 1.0)
+    beat = store.read_record(RunLayout.heartbeat(2, 1), WorkerHeartbeat)
+    assert beat is not None and (beat.phase, beat.step, beat.process_index) == (WorkerPhase.COMPILE, None, 1)
+    refusing = SimpleNamespace(bounded=lambda _s: SimpleNamespace(write_record=lambda *a: 1 / 0))
+    phase_beat(SimpleNamespace(store=refusing, process_index=1, args=w.args), WorkerPhase.RESTORE, 1.0)
+    assert "could not write the restore heartbeat" in caplog.text

@@ -19,7 +19,15 @@ from jaxrec.adapters.documents import read_run_config, read_worker_reports
 from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, store_errors
 from jaxrec.model.config import ConfigError, JobConfig
 from jaxrec.model.contract import ExitCode
-from jaxrec.model.records import CheckpointManifest, EventKind, PreemptionSave, WorkerExitReport, now
+from jaxrec.model.records import (
+    CheckpointManifest,
+    EventKind,
+    PreemptionSave,
+    WorkerExitReport,
+    WorkerHeartbeat,
+    WorkerPhase,
+    now,
+)
 from jaxrec.model.tasks import TaskSpec, options_hash
 from jaxrec.model.tiers import Tier
 from trainer import compile_cache
@@ -482,6 +490,19 @@ class Worker:
         self.gang_barrier(barrier, timeout_s)
 
 
+def phase_beat(w: Worker, phase: WorkerPhase, interval_s: float) -> None:
+    """A heartbeat saying the worker enters ``phase`` before its first step (restore, compile).
+
+    The supervisor's verdict on a gang with no first step names where each worker is. A write the store refuses is
+    logged only.
+    """
+    beat = WorkerHeartbeat(process_index=w.process_index, at=now(), phase=phase)
+    try:
+        w.store.bounded(interval_s).write_record(RunLayout.heartbeat(w.args.attempt, w.process_index), beat)
+    except Exception as e:  # noqa: BLE001 - progress reporting must never stop training
+        log.warning("could not write the %s heartbeat: %s", phase.value, e)
+
+
 EARLIER_ATTEMPTS_READ = 5
 """How many of the run's latest earlier attempts the watchdog reads its start-up durations from."""
 
@@ -832,6 +853,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
 
     ahead = _compile_ahead(cfg, tr, source, pi, pc)
     t0 = now()
+    phase_beat(w, WorkerPhase.RESTORE, cfg.supervision.heartbeat_interval_s)
     training = Training(cfg, tr, source, ckpt, tier)
     state, it, manifest = _restore_checked(w, training, manifest)
     restore_step = w.args.restore_step
@@ -849,6 +871,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
         restore_seconds=w.report.restore_seconds,
         cpu_s=cpu_seconds(),
     )
+    phase_beat(w, WorkerPhase.COMPILE, cfg.supervision.heartbeat_interval_s)
     compiled = _compiled_step(w, ahead, t0)
     # Compiled ahead so that the first save does not compile on the training thread.
     ckpt.prepare_snapshot(tr.abstract_state)

@@ -21,6 +21,7 @@ from jaxrec.model.records import (
     RunLease,
     WorkerExitReport,
     WorkerHeartbeat,
+    WorkerPhase,
     now,
 )
 from trainer.compile_cache import CacheCounter
@@ -178,6 +179,7 @@ class HeartbeatHook:
             at=at,
             first_step_at=self.report.first_step_at,
             saving=saving,
+            phase=WorkerPhase.STEP if saving is None else WorkerPhase.SAVE,
         )
         try:
             self.store.write_record(RunLayout.heartbeat(self.attempt, self.index), beat)

@@ -542,6 +542,15 @@ def parse_event_line(line: bytes | str) -> WorkerEvent | None:
         return None
 
 
+class WorkerPhase(enum.StrEnum):
+    """What a worker is doing, as its heartbeat says: a hang deadline knows which phase it judges."""
+
+    RESTORE = "restore"  # reading the checkpoint (or building fresh state)
+    COMPILE = "compile"  # state restored, waiting for the step's compilation
+    STEP = "step"  # training
+    SAVE = "save"  # the loop waits for a checkpoint save to commit
+
+
 class WorkerHeartbeat(_Record):
     """``attempts/<n>/heartbeats/<i>.json``: one worker's newest progress, rewritten at most every interval.
 
@@ -558,6 +567,9 @@ class WorkerHeartbeat(_Record):
     saving: int | None = Field(
         default=None,
         description="The checkpoint step whose save the loop has waited for since ``at`` (None: not waiting).",
+    )
+    phase: WorkerPhase | None = Field(
+        default=None, description="What the worker was doing from ``at`` on (None: a worker that does not say)."
     )
 
 
