@@ -43,7 +43,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jaxrec.model.config import SupervisionConfig
 from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
-from jaxrec.model.records import SupervisionRecord, WorkerPhase
+from jaxrec.model.records import STARTUP_MARGIN, SupervisionRecord, WorkerPhase
 from jaxrec.model.snapshot import Condition, JobEvidence, NodeEvidence, PodEvidence, PodPhase, first_failed
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet
@@ -620,11 +620,6 @@ MISSING_PODS_GRACE_S = 60.0
 and one that restarts acts only once it wins its leader election (kube-controller-manager's lease is 15 s by
 default, renewed within 10 s) and has synced its caches; a start-up deadline shorter than that (a rehearsal's) would
 charge a control-plane restart to capacity. A refused pod is the Job's FailedCreate, judged at once (``_refused``)."""
-
-
-STARTUP_MARGIN = 2.0
-"""The no-first-step grace is never shorter than this many times the run's own earlier start-up: a restore or a
-compilation as long as one this run already went through is not a hang."""
 
 
 def startup_seconds(record: SupervisionRecord) -> float | None:

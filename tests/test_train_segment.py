@@ -15,7 +15,7 @@ from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
 from jaxrec.model.config import StorageConfig, SupervisionConfig, load_config
 from jaxrec.model.contract import ExitCode
 from jaxrec.model.jobset import JobSetParams, jobset_manifest
-from jaxrec.model.records import SupervisionRecord, WorkerExitReport, WorkerHeartbeat
+from jaxrec.model.records import STARTUP_ATTEMPTS_READ, SupervisionRecord, WorkerExitReport, WorkerHeartbeat
 from recovery_steps import train_segment as ts
 from recovery_steps.step import StepError
 
@@ -1130,4 +1130,4 @@ def test_the_supervisor_reads_the_longest_start_up_of_the_runs_earlier_attempts(
     assert ts.earlier_startup(store, 3) == 420.0
     assert ts.earlier_startup(store, 2) == 420.0
     # Only the latest attempts count: a start-up long ago (a cold cache, another config) is not read.
-    assert ts.earlier_startup(store, 1 + ts.EARLIER_ATTEMPTS_READ) == 95.0
+    assert ts.earlier_startup(store, 1 + STARTUP_ATTEMPTS_READ) == 95.0

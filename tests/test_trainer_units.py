@@ -510,8 +510,8 @@ def test_the_first_step_grace_is_never_shorter_than_twice_the_runs_earlier_start
 
 def test_the_worker_reads_its_runs_earlier_start_ups_from_the_exit_reports(tmp_path):
     from jaxrec.adapters.store import RunLayout, RunStore
-    from jaxrec.model.records import WorkerExitReport
-    from trainer.app import EARLIER_ATTEMPTS_READ, earlier_first_steps
+    from jaxrec.model.records import STARTUP_ATTEMPTS_READ, WorkerExitReport
+    from trainer.app import earlier_first_steps
 
     store = RunStore(str(tmp_path), "r")
 
@@ -534,7 +534,7 @@ def test_the_worker_reads_its_runs_earlier_start_ups_from_the_exit_reports(tmp_p
     store.write_bytes(RunLayout.worker_report(1, 1), b"{torn")  # unreadable: adds nothing, stops nothing
     assert earlier_first_steps(store, 0) == []
     assert sorted(earlier_first_steps(store, 2)) == [305.0, 310.0]
-    assert earlier_first_steps(store, 1 + EARLIER_ATTEMPTS_READ) == []  # only the latest attempts are read
+    assert earlier_first_steps(store, 1 + STARTUP_ATTEMPTS_READ) == []  # only the latest attempts are read
 
 
 def test_a_phase_heartbeat_says_where_the_worker_is_before_its_first_step_and_never_stops_it(tmp_path, caplog):

@@ -20,6 +20,7 @@ from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, store_erro
 from jaxrec.model.config import ConfigError, JobConfig
 from jaxrec.model.contract import ExitCode
 from jaxrec.model.records import (
+    STARTUP_ATTEMPTS_READ,
     CheckpointManifest,
     EventKind,
     PreemptionSave,
@@ -503,17 +504,13 @@ def phase_beat(w: Worker, phase: WorkerPhase, interval_s: float) -> None:
         log.warning("could not write the %s heartbeat: %s", phase.value, e)
 
 
-EARLIER_ATTEMPTS_READ = 5
-"""How many of the run's latest earlier attempts the watchdog reads its start-up durations from."""
-
-
 def earlier_first_steps(store: RunStore, attempt: int) -> list[float]:
     """Seconds from the runtime being ready to the first step, per worker report of the run's latest earlier attempts.
 
     A report that cannot be read adds nothing: the configured grace then stands alone.
     """
     out = []
-    for a in range(attempt - 1, max(-1, attempt - 1 - EARLIER_ATTEMPTS_READ), -1):
+    for a in range(attempt - 1, max(-1, attempt - 1 - STARTUP_ATTEMPTS_READ), -1):
         try:
             reports, _ = read_worker_reports(store, a)
         except (DocumentError, *store_errors()) as e:

@@ -11,7 +11,7 @@ from typing import Any
 from jaxrec.model.compat import check_compatible
 from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import PEER_LOSS_MARKERS, ExitCode
-from jaxrec.model.records import CheckpointManifest
+from jaxrec.model.records import STARTUP_MARGIN, CheckpointManifest
 from jaxrec.model.tpu import TPU_TYPES
 
 FAULT_KINDS = ("app-bug", "nan", "hang", "kill-during-save", "native-crash")
@@ -220,18 +220,13 @@ def bucket_check_exit(exc: BaseException, cfg: JobConfig, bucket: str) -> Traine
     )
 
 
-FIRST_STEP_MARGIN = 2.0
-"""The watchdog's grace before the first step is never shorter than this many times the longest time the run's
-latest earlier attempts took from their runtime being ready to their first step."""
-
-
 def first_step_grace(configured_s: float, earlier_s: Sequence[float]) -> float:
     """The watchdog's grace before the first step.
 
-    The configured one, or ``FIRST_STEP_MARGIN`` times the longest of ``earlier_s`` (this run's earlier start-ups)
+    The configured one, or ``STARTUP_MARGIN`` times the longest of ``earlier_s`` (this run's earlier start-ups)
     when that is longer: a restore or compilation as long as one the run already went through is not a hang.
     """
-    return max(configured_s, FIRST_STEP_MARGIN * max(earlier_s, default=0.0))
+    return max(configured_s, STARTUP_MARGIN * max(earlier_s, default=0.0))
 
 
 def watchdog_limit(

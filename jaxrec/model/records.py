@@ -551,6 +551,14 @@ class WorkerPhase(enum.StrEnum):
     SAVE = "save"  # the loop waits for a checkpoint save to commit
 
 
+STARTUP_MARGIN = 2.0
+"""A hang deadline before the first step is never shorter than this many times the longest start-up of the run's
+latest earlier attempts (the supervisor's and the worker's watchdog alike): a restore or compilation as long as one
+the run already went through is not a hang."""
+STARTUP_ATTEMPTS_READ = 5
+"""How many of the run's latest earlier attempts those start-ups are read from."""
+
+
 class WorkerHeartbeat(_Record):
     """``attempts/<n>/heartbeats/<i>.json``: one worker's newest progress, rewritten at most every interval.
 
