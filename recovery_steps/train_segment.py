@@ -57,7 +57,7 @@ from jaxrec.model.contract import AttemptOutcome, ExitCode
 from jaxrec.model.gang import Gang
 from jaxrec.model.jobset import JobSetParams, jobset_manifest
 from jaxrec.model.outputs import SegmentOutputs
-from jaxrec.model.records import STARTUP_ATTEMPTS_READ, SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now
+from jaxrec.model.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now, startup_attempts
 from jaxrec.model.snapshot import (
     TRAINER_CONTAINER,
     ClusterSnapshot,
@@ -301,7 +301,7 @@ def earlier_startup(store: RunStore, attempt: int) -> float | None:
     configured grace then stands alone.
     """
     seen = []
-    for a in range(attempt - 1, max(-1, attempt - 1 - STARTUP_ATTEMPTS_READ), -1):
+    for a in startup_attempts(attempt):
         try:
             rec = store.read_record(RunLayout.supervision(a), SupervisionRecord)
         except (DocumentError, *store_errors()) as e:  # a failed read leaves the configured grace as it is

@@ -20,7 +20,6 @@ from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, store_erro
 from jaxrec.model.config import ConfigError, JobConfig
 from jaxrec.model.contract import ExitCode
 from jaxrec.model.records import (
-    STARTUP_ATTEMPTS_READ,
     CheckpointManifest,
     EventKind,
     PreemptionSave,
@@ -28,6 +27,7 @@ from jaxrec.model.records import (
     WorkerHeartbeat,
     WorkerPhase,
     now,
+    startup_attempts,
 )
 from jaxrec.model.tasks import TaskSpec, options_hash
 from jaxrec.model.tiers import Tier
@@ -510,7 +510,7 @@ def earlier_first_steps(store: RunStore, attempt: int) -> list[float]:
     A report that cannot be read adds nothing: the configured grace then stands alone.
     """
     out = []
-    for a in range(attempt - 1, max(-1, attempt - 1 - STARTUP_ATTEMPTS_READ), -1):
+    for a in startup_attempts(attempt):
         try:
             reports, _ = read_worker_reports(store, a)
         except (DocumentError, *store_errors()) as e:

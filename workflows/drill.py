@@ -305,27 +305,6 @@ def workers_selector(run_id: str, attempt: int) -> str:
     return f"{RUN_ID_LABEL}={run_id},{ATTEMPT_LABEL}={attempt},{JOBSET_NAME_LABEL}"
 
 
-def _corrupt_after_stop(cluster: Cluster, store: RunStore, target: Target, victim: str, attempt: int) -> str:
-    """Delete a worker pod; once every worker of the attempt has stopped, damage the newest checkpoint.
-
-    The damage comes after the stop because no deletion leaves the gang without time to save: the kubelet gives
-    a container at least 2 s after SIGTERM even for a pod deleted with grace 0 (kubernetes v1.36.3,
-    ``pkg/kubelet/kuberuntime/kuberuntime_container.go``, ``minimumGracePeriodInSeconds``), and the trainer
-    saves at a SIGTERM when the save fits. Damaged before the stop, the step could then be superseded by the
-    save at the stop and never read. The next attempt's restore-latest runs seconds after the stop (the
-    supervisor's record, classify-failure, provision-slice), so the byte is flipped as soon as the last worker
-    stopped.
-    """
-    cluster.delete_pod(victim)
-    selector = workers_selector(target.run_id, attempt)
-    stopped = lambda: not cluster.running(selector)  # noqa: E731
-    wait_until(f"the workers of attempt {attempt} to stop", stopped, time.time() + CORRUPT_WAIT_S, every=0.2)
-    rel = corrupt_newest_checkpoint(store)
-    if rel is None:
-        raise DrillError(f"run {target.run_id} has no checkpoint with a manifest yet; raise --after-step")
-    return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped bytes of {store.url(rel)}"
-
-
 @dataclass(frozen=True)
 class Scene:
     """What an act on a cluster works with: the run, its store, its Workflow, the attempt and its worker pods."""
@@ -338,11 +317,16 @@ class Scene:
     workers: list[Any]
 
     @property
-    def victim(self) -> str:
+    def victim_pod(self) -> Any:
         """The worker pod a fault on one worker hits: the last one."""
         if not self.workers:
             raise DrillError(f"no running worker pod of run {self.target.run_id} attempt {self.attempt}")
-        return self.workers[-1].metadata.name
+        return self.workers[-1]
+
+    @property
+    def victim(self) -> str:
+        """The victim pod's name."""
+        return self.victim_pod.metadata.name
 
 
 def _delete_worker(s: Scene) -> str:
@@ -356,7 +340,7 @@ def _kill_worker(s: Scene) -> str:
 
 
 def _drain_node(s: Scene) -> str:
-    node = next(p.spec.node_name for p in s.workers if p.metadata.name == s.victim)
+    node = s.victim_pod.spec.node_name
     others = s.cluster.others_on(node, s.target.run_id)
     if others:
         raise DrillError(f"node {node} also runs {', '.join(others[:3])}: the drill drains only the run's nodes")
@@ -376,7 +360,25 @@ def _lose_supervisor(s: Scene) -> str:
 
 
 def _corrupt_latest(s: Scene) -> str:
-    return _corrupt_after_stop(s.cluster, s.store, s.target, s.victim, s.attempt)
+    """Delete a worker pod; once every worker of the attempt has stopped, damage the newest checkpoint.
+
+    The damage comes after the stop because no deletion leaves the gang without time to save: the kubelet gives
+    a container at least 2 s after SIGTERM even for a pod deleted with grace 0 (kubernetes v1.36.3,
+    ``pkg/kubelet/kuberuntime/kuberuntime_container.go``, ``minimumGracePeriodInSeconds``), and the trainer
+    saves at a SIGTERM when the save fits. Damaged before the stop, the step could then be superseded by the
+    save at the stop and never read. The next attempt's restore-latest runs seconds after the stop (the
+    supervisor's record, classify-failure, provision-slice), so the byte is flipped as soon as the last worker
+    stopped.
+    """
+    victim = s.victim
+    s.cluster.delete_pod(victim)
+    selector = workers_selector(s.target.run_id, s.attempt)
+    stopped = lambda: not s.cluster.running(selector)  # noqa: E731
+    wait_until(f"the workers of attempt {s.attempt} to stop", stopped, time.time() + CORRUPT_WAIT_S, every=0.2)
+    rel = corrupt_newest_checkpoint(s.store)
+    if rel is None:
+        raise DrillError(f"run {s.target.run_id} has no checkpoint with a manifest yet; raise --after-step")
+    return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped bytes of {s.store.url(rel)}"
 
 
 # How the drill acts on each fault of the table it injects into a running attempt (delete-workflow acts on the

@@ -559,6 +559,11 @@ STARTUP_ATTEMPTS_READ = 5
 """How many of the run's latest earlier attempts those start-ups are read from."""
 
 
+def startup_attempts(attempt: int) -> range:
+    """The run's latest earlier attempts whose start-ups a hang deadline of ``attempt`` reads, newest first."""
+    return range(attempt - 1, max(-1, attempt - 1 - STARTUP_ATTEMPTS_READ), -1)
+
+
 class WorkerHeartbeat(_Record):
     """``attempts/<n>/heartbeats/<i>.json``: one worker's newest progress, rewritten at most every interval.
 

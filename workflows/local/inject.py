@@ -193,8 +193,8 @@ class Injector(SliceHooks):
         faults: list[str] = []
         env: dict[str, str] = {}
         for i in self.injections:
-            row = FAULT_ROWS[i.scenario]
-            if row.trainer_fault is not None and (row.every_attempt or self._slices_seen == 1):
+            if self._in_trainer(i):
+                row = FAULT_ROWS[i.scenario]
                 faults.append(f"{row.trainer_fault}@{i.step}")
                 env.update(row.trainer_env)
         if faults:
@@ -314,12 +314,18 @@ class Injector(SliceHooks):
             log.warning("preempt: cannot read the run config (%s); assuming a 30 s window", e)
             return 30.0
 
+    def _in_trainer(self, i: Injection) -> bool:
+        """Whether the trainers of the slice seen last inject ``i`` into themselves (its row says which attempts)."""
+        row = FAULT_ROWS[i.scenario]
+        return row.trainer_fault is not None and (row.every_attempt or self._slices_seen == 1)
+
     def after_slice(self, sl: LocalSlice, phase: NodePhase) -> None:
         """Note the trainer-side faults; ``corrupt-latest``: damage the newest checkpoint after a failure."""
         if phase != NodePhase.SUCCEEDED and sl.first_failure_index is not None:
             at = sl.workers[sl.first_failure_index].ended_at or now()
             for i in self.injections:
-                if i.scenario == "app-bug" or (i.scenario == "kill-during-save" and self._slices_seen == 1):
+                # A silent hang is noted below, when the supervisor found it.
+                if self._in_trainer(i) and i.scenario != "silent-hang":
                     i.fired.append(Injected(i.scenario, sl.attempt, at))
         if phase != NodePhase.SUCCEEDED and self._slices_seen == 1:
             hang = self._pending("silent-hang")
