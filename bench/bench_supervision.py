@@ -2,7 +2,7 @@
 
 For each stall kind one local slice of ``--hosts`` idle processes (no JAX: the decision, not the
 trainer, is measured) is supervised by train-segment's own supervisor (the one that runs on GKE) over the
-local adapter of its port (``workflows.local.executor.LocalGang``):
+Kubernetes API the local cluster serves (``recovery_steps.kube_gang.KubeGang``, as on GKE):
 
 - ``capacity``: the last worker is never placed (a Pending pod, no room): deadline ``startup_deadline_s``;
 - ``configuration``: the last worker waits in ``ImagePullBackOff``: deadline ``image_pull_deadline_s``;
@@ -29,11 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from jaxrec.adapters.kube import make_api_client
 from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.config import SupervisionConfig, load_config
 from jaxrec.model.records import WorkerHeartbeat
+from recovery_steps.kube_gang import KubeGang
 from recovery_steps.train_segment import Supervisor, SupervisorIO
-from workflows.local.executor import LocalExecutor, LocalGang
+from workflows.local.executor import LocalExecutor
 from workflows.local.slices import IMAGE_PULL, UNSCHEDULABLE, LocalSlice, WorkerProc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +64,7 @@ def one(kind: str, hosts: int, root: Path) -> tuple[float, float, float]:
     for w in sl.workers:
         if w.index not in sl.withheld:
             sl.spawn(w)
-    ex.cluster.adopt(sl)  # the supervisor re-attaches to this slice (its ensure finds it)
+    ex.controllers.adopt(sl)  # the supervisor re-attaches to this slice (its ensure finds it)
     start = time.time()
     if kind == "hang":
         for i in range(hosts):
@@ -75,8 +77,11 @@ def one(kind: str, hosts: int, root: Path) -> tuple[float, float, float]:
                 "hang": start + DEADLINES.hang_timeout_s,
                 "node-lost": start + DEADLINES.force_delete_grace_s}[kind]  # fmt: skip
     manifest = {"kind": "JobSet", "metadata": {"name": sl.jobset}}
-    gang = LocalGang(ex.cluster, None, manifest)  # type: ignore[arg-type]  # no node: nothing is created
-    record = Supervisor(cfg, 0, gang, store, io=SupervisorIO(say=lambda _line: None)).run(manifest)
+    gang = KubeGang(make_api_client(ex.controllers.url), cfg.namespace, sl.jobset)
+    try:
+        record = Supervisor(cfg, 0, gang, store, io=SupervisorIO(say=lambda _line: None)).run(manifest)
+    finally:
+        ex.controllers.close()
     assert record.outcome == "stalled" and record.stall_kind == kind, record
     assert record.stopped_at is not None and all(w.returncode is not None for w in sl.workers if w.proc), record
     return deadline - sl.created_at, record.detected_at - deadline, record.stopped_at - record.detected_at

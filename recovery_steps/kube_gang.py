@@ -1,8 +1,8 @@
 """The supervisor's gang over the Kubernetes API, beside the client it uses (``adapters.kube``).
 
 The attempt's JobSet, its Jobs, pods and their nodes kept current by LIST + WATCH (``Watcher``), behind the
-``model.gang.Gang`` port (``KubeGang``). The local runner's adapter over its worker processes is
-``workflows.local.executor.LocalGang``.
+``model.gang.Gang`` port (``KubeGang``): the one adapter of both worlds, as the local runner serves its cluster as
+the Kubernetes API too (``workflows.local.controllers``).
 """
 
 from __future__ import annotations

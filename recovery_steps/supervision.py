@@ -3,8 +3,8 @@
 ``decide(observation, deadlines)`` is what the ``train-segment`` supervisor calls on every change of the
 gang and at least every watch interval, on GKE and in the local runner alike. It does no I/O and imports
 nothing heavy: the supervisor builds the ``Observation`` from the ``ClusterSnapshot`` its world's adapter
-answers (``recovery_steps.kube_gang.KubeGang`` over the Kubernetes API, ``workflows.local.executor.LocalGang`` over
-local processes), plus the clocks it keeps between observations.
+answers (``recovery_steps.kube_gang.KubeGang`` over the Kubernetes API, a cluster's or the local runner's), plus
+the clocks it keeps between observations.
 
 Why a supervisor has to decide at all (sources in ``docs/FAILURES.md``):
 

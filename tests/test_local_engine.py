@@ -393,17 +393,26 @@ def _local_segment(tmp_path, hosts=2, **supervision):
 
 
 def _supervise(cfg, ex, sl, store):
+    """Train-segment's supervisor over the local cluster's API, re-attaching to ``sl`` (left running)."""
+    from jaxrec.adapters.kube import make_api_client
+    from recovery_steps.kube_gang import KubeGang
     from recovery_steps.train_segment import Supervisor, SupervisorIO
-    from workflows.local.executor import LocalGang
 
     for w in sl.workers:
         if w.index not in sl.withheld and w.proc is None:
             sl.spawn(w)
-    ex.cluster.adopt(sl)  # a gang left running by a supervisor that was lost
+    ex.controllers.adopt(sl)  # a gang left running by a supervisor that was lost
     manifest = {"kind": "JobSet", "metadata": {"name": sl.jobset}}
     lines: list[str] = []
-    gang = LocalGang(ex.cluster, None, manifest)
-    rec = Supervisor(cfg, 0, gang, store, io=SupervisorIO(say=lines.append)).run(manifest)
+    gang = KubeGang(make_api_client(ex.controllers.url), cfg.namespace, sl.jobset)
+    try:
+        rec = Supervisor(cfg, 0, gang, store, io=SupervisorIO(say=lines.append)).run(manifest)
+    finally:
+        ex.controllers.close()
+    for w in sl.workers:  # the kubelets are stopped: reap the workers the stop ended
+        if w.proc is not None:
+            w.proc.wait(timeout=30)
+    ex.cluster.poll(sl)
     return rec, lines
 
 

@@ -21,7 +21,7 @@ from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.config import SupervisionConfig, load_config
 from jaxrec.model.jobset import JobSetParams, jobset_manifest
 from workflows.local import executor as local_executor
-from workflows.local.cluster import SliceHooks, local_command
+from workflows.local.cluster import SliceHooks
 from workflows.local.engine import ERROR, SUCCEEDED, NodeInfo
 from workflows.local.executor import LocalExecutor, pod_deleted
 
@@ -127,9 +127,8 @@ def _segment(tmp_path, hooks):
     ]
     ex = LocalExecutor(repo_root=REPO, work_dir=tmp_path / "work", hooks=hooks)
     node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)
-    tmpl = {"outputs": {"parameters": []}}
-    node_dir = tmp_path / "work" / "nodes" / "n1"
-    return ex, lambda: ex.run_segment(node, tmpl, local_command(command, node_dir), node_dir)
+    tmpl = {"container": {"command": command}, "outputs": {"parameters": []}}
+    return ex, lambda: ex.run_container(node, tmpl)
 
 
 def test_a_supervisor_lost_in_its_nodes_first_seconds_is_created_again_in_the_same_node(tmp_path):

@@ -305,9 +305,8 @@ def _gcs_error(code: int, message: str) -> dict:
 def gcs_answering(monkeypatch):
     """A local HTTP server standing in for GCS, reached through STORAGE_EMULATOR_HOST: it answers every
     request with the status and GCS error body given, and counts the requests."""
-    from support.fake_http import JsonServer
-
     from jaxrec.adapters.store import STORE_RETRY_DEADLINE_ENV
+    from workflows.local.apiserver import JsonServer
 
     servers, seen = [], []
 

@@ -1,11 +1,10 @@
-"""The port train-segment's supervisor runs over: one attempt's gang in some world (GKE, or local processes).
+"""The port train-segment's supervisor runs over: one attempt's gang.
 
-The supervisor (``recovery_steps.train_segment.Supervisor``) is written once over this port; each world is one
-adapter: ``recovery_steps.kube_gang.KubeGang`` over the Kubernetes API (JobSet, Jobs, pods, nodes), and
-``workflows.local.executor.LocalGang`` over the worker processes of the local runner. Both answer ``observe`` with
-the same record, ``model.snapshot.ClusterSnapshot``, so the decision, the record and the stop cannot drift apart
-between the two worlds (house style: one port, several adapters, as JobSet's reconciler runs over an injected
-client and clock).
+The supervisor (``recovery_steps.train_segment.Supervisor``) is written once over this port. Its adapter is
+``recovery_steps.kube_gang.KubeGang`` over the Kubernetes API (JobSet, Jobs, pods, nodes), a cluster's or the one the
+local runner serves (``workflows.local.controllers``); tests drive the supervisor over their own. Every adapter
+answers ``observe`` with one record, ``model.snapshot.ClusterSnapshot`` (house style: one port, as JobSet's
+reconciler runs over an injected client and clock).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The local cluster: the JobSets of one local run by name, and what the Kubernetes API would say of them.
+"""The local cluster: the JobSets of one local run by name, and their worker processes.
 
 ``LocalCluster`` is the one place a local slice is created from its JobSet manifest (the JobSet controller's Job,
 the Job controller's ``parallelism`` pods, each with the environment its pod would get), found by its JobSet's
-name, polled, stopped and force-deleted; it answers with the records the Kubernetes adapter of ``train-segment``
-builds from the API (``slices.slice_snapshot``: the JobSet, its Job, its pods and their nodes). Deleting a JobSet
+name, polled, stopped and force-deleted; the controllers (``controllers.LocalControllers``) do so for what the
+steps ask of the local cluster's Kubernetes API, and publish the slices there. Deleting a JobSet
 does to its workers what the kubelet does to a deleted pod's containers: SIGTERM, then SIGKILL once the pod's
 ``terminationGracePeriodSeconds`` is over (Kubernetes docs "Pod Lifecycle", termination of pods); a worker on a lost
 host gets nothing, its kubelet is gone, until it is force-deleted. Between observations the runner's hooks
@@ -18,22 +18,20 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from jaxrec.adapters.kube import IN_POD_ENV
-from jaxrec.model.names import TERMINATION_LOG_ENV
+from jaxrec.model.names import ATTEMPT_LABEL, TERMINATION_LOG_ENV
 from jaxrec.model.records import now
-from jaxrec.model.snapshot import ClusterSnapshot
 from workflows.local.engine import FAILED, SUCCEEDED, NodeInfo, NodePhase, WorkflowError
-from workflows.local.slices import LocalSlice, WorkerProc, pod_name, slice_snapshot
+from workflows.local.slices import LocalSlice, WorkerProc, pod_name
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
@@ -97,13 +95,26 @@ def process_env(repo_root: Path, base_env: Mapping[str, str], extra: Mapping[str
     return env
 
 
-def _arg_value(cmd: list[str], flag: str) -> str | None:
+def arg_value(cmd: list[str], flag: str) -> str | None:
+    """The value a command line gives ``flag`` (``--flag v`` or ``--flag=v``), None when it gives none."""
     for i, a in enumerate(cmd):
         if a == flag and i + 1 < len(cmd):
             return cmd[i + 1]
         if a.startswith(flag + "="):
             return a.split("=", 1)[1]
     return None
+
+
+def read_manifest(manifest: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
+    """The first replicated Job of a JobSet manifest and its pod count.
+
+    Raises:
+        KeyError, IndexError, TypeError, ValueError: the manifest lacks what a slice is made from.
+    """
+    rj = manifest["spec"]["replicatedJobs"][0]
+    job_spec = rj["template"]["spec"]
+    job_spec["template"]["spec"]["containers"][0]  # noqa: B018 - a slice's workers run this container
+    return rj, int(job_spec.get("parallelism") or job_spec.get("completions") or 1) * int(rj.get("replicas", 1))
 
 
 class SliceHooks:
@@ -152,22 +163,14 @@ class ClusterSetup:
 class LocalCluster:
     """The JobSets of a local run by name: their worker processes, and their pods and nodes as the API shows them.
 
-    ``track`` is told of every worker process started (the run's deletion kills them all); ``stopping`` is set once
-    the whole run is being deleted.
+    One per run: every Workflow of the run (a continuation, one submitted again) finds the JobSets the ones before
+    it left.
     """
 
-    def __init__(
-        self,
-        setup: ClusterSetup,
-        hooks: SliceHooks | None = None,
-        *,
-        track: Callable[[subprocess.Popen], None] = lambda _p: None,
-        stopping: threading.Event | None = None,
-    ):
+    def __init__(self, setup: ClusterSetup, hooks: SliceHooks | None = None):
         self.setup = setup
         self.hooks = hooks or SliceHooks()
-        self._track = track
-        self._stopping = stopping or threading.Event()
+        self._lock = threading.Lock()
         # Every slice this cluster created, in order (the runner times its incidents from them).
         self.slices: list[LocalSlice] = []
         # JobSets whose workers are still running: a retried supervisor re-attaches to them.
@@ -178,10 +181,23 @@ class LocalCluster:
         """The JobSets whose workers still run, by name (a read-only view)."""
         return MappingProxyType(self._live)
 
-    @property
-    def stopping(self) -> bool:
-        """Whether the whole local run is being deleted."""
-        return self._stopping.is_set()
+    def latest(self, attempt: int) -> LocalSlice | None:
+        """The last slice created for ``attempt``."""
+        return next((sl for sl in reversed(self.slices) if sl.attempt == attempt), None)
+
+    def supervisor_lost(self, attempt: int) -> bool:
+        """Whether a hook made the supervisor of ``attempt`` lose its pod (rehearsal); asking clears it."""
+        sl = self.latest(attempt)
+        if sl is None or not sl.supervisor_lost.is_set():
+            return False
+        sl.supervisor_lost.clear()
+        return True
+
+    def kill_all(self) -> None:
+        """The Workflow is deleted with its gangs: SIGKILL every running slice's workers and settle it, unhooked."""
+        for sl in list(self._live.values()):
+            self.kill(sl)
+            self.settle(sl, now(), True, None, hooks=False)
 
     def find(self, name: str) -> LocalSlice | None:
         """The slice of JobSet ``name`` if its workers still run."""
@@ -191,7 +207,7 @@ class LocalCluster:
         """Hold ``sl`` as the running JobSet of its name (one a lost supervisor left running, to re-attach to)."""
         self._live[sl.jobset] = sl
 
-    def create(self, manifest: Mapping[str, Any], origin: NodeInfo) -> LocalSlice | None:
+    def create(self, manifest: Mapping[str, Any], origin: NodeInfo | None = None) -> LocalSlice | None:
         """Create the JobSet ``manifest`` describes and start its workers (those a hook withholds stay Pending).
 
         None when a JobSet of that name is running already.
@@ -206,36 +222,41 @@ class LocalCluster:
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise InvalidManifest(str(e)) from None
         sl.withheld = dict(self.hooks.withheld(sl.attempt, len(sl.workers)))
-        self.slices.append(sl)
-        self._live[sl.jobset] = sl
+        with self._lock:
+            self.slices.append(sl)
+            self._live[sl.jobset] = sl
         self.setup.events.mkdir(parents=True, exist_ok=True)
         for w in sl.workers:
             if w.index not in sl.withheld:
                 sl.spawn(w)
-                self._track(w.proc)
         return sl
 
-    def build_slice(self, manifest: Mapping[str, Any], origin: NodeInfo) -> LocalSlice:
+    def build_slice(self, manifest: Mapping[str, Any], origin: NodeInfo | None = None) -> LocalSlice:
         """The slice of the JobSet ``manifest``, its workers not started: one per pod of its first replicated Job.
 
-        ``origin`` is the Workflow node that creates it (its folder maps the container paths; its attempt is the
-        fallback when the command names none).
+        ``origin`` is the Workflow node that creates it, when known (its folder maps the container paths, else the
+        JobSet's own folder does; the attempt is the command's, else the JobSet's attempt label, else the node's).
         """
         setup = self.setup
-        name = manifest["metadata"]["name"]
-        rj = manifest["spec"]["replicatedJobs"][0]
+        name, rj, n = manifest["metadata"]["name"], *read_manifest(manifest)
         job_spec = rj["template"]["spec"]
-        n = int(job_spec.get("parallelism") or job_spec.get("completions") or 1) * int(rj.get("replicas", 1))
         pod_spec = job_spec["template"]["spec"]
         c = pod_spec["containers"][0]
-        node_dir = setup.work_dir / "nodes" / f"{origin.id}-{origin.task}"
+        if origin is not None:
+            node_dir = setup.work_dir / "nodes" / f"{origin.id}-{origin.task}"
+        else:
+            node_dir = setup.work_dir / "jobsets" / name
         command = local_command([*c.get("command", []), *c.get("args", [])], node_dir)
-        attempt = int(_arg_value(command, "--attempt") or origin.attempt or 0)
+        labelled = (manifest["metadata"].get("labels") or {}).get(ATTEMPT_LABEL)
+        attempt = int(arg_value(command, "--attempt") or labelled or (origin.attempt if origin else 0) or 0)
         log_dir = setup.work_dir / "logs" / f"attempt-{attempt}"
         sl = LocalSlice(name, attempt, command, str(setup.repo_root), log_dir)
         sl.failure_policy = list((job_spec.get("podFailurePolicy") or {}).get("rules") or [])
         sl.backoff_limit = int(job_spec.get("backoffLimit", 6))
         sl.namespace = str(manifest["metadata"].get("namespace") or "default")
+        sl.pod_labels = {
+            str(k): str(v) for k, v in ((job_spec["template"].get("metadata") or {}).get("labels") or {}).items()
+        }
         # The kubelet's default grace is 30 s when the pod spec names none (Kubernetes API PodSpec).
         grace = pod_spec.get("terminationGracePeriodSeconds", 30)
         sl.grace_seconds = float(grace if setup.grace_seconds is None else setup.grace_seconds)
@@ -276,11 +297,6 @@ class LocalCluster:
                     rc = w.proc.poll()
                     if rc is not None:
                         w.returncode, w.ended_at = rc, w.exited_at or now()
-
-    def snapshot(self, sl: LocalSlice, at: float, image: str = "") -> ClusterSnapshot:
-        """The JobSet of ``sl``, its Job, its pods and their nodes at ``at``, as the Kubernetes adapter reports them."""
-        self.poll(sl)
-        return slice_snapshot(sl, at, image)
 
     def tick(self, sl: LocalSlice, at: float) -> None:
         """Let time pass for ``sl``: the hooks act on a running slice; a deleted one's kubelets keep the grace.
@@ -326,11 +342,11 @@ class LocalCluster:
             self.poll(sl)
             time.sleep(TICK)
 
-    def settle(self, sl: LocalSlice, detected: float, failed: bool, worker: int | None) -> None:
+    def settle(self, sl: LocalSlice, detected: float, failed: bool, worker: int | None, *, hooks: bool = True) -> None:
         """The slice's own state once its supervisor is done: when the end was seen, which worker failed first.
 
-        The JobSet is no longer running (nothing re-attaches to it); the hooks see it unless the run is being
-        deleted.
+        The JobSet is no longer running (nothing re-attaches to it); the hooks see it unless told not to (the
+        Workflow is being deleted).
         """
         sl.detected_at, sl.phase = detected, FAILED if failed else SUCCEEDED
         exited = [w for w in sl.workers if w.returncode not in (None, 0) and (w.ended_at or detected) <= detected]
@@ -340,6 +356,7 @@ class LocalCluster:
         elif failed and worker is not None and sl.first_failure_index is None:
             sl.first_failure_index = worker
         sl.mark_stopped(detected)
-        self._live.pop(sl.jobset, None)
-        if not self.stopping:
+        with self._lock:
+            self._live.pop(sl.jobset, None)
+        if hooks:
             self.hooks.after_slice(sl, sl.phase)

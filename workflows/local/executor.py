@@ -1,11 +1,10 @@
-"""Runs the leaf templates of a Workflow on this machine: containers as processes, the JobSet as N workers.
+"""Runs the leaf templates of a Workflow on this machine: every container as a process.
 
 Container templates run the same command with ``python`` mapped to this interpreter and ``/tmp/outputs``,
-``/tmp/inputs`` mapped to a folder per node. The train-segment step creates its JobSet in the executor's
-``LocalCluster`` (``cluster``): ``parallelism`` worker processes with the environment a pod would get, under JobSet's
-semantics: the first failed worker fails the set and the others are stopped (SIGTERM, the pod's
-``terminationGracePeriodSeconds``, then SIGKILL, as the kubelet does when a pod is deleted: Kubernetes docs "Pod
-Lifecycle", termination of pods).
+``/tmp/inputs`` mapped to a folder per node, and the run's kubeconfig: a step reaches the local cluster only through
+its Kubernetes API (``controllers.LocalControllers``), as a pod reaches its cluster's. The train-segment step creates
+its JobSet there: ``parallelism`` worker processes with the environment a pod would get; its node's message comes from
+the supervision record it writes, and its slice is settled from it (when the end was seen, which worker failed first).
 """
 
 from __future__ import annotations
@@ -16,27 +15,25 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from jaxrec.adapters.store import RunLayout, RunStore
-from jaxrec.model.contract import AttemptOutcome, ExitCode
-from jaxrec.model.gang import Attachment
+from jaxrec.model.contract import AttemptOutcome
 from jaxrec.model.records import SupervisionRecord, now
-from jaxrec.model.snapshot import ClusterSnapshot
-from recovery_steps.step import StepError, run_step
 from workflows.local.cluster import (
     TICK,
     ClusterSetup,
-    InvalidManifest,
     LocalCluster,
     SliceHooks,
+    arg_value,
     local_command,
     process_env,
     resolve_env,
     rewrite_arg,
 )
+from workflows.local.controllers import LocalControllers
 from workflows.local.engine import ERROR, FAILED, SUCCEEDED, NodeInfo, NodeResult
 from workflows.local.slices import LocalSlice
 
@@ -47,120 +44,14 @@ from workflows.local.slices import LocalSlice
 # lines 2054-2065).
 POD_DELETED = "pod deleted"
 RECENTLY_STARTED_POD_S = 10.0
-# The train-segment supervisor: run here as the local JobSet stand-in under the same decision.
+# The train-segment step: a process like every step; its node's message and its slice's settling come from the
+# supervision record it writes.
 SUPERVISOR_MODULE = "recovery_steps.train_segment"
 
 
 def pod_deleted(started_at: float = 0.0, finished_at: float = 0.0) -> NodeResult:
     """The node Argo's controller ends when its pod vanished after the node's first ``RECENTLY_STARTED_POD_S``."""
     return NodeResult(ERROR, message=POD_DELETED, started_at=started_at, finished_at=finished_at)
-
-
-class SupervisorLost(Exception):
-    """The supervisor's own "pod" went away (rehearsal): the step ends as Argo sees a deleted pod, the gang runs on."""
-
-
-class RunStopped(Exception):
-    """The whole local run is being deleted: the gang dies with it."""
-
-
-class LocalGang:
-    """One attempt's JobSet as local worker processes: train-segment's port (``model.gang.Gang``) on this machine.
-
-    It acts through the run's ``LocalCluster``: ``observe`` answers with the same ``ClusterSnapshot`` the Kubernetes
-    adapter builds (``slice_snapshot``); ``delete`` does what deleting the JobSet does to its pods (SIGTERM, then
-    SIGKILL after the pod's termination grace, as the kubelet does; a worker on a lost host gets nothing: its
-    kubelet is gone); ``force_delete`` is SIGKILL. Between observations the runner's hooks tick (fault injection)
-    every ``cluster.TICK`` seconds.
-    """
-
-    def __init__(
-        self,
-        cluster: LocalCluster,
-        node: NodeInfo,
-        manifest: Mapping[str, Any],
-        *,
-        clock: Callable[[], float] = time.time,
-    ):
-        self.cluster, self.node, self.manifest, self.clock = cluster, node, manifest, clock
-        self.name = manifest["metadata"]["name"]
-        self.sl: LocalSlice | None = None
-        try:
-            pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-            self.image = str(pod["containers"][0].get("image", ""))
-        except (KeyError, IndexError, TypeError):
-            self.image = ""
-
-    def _attached(self, sl: LocalSlice | None) -> Attachment | None:
-        if sl is None:
-            return None
-        self.sl = sl
-        return Attachment(self.name, sl.created_at, str(sl.attempt))
-
-    def find(self) -> Attachment | None:
-        """The attempt's slice if its workers still run (a retried supervisor re-attaches to it)."""
-        return self._attached(self.cluster.find(self.name))
-
-    def create(self, manifest: Mapping[str, Any]) -> Attachment | None:
-        """Start the workers of the JobSet ``manifest`` describes (those a hook withholds stay Pending)."""
-        try:
-            return self._attached(self.cluster.create(manifest, self.node))
-        except InvalidManifest as e:
-            raise StepError(ExitCode.CONFIGURATION, f"JobSet {self.name}: cannot read its manifest ({e})") from None
-
-    def start(self) -> None:
-        """Nothing to list: the processes are here."""
-
-    def _check(self) -> None:
-        if self.cluster.stopping:
-            raise RunStopped()
-        if self.sl.supervisor_lost.is_set():
-            self.sl.supervisor_lost.clear()
-            raise SupervisorLost()
-
-    def observe(self) -> ClusterSnapshot:
-        """The workers as pods and their hosts as nodes, now."""
-        self._check()
-        return self.cluster.snapshot(self.sl, self.clock(), self.image)
-
-    def _state(self) -> tuple[Any, ...]:
-        sl = self.sl
-        return tuple((w.pid, w.returncode) for w in sl.workers), tuple(sorted(sl.lost)), tuple(sorted(sl.withheld))
-
-    def wait(self, timeout: float) -> None:
-        """Tick the hooks (or, once deleted, the kubelet's grace) until a worker changed or ``timeout`` passed."""
-        sl, end, before = self.sl, self.clock() + timeout, self._state()
-        while self.clock() < end:
-            self.cluster.tick(sl, self.clock())
-            time.sleep(TICK)
-            self.cluster.poll(sl)
-            if self._state() != before or self.cluster.stopping or sl.supervisor_lost.is_set():
-                return
-
-    def delete(self) -> None:
-        """Delete the JobSet: SIGTERM every running worker whose host is not lost (its pods are deleted)."""
-        self.cluster.delete(self.sl, self.clock())
-
-    def force_delete(self, pod: str) -> None:
-        """SIGKILL the worker of ``pod`` (its host is lost: nothing else would end it)."""
-        self.cluster.force_delete(self.sl, pod)
-
-    def close(self) -> None:
-        """Nothing to stop watching."""
-
-    def settle(self, detected: float, failed: bool, worker: int | None) -> None:
-        """The slice's own state once the supervisor is done: when the end was seen, which worker failed first.
-
-        The runner times its incidents from it and the injector's hooks see it; the classifier reads the pods.
-        """
-        self.cluster.settle(self.sl, detected, failed, worker)
-
-    def kill(self) -> None:
-        """The whole run is deleted: SIGKILL every worker, wait up to 10 s for them, settle the slice."""
-        if self.sl is None:
-            return
-        self.cluster.kill(self.sl)
-        self.settle(now(), True, None)
 
 
 class LocalExecutor:
@@ -175,6 +66,7 @@ class LocalExecutor:
         hooks: SliceHooks | None = None,
         events_dir: Path | None = None,
         grace_seconds: float | None = None,
+        controllers: LocalControllers | None = None,
     ):
         self.repo_root = repo_root
         self.work_dir = work_dir
@@ -182,9 +74,13 @@ class LocalExecutor:
         self._procs: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        setup = ClusterSetup(repo_root, work_dir, self.base_env, events_dir, grace_seconds)
-        # The JobSets this executor's train-segment steps create: their workers, tracked with its own processes.
-        self.cluster = LocalCluster(setup, hooks, track=self._track, stopping=self._stopping)
+        if controllers is None:  # a cluster of its own (a run gives every Workflow's executor the run's one)
+            setup = ClusterSetup(repo_root, work_dir, self.base_env, events_dir, grace_seconds)
+            controllers = LocalControllers(LocalCluster(setup, hooks), "default")
+        self.controllers = controllers
+        self.cluster = controllers.cluster
+        # Every step reaches the cluster through its API, as a pod reaches its own (the kubeconfig it is given).
+        self.kubeconfig = controllers.kubeconfig(work_dir / "kubeconfig")
 
     @property
     def slices(self) -> list[LocalSlice]:
@@ -197,7 +93,7 @@ class LocalExecutor:
         return self.cluster.live
 
     def _env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        return process_env(self.repo_root, self.base_env, extra)
+        return process_env(self.repo_root, {**self.base_env, "KUBECONFIG": str(self.kubeconfig)}, extra)
 
     def _track(self, p: subprocess.Popen) -> None:
         with self._lock:
@@ -213,12 +109,13 @@ class LocalExecutor:
                 os.killpg(p.pid, signal.SIGKILL)
 
     def stop_all(self) -> None:
-        """SIGKILL every process this executor started (the whole local run is deleted)."""
+        """SIGKILL every process this executor started and every gang of the cluster (the Workflow is deleted)."""
         self._stopping.set()
         with self._lock:
             procs = list(self._procs)
         for p in procs:
             self._kill(p)
+        self.cluster.kill_all()
 
     # -- containers --------------------------------------------------------------------------------
 
@@ -238,8 +135,7 @@ class LocalExecutor:
         command = [*c.get("command", []), *c.get("args", [])]
         if not command:
             return NodeResult(ERROR, message="container has no command (images' entrypoints do not run locally)")
-        if _is_module(command, SUPERVISOR_MODULE):
-            return self.run_segment(node, template, local_command(command, node_dir), node_dir)
+        segment = _is_module(command, SUPERVISOR_MODULE)
         fields = {
             "metadata.name": f"{node.task}-{node.id}",
             "metadata.namespace": "default",
@@ -250,24 +146,65 @@ class LocalExecutor:
         log_path = self.work_dir / "logs" / f"{node.id}-{node.task}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         started = now()
-        with open(log_path, "wb") as log:
-            p = subprocess.Popen(
-                local_command(command, node_dir),
-                env=env,
-                cwd=self.repo_root,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            self._track(p)
-            rc = p.wait()
+        local = local_command(command, node_dir)
+        attempt = arg_value(local, "--attempt") if segment else None
+        while True:
+            rc = self._run_process(local, env, log_path, attempt)
+            if rc is not None:
+                break
+            # The supervisor's pod is gone, its gang is not. A pod lost in the node's first seconds is created
+            # again for the same node; later the node is Error "pod deleted" and the retryStrategy decides. Either
+            # way the next supervisor re-attaches to the running gang.
+            if now() - started > RECENTLY_STARTED_POD_S:
+                _note(log_path, "supervisor lost (rehearsal): the workers keep running")
+                return pod_deleted(started, now())
+            _note(log_path, "supervisor lost (rehearsal) while its node is new: its pod is created again")
         outputs, missing = self._read_outputs(template, node_dir)
+        if segment:
+            rec, sl = self._settle(local)
+            return _segment_result(rec, sl, 128 - rc if rc < 0 else rc, outputs, log_path, started)
         phase = SUCCEEDED if rc == 0 else FAILED
         message = "" if rc == 0 else f"exit code {rc}; log: {log_path}{_tail(log_path)}"
         if rc == 0 and missing:
             phase, message = ERROR, f"output parameter file(s) missing: {', '.join(missing)}; log: {log_path}"
         exit_code = 128 - rc if rc < 0 else rc
         return NodeResult(phase, outputs, exit_code, message, started, now())
+
+    def _run_process(
+        self, command: list[str], env: Mapping[str, str], log_path: Path, attempt: str | None
+    ) -> int | None:
+        """Run one step's process to its end: its return code.
+
+        None when the supervisor of ``attempt`` lost its pod (rehearsal: the process is SIGKILLed, as its pod's
+        deletion kills it).
+        """
+        with open(log_path, "ab") as log:
+            p = subprocess.Popen(
+                command, env=env, cwd=self.repo_root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            self._track(p)
+            while True:
+                try:
+                    return p.wait(timeout=TICK)
+                except subprocess.TimeoutExpired:
+                    pass
+                if attempt is not None and self.cluster.supervisor_lost(int(attempt)):
+                    self._kill(p)
+                    p.wait()
+                    return None
+
+    def _settle(self, command: list[str]) -> tuple[SupervisionRecord | None, LocalSlice | None]:
+        """The step's supervision record, read once it ended; the slice's own record and hooks settled from it."""
+        store = RunStore(arg_value(command, "--store-root") or "", arg_value(command, "--run-id") or "")
+        attempt = int(arg_value(command, "--attempt") or 0)
+        rec = store.read_record(RunLayout.supervision(attempt), SupervisionRecord)
+        sl = self.cluster.latest(attempt)
+        if sl is not None and sl.phase is None:
+            if rec is not None and rec.decided and rec.detected_at is not None:
+                self.cluster.settle(sl, rec.detected_at, rec.outcome != AttemptOutcome.SUCCEEDED, rec.worker)
+            elif sl.deleted_at is not None:  # stopped without a verdict (the lease was lost)
+                self.cluster.settle(sl, sl.deleted_at, True, None)
+        return rec, sl
 
     @staticmethod
     def _read_outputs(template: Mapping[str, Any], node_dir: Path) -> tuple[dict[str, str], list[str]]:
@@ -283,90 +220,28 @@ class LocalExecutor:
                 missing.append(p["name"])
         return outputs, missing
 
-    # -- train-segment: the step's own supervisor over the local JobSet stand-in ---------------------
 
-    def run_segment(
-        self, node: NodeInfo, template: Mapping[str, Any], command: list[str], node_dir: Path
-    ) -> NodeResult:
-        """Run ``python -m recovery_steps.train_segment`` here: the step's own program over a ``LocalGang``.
+def _segment_result(
+    rec: SupervisionRecord | None,
+    sl: LocalSlice | None,
+    code: int,
+    outputs: dict[str, str],
+    log_path: Path,
+    started: float,
+) -> NodeResult:
+    """The node's result from the step's exit code and record, with the outputs it wrote."""
+    if code == 0:
+        return NodeResult(SUCCEEDED, outputs, 0, "", started, now())
+    if rec is not None and rec.decided:
+        msg = f"JobSet {rec.jobset} {rec.outcome}: {rec.reason}; logs: {sl.log_dir if sl else log_path}"
+    else:
+        msg = f"exit code {code}; log: {log_path}{_tail(log_path)}"
+    return NodeResult(FAILED, outputs, code, msg, started, now())
 
-        The same supervisor, decision, record, stop and error mapping as on GKE (``train_segment.step`` under the
-        steps' ``run_step``) run over the worker processes, with the JobSet the step renders from the run's pinned
-        config (``model.jobset``, as on GKE); a JobSet of this attempt that is still running is
-        re-attached, not started again.
-        """
-        from recovery_steps import train_segment
 
-        started = now()
-        log_path = self.work_dir / "logs" / f"{node.id}-{node.task}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        gangs: list[LocalGang] = []
-
-        def gang(cfg: Any, manifest: Mapping[str, Any], clock: Callable[[], float], _say: Any) -> LocalGang:
-            gangs.append(LocalGang(self.cluster, node, manifest, clock=clock))
-            return gangs[-1]
-
-        with open(log_path, "a") as log:
-
-            def say(line: str) -> None:
-                log.write(f"{time.strftime('%H:%M:%S')} train-segment {line}\n")
-                log.flush()
-
-            try:
-                args = train_segment.parser().parse_args(command[command.index(SUPERVISOR_MODULE) + 1 :])
-            except SystemExit as e:  # a refused argument: the parser's one line is on stderr
-                return NodeResult(FAILED, exit_code=int(e.code or 2), message="train-segment: bad arguments")
-            while True:
-                try:
-                    step = train_segment.step(gang=gang, progress_file=str(node_dir / "progress"), say=say)
-                    code = run_step(step, args, out=say, err=say)
-                    break
-                except SupervisorLost:
-                    # Its pod is gone, the gang is not. A pod lost in the node's first seconds is created again
-                    # for the same node; later the node is Error "pod deleted" and the retryStrategy decides. Either
-                    # way the next supervisor re-attaches to the running gang.
-                    if now() - started <= RECENTLY_STARTED_POD_S:
-                        say("supervisor lost (rehearsal) while its node is new: its pod is created again")
-                        continue
-                    say("supervisor lost (rehearsal): the workers keep running")
-                    return pod_deleted(started, now())
-                except RunStopped:
-                    for g in gangs:
-                        g.kill()
-                    return NodeResult(ERROR, message="the local run was stopped")
-        rec = self._settle(gangs, args)
-        outputs, _ = self._read_outputs(template, node_dir)
-        return self._segment_result(rec, gangs[-1].sl if gangs else None, code, outputs, log_path, started)
-
-    @staticmethod
-    def _settle(gangs: list[LocalGang], args: Any) -> SupervisionRecord | None:
-        """The step's supervision record, read once it ended; the slice's own record and hooks settled from it."""
-        store = RunStore(args.store_root, args.run_id)
-        rec = store.read_record(RunLayout.supervision(args.attempt), SupervisionRecord)
-        sl = gangs[-1].sl if gangs else None
-        if sl is not None and rec is not None and rec.decided and rec.detected_at is not None:
-            gangs[-1].settle(rec.detected_at, rec.outcome != AttemptOutcome.SUCCEEDED, rec.worker)
-        elif sl is not None and sl.deleted_at is not None:  # stopped without a verdict (the lease was lost)
-            gangs[-1].settle(sl.deleted_at, True, None)
-        return rec
-
-    @staticmethod
-    def _segment_result(
-        rec: SupervisionRecord | None,
-        sl: LocalSlice | None,
-        code: int,
-        outputs: dict[str, str],
-        log_path: Path,
-        started: float,
-    ) -> NodeResult:
-        """The node's result from the step's exit code and record, with the outputs it wrote."""
-        if code == 0:
-            return NodeResult(SUCCEEDED, outputs, 0, "", started, now())
-        if rec is not None and rec.decided:
-            msg = f"JobSet {rec.jobset} {rec.outcome}: {rec.reason}; logs: {sl.log_dir if sl else log_path}"
-        else:
-            msg = f"exit code {code}; log: {log_path}{_tail(log_path)}"
-        return NodeResult(FAILED, outputs, code, msg, started, now())
+def _note(log_path: Path, line: str) -> None:
+    with open(log_path, "a") as log:
+        log.write(f"{time.strftime('%H:%M:%S')} train-segment {line}\n")
 
 
 def _is_module(cmd: list[str], module: str) -> bool:

@@ -32,6 +32,8 @@ from jaxrec.model.config import (
 from jaxrec.model.outputs import STEP_OUTPUTS
 from jaxrec.model.records import now
 from recovery_steps import lease
+from workflows.local.cluster import ClusterSetup, LocalCluster
+from workflows.local.controllers import LocalControllers
 from workflows.local.engine import NodeInfo, NodePhase, NodeResult, WorkflowError, WorkflowRun
 from workflows.local.events import EventTail
 from workflows.local.executor import LocalExecutor
@@ -448,15 +450,13 @@ class _LocalRun:
         names: list[str] = []
         # The next Workflow to run: (name, uid); a continuation's are the ones its hand-over step recorded.
         nxt: tuple[str, str | None] = (self.run_id, None)
+        # One cluster for the whole run: a continuation, or a Workflow submitted again, finds the JobSets left.
+        setup = ClusterSetup(REPO_ROOT, work_dir, self.base_env, work_dir / "events", self.grace_seconds)
+        controllers = LocalControllers(LocalCluster(setup, injector), self.cfg.namespace)
         try:
             while True:
                 ex = LocalExecutor(
-                    repo_root=REPO_ROOT,
-                    work_dir=work_dir,
-                    base_env=self.base_env,
-                    hooks=injector,
-                    events_dir=work_dir / "events",
-                    grace_seconds=self.grace_seconds,
+                    repo_root=REPO_ROOT, work_dir=work_dir, base_env=self.base_env, controllers=controllers
                 )
                 printer = _Printer(say, t0, self.cfg.slice.num_hosts)
                 progress = self.outages.wrap(printer) if self.outages is not None else printer
@@ -487,6 +487,7 @@ class _LocalRun:
                 nxt = handed
         finally:
             feed.stop_feeding()
+            controllers.close()
         events.poll()
         ledger = _read_ledger(store)
         incidents = _incidents(store, events, injector, ledger, say)

@@ -1,8 +1,9 @@
 """The local slices: one attempt's worker processes (``LocalSlice``), and how the Kubernetes API would show them.
 
-``slice_snapshot`` (what ``cluster.LocalCluster`` answers with) turns the worker processes of a ``LocalSlice`` into the
-same record the Kubernetes adapter of ``train-segment`` builds from the API (``jaxrec.model.snapshot``), so
-that one supervisor, one decision, one record and one classifier serve both worlds. A worker the slice could not place
+``slice_objects`` (what the local kubelets and Job controller publish in the local cluster's API) turns the worker
+processes of a ``LocalSlice`` into the pods, nodes and Job the Kubernetes API returns, read by the same adapter
+(``jaxrec.model.snapshot``) as on a cluster, so that one supervisor, one decision, one record and one classifier
+serve both worlds. A worker the slice could not place
 is a Pending pod the scheduler refused; one whose image "cannot be pulled" is a Pending pod waiting in
 ``ImagePullBackOff``; a worker whose "node" was lost is Running on a node that is unreachable (Ready Unknown, the
 unreachable taint), with a deletion timestamp; a worker being stopped is a pod being deleted, and one that exited after
@@ -21,21 +22,19 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from jaxrec.model.names import TERMINATION_LOG_ENV, UNREACHABLE_TAINT
+from jaxrec.model.names import JOBSET_NAME_LABEL, TERMINATION_LOG_ENV, UNREACHABLE_TAINT
 from jaxrec.model.records import now
 from jaxrec.model.snapshot import (
+    COMPLETION_INDEX_KEYS,
     TRAINER_CONTAINER,
-    ClusterSnapshot,
     Condition,
-    ContainerState,
-    JobEvidence,
-    JobSetEvidence,
-    NodeEvidence,
     PodEvidence,
     PodPhase,
+    pod_from_api,
 )
 from workflows.local.engine import NodePhase
 
@@ -130,6 +129,7 @@ class LocalSlice:
     failure_policy: list[dict[str, Any]] = field(default_factory=list)
     backoff_limit: int = 6  # the Job API's default
     namespace: str = "default"
+    pod_labels: dict[str, str] = field(default_factory=dict)  # the pod template's, as the Job's pods carry them
 
     def mark_stopped(self, detected: float) -> None:
         """Stamp the slice stopped: its last worker's exit, never before the supervisor ``detected`` the end.
@@ -187,78 +187,115 @@ def pod_name(jobset: str, index: int) -> str:
     return f"{jobset}-workers-0-{index}"
 
 
-def _pod(sl: LocalSlice, w: WorkerProc, image: str) -> PodEvidence | None:
-    """Worker ``w`` as its pod (None: the pod is gone, its worker exited after the JobSet was deleted)."""
-    held = sl.withheld.get(w.index)
-    base = {
-        "name": pod_name(sl.jobset, w.index),
-        "worker_index": w.index,
-        "created_at": sl.created_at,
-        "grace_s": sl.grace_seconds,
-    }
-    if held == UNSCHEDULABLE:
-        room = f"0/{len(sl.workers)} local hosts have room for this worker (rehearsal)"
-        cond = Condition(type="PodScheduled", status="False", reason=UNSCHEDULABLE, at=sl.created_at, message=room)
-        return None if sl.deleted_at is not None else PodEvidence(**base, phase=PodPhase.PENDING, conditions=[cond])
-    scheduled = [Condition(type="PodScheduled", at=w.started_at or sl.created_at)]
+def stamp(t: float) -> str:
+    """Epoch seconds as an RFC 3339 timestamp, to the microsecond.
+
+    (The local world keeps the finer clock that
+    ``snapshot.first_failed`` breaks a tie of one second with).
+    """
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _condition(type_: str, at: float | None, *, status: str = "True", reason: str = "", message: str = "") -> dict:
+    c: dict[str, Any] = {"type": type_, "status": status}
+    if reason:
+        c["reason"] = reason
+    if message:
+        c["message"] = message
+    if at is not None:
+        c["lastTransitionTime"] = stamp(at)
+    return c
+
+
+def _container(w: WorkerProc, image: str, held: str | None) -> dict[str, Any] | None:
+    """The trainer container's status as the kubelet reports it (None: it has none yet)."""
     if held == IMAGE_PULL:
         # The message as kubelet >= 1.32 writes it: the back-off repeats the pull's error (kubernetes#127918).
         pulled = f'Back-off pulling image "{image}": ErrImagePull: failed to resolve reference "{image}": not found'
-        waiting = ContainerState(
-            name=TRAINER_CONTAINER, state="waiting", waiting_reason=IMAGE_PULL, waiting_message=f"{pulled} (rehearsal)"
-        )
-        if sl.deleted_at is not None:
-            return None
-        return PodEvidence(
-            **base, phase=PodPhase.PENDING, node=node_name(w.index), conditions=scheduled, containers=[waiting]
-        )
+        return {
+            "name": TRAINER_CONTAINER,
+            "state": {"waiting": {"reason": IMAGE_PULL, "message": f"{pulled} (rehearsal)"}},
+        }
     if w.proc is None:
-        return None if sl.deleted_at is not None else PodEvidence(**base, phase=PodPhase.PENDING)
+        return None
     if w.returncode is None:
-        running = ContainerState(name=TRAINER_CONTAINER, state="running", running_since=w.started_at)
-        deleted = sl.lost.get(w.index, sl.deleted_at)
-        return PodEvidence(
-            **base,
-            phase=PodPhase.RUNNING,
-            node=node_name(w.index),
-            conditions=scheduled,
-            containers=[running],
-            deleted_at=deleted,
-        )
-    if sl.deleted_at is not None:
-        return None  # a deleted JobSet takes its ended pods with it
-    ok = w.returncode == 0
+        return {"name": TRAINER_CONTAINER, "state": {"running": {"startedAt": stamp(w.started_at or now())}}}
     # As the kubelet reports a container's end: 128 + the signal for a signalled process, reason Error (the
     # runtime's, for any non-zero exit: OOMKilled only for the kernel's OOM kill, which nothing here rehearses).
-    ended = ContainerState(
-        name=TRAINER_CONTAINER,
-        state="terminated",
-        exit_code=w.exit_code,
-        reason="Completed" if ok else "Error",
-        message=w.termination_message(),
-        started_at=w.started_at,
-        finished_at=w.ended_at,
-    )
-    return PodEvidence(
-        **base,
-        phase=PodPhase.SUCCEEDED if ok else PodPhase.FAILED,
-        node=node_name(w.index),
-        conditions=scheduled,
-        containers=[ended],
-    )
+    ended: dict[str, Any] = {"exitCode": w.exit_code, "reason": "Completed" if w.returncode == 0 else "Error"}
+    if (message := w.termination_message()) is not None:
+        ended["message"] = message
+    if w.started_at is not None:
+        ended["startedAt"] = stamp(w.started_at)
+    if w.ended_at is not None:
+        ended["finishedAt"] = stamp(w.ended_at)
+    return {"name": TRAINER_CONTAINER, "state": {"terminated": ended}}
 
 
-def _node(sl: LocalSlice, index: int) -> NodeEvidence:
+def _phase(w: WorkerProc, held: str | None) -> PodPhase:
+    if held is not None or w.proc is None:
+        return PodPhase.PENDING
+    if w.returncode is None:
+        return PodPhase.RUNNING
+    return PodPhase.SUCCEEDED if w.returncode == 0 else PodPhase.FAILED
+
+
+def pod_object(sl: LocalSlice, w: WorkerProc, image: str = "") -> dict[str, Any] | None:
+    """Worker ``w`` as the API returns its pod.
+
+    None: the pod is gone, its worker exited after the JobSet was
+    deleted, or it never ran).
+    """
+    held = sl.withheld.get(w.index)
+    ran = held is None and w.proc is not None
+    if sl.deleted_at is not None and not (ran and w.returncode is None):
+        return None  # a deleted JobSet takes its pods with it, but for those whose container still runs
+    name = pod_name(sl.jobset, w.index)
+    index = str(w.index)
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": sl.namespace,
+        "creationTimestamp": stamp(sl.created_at),
+        "labels": {**sl.pod_labels, JOBSET_NAME_LABEL: sl.jobset, COMPLETION_INDEX_KEYS[0]: index},
+        "annotations": {COMPLETION_INDEX_KEYS[0]: index},
+    }
+    deleted = sl.lost.get(w.index, sl.deleted_at)
+    if ran and w.returncode is None and deleted is not None:
+        meta["deletionTimestamp"] = stamp(deleted)
+    spec: dict[str, Any] = {"containers": [{"name": TRAINER_CONTAINER, "image": image}]}
+    spec["terminationGracePeriodSeconds"] = sl.grace_seconds
+    st: dict[str, Any] = {"phase": _phase(w, held).value}
+    if held == UNSCHEDULABLE:
+        room = f"0/{len(sl.workers)} local hosts have room for this worker (rehearsal)"
+        st["conditions"] = [
+            _condition("PodScheduled", sl.created_at, status="False", reason=UNSCHEDULABLE, message=room)
+        ]
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": st}
+    if held is not None or w.proc is not None:
+        spec["nodeName"] = node_name(w.index)
+        st["conditions"] = [_condition("PodScheduled", w.started_at or sl.created_at)]
+    container = _container(w, image, held)
+    if container is not None:
+        st["containerStatuses"] = [container]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": st}
+
+
+def node_object(sl: LocalSlice, index: int) -> dict[str, Any]:
+    """The stand-in node of worker ``index`` as the API returns it."""
+    meta = {"name": node_name(index), "labels": {}}
     if index in sl.lost:
         # As the node lifecycle controller leaves a node whose kubelet went silent: Ready Unknown, tainted.
-        return NodeEvidence(
-            name=node_name(index),
-            ready=None,
-            ready_reason="NodeStatusUnknown",
-            ready_since=sl.lost[index],
-            taints=[f"{UNREACHABLE_TAINT}:NoExecute"],
-        )
-    return NodeEvidence(name=node_name(index), ready=True, ready_reason="KubeletReady")
+        ready = _condition("Ready", sl.lost[index], status="Unknown", reason="NodeStatusUnknown")
+        taints = [{"key": UNREACHABLE_TAINT, "effect": "NoExecute"}]
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": meta,
+            "spec": {"taints": taints},
+            "status": {"conditions": [ready]},
+        }
+    ready = _condition("Ready", None, reason="KubeletReady")
+    return {"apiVersion": "v1", "kind": "Node", "metadata": meta, "spec": {}, "status": {"conditions": [ready]}}
 
 
 def _matches(rule: Mapping[str, Any], pod: PodEvidence) -> bool:
@@ -318,16 +355,28 @@ def job_failure(
     return None
 
 
-def _job(sl: LocalSlice, pods: Sequence[PodEvidence]) -> JobEvidence:
+def job_object(sl: LocalSlice, pods: Sequence[PodEvidence]) -> dict[str, Any]:
+    """The workers' Job as the API returns it, its failure as the Job controller decides it from ``pods``."""
     failed = [p for p in pods if p.phase == PodPhase.FAILED]
     cond = job_failure(sl.failure_policy, sl.backoff_limit, failed, sl.namespace)
-    return JobEvidence(name=f"{sl.jobset}-workers-0", conditions=[cond] if cond is not None else [])
+    conditions = []
+    if cond is not None:
+        conditions.append(_condition(cond.type, cond.at, reason=cond.reason or "", message=cond.message or ""))
+    meta = {"name": f"{sl.jobset}-workers-0", "namespace": sl.namespace, "labels": {JOBSET_NAME_LABEL: sl.jobset}}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "status": {"conditions": conditions}}
 
 
-def slice_snapshot(sl: LocalSlice, now: float, image: str = "") -> ClusterSnapshot:
-    """The local slice's "pods", its Job and its "nodes" now, as the Kubernetes adapter would report them."""
-    pods = sorted((p for w in sl.workers if (p := _pod(sl, w, image)) is not None), key=lambda p: p.name)
-    nodes = [_node(sl, w.index) for w in sl.workers if sl.withheld.get(w.index) != UNSCHEDULABLE]
+def slice_objects(sl: LocalSlice, image: str = "") -> dict[str, list[dict[str, Any]]]:
+    """The local slice's JobSet, its Job, its pods and their nodes now, as the Kubernetes API returns them."""
+    pods = [p for w in sl.workers if (p := pod_object(sl, w, image)) is not None]
+    pods.sort(key=lambda p: p["metadata"]["name"])
+    nodes = [node_object(sl, w.index) for w in sl.workers if sl.withheld.get(w.index) != UNSCHEDULABLE]
     # Foreground deletion: the JobSet stays until its pods are gone.
-    js = JobSetEvidence(name=sl.jobset, created_at=sl.created_at)
-    return ClusterSnapshot(taken_at=now, jobset=js, jobs=[_job(sl, pods)], pods=pods, nodes=nodes)
+    meta = {"name": sl.jobset, "namespace": sl.namespace, "creationTimestamp": stamp(sl.created_at)}
+    jobset = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta}
+    return {
+        "jobsets": [jobset],
+        "jobs": [job_object(sl, [pod_from_api(p) for p in pods])],
+        "pods": pods,
+        "nodes": nodes,
+    }
