@@ -26,7 +26,6 @@ from typing import Any
 
 from jaxrec.adapters import cli
 from jaxrec.adapters.documents import read_ledger
-from jaxrec.adapters.kube import uses_cluster
 from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
 from jaxrec.model.config import ARGO_MAX_DEPTH, JobConfig, RetryConfig, segment_pod_depth
 from jaxrec.model.contract import AttemptOutcome, Backend, Decision, ExitCode, FailureClass
@@ -99,7 +98,7 @@ def orphaned_gang(ev: Evidence) -> str | None:
     attempt's provision-slice delete a healthy gang: supervise it again instead.
     """
     js = ev.jobset
-    if ev.backend != Backend.GKE or js is None or not js.found:
+    if js is None or not js.found:
         return None
     if js.finished or any(j.failure() is not None for j in ev.jobs):
         return None
@@ -134,7 +133,7 @@ def gather(
     api_client: Any = None,
     step_exit_code: int | None = None,
 ) -> Evidence:
-    """Every piece of evidence of the backend the config names (GKE or local), plus the worker reports.
+    """Every piece of evidence of the attempt: its gang as the Kubernetes API shows it, the worker reports.
 
     Raises:
         StepError: The cluster's evidence cannot be read: transient (69, Argo retries the step) when the API is out
@@ -146,15 +145,9 @@ def gather(
         if prov is not None and prov.exit_code != 0:
             step_exit_code = prov.exit_code
 
-    ev = Evidence(
-        backend=Backend.GKE if uses_cluster(cfg) else Backend.LOCAL, attempt=attempt, step_exit_code=step_exit_code
-    )
+    ev = Evidence(backend=Backend.of(cfg.slice), attempt=attempt, step_exit_code=step_exit_code)
     gather_reports(store, attempt, ev)
     gather_supervision(store, attempt, ev)
-    if not uses_cluster(cfg):
-        # No API to ask: the local slice's pods, Job and nodes as the supervisor saw them before its stop, the
-        # evidence GKE's classification reads too once the stop deleted the JobSet.
-        return _restore_never_decided(store, use_supervisor_snapshot(ev))
     api_client = _api_client() if api_client is None else api_client
     try:
         gather_kubernetes(api_client, cfg.namespace, jobset, ev)

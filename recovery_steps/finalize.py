@@ -39,7 +39,7 @@ from typing import Any
 from jaxrec.adapters import cli
 from jaxrec.adapters.documents import read_run_config
 from jaxrec.adapters.incidents import incidents_from_facts, read_attempt_facts
-from jaxrec.adapters.kube import api_error_line, api_exit_code, delete_run_jobsets, uses_cluster
+from jaxrec.adapters.kube import api_error_line, api_exit_code, delete_run_jobsets
 from jaxrec.adapters.store import (
     DocumentError,
     RunLayout,
@@ -293,7 +293,7 @@ def stops_gang(status: str, current: RunLease | None, holder: str | None, ledger
 
 
 def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host: str | None = None) -> str | None:
-    """Delete the run's JobSets on GKE; the one line saying what was deleted (None for the local backend).
+    """Delete the run's JobSets; the one line saying what was deleted.
 
     Raises:
         StepError: The API is unreachable or refused (exit 69 when retrying can help), with the command
@@ -309,8 +309,6 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
             cfg = read_run_config(store)
     except (DocumentError, ConfigError) as e:
         return f"run {run_id} ended {status}: no JobSet looked for, the run's config is not readable ({first_line(e)})"
-    if not uses_cluster(cfg):
-        return None
     ns = cfg.namespace
     by_hand = f"delete the gang by hand: kubectl delete jobsets -n {ns} -l {RUN_ID_LABEL}={run_id}"
     try:

@@ -21,7 +21,6 @@ import argparse
 import sys
 
 from jaxrec.adapters import cli
-from jaxrec.adapters.kube import in_pod
 from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.contract import ExitCode, FailureClass
 from jaxrec.model.names import DESCRIPTION_ANNOTATION, FAILURE_CLASS_LABEL
@@ -92,7 +91,7 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
         if replayed(current, args.holder):
             lease.stop_workflow(k8s_client(args.k8s_host), args.namespace, args.workflow)
             line = f"{line}; {lease.REPLAYED}"
-        elif args.k8s_host or in_pod():  # the Workflow is an object of that API (the local runner serves none)
+        else:
             mark_workflow(args, line)
     line = f"{line}; {lease.resubmit_line(args.workflow, args.namespace)}"
     print(line, file=sys.stderr)

@@ -34,7 +34,6 @@ import argparse
 import copy
 import logging
 import sys
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any
 
 from jaxrec.adapters import cli
 from jaxrec.adapters.documents import read_ledger, read_run_config
-from jaxrec.adapters.kube import Kube, uses_cluster
+from jaxrec.adapters.kube import Kube
 from jaxrec.adapters.store import (
     AttemptRef,
     Contended,
@@ -160,15 +159,6 @@ def create_on_gke(
     return Continuation(made["metadata"]["name"], made["metadata"]["uid"])
 
 
-def local_continuation(ledger: Ledger | None, own_uid: str, run_id: str, attempt: int) -> Continuation:
-    """The local runner's continuation: the one an earlier try of this step named, or a new uid."""
-    name = continuation_name(run_id, attempt)
-    for h in ledger.hand_overs if ledger else []:
-        if h.from_uid == own_uid and h.to_workflow == name:
-            return Continuation(name, h.to_uid)
-    return Continuation(name, str(uuid.uuid4()))
-
-
 LEASE_TRIES = 5
 """Conditional writes ``pass_lease`` tries before it gives up (the store stayed contended: transient)."""
 
@@ -256,12 +246,9 @@ def run(
             problems = "; ".join(e.problems)
             raise StepError(ExitCode.CONFIGURATION, f"the run's config is not valid: {problems}") from None
         read_ledger(store)  # a damaged ledger is refused before a continuation is created
-        if not uses_cluster(cfg):
-            to = local_continuation(store.read_record(RunLayout.LEDGER, Ledger), workflow_uid, run_id, attempt)
-        else:
-            to = create_on_gke(api_client or k8s_client(None), cfg.namespace, workflow, workflow_uid, run_id, attempt)
+        to = create_on_gke(api_client or k8s_client(None), cfg.namespace, workflow, workflow_uid, run_id, attempt)
         pass_lease(store, workflow_uid, to, cfg.retry.lease_ttl_s, first_attempt=attempt, clock=clock)
-        backend = Backend.GKE if uses_cluster(cfg) else Backend.LOCAL
+        backend = Backend.of(cfg.slice)
         record(
             store,
             HandOver(

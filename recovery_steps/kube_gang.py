@@ -23,7 +23,10 @@ from jaxrec.model.gang import Attachment
 from jaxrec.model.names import ATTEMPT_LABEL
 from jaxrec.model.snapshot import (
     ClusterSnapshot,
+    JobEvidence,
     NodeEvidence,
+    PodEvidence,
+    PodPhase,
     job_from_api,
     jobset_from_api,
     node_from_api,
@@ -242,6 +245,7 @@ class KubeGang:
             self.node_cache[name] = node_from_api(body) if body else NodeEvidence(name=name, found=False)
         js = self.watch["jobset"].snapshot()
         jobs = [job_from_api(j) for j in self.watch["jobs"].snapshot()]
+        pods, jobs = self._consistent(pods, jobs)
         if self.expected_pods is not None and len(pods) < self.expected_pods:
             failing += self._read_job_events([j.name for j in jobs])
         return ClusterSnapshot(
@@ -252,6 +256,27 @@ class KubeGang:
             nodes=[self.node_cache[n] for n in sorted(self.node_cache)],
             unreadable="; ".join(failing) or None,
         )
+
+    def _consistent(
+        self, pods: list[PodEvidence], jobs: list[JobEvidence]
+    ) -> tuple[list[PodEvidence], list[JobEvidence]]:
+        """The pods and Jobs listed once more when one watch shows a failure the other does not.
+
+        The two watches deliver independently: a Job's ``FailureTarget`` can arrive before the pod that failed it,
+        and a failed pod before the Job controller's verdict on it. A LIST answers as of the API's latest state, so
+        the verdict's snapshot names the worker and holds the Job's reason as the API has them now. A LIST that
+        fails keeps the watched view.
+        """
+        job_failed = any(j.failure() is not None for j in jobs)
+        pod_failed = any(p.phase == PodPhase.FAILED for p in pods)
+        if job_failed == pod_failed:
+            return pods, jobs
+        try:
+            pods = [pod_from_api(p) for p in self.kube.items(self.kube.list_pods, self.name)]
+            jobs = [job_from_api(j) for j in self.kube.items(self.kube.list_jobs, self.name)]
+        except Exception as e:  # noqa: BLE001 - the watched view stands
+            self.say(f"could not list the pods and Jobs again: {type(e).__name__}: {first_line(e)}")
+        return pods, jobs
 
     def _read_job_events(self, jobs: list[str]) -> list[str]:
         """Read the Jobs' warning events (a FailedCreate: the API refused their pods), at most every few seconds.

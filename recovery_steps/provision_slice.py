@@ -1,7 +1,7 @@
 """``provision-slice``: clear what earlier attempts left behind and check that the slice can take the gang.
 
-GKE: delete the run's old JobSets, wait until their pods are gone, check the slice's TPU nodes.
-Local: stop leftover worker processes of the run and pick free ports.
+Every slice: delete the run's old JobSets through the Kubernetes API and wait until their pods are gone. A TPU
+slice: check its nodes. The CPU slice: pick free ports.
 
 Outputs (``<output-dir>/<name>``): ``jobset-name``, ``coordinator-port``, ``metrics-port``.
 Exit codes: 0 ready; 75 capacity not there yet (Argo retries with backoff); 2 configuration
@@ -16,15 +16,13 @@ and a live one of an earlier attempt that a supervisor decided or the ledger clo
 ``--store-root``). A live gang of an earlier attempt that nothing decided is refused (exit 2, named, with the
 command that deletes it by hand): it may be healthy work. This attempt's live JobSet is kept for train-segment to
 re-attach. The run lease is renewed for this Workflow before anything is deleted (another live holder: exit 2,
-nothing touched); a JobSet list or store read that fails ends the step (69 or 1) with nothing deleted. Locally it
-stops only processes whose command line names this run and store.
+nothing touched); a JobSet list or store read that fails ends the step (69 or 1) with nothing deleted.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 import time
@@ -34,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrec.adapters import cli
-from jaxrec.adapters.kube import Kube, delete_run_jobsets, uses_cluster
+from jaxrec.adapters.kube import Kube, delete_run_jobsets
 from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
 from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import ExitCode
@@ -320,56 +318,7 @@ def provision_gke(
     )
 
 
-# --- local adapters ---------------------------------------------------------------------------
-
-
-def _same_root(arg: str, cwd: str | None, root: str) -> bool:
-    if arg == root or root.startswith("gs://") or arg.startswith("gs://"):
-        return arg == root
-    base = cwd or os.getcwd()
-    return os.path.realpath(os.path.join(base, arg)) == os.path.realpath(root)
-
-
-def is_run_worker(cmdline: Sequence[str], cwd: str | None, run_id: str, store_root: str) -> bool:
-    """True when ``cmdline`` is a trainer worker (``python -m trainer``) of this run and store."""
-    args = list(cmdline)
-    is_trainer = any(a == "-m" and nxt == "trainer" for a, nxt in zip(args, args[1:], strict=False))
-
-    def value(flag: str) -> str | None:
-        return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
-
-    rid, root = value("--run-id"), value("--store-root")
-    return is_trainer and rid == run_id and root is not None and _same_root(root, cwd, store_root)
-
-
-def stop_leftover_workers(run_id: str, store_root: str, *, grace_s: float = 5.0) -> list[int]:
-    """Terminate (then kill) worker processes of the run left by earlier attempts; return their pids."""
-    import psutil
-
-    me = os.getpid()
-    victims = []
-    for proc in psutil.process_iter(["pid", "cmdline", "cwd"]):
-        info = proc.info
-        if info["pid"] == me or not info.get("cmdline"):
-            continue
-        if is_run_worker(info["cmdline"], info.get("cwd"), run_id, store_root):
-            victims.append(proc)
-    for proc in victims:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _gone, alive = psutil.wait_procs(victims, timeout=grace_s)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
-    pids = sorted(p.pid for p in victims)
-    if pids:
-        log.info("stopped leftover workers of run %s: %s", run_id, pids)
-    return pids
+# --- the CPU slice's ports ---------------------------------------------------------------------
 
 
 def _port_free(port: int) -> bool:
@@ -399,20 +348,13 @@ def free_port_range(count: int, *, attempts: int = 50, exclude: Sequence[int] = 
 
 
 def provision_local(
-    cfg: JobConfig, attempt: int, store_root: str, api_client: Any = None, *, pod_timeout_s: float = 300
+    cfg: JobConfig, attempt: int, store_root: str, api_client: Any, *, pod_timeout_s: float = 300
 ) -> ProvisionOutputs:
-    """The CPU slice: stop what is left of earlier attempts, pick the coordinator and metrics ports.
-
-    On a cluster (``api_client`` given) the earlier attempts are JobSets, cleared as on GKE, never processes
-    found on this node; under the local runner they are the run's worker processes on this machine.
-    """
-    if api_client is None:
-        stop_leftover_workers(cfg.run_id, store_root)
-    else:
-        try:
-            clear_old_gangs(cfg, attempt, RunStore(store_root, cfg.run_id), api_client, pod_timeout_s=pod_timeout_s)
-        except api_failures() as e:
-            raise api_error(e) from None
+    """The CPU slice: clear the earlier attempts' JobSets as on GKE, pick the coordinator and metrics ports."""
+    try:
+        clear_old_gangs(cfg, attempt, RunStore(store_root, cfg.run_id), api_client, pod_timeout_s=pod_timeout_s)
+    except api_failures() as e:
+        raise api_error(e) from None
     # A gang of one joins no coordinator, and metrics port 0 serves none: no port taken (a TPU VM may let no
     # process open a socket).
     coordinator = free_port() if cfg.slice.num_hosts > 1 else 0
@@ -459,16 +401,13 @@ def run(
         lease.refuse_replay(
             ref.store(), holder.uid, holder.name, cfg.namespace, lambda: api_client or k8s_client(k8s_host)
         )
-        site, alive = lease.LOCAL, None
-        if uses_cluster(cfg):
-            api_client = api_client or k8s_client(k8s_host)
-            site, alive = lease.on_gke(api_client, cfg.namespace)
+        api_client = api_client or k8s_client(k8s_host)
+        site, alive = lease.on_gke(api_client, cfg.namespace)
         try:
             lease.acquire(ref.store(), replace(holder, site=site), cfg.retry.lease_ttl_s, is_alive=alive)
         except lease.LeaseHeld as e:
             raise StepError(ExitCode.CONFIGURATION, str(e)) from None
-    if uses_cluster(cfg) and api_client is None:
-        api_client = k8s_client(k8s_host)
+    api_client = api_client or k8s_client(k8s_host)
     if cfg.slice.is_local:
         outputs = provision_local(cfg, ref.attempt, ref.store_root, api_client, pod_timeout_s=options.pod_timeout_s)
     else:

@@ -25,7 +25,7 @@ from typing import Any
 
 from jaxrec.adapters import cli
 from jaxrec.adapters.documents import read_ledger
-from jaxrec.adapters.kube import Kube, uses_cluster
+from jaxrec.adapters.kube import Kube
 from jaxrec.adapters.store import (
     DocumentError,
     PreconditionFailed,
@@ -347,7 +347,7 @@ def _pin_as_holder(args: argparse.Namespace, cfg: JobConfig, store: RunStore) ->
         lease.confirm(store, args.holder, r.outputs.first_attempt)
     except lease.LeaseHeld as e:
         return ValidateResult(ExitCode.CONFIGURATION, [f"configuration: {e}"])
-    if args.holder_name and uses_cluster(cfg):
+    if args.holder_name:
         _clear_give_up_marks(cfg, args.holder_name, args.k8s_host)
     return r
 
@@ -378,12 +378,9 @@ def _holder_check(cfg: JobConfig, k8s_host: str | None):
     """Where this workflow runs, and two questions to the cluster (None: it cannot be asked).
 
     Whether another lease holder's Workflow is alive (else the TTL decides), and whether an attempt's gang runs.
-    Locally there is no cluster: the lease names none and the TTL decides.
     """
     from recovery_steps import lease
 
-    if not uses_cluster(cfg):
-        return lease.LOCAL, None, None
     try:
         api_client = k8s_client(k8s_host)
     except Exception as e:  # noqa: BLE001 - no client: the TTL decides the lease; no gang is known not to run

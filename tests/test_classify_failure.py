@@ -1,4 +1,8 @@
-"""`python -m recovery_steps.classify_failure` end to end (local backend), on a local store and the emulator."""
+"""`python -m recovery_steps.classify_failure` end to end (the CPU slice), on a local store and the emulator.
+
+Its gang is read through the Kubernetes API (``JAXREC_K8S_HOST``: an API whose JobSets are gone, as after the
+supervisor's stop): the evidence is the supervisor's snapshot and the worker reports.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,20 @@ from recovery_steps import classify_failure
 RUN = "cf-run"
 T0 = 1_714_557_600.0
 HOSTS = 4
+
+
+@pytest.fixture(autouse=True)
+def _cluster(monkeypatch):
+    """The local cluster's API, its attempts' JobSets deleted by their supervisors' stops."""
+    from support.fake_k8s import FakeCluster
+
+    from jaxrec.adapters.kube import K8S_HOST_ENV
+
+    cluster = FakeCluster(namespace="default")
+    monkeypatch.setenv(K8S_HOST_ENV, cluster.url)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    yield cluster
+    cluster.close()
 
 
 def setup_run(root: str) -> RunStore:
@@ -278,6 +296,7 @@ def test_a_cluster_backend_without_a_kubernetes_config_decides_nothing(tmp_path,
     store.write_json(RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()})
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "none"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("JAXREC_K8S_HOST")
     assert cli(root, 3, tmp_path / "o") == 2
     err = capsys.readouterr().err
     assert "no Kubernetes API" in err and "classify-failure reads the attempt's gang in the cluster" in err, err

@@ -462,3 +462,107 @@ def test_a_local_worker_s_termination_message_is_the_last_4096_bytes_of_its_file
     assert w.termination_message() is None  # empty: none
     log.write_text("a" * 1000 + "b" * TERMINATION_MESSAGE_MAX)
     assert w.termination_message() == "b" * TERMINATION_MESSAGE_MAX  # the tail (kubelet's tail.ReadAtMost)
+
+
+# --- the local cluster as the Kubernetes API -------------------------------------------------------------------
+
+
+def _jobset(name: str, hosts: int, command: list[str]) -> dict:
+    pod = {"containers": [{"name": "trainer", "image": "worker:1", "command": command}]}
+    pod["terminationGracePeriodSeconds"] = 2
+    job = {"parallelism": hosts, "completions": hosts, "template": {"metadata": {"labels": {"app": "x"}}, "spec": pod}}
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "labels": {"jaxrec/run-id": "r"}},
+        "spec": {"replicatedJobs": [{"name": "workers", "replicas": 1, "template": {"spec": job}}]},
+    }
+
+
+def _until(what, timeout=30.0):
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if got := what():
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s")
+
+
+def test_a_jobset_created_through_the_local_api_runs_its_workers_and_a_delete_stops_them_with_the_pods_grace(
+    tmp_path,
+):
+    from jaxrec.adapters.kube import Kube, make_api_client
+
+    ex = LocalExecutor(repo_root=tmp_path, work_dir=tmp_path / "work")
+    try:
+        kube = Kube(make_api_client(ex.controllers.url), "default")
+        assert kube.create_jobset(_jobset("js", 2, IDLE))
+        assert not kube.create_jobset(_jobset("js", 2, IDLE))  # 409: the name is taken
+        # The Job controller's Job, the kubelets' Running pods on their nodes, as a cluster's API lists them.
+        assert [j["metadata"]["name"] for j in kube.items(kube.list_jobs, "js")] == ["js-workers-0"]
+        pods = _until(lambda: (p := kube.items(kube.list_pods, "js")) and all(
+            x["status"]["phase"] == "Running" for x in p) and p)  # fmt: skip
+        assert [p["metadata"]["name"] for p in pods] == ["js-workers-0-0", "js-workers-0-1"]
+        assert all(p["metadata"]["labels"]["app"] == "x" for p in pods)  # the pod template's labels
+        assert kube.get_node(pods[0]["spec"]["nodeName"])["status"]["conditions"][0]["status"] == "True"
+        # Force-deleting a pod SIGKILLs its worker; it does not come back.
+        kube.force_delete_pod("js-workers-0-1")
+        sl = ex.cluster.find("js")
+        _until(lambda: sl.workers[1].returncode == -9)
+        assert [p["metadata"]["name"] for p in kube.items(kube.list_pods, "js")] == ["js-workers-0-0"]
+        # A foreground delete: the worker gets SIGTERM (exit 143), its pod is Terminating until then, and the JobSet
+        # goes with its last pod.
+        kube.delete_jobset("js")
+        assert kube.get_jobset("js")["metadata"]["deletionTimestamp"]
+        _until(lambda: kube.get_jobset("js") is None)
+        assert sl.workers[0].returncode == 143 and sl.workers[0].stopped_by_jobset
+        assert kube.items(kube.list_pods, "js") == [] and kube.items(kube.list_jobs, "js") == []
+    finally:
+        ex.controllers.close()
+
+
+def test_a_jobset_the_local_cluster_cannot_read_is_refused_as_jobsets_webhook_refuses_it(tmp_path):
+    from kubernetes.client import ApiException
+
+    from jaxrec.adapters.kube import Kube, api_exit_code, make_api_client
+
+    ex = LocalExecutor(repo_root=tmp_path, work_dir=tmp_path / "work")
+    try:
+        kube = Kube(make_api_client(ex.controllers.url), "default")
+        bad = _jobset("bad", 1, IDLE)
+        del bad["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+        with pytest.raises(ApiException) as e:
+            kube.create_jobset(bad)
+        assert e.value.status == 422 and api_exit_code(e.value) == 2 and b"containers" in e.value.body
+        assert kube.get_jobset("bad") is None and not ex.cluster.slices
+    finally:
+        ex.controllers.close()
+
+
+def test_the_local_api_needs_no_tcp_socket_where_a_machine_lets_no_process_open_one(tmp_path, monkeypatch):
+    """The TPU machine refuses every TCP and UDP socket, even on loopback (errno 97): the local cluster's API is
+    served, and reached by the steps' client, over a unix socket."""
+    import errno
+    import socket
+
+    from jaxrec.adapters.kube import Kube, make_api_client
+
+    real = socket.socket.__init__
+
+    def unix_only(self, family=socket.AF_INET, *a, **k):
+        if family in (socket.AF_INET, socket.AF_INET6):
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        real(self, family, *a, **k)
+
+    monkeypatch.setattr(socket.socket, "__init__", unix_only)
+    ex = LocalExecutor(repo_root=tmp_path, work_dir=tmp_path / "work")
+    try:
+        assert ex.controllers.url.startswith("unix://")
+        kube = Kube(make_api_client(ex.controllers.url), "default")
+        assert kube.create_jobset(_jobset("one", 1, IDLE)) and kube.get_jobset("one") is not None
+    finally:
+        ex.controllers.close()
+        for sl in ex.cluster.slices:
+            ex.cluster.kill(sl)

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from urllib.parse import urlparse
 
-import psutil
 import pytest
 from support.fake_k8s import forbidden
 from support.provision_api import JOBSETS, MAINTENANCE, NODES, NS, PODS, REPO, jobset, slice_cluster
 from support.provision_api import node as _node
 from support.provision_api import store_config as _store_config
 
-from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
+from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.config import load_config
 from jaxrec.model.snapshot import NodeEvidence
 from recovery_steps import provision_slice as ps
@@ -184,61 +181,13 @@ def test_check_slice_table():
     assert ps.check_slice(soft, 4, tol, require_nodes=True).ok
 
 
-def test_is_run_worker_matches_only_this_runs_trainers(tmp_path):
-    root = str(tmp_path / "store")
-    cmd = ["python", "-m", "trainer", "--store-root", root, "--run-id", "r1", "--attempt", "0"]
-    assert ps.is_run_worker(cmd, None, "r1", root)
-    assert not ps.is_run_worker(cmd, None, "r2", root)
-    assert not ps.is_run_worker(cmd, None, "r1", str(tmp_path / "other"))
-    step = ["python", "-m", "recovery_steps.provision_slice", "--store-root", root, "--run-id", "r1"]
-    assert not ps.is_run_worker(step, None, "r1", root)
-    # A relative store root resolves against the worker's working directory.
-    rel = ["python", "-m", "trainer", "--store-root", "store", "--run-id", "r1"]
-    assert ps.is_run_worker(rel, str(tmp_path), "r1", root)
-
-
-def _sleeper(root: str, run_id: str) -> subprocess.Popen:
-    code = "import time; time.sleep(120)"
-    return subprocess.Popen(
-        [sys.executable, "-c", code, "-m", "trainer", "--store-root", root, "--run-id", run_id, "--attempt", "0"]
-    )
-
-
-def test_local_stops_leftover_workers_and_picks_free_ports(store_root, tmp_path):
-    run_id = _store_config(store_root, "local-cpu.yaml")
-    mine = [_sleeper(store_root, run_id) for _ in range(2)]
-    other = _sleeper(store_root, "another-run")
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(
-            "trainer" in psutil.Process(p.pid).cmdline() for p in [*mine, other]
-        ):
-            time.sleep(0.05)
-        out = ps.run(AttemptRef(store_root, run_id, 3), tmp_path / "out")
-        for p in mine:
-            assert p.wait(10) is not None
-        assert other.poll() is None
-    finally:
-        for p in [*mine, other]:
-            p.kill()
-            p.wait(timeout=30)
-    assert out["jobset-name"] == f"{run_id}-a3"
-    coord, base = int(out["coordinator-port"]), int(out["metrics-port"])
-    assert coord not in range(base, base + 4)
-    for port in [coord, *range(base, base + 4)]:
-        assert ps._port_free(port)
-    assert (tmp_path / "out" / "metrics-port").read_text() == str(base)
-
-
 @pytest.mark.parametrize("live", [False, True], ids=["finished", "live-unsupervised"])
-def test_a_cpu_slice_in_a_pod_clears_earlier_jobsets_through_the_api(store_root, tmp_path, monkeypatch, live):
-    """``argo/local-cpu.yaml`` on a cluster: the earlier attempt's gang is a JobSet, deleted through the API (a live
-    one that no supervisor decided is refused, as on GKE); no process on the step's node is looked at."""
+def test_a_cpu_slice_clears_earlier_jobsets_through_the_api_and_picks_free_ports(store_root, tmp_path, live):
+    """The CPU slice, under the local runner or in a pod: the earlier attempt's gang is a JobSet, deleted through the
+    API (a live one that no supervisor decided is refused, as on GKE); the ports it picks are free."""
     from support.fake_k8s import FakeCluster
 
     run_id = _store_config(store_root, "local-cpu.yaml")
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-    monkeypatch.setattr(ps, "stop_leftover_workers", lambda *a, **k: pytest.fail("looked for local processes"))
     cluster = FakeCluster(namespace="default")
     cond = [] if live else [{"type": "Failed", "status": "True", "reason": "FailedJobs"}]
     cluster.put("jobsets", {**jobset(f"{run_id}-a0", run_id, namespace="default"), "status": {"conditions": cond}})
@@ -264,9 +213,14 @@ def test_a_cpu_slice_in_a_pod_clears_earlier_jobsets_through_the_api(store_root,
     deletes = [r[1].split("?")[0].rsplit("/", 1)[-1] for r in cluster.requests_of("DELETE", "/jobsets/")]
     if live:
         assert (code, deletes) == (2, [])
-    else:
-        assert (code, deletes) == (0, [f"{run_id}-a0"])
-        assert (tmp_path / "out" / "jobset-name").read_text() == f"{run_id}-a1"
+        return
+    assert (code, deletes) == (0, [f"{run_id}-a0"])
+    out = {f.name: f.read_text() for f in (tmp_path / "out").iterdir()}
+    assert out["jobset-name"] == f"{run_id}-a1"
+    coord, base = int(out["coordinator-port"]), int(out["metrics-port"])
+    assert coord not in range(base, base + 4)
+    for port in [coord, *range(base, base + 4)]:
+        assert ps._port_free(port)
 
 
 def _tpu_node(name, *, tpu="4", labels=None):
@@ -403,16 +357,23 @@ def test_a_local_gang_of_one_without_metrics_takes_no_port_where_no_socket_opens
     import errno
     import socket
 
+    from support.fake_k8s import FakeCluster
     from support.trainer_harness import tiny_config
 
+    from jaxrec.adapters.kube import make_api_client
     from workflows.local.cluster import free_port
 
     def refused(*_a, **_k):
         raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
 
     cfg = tiny_config(str(tmp_path / "store"), run_id="one", hosts=1, monitoring={"metrics_port": 0})
+    cluster = FakeCluster(namespace="default")  # (the local runner serves its API on a unix socket there)
     monkeypatch.setattr(socket.socket, "bind", refused)
     with pytest.raises(OSError):
         free_port()  # as on that machine
-    out = ps.provision_local(cfg, 0, str(tmp_path / "store"))
+    try:
+        out = ps.provision_local(cfg, 0, str(tmp_path / "store"), make_api_client(cluster.url))
+    finally:
+        monkeypatch.undo()
+        cluster.close()
     assert (out.coordinator_port, out.metrics_port) == (0, 0)

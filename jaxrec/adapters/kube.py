@@ -111,37 +111,62 @@ def in_pod() -> bool:
     return bool(os.environ.get(IN_POD_ENV))
 
 
-def uses_cluster(cfg: Any) -> bool:
-    """Whether the run's steps act through the Kubernetes API.
-
-    Always for a TPU slice; for the CPU slice (``slice.accelerator: local``) when the step runs in a pod, as when
-    ``argo/local-cpu.yaml`` is submitted to a cluster, where the gang is a JobSet like any other. Only the local
-    runner's steps act on local processes.
-    """
-    return not cfg.slice.is_local or in_pod()
+K8S_HOST_ENV = "JAXREC_K8S_HOST"
+"""The API server's address when no ``host`` is given and the process is in no pod: ``http(s)://...``, or
+``unix:///path`` for one served on a unix socket (the local runner serves its cluster's there: a machine may let no
+process open a TCP socket, even on loopback)."""
 
 
 def make_api_client(host: str | None = None) -> Any:
     """A kubernetes ``ApiClient``.
 
     Args:
-        host: API server URL (tests point this at a local HTTP server). When None, the in-cluster
-            service-account config is used inside a pod, otherwise the local kubeconfig.
+        host: API server URL, ``http(s)://`` or ``unix:///path``. When None: in a pod the in-cluster
+            service-account config, else ``$JAXREC_K8S_HOST`` when set, else the local kubeconfig.
 
     Returns:
         A ``kubernetes.client.ApiClient``.
     """
     from kubernetes import client, config
 
+    host = host or (None if in_pod() else os.environ.get(K8S_HOST_ENV)) or None
     if host:
-        cfg = client.Configuration(host=host)
+        sock = host.removeprefix("unix://") if host.startswith("unix://") else None
+        cfg = client.Configuration(host="http://localhost" if sock else host)
         cfg.retries = 0
-        return client.ApiClient(cfg)
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        api = client.ApiClient(cfg)
+        if sock:
+            api.rest_client.pool_manager = _unix_pool_manager(sock)
+        return api
+    if in_pod():
         config.load_incluster_config()
     else:
         config.load_kube_config()
     return client.ApiClient()
+
+
+def _unix_pool_manager(path: str) -> Any:
+    """A urllib3 pool manager whose every connection is to the unix socket ``path`` (HTTP over it)."""
+    import socket
+
+    import urllib3
+    from urllib3.connection import HTTPConnection
+    from urllib3.connectionpool import HTTPConnectionPool
+
+    class UnixConnection(HTTPConnection):
+        def _new_conn(self) -> socket.socket:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if isinstance(self.timeout, int | float):
+                sock.settimeout(self.timeout)
+            sock.connect(path)
+            return sock
+
+    class UnixPool(HTTPConnectionPool):
+        ConnectionCls = UnixConnection
+
+    manager = urllib3.PoolManager(num_pools=2, maxsize=8)
+    manager.pool_classes_by_scheme = {"http": UnixPool, "https": UnixPool}
+    return manager
 
 
 class Kube:

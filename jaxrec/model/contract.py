@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 # Substrings (lower case) of errors raised when another process of the gang or the coordination service is gone:
 # the trainer exits 20 (peer lost) on them, and the classifier reads a traceback that has them as a lost peer.
@@ -209,10 +209,15 @@ class FinalStatus(enum.StrEnum):
 
 
 class Backend(enum.StrEnum):
-    """Where an attempt's gang ran."""
+    """What an attempt's gang ran on: a TPU slice (on GKE), or the CPU slice (the local runner's, or a cluster's)."""
 
     GKE = "gke"
     LOCAL = "local"
+
+    @classmethod
+    def of(cls, slice_cfg: Any) -> Backend:
+        """The backend of a config's ``slice``."""
+        return cls.LOCAL if slice_cfg.is_local else cls.GKE
 
 
 class SkipKind(enum.StrEnum):

@@ -1,4 +1,4 @@
-"""The local cluster's Kubernetes API: one model of the API objects, served over HTTP on loopback.
+"""The local cluster's Kubernetes API: one model of the API objects, served over HTTP on this machine alone.
 
 One model of the objects the steps read and write (pods, nodes, namespaces, service accounts, events, Jobs,
 JobSets, Argo Workflows), answered as kube-apiserver v1.36 answers them:
@@ -35,9 +35,13 @@ API was asked (a JobSet created, a JobSet or pod deleted), as real controllers a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 import re
+import socketserver
+import sys
 import threading
 import time
 import uuid
@@ -85,10 +89,29 @@ Route = Callable[[str, str, dict[str, Any]], tuple[int, Any]]
 """``route(method, raw_path, request_body) -> (status, response body)``."""
 
 
-class JsonServer:
-    """Serves GET, POST, PATCH and DELETE on 127.0.0.1 (any free port), answering each request with ``route``."""
+class _Quiet:
+    """A client gone before its answer (a watcher whose process was killed) is no error of the server."""
 
-    def __init__(self, route: Route):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)  # type: ignore[misc]
+
+
+class _UnixHttpServer(_Quiet, socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+
+
+class _TcpHttpServer(_Quiet, ThreadingHTTPServer):
+    daemon_threads = True
+
+
+class JsonServer:
+    """Serves GET, POST, PATCH and DELETE, answering each request with ``route``.
+
+    On 127.0.0.1 (any free port), or on the unix socket ``socket_path`` (``url`` is then ``unix://<path>``).
+    """
+
+    def __init__(self, route: Route, socket_path: str | None = None):
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
@@ -124,15 +147,22 @@ class JsonServer:
             def do_PATCH(self):
                 self._answer("PATCH")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.socket_path = socket_path
+        if socket_path is not None:
+            self.server: socketserver.BaseServer = _UnixHttpServer(socket_path, Handler)
+            self.url = f"unix://{socket_path}"
+        else:
+            tcp = _TcpHttpServer(("127.0.0.1", 0), Handler)
+            self.server, self.url = tcp, f"http://127.0.0.1:{tcp.server_port}"
         threading.Thread(target=self.server.serve_forever, name="kube-api", daemon=True).start()
 
     def close(self) -> None:
-        """Stop serving and free the port."""
+        """Stop serving and free the port (or remove the socket)."""
         self.server.shutdown()
         self.server.server_close()
+        if self.socket_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
 
 
 @dataclass(frozen=True)
@@ -263,18 +293,23 @@ def _merged(target: Any, patch: Any) -> Any:
 
 
 class ApiServer:
-    """The API objects of one namespace and the cluster-scoped ones, served on loopback at ``url``.
+    """The API objects of one namespace and the cluster-scoped ones, served at ``url``.
 
-    The objects of ``namespace`` and the cluster-scoped ones, with resource versions and
-    watch events, served on loopback at ``url``. ``api.pods`` (any resource's name) is ``api.objects["pods"]``, by
-    object name.
+    The objects of ``namespace`` and the cluster-scoped ones, with resource versions and watch events, served on
+    127.0.0.1 or on the unix socket ``socket_path``. ``api.pods`` (any resource's name) is ``api.objects["pods"]``,
+    by object name.
 
     It starts as a cluster does: the namespace and ``kube-system`` exist. A request for another namespace finds
     nothing there (404 for an object, an empty list).
     """
 
     def __init__(
-        self, *, namespace: str = "training", gc_per_list: int | None = None, watch_wait_s: float = WATCH_WAIT_S
+        self,
+        *,
+        namespace: str = "training",
+        gc_per_list: int | None = None,
+        watch_wait_s: float = WATCH_WAIT_S,
+        socket_path: str | None = None,
     ):
         self.ns = namespace
         self.gc_per_list = gc_per_list
@@ -302,7 +337,7 @@ class ApiServer:
         self.on_delete: Callable[[ApiServer, str, dict[str, Any], dict[str, list[str]]], None] | None = None
         for ns in dict.fromkeys((namespace, "kube-system")):
             self.put("namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "uid": _uid()}})
-        self.server = JsonServer(self.route)
+        self.server = JsonServer(self.route, socket_path)
         self.url = self.server.url
 
     def __getattr__(self, name: str) -> dict[str, dict[str, Any]]:

@@ -12,67 +12,66 @@ controllers act on theirs:
 - every ``TICK`` the kubelets publish their pods' and nodes' status and the Job controller its Job's conditions
   (``slices.slice_objects``), and the runner's hooks act on a running slice (fault injection).
 
-Every step, train-segment included, reaches these through the API alone, with the kubeconfig ``kubeconfig`` writes.
+Every step, train-segment included, reaches these through the API alone, served on a unix socket (``url``, given
+to each step as ``JAXREC_K8S_HOST``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from jaxrec.model.records import now
 from workflows.local.apiserver import JOBSET_NAME_LABEL, ApiServer, status
 from workflows.local.cluster import TICK, InvalidManifest, LocalCluster, read_manifest
-from workflows.local.slices import LocalSlice, pod_name, slice_objects
+from workflows.local.slices import LocalSlice, jobset_status, pod_name, slice_objects
 
 
 class LocalControllers:
-    """One local run's API, served on loopback, and the controllers that act on it over ``cluster``."""
+    """One local run's API, served on a unix socket, and the controllers that act on it over ``cluster``."""
 
     def __init__(self, cluster: LocalCluster, namespace: str):
         self.cluster = cluster
-        self.api = ApiServer(namespace=namespace)
+        # A unix socket: a machine may let no process open a TCP socket, even on loopback (a TPU VM's sandbox).
+        self._dir = tempfile.mkdtemp(prefix="jaxrec-api-")
+        self.api = ApiServer(namespace=namespace, socket_path=os.path.join(self._dir, "api.sock"))
         self.api.admit = self._admit
         self.api.on_create = self._created
         self.api.kubelet_holds = self._holds
         self.api.on_delete = self._deleted
-        self._published: dict[str, dict[str, str]] = {}  # JobSet -> pod or node name -> its JSON as last put
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="local-kubelets", daemon=True)
         self._thread.start()
 
     @property
     def url(self) -> str:
-        """The API's address."""
+        """The API's address (``unix://<path>``: what every step is given as ``JAXREC_K8S_HOST``)."""
         return self.api.url
 
-    def kubeconfig(self, path: Path) -> Path:
-        """Write a kubeconfig for the API at ``path`` (what every step is given as ``KUBECONFIG``)."""
-        doc = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "local", "cluster": {"server": self.api.url}}],
-            "users": [{"name": "local", "user": {}}],
-            "contexts": [{"name": "local", "context": {"cluster": "local", "user": "local", "namespace": self.api.ns}}],
-            "current-context": "local",
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1))  # JSON is YAML
-        return path
+    def stop_gangs(self) -> None:
+        """SIGKILL every gang still running and publish how each ended (its pods Failed, its Job and JobSet too)."""
+        ended = list(self.cluster.live.values())
+        self.cluster.kill_all()
+        for sl in ended:
+            while self.publish(sl):
+                pass
 
     def close(self) -> None:
-        """Stop the kubelets and the API."""
+        """The run is over: SIGKILL every gang still running, stop the kubelets and the API."""
+        self.stop_gangs()
         self._stop.set()
         self._thread.join(timeout=5)
         self.api.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def adopt(self, sl: LocalSlice) -> None:
         """Hold ``sl``, its workers started elsewhere, as a running JobSet of the API (one a lost supervisor left)."""
         self.cluster.adopt(sl)
-        self._published[sl.jobset] = {}
         objs = slice_objects(sl)
         self.api.put("jobsets", objs["jobsets"][0])
         self.api.put("jobs", objs["jobs"][0])
@@ -101,7 +100,6 @@ class LocalControllers:
         except InvalidManifest:  # admitted above: not reached
             return
         if sl is not None:
-            self._published[sl.jobset] = {}
             api.put("jobs", slice_objects(sl)["jobs"][0])
 
     def _holds(self, pod: dict[str, Any]) -> bool:
@@ -129,40 +127,57 @@ class LocalControllers:
     # -- the kubelets and the Job controller --
 
     def _run(self) -> None:
+        settled: set[int] = set()  # slices whose end is published
         while not self._stop.is_set():
-            for sl in list(self.cluster.live.values()):
-                at = now()
+            live = list(self.cluster.live.values())
+            for sl in live:
                 self.cluster.poll(sl)
-                self.cluster.tick(sl, at)
+                self.cluster.tick(sl, now())
                 self.publish(sl)
+            # A slice settled (its supervisor done, or its Workflow deleted): its last state, once.
+            for sl in [sl for sl in self.cluster.slices if sl not in live and id(sl) not in settled]:
+                self.cluster.poll(sl)
+                if not self.publish(sl):
+                    settled.add(id(sl))
             time.sleep(TICK)
 
-    def publish(self, sl: LocalSlice) -> None:
-        """Put what changed of the slice's pods, nodes and Job into the API; remove the pods whose worker is gone.
+    def publish(self, sl: LocalSlice) -> bool:
+        """Put what changed of the slice into the API; whether anything did.
 
-        A pod the API no longer has (deleted with grace period 0) is not put back; nor is one once its JobSet is
-        deleted.
+        Its pods, nodes, Job and JobSet; the pods whose worker is gone are removed. The kubelets first, then the
+        Job and JobSet controllers from the same pods (the API holds the failed pod before the Job it fails). A pod
+        the API no longer has (deleted with grace period 0) is not put back; nor is one once its JobSet is deleted.
         """
         objs = slice_objects(sl, image="")
-        last = self._published.setdefault(sl.jobset, {})
         api = self.api
         with api.lock:
+            before = api.rv
+            self._kubelets(sl, objs)
             for job in objs["jobs"]:
                 stored = api.jobs.get(job["metadata"]["name"])
                 if stored is not None and stored.get("status") != job["status"]:
                     api.put("jobs", {**stored, "status": job["status"]})
-            for node in objs["nodes"]:
-                self._put(last, "nodes", node)
-            wanted = {p["metadata"]["name"]: p for p in objs["pods"]}
-            for name, pod in wanted.items():
-                if f"pods/{name}" in last and name not in api.pods:
-                    continue  # deleted through the API: it does not come back
-                if sl.deleted_at is not None and name not in api.pods:
-                    continue
-                self._put(last, "pods", pod)
-            for key in [k for k in last if k.startswith("pods/") and k[5:] not in wanted]:
-                if key[5:] in api.pods:
-                    api.remove("pods", key[5:])
+                stored_js = api.jobsets.get(sl.jobset)
+                want = jobset_status(job)
+                if stored_js is not None and want and (stored_js.get("status") or {}) != want:
+                    api.put("jobsets", {**stored_js, "status": want})
+            return api.rv != before
+
+    def _kubelets(self, sl: LocalSlice, objs: dict[str, list[dict[str, Any]]]) -> None:
+        """The kubelets' pass: the pods and nodes that changed put, the pods gone removed."""
+        last, api = sl.published, self.api
+        for node in objs["nodes"]:
+            self._put(last, "nodes", node)
+        wanted = {p["metadata"]["name"]: p for p in objs["pods"]}
+        for name, pod in wanted.items():
+            if f"pods/{name}" in last and name not in api.pods:
+                continue  # deleted through the API: it does not come back
+            if sl.deleted_at is not None and name not in api.pods:
+                continue
+            self._put(last, "pods", pod)
+        for key in [k for k in last if k.startswith("pods/") and k[5:] not in wanted]:
+            if key[5:] in api.pods:
+                api.remove("pods", key[5:])
 
     def _put(self, last: dict[str, str], coll: str, obj: dict[str, Any]) -> None:
         key = f"{coll}/{obj['metadata']['name']}"

@@ -1,10 +1,11 @@
 """Runs the leaf templates of a Workflow on this machine: every container as a process.
 
-Container templates run the same command with ``python`` mapped to this interpreter and ``/tmp/outputs``,
-``/tmp/inputs`` mapped to a folder per node, and the run's kubeconfig: a step reaches the local cluster only through
-its Kubernetes API (``controllers.LocalControllers``), as a pod reaches its cluster's. The train-segment step creates
-its JobSet there: ``parallelism`` worker processes with the environment a pod would get; its node's message comes from
-the supervision record it writes, and its slice is settled from it (when the end was seen, which worker failed first).
+Container templates run the same command with ``python`` mapped to this interpreter, ``/tmp/outputs`` and
+``/tmp/inputs`` mapped to a folder per node, and the address of the run's Kubernetes API: a step reaches the local
+cluster only through that API (``controllers.LocalControllers``), as a pod reaches its cluster's. The train-segment
+step creates its JobSet there: ``parallelism`` worker processes with the environment a pod would get; its node's
+message comes from the supervision record it writes, and its slice is settled from it (when the end was seen, which
+worker failed first).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jaxrec.adapters.kube import K8S_HOST_ENV
 from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.contract import AttemptOutcome
 from jaxrec.model.records import SupervisionRecord, now
@@ -79,8 +81,6 @@ class LocalExecutor:
             controllers = LocalControllers(LocalCluster(setup, hooks), "default")
         self.controllers = controllers
         self.cluster = controllers.cluster
-        # Every step reaches the cluster through its API, as a pod reaches its own (the kubeconfig it is given).
-        self.kubeconfig = controllers.kubeconfig(work_dir / "kubeconfig")
 
     @property
     def slices(self) -> list[LocalSlice]:
@@ -93,7 +93,8 @@ class LocalExecutor:
         return self.cluster.live
 
     def _env(self, extra: Mapping[str, str]) -> dict[str, str]:
-        return process_env(self.repo_root, {**self.base_env, "KUBECONFIG": str(self.kubeconfig)}, extra)
+        # Every step reaches the cluster through its API alone, as a pod reaches its own.
+        return process_env(self.repo_root, {**self.base_env, K8S_HOST_ENV: self.controllers.url}, extra)
 
     def _track(self, p: subprocess.Popen) -> None:
         with self._lock:
@@ -109,13 +110,17 @@ class LocalExecutor:
                 os.killpg(p.pid, signal.SIGKILL)
 
     def stop_all(self) -> None:
-        """SIGKILL every process this executor started and every gang of the cluster (the Workflow is deleted)."""
+        """SIGKILL every process this executor started, and every gang still running (the local run is deleted).
+
+        Unlike Argo's deletion of a Workflow on a cluster, which leaves its JobSet to be re-attached to, the local
+        runner's deletion takes the gang with it; the JobSet stays, Failed, for the next provision-slice to delete.
+        """
         self._stopping.set()
         with self._lock:
             procs = list(self._procs)
         for p in procs:
             self._kill(p)
-        self.cluster.kill_all()
+        self.controllers.stop_gangs()
 
     # -- containers --------------------------------------------------------------------------------
 

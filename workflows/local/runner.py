@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from jaxrec.model.config import (
 )
 from jaxrec.model.outputs import STEP_OUTPUTS
 from jaxrec.model.records import now
-from recovery_steps import lease
+from workflows.local.apiserver import ApiServer, iso
 from workflows.local.cluster import ClusterSetup, LocalCluster
 from workflows.local.controllers import LocalControllers
 from workflows.local.engine import NodeInfo, NodePhase, NodeResult, WorkflowError, WorkflowRun
@@ -460,10 +461,11 @@ class _LocalRun:
                 )
                 printer = _Printer(say, t0, self.cfg.slice.num_hosts)
                 progress = self.outages.wrap(printer) if self.outages is not None else printer
-                wf = {**self.wf, "metadata": {**self.wf.get("metadata", {}), "uid": nxt[1]}}
+                wf = _workflow(controllers.api, self.wf, *nxt)
                 wrun = WorkflowRun(wf, ex, name=nxt[0], progress=progress)
                 names.append(wrun.name)
                 deleted.run = wrun
+                _publish(controllers.api, wf, wrun, "Running")
                 try:
                     status = feed.status = wrun.run()
                 except WorkflowError as e:
@@ -471,10 +473,12 @@ class _LocalRun:
                     status = feed.status = "Error"
                 all_nodes += wrun.nodes
                 all_inner += wrun.inner
+                if deleted.is_set():
+                    controllers.api.remove("workflows", wrun.name)  # the Workflow object is gone with its lease
+                else:
+                    _publish(controllers.api, wf, wrun, status)
                 if deleted.is_set() and restarts == 0:
                     deleted.clear()
-                    # Argo deletes the Workflow object: its lease is free for the next submission at once.
-                    _safe(lambda w=wrun: lease.release(store, w.uid))
                     restarts += 1
                     say(
                         f"{now() - t0:7.1f}s [run]        workflow deleted; starting it again with run id {self.run_id}"
@@ -560,6 +564,35 @@ class _MetricsFeed:
             self.server.stop()
 
 
+def _workflow(api: ApiServer, submitted: dict[str, Any], name: str, uid: str | None) -> dict[str, Any]:
+    """The Workflow to run next, named ``name`` (with ``uid``, when one is known).
+
+    The one the API holds by that name (a continuation a hand-over step created there), else the one submitted.
+    """
+    made = api.workflows.get(name)
+    if made is not None and (uid is None or made["metadata"].get("uid") == uid):
+        return copy.deepcopy(made)
+    return {**submitted, "metadata": {**submitted.get("metadata", {}), "name": name, "uid": uid}}
+
+
+def _publish(api: ApiServer, wf: dict[str, Any], wrun: WorkflowRun, phase: str) -> None:
+    """The Workflow object as Argo's controller keeps it: its manifest, its uid, ``status.phase``.
+
+    One the API holds already (under this uid) keeps what the steps wrote to it (a give-up's label); only its phase
+    changes.
+    """
+    with api.lock:
+        stored = api.workflows.get(wrun.name)
+        if stored is not None and stored["metadata"].get("uid") == wrun.uid:
+            api.put("workflows", {**stored, "status": {**(stored.get("status") or {}), "phase": str(phase)}})
+            return
+        meta = {**wf.get("metadata", {}), "name": wrun.name, "uid": wrun.uid, "namespace": api.ns}
+        meta.pop("resourceVersion", None)
+        meta.setdefault("creationTimestamp", iso(now()))
+        obj = {**wf, "apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": meta}
+        api.put("workflows", {**obj, "status": {"phase": str(phase)}})
+
+
 def _handed_to(
     store: RunStore, wrun: WorkflowRun, status: str, say: Callable[[str], None]
 ) -> tuple[str, str | None] | None:
@@ -567,8 +600,8 @@ def _handed_to(
     handed = _safe(lambda: _hand_over_from(store, wrun.uid)) if status == "Succeeded" else None
     if handed is None:
         return None
-    # The local runner plays the API server: the Workflow the hand-over step created starts now, after this one
-    # ended, as the run's Argo mutex lets it on a cluster.
+    # The Workflow the hand-over step created in the API starts now, after this one ended, as the run's Argo mutex
+    # lets it on a cluster.
     say(f"{wrun.name} handed the run over: workflow {handed.to_workflow} continues from attempt {handed.next_attempt}")
     return handed.to_workflow, handed.to_uid
 

@@ -130,6 +130,8 @@ class LocalSlice:
     backoff_limit: int = 6  # the Job API's default
     namespace: str = "default"
     pod_labels: dict[str, str] = field(default_factory=dict)  # the pod template's, as the Job's pods carry them
+    # What its kubelets last put in the API: "pods/<name>" or "nodes/<name>" -> the object's JSON.
+    published: dict[str, str] = field(default_factory=dict)
 
     def mark_stopped(self, detected: float) -> None:
         """Stamp the slice stopped: its last worker's exit, never before the supervisor ``detected`` the end.
@@ -356,14 +358,49 @@ def job_failure(
 
 
 def job_object(sl: LocalSlice, pods: Sequence[PodEvidence]) -> dict[str, Any]:
-    """The workers' Job as the API returns it, its failure as the Job controller decides it from ``pods``."""
+    """The workers' Job as the API returns it, its conditions as the Job controller sets them from ``pods``.
+
+    ``FailureTarget`` once it decides the Job fails (``job_failure``), ``Failed`` beside it once no pod of it runs
+    any more; ``Complete`` once every pod succeeded (pkg/controller/job/job_controller.go, v1.36.3).
+    """
     failed = [p for p in pods if p.phase == PodPhase.FAILED]
     cond = job_failure(sl.failure_policy, sl.backoff_limit, failed, sl.namespace)
     conditions = []
+    last = max((p.finished_at for p in pods if p.finished_at is not None), default=None)
     if cond is not None:
         conditions.append(_condition(cond.type, cond.at, reason=cond.reason or "", message=cond.message or ""))
+        if not any(p.phase in (PodPhase.RUNNING, PodPhase.PENDING) for p in pods):
+            conditions.append(_condition("Failed", last, reason=cond.reason or "", message=cond.message or ""))
+    elif len(pods) == len(sl.workers) and all(p.phase == PodPhase.SUCCEEDED for p in pods):
+        conditions.append(_condition("Complete", last))
     meta = {"name": f"{sl.jobset}-workers-0", "namespace": sl.namespace, "labels": {JOBSET_NAME_LABEL: sl.jobset}}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "status": {"conditions": conditions}}
+
+
+def jobset_status(job: Mapping[str, Any]) -> dict[str, Any]:
+    """The JobSet's status as its controller sets it from its one Job: Failed or Completed once the Job is.
+
+    JobSet v0.12.0 reacts to a Job's ``Failed`` (not ``FailureTarget``): with no restarts allowed the JobSet fails
+    (reason ``FailedJobs``); all its Jobs ``Complete``: it is Completed (``jobset_controller.go``).
+    """
+    types = {c["type"] for c in (job.get("status") or {}).get("conditions") or []}
+    if "Failed" in types:
+        cond = {
+            "type": "Failed",
+            "status": "True",
+            "reason": "FailedJobs",
+            "message": "jobset failed due to one or more job failures",
+        }
+        return {"conditions": [cond], "terminalState": "Failed"}
+    if "Complete" in types:
+        cond = {
+            "type": "Completed",
+            "status": "True",
+            "reason": "AllJobsCompleted",
+            "message": "jobset completed successfully",
+        }
+        return {"conditions": [cond], "terminalState": "Completed"}
+    return {}
 
 
 def slice_objects(sl: LocalSlice, image: str = "") -> dict[str, list[dict[str, Any]]]:
