@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from support.fake_k8s import FakeCluster
+from support.fake_k8s import FakeCluster, status
 
 from jaxrec.adapters.kube import make_api_client
 from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
@@ -589,16 +589,7 @@ def test_a_finished_or_missing_jobset_is_never_resupervised(api, tmp_path):
 
 
 def _status(code: int, reason: str, message: str, **details) -> tuple[int, dict]:
-    return code, {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "details": details,
-        "code": code,
-    }
+    return code, status(code, reason, message, **details)
 
 
 # How the API server answers when it cannot answer now (apimachinery's Status bodies), and a refusal.

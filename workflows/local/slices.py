@@ -377,29 +377,25 @@ def job_object(sl: LocalSlice, pods: Sequence[PodEvidence]) -> dict[str, Any]:
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "status": {"conditions": conditions}}
 
 
+# The Job's condition -> the JobSet's terminal condition: its type, reason and message (kubernetes-sigs/jobset
+# ``pkg/constants/constants.go``: FailedJobsReason/Message, AllJobsCompletedReason/Message).
+_JOBSET_ENDS = {
+    "Failed": ("Failed", "FailedJobs", "jobset failed due to one or more job failures"),
+    "Complete": ("Completed", "AllJobsCompleted", "jobset completed successfully"),
+}
+
+
 def jobset_status(job: Mapping[str, Any]) -> dict[str, Any]:
     """The JobSet's status as its controller sets it from its one Job: Failed or Completed once the Job is.
 
-    JobSet v0.12.0 reacts to a Job's ``Failed`` (not ``FailureTarget``): with no restarts allowed the JobSet fails
-    (reason ``FailedJobs``); all its Jobs ``Complete``: it is Completed (``jobset_controller.go``).
+    JobSet reacts to a Job's ``Failed`` (not ``FailureTarget``): with no restarts allowed the JobSet fails; all its
+    Jobs ``Complete``: it is Completed (``jobset_controller.go``).
     """
     types = {c["type"] for c in (job.get("status") or {}).get("conditions") or []}
-    if "Failed" in types:
-        cond = {
-            "type": "Failed",
-            "status": "True",
-            "reason": "FailedJobs",
-            "message": "jobset failed due to one or more job failures",
-        }
-        return {"conditions": [cond], "terminalState": "Failed"}
-    if "Complete" in types:
-        cond = {
-            "type": "Completed",
-            "status": "True",
-            "reason": "AllJobsCompleted",
-            "message": "jobset completed successfully",
-        }
-        return {"conditions": [cond], "terminalState": "Completed"}
+    for job_type, (type_, reason, message) in _JOBSET_ENDS.items():
+        if job_type in types:
+            cond = {"type": type_, "status": "True", "reason": reason, "message": message}
+            return {"conditions": [cond], "terminalState": type_}
     return {}
 
 
