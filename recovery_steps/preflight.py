@@ -373,7 +373,7 @@ def run(
         PreflightUnreachable: The store or the API server could not be asked.
     """
     problems = check_store(cfg, store, gcs_client=gcs_client)
-    if not cfg.slice.is_local:
+    if not cfg.slice.is_cpu:
         problems += check_cluster(cfg, api_client or k8s_client(k8s_host))
     if not any(p.check == "store" for p in problems):
         record = PreflightCheck(ok=not problems, problems=[p.line() for p in problems])

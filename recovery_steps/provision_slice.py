@@ -408,7 +408,7 @@ def run(
         except lease.LeaseHeld as e:
             raise StepError(ExitCode.CONFIGURATION, str(e)) from None
     api_client = api_client or k8s_client(k8s_host)
-    if cfg.slice.is_local:
+    if cfg.slice.is_cpu:
         outputs = provision_local(cfg, ref.attempt, ref.store_root, api_client, pod_timeout_s=options.pod_timeout_s)
     else:
         outputs = provision_gke(cfg, ref.attempt, api_client, store=ref.store(), options=options)

@@ -78,7 +78,7 @@ def test_bad_config_prints_its_problems_and_exits_2(tmp_path):
 
 def test_extra_renderers_write_next_to_the_workflow(tmp_path):
     def render(cfg, stem):
-        return {} if cfg.slice.is_local else {f"{stem}.extra.yaml": f"run: {cfg.run_id}\n"}
+        return {} if cfg.slice.is_cpu else {f"{stem}.extra.yaml": f"run: {cfg.run_id}\n"}
 
     out = tmp_path / "argo"
     assert _run(REPO / "configs", out, extra_renderers=[render])[0] == 0

@@ -19,7 +19,7 @@ from workflows import monitoring
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-GKE_CONFIGS = [p for p in CONFIGS if not load_config(p).slice.is_local]
+GKE_CONFIGS = [p for p in CONFIGS if not load_config(p).slice.is_cpu]
 SCHEMAS = yaml.safe_load((ROOT / "tests" / "data" / "gmp_crd_schemas.yaml").read_text())
 PROMTOOL = shutil.which("promtool")
 RUNBOOK_SECTIONS = {
@@ -160,7 +160,7 @@ def test_every_runbook_link_lands_on_an_anchor_of_the_runbook():
 
 
 def test_local_config_renders_nothing():
-    local = [p for p in CONFIGS if _cfg(p).slice.is_local]
+    local = [p for p in CONFIGS if _cfg(p).slice.is_cpu]
     assert local, "the repository has a local config"
     for p in local:
         assert monitoring.render_monitoring(_cfg(p), p.stem) == {}

@@ -343,7 +343,7 @@ class Worker:
             shutdown_timeout_seconds=t.shutdown_timeout_s,
         )
         ident = None
-        if cfg.slice.is_local:
+        if cfg.slice.is_cpu:
             ident = local_identity(self.env)
             self._set_identity(ident.process_id, ident.num_processes)
             if ident.num_processes != cfg.slice.num_hosts:
@@ -369,7 +369,7 @@ class Worker:
                 process_id=ident.process_id,
                 cluster_detection_method="deactivate",
             )
-        if not (cfg.slice.is_local and cfg.slice.local_devices == "cpu"):
+        if not (cfg.slice.is_cpu and cfg.slice.local_devices == "cpu"):
             # TPU chips an earlier program on this host still holds: wait (bounded) rather than fail in libtpu.
             waited = wait_for_chips()
             if waited > 0:
@@ -720,7 +720,7 @@ def _start_metrics(w: Worker, cfg: JobConfig) -> WorkerMetrics:
     if base_port > 0:
         # A local gang's workers share one host: each its own port, on loopback (Prometheus on that host scrapes
         # it); a pod's is scraped at the pod's address.
-        local = cfg.slice.is_local
+        local = cfg.slice.is_cpu
         m.serve(base_port + (w.process_index if local else 0), addr="127.0.0.1" if local else "0.0.0.0")
     m.set("jaxrec_expected_workers", cfg.slice.num_hosts)
     m.set("jaxrec_worker_up", 1)
@@ -980,7 +980,7 @@ def parse_args(argv: Sequence[str] | None) -> RunArgs:
         "--metrics-port",
         type=cli.bounded_int(0, 65535, "a port"),
         default=None,
-        help="Prometheus port (local backend: + process index; 0: off). Default: from the config.",
+        help="Prometheus port (the CPU slice: + process index; 0: off). Default: from the config.",
     )
     a = p.parse_args(argv)
     return RunArgs(a.store_root, a.run_id, a.attempt, a.restore_step, a.metrics_port)

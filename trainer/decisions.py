@@ -36,7 +36,7 @@ class LocalIdentity:
 
 
 def local_identity(env: Mapping[str, str]) -> LocalIdentity:
-    """Read the local backend's identity variables; raise TrainerExit(2) naming each missing one."""
+    """Read the CPU slice's identity variables; raise TrainerExit(2) naming each missing one."""
     problems = []
     addr = env.get("TRAINER_COORDINATOR_ADDRESS", "")
     if not addr:
@@ -113,7 +113,7 @@ def topology_problems(
     expected_global = s.num_hosts * s.devices_per_process
     if global_devices != expected_global:
         out.append(f"slice: the config expects {expected_global} devices in all but the job has {global_devices}")
-    if s.is_local:
+    if s.is_cpu:
         if s.local_devices == "cpu" and platform != "cpu":
             out.append(f"slice.accelerator: 'local' runs on the CPU, but the JAX platform is {platform!r}")
         elif s.local_devices == "accelerator" and platform == "cpu":

@@ -43,7 +43,7 @@ PEER_WAIT_S = 60.0
 
 
 def local_dir(cfg: JobConfig, env: dict[str, str] | os._Environ) -> str:
-    """The local directory of this host: ``TRAINER_LOCAL_DIR`` (set per host by the local backend) or the config's."""
+    """The local directory of this host: ``TRAINER_LOCAL_DIR`` (set per host for the CPU slice) or the config's."""
     return env.get("TRAINER_LOCAL_DIR") or cfg.checkpoint.local.directory
 
 

@@ -32,12 +32,12 @@ NODE_RULES: list[dict[str, Any]] = _rules(cluster_scoped=True)
 
 def _accounts(cfgs: Iterable[JobConfig]) -> list[tuple[str, str]]:
     """Distinct (namespace, service account) pairs of the GKE configs' steps, sorted."""
-    return sorted({(c.namespace, c.service_account) for c in cfgs if not c.slice.is_local})
+    return sorted({(c.namespace, c.service_account) for c in cfgs if not c.slice.is_cpu})
 
 
 def _worker_accounts(cfgs: Iterable[JobConfig]) -> list[tuple[str, str]]:
     """Distinct (namespace, worker service account) pairs of the GKE configs, sorted."""
-    return sorted({(c.namespace, c.worker_service_account) for c in cfgs if not c.slice.is_local})
+    return sorted({(c.namespace, c.worker_service_account) for c in cfgs if not c.slice.is_cpu})
 
 
 def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:

@@ -275,9 +275,9 @@ def train_template(cfg: JobConfig) -> Container:
         # evicts it after BestEffort and Burstable pods and lower priorities under node pressure (Kubernetes docs
         # "Node-pressure Eviction"). A drain or a node shutdown still ends it: the retry and classify's
         # resupervise cover that.
-        resources=None if cfg.slice.is_local else SUPERVISOR_RESOURCES,
-        pod_spec_patch=None if cfg.slice.is_local else SUPERVISOR_POD_PATCH,
-        priority_class_name=None if cfg.slice.is_local else STEP_PRIORITY_CLASS,
+        resources=None if cfg.slice.is_cpu else SUPERVISOR_RESOURCES,
+        pod_spec_patch=None if cfg.slice.is_cpu else SUPERVISOR_POD_PATCH,
+        priority_class_name=None if cfg.slice.is_cpu else STEP_PRIORITY_CLASS,
         retry_strategy=RetryStrategy(
             limit=SUPERVISOR_RETRIES,
             retry_policy="Always",

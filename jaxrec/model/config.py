@@ -254,21 +254,24 @@ class SliceConfig(_Section):
         return self
 
     @property
-    def is_local(self) -> bool:
-        """True for the local CPU backend."""
+    def is_cpu(self) -> bool:
+        """The CPU slice (``accelerator: local``): one machine's CPU processes stand in for the hosts of a slice.
+
+        A kind of slice, not a world: it runs under the local runner's cluster and on a real one alike.
+        """
         return self.accelerator == LOCAL
 
     @property
     def num_hosts(self) -> int:
         """Number of hosts (JAX processes) in the gang."""
-        if self.is_local:
+        if self.is_cpu:
             assert self.hosts is not None
             return self.hosts
         return TPU_TYPES[self.accelerator].hosts(self.topology or "")
 
     def worker_requests(self) -> dict[str, str]:
-        """CPU and memory requests of one worker pod (empty for the local backend)."""
-        if self.is_local:
+        """CPU and memory requests of one worker pod (empty for the CPU slice)."""
+        if self.is_cpu:
             return {}
         vm = TPU_TYPES[self.accelerator].vm(self.topology or "")
         cpu = self.worker_cpu if self.worker_cpu is not None else vm.worker_cpu
@@ -278,7 +281,7 @@ class SliceConfig(_Section):
     @property
     def devices_per_process(self) -> int:
         """Accelerator devices each process sees (TPU chips per VM, or local CPU devices)."""
-        return self.devices_per_host if self.is_local else TPU_TYPES[self.accelerator].vm(self.topology or "").chips
+        return self.devices_per_host if self.is_cpu else TPU_TYPES[self.accelerator].vm(self.topology or "").chips
 
 
 class StorageConfig(_Section):
@@ -966,7 +969,7 @@ class JobConfig(_Section):
                 f"model: the options of the built-in lm task, but task.name is {self.task.name!r}; remove the "
                 "model section and give the task's options under task.options"
             )
-        if not self.slice.is_local and not self.storage.is_gcs and not self.storage.durable_mount:
+        if not self.slice.is_cpu and not self.storage.is_gcs and not self.storage.durable_mount:
             problems.append(
                 f"storage.root: {_short(self.storage.root)} is a local path on a TPU slice: the checkpoints "
                 "would live on the pods' disks and die with them; use gs://BUCKET/PREFIX, or declare a durable "
@@ -984,12 +987,12 @@ class JobConfig(_Section):
                 "damaged; keep at least 2"
             )
         problems += self._local_tier_problems()
-        if not self.slice.is_local and self.monitoring.metrics_port == 0:
+        if not self.slice.is_cpu and self.monitoring.metrics_port == 0:
             problems.append(
                 "monitoring.metrics_port: 0 (no endpoint) is for local runs; a TPU slice's workers are scraped at "
                 "their metrics port: give one (default 9431)"
             )
-        if self.slice.is_local and self.monitoring.metrics_port + self.slice.num_hosts - 1 > 65535:
+        if self.slice.is_cpu and self.monitoring.metrics_port + self.slice.num_hosts - 1 > 65535:
             problems.append(
                 f"monitoring.metrics_port: {self.monitoring.metrics_port} + one port per local host "
                 f"({self.slice.num_hosts}) passes 65535; use a lower port"

@@ -217,7 +217,7 @@ class Backend(enum.StrEnum):
     @classmethod
     def of(cls, slice_cfg: Any) -> Backend:
         """The backend of a config's ``slice``."""
-        return cls.LOCAL if slice_cfg.is_local else cls.GKE
+        return cls.LOCAL if slice_cfg.is_cpu else cls.GKE
 
 
 class SkipKind(enum.StrEnum):

@@ -81,7 +81,7 @@ def _local_tier(cfg: JobConfig, container: dict[str, Any], pod_spec: dict[str, A
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
-    if cfg.slice.is_local:  # the local backend gives each worker its node's directory (TRAINER_LOCAL_DIR)
+    if cfg.slice.is_cpu:  # one machine: each worker is given its node's directory (TRAINER_LOCAL_DIR)
         return
     container["volumeMounts"] = [{"name": "jaxrec-local", "mountPath": lt.directory}]
     pod_spec["volumes"] = [{"name": "jaxrec-local", "hostPath": {"path": lt.host_path, "type": "DirectoryOrCreate"}}]
@@ -171,7 +171,7 @@ def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
     jobset_meta: dict[str, Any] = {"name": name, "namespace": cfg.namespace, "labels": labels}
     if cfg.checkpoint.local.enabled:
         _local_tier(cfg, container, pod_spec)
-    if sl.is_local:
+    if sl.is_cpu:
         env += [
             {"name": "TRAINER_COORDINATOR_ADDRESS", "value": f"127.0.0.1:{coordinator_port}"},
             {"name": "TRAINER_NUM_PROCESSES", "value": str(hosts)},

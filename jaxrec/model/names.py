@@ -153,7 +153,7 @@ def longest_pod_name(run_id: str, attempt: int | str, hosts: int, replicated_job
 
 
 def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
-    """Node labels a TPU slice's pods select (empty for the local backend).
+    """Node labels a TPU slice's pods select (empty for the CPU slice).
 
     The JobSet's ``nodeSelector`` and the node check of ``provision-slice`` both use this, so the
     slice that is checked is the slice the pods land on.
@@ -164,7 +164,7 @@ def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
     Returns:
         Label name -> value, in a stable order.
     """
-    if slice_cfg.is_local:
+    if slice_cfg.is_cpu:
         return {}
     from jaxrec.model.tpu import TPU_TYPES
 

@@ -128,4 +128,4 @@ TPU_TYPES: dict[str, TpuType] = {
 }
 
 LOCAL = "local"
-"""Accelerator name of the local backend: CPU processes on this machine stand in for TPU hosts."""
+"""Accelerator name of the CPU slice: CPU processes on one machine stand in for TPU hosts."""

@@ -118,7 +118,7 @@ def load_workflow(path: Path) -> tuple[dict[str, Any], JobConfig]:
         cfg = parse_config(yaml.safe_load(art["raw"]["data"]), f"{path} (config artifact)")
     except ConfigError as e:
         raise LocalRunError(e.problems) from None
-    if not cfg.slice.is_local:
+    if not cfg.slice.is_cpu:
         # Its workers need TPU nodes and its store is a real bucket: nothing here can stand in for them.
         where = f"a {cfg.slice.accelerator} {cfg.slice.topology} slice on GKE"
         raise LocalRunError(

@@ -47,7 +47,7 @@ def render_monitoring(cfg: JobConfig, stem: str | None = None) -> dict[str, str]
         Output file name -> file text: ``<stem>.monitoring.yaml`` (PodMonitoring, Rules,
         ClusterRules), ``<stem>.rules.yaml`` (plain Prometheus rules) and ``<stem>.dashboard.json``.
     """
-    if cfg.slice.is_local:
+    if cfg.slice.is_cpu:
         return {}
     stem = stem or cfg.run_id
     header = f"# Generated from the job config {stem} by workflows.monitoring; do not edit.\n"
