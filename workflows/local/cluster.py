@@ -254,6 +254,7 @@ class LocalCluster:
         sl.failure_policy = list((job_spec.get("podFailurePolicy") or {}).get("rules") or [])
         sl.backoff_limit = int(job_spec.get("backoffLimit", 6))
         sl.namespace = str(manifest["metadata"].get("namespace") or "default")
+        sl.image = str(c.get("image", ""))
         sl.pod_labels = {
             str(k): str(v) for k, v in ((job_spec["template"].get("metadata") or {}).get("labels") or {}).items()
         }

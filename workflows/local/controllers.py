@@ -58,8 +58,9 @@ class LocalControllers:
         ended = list(self.cluster.live.values())
         self.cluster.kill_all()
         for sl in ended:
-            while self.publish(sl):
-                pass
+            for _ in range(5):  # the kubelets' pass, then the controllers' from it: settled within two
+                if not self.publish(sl):
+                    break
 
     def close(self) -> None:
         """The run is over: SIGKILL every gang still running, stop the kubelets and the API."""
@@ -97,7 +98,7 @@ class LocalControllers:
             return
         try:
             sl = self.cluster.create(obj)
-        except InvalidManifest:  # admitted above: not reached
+        except InvalidManifest:  # refused by _admit before it was stored
             return
         if sl is not None:
             api.put("jobs", slice_objects(sl)["jobs"][0])
@@ -148,7 +149,7 @@ class LocalControllers:
         Job and JobSet controllers from the same pods (the API holds the failed pod before the Job it fails). A pod
         the API no longer has (deleted with grace period 0) is not put back; nor is one once its JobSet is deleted.
         """
-        objs = slice_objects(sl, image="")
+        objs = slice_objects(sl)
         api = self.api
         with api.lock:
             before = api.rv

@@ -130,6 +130,7 @@ class LocalSlice:
     backoff_limit: int = 6  # the Job API's default
     namespace: str = "default"
     pod_labels: dict[str, str] = field(default_factory=dict)  # the pod template's, as the Job's pods carry them
+    image: str = ""  # the trainer container's
     # What its kubelets last put in the API: "pods/<name>" or "nodes/<name>" -> the object's JSON.
     published: dict[str, str] = field(default_factory=dict)
 
@@ -242,7 +243,7 @@ def _phase(w: WorkerProc, held: str | None) -> PodPhase:
     return PodPhase.SUCCEEDED if w.returncode == 0 else PodPhase.FAILED
 
 
-def pod_object(sl: LocalSlice, w: WorkerProc, image: str = "") -> dict[str, Any] | None:
+def pod_object(sl: LocalSlice, w: WorkerProc) -> dict[str, Any] | None:
     """Worker ``w`` as the API returns its pod.
 
     None: the pod is gone, its worker exited after the JobSet was
@@ -264,7 +265,7 @@ def pod_object(sl: LocalSlice, w: WorkerProc, image: str = "") -> dict[str, Any]
     deleted = sl.lost.get(w.index, sl.deleted_at)
     if ran and w.returncode is None and deleted is not None:
         meta["deletionTimestamp"] = stamp(deleted)
-    spec: dict[str, Any] = {"containers": [{"name": TRAINER_CONTAINER, "image": image}]}
+    spec: dict[str, Any] = {"containers": [{"name": TRAINER_CONTAINER, "image": sl.image}]}
     spec["terminationGracePeriodSeconds"] = sl.grace_seconds
     st: dict[str, Any] = {"phase": _phase(w, held).value}
     if held == UNSCHEDULABLE:
@@ -276,7 +277,7 @@ def pod_object(sl: LocalSlice, w: WorkerProc, image: str = "") -> dict[str, Any]
     if held is not None or w.proc is not None:
         spec["nodeName"] = node_name(w.index)
         st["conditions"] = [_condition("PodScheduled", w.started_at or sl.created_at)]
-    container = _container(w, image, held)
+    container = _container(w, sl.image, held)
     if container is not None:
         st["containerStatuses"] = [container]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": st}
@@ -399,9 +400,9 @@ def jobset_status(job: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def slice_objects(sl: LocalSlice, image: str = "") -> dict[str, list[dict[str, Any]]]:
+def slice_objects(sl: LocalSlice) -> dict[str, list[dict[str, Any]]]:
     """The local slice's JobSet, its Job, its pods and their nodes now, as the Kubernetes API returns them."""
-    pods = [p for w in sl.workers if (p := pod_object(sl, w, image)) is not None]
+    pods = [p for w in sl.workers if (p := pod_object(sl, w)) is not None]
     pods.sort(key=lambda p: p["metadata"]["name"])
     nodes = [node_object(sl, w.index) for w in sl.workers if sl.withheld.get(w.index) != UNSCHEDULABLE]
     # Foreground deletion: the JobSet stays until its pods are gone.
