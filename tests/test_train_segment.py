@@ -1131,3 +1131,34 @@ def test_the_supervisor_reads_the_longest_start_up_of_the_runs_earlier_attempts(
     assert ts.earlier_startup(store, 2) == 420.0
     # Only the latest attempts count: a start-up long ago (a cold cache, another config) is not read.
     assert ts.earlier_startup(store, 1 + STARTUP_ATTEMPTS_READ) == 95.0
+
+
+def test_a_failure_one_watch_shows_before_the_other_is_read_once_more_by_listing():
+    """The pods and Jobs watches deliver independently: when one shows a failure the other does not yet, the view
+    lists both again, so the verdict's snapshot holds the failed pod (its worker named) beside the Job's reason."""
+    from jaxrec.adapters.kube import make_api_client
+    from jaxrec.model.snapshot import job_from_api, pod_from_api
+    from recovery_steps.kube_gang import KubeGang
+
+    cluster = FakeCluster()
+    t = time.time()
+    failed = pod("js", 1, t, node="n1", phase="Failed", exit_code=137)
+    target = {"type": "FailureTarget", "status": "True", "reason": "BackoffLimitExceeded", "message": "limit"}
+    job = {"metadata": {"name": "js-workers-0", "labels": {"jobset.sigs.k8s.io/jobset-name": "js"}}}
+    cluster.put("pods", pod("js", 0, t, node="n0", phase="Running", running=True), failed)
+    cluster.put("jobs", {**job, "status": {"conditions": [target]}})
+    try:
+        gang = KubeGang(make_api_client(cluster.url), "training", "js")
+        running = [pod_from_api(pod("js", i, t, node=f"n{i}", phase="Running", running=True)) for i in range(2)]
+        # The Job's verdict arrived first: the pods are listed again, the failed one with them.
+        pods, jobs = gang._consistent(running, [job_from_api({**job, "status": {"conditions": [target]}})])
+        assert [p.phase for p in pods] == ["Running", "Failed"] and jobs[0].failure() is not None
+        # The failed pod arrived first: the Jobs are listed again, with the controller's verdict.
+        pods, jobs = gang._consistent([pod_from_api(failed)], [job_from_api(job)])
+        assert jobs[0].failure().reason == "BackoffLimitExceeded"
+        # Both views agree: nothing is listed.
+        before = len(cluster.requests)
+        gang._consistent(running, [job_from_api(job)])
+        assert len(cluster.requests) == before
+    finally:
+        cluster.close()
