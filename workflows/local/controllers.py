@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any
 
 from jaxrec.model.records import now
@@ -39,6 +40,7 @@ class LocalControllers:
         self.cluster = cluster
         # A unix socket: a machine may let no process open a TCP socket, even on loopback (a TPU VM's sandbox).
         self._dir = tempfile.mkdtemp(prefix="jaxrec-api-")
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)  # at exit too
         self.api = ApiServer(namespace=namespace, socket_path=os.path.join(self._dir, "api.sock"))
         self.api.admit = self._admit
         self.api.on_create = self._created
@@ -68,7 +70,7 @@ class LocalControllers:
         self._stop.set()
         self._thread.join(timeout=5)
         self.api.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._remove_dir()
 
     def adopt(self, sl: LocalSlice) -> None:
         """Hold ``sl``, its workers started elsewhere, as a running JobSet of the API (one a lost supervisor left)."""
