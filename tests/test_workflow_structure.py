@@ -378,7 +378,6 @@ def test_workflow_keeps_failed_pods_and_the_finished_run_for_inspection(cfg_path
 
 def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path):
     from jaxrec.model.jobset import JobSetParams, jobset_manifest
-    from workflows.local.engine import NodeInfo
     from workflows.local.executor import LocalExecutor
 
     cfg = load_config(REPO / "configs" / "local-cpu.yaml")
@@ -395,16 +394,15 @@ def test_local_jobset_stand_in_stops_workers_after_the_manifests_grace(tmp_path)
         ),
     )
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
-    node = NodeInfo("n1", "train-segment", "train-segment", "train-segment", "0", 0)
-    sl = LocalExecutor(repo_root=REPO, work_dir=tmp_path).cluster.build_slice(js, node)
+    sl = LocalExecutor(repo_root=REPO, work_dir=tmp_path).cluster.build_slice(js)
     assert sl.grace_seconds == pod["terminationGracePeriodSeconds"] == cfg.slice.termination_grace_s
     pod["terminationGracePeriodSeconds"] = 17
-    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path).cluster.build_slice(js, node).grace_seconds == 17
+    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path).cluster.build_slice(js).grace_seconds == 17
     del pod["terminationGracePeriodSeconds"]  # the Kubernetes default
-    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path).cluster.build_slice(js, node).grace_seconds == 30
+    assert LocalExecutor(repo_root=REPO, work_dir=tmp_path).cluster.build_slice(js).grace_seconds == 30
     # A benchmark may still pin the grace for every slice.
     pinned = LocalExecutor(repo_root=REPO, work_dir=tmp_path, grace_seconds=2).cluster
-    assert pinned.build_slice(js, node).grace_seconds == 2
+    assert pinned.build_slice(js).grace_seconds == 2
 
 
 @pytest.mark.parametrize("config", [p.name for p in CONFIGS])

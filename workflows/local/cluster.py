@@ -30,7 +30,7 @@ from typing import Any
 from jaxrec.adapters.kube import IN_POD_ENV
 from jaxrec.model.names import ATTEMPT_LABEL, TERMINATION_LOG_ENV
 from jaxrec.model.records import now
-from workflows.local.engine import FAILED, SUCCEEDED, NodeInfo, NodePhase, WorkflowError
+from workflows.local.engine import FAILED, SUCCEEDED, NodePhase, WorkflowError
 from workflows.local.slices import LocalSlice, WorkerProc, pod_name
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
@@ -139,10 +139,6 @@ class SliceHooks:
         return [f"local-host-{i}" for i in range(hosts)]
 
 
-class InvalidManifest(ValueError):
-    """A JobSet manifest the local cluster cannot read (what it lacks is the message)."""
-
-
 @dataclass(frozen=True)
 class ClusterSetup:
     """What every slice of a local cluster is made with."""
@@ -207,20 +203,15 @@ class LocalCluster:
         """Hold ``sl`` as the running JobSet of its name (one a lost supervisor left running, to re-attach to)."""
         self._live[sl.jobset] = sl
 
-    def create(self, manifest: Mapping[str, Any], origin: NodeInfo | None = None) -> LocalSlice | None:
+    def create(self, manifest: Mapping[str, Any]) -> LocalSlice | None:
         """Create the JobSet ``manifest`` describes and start its workers (those a hook withholds stay Pending).
 
-        None when a JobSet of that name is running already.
-
-        Raises:
-            InvalidManifest: the manifest lacks what a slice is made from.
+        None when a JobSet of that name is running already. The manifest is one the API admitted
+        (``read_manifest`` reads it).
         """
-        try:
-            if manifest["metadata"]["name"] in self._live:
-                return None
-            sl = self.build_slice(manifest, origin)
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise InvalidManifest(str(e)) from None
+        if manifest["metadata"]["name"] in self._live:
+            return None
+        sl = self.build_slice(manifest)
         sl.withheld = dict(self.hooks.withheld(sl.attempt, len(sl.workers)))
         with self._lock:
             self.slices.append(sl)
@@ -231,24 +222,19 @@ class LocalCluster:
                 sl.spawn(w)
         return sl
 
-    def build_slice(self, manifest: Mapping[str, Any], origin: NodeInfo | None = None) -> LocalSlice:
+    def build_slice(self, manifest: Mapping[str, Any]) -> LocalSlice:
         """The slice of the JobSet ``manifest``, its workers not started: one per pod of its first replicated Job.
 
-        ``origin`` is the Workflow node that creates it, when known (its folder maps the container paths, else the
-        JobSet's own folder does; the attempt is the command's, else the JobSet's attempt label, else the node's).
+        The JobSet's own folder maps the container paths; the attempt is the command's, else the JobSet's label.
         """
         setup = self.setup
         name, rj, n = manifest["metadata"]["name"], *read_manifest(manifest)
         job_spec = rj["template"]["spec"]
         pod_spec = job_spec["template"]["spec"]
         c = pod_spec["containers"][0]
-        if origin is not None:
-            node_dir = setup.work_dir / "nodes" / f"{origin.id}-{origin.task}"
-        else:
-            node_dir = setup.work_dir / "jobsets" / name
-        command = local_command([*c.get("command", []), *c.get("args", [])], node_dir)
+        command = local_command([*c.get("command", []), *c.get("args", [])], setup.work_dir / "jobsets" / name)
         labelled = (manifest["metadata"].get("labels") or {}).get(ATTEMPT_LABEL)
-        attempt = int(arg_value(command, "--attempt") or labelled or (origin.attempt if origin else 0) or 0)
+        attempt = int(arg_value(command, "--attempt") or labelled or 0)
         log_dir = setup.work_dir / "logs" / f"attempt-{attempt}"
         sl = LocalSlice(name, attempt, command, str(setup.repo_root), log_dir)
         sl.failure_policy = list((job_spec.get("podFailurePolicy") or {}).get("rules") or [])

@@ -29,7 +29,7 @@ from typing import Any
 
 from jaxrec.model.records import now
 from workflows.local.apiserver import JOBSET_NAME_LABEL, ApiServer, status
-from workflows.local.cluster import TICK, InvalidManifest, LocalCluster, read_manifest
+from workflows.local.cluster import TICK, LocalCluster, read_manifest
 from workflows.local.slices import LocalSlice, jobset_status, pod_name, slice_objects
 
 
@@ -98,10 +98,7 @@ class LocalControllers:
         """A JobSet was created: its Job, and its workers started (the JobSet and Job controllers, the kubelets)."""
         if obj.get("kind") != "JobSet":
             return
-        try:
-            sl = self.cluster.create(obj)
-        except InvalidManifest:  # refused by _admit before it was stored
-            return
+        sl = self.cluster.create(obj)  # admitted: _admit read it
         if sl is not None:
             api.put("jobs", slice_objects(sl)["jobs"][0])
 
@@ -138,7 +135,8 @@ class LocalControllers:
                 self.cluster.tick(sl, now())
                 self.publish(sl)
             # A slice settled (its supervisor done, or its Workflow deleted): its last state, once.
-            for sl in [sl for sl in self.cluster.slices if sl not in live and id(sl) not in settled]:
+            running = {id(sl) for sl in live}
+            for sl in [sl for sl in self.cluster.slices if id(sl) not in running | settled]:
                 self.cluster.poll(sl)
                 if not self.publish(sl):
                     settled.add(id(sl))
