@@ -30,7 +30,7 @@ def test_store_outage_in_restore_and_classify_leaves_the_run_succeeded(tmp_path,
     )
     out = "\n".join(lines)
     assert res.status == "Succeeded", out
-    assert "store outage: 2s from the start of" in out
+    assert "store outage: 2s from the first store request of" in out
     # Each outage made a try of the step exit transient (69); a retry in place succeeded.
     for template in ("restore-latest", "classify-failure"):
         mine = [ln for ln in lines if f" {template}" in ln]

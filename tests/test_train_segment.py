@@ -18,6 +18,7 @@ from jaxrec.model.jobset import JobSetParams, jobset_manifest
 from jaxrec.model.records import STARTUP_ATTEMPTS_READ, SupervisionRecord, WorkerExitReport, WorkerHeartbeat
 from recovery_steps import train_segment as ts
 from recovery_steps.step import StepError
+from recovery_steps.supervision import STALE_VIEW_LIMIT_S
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = 4
@@ -735,6 +736,7 @@ def test_a_store_outage_longer_than_the_hang_timeout_is_no_hang(tmp_path, cluste
     store = RunStore(cfg.storage.root, cfg.run_id)
     js = f"{cfg.run_id}-a0"
     skew = {"s": 0.0, "down": False}
+    assert STALE_VIEW_LIMIT_S / 2 > 3 * cfg.supervision.hang_timeout_s
     read = RunStore.read_record
 
     def read_record(self, rel, model):
@@ -743,7 +745,9 @@ def test_a_store_outage_longer_than_the_hang_timeout_is_no_hang(tmp_path, cluste
         return read(self, rel, model)
 
     def outage(c):
-        skew.update(down=True, s=10 * cfg.supervision.hang_timeout_s)
+        # Past the hang timeout, short of the stale-view limit by more than one round's clock read: the supervisor
+        # may read its clock just before the flip and date the failed read from there.
+        skew.update(down=True, s=STALE_VIEW_LIMIT_S / 2)
 
     monkeypatch.setattr(RunStore, "read_record", read_record)
     cluster.on_create = _running_gang(js)

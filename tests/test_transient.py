@@ -75,6 +75,23 @@ def test_parse_outages():
     assert plan == {} and len(problems) == 2 and "TEMPLATE=SECONDS" in problems[0]
 
 
+def test_an_outage_armed_for_the_next_request_starts_with_it():
+    """``down_from_next_request``: however long the step takes to call, its first request meets the outage, which
+    lasts its length from that request on."""
+    now = {"t": 100.0}
+    proxy = OutageProxy("http://127.0.0.1:9", clock=lambda: now["t"])
+    try:
+        proxy.down_from_next_request(2)
+        now["t"] += 50  # a slow start: a window opened when armed would have passed
+        assert not proxy.is_down and proxy.refusal() == 503
+        now["t"] += 1.9
+        assert proxy.refusal() == 503
+        now["t"] += 0.2
+        assert proxy.refusal() is None and proxy.refused == 2
+    finally:
+        proxy.close()
+
+
 def test_the_proxy_throttles_a_share_of_requests_with_the_body_gcs_sends(gcs_emulator):
     """``fail_for(status=429, share)``: about that share of requests answered 429 ``rateLimitExceeded`` (what the
     storage client raises as TooManyRequests), the rest forwarded to the emulator; 0 s ends it."""

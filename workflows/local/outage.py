@@ -86,6 +86,7 @@ class OutageProxy:
         self._clock = clock
         self.unauthorized = 0
         self._down_until = 0.0
+        self._pending: float | None = None  # an outage that begins with the next request, and its length
         self._status, self._share = 503, 1.0
         self._aimed: tuple[str, int, float] | None = None  # (what the request names, status, until)
         self._held: tuple[str, float] | None = None  # (what the request names, until)
@@ -213,6 +214,11 @@ class OutageProxy:
         """Answer 503 from now for ``seconds``."""
         self.fail_for(seconds)
 
+    def down_from_next_request(self, seconds: float) -> None:
+        """Answer 503 for ``seconds`` from the next request on: an outage the next client to call is sure to meet."""
+        self._status, self._share = 503, 1.0
+        self._pending = seconds
+
     def fail_for(self, seconds: float, status: int = 503, share: float = 1.0) -> None:
         """From now for ``seconds``, answer ``status`` (503 or 429) to each request with probability ``share``."""
         if status not in BODIES:
@@ -261,6 +267,9 @@ class OutageProxy:
             if aimed[0] in _named(path, body):
                 self.refused += 1
                 return aimed[1]
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._down_until = self._clock() + pending
         if not self.is_down or self._rng.random() >= self._share:
             return None
         self.refused += 1
@@ -309,7 +318,11 @@ def parse_outages(specs: list[str]) -> tuple[dict[str, float], list[str]]:
 
 
 class OutagePlan:
-    """A progress hook: when a node of a planned template starts for the first time, the store goes down."""
+    """A progress hook: when a node of a planned template starts for the first time, the store goes down.
+
+    The outage begins with the first store request after the node started (its first read, however long the step
+    took to start), so the step meets it whatever the machine's load.
+    """
 
     def __init__(self, proxy: OutageProxy, plan: Mapping[str, float], say: Callable[[str], None] = print):
         self.proxy = proxy
@@ -323,9 +336,9 @@ class OutagePlan:
         def hook(kind: str, node: Any, res: Any) -> None:
             seconds = self.plan.get(node.template)
             if kind == "start" and seconds is not None and node.template not in {t for t, _ in self.fired}:
-                self.proxy.down_for(seconds)
+                self.proxy.down_from_next_request(seconds)
                 self.fired.append((node.template, time.time()))
-                self._say(f"         store outage: {seconds:g}s from the start of {node.display}")
+                self._say(f"         store outage: {seconds:g}s from the first store request of {node.display}")
             progress(kind, node, res)
 
         return hook

@@ -261,7 +261,7 @@ class LocalRunOptions:
         report: Print the incident table and draw the timeline at the end.
         grace_seconds: SIGTERM-to-SIGKILL grace when the local JobSet stops its workers (default: the
             manifest's ``terminationGracePeriodSeconds``, as on the cluster).
-        store_outages: ``TEMPLATE=SECONDS``: the store answers 503 for that long from the start of the
+        store_outages: ``TEMPLATE=SECONDS``: the store answers 503 for that long from the first store request of the
             template's first node (needs ``gcs_emulator``; steps reach the emulator through ``OutageProxy``).
     """
 
@@ -692,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="TEMPLATE=SECONDS",
-        help="with --gcs-emulator: the store answers 503 for SECONDS from the start of TEMPLATE (repeatable)",
+        help="with --gcs-emulator: the store answers 503 for SECONDS from TEMPLATE's first store request (repeatable)",
     )
     p.add_argument("--run-id", help="run id (default: the workflow's, with a timestamp); reuse one to resume it")
     p.add_argument("--store-root", help="run-store root (default: the workflow's store-root parameter)")
