@@ -12,6 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from support import promtool
 
 from jaxrec.model.config import JobConfig, load_config
 from jaxrec.model.metrics import ARGO_PREFIX, METRICS, exposed_name
@@ -288,7 +289,7 @@ def _promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def _write_rules_and_tests(tmp_path: Path, rules_cfg: JobConfig, tests_cfg: JobConfig, stem: str) -> None:
     (tmp_path / f"{stem}.rules.yaml").write_text(monitoring.render_monitoring(rules_cfg, stem)[f"{stem}.rules.yaml"])
-    (tmp_path / f"{stem}.test.yaml").write_text(monitoring.render_rule_tests(tests_cfg, stem))
+    (tmp_path / f"{stem}.test.yaml").write_text(promtool.render_rule_tests(tests_cfg, stem))
 
 
 VARIANTS = [
@@ -331,14 +332,10 @@ def test_promtool_tests_fail_when_rules_miss_the_threshold(tmp_path, change, fai
 @pytest.mark.parametrize("path", GKE_CONFIGS, ids=lambda p: p.stem)
 def test_committed_promtool_files_are_current(path):
     """tests/promtool/ holds the rules and their tests per config, for running promtool by hand."""
-    cfg = _cfg(path)
-    folder = ROOT / "tests" / "promtool"
-    regen = "python -m workflows.monitoring configs/<gke configs> --out tests/promtool --promtool-tests"
-    rules = folder / f"{path.stem}.rules.yaml"
-    tests = folder / f"{path.stem}.test.yaml"
-    assert rules.exists() and tests.exists(), f"missing; regenerate with: {regen}"
-    assert rules.read_text() == monitoring.render_monitoring(cfg, path.stem)[rules.name], f"stale: {regen}"
-    assert tests.read_text() == monitoring.render_rule_tests(cfg, path.stem), f"stale: {regen}"
+    regen = ".venv/bin/python tests/support/promtool.py configs/<gke configs>"
+    for name, text in promtool.committed(_cfg(path), path.stem).items():
+        assert (promtool.FOLDER / name).exists(), f"missing; regenerate with: {regen}"
+        assert (promtool.FOLDER / name).read_text() == text, f"stale: {regen}"
 
 
 # ---- dashboard --------------------------------------------------------------------------------------

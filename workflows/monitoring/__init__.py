@@ -1,4 +1,4 @@
-"""GKE monitoring for one job: PodMonitoring, alert rules, a Grafana dashboard, and the rules' promtool tests.
+"""GKE monitoring for one job: PodMonitoring, alert rules and a Grafana dashboard.
 
 Everything here is a pure function of the job config and the metric table
 (``jaxrec.model.metrics``): the same config always renders the same text.
@@ -16,7 +16,6 @@ from jaxrec.model.config import ConfigError, JobConfig, load_config
 from jaxrec.model.metrics import METRICS, exposed_name
 from workflows.monitoring.dashboard import dashboard
 from workflows.monitoring.manifests import dump_yaml, pod_monitoring, rules_resources
-from workflows.monitoring.promtool import rule_tests
 from workflows.monitoring.rules import prometheus_rules, run_alerts, worker_alerts
 
 DOC_BEGIN = "<!-- metric-table:begin (generated from jaxrec/model/metrics.py) -->"
@@ -29,7 +28,6 @@ __all__ = [
     "metric_table_markdown",
     "prometheus_rules",
     "render_monitoring",
-    "render_rule_tests",
     "run",
     "run_alerts",
     "worker_alerts",
@@ -59,12 +57,6 @@ def render_monitoring(cfg: JobConfig, stem: str | None = None) -> dict[str, str]
     }
 
 
-def render_rule_tests(cfg: JobConfig, stem: str) -> str:
-    """The promtool test file of ``<stem>.rules.yaml`` (expected next to it)."""
-    header = f"# Generated from the job config {stem} by workflows.monitoring; do not edit.\n"
-    return header + dump_yaml(rule_tests(cfg, f"{stem}.rules.yaml"))
-
-
 def metric_table_markdown() -> str:
     """The metric table of docs/MONITORING.md, generated from ``jaxrec.model.metrics``."""
     rows = [
@@ -80,13 +72,12 @@ def metric_table_markdown() -> str:
     return "\n".join(rows)
 
 
-def run(config_paths: Sequence[str | Path], out_dir: str | Path, *, with_tests: bool = False) -> list[Path]:
+def run(config_paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
     """Render the monitoring files of each config into ``out_dir``.
 
     Args:
         config_paths: Job config files.
         out_dir: Output directory (created if missing).
-        with_tests: Also write ``<stem>.test.yaml`` promtool tests and the rules they test.
 
     Returns:
         The paths written.
@@ -98,11 +89,6 @@ def run(config_paths: Sequence[str | Path], out_dir: str | Path, *, with_tests: 
         cfg = load_config(path)
         stem = Path(path).stem
         files = render_monitoring(cfg, stem)
-        if with_tests and files:
-            files = {
-                f"{stem}.rules.yaml": files[f"{stem}.rules.yaml"],
-                f"{stem}.test.yaml": render_rule_tests(cfg, stem),
-            }
         for name, text in files.items():
             (out / name).write_text(text)
             written.append(out / name)
@@ -110,14 +96,13 @@ def run(config_paths: Sequence[str | Path], out_dir: str | Path, *, with_tests: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m workflows.monitoring CONFIG... --out DIR [--promtool-tests]``."""
+    """``python -m workflows.monitoring CONFIG... --out DIR``."""
     p = argparse.ArgumentParser(prog="python -m workflows.monitoring", description=__doc__)
     p.add_argument("configs", nargs="+", help="job config files")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--promtool-tests", action="store_true", help="write promtool rule tests instead")
     args = p.parse_args(argv)
     try:
-        for path in run(args.configs, args.out, with_tests=args.promtool_tests):
+        for path in run(args.configs, args.out):
             print(path)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)

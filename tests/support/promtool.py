@@ -1,11 +1,23 @@
-"""promtool unit tests of one job's alert rules: each rule fires, and stays quiet, where it should."""
+"""promtool unit tests of one job's alert rules: each rule fires, and stays quiet, where it should.
+
+``tests/promtool/`` holds the rules and their tests per GKE config, for running promtool by hand; after a threshold
+or rule change, regenerate them:
+
+    .venv/bin/python tests/support/promtool.py configs/v5e-4x4.yaml configs/v5p-64.yaml configs/v6e-8x8.yaml
+"""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from jaxrec.model.config import JobConfig
+from jaxrec.model.config import JobConfig, load_config
+from workflows.monitoring import render_monitoring
+from workflows.monitoring.manifests import dump_yaml
 from workflows.monitoring.rules import RUNBOOK, AlertRule, gke_name, run_alerts, worker_alerts
+
+FOLDER = Path(__file__).resolve().parents[1] / "promtool"
 
 
 def _humanize_seconds(s: int) -> str:
@@ -411,3 +423,24 @@ def _run_end_cases(c: _Cases) -> list[dict[str, object]]:
             ],
         },
     ]
+
+
+def render_rule_tests(cfg: JobConfig, stem: str) -> str:
+    """The promtool test file of ``<stem>.rules.yaml`` (expected next to it)."""
+    header = f"# Generated from the job config {stem} by tests/support/promtool.py; do not edit.\n"
+    return header + dump_yaml(rule_tests(cfg, f"{stem}.rules.yaml"))
+
+
+def committed(cfg: JobConfig, stem: str) -> dict[str, str]:
+    """The files ``tests/promtool/`` holds for one config: its plain rules and their tests."""
+    return {
+        f"{stem}.rules.yaml": render_monitoring(cfg, stem)[f"{stem}.rules.yaml"],
+        f"{stem}.test.yaml": render_rule_tests(cfg, stem),
+    }
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        for name, text in committed(load_config(path), Path(path).stem).items():
+            (FOLDER / name).write_text(text)
+            print(FOLDER / name)
