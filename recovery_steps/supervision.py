@@ -560,7 +560,8 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     for p in _live(obs.pods):
         n = nodes.get(p.node) if p.node else None
         terminating = p.deleted_at is not None
-        stuck = terminating and obs.now - obs.counted_from(p.deleted_at) >= d.force_delete_grace_s
+        terminating_for = obs.now - obs.counted_from(p.deleted_at) if p.deleted_at is not None else 0.0
+        stuck = terminating and terminating_for >= d.force_delete_grace_s
         if n is not None and n.lost:
             lost_for = obs.now - obs.counted_from(n.lost_since(obs.now, obs.lost_seen.get(n.name)))
             if lost_for < d.node_lost_grace_s and not stuck:
@@ -573,12 +574,15 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
                 f"(grace {d.node_lost_grace_s:g} s){pod}",
                 worker=p.index,
             )
-        if stuck:
+        # A live kubelet ends a deleted pod within the pod's own grace (SIGTERM, then SIGKILL; kubelet
+        # pkg/kubelet/kuberuntime killContainer): on a node not known lost, only past that grace is it stuck.
+        grace = d.force_delete_grace_s + (p.grace_s or 0)
+        if terminating and terminating_for >= grace:
             return Verdict(
                 state=AttemptOutcome.STALLED,
                 kind=StallKind.NODE_LOST,
                 reason=f"{p.label}: pod Terminating for {obs.now - p.deleted_at:.0f} s "
-                f"(grace {d.force_delete_grace_s:g} s) on node {p.node or '?'}",
+                f"(grace {grace:g} s) on node {p.node or '?'}",
                 worker=p.index,
             )
     return None

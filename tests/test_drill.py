@@ -322,8 +322,18 @@ def test_the_drill_picks_its_victim_among_the_workers_never_a_step_pod(name):
     assert _matches(sel, worker)
 
 
-def test_the_drill_acts_on_every_fault_of_the_table_it_injects():
-    """Each row with a way to act on a cluster has its act (delete-workflow: on the Workflow, by ``run``)."""
-    from workflows.faults import FAULTS
+def test_each_world_performs_the_verb_of_every_fault_it_runs():
+    """The drill's scene has the verb of each row it injects, the local scene that of each row a local run acts on
+    (the trainer's faults and the withheld workers have none); every verb a row names is one of ``Verbs``."""
+    from workflows.faults import FAULTS, Verbs
+    from workflows.local.inject import LocalScene
 
-    assert set(drill.ACTS) | {"delete-workflow"} == {f.name for f in FAULTS if f.on_cluster}
+    verbs = {n for n in vars(Verbs) if not n.startswith("_")}
+    assert {f.verb for f in FAULTS if f.verb} <= verbs
+    for f in FAULTS:
+        if f.on_cluster:
+            assert f.verb and callable(getattr(drill.Scene, f.verb, None)), f.name
+        acts_locally = f.trigger in ("watch", "after-failure", "hosts")
+        assert acts_locally == (f.trigger is not None and f.verb is not None), f.name
+        if acts_locally:
+            assert callable(getattr(LocalScene, f.verb, None)), f.name

@@ -154,6 +154,31 @@ def test_preempt_loses_no_step(job):
     assert res.incidents[0].restored_step == res.incidents[0].pre_failure_step
 
 
+def test_delete_worker_goes_through_the_api_and_is_a_graceful_preemption(e2e_workflow, reference):
+    """The local run deletes the last worker's pod through its cluster's API with the drill's own call: the kubelet
+    SIGTERMs the worker, the gang agrees on the stop and exits 143 after its save; the pod goes, the Job counts its
+    end, classify-failure reads it from the Job's failure and the run recovers."""
+    # Early: a SIGTERM is a graceful stop, and one that lands after the 20th step's dispatch is no stop at all.
+    res, store, out = _run(e2e_workflow, reference, "delete-worker", ["delete-worker@4"])
+    _assert_recovered(res, out, store=store)
+    assert f"inject: deleted worker pod delete-worker-a0-workers-0-{HOSTS - 1} through the API at step" in out, out
+    inc = res.incidents[0]
+    assert (inc.scenario, inc.failure_class) == ("delete-worker", FailureClass.PREEMPTION), inc
+    # The gang agrees on the stop: every worker saves and exits 143, whichever the Job controller saw first.
+    failure = _supervision(store, 0).snapshot.jobs[0].failure()
+    assert failure is not None and f"failed with exit code {int(ExitCode.PREEMPTED)}" in (failure.message or "")
+
+
+def test_drain_node_evicts_through_the_api_and_the_disruption_fails_the_job(e2e_workflow, reference):
+    """The drill's own drain on the local API: the victim's node cordoned, its pod evicted (DisruptionTarget, then a
+    graceful delete: SIGTERM); the Job fails by its podFailurePolicy and the run recovers from a preemption."""
+    res, store, out = _run(e2e_workflow, reference, "drain-node", ["drain-node@4"])
+    _assert_recovered(res, out, store=store)
+    assert f"inject: drained node local-{HOSTS - 1} (cordoned; the run's pods on it evicted) through the API" in out
+    inc = res.incidents[0]
+    assert (inc.scenario, inc.failure_class) == ("drain-node", FailureClass.PREEMPTION), inc
+
+
 def test_corrupt_latest_falls_back_to_an_older_checkpoint(job):
     res, store, out = _run(*job, "corrupt", ["kill-worker@12", "corrupt-latest"])
     assert res.status == "Succeeded", out

@@ -523,6 +523,69 @@ def test_a_jobset_created_through_the_local_api_runs_its_workers_and_a_delete_st
         ex.controllers.close()
 
 
+def test_a_pod_deleted_or_evicted_through_the_local_api_ends_as_the_kubelet_ends_it_and_its_job_counts_it(tmp_path):
+    """The drill's own calls on the local API: a graceful pod delete SIGTERMs the worker (SIGKILL once the grace is
+    over), the pod is Terminating until the worker exited, then gone, its end counted by the Job (backoff limit 0:
+    FailureTarget); an eviction stamps DisruptionTarget first; a cordon stays on the node its kubelet publishes."""
+    from jaxrec.adapters.kube import Kube, make_api_client
+    from workflows import drill
+
+    def worker(on_term: str) -> list[str]:
+        """A worker that sets its SIGTERM handling, then says it is ready (its pod's file) and sleeps."""
+        ready = f"open('{tmp_path}/ready-' + __import__('os').environ.get('JOB_COMPLETION_INDEX', 'x'), 'w')"
+        return [
+            sys.executable,
+            "-c",
+            f"import signal, time; signal.signal(signal.SIGTERM, {on_term}); {ready}; time.sleep(60)",
+        ]
+
+    ex = LocalExecutor(repo_root=tmp_path, work_dir=tmp_path / "work")
+    try:
+        api = make_api_client(ex.controllers.url)
+        kube, cluster = Kube(api, "default"), drill.Cluster(api, "default")
+
+        def pod(name):
+            return next(
+                (p for p in kube.items(kube.list_pods, name.rsplit("-workers", 1)[0]) if p["metadata"]["name"] == name),
+                None,
+            )
+
+        js = _jobset("js", 2, worker("lambda *a: exit(143)"))
+        js["spec"]["replicatedJobs"][0]["template"]["spec"]["backoffLimit"] = 0
+        kube.create_jobset(js)
+        sl = ex.cluster.find("js")
+        _until(
+            lambda: (
+                len(cluster.pods("jobset.sigs.k8s.io/jobset-name=js")) == 2 and len(list(tmp_path.glob("ready-*"))) == 2
+            )
+        )
+        cluster.evict("js-workers-0-1")
+        evicted = pod("js-workers-0-1")
+        assert evicted["metadata"]["deletionTimestamp"], evicted  # Terminating while its worker runs
+        marked = next(c for c in evicted["status"]["conditions"] if c["type"] == "DisruptionTarget")
+        assert (marked["reason"], marked["message"]) == ("EvictionByEvictionAPI", "Eviction API: evicting")
+        _until(lambda: sl.workers[1].returncode == 143 and pod("js-workers-0-1") is None)
+        failure = _until(
+            lambda: [
+                c for c in kube.items(kube.list_jobs, "js")[0]["status"]["conditions"] if c["type"] == "FailureTarget"
+            ]
+        )
+        assert failure[0]["reason"] == "BackoffLimitExceeded", failure  # the evicted pod's end, counted
+        cluster.cordon("local-0")
+        cluster.delete_pod("js-workers-0-0")  # its worker leaves on SIGTERM (exit 143)
+        _until(lambda: sl.workers[0].returncode == 143)
+        assert kube.get_node("local-0")["spec"]["unschedulable"] is True
+        # A worker that ignores SIGTERM is SIGKILLed once the grace asked for is over.
+        for f in tmp_path.glob("ready-*"):
+            f.unlink()
+        kube.create_jobset(_jobset("stubborn", 1, worker("signal.SIG_IGN")))
+        _until(lambda: cluster.pods("jobset.sigs.k8s.io/jobset-name=stubborn") and list(tmp_path.glob("ready-*")))
+        cluster.delete_pod("stubborn-workers-0-0", grace_s=1)
+        _until(lambda: ex.cluster.find("stubborn").workers[0].returncode == -9, timeout=10)
+    finally:
+        ex.controllers.close()
+
+
 def test_a_jobset_the_local_cluster_cannot_read_is_refused_as_jobsets_webhook_refuses_it(tmp_path):
     from kubernetes.client import ApiException
 

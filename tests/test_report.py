@@ -129,7 +129,6 @@ def test_last_failure_without_a_next_attempt_has_no_recovery():
     [
         (["explode"], "unknown scenario 'explode'"),
         (["kill-worker@x"], "STEP must be a positive integer"),
-        (["drain-node@5"], "drain-node acts on a cluster only: inject it with python -m workflows.drill"),
     ],
 )
 def test_bad_injections_name_the_option(specs, problem):
@@ -141,21 +140,14 @@ def test_each_fault_the_trainer_injects_is_one_of_the_trainers_kinds_and_sets_it
     from trainer.decisions import FAULT_KINDS
     from workflows.faults import FAULTS
 
-    acting = [f for f in FAULTS if f.acts == "trainer"]
+    acting = [f for f in FAULTS if f.trigger == "trainer"]
     assert acting and all(f.trainer_fault in FAULT_KINDS for f in acting), acting
-    assert all(f.trainer_fault is None for f in FAULTS if f.acts != "trainer")
+    assert all(f.trainer_fault is None for f in FAULTS if f.trigger != "trainer")
     injections, _ = parse_injections(["app-bug@7", "silent-hang@9"], 5)
     injector = Injector(injections, EventTail(Path("/nonexistent")), lambda: None)
     first, second = injector.extra_env(0), injector.extra_env(1)
     assert first == {"TRAINER_FAULT": "app-bug@7,hang@9", "TRAINER_WATCHDOG": "off"}
     assert second == {"TRAINER_FAULT": "app-bug@7"}  # the hang: the first attempt only
-
-
-def test_every_fault_the_local_run_watches_for_has_its_act_and_no_act_is_left_over():
-    from workflows.faults import FAULTS
-
-    watched = {f.name for f in FAULTS if f.acts == "watch"}
-    assert watched == set(inject._ACTS)
 
 
 def test_default_steps_and_corrupt_latest_brings_a_kill():

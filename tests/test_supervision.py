@@ -70,6 +70,7 @@ def _pod(
     terminated_reason: str | None = None,
     finished_at: float | None = None,
     deletion_timestamp: float | None = None,
+    grace_s: float | None = None,
     waiting_reason: str | None = None,
     waiting_message: str | None = None,
 ) -> PodEvidence:
@@ -100,6 +101,7 @@ def _pod(
         conditions=list(conditions),
         containers=[c] if c is not None else [],
         deleted_at=deletion_timestamp,
+        grace_s=grace_s,
     )
 
 
@@ -417,6 +419,25 @@ CASES = [
         AttemptOutcome.STALLED,
         StallKind.NODE_LOST,
         "Terminating for 70 s",
+    ),
+    (
+        # Deleted with a 30 s grace on a Ready node: its kubelet has until 60 + 30 s to end it (a save in progress).
+        "pod-terminating-within-its-own-grace-on-a-ready-node",
+        obs(
+            700,
+            [*ALL_RUNNING[:3], running(3, deletion_timestamp=T0 + 630, grace_s=30)],
+            progress=[beat(i, 44, T0 + 690) for i in range(HOSTS)],
+        ),
+        AttemptOutcome.RUNNING,
+        None,
+        "",
+    ),
+    (
+        "pod-stuck-terminating-past-its-own-grace",
+        obs(700, [*ALL_RUNNING[:3], running(3, deletion_timestamp=T0 + 600, grace_s=30)], progress=STEPPING),
+        AttemptOutcome.STALLED,
+        StallKind.NODE_LOST,
+        "Terminating for 100 s (grace 90 s)",
     ),
     (
         "stuck-pending-no-tpu",

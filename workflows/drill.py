@@ -45,7 +45,7 @@ from jaxrec.model.names import (
     RUN_ID_LABEL,
 )
 from jaxrec.model.snapshot import PodPhase
-from workflows.faults import FAULTS, corrupt_newest_checkpoint
+from workflows.faults import FAULTS, act, corrupt_newest_checkpoint
 
 ARGO = ("argoproj.io", "v1alpha1", "workflows")
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"  # Argo puts it on every pod of a Workflow (workflow/common)
@@ -56,6 +56,7 @@ MIRROR_ANNOTATION = "kubernetes.io/config.mirror"  # on a static pod's mirror (k
 
 # The faults the drill injects: the rows of the one fault table (``workflows.faults``) with a way to act on a cluster.
 Fault = enum.StrEnum("Fault", [(f.name.upper().replace("-", "_"), f.name) for f in FAULTS if f.on_cluster])
+ROWS = {f.name: f for f in FAULTS if f.on_cluster}
 
 
 class DrillError(Exception):
@@ -305,9 +306,13 @@ def workers_selector(run_id: str, attempt: int) -> str:
     return f"{RUN_ID_LABEL}={run_id},{ATTEMPT_LABEL}={attempt},{JOBSET_NAME_LABEL}"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Scene:
-    """What an act on a cluster works with: the run, its store, its Workflow, the attempt and its worker pods."""
+    """A running attempt on a cluster as the faults' verbs (``workflows.faults.Verbs``) act on it.
+
+    The run, its store, its Workflow (``resubmit`` names the new one), the attempt and its worker pods; the victim is
+    the last worker.
+    """
 
     cluster: Cluster
     store: RunStore
@@ -315,6 +320,7 @@ class Scene:
     workflow: str
     attempt: int
     workers: list[Any]
+    deadline: float = 0.0  # when ``resubmit`` stops waiting for the deleted Workflow to go
 
     @property
     def victim_pod(self) -> Any:
@@ -328,77 +334,75 @@ class Scene:
         """The victim pod's name."""
         return self.victim_pod.metadata.name
 
+    def delete_pod(self) -> str:
+        """Delete the victim pod (its own grace period)."""
+        self.cluster.delete_pod(self.victim)
+        return f"deleted worker pod {self.victim}"
 
-def _delete_worker(s: Scene) -> str:
-    s.cluster.delete_pod(s.victim)
-    return f"deleted worker pod {s.victim}"
+    def kill_trainer(self) -> str:
+        """SIGKILL the victim's trainer by exec into its pod."""
+        self.cluster.kill_trainer(self.victim)
+        return f"SIGKILLed the trainer in {self.victim}"
+
+    def drain_node(self) -> str:
+        """Cordon the victim's node and evict the run's pods on it; refused when others run there."""
+        node = self.victim_pod.spec.node_name
+        others = self.cluster.others_on(node, self.target.run_id)
+        if others:
+            raise DrillError(f"node {node} also runs {', '.join(others[:3])}: the drill drains only the run's nodes")
+        self.cluster.cordon(node)
+        for p in self.workers:
+            if p.spec.node_name == node:
+                self.cluster.evict(p.metadata.name)
+        return f"drained node {node} (cordoned; the run's pods on it evicted)"
+
+    def evict_supervisor(self) -> str:
+        """Evict the Workflow's train-segment pod, as a drain of its node does."""
+        sup = [p for p in self.cluster.pods(f"{WORKFLOW_LABEL}={self.workflow}") if _is_supervisor(p)]
+        if not sup:
+            raise DrillError(f"no running train-segment pod of workflow {self.workflow}")
+        self.cluster.evict(sup[-1].metadata.name)
+        return f"evicted supervisor pod {sup[-1].metadata.name}"
+
+    def resubmit(self) -> str:
+        """Delete the Workflow (no exit handler runs), wait until it is gone, and submit the same file again."""
+        self.cluster.delete_workflow(self.workflow)
+        gone = self.workflow
+        wait_until(f"workflow {gone} to go", lambda: not _exists(self.cluster, gone), self.deadline)
+        self.workflow = self.cluster.submit(self.target.doc)
+        return f"deleted the workflow and submitted it again as {self.workflow}"
+
+    def corrupt_latest(self) -> str:
+        """Delete a worker pod; once every worker of the attempt has stopped, damage the newest checkpoint.
+
+        The damage comes after the stop because no deletion leaves the gang without time to save: the kubelet gives
+        a container at least 2 s after SIGTERM even for a pod deleted with grace 0 (kubernetes v1.36.3,
+        ``pkg/kubelet/kuberuntime/kuberuntime_container.go``, ``minimumGracePeriodInSeconds``), and the trainer
+        saves at a SIGTERM when the save fits. Damaged before the stop, the step could then be superseded by the
+        save at the stop and never read. The next attempt's restore-latest runs seconds after the stop (the
+        supervisor's record, classify-failure, provision-slice), so the byte is flipped as soon as the last worker
+        stopped.
+        """
+        victim, s = self.victim, self
+        s.cluster.delete_pod(victim)
+        selector = workers_selector(s.target.run_id, s.attempt)
+        stopped = lambda: not s.cluster.running(selector)  # noqa: E731
+        wait_until(f"the workers of attempt {s.attempt} to stop", stopped, time.time() + CORRUPT_WAIT_S, every=0.2)
+        rel = corrupt_newest_checkpoint(s.store)
+        if rel is None:
+            raise DrillError(f"run {s.target.run_id} has no checkpoint with a manifest yet; raise --after-step")
+        return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped bytes of {s.store.url(rel)}"
 
 
-def _kill_worker(s: Scene) -> str:
-    s.cluster.kill_trainer(s.victim)
-    return f"SIGKILLed the trainer in {s.victim}"
-
-
-def _drain_node(s: Scene) -> str:
-    node = s.victim_pod.spec.node_name
-    others = s.cluster.others_on(node, s.target.run_id)
-    if others:
-        raise DrillError(f"node {node} also runs {', '.join(others[:3])}: the drill drains only the run's nodes")
-    s.cluster.cordon(node)
-    for p in s.workers:
-        if p.spec.node_name == node:
-            s.cluster.evict(p.metadata.name)
-    return f"drained node {node} (cordoned; the run's pods on it evicted)"
-
-
-def _lose_supervisor(s: Scene) -> str:
-    sup = [p for p in s.cluster.pods(f"{WORKFLOW_LABEL}={s.workflow}") if _is_supervisor(p)]
-    if not sup:
-        raise DrillError(f"no running train-segment pod of workflow {s.workflow}")
-    s.cluster.evict(sup[-1].metadata.name)
-    return f"evicted supervisor pod {sup[-1].metadata.name}"
-
-
-def _corrupt_latest(s: Scene) -> str:
-    """Delete a worker pod; once every worker of the attempt has stopped, damage the newest checkpoint.
-
-    The damage comes after the stop because no deletion leaves the gang without time to save: the kubelet gives
-    a container at least 2 s after SIGTERM even for a pod deleted with grace 0 (kubernetes v1.36.3,
-    ``pkg/kubelet/kuberuntime/kuberuntime_container.go``, ``minimumGracePeriodInSeconds``), and the trainer
-    saves at a SIGTERM when the save fits. Damaged before the stop, the step could then be superseded by the
-    save at the stop and never read. The next attempt's restore-latest runs seconds after the stop (the
-    supervisor's record, classify-failure, provision-slice), so the byte is flipped as soon as the last worker
-    stopped.
-    """
-    victim = s.victim
-    s.cluster.delete_pod(victim)
-    selector = workers_selector(s.target.run_id, s.attempt)
-    stopped = lambda: not s.cluster.running(selector)  # noqa: E731
-    wait_until(f"the workers of attempt {s.attempt} to stop", stopped, time.time() + CORRUPT_WAIT_S, every=0.2)
-    rel = corrupt_newest_checkpoint(s.store)
-    if rel is None:
-        raise DrillError(f"run {s.target.run_id} has no checkpoint with a manifest yet; raise --after-step")
-    return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped bytes of {s.store.url(rel)}"
-
-
-# How the drill acts on each fault of the table it injects into a running attempt (delete-workflow acts on the
-# Workflow itself: ``run`` deletes and submits it again).
-ACTS: dict[str, Callable[[Scene], str]] = {
-    "delete-worker": _delete_worker,
-    "kill-worker": _kill_worker,
-    "drain-node": _drain_node,
-    "supervisor-lost": _lose_supervisor,
-    "corrupt-latest": _corrupt_latest,
-}
+def scene(cluster: Cluster, store: RunStore, target: Target, workflow: str, attempt: int, deadline: float) -> Scene:
+    """The attempt's scene: its running worker pods, oldest first."""
+    workers = cluster.pods(workers_selector(target.run_id, attempt))
+    return Scene(cluster, store, target, workflow, attempt, workers, deadline)
 
 
 def inject(cluster: Cluster, store: RunStore, target: Target, workflow: str, fault: Fault, attempt: int) -> str:
-    """Inject ``fault`` into the run's attempt; one line saying what was done."""
-    act = ACTS.get(str(fault))
-    if act is None:
-        raise DrillError(f"--inject {fault}: handled by the caller")
-    workers = cluster.pods(workers_selector(target.run_id, attempt))
-    return act(Scene(cluster, store, target, workflow, attempt, workers))
+    """Inject ``fault`` into the run's attempt with its row's verb; one line saying what was done."""
+    return act(scene(cluster, store, target, workflow, attempt, time.time() + CORRUPT_WAIT_S), ROWS[str(fault)])
 
 
 def _is_supervisor(pod: Any) -> bool:
@@ -518,13 +522,9 @@ def run_drill(
         waited += f" with a checkpoint at or past step {after_checkpoint}" if after_checkpoint is not None else ""
         attempt, step = wait_until(waited, progress, deadline)
         at = time.time()
-        if fault is Fault.DELETE_WORKFLOW:
-            cluster.delete_workflow(name)
-            wait_until(f"workflow {name} to go", lambda: not _exists(cluster, name), deadline)
-            name = cluster.submit(target.doc)
-            what = f"deleted the workflow and submitted it again as {name}"
-        else:
-            what = inject(cluster, store, target, name, fault, attempt)
+        sc = scene(cluster, store, target, name, attempt, deadline)
+        what = act(sc, ROWS[str(fault)])
+        name = sc.workflow  # resubmit: the new one
         say(f"drill: at step {step} of attempt {attempt}: {what}")
         phase = wait_until(f"workflow {name} to finish", lambda: _phase(cluster, name), deadline, every=5.0)
         ended = True

@@ -1,40 +1,106 @@
-"""The faults, one row and one name each, and what they act with: the local injector and the drill dispatch over it.
+"""The faults, one row and one name each, and the cluster verbs they act with.
 
-``workflows/local/inject.py`` rehearses the rows with a local way to act (``acts``), ``workflows/drill.py`` injects
-the rows with ``on_cluster`` on a real cluster; both damage a checkpoint one way, so both rehearse the same
-corruption.
+A row says when a local run fires it (``trigger``), the verb it acts with (``verb``), the fault the trainer injects
+into itself, how a local run ends, and whether the drill injects it on a cluster (``on_cluster``). The verbs are
+one set, ``Verbs``, that each world performs its own way: ``workflows/local/inject.py``'s ``LocalScene`` on the
+local cluster (its worker processes, hosts and API), ``workflows/drill.py``'s ``Scene`` on a real one (the
+Kubernetes API, an exec into a pod). The two dispatchers call ``act(scene, row)``; both damage a checkpoint with
+``corrupt_newest_checkpoint``, so both rehearse the same corruption.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from jaxrec.adapters.store import RunLayout, RunStore
 
 
+class Verbs(Protocol):
+    """What a fault does to a running attempt, each verb returning one line that says what it did.
+
+    The victim is the attempt's last worker. A world performs the verbs its rows use there: the local scene every
+    verb, the drill's scene the verbs of the rows it injects. ``delete_pod`` and ``drain_node`` are the drill's own
+    in both worlds, through the local cluster's API or a real one's.
+    """
+
+    def kill_trainer(self) -> str:
+        """SIGKILL the victim's trainer process."""
+
+    def delete_pod(self) -> str:
+        """Delete the victim's pod through the API (its grace: SIGTERM first)."""
+
+    def drain_node(self) -> str:
+        """Cordon the victim's node, evict the run's pods on it."""
+
+    def evict_supervisor(self) -> str:
+        """The train-segment pod goes, the gang keeps running."""
+
+    def corrupt_latest(self) -> str:
+        """Damage the newest complete checkpoint once the workers stopped."""
+
+    def resubmit(self) -> str:
+        """Delete the Workflow (no exit handler) and submit it again."""
+
+    def restart_trainer(self) -> str:
+        """Kill the victim and start it again alone."""
+
+    def preempt(self) -> str:
+        """SIGTERM every worker, SIGKILL at the end of the shutdown window."""
+
+    def freeze_trainer(self) -> str:
+        """SIGSTOP the victim."""
+
+    def lose_node(self) -> str:
+        """The victim's node goes silent: frozen, its pod Terminating."""
+
+    def lose_host(self) -> str:
+        """The victim's host (and its local disk) replaced."""
+
+    def lose_two_hosts(self) -> str:
+        """The victim's host and the one before it replaced."""
+
+    def lose_slice(self) -> str:
+        """Every host replaced."""
+
+    def swap_hosts(self) -> str:
+        """Workers 0 and 1 come back on each other's hosts."""
+
+    def corrupt_local(self) -> str:
+        """Damage the victim's newest part on its own disk."""
+
+
 @dataclass(frozen=True)
 class Fault:
-    """One fault, by its one name: what a local run does with it and what the drill does on a cluster.
+    """One fault, by its one name: when a local run fires it, the verb it acts with, and what the drill does.
 
-    ``acts`` None: the local run does not rehearse it; ``on_cluster`` None: the drill does not inject it.
+    ``trigger`` None: a local run does not rehearse it; ``on_cluster`` None: the drill does not inject it.
     """
 
     name: str
     does: str  # what it does (``--inject``'s help)
-    # How a local run acts. watch: on the workers when one reaches STEP; trainer: the trainer injects it into itself
-    # (TRAINER_FAULT); withhold: the first attempt's slice never starts one worker; after-failure: on the store after
-    # a failed attempt; hosts: on the hosts (local disks, placement) after the failed attempt, which a kill at STEP
-    # causes.
-    acts: str | None
+    # When a local run fires it. watch: when a worker reaches STEP; trainer: the trainer injects it into itself
+    # (TRAINER_FAULT); withhold: the first attempt's slice never starts one worker; after-failure: after a failed
+    # attempt (a kill at STEP fails it unless another fault does); hosts: on the hosts after the failed attempt,
+    # which a kill at STEP causes.
+    trigger: str | None
     withheld: str | None  # withhold: the waiting reason the worker's pod shows
     ends: str  # how the local run ends: Succeeded, or Failed (the class's budget spent)
+    verb: str | None = None  # the ``Verbs`` method it acts with (None: the trainer or the slice itself plays it)
     # What ``workflows.drill`` does on a cluster (``docs/RUNBOOK.md`` says what to expect).
     on_cluster: str | None = None
-    # acts "trainer": the fault the trainer injects into itself (``TRAINER_FAULT``'s KIND, one of
+    # trigger "trainer": the fault the trainer injects into itself (``TRAINER_FAULT``'s KIND, one of
     # ``trainer.decisions.FAULT_KINDS``), into the first attempt only unless ``every_attempt``, with ``trainer_env``.
     trainer_fault: str | None = None
     every_attempt: bool = False
     trainer_env: tuple[tuple[str, str], ...] = ()
+
+
+def act(scene: Verbs, row: Fault) -> str:
+    """Perform ``row``'s verb on ``scene``; the line it says."""
+    if row.verb is None:
+        raise ValueError(f"fault {row.name} acts with no verb: the trainer or the slice plays it")
+    return getattr(scene, row.verb)()
 
 
 FAULTS: tuple[Fault, ...] = (
@@ -44,6 +110,7 @@ FAULTS: tuple[Fault, ...] = (
         "watch",
         None,
         "Succeeded",
+        verb="kill_trainer",
         on_cluster="SIGKILLs one worker's trainer by exec (refused where the trainer is its container's PID 1)",
     ),
     Fault(
@@ -52,6 +119,7 @@ FAULTS: tuple[Fault, ...] = (
         "watch",
         None,
         "Succeeded",
+        verb="restart_trainer",
     ),
     Fault(
         "preempt",
@@ -59,6 +127,7 @@ FAULTS: tuple[Fault, ...] = (
         "watch",
         None,
         "Succeeded",
+        verb="preempt",
     ),
     Fault(
         "freeze-worker",
@@ -66,6 +135,7 @@ FAULTS: tuple[Fault, ...] = (
         "watch",
         None,
         "Succeeded",
+        verb="freeze_trainer",
     ),
     Fault(
         "delete-workflow",
@@ -73,6 +143,7 @@ FAULTS: tuple[Fault, ...] = (
         "watch",
         None,
         "Succeeded",
+        verb="resubmit",
         on_cluster="deletes the Workflow (no exit handler runs) and submits the same file again",
     ),
     Fault(
@@ -81,6 +152,7 @@ FAULTS: tuple[Fault, ...] = (
         "after-failure",
         None,
         "Succeeded",
+        verb="corrupt_latest",
         on_cluster="deletes a worker pod; once the attempt's workers stopped, damages the newest complete checkpoint",
     ),
     Fault(
@@ -120,6 +192,7 @@ FAULTS: tuple[Fault, ...] = (
         "watch",
         None,
         "Succeeded",
+        verb="lose_node",
     ),
     Fault(
         "silent-hang",
@@ -137,7 +210,26 @@ FAULTS: tuple[Fault, ...] = (
         "watch",
         None,
         "Succeeded",
+        verb="evict_supervisor",
         on_cluster="evicts the train-segment pod, as a drain of its node does",
+    ),
+    Fault(
+        "delete-worker",
+        "one worker's pod deleted through the API at STEP (its grace period: the trainer gets SIGTERM first)",
+        "watch",
+        None,
+        "Succeeded",
+        verb="delete_pod",
+        on_cluster="deletes one worker pod through the API",
+    ),
+    Fault(
+        "drain-node",
+        "at STEP one worker's node cordoned and the run's pods on it evicted through the API, as kubectl drain does",
+        "watch",
+        None,
+        "Succeeded",
+        verb="drain_node",
+        on_cluster="cordons one worker's node and evicts the run's pods on it (refused when others run there)",
     ),
     Fault(
         "lose-host",
@@ -145,6 +237,7 @@ FAULTS: tuple[Fault, ...] = (
         "hosts",
         None,
         "Succeeded",
+        verb="lose_host",
     ),
     Fault(
         "lose-two-hosts",
@@ -152,6 +245,7 @@ FAULTS: tuple[Fault, ...] = (
         "hosts",
         None,
         "Succeeded",
+        verb="lose_two_hosts",
     ),
     Fault(
         "corrupt-local",
@@ -159,6 +253,7 @@ FAULTS: tuple[Fault, ...] = (
         "hosts",
         None,
         "Succeeded",
+        verb="corrupt_local",
     ),
     Fault(
         "swap-hosts",
@@ -166,6 +261,7 @@ FAULTS: tuple[Fault, ...] = (
         "hosts",
         None,
         "Succeeded",
+        verb="swap_hosts",
     ),
     Fault(
         "lose-slice",
@@ -173,22 +269,7 @@ FAULTS: tuple[Fault, ...] = (
         "hosts",
         None,
         "Succeeded",
-    ),
-    Fault(
-        "delete-worker",
-        "a worker pod deleted through the API (its grace period: the trainer gets SIGTERM)",
-        None,
-        None,
-        "Succeeded",
-        on_cluster="deletes one worker pod through the API",
-    ),
-    Fault(
-        "drain-node",
-        "one worker's node cordoned and the run's pods on it evicted, as kubectl drain does",
-        None,
-        None,
-        "Succeeded",
-        on_cluster="cordons one worker's node and evicts the run's pods on it (refused when others run there)",
+        verb="lose_slice",
     ),
 )
 

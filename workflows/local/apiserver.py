@@ -7,7 +7,10 @@ JobSets, Argo Workflows), answered as kube-apiserver v1.36 answers them:
   (``/api/v1/...``, ``/apis/<group>/<version>/...``, namespaced and cluster-scoped);
 - failures as ``metav1.Status`` bodies: 404 NotFound (an object, or a resource the server does not serve, as
   when a CRD is not installed), 409 AlreadyExists, 422 Invalid, 400 BadRequest;
-- SelfSubjectAccessReviews, answered from the verbs ``denied`` names (none: everything is allowed).
+- SelfSubjectAccessReviews, answered from the verbs ``denied`` names (none: everything is allowed);
+- a pod's eviction (``POST .../pods/<name>/eviction``, no PodDisruptionBudget here): the pod gets the
+  ``DisruptionTarget`` condition the API server stamps and is deleted with its grace (kubernetes
+  ``pkg/registry/core/pod/storage/eviction.go``, ``addConditionAndDeletePod``), answered 201 ``Success``.
 
 Objects carry ``metadata.resourceVersion`` from one counter, as the API server's do; a watch returns the events
 after the version it asks for as newline-delimited JSON (``{"type": "ADDED", "object": ...}``) and ends, waiting
@@ -203,6 +206,9 @@ class Where:
     resource: str
     namespace: str | None = None
     name: str | None = None
+
+
+_EVICTION = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/eviction")
 
 
 def parse_path(path: str) -> Where | None:
@@ -406,6 +412,9 @@ class ApiServer:
             answer = self.intercept(method, raw, body)
             if answer is not None:
                 return answer
+            evicted = _EVICTION.fullmatch(u.path)
+            if evicted is not None and method == "POST":
+                return self._evict(Where("v1", "pods", evicted.group(1), evicted.group(2)), q)
             at = parse_path(u.path)
             if at is not None and at.resource == REVIEWS and at.api_version == "authorization.k8s.io/v1":
                 return self._review(method, body)
@@ -548,6 +557,21 @@ class ApiServer:
         else:
             self.remove(at.resource, obj["metadata"]["name"])
         return 200, copy.deepcopy(obj)
+
+    def _evict(self, at: Where, q: dict[str, list[str]]) -> tuple[int, Any]:
+        """An eviction: the pod marked ``DisruptionTarget`` (EvictionByEvictionAPI), then deleted with its grace."""
+        pod = self._here(at).get(at.name or "")
+        if pod is None:
+            return self._not_found(at)
+        marked = copy.deepcopy(pod)
+        st = marked.setdefault("status", {})
+        conditions = [c for c in st.get("conditions", []) if c.get("type") != "DisruptionTarget"]
+        stamp = {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}
+        stamp |= {"message": "Eviction API: evicting", "lastTransitionTime": iso(_now())}
+        st["conditions"] = [*conditions, stamp]
+        self.put("pods", marked)
+        self._delete(at, q, {})
+        return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
     def _patch(self, at: Where, body: dict[str, Any]) -> tuple[int, Any]:
         """PATCH of one object with a JSON merge patch.

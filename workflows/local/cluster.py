@@ -292,6 +292,9 @@ class LocalCluster:
         kubelet to do it.
         """
         if sl.deleted_at is None:
+            for w in sl.workers:  # a pod deleted through the API: its grace is over
+                if w.kill_at is not None and at >= w.kill_at and w.index not in sl.lost:
+                    sl.signal_worker(w.index, signal.SIGKILL)
             self.hooks.on_tick(sl)
             return
         for w in sl.workers:
@@ -308,6 +311,18 @@ class LocalCluster:
         for w in sl.workers:
             if w.returncode is None and w.proc is not None and w.index not in sl.lost:
                 w.stopped_by_jobset = True
+                sl.signal_worker(w.index, signal.SIGCONT)
+                sl.signal_worker(w.index, signal.SIGTERM)
+
+    @staticmethod
+    def delete_pod(sl: LocalSlice, pod: str, grace_s: float, at: float, disruption: dict | None = None) -> None:
+        """Delete one pod of ``sl``: its kubelet sends SIGTERM now and SIGKILL once ``grace_s`` is over.
+
+        ``disruption``: the DisruptionTarget condition an eviction stamped on it, which its status keeps.
+        """
+        for w in sl.workers:
+            if pod_name(sl.jobset, w.index) == pod and w.returncode is None and w.deleted_at is None:
+                w.deleted_at, w.kill_at, w.disruption = at, at + grace_s, disruption
                 sl.signal_worker(w.index, signal.SIGCONT)
                 sl.signal_worker(w.index, signal.SIGTERM)
 

@@ -8,7 +8,8 @@ controllers act on theirs:
 - a JobSet deleted through the API has its workers stopped as the kubelet stops a deleted pod's container (SIGTERM,
   then SIGKILL once the pod's termination grace is over); the API keeps each pod Terminating until its worker has
   exited, then removes it, and the foreground-deleted JobSet goes with its last pod;
-- a pod deleted with grace period 0 has its worker SIGKILLed;
+- a pod deleted through the API has its worker SIGTERMed and, once the grace is over, SIGKILLed (at once with grace
+  period 0); the pod goes once its worker has exited, its end counted by the Job;
 - every ``TICK`` the kubelets publish their pods' and nodes' status and the Job controller its Job's conditions
   (``slices.slice_objects``), and the runner's hooks act on a running slice (fault injection).
 
@@ -118,11 +119,15 @@ class LocalControllers:
             sl = self.cluster.find(name)
             if sl is not None and sl.deleted_at is None:
                 self.cluster.delete(sl, now())
-        elif resource == "pods" and (q.get("gracePeriodSeconds") or [""])[0] == "0":
-            jobset = (obj["metadata"].get("labels") or {}).get(JOBSET_NAME_LABEL, "")
-            sl = self.cluster.find(jobset)
-            if sl is not None:
+        elif resource == "pods":
+            sl = self.cluster.find((obj["metadata"].get("labels") or {}).get(JOBSET_NAME_LABEL, ""))
+            grace = (q.get("gracePeriodSeconds") or [""])[0]
+            if sl is not None and grace == "0":
                 self.cluster.force_delete(sl, name)
+            elif sl is not None:
+                conditions = (obj.get("status") or {}).get("conditions", [])
+                disrupted = [c for c in conditions if c["type"] == "DisruptionTarget"]
+                self.cluster.delete_pod(sl, name, float(grace) if grace else sl.grace_seconds, now(), *disrupted)
 
     # -- the kubelets and the Job controller --
 
@@ -168,6 +173,9 @@ class LocalControllers:
         """The kubelets' pass: the pods and nodes that changed put, the pods gone removed."""
         last, api = sl.published, self.api
         for node in objs["nodes"]:
+            stored = api.nodes.get(node["metadata"]["name"])
+            if stored is not None and "unschedulable" in stored.get("spec", {}):  # a cordon: not the kubelet's field
+                node["spec"]["unschedulable"] = stored["spec"]["unschedulable"]
             self._put(last, "nodes", node)
         wanted = {p["metadata"]["name"]: p for p in objs["pods"]}
         for name, pod in wanted.items():

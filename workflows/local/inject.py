@@ -12,11 +12,12 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from jaxrec.adapters.store import RunStore
 from jaxrec.model.config import LocalTierConfig
 from jaxrec.model.records import EventKind, WorkerEvent, now
-from workflows.faults import FAULTS, corrupt_newest_checkpoint, flip_middle
+from workflows.faults import FAULTS, act, corrupt_newest_checkpoint, flip_middle
 from workflows.local.cluster import SliceHooks
 from workflows.local.engine import NodePhase
 from workflows.local.events import EventTail, Injected, max_step
@@ -25,13 +26,13 @@ from workflows.local.slices import LocalSlice
 log = logging.getLogger(__name__)
 
 
-SCENARIO_TABLE = tuple(f for f in FAULTS if f.acts is not None)  # the faults a local run rehearses
+SCENARIO_TABLE = tuple(f for f in FAULTS if f.trigger is not None)  # the faults a local run rehearses
 SCENARIOS = {s.name: s.does for s in SCENARIO_TABLE}
 FAULT_ROWS = {s.name: s for s in SCENARIO_TABLE}
-HOST_FAULTS = tuple(s.name for s in SCENARIO_TABLE if s.acts == "hosts")
-_WATCHED = tuple(s.name for s in SCENARIO_TABLE if s.acts == "watch")
+HOST_FAULTS = tuple(s.name for s in SCENARIO_TABLE if s.trigger == "hosts")
+_WATCHED = tuple(s.name for s in SCENARIO_TABLE if s.trigger == "watch")
 # Faults of the first attempt only that the slice itself plays (no worker process is signalled).
-_WITHHELD = {s.name: s.withheld for s in SCENARIO_TABLE if s.acts == "withhold"}
+_WITHHELD = {s.name: s.withheld for s in SCENARIO_TABLE if s.trigger == "withhold"}
 
 
 @dataclass
@@ -65,12 +66,7 @@ def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], 
     for spec in specs:
         name, _, step_s = spec.partition("@")
         if name not in SCENARIOS:
-            if any(f.name == name for f in FAULTS):
-                problems.append(
-                    f"--inject {spec}: {name} acts on a cluster only: inject it with python -m workflows.drill"
-                )
-            else:
-                problems.append(f"--inject {spec}: unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
+            problems.append(f"--inject {spec}: unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
             continue
         if step_s:
             if not step_s.isdigit() or int(step_s) < 1:
@@ -137,18 +133,6 @@ class Hosts:
         target.write_bytes(flip_middle(target.read_bytes()))
         return f"damaged {target.relative_to(self.dir)} (same size)"
 
-    def apply(self, scenario: str, victim: int) -> str:
-        """The host fault ``scenario`` after worker ``victim`` was killed."""
-        if scenario == "lose-host":
-            return self.replace(victim)
-        if scenario == "lose-two-hosts":
-            return "; ".join(self.replace(w) for w in sorted({(victim - 1) % len(self.nodes), victim}))
-        if scenario == "lose-slice":
-            return "; ".join(self.replace(w) for w in range(len(self.nodes)))
-        if scenario == "swap-hosts":
-            return self.swap(0, 1)
-        return self.corrupt_own_part(victim)
-
 
 class Injector(SliceHooks):
     """Fires the requested faults on the local slices of a run (shared by every workflow run of it)."""
@@ -173,8 +157,16 @@ class Injector(SliceHooks):
         self._first_attempt: int | None = None
         self._slices_seen = 0
         self.corrupted: list[str] = []
+        self.cluster: Any = None  # the drill's view of the local cluster's API (``connect``): the verbs that act there
         # Preempted slices and when their node's shutdown window ends (the kill after the notice).
-        self._kill_at: list[tuple[LocalSlice, float]] = []
+        self.kill_at: list[tuple[LocalSlice, float]] = []
+
+    def connect(self, api: str, namespace: str) -> None:
+        """Act through the local cluster's API at ``api``, its client built now (not when a fault fires)."""
+        from jaxrec.adapters.kube import make_api_client
+        from workflows import drill
+
+        self.cluster = drill.Cluster(make_api_client(host=api), namespace)
 
     @property
     def fired(self) -> list[Injected]:
@@ -222,7 +214,7 @@ class Injector(SliceHooks):
     def on_tick(self, sl: LocalSlice) -> None:
         """Fire the step-triggered scenarios once a worker of this slice has reached their step."""
         self.events.poll()
-        for preempted, at in self._kill_at:
+        for preempted, at in self.kill_at:
             if preempted is sl and now() >= at:
                 for w in sl.workers:
                     if w.returncode is None and w.proc is not None and w.proc.poll() is None:
@@ -265,46 +257,11 @@ class Injector(SliceHooks):
         return True
 
     def _fire(self, inj: Injection, sl: LocalSlice, step: int) -> None:
-        """Act on ``sl`` for the watched fault ``inj`` (its row's act in ``_ACTS``), at ``step``."""
+        """Act on ``sl`` for the watched fault ``inj`` with its row's verb, at ``step``."""
         inj.fired.append(Injected(inj.scenario, sl.attempt, now()))
-        _ACTS[inj.scenario](self, sl, len(sl.workers) - 1, step)
+        self.say(f"inject: {act(LocalScene(self, sl, step), FAULT_ROWS[inj.scenario])}")
 
-    def _kill(self, sl: LocalSlice, victim: int, step: int) -> None:
-        self.say(f"inject: SIGKILL worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
-        sl.signal_worker(victim, signal.SIGKILL)
-
-    def _restart(self, sl: LocalSlice, victim: int, step: int) -> None:
-        self.say(f"inject: kill worker {victim} at step {step} and start it again alone")
-        sl.restart(victim)
-
-    def _preempt(self, sl: LocalSlice, victim: int, step: int) -> None:
-        window = self._shutdown_window()
-        self.say(f"inject: SIGTERM to every worker at step {step} (preemption notice; killed after {window} s)")
-        for w in sl.workers:
-            sl.signal_worker(w.index, signal.SIGTERM)
-        # The node goes away at the end of its shutdown window, whatever the pods' grace says
-        # (GKE docs "Spot VMs": the notice is 30 s, non-system pods get its first 15 s by default).
-        self._kill_at.append((sl, now() + window))
-
-    def _freeze(self, sl: LocalSlice, victim: int, step: int) -> None:
-        self.say(f"inject: SIGSTOP worker {victim} (pid {sl.workers[victim].pid}) at step {step}")
-        sl.signal_worker(victim, signal.SIGSTOP)
-
-    def _lose_node(self, sl: LocalSlice, victim: int, step: int) -> None:
-        self.say(f"inject: the host of worker {victim} is lost at step {step} (frozen; its pod Terminating)")
-        sl.signal_worker(victim, signal.SIGSTOP)
-        sl.lost[victim] = now()
-
-    def _lose_supervisor(self, sl: LocalSlice, victim: int, step: int) -> None:
-        self.say(f"inject: the train-segment supervisor is lost at step {step}; the workers keep running")
-        sl.supervisor_lost.set()
-
-    def _delete_workflow(self, sl: LocalSlice, victim: int, step: int) -> None:
-        self.say(f"inject: delete the whole local run at step {step}; it starts again with the same run id")
-        if self.on_delete is not None:
-            self.on_delete()
-
-    def _shutdown_window(self) -> float:
+    def shutdown_window(self) -> float:
         """The run's ``slice.preemption_window_s`` (30 s, the Spot notice, when the config cannot be read)."""
         from jaxrec.adapters.documents import read_run_config
 
@@ -337,24 +294,118 @@ class Injector(SliceHooks):
             inj = next((i for i in self.injections if i.scenario in HOST_FAULTS and not i.fired), None)
             if inj is not None:
                 inj.fired.append(Injected(inj.scenario, sl.attempt, now()))
-                self.say(f"inject: {inj.scenario}: {self.hosts.apply(inj.scenario, len(sl.workers) - 1)}")
+                self.say(f"inject: {inj.scenario}: {act(LocalScene(self, sl), FAULT_ROWS[inj.scenario])}")
         inj = self._pending("corrupt-latest")
         if inj is None or phase == NodePhase.SUCCEEDED:
             return
-        damaged = corrupt_newest_checkpoint(self.store())
         inj.fired.append(Injected("corrupt-latest", sl.attempt, now()))
+        self.say(f"inject: {act(LocalScene(self, sl), FAULT_ROWS[inj.scenario])}")
+
+
+@dataclass
+class LocalScene:
+    """A running local attempt as the faults' verbs (``workflows.faults.Verbs``) act on it.
+
+    The victim is the slice's last worker; ``step`` the step at which a watched fault fired.
+    """
+
+    injector: Injector
+    sl: LocalSlice
+    step: int | None = None
+
+    @property
+    def victim(self) -> int:
+        """The worker a fault on one worker hits: the last one."""
+        return len(self.sl.workers) - 1
+
+    def _pid(self) -> int | None:
+        return self.sl.workers[self.victim].pid
+
+    def kill_trainer(self) -> str:
+        """SIGKILL the victim's process."""
+        self.sl.signal_worker(self.victim, signal.SIGKILL)
+        return f"SIGKILL worker {self.victim} (pid {self._pid()}) at step {self.step}"
+
+    def _on_the_api(self) -> Any:
+        """The drill's scene of this attempt on the local cluster's API: its verbs act there as on a cluster."""
+        from workflows import drill
+
+        if self.injector.cluster is None:
+            raise RuntimeError("the injector is connected to no API to act through")
+        store = self.injector.store()
+        target = drill.Target({}, self.sl.namespace, store.run_id, store.root)
+        return drill.scene(self.injector.cluster, store, target, "", self.sl.attempt, now() + LOCAL_WAIT_S)
+
+    def delete_pod(self) -> str:
+        """Delete the victim's pod through the local cluster's API, as the drill does on a cluster."""
+        return f"{self._on_the_api().delete_pod()} through the API at step {self.step} (its kubelet sends SIGTERM)"
+
+    def drain_node(self) -> str:
+        """Cordon the victim's node, evict the run's pods on it through the local cluster's API, as the drill does."""
+        return f"{self._on_the_api().drain_node()} through the API at step {self.step}"
+
+    def restart_trainer(self) -> str:
+        """Kill the victim and start it again alone (a container restart)."""
+        self.sl.restart(self.victim)
+        return f"killed worker {self.victim} at step {self.step} and started it again alone"
+
+    def preempt(self) -> str:
+        """SIGTERM every worker; SIGKILL those left at the end of the node's shutdown window."""
+        window = self.injector.shutdown_window()
+        for w in self.sl.workers:
+            self.sl.signal_worker(w.index, signal.SIGTERM)
+        # The node goes away at the end of its shutdown window, whatever the pods' grace says
+        # (GKE docs "Spot VMs": the notice is 30 s, non-system pods get its first 15 s by default).
+        self.injector.kill_at.append((self.sl, now() + window))
+        return f"SIGTERM to every worker at step {self.step} (preemption notice; killed after {window} s)"
+
+    def freeze_trainer(self) -> str:
+        """SIGSTOP the victim."""
+        self.sl.signal_worker(self.victim, signal.SIGSTOP)
+        return f"SIGSTOP worker {self.victim} (pid {self._pid()}) at step {self.step}"
+
+    def lose_node(self) -> str:
+        """The victim's host goes silent: its process frozen, its node unreachable, its pod Terminating."""
+        self.sl.signal_worker(self.victim, signal.SIGSTOP)
+        self.sl.lost[self.victim] = now()
+        return f"the host of worker {self.victim} is lost at step {self.step} (frozen; its pod Terminating)"
+
+    def evict_supervisor(self) -> str:
+        """The train-segment step's process goes; the workers keep running for its retry to re-attach to."""
+        self.sl.supervisor_lost.set()
+        return f"the train-segment supervisor is lost at step {self.step}; the workers keep running"
+
+    def resubmit(self) -> str:
+        """Stop the whole local run (no exit handler) and start it again with the same run id."""
+        if self.injector.on_delete is not None:
+            self.injector.on_delete()
+        return f"delete the whole local run at step {self.step}; it starts again with the same run id"
+
+    def corrupt_latest(self) -> str:
+        """Damage the newest complete checkpoint (the attempt's workers have stopped)."""
+        damaged = corrupt_newest_checkpoint(self.injector.store())
         if damaged:
-            self.corrupted.append(damaged)
-        self.say(f"inject: corrupted {damaged or 'nothing (no checkpoint yet)'}")
+            self.injector.corrupted.append(damaged)
+        return f"corrupted {damaged or 'nothing (no checkpoint yet)'}"
 
+    def lose_host(self) -> str:
+        """The victim's host is replaced, its local disk with it."""
+        return self.injector.hosts.replace(self.victim)
 
-# How the local run acts on each fault the injector watches for (a row of ``workflows.faults`` acting "watch").
-_ACTS: dict[str, Callable[[Injector, LocalSlice, int, int], None]] = {
-    "kill-worker": Injector._kill,
-    "restart-worker": Injector._restart,
-    "preempt": Injector._preempt,
-    "freeze-worker": Injector._freeze,
-    "node-lost": Injector._lose_node,
-    "supervisor-lost": Injector._lose_supervisor,
-    "delete-workflow": Injector._delete_workflow,
-}
+    def lose_two_hosts(self) -> str:
+        """The victim's host and the one before it are replaced."""
+        hosts = self.injector.hosts
+        return "; ".join(hosts.replace(w) for w in sorted({(self.victim - 1) % len(hosts.nodes), self.victim}))
+
+    def lose_slice(self) -> str:
+        """Every host is replaced: only the store is left."""
+        hosts = self.injector.hosts
+        return "; ".join(hosts.replace(w) for w in range(len(hosts.nodes)))
+
+    def swap_hosts(self) -> str:
+        """Workers 0 and 1 come back on each other's hosts."""
+        return self.injector.hosts.swap(0, 1)
+
+    def corrupt_local(self) -> str:
+        """Damage the victim's newest part on its own host's disk."""
+        return self.injector.hosts.corrupt_own_part(self.victim)

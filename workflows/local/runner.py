@@ -454,6 +454,7 @@ class _LocalRun:
         # One cluster for the whole run: a continuation, or a Workflow submitted again, finds the JobSets left.
         setup = ClusterSetup(REPO_ROOT, work_dir, self.base_env, work_dir / "events", self.grace_seconds)
         controllers = LocalControllers(LocalCluster(setup, injector), self.cfg.namespace)
+        injector.connect(controllers.url, self.cfg.namespace)
         try:
             while True:
                 ex = LocalExecutor(

@@ -59,6 +59,10 @@ class WorkerProc:
     first_failure: bool = False
     stopped_by_jobset: bool = False
     restarts: int = 0
+    # Its pod deleted through the API (SIGTERM sent): when, and when its kubelet SIGKILLs it (the grace is over).
+    deleted_at: float | None = None
+    kill_at: float | None = None
+    disruption: dict[str, Any] | None = None  # the DisruptionTarget condition an eviction stamped on its pod
 
     def termination_message(self) -> str | None:
         """The container's termination message as the kubelet reads it, None when empty or absent.
@@ -211,18 +215,21 @@ def _condition(type_: str, at: float | None, *, status: str = "True", reason: st
 
 
 def _container(w: WorkerProc, image: str, held: str | None) -> dict[str, Any] | None:
-    """The trainer container's status as the kubelet reports it (None: it has none yet)."""
+    """The trainer container's status as the kubelet reports it (None: it has none yet).
+
+    With the fields the kubelet always sets (``image``, ``imageID``, ``ready``, ``restartCount``), which a typed
+    client requires.
+    """
+    status = {"name": TRAINER_CONTAINER, "image": image, "imageID": "", "ready": False, "restartCount": w.restarts}
     if held == IMAGE_PULL:
         # The message as kubelet >= 1.32 writes it: the back-off repeats the pull's error (kubernetes#127918).
         pulled = f'Back-off pulling image "{image}": ErrImagePull: failed to resolve reference "{image}": not found'
-        return {
-            "name": TRAINER_CONTAINER,
-            "state": {"waiting": {"reason": IMAGE_PULL, "message": f"{pulled} (rehearsal)"}},
-        }
+        return {**status, "state": {"waiting": {"reason": IMAGE_PULL, "message": f"{pulled} (rehearsal)"}}}
     if w.proc is None:
         return None
     if w.returncode is None:
-        return {"name": TRAINER_CONTAINER, "state": {"running": {"startedAt": stamp(w.started_at or now())}}}
+        running = {"running": {"startedAt": stamp(w.started_at or now())}}
+        return {**status, "imageID": f"local://{image}", "ready": True, "state": running}
     # As the kubelet reports a container's end: 128 + the signal for a signalled process, reason Error (the
     # runtime's, for any non-zero exit: OOMKilled only for the kernel's OOM kill, which nothing here rehearses).
     ended: dict[str, Any] = {"exitCode": w.exit_code, "reason": "Completed" if w.returncode == 0 else "Error"}
@@ -232,7 +239,7 @@ def _container(w: WorkerProc, image: str, held: str | None) -> dict[str, Any] | 
         ended["startedAt"] = stamp(w.started_at)
     if w.ended_at is not None:
         ended["finishedAt"] = stamp(w.ended_at)
-    return {"name": TRAINER_CONTAINER, "state": {"terminated": ended}}
+    return {**status, "imageID": f"local://{image}", "state": {"terminated": ended}}
 
 
 def _phase(w: WorkerProc, held: str | None) -> PodPhase:
@@ -262,7 +269,7 @@ def pod_object(sl: LocalSlice, w: WorkerProc) -> dict[str, Any] | None:
         "labels": {**sl.pod_labels, JOBSET_NAME_LABEL: sl.jobset, COMPLETION_INDEX_KEYS[0]: index},
         "annotations": {COMPLETION_INDEX_KEYS[0]: index},
     }
-    deleted = sl.lost.get(w.index, sl.deleted_at)
+    deleted = sl.lost.get(w.index, w.deleted_at or sl.deleted_at)
     if ran and w.returncode is None and deleted is not None:
         meta["deletionTimestamp"] = stamp(deleted)
     spec: dict[str, Any] = {"containers": [{"name": TRAINER_CONTAINER, "image": sl.image}]}
@@ -277,6 +284,7 @@ def pod_object(sl: LocalSlice, w: WorkerProc) -> dict[str, Any] | None:
     if held is not None or w.proc is not None:
         spec["nodeName"] = node_name(w.index)
         st["conditions"] = [_condition("PodScheduled", w.started_at or sl.created_at)]
+        st["conditions"] += [w.disruption] if w.disruption else []
     container = _container(w, sl.image, held)
     if container is not None:
         st["containerStatuses"] = [container]
@@ -402,7 +410,10 @@ def jobset_status(job: Mapping[str, Any]) -> dict[str, Any]:
 
 def slice_objects(sl: LocalSlice) -> dict[str, list[dict[str, Any]]]:
     """The local slice's JobSet, its Job, its pods and their nodes now, as the Kubernetes API returns them."""
-    pods = [p for w in sl.workers if (p := pod_object(sl, w)) is not None]
+    objs = {w.index: p for w in sl.workers if (p := pod_object(sl, w)) is not None}
+    # A pod deleted through the API goes once its container has exited; the Job controller counted its end first.
+    counted = [objs[i] for i in sorted(objs)]
+    pods = [p for i, p in objs.items() if sl.workers[i].deleted_at is None or sl.workers[i].returncode is None]
     pods.sort(key=lambda p: p["metadata"]["name"])
     nodes = [node_object(sl, w.index) for w in sl.workers if sl.withheld.get(w.index) != UNSCHEDULABLE]
     # Foreground deletion: the JobSet stays until its pods are gone.
@@ -410,7 +421,7 @@ def slice_objects(sl: LocalSlice) -> dict[str, list[dict[str, Any]]]:
     jobset = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta}
     return {
         "jobsets": [jobset],
-        "jobs": [job_object(sl, [pod_from_api(p) for p in pods])],
+        "jobs": [job_object(sl, [pod_from_api(p) for p in counted])],
         "pods": pods,
         "nodes": nodes,
     }
