@@ -139,7 +139,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "delete-workflow",
-        "stop the whole local run at STEP and start it again with the same run id",
+        "delete the Workflow at STEP (its steps stop, no exit handler; its gang trains on) and submit it again",
         "watch",
         None,
         "Succeeded",

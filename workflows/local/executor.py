@@ -110,17 +110,16 @@ class LocalExecutor:
                 os.killpg(p.pid, signal.SIGKILL)
 
     def stop_all(self) -> None:
-        """SIGKILL every process this executor started, and every gang still running (the local run is deleted).
+        """SIGKILL every process this executor started: the Workflow is deleted.
 
-        Unlike Argo's deletion of a Workflow on a cluster, which leaves its JobSet to be re-attached to, the local
-        runner's deletion takes the gang with it; the JobSet stays, Failed, for the next provision-slice to delete.
+        As Argo's deletion of a Workflow deletes its pods and runs no exit handler, and leaves its JobSet, which
+        the Workflow does not own, training: the Workflow submitted again re-attaches to it.
         """
         self._stopping.set()
         with self._lock:
             procs = list(self._procs)
         for p in procs:
             self._kill(p)
-        self.controllers.stop_gangs()
 
     # -- containers --------------------------------------------------------------------------------
 

@@ -376,10 +376,10 @@ class LocalScene:
         return f"the train-segment supervisor is lost at step {self.step}; the workers keep running"
 
     def resubmit(self) -> str:
-        """Stop the whole local run (no exit handler) and start it again with the same run id."""
+        """Delete the running Workflow (its steps stop, no exit handler; the gang trains on) and submit it again."""
         if self.injector.on_delete is not None:
             self.injector.on_delete()
-        return f"delete the whole local run at step {self.step}; it starts again with the same run id"
+        return f"deleted the Workflow at step {self.step} (its gang trains on); it is submitted again"
 
     def corrupt_latest(self) -> str:
         """Damage the newest complete checkpoint (the attempt's workers have stopped)."""
