@@ -179,6 +179,7 @@ class WorkerProgress(_Rec):
     first_step_at: float | None = None
     saving: int | None = Field(default=None, description="The checkpoint step the loop waits for since ``at``.")
     phase: WorkerPhase | None = Field(default=None, description="What the worker was doing from ``at`` on.")
+    step_seconds: float | None = Field(default=None, description="The longest of its latest steps (the heartbeat's).")
 
 
 class ReadState(_Rec):
@@ -646,6 +647,32 @@ def _first_step_grace(obs: Observation, d: SupervisionConfig) -> tuple[float, st
     return grace, why
 
 
+STUCK_STEP_TIMES = 20
+"""A step is stuck once no step ended for this many times the longest of the worker's latest steps (saves and
+pauses between them included), plus the heartbeat interval the last step's heartbeat may be late by..."""
+STUCK_STEP_FLOOR_S = 60.0
+"""...and never sooner than this: a busy host (a collector, a slow disk, a neighbour compiling) can stall one step of
+a fast loop for seconds without it being stuck."""
+
+
+def _stuck_step_limit(b: WorkerProgress, d: SupervisionConfig) -> tuple[float, str]:
+    """How long a stepping worker may go without a new step, and what says so.
+
+    ``hang_timeout_s`` at most; sooner when the worker's heartbeats say how long its steps take, so that a stuck
+    step of a fast loop is caught within a bounded multiple of its own time, not after the timeout set for the
+    slowest.
+    """
+    if b.step_seconds is not None:
+        limit = max(STUCK_STEP_FLOOR_S, d.heartbeat_interval_s + STUCK_STEP_TIMES * b.step_seconds)
+        if limit < d.hang_timeout_s:
+            return limit, (
+                f"stuck-step limit {limit:.0f} s: {STUCK_STEP_TIMES} times its longest recent step of "
+                f"{b.step_seconds:.1f} s plus the heartbeat interval of {d.heartbeat_interval_s:g} s, at least "
+                f"{STUCK_STEP_FLOOR_S:g} s; hang timeout {d.hang_timeout_s:g} s"
+            )
+    return d.hang_timeout_s, f"hang timeout {d.hang_timeout_s:g} s"
+
+
 def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     running = [p for p in obs.pods if p.phase == PodPhase.RUNNING and p.running_since is not None]
     if len(running) < obs.expected_workers:
@@ -685,8 +712,8 @@ def _hang(obs: Observation, d: SupervisionConfig) -> Verdict | None:
         elif covered_from is not None and b.at >= covered_from:
             continue
         else:
-            limit = d.hang_timeout_s
-            why = f"no progress past step {b.step} for {silent:.0f} s (hang timeout {limit:g} s)"
+            limit, why = _stuck_step_limit(b, d)
+            why = f"no progress past step {b.step} for {silent:.0f} s ({why})"
         if silent >= limit:
             return Verdict(
                 state=AttemptOutcome.STALLED, kind=StallKind.HANG, reason=f"{p.label}: {why}", worker=p.index

@@ -469,6 +469,7 @@ class Supervisor:
                     first_step_at=b.first_step_at,
                     saving=b.saving,
                     phase=b.phase,
+                    step_seconds=b.step_seconds,
                 )
                 for b in beats
             ),

@@ -130,9 +130,11 @@ def done(i: int, code: int = 0) -> PodEvidence:
     return running(i, phase=phase, exit_code=code, terminated_reason="Completed" if code == 0 else "Error")
 
 
-def beat(i: int, step: int | None, at: float, saving: int | None = None) -> WorkerProgress:
+def beat(
+    i: int, step: int | None, at: float, saving: int | None = None, step_seconds: float | None = None
+) -> WorkerProgress:
     first = T0 + 200 if step is not None else None
-    return WorkerProgress(index=i, step=step, at=at, first_step_at=first, saving=saving)
+    return WorkerProgress(index=i, step=step, at=at, first_step_at=first, saving=saving, step_seconds=step_seconds)
 
 
 def node(
@@ -438,6 +440,45 @@ CASES = [
         AttemptOutcome.STALLED,
         StallKind.NODE_LOST,
         "Terminating for 100 s (grace 90 s)",
+    ),
+    (
+        # Steps of at most 2 s (heartbeat interval 30 s): 30 + 20 x 2 = 70 s of silence is a stuck step, within
+        # the 120 s hang timeout.
+        "stuck-step-caught-within-a-multiple-of-its-own-time",
+        obs(700, ALL_RUNNING, progress=[beat(i, 44, T0 + 620, step_seconds=2.0) for i in range(HOSTS)]),
+        AttemptOutcome.STALLED,
+        StallKind.HANG,
+        "no progress past step 44 for 80 s (stuck-step limit 70 s: 20 times its longest recent step of 2.0 s plus",
+    ),
+    (
+        "a-step-within-its-multiple-is-not-stuck",
+        obs(700, ALL_RUNNING, progress=[beat(i, 44, T0 + 640, step_seconds=2.0) for i in range(HOSTS)]),
+        AttemptOutcome.RUNNING,
+        None,
+        "",
+    ),
+    (
+        # Steps of 0.1 s: 30 + 20 x 0.1 = 32 s, but never under 60 s (a busy host stalls one step for seconds).
+        "a-fast-loop-s-stuck-step-limit-has-a-floor",
+        obs(700, ALL_RUNNING, progress=[beat(i, 44, T0 + 645, step_seconds=0.1) for i in range(HOSTS)]),
+        AttemptOutcome.RUNNING,
+        None,
+        "",
+    ),
+    (
+        "a-fast-loop-stuck-past-the-floor",
+        obs(700, ALL_RUNNING, progress=[beat(i, 44, T0 + 635, step_seconds=0.1) for i in range(HOSTS)]),
+        AttemptOutcome.STALLED,
+        StallKind.HANG,
+        "for 65 s (stuck-step limit 60 s: 20 times its longest recent step of 0.1 s",
+    ),
+    (
+        # Slow steps: the multiple passes the hang timeout, which then applies.
+        "slow-steps-keep-the-hang-timeout",
+        obs(700, ALL_RUNNING, progress=[beat(i, 44, T0 + 100, step_seconds=40.0) for i in range(HOSTS)]),
+        AttemptOutcome.STALLED,
+        StallKind.HANG,
+        "no progress past step 44 for 600 s (hang timeout 120 s)",
     ),
     (
         "stuck-pending-no-tpu",

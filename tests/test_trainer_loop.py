@@ -382,6 +382,27 @@ def test_a_wait_for_a_save_in_flight_is_in_the_heartbeat_and_ends_with_it(tmp_pa
     assert hook.ckpt.saved == [20]
 
 
+def test_the_heartbeat_says_how_long_the_latest_steps_took_at_most_leaving_out_the_first(tmp_path):
+    """``step_seconds``: the longest gap between two of the latest step ends (a save pause between them counts),
+    never the first step's compilation; the oldest gaps leave the window."""
+    from trainer.hooks import RECENT_STEPS
+
+    store = RunStore(str(tmp_path / "store"), "run")
+    report = WorkerExitReport(run_id="run", attempt=0, process_index=1, process_count=2, exit_code=0, exit_name="OK")
+    beat = HeartbeatHook(store, 0, 1, 0.0, SimpleNamespace(last_committed=None), report)
+    read = lambda: store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)  # noqa: E731
+    beat.on_step(StepRecord(1, 0.5, started_at=100.0, finished_at=160.0, first=True))  # 60 s: compiled
+    assert read().step_seconds is None
+    beat.on_step(StepRecord(2, 0.5, started_at=160.0, finished_at=160.5))
+    beat.on_step(StepRecord(3, 0.5, started_at=160.5, finished_at=163.5))  # a save paused the loop 2.5 s
+    assert read().step_seconds == 3.0
+    t = 163.5
+    for step in range(4, 4 + RECENT_STEPS):
+        t += 0.5
+        beat.on_step(StepRecord(step, 0.5, started_at=t - 0.5, finished_at=t))
+    assert read().step_seconds == 0.5  # the pause has left the window
+
+
 def test_a_save_that_committed_in_the_background_costs_no_heartbeat(tmp_path):
     store, hook, watchdog, during = _save_hooks(tmp_path, done=True)
     first = store.read_record(RunLayout.heartbeat(0, 1), WorkerHeartbeat)

@@ -109,6 +109,10 @@ class ProgressHook:
                 )
 
 
+RECENT_STEPS = 100
+"""How many of its latest steps a heartbeat's ``step_seconds`` (the longest of them) is taken over."""
+
+
 class HeartbeatHook:
     """The worker's heartbeat (``WorkerHeartbeat``) in the run store: at most one write per interval.
 
@@ -133,10 +137,18 @@ class HeartbeatHook:
         self._wait: threading.Timer | None = None
         self._force = False  # the next step is written whatever the interval (a clearing write failed)
         self._lock = threading.Lock()
+        # The times between the ends of the latest steps (the first step's compilation not among them).
+        self._gaps: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._ended: float | None = None
+        self._longest: float | None = None  # the longest of them (read by the timer's writes, too)
 
     def on_step(self, rec: StepRecord) -> None:
         """Write the step when the interval has passed (or on the first and last step)."""
         self._step = rec.step
+        if self._ended is not None and not rec.first:
+            self._gaps.append(rec.finished_at - self._ended)
+            self._longest = max(self._gaps)
+        self._ended = rec.finished_at
         if not (rec.first or rec.last or self._force) and rec.finished_at - self._last < self.interval_s:
             return
         self._force = not self._write(rec.finished_at)
@@ -180,6 +192,7 @@ class HeartbeatHook:
             first_step_at=self.report.first_step_at,
             saving=saving,
             phase=WorkerPhase.STEP if saving is None else WorkerPhase.SAVE,
+            step_seconds=self._longest,
         )
         try:
             self.store.write_record(RunLayout.heartbeat(self.attempt, self.index), beat)

@@ -584,6 +584,11 @@ class WorkerHeartbeat(_Record):
     phase: WorkerPhase | None = Field(
         default=None, description="What the worker was doing from ``at`` on (None: a worker that does not say)."
     )
+    step_seconds: float | None = Field(
+        default=None,
+        description="The longest time between the ends of two of its latest steps (saves and pauses in between "
+        "included, the first step's compilation not): how long a step of this run takes at most.",
+    )
 
 
 class WorkerSupervision(_Record):
