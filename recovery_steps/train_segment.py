@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -51,9 +52,10 @@ import yaml
 
 from jaxrec.adapters import cli
 from jaxrec.adapters.checkpoints import newest_complete_step
+from jaxrec.adapters.documents import read_ledger
 from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
 from jaxrec.model.config import JobConfig
-from jaxrec.model.contract import AttemptOutcome, ExitCode
+from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass
 from jaxrec.model.gang import Gang
 from jaxrec.model.jobset import JobSetParams, jobset_manifest
 from jaxrec.model.outputs import SegmentOutputs
@@ -65,6 +67,7 @@ from jaxrec.model.snapshot import (
     NodeEvidence,
     PodEvidence,
     PodPhase,
+    healthy_pool,
 )
 from recovery_steps.kube_gang import KubeGang
 from recovery_steps.step import (
@@ -732,6 +735,8 @@ def run(
     attempt, say = ref.attempt, io.say
     cfg = load_run_config(ref.store_root, ref.run_id)
     store = ref.store()
+    if isinstance(jobset, JobSetParams) and not cfg.slice.is_cpu:
+        jobset = dataclasses.replace(jobset, prefer_pool=last_healthy_pool(store, attempt, say) or "")
     manifest = segment_manifest(cfg, jobset, attempt, store.url(RunLayout.CONFIG))
     port = (gang or kube_gang())(cfg, manifest, io.clock, say)
     renew = lease_renewal(store, holder, cfg.retry.lease_ttl_s, say, cfg.namespace) if holder else None
@@ -750,6 +755,30 @@ def run(
     store.write_record(RunLayout.supervision(attempt), record)
     outputs_of(record).write(output_dir)
     return record
+
+
+def last_healthy_pool(store: RunStore, attempt: int, say: Callable[[str], None] = log.info) -> str | None:
+    """The node pool attempt ``attempt - 1`` left healthy, for this attempt's gang to prefer; None for none.
+
+    None when that attempt was preempted (its nodes are being reclaimed), when its supervisor's snapshot shows a
+    worker's node lost, cordoned or under maintenance, or when its records cannot be read (a preference is never
+    worth a failed step).
+    """
+    if attempt <= 0:
+        return None
+    try:
+        ledger = read_ledger(store)
+        sup = store.read_record(RunLayout.supervision(attempt - 1), SupervisionRecord)
+    except (*store_errors(), DocumentError) as e:
+        log.warning("no node pool preferred: attempt %d's records cannot be read (%s)", attempt - 1, e)
+        return None
+    closed = next((a for a in (ledger.attempts if ledger else []) if a.attempt == attempt - 1), None)
+    if closed is not None and closed.failure_class == FailureClass.PREEMPTION:
+        return None
+    pool = healthy_pool(sup.snapshot if sup is not None else None)
+    if pool is not None:
+        say(f"attempt {attempt - 1} left node pool {pool} healthy: this attempt's JobSet prefers it")
+    return pool
 
 
 def gone_record(jobset: str, attempt: int, hosts: int, gone: GangGone) -> SupervisionRecord:

@@ -1166,3 +1166,71 @@ def test_a_failure_one_watch_shows_before_the_other_is_read_once_more_by_listing
         assert len(cluster.requests) == before
     finally:
         cluster.close()
+
+
+# -- the pool the last attempt left healthy ---------------------------------------------------------------------
+
+
+def _left(store, *, cls="infrastructure", nodes=None, pools=("pool-a",) * HOSTS):
+    """Attempt 0 closed with ``cls``, its supervisor's snapshot showing each worker on its node of ``pools``."""
+    from jaxrec.model.records import AttemptRecord, Ledger
+    from jaxrec.model.snapshot import ClusterSnapshot, NodeEvidence, PodEvidence
+
+    nodes = nodes or [NodeEvidence(name=f"n{i}", ready=True, pool=p) for i, p in enumerate(pools)]
+    pods = [PodEvidence(name=f"r-a0-workers-0-{i}", worker_index=i, node=f"n{i}") for i in range(HOSTS)]
+    snap = ClusterSnapshot(taken_at=time.time(), pods=pods, nodes=nodes)
+    sup = SupervisionRecord(
+        attempt=0, jobset="r-a0", outcome="failed", reason="worker 3 failed", detected_at=time.time(), snapshot=snap
+    )
+    store.write_record(RunLayout.supervision(0), sup)
+    ledger = Ledger(run_id=store.run_id, attempts=[AttemptRecord(attempt=0, outcome="failed", failure_class=cls)])
+    store.write_record(RunLayout.LEDGER, ledger)
+
+
+def _node(i, **kw):
+    from jaxrec.model.snapshot import NodeEvidence
+
+    return NodeEvidence(**{"name": f"n{i}", "ready": True, "pool": "pool-a", **kw})
+
+
+@pytest.mark.parametrize(
+    ("left", "want"),
+    [
+        ({}, "pool-a"),  # an application error, a killed process, a hang: the hosts are fine
+        ({"cls": "preemption"}, None),  # its nodes are being reclaimed
+        ({"nodes": [*(_node(i) for i in range(3)), _node(3, ready=False)]}, None),  # one NotReady
+        ({"nodes": [*(_node(i) for i in range(3)), _node(3, unschedulable=True)]}, None),  # one cordoned
+        ({"nodes": [*(_node(i) for i in range(3)), _node(3, found=False)]}, None),  # one gone
+        (
+            {
+                "nodes": [
+                    *(_node(i) for i in range(3)),
+                    _node(3, taints=["cloud.google.com/impending-node-termination:NoSchedule"]),
+                ]
+            },
+            None,
+        ),
+        ({"pools": ("pool-a", "pool-a", "pool-b", "pool-b")}, None),  # no one pool
+    ],
+)
+def test_the_pool_the_last_attempt_left_healthy(tmp_path, left, want):
+    store = RunStore(str(tmp_path / "store"), "r")
+    _left(store, **left)
+    assert ts.last_healthy_pool(store, 1) == want
+    assert ts.last_healthy_pool(store, 0) is None  # the first attempt has none to prefer
+    assert ts.last_healthy_pool(RunStore(str(tmp_path / "other"), "r"), 1) is None  # no records: none
+
+
+def test_the_next_gang_is_created_preferring_the_pool_its_predecessor_left_healthy(tmp_path, cluster):
+    cfg = _cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    _left(store)
+    js = f"{cfg.run_id}-a1"
+    cluster.on_create = _running_gang(js)
+    cluster.script = [lambda c: None, _succeed(js)]
+    rec, lines, _ = _run(cfg, tmp_path, cluster, attempt=1)
+    assert rec.outcome == "succeeded", rec.reason
+    assert "attempt 0 left node pool pool-a healthy: this attempt's JobSet prefers it" in lines
+    pod = cluster.jobsets[js]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pref = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref[0]["preference"]["matchExpressions"][0]["values"] == ["pool-a"]

@@ -68,3 +68,28 @@ def test_requests_are_overridable_in_the_config():
 def test_local_workers_request_nothing():
     pod = _pod(parse_config(_data("local-cpu.yaml")))
     assert "resources" not in pod["containers"][0]
+
+
+@pytest.mark.parametrize("name", TPU_CONFIGS)
+def test_a_preferred_pool_is_a_node_affinity_preference_the_jobset_crd_takes(name):
+    """The pool the last attempt left healthy is preferred, never required (another pool serves when it is full);
+    no pool, no affinity (JobSet's exclusive placement adds its own pod affinities to the leader)."""
+    from dataclasses import replace
+
+    from support.schemas import jobset_errors
+
+    cfg = parse_config(_data(name))
+    params = JobSetParams("r-a1", "r", "gs://b/p", "1", "10", "8476", "9431")
+    assert "affinity" not in _spec(jobset_manifest(cfg, params))
+    js = jobset_manifest(cfg, replace(params, prefer_pool="tpu-pool-b"))
+    node = _spec(js)["affinity"]["nodeAffinity"]
+    assert set(node) == {"preferredDuringSchedulingIgnoredDuringExecution"}
+    (term,) = node["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["preference"]["matchExpressions"] == [
+        {"key": "cloud.google.com/gke-nodepool", "operator": "In", "values": ["tpu-pool-b"]}
+    ]
+    assert jobset_errors(js) == []
+
+
+def _spec(js):
+    return js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]

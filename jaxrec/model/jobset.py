@@ -99,6 +99,18 @@ handle: a SIGTERM before its handler is installed ends it at once (exit 143), wh
 until the SIGKILL after the grace period (137)."""
 
 
+def prefer_pool(pool: str) -> dict[str, Any]:
+    """A pod affinity that prefers ``pool``'s nodes and does not require them (another pool serves when it is full).
+
+    JobSet's exclusive placement keeps it: its pod webhook adds the pod (anti-)affinity terms to the leader's
+    ``affinity`` and leaves its node affinity (kubernetes-sigs/jobset ``pkg/webhooks/pod_mutating_webhook.go``,
+    ``setExclusiveAffinities``); the followers go to the leader's pool.
+    """
+    term = {"key": NODEPOOL_LABEL, "operator": "In", "values": [pool]}
+    preferred = [{"weight": 100, "preference": {"matchExpressions": [term]}}]
+    return {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
+
+
 @dataclass(frozen=True)
 class JobSetParams:
     """The values one attempt's JobSet is rendered with.
@@ -114,6 +126,7 @@ class JobSetParams:
         restore_step: Step every worker restores (``-1``: fresh start).
         coordinator_port: Local backend: the JAX coordinator port.
         metrics_port: Port of worker 0's metrics endpoint (local workers add their index).
+        prefer_pool: A GKE node pool the gang prefers (``""``: none): the one the run's last attempt left healthy.
     """
 
     name: str
@@ -123,6 +136,7 @@ class JobSetParams:
     restore_step: str
     coordinator_port: str
     metrics_port: str
+    prefer_pool: str = ""
 
 
 def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
@@ -181,6 +195,8 @@ def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
     else:
         _on_tpu_nodes(cfg, container, pod_spec)
         jobset_meta["annotations"] = {EXCLUSIVE_TOPOLOGY: NODEPOOL_LABEL}
+        if params.prefer_pool:
+            pod_spec["affinity"] = prefer_pool(params.prefer_pool)
     return _jobset(jobset_meta, hosts, {"metadata": {"labels": dict(labels)}, "spec": pod_spec})
 
 

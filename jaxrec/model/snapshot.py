@@ -292,6 +292,22 @@ class ClusterSnapshot(_Ev):
     )
 
 
+def healthy_pool(snap: ClusterSnapshot | None) -> str | None:
+    """The node pool every worker of ``snap`` ran on, when each of their nodes was healthy; None otherwise.
+
+    Healthy: found, Ready and reachable, schedulable (not cordoned), under no maintenance or reclaim notice. A
+    pool the gang left healthy is where the next gang of the run finds its hosts' local parts and caches.
+    """
+    if snap is None:
+        return None
+    nodes = {n.name: n for n in snap.nodes}
+    used = [nodes.get(p.node) for p in snap.pods if p.node]
+    if not used or any(n is None or n.lost or n.unschedulable or n.maintenance() for n in used):
+        return None
+    pools = {n.pool for n in used}
+    return next(iter(pools)) if len(pools) == 1 and None not in pools else None
+
+
 # ---------------------------------------------------------------- raw API JSON -> records
 
 

@@ -353,3 +353,43 @@ def test_preflight_dry_runs_a_worker_pod_through_the_real_admission_and_says_a_l
         run.rc.core().delete_namespaced_limit_range("tiny", run.ns)
     assert "the namespace's LimitRange forbids them" in p.missing and "minimum memory usage" in p.missing, p.line()
     assert run.rc.pods(run.ns) == []
+
+
+def _left_healthy(run, attempt: int, nodes: list[str]) -> None:
+    """Attempt ``attempt`` failed (an application error) on ``nodes``, all healthy, as its supervisor saw it."""
+    from jaxrec.adapters.store import RunLayout
+    from jaxrec.model.records import SupervisionRecord
+    from jaxrec.model.snapshot import ClusterSnapshot, NodeEvidence, PodEvidence
+
+    pods = [PodEvidence(name=f"w-{i}", worker_index=i, node=n) for i, n in enumerate(nodes)]
+    pools = {n: run.rc.node(n)["metadata"]["labels"]["cloud.google.com/gke-nodepool"] for n in nodes}
+    snap = ClusterSnapshot(
+        taken_at=time.time(), pods=pods, nodes=[NodeEvidence(name=n, ready=True, pool=pools[n]) for n in nodes]
+    )
+    rec = SupervisionRecord(
+        attempt=attempt,
+        jobset=jobset_name(run.cfg.run_id, attempt),
+        outcome="failed",
+        reason="worker 0 failed (exit code 42)",
+        detected_at=time.time(),
+        snapshot=snap,
+    )
+    run.store.write_record(RunLayout.supervision(attempt), rec)
+
+
+def test_the_next_gang_lands_on_the_pool_its_predecessor_left_healthy(run, tpu_nodes):
+    """Two pools of the slice's type. The real JobSet webhook keeps the preferred node affinity beside its exclusive
+    placement and the real scheduler honours it: each attempt goes to the pool the attempt before it left healthy,
+    one way and then the other."""
+    first = [f"gke-{run.ns}-p0-{i}" for i in range(HOSTS)]  # the pool the ``run`` fixture made
+    second = tpu_nodes(HOSTS, run.cfg)
+    assert all(run.rc.node(n) is not None for n in first) and len(second) == HOSTS
+    for attempt, left_on in ((1, second), (2, first)):
+        _left_healthy(run, attempt - 1, left_on)
+        sup = run.supervise(attempt)
+        pods = run.workers(attempt)
+        assert {p["spec"]["nodeName"] for p in pods} == set(left_on), (attempt, [p["spec"]["nodeName"] for p in pods])
+        for p in pods:
+            run.rc.exit_pod(run.ns, p["metadata"]["name"], 0)
+        code, log = run.finish(sup)
+        assert code == 0 and "healthy: this attempt's JobSet prefers it" in log, log
