@@ -383,15 +383,15 @@ class Scene:
         supervisor's record, classify-failure, provision-slice), so the byte is flipped as soon as the last worker
         stopped.
         """
-        victim, s = self.victim, self
-        s.cluster.delete_pod(victim)
-        selector = workers_selector(s.target.run_id, s.attempt)
-        stopped = lambda: not s.cluster.running(selector)  # noqa: E731
-        wait_until(f"the workers of attempt {s.attempt} to stop", stopped, time.time() + CORRUPT_WAIT_S, every=0.2)
-        rel = corrupt_newest_checkpoint(s.store)
+        victim, attempt, run_id, store = self.victim, self.attempt, self.target.run_id, self.store
+        self.cluster.delete_pod(victim)
+        selector = workers_selector(run_id, attempt)
+        stopped = lambda: not self.cluster.running(selector)  # noqa: E731
+        wait_until(f"the workers of attempt {attempt} to stop", stopped, time.time() + CORRUPT_WAIT_S, every=0.2)
+        rel = corrupt_newest_checkpoint(store)
         if rel is None:
-            raise DrillError(f"run {s.target.run_id} has no checkpoint with a manifest yet; raise --after-step")
-        return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped bytes of {s.store.url(rel)}"
+            raise DrillError(f"run {run_id} has no checkpoint with a manifest yet; raise --after-step")
+        return f"deleted worker pod {victim}; once the attempt's workers stopped, flipped bytes of {store.url(rel)}"
 
 
 def scene(cluster: Cluster, store: RunStore, target: Target, workflow: str, attempt: int, deadline: float) -> Scene:

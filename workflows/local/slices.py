@@ -89,17 +89,6 @@ class WorkerProc:
             return None
         return 128 - rc if rc < 0 else rc
 
-    @property
-    def signal_name(self) -> str | None:
-        """Name of the signal that ended the process, if any."""
-        rc = self.returncode
-        if rc is None or rc >= 0:
-            return None
-        try:
-            return signal.Signals(-rc).name
-        except ValueError:
-            return f"SIG{-rc}"
-
 
 @dataclass
 class LocalSlice:
