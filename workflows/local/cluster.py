@@ -31,7 +31,7 @@ from jaxrec.adapters.kube import IN_POD_ENV
 from jaxrec.model.names import ATTEMPT_LABEL, TERMINATION_LOG_ENV
 from jaxrec.model.records import now
 from workflows.local.engine import FAILED, SUCCEEDED, NodePhase, WorkflowError
-from workflows.local.slices import LocalSlice, WorkerProc, pod_name
+from workflows.local.slices import LocalSlice, WorkerProc
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
@@ -286,20 +286,16 @@ class LocalCluster:
                         w.returncode, w.ended_at = rc, w.exited_at or now()
 
     def tick(self, sl: LocalSlice, at: float) -> None:
-        """Let time pass for ``sl``: the hooks act on a running slice; a deleted one's kubelets keep the grace.
+        """Let time pass for ``sl``: its kubelets keep the deleted pods' grace; the hooks act on a running slice.
 
-        The kubelet SIGKILLs a deleted pod's container once its termination grace is over; a lost host has no
-        kubelet to do it.
+        The kubelet SIGKILLs a deleted pod's container once its termination grace is over (the pod's own, or its
+        JobSet's deletion's); a lost host has no kubelet to do it.
         """
-        if sl.deleted_at is None:
-            for w in sl.workers:  # a pod deleted through the API: its grace is over
-                if w.kill_at is not None and at >= w.kill_at and w.index not in sl.lost:
-                    sl.signal_worker(w.index, signal.SIGKILL)
-            self.hooks.on_tick(sl)
-            return
         for w in sl.workers:
-            if w.index not in sl.lost and at - sl.deleted_at >= sl.grace_seconds:
+            if w.kill_at is not None and at >= w.kill_at and w.index not in sl.lost:
                 sl.signal_worker(w.index, signal.SIGKILL)
+        if sl.deleted_at is None:
+            self.hooks.on_tick(sl)
 
     @staticmethod
     def delete(sl: LocalSlice, at: float) -> None:
@@ -311,6 +307,7 @@ class LocalCluster:
         for w in sl.workers:
             if w.returncode is None and w.proc is not None and w.index not in sl.lost:
                 w.stopped_by_jobset = True
+                w.kill_at = min(w.kill_at or float("inf"), at + sl.grace_seconds)
                 sl.signal_worker(w.index, signal.SIGCONT)
                 sl.signal_worker(w.index, signal.SIGTERM)
 
@@ -320,19 +317,19 @@ class LocalCluster:
 
         ``disruption``: the DisruptionTarget condition an eviction stamped on it, which its status keeps.
         """
-        for w in sl.workers:
-            if pod_name(sl.jobset, w.index) == pod and w.returncode is None and w.deleted_at is None:
-                w.deleted_at, w.kill_at, w.disruption = at, at + grace_s, disruption
-                sl.signal_worker(w.index, signal.SIGCONT)
-                sl.signal_worker(w.index, signal.SIGTERM)
+        w = sl.worker_of(pod)
+        if w is not None and w.returncode is None and w.deleted_at is None:
+            w.deleted_at, w.kill_at, w.disruption = at, at + grace_s, disruption
+            sl.signal_worker(w.index, signal.SIGCONT)
+            sl.signal_worker(w.index, signal.SIGTERM)
 
     @staticmethod
     def force_delete(sl: LocalSlice, pod: str) -> None:
         """SIGKILL the worker of ``pod`` (its host is lost: nothing else would end it)."""
-        for w in sl.workers:
-            if pod_name(sl.jobset, w.index) == pod:
-                sl.signal_worker(w.index, signal.SIGCONT)
-                sl.signal_worker(w.index, signal.SIGKILL)
+        w = sl.worker_of(pod)
+        if w is not None:
+            sl.signal_worker(w.index, signal.SIGCONT)
+            sl.signal_worker(w.index, signal.SIGKILL)
 
     def kill(self, sl: LocalSlice) -> None:
         """The whole run is deleted: SIGKILL every worker of ``sl``, wait up to ``KILL_WAIT_S`` for them."""

@@ -31,7 +31,7 @@ from typing import Any
 from jaxrec.model.records import now
 from workflows.local.apiserver import JOBSET_NAME_LABEL, ApiServer, status
 from workflows.local.cluster import TICK, LocalCluster, read_manifest
-from workflows.local.slices import LocalSlice, jobset_status, pod_name, slice_objects
+from workflows.local.slices import LocalSlice, jobset_status, slice_objects
 
 
 class LocalControllers:
@@ -106,12 +106,8 @@ class LocalControllers:
     def _holds(self, pod: dict[str, Any]) -> bool:
         """Whether the pod's worker still runs (its kubelet removes the pod once it has exited)."""
         sl = self.cluster.find((pod["metadata"].get("labels") or {}).get(JOBSET_NAME_LABEL, ""))
-        if sl is None:
-            return False
-        return any(
-            pod_name(sl.jobset, w.index) == pod["metadata"]["name"] and w.proc is not None and w.returncode is None
-            for w in sl.workers
-        )
+        w = sl.worker_of(pod["metadata"]["name"]) if sl is not None else None
+        return w is not None and w.proc is not None and w.returncode is None
 
     def _deleted(self, api: ApiServer, resource: str, obj: dict[str, Any], q: dict[str, list[str]]) -> None:
         name = obj["metadata"]["name"]

@@ -156,6 +156,10 @@ class LocalSlice:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, sig)
 
+    def worker_of(self, pod: str) -> WorkerProc | None:
+        """The worker whose pod is called ``pod``, if it is one of this slice's."""
+        return next((w for w in self.workers if pod_name(self.jobset, w.index) == pod), None)
+
     def restart(self, index: int) -> None:
         """Kill worker ``index`` and start it again alone with the same environment (a container restart)."""
         w = self.workers[index]
