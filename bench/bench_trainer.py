@@ -374,9 +374,28 @@ def run_trainer(cfg, work: Path) -> dict:
         blocking[-1] -= (span[-1].blocking_parts or {}).get(COMMIT_WAIT_PART, 0.0)
     report = read_report(store, 0, 0) or {}
     return {"rate": (s1 - s0) / (t1 - t0), "span": (s0, s1), "elapsed": t1 - t0, "blocking": blocking,
+            "reads": steps, "windows_of": [e.step for e in span],
             "rss": report.get("peak_rss_mib") or 0.0,
             "save_s": [e.save_seconds for e in saves(EventKind.SAVE_COMMITTED) if e.save_seconds is not None],
             "parts": [e.blocking_parts or {} for e in span]}  # fmt: skip
+
+
+def brief(run: dict) -> dict:
+    """A ``run_trainer`` result without its per-step reads, to print."""
+    return {k: v for k, v in run.items() if k != "reads"}
+
+
+def window_loss(reads: list[tuple[int, float]], save_steps: list[int], rate: float) -> dict[str, float]:
+    """Where a run's lost time sits: for the steps before its first save and from each save's step to the next
+    save's, the seconds they took beyond their count at ``rate`` (the run without saves); the windows add up to
+    the run's whole loss, so each save's figure is comparable with the ``blocking_seconds`` it reported."""
+    out: dict[str, float] = {}
+    for lo, hi, name in zip([None, *save_steps], [*save_steps, None], ["before", *map(str, save_steps)], strict=True):
+        window = [(s, t) for s, t in reads if (lo is None or s >= lo) and (hi is None or s <= hi)]
+        if len(window) > 1:
+            (s0, t0), (s1, t1) = window[0], window[-1]
+            out[name] = round(t1 - t0 - (s1 - s0) / rate, 3)
+    return out
 
 
 def bench_loop(
@@ -401,12 +420,12 @@ def bench_loop(
         if not saves_only:
             bare = run_bare(cfg, steps)
             rows.append((name, cfg, bare, none))
-            print(f"measured {name}: bare {bare}, trainer {none}", flush=True)
+            print(f"measured {name}: bare {bare}, trainer {brief(none)}", flush=True)
         if name != "tiny":
             cfg_s = loop_config(str(work / f"{name}-save" / "store"), name, steps + WARMUP_STEPS, save_every,
                                 accelerator, cache, steps_ahead)  # fmt: skip
             saves.append((name, none, run_trainer(cfg_s, work / f"{name}-save")))
-            print(f"measured {name} saving every {save_every}: {saves[-1][2]}", flush=True)
+            print(f"measured {name} saving every {save_every}: {brief(saves[-1][2])}", flush=True)
     if rows:
         print_loop_table(rows, steps, steps_ahead)
     if saves:
@@ -445,6 +464,9 @@ def print_save_table(saves: list[tuple], save_every: int) -> None:
         share = reported / lost if lost > 0 else float("nan")
         print(f"{name:<8} {none['rate']:>10.2f} {saving['rate']:>12.2f} {saving['rate'] / none['rate']:>6.3f} "
               f"{n:>6} {lost:>12.3f} {reported:>11.3f} {share:>14.2f}")  # fmt: skip
+        saved_at = [int(k) for k in saving["windows_of"]]
+        print(f"{name}: seconds lost, before the first save and from each save to the next: "
+              f"{window_loss(saving['reads'], saved_at, none['rate'])}")  # fmt: skip
     print("target: kept >= 0.97 (134.6M), >= 0.95 (269M); blocking_seconds within 10% of the measured loss")
     for name, _none, saving in saves:
         if saving["save_s"]:
