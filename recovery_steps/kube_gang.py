@@ -244,13 +244,14 @@ class KubeGang:
                 break
             self.node_cache[name] = node_from_api(body) if body else NodeEvidence(name=name, found=False)
         js = self.watch["jobset"].snapshot()
+        jobset = jobset_from_api(js[0]) if js else None
         jobs = [job_from_api(j) for j in self.watch["jobs"].snapshot()]
-        pods, jobs = self._consistent(pods, jobs)
+        pods, jobs = self._consistent(pods, jobs, jobset_failed=bool(jobset and jobset.terminal_state == "Failed"))
         if self.expected_pods is not None and len(pods) < self.expected_pods:
             failing += self._read_job_events([j.name for j in jobs])
         return ClusterSnapshot(
             taken_at=self.clock(),
-            jobset=jobset_from_api(js[0]) if js else None,
+            jobset=jobset,
             jobs=[j.model_copy(update={"events": self.job_events.get(j.name, [])}) for j in jobs],
             pods=pods,
             nodes=[self.node_cache[n] for n in sorted(self.node_cache)],
@@ -258,16 +259,16 @@ class KubeGang:
         )
 
     def _consistent(
-        self, pods: list[PodEvidence], jobs: list[JobEvidence]
+        self, pods: list[PodEvidence], jobs: list[JobEvidence], *, jobset_failed: bool = False
     ) -> tuple[list[PodEvidence], list[JobEvidence]]:
         """The pods and Jobs listed once more when one watch shows a failure the other does not.
 
-        The two watches deliver independently: a Job's ``FailureTarget`` can arrive before the pod that failed it,
-        and a failed pod before the Job controller's verdict on it. A LIST answers as of the API's latest state, so
-        the verdict's snapshot names the worker and holds the Job's reason as the API has them now. A LIST that
-        fails keeps the watched view.
+        The watches deliver independently: a Job's ``FailureTarget`` or the JobSet's failure can arrive before the
+        pod that caused it, and a failed pod before the Job controller's verdict on it. A LIST answers as of the
+        API's latest state, so the verdict's snapshot names the worker and holds the Job's reason as the API has
+        them now. A LIST that fails keeps the watched view.
         """
-        job_failed = any(j.failure() is not None for j in jobs)
+        job_failed = jobset_failed or any(j.failure() is not None for j in jobs)
         pod_failed = any(p.phase == PodPhase.FAILED for p in pods)
         if job_failed == pod_failed:
             return pods, jobs

@@ -447,15 +447,15 @@ def _live(pods: tuple[PodEvidence, ...]) -> list[PodEvidence]:
 def _failed(obs: Observation) -> Verdict | None:
     if not obs.jobset_exists:
         return Verdict(state=AttemptOutcome.FAILED, reason="the attempt's JobSet was deleted by someone else")
-    if obs.jobset_terminal_state == "Failed":
-        c = next((c for c in obs.jobset_conditions if c.type == "Failed" and c.status == "True"), None)
-        why = f": {c.reason}: {c.message}" if c and (c.reason or c.message) else ""
-        return Verdict(state=AttemptOutcome.FAILED, reason=f"JobSet failed{why}")
     # FailureTarget is the Job controller's verdict; Failed only follows once every pod is terminal (the
-    # snapshot's Job record keeps either, ``JobEvidence.failure``). The worker that failed first is named before it.
+    # snapshot's Job record keeps either, ``JobEvidence.failure``). The worker that failed first is named before it,
+    # and before the JobSet's failure, which a supervisor slower than the controllers may see in the same view.
     jobs = [
         f"Job {j.name} {c.type}: {c.reason or '-'}: {c.message or 'no message'}" for j in obs.jobs if (c := j.failure())
     ]
+    if obs.jobset_terminal_state == "Failed":
+        c = next((c for c in obs.jobset_conditions if c.type == "Failed" and c.status == "True"), None)
+        jobs.append("JobSet failed" + (f": {c.reason}: {c.message}" if c and (c.reason or c.message) else ""))
     failed = [p for p in obs.pods if p.phase == PodPhase.FAILED]
     if failed:
         # The first to fail, not a worker that exited on losing it (exit 20 comes a heartbeat timeout later).

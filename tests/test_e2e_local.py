@@ -134,9 +134,10 @@ def test_worker_failures_recover_bit_identically(e2e_workflow, reference, scenar
     _assert_restores_were_good(store, [])
     if scenario == "kill-worker":
         _assert_as_the_real_controller(res, scenario, out)
-    # classify-failure read the slice as the supervisor saw it before its stop: every worker's pod, the one named.
+    # classify-failure read the slice as the supervisor saw it before its stop: the failed worker named, its pod
+    # with it (its peers' pods too, unless the Job controller deleted them on the Job's failure before the view).
     sup = SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(0)))
-    assert sup.snapshot is not None and len(sup.snapshot.pods) == HOSTS and sup.worker is not None, sup
+    assert sup.snapshot is not None and sup.worker in {p.index for p in sup.snapshot.pods}, sup
     if scenario == "kill-worker":
         _assert_job_failed_as_the_controller_decides(sup, victim=HOSTS - 1)
     # The next attempt compiled its step beside the restore, and its first step used that executable.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import pytest
@@ -361,6 +362,20 @@ CASES = [
         AttemptOutcome.FAILED,
         None,
         "FailedJobs",
+    ),
+    (
+        # A supervisor slower than the controllers sees the JobSet failed in the view that first holds the failed
+        # worker (its peer's pod already deleted by the Job controller): the worker is named all the same.
+        "jobset-failed-in-the-view-that-first-shows-its-failed-worker",
+        obs(
+            900,
+            [done(1, 137)],
+            jobset_terminal_state="Failed",
+            jobset_conditions=(Condition(type="Failed", reason="FailedJobs", message="one or more job failures"),),
+        ),
+        AttemptOutcome.FAILED,
+        None,
+        "worker 1 failed (exit code 137, SIGKILL); JobSet failed: FailedJobs",
     ),
     (
         "failure-target-with-pod-terminating-on-unreachable-node",
@@ -1069,6 +1084,8 @@ def test_decide(case, observation, state, kind, fragment):
     v = decide(observation, D)
     assert (v.state, v.kind) == (state, kind), v.reason
     assert fragment in v.reason
+    if named := re.match(r"worker (\d+) failed", fragment):  # a failed worker's verdict names it
+        assert v.worker == int(named[1]), v
     assert v.over is (state != AttemptOutcome.RUNNING)
 
 

@@ -1138,8 +1138,9 @@ def test_the_supervisor_reads_the_longest_start_up_of_the_runs_earlier_attempts(
 
 
 def test_a_failure_one_watch_shows_before_the_other_is_read_once_more_by_listing():
-    """The pods and Jobs watches deliver independently: when one shows a failure the other does not yet, the view
-    lists both again, so the verdict's snapshot holds the failed pod (its worker named) beside the Job's reason."""
+    """The watches deliver independently: when the Job's or the JobSet's shows a failure the pods' does not yet, or
+    the other way round, the view lists both again, so the verdict's snapshot holds the failed pod (its worker
+    named) beside the Job's reason."""
     from jaxrec.adapters.kube import make_api_client
     from jaxrec.model.snapshot import job_from_api, pod_from_api
     from recovery_steps.kube_gang import KubeGang
@@ -1160,6 +1161,9 @@ def test_a_failure_one_watch_shows_before_the_other_is_read_once_more_by_listing
         # The failed pod arrived first: the Jobs are listed again, with the controller's verdict.
         pods, jobs = gang._consistent([pod_from_api(failed)], [job_from_api(job)])
         assert jobs[0].failure().reason == "BackoffLimitExceeded"
+        # The JobSet's failure arrived first: the pods and Jobs are listed again.
+        pods, jobs = gang._consistent(running, [job_from_api(job)], jobset_failed=True)
+        assert [p.phase for p in pods] == ["Running", "Failed"] and jobs[0].failure() is not None
         # Both views agree: nothing is listed.
         before = len(cluster.requests)
         gang._consistent(running, [job_from_api(job)])
