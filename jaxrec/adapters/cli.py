@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from jaxrec.model.config import ATTEMPT_CEILING, StorageConfig, run_id_problem
 
@@ -251,8 +251,3 @@ def fail(step: str, line: str, code: int) -> int:
     """Print one line for ``step`` on stderr and return ``code``, so that ``main`` can end with it."""
     print(line if line.startswith(f"{step}:") else f"{step}: {line}", file=sys.stderr)
     return code
-
-
-def describe(args: Any) -> str:
-    """``args`` of a parsed namespace as one short line, for a step's first log line."""
-    return " ".join(f"{k}={_short(str(v), 80)}" for k, v in sorted(vars(args).items()))

@@ -352,8 +352,12 @@ def integrity_basis(manifest: CheckpointManifest, on_gcs: bool) -> str:
     )
 
 
-def check_files(store: RunStore, name: str, objects: list[ObjectInfo], *, threads: int = 8) -> list[str]:
-    """Check the step closed-world against its manifest; one line per problem.
+def check_step(
+    store: RunStore, name: str, objects: list[ObjectInfo], *, threads: int = 8
+) -> tuple[list[str], str | None]:
+    """The step's problems against its manifest, closed-world, one line each, and how its files were checked.
+
+    How they were checked is ``integrity_basis`` (None without a manifest).
 
     Every file the manifest lists must be present with its size and CRC32C (and, where the manifest
     records one, its GCS generation), and every file under the step must be listed: a file the manifest
@@ -367,13 +371,6 @@ def check_files(store: RunStore, name: str, objects: list[ObjectInfo], *, thread
     is read whatever the checkpoint's size (O(files)). Locally each file is streamed through CRC32C in
     ``CRC_CHUNK`` pieces on ``threads`` threads: memory stays at a few MiB.
     """
-    return check_step(store, name, objects, threads=threads)[0]
-
-
-def check_step(
-    store: RunStore, name: str, objects: list[ObjectInfo], *, threads: int = 8
-) -> tuple[list[str], str | None]:
-    """``check_files``'s problems and how the files were checked (``integrity_basis``; None without a manifest)."""
     raw = store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{RunLayout.MANIFEST}")
     if raw is None:
         return [f"{RunLayout.MANIFEST} vanished while being checked"], None
@@ -390,7 +387,7 @@ def check_step(
 def file_problems(
     store: RunStore, name: str, manifest: CheckpointManifest, objects: list[ObjectInfo], *, threads: int = 8
 ) -> list[str]:
-    """The problems of step directory ``name`` (objects as listed) against ``manifest``; see ``check_files``."""
+    """The problems of step directory ``name`` (objects as listed) against ``manifest``; see ``check_step``."""
     by_name = {o.name: o for o in objects}
     problems: list[str] = []
     if not manifest.files:

@@ -1267,11 +1267,3 @@ def load_config(path: str | Path) -> JobConfig:
     if _expanded_size(data, MAX_NODES) > MAX_NODES:
         raise ConfigError(source, [f"more than {MAX_NODES} values once aliases are expanded; not a job config"])
     return parse_config(data, source)
-
-
-def config_from_json(text: str, source: str = "config.json") -> JobConfig:
-    """Parse the config as the run store holds it (``{"config": {...}, "hash": ...}`` or the bare tree)."""
-    data = json.loads(text)
-    if isinstance(data, dict) and "config" in data and "hash" in data:
-        data = data["config"]
-    return parse_config(data, source)
