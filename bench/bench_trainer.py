@@ -16,7 +16,7 @@
 Usage: python bench/bench_trainer.py [--hosts 4] [--steps 60] [--interval 10] [--repeats 3] [--kills 3]
        [--cache-repeats 2] [--only-checkpoints | --only-cache]
        python bench/bench_trainer.py --loop [--models tiny,134.6M,269M] [--loop-steps 300] [--save-every 100]
-              [--steps-ahead 16] [--saves-only]
+              [--steps-ahead 16] [--saves-only] [--pairs 3]
        python bench/bench_trainer.py --save-probe [--models 134.6M] [--loop-steps 300] [--save-every 100]
 """
 
@@ -406,26 +406,28 @@ def bench_loop(
     accelerator: bool,
     steps_ahead: int = 1,
     saves_only: bool = False,
+    pairs: int = 1,
 ) -> None:
     """Trainer vs bare loop for each model, then save every ``save_every`` vs none for the larger ones
-    (``saves_only``: the second part alone)."""
+    (``saves_only``: the second part alone), in ``pairs`` pairs of runs one after the other."""
     cache = str(work / "xla-cache")
     rows, saves = [], []
     for name in models:
         if saves_only and name == "tiny":
             continue
-        cfg = loop_config(str(work / f"{name}-none" / "store"), name, steps + WARMUP_STEPS, None, accelerator, cache,
-                          steps_ahead)  # fmt: skip
-        none = run_trainer(cfg, work / f"{name}-none")
-        if not saves_only:
-            bare = run_bare(cfg, steps)
-            rows.append((name, cfg, bare, none))
-            print(f"measured {name}: bare {bare}, trainer {brief(none)}", flush=True)
-        if name != "tiny":
-            cfg_s = loop_config(str(work / f"{name}-save" / "store"), name, steps + WARMUP_STEPS, save_every,
-                                accelerator, cache, steps_ahead)  # fmt: skip
-            saves.append((name, none, run_trainer(cfg_s, work / f"{name}-save")))
-            print(f"measured {name} saving every {save_every}: {brief(saves[-1][2])}", flush=True)
+        for pair in range(pairs if name != "tiny" else 1):
+            cfg = loop_config(str(work / f"{name}-none-{pair}" / "store"), name, steps + WARMUP_STEPS, None,
+                              accelerator, cache, steps_ahead)  # fmt: skip
+            none = run_trainer(cfg, work / f"{name}-none-{pair}")
+            if not saves_only and pair == 0:
+                bare = run_bare(cfg, steps)
+                rows.append((name, cfg, bare, none))
+                print(f"measured {name}: bare {bare}, trainer {brief(none)}", flush=True)
+            if name != "tiny":
+                cfg_s = loop_config(str(work / f"{name}-save-{pair}" / "store"), name, steps + WARMUP_STEPS,
+                                    save_every, accelerator, cache, steps_ahead)  # fmt: skip
+                saves.append((name, none, run_trainer(cfg_s, work / f"{name}-save-{pair}")))
+                print(f"measured {name} saving every {save_every}: {brief(saves[-1][2])}", flush=True)
     if rows:
         print_loop_table(rows, steps, steps_ahead)
     if saves:
@@ -458,15 +460,23 @@ def print_save_table(saves: list[tuple], save_every: int) -> None:
           f"{'blocking_s':>11} {'reported/lost':>14}")  # fmt: skip
     for name, none, saving in saves:
         n = len(saving["blocking"])
-        span = saving["span"][1] - saving["span"][0]
-        lost = (saving["elapsed"] - span / none["rate"]) / n if n else float("nan")
-        reported = statistics.mean(saving["blocking"]) if n else float("nan")
+        lost, reported = save_loss(none, saving)
         share = reported / lost if lost > 0 else float("nan")
         print(f"{name:<8} {none['rate']:>10.2f} {saving['rate']:>12.2f} {saving['rate'] / none['rate']:>6.3f} "
               f"{n:>6} {lost:>12.3f} {reported:>11.3f} {share:>14.2f}")  # fmt: skip
         saved_at = [int(k) for k in saving["windows_of"]]
         print(f"{name}: seconds lost, before the first save and from each save to the next: "
               f"{window_loss(saving['reads'], saved_at, none['rate'])}")  # fmt: skip
+    for name in dict.fromkeys(n for n, _, _ in saves):
+        mine = [(none, saving) for n, none, saving in saves if n == name]
+        if len(mine) > 1:  # one pair's loss is within the runs' own spread: the mean over pairs is the figure
+            kept = statistics.mean(saving["rate"] / none["rate"] for none, saving in mine)
+            lost = statistics.mean(save_loss(none, saving)[0] for none, saving in mine)
+            reported = statistics.mean(save_loss(none, saving)[1] for none, saving in mine)
+            spread = max(none["rate"] for none, _ in mine) / min(none["rate"] for none, _ in mine) - 1
+            print(f"{name}: mean of {len(mine)} pairs: kept {kept:.3f}, lost {lost:.3f} s a save, reported "
+                  f"{reported:.3f} s ({reported / lost if lost > 0 else float('nan'):.2f}); the runs without saves "
+                  f"differ by {spread:.1%}")  # fmt: skip
     print("target: kept >= 0.97 (134.6M), >= 0.95 (269M); blocking_seconds within 10% of the measured loss")
     for name, _none, saving in saves:
         if saving["save_s"]:
@@ -474,6 +484,15 @@ def print_save_table(saves: list[tuple], save_every: int) -> None:
                   f"(median of {len(saving['save_s'])}); the loop's share of it, by part:")  # fmt: skip
         if saving["parts"]:
             print_blocking_parts(saving["parts"])
+
+
+def save_loss(none: dict, saving: dict) -> tuple[float, float]:
+    """The seconds a save cost the run with saves against the one without (measured), and what it reported."""
+    n = len(saving["blocking"])
+    if not n:
+        return float("nan"), float("nan")
+    span = saving["span"][1] - saving["span"][0]
+    return (saving["elapsed"] - span / none["rate"]) / n, statistics.mean(saving["blocking"])
 
 
 def has_accelerator() -> bool:
@@ -508,6 +527,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps-ahead", type=int, default=16, help="the --loop trainer's training.steps_ahead")
     p.add_argument("--cpu", action="store_true", help="--loop on the CPU even where there is an accelerator")
     p.add_argument("--saves-only", action="store_true", help="--loop: only the save cost (no bare loop, no tiny)")
+    p.add_argument("--pairs", type=int, default=1, help="--loop: pairs of runs without and with saves, per model")
     p.add_argument(
         "--save-probe",
         action="store_true",
@@ -532,7 +552,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
             accelerator = not a.cpu and has_accelerator()
             bench_loop(Path(tmp), a.models.split(","), a.loop_steps, a.save_every, accelerator, a.steps_ahead,
-                       a.saves_only)  # fmt: skip
+                       a.saves_only, a.pairs)  # fmt: skip
         return
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
