@@ -46,7 +46,6 @@ from jaxrec.model.records import LocalPartManifest, ManifestFile, now
 log = logging.getLogger(__name__)
 
 STATE_BIN, STATE_INDEX, DATA_FILE, MANIFEST = "state.bin", "state.json", "data.json", "manifest.json"
-PART_FILES = (STATE_BIN, STATE_INDEX, DATA_FILE)
 CHUNK = 1 << 20
 FETCH_TIMEOUT_S = 60.0
 _PART_NAME = re.compile(r"^part-(\d+)$")

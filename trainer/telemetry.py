@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -97,11 +96,3 @@ class WorkerMetrics:
 def cpu_seconds() -> float:
     """CPU seconds of this process so far, every thread (the ``cpu_s`` of the start-up events)."""
     return round(time.process_time(), 3)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write a local file atomically (temp file + rename)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -723,7 +723,6 @@ class RunStore:
         return isinstance(self._b, GcsBackend)
 
     def url(self, rel: str = "") -> str:
-        """Absolute location of ``rel``."""
         """Absolute location (``gs://...`` or a local path) of ``rel``, for orbax and for people."""
         return self._b.url(rel)
 
@@ -882,7 +881,6 @@ class RunStore:
         return self._b.read(rel) is not None or bool(self._b.list(rel))
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Objects under ``prefix``."""
         """Every object under ``prefix`` (recursive), sorted by name, names relative to the run."""
         return self._b.list(prefix)
 
@@ -929,22 +927,14 @@ class RunStore:
                 return 0
             n = len(self._b.list(src_prefix))  # objects, as list() counts them (lock files excluded)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            if src.is_dir() and not src.is_symlink():
-                os.mkdir(dst)  # exclusive: raises FileExistsError when the name is taken
-                try:
-                    os.rename(src, dst)
-                except FileNotFoundError:
-                    dst.rmdir()
-                    return 0
-            else:
-                # A link or a file: moved into a new directory of its own, so that what is written
-                # into the quarantine entry afterwards (its reason) never goes through a link.
-                os.mkdir(dst)
-                try:
-                    os.rename(src, dst / src.name)
-                except FileNotFoundError:
-                    dst.rmdir()
-                    return 0
+            os.mkdir(dst)  # exclusive: raises FileExistsError when the name is taken
+            # A link or a file is moved into a new directory of its own, so that what is written into the
+            # quarantine entry afterwards (its reason) never goes through a link.
+            try:
+                os.rename(src, dst if src.is_dir() and not src.is_symlink() else dst / src.name)
+            except FileNotFoundError:
+                dst.rmdir()
+                return 0
             return max(n, 1)
         objs = self._b.list(src_prefix)
         copied = 0
@@ -958,7 +948,6 @@ class RunStore:
         return copied
 
     def delete(self, rel: str) -> None:
-        """Delete ``rel`` if present."""
         """Delete one object (never used on checkpoints: those are moved to quarantine)."""
         self._b.delete(rel)
 

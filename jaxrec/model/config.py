@@ -33,7 +33,6 @@ _IMAGE_REF = re.compile(
     rf"^((?:{_IMAGE_HOST}/)?{_IMAGE_COMPONENT}(?:/{_IMAGE_COMPONENT})*)(?::\w[\w.-]{{0,127}})?"
     r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
 )
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 
 RUN_ID_MAX = 40
 """Longest run id (``_RUN_ID``); the slice's pod names may allow fewer (``run_id_pod_name_problem``)."""
