@@ -22,8 +22,8 @@ from jaxrec.model.contract import (
     exit_code_info,
 )
 from jaxrec.model.records import SupervisionRecord, WorkerExitReport
-from jaxrec.model.snapshot import first_failed
-from recovery_steps.evidence import Condition, Evidence, NodeEvidence, PodEvidence, PodPhase
+from jaxrec.model.snapshot import Condition, NodeEvidence, PodEvidence, PodPhase, first_failed
+from recovery_steps.evidence import Evidence
 from recovery_steps.supervision import create_refusal, one_line, pull_failure_is_permanent, waiting_cause
 
 SIGABRT, SIGKILL, SIGTERM = 6, 9, 15

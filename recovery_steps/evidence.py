@@ -19,8 +19,6 @@ from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
 from jaxrec.model.contract import Backend
 from jaxrec.model.records import SupervisionRecord, WorkerExitReport
 from jaxrec.model.snapshot import (
-    Condition,
-    ContainerState,
     JobEvidence,
     JobSetEvidence,
     NodeEvidence,
@@ -29,34 +27,11 @@ from jaxrec.model.snapshot import (
     job_from_api,
     jobset_from_api,
     node_from_api,
-    parse_time,
     pod_from_api,
 )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-__all__ = [  # the snapshot records are the evidence's own; importers of this module keep their names
-    "Condition",
-    "ContainerState",
-    "Evidence",
-    "EvidenceUnreadable",
-    "JobEvidence",
-    "JobSetEvidence",
-    "NodeEvidence",
-    "PodEvidence",
-    "PodPhase",
-    "gather_kubernetes",
-    "gather_reports",
-    "gather_snapshot_events",
-    "gather_supervision",
-    "job_from_api",
-    "jobset_from_api",
-    "node_from_api",
-    "parse_time",
-    "pod_from_api",
-    "use_supervisor_snapshot",
-]
 
 
 class Evidence(BaseModel):

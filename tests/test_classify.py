@@ -8,15 +8,9 @@ from support.local_evidence import ended_slice
 from jaxrec.model.contract import FailureClass
 from jaxrec.model.jobset import pod_failure_policy
 from jaxrec.model.records import WorkerExitReport
+from jaxrec.model.snapshot import Condition, ContainerState, JobEvidence, NodeEvidence, PodEvidence
 from recovery_steps.classify import classify
-from recovery_steps.evidence import (
-    Condition,
-    ContainerState,
-    Evidence,
-    JobEvidence,
-    NodeEvidence,
-    PodEvidence,
-)
+from recovery_steps.evidence import Evidence
 from workflows.local.slices import job_failure
 
 T0 = 1_714_557_600.0  # 2024-05-01T10:00:00Z

@@ -261,7 +261,8 @@ def test_a_restore_latest_that_spent_its_retries_is_classified_as_a_transient_in
 
 
 def _gang(*, jobset_conditions=(), job_conditions=(), supervision=None):
-    from recovery_steps.evidence import Evidence, JobEvidence, JobSetEvidence
+    from jaxrec.model.snapshot import JobEvidence, JobSetEvidence
+    from recovery_steps.evidence import Evidence
 
     js = JobSetEvidence(name=f"{RUN}-a3", conditions=list(jobset_conditions))
     jobs = [JobEvidence(name=f"{RUN}-a3-workers-0", conditions=list(job_conditions))]
@@ -269,8 +270,8 @@ def _gang(*, jobset_conditions=(), job_conditions=(), supervision=None):
 
 
 def test_a_gang_is_orphaned_only_while_neither_its_jobset_nor_a_job_of_it_has_failed():
+    from jaxrec.model.snapshot import Condition
     from recovery_steps.classify_failure import orphaned_gang
-    from recovery_steps.evidence import Condition
 
     assert "its supervisor was lost" in orphaned_gang(_gang())
     # FailureTarget: the Job controller decided the Job fails; the JobSet reacts only once the Job is Failed.
