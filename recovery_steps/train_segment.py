@@ -55,9 +55,9 @@ from jaxrec.adapters.checkpoints import newest_complete_step
 from jaxrec.adapters.documents import read_ledger
 from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
 from jaxrec.model.config import JobConfig
-from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass
+from jaxrec.model.contract import AttemptOutcome, ExitCode
 from jaxrec.model.gang import Gang
-from jaxrec.model.jobset import JobSetParams, jobset_manifest
+from jaxrec.model.jobset import JobSetParams, Placement, jobset_manifest, placement
 from jaxrec.model.outputs import SegmentOutputs
 from jaxrec.model.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now, startup_attempts
 from jaxrec.model.snapshot import (
@@ -67,7 +67,7 @@ from jaxrec.model.snapshot import (
     NodeEvidence,
     PodEvidence,
     PodPhase,
-    healthy_pool,
+    gang_pool,
 )
 from recovery_steps.kube_gang import KubeGang
 from recovery_steps.step import (
@@ -736,7 +736,8 @@ def run(
     cfg = load_run_config(ref.store_root, ref.run_id)
     store = ref.store()
     if isinstance(jobset, JobSetParams) and not cfg.slice.is_cpu:
-        jobset = dataclasses.replace(jobset, prefer_pool=last_healthy_pool(store, attempt, say) or "")
+        where = next_placement(store, attempt, say)
+        jobset = dataclasses.replace(jobset, prefer_pool=where.prefer, avoid_pool=where.avoid)
     manifest = segment_manifest(cfg, jobset, attempt, store.url(RunLayout.CONFIG))
     port = (gang or kube_gang())(cfg, manifest, io.clock, say)
     renew = lease_renewal(store, holder, cfg.retry.lease_ttl_s, say, cfg.namespace) if holder else None
@@ -757,28 +758,24 @@ def run(
     return record
 
 
-def last_healthy_pool(store: RunStore, attempt: int, say: Callable[[str], None] = log.info) -> str | None:
-    """The node pool attempt ``attempt - 1`` left healthy, for this attempt's gang to prefer; None for none.
+def next_placement(store: RunStore, attempt: int, say: Callable[[str], None] = log.info) -> Placement:
+    """Where attempt ``attempt``'s gang asks to run, from the last attempt's class and its supervisor's last view.
 
-    None when that attempt was preempted (its nodes are being reclaimed), when its supervisor's snapshot shows a
-    worker's node lost, cordoned or under maintenance, or when its records cannot be read (a preference is never
-    worth a failed step).
+    Nothing is preferred for the first attempt, or when those records cannot be read (a preference is never worth
+    a failed step).
     """
     if attempt <= 0:
-        return None
+        return Placement(1)
     try:
         ledger = read_ledger(store)
         sup = store.read_record(RunLayout.supervision(attempt - 1), SupervisionRecord)
     except (*store_errors(), DocumentError) as e:
         log.warning("no node pool preferred: attempt %d's records cannot be read (%s)", attempt - 1, e)
-        return None
+        return Placement(1)
     closed = next((a for a in (ledger.attempts if ledger else []) if a.attempt == attempt - 1), None)
-    if closed is not None and closed.failure_class == FailureClass.PREEMPTION:
-        return None
-    pool = healthy_pool(sup.snapshot if sup is not None else None)
-    if pool is not None:
-        say(f"attempt {attempt - 1} left node pool {pool} healthy: this attempt's JobSet prefers it")
-    return pool
+    where = placement(closed.failure_class if closed else None, *gang_pool(sup.snapshot if sup else None))
+    say(f"placement, level {where.level}: {where.why}")
+    return where
 
 
 def gone_record(jobset: str, attempt: int, hosts: int, gone: GangGone) -> SupervisionRecord:

@@ -14,7 +14,7 @@ from support.fake_k8s import FakeCluster, iso, node, pod, status
 from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
 from jaxrec.model.config import StorageConfig, SupervisionConfig, load_config
 from jaxrec.model.contract import ExitCode
-from jaxrec.model.jobset import JobSetParams, jobset_manifest
+from jaxrec.model.jobset import JobSetParams, Placement, jobset_manifest
 from jaxrec.model.records import STARTUP_ATTEMPTS_READ, SupervisionRecord, WorkerExitReport, WorkerHeartbeat
 from recovery_steps import train_segment as ts
 from recovery_steps.step import StepError
@@ -1200,11 +1200,11 @@ def _node(i, **kw):
 @pytest.mark.parametrize(
     ("left", "want"),
     [
-        ({}, "pool-a"),  # an application error, a killed process, a hang: the hosts are fine
-        ({"cls": "preemption"}, None),  # its nodes are being reclaimed
-        ({"nodes": [*(_node(i) for i in range(3)), _node(3, ready=False)]}, None),  # one NotReady
-        ({"nodes": [*(_node(i) for i in range(3)), _node(3, unschedulable=True)]}, None),  # one cordoned
-        ({"nodes": [*(_node(i) for i in range(3)), _node(3, found=False)]}, None),  # one gone
+        ({}, (1, "pool-a", "")),  # an application error, a killed process, a hang: the hosts are fine
+        ({"cls": "preemption"}, (2, "", "pool-a")),  # its nodes are being reclaimed
+        ({"nodes": [*(_node(i) for i in range(3)), _node(3, ready=False)]}, (2, "", "pool-a")),  # one NotReady
+        ({"nodes": [*(_node(i) for i in range(3)), _node(3, unschedulable=True)]}, (2, "", "pool-a")),  # cordoned
+        ({"nodes": [*(_node(i) for i in range(3)), _node(3, found=False, pool=None)]}, (2, "", "pool-a")),  # gone
         (
             {
                 "nodes": [
@@ -1212,17 +1212,21 @@ def _node(i, **kw):
                     _node(3, taints=["cloud.google.com/impending-node-termination:NoSchedule"]),
                 ]
             },
-            None,
+            (2, "", "pool-a"),
         ),
-        ({"pools": ("pool-a", "pool-a", "pool-b", "pool-b")}, None),  # no one pool
+        ({"pools": ("pool-a", "pool-a", "pool-b", "pool-b")}, (1, "", "")),  # no one pool
+        ({"pools": (None,) * HOSTS}, (1, "", "")),  # nodes of no known pool
     ],
 )
-def test_the_pool_the_last_attempt_left_healthy(tmp_path, left, want):
+def test_the_next_placement_from_the_last_attempts_class_and_hosts(tmp_path, left, want):
+    """Level 1 prefers the pool the last attempt left healthy; level 2 prefers any other after a preemption or a
+    host lost, cordoned or under notice; without one known pool, nothing is preferred."""
     store = RunStore(str(tmp_path / "store"), "r")
     _left(store, **left)
-    assert ts.last_healthy_pool(store, 1) == want
-    assert ts.last_healthy_pool(store, 0) is None  # the first attempt has none to prefer
-    assert ts.last_healthy_pool(RunStore(str(tmp_path / "other"), "r"), 1) is None  # no records: none
+    where = ts.next_placement(store, 1)
+    assert (where.level, where.prefer, where.avoid) == want, where
+    assert ts.next_placement(store, 0) == Placement(1)  # the first attempt has none to prefer
+    assert ts.next_placement(RunStore(str(tmp_path / "other"), "r"), 1).prefer == ""  # no records: none
 
 
 def test_the_next_gang_is_created_preferring_the_pool_its_predecessor_left_healthy(tmp_path, cluster):
@@ -1234,7 +1238,7 @@ def test_the_next_gang_is_created_preferring_the_pool_its_predecessor_left_healt
     cluster.script = [lambda c: None, _succeed(js)]
     rec, lines, _ = _run(cfg, tmp_path, cluster, attempt=1)
     assert rec.outcome == "succeeded", rec.reason
-    assert "attempt 0 left node pool pool-a healthy: this attempt's JobSet prefers it" in lines
+    assert "placement, level 1: the last attempt left node pool pool-a healthy: it is preferred" in lines
     pod = cluster.jobsets[js]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     pref = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert pref[0]["preference"]["matchExpressions"][0]["values"] == ["pool-a"]

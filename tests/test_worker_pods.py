@@ -89,6 +89,13 @@ def test_a_preferred_pool_is_a_node_affinity_preference_the_jobset_crd_takes(nam
         {"key": "cloud.google.com/gke-nodepool", "operator": "In", "values": ["tpu-pool-b"]}
     ]
     assert jobset_errors(js) == []
+    # Level 2: any pool but the one that failed the last attempt is preferred, still nothing required.
+    js = jobset_manifest(cfg, replace(params, avoid_pool="tpu-pool-a"))
+    (term,) = _spec(js)["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["preference"]["matchExpressions"] == [
+        {"key": "cloud.google.com/gke-nodepool", "operator": "NotIn", "values": ["tpu-pool-a"]}
+    ]
+    assert jobset_errors(js) == []
 
 
 def _spec(js):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrec.model.config import JobConfig
-from jaxrec.model.contract import EXIT_CODES
+from jaxrec.model.contract import EXIT_CODES, FailureClass
 from jaxrec.model.names import (
     ATTEMPT_LABEL,
     JOBSET_GROUP,
@@ -99,16 +99,51 @@ handle: a SIGTERM before its handler is installed ends it at once (exit 143), wh
 until the SIGKILL after the grace period (137)."""
 
 
-def prefer_pool(pool: str) -> dict[str, Any]:
-    """A pod affinity that prefers ``pool``'s nodes and does not require them (another pool serves when it is full).
+def pool_affinity(pool: str, *, avoid: bool = False) -> dict[str, Any]:
+    """A pod affinity that prefers ``pool``'s nodes (``avoid``: any other pool's) and requires nothing.
+
+    Another pool serves when the preferred ones are full, and ``pool`` itself when no other has room.
 
     JobSet's exclusive placement keeps it: its pod webhook adds the pod (anti-)affinity terms to the leader's
     ``affinity`` and leaves its node affinity (kubernetes-sigs/jobset ``pkg/webhooks/pod_mutating_webhook.go``,
     ``setExclusiveAffinities``); the followers go to the leader's pool.
     """
-    term = {"key": NODEPOOL_LABEL, "operator": "In", "values": [pool]}
+    term = {"key": NODEPOOL_LABEL, "operator": "NotIn" if avoid else "In", "values": [pool]}
     preferred = [{"weight": 100, "preference": {"matchExpressions": [term]}}]
     return {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the next attempt's gang asks to run: the infrastructure rungs of the recovery ladder.
+
+    Level 1 recreates the JobSet preferring the pool the last attempt left healthy, where its hosts' local
+    checkpoint parts and caches are. Level 2 asks for other hosts: it prefers any pool but the one whose node
+    failed or was reclaimed under the last attempt, so a spare slice serves at once where that one's repair or
+    reclaim takes minutes. Both are preferences (``pool_affinity``): the one pool there is serves either way.
+    """
+
+    level: int
+    prefer: str = ""
+    avoid: str = ""
+    why: str = ""
+
+
+def placement(last_class: FailureClass | None, last_pool: str | None, healthy: bool) -> Placement:
+    """The placement after an attempt of class ``last_class`` that ran on ``last_pool`` (``snapshot.gang_pool``).
+
+    A preempted attempt, or one whose hosts were not all healthy in its supervisor's last view, goes to level 2;
+    any other failure (an application error, a killed process, a hang: the hosts are fine) to level 1 on its pool.
+    Without one known pool there is nothing to prefer.
+    """
+    if last_pool is None:
+        return Placement(1, why="the last attempt ran on no one known node pool: no pool preferred")
+    if last_class == FailureClass.PREEMPTION or not healthy:
+        what = "was preempted" if last_class == FailureClass.PREEMPTION else "lost or drained a host"
+        return Placement(
+            2, avoid=last_pool, why=f"the last attempt {what} on node pool {last_pool}: another is preferred"
+        )
+    return Placement(1, prefer=last_pool, why=f"the last attempt left node pool {last_pool} healthy: it is preferred")
 
 
 @dataclass(frozen=True)
@@ -127,6 +162,8 @@ class JobSetParams:
         coordinator_port: Local backend: the JAX coordinator port.
         metrics_port: Port of worker 0's metrics endpoint (local workers add their index).
         prefer_pool: A GKE node pool the gang prefers (``""``: none): the one the run's last attempt left healthy.
+        avoid_pool: A GKE node pool the gang prefers not to use (``""``: none): the one whose node failed the last
+            attempt or was reclaimed under it.
     """
 
     name: str
@@ -137,6 +174,7 @@ class JobSetParams:
     coordinator_port: str
     metrics_port: str
     prefer_pool: str = ""
+    avoid_pool: str = ""
 
 
 def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
@@ -195,8 +233,8 @@ def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
     else:
         _on_tpu_nodes(cfg, container, pod_spec)
         jobset_meta["annotations"] = {EXCLUSIVE_TOPOLOGY: NODEPOOL_LABEL}
-        if params.prefer_pool:
-            pod_spec["affinity"] = prefer_pool(params.prefer_pool)
+        if params.prefer_pool or params.avoid_pool:
+            pod_spec["affinity"] = pool_affinity(params.prefer_pool or params.avoid_pool, avoid=not params.prefer_pool)
     return _jobset(jobset_meta, hosts, {"metadata": {"labels": dict(labels)}, "spec": pod_spec})
 
 

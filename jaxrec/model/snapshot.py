@@ -292,20 +292,21 @@ class ClusterSnapshot(_Ev):
     )
 
 
-def healthy_pool(snap: ClusterSnapshot | None) -> str | None:
-    """The node pool every worker of ``snap`` ran on, when each of their nodes was healthy; None otherwise.
+def gang_pool(snap: ClusterSnapshot | None) -> tuple[str | None, bool]:
+    """The one node pool every worker of ``snap`` ran on, and whether each of their nodes was healthy.
 
-    Healthy: found, Ready and reachable, schedulable (not cordoned), under no maintenance or reclaim notice. A
+    The pool is None where the nodes whose pool is known are on several, where none is, or where there is no
+    snapshot. Healthy:
+    found, Ready and reachable, schedulable (not cordoned), under no maintenance or reclaim notice. A
     pool the gang left healthy is where the next gang of the run finds its hosts' local parts and caches.
     """
     if snap is None:
-        return None
+        return None, False
     nodes = {n.name: n for n in snap.nodes}
     used = [nodes.get(p.node) for p in snap.pods if p.node]
-    if not used or any(n is None or n.lost or n.unschedulable or n.maintenance() for n in used):
-        return None
-    pools = {n.pool for n in used}
-    return next(iter(pools)) if len(pools) == 1 and None not in pools else None
+    pools = {n.pool for n in used if n is not None and n.pool}  # a node gone from the API has no pool to say
+    pool = next(iter(pools)) if len(pools) == 1 else None
+    return pool, bool(used) and not any(n is None or n.lost or n.unschedulable or n.maintenance() for n in used)
 
 
 # ---------------------------------------------------------------- raw API JSON -> records

@@ -355,8 +355,9 @@ def test_preflight_dry_runs_a_worker_pod_through_the_real_admission_and_says_a_l
     assert run.rc.pods(run.ns) == []
 
 
-def _left_healthy(run, attempt: int, nodes: list[str]) -> None:
-    """Attempt ``attempt`` failed (an application error) on ``nodes``, all healthy, as its supervisor saw it."""
+def _left_healthy(run, attempt: int, nodes: list[str], *, lost: bool = False) -> None:
+    """Attempt ``attempt`` failed (an application error) on ``nodes``, all healthy, as its supervisor saw it
+    (``lost``: the last of them NotReady)."""
     from jaxrec.adapters.store import RunLayout
     from jaxrec.model.records import SupervisionRecord
     from jaxrec.model.snapshot import ClusterSnapshot, NodeEvidence, PodEvidence
@@ -364,7 +365,9 @@ def _left_healthy(run, attempt: int, nodes: list[str]) -> None:
     pods = [PodEvidence(name=f"w-{i}", worker_index=i, node=n) for i, n in enumerate(nodes)]
     pools = {n: run.rc.node(n)["metadata"]["labels"]["cloud.google.com/gke-nodepool"] for n in nodes}
     snap = ClusterSnapshot(
-        taken_at=time.time(), pods=pods, nodes=[NodeEvidence(name=n, ready=True, pool=pools[n]) for n in nodes]
+        taken_at=time.time(),
+        pods=pods,
+        nodes=[NodeEvidence(name=n, ready=not (lost and n == nodes[-1]), pool=pools[n]) for n in nodes],
     )
     rec = SupervisionRecord(
         attempt=attempt,
@@ -377,19 +380,24 @@ def _left_healthy(run, attempt: int, nodes: list[str]) -> None:
     run.store.write_record(RunLayout.supervision(attempt), rec)
 
 
-def test_the_next_gang_lands_on_the_pool_its_predecessor_left_healthy(run, tpu_nodes):
+def test_the_next_gang_lands_on_the_pool_its_predecessor_left_healthy_and_off_the_one_that_lost_a_host(run, tpu_nodes):
     """Two pools of the slice's type. The real JobSet webhook keeps the preferred node affinity beside its exclusive
     placement and the real scheduler honours it: each attempt goes to the pool the attempt before it left healthy,
-    one way and then the other."""
+    one way and then the other (level 1), and away from the pool where the attempt before it lost a host (level 2),
+    though that pool's nodes are Ready again."""
     first = [f"gke-{run.ns}-p0-{i}" for i in range(HOSTS)]  # the pool the ``run`` fixture made
     second = tpu_nodes(HOSTS, run.cfg)
     assert all(run.rc.node(n) is not None for n in first) and len(second) == HOSTS
-    for attempt, left_on in ((1, second), (2, first)):
-        _left_healthy(run, attempt - 1, left_on)
+    for attempt, left_on, lost, lands_on in (
+        (1, second, False, second),
+        (2, first, False, first),
+        (3, first, True, second),
+    ):
+        _left_healthy(run, attempt - 1, left_on, lost=lost)
         sup = run.supervise(attempt)
         pods = run.workers(attempt)
-        assert {p["spec"]["nodeName"] for p in pods} == set(left_on), (attempt, [p["spec"]["nodeName"] for p in pods])
+        assert {p["spec"]["nodeName"] for p in pods} == set(lands_on), (attempt, [p["spec"]["nodeName"] for p in pods])
         for p in pods:
             run.rc.exit_pod(run.ns, p["metadata"]["name"], 0)
         code, log = run.finish(sup)
-        assert code == 0 and "healthy: this attempt's JobSet prefers it" in log, log
+        assert code == 0 and f"placement, level {2 if lost else 1}: " in log, log
