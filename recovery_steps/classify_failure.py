@@ -60,7 +60,6 @@ from recovery_steps.retry import (
     with_attempt,
 )
 from recovery_steps.step import Step, StepError, api_error, k8s_client, load_run_config
-from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 
@@ -436,9 +435,7 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
 STEP = Step("classify-failure", parser, act, ClassifyOutputs, store_code=1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.classify_failure``."""
-    return step_main(STEP, argv)
+main = STEP.main
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ from recovery_steps import lease
 from recovery_steps.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
 from recovery_steps.step import Step, StepError, k8s_client
-from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 
@@ -438,9 +437,7 @@ def _failure(line: str) -> StepError:
 STEP = Step("finalize", parser, act, FinalizeOutputs, store_code=1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.finalize``."""
-    return step_main(STEP, argv)
+main = STEP.main
 
 
 if __name__ == "__main__":

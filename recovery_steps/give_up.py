@@ -27,7 +27,6 @@ from jaxrec.model.names import DESCRIPTION_ANNOTATION, FAILURE_CLASS_LABEL
 from jaxrec.model.records import RunLease
 from recovery_steps import lease
 from recovery_steps.step import Step, StepError, api_failures, k8s_client, say_why
-from recovery_steps.step import main as step_main
 
 
 def verdict(failure_class: str, reason: str) -> str:
@@ -102,9 +101,7 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
 STEP = Step("give-up", parser, act)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.give_up``."""
-    return step_main(STEP, argv)
+main = STEP.main
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import argparse
 import copy
 import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,6 @@ from jaxrec.model.records import HandOver, Ledger, RunLease, now
 from recovery_steps import lease
 from recovery_steps.retry import ledger_errors, update_ledger
 from recovery_steps.step import Step, StepError, api_error, api_failures, k8s_client
-from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 
@@ -296,9 +295,7 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
 STEP = Step("hand-over", parser, act, HandOverOutputs, store_code=1)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.hand_over``."""
-    return step_main(STEP, argv)
+main = STEP.main
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ from jaxrec.model.records import ProvisionRecord, now
 from jaxrec.model.snapshot import NodeEvidence, PodPhase, node_from_api
 from recovery_steps import lease
 from recovery_steps.step import Step, StepError, api_error, api_failures, k8s_client, load_run_config
-from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 
@@ -455,9 +454,7 @@ def record_failure(args: argparse.Namespace, e: StepError) -> None:
 STEP = Step("provision-slice", parser, act, ProvisionOutputs, record_failure, store_code=1)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point."""
-    return step_main(STEP, argv)
+main = STEP.main
 
 
 def record_outcome(store_root: str, run_id: str, attempt: int, code: int, message: str) -> None:

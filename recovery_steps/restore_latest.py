@@ -25,7 +25,6 @@ from jaxrec.adapters.store import RunStore, transient_as_unavailable
 from jaxrec.adapters.verify import Selection
 from jaxrec.model.outputs import RestoreOutputs
 from recovery_steps.step import Step
-from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +66,7 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
 STEP = Step("restore-latest", parser, act, outputs=RestoreOutputs, store_code=1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.restore_latest``."""
-    return step_main(STEP, argv)
+main = STEP.main
 
 
 if __name__ == "__main__":

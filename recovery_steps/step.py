@@ -157,6 +157,10 @@ class Step:
     on_error: Callable[[argparse.Namespace, StepError], None] | None = None
     store_code: int = int(ExitCode.TRANSIENT)
 
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        """The step program's entry point (``python -m recovery_steps.<module>``): ``main`` below."""
+        return main(self, argv)
+
 
 def run_step(
     step: Step,

@@ -43,7 +43,6 @@ from jaxrec.model.outputs import ValidateOutputs
 from jaxrec.model.records import RunConfigDocument
 from recovery_steps.attempts import left_open
 from recovery_steps.step import Step, StepError, api_failures, k8s_client
-from recovery_steps.step import main as step_main
 
 log = logging.getLogger(__name__)
 
@@ -369,9 +368,7 @@ def _clear_give_up_marks(cfg: JobConfig, workflow: str, k8s_host: str | None) ->
 STEP = Step("validate-config", parser, act, ValidateOutputs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m recovery_steps.validate_config``."""
-    return step_main(STEP, argv)
+main = STEP.main
 
 
 def _holder_check(cfg: JobConfig, k8s_host: str | None):
