@@ -77,7 +77,8 @@ def argo_duration(seconds: float) -> str:
     return f"{int(math.ceil(round(seconds * 1000, 6)))}ms"
 
 
-def _advanced(a: AttemptRecord) -> bool:
+def advanced(a: AttemptRecord) -> bool:
+    """Whether attempt ``a`` advanced the checkpoint step."""
     before = -1 if a.checkpoint_step_before is None else a.checkpoint_step_before
     after = -1 if a.checkpoint_step_after is None else a.checkpoint_step_after
     return after > before
@@ -93,7 +94,7 @@ def stalled_attempts(attempts: Sequence[AttemptRecord]) -> int:
     for a in sorted(attempts, key=lambda a: a.attempt, reverse=True):
         if a.outcome != AttemptOutcome.FAILED:
             continue
-        if _advanced(a):
+        if advanced(a):
             break
         if a.failure_class not in NO_PROGRESS_EXEMPT:
             n += 1
@@ -110,7 +111,7 @@ def failures_in_scope(attempts: Sequence[AttemptRecord], cls: FailureClass, scop
     for a in sorted(attempts, key=lambda a: a.attempt, reverse=True):
         if a.outcome == AttemptOutcome.FAILED and (a.failure_class or FailureClass.UNKNOWN) == cls:
             n += 1
-        if scope == "since_progress" and a.outcome == AttemptOutcome.FAILED and _advanced(a):
+        if scope == "since_progress" and a.outcome == AttemptOutcome.FAILED and advanced(a):
             break
     return n
 

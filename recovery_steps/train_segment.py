@@ -57,7 +57,7 @@ from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore
 from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import AttemptOutcome, ExitCode
 from jaxrec.model.gang import Gang
-from jaxrec.model.jobset import JobSetParams, Placement, jobset_manifest, placement
+from jaxrec.model.jobset import HOST_SUSPECT, SAME_POOL_TRIES, JobSetParams, Placement, jobset_manifest, placement
 from jaxrec.model.outputs import SegmentOutputs
 from jaxrec.model.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now, startup_attempts
 from jaxrec.model.snapshot import (
@@ -70,6 +70,7 @@ from jaxrec.model.snapshot import (
     gang_pool,
 )
 from recovery_steps.kube_gang import KubeGang
+from recovery_steps.retry import advanced
 from recovery_steps.step import (
     PIN_FIX,
     Step,
@@ -759,23 +760,32 @@ def run(
 
 
 def next_placement(store: RunStore, attempt: int, say: Callable[[str], None] = log.info) -> Placement:
-    """Where attempt ``attempt``'s gang asks to run, from the last attempt's class and its supervisor's last view.
+    """Where attempt ``attempt``'s gang asks to run, from the last attempts' classes and their supervisors' last views.
 
     Nothing is preferred for the first attempt, or when those records cannot be read (a preference is never worth
     a failed step).
     """
     if attempt <= 0:
         return Placement(1)
+    earlier = range(attempt - 1, max(attempt - SAME_POOL_TRIES, 0) - 1, -1)  # newest first
     try:
         ledger = read_ledger(store)
-        sup = store.read_record(RunLayout.supervision(attempt - 1), SupervisionRecord)
+        sups = [store.read_record(RunLayout.supervision(a), SupervisionRecord) for a in earlier]
     except (*store_errors(), DocumentError) as e:
         log.warning("no node pool preferred: attempt %d's records cannot be read (%s)", attempt - 1, e)
         return Placement(1)
-    closed = next((a for a in (ledger.attempts if ledger else []) if a.attempt == attempt - 1), None)
-    where = placement(closed.failure_class if closed else None, *gang_pool(sup.snapshot if sup else None))
-    say(f"placement, level {where.level}: {where.why}")
-    return where
+    closed = {a.attempt: a for a in (ledger.attempts if ledger else [])}
+    pools = [gang_pool(sup.snapshot if sup else None) for sup in sups]
+    (pool, healthy), last = pools[0], closed.get(attempt - 1)
+    failed_here = 0  # attempts in a row that failed on this pool, of a class a host may cause, without progress
+    for a, (where, _) in zip(earlier, pools, strict=True):
+        rec = closed.get(a)
+        if rec is None or where != pool or rec.failure_class not in HOST_SUSPECT or advanced(rec):
+            break
+        failed_here += 1
+    chosen = placement(last.failure_class if last else None, pool, healthy, failed_here)
+    say(f"placement, level {chosen.level}: {chosen.why}")
+    return chosen
 
 
 def gone_record(jobset: str, attempt: int, hosts: int, gone: GangGone) -> SupervisionRecord:

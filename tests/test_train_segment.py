@@ -1229,6 +1229,59 @@ def test_the_next_placement_from_the_last_attempts_class_and_hosts(tmp_path, lef
     assert ts.next_placement(RunStore(str(tmp_path / "other"), "r"), 1).prefer == ""  # no records: none
 
 
+def _history(store, attempts):
+    """Attempts 0.. closed as ``attempts`` say: (class, the pool of their healthy nodes, checkpoint before, after)."""
+    from jaxrec.model.records import AttemptRecord, Ledger
+    from jaxrec.model.snapshot import ClusterSnapshot, NodeEvidence, PodEvidence
+
+    records = []
+    for n, (cls, pool, before, after) in enumerate(attempts):
+        nodes = [NodeEvidence(name=f"{pool}-{i}", ready=True, pool=pool) for i in range(HOSTS)]
+        pods = [PodEvidence(name=f"r-a{n}-workers-0-{i}", worker_index=i, node=f"{pool}-{i}") for i in range(HOSTS)]
+        snap = ClusterSnapshot(taken_at=time.time(), pods=pods, nodes=nodes)
+        sup = SupervisionRecord(
+            attempt=n, jobset=f"r-a{n}", outcome="failed", reason="r", detected_at=time.time(), snapshot=snap
+        )
+        store.write_record(RunLayout.supervision(n), sup)
+        records.append(
+            AttemptRecord(
+                attempt=n,
+                outcome="failed",
+                failure_class=cls,
+                checkpoint_step_before=before,
+                checkpoint_step_after=after,
+            )
+        )
+    store.write_record(RunLayout.LEDGER, Ledger(run_id=store.run_id, attempts=records))
+
+
+@pytest.mark.parametrize(
+    ("attempts", "want"),
+    [
+        # A host that fails without looking unhealthy: the second failure in a row on the pool, no progress, leaves it.
+        ([("infrastructure", "pool-a", 100, 100), ("hang", "pool-a", 100, 100)], (2, "", "pool-a")),
+        ([("unknown", "pool-a", None, None), ("infrastructure", "pool-a", None, None)], (2, "", "pool-a")),
+        # Progress in between, another pool, or a class no host causes: the pool is still preferred.
+        ([("infrastructure", "pool-a", 100, 100), ("infrastructure", "pool-a", 100, 200)], (1, "pool-a", "")),
+        ([("infrastructure", "pool-b", 100, 100), ("infrastructure", "pool-a", 100, 100)], (1, "pool-a", "")),
+        ([("infrastructure", "pool-a", 100, 100), ("application", "pool-a", 100, 100)], (1, "pool-a", "")),
+        ([("application", "pool-a", 100, 100), ("infrastructure", "pool-a", 100, 100)], (1, "pool-a", "")),
+    ],
+)
+def test_level_one_escalates_after_failing_twice_on_one_pool_without_progress(tmp_path, attempts, want):
+    from jaxrec.model.jobset import SAME_POOL_TRIES
+
+    assert SAME_POOL_TRIES == 2  # the table's histories are two attempts long
+    store = RunStore(str(tmp_path / "store"), "r")
+    _history(store, attempts)
+    lines = []
+    where = ts.next_placement(store, len(attempts), lines.append)
+    assert (where.level, where.prefer, where.avoid) == want, where
+    assert lines == [f"placement, level {where.level}: {where.why}"]
+    if where.level == 2:
+        assert "2 attempts in a row failed on node pool pool-a without the checkpoint advancing" in where.why
+
+
 def test_the_next_gang_is_created_preferring_the_pool_its_predecessor_left_healthy(tmp_path, cluster):
     cfg = _cfg(tmp_path / "store")
     store = RunStore(cfg.storage.root, cfg.run_id)

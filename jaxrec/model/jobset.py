@@ -129,20 +129,30 @@ class Placement:
     why: str = ""
 
 
-def placement(last_class: FailureClass | None, last_pool: str | None, healthy: bool) -> Placement:
+SAME_POOL_TRIES = 2
+"""Failed attempts in a row on one node pool, of a class a host may cause and none advancing the checkpoint, after
+which the next gang leaves that pool (level 1 escalates to level 2): a host that fails without ever looking
+unhealthy (a chip that errs, a link that drops) fails its gang every time the gang returns to it."""
+HOST_SUSPECT = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.HANG, FailureClass.UNKNOWN})
+"""The classes a failing host may cause while its node looks healthy."""
+
+
+def placement(last_class: FailureClass | None, last_pool: str | None, healthy: bool, failed_here: int = 0) -> Placement:
     """The placement after an attempt of class ``last_class`` that ran on ``last_pool`` (``snapshot.gang_pool``).
 
-    A preempted attempt, or one whose hosts were not all healthy in its supervisor's last view, goes to level 2;
-    any other failure (an application error, a killed process, a hang: the hosts are fine) to level 1 on its pool.
-    Without one known pool there is nothing to prefer.
+    A preempted attempt, or one whose hosts were not all healthy in its supervisor's last view, goes to level 2, as
+    does the ``SAME_POOL_TRIES``-th attempt in a row to fail on one pool without progress (``failed_here``, counted
+    over ``HOST_SUSPECT`` failures); any other failure (an application error, a killed process, a hang: the hosts
+    are fine) to level 1 on its pool. Without one known pool there is nothing to prefer.
     """
     if last_pool is None:
         return Placement(1, why="the last attempt ran on no one known node pool: no pool preferred")
     if last_class == FailureClass.PREEMPTION or not healthy:
         what = "was preempted" if last_class == FailureClass.PREEMPTION else "lost or drained a host"
-        return Placement(
-            2, avoid=last_pool, why=f"the last attempt {what} on node pool {last_pool}: another is preferred"
-        )
+        return Placement(2, avoid=last_pool, why=f"the last attempt {what} on node pool {last_pool}: others preferred")
+    if failed_here >= SAME_POOL_TRIES:
+        why = f"{failed_here} attempts in a row failed on node pool {last_pool} without the checkpoint advancing"
+        return Placement(2, avoid=last_pool, why=f"{why}: others preferred")
     return Placement(1, prefer=last_pool, why=f"the last attempt left node pool {last_pool} healthy: it is preferred")
 
 
