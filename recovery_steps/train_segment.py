@@ -53,7 +53,7 @@ import yaml
 from jaxrec.adapters import cli
 from jaxrec.adapters.checkpoints import newest_complete_step
 from jaxrec.adapters.documents import read_ledger
-from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
+from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore, first_line, store_errors
 from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import AttemptOutcome, ExitCode
 from jaxrec.model.gang import Gang
@@ -688,6 +688,7 @@ def outputs_of(record: SupervisionRecord) -> SegmentOutputs:
         reason=record.reason,
         last_step=record.last_step if record.last_step is not None else -1,
         checkpoint_step=record.checkpoint_step if record.checkpoint_step is not None else -1,
+        placement=record.placement or "",
     )
 
 
@@ -736,6 +737,7 @@ def run(
     attempt, say = ref.attempt, io.say
     cfg = load_run_config(ref.store_root, ref.run_id)
     store = ref.store()
+    where = None
     if isinstance(jobset, JobSetParams) and not cfg.slice.is_cpu:
         where = next_placement(store, attempt, say)
         jobset = dataclasses.replace(jobset, prefer_pool=where.prefer, avoid_pool=where.avoid)
@@ -754,6 +756,8 @@ def run(
     except api_failures() as e:
         hint = "; retried in place (the retry re-attaches to a gang already created)"
         raise api_error(e, transient_hint=hint) from None
+    if where is not None:
+        record = record.model_copy(update={"placement": f"level {where.level}: {where.why}"})
     store.write_record(RunLayout.supervision(attempt), record)
     outputs_of(record).write(output_dir)
     return record
@@ -766,14 +770,15 @@ def next_placement(store: RunStore, attempt: int, say: Callable[[str], None] = l
     a failed step).
     """
     if attempt <= 0:
-        return Placement(1)
+        return Placement(1, why="the run's first attempt: no pool preferred")
     earlier = range(attempt - 1, max(attempt - SAME_POOL_TRIES, 0) - 1, -1)  # newest first
     try:
         ledger = read_ledger(store)
         sups = [store.read_record(RunLayout.supervision(a), SupervisionRecord) for a in earlier]
     except (*store_errors(), DocumentError) as e:
-        log.warning("no node pool preferred: attempt %d's records cannot be read (%s)", attempt - 1, e)
-        return Placement(1)
+        why = f"attempt {attempt - 1}'s records cannot be read ({first_line(e)}): no pool preferred"
+        say(f"placement, level 1: {why}")
+        return Placement(1, why=why)
     closed = {a.attempt: a for a in (ledger.attempts if ledger else [])}
     pools = [gang_pool(sup.snapshot if sup else None) for sup in sups]
     (pool, healthy), last = pools[0], closed.get(attempt - 1)

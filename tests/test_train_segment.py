@@ -14,7 +14,7 @@ from support.fake_k8s import FakeCluster, iso, node, pod, status
 from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
 from jaxrec.model.config import StorageConfig, SupervisionConfig, load_config
 from jaxrec.model.contract import ExitCode
-from jaxrec.model.jobset import JobSetParams, Placement, jobset_manifest
+from jaxrec.model.jobset import JobSetParams, jobset_manifest
 from jaxrec.model.records import STARTUP_ATTEMPTS_READ, SupervisionRecord, WorkerExitReport, WorkerHeartbeat
 from recovery_steps import train_segment as ts
 from recovery_steps.step import StepError
@@ -1225,7 +1225,7 @@ def test_the_next_placement_from_the_last_attempts_class_and_hosts(tmp_path, lef
     _left(store, **left)
     where = ts.next_placement(store, 1)
     assert (where.level, where.prefer, where.avoid) == want, where
-    assert ts.next_placement(store, 0) == Placement(1)  # the first attempt has none to prefer
+    assert ts.next_placement(store, 0).prefer == ts.next_placement(store, 0).avoid == ""  # the first: none
     assert ts.next_placement(RunStore(str(tmp_path / "other"), "r"), 1).prefer == ""  # no records: none
 
 
@@ -1292,6 +1292,9 @@ def test_the_next_gang_is_created_preferring_the_pool_its_predecessor_left_healt
     rec, lines, _ = _run(cfg, tmp_path, cluster, attempt=1)
     assert rec.outcome == "succeeded", rec.reason
     assert "placement, level 1: the last attempt left node pool pool-a healthy: it is preferred" in lines
+    # The supervision record and the step's outputs (the Argo UI's node panel) say it too.
+    assert rec.placement == "level 1: the last attempt left node pool pool-a healthy: it is preferred"
+    assert (tmp_path / "out" / "placement").read_text() == rec.placement
     pod = cluster.jobsets[js]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     pref = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert pref[0]["preference"]["matchExpressions"][0]["values"] == ["pool-a"]

@@ -177,6 +177,9 @@ class SegmentOutputs(StepOutputs):
     reason: str = out("One line: why the attempt is over.", shown=True)
     last_step: int = out("Newest step any worker reported (-1: none).")
     checkpoint_step: int = out("Newest committed checkpoint step after the stop (-1: none).")
+    placement: str = out(
+        "Where the gang asked to run: the recovery ladder's level and why (empty on a CPU slice).", shown=True
+    )
 
 
 class ClassifyOutputs(StepOutputs):

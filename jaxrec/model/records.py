@@ -626,6 +626,9 @@ class SupervisionRecord(_Record):
     workers: list[WorkerSupervision] = Field(default_factory=list)
     evidence: list[str] = Field(default_factory=list, description="Each pod's and node's last state, before the stop.")
     force_deleted: list[str] = Field(default_factory=list, description="Pods force-deleted on a lost node.")
+    placement: str | None = Field(
+        default=None, description="Where the gang asked to run: the recovery ladder's level and why (a TPU slice)."
+    )
     snapshot: ClusterSnapshot | None = Field(
         default=None,
         description="The JobSet, Jobs, pods and nodes as the supervisor last saw them before the stop (which "
