@@ -296,9 +296,8 @@ def gang_pool(snap: ClusterSnapshot | None) -> tuple[str | None, bool]:
     """The one node pool every worker of ``snap`` ran on, and whether each of their nodes was healthy.
 
     The pool is None where the nodes whose pool is known are on several, where none is, or where there is no
-    snapshot. Healthy:
-    found, Ready and reachable, schedulable (not cordoned), under no maintenance or reclaim notice. A
-    pool the gang left healthy is where the next gang of the run finds its hosts' local parts and caches.
+    snapshot. Healthy: found, Ready and reachable, schedulable (not cordoned), under no maintenance or reclaim
+    notice. A pool the gang left healthy is where the next gang of the run finds its hosts' local parts and caches.
     """
     if snap is None:
         return None, False
