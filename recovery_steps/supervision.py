@@ -44,7 +44,16 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from jaxrec.model.config import SupervisionConfig
 from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
 from jaxrec.model.records import STARTUP_MARGIN, SupervisionRecord, WorkerPhase
-from jaxrec.model.snapshot import Condition, JobEvidence, NodeEvidence, PodEvidence, PodPhase, first_failed
+from jaxrec.model.snapshot import (
+    ClusterSnapshot,
+    Condition,
+    JobEvidence,
+    JobSetEvidence,
+    NodeEvidence,
+    PodEvidence,
+    PodPhase,
+    first_failed,
+)
 
 # Container waiting reasons of an image pull or a container creation that failed (kubelet
 # pkg/kubelet/images/types.go and kuberuntime): they loop with a back-off and never fail the pod.
@@ -272,12 +281,7 @@ class Observation(_Rec):
     now: float
     expected_workers: int = Field(ge=1)
     created_at: float = Field(description="When the attempt's JobSet was created.")
-    jobset_exists: bool = True
-    jobset_terminal_state: str | None = Field(default=None, description="status.terminalState of the JobSet.")
-    jobset_conditions: tuple[Condition, ...] = ()
-    jobs: tuple[JobEvidence, ...] = ()
-    pods: tuple[PodEvidence, ...] = Field(default=(), description="The worker pods, as the snapshot holds them.")
-    nodes: tuple[NodeEvidence, ...] = Field(default=(), description="Their nodes, as the snapshot holds them.")
+    snapshot: ClusterSnapshot = Field(description="The JobSet, its Jobs, its pods and their nodes, as last seen.")
     waits: dict[str, WaitClock] = Field(
         default_factory=dict,
         description="The supervisor's clock of each pod's current pull or creation failure, by pod name "
@@ -304,6 +308,42 @@ class Observation(_Rec):
         description="The longest this run's earlier attempts took from every worker running to every worker's "
         "first step (``startup_seconds`` of their supervision records); None when none is known.",
     )
+
+    @property
+    def jobset(self) -> JobSetEvidence | None:
+        """The attempt's JobSet, None once it is gone."""
+        js = self.snapshot.jobset
+        return js if js is not None and js.found else None
+
+    @property
+    def jobset_exists(self) -> bool:
+        """Whether the attempt's JobSet exists."""
+        return self.jobset is not None
+
+    @property
+    def jobset_terminal_state(self) -> str | None:
+        """``status.terminalState`` of the JobSet."""
+        return self.jobset.terminal_state if self.jobset else None
+
+    @property
+    def jobset_conditions(self) -> list[Condition]:
+        """The JobSet's conditions."""
+        return self.jobset.conditions if self.jobset else []
+
+    @property
+    def jobs(self) -> list[JobEvidence]:
+        """The JobSet's Jobs."""
+        return self.snapshot.jobs
+
+    @property
+    def pods(self) -> list[PodEvidence]:
+        """The worker pods."""
+        return self.snapshot.pods
+
+    @property
+    def nodes(self) -> list[NodeEvidence]:
+        """Their nodes, by name."""
+        return sorted(self.snapshot.nodes, key=lambda n: n.name)
 
     @property
     def unreadable(self) -> list[HeartbeatRead]:

@@ -457,12 +457,7 @@ class Supervisor:
             now=snap.taken_at,
             expected_workers=self.hosts,
             created_at=(js.created_at if js else None) or self.created_at,
-            jobset_exists=js is not None,
-            jobset_terminal_state=js.terminal_state if js else None,
-            jobset_conditions=tuple(js.conditions) if js else (),
-            jobs=tuple(snap.jobs),
-            pods=tuple(snap.pods),
-            nodes=tuple(sorted(snap.nodes, key=lambda n: n.name)),
+            snapshot=snap,
             waits=dict(self.waits),
             lost_seen=dict(self.lost_seen),
             progress=tuple(

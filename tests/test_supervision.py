@@ -11,7 +11,16 @@ from pydantic import ValidationError
 from jaxrec.model.config import ConfigError, SupervisionConfig, parse_config
 from jaxrec.model.contract import AttemptOutcome
 from jaxrec.model.names import SPOT_LABEL, UNREACHABLE_TAINT
-from jaxrec.model.snapshot import Condition, ContainerState, JobEvidence, NodeEvidence, PodEvidence, first_failed
+from jaxrec.model.snapshot import (
+    ClusterSnapshot,
+    Condition,
+    ContainerState,
+    JobEvidence,
+    JobSetEvidence,
+    NodeEvidence,
+    PodEvidence,
+    first_failed,
+)
 from recovery_steps.supervision import (
     HeartbeatRead,
     Observation,
@@ -185,17 +194,30 @@ def _unclocked(things) -> tuple[list[Any], dict[str, Any]]:
     return plain, clocks
 
 
-def obs(now: float, pods=(), *, jobs=(), progress=(), node_list=None, **kw) -> Observation:
+def obs(
+    now: float,
+    pods=(),
+    *,
+    jobs=(),
+    progress=(),
+    node_list=None,
+    jobset_exists=True,
+    jobset_terminal_state=None,
+    jobset_conditions=(),
+    **kw,
+) -> Observation:
     pods, waits = _unclocked(pods)
     node_list, lost_seen = _unclocked(nodes() if node_list is None else node_list)
+    jobset = JobSetEvidence(
+        name="run-a0", found=jobset_exists, terminal_state=jobset_terminal_state, conditions=list(jobset_conditions)
+    )
+    snap = ClusterSnapshot(taken_at=T0 + now, jobset=jobset, jobs=list(jobs), pods=list(pods), nodes=list(node_list))
     return Observation(
         now=T0 + now,
         expected_workers=HOSTS,
         created_at=T0,
-        pods=tuple(pods),
-        jobs=tuple(jobs),
+        snapshot=snap,
         progress=tuple(progress),
-        nodes=tuple(node_list),
         waits=waits,
         lost_seen=lost_seen,
         **kw,
