@@ -386,8 +386,8 @@ class Supervisor:
         if reports or unreadable:
             raise GangGone(reports, len(unreadable))
 
-    def observe(self) -> tuple[Observation, list[WorkerHeartbeat], ClusterSnapshot]:
-        """The attempt now: the decision's input, the heartbeats read and the gang's snapshot."""
+    def observe(self) -> tuple[Observation, list[WorkerHeartbeat]]:
+        """The attempt now: the decision's input (the gang's snapshot with the supervisor's clocks), the heartbeats."""
         snap = self.gang.observe()
         now = snap.taken_at
         waits: dict[str, WaitClock] = {}
@@ -410,7 +410,7 @@ class Supervisor:
         beats = self.read_beats(now)
         self._bound_blindness(now)
         self._bound_unacted(snap, now)
-        return self.observation(snap, beats), beats, snap
+        return self.observation(snap, beats), beats
 
     def _bound_blindness(self, now: float) -> None:
         """Exit 69 once the view or a worker's heartbeat has been unreadable for ``STALE_VIEW_LIMIT_S``."""
@@ -485,20 +485,20 @@ class Supervisor:
         self.reads = {i: r for i, r in reads.items() if r is not None}
         return beats
 
-    def supervise(self) -> tuple[Verdict, Observation, list[WorkerHeartbeat], ClusterSnapshot]:
+    def supervise(self) -> tuple[Verdict, Observation, list[WorkerHeartbeat]]:
         """Observe and decide on every change and at least every ``watch_interval_s`` until the attempt is over."""
         interval = self.cfg.supervision.watch_interval_s
         while True:
             lost = self.renew(self.clock()) if self.renew is not None else None
             if lost is not None:
                 self.lease_lost(lost)
-            obs, beats, snap = self.observe()
+            obs, beats = self.observe()
             verdict = decide(obs, self.cfg.supervision)
             self.progress.update(obs, verdict)
             ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
             self.progress.checkpoint(max(ckpts) if ckpts else None)
             if verdict.over:
-                return verdict, obs, beats, snap
+                return verdict, obs, beats
             self.gang.wait(interval)
 
     def lease_lost(self, lost: LeaseLoss) -> None:
@@ -519,7 +519,7 @@ class Supervisor:
         self.ensure_jobset(manifest)
         try:
             self.gang.start()
-            verdict, obs, beats, snap = self.supervise()
+            verdict, obs, beats = self.supervise()
             detected = self.clock()
             ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
             record = SupervisionRecord(
@@ -536,14 +536,14 @@ class Supervisor:
                 checkpoint_step=max(ckpts) if ckpts else None,
                 workers=worker_records(obs, beats, self.hosts),
                 evidence=evidence_lines(obs),
-                snapshot=snap,
+                snapshot=obs.snapshot,
             )
             # The verdict is in the store before anything is stopped: a supervisor that cannot report does not
             # act (its retry re-attaches to the gang and decides again), and one lost during the stop leaves
             # its verdict for the retry (``recorded_verdict``) instead of a deleted gang it would re-create.
             self.store.write_record(RunLayout.supervision(self.attempt), record)
             if verdict.state != AttemptOutcome.SUCCEEDED:
-                record = self.stop_attempt(record, snap)
+                record = self.stop_attempt(record, obs.snapshot)
             else:
                 record = record.model_copy(update={"stopped_at": detected})
             # After the stop: a worker that got SIGTERM saved its step on the way out.
@@ -564,7 +564,7 @@ class Supervisor:
         bound = started + grace + pod_grace + STOP_SLACK_S
         forced: list[str] = []
         while True:
-            obs, _, _ = self.observe()
+            obs, _ = self.observe()
             if not obs.pods:
                 return record.model_copy(update={"stopped_at": self.clock(), "force_deleted": forced})
             now = self.clock()
