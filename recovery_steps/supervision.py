@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import re
 import signal
+from collections.abc import Sequence
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -479,7 +480,7 @@ def wait_clock(prev: WaitClock | None, reason: str | None, message: str | None, 
     return WaitClock(key=key, since=now, cause=cause)
 
 
-def _live(pods: tuple[PodEvidence, ...]) -> list[PodEvidence]:
+def _live(pods: Sequence[PodEvidence]) -> list[PodEvidence]:
     # A pod being deleted while its node is healthy is on its way out; count what the Job counts.
     return [p for p in pods if not p.ended]
 
