@@ -304,3 +304,16 @@ def test_report_of_a_cluster_run_builds_its_incidents_from_the_attempts_records(
     row = next(line for line in text.splitlines() if line.split()[:1] == ["0"]).split()
     assert row[-4:] == ["31", "30", "-", "1"], text
     assert row[3:6] == ["0.0", "2.5", "30.0"], text  # detected, stopped, next slice ready: from the failure
+
+
+def test_a_report_without_the_plotting_library_says_so_and_keeps_its_summary(store_root, monkeypatch):
+    """The timeline needs matplotlib; without it the report still prints its summary and says what to install."""
+    import sys
+
+    store = RunStore(store_root, "r1")
+    store.write_json(RunLayout.CONFIG, {"config": {}, "hash": "x"})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    lines: list[str] = []
+    assert report.run(store.url(), say=lines.append) == []
+    assert lines[-1].startswith("timeline: not drawn (") and lines[-1].endswith("; pip install matplotlib)"), lines
+    assert any(line.startswith("run r1: ") for line in lines) and not (Path(store.url()) / "timeline.png").exists()

@@ -262,7 +262,12 @@ def run(target: str, *, say: Callable[[str], None] = print) -> list[str]:
         say(incident_badput_table(incidents))
     if events:
         say(goodput_lines(goodput(events)))
-    png = draw_timeline(events, incidents, f"run {store.run_id}: {status}")
+    say(f"report: python -m workflows.report {store.url()}")
+    try:
+        png = draw_timeline(events, incidents, f"run {store.run_id}: {status}")
+    except ImportError as e:  # the summary above stands; the picture needs the plotting library
+        say(f"timeline: not drawn ({e}; pip install matplotlib)")
+        return []
     paths = []
     if store.is_gcs:
         store.write_bytes(TIMELINE, png)
@@ -274,7 +279,6 @@ def run(target: str, *, say: Callable[[str], None] = print) -> list[str]:
         p = Path(store.url(TIMELINE))
         p.write_bytes(png)
         paths.append(str(p))
-    say(f"report: python -m workflows.report {store.url()}")
     say("timeline: " + "  ".join(paths))
     return paths
 
