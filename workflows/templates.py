@@ -184,8 +184,14 @@ def _step(
     )
 
 
-def _metric_help(name: str) -> str:
-    return metric_spec(name).help
+def _metric(name: str, *labels: Label, value: str = "1", when: str | None = None) -> Counter | Gauge:
+    """Argo's metric ``name`` as the metric table declares it (its kind and help), labelled with the run id first.
+
+    A gauge is emitted once the template ends (``realtime: false``): it holds the step's outcome.
+    """
+    spec = metric_spec(name)
+    common = {"name": name, "help": spec.help, "labels": [_run_label(), *labels], "when": when, "value": value}
+    return Counter(**common) if spec.kind == "counter" else Gauge(**common, realtime=False)
 
 
 def _run_label() -> Label:
@@ -290,29 +296,14 @@ def train_template(cfg: JobConfig) -> Container:
 def classify_template(cfg: JobConfig) -> Container:
     """``classify-failure``: the failure class and what follows, with the failure metrics."""
     failure_class = Label(key="class", value=own_output(ClassifyOutputs, "failure_class"))
-    failures = Counter(
-        name="jaxrec_failures_total",
-        help=_metric_help("jaxrec_failures_total"),
-        labels=[_run_label(), failure_class],
-        # A lost supervisor is not a failed attempt.
-        when=f"'{own_output(ClassifyOutputs, 'decision')}' != '{Decision.RESUPERVISE.value}'",
-        value="1",
-    )
-    last = Gauge(
-        name="jaxrec_last_failure_info",
-        help=_metric_help("jaxrec_last_failure_info"),
-        labels=[_run_label(), failure_class, Label(key="reason", value=own_output(ClassifyOutputs, "reason"))],
-        realtime=False,
-        value="1",
-    )
+    # A lost supervisor is not a failed attempt.
+    resupervised = f"'{own_output(ClassifyOutputs, 'decision')}' != '{Decision.RESUPERVISE.value}'"
+    failures = _metric("jaxrec_failures_total", failure_class, when=resupervised)
+    reason = Label(key="reason", value=own_output(ClassifyOutputs, "reason"))
+    last = _metric("jaxrec_last_failure_info", failure_class, reason)
     # Only a stop because the class spent its budget (not the no-progress guard or the cap).
-    exhausted = Gauge(
-        name="jaxrec_budget_exhausted",
-        help=_metric_help("jaxrec_budget_exhausted"),
-        labels=[_run_label(), failure_class],
-        when=f"{own_output(ClassifyOutputs, 'budget_exhausted')} == 1",
-        realtime=False,
-        value="1",
+    exhausted = _metric(
+        "jaxrec_budget_exhausted", failure_class, when=f"{own_output(ClassifyOutputs, 'budget_exhausted')} == 1"
     )
     args = [*ATTEMPT_ARGS, "--jobset", "{{inputs.parameters.jobset-name}}", "--workflow", "{{workflow.name}}"]
     args += HOLDER[:2]  # a Workflow that has ended once (argo retry) is stopped before it classifies anything
@@ -348,29 +339,11 @@ def give_up_template(cfg: JobConfig) -> Container:
 
 def finalize_template(cfg: JobConfig) -> Container:
     """``exit-handler`` (finalize): closes the ledger and reports the run's totals."""
-    status = Gauge(
-        name="jaxrec_run_status",
-        help=_metric_help("jaxrec_run_status"),
-        labels=[_run_label(), Label(key="status", value="{{workflow.status}}")],
-        realtime=False,
-        value="1",
-    )
+    status = _metric("jaxrec_run_status", Label(key="status", value="{{workflow.status}}"))
     # Totals over the run's incidents, computed by finalize from the ledger and worker reports.
-    lost = Counter(
-        name="jaxrec_steps_lost_total",
-        help=_metric_help("jaxrec_steps_lost_total"),
-        labels=[_run_label()],
-        value=own_output(FinalizeOutputs, "steps_lost"),
-    )
+    lost = _metric("jaxrec_steps_lost_total", value=own_output(FinalizeOutputs, "steps_lost"))
     recovery = own_output(FinalizeOutputs, "recovery_seconds")
-    seconds = Gauge(
-        name="jaxrec_recovery_duration_seconds",
-        help=_metric_help("jaxrec_recovery_duration_seconds"),
-        labels=[_run_label()],
-        when=f"{recovery} >= 0",
-        realtime=False,
-        value=recovery,
-    )
+    seconds = _metric("jaxrec_recovery_duration_seconds", value=recovery, when=f"{recovery} >= 0")
     args = [*RUN_ARGS, "--status", "{{workflow.status}}", "--failures", "{{workflow.failures}}"]
     return _step(
         cfg,
@@ -445,9 +418,7 @@ def attempt_dag(t: StepTemplates, segment: DAG) -> DAG:
 
     A step before training that failed is classified like a failed gang.
     """
-    attempts = Counter(
-        name="jaxrec_attempts_total", help=_metric_help("jaxrec_attempts_total"), labels=[_run_label()], value="1"
-    )
+    attempts = _metric("jaxrec_attempts_total")
     with DAG(name="attempt", inputs=[Parameter(name="attempt")], metrics=[attempts]) as attempt:
         t_restore = Task(name="restore-latest", template=t.restore, arguments={"attempt": ATTEMPT_IN})
         t_provision = Task(name="provision-slice", template=t.provision, arguments={"attempt": ATTEMPT_IN})
