@@ -242,7 +242,10 @@ class KubeGang:
                 # One observation takes one API timeout at most: the other nodes keep their last state too.
                 failing.append(f"node {name}: {type(e).__name__}: {first_line(e)}")
                 break
-            self.node_cache[name] = node_from_api(body) if body else NodeEvidence(name=name, found=False)
+            # A node gone from the API keeps the pool it was last seen in: the next gang's placement avoids it.
+            prev = self.node_cache.get(name)
+            gone = NodeEvidence(name=name, found=False, pool=prev.pool if prev else None)
+            self.node_cache[name] = node_from_api(body) if body else gone
         js = self.watch["jobset"].snapshot()
         jobset = jobset_from_api(js[0]) if js else None
         jobs = [job_from_api(j) for j in self.watch["jobs"].snapshot()]
@@ -268,9 +271,10 @@ class KubeGang:
         API's latest state, so the verdict's snapshot names the worker and holds the Job's reason as the API has
         them now. A LIST that fails keeps the watched view.
         """
-        job_failed = jobset_failed or any(j.failure() is not None for j in jobs)
+        job_failed = any(j.failure() is not None for j in jobs)
         pod_failed = any(p.phase == PodPhase.FAILED for p in pods)
-        if job_failed == pod_failed:
+        # A JobSet fails only after one of its Jobs and a pod did: its failure asks the others to show theirs.
+        if job_failed == pod_failed and (not jobset_failed or job_failed):
             return pods, jobs
         try:
             pods = [pod_from_api(p) for p in self.kube.items(self.kube.list_pods, self.name)]

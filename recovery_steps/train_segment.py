@@ -751,7 +751,8 @@ def run(
     except api_failures() as e:
         hint = "; retried in place (the retry re-attaches to a gang already created)"
         raise api_error(e, transient_hint=hint) from None
-    if where is not None:
+    # The placement this try rendered is the gang's only where this try created it; an earlier try's record keeps its.
+    if where is not None and record.placement is None and not record.reattached:
         record = record.model_copy(update={"placement": f"level {where.level}: {where.why}"})
     store.write_record(RunLayout.supervision(attempt), record)
     outputs_of(record).write(output_dir)
@@ -766,26 +767,37 @@ def next_placement(store: RunStore, attempt: int, say: Callable[[str], None] = l
     """
     if attempt <= 0:
         return Placement(1, why="the run's first attempt: no pool preferred")
-    earlier = range(attempt - 1, max(attempt - SAME_POOL_TRIES, 0) - 1, -1)  # newest first
     try:
         ledger = read_ledger(store)
-        sups = [store.read_record(RunLayout.supervision(a), SupervisionRecord) for a in earlier]
+        sup = store.read_record(RunLayout.supervision(attempt - 1), SupervisionRecord)
     except (*store_errors(), DocumentError) as e:
-        why = f"attempt {attempt - 1}'s records cannot be read ({first_line(e)}): no pool preferred"
+        why = (
+            f"the run's ledger or attempt {attempt - 1}'s supervision cannot be read ({first_line(e)}): none preferred"
+        )
         say(f"placement, level 1: {why}")
         return Placement(1, why=why)
     closed = {a.attempt: a for a in (ledger.attempts if ledger else [])}
-    pools = [gang_pool(sup.snapshot if sup else None) for sup in sups]
-    (pool, healthy), last = pools[0], closed.get(attempt - 1)
+    (pool, healthy), last = gang_pool(sup.snapshot if sup else None), closed.get(attempt - 1)
     failed_here = 0  # attempts in a row that failed on this pool, of a class a host may cause, without progress
-    for a, (where, _) in zip(earlier, pools, strict=True):
+    for a in range(attempt - 1, max(attempt - SAME_POOL_TRIES, 0) - 1, -1):
         rec = closed.get(a)
-        if rec is None or where != pool or rec.failure_class not in HOST_SUSPECT or advanced(rec):
+        if rec is None or rec.failure_class not in HOST_SUSPECT or advanced(rec):
+            break
+        if a != attempt - 1 and _pool_of(store, a) != pool:
             break
         failed_here += 1
     chosen = placement(last.failure_class if last else None, pool, healthy, failed_here)
     say(f"placement, level {chosen.level}: {chosen.why}")
     return chosen
+
+
+def _pool_of(store: RunStore, attempt: int) -> str | None:
+    """The node pool attempt ``attempt`` ran on, as its supervisor last saw it; None when unknown or unreadable."""
+    try:
+        sup = store.read_record(RunLayout.supervision(attempt), SupervisionRecord)
+    except (*store_errors(), DocumentError):
+        return None
+    return gang_pool(sup.snapshot if sup else None)[0]
 
 
 def gone_record(jobset: str, attempt: int, hosts: int, gone: GangGone) -> SupervisionRecord:

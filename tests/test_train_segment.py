@@ -1164,11 +1164,33 @@ def test_a_failure_one_watch_shows_before_the_other_is_read_once_more_by_listing
         # The JobSet's failure arrived first: the pods and Jobs are listed again.
         pods, jobs = gang._consistent(running, [job_from_api(job)], jobset_failed=True)
         assert [p.phase for p in pods] == ["Running", "Failed"] and jobs[0].failure() is not None
+        # The JobSet's failure and the pod's, the Job's verdict not yet: listed again, the Job's reason with it.
+        pods, jobs = gang._consistent([pod_from_api(failed)], [job_from_api(job)], jobset_failed=True)
+        assert jobs[0].failure().reason == "BackoffLimitExceeded"
         # Both views agree: nothing is listed.
         before = len(cluster.requests)
         gang._consistent(running, [job_from_api(job)])
         assert len(cluster.requests) == before
     finally:
+        cluster.close()
+
+
+def test_a_node_gone_from_the_api_keeps_the_pool_it_was_seen_in():
+    """A reclaimed slice's nodes leave the API: the snapshot still says which pool they were, for the placement."""
+    from jaxrec.adapters.kube import make_api_client
+    from jaxrec.model.snapshot import NodeEvidence
+    from recovery_steps.kube_gang import KubeGang
+
+    cluster = FakeCluster()
+    cluster.put("pods", pod("js", 0, time.time(), node="n0", phase="Running", running=True))
+    try:
+        gang = KubeGang(make_api_client(cluster.url), "training", "js")
+        gang.node_cache["n0"] = NodeEvidence(name="n0", ready=True, pool="pool-a")
+        gang.start()
+        (node,) = gang.observe().nodes
+        assert (node.found, node.pool) == (False, "pool-a"), node
+    finally:
+        gang.close()
         cluster.close()
 
 
@@ -1215,6 +1237,7 @@ def _node(i, **kw):
             (2, "", "pool-a"),
         ),
         ({"pools": ("pool-a", "pool-a", "pool-b", "pool-b")}, (1, "", "")),  # no one pool
+        ({"nodes": [_node(i) for i in range(3)]}, (1, "", "")),  # a worker's node never read: not known healthy
         ({"pools": (None,) * HOSTS}, (1, "", "")),  # nodes of no known pool
     ],
 )
@@ -1280,6 +1303,20 @@ def test_level_one_escalates_after_failing_twice_on_one_pool_without_progress(tm
     assert lines == [f"placement, level {where.level}: {where.why}"]
     if where.level == 2:
         assert "2 attempts in a row failed on node pool pool-a without the checkpoint advancing" in where.why
+
+
+def test_an_older_attempts_unreadable_record_ends_the_count_not_the_placement(tmp_path):
+    store = RunStore(str(tmp_path / "store"), "r")
+    _history(store, [("infrastructure", "pool-a", 100, 100), ("infrastructure", "pool-a", 100, 100)])
+    store.write_bytes(RunLayout.supervision(0), b"{torn")
+    where = ts.next_placement(store, 2)
+    assert (where.level, where.prefer, where.avoid) == (1, "pool-a", ""), where
+    # The last attempt's own record unreadable: nothing is preferred, and the line says which records.
+    store.write_bytes(RunLayout.supervision(1), b"{torn")
+    lines = []
+    where = ts.next_placement(store, 2, lines.append)
+    assert (where.level, where.prefer, where.avoid) == (1, "", ""), where
+    assert "attempt 1's supervision cannot be read" in lines[0], lines
 
 
 def test_the_next_gang_is_created_preferring_the_pool_its_predecessor_left_healthy(tmp_path, cluster):

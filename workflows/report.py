@@ -265,7 +265,9 @@ def run(target: str, *, say: Callable[[str], None] = print) -> list[str]:
     say(f"report: python -m workflows.report {store.url()}")
     try:
         png = draw_timeline(events, incidents, f"run {store.run_id}: {status}")
-    except ImportError as e:  # the summary above stands; the picture needs the plotting library
+    except ModuleNotFoundError as e:  # the summary above stands; the picture needs the plotting library
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
         say(f"timeline: not drawn ({e}; pip install matplotlib)")
         return []
     paths = []

@@ -187,7 +187,7 @@ def _step(
 def _metric(name: str, *labels: Label, value: str = "1", when: str | None = None) -> Counter | Gauge:
     """Argo's metric ``name`` as the metric table declares it (its kind and help), labelled with the run id first.
 
-    A gauge is emitted once the template ends (``realtime: false``): it holds the step's outcome.
+    A gauge is emitted once the template ends (``realtime: false``), from the step's outputs.
     """
     spec = metric_spec(name)
     common = {"name": name, "help": spec.help, "labels": [_run_label(), *labels], "when": when, "value": value}

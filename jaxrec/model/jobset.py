@@ -119,8 +119,9 @@ class Placement:
 
     Level 1 recreates the JobSet preferring the pool the last attempt left healthy, where its hosts' local
     checkpoint parts and caches are. Level 2 asks for other hosts: it prefers any pool but the one whose node
-    failed or was reclaimed under the last attempt, so a spare slice serves at once where that one's repair or
-    reclaim takes minutes. Both are preferences (``pool_affinity``): the one pool there is serves either way.
+    failed or was reclaimed under the last attempt, or where attempts keep failing (``SAME_POOL_TRIES``), so a
+    spare slice serves at once where that one's repair or reclaim takes minutes. Both are preferences
+    (``pool_affinity``): the one pool there is serves either way.
     """
 
     level: int
@@ -137,22 +138,26 @@ HOST_SUSPECT = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.HANG, Failur
 """The classes a failing host may cause while its node looks healthy."""
 
 
-def placement(last_class: FailureClass | None, last_pool: str | None, healthy: bool, failed_here: int = 0) -> Placement:
+def placement(
+    last_class: FailureClass | None, last_pool: str | None, healthy: bool | None, failed_here: int = 0
+) -> Placement:
     """The placement after an attempt of class ``last_class`` that ran on ``last_pool`` (``snapshot.gang_pool``).
 
-    A preempted attempt, or one whose hosts were not all healthy in its supervisor's last view, goes to level 2, as
-    does the ``SAME_POOL_TRIES``-th attempt in a row to fail on one pool without progress (``failed_here``, counted
-    over ``HOST_SUSPECT`` failures); any other failure (an application error, a killed process, a hang: the hosts
-    are fine) to level 1 on its pool. Without one known pool there is nothing to prefer.
+    A preempted attempt, or one whose supervisor last saw a host of it lost, cordoned or under notice (``healthy``
+    False), goes to level 2, as does the ``SAME_POOL_TRIES``-th attempt in a row to fail on one pool without
+    progress (``failed_here``, counted over ``HOST_SUSPECT`` failures). Any other goes to level 1: on its pool when
+    each of its hosts was seen healthy, with no preference when that is not known or there is no one known pool.
     """
     if last_pool is None:
         return Placement(1, why="the last attempt ran on no one known node pool: no pool preferred")
-    if last_class == FailureClass.PREEMPTION or not healthy:
+    if last_class == FailureClass.PREEMPTION or healthy is False:
         what = "was preempted" if last_class == FailureClass.PREEMPTION else "lost or drained a host"
         return Placement(2, avoid=last_pool, why=f"the last attempt {what} on node pool {last_pool}: others preferred")
     if failed_here >= SAME_POOL_TRIES:
         why = f"{failed_here} attempts in a row failed on node pool {last_pool} without the checkpoint advancing"
         return Placement(2, avoid=last_pool, why=f"{why}: others preferred")
+    if healthy is None:
+        return Placement(1, why=f"not every host of the last attempt on node pool {last_pool} was seen: none preferred")
     return Placement(1, prefer=last_pool, why=f"the last attempt left node pool {last_pool} healthy: it is preferred")
 
 
@@ -173,7 +178,7 @@ class JobSetParams:
         metrics_port: Port of worker 0's metrics endpoint (local workers add their index).
         prefer_pool: A GKE node pool the gang prefers (``""``: none): the one the run's last attempt left healthy.
         avoid_pool: A GKE node pool the gang prefers not to use (``""``: none): the one whose node failed the last
-            attempt or was reclaimed under it.
+            attempt or was reclaimed under it, or where attempts keep failing.
     """
 
     name: str

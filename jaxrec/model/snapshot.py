@@ -292,20 +292,25 @@ class ClusterSnapshot(_Ev):
     )
 
 
-def gang_pool(snap: ClusterSnapshot | None) -> tuple[str | None, bool]:
-    """The one node pool every worker of ``snap`` ran on, and whether each of their nodes was healthy.
+def gang_pool(snap: ClusterSnapshot | None) -> tuple[str | None, bool | None]:
+    """The one node pool every worker of ``snap`` ran on, and whether their nodes were healthy.
 
     The pool is None where the nodes whose pool is known are on several, where none is, or where there is no
-    snapshot. Healthy: found, Ready and reachable, schedulable (not cordoned), under no maintenance or reclaim
-    notice. A pool the gang left healthy is where the next gang of the run finds its hosts' local parts and caches.
+    snapshot. Healthy: True when each worker's node was found, Ready and reachable, schedulable (not cordoned) and
+    under no maintenance or reclaim notice; False when one was seen otherwise; None when that is not known (a node
+    never read, no snapshot). A pool the gang left healthy is where the next gang of the run finds its hosts'
+    local parts and caches.
     """
     if snap is None:
-        return None, False
+        return None, None
     nodes = {n.name: n for n in snap.nodes}
     used = [nodes.get(p.node) for p in snap.pods if p.node]
-    pools = {n.pool for n in used if n is not None and n.pool}  # a node gone from the API has no pool to say
+    known = [n for n in used if n is not None]
+    pools = {n.pool for n in known if n.pool}
     pool = next(iter(pools)) if len(pools) == 1 else None
-    return pool, bool(used) and not any(n is None or n.lost or n.unschedulable or n.maintenance() for n in used)
+    if any(n.lost or n.unschedulable or n.maintenance() for n in known):
+        return pool, False
+    return pool, (True if used and len(known) == len(used) else None)
 
 
 # ---------------------------------------------------------------- raw API JSON -> records
