@@ -464,15 +464,14 @@ def print_save_table(saves: list[tuple], save_every: int) -> None:
         share = reported / lost if lost > 0 else float("nan")
         print(f"{name:<8} {none['rate']:>10.2f} {saving['rate']:>12.2f} {saving['rate'] / none['rate']:>6.3f} "
               f"{n:>6} {lost:>12.3f} {reported:>11.3f} {share:>14.2f}")  # fmt: skip
-        saved_at = [int(k) for k in saving["windows_of"]]
         print(f"{name}: seconds lost, before the first save and from each save to the next: "
-              f"{window_loss(saving['reads'], saved_at, none['rate'])}")  # fmt: skip
+              f"{window_loss(saving['reads'], saving['windows_of'], none['rate'])}")  # fmt: skip
     for name in dict.fromkeys(n for n, _, _ in saves):
         mine = [(none, saving) for n, none, saving in saves if n == name]
         if len(mine) > 1:  # one pair's loss is within the runs' own spread: the mean over pairs is the figure
             kept = statistics.mean(saving["rate"] / none["rate"] for none, saving in mine)
-            lost = statistics.mean(save_loss(none, saving)[0] for none, saving in mine)
-            reported = statistics.mean(save_loss(none, saving)[1] for none, saving in mine)
+            losses = [save_loss(none, saving) for none, saving in mine]
+            lost, reported = (statistics.mean(x) for x in zip(*losses, strict=True))
             spread = max(none["rate"] for none, _ in mine) / min(none["rate"] for none, _ in mine) - 1
             print(f"{name}: mean of {len(mine)} pairs: kept {kept:.3f}, lost {lost:.3f} s a save, reported "
                   f"{reported:.3f} s ({reported / lost if lost > 0 else float('nan'):.2f}); the runs without saves "

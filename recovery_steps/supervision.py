@@ -313,8 +313,7 @@ class Observation(_Rec):
     @property
     def jobset(self) -> JobSetEvidence | None:
         """The attempt's JobSet, None once it is gone."""
-        js = self.snapshot.jobset
-        return js if js is not None and js.found else None
+        return self.snapshot.live_jobset
 
     @property
     def jobset_exists(self) -> bool:

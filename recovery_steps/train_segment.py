@@ -428,7 +428,7 @@ class Supervisor:
 
         ``decide`` judges no stall on such a JobSet: its controller has not acted on it.
         """
-        unacted = snap.jobset is not None and snap.jobset.found and not snap.jobs and not snap.pods
+        unacted = snap.live_jobset is not None and not snap.jobs and not snap.pods
         if not unacted or snap.unreadable:
             self.unacted_since, self.unacted_said = None, False
             return
@@ -452,7 +452,7 @@ class Supervisor:
         With the supervisor's clocks: each pod's clock of its current pull or creation failure (``wait_clock``),
         when each lost node was first seen lost, and the workers whose heartbeat reads failed (``read_clock``).
         """
-        js = snap.jobset if snap.jobset is not None and snap.jobset.found else None
+        js = snap.live_jobset
         return Observation(
             now=snap.taken_at,
             expected_workers=self.hosts,

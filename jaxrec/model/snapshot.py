@@ -291,6 +291,11 @@ class ClusterSnapshot(_Ev):
         "the last ones read); None when every read behind it succeeded.",
     )
 
+    @property
+    def live_jobset(self) -> JobSetEvidence | None:
+        """The attempt's JobSet when it exists (None: never seen, or gone)."""
+        return self.jobset if self.jobset is not None and self.jobset.found else None
+
 
 def gang_pool(snap: ClusterSnapshot | None) -> tuple[str | None, bool | None]:
     """The one node pool every worker of ``snap`` ran on, and whether their nodes were healthy.
