@@ -57,7 +57,7 @@ from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore
 from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import AttemptOutcome, ExitCode
 from jaxrec.model.gang import Gang
-from jaxrec.model.jobset import HOST_SUSPECT, SAME_POOL_TRIES, JobSetParams, Placement, jobset_manifest, placement
+from jaxrec.model.jobset import HOST_SUSPECT, SAME_POOL_TRIES, JobSetParams, Placement, jobset_manifest, ladder
 from jaxrec.model.outputs import SegmentOutputs
 from jaxrec.model.records import SupervisionRecord, WorkerHeartbeat, WorkerSupervision, now, startup_attempts
 from jaxrec.model.snapshot import (
@@ -786,7 +786,7 @@ def next_placement(store: RunStore, attempt: int, say: Callable[[str], None] = l
         if a != attempt - 1 and _pool_of(store, a) != pool:
             break
         failed_here += 1
-    chosen = placement(last.failure_class if last else None, pool, healthy, failed_here)
+    chosen = ladder(last.failure_class if last else None, pool, healthy, failed_here)
     say(f"placement, level {chosen.level}: {chosen.why}")
     return chosen
 

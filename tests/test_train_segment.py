@@ -1335,3 +1335,58 @@ def test_the_next_gang_is_created_preferring_the_pool_its_predecessor_left_healt
     pod = cluster.jobsets[js]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     pref = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert pref[0]["preference"]["matchExpressions"][0]["values"] == ["pool-a"]
+
+
+_RUNNING = {"running": True, "row": 0, "left": 5, "tries": 2}
+
+
+@pytest.mark.parametrize(
+    ("cls", "healthy", "in_place", "want"),
+    [
+        # Level 0: the trainers restart in their pods when only a trainer ended and every host is healthy.
+        ("application", True, _RUNNING, (0, "", "")),
+        ("hang", True, _RUNNING, (0, "", "")),
+        ("infrastructure", True, _RUNNING, (0, "", "")),  # a killed process, a lost peer
+        ("unknown", True, {**_RUNNING, "row": 1}, (0, "", "")),
+        # Not level 0: a pod ended, a host lost or not seen, a class no restart answers, a budget or the tries spent.
+        ("application", True, {**_RUNNING, "running": False}, (1, "pool-a", "")),
+        ("infrastructure", False, _RUNNING, (2, "", "pool-a")),
+        ("application", None, _RUNNING, (1, "", "")),
+        ("preemption", True, _RUNNING, (2, "", "pool-a")),
+        ("capacity", True, _RUNNING, (1, "pool-a", "")),
+        ("configuration", True, _RUNNING, (1, "pool-a", "")),
+        ("application", True, {**_RUNNING, "left": 0}, (1, "pool-a", "")),
+        ("hang", True, {**_RUNNING, "row": 2}, (1, "pool-a", "")),  # level 0 failed twice: level 1
+        # The gang gone (a new segment): levels 1 and 2 alone.
+        ("application", True, None, (1, "pool-a", "")),
+        ("infrastructure", False, None, (2, "", "pool-a")),
+    ],
+)
+def test_the_ladder_chooses_the_level_by_class_evidence_and_budget(cls, healthy, in_place, want):
+    from jaxrec.model.contract import FailureClass
+    from jaxrec.model.jobset import InPlace, ladder
+
+    where = ladder(FailureClass(cls), "pool-a", healthy, 0, InPlace(**in_place) if in_place else None)
+    assert (where.level, where.prefer, where.avoid) == want, where
+    if in_place is not None and where.level > 0:
+        assert where.why.split("; ")[0] and "; " in where.why  # it says why level 0 was not taken, then the rung
+
+
+def test_with_restarts_in_place_the_worker_runs_the_agent_with_the_trainers_flags(tmp_path):
+    """``retry.in_place_budget`` > 0: the container runs ``trainer.agent``, whose child is the trainer with the
+    same flags; 0 (the default): the trainer itself, as before."""
+    from trainer.agent import parse, target_of
+
+    cfg = _cfg(tmp_path)
+    params = JobSetParams("r-a3", "r", str(tmp_path / "store"), "3", "100", "0", "9400")
+    plain = jobset_manifest(cfg, params)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert plain["containers"][0]["command"] == ["python", "-m", "trainer"]
+    retry = cfg.retry.model_copy(update={"in_place_budget": 3, "in_place_hold_s": 45})
+    agented = jobset_manifest(cfg.model_copy(update={"retry": retry}), params)
+    c = agented["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["python", "-m", "trainer.agent"]
+    own, child = parse(c["args"])
+    assert own.hold_s == 45 and child[1:3] == ["-m", "trainer"]
+    assert child[3:] == plain["containers"][0]["args"]
+    t = target_of(child)
+    assert (t.run_id, t.attempt, t.restore_step) == ("r", 3, 100)

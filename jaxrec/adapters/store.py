@@ -202,6 +202,16 @@ class RunLayout:
         return f"attempts/{n}/heartbeats/{process_index}.json"
 
     @staticmethod
+    def restart_order(n: int) -> str:
+        """The supervisor's ``RestartOrder`` to the agents of attempt ``n``'s gang (level 0, in place)."""
+        return f"attempts/{n}/restart.json"
+
+    @staticmethod
+    def agent_state(n: int, process_index: int) -> str:
+        """Worker ``process_index``'s ``AgentState`` in attempt ``n``'s gang."""
+        return f"attempts/{n}/agents/{process_index}.json"
+
+    @staticmethod
     def supervision(n: int) -> str:
         """What the train-segment supervisor saw and did in attempt ``n``."""
         return f"attempts/{n}/supervision.json"

@@ -648,6 +648,27 @@ class RetryConfig(_Section):
         "(capacity and preemption failures are not counted: their budgets, counted since the last progress, bound "
         "them).",
     )
+    in_place_budget: int = Field(
+        default=0,
+        ge=0,
+        description="Restarts in place (level 0: every worker's trainer restarted in its running pod, no new JobSet) "
+        "allowed over the run, for an application error, a hang, a killed process or a lost peer while every host "
+        "is healthy. Each is an attempt of its class in the ledger (the class budgets count it too). 0: every "
+        "failure recreates the gang, and the workers run the trainer without the agent.",
+    )
+    in_place_tries: int = Field(
+        default=2,
+        ge=1,
+        description="Restarts in place in a row that do not advance the checkpoint, after which the next failure "
+        "recreates the gang (level 1): a fault that survives a restart in place may be the host's or the pod's.",
+    )
+    in_place_hold_s: float = Field(
+        default=60,
+        gt=0,
+        le=3600,
+        description="How long a worker's agent keeps its pod after its trainer failed, waiting for the supervisor's "
+        "order; then it exits with the trainer's code and the pod fails (the gang is recreated).",
+    )
     max_attempts: int | None = Field(
         default=None,
         ge=1,

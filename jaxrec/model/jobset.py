@@ -161,6 +161,63 @@ def placement(
     return Placement(1, prefer=last_pool, why=f"the last attempt left node pool {last_pool} healthy: it is preferred")
 
 
+IN_PLACE_CLASSES = frozenset(
+    {FailureClass.APPLICATION, FailureClass.HANG, FailureClass.INFRASTRUCTURE, FailureClass.UNKNOWN}
+)
+"""The classes a restart in place (level 0) may answer: an error in the program, a hang, a killed process, a lost
+peer. Preemption and capacity are the platform's (the hosts go), configuration is refused by every level alike."""
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """What level 0 needs known at the failure: only the segment's supervisor, beside the running gang, knows it.
+
+    Attributes:
+        running: Every worker's pod still runs its agent: only trainers ended (a pod that failed, a node lost,
+            a gang without agents cannot restart in place).
+        row: Restarts in place in a row, the last ones of the run, that did not advance the checkpoint.
+        left: Restarts in place the run's budget still allows (``retry.in_place_budget`` less those done).
+        tries: ``retry.in_place_tries``.
+    """
+
+    running: bool
+    row: int
+    left: int
+    tries: int
+
+
+def ladder(
+    last_class: FailureClass | None,
+    last_pool: str | None,
+    healthy: bool | None,
+    failed_here: int = 0,
+    in_place: InPlace | None = None,
+) -> Placement:
+    """The recovery ladder's rung after a failure of class ``last_class``: one decision for the three levels.
+
+    Level 0 (restart every trainer in its pod) when ``in_place`` says the gang still runs, every host was seen
+    healthy, the class is one of ``IN_PLACE_CLASSES``, and neither the budget nor ``tries`` restarts in a row
+    without progress are spent; else ``placement`` (level 1 or 2), saying why level 0 was not taken. ``in_place``
+    None: the gang is gone (a new segment places its gang).
+    """
+    if in_place is None:
+        return placement(last_class, last_pool, healthy, failed_here)
+    if not in_place.running:
+        no = "a worker's pod ended with its trainer"
+    elif healthy is not True:
+        no = "a host of the gang is lost, drained or not seen" if healthy is False else "not every host was seen"
+    elif last_class not in IN_PLACE_CLASSES:
+        no = f"a {last_class.value if last_class else 'unclassified'} failure is not restarted in place"
+    elif in_place.left <= 0:
+        no = "the run's restarts in place (retry.in_place_budget) are spent"
+    elif in_place.row >= in_place.tries:
+        no = f"{in_place.row} restarts in place in a row did not advance the checkpoint"
+    else:
+        return Placement(0, why=f"every host is healthy: the trainers restart in their pods ({in_place.left} left)")
+    p = placement(last_class, last_pool, healthy, failed_here)
+    return Placement(p.level, p.prefer, p.avoid, f"{no}; {p.why}")
+
+
 @dataclass(frozen=True)
 class JobSetParams:
     """The values one attempt's JobSet is rendered with.
@@ -217,13 +274,11 @@ def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
         "--restore-step": restore_step,
         "--metrics-port": metrics_port,
     }
-    container: dict[str, Any] = {
-        "name": CONTAINER,
-        "image": cfg.image,
-        "command": ["python", "-m", "trainer"],
-        "args": [arg for flag in flags.items() for arg in flag],
-        "env": env,
-    }
+    args = [arg for flag in flags.items() for arg in flag]
+    command = ["python", "-m", "trainer"]
+    if cfg.retry.in_place_budget > 0:  # level 0: the agent runs the trainer and restarts it in place on order
+        command, args = ["python", "-m", "trainer.agent"], ["--hold-s", f"{cfg.retry.in_place_hold_s:g}", "--", *args]
+    container: dict[str, Any] = {"name": CONTAINER, "image": cfg.image, "command": command, "args": args, "env": env}
     pod_spec: dict[str, Any] = {
         # The workers' own account: no Kubernetes API access, only the bucket through Workload Identity.
         "serviceAccountName": cfg.worker_service_account,

@@ -591,6 +591,48 @@ class WorkerHeartbeat(_Record):
     )
 
 
+class AgentAction(enum.StrEnum):
+    """What a ``RestartOrder`` asks of a gang's agents (``trainer.agent``)."""
+
+    STOP = "stop"  # end the trainer (SIGTERM, then SIGKILL), wait for it to exit, say so, and wait for START
+    START = "start"  # every agent has stopped: run the trainer of the order's attempt
+    EXIT = "exit"  # no restart in place: end the trainer and leave with its code (the pod fails, the gang goes)
+
+
+class RestartOrder(_Record):
+    """``attempts/<n>/restart.json``: the supervisor's order to the agents of attempt ``n``'s gang.
+
+    Level 0 of the recovery ladder: every worker's trainer is restarted in its running pod as ``attempt``, a new
+    JAX process group, once every old trainer has exited. One writer (the segment's supervisor); the agents read it.
+    """
+
+    action: AgentAction
+    attempt: int = Field(description="The attempt the gang's trainers run next (STOP, START); EXIT: the current one.")
+    restore_step: int = Field(default=-1, description="The step every trainer restores (-1: fresh start).")
+    reason: str = ""
+    at: float = Field(default_factory=now)
+
+
+class AgentStateKind(enum.StrEnum):
+    """Where one worker's agent stands."""
+
+    RUNNING = "running"  # its trainer runs ``attempt``
+    EXITED = "exited"  # its trainer of ``attempt`` exited with ``exit_code``; waiting for an order
+    STOPPED = "stopped"  # its trainer has exited and released its devices; ready to start ``attempt``
+
+
+class AgentState(_Record):
+    """``attempts/<n>/agents/<i>.json``: worker ``i``'s agent in attempt ``n``'s gang (one writer: the agent)."""
+
+    process_index: int
+    state: AgentStateKind
+    attempt: int = Field(description="RUNNING, EXITED: the attempt its trainer runs or ran; STOPPED: the next one.")
+    exit_code: int | None = Field(
+        default=None, description="The trainer's last exit code (a signal N: 128 + N, as a shell says it)."
+    )
+    at: float = Field(default_factory=now)
+
+
 class WorkerSupervision(_Record):
     """One worker as the supervisor saw it last (times on the one clock, None when never seen)."""
 

@@ -63,6 +63,7 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
             "test_trainer_loop",
             "test_trainer_records",
             "test_trainer_units",
+            "test_agent",
             "test_tpu",
             "test_peer_notice",
             "test_preemption_plan",

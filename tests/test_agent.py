@@ -1,0 +1,198 @@
+"""The worker pod's agent (``trainer.agent``): it runs real child processes and acts on the run store's orders."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, RestartOrder
+from trainer.agent import Agent, exit_code, target_of, with_flag
+
+# A stand-in trainer: records each start (attempt, restore step, pid), then does what its attempt's plan says:
+# "exit N", "block" (sleeps through SIGTERM: only SIGKILL ends it) or "sigterm N" (exits N on SIGTERM).
+CHILD = r"""
+import json, os, signal, sys, time
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+out, attempt = args["--out"], args["--attempt"]
+with open(out + "/starts.jsonl", "a") as f:
+    f.write(json.dumps({"attempt": int(attempt), "restore": int(args["--restore-step"]), "pid": os.getpid(),
+                        "index": int(os.environ.get("JOB_COMPLETION_INDEX", "0"))}) + "\n")
+plan = json.load(open(out + "/plan.json")).get(f"{os.environ.get('JOB_COMPLETION_INDEX', '0')}/{attempt}", "exit 0")
+what, _, n = plan.partition(" ")
+if what == "exit":
+    sys.exit(int(n))
+if what == "sigterm":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(n)))
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(out + f"/ready-{os.environ.get('JOB_COMPLETION_INDEX', '0')}-{attempt}", "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def child_argv(tmp_path: Path, attempt: int = 0, restore: int = -1) -> list[str]:
+    return [sys.executable, "-c", CHILD, "--store-root", str(tmp_path / "store"), "--run-id", "r1", "--attempt",
+            str(attempt), "--restore-step", str(restore), "--out", str(tmp_path)]  # fmt: skip
+
+
+def spawner(index: int):
+    def spawn(argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, env={**os.environ, "JOB_COMPLETION_INDEX": str(index)})
+
+    return spawn
+
+
+def make_agent(tmp_path: Path, index: int = 0, **kw) -> Agent:
+    store = RunStore(str(tmp_path / "store"), "r1")
+    kw = {"hold_s": 30.0, "poll_s": 0.05, "stop_grace_s": 1.0, **kw}
+    return Agent(store, 0, index, child_argv(tmp_path), spawn=spawner(index), **kw)
+
+
+def plan(tmp_path: Path, **plans: str) -> None:
+    (tmp_path / "plan.json").write_text(json.dumps({k.replace("w", "").replace("_", "/"): v for k, v in plans.items()}))
+
+
+def starts(tmp_path: Path) -> list[dict]:
+    f = tmp_path / "starts.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+
+
+def state(store: RunStore, index: int) -> AgentState | None:
+    return store.read_record(RunLayout.agent_state(0, index), AgentState)
+
+
+def wait_for(cond, timeout: float = 20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for this purpose: the agent reaps its own children.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_exit_codes_and_flags():
+    assert exit_code(-signal.SIGKILL) == 137 and exit_code(-signal.SIGTERM) == 143 and exit_code(42) == 42
+    assert with_flag(["a", "--attempt", "3", "b"], "--attempt", "4") == ["a", "--attempt", "4", "b"]
+    assert with_flag(["--attempt=3"], "--attempt", "4") == ["--attempt=4"]
+    assert with_flag(["x"], "--restore-step", "7") == ["x", "--restore-step", "7"]
+    t = target_of(["python", "-m", "trainer", "--store-root", "/s", "--run-id", "r", "--attempt", "2"])
+    assert (t.store_root, t.run_id, t.attempt, t.restore_step) == ("/s", "r", 2, -1)
+
+
+def test_a_trainer_that_finishes_ends_the_agent_with_zero(tmp_path):
+    plan(tmp_path, w0_0="exit 0")
+    agent = make_agent(tmp_path)
+    assert agent.run() == 0
+    s = state(agent.store, 0)
+    assert s is not None and (s.state, s.attempt, s.exit_code) == (AgentStateKind.EXITED, 0, 0)
+
+
+def test_a_failed_trainer_holds_the_pod_for_an_order_then_leaves_with_its_code(tmp_path):
+    plan(tmp_path, w0_0="exit 42")
+    agent = make_agent(tmp_path, hold_s=0.6)
+    t0 = time.monotonic()
+    assert agent.run() == 42
+    assert time.monotonic() - t0 >= 0.6  # it held the pod, waiting for the supervisor
+    s = state(agent.store, 0)
+    assert s is not None and (s.state, s.exit_code) == (AgentStateKind.EXITED, 42)
+    assert len(starts(tmp_path)) == 1
+
+
+def test_an_unreadable_order_is_no_order(tmp_path):
+    plan(tmp_path, w0_0="exit 42")
+    agent = make_agent(tmp_path, hold_s=0.5)
+    order = tmp_path / "store" / "runs" / "r1" / RunLayout.restart_order(0)
+    order.parent.mkdir(parents=True, exist_ok=True)
+    order.write_text("{not json")
+    assert agent.run() == 42  # it kept its course: held, then left with the trainer's code
+    assert len(starts(tmp_path)) == 1
+
+
+def test_the_gang_restarts_in_place_together_once_every_old_trainer_has_exited(tmp_path):
+    # Worker 1's trainer fails; worker 0's is blocked (as in a collective) and ignores SIGTERM: only SIGKILL ends it.
+    plan(tmp_path, w0_0="block", w1_0="exit 42", w0_1="exit 0", w1_1="exit 0")
+    agents = [make_agent(tmp_path, i) for i in range(2)]
+    codes: dict[int, int] = {}
+    threads = [threading.Thread(target=lambda a=a: codes.__setitem__(a.index, a.run())) for a in agents]
+    for t in threads:
+        t.start()
+    store = agents[0].store
+    wait_for(lambda: (s := state(store, 1)) is not None and s.state == AgentStateKind.EXITED)
+    assert state(store, 1).exit_code == 42
+    wait_for(lambda: (tmp_path / "ready-0-0").exists())
+    blocked = next(s["pid"] for s in starts(tmp_path) if s["index"] == 0)
+    store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.STOP, attempt=1, restore_step=20))
+    stopped = wait_for(lambda: all((s := state(store, i)) and s.state == AgentStateKind.STOPPED for i in range(2)))
+    assert stopped
+    assert not alive(blocked)  # SIGKILLed after the grace, and reaped before the agent said it stopped
+    assert state(store, 0).attempt == 1 and state(store, 0).exit_code == 137
+    assert len(starts(tmp_path)) == 2  # nothing restarted before START
+    store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.START, attempt=1, restore_step=20))
+    for t in threads:
+        t.join(20)
+    assert codes == {0: 0, 1: 0}
+    again = [s for s in starts(tmp_path) if s["attempt"] == 1]
+    assert sorted((s["index"], s["restore"]) for s in again) == [(0, 20), (1, 20)]
+
+
+def test_an_exit_order_ends_the_trainer_and_leaves_with_its_code(tmp_path):
+    plan(tmp_path, w0_0="sigterm 143")
+    agent = make_agent(tmp_path)
+    box: dict[str, int] = {}
+    t = threading.Thread(target=lambda: box.__setitem__("code", agent.run()))
+    t.start()
+    wait_for(lambda: (tmp_path / "ready-0-0").exists())
+    agent.store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.EXIT, attempt=0))
+    t.join(20)
+    assert box == {"code": 143}
+
+
+def test_sigterm_to_the_agent_reaches_the_trainer_and_its_code_is_the_pods(tmp_path):
+    plan(tmp_path, w0_0="sigterm 143")
+    from trainer import agent as agent_mod
+
+    # The agent's own command line, its child this test's stand-in in place of ``python -m trainer``.
+    script = (
+        "import sys; from trainer import agent; parse = agent.parse; "
+        "agent.parse = lambda argv: (parse(argv)[0], sys.argv[sys.argv.index('--') + 1:]); sys.exit(agent.main())"
+    )
+    argv = [sys.executable, "-c", script, "--hold-s", "30", "--", *child_argv(tmp_path)]
+    assert agent_mod.parse(["--", "--attempt", "1"])[1][-4:] == ["-m", "trainer", "--attempt", "1"]
+    proc = subprocess.Popen(argv, env={**os.environ, "JOB_COMPLETION_INDEX": "0"})
+    try:
+        wait_for(lambda: (tmp_path / "ready-0-0").exists())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 143
+    finally:
+        proc.kill()
+        proc.wait()
+    child = starts(tmp_path)[0]["pid"]
+    assert not alive(child)
+
+
+def test_the_agent_refuses_a_command_line_without_a_trainer():
+    with pytest.raises(SystemExit, match="usage"):
+        from trainer.agent import parse
+
+        parse(["--hold-s", "3"])

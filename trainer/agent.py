@@ -1,0 +1,240 @@
+"""``python -m trainer.agent [--hold-s S] -- TRAINER-ARGS``: a worker pod's entrypoint for level 0.
+
+Level 0 of the recovery ladder (docs/FAILURES.md) restarts every worker's trainer in its running pod: no new
+JobSet, no scheduling, no image pull, the host's local checkpoint parts and compilation cache where they were. The
+agent is the container's process and runs the trainer as its child. It acts on the segment's supervisor's
+``RestartOrder`` (``attempts/<n>/restart.json``, n the gang's attempt) and says where it stands in its
+``AgentState`` (``attempts/<n>/agents/<i>.json``), both in the run store, which every worker and the supervisor
+reach whatever else fails:
+
+- its trainer exited 0: the agent exits 0 (the worker is done);
+- its trainer failed: the agent says ``exited`` with the code and holds the pod for an order, ``--hold-s`` at most
+  (then it exits with the trainer's code, and the pod fails as it would have without the agent);
+- ``stop`` for a newer attempt: it ends its trainer (SIGTERM, then SIGKILL after ``STOP_GRACE_S``: a peer of a
+  failed worker is blocked in a collective), waits until the process has exited and released its devices, says
+  ``stopped``; on ``start`` (the supervisor saw every agent stopped) it runs the trainer of that attempt with the
+  order's restore step: the whole gang restarts together as a new JAX process group;
+- ``exit``: it ends its trainer and leaves with the trainer's code (the supervisor chose a higher level);
+- SIGTERM (the pod is deleted, the node shuts down): passed to the trainer, which saves on the way out; the agent
+  leaves with its code.
+
+A store read that fails is no order: the agent keeps its course and reads again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, StoreUnavailable
+from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, RestartOrder
+
+log = logging.getLogger("trainer.agent")
+
+POLL_S = 0.5
+"""How often the agent looks at its trainer and at the order."""
+STOP_GRACE_S = 10.0
+"""SIGTERM to SIGKILL for a trainer stopped for a restart in place."""
+HOLD_S = 60.0
+"""How long a failed trainer's agent holds the pod for an order by default (``--hold-s``)."""
+
+
+def exit_code(returncode: int) -> int:
+    """A child's return code as a container's exit code: a death by signal N is 128 + N (137 for SIGKILL)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def with_flag(argv: Sequence[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag``'s value set to ``value`` (``--flag v`` or ``--flag=v``; appended when absent)."""
+    out, i, seen = [], 0, False
+    while i < len(argv):
+        a = argv[i]
+        if a == flag and i + 1 < len(argv):
+            out += [flag, value]
+            i, seen = i + 2, True
+            continue
+        if a.startswith(flag + "="):
+            out.append(f"{flag}={value}")
+            seen = True
+        else:
+            out.append(a)
+        i += 1
+    return out if seen else [*out, flag, value]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the agent needs to know of its trainer's command line."""
+
+    store_root: str
+    run_id: str
+    attempt: int
+    restore_step: int
+
+
+def target_of(child: Sequence[str]) -> Target:
+    """The run store, run, attempt and restore step of the trainer command ``child`` (its own flags)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--store-root", required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--attempt", type=int, required=True)
+    p.add_argument("--restore-step", type=int, default=-1)
+    a, _ = p.parse_known_args(list(child))
+    return Target(a.store_root, a.run_id, a.attempt, a.restore_step)
+
+
+class Agent:
+    """One worker's agent: runs the trainer ``child`` and restarts it as the gang's ``RestartOrder`` says."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        gang_attempt: int,
+        index: int,
+        child: Sequence[str],
+        *,
+        hold_s: float = HOLD_S,
+        poll_s: float = POLL_S,
+        stop_grace_s: float = STOP_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        spawn: Callable[[list[str]], Any] = subprocess.Popen,
+    ):
+        self.store, self.gang_attempt, self.index, self.child_argv = store, gang_attempt, index, list(child)
+        self.hold_s, self.poll_s, self.stop_grace_s = hold_s, poll_s, stop_grace_s
+        self.clock, self.sleep, self.spawn = clock, sleep, spawn
+        self.proc: Any = None
+        self.attempt = gang_attempt
+        self.code: int | None = None
+        self.terminated = False
+        self.unread_said = False
+        self.stopped_for: int | None = None  # the attempt this agent last said it stopped for
+
+    def _say(self, state: AgentStateKind, attempt: int) -> None:
+        rec = AgentState(process_index=self.index, state=state, attempt=attempt, exit_code=self.code)
+        try:
+            self.store.write_record(RunLayout.agent_state(self.gang_attempt, self.index), rec)
+        except (StoreUnavailable, OSError) as e:  # the next change says it again; the trainer's report stands
+            log.warning("agent %d: could not record %s: %s", self.index, state.value, e)
+
+    def _order(self) -> RestartOrder | None:
+        try:
+            return self.store.read_record(RunLayout.restart_order(self.gang_attempt), RestartOrder)
+        except (StoreUnavailable, DocumentError, OSError) as e:
+            if not self.unread_said:
+                log.warning("agent %d: the restart order is unreadable (%s); reading it again", self.index, e)
+                self.unread_said = True
+            return None
+
+    def _start(self, attempt: int, restore_step: int) -> None:
+        argv = with_flag(with_flag(self.child_argv, "--attempt", str(attempt)), "--restore-step", str(restore_step))
+        self.attempt, self.code = attempt, None
+        self.proc = self.spawn(argv)
+        self._say(AgentStateKind.RUNNING, attempt)
+        log.info("agent %d: trainer of attempt %d started (restore step %d)", self.index, attempt, restore_step)
+
+    def _reap(self) -> bool:
+        """True when the trainer has exited (its code kept)."""
+        if self.proc is None:
+            return True
+        rc = self.proc.poll()
+        if rc is None:
+            return False
+        self.proc, self.code = None, exit_code(rc)
+        return True
+
+    def _end_trainer(self) -> None:
+        """SIGTERM the trainer, SIGKILL it after the grace, and wait until it has exited."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):  # it has just exited
+            self.proc.send_signal(signal.SIGTERM)
+        bound = self.clock() + self.stop_grace_s
+        while not self._reap():
+            if self.clock() >= bound:
+                with contextlib.suppress(ProcessLookupError):  # it has just exited
+                    self.proc.kill()
+                self.proc.wait()
+                self._reap()
+                return
+            self.sleep(min(self.poll_s, 0.1))
+
+    def terminate(self, *_: Any) -> None:
+        """SIGTERM to the agent: pass it to the trainer (which saves on its way out); leave with its code."""
+        self.terminated = True
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):  # it has just exited
+                self.proc.send_signal(signal.SIGTERM)
+
+    def run(self) -> int:
+        """Run the trainer and act on orders until there is nothing left to run; returns the exit code."""
+        first = target_of(self.child_argv)
+        self._start(self.gang_attempt, first.restore_step)
+        held_since: float | None = None  # when the agent began to wait for an order
+        while True:
+            if self.terminated:
+                if self.proc is not None:
+                    self.proc.wait()
+                    self._reap()
+                return self.code if self.code is not None else 143
+            if self.proc is not None and self._reap():
+                self._say(AgentStateKind.EXITED, self.attempt)
+                if self.code == 0:
+                    return 0
+                log.info("agent %d: trainer of attempt %d exited %s", self.index, self.attempt, self.code)
+                held_since = self.clock()
+            order = self._order()
+            if order is not None and order.action == AgentAction.EXIT:
+                self._end_trainer()
+                log.info("agent %d: ordered to exit (%s)", self.index, order.reason)
+                return self.code if self.code is not None else 143
+            if order is not None and order.attempt > self.attempt:
+                if self.proc is not None:
+                    log.info("agent %d: stopping attempt %d for %d (%s)", self.index, self.attempt, order.attempt,
+                             order.reason)  # fmt: skip
+                    self._end_trainer()
+                if order.action == AgentAction.START:
+                    self._start(order.attempt, order.restore_step)
+                    held_since = None
+                elif self.stopped_for != order.attempt:  # stopped: the hold now waits for START
+                    self._say(AgentStateKind.STOPPED, order.attempt)
+                    self.stopped_for, held_since = order.attempt, self.clock()
+            if self.proc is None and held_since is not None and self.clock() - held_since >= self.hold_s:
+                log.info("agent %d: no order for %.0f s; leaving with the trainer's code", self.index, self.hold_s)
+                return self.code if self.code is not None else 1
+            self.sleep(self.poll_s)
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The agent's own flags, and the trainer's command: this interpreter's ``-m trainer``, the flags after ``--``."""
+    argv = list(argv)
+    if "--" not in argv:
+        raise SystemExit("usage: python -m trainer.agent [--hold-s S] -- TRAINER-ARGS (python -m trainer's flags)")
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="python -m trainer.agent", description=__doc__.splitlines()[0])
+    p.add_argument("--hold-s", type=float, default=HOLD_S, help="How long a failed trainer's pod waits for an order.")
+    return p.parse_args(argv[:cut]), [sys.executable, "-m", "trainer", *argv[cut + 1 :]]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the agent of this pod's worker (``JOB_COMPLETION_INDEX``); returns the exit code for the container."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args, child = parse(sys.argv[1:] if argv is None else argv)
+    t = target_of(child)
+    index = int(os.environ.get("JOB_COMPLETION_INDEX", "0") or 0)
+    agent = Agent(RunStore(t.store_root, t.run_id), t.attempt, index, child, hold_s=args.hold_s)
+    signal.signal(signal.SIGTERM, agent.terminate)
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
