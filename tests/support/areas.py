@@ -30,7 +30,8 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("test_supervision", "test_train_segment", "test_provision_slice", "test_step_skeleton", "k8s/test_supervisor"),
     ),
     "classify": (
-        "recovery_steps/classify.py, evidence.py, classify_failure.py, retry.py; jaxrec/model/snapshot.py, contract.py",
+        "recovery_steps/classify.py, evidence.py, closing.py, classify_failure.py, retry.py; jaxrec/model/snapshot.py, "
+        "contract.py",
         ("test_classify", "test_classify_failure", "test_evidence", "test_retry", "test_transient"),
     ),
     "lease": (
