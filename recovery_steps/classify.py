@@ -210,6 +210,11 @@ def _observations(ev: Evidence) -> list[_Obs]:
             o.exit_code = r.exit_code
         if o.at is None:
             o.at = r.ended_at
+    for a in ev.agents:  # a trainer that died without a report in a pod its agent keeps running (level 0)
+        o = by_index.setdefault(a.process_index, _Obs(index=a.process_index))
+        if o.exit_code is None and o.signal is None and a.exit_code:
+            o.exit_code, o.signal = _normalise(a.exit_code, None)
+            o.at = o.at or a.at
     return sorted(by_index.values(), key=lambda o: o.index or 0) + loose
 
 

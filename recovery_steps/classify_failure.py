@@ -17,6 +17,7 @@ still runs with no verdict is recorded ``running`` and supervised again, never c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from recovery_steps import lease
 from recovery_steps.classify import Verdict, classify
 from recovery_steps.closing import ClosingAttempt, close_attempt, gather
 from recovery_steps.evidence import Evidence
+from recovery_steps.in_place import current_attempt
 from recovery_steps.retry import RetryDecision, argo_duration, ledger_errors
 from recovery_steps.step import Step, StepError, k8s_client, load_run_config
 
@@ -117,10 +119,13 @@ def run(
     Raises:
         StepError: the store could not be read or written, or the run has no usable config.
     """
-    ref = closing.ref
-    attempt = ref.attempt
-    store = ref.store()
+    store = closing.ref.store()
     with ledger_errors(store, _failure):
+        # The gang's newest attempt: its trainers may have been restarted in place (level 0) since it was created.
+        attempt = current_attempt(store, closing.ref.attempt)
+        if attempt != closing.ref.attempt:
+            closing = dataclasses.replace(closing, ref=dataclasses.replace(closing.ref, attempt=attempt))
+        ref = closing.ref
         cfg = load_run_config(ref.store_root, ref.run_id, check_ledger=False)
         read_ledger(store)  # a damaged ledger is refused before anything is written
         client = _api_client() if api_client is None else api_client

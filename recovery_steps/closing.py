@@ -112,10 +112,12 @@ def close_attempt(
     verdict: Verdict,
     clock: Callable[[], float],
     resupervised: int = 0,
+    level: int | None = None,
 ) -> tuple[RetryDecision, AttemptRecord, Ledger]:
     """Close the attempt in the ledger with its class and the retry decision; write its own record too.
 
     ``resupervised``: supervisors re-attached in the attempt's Workflow (the hand-over counts their nesting).
+    ``level``: 0 when the segment's supervisor restarts the gang in place (``AttemptRecord.level``).
     """
     attempt = closing.ref.attempt
     started, ended = _timings(ev)
@@ -134,6 +136,7 @@ def close_attempt(
         first_worker=verdict.first_worker,
         cause_worker=verdict.cause_worker,
         workflow=closing.workflow,
+        level=level,
     )
     holder: dict[str, Any] = {}
 

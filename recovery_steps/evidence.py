@@ -17,7 +17,7 @@ from jaxrec.adapters.documents import read_worker_reports
 from jaxrec.adapters.kube import Kube
 from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
 from jaxrec.model.contract import Backend
-from jaxrec.model.records import SupervisionRecord, WorkerExitReport
+from jaxrec.model.records import AgentState, SupervisionRecord, WorkerExitReport
 from jaxrec.model.snapshot import (
     JobEvidence,
     JobSetEvidence,
@@ -51,6 +51,11 @@ class Evidence(BaseModel):
     )
     supervision: SupervisionRecord | None = Field(
         default=None, description="How train-segment's supervisor saw the attempt end (stall kind, reason)."
+    )
+    agents: list[AgentState] = Field(
+        default_factory=list,
+        description="The workers' agents (level 0) that saw this attempt's trainer exit: its code where the pod, "
+        "still running, has none.",
     )
     notes: list[str] = Field(default_factory=list, description="What an adapter could not read, and why.")
     from_snapshot: bool = Field(

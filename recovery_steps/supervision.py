@@ -44,7 +44,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jaxrec.model.config import SupervisionConfig
 from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass, StallKind, outcome_check
-from jaxrec.model.records import STARTUP_MARGIN, SupervisionRecord, WorkerPhase
+from jaxrec.model.records import STARTUP_MARGIN, AgentState, SupervisionRecord, WorkerPhase
 from jaxrec.model.snapshot import (
     ClusterSnapshot,
     Condition,
@@ -309,6 +309,11 @@ class Observation(_Rec):
         description="The longest this run's earlier attempts took from every worker running to every worker's "
         "first step (``startup_seconds`` of their supervision records); None when none is known.",
     )
+    ended: tuple[AgentState, ...] = Field(
+        default=(),
+        description="With restarts in place: the workers whose agent saw this attempt's trainer exit (their pods "
+        "still run: the agent holds them for the supervisor's order).",
+    )
 
     @property
     def jobset(self) -> JobSetEvidence | None:
@@ -517,15 +522,34 @@ def _ended(p: PodEvidence) -> str:
     """``exit code 137, SIGKILL``: the code, the signal a code above 128 stands for, a reason other than Error."""
     if p.exit_code is None:
         return "no exit code"
-    parts = [f"exit code {p.exit_code}"]
-    if p.exit_code > 128:
+    reason = p.terminated_reason if p.terminated_reason and p.terminated_reason != "Error" else None
+    return _code_text(p.exit_code, reason)
+
+
+def _code_text(code: int, reason: str | None = None) -> str:
+    parts = [f"exit code {code}"]
+    if code > 128:
         try:
-            parts.append(signal.Signals(p.exit_code - 128).name)
+            parts.append(signal.Signals(code - 128).name)
         except ValueError:
             pass
-    if p.terminated_reason and p.terminated_reason != "Error":
-        parts.append(p.terminated_reason)
-    return ", ".join(parts)
+    return ", ".join([*parts, *([reason] if reason else [])])
+
+
+def _trainer_ended(obs: Observation) -> Verdict | None:
+    """A trainer exited non-zero in a pod its agent keeps running (level 0): the first to end failed the attempt."""
+    failed = [a for a in obs.ended if a.exit_code]
+    if not failed:
+        return None
+    peer = ExitCode.PEER_LOST
+    a = first_failed(
+        failed, ended=lambda a: a.at, index=lambda a: a.process_index, rank=lambda a: int(a.exit_code == peer)
+    )
+    return Verdict(
+        state=AttemptOutcome.FAILED,
+        reason=f"worker {a.process_index}'s trainer exited ({_code_text(a.exit_code or 0)}); its pod runs on",
+        worker=a.process_index,
+    )
 
 
 def _succeeded(obs: Observation) -> Verdict | None:
@@ -777,7 +801,7 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
     Returns:
         The verdict; ``running`` with the gang's state as reason while nothing has ended.
     """
-    for check in (_failed(obs), _succeeded(obs)):
+    for check in (_failed(obs), _succeeded(obs), _trainer_ended(obs)):
         if check is not None:
             return check
     if obs.view is not None and not obs.view.ok:

@@ -69,6 +69,7 @@ from jaxrec.model.snapshot import (
     PodPhase,
     gang_pool,
 )
+from recovery_steps.in_place import LevelZero, Restarted, current_attempt
 from recovery_steps.kube_gang import KubeGang
 from recovery_steps.retry import advanced
 from recovery_steps.step import (
@@ -329,6 +330,7 @@ class Supervisor:
         *,
         io: SupervisorIO = SupervisorIO(),
         renew: Callable[[float], LeaseLoss | None] | None = None,
+        level0: LevelZero | None = None,
     ):
         self.cfg, self.attempt, self.gang, self.store = cfg, attempt, gang, store
         self.renew = renew
@@ -346,6 +348,10 @@ class Supervisor:
         self.unacted_since: float | None = None  # when this supervisor first saw the JobSet with no Job and no pod
         self.unacted_said = False
         self.startup_before_s = earlier_startup(store, attempt)
+        self.gang_attempt = attempt  # the attempt the JobSet was created for; ``attempt`` is the one it runs now
+        self.level0 = level0
+        self.restarted: Restarted | None = None  # the restart in place that began the current attempt
+        self.restarted_at: float | None = None
 
     def ensure_jobset(self, manifest: Mapping[str, Any]) -> None:
         """Create the attempt's JobSet, or re-attach when it already exists (the supervisor's pod was lost).
@@ -373,6 +379,9 @@ class Supervisor:
         self.reattached = True
         self.created_at = (existing.created_at if existing else None) or self.clock()
         self.say(f"re-attached to JobSet {self.gang.name} (it already exists: not creating a second gang)")
+        if self.level0 is not None and (now := current_attempt(self.store, self.gang_attempt)) != self.attempt:
+            self.say(f"its trainers run attempt {now} (restarted in place): supervising that one")
+            self.attempt, self.restarted_at, self.startup_before_s = now, self.clock(), earlier_startup(self.store, now)
 
     def _never_ran(self) -> None:
         """Raise ``GangGone`` when the store holds exit reports of this attempt.
@@ -456,7 +465,7 @@ class Supervisor:
         return Observation(
             now=snap.taken_at,
             expected_workers=self.hosts,
-            created_at=(js.created_at if js else None) or self.created_at,
+            created_at=self.restarted_at or (js.created_at if js else None) or self.created_at,
             snapshot=snap,
             waits=dict(self.waits),
             lost_seen=dict(self.lost_seen),
@@ -475,6 +484,7 @@ class Supervisor:
             reads=tuple(r for _, r in sorted(self.reads.items())),
             view=self.view,
             startup_before_s=self.startup_before_s,
+            ended=tuple(self.level0.ended(self.attempt)) if self.level0 is not None else (),
         )
 
     def read_beats(self, now: float) -> list[WorkerHeartbeat]:
@@ -514,34 +524,59 @@ class Supervisor:
         self.gang.delete()
         raise StepError(ExitCode.CONFIGURATION, f"{lost.line}; this Workflow's JobSet was deleted")
 
+    def _record(self, verdict: Verdict, obs: Observation, beats: Sequence[WorkerHeartbeat]) -> SupervisionRecord:
+        ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
+        r = self.restarted
+        return SupervisionRecord(
+            attempt=self.attempt,
+            jobset=self.gang.name,
+            outcome=verdict.state,
+            stall_kind=verdict.kind.value if verdict.kind else None,
+            reason=verdict.reason,
+            worker=verdict.worker,
+            created_at=self.restarted_at or self.created_at,
+            reattached=self.reattached,
+            detected_at=self.clock(),
+            last_step=max((b.step for b in beats if b.step is not None), default=None),
+            checkpoint_step=max(ckpts) if ckpts else None,
+            workers=worker_records(obs, beats, self.hosts),
+            evidence=evidence_lines(obs),
+            snapshot=obs.snapshot,
+            placement=f"level 0: {r.placement.why}" if r is not None and r.attempt == self.attempt else None,
+        )
+
+    def _restart_in_place(self, record: SupervisionRecord, snap: ClusterSnapshot) -> bool:
+        """Level 0 after a failed attempt (``in_place.LevelZero``): True when the gang now runs the next attempt."""
+        if self.level0 is None or record.outcome == AttemptOutcome.SUCCEEDED:
+            return False
+        r = self.level0.restart(self.attempt, record, snap)
+        if r is None:
+            return False
+        stopped = record.model_copy(update={"stopped_at": self.clock()})
+        self.store.write_record(RunLayout.supervision(self.attempt), stopped)
+        self.attempt, self.restarted, self.restarted_at = r.attempt, r, self.clock()
+        self.beats, self.reads = {}, {}
+        self.startup_before_s = earlier_startup(self.store, r.attempt)
+        return True
+
     def run(self, manifest: Mapping[str, Any]) -> SupervisionRecord:
-        """Create or re-attach, supervise until over, stop, and record. Returns the supervision record."""
+        """Create or re-attach, supervise until over (restarting in place where level 0 may), stop, and record.
+
+        Returns the supervision record of the attempt the segment ended with.
+        """
         self.ensure_jobset(manifest)
         try:
             self.gang.start()
-            verdict, obs, beats = self.supervise()
-            detected = self.clock()
-            ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
-            record = SupervisionRecord(
-                attempt=self.attempt,
-                jobset=self.gang.name,
-                outcome=verdict.state,
-                stall_kind=verdict.kind.value if verdict.kind else None,
-                reason=verdict.reason,
-                worker=verdict.worker,
-                created_at=self.created_at,
-                reattached=self.reattached,
-                detected_at=detected,
-                last_step=max((b.step for b in beats if b.step is not None), default=None),
-                checkpoint_step=max(ckpts) if ckpts else None,
-                workers=worker_records(obs, beats, self.hosts),
-                evidence=evidence_lines(obs),
-                snapshot=obs.snapshot,
-            )
-            # The verdict is in the store before anything is stopped: a supervisor that cannot report does not
-            # act (its retry re-attaches to the gang and decides again), and one lost during the stop leaves
-            # its verdict for the retry (``recorded_verdict``) instead of a deleted gang it would re-create.
-            self.store.write_record(RunLayout.supervision(self.attempt), record)
+            while True:
+                verdict, obs, beats = self.supervise()
+                record = self._record(verdict, obs, beats)
+                detected = record.detected_at
+                # The verdict is in the store before anything is stopped: a supervisor that cannot report does not
+                # act (its retry re-attaches to the gang and decides again), and one lost during the stop leaves
+                # its verdict for the retry (``recorded_verdict``) instead of a deleted gang it would re-create.
+                self.store.write_record(RunLayout.supervision(self.attempt), record)
+                if not self._restart_in_place(record, obs.snapshot):
+                    break
             if verdict.state != AttemptOutcome.SUCCEEDED:
                 record = self.stop_attempt(record, obs.snapshot)
             else:
@@ -739,7 +774,10 @@ def run(
     manifest = segment_manifest(cfg, jobset, attempt, store.url(RunLayout.CONFIG))
     port = (gang or kube_gang())(cfg, manifest, io.clock, say)
     renew = lease_renewal(store, holder, cfg.retry.lease_ttl_s, say, cfg.namespace) if holder else None
-    sup = Supervisor(cfg, attempt, port, store, io=io, renew=renew)
+    level0 = None
+    if cfg.retry.in_place_budget > 0:
+        level0 = LevelZero(cfg, ref, port.name, clock=io.clock, wait=port.wait, say=say)
+    sup = Supervisor(cfg, attempt, port, store, io=io, renew=renew, level0=level0)
     try:
         record = sup.run(manifest)
     except AlreadyDecided as done:
@@ -754,7 +792,7 @@ def run(
     # The placement this try rendered is the gang's only where this try created it; an earlier try's record keeps its.
     if where is not None and record.placement is None and not record.reattached:
         record = record.model_copy(update={"placement": f"level {where.level}: {where.why}"})
-    store.write_record(RunLayout.supervision(attempt), record)
+    store.write_record(RunLayout.supervision(record.attempt), record)
     outputs_of(record).write(output_dir)
     return record
 
@@ -936,7 +974,7 @@ def act(
         return int(ExitCode.OK), " ".join(f"{k}={v}" for k, v in outputs_of(record).files().items())
     # The line a user reads first: the node's message in the Argo UI (recovery_steps.step.say_why).
     kind = f" ({record.stall_kind})" if record.stall_kind else ""
-    return int(ExitCode.ATTEMPT_FAILED), f"attempt {args.attempt} {record.outcome}{kind}: {record.reason}"
+    return int(ExitCode.ATTEMPT_FAILED), f"attempt {record.attempt} {record.outcome}{kind}: {record.reason}"
 
 
 def record_failure(args: argparse.Namespace, e: StepError) -> None:

@@ -2,93 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from support.agents import alive, child_argv, make_agent, plan, starts, state, wait_for
 
-from jaxrec.adapters.store import RunLayout, RunStore
-from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, RestartOrder
-from trainer.agent import Agent, exit_code, target_of, with_flag
-
-# A stand-in trainer: records each start (attempt, restore step, pid), then does what its attempt's plan says:
-# "exit N", "block" (sleeps through SIGTERM: only SIGKILL ends it) or "sigterm N" (exits N on SIGTERM).
-CHILD = r"""
-import json, os, signal, sys, time
-args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-out, attempt = args["--out"], args["--attempt"]
-with open(out + "/starts.jsonl", "a") as f:
-    f.write(json.dumps({"attempt": int(attempt), "restore": int(args["--restore-step"]), "pid": os.getpid(),
-                        "index": int(os.environ.get("JOB_COMPLETION_INDEX", "0"))}) + "\n")
-plan = json.load(open(out + "/plan.json")).get(f"{os.environ.get('JOB_COMPLETION_INDEX', '0')}/{attempt}", "exit 0")
-what, _, n = plan.partition(" ")
-if what == "exit":
-    sys.exit(int(n))
-if what == "sigterm":
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(n)))
-else:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-open(out + f"/ready-{os.environ.get('JOB_COMPLETION_INDEX', '0')}-{attempt}", "w").close()
-while True:
-    time.sleep(0.05)
-"""
-
-
-def child_argv(tmp_path: Path, attempt: int = 0, restore: int = -1) -> list[str]:
-    return [sys.executable, "-c", CHILD, "--store-root", str(tmp_path / "store"), "--run-id", "r1", "--attempt",
-            str(attempt), "--restore-step", str(restore), "--out", str(tmp_path)]  # fmt: skip
-
-
-def spawner(index: int):
-    def spawn(argv: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(argv, env={**os.environ, "JOB_COMPLETION_INDEX": str(index)})
-
-    return spawn
-
-
-def make_agent(tmp_path: Path, index: int = 0, **kw) -> Agent:
-    store = RunStore(str(tmp_path / "store"), "r1")
-    kw = {"hold_s": 30.0, "poll_s": 0.05, "stop_grace_s": 1.0, **kw}
-    return Agent(store, 0, index, child_argv(tmp_path), spawn=spawner(index), **kw)
-
-
-def plan(tmp_path: Path, **plans: str) -> None:
-    (tmp_path / "plan.json").write_text(json.dumps({k.replace("w", "").replace("_", "/"): v for k, v in plans.items()}))
-
-
-def starts(tmp_path: Path) -> list[dict]:
-    f = tmp_path / "starts.jsonl"
-    return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
-
-
-def state(store: RunStore, index: int) -> AgentState | None:
-    return store.read_record(RunLayout.agent_state(0, index), AgentState)
-
-
-def wait_for(cond, timeout: float = 20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for this purpose: the agent reaps its own children.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+from jaxrec.adapters.store import RunLayout
+from jaxrec.model.records import AgentAction, AgentStateKind, RestartOrder
+from trainer.agent import exit_code, target_of, with_flag
 
 
 def test_exit_codes_and_flags():

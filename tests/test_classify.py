@@ -1053,3 +1053,17 @@ def test_the_exit_code_a_jobs_failure_target_names_classifies_a_worker_whose_pod
     v = classify(gke([pod(i, phase="Running") for i in range(HOSTS)], jobs=[job]))
     assert v.failure_class is FailureClass.APPLICATION, v.reason
     assert v.first_worker == 1 and "exit 42" in v.reason, v.reason
+
+
+def test_a_trainer_killed_in_a_pod_its_agent_keeps_is_classified_from_the_agents_code():
+    """Level 0: the pods still run (no container exit code) and the SIGKILLed trainer wrote no report; its agent's
+    recorded code is the evidence, read as a container's would be."""
+    from jaxrec.model.records import AgentState, AgentStateKind
+
+    running = [pod(i, phase="Running") for i in range(HOSTS)]
+    ev = gke(running, [node(i) for i in range(HOSTS)])
+    assert classify(ev).failure_class is FailureClass.UNKNOWN  # nothing says what ended
+    ev.agents = [AgentState(process_index=2, state=AgentStateKind.EXITED, attempt=0, exit_code=137, at=T0 + 3)]
+    v = classify(ev)
+    assert (v.failure_class, v.first_worker) == (FailureClass.INFRASTRUCTURE, 2), v.reason
+    assert "SIGKILL" in v.reason

@@ -15,7 +15,7 @@ from support.local_evidence import ended_slice
 from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.config import parse_config
 from jaxrec.model.contract import FailureClass
-from jaxrec.model.records import Ledger, SupervisionRecord, WorkerExitReport
+from jaxrec.model.records import AttemptRecord, Ledger, SupervisionRecord, WorkerExitReport
 from jaxrec.model.snapshot import ClusterSnapshot, JobSetEvidence
 from recovery_steps import classify_failure
 
@@ -333,3 +333,25 @@ def test_a_replayed_classify_failure_stops_its_workflow_before_it_closes_anythin
     assert "this Workflow had already ended (argo retry replays it" in capsys.readouterr().err
     assert kube.objects["workflows"]["wf-a"]["spec"] == {"shutdown": "Stop"}
     assert store.read_record(RunLayout.LEDGER, Ledger) == before
+
+
+def test_the_gang_restarted_in_place_is_closed_at_its_newest_attempt(store_root, tmp_path, capsys):
+    """Attempt 0's gang was restarted in place as attempt 1 (the supervisor closed 0 at level 0, its order names
+    1): classify-failure, given the gang's attempt and JobSet, closes attempt 1, and the next attempt is 2."""
+    from jaxrec.model.records import AgentAction, RestartOrder
+
+    store = setup_run(store_root)
+    write_attempt(store, 0, [42, 143, 143, 143], first=0, restore=-1, ckpt=10)
+    write_attempt(store, 1, [20, -9, 20, 20], first=1, restore=10, ckpt=10)
+    closed = AttemptRecord(attempt=0, outcome="failed", failure_class="application", level=0)
+    store.write_record(RunLayout.LEDGER, Ledger(run_id=RUN, attempts=[closed]))
+    store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.EXIT, attempt=1, restore_step=10))
+    assert cli(store_root, 0, tmp_path / "o") == 0
+    o = outputs(tmp_path / "o")
+    assert (o["failure-class"], o["next-attempt"]) == ("infrastructure", "2")
+    ledger = Ledger.model_validate(store.read_json(RunLayout.LEDGER))
+    assert [(a.attempt, a.failure_class.value, a.level) for a in ledger.attempts] == [
+        (0, "application", 0),
+        (1, "infrastructure", None),
+    ]
+    assert ledger.attempts[1].jobset == f"{RUN}-a0"  # the gang's JobSet, created for attempt 0

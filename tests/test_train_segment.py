@@ -1390,3 +1390,85 @@ def test_with_restarts_in_place_the_worker_runs_the_agent_with_the_trainers_flag
     assert child[3:] == plain["containers"][0]["args"]
     t = target_of(child)
     assert (t.run_id, t.attempt, t.restore_step) == ("r", 3, 100)
+
+
+def _in_place_cfg(root: Path, budget: int = 2):
+    """``_cfg`` with restarts in place allowed (``budget``), its pinned config rewritten."""
+    cfg = _cfg(root)
+    cfg = cfg.model_copy(update={"retry": cfg.retry.model_copy(update={"in_place_budget": budget})})
+    RunStore(str(root), cfg.run_id).write_json(
+        RunLayout.CONFIG, {"config": cfg.model_dump(mode="json"), "hash": cfg.config_hash()}
+    )
+    return cfg
+
+
+def _agents(tmp_path, cfg, plans):
+    """One real agent per worker (threads), their trainers stand-ins following ``plans``; their exit codes."""
+    from support.agents import make_agent, plan
+
+    plan(tmp_path, **plans)
+    agents = [make_agent(tmp_path, i, Path(cfg.storage.root), cfg.run_id) for i in range(HOSTS)]
+    codes: dict[int, int] = {}
+    threads = [threading.Thread(target=lambda a=a: codes.__setitem__(a.index, a.run()), daemon=True) for a in agents]
+    return agents, threads, codes
+
+
+def test_level_zero_restarts_every_trainer_in_its_pod_and_closes_the_attempt_in_the_ledger(tmp_path, cluster):
+    """Worker 2's trainer fails (exit 42) in a gang of healthy hosts whose pods run on: the supervisor classifies
+    it (application), closes attempt 0 in the ledger at level 0, has every agent stop its trainer (the others,
+    blocked as in a collective, are SIGKILLed), chooses the step, and starts attempt 1 in the same pods; nothing is
+    deleted, and attempt 1 finishes."""
+    from support.agents import alive, starts
+
+    from jaxrec.model.records import AttemptRecord, Ledger, RestoreRecord
+
+    cfg = _in_place_cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    js, t0 = f"{cfg.run_id}-a0", time.time()
+    plans = {f"w{i}_0": "block" for i in range(HOSTS)} | {"w2_0": "exit 42"}
+    plans |= {f"w{i}_1": "exit 0" for i in range(HOSTS)}
+    agents, threads, codes = _agents(tmp_path, cfg, plans)
+
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        _gang(c, js, t0, phase="Running", running=True)
+        for t in threads:
+            t.start()
+
+    def finished(c):
+        from support.agents import state
+
+        done = [state(agents[0].store, i) for i in range(HOSTS)]
+        if not all(s is not None and s.attempt == 1 and s.exit_code == 0 for s in done):
+            c.script.insert(0, finished)
+            time.sleep(0.05)
+            return
+        _gang(c, js, t0 + 9, phase="Succeeded", exit_code=0)
+        c.put("jobs", _job(js, [{"type": "Complete", "status": "True", "lastTransitionTime": iso(t0 + 9)}]))
+        c.put("jobsets", {**dict(c.objects["jobsets"][js]), "status": {"terminalState": "Completed"}})
+
+    cluster.on_create = created
+    cluster.script = [finished]
+    rec, lines, _ = _run(cfg, tmp_path, cluster)
+    for t in threads:
+        t.join(10)
+
+    assert (rec.attempt, rec.outcome) == (1, "succeeded"), rec
+    assert rec.placement and rec.placement.startswith("level 0: every host is healthy")
+    assert codes == dict.fromkeys(range(HOSTS), 0)
+    assert not cluster.requests_of("DELETE", "/jobsets/")  # the gang was never recreated
+    ledger = store.read_record(RunLayout.LEDGER, Ledger)
+    (closed,) = ledger.attempts
+    assert (closed.attempt, closed.failure_class, closed.level, closed.decision) == (0, "application", 0, "retry")
+    assert closed.cause_worker == 2 and "uncaught exception" in closed.reason
+    assert store.read_record(RunLayout.attempt_record(0), AttemptRecord) == closed
+    failed = SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(0)))
+    assert failed.outcome == "failed" and failed.worker == 2 and failed.stopped_at is not None
+    assert "worker 2's trainer exited (exit code 42)" in failed.reason
+    assert store.read_record(RunLayout.restore_record(1), RestoreRecord).restore_step == -1
+    first = [s for s in starts(tmp_path) if s["attempt"] == 0]
+    again = [s for s in starts(tmp_path) if s["attempt"] == 1]
+    assert sorted(s["index"] for s in again) == list(range(HOSTS))
+    assert not any(alive(s["pid"]) for s in first)  # every old trainer ended before the new ones ran
+    assert any("level 0" in line for line in lines)
+    assert (tmp_path / "out" / "placement").read_text().startswith("level 0")

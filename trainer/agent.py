@@ -10,7 +10,7 @@ reach whatever else fails:
 - its trainer exited 0: the agent exits 0 (the worker is done);
 - its trainer failed: the agent says ``exited`` with the code and holds the pod for an order, ``--hold-s`` at most
   (then it exits with the trainer's code, and the pod fails as it would have without the agent);
-- ``stop`` for a newer attempt: it ends its trainer (SIGTERM, then SIGKILL after ``STOP_GRACE_S``: a peer of a
+- ``stop`` for a newer attempt: it ends its trainer (SIGTERM, then SIGKILL after ``AGENT_STOP_GRACE_S``: a peer of a
   failed worker is blocked in a collective), waits until the process has exited and released its devices, says
   ``stopped``; on ``start`` (the supervisor saw every agent stopped) it runs the trainer of that attempt with the
   order's restore step: the whole gang restarts together as a new JAX process group;
@@ -36,14 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, StoreUnavailable
-from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, RestartOrder
+from jaxrec.model.records import AGENT_STOP_GRACE_S, AgentAction, AgentState, AgentStateKind, RestartOrder
 
 log = logging.getLogger("trainer.agent")
 
 POLL_S = 0.5
 """How often the agent looks at its trainer and at the order."""
-STOP_GRACE_S = 10.0
-"""SIGTERM to SIGKILL for a trainer stopped for a restart in place."""
 HOLD_S = 60.0
 """How long a failed trainer's agent holds the pod for an order by default (``--hold-s``)."""
 
@@ -104,7 +102,7 @@ class Agent:
         *,
         hold_s: float = HOLD_S,
         poll_s: float = POLL_S,
-        stop_grace_s: float = STOP_GRACE_S,
+        stop_grace_s: float = AGENT_STOP_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         spawn: Callable[[list[str]], Any] = subprocess.Popen,

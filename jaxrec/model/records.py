@@ -248,6 +248,11 @@ class AttemptRecord(_Record):
     first_worker: int | None = Field(default=None, description="Index of the first worker that failed.")
     cause_worker: int | None = Field(default=None, description="Index of the worker whose failure is the cause.")
     workflow: str | None = Field(default=None, description="Name of the Workflow that ran the attempt.")
+    level: int | None = Field(
+        default=None,
+        description="The recovery ladder's rung that followed the failure: 0, every trainer restarted in its pod "
+        "(the segment's supervisor closed the attempt); None, the gang recreated (levels 1 and 2).",
+    )
 
 
 class HandOver(_Record):
@@ -619,6 +624,11 @@ class AgentStateKind(enum.StrEnum):
     RUNNING = "running"  # its trainer runs ``attempt``
     EXITED = "exited"  # its trainer of ``attempt`` exited with ``exit_code``; waiting for an order
     STOPPED = "stopped"  # its trainer has exited and released its devices; ready to start ``attempt``
+
+
+AGENT_STOP_GRACE_S = 10.0
+"""SIGTERM to SIGKILL for a trainer its agent stops for a restart in place (a peer of a failed worker is blocked in
+a collective and may never act on SIGTERM)."""
 
 
 class AgentState(_Record):

@@ -1,0 +1,205 @@
+"""Level 0 of the recovery ladder: the segment's supervisor restarts every trainer in its running pod.
+
+When an attempt's trainer fails while every pod of the gang still runs (its agent holds it, ``trainer.agent``) and
+every host was seen healthy, the supervisor classifies the failure as classify-failure would (the same evidence,
+``recovery_steps.closing``, and ``classify``), and asks the one ladder (``model.jobset.ladder``) for the rung. At
+level 0, with the class's retry allowed (``retry.decide``):
+
+1. it orders every agent to stop its trainer for attempt n+1 (``RestartOrder`` STOP) and waits until each says it
+   has (``AgentState`` STOPPED: the process has exited and released its devices), ``AGENT_STOP_GRACE_S`` and
+   ``STOP_SLACK_S`` at most;
+2. it closes attempt n in the ledger with its class, evidence and ``level`` 0, as classify-failure closes one;
+3. it chooses the step to restore as restore-latest does (``adapters.restore.run``: verified, the bad quarantined),
+   recorded for attempt n+1;
+4. it orders the agents to start attempt n+1 from that step (``RestartOrder`` START), and supervises it.
+
+Anything else (a pod ended, a host lost, a class no restart answers, a budget spent, agents that did not stop in
+time) tells the agents to exit with their trainers' codes and goes the full way round: the segment ends, and
+classify-failure closes the attempt (the gang's newest one: the order names it).
+
+Destructive acts and their evidence: a trainer is stopped only on the supervisor's verdict of a failed attempt,
+recorded first; nothing is deleted here (quarantine is restore-latest's, with its evidence).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jaxrec.adapters import restore
+from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore, first_line, store_errors
+from jaxrec.model.config import JobConfig
+from jaxrec.model.contract import AttemptOutcome, Backend, Decision
+from jaxrec.model.jobset import InPlace, Placement, ladder
+from jaxrec.model.records import (
+    AGENT_STOP_GRACE_S,
+    AgentAction,
+    AgentState,
+    AgentStateKind,
+    AttemptRecord,
+    Ledger,
+    RestartOrder,
+    SupervisionRecord,
+)
+from jaxrec.model.snapshot import ClusterSnapshot, PodPhase, gang_pool
+from recovery_steps.attempts import checkpoint_step_before
+from recovery_steps.classify import Verdict, classify
+from recovery_steps.closing import ClosingAttempt, close_attempt
+from recovery_steps.evidence import Evidence, gather_reports
+from recovery_steps.retry import advanced, decide
+
+log = logging.getLogger(__name__)
+
+STOP_SLACK_S = 20.0
+"""Beyond the agents' SIGKILL grace, how long the supervisor waits for every agent to say its trainer stopped."""
+
+
+def current_attempt(store: RunStore, gang_attempt: int) -> int:
+    """The attempt gang ``gang_attempt``'s trainers run now: the newest its supervisor ordered, else its own.
+
+    Raises what the store raises: a read that failed is no evidence that no restart was ordered.
+    """
+    order = store.read_record(RunLayout.restart_order(gang_attempt), RestartOrder)
+    return gang_attempt if order is None else max(gang_attempt, order.attempt)
+
+
+def read_agents(store: RunStore, gang_attempt: int, hosts: int) -> list[AgentState]:
+    """Every readable agent state of the gang (a read that fails leaves that worker out: it is no evidence)."""
+    out = []
+    for i in range(hosts):
+        try:
+            a = store.read_record(RunLayout.agent_state(gang_attempt, i), AgentState)
+        except (DocumentError, *store_errors()) as e:
+            log.warning("agent state of worker %d unreadable: %s", i, first_line(e))
+            continue
+        if a is not None:
+            out.append(a)
+    return out
+
+
+def in_place_facts(ledger: Ledger | None, snap: ClusterSnapshot, hosts: int, budget: int, tries: int) -> InPlace:
+    """What the ladder's level 0 needs: the gang still running, the restarts in a row without progress, the budget."""
+    pods = [p for p in snap.pods if not p.ended]
+    running = len(pods) == hosts == len(snap.pods) and all(p.phase == PodPhase.RUNNING for p in pods)
+    attempts = ledger.attempts if ledger else []
+    row = 0
+    for a in reversed(attempts):
+        if a.level != 0 or advanced(a):
+            break
+        row += 1
+    used = sum(1 for a in attempts if a.level == 0)
+    return InPlace(running=running, row=row, left=budget - used, tries=tries)
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """A restart in place done: the attempt the gang runs now, the step it restores, and the rung's reason."""
+
+    attempt: int
+    restore_step: int
+    placement: Placement
+    verdict: Verdict
+
+
+class LevelZero:
+    """Level 0 for one segment's gang: the JobSet ``jobset`` created for attempt ``gang.attempt``."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        gang: AttemptRef,
+        jobset: str,
+        *,
+        clock: Callable[[], float],
+        wait: Callable[[float], None],
+        say: Callable[[str], None],
+        workflow: str | None = None,
+    ):
+        self.cfg, self.ref, self.store, self.gang_attempt, self.jobset = cfg, gang, gang.store(), gang.attempt, jobset
+        self.clock, self.wait, self.say, self.workflow = clock, wait, say, workflow
+        self.hosts = cfg.slice.num_hosts
+
+    def ended(self, attempt: int) -> list[AgentState]:
+        """The agents that saw attempt ``attempt``'s trainer exit."""
+        states = read_agents(self.store, self.gang_attempt, self.hosts)
+        return [a for a in states if a.state == AgentStateKind.EXITED and a.attempt == attempt]
+
+    def _order(self, action: AgentAction, attempt: int, restore_step: int = -1, reason: str = "") -> None:
+        order = RestartOrder(action=action, attempt=attempt, restore_step=restore_step, reason=reason)
+        self.store.write_record(RunLayout.restart_order(self.gang_attempt), order)
+
+    def evidence(self, attempt: int, record: SupervisionRecord, snap: ClusterSnapshot) -> Evidence:
+        """Attempt ``attempt``'s evidence as classify-failure gathers it, the cluster's part from the snapshot."""
+        ev = Evidence(
+            backend=Backend.of(self.cfg.slice),
+            attempt=attempt,
+            jobset=snap.jobset,
+            jobs=list(snap.jobs),
+            pods=list(snap.pods),
+            nodes=list(snap.nodes),
+            supervision=record,
+            agents=self.ended(attempt),
+        )
+        return gather_reports(self.store, attempt, ev)
+
+    def restart(self, attempt: int, record: SupervisionRecord, snap: ClusterSnapshot) -> Restarted | None:
+        """Restart the gang in place after attempt ``attempt``'s failure, or None: the full path follows.
+
+        Whatever is not level 0 orders the agents to exit with their trainers' codes first.
+        """
+        ev = self.evidence(attempt, record, snap)
+        verdict = classify(ev)
+        ledger = self.store.read_record(RunLayout.LEDGER, Ledger)
+        r = self.cfg.retry
+        facts = in_place_facts(ledger, snap, self.hosts, r.in_place_budget, r.in_place_tries)
+        pool, healthy = gang_pool(snap)
+        where = ladder(verdict.failure_class, pool, healthy, 0, facts)
+        if where.level == 0:
+            base = AttemptRecord(
+                attempt=attempt,
+                outcome=AttemptOutcome.FAILED,
+                failure_class=verdict.failure_class,
+                checkpoint_step_before=checkpoint_step_before(self.store, attempt),
+                checkpoint_step_after=record.checkpoint_step,
+            )
+            d = decide(ledger.attempts if ledger else [], base, r)
+            if d.decision != Decision.RETRY:
+                where = Placement(1, why=f"the retry policy stops here ({d.reason})")
+        if where.level != 0:
+            self.say(f"attempt {attempt}: {verdict.failure_class.value}, not restarted in place: {where.why}")
+            self._order(AgentAction.EXIT, attempt, reason=where.why)
+            return None
+        nxt = attempt + 1
+        self.say(f"attempt {attempt}: {verdict.failure_class.value} ({verdict.reason}); level 0: {where.why}")
+        self._order(AgentAction.STOP, nxt, reason=f"attempt {attempt}: {verdict.reason}")
+        late = self._await_stopped(nxt)
+        if late:
+            why = f"worker {', '.join(map(str, late))} did not stop within {AGENT_STOP_GRACE_S + STOP_SLACK_S:g} s"
+            self.say(f"attempt {attempt}: the restart in place did not complete ({why}); the gang is recreated")
+            self._order(AgentAction.EXIT, attempt, reason=why)
+            return None
+        ref = AttemptRef(self.ref.store_root, self.ref.run_id, attempt)
+        closing = ClosingAttempt(ref, self.jobset, self.workflow)
+        close_attempt(self.store, self.cfg, closing, ev, verdict, self.clock, level=0)
+        chosen = restore.run(self.store, nxt)
+        if chosen.code != 0 or chosen.selection is None:
+            why = f"no step to restore ({(chosen.message or f'exit {chosen.code}').splitlines()[0]})"
+            self.say(f"attempt {nxt}: {why}; the gang is recreated")
+            self._order(AgentAction.EXIT, nxt, reason=why)
+            return None
+        step = chosen.selection.step
+        self._order(AgentAction.START, nxt, step, reason=f"attempt {attempt}: {verdict.reason}")
+        self.say(f"attempt {nxt}: every trainer restarted in its pod from step {step} (level 0)")
+        return Restarted(nxt, step, where, verdict)
+
+    def _await_stopped(self, attempt: int) -> list[int]:
+        """Wait until every agent says it stopped for ``attempt``; the workers that did not, once the bound passed."""
+        bound = self.clock() + AGENT_STOP_GRACE_S + STOP_SLACK_S
+        while True:
+            states = read_agents(self.store, self.gang_attempt, self.hosts)
+            done = {a.process_index for a in states if a.state == AgentStateKind.STOPPED and a.attempt == attempt}
+            late = [i for i in range(self.hosts) if i not in done]
+            if not late or self.clock() >= bound:
+                return late
+            self.wait(0.2)

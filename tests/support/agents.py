@@ -1,0 +1,90 @@
+"""Worker agents (``trainer.agent``) whose trainer is a stand-in process that does what a test's plan says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.records import AgentState
+from trainer.agent import Agent
+
+# A stand-in trainer: records each start (attempt, restore step, pid), then does what its attempt's plan says:
+# "exit N", "block" (sleeps through SIGTERM: only SIGKILL ends it) or "sigterm N" (exits N on SIGTERM).
+CHILD = r"""
+import json, os, signal, sys, time
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+out, attempt = args["--out"], args["--attempt"]
+with open(out + "/starts.jsonl", "a") as f:
+    f.write(json.dumps({"attempt": int(attempt), "restore": int(args["--restore-step"]), "pid": os.getpid(),
+                        "index": int(os.environ.get("JOB_COMPLETION_INDEX", "0"))}) + "\n")
+plan = json.load(open(out + "/plan.json")).get(f"{os.environ.get('JOB_COMPLETION_INDEX', '0')}/{attempt}", "exit 0")
+what, _, n = plan.partition(" ")
+if what == "exit":
+    sys.exit(int(n))
+if what == "sigterm":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(n)))
+else:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(out + f"/ready-{os.environ.get('JOB_COMPLETION_INDEX', '0')}-{attempt}", "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def child_argv(out: Path, store_root: Path | None = None, run_id: str = "r1") -> list[str]:
+    """The stand-in's command line for attempt 0 (its files in ``out``; the store at ``out``/store by default)."""
+    root = str(store_root or out / "store")
+    return [sys.executable, "-c", CHILD, "--store-root", root, "--run-id", run_id, "--attempt", "0",
+            "--restore-step", "-1", "--out", str(out)]  # fmt: skip
+
+
+def spawner(index: int):
+    def spawn(argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, env={**os.environ, "JOB_COMPLETION_INDEX": str(index)})
+
+    return spawn
+
+
+def make_agent(out: Path, index: int = 0, store_root: Path | None = None, run_id: str = "r1", **kw) -> Agent:
+    """Worker ``index``'s agent of gang 0, its trainer the stand-in, quick to poll and to SIGKILL."""
+    store = RunStore(str(store_root or out / "store"), run_id)
+    kw = {"hold_s": 30.0, "poll_s": 0.05, "stop_grace_s": 1.0, **kw}
+    return Agent(store, 0, index, child_argv(out, store_root, run_id), spawn=spawner(index), **kw)
+
+
+def plan(tmp_path: Path, **plans: str) -> None:
+    (tmp_path / "plan.json").write_text(json.dumps({k.replace("w", "").replace("_", "/"): v for k, v in plans.items()}))
+
+
+def starts(tmp_path: Path) -> list[dict]:
+    f = tmp_path / "starts.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+
+
+def state(store: RunStore, index: int) -> AgentState | None:
+    return store.read_record(RunLayout.agent_state(0, index), AgentState)
+
+
+def wait_for(cond, timeout: float = 20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for this purpose: the agent reaps its own children.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
