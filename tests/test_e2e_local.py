@@ -11,7 +11,7 @@ from support.local_job import HOSTS, INTERVAL, reference_digest, shrunken_workfl
 
 from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.contract import ExitCode, FailureClass
-from jaxrec.model.records import SupervisionRecord
+from jaxrec.model.records import Ledger, SupervisionRecord
 from workflows import local
 from workflows.local.executor import RECENTLY_STARTED_POD_S
 
@@ -333,3 +333,20 @@ def test_a_workflow_past_its_attempts_hands_the_run_to_a_continuation(tmp_path, 
     held = store.read_record(RunLayout.LEASE, RunLease)
     assert (held.holder, held.holder_name, held.released) == (h.to_uid, "handover-c1", True)
     assert "handed the run over: workflow handover-c1 continues from attempt 1" in out
+
+
+def test_a_killed_trainer_on_a_healthy_gang_restarts_in_place_at_level_zero(tmp_path, reference):
+    """With restarts in place allowed, kill-worker SIGKILLs one worker's trainer (its agent lives on): the supervisor
+    closes attempt 0 at level 0 and restarts every trainer in its pod as attempt 1; the JobSet is never recreated,
+    and the run ends with the uninterrupted run's parameters."""
+    root = str(tmp_path / "store")
+    wf = shrunken_workflow(tmp_path, "e2e", store_root=root, retry_section={"in_place_budget": 2})
+    res, store, out = _run((wf, root), reference, "in-place", ["kill-worker@8"])
+    _assert_recovered(res, out, store=store)
+    ledger = store.read_record(RunLayout.LEDGER, Ledger)
+    first = ledger.attempts[0]
+    assert (first.failure_class, first.level, first.jobset) == (FailureClass.INFRASTRUCTURE, 0, "in-place-a0"), first
+    sup = SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(1)))
+    assert sup.jobset == "in-place-a0" and (sup.placement or "").startswith("level 0: "), sup
+    assert "train-segment" in out and "[attempt 1]" not in out, out  # one segment: no step pod of the full path ran
+    assert res.incidents[0].scenario == "kill-worker" and res.incidents[0].restored_step is not None

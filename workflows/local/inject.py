@@ -322,9 +322,9 @@ class LocalScene:
         return self.sl.workers[self.victim].pid
 
     def kill_trainer(self) -> str:
-        """SIGKILL the victim's process."""
-        self.sl.signal_worker(self.victim, signal.SIGKILL)
-        return f"SIGKILL worker {self.victim} (pid {self._pid()}) at step {self.step}"
+        """SIGKILL the victim's trainer process (its container's, or its agent's child)."""
+        pid = self.sl.kill_trainer(self.victim)
+        return f"SIGKILL worker {self.victim}'s trainer (pid {pid}) at step {self.step}"
 
     def _on_the_api(self) -> Any:
         """The drill's scene of this attempt on the local cluster's API: its verbs act there as on a cluster."""

@@ -26,6 +26,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from jaxrec.model.names import JOBSET_NAME_LABEL, TERMINATION_LOG_ENV, UNREACHABLE_TAINT
 from jaxrec.model.records import now
 from jaxrec.model.snapshot import (
@@ -155,6 +157,38 @@ class LocalSlice:
         if w.proc is not None and w.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.proc.pid, sig)
+
+    def trainer_pid(self, index: int) -> int | None:
+        """The pid of worker ``index``'s trainer (None: it runs none).
+
+        Its container's process, or that process's ``-m trainer`` child where an agent (``trainer.agent``) runs it.
+        """
+        w = self.workers[index]
+        if w.proc is None or w.proc.poll() is not None:
+            return None
+        try:
+            top = psutil.Process(w.proc.pid)
+            for p in [top, *top.children(recursive=True)]:
+                argv = p.cmdline()
+                if "-m" in argv and argv[argv.index("-m") + 1 : argv.index("-m") + 2] == ["trainer"]:
+                    return p.pid
+        except psutil.Error:
+            return None
+        return None
+
+    def kill_trainer(self, index: int) -> int | None:
+        """SIGKILL worker ``index``'s trainer, as an exec of ``kill -9`` in its container does; its pid (None: none).
+
+        Without an agent the trainer is the container's process, and its whole process group goes with it.
+        """
+        pid = self.trainer_pid(index)
+        w = self.workers[index]
+        if pid is not None and w.proc is not None and pid == w.proc.pid:
+            self.signal_worker(index, signal.SIGKILL)
+        elif pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pid
 
     def worker_of(self, pod: str) -> WorkerProc | None:
         """The worker whose pod is called ``pod``, if it is one of this slice's."""
