@@ -1402,12 +1402,13 @@ def _in_place_cfg(root: Path, budget: int = 2):
     return cfg
 
 
-def _agents(tmp_path, cfg, plans):
-    """One real agent per worker (threads), their trainers stand-ins following ``plans``; their exit codes."""
+def _agents(tmp_path, cfg, plans, gang=0):
+    """One real agent per worker of attempt ``gang``'s gang (threads), their trainers stand-ins following ``plans``;
+    their exit codes."""
     from support.agents import make_agent, plan
 
     plan(tmp_path, **plans)
-    agents = [make_agent(tmp_path, i, Path(cfg.storage.root), cfg.run_id) for i in range(HOSTS)]
+    agents = [make_agent(tmp_path, i, Path(cfg.storage.root), cfg.run_id, gang=gang) for i in range(HOSTS)]
     codes: dict[int, int] = {}
     threads = [threading.Thread(target=lambda a=a: codes.__setitem__(a.index, a.run()), daemon=True) for a in agents]
     return agents, threads, codes
@@ -1472,3 +1473,65 @@ def test_level_zero_restarts_every_trainer_in_its_pod_and_closes_the_attempt_in_
     assert not any(alive(s["pid"]) for s in first)  # every old trainer ended before the new ones ran
     assert any("level 0" in line for line in lines)
     assert (tmp_path / "out" / "placement").read_text().startswith("level 0")
+
+
+def test_with_the_restarts_in_place_spent_the_agents_exit_and_the_full_path_follows(tmp_path, cluster):
+    """The run's restarts in place are spent (two in the ledger, budget 2): the supervisor orders the agents to exit
+    with their trainers' codes, stops the attempt as without agents, and closes nothing itself."""
+    from support.agents import state
+
+    from jaxrec.model.records import AgentAction, AttemptRecord, Ledger, RestartOrder
+
+    cfg = _in_place_cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    spent = [AttemptRecord(attempt=n, outcome="failed", failure_class="application", level=0) for n in range(2)]
+    store.write_record(RunLayout.LEDGER, Ledger(run_id=cfg.run_id, attempts=spent))
+    js, t0 = f"{cfg.run_id}-a2", time.time()
+    plans = {f"w{i}_2": "sigterm 143" for i in range(HOSTS)} | {"w1_2": "exit 42"}
+    agents, threads, codes = _agents(tmp_path, cfg, plans, gang=2)
+
+    def created(c, obj):
+        c.put("jobs", _job(js))
+        for i in range(HOSTS):
+            c.put("pods", pod(js, i, t0, node=f"gke-tpu-{i}", phase="Running", running=True, attempt="2"))
+        for t in threads:
+            t.start()
+
+    cluster.on_create = created
+    rec, lines, _ = _run(cfg, tmp_path, cluster, attempt=2)
+    for t in threads:
+        t.join(10)
+
+    assert (rec.attempt, rec.outcome, rec.worker) == (2, "failed", 1), rec
+    order = store.read_record(RunLayout.restart_order(2), RestartOrder)
+    assert (order.action, order.attempt) == (AgentAction.EXIT, 2) and "in_place_budget" in order.reason
+    assert codes == {0: 143, 1: 42, 2: 143, 3: 143}  # each left with its trainer's code
+    assert state(agents[0].store, 1, gang=2).exit_code == 42
+    assert cluster.requests_of("DELETE", f"/jobsets/{js}")  # stopped as without agents
+    assert len(store.read_record(RunLayout.LEDGER, Ledger).attempts) == 2  # classify-failure closes attempt 2
+    assert any("not restarted in place" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("history", "row", "used"),
+    [
+        ([], 0, 0),
+        ([(0, 10, 10), (0, 10, 10)], 2, 2),  # two restarts in place, the checkpoint never advanced
+        ([(0, 10, 10), (0, 10, 20)], 0, 2),  # the last one advanced it: the count starts again
+        ([(0, 10, 10), (None, 10, 10), (0, 10, 10)], 1, 2),  # a recreated gang in between ends the row
+    ],
+)
+def test_the_restarts_in_place_in_a_row_and_over_the_run_come_from_the_ledger(history, row, used):
+    from jaxrec.model.records import AttemptRecord, Ledger
+    from jaxrec.model.snapshot import ClusterSnapshot, PodEvidence, PodPhase
+    from recovery_steps.in_place import in_place_facts
+
+    attempts = [
+        AttemptRecord(attempt=n, outcome="failed", level=lv, checkpoint_step_before=b, checkpoint_step_after=a)
+        for n, (lv, b, a) in enumerate(history)
+    ]
+    pods = [PodEvidence(name=f"p{i}", worker_index=i, phase=PodPhase.RUNNING) for i in range(HOSTS)]
+    facts = in_place_facts(Ledger(run_id="r", attempts=attempts), ClusterSnapshot(taken_at=0, pods=pods), HOSTS, 5, 2)
+    assert (facts.running, facts.row, facts.left, facts.tries) == (True, row, 5 - used, 2)
+    one_ended = ClusterSnapshot(taken_at=0, pods=pods[:-1])
+    assert not in_place_facts(None, one_ended, HOSTS, 5, 2).running  # a pod gone: no restart in place

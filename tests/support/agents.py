@@ -36,10 +36,11 @@ while True:
 """
 
 
-def child_argv(out: Path, store_root: Path | None = None, run_id: str = "r1") -> list[str]:
-    """The stand-in's command line for attempt 0 (its files in ``out``; the store at ``out``/store by default)."""
+def child_argv(out: Path, store_root: Path | None = None, run_id: str = "r1", gang: int = 0) -> list[str]:
+    """The stand-in's command line for attempt ``gang`` (its files in ``out``; the store at ``out``/store by
+    default)."""
     root = str(store_root or out / "store")
-    return [sys.executable, "-c", CHILD, "--store-root", root, "--run-id", run_id, "--attempt", "0",
+    return [sys.executable, "-c", CHILD, "--store-root", root, "--run-id", run_id, "--attempt", str(gang),
             "--restore-step", "-1", "--out", str(out)]  # fmt: skip
 
 
@@ -50,11 +51,13 @@ def spawner(index: int):
     return spawn
 
 
-def make_agent(out: Path, index: int = 0, store_root: Path | None = None, run_id: str = "r1", **kw) -> Agent:
-    """Worker ``index``'s agent of gang 0, its trainer the stand-in, quick to poll and to SIGKILL."""
+def make_agent(
+    out: Path, index: int = 0, store_root: Path | None = None, run_id: str = "r1", gang: int = 0, **kw
+) -> Agent:
+    """Worker ``index``'s agent of attempt ``gang``'s gang, its trainer the stand-in, quick to poll and to SIGKILL."""
     store = RunStore(str(store_root or out / "store"), run_id)
     kw = {"hold_s": 30.0, "poll_s": 0.05, "stop_grace_s": 1.0, **kw}
-    return Agent(store, 0, index, child_argv(out, store_root, run_id), spawn=spawner(index), **kw)
+    return Agent(store, gang, index, child_argv(out, store_root, run_id, gang), spawn=spawner(index), **kw)
 
 
 def plan(tmp_path: Path, **plans: str) -> None:
@@ -66,8 +69,8 @@ def starts(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
 
 
-def state(store: RunStore, index: int) -> AgentState | None:
-    return store.read_record(RunLayout.agent_state(0, index), AgentState)
+def state(store: RunStore, index: int, gang: int = 0) -> AgentState | None:
+    return store.read_record(RunLayout.agent_state(gang, index), AgentState)
 
 
 def wait_for(cond, timeout: float = 20.0):
