@@ -92,6 +92,13 @@ def in_place_facts(ledger: Ledger | None, snap: ClusterSnapshot, hosts: int, bud
     return InPlace(running=running, row=row, left=budget - used, tries=tries)
 
 
+def restarts_line(ledger: Ledger | None, jobset: str) -> str:
+    """The restarts in place of the gang ``jobset``, from the ledger: ``attempt 0 (class: reason) -> 1; ...``."""
+    done = [a for a in (ledger.attempts if ledger else []) if a.level == 0 and a.jobset == jobset]
+    cls = {a.attempt: a.failure_class.value if a.failure_class else "unclassified" for a in done}
+    return "; ".join(f"attempt {a.attempt} ({cls[a.attempt]}: {a.reason}) -> {a.attempt + 1}" for a in done)
+
+
 @dataclass(frozen=True)
 class Restarted:
     """A restart in place done: the attempt the gang runs now, the step it restores, and the rung's reason."""

@@ -69,7 +69,7 @@ from jaxrec.model.snapshot import (
     PodPhase,
     gang_pool,
 )
-from recovery_steps.in_place import LevelZero, Restarted, current_attempt
+from recovery_steps.in_place import LevelZero, Restarted, current_attempt, restarts_line
 from recovery_steps.kube_gang import KubeGang
 from recovery_steps.retry import advanced
 from recovery_steps.step import (
@@ -710,8 +710,8 @@ def lease_renewal(
     return renew
 
 
-def outputs_of(record: SupervisionRecord) -> SegmentOutputs:
-    """The step's declared outputs from its supervision record."""
+def outputs_of(record: SupervisionRecord, restarted: str = "") -> SegmentOutputs:
+    """The step's declared outputs from its supervision record (``restarted``: ``in_place.restarts_line``)."""
     return SegmentOutputs(
         outcome=record.outcome,
         stall_kind=record.stall_kind or "",
@@ -719,6 +719,7 @@ def outputs_of(record: SupervisionRecord) -> SegmentOutputs:
         last_step=record.last_step if record.last_step is not None else -1,
         checkpoint_step=record.checkpoint_step if record.checkpoint_step is not None else -1,
         placement=record.placement or "",
+        restarted_in_place=restarted,
     )
 
 
@@ -793,7 +794,13 @@ def run(
     if where is not None and record.placement is None and not record.reattached:
         record = record.model_copy(update={"placement": f"level {where.level}: {where.why}"})
     store.write_record(RunLayout.supervision(record.attempt), record)
-    outputs_of(record).write(output_dir)
+    restarted = ""
+    if level0 is not None:
+        try:
+            restarted = restarts_line(read_ledger(store), record.jobset)
+        except (*store_errors(), DocumentError) as e:  # an output, not a decision: say it and go on
+            restarted = f"(the ledger cannot be read: {first_line(e)})"
+    outputs_of(record, restarted).write(output_dir)
     return record
 
 

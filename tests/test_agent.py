@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import threading
 import time
 
 import pytest
-from support.agents import alive, child_argv, make_agent, plan, starts, state, wait_for
+from support.agents import alive, child_argv, make_agent, plan, standbys, starts, state, wait_for
 
 from jaxrec.adapters.store import RunLayout
 from jaxrec.model.records import AgentAction, AgentStateKind, RestartOrder
@@ -80,6 +81,9 @@ def test_the_gang_restarts_in_place_together_once_every_old_trainer_has_exited(t
     assert codes == {0: 0, 1: 0}
     again = [s for s in starts(tmp_path) if s["attempt"] == 1]
     assert sorted((s["index"], s["restore"]) for s in again) == [(0, 20), (1, 20)]
+    # Each was started ahead (the failed worker's as its trainer exited, its peer's at the stop order), its imports
+    # done while the old trainers stopped, and ran once its flags came.
+    assert all(s["ahead"] for s in again) and {s["pid"] for s in again} == set(standbys(tmp_path))
 
 
 def test_an_exit_order_ends_the_trainer_and_leaves_with_its_code(tmp_path):
@@ -92,6 +96,20 @@ def test_an_exit_order_ends_the_trainer_and_leaves_with_its_code(tmp_path):
     agent.store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.EXIT, attempt=0))
     t.join(20)
     assert box == {"code": 143}
+
+
+def test_a_failed_trainers_standby_goes_with_an_exit_order(tmp_path):
+    """The agent of a failed trainer starts the next one ahead; the supervisor chooses the full path: it goes."""
+    plan(tmp_path, w0_0="exit 42")
+    agent = make_agent(tmp_path)
+    box: dict[str, int] = {}
+    t = threading.Thread(target=lambda: box.__setitem__("code", agent.run()))
+    t.start()
+    (ahead,) = wait_for(lambda: standbys(tmp_path))
+    agent.store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.EXIT, attempt=0))
+    t.join(20)
+    assert box == {"code": 42} and not alive(ahead)
+    assert len(starts(tmp_path)) == 1  # it never ran
 
 
 def test_sigterm_to_the_agent_reaches_the_trainer_and_its_code_is_the_pods(tmp_path):
@@ -122,3 +140,19 @@ def test_the_agent_refuses_a_command_line_without_a_trainer():
         from trainer.agent import parse
 
         parse(["--hold-s", "3"])
+
+
+def test_the_trainer_as_a_standby_runs_with_the_flags_it_is_sent_or_not_at_all(tmp_path):
+    """``python -m trainer`` started ahead (``STANDBY_ENV``) waits for its flags on stdin: with none it ends
+    without running; with a line it runs as that attempt (here its report says why it stops: no config)."""
+    from jaxrec.model.names import STANDBY_ENV
+
+    argv = [sys.executable, "-m", "trainer", "--store-root", str(tmp_path), "--run-id", "r", "--attempt", "0"]
+    env = {**os.environ, STANDBY_ENV: "1", "JOB_COMPLETION_INDEX": "0"}
+    called_off = subprocess.run(argv, input=b"", env=env, capture_output=True, timeout=120)
+    assert called_off.returncode == 0 and not (tmp_path / "runs").exists(), called_off.stderr[-2000:]
+    flags = json.dumps({"--attempt": "3", "--restore-step": "7"}).encode() + b"\n"
+    ran = subprocess.run(argv, input=flags, env=env, capture_output=True, timeout=120)
+    assert ran.returncode == 2, ran.stderr[-2000:]
+    assert (tmp_path / "runs" / "r" / "attempts" / "3" / "workers" / "0.json").exists()
+    assert not (tmp_path / "runs" / "r" / "attempts" / "0").exists()

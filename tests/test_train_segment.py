@@ -1473,6 +1473,8 @@ def test_level_zero_restarts_every_trainer_in_its_pod_and_closes_the_attempt_in_
     assert not any(alive(s["pid"]) for s in first)  # every old trainer ended before the new ones ran
     assert any("level 0" in line for line in lines)
     assert (tmp_path / "out" / "placement").read_text().startswith("level 0")
+    restarted = (tmp_path / "out" / "restarted-in-place").read_text()
+    assert restarted.startswith("attempt 0 (application: ") and restarted.endswith(" -> 1"), restarted
 
 
 def test_with_the_restarts_in_place_spent_the_agents_exit_and_the_full_path_follows(tmp_path, cluster):
@@ -1535,3 +1537,21 @@ def test_the_restarts_in_place_in_a_row_and_over_the_run_come_from_the_ledger(hi
     assert (facts.running, facts.row, facts.left, facts.tries) == (True, row, 5 - used, 2)
     one_ended = ClusterSnapshot(taken_at=0, pods=pods[:-1])
     assert not in_place_facts(None, one_ended, HOSTS, 5, 2).running  # a pod gone: no restart in place
+
+
+def test_the_segment_names_its_restarts_in_place_from_the_ledger():
+    """The output the Argo UI shows: one line per restart in place of this gang (another gang's are not its)."""
+    from jaxrec.model.records import AttemptRecord, Ledger
+    from recovery_steps.in_place import restarts_line
+
+    attempts = [
+        AttemptRecord(attempt=0, outcome="failed", failure_class="application", reason="boom", level=0, jobset="r-a0"),
+        AttemptRecord(attempt=1, outcome="failed", failure_class="hang", reason="stuck", jobset="r-a0"),
+        AttemptRecord(
+            attempt=2, outcome="failed", failure_class="infrastructure", reason="kill", level=0, jobset="r-a2"
+        ),
+    ]
+    led = Ledger(run_id="r", attempts=attempts)
+    assert restarts_line(led, "r-a0") == "attempt 0 (application: boom) -> 1"
+    assert restarts_line(led, "r-a2") == "attempt 2 (infrastructure: kill) -> 3"
+    assert restarts_line(None, "r-a0") == "" == restarts_line(led, "r-a1")

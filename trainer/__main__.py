@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import faulthandler
+import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import IO
 
-from jaxrec.model.names import termination_log
+from jaxrec.model.names import STANDBY_ENV, termination_log
 
 _fatal_trace: IO[str] | None = None  # kept open for the process's life: faulthandler writes to its descriptor
 
@@ -34,12 +36,48 @@ def trace_fatal_signals() -> str | None:
     return path
 
 
+def warm_imports() -> None:
+    """Import what every trainer imports before its first step (the libraries and the trainer's own modules).
+
+    Importing JAX opens no device: the backend starts at the first use, after the standby's line came.
+    """
+    import flax  # noqa: F401
+    import jax  # noqa: F401
+    import optax  # noqa: F401
+    import orbax.checkpoint  # noqa: F401
+
+    from trainer import app, checkpointing, data, hooks, loop  # noqa: F401
+
+
+def standby(argv: Sequence[str]) -> list[str] | None:
+    """As a standby (``STANDBY_ENV``): the imports done ahead, then ``argv`` with the flags the agent sends.
+
+    The agent sends them when the restart is ordered; None when it sends none (the restart was called off).
+    """
+    from trainer.agent import with_flag
+
+    warm_imports()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None
+    out = list(argv)
+    for flag, value in json.loads(line).items():
+        out = with_flag(out, flag, str(value))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the command line and run the worker; the worker leaves by os._exit with a contract code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get(STANDBY_ENV):
+        ready = standby(args)
+        if ready is None:
+            return
+        args = ready
     trace_fatal_signals()
     from trainer.app import parse_args, run
 
-    run(parse_args(argv))
+    run(parse_args(args))
 
 
 if __name__ == "__main__":

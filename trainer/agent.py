@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, StoreUnavailable
+from jaxrec.model.names import STANDBY_ENV
 from jaxrec.model.records import AGENT_STOP_GRACE_S, AgentAction, AgentState, AgentStateKind, RestartOrder
 
 log = logging.getLogger("trainer.agent")
@@ -105,7 +107,7 @@ class Agent:
         stop_grace_s: float = AGENT_STOP_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        spawn: Callable[[list[str]], Any] = subprocess.Popen,
+        spawn: Callable[..., Any] = subprocess.Popen,
     ):
         self.store, self.gang_attempt, self.index, self.child_argv = store, gang_attempt, index, list(child)
         self.hold_s, self.poll_s, self.stop_grace_s = hold_s, poll_s, stop_grace_s
@@ -116,6 +118,7 @@ class Agent:
         self.terminated = False
         self.unread_said = False
         self.stopped_for: int | None = None  # the attempt this agent last said it stopped for
+        self.standby: Any = None  # a trainer started ahead, its imports done, waiting for its flags on stdin
 
     def _say(self, state: AgentStateKind, attempt: int) -> None:
         rec = AgentState(process_index=self.index, state=state, attempt=attempt, exit_code=self.code)
@@ -134,11 +137,44 @@ class Agent:
             return None
 
     def _start(self, attempt: int, restore_step: int) -> None:
-        argv = with_flag(with_flag(self.child_argv, "--attempt", str(attempt)), "--restore-step", str(restore_step))
+        flags = {"--attempt": str(attempt), "--restore-step": str(restore_step)}
         self.attempt, self.code = attempt, None
-        self.proc = self.spawn(argv)
+        ahead, self.standby = self.standby, None
+        if ahead is not None and ahead.poll() is None:
+            try:
+                ahead.stdin.write((json.dumps(flags) + "\n").encode())
+                ahead.stdin.close()
+                self.proc = ahead
+            except (BrokenPipeError, OSError):  # it ended meanwhile: start one the usual way
+                self.proc = None
+        if self.proc is None:
+            argv = self.child_argv
+            for flag, value in flags.items():
+                argv = with_flag(argv, flag, value)
+            self.proc = self.spawn(argv)
         self._say(AgentStateKind.RUNNING, attempt)
-        log.info("agent %d: trainer of attempt %d started (restore step %d)", self.index, attempt, restore_step)
+        how = "its standby" if self.proc is ahead else "a new process"
+        log.info(
+            "agent %d: trainer of attempt %d started (%s, restore step %d)", self.index, attempt, how, restore_step
+        )
+
+    def _prestart(self) -> None:
+        """Start the next trainer ahead (``STANDBY_ENV``), in case a restart in place is ordered.
+
+        Its imports run while the restart is decided and the old trainers stop; it opens no device before its flags
+        come (``_start``).
+        """
+        if self.standby is None:
+            env = {**os.environ, STANDBY_ENV: "1"}
+            self.standby = self.spawn(self.child_argv, stdin=subprocess.PIPE, env=env)
+
+    def _drop_standby(self) -> None:
+        """End a trainer started ahead for a restart that is not coming."""
+        ahead, self.standby = self.standby, None
+        if ahead is not None:
+            with contextlib.suppress(ProcessLookupError):
+                ahead.kill()
+            ahead.wait()
 
     def _reap(self) -> bool:
         """True when the trainer has exited (its code kept)."""
@@ -180,6 +216,7 @@ class Agent:
         held_since: float | None = None  # when the agent began to wait for an order
         while True:
             if self.terminated:
+                self._drop_standby()
                 if self.proc is not None:
                     self.proc.wait()
                     self._reap()
@@ -190,12 +227,16 @@ class Agent:
                     return 0
                 log.info("agent %d: trainer of attempt %d exited %s", self.index, self.attempt, self.code)
                 held_since = self.clock()
+                self._prestart()  # while the supervisor decides: the next trainer's imports are under way
             order = self._order()
             if order is not None and order.action == AgentAction.EXIT:
+                self._drop_standby()
                 self._end_trainer()
                 log.info("agent %d: ordered to exit (%s)", self.index, order.reason)
                 return self.code if self.code is not None else 143
             if order is not None and order.attempt > self.attempt:
+                if order.action == AgentAction.STOP:
+                    self._prestart()
                 if self.proc is not None:
                     log.info("agent %d: stopping attempt %d for %d (%s)", self.index, self.attempt, order.attempt,
                              order.reason)  # fmt: skip
@@ -208,6 +249,7 @@ class Agent:
                     self.stopped_for, held_since = order.attempt, self.clock()
             if self.proc is None and held_since is not None and self.clock() - held_since >= self.hold_s:
                 log.info("agent %d: no order for %.0f s; leaving with the trainer's code", self.index, self.hold_s)
+                self._drop_standby()
                 return self.code if self.code is not None else 1
             self.sleep(self.poll_s)
 

@@ -184,6 +184,11 @@ TERMINATION_LOG = Path("/dev/termination-log")
 there becomes its terminated state's ``message`` (the kubelet keeps its last 4096 bytes), which Argo appends to the
 failed node's message in its UI (workflow/controller/operator.go ``inferFailedReason``, v4.0.5)."""
 
+STANDBY_ENV = "TRAINER_STANDBY"
+"""Set by a worker's agent (``trainer.agent``) on a trainer it starts ahead of a restart in place: the process
+imports what every trainer imports, then waits for one JSON line on its stdin, the flags its attempt runs with
+(``{"--attempt": "4", "--restore-step": "100"}``); an empty stdin ends it. It opens no device before that line."""
+
 TERMINATION_LOG_ENV = "TRAINER_TERMINATION_LOG"
 """A container's terminationMessagePath when not the kubelet's /dev/termination-log (the local slice gives each worker
 its own file, as the kubelet gives each container its own, and so does the tier's process kubelet to every pod);

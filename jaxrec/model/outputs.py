@@ -180,6 +180,10 @@ class SegmentOutputs(StepOutputs):
     placement: str = out(
         "Where the gang asked to run: the recovery ladder's level and why (empty on a CPU slice).", shown=True
     )
+    restarted_in_place: str = out(
+        "The gang's restarts in place (level 0), one line: 'attempt 0 (infrastructure: why) -> 1; ...' (empty: none).",
+        shown=True,
+    )
 
 
 class ClassifyOutputs(StepOutputs):

@@ -13,15 +13,24 @@ from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.records import AgentState
 from trainer.agent import Agent
 
-# A stand-in trainer: records each start (attempt, restore step, pid), then does what its attempt's plan says:
-# "exit N", "block" (sleeps through SIGTERM: only SIGKILL ends it) or "sigterm N" (exits N on SIGTERM).
+# A stand-in trainer: as a standby (TRAINER_STANDBY) it waits for its flags on stdin first, as the trainer does;
+# it records each start (attempt, restore step, pid, whether it was started ahead), then does what its attempt's plan
+# says: "exit N", "block" (sleeps through SIGTERM: only SIGKILL ends it) or "sigterm N" (exits N on SIGTERM).
 CHILD = r"""
 import json, os, signal, sys, time
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+ahead = bool(os.environ.get("TRAINER_STANDBY"))
+if ahead:
+    with open(args["--out"] + "/standbys.jsonl", "a") as f:
+        f.write(json.dumps({"pid": os.getpid()}) + "\n")
+    line = sys.stdin.readline()
+    if not line.strip():
+        sys.exit(0)
+    args.update(json.loads(line))
 out, attempt = args["--out"], args["--attempt"]
 with open(out + "/starts.jsonl", "a") as f:
     f.write(json.dumps({"attempt": int(attempt), "restore": int(args["--restore-step"]), "pid": os.getpid(),
-                        "index": int(os.environ.get("JOB_COMPLETION_INDEX", "0"))}) + "\n")
+                        "index": int(os.environ.get("JOB_COMPLETION_INDEX", "0")), "ahead": ahead}) + "\n")
 plan = json.load(open(out + "/plan.json")).get(f"{os.environ.get('JOB_COMPLETION_INDEX', '0')}/{attempt}", "exit 0")
 what, _, n = plan.partition(" ")
 if what == "exit":
@@ -45,10 +54,16 @@ def child_argv(out: Path, store_root: Path | None = None, run_id: str = "r1", ga
 
 
 def spawner(index: int):
-    def spawn(argv: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(argv, env={**os.environ, "JOB_COMPLETION_INDEX": str(index)})
+    def spawn(argv: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        return subprocess.Popen(argv, env={**(env or os.environ), "JOB_COMPLETION_INDEX": str(index)}, **kw)
 
     return spawn
+
+
+def standbys(out: Path) -> list[int]:
+    """The pids of the stand-ins started ahead (as standbys)."""
+    f = out / "standbys.jsonl"
+    return [json.loads(line)["pid"] for line in f.read_text().splitlines()] if f.exists() else []
 
 
 def make_agent(
