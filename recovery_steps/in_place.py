@@ -6,8 +6,8 @@ every host was seen healthy, the supervisor classifies the failure as classify-f
 level 0, with the class's retry allowed (``retry.decide``):
 
 1. it orders every agent to stop its trainer for attempt n+1 (``RestartOrder`` STOP) and waits until each says it
-   has (``AgentState`` STOPPED: the process has exited and released its devices), ``AGENT_STOP_GRACE_S`` and
-   ``STOP_SLACK_S`` at most;
+   has (``AgentState`` STOPPED: the process was SIGKILLed, has exited and released its devices), ``STOP_BOUND_S`` at
+   most;
 2. it closes attempt n in the ledger with its class, evidence and ``level`` 0, as classify-failure closes one;
 3. it chooses the step to restore as restore-latest does (``adapters.restore.run``: verified, the bad quarantined),
    recorded for attempt n+1;
@@ -33,7 +33,6 @@ from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import AttemptOutcome, Backend, Decision
 from jaxrec.model.jobset import InPlace, Placement, ladder
 from jaxrec.model.records import (
-    AGENT_STOP_GRACE_S,
     AgentAction,
     AgentState,
     AgentStateKind,
@@ -51,8 +50,9 @@ from recovery_steps.retry import advanced, decide
 
 log = logging.getLogger(__name__)
 
-STOP_SLACK_S = 20.0
-"""Beyond the agents' SIGKILL grace, how long the supervisor waits for every agent to say its trainer stopped."""
+STOP_BOUND_S = 20.0
+"""How long the supervisor waits for every agent to say its SIGKILLed trainer has exited (a process in an
+uninterruptible wait, a driver's, ends only when that wait does)."""
 
 
 def current_attempt(store: RunStore, gang_attempt: int) -> int:
@@ -182,7 +182,7 @@ class LevelZero:
         self._order(AgentAction.STOP, nxt, reason=f"attempt {attempt}: {verdict.reason}")
         late = self._await_stopped(nxt)
         if late:
-            why = f"worker {', '.join(map(str, late))} did not stop within {AGENT_STOP_GRACE_S + STOP_SLACK_S:g} s"
+            why = f"worker {', '.join(map(str, late))} did not stop within {STOP_BOUND_S:g} s"
             self.say(f"attempt {attempt}: the restart in place did not complete ({why}); the gang is recreated")
             self._order(AgentAction.EXIT, attempt, reason=why)
             return None
@@ -202,11 +202,11 @@ class LevelZero:
 
     def _await_stopped(self, attempt: int) -> list[int]:
         """Wait until every agent says it stopped for ``attempt``; the workers that did not, once the bound passed."""
-        bound = self.clock() + AGENT_STOP_GRACE_S + STOP_SLACK_S
+        bound = self.clock() + STOP_BOUND_S
         while True:
             states = read_agents(self.store, self.gang_attempt, self.hosts)
             done = {a.process_index for a in states if a.state == AgentStateKind.STOPPED and a.attempt == attempt}
             late = [i for i in range(self.hosts) if i not in done]
             if not late or self.clock() >= bound:
                 return late
-            self.wait(0.2)
+            self.wait(0.1)

@@ -10,11 +10,12 @@ reach whatever else fails:
 - its trainer exited 0: the agent exits 0 (the worker is done);
 - its trainer failed: the agent says ``exited`` with the code and holds the pod for an order, ``--hold-s`` at most
   (then it exits with the trainer's code, and the pod fails as it would have without the agent);
-- ``stop`` for a newer attempt: it ends its trainer (SIGTERM, then SIGKILL after ``AGENT_STOP_GRACE_S``: a peer of a
-  failed worker is blocked in a collective), waits until the process has exited and released its devices, says
+- ``stop`` for a newer attempt: it SIGKILLs its trainer (a peer of a failed worker is blocked in a collective, and no
+  save can be agreed without the failed one), waits until the process has exited and released its devices, says
   ``stopped``; on ``start`` (the supervisor saw every agent stopped) it runs the trainer of that attempt with the
   order's restore step: the whole gang restarts together as a new JAX process group;
-- ``exit``: it ends its trainer and leaves with the trainer's code (the supervisor chose a higher level);
+- ``exit``: it ends its trainer (SIGTERM, SIGKILL after ``EXIT_GRACE_S``) and leaves with the trainer's code (the
+  supervisor chose a higher level);
 - SIGTERM (the pod is deleted, the node shuts down): passed to the trainer, which saves on the way out; the agent
   leaves with its code.
 
@@ -38,12 +39,16 @@ from typing import Any
 
 from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, StoreUnavailable
 from jaxrec.model.names import STANDBY_ENV
-from jaxrec.model.records import AGENT_STOP_GRACE_S, AgentAction, AgentState, AgentStateKind, RestartOrder
+from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, RestartOrder
 
 log = logging.getLogger("trainer.agent")
 
 POLL_S = 0.5
 """How often the agent looks at its trainer and at the order."""
+EXIT_GRACE_S = 10.0
+"""SIGTERM to SIGKILL for a trainer its agent ends on an ``exit`` order (it may save on its way out)."""
+WAITING_POLL_S = 0.1
+"""How often an agent whose trainer has ended reads the order: the restart it waits for is imminent."""
 HOLD_S = 60.0
 """How long a failed trainer's agent holds the pod for an order by default (``--hold-s``)."""
 
@@ -104,13 +109,13 @@ class Agent:
         *,
         hold_s: float = HOLD_S,
         poll_s: float = POLL_S,
-        stop_grace_s: float = AGENT_STOP_GRACE_S,
+        exit_grace_s: float = EXIT_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         spawn: Callable[..., Any] = subprocess.Popen,
     ):
         self.store, self.gang_attempt, self.index, self.child_argv = store, gang_attempt, index, list(child)
-        self.hold_s, self.poll_s, self.stop_grace_s = hold_s, poll_s, stop_grace_s
+        self.hold_s, self.poll_s, self.exit_grace_s = hold_s, poll_s, exit_grace_s
         self.clock, self.sleep, self.spawn = clock, sleep, spawn
         self.proc: Any = None
         self.attempt = gang_attempt
@@ -186,13 +191,14 @@ class Agent:
         self.proc, self.code = None, exit_code(rc)
         return True
 
-    def _end_trainer(self) -> None:
-        """SIGTERM the trainer, SIGKILL it after the grace, and wait until it has exited."""
+    def _end_trainer(self, grace_s: float) -> None:
+        """SIGTERM the trainer, SIGKILL it after ``grace_s`` (0: at once), and wait until it has exited."""
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):  # it has just exited
-            self.proc.send_signal(signal.SIGTERM)
-        bound = self.clock() + self.stop_grace_s
+        if grace_s > 0:
+            with contextlib.suppress(ProcessLookupError):  # it has just exited
+                self.proc.send_signal(signal.SIGTERM)
+        bound = self.clock() + grace_s
         while not self._reap():
             if self.clock() >= bound:
                 with contextlib.suppress(ProcessLookupError):  # it has just exited
@@ -231,7 +237,7 @@ class Agent:
             order = self._order()
             if order is not None and order.action == AgentAction.EXIT:
                 self._drop_standby()
-                self._end_trainer()
+                self._end_trainer(self.exit_grace_s)
                 log.info("agent %d: ordered to exit (%s)", self.index, order.reason)
                 return self.code if self.code is not None else 143
             if order is not None and order.attempt > self.attempt:
@@ -240,7 +246,7 @@ class Agent:
                 if self.proc is not None:
                     log.info("agent %d: stopping attempt %d for %d (%s)", self.index, self.attempt, order.attempt,
                              order.reason)  # fmt: skip
-                    self._end_trainer()
+                    self._end_trainer(0)
                 if order.action == AgentAction.START:
                     self._start(order.attempt, order.restore_step)
                     held_since = None
@@ -251,7 +257,7 @@ class Agent:
                 log.info("agent %d: no order for %.0f s; leaving with the trainer's code", self.index, self.hold_s)
                 self._drop_standby()
                 return self.code if self.code is not None else 1
-            self.sleep(self.poll_s)
+            self.sleep(self.poll_s if self.proc is not None else min(self.poll_s, WAITING_POLL_S))
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -626,11 +626,6 @@ class AgentStateKind(enum.StrEnum):
     STOPPED = "stopped"  # its trainer has exited and released its devices; ready to start ``attempt``
 
 
-AGENT_STOP_GRACE_S = 10.0
-"""SIGTERM to SIGKILL for a trainer its agent stops for a restart in place (a peer of a failed worker is blocked in
-a collective and may never act on SIGTERM)."""
-
-
 class AgentState(_Record):
     """``attempts/<n>/agents/<i>.json``: worker ``i``'s agent in attempt ``n``'s gang (one writer: the agent)."""
 

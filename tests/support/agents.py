@@ -69,9 +69,9 @@ def standbys(out: Path) -> list[int]:
 def make_agent(
     out: Path, index: int = 0, store_root: Path | None = None, run_id: str = "r1", gang: int = 0, **kw
 ) -> Agent:
-    """Worker ``index``'s agent of attempt ``gang``'s gang, its trainer the stand-in, quick to poll and to SIGKILL."""
+    """Worker ``index``'s agent of attempt ``gang``'s gang, its trainer the stand-in, quick to poll and to exit."""
     store = RunStore(str(store_root or out / "store"), run_id)
-    kw = {"hold_s": 30.0, "poll_s": 0.05, "stop_grace_s": 1.0, **kw}
+    kw = {"hold_s": 30.0, "poll_s": 0.05, "exit_grace_s": 1.0, **kw}
     return Agent(store, gang, index, child_argv(out, store_root, run_id, gang), spawn=spawner(index), **kw)
 
 
