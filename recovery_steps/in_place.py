@@ -107,6 +107,7 @@ class Restarted:
     restore_step: int
     placement: Placement
     verdict: Verdict
+    stopped_at: float  # when every agent had said its old trainer exited
 
 
 class LevelZero:
@@ -181,6 +182,7 @@ class LevelZero:
         self.say(f"attempt {attempt}: {verdict.failure_class.value} ({verdict.reason}); level 0: {where.why}")
         self._order(AgentAction.STOP, nxt, reason=f"attempt {attempt}: {verdict.reason}")
         late = self._await_stopped(nxt)
+        stopped_at = self.clock()
         if late:
             why = f"worker {', '.join(map(str, late))} did not stop within {STOP_BOUND_S:g} s"
             self.say(f"attempt {attempt}: the restart in place did not complete ({why}); the gang is recreated")
@@ -198,7 +200,7 @@ class LevelZero:
         step = chosen.selection.step
         self._order(AgentAction.START, nxt, step, reason=f"attempt {attempt}: {verdict.reason}")
         self.say(f"attempt {nxt}: every trainer restarted in its pod from step {step} (level 0)")
-        return Restarted(nxt, step, where, verdict)
+        return Restarted(nxt, step, where, verdict, stopped_at)
 
     def _await_stopped(self, attempt: int) -> list[int]:
         """Wait until every agent says it stopped for ``attempt``; the workers that did not, once the bound passed."""

@@ -552,7 +552,7 @@ class Supervisor:
         r = self.level0.restart(self.attempt, record, snap)
         if r is None:
             return False
-        stopped = record.model_copy(update={"stopped_at": self.clock()})
+        stopped = record.model_copy(update={"stopped_at": r.stopped_at})
         self.store.write_record(RunLayout.supervision(self.attempt), stopped)
         self.attempt, self.restarted, self.restarted_at = r.attempt, r, self.clock()
         self.beats, self.reads = {}, {}

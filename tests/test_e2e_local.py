@@ -11,7 +11,7 @@ from support.local_job import HOSTS, INTERVAL, reference_digest, shrunken_workfl
 
 from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.contract import ExitCode, FailureClass
-from jaxrec.model.records import Ledger, SupervisionRecord
+from jaxrec.model.records import AgentAction, Ledger, RestartOrder, SupervisionRecord
 from workflows import local
 from workflows.local.executor import RECENTLY_STARTED_POD_S
 
@@ -350,3 +350,23 @@ def test_a_killed_trainer_on_a_healthy_gang_restarts_in_place_at_level_zero(tmp_
     assert sup.jobset == "in-place-a0" and (sup.placement or "").startswith("level 0: "), sup
     assert "train-segment" in out and "[attempt 1]" not in out, out  # one segment: no step pod of the full path ran
     assert res.incidents[0].scenario == "kill-worker" and res.incidents[0].restored_step is not None
+
+
+def test_a_second_kill_with_the_restarts_in_place_spent_recreates_the_gang_at_level_one(tmp_path, reference):
+    """One restart in place allowed: the first kill restarts the trainers in their pods (level 0), the second,
+    in the restarted attempt, finds the budget spent and goes the full way round (a new JobSet, level 1)."""
+    root = str(tmp_path / "store")
+    wf = shrunken_workflow(tmp_path, "e2e", store_root=root, retry_section={"in_place_budget": 1})
+    res, store, out = _run((wf, root), reference, "escalate", ["kill-worker@8", "kill-worker@14"])
+    _assert_recovered(res, out, store=store)
+    ledger = store.read_record(RunLayout.LEDGER, Ledger)
+    assert [(a.attempt, a.level, a.jobset) for a in ledger.attempts[:2]] == [
+        (0, 0, "escalate-a0"),
+        (1, None, "escalate-a0"),
+    ], ledger.attempts
+    assert all(a.failure_class == FailureClass.INFRASTRUCTURE for a in ledger.attempts[:2])
+    last = SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(2)))
+    assert last.jobset == "escalate-a2" and last.outcome == "succeeded", last
+    order = store.read_record(RunLayout.restart_order(0), RestartOrder)
+    assert (order.action, order.attempt) == (AgentAction.EXIT, 1) and "in_place_budget" in order.reason, order
+    assert len(res.incidents) == 2, out

@@ -175,6 +175,33 @@ def test_drill_kill_worker_real_trainers(trainer_drill, chaos_uninterrupted):
     assert final_digest(d) == final_digest(chaos_uninterrupted[0])
 
 
+def test_drill_kill_worker_in_place_real_trainers(trainer_drill, chaos_uninterrupted):
+    """Level 0 on the real controllers: the carried config allows restarts in place, so each worker's container
+    runs the agent and the trainer is its child. The drill's exec SIGKILLs the trainer; the pod runs on; the
+    supervisor classifies the attempt, closes it at level 0 and restarts every trainer in its pod: one JobSet, one
+    segment, no classify-failure, and the uninterrupted run's parameters."""
+    d = trainer_drill
+    argoctl.edit_carried_config(d.target.doc, lambda cfg: cfg["retry"].update(in_place_budget=2))
+    res = d.run(drill.Fault.KILL_WORKER, after_step=12, after_checkpoint=10)
+    assert (res.phase, res.final_status) == ("Succeeded", "Succeeded"), res
+    [t] = res.incidents
+    inc = t.incident
+    assert (inc.attempt, inc.scenario, inc.failure_class) == (0, "kill-worker", "infrastructure"), inc
+    assert inc.restored_step is not None and inc.restored_step >= 10, inc
+    ledger = read_ledger(d.store)
+    assert [(a.attempt, a.level, a.jobset) for a in ledger.attempts[:1]] == [(0, 0, f"{d.run_id}-a0")], ledger
+    nodes = drill.Cluster(d.rc.admin, d.target.namespace).workflow(res.workflow)["status"]["nodes"].values()
+    ran = sorted(n["templateName"] for n in nodes if n["type"] == "Pod")
+    assert ran.count("train-segment") == 1 and "classify-failure" not in ran, ran
+    segment = next(n for n in nodes if n.get("templateName") == "train-segment" and n["type"] == "Pod")
+    said = {p["name"]: p.get("value", "") for p in segment["outputs"]["parameters"]}
+    assert said["restarted-in-place"].startswith("attempt 0 (infrastructure: "), said  # the Argo UI shows it
+    assert said["placement"].startswith("level 0: "), said
+    second = final_reports(d, 1)
+    assert [(w.exit_code, w.restore_step) for w in second] == [(0, inc.restored_step)] * CHAOS_HOSTS, second
+    assert final_digest(d) == final_digest(chaos_uninterrupted[0])
+
+
 def test_drill_refuses_kill_worker_when_the_trainer_is_pid_1(real_cluster, argo, namespace):
     """A worker pod without shareProcessNamespace (a Workflow generated before the pods shared it) has the trainer
     as PID 1 of its PID namespace, which nothing inside the pod can SIGKILL: the drill says so in one DrillError,

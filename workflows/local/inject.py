@@ -224,14 +224,17 @@ class Injector(SliceHooks):
         if not pending or sl.first_failure_index is not None:
             return
         since = (sl.workers[0].started_at or 0) - 1
-        mine = [e for e in self.events.events if e.attempt == sl.attempt and e.t >= since]
+        # The slice's trainers run its attempt, or the newest one they were restarted in place as (level 0).
+        ours = [e for e in self.events.events if e.attempt >= sl.attempt and e.t >= since]
+        attempt = max((e.attempt for e in ours), default=sl.attempt)
+        mine = [e for e in ours if e.attempt == attempt]
         step = max_step(mine)
         if step is None:
             return
         committed = any(e.event == EventKind.SAVE_COMMITTED for e in mine)
         for inj in pending:
             if step >= inj.step and (committed or not inj.after_commit) and self._parts_landed(inj, sl, mine):
-                self._fire(inj, sl, step)
+                self._fire(inj, sl, step, attempt)
 
     def _parts_landed(self, inj: Injection, sl: LocalSlice, mine: list[WorkerEvent]) -> bool:
         """Whether a host fault's kill may fire.
@@ -256,9 +259,9 @@ class Injector(SliceHooks):
         self.say(f"inject: {got} of {want} local and peer parts of step {target} landed in {LOCAL_WAIT_S:.0f} s")
         return True
 
-    def _fire(self, inj: Injection, sl: LocalSlice, step: int) -> None:
-        """Act on ``sl`` for the watched fault ``inj`` with its row's verb, at ``step``."""
-        inj.fired.append(Injected(inj.scenario, sl.attempt, now()))
+    def _fire(self, inj: Injection, sl: LocalSlice, step: int, attempt: int) -> None:
+        """Act on ``sl`` for the watched fault ``inj`` with its row's verb, at ``step`` of ``attempt``."""
+        inj.fired.append(Injected(inj.scenario, attempt, now()))
         self.say(f"inject: {act(LocalScene(self, sl, step), FAULT_ROWS[inj.scenario])}")
 
     def shutdown_window(self) -> float:
