@@ -1555,3 +1555,33 @@ def test_the_segment_names_its_restarts_in_place_from_the_ledger():
     assert restarts_line(led, "r-a0") == "attempt 0 (application: boom) -> 1"
     assert restarts_line(led, "r-a2") == "attempt 2 (infrastructure: kill) -> 3"
     assert restarts_line(None, "r-a0") == "" == restarts_line(led, "r-a1")
+
+
+def test_a_retried_supervisor_follows_the_gang_to_the_attempt_it_was_restarted_as(tmp_path, cluster):
+    """The supervisor's pod was lost after it restarted gang 0 in place as attempt 1: its retry re-attaches to
+    the JobSet of attempt 0, reads the order, and supervises attempt 1 (its heartbeats, its record)."""
+    from jaxrec.model.records import AgentAction, RestartOrder
+
+    cfg = _in_place_cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    js, t0 = f"{cfg.run_id}-a0", time.time() - 100
+    manifest = _manifest(cfg, 0)
+    cluster.put("jobsets", {**manifest, "metadata": {**manifest["metadata"], "creationTimestamp": iso(t0)}})
+    cluster.put("jobs", _job(js))
+    _gang(cluster, js, t0, phase="Running", running=True)
+    store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.START, attempt=1, restore_step=5))
+    _beat(store, 1, 12, time.time(), ckpt=10)
+
+    def done(c):
+        _gang(c, js, t0 + 90, phase="Succeeded", exit_code=0)
+        c.put("jobs", _job(js, [{"type": "Complete", "status": "True", "lastTransitionTime": iso(t0 + 90)}]))
+        c.put("jobsets", {**dict(c.objects["jobsets"][js]), "status": {"terminalState": "Completed"}})
+
+    cluster.script = [lambda c: None, done]
+    rec, lines, _ = _run(cfg, tmp_path, cluster)
+
+    assert not cluster.requests_of("POST", "/jobsets"), "a second gang was created"
+    assert (rec.attempt, rec.outcome, rec.reattached, rec.last_step) == (1, "succeeded", True, 12), rec
+    assert SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(1))) == rec
+    assert not store.exists(RunLayout.supervision(0))  # attempt 0 was decided before; nothing rewrote it here
+    assert any("supervising that one" in line for line in lines), lines
