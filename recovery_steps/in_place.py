@@ -50,6 +50,10 @@ from recovery_steps.retry import advanced, decide
 
 log = logging.getLogger(__name__)
 
+AGENT_WATCH_S = 1.0
+"""With restarts in place, the supervisor decides at least this often (``supervision.watch_interval_s`` when
+shorter): a trainer that exits in a pod its agent keeps changes no pod, so no watch event wakes the supervisor; its
+agent's state, in the run store, is read on each decision."""
 STOP_BOUND_S = 20.0
 """How long the supervisor waits for every agent to say its SIGKILLed trainer has exited (a process in an
 uninterruptible wait, a driver's, ends only when that wait does)."""

@@ -69,7 +69,7 @@ from jaxrec.model.snapshot import (
     PodPhase,
     gang_pool,
 )
-from recovery_steps.in_place import LevelZero, Restarted, current_attempt, restarts_line
+from recovery_steps.in_place import AGENT_WATCH_S, LevelZero, Restarted, current_attempt, restarts_line
 from recovery_steps.kube_gang import KubeGang
 from recovery_steps.retry import advanced
 from recovery_steps.step import (
@@ -498,6 +498,8 @@ class Supervisor:
     def supervise(self) -> tuple[Verdict, Observation, list[WorkerHeartbeat]]:
         """Observe and decide on every change and at least every ``watch_interval_s`` until the attempt is over."""
         interval = self.cfg.supervision.watch_interval_s
+        if self.level0 is not None:  # a trainer's exit changes no pod: the agents' states are read this often
+            interval = min(interval, AGENT_WATCH_S)
         while True:
             lost = self.renew(self.clock()) if self.renew is not None else None
             if lost is not None:

@@ -257,7 +257,11 @@ class Agent:
                 log.info("agent %d: no order for %.0f s; leaving with the trainer's code", self.index, self.hold_s)
                 self._drop_standby()
                 return self.code if self.code is not None else 1
-            self.sleep(self.poll_s if self.proc is not None else min(self.poll_s, WAITING_POLL_S))
+            if self.proc is None:
+                self.sleep(min(self.poll_s, WAITING_POLL_S))
+                continue
+            with contextlib.suppress(subprocess.TimeoutExpired):  # its exit is seen at once, the order within poll_s
+                self.proc.wait(timeout=self.poll_s)
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
