@@ -147,7 +147,14 @@ _SUBSET_HOLDERS = [
     (records.AttemptRecord.model_validate, {"attempt": 1}, AttemptOutcome.RECORD_OUTCOMES),
     (
         SegmentOutputs.parse,
-        {"stall-kind": "", "reason": "r", "last-step": "3", "checkpoint-step": "-1", "placement": ""},
+        {
+            "stall-kind": "",
+            "reason": "r",
+            "last-step": "3",
+            "checkpoint-step": "-1",
+            "placement": "",
+            "restarted-in-place": "",
+        },  # fmt: skip
         AttemptOutcome.SUPERVISION_OUTCOMES,
     ),
 ]
@@ -223,7 +230,15 @@ def test_outputs_round_trip_and_render_as_argo_reads_them(tmp_path):
     r = RestoreOutputs(restore_step=-1, restore_path="", skipped=[{"step": 5, "name": "5", "reason": "x"}])
     assert RestoreOutputs.parse(r.files()) == r
     # An optional output left unset is an empty file, as a `when` on it expects, and reads back as unset.
-    seg = SegmentOutputs(outcome="failed", stall_kind="", reason="r", last_step=3, checkpoint_step=-1, placement="")
+    seg = SegmentOutputs(
+        outcome="failed",
+        stall_kind="",
+        reason="r",
+        last_step=3,
+        checkpoint_step=-1,
+        placement="",
+        restarted_in_place="",
+    )
     assert seg.stall_kind is None and seg.files()["stall-kind"] == "" and SegmentOutputs.parse(seg.files()) == seg
     stalled = seg.model_copy(update={"outcome": AttemptOutcome.STALLED, "stall_kind": StallKind.NODE_LOST})
     assert stalled.files()["stall-kind"] == "node-lost" and SegmentOutputs.parse(stalled.files()) == stalled

@@ -173,6 +173,10 @@ class _Slice(SimpleNamespace):
     def signal_worker(self, index, sig):
         self.signals.append((index, sig))
 
+    def kill_trainer(self, index):
+        self.signal_worker(index, 9)
+        return self.workers[index].pid
+
 
 def test_a_host_faults_kill_waits_for_the_newest_local_step_on_every_host(tmp_path, monkeypatch):
     """swap-hosts@13 with local saves every 2 steps: the kill waits for step 12's own and peer parts on both hosts;

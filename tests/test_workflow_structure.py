@@ -335,9 +335,8 @@ def test_jobset_gang_shape_on_tpu(v5e):
     assert train["container"]["command"] == ["python", "-m", "recovery_steps.train_segment"]
     assert train["retryStrategy"]["retryPolicy"] == "Always"
     outs = {p["name"]: p["valueFrom"]["path"] for p in train["outputs"]["parameters"]}
-    assert outs == {
-        n: f"/tmp/outputs/{n}" for n in ("outcome", "stall-kind", "reason", "last-step", "checkpoint-step", "placement")
-    }
+    names = ("outcome", "stall-kind", "reason", "last-step", "checkpoint-step", "placement", "restarted-in-place")
+    assert outs == {n: f"/tmp/outputs/{n}" for n in names}
 
 
 def test_reservation_selector_on_v5p():
