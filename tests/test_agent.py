@@ -18,6 +18,14 @@ from jaxrec.model.records import AgentAction, AgentStateKind, RestartOrder
 from trainer.agent import exit_code, target_of, with_flag
 
 
+def _running(agent) -> tuple[threading.Thread, dict[str, int]]:
+    """The agent run on a thread; its exit code lands in the box under "code"."""
+    box: dict[str, int] = {}
+    t = threading.Thread(target=lambda: box.__setitem__("code", agent.run()))
+    t.start()
+    return t, box
+
+
 def test_exit_codes_and_flags():
     assert exit_code(-signal.SIGKILL) == 137 and exit_code(-signal.SIGTERM) == 143 and exit_code(42) == 42
     assert with_flag(["a", "--attempt", "3", "b"], "--attempt", "4") == ["a", "--attempt", "4", "b"]
@@ -89,9 +97,7 @@ def test_the_gang_restarts_in_place_together_once_every_old_trainer_has_exited(t
 def test_an_exit_order_ends_the_trainer_and_leaves_with_its_code(tmp_path):
     plan(tmp_path, w0_0="sigterm 143")
     agent = make_agent(tmp_path)
-    box: dict[str, int] = {}
-    t = threading.Thread(target=lambda: box.__setitem__("code", agent.run()))
-    t.start()
+    t, box = _running(agent)
     wait_for(lambda: (tmp_path / "ready-0-0").exists())
     agent.store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.EXIT, attempt=0))
     t.join(20)
@@ -102,9 +108,7 @@ def test_a_failed_trainers_standby_goes_with_an_exit_order(tmp_path):
     """The agent of a failed trainer starts the next one ahead; the supervisor chooses the full path: it goes."""
     plan(tmp_path, w0_0="exit 42")
     agent = make_agent(tmp_path)
-    box: dict[str, int] = {}
-    t = threading.Thread(target=lambda: box.__setitem__("code", agent.run()))
-    t.start()
+    t, box = _running(agent)
     (ahead,) = wait_for(lambda: standbys(tmp_path))
     agent.store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.EXIT, attempt=0))
     t.join(20)
