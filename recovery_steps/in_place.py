@@ -60,12 +60,18 @@ uninterruptible wait, a driver's, ends only when that wait does)."""
 
 
 def current_attempt(store: RunStore, gang_attempt: int) -> int:
-    """The attempt gang ``gang_attempt``'s trainers run now: the newest its supervisor ordered, else its own.
+    """The attempt gang ``gang_attempt`` is at: the one its supervisor's last order names, else its own.
+
+    START names the attempt the trainers run, EXIT the one to close (the one whose trainers exit); a STOP not yet
+    followed by START is a restart that did not complete (its supervisor was lost between the two): the gang is
+    still at the attempt before it, whose trainers were stopped, and which is not closed yet.
 
     Raises what the store raises: a read that failed is no evidence that no restart was ordered.
     """
     order = store.read_record(RunLayout.restart_order(gang_attempt), RestartOrder)
-    return gang_attempt if order is None else max(gang_attempt, order.attempt)
+    if order is None:
+        return gang_attempt
+    return max(gang_attempt, order.attempt - 1 if order.action == AgentAction.STOP else order.attempt)
 
 
 def read_agents(store: RunStore, gang_attempt: int, hosts: int) -> list[AgentState]:

@@ -1585,3 +1585,22 @@ def test_a_retried_supervisor_follows_the_gang_to_the_attempt_it_was_restarted_a
     assert SupervisionRecord.model_validate(store.read_json(RunLayout.supervision(1))) == rec
     assert not store.exists(RunLayout.supervision(0))  # attempt 0 was decided before; nothing rewrote it here
     assert any("supervising that one" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("order", "want"),
+    [
+        (None, 3),
+        (("start", 5), 5),  # restarted in place twice: the trainers run attempt 5
+        (("exit", 5), 5),  # attempt 5's trainers were told to exit: it is the one to close
+        (("stop", 5), 4),  # the restart to 5 did not complete: the gang is still at 4, not closed yet
+    ],
+)
+def test_the_attempt_a_gang_is_at_comes_from_its_last_order(tmp_path, order, want):
+    from jaxrec.model.records import AgentAction, RestartOrder
+    from recovery_steps.in_place import current_attempt
+
+    store = RunStore(str(tmp_path), "r")
+    if order is not None:
+        store.write_record(RunLayout.restart_order(3), RestartOrder(action=AgentAction(order[0]), attempt=order[1]))
+    assert current_attempt(store, 3) == want
