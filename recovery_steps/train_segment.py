@@ -25,7 +25,8 @@ worker: while it fails only terminal facts end the attempt, every stall clock co
 after ``supervision.STALE_VIEW_LIMIT_S`` the step exits 69 with the gang left as it is. A JobSet with neither Job
 nor pod is no stall either (its controller has not acted): after ``supervision.JOBSET_UNACTED_LIMIT_S`` the same.
 
-Outputs (``<output-dir>/<name>``): ``outcome``, ``stall-kind``, ``reason``, ``last-step``, ``checkpoint-step``.
+Outputs (``<output-dir>/<name>``): ``outcome``, ``stall-kind``, ``reason``, ``last-step``, ``checkpoint-step``,
+``placement``, ``restarted-in-place``.
 Exit codes: 0 succeeded; 1 the attempt failed or stalled; 2 configuration (no pinned config or a bad one, a
 manifest override that is bad, the Kubernetes API refuses with 4xx); 69 transient (the API answers 429/5xx or cannot
 be reached, the view or a heartbeat stays unreadable for minutes, no controller acts on the JobSet, the run store
@@ -980,7 +981,7 @@ def act(
         line = left_behind(args.store_root, args.run_id, args.attempt)
         raise StepError(128 + signal.SIGTERM, line, record=False) from None
     if record.outcome == AttemptOutcome.SUCCEEDED:
-        return int(ExitCode.OK), " ".join(f"{k}={v}" for k, v in outputs_of(record).files().items())
+        return int(ExitCode.OK), " ".join(f"{k}={v}" for k, v in SegmentOutputs.read(args.output_dir).files().items())
     # The line a user reads first: the node's message in the Argo UI (recovery_steps.step.say_why).
     kind = f" ({record.stall_kind})" if record.stall_kind else ""
     return int(ExitCode.ATTEMPT_FAILED), f"attempt {record.attempt} {record.outcome}{kind}: {record.reason}"

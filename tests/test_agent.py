@@ -43,6 +43,16 @@ def test_a_trainer_that_finishes_ends_the_agent_with_zero(tmp_path):
     assert s is not None and (s.state, s.attempt, s.exit_code) == (AgentStateKind.EXITED, 0, 0)
 
 
+def test_a_standby_is_kept_ready_from_the_trainers_first_step_and_goes_with_the_agent(tmp_path):
+    plan(tmp_path, w0_0="beat 30")
+    agent = make_agent(tmp_path)
+    t, box = _running(agent)
+    (ahead,) = wait_for(lambda: standbys(tmp_path))  # while the trainer still runs
+    assert alive(ahead) and len(starts(tmp_path)) == 1
+    t.join(20)
+    assert box == {"code": 0} and not alive(ahead)  # the trainer finished: its standby ended with the agent
+
+
 def test_a_failed_trainer_holds_the_pod_for_an_order_then_leaves_with_its_code(tmp_path):
     plan(tmp_path, w0_0="exit 42")
     agent = make_agent(tmp_path, hold_s=0.6)

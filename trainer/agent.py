@@ -19,6 +19,11 @@ reach whatever else fails:
 - SIGTERM (the pod is deleted, the node shuts down): passed to the trainer, which saves on the way out; the agent
   leaves with its code.
 
+Once its trainer has made its first step (its heartbeat says so), the agent keeps the next trainer ready as a
+standby (``STANDBY_ENV``): a process with the trainer's imports done (several seconds of every start) that opens no
+device and waits for its attempt's flags; a restart hands them to it. One is started too when the trainer fails or
+a stop is ordered before there is one.
+
 A store read that fails is no order: the agent keeps its course and reads again.
 """
 
@@ -39,7 +44,7 @@ from typing import Any
 
 from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, StoreUnavailable
 from jaxrec.model.names import STANDBY_ENV
-from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, RestartOrder
+from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, RestartOrder, WorkerHeartbeat
 
 log = logging.getLogger("trainer.agent")
 
@@ -49,6 +54,8 @@ EXIT_GRACE_S = 10.0
 """SIGTERM to SIGKILL for a trainer its agent ends on an ``exit`` order (it may save on its way out)."""
 WAITING_POLL_S = 0.1
 """How often an agent whose trainer has ended reads the order: the restart it waits for is imminent."""
+STANDBY_LOOK_S = 5.0
+"""How often an agent without a standby reads its trainer's heartbeat to see whether it has made its first step."""
 HOLD_S = 60.0
 """How long a failed trainer's agent holds the pod for an order by default (``--hold-s``)."""
 
@@ -110,12 +117,13 @@ class Agent:
         hold_s: float = HOLD_S,
         poll_s: float = POLL_S,
         exit_grace_s: float = EXIT_GRACE_S,
+        standby_look_s: float = STANDBY_LOOK_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         spawn: Callable[..., Any] = subprocess.Popen,
     ):
         self.store, self.gang_attempt, self.index, self.child_argv = store, gang_attempt, index, list(child)
-        self.hold_s, self.poll_s, self.exit_grace_s = hold_s, poll_s, exit_grace_s
+        self.hold_s, self.poll_s, self.exit_grace_s, self.standby_look_s = hold_s, poll_s, exit_grace_s, standby_look_s
         self.clock, self.sleep, self.spawn = clock, sleep, spawn
         self.proc: Any = None
         self.attempt = gang_attempt
@@ -124,6 +132,7 @@ class Agent:
         self.unread_said = False
         self.stopped_for: int | None = None  # the attempt this agent last said it stopped for
         self.standby: Any = None  # a trainer started ahead, its imports done, waiting for its flags on stdin
+        self.next_look = 0.0  # when ``_stepping`` reads the trainer's heartbeat next
 
     def _say(self, state: AgentStateKind, attempt: int) -> None:
         rec = AgentState(process_index=self.index, state=state, attempt=attempt, exit_code=self.code)
@@ -216,13 +225,37 @@ class Agent:
                 self.proc.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
-        """Run the trainer and act on orders until there is nothing left to run; returns the exit code."""
+        """Run the trainer and act on orders until there is nothing left to run; returns the exit code.
+
+        A standby is kept ready from the trainer's first step on (``_stepping``), and ended with the agent.
+        """
+        try:
+            return self._run()
+        finally:
+            self._drop_standby()
+
+    def _stepping(self) -> bool:
+        """Whether the running trainer has made its first step (its heartbeat says so), read every few seconds.
+
+        From then on its start-up no longer competes with a standby's imports.
+        """
+        if self.proc is None or self.standby is not None or self.clock() < self.next_look:
+            return False
+        self.next_look = self.clock() + self.standby_look_s
+        try:
+            beat = self.store.read_record(RunLayout.heartbeat(self.attempt, self.index), WorkerHeartbeat)
+        except (StoreUnavailable, DocumentError, OSError):
+            return False
+        return beat is not None and beat.step is not None
+
+    def _run(self) -> int:
         first = target_of(self.child_argv)
         self._start(self.gang_attempt, first.restore_step)
         held_since: float | None = None  # when the agent began to wait for an order
         while True:
+            if self._stepping():
+                self._prestart()
             if self.terminated:
-                self._drop_standby()
                 if self.proc is not None:
                     self.proc.wait()
                     self._reap()
@@ -236,7 +269,6 @@ class Agent:
                 self._prestart()  # while the supervisor decides: the next trainer's imports are under way
             order = self._order()
             if order is not None and order.action == AgentAction.EXIT:
-                self._drop_standby()
                 self._end_trainer(self.exit_grace_s)
                 log.info("agent %d: ordered to exit (%s)", self.index, order.reason)
                 return self.code if self.code is not None else 143
@@ -255,7 +287,6 @@ class Agent:
                     self.stopped_for, held_since = order.attempt, self.clock()
             if self.proc is None and held_since is not None and self.clock() - held_since >= self.hold_s:
                 log.info("agent %d: no order for %.0f s; leaving with the trainer's code", self.index, self.hold_s)
-                self._drop_standby()
                 return self.code if self.code is not None else 1
             if self.proc is None:
                 self.sleep(min(self.poll_s, WAITING_POLL_S))

@@ -15,7 +15,8 @@ from trainer.agent import Agent
 
 # A stand-in trainer: as a standby (TRAINER_STANDBY) it waits for its flags on stdin first, as the trainer does;
 # it records each start (attempt, restore step, pid, whether it was started ahead), then does what its attempt's plan
-# says: "exit N", "block" (sleeps through SIGTERM: only SIGKILL ends it) or "sigterm N" (exits N on SIGTERM).
+# says: "exit N", "beat N" (its heartbeat says step 1, then it exits 0 after N tenths of a second), "block" (sleeps
+# through SIGTERM: only SIGKILL ends it) or "sigterm N" (exits N on SIGTERM).
 CHILD = r"""
 import json, os, signal, sys, time
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
@@ -33,6 +34,13 @@ with open(out + "/starts.jsonl", "a") as f:
                         "index": int(os.environ.get("JOB_COMPLETION_INDEX", "0")), "ahead": ahead}) + "\n")
 plan = json.load(open(out + "/plan.json")).get(f"{os.environ.get('JOB_COMPLETION_INDEX', '0')}/{attempt}", "exit 0")
 what, _, n = plan.partition(" ")
+if what == "beat":  # its first step done (its heartbeat says so), then it finishes after N tenths of a second
+    me = int(os.environ.get("JOB_COMPLETION_INDEX", "0"))
+    beat = f"{args['--store-root']}/runs/{args['--run-id']}/attempts/{attempt}/heartbeats/{me}.json"
+    os.makedirs(os.path.dirname(beat), exist_ok=True)
+    json.dump({"process_index": me, "step": 1, "at": time.time()}, open(beat, "w"))
+    time.sleep(int(n) / 10)
+    sys.exit(0)
 if what == "exit":
     sys.exit(int(n))
 if what == "sigterm":
@@ -71,7 +79,7 @@ def make_agent(
 ) -> Agent:
     """Worker ``index``'s agent of attempt ``gang``'s gang, its trainer the stand-in, quick to poll and to exit."""
     store = RunStore(str(store_root or out / "store"), run_id)
-    kw = {"hold_s": 30.0, "poll_s": 0.05, "exit_grace_s": 1.0, **kw}
+    kw = {"hold_s": 30.0, "poll_s": 0.05, "exit_grace_s": 1.0, "standby_look_s": 0.05, **kw}
     return Agent(store, gang, index, child_argv(out, store_root, run_id, gang), spawn=spawner(index), **kw)
 
 
