@@ -4,9 +4,9 @@ One local job (4 CPU processes), a worker's trainer SIGKILLed at the same step, 
 ``retry.in_place_budget`` 0 (a new JobSet: settle, classify-failure, backoff, provision-slice, restore-latest, new
 pods) and 2 (every trainer restarted in its running pod). Each run's incident record split into its phases, on one
 clock from the kill: detected, stopped, the next processes started, restored, first step, back at the pre-failure
-step. The floor of a restart is what any attempt pays once its processes run (trainer start, restore, cached
-compile: first step less started); what level 0 adds to it is the kill-to-started time. Target (issue "two-speed
-recovery"): level 0 within the floor plus 2 s.
+step. The floor of a restart is what any attempt pays once its processes start (trainer start, restore, cached
+compile: the full path's first step less its started; level 0's trainers were started ahead, as standbys). Target:
+level 0's first step within the floor plus 2 s of the kill.
 
 Usage: python bench/bench_ladder.py [--pairs 2] [--kill-at 12] [--total 40]
 """
@@ -88,14 +88,18 @@ def report(by_level: dict[str, list[dict]]) -> None:
         if started is None or first is None or back is None:
             print(f"{name}: incomplete incidents")
             continue
-        floor = first - started
-        print(f"{name}: kill to back at the pre-failure step {back:.1f} s; floor (start, restore, compile) "
-              f"{floor:.1f} s; kill to the next processes started {started:.1f} s (above the floor)")  # fmt: skip
+        print(f"{name}: kill to back at the pre-failure step {back:.1f} s; kill to the next processes started "
+              f"{started:.1f} s; from there to the first step {first - started:.1f} s")  # fmt: skip
     zero, full = means.get("level 0", {}), means.get("full path", {})
     if zero.get("recovered") and full.get("recovered"):
         print(f"full path / level 0, kill to back at the pre-failure step: {full['recovered'] / zero['recovered']:.2f}")
-        over = zero["started"]
-        print(f"level 0 above its floor: {over:.1f} s (target: within 2 s): {'met' if over <= 2 else 'not met'}")
+    if zero.get("first step") and full.get("first step") and full.get("started"):
+        # The floor is what a restart pays once its processes start, measured on the full path: level 0's standbys
+        # start before the kill, so its own "started" is not where its start-up began.
+        floor = full["first step"] - full["started"]
+        over = zero["first step"] - floor
+        print(f"level 0: kill to first step {zero['first step']:.1f} s = the floor {floor:.1f} s + {over:.1f} s "
+              f"(target: within 2 s): {'met' if over <= 2 else 'not met'}")  # fmt: skip
 
 
 def main() -> None:
