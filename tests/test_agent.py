@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from support.agents import alive, child_argv, make_agent, plan, standbys, starts, state, wait_for
@@ -159,12 +160,20 @@ def test_the_agent_refuses_a_command_line_without_a_trainer():
 def test_the_trainer_as_a_standby_runs_with_the_flags_it_is_sent_or_not_at_all(tmp_path):
     """``python -m trainer`` started ahead (``STANDBY_ENV``) waits for its flags on stdin: with none it ends
     without running; with a line it runs as that attempt (here its report says why it stops: no config)."""
-    from jaxrec.model.names import STANDBY_ENV
+    from jaxrec.model.names import STANDBY_COMM, STANDBY_ENV
 
     argv = [sys.executable, "-m", "trainer", "--store-root", str(tmp_path), "--run-id", "r", "--attempt", "0"]
     env = {**os.environ, STANDBY_ENV: "1", "JOB_COMPLETION_INDEX": "0"}
-    called_off = subprocess.run(argv, input=b"", env=env, capture_output=True, timeout=120)
-    assert called_off.returncode == 0 and not (tmp_path / "runs").exists(), called_off.stderr[-2000:]
+    waiting = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
+    try:
+        # While it waits it is named so that what looks for "the trainer" of a pod (the drill, the local kill)
+        # passes it over: its command line is the trainer's.
+        wait_for(lambda: Path(f"/proc/{waiting.pid}/comm").read_text().strip() == STANDBY_COMM, 60)
+        waiting.stdin.close()
+        assert waiting.wait(120) == 0 and not (tmp_path / "runs").exists()
+    finally:
+        waiting.kill()
+        waiting.wait()
     flags = json.dumps({"--attempt": "3", "--restore-step": "7"}).encode() + b"\n"
     ran = subprocess.run(argv, input=flags, env=env, capture_output=True, timeout=120)
     assert ran.returncode == 2, ran.stderr[-2000:]

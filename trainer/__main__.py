@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
-from jaxrec.model.names import STANDBY_ENV, termination_log
+from jaxrec.model.names import STANDBY_COMM, STANDBY_ENV, termination_log
 
 _fatal_trace: IO[str] | None = None  # kept open for the process's life: faulthandler writes to its descriptor
 
@@ -56,14 +56,30 @@ def standby(argv: Sequence[str]) -> list[str] | None:
     """
     from trainer.agent import with_flag
 
+    named = _rename(STANDBY_COMM)
     warm_imports()
     line = sys.stdin.readline()
     if not line.strip():
         return None
+    _rename(named)
     out = list(argv)
     for flag, value in json.loads(line).items():
         out = with_flag(out, flag, str(value))
     return out
+
+
+def _rename(name: str | None) -> str | None:
+    """Set this process's name (``/proc/self/comm``, Linux); the name it had (None where there is none to set)."""
+    if name is None:
+        return None
+    try:
+        with open("/proc/self/comm", "r+") as f:
+            before = f.read().strip()
+            f.seek(0)
+            f.write(name)
+        return before
+    except OSError:
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

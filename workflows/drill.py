@@ -43,6 +43,7 @@ from jaxrec.model.names import (
     JOBSET_PLURAL,
     JOBSET_VERSION,
     RUN_ID_LABEL,
+    STANDBY_COMM,
 )
 from jaxrec.model.snapshot import PodPhase
 from workflows.faults import FAULTS, act, corrupt_newest_checkpoint
@@ -247,7 +248,8 @@ class Cluster:
             raise DrillError(f"pod {pod}: the kill command exited {code} (no trainer process found?)")
 
 
-# Finds the process running ``python -m trainer`` and SIGKILLs it; exit 3 when it is PID 1, 4 when none is found.
+# Finds the process running ``python -m trainer`` (not a standby: ``STANDBY_COMM``) and SIGKILLs it; exit 3 when
+# it is PID 1, 4 when none is found.
 _KILL_TRAINER = """
 import os, signal, sys
 me = os.getpid()
@@ -259,12 +261,17 @@ for d in os.listdir("/proc"):
     except OSError:
         continue
     if b"-m" in argv and b"trainer" in argv[argv.index(b"-m") + 1:argv.index(b"-m") + 2]:
+        try:
+            if open(f"/proc/{d}/comm").read().strip() == STANDBY_COMM:  # a standby, not the trainer running
+                continue
+        except OSError:
+            continue
         if int(d) == 1:
             sys.exit(3)
         os.kill(int(d), signal.SIGKILL)
         sys.exit(0)
 sys.exit(4)
-"""
+""".replace("STANDBY_COMM", repr(STANDBY_COMM))
 
 
 def wait_until(what: str, probe: Callable[[], Any], deadline: float, *, every: float = 2.0) -> Any:

@@ -188,6 +188,9 @@ STANDBY_ENV = "TRAINER_STANDBY"
 """Set by a worker's agent (``trainer.agent``) on a trainer it starts ahead of a restart in place: the process
 imports what every trainer imports, then waits for one JSON line on its stdin, the flags its attempt runs with
 (``{"--attempt": "4", "--restore-step": "100"}``); an empty stdin ends it. It opens no device before that line."""
+STANDBY_COMM = "trainer-standby"
+"""A standby's process name (``/proc/<pid>/comm``) until its flags come: what finds "the trainer" of a pod by its
+command line (``python -m trainer``, the same for both) passes it over."""
 
 TERMINATION_LOG_ENV = "TRAINER_TERMINATION_LOG"
 """A container's terminationMessagePath when not the kubelet's /dev/termination-log (the local slice gives each worker

@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from jaxrec.model.names import JOBSET_NAME_LABEL, TERMINATION_LOG_ENV, UNREACHABLE_TAINT
+from jaxrec.model.names import JOBSET_NAME_LABEL, STANDBY_COMM, TERMINATION_LOG_ENV, UNREACHABLE_TAINT
 from jaxrec.model.records import now
 from jaxrec.model.snapshot import (
     COMPLETION_INDEX_KEYS,
@@ -170,7 +170,8 @@ class LocalSlice:
             top = psutil.Process(w.proc.pid)
             for p in [top, *top.children(recursive=True)]:
                 argv = p.cmdline()
-                if "-m" in argv and argv[argv.index("-m") + 1 : argv.index("-m") + 2] == ["trainer"]:
+                trainer = "-m" in argv and argv[argv.index("-m") + 1 : argv.index("-m") + 2] == ["trainer"]
+                if trainer and p.name() != STANDBY_COMM:  # a standby waiting to be the next one is not it
                     return p.pid
         except psutil.Error:
             return None
