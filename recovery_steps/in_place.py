@@ -105,8 +105,8 @@ def in_place_facts(ledger: Ledger | None, snap: ClusterSnapshot, hosts: int, bud
 def restarts_line(ledger: Ledger | None, jobset: str) -> str:
     """The restarts in place of the gang ``jobset``, from the ledger: ``attempt 0 (class: reason) -> 1; ...``."""
     done = [a for a in (ledger.attempts if ledger else []) if a.level == 0 and a.jobset == jobset]
-    cls = {a.attempt: a.failure_class.value if a.failure_class else "unclassified" for a in done}
-    return "; ".join(f"attempt {a.attempt} ({cls[a.attempt]}: {a.reason}) -> {a.attempt + 1}" for a in done)
+    line = "attempt {0} ({1}: {2}) -> {3}"
+    return "; ".join(line.format(a.attempt, a.failure_class or "unclassified", a.reason, a.attempt + 1) for a in done)
 
 
 @dataclass(frozen=True)
@@ -132,10 +132,9 @@ class LevelZero:
         clock: Callable[[], float],
         wait: Callable[[float], None],
         say: Callable[[str], None],
-        workflow: str | None = None,
     ):
         self.cfg, self.ref, self.store, self.gang_attempt, self.jobset = cfg, gang, gang.store(), gang.attempt, jobset
-        self.clock, self.wait, self.say, self.workflow = clock, wait, say, workflow
+        self.clock, self.wait, self.say = clock, wait, say
         self.hosts = cfg.slice.num_hosts
 
     def ended(self, attempt: int) -> list[AgentState]:
@@ -199,7 +198,8 @@ class LevelZero:
             self._order(AgentAction.EXIT, attempt, reason=why)
             return None
         ref = AttemptRef(self.ref.store_root, self.ref.run_id, attempt)
-        closing = ClosingAttempt(ref, self.jobset, self.workflow)
+        # No Workflow is named: a restart in place nests its Workflow no deeper (the hand-over counts those that do).
+        closing = ClosingAttempt(ref, self.jobset)
         close_attempt(self.store, self.cfg, closing, ev, verdict, self.clock, level=0)
         chosen = restore.run(self.store, nxt)
         if chosen.code != 0 or chosen.selection is None:
