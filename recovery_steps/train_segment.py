@@ -772,7 +772,7 @@ def run(
     cfg = load_run_config(ref.store_root, ref.run_id)
     store = ref.store()
     where = None
-    if isinstance(jobset, JobSetParams) and not cfg.slice.is_cpu:
+    if isinstance(jobset, JobSetParams):
         where = next_placement(store, attempt, say)
         jobset = dataclasses.replace(jobset, prefer_pool=where.prefer, avoid_pool=where.avoid)
     manifest = segment_manifest(cfg, jobset, attempt, store.url(RunLayout.CONFIG))

@@ -38,13 +38,18 @@ def job(request):
     return request.getfixturevalue("classifier_job")
 
 
-def _run(e2e_workflow, reference, run_id, inject):
+def _run(e2e_workflow, reference, run_id, inject, node_pools=1):
     wf, root = e2e_workflow
     lines: list[str] = []
     res = local.run(
         wf,
         local.LocalRunOptions(
-            inject=inject, run_id=run_id, store_root=root, reference_digest=reference, metrics_port=0
+            inject=inject,
+            run_id=run_id,
+            store_root=root,
+            reference_digest=reference,
+            metrics_port=0,
+            node_pools=node_pools,
         ),
         say=lines.append,
     )
@@ -170,14 +175,23 @@ def test_delete_worker_goes_through_the_api_and_is_a_graceful_preemption(e2e_wor
     assert failure is not None and f"failed with exit code {int(ExitCode.PREEMPTED)}" in (failure.message or "")
 
 
-def test_drain_node_evicts_through_the_api_and_the_disruption_fails_the_job(e2e_workflow, reference):
+def test_drain_node_evicts_through_the_api_and_the_next_gang_runs_on_the_spare_pool_at_level_two(
+    e2e_workflow, reference
+):
     """The drill's own drain on the local API: the victim's node cordoned, its pod evicted (DisruptionTarget, then a
-    graceful delete: SIGTERM); the Job fails by its podFailurePolicy and the run recovers from a preemption."""
-    res, store, out = _run(e2e_workflow, reference, "drain-node", ["drain-node@4"])
+    graceful delete: SIGTERM); the Job fails by its podFailurePolicy and the run recovers from a preemption. The
+    cluster has a spare node pool: the next gang prefers any pool but the drained one's (level 2) and runs there."""
+    res, store, out = _run(e2e_workflow, reference, "drain-node", ["drain-node@4"], node_pools=2)
     _assert_recovered(res, out, store=store)
     assert f"inject: drained node local-{HOSTS - 1} (cordoned; the run's pods on it evicted) through the API" in out
     inc = res.incidents[0]
     assert (inc.scenario, inc.failure_class) == ("drain-node", FailureClass.PREEMPTION), inc
+    first, second = _supervision(store, 0), _supervision(store, 1)
+    assert {(n.name, n.pool) for n in first.snapshot.nodes} == {(f"local-{i}", "local-a") for i in range(HOSTS)}
+    assert (second.placement or "").startswith("level 2: the last attempt was preempted on node pool local-a")
+    assert {(p.node, n.pool) for p in second.snapshot.pods for n in second.snapshot.nodes if n.name == p.node} == {
+        (f"local-b-{i}", "local-b") for i in range(HOSTS)
+    }, second.snapshot
 
 
 def test_corrupt_latest_falls_back_to_an_older_checkpoint(job):

@@ -629,3 +629,26 @@ def test_the_local_api_needs_no_tcp_socket_where_a_machine_lets_no_process_open_
         ex.controllers.close()
         for sl in ex.cluster.slices:
             ex.cluster.kill(sl)
+
+
+@pytest.mark.parametrize(
+    ("affinity", "pools", "lands_on"),
+    [
+        (None, ("local-a", "local-b"), "local-a"),  # no preference: the first pool
+        (("local-b", False), ("local-a", "local-b"), "local-b"),  # level 1: the pool the last gang left healthy
+        (("local-a", True), ("local-a", "local-b"), "local-b"),  # level 2: any pool but the one that failed
+        (("local-a", True), ("local-a",), "local-a"),  # a preference never keeps a gang from running
+        (("gke-pool", False), ("local-a", "local-b"), "local-a"),  # a pool the cluster does not have
+    ],
+)
+def test_a_gang_lands_on_the_pool_its_node_affinity_prefers(affinity, pools, lands_on):
+    """The local cluster schedules a JobSet's gang on one of its node pools as the scheduler scores the product's
+    preferred node affinity (``jobset.pool_affinity``), and names the nodes of each pool apart."""
+    from jaxrec.model.jobset import pool_affinity
+    from workflows.local.cluster import scheduled_pool
+    from workflows.local.slices import node_name, node_pools
+
+    spec = {} if affinity is None else {"affinity": pool_affinity(affinity[0], avoid=affinity[1])}
+    assert scheduled_pool(spec, pools) == lands_on
+    assert node_pools(2) == ("local-a", "local-b")
+    assert (node_name(3, "local-a"), node_name(3, "local-b")) == ("local-3", "local-b-3")

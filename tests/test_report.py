@@ -266,6 +266,8 @@ def test_local_bad_input_is_one_line_per_problem(tmp_path, capsys):
     assert local.main(["argo/local-cpu.yaml", "--inject", "nope", "--inject", "kill-worker@0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "unknown scenario 'nope'" in err[0] and "kill-worker@0" in err[1]
+    assert local.main(["argo/local-cpu.yaml", "--node-pools", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --node-pools 0: give 1 to 26 (1: no spare pool)"
 
 
 def test_local_parameters_are_checked_and_applied(capsys):

@@ -303,8 +303,9 @@ def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
     else:
         _on_tpu_nodes(cfg, container, pod_spec)
         jobset_meta["annotations"] = {EXCLUSIVE_TOPOLOGY: NODEPOOL_LABEL}
-        if params.prefer_pool or params.avoid_pool:
-            pod_spec["affinity"] = pool_affinity(params.prefer_pool or params.avoid_pool, avoid=not params.prefer_pool)
+    # A preference on any nodes: on CPU hosts without the pool label, NotIn matches every node and In none.
+    if params.prefer_pool or params.avoid_pool:
+        pod_spec["affinity"] = pool_affinity(params.prefer_pool or params.avoid_pool, avoid=not params.prefer_pool)
     return _jobset(jobset_meta, hosts, {"metadata": {"labels": dict(labels)}, "spec": pod_spec})
 
 

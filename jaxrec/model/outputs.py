@@ -177,9 +177,7 @@ class SegmentOutputs(StepOutputs):
     reason: str = out("One line: why the attempt is over.", shown=True)
     last_step: int = out("Newest step any worker reported (-1: none).")
     checkpoint_step: int = out("Newest committed checkpoint step after the stop (-1: none).")
-    placement: str = out(
-        "Where the gang asked to run: the recovery ladder's level and why (empty on a CPU slice).", shown=True
-    )
+    placement: str = out("Where the gang asked to run: the recovery ladder's level and why.", shown=True)
     restarted_in_place: str = out(
         "The gang's restarts in place (level 0), one line: 'attempt 0 (infrastructure: why) -> 1; ...' (empty: none).",
         shown=True,

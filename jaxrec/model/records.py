@@ -674,7 +674,7 @@ class SupervisionRecord(_Record):
     evidence: list[str] = Field(default_factory=list, description="Each pod's and node's last state, before the stop.")
     force_deleted: list[str] = Field(default_factory=list, description="Pods force-deleted on a lost node.")
     placement: str | None = Field(
-        default=None, description="Where the gang asked to run: the recovery ladder's level and why (a TPU slice)."
+        default=None, description="Where the gang asked to run: the recovery ladder's level and why."
     )
     snapshot: ClusterSnapshot | None = Field(
         default=None,

@@ -28,10 +28,10 @@ from types import MappingProxyType
 from typing import Any
 
 from jaxrec.adapters.kube import IN_POD_ENV
-from jaxrec.model.names import ATTEMPT_LABEL, TERMINATION_LOG_ENV
+from jaxrec.model.names import ATTEMPT_LABEL, NODEPOOL_LABEL, TERMINATION_LOG_ENV
 from jaxrec.model.records import now
 from workflows.local.engine import FAILED, SUCCEEDED, NodePhase, WorkflowError
-from workflows.local.slices import LocalSlice, WorkerProc
+from workflows.local.slices import FIRST_POOL, LocalSlice, WorkerProc
 
 _PATH_PREFIXES = ("/tmp/outputs", "/tmp/inputs")
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
@@ -149,11 +149,43 @@ class ClusterSetup:
     events_dir: Path | None = None  # None: work_dir / "events"
     # None: each JobSet's own terminationGracePeriodSeconds (a number overrides it, for benchmarks).
     grace_seconds: float | None = None
+    # Its node pools, each a slice's worth of hosts (``slices.node_pools``); a JobSet's gang runs on one of them.
+    node_pools: tuple[str, ...] = (FIRST_POOL,)
 
     @property
     def events(self) -> Path:
         """The folder the workers write their events to."""
         return self.events_dir or (self.work_dir / "events")
+
+
+def scheduled_pool(pod_spec: Mapping[str, Any], pools: tuple[str, ...]) -> str:
+    """The node pool a gang with ``pod_spec``'s node affinity lands on, as the scheduler would choose it.
+
+    Each pool scores the weights of the preferred node-affinity terms on the pool label its nodes match
+    (kube-scheduler's NodeAffinity score; JobSet's exclusive placement puts the whole gang in the leader's pool);
+    the highest scores, the first pool listed on a tie. A preference never keeps a gang from running: with one pool
+    it is always that one. Other kinds of term, and required terms, are not modelled (the product renders none).
+    """
+    affinity = (pod_spec.get("affinity") or {}).get("nodeAffinity") or {}
+    preferred = affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []
+
+    def score(pool: str) -> int:
+        total = 0
+        for term in preferred:
+            exprs = (term.get("preference") or {}).get("matchExpressions") or []
+            if exprs and all(_pool_matches(e, pool) for e in exprs):
+                total += int(term.get("weight", 0))
+        return total
+
+    return max(pools, key=lambda p: (score(p), -pools.index(p)))
+
+
+def _pool_matches(expr: Mapping[str, Any], pool: str) -> bool:
+    """Whether a node of ``pool`` matches one node selector requirement (only the pool label is known of it)."""
+    if expr.get("key") != NODEPOOL_LABEL:
+        return False
+    values, op = expr.get("values") or [], expr.get("operator")
+    return {"In": pool in values, "NotIn": pool not in values, "Exists": True}.get(op, False)
 
 
 class LocalCluster:
@@ -250,7 +282,13 @@ class LocalCluster:
         # A gang of one joins no coordinator: no port is taken (a machine may let no process open a socket).
         port = free_port() if n > 1 else 0
         extra = self.hooks.extra_env(attempt)
-        nodes = self.hooks.placement(attempt, n)
+        sl.pool = scheduled_pool(pod_spec, setup.node_pools)
+        # The hooks place the workers on the first pool's hosts (and replace them); another pool's are its own.
+        nodes = (
+            self.hooks.placement(attempt, n)
+            if sl.pool == setup.node_pools[0]
+            else [f"{sl.pool}-host-{i}" for i in range(n)]
+        )
         for i in range(n):
             pod = f"{name}-{rj.get('name', 'workers')}-0-{i}"
             fields = {

@@ -40,6 +40,7 @@ from workflows.local.events import EventTail
 from workflows.local.executor import LocalExecutor
 from workflows.local.inject import SCENARIOS, Injector, parse_injections
 from workflows.local.outage import OutagePlan, OutageProxy, parse_outages
+from workflows.local.slices import FIRST_POOL, MAX_NODE_POOLS, node_pools
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMULATOR_BUCKET = "local-runs"
@@ -263,6 +264,8 @@ class LocalRunOptions:
             manifest's ``terminationGracePeriodSeconds``, as on the cluster).
         store_outages: ``TEMPLATE=SECONDS``: the store answers 503 for that long from the first store request of the
             template's first node (needs ``gcs_emulator``; steps reach the emulator through ``OutageProxy``).
+        node_pools: The local cluster's node pools, each a slice's worth of hosts (``local-a``, ``local-b``, ...):
+            with more than one, a gang that prefers another pool than the last one's (level 2) runs there.
     """
 
     inject: Sequence[str] = ()
@@ -276,6 +279,7 @@ class LocalRunOptions:
     report: bool = True
     grace_seconds: float | None = None
     store_outages: Sequence[str] = ()
+    node_pools: int = 1
 
 
 def run(
@@ -292,6 +296,8 @@ def run(
     problems += _parameter_problems(wf, dict(o.parameters))
     outage_plan, outage_problems = parse_outages(list(o.store_outages))
     problems += outage_problems
+    if not 1 <= o.node_pools <= MAX_NODE_POOLS:
+        problems.append(f"--node-pools {o.node_pools}: give 1 to {MAX_NODE_POOLS} (1: no spare pool)")
     if outage_plan and not o.gcs_emulator:
         problems.append("--store-outage needs --gcs-emulator (the outage is a proxy in front of the emulator)")
     if problems:
@@ -303,6 +309,7 @@ def run(
     problems = run_id_problems(cfg, run_id, reference=with_reference)
     if problems:
         raise LocalRunError(problems)
+    pools = node_pools(o.node_pools)
     reference_digest = o.reference_digest
     with contextlib.ExitStack() as stack:
         reach = StoreReach()
@@ -319,7 +326,7 @@ def run(
             reference_digest = ref.params_digest
             say(f"reference run {ref.status}: params digest {str(reference_digest)[:16]}")
         store = RunStore(store_root, run_id)
-        result = _LocalRun(wf, cfg, store, reach, o.grace_seconds, say).run(injections, o.metrics_port)
+        result = _LocalRun(wf, cfg, store, reach, o.grace_seconds, say, pools).run(injections, o.metrics_port)
         result.reference_digest = reference_digest
         _finish(result, store, say)
         if o.report:
@@ -420,8 +427,9 @@ class _LocalRun:
         reach: StoreReach,
         grace_seconds: float | None,
         say: Callable[[str], None] = lambda _: None,
+        pools: tuple[str, ...] = (FIRST_POOL,),
     ):
-        self.cfg, self.store, self.grace_seconds, self.say = cfg, store, grace_seconds, say
+        self.cfg, self.store, self.grace_seconds, self.say, self.pools = cfg, store, grace_seconds, say, pools
         self.base_env, self.outages = reach.env, reach.outages
         self.run_id = store.run_id
         self.wf = retarget(wf, store.run_id, store.root)
@@ -452,7 +460,7 @@ class _LocalRun:
         # The next Workflow to run: (name, uid); a continuation's are the ones its hand-over step recorded.
         nxt: tuple[str, str | None] = (self.run_id, None)
         # One cluster for the whole run: a continuation, or a Workflow submitted again, finds the JobSets left.
-        setup = ClusterSetup(REPO_ROOT, work_dir, self.base_env, work_dir / "events", self.grace_seconds)
+        setup = ClusterSetup(REPO_ROOT, work_dir, self.base_env, work_dir / "events", self.grace_seconds, self.pools)
         controllers = LocalControllers(LocalCluster(setup, injector), self.cfg.namespace)
         injector.connect(controllers.url, self.cfg.namespace)
         try:
@@ -705,6 +713,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="serve no run metrics (a machine where no process may open a socket)",
     )
     p.add_argument(
+        "--node-pools",
+        type=int,
+        default=1,
+        metavar="N",
+        help="node pools of the local cluster, each a slice's worth of hosts (default 1); with 2, a gang sent away "
+        "from its pool (level 2: a preemption, a drained or lost host) runs on the spare one",
+    )
+    p.add_argument(
         "-p",
         "--parameter",
         action="append",
@@ -729,6 +745,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_port=None if args.no_metrics else args.metrics_port,
             parameters=dict(x.split("=", 1) for x in args.parameter),
             store_outages=args.store_outage,
+            node_pools=args.node_pools,
         )
         result = run(args.workflow, options)
     except LocalRunError as e:

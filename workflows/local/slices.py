@@ -28,7 +28,13 @@ from typing import Any
 
 import psutil
 
-from jaxrec.model.names import JOBSET_NAME_LABEL, STANDBY_COMM, TERMINATION_LOG_ENV, UNREACHABLE_TAINT
+from jaxrec.model.names import (
+    JOBSET_NAME_LABEL,
+    NODEPOOL_LABEL,
+    STANDBY_COMM,
+    TERMINATION_LOG_ENV,
+    UNREACHABLE_TAINT,
+)
 from jaxrec.model.records import now
 from jaxrec.model.snapshot import (
     COMPLETION_INDEX_KEYS,
@@ -39,6 +45,20 @@ from jaxrec.model.snapshot import (
     pod_from_api,
 )
 from workflows.local.engine import NodePhase
+
+FIRST_POOL = "local-a"
+"""The local cluster's node pool (its nodes ``local-0`` ...); a spare pool's nodes are named by it (``local-b-0``)."""
+
+
+MAX_NODE_POOLS = 26
+
+
+def node_pools(count: int) -> tuple[str, ...]:
+    """The names of a local cluster's ``count`` node pools (each a slice's worth of hosts): local-a, local-b, ..."""
+    if not 1 <= count <= MAX_NODE_POOLS:
+        raise ValueError(f"node pools: {count} (1 to {MAX_NODE_POOLS})")
+    return tuple(f"local-{chr(ord('a') + i)}" for i in range(count))
+
 
 TERMINATION_MESSAGE_MAX = 4096
 """How much of it the kubelet keeps, from its end (kubernetes v1.36.3 ``MaxContainerTerminationMessageLength``)."""
@@ -103,6 +123,7 @@ class LocalSlice:
     log_dir: Path
     # SIGTERM to SIGKILL when the slice is stopped: the pod spec's terminationGracePeriodSeconds.
     grace_seconds: float = 30.0
+    pool: str = FIRST_POOL  # the node pool its workers run on
     workers: list[WorkerProc] = field(default_factory=list)
     first_failure_index: int | None = None
     ended_at: float | None = None
@@ -212,9 +233,9 @@ UNSCHEDULABLE = "Unschedulable"
 IMAGE_PULL = "ImagePullBackOff"
 
 
-def node_name(index: int) -> str:
-    """The stand-in node of worker ``index`` (one host per worker, as on a TPU slice)."""
-    return f"local-{index}"
+def node_name(index: int, pool: str = FIRST_POOL) -> str:
+    """The stand-in node of worker ``index`` in node pool ``pool`` (one host per worker, as on a TPU slice)."""
+    return f"local-{index}" if pool == FIRST_POOL else f"{pool}-{index}"
 
 
 def pod_name(jobset: str, index: int) -> str:
@@ -310,7 +331,7 @@ def pod_object(sl: LocalSlice, w: WorkerProc) -> dict[str, Any] | None:
         ]
         return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": st}
     if held is not None or w.proc is not None:
-        spec["nodeName"] = node_name(w.index)
+        spec["nodeName"] = node_name(w.index, sl.pool)
         st["conditions"] = [_condition("PodScheduled", w.started_at or sl.created_at)]
         st["conditions"] += [w.disruption] if w.disruption else []
     container = _container(w, sl.image, held)
@@ -321,7 +342,7 @@ def pod_object(sl: LocalSlice, w: WorkerProc) -> dict[str, Any] | None:
 
 def node_object(sl: LocalSlice, index: int) -> dict[str, Any]:
     """The stand-in node of worker ``index`` as the API returns it."""
-    meta = {"name": node_name(index), "labels": {}}
+    meta = {"name": node_name(index, sl.pool), "labels": {NODEPOOL_LABEL: sl.pool}}
     if index in sl.lost:
         # As the node lifecycle controller leaves a node whose kubelet went silent: Ready Unknown, tainted.
         ready = _condition("Ready", sl.lost[index], status="Unknown", reason="NodeStatusUnknown")
