@@ -18,6 +18,10 @@ Usage: python bench/bench_trainer.py [--hosts 4] [--steps 60] [--interval 10] [-
        python bench/bench_trainer.py --loop [--models tiny,134.6M,269M] [--loop-steps 300] [--save-every 100]
               [--steps-ahead 16] [--saves-only] [--pairs 3]
        python bench/bench_trainer.py --save-probe [--models 134.6M] [--loop-steps 300] [--save-every 100]
+       python bench/bench_trainer.py --host-copy [--models 134.6M,269M]
+
+5. (``--host-copy``) what a save's copy of the model's state into each host memory kind costs: the transfer the
+   step after a save waits for on the device where no second copy fits beside the step (``HOST_MEMORY_KINDS``).
 """
 
 from __future__ import annotations
@@ -336,6 +340,49 @@ def print_save_probe(name: str, every: int, probes: dict[str, dict]) -> None:
         print(f"{probe:<52} {r['rate']:>7.2f} {r['rate'] / base:>6.3f} {lost:>12.3f} {r['slowest_iteration_s']:>20.3f}")
 
 
+def host_copies(name: str, repeats: int = 3) -> dict:
+    """Model ``name``'s state, as float32 arrays of its matrices' shapes three times over (parameters and Adam's
+    two moments: 3.22 GB for the 269M model, whose trainer state is 3.2 GB), copied to each host memory kind the
+    device has and fetched as numpy, ``repeats`` times each: the seconds until the copy is on the host."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from trainer.checkpointing import HOST_MEMORY_KINDS
+
+    m = LOOP_MODELS[name]["model"]
+    d, ff, layers = m["d_model"], m["d_ff"], m["n_layers"]
+    shapes = [(m["vocab_size"], d)] + [(d, d)] * 4 * layers + [(d, ff), (ff, d)] * layers + [(d,)] * 4 * layers
+    state = {f"{c}-{i}": jnp.full(s, float(i % 7), jnp.float32) for c in range(3) for i, s in enumerate(shapes)}
+    jax.block_until_ready(state)
+    have = {mem.kind for mem in jax.devices()[0].addressable_memories()}
+    out: dict = {"bytes": sum(x.nbytes for x in jax.tree.leaves(state)), "kinds": {}}
+    for kind in (k for k in HOST_MEMORY_KINDS if k in have):
+        shardings = jax.tree.map(lambda x, k=kind: x.sharding.with_memory_kind(k), state)
+        took = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            copy = jax.block_until_ready(jax.device_put(state, shardings, may_alias=False))
+            took.append(time.perf_counter() - t0)
+            del copy
+        out["kinds"][kind] = took
+    t0 = time.perf_counter()
+    fetched = [np.asarray(x) for x in jax.tree.leaves(state)]  # each array's first fetch (numpy keeps it after)
+    out["kinds"]["numpy (device_get)"] = [time.perf_counter() - t0]
+    del fetched
+    return out
+
+
+def print_host_copies(name: str, r: dict) -> None:
+    """One model's table: each host memory kind's copy of the state, first and later, in seconds and GB/s."""
+    gb = r["bytes"] / 1e9
+    print(f"\n## {name}: the state ({gb:.2f} GB) copied to the host's memory, by kind")
+    print(f"{'memory kind':<20} {'first s':>8} {'later s (median)':>17} {'GB/s (later)':>13}")
+    for kind, took in r["kinds"].items():
+        later = statistics.median(took[1:]) if len(took) > 1 else took[0]
+        print(f"{kind:<20} {took[0]:>8.3f} {later:>17.3f} {gb / later:>13.2f}")
+
+
 def run_bare(cfg, steps: int, save_probe_every: int | None = None) -> dict:
     """``bare_loop`` of ``cfg`` in a child process (one program at a time may hold a chip); with
     ``save_probe_every``, ``bare_saves`` instead."""
@@ -455,17 +502,20 @@ def print_loop_table(rows: list[tuple], steps: int, steps_ahead: int) -> None:
 def print_save_table(saves: list[tuple], save_every: int) -> None:
     """A save every ``save_every`` steps against none, per model: kept, lost per save, blocking_seconds."""
     print(f"\n## a save every {save_every} steps vs none (asynchronous saves; measured loss per save = extra "
-          "seconds of the run with saves / saves in the span)")  # fmt: skip
+          "seconds of the run with saves / saves in the span; 'from 1st': the same from the first save's step on, "
+          "without the steps before it, where the two runs differ by their own spread alone)")  # fmt: skip
     print(f"{'model':<8} {'none st/s':>10} {'saving st/s':>12} {'kept':>6} {'saves':>6} {'lost s/save':>12} "
-          f"{'blocking_s':>11} {'reported/lost':>14}")  # fmt: skip
+          f"{'blocking_s':>11} {'reported/lost':>14} {'lost from 1st':>14} {'reported/that':>14}")  # fmt: skip
     for name, none, saving in saves:
         n = len(saving["blocking"])
         lost, reported = save_loss(none, saving)
         share = reported / lost if lost > 0 else float("nan")
+        windows = window_loss(saving["reads"], saving["windows_of"], none["rate"])
+        after = sum(v for k, v in windows.items() if k != "before") / n if n else float("nan")
         print(f"{name:<8} {none['rate']:>10.2f} {saving['rate']:>12.2f} {saving['rate'] / none['rate']:>6.3f} "
-              f"{n:>6} {lost:>12.3f} {reported:>11.3f} {share:>14.2f}")  # fmt: skip
-        print(f"{name}: seconds lost, before the first save and from each save to the next: "
-              f"{window_loss(saving['reads'], saving['windows_of'], none['rate'])}")  # fmt: skip
+              f"{n:>6} {lost:>12.3f} {reported:>11.3f} {share:>14.2f} {after:>14.3f} "
+              f"{reported / after if after > 0 else float('nan'):>14.2f}")  # fmt: skip
+        print(f"{name}: seconds lost, before the first save and from each save to the next: {windows}")
     for name in dict.fromkeys(n for n, _, _ in saves):
         mine = [(none, saving) for n, none, saving in saves if n == name]
         if len(mine) > 1:  # one pair's loss is within the runs' own spread: the mean over pairs is the figure
@@ -532,12 +582,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="only the bare loop with each part of a save added (--models, --loop-steps, --save-every)",
     )
+    p.add_argument("--host-copy", action="store_true", help="only the copy of each model's state to host memory")
     p.add_argument("--bare", help=argparse.SUPPRESS)  # internal: the bare loop of this config JSON
     p.add_argument("--bare-saves", action="store_true", help=argparse.SUPPRESS)  # internal: with SAVE_PROBES
     a = p.parse_args(argv)
     if a.bare:
         out = bare_saves(a.bare, a.loop_steps, a.save_every) if a.bare_saves else bare_loop(a.bare, a.loop_steps)
         print(json.dumps(out))
+        return
+    if a.host_copy:  # in this process: one program at a time may hold a chip, and nothing else runs
+        for name in a.models.split(","):
+            print_host_copies(name, host_copies(name))
         return
     if a.save_probe:
         with tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:

@@ -213,18 +213,28 @@ def device_copy_fits(state: Any, compiled: Any = None) -> bool:
     return True
 
 
-def pinned_host_copy(state: Any) -> Any:
-    """A function that copies ``state`` into the host's pinned memory, or None where a device has none.
+HOST_MEMORY_KINDS = ("unpinned_host", "pinned_host")
+"""The host memories a save's copy of the state may go to, the fastest first. On a TPU v5e (JAX 0.10.2, libtpu
+0.0.42.1) the 269M model's 3.2 GB state went to ``unpinned_host`` in 0.34-0.39 s and to ``pinned_host`` in
+1.7-2.6 s, one 1 GiB array to pinned memory in 1.0-1.3 s (``bench/bench_trainer.py --host-copy``): the next step
+waits on the chip for that transfer, so its time is what a save costs the loop."""
 
-    ``jax.device_put`` to the same shardings with ``memory_kind="pinned_host"`` (JAX docs, "Memory spaces and host
-    offloading"): the transfer is dispatched asynchronously, in order, and takes no device memory; a later step that
-    donates the state waits on the device for the transfer to have read it, not the loop on the host.
+
+def host_copy(state: Any) -> Any:
+    """A function that copies ``state`` into the host's memory, or None where a device has no host memory kind.
+
+    ``jax.device_put`` to the same shardings with the first of ``HOST_MEMORY_KINDS`` every device has (JAX docs,
+    "Memory spaces and host offloading"): the transfer is dispatched asynchronously, in order, and takes no device
+    memory; a later step that donates the state waits on the device for the transfer to have read it, not the loop
+    on the host.
     """
     leaves = jax.tree.leaves(state)
     devices = {d for leaf in leaves for d in getattr(leaf, "devices", set)()}
-    if not devices or not all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices):
+    kinds = [{m.kind for m in d.addressable_memories()} for d in devices]
+    kind = next((k for k in HOST_MEMORY_KINDS if kinds and all(k in have for have in kinds)), None)
+    if kind is None:
         return None
-    shardings = jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), state)
+    shardings = jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), state)
     return lambda s: jax.device_put(s, shardings, may_alias=False)
 
 
@@ -467,7 +477,7 @@ class Checkpointer:
         self._code_version = code_version() if self.primary else ""
         self._libs = library_versions()
         self._orbax_timings = _OrbaxTimings()
-        self._snapshot: Any = None  # the copy a save writes: on the device, or in the host's pinned memory
+        self._snapshot: Any = None  # the copy a save writes: on the device, or in the host's memory
         self._copy_fits: bool | None = None  # a copy of the state can be taken without the loop waiting (decided once)
         self._announced: int | None = None  # the step whose manifest key process 0 set last
         self._saver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-saver")
@@ -485,18 +495,18 @@ class Checkpointer:
     def copy_fits(self, state: Any, compiled: Any = None) -> bool:
         """Whether saves take a copy of the state the loop need not wait for (decided at the first ask, said once).
 
-        On the device where it fits beside the step (``device_copy_fits``); else in the host's pinned memory
-        (``pinned_host_copy``: the next step waits on the device for the transfer); else not at all: orbax reads
+        On the device where it fits beside the step (``device_copy_fits``); else in the host's memory
+        (``host_copy``: the next step waits on the device for the transfer); else not at all: orbax reads
         the live state and the loop waits until its host copy is taken.
         """
         if self._copy_fits is None:
             self._copy_fits = device_copy_fits(state, compiled)
             if not self._copy_fits:
-                self._snapshot = pinned_host_copy(state)
+                self._snapshot = host_copy(state)
                 self._copy_fits = self._snapshot is not None
                 log.warning(
                     "a copy of the state does not fit in device memory beside the step: %s",
-                    "each save copies it to the host's pinned memory as its step is dispatched (the step after waits "
+                    "each save copies it to the host's memory as its step is dispatched (the step after waits "
                     "on the device for that transfer)"
                     if self._copy_fits
                     else "each save holds the loop until orbax has copied the state to the host "
