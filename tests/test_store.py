@@ -161,3 +161,42 @@ def test_a_last_writer_wins_write_takes_another_writers_generation_and_lands(sto
     other.delete("attempts/0/supervision.json")
     store.write_json("attempts/0/supervision.json", {"by": "first, after a delete"})
     assert other.read_json("attempts/0/supervision.json") == {"by": "first, after a delete"}
+
+
+def test_a_gcs_move_copies_many_objects_at_once_and_deletes_none_before_every_copy_ended(gcs_bucket, monkeypatch):
+    """A step is many objects and a restart waits for its torn one to be set aside: the copies overlap (the
+    emulator answers each after a delay here), and the first delete comes after the last copy, so a mover cut off
+    anywhere leaves every object at least in one place."""
+    import os
+    import time
+
+    from jaxrec.adapters import store as store_mod
+
+    store = RunStore(f"gs://{gcs_bucket}/move-{os.getpid()}", "run-a")
+    names = [f"checkpoints/15/state/chunk-{i}" for i in range(24)]
+    for name in names:
+        store.write_bytes(name, name.encode())
+    log: list[tuple[str, float, float]] = []
+    copy, delete = store_mod.GcsBackend.copy, store_mod.GcsBackend.delete
+
+    def timed(kind, real):
+        def call(self, *args):
+            t0 = time.monotonic()
+            time.sleep(0.05)
+            out = real(self, *args)
+            log.append((kind, t0, time.monotonic()))
+            return out
+
+        return call
+
+    monkeypatch.setattr(store_mod.GcsBackend, "copy", timed("copy", copy))
+    monkeypatch.setattr(store_mod.GcsBackend, "delete", timed("delete", delete))
+
+    assert store.move(RunLayout.checkpoint(15), RunLayout.quarantine(15)) == len(names)
+    copies = [(t0, t1) for kind, t0, t1 in log if kind == "copy"]
+    deletes = [(t0, t1) for kind, t0, t1 in log if kind == "delete"]
+    overlap = max(sum(1 for a, b in copies if a <= t < b) for t, _ in copies)
+    assert overlap > 1, "the copies ran one at a time"
+    assert max(t1 for _, t1 in copies) <= min(t0 for t0, _ in deletes)
+    assert store.list("checkpoints/15") == []
+    assert [store.read_bytes(n.replace("checkpoints/", "quarantine/")) for n in names] == [n.encode() for n in names]

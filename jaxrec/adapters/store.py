@@ -26,6 +26,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -427,6 +428,10 @@ class LocalBackend:
         with contextlib.suppress(FileNotFoundError):
             (self.root / rel).unlink()
 
+
+MOVE_THREADS = 16
+"""Objects a GCS move copies (then deletes) at a time: one by one, the 16 objects of a small torn step took 1.7 s to
+set aside on a loaded emulator, on every restart's path."""
 
 STORE_RETRY_DEADLINE_ENV = "JAXREC_STORE_RETRY_DEADLINE_S"
 DEFAULT_STORE_RETRY_DEADLINE_S = 60.0
@@ -947,14 +952,15 @@ class RunStore:
                 return 0
             return max(n, 1)
         objs = self._b.list(src_prefix)
-        copied = 0
-        assert isinstance(self._b, GcsBackend)
-        for o in objs:
-            # A server-side copy: a quarantined step of any size costs no memory and no traffic here.
-            if self._b.copy(o.name, dst_prefix + o.name[len(src_prefix) :]):
-                copied += 1
-        for o in objs:
-            self._b.delete(o.name)
+        b = self._b
+        assert isinstance(b, GcsBackend)
+        # Server-side copies (a quarantined step of any size costs no memory and no traffic here), MOVE_THREADS at a
+        # time: a step is one object per array chunk and file, and a restart waits for its torn step to be set
+        # aside. Every copy has ended before the first delete.
+        with ThreadPoolExecutor(max_workers=MOVE_THREADS) as pool:
+            copied = sum(pool.map(lambda o: b.copy(o.name, dst_prefix + o.name[len(src_prefix) :]), objs))
+            for _ in pool.map(lambda o: b.delete(o.name), objs):
+                pass
         return copied
 
     def delete(self, rel: str) -> None:
