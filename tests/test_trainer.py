@@ -142,6 +142,18 @@ def test_sigkill_of_one_worker_then_resume_is_bit_identical(task, tmp_path):
     gang = launch(cfg, 1, restore, tmp_path, extra_env=in_pod)
     assert gang.wait(240) == [0] * n, gang.tails()
     assert [e.step for e in gang.events(1) if e.event == EventKind.RESTORED] == [restore]
+    # Where the start-up went, part by part, from the runtime ready to the state restored.
+    r = read_report(store, 1, 0)
+    parts = r["restore_parts"]
+    assert set(parts) == {
+        "task, data and manifest opened",
+        "newer steps set aside",
+        "model built, checkpointer opened",
+        "checkpoint read",
+        "bytes read checked",
+        "state ready on the devices",
+    }, parts
+    assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= r["restored_at"] - r["initialized_at"] + 0.01
     assert digests(store, 1, n) == {want}
     # The whole state, optimizer state included, shard by shard: as the uninterrupted run's.
     assert state_digests(store, 1, n) == state_digests(ref_store, 0, n) and None not in state_digests(store, 1, n)

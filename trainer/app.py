@@ -72,7 +72,7 @@ from trainer.lifecycle import (
 )
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
 from trainer.preemption import PeerLossNotice, PreemptionAgreement, distributed_client
-from trainer.telemetry import Events, WorkerMetrics, cpu_seconds
+from trainer.telemetry import Events, Laps, WorkerMetrics, cpu_seconds
 
 if TYPE_CHECKING:
     from trainer.data import DataSource
@@ -181,6 +181,7 @@ class Worker:
         )
         self.exit = ExitPath(self.store, args.attempt, self.report, self.events)
         self.watchdog: Watchdog | None = None
+        self.laps = Laps()  # the start-up's parts, from the runtime ready to the state restored (``restore_parts``)
         self.stop_requested = False
         self.sigterm_at: float | None = None  # time.monotonic() of the first SIGTERM
         self._sigterm_step: int | None = None  # the last step completed when it came
@@ -640,6 +641,7 @@ def _restore_checked(
     step = w.args.restore_step
     if tier is not None:
         got = tier.restore(step, tr.abstract_state)
+        w.laps.lap("the hosts' copies chosen and read")
         if got.state is not None:  # every part from the hosts' disks: no GCS read
             assert got.plan.step is not None
             step = got.plan.step
@@ -651,7 +653,9 @@ def _restore_checked(
         w.report.restore_tier = Tier.GCS if step >= 0 else None
     while manifest is not None:
         state, it = _restore(cfg, tr, ckpt, step, source)
+        w.laps.lap("checkpoint read")
         fallback = ckpt.check_restored(step, manifest)
+        w.laps.lap("bytes read checked")
         if fallback is None:
             return state, it, manifest
         step = fallback
@@ -836,10 +840,13 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     w.events.emit(
         EventKind.INITIALIZED, process_count=jax.process_count(), devices=jax.device_count(), cpu_s=cpu_seconds()
     )
+    w.laps = Laps()
     m = _start_metrics(w, cfg)
 
     spec, task, source, manifest = _open_task(w, cfg, restore_step)
+    w.laps.lap("task, data and manifest opened")
     w.set_aside_newer_steps(restore_step, t.init_timeout_s)
+    w.laps.lap("newer steps set aside")
     mesh = train_state.make_mesh()
     tr = train_state.build(cfg, mesh, task)
     identity = DataIdentity(source.version, spec.name, spec.version, options_hash(cfg.task_options().model_dump()))
@@ -849,6 +856,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     tier = _open_local_tier(w, cfg, dict(mesh.shape), source.version)
 
     ahead = _compile_ahead(cfg, tr, source, pi, pc)
+    w.laps.lap("model built, checkpointer opened")
     t0 = now()
     phase_beat(w, WorkerPhase.RESTORE, cfg.supervision.heartbeat_interval_s)
     training = Training(cfg, tr, source, ckpt, tier)
@@ -858,14 +866,22 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
         state = tr.init_fn(np.int32(t.seed))
         it = data_lib.make_iterator(cfg.data, source.examples, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
     jax.block_until_ready(state)
+    w.laps.lap("state ready on the devices")
     w.report.restored_at = now()
     w.report.restore_seconds = w.report.restored_at - t0
+    w.report.restore_parts = dict(w.laps.parts)
+    log.info(
+        "state ready %.2f s after the runtime: %s",
+        sum(w.laps.parts.values()),
+        ", ".join(f"{k} {v:.2f} s" for k, v in w.laps.parts.items()),
+    )
     w.events.emit(
         EventKind.RESTORED,
         max(restore_step, 0),
         restore_step=restore_step,
         restore_tier=w.report.restore_tier,
         restore_seconds=w.report.restore_seconds,
+        restore_parts=w.report.restore_parts,
         cpu_s=cpu_seconds(),
     )
     phase_beat(w, WorkerPhase.COMPILE, cfg.supervision.heartbeat_interval_s)

@@ -93,6 +93,20 @@ class WorkerMetrics:
         return generate_latest(self.registry).decode()
 
 
+class Laps:
+    """Seconds spent in each named part of a span, in order: each ``lap`` closes the part since the one before."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._t = now()
+
+    def lap(self, name: str) -> None:
+        """The time since the last lap (or the start) was spent in ``name`` (added to it when named again)."""
+        t = now()
+        self.parts[name] = round(self.parts.get(name, 0.0) + t - self._t, 3)
+        self._t = t
+
+
 def cpu_seconds() -> float:
     """CPU seconds of this process so far, every thread (the ``cpu_s`` of the start-up events)."""
     return round(time.process_time(), 3)

@@ -102,6 +102,11 @@ class WorkerExitReport(_Record):
     restore_seconds: float | None = Field(
         default=None, description="Restoring the checkpoint (or building the fresh state)."
     )
+    restore_parts: dict[str, float] = Field(
+        default_factory=dict,
+        description="From the runtime ready to the state restored, by part, in seconds (opening the task, data and "
+        "manifest; setting aside newer steps; building the model; reading the checkpoint; checking the bytes read).",
+    )
     compile_cache_requests: int | None = Field(
         default=None, description="Compilations that asked the persistent cache, up to the first step."
     )
@@ -528,6 +533,9 @@ class WorkerEvent(_Record):
         default=None, description="save_cost: where the blocking time went, and what ran off the loop."
     )
     restore_seconds: float | None = Field(default=None, description="restored: restoring (or building) the state.")
+    restore_parts: dict[str, float] | None = Field(
+        default=None, description="restored: from the runtime ready to the state restored, by part (seconds)."
+    )
     cpu_s: float | None = Field(
         default=None,
         description="started, initialized, restored, first_step: the worker's CPU seconds so far (all threads).",
