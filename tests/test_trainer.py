@@ -148,7 +148,8 @@ def test_sigkill_of_one_worker_then_resume_is_bit_identical(task, tmp_path):
     assert set(parts) == {
         "task, data and manifest opened",
         "newer steps set aside",
-        "model built, checkpointer opened",
+        "model built",
+        "checkpointer opened, compile started",
         "checkpoint read",
         "bytes read checked",
         "state ready on the devices",

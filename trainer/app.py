@@ -849,6 +849,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     w.laps.lap("newer steps set aside")
     mesh = train_state.make_mesh()
     tr = train_state.build(cfg, mesh, task)
+    w.laps.lap("model built")
     identity = DataIdentity(source.version, spec.name, spec.version, options_hash(cfg.task_options().model_dump()))
     ckpt = Checkpointer(w.store, cfg, w.args.attempt, dict(mesh.shape), identity)
     w.exit.last_checkpoint = lambda: ckpt.last_committed
@@ -856,7 +857,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     tier = _open_local_tier(w, cfg, dict(mesh.shape), source.version)
 
     ahead = _compile_ahead(cfg, tr, source, pi, pc)
-    w.laps.lap("model built, checkpointer opened")
+    w.laps.lap("checkpointer opened, compile started")
     t0 = now()
     phase_beat(w, WorkerPhase.RESTORE, cfg.supervision.heartbeat_interval_s)
     training = Training(cfg, tr, source, ckpt, tier)
@@ -867,23 +868,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
         it = data_lib.make_iterator(cfg.data, source.examples, data_lib.DataPosition(cfg.data.seed, 0, 0), pi, pc)
     jax.block_until_ready(state)
     w.laps.lap("state ready on the devices")
-    w.report.restored_at = now()
-    w.report.restore_seconds = w.report.restored_at - t0
-    w.report.restore_parts = dict(w.laps.parts)
-    log.info(
-        "state ready %.2f s after the runtime: %s",
-        sum(w.laps.parts.values()),
-        ", ".join(f"{k} {v:.2f} s" for k, v in w.laps.parts.items()),
-    )
-    w.events.emit(
-        EventKind.RESTORED,
-        max(restore_step, 0),
-        restore_step=restore_step,
-        restore_tier=w.report.restore_tier,
-        restore_seconds=w.report.restore_seconds,
-        restore_parts=w.report.restore_parts,
-        cpu_s=cpu_seconds(),
-    )
+    _say_restored(w, restore_step, t0)
     phase_beat(w, WorkerPhase.COMPILE, cfg.supervision.heartbeat_interval_s)
     compiled = _compiled_step(w, ahead, t0)
     # Compiled ahead so that the first save does not compile on the training thread.
@@ -905,6 +890,27 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     if not saving.abandoned:
         saving.finish()
     _finish(w, stepper, ckpt, last, abandoned=saving.abandoned)
+
+
+def _say_restored(w: Worker, restore_step: int, restore_started: float) -> None:
+    """Record the state restored (or built): in the report, a log line with its parts, and the restored event."""
+    w.report.restored_at = now()
+    w.report.restore_seconds = w.report.restored_at - restore_started
+    w.report.restore_parts = dict(w.laps.parts)
+    log.info(
+        "state ready %.2f s after the runtime: %s",
+        sum(w.laps.parts.values()),
+        ", ".join(f"{k} {v:.2f} s" for k, v in w.laps.parts.items()),
+    )
+    w.events.emit(
+        EventKind.RESTORED,
+        max(restore_step, 0),
+        restore_step=restore_step,
+        restore_tier=w.report.restore_tier,
+        restore_seconds=w.report.restore_seconds,
+        restore_parts=w.report.restore_parts,
+        cpu_s=cpu_seconds(),
+    )
 
 
 def _add_local_saves(w: Worker, hooks: Hooks, tier: Any, stepper: Stepper, abstract_state: Any, total: int) -> None:

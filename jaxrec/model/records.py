@@ -105,7 +105,8 @@ class WorkerExitReport(_Record):
     restore_parts: dict[str, float] = Field(
         default_factory=dict,
         description="From the runtime ready to the state restored, by part, in seconds (opening the task, data and "
-        "manifest; setting aside newer steps; building the model; reading the checkpoint; checking the bytes read).",
+        "manifest; setting aside newer steps; building the model; opening the checkpointer; reading the checkpoint; "
+        "checking the bytes read).",
     )
     compile_cache_requests: int | None = Field(
         default=None, description="Compilations that asked the persistent cache, up to the first step."

@@ -51,6 +51,7 @@ FIRST_POOL = "local-a"
 
 
 MAX_NODE_POOLS = 26
+"""The most node pools a local cluster has (named by one letter each)."""
 
 
 def node_pools(count: int) -> tuple[str, ...]:
