@@ -215,9 +215,9 @@ def device_copy_fits(state: Any, compiled: Any = None) -> bool:
 
 HOST_MEMORY_KINDS = ("unpinned_host", "pinned_host")
 """The host memories a save's copy of the state may go to, the fastest first. On a TPU v5e (JAX 0.10.2, libtpu
-0.0.42.1) the 269M model's 3.2 GB state went to ``unpinned_host`` in 0.34-0.39 s and to ``pinned_host`` in
-1.7-2.6 s, one 1 GiB array to pinned memory in 1.0-1.3 s (``bench/bench_trainer.py --host-copy``): the next step
-waits on the chip for that transfer, so its time is what a save costs the loop."""
+0.0.42.1) a state of the 269M model's size (3.22 GB) went to ``unpinned_host`` in 0.34-0.39 s and to ``pinned_host``
+in 1.7-2.6 s, one 1 GiB array to pinned memory in 1.0-1.3 s (docs/PERFORMANCE.md; ``bench/bench_trainer.py
+--host-copy``): the next step waits on the chip for that transfer, so its time is what a save costs the loop."""
 
 
 def host_copy(state: Any) -> Any:
