@@ -959,8 +959,7 @@ class RunStore:
         # aside. Every copy has ended before the first delete.
         with ThreadPoolExecutor(max_workers=MOVE_THREADS) as pool:
             copied = sum(pool.map(lambda o: b.copy(o.name, dst_prefix + o.name[len(src_prefix) :]), objs))
-            for _ in pool.map(lambda o: b.delete(o.name), objs):
-                pass
+            list(pool.map(lambda o: b.delete(o.name), objs))
         return copied
 
     def delete(self, rel: str) -> None:

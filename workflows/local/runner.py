@@ -296,7 +296,9 @@ def run(
     problems += _parameter_problems(wf, dict(o.parameters))
     outage_plan, outage_problems = parse_outages(list(o.store_outages))
     problems += outage_problems
-    if not 1 <= o.node_pools <= MAX_NODE_POOLS:
+    try:
+        pools = node_pools(o.node_pools)
+    except ValueError:
         problems.append(f"--node-pools {o.node_pools}: give 1 to {MAX_NODE_POOLS} (1: no spare pool)")
     if outage_plan and not o.gcs_emulator:
         problems.append("--store-outage needs --gcs-emulator (the outage is a proxy in front of the emulator)")
@@ -309,7 +311,6 @@ def run(
     problems = run_id_problems(cfg, run_id, reference=with_reference)
     if problems:
         raise LocalRunError(problems)
-    pools = node_pools(o.node_pools)
     reference_digest = o.reference_digest
     with contextlib.ExitStack() as stack:
         reach = StoreReach()
