@@ -87,11 +87,26 @@ def test_training_steps_ends_after_the_agreed_stop_and_passes_the_request():
     assert fake.requests == [False, False, False, True]
 
 
-def test_a_stop_read_at_a_held_step_ends_training_there():
-    hooks = Hooks()
-    hooks.hold(lambda step: step == 3)
-    recs = list(training_steps(FakeStep(0, stop_at=3), 0, 10, lambda: False, hooks))
-    assert [(r.step, r.stop_agreed) for r in recs] == [(1, False), (2, False), (3, True)]
+@pytest.mark.parametrize("steps_ahead", [1, 3])
+def test_a_stop_ends_every_process_at_one_step_whether_or_not_it_held_the_flagged_one(steps_ahead):
+    # One process held its steps at step 3 (its save's device copy was not taken as 3 was dispatched), the other
+    # had dispatched ahead: both read step 3's reduced flag and must leave after the same step, or the one with a
+    # step more in flight waits in its collective alone.
+    ends = []
+    for held in (set(), {3}):
+        hooks = Hooks()
+        hooks.hold(lambda step, held=held: step in held)
+        fake = FakeStep(0, stop_at=3)
+        recs = list(training_steps(fake, 0, 10, lambda: False, hooks, steps_ahead=steps_ahead))
+        assert [r.step for r in recs] == list(range(1, 4 + steps_ahead))
+        assert [r.step for r in recs if r.stop_agreed] == [recs[-1].step]
+        ends.append((recs[-1].step, fake.step))
+    assert ends == [(3 + steps_ahead, 3 + steps_ahead)] * 2
+
+
+def test_a_stop_read_near_the_end_ends_at_the_last_step():
+    recs = list(training_steps(FakeStep(0, stop_at=4), 0, 5, lambda: False, Hooks(), steps_ahead=3))
+    assert [(r.step, r.stop_agreed, r.last) for r in recs][-2:] == [(4, False, False), (5, True, True)]
 
 
 class Deferred:

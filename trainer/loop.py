@@ -165,6 +165,11 @@ def training_steps(
     the one whose results are read, never one past a step ``n`` where ``hooks.holds(n)`` before n's hooks ran. A
     stop flag is 0 (no stop) or 1 + milliseconds since SIGTERM when the step was dispatched
     (``decisions.stop_flag``); a bool counts as a flag of age 0.
+
+    The gang stops ``steps_ahead`` steps after the first step whose reduced flag is raised (or at the last step):
+    a step every process computes alike. How many steps a process had in flight when it read the flag is its own
+    (whether a save's device copy was taken as its step was dispatched depends on its own timing), and a stop at
+    "the last step in flight" left a process that had dispatched one step more alone in that step's collective.
     """
     if steps_ahead < 1:
         raise ValueError(f"steps_ahead: {steps_ahead} is not a positive number of steps")
@@ -173,11 +178,11 @@ def training_steps(
     in_flight: deque[tuple[int, float, Any, Any]] = deque()
     following = start_step + 1  # the next step to dispatch
     hooks_done = start_step  # the last step whose hooks ran
-    stopping = False  # a stop was read: the steps in flight carry it, the last of them ends training
+    stop_at: int | None = None  # the step the agreed stop ends training at, once a raised flag was read
 
     def fill() -> None:
         nonlocal following
-        while following <= total_steps and not stopping and len(in_flight) < steps_ahead:
+        while following <= (stop_at or total_steps) and len(in_flight) < steps_ahead:
             if following - 1 > hooks_done and hooks.holds(following - 1):
                 return
             hooks.run_before(following)
@@ -193,8 +198,9 @@ def training_steps(
         fill()
         loss_v, stop_v = float(loss), int(stop)
         t1 = now()
-        # Agreed in ``step`` with steps already in flight: they carry the same agreement, the last of them ends it.
-        agreed = bool(stop_v) and not in_flight
+        if stop_v and stop_at is None:
+            stop_at = min(step + steps_ahead, total_steps)
+        agreed = step == stop_at
         age = sigterm_age(stop_v) if agreed else None
         yield StepRecord(
             step,
@@ -209,5 +215,4 @@ def training_steps(
         if agreed:
             return
         hooks_done = step
-        stopping = stopping or bool(stop_v)
         fill()

@@ -487,8 +487,9 @@ class TrainingConfig(_Section):
         le=64,
         description="Steps the host dispatches beyond the one whose loss it reads: a pause of the host shorter "
         "than this many steps (an asynchronous save's own work held it up to 1 s on a TPU v5e) costs the "
-        "accelerator nothing; a stop takes effect after the steps already in flight, and the queue empties only "
-        "at a save that reads the live state (synchronous, or no device copy fits). About 1 s of steps on an "
+        "accelerator nothing; a stop read in step n takes effect after step n + steps_ahead, and the queue "
+        "empties only at a save that reads the live state (synchronous, or no device copy fits). About 1 s of "
+        "steps on an "
         "accelerator (docs/PERFORMANCE.md).",
     )
     hang_timeout_s: int = Field(
