@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 
@@ -174,3 +175,97 @@ def test_the_state_round_trips_through_a_part_in_its_shardings(tmp_path):
     wrong = {"w": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=sharded)}
     with pytest.raises(PartProblem, match="no shard"):
         assemble(parts.load(5, 0, LAYOUT), wrong)
+
+
+class FakeKV:
+    """The coordination service's key-value calls the local tier makes (jax's distributed client): a key is set
+    once, a blocking get waits for it until its timeout."""
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+        self.changed = threading.Condition()
+
+    def key_value_set(self, key: str, value: str) -> None:
+        with self.changed:
+            if key in self.values:
+                raise RuntimeError(f"ALREADY_EXISTS: {key}")
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout_ms / 1000):
+                raise TimeoutError(f"DEADLINE_EXCEEDED: {key}")
+            return self.values[key]
+
+    def key_value_delete(self, key: str) -> None:
+        with self.changed:
+            self.values.pop(key, None)
+
+
+def _gang_of_two(tmp_path, monkeypatch, kv: FakeKV) -> list:
+    """The local tiers of processes 0 and 1 of one attempt, a part every step and one peer copy each."""
+    from types import SimpleNamespace
+
+    from trainer import local_tier
+
+    cfg = SimpleNamespace(
+        run_id="run",
+        checkpoint=SimpleNamespace(local=SimpleNamespace(interval_steps=1, keep=4, peers=1, directory="/unused")),
+        training=SimpleNamespace(init_timeout_s=5, total_steps=100),
+    )
+    monkeypatch.setattr(local_tier.jax, "process_count", lambda: 2)
+    tiers = []
+    for i in range(2):
+        monkeypatch.setattr(local_tier.jax, "process_index", lambda i=i: i)
+        env = {"TRAINER_LOCAL_DIR": str(tmp_path / f"n{i}"), "NODE_NAME": f"n{i}"}
+        tiers.append(local_tier.LocalTier(cfg, None, 0, kv, env, LAYOUT))
+    for t in tiers:
+        t.addresses = {i: u.server.address for i, u in enumerate(tiers)}
+    return tiers
+
+
+def test_a_host_that_skips_a_local_save_says_so_and_its_peer_does_not_wait_for_the_part(tmp_path, monkeypatch):
+    import concurrent.futures
+
+    from trainer import local_tier
+
+    kv = FakeKV()
+    a, b = _gang_of_two(tmp_path, monkeypatch, kv)
+    try:
+        state = {"w": jnp.arange(6.0).reshape(2, 3)}
+        for t in (a, b):
+            assert t.save(1, state, {"next_index": 1})
+        for t in (a, b):
+            t._pending.result(timeout=10)
+        # Each host holds its own part of step 1 and its peer's copy of the other.
+        assert sorted(a.parts.complete()) == sorted(b.parts.complete()) == [(1, 0), (1, 1)]
+
+        b._pending = concurrent.futures.Future()  # b's save of step 1 still runs when step 2 is due
+        assert not b.save(2, state, {"next_index": 2})
+        assert kv.values["jaxrec/tier/0/saved/2/1"] == local_tier.SKIPPED
+        assert a.save(2, state, {"next_index": 2})
+        a._pending.result(timeout=10)  # not PEER_WAIT_S: b said at once that part 1 of step 2 will not come
+        assert (2, 0) in a.parts.complete() and (2, 1) not in a.parts.complete()
+        assert b.skipped_saves == 1
+    finally:
+        for t in (a, b):
+            t.server.close()
+            t._saver.shutdown(wait=False, cancel_futures=True)
+
+
+def test_a_host_keeps_only_its_newest_announcements(tmp_path, monkeypatch):
+    from trainer import local_tier
+
+    kv = FakeKV()
+    a, _ = _gang_of_two(tmp_path, monkeypatch, kv)
+    try:
+        for step in range(1, 12):
+            a._announce(step, local_tier.SKIPPED if step % 2 else local_tier.SAVED)
+        mine = sorted(
+            int(k.split("/")[4]) for k in kv.values if k.startswith("jaxrec/tier/0/saved/") and k[-2:] == "/0"
+        )
+        assert mine == list(range(12 - local_tier.ANNOUNCEMENTS_KEPT, 12))
+    finally:
+        for t in (a, _):
+            t.server.close()

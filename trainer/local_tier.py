@@ -4,7 +4,9 @@ Saves. Every ``checkpoint.local.interval_steps`` each process takes an on-device
 thread (dispatched asynchronously, as the GCS save does) and hands it, with its data position, to one background
 thread, which copies its addressable shards to the host, writes the part (``trainer.local_parts``), announces it
 through the coordination service, and fetches the parts of the ``peers`` processes before it (ring order) from
-their hosts. A local save still running when the next one is due is skipped (counted), never waited for.
+their hosts. A local save still running when the next one is due is skipped (counted), never waited for, and the
+skip is announced at once: whether a host skips depends on its own timing, and a peer that waited the whole
+``PEER_WAIT_S`` for a part never written would skip its own next saves in turn.
 
 Restores. Every process lists the parts on its own disk (a metadata check: manifest, identity, sizes) and
 publishes them with its node and its part server's address; process 0 decides with
@@ -17,12 +19,14 @@ Process 0 writes the attempt's ``tiers.json`` (``TierRecord``) with the tier of 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import logging
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +44,11 @@ log = logging.getLogger(__name__)
 
 PEER_WAIT_S = 60.0
 """How long a host waits for a peer's announcement of a part before it leaves that copy out."""
+SKIPPED = "skipped"
+"""A host's announcement of a step it did not save (its previous save still ran): its peers copy nothing."""
+SAVED = "1"
+ANNOUNCEMENTS_KEPT = 8
+"""A host's newest announcements left in the coordination service; older ones are deleted as new ones come."""
 
 
 def local_dir(cfg: JobConfig, env: dict[str, str] | os._Environ) -> str:
@@ -114,6 +123,8 @@ class LocalTier:
         self._pending: concurrent.futures.Future | None = None
         self.newest_own: int | None = None
         self.skipped_saves = 0
+        self._announced: collections.deque[str] = collections.deque()
+        self._announcing = threading.Lock()
         self.on_saved: Callable[[int, str], None] | None = None  # (step, tier) after a part lands
 
     def _key(self, *parts: Any) -> str:
@@ -251,6 +262,10 @@ class LocalTier:
             log.warning(
                 "local save of step %d skipped: the previous one still runs (%d skipped)", step, self.skipped_saves
             )
+            try:
+                self._announce(step, SKIPPED)
+            except Exception as e:  # noqa: BLE001 - its peers then wait PEER_WAIT_S for this copy, no longer
+                log.warning("skip of local step %d not announced: %s", step, e)
             return False
         self._pending = self._saver.submit(self._save, step, snapshot, data_state)
         return True
@@ -270,10 +285,8 @@ class LocalTier:
         try:
             self.parts.write(step, self.pi, host_shards(snapshot), data_state, self._meta())
             del snapshot
-            previous, self.newest_own = self.newest_own, step
-            self.kv.key_value_set(self._key("saved", step, self.pi), "1")
-            if previous is not None:  # the coordination service keeps only the newest announcement of each host
-                self.kv.key_value_delete(self._key("saved", previous, self.pi))
+            self.newest_own = step
+            self._announce(step, SAVED)
             if self.on_saved:
                 self.on_saved(step, Tier.LOCAL.value)
         except Exception as e:  # noqa: BLE001 - a failed local save costs only this copy
@@ -282,13 +295,29 @@ class LocalTier:
         for k in range(1, min(self.peers, self.pc - 1) + 1):
             src = (self.pi - k) % self.pc
             try:
-                self.kv.blocking_key_value_get(self._key("saved", step, src), int(PEER_WAIT_S * 1000))
+                said = self.kv.blocking_key_value_get(self._key("saved", step, src), int(PEER_WAIT_S * 1000))
+                if said == SKIPPED:
+                    log.info("peer copy of part %d of step %d: its host skipped that save", src, step)
+                    continue
                 self.parts.fetch(self.addresses[src], self.token, step, src, self.layout)
                 if self.on_saved:
                     self.on_saved(step, Tier.PEER.value)
             except Exception as e:  # noqa: BLE001 - the peer copy is missing; restore falls back past it
                 log.warning("peer copy of part %d of step %d not taken: %s", src, step, e)
         self.parts.gc(self.keep)
+
+    def _announce(self, step: int, what: str) -> None:
+        """Say whether this host saved its part of ``step`` (``SAVED``) or skipped it (``SKIPPED``).
+
+        The training thread announces skips, the saver thread saves; the newest ``ANNOUNCEMENTS_KEPT`` stay.
+        """
+        key = self._key("saved", step, self.pi)
+        self.kv.key_value_set(key, what)
+        with self._announcing:
+            self._announced.append(key)
+            old = [self._announced.popleft() for _ in range(len(self._announced) - ANNOUNCEMENTS_KEPT)]
+        for k in old:
+            self.kv.key_value_delete(k)
 
 
 def _plan_json(p: TierPlan) -> dict[str, Any]:
