@@ -24,6 +24,10 @@ each), keeps them Ready by renewing their Leases, and runs every pod the real sc
   pod's own root, so two steps never share an output file. Raw input artifacts are written there first, as
   Argo's init container does. The host keeps those directories as empty mount points. The main process's host
   pid is written to the pod's folder (``pid``), where a test finds the trainer to SIGKILL;
+- with each ``hostPath`` directory volume the main container mounts bind-mounted from the node's own folder,
+  ``<root>/nodes/<node>/<path>`` (made for ``DirectoryOrCreate``; ``Directory`` must exist): the pods of one node
+  share it across their restarts and recreations, and the nodes that share this machine keep theirs apart, as the
+  local disks of the hosts of a slice;
 - a pod Argo did not make (a worker) in a PID namespace of its own with its own ``/proc``, as a runtime runs a
   container: its main process is PID 1 there, or, with ``spec.shareProcessNamespace``, the child of a
   pause-like PID 1, as on a node where the pause container is PID 1. The kernel delivers to a namespace's init
@@ -281,6 +285,30 @@ def mount_points(template: dict[str, Any]) -> list[str]:
     return sorted({os.path.dirname(p) for p in paths})
 
 
+HOST_PATH_TYPES = ("", "Directory", "DirectoryOrCreate")
+
+
+def host_path_mounts(pod: dict[str, Any], container: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """The container's ``hostPath`` mounts: the node's directory, the mount path, and whether the directory is made
+    when missing (``DirectoryOrCreate``; ``Directory`` must exist, the kubelet's type check; an unset type checks
+    nothing and, for a path that does not exist, makes a directory too). Other types (files, sockets, devices) and
+    ``subPath`` are refused: podexec mounts directories only."""
+    volumes = {v["name"]: v["hostPath"] for v in pod["spec"].get("volumes") or [] if "hostPath" in v}
+    out = []
+    for m in container.get("volumeMounts") or []:
+        hp = volumes.get(m.get("name"))
+        if hp is None:
+            continue
+        kind = hp.get("type") or ""
+        if kind not in HOST_PATH_TYPES or m.get("subPath"):
+            raise ValueError(
+                f"hostPath volume {m['name']} (type {kind or 'unset'}, subPath "
+                f"{m.get('subPath') or 'none'}) is not mounted by podexec: a whole directory only"
+            )
+        out.append((hp["path"], m["mountPath"], kind != "Directory"))
+    return out
+
+
 def save_parameters(template: dict[str, Any], private: Path) -> tuple[list[dict[str, Any]], str | None]:
     """The template's output parameters with their values (Argo's ``SaveParameters``); and its error, if any."""
     params = [dict(p) for p in (template.get("outputs") or {}).get("parameters") or []]
@@ -497,6 +525,14 @@ class PodRun:
             Path(d).mkdir(parents=True, exist_ok=True)  # the host's (empty) mount point
             (private / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
             binds.append(f'mount --bind "{private / d.lstrip("/")}" "{d}"')
+        for path, target, create in host_path_mounts(self.pod, main):
+            on_node = self.kubelet.node_path(path)
+            if not on_node.is_dir():
+                if not create:
+                    raise ValueError(f"hostPath type check failed: {path} is not a directory on {self.kubelet.node}")
+                on_node.mkdir(parents=True)
+            Path(target).mkdir(parents=True, exist_ok=True)  # the host's (empty) mount point
+            binds.append(f'mount --bind "{on_node}" "{target}"')
         script = " && ".join([*binds, 'exec "$@"'])
         argv, extra = container_argv(self.pod, ["sh", "-c", script, "step", *main_command(main)])
         self.env = env
@@ -638,6 +674,11 @@ class Kubelet:
         self.ca = self.admin.configuration.ssl_ca_cert
         self.runs: dict[str, PodRun] = {}
         self.port = 0  # the exec endpoint's (ExecServer), once serving
+
+    def node_path(self, path: str) -> Path:
+        """Where the node's own ``path`` lies (a ``hostPath`` volume's directory): under the node's folder of
+        podexec's root, so that the nodes that share this machine keep their disks apart."""
+        return self.root / "nodes" / self.node / path.lstrip("/")
 
     def client(self, token: str) -> Any:
         from kubernetes import client

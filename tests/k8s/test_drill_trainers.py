@@ -16,7 +16,7 @@ import pytest
 from argoctl import LOCAL_ARGO_FILE
 from realcluster import RealCluster, wait_for
 from tier import REPO, CpuHosts, kube_exec, worker_like_pod
-from trainers import BUCKET, CHAOS_HOSTS, CHAOS_STEPS, chaos_shape, final_digest, final_reports
+from trainers import BUCKET, CHAOS_HOSTS, CHAOS_STEPS, chaos_shape, final_digest, final_reports, with_local_tier
 
 from jaxrec.adapters.documents import read_ledger
 from jaxrec.adapters.store import RunLayout, RunStore
@@ -145,8 +145,10 @@ def test_drill_kill_worker_real_trainers(trainer_drill, chaos_uninterrupted):
     """``kill-worker``: the drill execs into the last worker, through the API server's exec subresource to
     podexec's kubelet endpoint, and SIGKILLs its trainer there. The generated pod shares its process namespace, so
     the trainer is not PID 1 and the kill lands: the container ends 137, the attempt is classified
-    infrastructure, the next attempt restores the newest checkpoint."""
+    infrastructure, the next attempt restores the newest checkpoint. With the host-local tier on, as the level 0
+    test's job: the ladder's two ends measured on one job (docs/PERFORMANCE.md)."""
     d = trainer_drill
+    argoctl.edit_carried_config(d.target.doc, with_local_tier)
     res = d.run(drill.Fault.KILL_WORKER, after_step=12, after_checkpoint=10)
     victim = res.injected.split("SIGKILLed the trainer in ")[1].split()[0]
     t = _one_incident(res, drill.Fault.KILL_WORKER)
@@ -159,6 +161,8 @@ def test_drill_kill_worker_real_trainers(trainer_drill, chaos_uninterrupted):
     failed = [n.get("message") or "" for n in nodes if n.get("templateName") == "train-segment" and n["type"] == "Pod"]
     assert any("main: Error (exit code 1): " in m and "failed (exit code 137, SIGKILL)" in m for m in failed), failed
     assert t.incident.restored_step is not None and t.incident.restored_step >= 10, t.incident
+    # The new gang's nodes hold the parts (each host's own and its peer's): a step newer than the last in GCS.
+    assert t.incident.restore_tier in ("local", "peer") and t.incident.restored_step > 10, t.incident
     ledger = read_ledger(d.store)
     assert [(a.attempt, a.outcome, a.failure_class) for a in ledger.attempts] == [
         (0, "failed", "infrastructure"),
@@ -179,15 +183,21 @@ def test_drill_kill_worker_in_place_real_trainers(trainer_drill, chaos_uninterru
     """Level 0 on the real controllers: the carried config allows restarts in place, so each worker's container
     runs the agent and the trainer is its child. The drill's exec SIGKILLs the trainer; the pod runs on; the
     supervisor classifies the attempt, closes it at level 0 and restarts every trainer in its pod: one JobSet, one
-    segment, no classify-failure, and the uninterrupted run's parameters."""
+    segment, no classify-failure, and the uninterrupted run's parameters. Each restarted trainer reads its part of
+    the step the gang had reached from its own node (the host-local tier)."""
     d = trainer_drill
-    argoctl.edit_carried_config(d.target.doc, lambda cfg: cfg["retry"].update(in_place_budget=2))
+
+    def ladder(cfg):
+        with_local_tier(cfg)
+        cfg["retry"].update(in_place_budget=2)
+
+    argoctl.edit_carried_config(d.target.doc, ladder)
     res = d.run(drill.Fault.KILL_WORKER, after_step=12, after_checkpoint=10)
     assert (res.phase, res.final_status) == ("Succeeded", "Succeeded"), res
     [t] = res.incidents
     inc = t.incident
     assert (inc.attempt, inc.scenario, inc.failure_class) == (0, "kill-worker", "infrastructure"), inc
-    assert inc.restored_step is not None and inc.restored_step >= 10, inc
+    assert inc.restored_step is not None and inc.restored_step > 10 and inc.restore_tier == "local", inc
     ledger = read_ledger(d.store)
     assert [(a.attempt, a.level, a.jobset) for a in ledger.attempts[:1]] == [(0, 0, f"{d.run_id}-a0")], ledger
     nodes = drill.Cluster(d.rc.admin, d.target.namespace).workflow(res.workflow)["status"]["nodes"].values()

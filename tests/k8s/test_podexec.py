@@ -8,6 +8,7 @@ Python client's WebSocket (``v4.channel.k8s.io``), into pods that have a PID nam
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from datetime import datetime
@@ -19,6 +20,7 @@ from podexec import (
     exec_request,
     exec_status,
     field_value,
+    host_path_mounts,
     main_command,
     main_container,
     mount_points,
@@ -126,6 +128,41 @@ def test_the_container_run_is_argos_main_else_the_pods_only_one(containers, main
 )
 def test_a_token_is_given_only_when_admission_mounted_one(volumes, mounted):
     assert mounts_token({"spec": {"volumes": volumes}}) is mounted
+
+
+def test_host_path_directories_are_mounted_and_other_kinds_refused():
+    pod = {
+        "spec": {
+            "volumes": [
+                {"name": "local", "hostPath": {"path": "/mnt/local", "type": "DirectoryOrCreate"}},
+                {"name": "must", "hostPath": {"path": "/mnt/must", "type": "Directory"}},
+                {"name": "sock", "hostPath": {"path": "/run/x.sock", "type": "Socket"}},
+                {"name": "scratch", "emptyDir": {}},
+            ]
+        }
+    }
+    mounts = [{"name": "local", "mountPath": "/jaxrec-local"}, {"name": "must", "mountPath": "/m"}]
+    assert host_path_mounts(pod, {"volumeMounts": [*mounts, {"name": "scratch", "mountPath": "/s"}]}) == [
+        ("/mnt/local", "/jaxrec-local", True),
+        ("/mnt/must", "/m", False),
+    ]
+    with pytest.raises(ValueError, match="hostPath volume sock .*Socket.* a whole directory only"):
+        host_path_mounts(pod, {"volumeMounts": [{"name": "sock", "mountPath": "/run/x.sock"}]})
+    with pytest.raises(ValueError, match="subPath a"):
+        host_path_mounts(pod, {"volumeMounts": [{"name": "local", "mountPath": "/l", "subPath": "a"}]})
+
+
+def test_a_host_path_is_the_node_s_own_directory_shared_by_its_pods_and_not_the_machine_s(
+    real_cluster, argo, namespace
+):
+    """Two pods of one node mounting its hostPath see each other's files (a recreated worker finds its host's local
+    checkpoint parts); the files lie in the node's folder, not at the path on the machine all nodes share."""
+    host = "/jaxrec-test-hostpath"
+    writer = worker_like_pod(real_cluster, namespace, "hostpath-a", share=False, host_paths={"/parts": host})
+    assert kube_exec(real_cluster, namespace, writer, ["sh", "-c", "echo $POD_MARK > /parts/mark"])[2] == 0
+    reader = worker_like_pod(real_cluster, namespace, "hostpath-b", share=True, host_paths={"/p": host})
+    assert kube_exec(real_cluster, namespace, reader, ["cat", "/p/mark"]) == ("hostpath-a\n", "", 0)
+    assert not os.path.exists(f"{host}/mark")  # the machine's own path is only a node's mount point
 
 
 def test_worker_pods_get_a_pid_namespace_and_step_pods_do_not():

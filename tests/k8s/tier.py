@@ -225,9 +225,19 @@ class Run:
 SLEEPER = "import time; time.sleep(600)"
 
 
-def worker_like_pod(rc: RealCluster, ns: str, name: str, *, share: bool, labels: dict | None = None) -> str:
+def worker_like_pod(
+    rc: RealCluster,
+    ns: str,
+    name: str,
+    *,
+    share: bool,
+    labels: dict | None = None,
+    host_paths: dict[str, str] | None = None,
+) -> str:
     """A pod on podexec's node shaped like a JobSet worker (one container, ``trainer``, no token), whose process
-    names itself ``-m trainer`` <name> and sleeps; returns its name once Running."""
+    names itself ``-m trainer`` <name> and sleeps; returns its name once Running. ``host_paths``: the node's
+    directories it mounts (``hostPath``, ``DirectoryOrCreate``), by mount path."""
+    mounts = sorted((host_paths or {}).items())
     spec = {
         "nodeName": PODEXEC_NODE,
         "restartPolicy": "Never",
@@ -239,7 +249,12 @@ def worker_like_pod(rc: RealCluster, ns: str, name: str, *, share: bool, labels:
                 "image": "registry.invalid/worker:0",
                 "command": ["python", "-c", SLEEPER, "-m", "trainer", name],
                 "env": [{"name": "POD_MARK", "value": name}],
+                "volumeMounts": [{"name": f"host-{i}", "mountPath": at} for i, (at, _) in enumerate(mounts)],
             }
+        ],
+        "volumes": [
+            {"name": f"host-{i}", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
+            for i, (_, path) in enumerate(mounts)
         ],
         **({"shareProcessNamespace": True} if share else {}),
     }

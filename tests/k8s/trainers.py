@@ -192,6 +192,16 @@ CHAOS_INTERVAL = 5
 CHAOS_COORDINATION_HEARTBEAT_S = 15
 
 
+LADDER_LOCAL_INTERVAL = 2
+
+
+def with_local_tier(cfg: dict[str, Any]) -> None:
+    """The host-local tier on: each host's part of every other step on its node's disk (podexec's node folder, a
+    ``hostPath``) and a copy on the other host. A trainer restarted in place (level 0), or a gang recreated on the
+    same nodes, restores the step it had reached from there instead of the last GCS step, as on a slice's hosts."""
+    cfg["checkpoint"]["local"] = {"interval_steps": LADDER_LOCAL_INTERVAL, "peers": 1, "keep": 3}
+
+
 def chaos_shape(cfg: dict[str, Any]) -> None:
     """The chaos runs' job: the local file's on two hosts, 30 steps, a checkpoint every 5 (its faults find a gang
     of two as they find one of four, at half the start-up, and a checkpoint to lose every few steps)."""
