@@ -7,19 +7,22 @@ the test plays the trainer: heartbeats, checkpoints, exit codes and exit reports
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import argoctl
 import pytest
 from argoctl import LOCAL_ARGO_FILE
 from realcluster import RealCluster, wait_for
-from tier import REPO, CpuHosts, kube_exec, worker_like_pod
+from tier import REPO, CpuHosts, CpuHostsPools, kube_exec, worker_like_pod
 from trainers import BUCKET, CHAOS_HOSTS, CHAOS_STEPS, chaos_shape, final_digest, final_reports, with_local_tier
 
 from jaxrec.adapters.documents import read_ledger
 from jaxrec.adapters.store import RunLayout, RunStore
+from jaxrec.model.names import NODEPOOL_LABEL
 from jaxrec.model.records import SupervisionRecord
 from workflows import drill
 
@@ -88,18 +91,58 @@ def _one_incident(res: drill.DrillResult, fault: drill.Fault) -> drill.TimedInci
     return t
 
 
+SPARE_POOLS = {"cpu-a": CpuHostsPools.FIRST, "cpu-b": CpuHostsPools.SPARE}
+
+
+@contextmanager
+def two_node_pools(rc: RealCluster, namespace: str, run_id: str) -> Iterator[None]:
+    """The gang's nodes in two node pools (GKE's pool label), the first gang on ``cpu-a``: ``cpu-b``'s nodes stay
+    cordoned until attempt 0's workers are bound, as a spare slice that came up while the first one trained."""
+    core = rc.core()
+    for pool, nodes in SPARE_POOLS.items():
+        for n in nodes:
+            core.patch_node(n, {"metadata": {"labels": {NODEPOOL_LABEL: pool}}})
+            if pool == "cpu-b":
+                core.patch_node(n, {"spec": {"unschedulable": True}})
+    sel = f"jobset.sigs.k8s.io/jobset-name={run_id}-a0"
+
+    def spare_up() -> None:
+        wait_for("attempt 0's workers bound", lambda: _bound(rc.pods(namespace, sel)) == CHAOS_HOSTS, 180, 0.2)
+        for n in SPARE_POOLS["cpu-b"]:
+            core.patch_node(n, {"spec": {"unschedulable": False}})
+
+    up = threading.Thread(target=spare_up, name="spare-pool", daemon=True)
+    up.start()
+    try:
+        yield
+    finally:
+        up.join(timeout=1)
+        for nodes in SPARE_POOLS.values():
+            for n in nodes:
+                core.patch_node(n, {"metadata": {"labels": {NODEPOOL_LABEL: None}}, "spec": {"unschedulable": False}})
+
+
+def _bound(pods: list[dict]) -> int:
+    return sum(1 for p in pods if p["spec"].get("nodeName"))
+
+
 def test_drill_drain_node_real_trainers(trainer_drill, chaos_uninterrupted):
-    """``drain-node``: the drill cordons the node of the last worker and evicts the run's pods on it (the Eviction
-    API: DisruptionTarget, SIGTERM to the trainer). The Job fails by its podFailurePolicy, the attempt is
-    classified preemption, the next gang lands on the nodes left and restores the newest checkpoint."""
+    """``drain-node``, level 2: the drill cordons the node of the last worker and evicts the run's pods on it (the
+    Eviction API: DisruptionTarget, SIGTERM to the trainer). The Job fails by its podFailurePolicy, the attempt is
+    classified preemption, and the next gang asks for any node pool but the one it left (level 2): it lands on the
+    spare pool's nodes and restores the newest checkpoint from the bucket."""
     d = trainer_drill
-    res = d.run(drill.Fault.DRAIN_NODE, after_step=12, after_checkpoint=10)
+    with two_node_pools(d.rc, d.target.namespace, d.run_id):
+        res = d.run(drill.Fault.DRAIN_NODE, after_step=12, after_checkpoint=10)
+        first, second = d.supervision(0), d.supervision(1)
     node = res.injected.split("drained node ")[1].split()[0]
     t = _one_incident(res, drill.Fault.DRAIN_NODE)
     assert t.incident.failure_class == "preemption", t.incident
     assert not d.rc.node(node)["spec"].get("unschedulable")  # uncordoned once the Workflow ended
     assert f"drill: uncordoned node {node}" in d.lines, d.lines
-    assert node not in {w.node for w in d.supervision(1).workers}, d.supervision(1).workers
+    assert {w.node for w in first.workers} <= set(SPARE_POOLS["cpu-a"]), first.workers
+    assert (second.placement or "").startswith("level 2: the last attempt was preempted on node pool cpu-a"), second
+    assert {w.node for w in second.workers} <= set(SPARE_POOLS["cpu-b"]), second.workers
     assert t.incident.restored_step is not None and t.incident.restored_step >= 10, t.incident
     ledger = read_ledger(d.store)
     assert [(a.attempt, a.outcome, a.failure_class) for a in ledger.attempts] == [

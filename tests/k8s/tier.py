@@ -29,6 +29,14 @@ CPU_HOST_LABEL = "jaxrec.test/cpu-host"
 PODEXEC_NODE = "argo-steps"  # the node of the step pods (not KWOK's: podexec runs them as processes)
 
 
+class CpuHostsPools:
+    """Two node pools of two nodes each among the nodes podexec runs, for a drill of level 2 (the steps' node is
+    one of the spare pool's: untainted, the gang's pods may land on it as on any of them)."""
+
+    FIRST = ("cpu-host-0", "cpu-host-1")
+    SPARE = ("cpu-host-2", PODEXEC_NODE)
+
+
 @dataclass(frozen=True)
 class CpuHosts:
     """Where the local file runs: its namespace, the nodes podexec runs for it, and podexec's pod folders."""
