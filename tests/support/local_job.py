@@ -57,7 +57,11 @@ def shrunken_workflow(
     if "model" in data:  # the built-in lm task's options
         data["model"].update(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=16)
     data["data"].update(data_section or {})
-    data["training"].update(total_steps=TOTAL, heartbeat_timeout_s=3, hang_timeout_s=20, compile_grace_s=90)
+    # JAX's coordination heartbeat: 10 s, not 3. Two of these jobs start side by side on two cores, and a worker
+    # starved of the CPU for 3 s in its start-up (the coordinator's host among them) aborted on its own heartbeat
+    # RPC's DEADLINE_EXCEEDED, a failure no scenario asked for. A killed peer is still seen at once (its collective's
+    # connection resets) and a frozen one by the supervisor's no-progress deadline below.
+    data["training"].update(total_steps=TOTAL, heartbeat_timeout_s=10, hang_timeout_s=20, compile_grace_s=90)
     data["training"].update(training)
     if os.environ.get("JAXREC_TEST_COMPILE_CACHE"):  # the session's shared cache (tests/conftest.py)
         data["training"].setdefault("compilation_cache_dir", os.environ["JAXREC_TEST_COMPILE_CACHE"])
