@@ -1374,10 +1374,11 @@ def test_the_ladder_chooses_the_level_by_class_evidence_and_budget(cls, healthy,
 
 def test_with_restarts_in_place_the_worker_runs_the_agent_with_the_trainers_flags(tmp_path):
     """``retry.in_place_budget`` > 0: the container runs ``trainer.agent``, whose child is the trainer with the
-    same flags; 0 (the default): the trainer itself, as before."""
+    same flags; 0 (the model's default): the trainer itself, as before."""
     from trainer.agent import parse, target_of
 
     cfg = _cfg(tmp_path)
+    cfg = cfg.model_copy(update={"retry": cfg.retry.model_copy(update={"in_place_budget": 0})})
     params = JobSetParams("r-a3", "r", str(tmp_path / "store"), "3", "100", "0", "9400")
     plain = jobset_manifest(cfg, params)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert plain["containers"][0]["command"] == ["python", "-m", "trainer"]

@@ -314,8 +314,13 @@ def test_jobset_gang_shape_on_tpu(v5e):
     }
     (c,) = pod["containers"]
     assert c["resources"]["limits"] == {"google.com/tpu": TPU_TYPES["v5e"].chips_per_vm}
-    assert c["command"] == ["python", "-m", "trainer"]
+    # The example restarts in place (retry.in_place_budget 5): the agent runs the trainer with the flags after "--".
+    assert cfg.retry.in_place_budget == 5
+    assert c["command"] == ["python", "-m", "trainer.agent"]
     assert c["args"] == [
+        "--hold-s",
+        f"{cfg.retry.in_place_hold_s:g}",
+        "--",
         "--store-root",
         "{{workflow.parameters.store-root}}",
         "--run-id",
