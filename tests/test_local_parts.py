@@ -258,7 +258,7 @@ def test_a_host_keeps_only_its_newest_announcements(tmp_path, monkeypatch):
     from trainer import local_tier
 
     kv = FakeKV()
-    a, _ = _gang_of_two(tmp_path, monkeypatch, kv)
+    a, b = _gang_of_two(tmp_path, monkeypatch, kv)
     try:
         for step in range(1, 12):
             a._announce(step, local_tier.SKIPPED if step % 2 else local_tier.SAVED)
@@ -267,5 +267,5 @@ def test_a_host_keeps_only_its_newest_announcements(tmp_path, monkeypatch):
         )
         assert mine == list(range(12 - local_tier.ANNOUNCEMENTS_KEPT, 12))
     finally:
-        for t in (a, _):
+        for t in (a, b):
             t.server.close()

@@ -121,7 +121,6 @@ class LocalTier:
         self.nodes: dict[int, str] = {}
         self._saver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-saver")
         self._pending: concurrent.futures.Future | None = None
-        self.newest_own: int | None = None
         self.skipped_saves = 0
         self._announced: collections.deque[str] = collections.deque()
         self._announcing = threading.Lock()
@@ -285,7 +284,6 @@ class LocalTier:
         try:
             self.parts.write(step, self.pi, host_shards(snapshot), data_state, self._meta())
             del snapshot
-            self.newest_own = step
             self._announce(step, SAVED)
             if self.on_saved:
                 self.on_saved(step, Tier.LOCAL.value)

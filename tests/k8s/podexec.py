@@ -520,19 +520,20 @@ class PodRun:
         (self.root / "termination-log").touch()  # as the kubelet makes the file before the container starts
         env[TERMINATION_LOG_ENV] = str(self.root / "termination-log")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-        binds = []
+        sources: list[tuple[Path, str]] = []  # (what is mounted, where in the container)
         for d in [*mount_points(template), *([secrets] if secrets else [])]:
-            Path(d).mkdir(parents=True, exist_ok=True)  # the host's (empty) mount point
             (private / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
-            binds.append(f'mount --bind "{private / d.lstrip("/")}" "{d}"')
+            sources.append((private / d.lstrip("/"), d))
         for path, target, create in host_path_mounts(self.pod, main):
             on_node = self.kubelet.node_path(path)
             if not on_node.is_dir():
                 if not create:
                     raise ValueError(f"hostPath type check failed: {path} is not a directory on {self.kubelet.node}")
                 on_node.mkdir(parents=True)
+            sources.append((on_node, target))
+        for _, target in sources:
             Path(target).mkdir(parents=True, exist_ok=True)  # the host's (empty) mount point
-            binds.append(f'mount --bind "{on_node}" "{target}"')
+        binds = [f'mount --bind "{src}" "{target}"' for src, target in sources]
         script = " && ".join([*binds, 'exec "$@"'])
         argv, extra = container_argv(self.pod, ["sh", "-c", script, "step", *main_command(main)])
         self.env = env
