@@ -122,15 +122,16 @@ def run(
     store = closing.ref.store()
     with ledger_errors(store, _failure):
         # The gang's newest attempt: its trainers may have been restarted in place (level 0) since it was created.
-        attempt = current_attempt(store, closing.ref.attempt)
-        if attempt != closing.ref.attempt:
+        gang_attempt = closing.ref.attempt
+        attempt = current_attempt(store, gang_attempt)
+        if attempt != gang_attempt:
             closing = dataclasses.replace(closing, ref=dataclasses.replace(closing.ref, attempt=attempt))
         ref = closing.ref
         cfg = load_run_config(ref.store_root, ref.run_id, check_ledger=False)
         read_ledger(store)  # a damaged ledger is refused before anything is written
         client = _api_client() if api_client is None else api_client
         ev = gather(store, cfg, attempt, closing.jobset, api_client=client, step_exit_code=step_exit_code,
-                    unread_hint=UNREAD_HINT)  # fmt: skip
+                    unread_hint=UNREAD_HINT, gang_attempt=gang_attempt)  # fmt: skip
         lost = orphaned_gang(ev)
         ran, resupervised = _workflow_nesting(store, closing.workflow, attempt)
         if lost is not None:

@@ -20,6 +20,7 @@ from recovery_steps.classify import Verdict
 from recovery_steps.evidence import (
     Evidence,
     EvidenceUnreadable,
+    exited_agents,
     gather_kubernetes,
     gather_reports,
     gather_snapshot_events,
@@ -64,8 +65,12 @@ def gather(
     api_client: Any,
     step_exit_code: int | None = None,
     unread_hint: str = "",
+    gang_attempt: int | None = None,
 ) -> Evidence:
     """Every piece of evidence of the attempt: its gang as the Kubernetes API shows it, the worker reports.
+
+    ``gang_attempt`` is the attempt that created the gang (``attempt`` where none was restarted in place): its
+    agents' states say which trainers exited in pods that ran on, whatever the API shows once the gang is deleted.
 
     Raises:
         StepError: The cluster's evidence cannot be read: transient (69, Argo retries the step) when the API is out
@@ -80,6 +85,8 @@ def gather(
     ev = Evidence(backend=Backend.of(cfg.slice), attempt=attempt, step_exit_code=step_exit_code)
     gather_reports(store, attempt, ev)
     gather_supervision(store, attempt, ev)
+    gang = attempt if gang_attempt is None else gang_attempt
+    ev.agents = exited_agents(store, gang, cfg.slice.num_hosts, attempt)
     try:
         gather_kubernetes(api_client, cfg.namespace, jobset, ev)
     except EvidenceUnreadable as e:

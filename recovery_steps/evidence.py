@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxrec.adapters.documents import read_worker_reports
 from jaxrec.adapters.kube import Kube
-from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.adapters.store import DocumentError, RunLayout, RunStore, first_line, store_errors
 from jaxrec.model.contract import Backend
-from jaxrec.model.records import AgentState, SupervisionRecord, WorkerExitReport
+from jaxrec.model.records import AgentState, AgentStateKind, SupervisionRecord, WorkerExitReport
 from jaxrec.model.snapshot import (
     JobEvidence,
     JobSetEvidence,
@@ -188,6 +188,26 @@ def gather_reports(store: RunStore, attempt: int, evidence: Evidence) -> Evidenc
     evidence.reports.sort(key=lambda r: r.process_index)
     evidence.notes.extend(f"unreadable worker report {p}" for p in problems)
     return evidence
+
+
+def read_agents(store: RunStore, gang_attempt: int, hosts: int) -> list[AgentState]:
+    """Every readable agent state of the gang (a read that fails leaves that worker out: it is no evidence)."""
+    out = []
+    for i in range(hosts):
+        try:
+            a = store.read_record(RunLayout.agent_state(gang_attempt, i), AgentState)
+        except (DocumentError, *store_errors()) as e:
+            log.warning("agent state of worker %d unreadable: %s", i, first_line(e))
+            continue
+        if a is not None:
+            out.append(a)
+    return out
+
+
+def exited_agents(store: RunStore, gang_attempt: int, hosts: int, attempt: int) -> list[AgentState]:
+    """The agents of gang ``gang_attempt`` (level 0) that saw attempt ``attempt``'s trainer exit."""
+    states = read_agents(store, gang_attempt, hosts)
+    return [a for a in states if a.state == AgentStateKind.EXITED and a.attempt == attempt]
 
 
 def gather_supervision(store: RunStore, attempt: int, evidence: Evidence) -> Evidence:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxrec.adapters import restore
-from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore, first_line, store_errors
+from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
 from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import AttemptOutcome, Backend, Decision
 from jaxrec.model.jobset import InPlace, Placement, ladder
@@ -45,7 +45,7 @@ from jaxrec.model.snapshot import ClusterSnapshot, PodPhase, gang_pool
 from recovery_steps.attempts import checkpoint_step_before
 from recovery_steps.classify import Verdict, classify
 from recovery_steps.closing import ClosingAttempt, close_attempt
-from recovery_steps.evidence import Evidence, gather_reports
+from recovery_steps.evidence import Evidence, exited_agents, gather_reports, read_agents
 from recovery_steps.retry import advanced, decide
 
 log = logging.getLogger(__name__)
@@ -72,20 +72,6 @@ def current_attempt(store: RunStore, gang_attempt: int) -> int:
     if order is None:
         return gang_attempt
     return max(gang_attempt, order.attempt - 1 if order.action == AgentAction.STOP else order.attempt)
-
-
-def read_agents(store: RunStore, gang_attempt: int, hosts: int) -> list[AgentState]:
-    """Every readable agent state of the gang (a read that fails leaves that worker out: it is no evidence)."""
-    out = []
-    for i in range(hosts):
-        try:
-            a = store.read_record(RunLayout.agent_state(gang_attempt, i), AgentState)
-        except (DocumentError, *store_errors()) as e:
-            log.warning("agent state of worker %d unreadable: %s", i, first_line(e))
-            continue
-        if a is not None:
-            out.append(a)
-    return out
 
 
 def in_place_facts(ledger: Ledger | None, snap: ClusterSnapshot, hosts: int, budget: int, tries: int) -> InPlace:
@@ -139,8 +125,7 @@ class LevelZero:
 
     def ended(self, attempt: int) -> list[AgentState]:
         """The agents that saw attempt ``attempt``'s trainer exit."""
-        states = read_agents(self.store, self.gang_attempt, self.hosts)
-        return [a for a in states if a.state == AgentStateKind.EXITED and a.attempt == attempt]
+        return exited_agents(self.store, self.gang_attempt, self.hosts, attempt)
 
     def _order(self, action: AgentAction, attempt: int, restore_step: int = -1, reason: str = "") -> None:
         order = RestartOrder(action=action, attempt=attempt, restore_step=restore_step, reason=reason)

@@ -355,3 +355,41 @@ def test_the_gang_restarted_in_place_is_closed_at_its_newest_attempt(store_root,
         (1, "infrastructure", None),
     ]
     assert ledger.attempts[1].jobset == f"{RUN}-a0"  # the gang's JobSet, created for attempt 0
+
+
+def test_a_trainer_killed_in_its_running_pod_is_classified_from_its_agent_once_the_gang_is_gone(
+    store_root, tmp_path, capsys
+):
+    """Attempt 1 ran in attempt 0's pods (level 0); its supervisor saw worker 1's trainer SIGKILLed, found the
+    restarts in place spent and deleted the gang while its pods still ran. No report, no pod left in the API: the
+    agent of worker 1 is what says the trainer was SIGKILLed, and the attempt is infrastructure, not unknown."""
+    from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, RestartOrder
+    from jaxrec.model.snapshot import PodEvidence
+
+    store = setup_run(store_root)
+    write_attempt(store, 0, [20, -9, 20, 20], first=1, restore=-1, ckpt=10)
+    restore_record(store, 1, 10)
+    closed = AttemptRecord(attempt=0, outcome="failed", failure_class="infrastructure", level=0)
+    store.write_record(RunLayout.LEDGER, Ledger(run_id=RUN, attempts=[closed]))
+    store.write_record(RunLayout.restart_order(0), RestartOrder(action=AgentAction.EXIT, attempt=1))
+    gang = f"{RUN}-a0"
+    pods = [
+        PodEvidence(name=f"{gang}-workers-0-{i}", worker_index=i, node=f"local-{i}", phase="Running")
+        for i in range(HOSTS)
+    ]
+    snap = ClusterSnapshot(taken_at=T0 + 112, jobset=JobSetEvidence(name=gang), pods=pods)
+    why = "worker 1's trainer exited (exit code 137, SIGKILL); its pod runs on"
+    sup = SupervisionRecord(
+        attempt=1, jobset=gang, outcome="failed", reason=why, worker=1, detected_at=T0 + 112, snapshot=snap
+    )
+    store.write_record(RunLayout.supervision(1), sup)
+    for i in range(HOSTS):
+        ended = AgentState(process_index=i, state=AgentStateKind.EXITED, attempt=1, exit_code=137, at=T0 + 111)
+        running = AgentState(process_index=i, state=AgentStateKind.RUNNING, attempt=1, at=T0 + 105)
+        store.write_record(RunLayout.agent_state(0, i), ended if i == 1 else running)
+    assert cli(store_root, 0, tmp_path / "o") == 0
+    o = outputs(tmp_path / "o")
+    assert (o["failure-class"], o["next-attempt"]) == ("infrastructure", "2"), o
+    ledger = Ledger.model_validate(store.read_json(RunLayout.LEDGER))
+    assert ledger.attempts[1].failure_class == "infrastructure"
+    assert "worker 1" in ledger.attempts[1].reason and "137" in ledger.attempts[1].reason, ledger.attempts[1].reason
