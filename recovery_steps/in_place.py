@@ -8,9 +8,10 @@ level 0, with the class's retry allowed (``retry.decide``):
 1. it orders every agent to stop its trainer for attempt n+1 (``RestartOrder`` STOP) and waits until each says it
    has (``AgentState`` STOPPED: the process was SIGKILLed, has exited and released its devices), ``STOP_BOUND_S`` at
    most;
-2. it closes attempt n in the ledger with its class, evidence and ``level`` 0, as classify-failure closes one;
-3. it chooses the step to restore as restore-latest does (``adapters.restore.run``: verified, the bad quarantined),
-   recorded for attempt n+1;
+2. meanwhile, it closes attempt n in the ledger with its class, evidence and ``level`` 0, as classify-failure
+   closes one, and chooses the step to restore as restore-latest does (``adapters.restore.run``: verified, the bad
+   quarantined), recorded for attempt n+1;
+3. both done and every agent stopped, it goes on;
 4. it orders the agents to start attempt n+1 from that step (``RestartOrder`` START), and supervises it.
 
 Anything else (a pod ended, a host lost, a class no restart answers, a budget spent, agents that did not stop in
@@ -25,10 +26,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from jaxrec.adapters import restore
-from jaxrec.adapters.store import AttemptRef, RunLayout, RunStore
+from jaxrec.adapters.store import AttemptRef, DocumentError, RunLayout, RunStore, store_errors
 from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import AttemptOutcome, Backend, Decision
 from jaxrec.model.jobset import InPlace, Placement, ladder
@@ -54,6 +56,9 @@ AGENT_WATCH_S = 1.0
 """With restarts in place, the supervisor decides at least this often (``supervision.watch_interval_s`` when
 shorter): a trainer that exits in a pod its agent keeps changes no pod, so no watch event wakes the supervisor; its
 agent's state, in the run store, is read on each decision."""
+WAKE_POLL_S = 0.1
+"""How often, between its decisions, the supervisor reads the agents' wake (``RunLayout.agent_wake``): one object
+whatever the gang's size, so that a trainer's exit is acted on within this instead of a decision's interval."""
 STOP_BOUND_S = 20.0
 """How long the supervisor waits for every agent to say its SIGKILLed trainer has exited (a process in an
 uninterruptible wait, a driver's, ends only when that wait does)."""
@@ -122,6 +127,17 @@ class LevelZero:
         self.cfg, self.ref, self.store, self.gang_attempt, self.jobset = cfg, gang, gang.store(), gang.attempt, jobset
         self.clock, self.wait, self.say = clock, wait, say
         self.hosts = cfg.slice.num_hosts
+        self.wake_seen: tuple[int, int, float] | None = None
+
+    def woken(self) -> bool:
+        """Whether an agent has said a trainer exited since the last look (a read that fails: not yet)."""
+        try:
+            rec = self.store.read_record(RunLayout.agent_wake(self.gang_attempt), AgentState)
+        except (DocumentError, *store_errors()):
+            return False
+        key = None if rec is None else (rec.process_index, rec.attempt, rec.at)
+        changed, self.wake_seen = key != self.wake_seen, key
+        return changed and key is not None
 
     def ended(self, attempt: int) -> list[AgentState]:
         """The agents that saw attempt ``attempt``'s trainer exit."""
@@ -174,19 +190,32 @@ class LevelZero:
             return None
         nxt = attempt + 1
         self.say(f"attempt {attempt}: {verdict.failure_class.value} ({verdict.reason}); level 0: {where.why}")
+        ordered = self.clock()
         self._order(AgentAction.STOP, nxt, reason=f"attempt {attempt}: {verdict.reason}")
-        late = self._await_stopped(nxt)
-        stopped_at = self.clock()
+        ref = AttemptRef(self.ref.store_root, self.ref.run_id, attempt)
+        # No Workflow is named: a restart in place nests its Workflow no deeper (the hand-over counts those that do).
+        closing = ClosingAttempt(ref, self.jobset)
+        # While the agents stop their trainers: the attempt is closed and the step chosen, each a few store reads
+        # and writes. Both may be done again: a stop that does not complete sends the gang the full way round,
+        # whose classify-failure closes the same attempt again (the ledger keeps one entry per attempt) and whose
+        # restore-latest chooses again. A step committed while the trainers stop is newer than the one chosen: the
+        # next trainers set it aside (never restore it half), and the restore loses its steps, nothing else.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="level0") as pool:
+            closed = pool.submit(close_attempt, self.store, self.cfg, closing, ev, verdict, self.clock, level=0)
+            choice = pool.submit(restore.run, self.store, nxt)
+            late = self._await_stopped(nxt)
+            stopped_at = self.clock()
+            closed.result()
+            chosen = choice.result()
         if late:
             why = f"worker {', '.join(map(str, late))} did not stop within {STOP_BOUND_S:g} s"
             self.say(f"attempt {attempt}: the restart in place did not complete ({why}); the gang is recreated")
             self._order(AgentAction.EXIT, attempt, reason=why)
             return None
-        ref = AttemptRef(self.ref.store_root, self.ref.run_id, attempt)
-        # No Workflow is named: a restart in place nests its Workflow no deeper (the hand-over counts those that do).
-        closing = ClosingAttempt(ref, self.jobset)
-        close_attempt(self.store, self.cfg, closing, ev, verdict, self.clock, level=0)
-        chosen = restore.run(self.store, nxt)
+        self.say(
+            f"attempt {attempt}: every trainer stopped {stopped_at - ordered:.2f} s after the order, the attempt "
+            f"closed and the step chosen {self.clock() - ordered:.2f} s after it"
+        )
         if chosen.code != 0 or chosen.selection is None:
             why = f"no step to restore ({(chosen.message or f'exit {chosen.code}').splitlines()[0]})"
             self.say(f"attempt {nxt}: {why}; the gang is recreated")

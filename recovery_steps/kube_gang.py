@@ -299,10 +299,11 @@ class KubeGang:
                 return [f"the events of Job {name}: {type(e).__name__}"]
         return []
 
-    def wait(self, timeout: float) -> None:
-        """Until a watcher saw a change, or ``timeout`` seconds."""
-        self.changed.wait(timeout)
+    def wait(self, timeout: float) -> bool:
+        """Until a watcher saw a change, or ``timeout`` seconds; whether one did."""
+        changed = self.changed.wait(timeout)
         self.changed.clear()
+        return changed
 
     def close(self) -> None:
         """Stop the watchers."""

@@ -70,7 +70,14 @@ from jaxrec.model.snapshot import (
     PodPhase,
     gang_pool,
 )
-from recovery_steps.in_place import AGENT_WATCH_S, LevelZero, Restarted, current_attempt, restarts_line
+from recovery_steps.in_place import (
+    AGENT_WATCH_S,
+    WAKE_POLL_S,
+    LevelZero,
+    Restarted,
+    current_attempt,
+    restarts_line,
+)
 from recovery_steps.kube_gang import KubeGang
 from recovery_steps.retry import advanced
 from recovery_steps.step import (
@@ -512,7 +519,17 @@ class Supervisor:
             self.progress.checkpoint(max(ckpts) if ckpts else None)
             if verdict.over:
                 return verdict, obs, beats
+            self.pause(interval)
+
+    def pause(self, interval: float) -> None:
+        """Until the next decision: ``interval`` seconds, a change the watchers saw, or an agent's wake (level 0)."""
+        if self.level0 is None:
             self.gang.wait(interval)
+            return
+        end = time.monotonic() + interval
+        while (left := end - time.monotonic()) > 0:
+            if self.gang.wait(min(WAKE_POLL_S, left)) or self.level0.woken():
+                return
 
     def lease_lost(self, lost: LeaseLoss) -> None:
         """End the segment (exit 2) once another workflow holds the run.

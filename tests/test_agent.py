@@ -15,7 +15,7 @@ import pytest
 from support.agents import alive, child_argv, make_agent, plan, standbys, starts, state, wait_for
 
 from jaxrec.adapters.store import RunLayout
-from jaxrec.model.records import AgentAction, AgentStateKind, RestartOrder
+from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, RestartOrder
 from trainer.agent import exit_code, target_of, with_flag
 
 
@@ -63,6 +63,9 @@ def test_a_failed_trainer_holds_the_pod_for_an_order_then_leaves_with_its_code(t
     s = state(agent.store, 0)
     assert s is not None and (s.state, s.exit_code) == (AgentStateKind.EXITED, 42)
     assert len(starts(tmp_path)) == 1
+    # The gang's one wake object says so too: what the supervisor polls between its decisions.
+    wake = agent.store.read_record(RunLayout.agent_wake(0), AgentState)
+    assert wake == s
 
 
 def test_an_unreadable_order_is_no_order(tmp_path):

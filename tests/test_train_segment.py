@@ -1605,3 +1605,39 @@ def test_the_attempt_a_gang_is_at_comes_from_its_last_order(tmp_path, order, wan
     if order is not None:
         store.write_record(RunLayout.restart_order(3), RestartOrder(action=AgentAction(order[0]), attempt=order[1]))
     assert current_attempt(store, 3) == want
+
+
+def test_the_supervisor_reads_one_wake_object_between_its_decisions_and_acts_on_a_trainers_exit(tmp_path):
+    """A trainer's exit changes no pod: its agent also writes the gang's wake object, which the supervisor reads
+    every ``WAKE_POLL_S`` while it waits for its next decision, and decides at once when it changed."""
+    from types import SimpleNamespace
+
+    from jaxrec.model.records import AgentState, AgentStateKind
+    from recovery_steps.in_place import LevelZero
+
+    cfg = _in_place_cfg(tmp_path / "store")
+    store = RunStore(cfg.storage.root, cfg.run_id)
+    level0 = LevelZero(
+        cfg, AttemptRef(cfg.storage.root, cfg.run_id, 0), f"{cfg.run_id}-a0", clock=time.time, wait=time.sleep,
+        say=lambda _: None,
+    )  # fmt: skip
+    assert not level0.woken()  # no trainer has exited
+    exited = AgentState(process_index=1, state=AgentStateKind.EXITED, attempt=0, exit_code=137, at=1.0)
+    store.write_record(RunLayout.agent_wake(0), exited)
+    assert level0.woken() and not level0.woken()  # seen once
+    store.write_record(RunLayout.agent_wake(0), exited.model_copy(update={"process_index": 0, "at": 2.0}))
+    assert level0.woken()
+    store.write_bytes(RunLayout.agent_wake(0), b"{torn")
+    assert not level0.woken()  # an unreadable wake is no exit
+
+    # The pause ends on the wake's third reading, not after its 60 s.
+    waits: list[float] = []
+    readings = iter([False, False, True])
+    gang = SimpleNamespace(wait=lambda s: bool(waits.append(s)))
+    sup = SimpleNamespace(gang=gang, level0=SimpleNamespace(woken=lambda: next(readings)))
+    ts.Supervisor.pause(sup, 60.0)  # type: ignore[arg-type]
+    assert waits == [ts.WAKE_POLL_S] * 3
+    # A change the watchers saw ends it too, before the wake is read.
+    sup.gang = SimpleNamespace(wait=lambda s: True)
+    sup.level0 = SimpleNamespace(woken=lambda: pytest.fail("read after a change"))
+    ts.Supervisor.pause(sup, 60.0)  # type: ignore[arg-type]

@@ -136,10 +136,15 @@ class Agent:
 
     def _say(self, state: AgentStateKind, attempt: int) -> None:
         rec = AgentState(process_index=self.index, state=state, attempt=attempt, exit_code=self.code)
-        try:
-            self.store.write_record(RunLayout.agent_state(self.gang_attempt, self.index), rec)
-        except (StoreUnavailable, OSError) as e:  # the next change says it again; the trainer's report stands
-            log.warning("agent %d: could not record %s: %s", self.index, state.value, e)
+        paths = [RunLayout.agent_state(self.gang_attempt, self.index)]
+        if state == AgentStateKind.EXITED:  # the supervisor polls this one object between its observations
+            paths.append(RunLayout.agent_wake(self.gang_attempt))
+        for path in paths:
+            try:
+                self.store.write_record(path, rec)
+            except (StoreUnavailable, OSError) as e:  # the next change says it again; the trainer's report stands
+                log.warning("agent %d: could not record %s: %s", self.index, state.value, e)
+                return
 
     def _order(self) -> RestartOrder | None:
         try:

@@ -845,19 +845,20 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
 
     spec, task, source, manifest = _open_task(w, cfg, restore_step)
     w.laps.lap("task, data and manifest opened")
-    w.set_aside_newer_steps(restore_step, t.init_timeout_s)
-    w.laps.lap("newer steps set aside")
     mesh = train_state.make_mesh()
     tr = train_state.build(cfg, mesh, task)
     w.laps.lap("model built")
+    pc, pi = jax.process_count(), jax.process_index()
+    # The step compiles beside everything after the model's shapes are known: the store's work below is waiting.
+    ahead = _compile_ahead(cfg, tr, source, pi, pc)
+    w.laps.lap("compile started")
+    w.set_aside_newer_steps(restore_step, t.init_timeout_s)
+    w.laps.lap("newer steps set aside")
     identity = DataIdentity(source.version, spec.name, spec.version, options_hash(cfg.task_options().model_dump()))
     ckpt = Checkpointer(w.store, cfg, w.args.attempt, dict(mesh.shape), identity)
     w.exit.last_checkpoint = lambda: ckpt.last_committed
-    pc, pi = jax.process_count(), jax.process_index()
     tier = _open_local_tier(w, cfg, dict(mesh.shape), source.version)
-
-    ahead = _compile_ahead(cfg, tr, source, pi, pc)
-    w.laps.lap("checkpointer opened, compile started")
+    w.laps.lap("checkpointer opened")
     t0 = now()
     phase_beat(w, WorkerPhase.RESTORE, cfg.supervision.heartbeat_interval_s)
     training = Training(cfg, tr, source, ckpt, tier)

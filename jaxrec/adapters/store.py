@@ -213,6 +213,14 @@ class RunLayout:
         return f"attempts/{n}/agents/{process_index}.json"
 
     @staticmethod
+    def agent_wake(n: int) -> str:
+        """The newest ``AgentState`` of a trainer exit in attempt ``n``'s gang: one object the supervisor polls.
+
+        Any agent writes it when its trainer exits; its own state (``agent_state``) stays the evidence.
+        """
+        return f"attempts/{n}/agents/wake.json"
+
+    @staticmethod
     def supervision(n: int) -> str:
         """What the train-segment supervisor saw and did in attempt ``n``."""
         return f"attempts/{n}/supervision.json"
