@@ -1,10 +1,11 @@
 """The recovery ladder side by side: the same kill recovered at level 0 (in place) and by the full path.
 
-One local job (4 CPU processes), a worker's trainer SIGKILLed at the same step, run in pairs one after the other:
+One local job (4 CPU processes), a worker's trainer SIGKILLed at the same step, run in rounds one after the other:
 ``retry.in_place_budget`` 0 (a new JobSet: settle, classify-failure, backoff, provision-slice, restore-latest, new
-pods) and 2 (every trainer restarted in its running pod). Each run's incident record split into its phases, on one
-clock from the kill: detected, stopped, the next processes started, restored, first step, back at the pre-failure
-step. The floor of a restart is what any attempt pays once its processes start (trainer start, restore, cached
+pods), 2 with ``retry.in_place_standby`` off (every trainer restarted in its running pod as a new process: what a
+kubelet restart of the container gives at best) and 2 (the agents' standbys take the restart). Each run's incident
+record split into its phases, on one clock from the kill: detected, stopped, the next processes started, restored,
+first step, back at the pre-failure step. The floor of a restart is what any attempt pays once its processes start (trainer start, restore, cached
 compile: the full path's first step less its started; level 0's trainers were started ahead, as standbys). Target:
 level 0's first step within the floor plus 2 s of the kill.
 
@@ -27,19 +28,26 @@ from workflows import local
 from workflows.build import render_workflow
 
 PHASES = ("detected", "stopped", "started", "restored", "first step", "recovered")
+NEW_PROCESS = "new process"
+"""Level 0 with no standby (``retry.in_place_standby`` off): every restart a new process in the running pod, which is
+what a kubelet restart of the container (``restartPolicyRules``, JobSet's ``InPlaceRestart``) gives at best: a
+container adds its runtime's create and start and, from its second restart, the kubelet's crash-loop back-off."""
 
 
-def compile_workflow(d: Path, total: int, in_place: int) -> Path:
-    """The local job shrunk for the bench, restarts in place allowed ``in_place`` times (0: the full path)."""
+def compile_workflow(d: Path, total: int, in_place: int, standby: bool = True) -> Path:
+    """The local job shrunk for the bench, restarts in place allowed ``in_place`` times (0: the full path), the
+    agents keeping a standby trainer or not (``retry.in_place_standby``)."""
     data = yaml.safe_load(open("configs/local-cpu.yaml"))
-    data["run_id"] = f"ladder-{in_place}"
+    name = f"ladder-{in_place}" + ("" if standby else "-new")
+    data["run_id"] = name
     data["storage"]["root"] = str(d / "store")
     data["training"].update(total_steps=total)
     data["checkpoint"].update(interval_steps=5)
     data["retry"].update(in_place_budget=in_place, default_backoff={"base_s": 1, "factor": 1, "max_s": 1})
-    cfg = d / f"ladder-{in_place}.yaml"
+    data["retry"]["in_place_standby"] = standby
+    cfg = d / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(data))
-    wf = d / f"ladder-{in_place}.wf.yaml"
+    wf = d / f"{name}.wf.yaml"
     wf.write_text(render_workflow(load_config(cfg), str(cfg)))
     return wf
 
@@ -91,8 +99,12 @@ def report(by_level: dict[str, list[dict]]) -> None:
         print(f"{name}: kill to back at the pre-failure step {back:.1f} s; kill to the next processes started "
               f"{started:.1f} s; from there to the first step {first - started:.1f} s")  # fmt: skip
     zero, full = means.get("level 0", {}), means.get("full path", {})
+    new = means.get(NEW_PROCESS, {})
     if zero.get("recovered") and full.get("recovered"):
         print(f"full path / level 0, kill to back at the pre-failure step: {full['recovered'] / zero['recovered']:.2f}")
+    if zero.get("recovered") and new.get("recovered"):
+        print(f"{NEW_PROCESS} / level 0 (its standby), kill to back at the pre-failure step: "
+              f"{new['recovered'] / zero['recovered']:.2f}")  # fmt: skip
     if zero.get("first step") and full.get("first step") and full.get("started"):
         # The floor is what a restart pays once its processes start, measured on the full path: level 0's standbys
         # start before the kill, so its own "started" is not where its start-up began.
@@ -105,13 +117,17 @@ def report(by_level: dict[str, list[dict]]) -> None:
 def main() -> None:
     """Run the pairs and print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pairs", type=int, default=2, help="pairs of runs (full path, then level 0)")
+    p.add_argument("--pairs", type=int, default=2, help="rounds of runs (full path, a new process, level 0)")
     p.add_argument("--kill-at", type=int, default=12, help="the step at which a worker's trainer is SIGKILLed")
     p.add_argument("--total", type=int, default=40, help="steps of each run")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        wfs = {"full path": compile_workflow(d, a.total, 0), "level 0": compile_workflow(d, a.total, 2)}
+        wfs = {
+            "full path": compile_workflow(d, a.total, 0),
+            NEW_PROCESS: compile_workflow(d, a.total, 2, standby=False),
+            "level 0": compile_workflow(d, a.total, 2),
+        }
         by_level: dict[str, list[dict]] = {k: [] for k in wfs}
         for pair in range(a.pairs):
             for name, wf in wfs.items():

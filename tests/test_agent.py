@@ -78,10 +78,11 @@ def test_an_unreadable_order_is_no_order(tmp_path):
     assert len(starts(tmp_path)) == 1
 
 
-def test_the_gang_restarts_in_place_together_once_every_old_trainer_has_exited(tmp_path):
+@pytest.mark.parametrize("standby", [True, False], ids=["standby", "no-standby"])
+def test_the_gang_restarts_in_place_together_once_every_old_trainer_has_exited(tmp_path, standby):
     # Worker 1's trainer fails; worker 0's is blocked (as in a collective) and ignores SIGTERM: only SIGKILL ends it.
     plan(tmp_path, w0_0="block", w1_0="exit 42", w0_1="exit 0", w1_1="exit 0")
-    agents = [make_agent(tmp_path, i) for i in range(2)]
+    agents = [make_agent(tmp_path, i, standby=standby) for i in range(2)]
     codes: dict[int, int] = {}
     threads = [threading.Thread(target=lambda a=a: codes.__setitem__(a.index, a.run())) for a in agents]
     for t in threads:
@@ -103,6 +104,9 @@ def test_the_gang_restarts_in_place_together_once_every_old_trainer_has_exited(t
     assert codes == {0: 0, 1: 0}
     again = [s for s in starts(tmp_path) if s["attempt"] == 1]
     assert sorted((s["index"], s["restore"]) for s in again) == [(0, 20), (1, 20)]
+    if not standby:  # --no-standby: each a new process, as a container restart starts one
+        assert not any(s["ahead"] for s in again) and standbys(tmp_path) == []
+        return
     # Each was started ahead (the failed worker's as its trainer exited, its peer's at the stop order), its imports
     # done while the old trainers stopped, and ran once its flags came.
     assert all(s["ahead"] for s in again) and {s["pid"] for s in again} == set(standbys(tmp_path))

@@ -1,4 +1,4 @@
-"""Worker pods: CPU and memory requests from the TPU table (not BestEffort), overridable; their own account."""
+"""Worker pods: CPU and memory requests from the TPU table (not BestEffort), overridable; their account; the agent."""
 
 from __future__ import annotations
 
@@ -100,3 +100,15 @@ def test_a_preferred_pool_is_a_node_affinity_preference_the_jobset_crd_takes(nam
 
 def _spec(js):
     return js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize(("standby", "flags"), [(True, []), (False, ["--no-standby"])])
+def test_the_agent_runs_the_trainer_with_or_without_a_standby_as_the_config_says(standby, flags):
+    data = _data("v5e-4x4.yaml")
+    data["retry"]["in_place_standby"] = standby
+    (c,) = _pod(parse_config(data))["containers"]
+    assert c["command"] == ["python", "-m", "trainer.agent"]
+    assert c["args"][: c["args"].index("--")] == ["--hold-s", "60", *flags]
+    data["retry"]["in_place_budget"] = 0  # no restart in place: no agent, the trainer is the container's process
+    (c,) = _pod(parse_config(data))["containers"]
+    assert c["command"] == ["python", "-m", "trainer"] and "--no-standby" not in c["args"]

@@ -1,4 +1,4 @@
-"""``python -m trainer.agent [--hold-s S] -- TRAINER-ARGS``: a worker pod's entrypoint for level 0.
+"""``python -m trainer.agent [--hold-s S] [--no-standby] -- TRAINER-ARGS``: a worker pod's entrypoint for level 0.
 
 Level 0 of the recovery ladder (docs/FAILURES.md) restarts every worker's trainer in its running pod: no new
 JobSet, no scheduling, no image pull, the host's local checkpoint parts and compilation cache where they were. The
@@ -22,7 +22,8 @@ reach whatever else fails:
 Once its trainer has made its first step (its heartbeat says so), the agent keeps the next trainer ready as a
 standby (``STANDBY_ENV``): a process with the trainer's imports done (several seconds of every start) that opens no
 device and waits for its attempt's flags; a restart hands them to it. One is started too when the trainer fails or
-a stop is ordered before there is one.
+a stop is ordered before there is one. With ``--no-standby`` (``retry.in_place_standby`` off) none is: each restart
+starts a new process, as a container restart would.
 
 A store read that fails is no order: the agent keeps its course and reads again.
 """
@@ -54,7 +55,7 @@ EXIT_GRACE_S = 10.0
 """SIGTERM to SIGKILL for a trainer its agent ends on an ``exit`` order (it may save on its way out)."""
 WAITING_POLL_S = 0.1
 """How often an agent whose trainer has ended reads the order: the restart it waits for is imminent."""
-STANDBY_LOOK_S = 5.0
+STANDBY_LOOK_S = 1.0
 """How often an agent without a standby reads its trainer's heartbeat to see whether it has made its first step."""
 HOLD_S = 60.0
 """How long a failed trainer's agent holds the pod for an order by default (``--hold-s``)."""
@@ -118,6 +119,7 @@ class Agent:
         poll_s: float = POLL_S,
         exit_grace_s: float = EXIT_GRACE_S,
         standby_look_s: float = STANDBY_LOOK_S,
+        standby: bool = True,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         spawn: Callable[..., Any] = subprocess.Popen,
@@ -132,6 +134,7 @@ class Agent:
         self.unread_said = False
         self.stopped_for: int | None = None  # the attempt this agent last said it stopped for
         self.standby: Any = None  # a trainer started ahead, its imports done, waiting for its flags on stdin
+        self.standby_on = standby  # False: every restart starts a new process (``--no-standby``)
         self.next_look = 0.0  # when ``_stepping`` reads the trainer's heartbeat next
 
     def _say(self, state: AgentStateKind, attempt: int) -> None:
@@ -183,7 +186,7 @@ class Agent:
         Its imports run while the restart is decided and the old trainers stop; it opens no device before its flags
         come (``_start``).
         """
-        if self.standby is None:
+        if self.standby is None and self.standby_on:
             env = {**os.environ, STANDBY_ENV: "1"}
             self.standby = self.spawn(self.child_argv, stdin=subprocess.PIPE, env=env)
 
@@ -258,7 +261,7 @@ class Agent:
         self._start(self.gang_attempt, first.restore_step)
         held_since: float | None = None  # when the agent began to wait for an order
         while True:
-            if self._stepping():
+            if self.standby_on and self._stepping():
                 self._prestart()
             if self.terminated:
                 if self.proc is not None:
@@ -304,10 +307,13 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """The agent's own flags, and the trainer's command: this interpreter's ``-m trainer``, the flags after ``--``."""
     argv = list(argv)
     if "--" not in argv:
-        raise SystemExit("usage: python -m trainer.agent [--hold-s S] -- TRAINER-ARGS (python -m trainer's flags)")
+        raise SystemExit(
+            "usage: python -m trainer.agent [--hold-s S] [--no-standby] -- TRAINER-ARGS (python -m trainer's flags)"
+        )
     cut = argv.index("--")
     p = argparse.ArgumentParser(prog="python -m trainer.agent", description=__doc__.splitlines()[0])
     p.add_argument("--hold-s", type=float, default=HOLD_S, help="How long a failed trainer's pod waits for an order.")
+    p.add_argument("--no-standby", action="store_true", help="Start no trainer ahead: each restart is a new process.")
     return p.parse_args(argv[:cut]), [sys.executable, "-m", "trainer", *argv[cut + 1 :]]
 
 
@@ -317,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, child = parse(sys.argv[1:] if argv is None else argv)
     t = target_of(child)
     index = int(os.environ.get("JOB_COMPLETION_INDEX", "0") or 0)
-    agent = Agent(RunStore(t.store_root, t.run_id), t.attempt, index, child, hold_s=args.hold_s)
+    agent = Agent(RunStore(t.store_root, t.run_id), t.attempt, index, child, hold_s=args.hold_s,
+                  standby=not args.no_standby)  # fmt: skip
     signal.signal(signal.SIGTERM, agent.terminate)
     return agent.run()
 

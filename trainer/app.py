@@ -857,8 +857,10 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     identity = DataIdentity(source.version, spec.name, spec.version, options_hash(cfg.task_options().model_dump()))
     ckpt = Checkpointer(w.store, cfg, w.args.attempt, dict(mesh.shape), identity)
     w.exit.last_checkpoint = lambda: ckpt.last_committed
-    tier = _open_local_tier(w, cfg, dict(mesh.shape), source.version)
     w.laps.lap("checkpointer opened")
+    tier = _open_local_tier(w, cfg, dict(mesh.shape), source.version)
+    if tier is not None:
+        w.laps.lap("local tier opened")
     t0 = now()
     phase_beat(w, WorkerPhase.RESTORE, cfg.supervision.heartbeat_interval_s)
     training = Training(cfg, tr, source, ckpt, tier)

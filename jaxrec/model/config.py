@@ -670,6 +670,13 @@ class RetryConfig(_Section):
         description="How long a worker's agent keeps its pod after its trainer failed, waiting for the supervisor's "
         "order; then it exits with the trainer's code and the pod fails (the gang is recreated).",
     )
+    in_place_standby: bool = Field(
+        default=True,
+        description="Whether each worker's agent keeps the next trainer started ahead, its imports done and no "
+        "device opened, from its trainer's first step on: a restart in place then skips the imports (seconds), at "
+        "the cost of one idle interpreter's host memory per worker. Off: a restart in place starts a new process, "
+        "as a container restart would.",
+    )
     max_attempts: int | None = Field(
         default=None,
         ge=1,

@@ -277,7 +277,8 @@ def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
     args = [arg for flag in flags.items() for arg in flag]
     command = ["python", "-m", "trainer"]
     if cfg.retry.in_place_budget > 0:  # level 0: the agent runs the trainer and restarts it in place on order
-        command, args = ["python", "-m", "trainer.agent"], ["--hold-s", f"{cfg.retry.in_place_hold_s:g}", "--", *args]
+        own = ["--hold-s", f"{cfg.retry.in_place_hold_s:g}", *([] if cfg.retry.in_place_standby else ["--no-standby"])]
+        command, args = ["python", "-m", "trainer.agent"], [*own, "--", *args]
     container: dict[str, Any] = {"name": CONTAINER, "image": cfg.image, "command": command, "args": args, "env": env}
     pod_spec: dict[str, Any] = {
         # The workers' own account: no Kubernetes API access, only the bucket through Workload Identity.
