@@ -5,9 +5,9 @@ One local job (4 CPU processes), a worker's trainer SIGKILLed at the same step, 
 pods), 2 with ``retry.in_place_standby`` off (every trainer restarted in its running pod as a new process: what a
 kubelet restart of the container gives at best) and 2 (the agents' standbys take the restart). Each run's incident
 record split into its phases, on one clock from the kill: detected, stopped, the next processes started, restored,
-first step, back at the pre-failure step. The floor of a restart is what any attempt pays once its processes start (trainer start, restore, cached
-compile: the full path's first step less its started; level 0's trainers were started ahead, as standbys). Target:
-level 0's first step within the floor plus 2 s of the kill.
+first step, back at the pre-failure step. The floor of a restart is what any attempt pays once its processes start
+(trainer start, restore, cached compile: the full path's first step less its started; level 0's trainers were
+started ahead, as standbys). Target: level 0's first step within the floor plus 2 s of the kill.
 
 Usage: python bench/bench_ladder.py [--pairs 2] [--kill-at 12] [--total 40]
 """

@@ -49,7 +49,7 @@ from jaxrec.model.records import AgentAction, AgentState, AgentStateKind, Restar
 
 log = logging.getLogger("trainer.agent")
 
-POLL_S = 0.5
+POLL_S = 0.25
 """How often the agent looks at its trainer and at the order."""
 EXIT_GRACE_S = 10.0
 """SIGTERM to SIGKILL for a trainer its agent ends on an ``exit`` order (it may save on its way out)."""

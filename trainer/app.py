@@ -856,6 +856,7 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     w.laps.lap("newer steps set aside")
     identity = DataIdentity(source.version, spec.name, spec.version, options_hash(cfg.task_options().model_dump()))
     ckpt = Checkpointer(w.store, cfg, w.args.attempt, dict(mesh.shape), identity)
+    ckpt.prepare_snapshot(tr.abstract_state)  # compiled beside the restore: the first save does not compile it
     w.exit.last_checkpoint = lambda: ckpt.last_committed
     w.laps.lap("checkpointer opened")
     tier = _open_local_tier(w, cfg, dict(mesh.shape), source.version)
@@ -874,8 +875,6 @@ def _train(w: Worker, cfg: JobConfig, faults: Faults) -> NoReturn:
     _say_restored(w, restore_step, t0)
     phase_beat(w, WorkerPhase.COMPILE, cfg.supervision.heartbeat_interval_s)
     compiled = _compiled_step(w, ahead, t0)
-    # Compiled ahead so that the first save does not compile on the training thread.
-    ckpt.prepare_snapshot(tr.abstract_state)
     w.watchdog.touch()
 
     stepper = Stepper(tr, state, it, pc, compiled=compiled)

@@ -478,15 +478,27 @@ class Checkpointer:
         self._libs = library_versions()
         self._orbax_timings = _OrbaxTimings()
         self._snapshot: Any = None  # the copy a save writes: on the device, or in the host's memory
+        self._preparing: concurrent.futures.Future | None = None  # its compile, started ahead (``prepare_snapshot``)
         self._copy_fits: bool | None = None  # a copy of the state can be taken without the loop waiting (decided once)
         self._announced: int | None = None  # the step whose manifest key process 0 set last
         self._saver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-saver")
         self._kv = distributed_client() if jax.process_count() > 1 else None
 
     def prepare_snapshot(self, abstract_state: Any) -> None:
-        """Compile the on-device copy of the state ahead of the first save (off the first save's time)."""
+        """Start compiling the on-device copy of the state on the saver's thread; the first save's capture waits for it.
+
+        Off the first save's time, and beside the restore instead of before the first step.
+        """
         if self.async_save:
-            self._snapshot = _snapshot_fn(abstract_state).lower(abstract_state).compile()
+            self._preparing = self._saver.submit(lambda: _snapshot_fn(abstract_state).lower(abstract_state).compile())
+
+    def _prepared(self) -> None:
+        """The copy compiled ahead, once (its compile's error raised here, on the training thread)."""
+        fut, self._preparing = self._preparing, None
+        if fut is not None and self._snapshot is None:
+            self._snapshot = fut.result()
+        elif fut is not None:
+            fut.result()
 
     def steps(self) -> list[int]:
         """Committed steps orbax lists."""
@@ -499,6 +511,7 @@ class Checkpointer:
         (``host_copy``: the next step waits on the device for the transfer); else not at all: orbax reads
         the live state and the loop waits until its host copy is taken.
         """
+        self._prepared()
         if self._copy_fits is None:
             self._copy_fits = device_copy_fits(state, compiled)
             if not self._copy_fits:
@@ -522,6 +535,7 @@ class Checkpointer:
     def capture(self, step: int, state: Any, data_iter: Any) -> Capture:
         """Copy ``state`` (dispatched asynchronously, where ``copy_fits`` says) and the data position for a save."""
         t0 = now()
+        self._prepared()
         if self._snapshot is None:
             self._snapshot = _snapshot_fn(state)
         snap = self._snapshot(state)
