@@ -9,10 +9,11 @@ level 0, with the class's retry allowed (``retry.decide``):
    has (``AgentState`` STOPPED: the process was SIGKILLed, has exited and released its devices), ``STOP_BOUND_S`` at
    most;
 2. meanwhile, it closes attempt n in the ledger with its class, evidence and ``level`` 0, as classify-failure
-   closes one, and chooses the step to restore as restore-latest does (``adapters.restore.run``: verified, the bad
+   closes one;
+3. and chooses the step to restore as restore-latest does (``adapters.restore.run``: verified, the bad
    quarantined), recorded for attempt n+1;
-3. both done and every agent stopped, it goes on;
-4. it orders the agents to start attempt n+1 from that step (``RestartOrder`` START), and supervises it.
+4. once all three are done, it orders the agents to start attempt n+1 from that step (``RestartOrder`` START),
+   and supervises it.
 
 Anything else (a pod ended, a host lost, a class no restart answers, a budget spent, agents that did not stop in
 time) tells the agents to exit with their trainers' codes and goes the full way round: the segment ends, and
