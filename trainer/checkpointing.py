@@ -495,10 +495,10 @@ class Checkpointer:
     def _prepared(self) -> None:
         """The copy compiled ahead, once (its compile's error raised here, on the training thread)."""
         fut, self._preparing = self._preparing, None
-        if fut is not None and self._snapshot is None:
-            self._snapshot = fut.result()
-        elif fut is not None:
-            fut.result()
+        if fut is not None:
+            compiled = fut.result()
+            if self._snapshot is None:  # a host copy chosen meanwhile (``copy_fits``) stays
+                self._snapshot = compiled
 
     def steps(self) -> list[int]:
         """Committed steps orbax lists."""
@@ -511,7 +511,6 @@ class Checkpointer:
         (``host_copy``: the next step waits on the device for the transfer); else not at all: orbax reads
         the live state and the loop waits until its host copy is taken.
         """
-        self._prepared()
         if self._copy_fits is None:
             self._copy_fits = device_copy_fits(state, compiled)
             if not self._copy_fits:
