@@ -1,24 +1,9 @@
 """The run lease: at most one live workflow acts for a run id, so at most one gang writes the run's checkpoints.
 
-Argo's ``synchronization`` mutex (keyed by run id) makes a second submission wait in the same controller; the
-lease in the run store (``RunLease`` at ``RunLayout.LEASE``) also holds across controllers, namespaces, clusters
-and the local runner. The holder is the workflow's uid; the lease names its namespace and cluster (the uid of the
-cluster's kube-system namespace). validate-config takes it once it has compared the config (a submission that
-refuses never takes it) and then confirms it with the first attempt it acts for (``confirm``); provision-slice
-renews it before it deletes anything (a second submission never deletes a live gang), the supervisor renews it
-while a segment runs (``renew_if_due``), hand-over passes it to the continuation, the exit handler releases it.
-Every write carries a generation precondition, so two submissions cannot both win.
-
-Another workflow may take the lease when it was released, when the holder's Workflow is known to be gone (read by
-name, which only answers for the same cluster and namespace: elsewhere a 404 says nothing), or when its TTL ran
-out and the holder is not known to be alive. It never takes it over a holder known alive.
-
-What it does not do: it is no fence on the checkpoint writes themselves. A holder cut off from the store for a
-whole TTL, in a cluster the taker cannot see, keeps its gang writing until its supervisor's next renewal reports
-the lease lost. And a gang whose Workflow went without its exit handler (``argo delete``, ``argo terminate``)
-keeps running until the run's next provision-slice deletes it.
-
-``decide(...)`` is pure; ``acquire``, ``renew_if_due``, ``release`` and the Kubernetes reads are the I/O.
+Who takes, renews, passes and releases it, when another workflow may take it, and what it does not protect:
+docs/DEPLOY.md, "One live workflow per run id". Every write carries a generation precondition, so two submissions
+cannot both win. ``decide(...)`` is pure; ``acquire``, ``renew_if_due``, ``release`` and the Kubernetes reads are
+the I/O.
 """
 
 from __future__ import annotations
@@ -140,14 +125,8 @@ def acquire(
 ) -> RunLease:
     """Take or renew the lease for ``claimant``; raise ``LeaseHeld`` when another live workflow holds it.
 
-    Args:
-        store: The run store.
-        claimant: This workflow: its uid, its name and where it runs (written into the lease; a renewal keeps
-            what it cannot read now).
-        ttl_s: Lease lifetime after this renewal.
-        is_alive: Asks whether another holder's workflow still runs (None: unknown, the TTL decides).
-        clock: Epoch seconds.
-        tries: Conditional-write attempts.
+    Where ``claimant`` runs is written into the lease (a renewal keeps what it cannot read now); ``is_alive`` asks
+    whether another holder's workflow still runs (None: unknown, the TTL decides); ``tries``: conditional writes.
     """
     holder, site = claimant.uid, claimant.site
 
@@ -204,13 +183,8 @@ def renew_if_due(
     Meant for a loop that runs every few seconds: before ``next_at`` it returns ``NOT_DUE`` at once, reading
     nothing. A renewal only extends the lease ``holder`` still has; it never takes one.
 
-    Args:
-        store: The run store.
-        holder: This workflow's uid.
-        ttl_s: Lease lifetime after this renewal (the config's ``retry.lease_ttl_s``).
-        at: Epoch seconds now.
-        next_at: ``next_at`` of the previous call's result (0: due now).
-        tries: Conditional-write attempts.
+    ``ttl_s``: the lease's lifetime after this renewal (``retry.lease_ttl_s``); ``at``: epoch seconds now;
+    ``next_at``: the previous call's (0: due now).
 
     Returns:
         The status, when the next call is due (``lease_renew_every(ttl_s)`` after a renewal or a loss,
@@ -394,12 +368,6 @@ def clear_give_up_marks(kube: Any, workflow: str) -> bool:
         workflow, {"metadata": {"labels": {FAILURE_CLASS_LABEL: None}, "annotations": {DESCRIPTION_ANNOTATION: keep}}}
     )
     return True
-
-
-def holds(store: RunStore, holder: str) -> bool:
-    """True when ``holder`` has the lease now (unreleased), or nobody ever took one."""
-    current = store.read_record(RunLayout.LEASE, RunLease)
-    return current is None or held_by(current, holder)
 
 
 # --- GKE ------------------------------------------------------------------------------------------
