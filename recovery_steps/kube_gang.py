@@ -67,7 +67,6 @@ class Watcher(threading.Thread):
         self.objects: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
         self.synced = threading.Event()
-        self.relists = 0
         self.error: str | None = None  # why the last list or watch failed; None once one succeeds again
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -75,18 +74,11 @@ class Watcher(threading.Thread):
         with self.lock:
             return [self.objects[k] for k in sorted(self.objects)]
 
-    def _ok(self) -> None:
-        self.error = None
-
-    def _failed(self, what: str) -> None:
-        self.error = what
-
     def _relist(self) -> str:
         resp = self.list_call(_preload_content=False, _request_timeout=API_TIMEOUT_S)
         body = json.loads(resp.data)
         with self.lock:
             self.objects = {o["metadata"]["name"]: o for o in body.get("items") or []}
-        self.relists += 1
         self.synced.set()
         self.changed.set()
         return (body.get("metadata") or {}).get("resourceVersion") or ""
@@ -129,9 +121,9 @@ class Watcher(threading.Thread):
             try:
                 if rv is None:
                     rv = self._relist()
-                self._ok()
+                self.error = None
                 rv, events = self._watch(rv)
-                self._ok()
+                self.error = None
                 if not events:
                     self.stop.wait(0.2)  # a watch that ended at once: do not spin against the server
             except ApiException as e:
@@ -139,11 +131,11 @@ class Watcher(threading.Thread):
                     log.info("watch %s: resourceVersion %s expired (410 Gone); listing again", self.kind, rv)
                     rv = None
                     continue
-                self._failed(f"{e.status} {e.reason}")
+                self.error = f"{e.status} {e.reason}"
                 rv = None  # list again once the API answers: events may have been missed
                 self.stop.wait(1)
             except Exception as e:  # noqa: BLE001 - the API may drop for a while; keep the last view
-                self._failed(f"{type(e).__name__}: {e}")
+                self.error = f"{type(e).__name__}: {e}"
                 rv = None
                 self.stop.wait(1)
 
