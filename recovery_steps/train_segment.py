@@ -1,22 +1,9 @@
 """``train-segment``: create (or re-attach to) the attempt's JobSet, supervise it until it is over, then stop it.
 
-The JobSet is rendered here (``model.jobset.jobset_manifest``) from the config validate-config pinned for the run
-(``config.json`` in the run store: the config the run uses now, re-pinned by a resubmission with safe changes) and
-the attempt's parameters, its arguments (``--jobset-name``, ``--restore-step``, ``--coordinator-port``,
-``--metrics-port`` with the run, store root and attempt). ``--jobset-manifest`` overrides the rendering with a
-manifest given as it is (tests: a stand-in worker command); the generated Workflow never passes it.
-
-The JobSet alone cannot end every attempt (see ``recovery_steps.supervision``): this program watches
-the JobSet, its Jobs and its pods with the Kubernetes watch API, reads each worker's heartbeat from
-the run store, and calls the pure ``decide()`` on every change and at least every
-``supervision.watch_interval_s``. When the attempt is over it records each pod's and node's last state,
-deletes the JobSet (foreground propagation: the pods go first), force-deletes pods stuck Terminating on
-a lost node after ``supervision.force_delete_grace_s``, writes ``attempts/<n>/supervision.json`` and
-its outputs, and exits 0 (succeeded) or 1 (failed or stalled: classify-failure follows).
-
-If its own pod is lost (evicted, node drained) Argo retries it; the retry finds the attempt's JobSet
-and re-attaches instead of creating a second gang. It reports ``step/total_steps`` through Argo's
-progress file (``ARGO_PROGRESS_FILE``, argo docs "Progress").
+What it renders, watches, decides and records, and its arguments: docs/FAILURES.md ("When an attempt is over: the
+supervisor") and docs/CONTRACTS.md. If its own pod is lost (evicted, node drained) Argo retries it; the retry finds
+the attempt's JobSet and re-attaches instead of creating a second gang. It reports ``step/total_steps`` through
+Argo's progress file (``ARGO_PROGRESS_FILE``, argo docs "Progress").
 
 Destructive acts and their evidence (``supervise``): the JobSet is deleted once the attempt's verdict is in the
 store, or when the run lease is held in another namespace or cluster; a pod is force-deleted only while
@@ -25,8 +12,6 @@ worker: while it fails only terminal facts end the attempt, every stall clock co
 after ``supervision.STALE_VIEW_LIMIT_S`` the step exits 69 with the gang left as it is. A JobSet with neither Job
 nor pod is no stall either (its controller has not acted): after ``supervision.JOBSET_UNACTED_LIMIT_S`` the same.
 
-Outputs (``<output-dir>/<name>``): ``outcome``, ``stall-kind``, ``reason``, ``last-step``, ``checkpoint-step``,
-``placement``, ``restarted-in-place``.
 Exit codes: 0 succeeded; 1 the attempt failed or stalled; 2 configuration (no pinned config or a bad one, a
 manifest override that is bad, the Kubernetes API refuses with 4xx); 69 transient (the API answers 429/5xx or cannot
 be reached, the view or a heartbeat stays unreadable for minutes, no controller acts on the JobSet, the run store
@@ -70,25 +55,10 @@ from jaxrec.model.snapshot import (
     PodPhase,
     gang_pool,
 )
-from recovery_steps.in_place import (
-    AGENT_WATCH_S,
-    WAKE_POLL_S,
-    LevelZero,
-    Restarted,
-    current_attempt,
-    restarts_line,
-)
+from recovery_steps.in_place import AGENT_WATCH_S, WAKE_POLL_S, LevelZero, Restarted, current_attempt, restarts_line
 from recovery_steps.kube_gang import KubeGang
 from recovery_steps.retry import advanced
-from recovery_steps.step import (
-    PIN_FIX,
-    Step,
-    StepError,
-    api_error,
-    api_failures,
-    k8s_client,
-    load_run_config,
-)
+from recovery_steps.step import PIN_FIX, Step, StepError, api_error, api_failures, k8s_client, load_run_config
 from recovery_steps.step import main as step_main
 from recovery_steps.supervision import (
     JOBSET_UNACTED_LIMIT_S,
@@ -290,12 +260,11 @@ def evidence_lines(obs: Observation) -> list[str]:
     for n in obs.nodes:
         state = "gone" if not n.found else f"Ready={n.ready}" + (" unreachable" if n.unreachable else "")
         lines.append(f"node {n.name}: {state}")
-    for r in obs.unreadable:
-        lines.append(
-            f"heartbeat of worker {r.index}: unreadable for {obs.now - r.since:.0f} s (not taken as absent or "
-            f"silent): {r.error}"
-        )
-    return lines
+    return lines + [
+        f"heartbeat of worker {r.index}: unreadable for {obs.now - r.since:.0f} s (not taken as absent or silent): "
+        f"{r.error}"
+        for r in obs.unreadable
+    ]
 
 
 @dataclass(frozen=True)
@@ -643,7 +612,7 @@ class Supervisor:
 # --- the step program ----------------------------------------------------------------------------
 
 
-def load_manifest(text: str, attempt: int) -> dict[str, Any]:
+def load_manifest(text: str) -> dict[str, Any]:
     """The ``--jobset-manifest`` override (JSON or YAML), a JobSet as ``model.jobset`` renders one; else StepError."""
     try:
         manifest = yaml.safe_load(text)
@@ -676,7 +645,7 @@ def segment_params(args: argparse.Namespace) -> JobSetParams:
     )
 
 
-def segment_manifest(cfg: JobConfig, jobset: JobSetParams | str, attempt: int, config_url: str) -> dict[str, Any]:
+def segment_manifest(cfg: JobConfig, jobset: JobSetParams | str, config_url: str) -> dict[str, Any]:
     """The attempt's JobSet: rendered from the pinned config, or the ``--jobset-manifest`` override as given.
 
     ``cfg`` is the run's pinned config (read from ``config_url``), ``jobset`` the attempt's parameters or the
@@ -686,7 +655,7 @@ def segment_manifest(cfg: JobConfig, jobset: JobSetParams | str, attempt: int, c
         StepError: Configuration (exit 2): the override is not a JobSet, or the pinned config renders none.
     """
     if isinstance(jobset, str):
-        return load_manifest(jobset, attempt)
+        return load_manifest(jobset)
     try:
         return jobset_manifest(cfg, jobset)
     except (KeyError, ValueError) as e:  # an unknown TPU type, a value the JobSet cannot carry
@@ -778,10 +747,6 @@ def run(
     segment outlives the lease's TTL. A lease another Workflow holds now ends the segment (exit 2); it deletes its
     gang only when that holder is in another namespace or cluster (``lease.holder_elsewhere``).
 
-    Destructive acts and their evidence: the JobSet is deleted once the attempt's verdict is in the store (a
-    failure or stall the decision saw, with its evidence), or when the lease is held elsewhere (above); pods are
-    force-deleted only while Terminating on a node that is lost, after ``force_delete_grace_s``.
-
     Raises:
         StepError: The attempt cannot be supervised (its ``code`` is the exit code).
     """
@@ -792,7 +757,7 @@ def run(
     if isinstance(jobset, JobSetParams):
         where = next_placement(store, attempt, say)
         jobset = dataclasses.replace(jobset, prefer_pool=where.prefer, avoid_pool=where.avoid)
-    manifest = segment_manifest(cfg, jobset, attempt, store.url(RunLayout.CONFIG))
+    manifest = segment_manifest(cfg, jobset, store.url(RunLayout.CONFIG))
     port = (gang or kube_gang())(cfg, manifest, io.clock, say)
     renew = lease_renewal(store, holder, cfg.retry.lease_ttl_s, say, cfg.namespace) if holder else None
     level0 = None
@@ -887,10 +852,10 @@ def gone_record(jobset: str, attempt: int, hosts: int, gone: GangGone) -> Superv
     )
 
 
-def record_error(store_root: str, run_id: str, attempt: int, e: StepError) -> None:
-    """Leave the reason the attempt could not be supervised where classify-failure reads it."""
+def record_failure(args: argparse.Namespace, e: StepError) -> None:
+    """The step's failure record: the reason the attempt could not be supervised, where classify-failure reads it."""
     rec = SupervisionRecord(
-        attempt=attempt,
+        attempt=args.attempt,
         jobset="",
         outcome=AttemptOutcome.ERROR,
         exit_code=int(e.code),
@@ -898,7 +863,7 @@ def record_error(store_root: str, run_id: str, attempt: int, e: StepError) -> No
         detected_at=now(),
     )
     try:
-        RunStore(store_root, run_id).write_record(RunLayout.supervision(attempt), rec)
+        RunStore(args.store_root, args.run_id).write_record(RunLayout.supervision(args.attempt), rec)
     except store_errors() as err:
         print(f"train-segment: could not record the error in the run store: {err}", file=sys.stderr)
 
@@ -1002,11 +967,6 @@ def act(
     # The line a user reads first: the node's message in the Argo UI (recovery_steps.step.say_why).
     kind = f" ({record.stall_kind})" if record.stall_kind else ""
     return int(ExitCode.ATTEMPT_FAILED), f"attempt {record.attempt} {record.outcome}{kind}: {record.reason}"
-
-
-def record_failure(args: argparse.Namespace, e: StepError) -> None:
-    """The step's failure record: the reason the attempt could not be supervised, where classify-failure reads it."""
-    record_error(args.store_root, args.run_id, args.attempt, e)
 
 
 def step(**act_kw: Any) -> Step:

@@ -68,4 +68,4 @@ def segment_jobset(wf: Mapping[str, Any], substitute: Callable[[str], str] | Non
         return jobset_manifest(pinned_config(wf), params)
     args = ts.parser().parse_args(argv)
     cfg = pinned_config(wf, args.run_id)
-    return ts.segment_manifest(cfg, ts.segment_params(args), args.attempt, "config.json")
+    return ts.segment_manifest(cfg, ts.segment_params(args), "config.json")
