@@ -6,30 +6,9 @@ nothing heavy: the supervisor builds the ``Observation`` from the ``ClusterSnaps
 answers (``recovery_steps.kube_gang.KubeGang`` over the Kubernetes API, a cluster's or the local runner's), plus
 the clocks it keeps between observations.
 
-Why a supervisor has to decide at all (sources in ``docs/FAILURES.md``):
-
-- Job ``FailureTarget`` comes before ``Failed``, and ``Failed`` waits for every pod to be terminal
-  (Kubernetes >= 1.31, "Terminal Job conditions"); JobSet reacts to ``Failed`` only
-  (kubernetes-sigs/jobset ``jobset_controller.go``, jobset#979). A pod on an unreachable node never
-  becomes terminal, so ``FailureTarget`` is the failure.
-- A pod Pending on ``Insufficient google.com/tpu`` or a container waiting in ``ImagePullBackOff`` has no
-  exit code: no ``podFailurePolicy`` rule matches and the Job never fails.
-- A worker that is alive but makes no step fails nothing either; only its heartbeat tells.
-
-What a supervisor must not take for an end (sources in ``docs/FAILURES.md``):
-
-- A node NotReady is not lost yet: the kubelet reports "node is shutting down" as a graceful shutdown (Spot
-  reclaim, maintenance) begins, while the workers still save, and a kubelet restart flaps Ready; the pods'
-  failure follows within the shutdown window. Kubernetes itself waits 300 s before evicting.
-- A waiting reason is the kubelet's cached last failure while it retries a pull: it says nothing about how long
-  the current pull has taken.
-- A heartbeat that cannot be read (the store unreachable, a record of another schema) is not a worker that
-  stopped stepping: no hang is judged on it, and its hang clocks count only once it reads again (``read_clock``).
-  The cluster's evidence still ends the attempt meanwhile.
-- A view of the cluster that cannot be refreshed (a watch in error, a node that cannot be read: an API server
-  restarting) is an old view: only its terminal facts end the attempt, and every stall clock counts from when it
-  is current again (``view_clock``). A view that stays unreadable for ``STALE_VIEW_LIMIT_S`` ends the step as
-  transient, and the next supervisor re-attaches.
+Why a supervisor has to decide at all (a JobSet reacts to a Job's ``Failed`` only; a pull or a Pending pod fails no
+Job; a worker alive in a collective fails nothing), and what it must not take for an end (a node NotReady not yet
+lost, a kubelet's cached waiting reason, a heartbeat or a view it cannot read): docs/FAILURES.md, with the sources.
 """
 
 from __future__ import annotations
@@ -221,16 +200,7 @@ def read_clock(prev: HeartbeatRead | None, index: int, error: str | None, now: f
 
     A read that failed is never evidence of absence: the decision gives no hang verdict for a worker while its
     reads fail, and counts its hang clocks only from when they succeed again (the worker may not have been able to
-    write either).
-
-    Args:
-        prev: The state after the previous read (None: no read has failed).
-        index: The worker.
-        error: Why this read failed (None: it succeeded).
-        now: The observation's time.
-
-    Returns:
-        The state now; None while no read has failed.
+    write either). ``error``: why this read failed (None: it succeeded). None while no read has failed.
     """
     turned = _turned(prev, error, now)
     return prev if turned is None else HeartbeatRead(index=index, **turned)
@@ -242,15 +212,8 @@ def view_clock(prev: ReadState | None, error: str | None, now: float) -> ReadSta
     While the view is failing, what it holds may be old: only a terminal fact in it (a failed pod, a Job at
     ``FailureTarget``, a terminal JobSet, every worker succeeded) ends the attempt, and every stall clock counts
     only from when the view is current again (a Job controller that was down creates its pods late; a node whose
-    status could not be read may be fine).
-
-    Args:
-        prev: The state after the previous observation (None: no observation has failed).
-        error: Why the view is not current now (``ClusterSnapshot.unreadable``; None: it is).
-        now: The observation's time.
-
-    Returns:
-        The state now; None while no observation has failed.
+    status could not be read may be fine). ``error``: why the view is not current now (``ClusterSnapshot.unreadable``;
+    None: it is). None while no observation has failed.
     """
     turned = _turned(prev, error, now)
     return prev if turned is None else ReadState(**turned)
@@ -461,16 +424,7 @@ def wait_clock(prev: WaitClock | None, reason: str | None, message: str | None, 
     reason family or another cause), and stops when the container no longer waits on such a failure (it started,
     or is being created). ``ErrImagePull`` and ``ImagePullBackOff`` of the same cause are one failure: the kubelet
     alternates them on every try. A back-off message that names no cause (kubelet before 1.32) is the back-off of
-    the last pull error seen.
-
-    Args:
-        prev: The clock after the previous observation of this container (None: none running).
-        reason: The container's waiting reason now (None when it is not waiting).
-        message: The waiting message now.
-        now: The observation's time.
-
-    Returns:
-        The clock now, or None when the container is not waiting on a pull or creation failure.
+    the last pull error seen. None when the container is not waiting on a pull or creation failure.
     """
     if reason not in IMAGE_WAITING_REASONS:
         return None
@@ -792,14 +746,8 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
     after the Job's ``FailureTarget`` is a failure, not a node-lost stall; a pod the kubelet failed in a
     node shutdown is a failure, not a lost node); success needs every worker; stalls are checked from the
     most specific evidence (a container that cannot start, a node lost past its grace) to the least (no
-    room, no progress).
-
-    Args:
-        obs: The attempt as last observed.
-        deadlines: The ``supervision`` section of the job config.
-
-    Returns:
-        The verdict; ``running`` with the gang's state as reason while nothing has ended.
+    room, no progress). ``deadlines``: the config's ``supervision`` section. The verdict is ``running``, with the
+    gang's state as reason, while nothing has ended.
     """
     for check in (_failed(obs), _succeeded(obs), _trainer_ended(obs)):
         if check is not None:
