@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -53,11 +54,6 @@ class ClassifyResult:
     ledger: Ledger
     evidence: Evidence
     budget_exhausted: bool = False
-
-
-def _failure(line: str) -> StepError:
-    """classify-failure could not read or write the ledger: exit 1."""
-    return StepError(1, line)
 
 
 # Why a failed read ends the step: its gang may still run, and a closed attempt lets provision-slice delete it.
@@ -105,22 +101,14 @@ def run(
 ) -> ClassifyResult:
     """Classify attempt ``closing.ref.attempt`` of a run, close it in the ledger and decide what follows.
 
-    Args:
-        closing: The attempt (run-store root, run, number), its JobSet (GKE) or local slice name, and the
-            Workflow running it.
-        output_dir: where to write one file per output parameter (None: write nothing).
-        api_client: a kubernetes ApiClient (None: in-cluster config on GKE).
-        step_exit_code: exit code of a step that failed before the JobSet ran (e.g. 75), when known.
-        clock: epoch-seconds clock for ``closed_at``.
-
-    Returns:
-        The verdict, the decision, the attempt's record and the ledger as written.
+    ``output_dir``: one file per output parameter (None: nothing written); ``api_client``: None is the in-cluster
+    config; ``step_exit_code``: the code of a step that failed before the JobSet ran (e.g. 75), when known.
 
     Raises:
         StepError: the store could not be read or written, or the run has no usable config.
     """
     store = closing.ref.store()
-    with ledger_errors(store, _failure):
+    with ledger_errors(store, functools.partial(StepError, 1)):  # a ledger it cannot read or write: exit 1
         # The gang's newest attempt: its trainers may have been restarted in place (level 0) since it was created.
         gang_attempt = closing.ref.attempt
         attempt = current_attempt(store, gang_attempt)
@@ -205,11 +193,6 @@ def budget_exhausted(decision: RetryDecision, failure_class: FailureClass, retry
     """Whether the run stops because ``failure_class`` spent its budget (pure).
 
     A stop for another reason (the no-progress guard, the attempt cap) is not a spent budget.
-
-    Args:
-        decision: The retry decision for the attempt.
-        failure_class: The attempt's failure class.
-        retry: The run's retry policy (budgets per class).
     """
     return decision.decision == Decision.STOP and decision.failures_of_class > retry.budget(failure_class)
 
@@ -290,8 +273,6 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
 
 # A run store that cannot be reached for good (not transient) ends the step with 1, as a ledger it cannot write.
 STEP = Step("classify-failure", parser, act, ClassifyOutputs, store_code=1)
-
-
 main = STEP.main
 
 

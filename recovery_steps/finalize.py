@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import sys
@@ -58,7 +59,7 @@ from jaxrec.model.totals import RunTotals, run_totals
 from recovery_steps import lease
 from recovery_steps.attempts import checkpoint_step_before, newest_checkpoint_step
 from recovery_steps.retry import ledger_errors, update_ledger, with_attempt
-from recovery_steps.step import Step, StepError, k8s_client
+from recovery_steps.step import Step, StepError, api_failures, k8s_client
 
 log = logging.getLogger(__name__)
 
@@ -206,19 +207,9 @@ def run(
     outcome 'succeeded' and its checkpoint steps. Otherwise, with ``closes_open`` (this Workflow holds the run and
     its exit handler stops the gang), the newest attempt when it is still open (not in the ledger, or resupervised)
     is closed as 'stopped' with the reason the run ended: no failure class, no budget charged, and the ledger
-    still lists every attempt the store holds.
-
-    Args:
-        store: the run's store.
-        status: Argo's workflow status (Succeeded, Failed, Error).
-        failures: Argo's ``{{workflow.failures}}`` JSON, if any.
-        output_dir: where to write ``final-status`` (None: nowhere).
-        closes_open: close an open newest attempt as 'stopped' when the run did not succeed.
-        clock: epoch-seconds clock.
-        workflow: the Workflow ending (``{{workflow.name}}``), named on the attempt it closes (None: not known).
-
-    Returns:
-        The final status ('Succeeded' or 'Failed'), the reason and the ledger as written.
+    still lists every attempt the store holds. ``status`` is Argo's workflow status (Succeeded, Failed, Error),
+    ``failures`` its ``{{workflow.failures}}`` JSON; ``workflow`` (``{{workflow.name}}``, None: not known) is named
+    on the attempt it closes.
 
     Raises:
         StepError: the run store cannot be read or written (exit 1, the message says which); the run was never
@@ -227,7 +218,7 @@ def run(
     final = SUCCEEDED if status == SUCCEEDED else FAILED
     run_id = store.run_id
     failed_nodes = parse_failures(failures)
-    with ledger_errors(store, _failure):
+    with ledger_errors(store, functools.partial(StepError, 1)):  # a run store it cannot read or write: exit 1
         if store.read_bytes(RunLayout.CONFIG) is None:
             # A ledger here would be the first document of a run that does not exist (a mistyped root or id).
             why = f" ({final_reason(final, Ledger(run_id=run_id), failed_nodes)})" if failed_nodes else ""
@@ -299,9 +290,6 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
             that deletes the gang by hand.
         StoreUnavailable: The run's config could not be read (transient).
     """
-    import urllib3
-    from kubernetes import client
-
     run_id = store.run_id
     try:
         with transient_as_unavailable(store.url()):
@@ -313,7 +301,7 @@ def stop_gang(store: RunStore, status: str, *, api_client: Any = None, k8s_host:
     try:
         api_client = api_client or k8s_client(k8s_host, fix=by_hand)
         deleted, going, _ = delete_run_jobsets(api_client, ns, run_id)
-    except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
+    except api_failures() as e:
         code = api_exit_code(e)
         then = "Argo retries this step" if code == ExitCode.TRANSIENT else by_hand
         raise StepError(code, f"could not stop run {run_id}'s gang: {api_error_line(e)}; {then}") from None
@@ -428,15 +416,8 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
     return int(code), "\n".join(lines)
 
 
-def _failure(line: str) -> StepError:
-    """The run store could not be read or written: exit 1."""
-    return StepError(1, line)
-
-
 # A run store that cannot be reached for good (not transient) ends the step with 1.
 STEP = Step("finalize", parser, act, FinalizeOutputs, store_code=1)
-
-
 main = STEP.main
 
 

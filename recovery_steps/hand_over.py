@@ -1,22 +1,9 @@
 """``hand-over``: continue the run in a new Workflow of the same run id before this one nests too deep.
 
-Every attempt of a Workflow is two template calls deeper than the one before (``attempt`` and ``segment``; a
-re-attached supervisor one more), and Argo refuses the call whose depth reaches 100 (``model.config``:
-``ARGO_MAX_DEPTH``, counted as ``segment_pod_depth`` counts it); every attempt also adds its nodes to the Workflow
-object. After ``retry.attempts_per_workflow`` attempts, or sooner by depth, classify-failure decides ``hand-over``
-instead of ``retry``, and this step:
-
-1. creates the continuation Workflow ``<run-id>-c<attempt>`` from this Workflow's own spec (same arguments,
-   same config), labelled with the run id and ``jaxrec/continues=<this workflow>``, with an Argo UI title and a
-   description that links back; a retried hand-over finds the one it created (the name is deterministic);
-2. names the continuation in its output parameter ``continuation`` (shown on this Workflow's hand-over node;
-   patching this Workflow's own description would need ``workflows patch``, a right the steps do without);
-3. passes the run lease to the continuation's uid, so this Workflow's exit handler leaves the run's ledger
-   alone and the continuation's validate-config renews the lease instead of waiting for it;
-4. appends the hand-over to the ledger: validate-config of the continuation continues the attempt numbering
-   from the ledger, the budgets count the ledger's attempts, and the history stays in one place.
-
-The continuation waits on the run's Argo mutex until this Workflow has ended (argo docs "Synchronization").
+Why (the depth Argo refuses, ``model.config.ARGO_MAX_DEPTH``) and what the continuation is: docs/DEPLOY.md. A
+retried hand-over finds the continuation it created (the name is deterministic). The continuation is named in the
+output ``continuation``, not in this Workflow's description: patching it would need ``workflows patch``, a right
+the steps do without. Passing the run lease lets the continuation's validate-config renew it instead of waiting.
 Locally the runner stands in for the API server: this step names the continuation and makes its uid, and the
 runner starts it when this Workflow has ended.
 
@@ -32,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -42,13 +30,7 @@ from typing import Any
 from jaxrec.adapters import cli
 from jaxrec.adapters.documents import read_ledger, read_run_config
 from jaxrec.adapters.kube import Kube
-from jaxrec.adapters.store import (
-    AttemptRef,
-    Contended,
-    RunLayout,
-    RunStore,
-    transient_as_unavailable,
-)
+from jaxrec.adapters.store import AttemptRef, Contended, RunLayout, RunStore, transient_as_unavailable
 from jaxrec.model.config import ConfigError, JobConfig
 from jaxrec.model.contract import Backend, ExitCode
 from jaxrec.model.names import (
@@ -118,14 +100,6 @@ def continuation_manifest(own: Mapping[str, Any], name: str, run_id: str, attemp
 _RBAC_HINT = "; the workflow's ServiceAccount needs workflows get and create (apply argo/rbac.yaml)"
 
 
-def _configuration(line: str) -> StepError:
-    return StepError(ExitCode.CONFIGURATION, line)
-
-
-def _api_error(e: Any, what: str) -> StepError:
-    return api_error(e, doing=what, refused_hint=_RBAC_HINT)
-
-
 def create_on_gke(
     api_client: Any, namespace: str, own_name: str, own_uid: str, run_id: str, attempt: int
 ) -> Continuation:
@@ -154,7 +128,7 @@ def create_on_gke(
                 )
             log.info("continuation %s already exists (a retried hand-over)", name)
     except api_failures() as e:
-        raise _api_error(e, doing) from None
+        raise api_error(e, doing=doing, refused_hint=_RBAC_HINT) from None
     return Continuation(made["metadata"]["name"], made["metadata"]["uid"])
 
 
@@ -238,7 +212,10 @@ def run(
     """
     store = ref.store()
     run_id, attempt, workflow, workflow_uid = ref.run_id, ref.attempt, own.name, own.uid
-    with ledger_errors(store, _configuration), transient_as_unavailable(store.url()):
+    with (
+        ledger_errors(store, functools.partial(StepError, ExitCode.CONFIGURATION)),
+        transient_as_unavailable(store.url()),
+    ):
         try:
             cfg: JobConfig = read_run_config(store)
         except ConfigError as e:
@@ -247,7 +224,6 @@ def run(
         read_ledger(store)  # a damaged ledger is refused before a continuation is created
         to = create_on_gke(api_client or k8s_client(None), cfg.namespace, workflow, workflow_uid, run_id, attempt)
         pass_lease(store, workflow_uid, to, cfg.retry.lease_ttl_s, first_attempt=attempt, clock=clock)
-        backend = Backend.of(cfg.slice)
         record(
             store,
             HandOver(
@@ -257,7 +233,7 @@ def run(
                 to_uid=to.uid,
                 next_attempt=attempt,
                 at=clock(),
-                backend=backend,
+                backend=Backend.of(cfg.slice),
             ),
         )
     if output_dir is not None:
@@ -293,8 +269,6 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
 
 # A run store that cannot be reached for good (not transient) ends the step with 1.
 STEP = Step("hand-over", parser, act, HandOverOutputs, store_code=1)
-
-
 main = STEP.main
 
 
