@@ -39,11 +39,7 @@ REFUSED_HINT = ": check argo/rbac.yaml is applied and the JobSet CRD is installe
 
 
 def api_error(
-    e: BaseException,
-    *,
-    doing: str = "",
-    transient_hint: str = "",
-    refused_hint: str = REFUSED_HINT,
+    e: BaseException, *, doing: str = "", transient_hint: str = "", refused_hint: str = REFUSED_HINT
 ) -> StepError:
     """A failed Kubernetes API call as the step's error: the one mapping (``adapters.kube.api_exit_code``), one line.
 
@@ -97,13 +93,6 @@ def load_run_config(store_root: str, run_id: str, *, check_ledger: bool = True) 
     return cfg
 
 
-def k8s_config_errors() -> tuple[type[BaseException], ...]:
-    """What building a Kubernetes client raises when there is no in-cluster config and no kubeconfig."""
-    from kubernetes.config.config_exception import ConfigException
-
-    return (ConfigException,)
-
-
 def k8s_client(host: str | None, *, fix: str = "run in the cluster or give --k8s-host") -> Any:
     """The steps' one Kubernetes client factory (``adapters.kube.make_api_client``).
 
@@ -112,11 +101,13 @@ def k8s_client(host: str | None, *, fix: str = "run in the cluster or give --k8s
     Raises:
         StepError: No in-cluster config, no kubeconfig and no ``host``.
     """
+    from kubernetes.config.config_exception import ConfigException  # no in-cluster config and no kubeconfig
+
     from jaxrec.adapters.kube import make_api_client
 
     try:
         return make_api_client(host)
-    except k8s_config_errors() as e:
+    except ConfigException as e:
         detail = " ".join(str(e).split())[:200]
         raise StepError(ExitCode.CONFIGURATION, f"no Kubernetes API: {type(e).__name__}: {detail}; {fix}") from None
 
@@ -163,11 +154,7 @@ class Step:
 
 
 def run_step(
-    step: Step,
-    args: argparse.Namespace,
-    *,
-    out: Callable[[str], None] = print,
-    err: Callable[[str], None] = _stderr,
+    step: Step, args: argparse.Namespace, *, out: Callable[[str], None] = print, err: Callable[[str], None] = _stderr
 ) -> int:
     """The step after its arguments: act, print its outputs, and map every failure to one line and its exit code."""
     from jaxrec.adapters.cli import store_error_line
