@@ -9,7 +9,8 @@ that first one is only a symptom of a lost peer (20, SIGABRT) it looks for the c
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from jaxrec.model.contract import (
@@ -502,9 +503,7 @@ def _precheck(ev: Evidence) -> Verdict | None:
     refused = _refused(ev)
     if refused is not None and (supervised is None or supervised.failure_class is FailureClass.CAPACITY):
         # Pods that were never created leave the supervisor only a count of missing pods: the Job says why.
-        return Verdict(
-            refused.failure_class, refused.reason, refused.evidence + (supervised.evidence if supervised else [])
-        )
+        return replace(refused, evidence=refused.evidence + (supervised.evidence if supervised else []))
     if supervised is not None:
         return supervised
     waiting = _cannot_start(ev, permanent=True) or _never_ran(ev)
@@ -576,27 +575,19 @@ def _cannot_start(ev: Evidence, *, permanent: bool) -> Verdict | None:
             if pull_failure_is_permanent(c.waiting_reason, cause) != permanent:
                 continue
             line = f"pod {p.name}: container {c.name} waiting: {c.waiting_reason}: {one_line(c.waiting_message)}"
+            what = f"worker {p.worker_index} (pod {p.name})"
+            waiting = f"{c.waiting_reason} ({one_line(c.waiting_message, 100)})"
             if not permanent:
-                return Verdict(
-                    FailureClass.INFRASTRUCTURE,
-                    f"worker {p.worker_index} (pod {p.name}) could not start: {c.waiting_reason}"
-                    f" ({one_line(c.waiting_message, 100)}); a registry, network or runtime fault the kubelet was "
-                    "still retrying. Retried on a fresh slice.",
-                    [line],
-                    first_worker=p.worker_index,
-                    cause_worker=p.worker_index,
-                )
-            fix = "check the image name and tag, and the node pool's pull access"
-            if c.waiting_reason in CONTAINER_CONFIG_ERRORS:
-                fix = "check the pod's ConfigMaps, Secrets and env"
-            return Verdict(
-                FailureClass.CONFIGURATION,
-                f"worker {p.worker_index} (pod {p.name}) cannot start: {c.waiting_reason}"
-                f" ({one_line(c.waiting_message, 100)}); {fix}. Retrying will not help.",
-                [line],
-                first_worker=p.worker_index,
-                cause_worker=p.worker_index,
-            )
+                cls = FailureClass.INFRASTRUCTURE
+                reason = f"{what} could not start: {waiting}; a registry, network or runtime fault the kubelet was "
+                reason += "still retrying. Retried on a fresh slice."
+            else:
+                fix = "check the image name and tag, and the node pool's pull access"
+                if c.waiting_reason in CONTAINER_CONFIG_ERRORS:
+                    fix = "check the pod's ConfigMaps, Secrets and env"
+                cls = FailureClass.CONFIGURATION
+                reason = f"{what} cannot start: {waiting}; {fix}. Retrying will not help."
+            return Verdict(cls, reason, [line], first_worker=p.worker_index, cause_worker=p.worker_index)
     return None
 
 
@@ -620,30 +611,20 @@ def _never_ran(ev: Evidence) -> Verdict | None:
 def classify(evidence: Evidence) -> Verdict:
     """Classify a failed attempt from its evidence (pure; no I/O).
 
-    Args:
-        evidence: what the adapters gathered (pods, nodes, Jobs, worker reports, the supervisor's record).
-
     Returns:
         The class, a one-line reason naming the worker, node and code, and the evidence lines used.
     """
     pre = _precheck(evidence)
     if pre is not None:
         # What the adapters could not read (events skipped, a snapshot used) belongs to every verdict's evidence.
-        notes = [f"note: {n}" for n in evidence.notes]
-        return Verdict(pre.failure_class, pre.reason, pre.evidence + notes, pre.first_worker, pre.cause_worker)
+        return replace(pre, evidence=pre.evidence + [f"note: {n}" for n in evidence.notes])
     obs = [o for o in _observations(evidence) if o.failed()]
     context = _context_lines(evidence)
     if not obs:
         # A pull the kubelet was still retrying explains an attempt only when no worker failed.
         waiting = _cannot_start(evidence, permanent=False)
         if waiting is not None:
-            return Verdict(
-                waiting.failure_class,
-                waiting.reason,
-                waiting.evidence + context,
-                waiting.first_worker,
-                waiting.cause_worker,
-            )
+            return replace(waiting, evidence=waiting.evidence + context)
         return Verdict(
             FailureClass.UNKNOWN,
             f"{_unexplained(evidence)}; no worker exit code, pod status or exit report explains attempt "
@@ -714,10 +695,7 @@ def _reason(cf: _Finding, cause: _Obs, first: _Obs, f: _Finding, obs: list[_Obs]
         text += "; no application cause found on any worker"
     rest = [o for o in obs if o is not cause and o is not first]
     if rest:
-        kinds: dict[str, int] = {}
-        for o in rest:
-            k = _exit_text(o)
-            kinds[k] = kinds.get(k, 0) + 1
+        kinds = Counter(_exit_text(o) for o in rest)
         text += "; then " + ", ".join(f"{n}x {k}" for k, n in kinds.items())
     return text + f". {CLASS_INFO[cf.cls].advice}"
 
