@@ -99,8 +99,6 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
 
 
 STEP = Step("give-up", parser, act)
-
-
 main = STEP.main
 
 

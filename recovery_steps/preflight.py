@@ -139,12 +139,7 @@ class ApiAnswer:
 
 
 def cluster_problems(cfg: JobConfig, answers: dict[str, ApiAnswer]) -> list[Problem]:
-    """Pure: the problems the API's answers show (keys as ``cluster_queries`` names them).
-
-    Args:
-        cfg: The job config (namespace, service accounts).
-        answers: Query key -> what the API answered.
-    """
+    """Pure: the problems the API's answers show (``answers``: query key -> what the API answered)."""
     ns = cfg.namespace
     problems = []
     a = answers.get("namespace")
@@ -190,7 +185,7 @@ def worker_pod_template(cfg: JobConfig) -> dict[str, Any]:
     return jobset_manifest(cfg, params)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
 
 
-def dry_run_problems(cfg: JobConfig, status: int, message: str) -> list[Problem]:
+def dry_run_problems(status: int, message: str) -> list[Problem]:
     """Pure: what the API server's answer to the worker pod's dry-run create says (``status`` 201: admitted).
 
     A refusal is read as the supervisor reads a Job's FailedCreate (``supervision.pod_refusal``): one the
@@ -289,7 +284,7 @@ def check_cluster(cfg: JobConfig, api_client: Any) -> list[Problem]:
         except ApiException as e:
             if e.status == 429 or e.status >= 500:
                 raise
-            return ApiAnswer(e.status, _status_reason(e))
+            return ApiAnswer(e.status, _status(e, "reason"))
         if not got:
             return ApiAnswer(404, "NotFound")
         labels = (got.get("metadata") or {}).get("labels") if isinstance(got, dict) else None
@@ -341,22 +336,16 @@ def dry_run_worker_pod(cfg: JobConfig, kube: Kube) -> list[Problem]:
     except ApiException as e:
         if e.status == 429 or e.status >= 500:
             raise
-        if e.status == 403 and "cannot create resource" in _status_message(e):
+        if e.status == 403 and "cannot create resource" in _status(e, "message"):
             return []  # RBAC, not admission: the access review of create pods says it
-        return dry_run_problems(cfg, e.status, _status_message(e))
+        return dry_run_problems(e.status, _status(e, "message"))
     return []
 
 
-def _status_message(e: Any) -> str:
+def _status(e: Any, field: str) -> str:
+    """A field (``message``, ``reason``) of the ``Status`` an ``ApiException`` carries; else its HTTP reason."""
     try:
-        return str(json.loads(e.body).get("message") or e.reason)
-    except (TypeError, ValueError):
-        return str(e.reason)
-
-
-def _status_reason(e: Any) -> str:
-    try:
-        return str(json.loads(e.body).get("reason") or e.reason)
+        return str(json.loads(e.body).get(field) or e.reason)
     except (TypeError, ValueError):
         return str(e.reason)
 

@@ -56,8 +56,7 @@ from recovery_steps.step import Step, StepError, api_error, api_failures, k8s_cl
 log = logging.getLogger(__name__)
 
 GKE_COORDINATOR_PORT = 8476
-# Labels GKE sets on a node while host maintenance runs (values other than these mean "active").
-MAINTENANCE_LABELS = (ACTIVE_MAINTENANCE_LABEL,)
+# The label GKE sets on a node while host maintenance runs: a value other than these means "active".
 _INACTIVE = {"", "false", "none", "0"}
 
 
@@ -118,11 +117,9 @@ def node_problems(
 ) -> list[str]:
     """Why ``node`` cannot run a worker now (empty: healthy).
 
-    Args:
-        node: The node, as the snapshot holds it.
-        tolerated: Taint keys the workers tolerate (GKE's ``google.com/tpu`` taint, Spot).
-        policy: Chips each worker needs and the maintenance window (None: health only).
-        other_runs: The other runs whose live worker pods sit on the node (with ``policy``).
+    ``tolerated``: taint keys the workers tolerate (GKE's ``google.com/tpu`` taint, Spot); ``policy``: chips each
+    worker needs and the maintenance window (None: health only); ``other_runs``: the other runs whose live worker
+    pods sit on the node (with ``policy``).
     """
     problems = []
     if node.ready is not True:
@@ -132,10 +129,9 @@ def node_problems(
     for key, effect in node.taint_effects:
         if effect in ("NoSchedule", "NoExecute") and key not in tolerated:
             problems.append(f"taint {key}:{effect}")
-    for label in MAINTENANCE_LABELS:
-        value = node.labels.get(label)
-        if value is not None and value.lower() not in _INACTIVE:
-            problems.append(f"under maintenance ({label}={value})")
+    value = node.labels.get(ACTIVE_MAINTENANCE_LABEL)
+    if value is not None and value.lower() not in _INACTIVE:
+        problems.append(f"under maintenance ({ACTIVE_MAINTENANCE_LABEL}={value})")
     if policy is not None:
         if node.allocatable_tpu is not None and node.allocatable_tpu < policy.chips_per_host:
             problems.append(f"allocatable {TPU_RESOURCE} {node.allocatable_tpu} < {policy.chips_per_host}")
@@ -221,13 +217,7 @@ def unsupervised_gang(store: RunStore, attempt: int) -> Callable[[dict[str, Any]
 
 
 def wait_pods_gone(
-    api_client: Any,
-    namespace: str,
-    run_id: str,
-    *,
-    timeout_s: float,
-    poll_s: float = 2.0,
-    keep: Sequence[str] = (),
+    api_client: Any, namespace: str, run_id: str, *, timeout_s: float, poll_s: float = 2.0, keep: Sequence[str] = ()
 ) -> None:
     """Wait until no worker pod of the run is left but those of the ``keep`` JobSets.
 
@@ -375,21 +365,11 @@ def run(
     options: ProvisionOptions = ProvisionOptions(),
     holder: lease.Claimant | None = None,
 ) -> dict[str, str]:
-    """Provision the slice of attempt ``ref.attempt`` and write the outputs.
+    """Provision the slice of attempt ``ref.attempt``; write the outputs and return them.
 
-    Args:
-        ref: The run store's root, the run id and the attempt.
-        output_dir: Where the output parameter files go.
-        api_client: A kubernetes ``ApiClient`` (GKE backend); built from ``k8s_host`` or the pod's
-            service account when None.
-        k8s_host: API server URL for the client built here.
-        options: Whether zero matching nodes is a capacity problem, and how long to wait for old worker pods.
-        holder: The workflow (its uid and name): the run lease is renewed for it before anything is deleted,
-            naming where it runs as read here (another live holder: StepError, configuration, and nothing is
-            touched).
-
-    Returns:
-        The outputs written.
+    ``api_client``: built from ``k8s_host`` or the pod's service account when None. ``holder``: the workflow (its
+    uid and name) the run lease is renewed for before anything is deleted, naming where it runs as read here
+    (another live holder: StepError, configuration, and nothing is touched).
 
     Raises:
         StepError: Not provisioned; its ``code`` is the exit code.
@@ -452,8 +432,6 @@ def record_failure(args: argparse.Namespace, e: StepError) -> None:
 
 # A run store that refuses (not a transient answer: those are 69, retried) ends the step with 1.
 STEP = Step("provision-slice", parser, act, ProvisionOutputs, record_failure, store_code=1)
-
-
 main = STEP.main
 
 

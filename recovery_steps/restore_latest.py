@@ -64,8 +64,6 @@ def act(args: argparse.Namespace) -> tuple[int, str]:
 
 # A store that answers with an error other than unavailability is not retried (exit 1), as before the skeleton.
 STEP = Step("restore-latest", parser, act, outputs=RestoreOutputs, store_code=1)
-
-
 main = STEP.main
 
 

@@ -121,11 +121,7 @@ def decide(
 ) -> RetryDecision:
     """Retry or stop after ``current`` failed, given the attempts closed before it.
 
-    Args:
-        previous: the ledger's attempts (an entry with ``current.attempt`` is ignored: re-runs are idempotent).
-        current: the attempt being closed, with its class and checkpoint steps before and after.
-        cfg: budgets per class, backoff, no-progress guard and the attempt cap.
-        resupervised: supervisors re-attached in ``current.workflow`` so far (each nests one template call deeper).
+    ``previous``: the ledger's attempts (an entry with ``current.attempt`` is ignored: re-runs are idempotent).
 
     Returns:
         The decision, a reason that names the budget when it stops, the backoff and the counts by class. A
@@ -186,23 +182,12 @@ def workflow_attempts(attempts: Sequence[AttemptRecord], workflow: str | None) -
 
 
 def update_ledger(
-    store: RunStore,
-    mutate: Callable[[Ledger], Ledger],
-    *,
-    tries: int = 20,
-    sleep: Callable[[float], None] = time.sleep,
+    store: RunStore, mutate: Callable[[Ledger], Ledger], *, tries: int = 20, sleep: Callable[[float], None] = time.sleep
 ) -> Ledger:
     """Read-modify-write ``ledger.json`` under a generation precondition; retry when it lost a race.
 
-    Args:
-        store: the run store.
-        mutate: builds the new ledger from the current one (called again after each lost race); the very
-            ledger it was given back writes nothing.
-        tries: attempts before giving up.
-        sleep: pause between tries (a parameter so tests need not wait).
-
-    Returns:
-        The ledger as written (as read, where nothing changed).
+    ``mutate`` builds the new ledger from the current one (called again after each lost race); the very ledger it
+    was given back writes nothing. Returns the ledger as written (as read, where nothing changed).
 
     Raises:
         Contended: every try lost its race (a ``PreconditionFailed``).
@@ -235,11 +220,7 @@ def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterato
     """Turn a failure to read or update the ledger into ``error(one-line message)``.
 
     A transient one (unreachable, HTTP 429/5xx) becomes ``StoreUnavailable``: the step exits ``transient`` and
-    Argo retries it, outside every failure-class budget.
-
-    Args:
-        store: The run store the ledger lives in (named in the message).
-        error: Builds the exception the step raises (its own failure type).
+    Argo retries it, outside every failure-class budget. ``error`` builds the step's own failure type.
     """
     try:
         yield

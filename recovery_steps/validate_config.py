@@ -42,7 +42,7 @@ from jaxrec.model.contract import ExitCode
 from jaxrec.model.outputs import ValidateOutputs
 from jaxrec.model.records import RunConfigDocument
 from recovery_steps.attempts import left_open
-from recovery_steps.step import Step, StepError, api_failures, k8s_client
+from recovery_steps.step import Step, StepError, api_error, api_failures, k8s_client
 
 log = logging.getLogger(__name__)
 
@@ -178,14 +178,10 @@ def run(
         hosts=cfg.slice.num_hosts,
         first_attempt=first_attempt,
     )
-    if dry_run:
-        return ValidateResult(ExitCode.OK, messages, outputs)
-    refused = _write_config(store, doc, stored, generation, replace_old)
-    return (
-        ValidateResult(ExitCode.OK, messages, outputs)
-        if refused is None
-        else ValidateResult(ExitCode.CONFIGURATION, [*messages, refused])
-    )
+    refused = None if dry_run else _write_config(store, doc, stored, generation, replace_old)
+    if refused is not None:
+        return ValidateResult(ExitCode.CONFIGURATION, [*messages, refused])
+    return ValidateResult(ExitCode.OK, messages, outputs)
 
 
 def _write_config(
@@ -366,8 +362,6 @@ def _clear_give_up_marks(cfg: JobConfig, workflow: str, k8s_host: str | None) ->
 
 
 STEP = Step("validate-config", parser, act, ValidateOutputs)
-
-
 main = STEP.main
 
 
@@ -405,10 +399,8 @@ def _gang_running(api_client: Any, cfg: JobConfig) -> Callable[[int], bool]:
     failed is not "not running", or the numbering would move past a live gang that the next provision-slice then
     refuses to delete and the run stops.
     """
-    from jaxrec.adapters.kube import Kube
     from jaxrec.model.names import jobset_name
     from jaxrec.model.snapshot import jobset_from_api
-    from recovery_steps.step import api_error
 
     def running(attempt: int) -> bool:
         name = jobset_name(cfg.run_id, attempt)
