@@ -1,20 +1,9 @@
 """Level 0 of the recovery ladder: the segment's supervisor restarts every trainer in its running pod.
 
-When an attempt's trainer fails while every pod of the gang still runs (its agent holds it, ``trainer.agent``) and
-every host was seen healthy, the supervisor classifies the failure as classify-failure would (the same evidence,
-``recovery_steps.closing``, and ``classify``), and asks the one ladder (``model.jobset.ladder``) for the rung. At
-level 0, with the class's retry allowed (``retry.decide``):
-
-1. it orders every agent to stop its trainer for attempt n+1 (``RestartOrder`` STOP) and waits until each says it
-   has (``AgentState`` STOPPED: the process was SIGKILLed, has exited and released its devices), ``STOP_BOUND_S`` at
-   most;
-2. meanwhile, it closes attempt n in the ledger with its class, evidence and ``level`` 0, as classify-failure
-   closes one;
-3. and chooses the step to restore as restore-latest does (``adapters.restore.run``: verified, the bad
-   quarantined), recorded for attempt n+1;
-4. once all three are done, it orders the agents to start attempt n+1 from that step (``RestartOrder`` START),
-   and supervises it.
-
+When, how and what it costs: docs/FAILURES.md, "Level 0, restarting in place". The supervisor classifies as
+classify-failure would (``recovery_steps.closing``, ``classify``), asks the one ladder (``model.jobset.ladder``) for
+the rung and, at level 0 with the class's retry allowed (``retry.decide``), orders the agents to stop
+(``RestartOrder`` STOP), closes the attempt and chooses the step meanwhile, then orders them to start (START).
 Anything else (a pod ended, a host lost, a class no restart answers, a budget spent, agents that did not stop in
 time) tells the agents to exit with their trainers' codes and goes the full way round: the segment ends, and
 classify-failure closes the attempt (the gang's newest one: the order names it).

@@ -1,20 +1,9 @@
 """Preflight: before the slice is paid for, check that the run can use its store and its cluster objects.
 
-Run by ``validate-config --preflight true`` (the first step of every submission). Checks:
-
-- the run store: read the bucket's metadata (``storage.buckets.get``: orbax's ``CheckpointManager`` calls it when
-  it opens an existing checkpoint directory and after deleting old steps, orbax-checkpoint 0.12.x
-  ``_src/path/gcs_utils.py`` and ``step.py``), then write, read and delete one object under the run;
-- on GKE: the namespace, the JobSet CRD, the workflow's and the workers' ServiceAccounts, and (by
-  ``SelfSubjectAccessReview``, which every authenticated identity may create) each verb the steps use;
-- once those pass, one worker pod as the config renders it, created with ``dryRun=All``: every admission plugin
-  and webhook judges it (Pod Security, GKE Autopilot's policies on hostPath and privilege, Gatekeeper or Kyverno,
-  LimitRange) and nothing is stored. A refusal the Job controller would meet on every retry is said here, before
-  any slice is provisioned (``dry_run_problems``).
-
-A missing permission or object is class ``configuration``: one line names it and the command that fixes it.
-An unreachable store or API server is ``transient`` (Argo retries the step). The decisions over the results
-are pure (``verdict``); the adapters do the I/O.
+Run by ``validate-config --preflight true``. What it checks, and why orbax needs ``storage.buckets.get``:
+docs/DEPLOY.md, "Preflight". A missing permission or object is class ``configuration``: one line names it and the
+command that fixes it. An unreachable store or API server is ``transient`` (Argo retries the step). The decisions
+over the results are pure (``cluster_problems``, ``dry_run_problems``); the adapters do the I/O.
 
 Destructive acts: none. It writes and removes only a probe object of its own (a fresh random name) in the store,
 and its cluster checks are reads, access reviews and a dry-run create (which the API server never persists).

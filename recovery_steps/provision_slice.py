@@ -3,13 +3,9 @@
 Every slice: delete the run's old JobSets through the Kubernetes API and wait until their pods are gone. A TPU
 slice: check its nodes. The CPU slice: pick free ports.
 
-Outputs (``<output-dir>/<name>``): ``jobset-name``, ``coordinator-port``, ``metrics-port``.
 Exit codes: 0 ready; 75 capacity not there yet (Argo retries with backoff); 2 configuration
-(the run has no validated config, RBAC or the JobSet CRD missing: retrying cannot help).
-
-Zero matching nodes counts as ready by default: multi-host TPU node pools with autoscaling
-scale from zero as one unit when the JobSet's pods are pending. ``--require-nodes`` makes zero
-nodes a capacity problem (fixed-size node pools).
+(the run has no validated config, RBAC or the JobSet CRD missing: retrying cannot help). Zero matching nodes
+counts as ready unless ``--require-nodes`` (docs/DEPLOY.md: autoscaled TPU pools scale from zero).
 
 Destructive acts and their evidence: it deletes JobSets labelled with the run id and no others: a finished one,
 and a live one of an earlier attempt that a supervisor decided or the ledger closed (both read from the step's

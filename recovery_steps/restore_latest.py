@@ -1,8 +1,6 @@
 """``restore-latest``: choose the newest verified checkpoint, quarantine bad ones, and say which step to restore.
 
-Usage: ``python -m recovery_steps.restore_latest --store-root R --run-id ID --attempt N --output-dir D``.
-Outputs: ``restore-step`` (-1 for a fresh start), ``restore-path`` and ``skipped`` (JSON list of
-``{step, name, reason}``); the decision is also recorded in ``attempts/<n>/restore.json``.
+Arguments and outputs: docs/CONTRACTS.md; the decision is also recorded in ``attempts/<n>/restore.json``.
 
 Destructive acts and their evidence: it deletes nothing. A step directory moves to ``quarantine/`` (with a file
 saying why) only on positive evidence against it, read after every candidate was inspected: a file its own

@@ -1,11 +1,9 @@
 """``validate-config``: validate a job config once, pin it in the run store, and check it against the run's past.
 
-Usage: ``python -m recovery_steps.validate_config --config FILE [--store-root R] [--run-id ID] [--accept-safe-changes]
---output-dir D``. Outputs: ``run-id``, ``store-root``, ``config-hash``, ``hosts``, ``first-attempt``.
-``--offline`` validates the config alone and touches no store (outputs without ``first-attempt``).
-With ``--preflight true`` (the workflow's template) it first checks the permissions and cluster objects the
-run needs (``recovery_steps.preflight``), before any slice is provisioned; with ``--holder`` it takes the run
-lease (``recovery_steps.lease``) for that workflow.
+Arguments and outputs: docs/CONTRACTS.md. ``--offline`` validates the config alone and touches no store (outputs
+without ``first-attempt``). With ``--preflight true`` (the workflow's template) it first checks the permissions and
+cluster objects the run needs (``recovery_steps.preflight``), before any slice is provisioned; with ``--holder`` it
+takes the run lease (``recovery_steps.lease``) for that workflow.
 
 Destructive acts and their evidence: none of its own. It replaces ``config.json`` only under the generation it read
 (the replaced one is kept as ``config.<hash>.json``), and it takes the run lease only after the config compared
