@@ -13,10 +13,10 @@ lost, a kubelet's cached waiting reason, a heartbeat or a view it cannot read): 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import signal
-from collections.abc import Sequence
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -26,7 +26,6 @@ from jaxrec.model.contract import AttemptOutcome, ExitCode, FailureClass, StallK
 from jaxrec.model.records import STARTUP_MARGIN, AgentState, SupervisionRecord, WorkerPhase
 from jaxrec.model.snapshot import (
     ClusterSnapshot,
-    Condition,
     JobEvidence,
     JobSetEvidence,
     NodeEvidence,
@@ -284,19 +283,9 @@ class Observation(_Rec):
         return self.snapshot.live_jobset
 
     @property
-    def jobset_exists(self) -> bool:
-        """Whether the attempt's JobSet exists."""
-        return self.jobset is not None
-
-    @property
     def jobset_terminal_state(self) -> str | None:
         """``status.terminalState`` of the JobSet."""
         return self.jobset.terminal_state if self.jobset else None
-
-    @property
-    def jobset_conditions(self) -> list[Condition]:
-        """The JobSet's conditions."""
-        return self.jobset.conditions if self.jobset else []
 
     @property
     def jobs(self) -> list[JobEvidence]:
@@ -438,13 +427,8 @@ def wait_clock(prev: WaitClock | None, reason: str | None, message: str | None, 
     return WaitClock(key=key, since=now, cause=cause)
 
 
-def _live(pods: Sequence[PodEvidence]) -> list[PodEvidence]:
-    # A pod being deleted while its node is healthy is on its way out; count what the Job counts.
-    return [p for p in pods if not p.ended]
-
-
 def _failed(obs: Observation) -> Verdict | None:
-    if not obs.jobset_exists:
+    if obs.jobset is None:
         return Verdict(state=AttemptOutcome.FAILED, reason="the attempt's JobSet was deleted by someone else")
     # FailureTarget is the Job controller's verdict; Failed only follows once every pod is terminal (the
     # snapshot's Job record keeps either, ``JobEvidence.failure``). The worker that failed first is named before it,
@@ -453,7 +437,7 @@ def _failed(obs: Observation) -> Verdict | None:
         f"Job {j.name} {c.type}: {c.reason or '-'}: {c.message or 'no message'}" for j in obs.jobs if (c := j.failure())
     ]
     if obs.jobset_terminal_state == "Failed":
-        c = next((c for c in obs.jobset_conditions if c.type == "Failed" and c.status == "True"), None)
+        c = next((c for c in obs.jobset.conditions if c.type == "Failed" and c.status == "True"), None)
         jobs.append("JobSet failed" + (f": {c.reason}: {c.message}" if c and (c.reason or c.message) else ""))
     failed = [p for p in obs.pods if p.phase == PodPhase.FAILED]
     if failed:
@@ -483,10 +467,8 @@ def _ended(p: PodEvidence) -> str:
 def _code_text(code: int, reason: str | None = None) -> str:
     parts = [f"exit code {code}"]
     if code > 128:
-        try:
+        with contextlib.suppress(ValueError):  # 128 + a number that names no signal
             parts.append(signal.Signals(code - 128).name)
-        except ValueError:
-            pass
     return ", ".join([*parts, *([reason] if reason else [])])
 
 
@@ -576,7 +558,9 @@ def _node_lost(obs: Observation, d: SupervisionConfig) -> Verdict | None:
     # still save, and the pods' failure (or the Job's FailureTarget, checked before this) follows; a kubelet
     # restart turns it Ready again.
     nodes = {n.name: n for n in obs.nodes}
-    for p in _live(obs.pods):
+    for p in obs.pods:
+        if p.ended:  # being deleted while its node is healthy: on its way out; count what the Job counts
+            continue
         n = nodes.get(p.node) if p.node else None
         terminating = p.deleted_at is not None
         terminating_for = obs.now - obs.counted_from(p.deleted_at) if p.deleted_at is not None else 0.0
@@ -758,7 +742,7 @@ def decide(obs: Observation, deadlines: SupervisionConfig) -> Verdict:
             reason=f"{_gang_state(obs)}; the cluster view is not current for {obs.now - obs.view.since:.0f} s "
             f"({obs.view.error}): no stall is judged on it",
         )
-    if obs.jobset_exists and not obs.jobs and not obs.pods:
+    if obs.jobset is not None and not obs.jobs and not obs.pods:
         return Verdict(
             state=AttemptOutcome.RUNNING,
             reason=f"JobSet has no Job {obs.now - obs.counted_from(obs.created_at):.0f} s after its creation: the "
