@@ -221,13 +221,8 @@ def _observations(ev: Evidence) -> list[_Obs]:
 
 def _job_failures(ev: Evidence) -> list[tuple[re.Match[str], Condition]]:
     """The Jobs' failures (Failed, or the FailureTarget before it) that name a pod and its exit code."""
-    out = []
-    for j in ev.jobs:
-        c = j.failure()
-        m = _JOB_POD.search(c.message or "") if c is not None else None
-        if m is not None and c is not None:
-            out.append((m, c))
-    return out
+    failures = [c for j in ev.jobs if (c := j.failure()) is not None]
+    return [(m, c) for c in failures if (m := _JOB_POD.search(c.message or "")) is not None]
 
 
 def _job_named(ev: Evidence, by_index: dict[int, _Obs], loose: list[_Obs]) -> None:

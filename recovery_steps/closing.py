@@ -44,16 +44,10 @@ class ClosingAttempt:
 
 
 def _timings(ev: Evidence) -> tuple[float | None, float | None]:
-    starts: list[float] = []
-    ends: list[float] = []
-    for r in ev.reports:
-        starts += [r.started_at] if r.started_at else []
-        ends += [r.ended_at] if r.ended_at else []
-    for p in ev.pods:
-        for c in p.containers:
-            starts += [c.started_at] if c.started_at else []
-            ends += [c.finished_at] if c.finished_at else []
-    return (min(starts) if starts else None), (max(ends) if ends else None)
+    containers = [c for p in ev.pods for c in p.containers]
+    starts = [t for t in [*(r.started_at for r in ev.reports), *(c.started_at for c in containers)] if t]
+    ends = [t for t in [*(r.ended_at for r in ev.reports), *(c.finished_at for c in containers)] if t]
+    return min(starts, default=None), max(ends, default=None)
 
 
 def gather(

@@ -64,10 +64,7 @@ class Evidence(BaseModel):
 
     def node(self, name: str | None) -> NodeEvidence | None:
         """The node called ``name``, if gathered."""
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        return None
+        return next((n for n in self.nodes if n.name == name), None)
 
 
 # ---------------------------------------------------------------- Kubernetes
