@@ -2,19 +2,8 @@
 
     python -m workflows.drill --workflow argo/v5e-4x4.yaml --context <kubeconfig context> --inject delete-worker
 
-It submits the exact file (``-p name=value`` overrides a declared parameter, as ``argo submit -p`` does), waits
-until the run has trained past ``--after-step``, injects the failure, waits for the workflow to end, and prints
-the incident table built from the run store (detect, stop, provision, start, restore, compile, back at the
-pre-failure step, steps lost) with the final verdict. It refuses to run unless the cluster is named (``--context``)
-or confirmed (``--yes``), and only ever touches the run's own objects: the Workflow it submitted, that Workflow's
-pods, the run's JobSet pods, and (``drain-node``) a node on which nothing but the run's pods is scheduled.
-
-Destructive acts and their evidence: every one needs a run of the drill's own. Before it submits anything it
-refuses a run id in use: one whose store holds a config, a lease or an attempt, or whose label is on a JobSet or
-pod in the namespace (a read that fails refuses too: it is no evidence that the run is free). A fault then acts only
-on the pods of the Workflow it submitted and of that run. When the drill cannot go on (an error, ``--timeout``)
-it stops the Workflow it submitted (``argo stop``: its exit handler stops the gang), and it uncordons, at the end
-whatever happened, the node it cordoned (never one that was cordoned before).
+docs/RUNBOOK.md (section 7) says what it does, what it refuses and what to expect. Every destructive act needs a run
+of the drill's own (``refuse_run_in_use``: a read that fails refuses too) and acts only on that run's objects.
 """
 
 from __future__ import annotations

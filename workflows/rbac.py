@@ -30,14 +30,9 @@ ROLE_RULES: list[dict[str, Any]] = _rules(cluster_scoped=False)
 NODE_RULES: list[dict[str, Any]] = _rules(cluster_scoped=True)
 
 
-def _accounts(cfgs: Iterable[JobConfig]) -> list[tuple[str, str]]:
-    """Distinct (namespace, service account) pairs of the GKE configs' steps, sorted."""
-    return sorted({(c.namespace, c.service_account) for c in cfgs if not c.slice.is_cpu})
-
-
-def _worker_accounts(cfgs: Iterable[JobConfig]) -> list[tuple[str, str]]:
-    """Distinct (namespace, worker service account) pairs of the GKE configs, sorted."""
-    return sorted({(c.namespace, c.worker_service_account) for c in cfgs if not c.slice.is_cpu})
+def _accounts(cfgs: Iterable[JobConfig], field: str = "service_account") -> list[tuple[str, str]]:
+    """Distinct (namespace, ``field`` account) pairs of the GKE configs: the steps' or the workers', sorted."""
+    return sorted({(c.namespace, getattr(c, field)) for c in cfgs if not c.slice.is_cpu})
 
 
 def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:
@@ -57,7 +52,7 @@ def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:
     for ns, sa in accounts:
         objs.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}})
     # The workers' accounts get no Role and no API token: they only reach the bucket (Workload Identity).
-    for ns, sa in _worker_accounts(cfgs):
+    for ns, sa in _accounts(cfgs, "worker_service_account"):
         if (ns, sa) not in accounts:
             objs.append(
                 {

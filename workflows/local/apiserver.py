@@ -95,17 +95,19 @@ Route = Callable[[str, str, dict[str, Any]], tuple[int, Any]]
 class _Quiet:
     """A client gone before its answer (a watcher whose process was killed) is no error of the server."""
 
+    daemon_threads = True
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], ConnectionError):
             super().handle_error(request, client_address)  # type: ignore[misc]
 
 
 class _UnixHttpServer(_Quiet, socketserver.ThreadingUnixStreamServer):
-    daemon_threads = True
+    pass
 
 
 class _TcpHttpServer(_Quiet, ThreadingHTTPServer):
-    daemon_threads = True
+    pass
 
 
 class JsonServer:
@@ -119,10 +121,10 @@ class JsonServer:
             def log_message(self, *a):
                 pass
 
-            def _answer(self, method: str) -> None:
+            def _answer(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}") if length else {}
-                code, payload = route(method, self.path, body)
+                code, payload = route(self.command, self.path, body)
                 if isinstance(payload, Stream):
                     # No Content-Length: the client reads lines until the server closes (HTTP/1.0 here).
                     self.send_response(code)
@@ -138,17 +140,7 @@ class JsonServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self):
-                self._answer("GET")
-
-            def do_DELETE(self):
-                self._answer("DELETE")
-
-            def do_POST(self):
-                self._answer("POST")
-
-            def do_PATCH(self):
-                self._answer("PATCH")
+            do_GET = do_DELETE = do_POST = do_PATCH = _answer
 
         self.socket_path = socket_path
         if socket_path is not None:
@@ -263,8 +255,8 @@ def labels_match(selector: str, labels: dict[str, str]) -> bool:
 def fields_match(selector: str, obj: dict[str, Any]) -> bool:
     """Whether ``obj`` satisfies a field selector.
 
-    ``path=v``, ``path==v``, ``path!=v`` on dotted paths such as
-    ``metadata.name`` or ``involvedObject.kind`` (an absent field reads as the empty string).
+    ``path=v``, ``path==v``, ``path!=v`` on dotted paths such as ``metadata.name`` or ``involvedObject.kind`` (an
+    absent field reads as the empty string).
     """
     for term in _terms(selector):
         negate = "!=" in term
@@ -301,12 +293,9 @@ def _merged(target: Any, patch: Any) -> Any:
 class ApiServer:
     """The API objects of one namespace and the cluster-scoped ones, served at ``url``.
 
-    The objects of ``namespace`` and the cluster-scoped ones, with resource versions and watch events, served on
-    127.0.0.1 or on the unix socket ``socket_path``. ``api.pods`` (any resource's name) is ``api.objects["pods"]``,
-    by object name.
-
-    It starts as a cluster does: the namespace and ``kube-system`` exist. A request for another namespace finds
-    nothing there (404 for an object, an empty list).
+    Served on 127.0.0.1 or on the unix socket ``socket_path``. ``api.pods`` (any resource's name) is
+    ``api.objects["pods"]``, by object name. It starts as a cluster does: the namespace and ``kube-system`` exist.
+    A request for another namespace finds nothing there (404 for an object, an empty list).
     """
 
     def __init__(
@@ -375,8 +364,7 @@ class ApiServer:
     def remove(self, coll: str, name: str) -> None:
         """Delete an object; emits DELETED.
 
-        A deleted JobSet's last pod gone, its Jobs (and the JobSet, when it
-        waits for them) go too.
+        A deleted JobSet's last pod gone, its Jobs (and the JobSet, when it waits for them) go too.
         """
         with self.lock:
             obj = self.objects[coll].pop(name, None)
@@ -501,11 +489,10 @@ class ApiServer:
     def _create(self, at: Where, body: dict[str, Any], *, dry_run: bool = False) -> tuple[int, Any]:
         """POST to a collection.
 
-        201 and the object as stored (name from ``generateName`` when it has none, uid,
-        generation 1, creationTimestamp, resourceVersion; ``status`` dropped where the status subresource writes
-        it); 409 AlreadyExists for a taken name, 422 Invalid for no name, 400 BadRequest for another namespace in
-        the body than in the path, 404 for a namespace that does not exist. ``dryRun=All``: the same answer, and
-        nothing stored or reacted to.
+        201 and the object as stored (name from ``generateName`` when it has none, uid, generation 1, creationTimestamp,
+        resourceVersion; ``status`` dropped where the status subresource writes it); 409 AlreadyExists for a taken
+        name, 422 Invalid for no name, 400 BadRequest for another namespace in the body than in the path, 404 for a
+        namespace that does not exist. ``dryRun=All``: the same answer, and nothing stored or reacted to.
         """
         res = self.served[at.resource]
         meta = dict(body.get("metadata") or {})
@@ -540,9 +527,9 @@ class ApiServer:
     def _delete(self, at: Where, q: dict[str, list[str]], body: dict[str, Any]) -> tuple[int, Any]:
         """DELETE of one object: 200 and the object, or 404 NotFound.
 
-        A JobSet's Jobs and pods go to the garbage
-        collector (:meth:`_delete_jobset`); a pod goes at once on a live node or with ``gracePeriodSeconds=0``,
-        and stays Terminating on a lost node, whose kubelet cannot confirm it; any other object goes.
+        A JobSet's Jobs and pods go to the garbage collector (:meth:`_delete_jobset`); a pod goes at once on a live
+        node or with ``gracePeriodSeconds=0``, and stays Terminating on a lost node, whose kubelet cannot confirm it;
+        any other object goes.
         """
         obj = self._here(at).get(at.name or "")
         if obj is None:
@@ -587,11 +574,7 @@ class ApiServer:
         return 200, patched
 
     def _review(self, method: str, body: dict[str, Any]) -> tuple[int, Any]:
-        """A SelfSubjectAccessReview: 201 and the review with ``status.allowed``.
-
-        (RBAC's answer: no for a denied
-        (verb, resource), with an empty reason).
-        """
+        """A SelfSubjectAccessReview: 201 and ``status.allowed`` (RBAC's no, with an empty reason, when denied)."""
         if method != "POST":
             return 405, status(405, "MethodNotAllowed", NOT_ALLOWED)
         attrs = body["spec"]["resourceAttributes"]
@@ -614,8 +597,7 @@ class ApiServer:
     def _delete_jobset(self, obj: dict[str, Any], policy: str) -> dict[str, Any]:
         """A JobSet's DELETE by propagation policy (module docstring).
 
-        Returns what the API answers, the object as it is
-        left (with its ``deletionTimestamp`` while it waits for its dependents).
+        Returns what the API answers, the object as it is left (with its ``deletionTimestamp`` while it waits).
         """
         name = obj["metadata"]["name"]
         if policy == "Foreground" and not obj["metadata"].get("deletionTimestamp"):
@@ -639,10 +621,9 @@ class ApiServer:
         return [n for n in sorted(objs) if (objs[n]["metadata"].get("labels") or {}).get(JOBSET_NAME_LABEL) == jobset]
 
     def _collect(self, limit: int | None) -> None:
-        """One pass of the garbage collector over the deleted JobSets' pods.
+        """One pass of the garbage collector: up to ``limit`` (None: all) of the deleted JobSets' pods go.
 
-        Up to ``limit`` of them (all when
-        None) go, or stay Terminating on a lost node; then :meth:`_finish_gangs`.
+        Those on a lost node stay Terminating; then :meth:`_finish_gangs`.
         """
         for jobset in list(self.collecting):
             for name in self._gang_of("pods", jobset):
@@ -676,6 +657,4 @@ def _uid() -> str:
 
 
 def _now() -> float:
-    import time
-
     return time.time()

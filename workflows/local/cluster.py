@@ -1,16 +1,10 @@
 """The local cluster: the JobSets of one local run by name, and their worker processes.
 
-``LocalCluster`` is the one place a local slice is created from its JobSet manifest (the JobSet controller's Job,
-the Job controller's ``parallelism`` pods, each with the environment its pod would get), found by its JobSet's
-name, polled, stopped and force-deleted; the controllers (``controllers.LocalControllers``) do so for what the
-steps ask of the local cluster's Kubernetes API, and publish the slices there. Deleting a JobSet
-does to its workers what the kubelet does to a deleted pod's containers: SIGTERM, then SIGKILL once the pod's
-``terminationGracePeriodSeconds`` is over (Kubernetes docs "Pod Lifecycle", termination of pods); a worker on a lost
-host gets nothing, its kubelet is gone, until it is force-deleted. Between observations the runner's hooks
-(``SliceHooks``: fault injection) act on a running slice.
-
-What a local process gets in place of a pod (``python`` mapped to this interpreter, the container paths mapped
-into a folder, the env's fieldRefs resolved) is here too: the executor's container templates run the same way.
+``LocalCluster`` is the one place a local slice is created from its JobSet manifest, found by its JobSet's name,
+polled, stopped and force-deleted; the controllers (``controllers.LocalControllers``) do so for what the steps ask of
+the local cluster's Kubernetes API. What a local process gets in place of a pod (``python`` mapped to this
+interpreter, the container paths mapped into a folder, the env's fieldRefs resolved) is here too: the executor's
+container templates run the same way.
 """
 
 from __future__ import annotations
@@ -339,7 +333,8 @@ class LocalCluster:
     def delete(sl: LocalSlice, at: float) -> None:
         """Delete the JobSet of ``sl`` at ``at``: SIGTERM every running worker whose host is not lost.
 
-        Deleting the JobSet deletes its pods: the kubelet sends SIGTERM and starts the pod's termination grace.
+        Deleting the JobSet deletes its pods: the kubelet sends SIGTERM and starts the pod's termination grace
+        (Kubernetes docs "Pod Lifecycle", termination of pods); a lost host has no kubelet to do it.
         """
         sl.deleted_at = at
         for w in sl.workers:

@@ -1,20 +1,8 @@
 """The local cluster's controllers: what the JobSet and Job controllers, the garbage collector and the kubelets do.
 
-``LocalControllers`` serves one local run's Kubernetes API (``apiserver.ApiServer``) and acts on it as a cluster's
-controllers act on theirs:
-
-- a JobSet created through the API is admitted (one the local cluster cannot read is refused 422, as JobSet's
-  validating webhook refuses it), its Job is created and its pods' workers are started (``LocalCluster.create``);
-- a JobSet deleted through the API has its workers stopped as the kubelet stops a deleted pod's container (SIGTERM,
-  then SIGKILL once the pod's termination grace is over); the API keeps each pod Terminating until its worker has
-  exited, then removes it, and the foreground-deleted JobSet goes with its last pod;
-- a pod deleted through the API has its worker SIGTERMed and, once the grace is over, SIGKILLed (at once with grace
-  period 0); the pod goes once its worker has exited, its end counted by the Job;
-- every ``TICK`` the kubelets publish their pods' and nodes' status and the Job controller its Job's conditions
-  (``slices.slice_objects``), and the runner's hooks act on a running slice (fault injection).
-
-Every step, train-segment included, reaches these through the API alone, served on a unix socket (``url``, given
-to each step as ``JAXREC_K8S_HOST``).
+``LocalControllers`` serves one local run's Kubernetes API (``apiserver.ApiServer``) on a unix socket and acts on
+it as a cluster's controllers act on theirs (docs/LOCAL.md); every step, train-segment included, reaches the
+cluster through that API alone.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """An interpreter of the Workflows ``workflows.build`` writes: DAGs, parameters, retries, suspend, exit handler.
 
-It decides what runs next and with which values; running a container is delegated to
-an executor (``workflows.local.executor``), so the same interpreter is tested with tiny ``python -c`` steps.
-It models what the compiled workflows use and nothing more (no ``steps`` or ``script`` templates, no
-``{{=...}}`` expression templates, no template outputs of a DAG); ``tests/k8s/standin.py`` replays
-runs of Argo's real workflow-controller through it.
+It decides what runs next and with which values; running a container is delegated to an executor
+(``workflows.local.executor``), so the same interpreter is tested with tiny ``python -c`` steps. docs/LOCAL.md says
+what it models; ``tests/k8s/standin.py`` replays runs of Argo's real workflow-controller through it.
 """
 
 from __future__ import annotations
@@ -157,11 +155,11 @@ class WorkflowRun:
         self.executor = executor
         meta = workflow.get("metadata", {})
         self.name = name or meta.get("name") or (meta.get("generateName", "workflow-") + "local")
-        self.params: dict[str, str] = {}
-        for p in self.spec.get("arguments", {}).get("parameters", []):
-            self.params[p["name"]] = str(p.get("value", p.get("default", "")))
-        for k, v in (parameters or {}).items():
-            self.params[k] = str(v)
+        self.params = {
+            p["name"]: str(p.get("value", p.get("default", "")))
+            for p in self.spec.get("arguments", {}).get("parameters", [])
+        }
+        self.params.update({k: str(v) for k, v in (parameters or {}).items()})
         self.progress = progress or (lambda *_: None)
         self._abort = threading.Event()
         self._sleep = sleep
@@ -421,7 +419,7 @@ class WorkflowRun:
                         self._record_gated(t, f"{display}.{name}", attempt, decision)
                         progressed = True
                         continue
-                    args = self._task_args(t, names, f"{display}.{name}")
+                    args = self._task_args(t, names)
                     fut = pool.submit(
                         self._invoke,
                         t["template"],
@@ -480,11 +478,10 @@ class WorkflowRun:
                 raise WorkflowError(f"{where}: when: {e}") from None
         return None
 
-    def _task_args(self, t: Mapping[str, Any], names: Mapping[str, Any], where: str) -> dict[str, str]:
-        args = {}
-        for p in t.get("arguments", {}).get("parameters", []):
-            args[p["name"]] = substitute(str(p.get("value", "")), names)
-        return args
+    def _task_args(self, t: Mapping[str, Any], names: Mapping[str, Any]) -> dict[str, str]:
+        return {
+            p["name"]: substitute(str(p.get("value", "")), names) for p in t.get("arguments", {}).get("parameters", [])
+        }
 
     @staticmethod
     def _dag_phase(tasks: Mapping[str, Any], deps: Mapping[str, list[str]], results: Mapping[str, NodeResult]) -> str:

@@ -1,11 +1,8 @@
 """Runs the leaf templates of a Workflow on this machine: every container as a process.
 
-Container templates run the same command with ``python`` mapped to this interpreter, ``/tmp/outputs`` and
-``/tmp/inputs`` mapped to a folder per node, and the address of the run's Kubernetes API: a step reaches the local
-cluster only through that API (``controllers.LocalControllers``), as a pod reaches its cluster's. The train-segment
-step creates its JobSet there: ``parallelism`` worker processes with the environment a pod would get; its node's
-message comes from the supervision record it writes, and its slice is settled from it (when the end was seen, which
-worker failed first).
+A step reaches the local cluster only through its Kubernetes API (``controllers.LocalControllers``), as a pod
+reaches its cluster's; the train-segment node's message comes from the supervision record it writes, and its slice
+is settled from it (when the end was seen, which worker failed first).
 """
 
 from __future__ import annotations

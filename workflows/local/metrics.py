@@ -1,9 +1,7 @@
 """Run-level metrics server of the local runner: what Argo template metrics are on GKE.
 
-The local runner creates one ``RunMetricsServer`` per run, calls ``start(port)``, feeds it with
-``update(ledger, status, incidents)`` whenever the ledger changes, and ``stop()`` at the end.
-Values are computed by the pure ``run_samples`` from the ledger and incident records; the server
-only exposes the latest computation (in its own ``CollectorRegistry``).
+Values are computed by the pure ``run_samples`` from the ledger and incident records; ``RunMetricsServer`` only
+exposes the latest computation (in its own ``CollectorRegistry``).
 """
 
 from __future__ import annotations

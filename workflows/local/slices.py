@@ -1,15 +1,8 @@
 """The local slices: one attempt's worker processes (``LocalSlice``), and how the Kubernetes API would show them.
 
-``slice_objects`` (what the local kubelets and Job controller publish in the local cluster's API) turns the worker
-processes of a ``LocalSlice`` into the pods, nodes and Job the Kubernetes API returns, read by the same adapter
-(``jaxrec.model.snapshot``) as on a cluster, so that one supervisor, one decision, one record and one classifier
-serve both worlds. A worker the slice could not place
-is a Pending pod the scheduler refused; one whose image "cannot be pulled" is a Pending pod waiting in
-``ImagePullBackOff``; a worker whose "node" was lost is Running on a node that is unreachable (Ready Unknown, the
-unreachable taint), with a deletion timestamp; a worker being stopped is a pod being deleted, and one that exited after
-the delete is gone. An ended worker's container is terminated as the kubelet reports it (exit code 128 + signal, reason
-``Error``), and the workers' Job fails as the Job controller decides it (``job_failure``): the podFailurePolicy rule the
-first failed pod matches, else the backoff limit.
+``slice_objects`` turns the worker processes of a ``LocalSlice`` into the pods, nodes, Job and JobSet the API
+returns (docs/LOCAL.md), read by the same adapter (``jaxrec.model.snapshot``) as on a cluster, so that one
+supervisor, one decision, one record and one classifier serve both worlds.
 """
 
 from __future__ import annotations

@@ -24,35 +24,27 @@ DASHBOARD_PANELS = (
 def _panel_queries() -> dict[str, tuple[str, list[tuple[str, str]]]]:
     """Panel title -> (panel type, [(legend, PromQL)]); ``$run_id`` is the row's run."""
     r = '{run_id="$run_id"}'
+
+    def top(metric: str) -> str:
+        return f"max by (run_id) ({gke_name(metric)}{r})"
+
     return {
-        "Training step": ("timeseries", [("step", f"max by (run_id) ({gke_name('jaxrec_train_step')}{r})")]),
-        "Checkpoint step": (
-            "timeseries",
-            [("checkpoint step", f"max by (run_id) ({gke_name('jaxrec_checkpoint_step')}{r})")],
-        ),
-        "Checkpoint age": (
-            "timeseries",
-            [("age", f"max by (run_id) ({gke_name('jaxrec_checkpoint_age_seconds')}{r})")],
-        ),
-        "Checkpoint duration": (
-            "timeseries",
-            [("save to commit", f"max by (run_id) ({gke_name('jaxrec_checkpoint_duration_seconds')}{r})")],
-        ),
+        "Training step": ("timeseries", [("step", top("jaxrec_train_step"))]),
+        "Checkpoint step": ("timeseries", [("checkpoint step", top("jaxrec_checkpoint_step"))]),
+        "Checkpoint age": ("timeseries", [("age", top("jaxrec_checkpoint_age_seconds"))]),
+        "Checkpoint duration": ("timeseries", [("save to commit", top("jaxrec_checkpoint_duration_seconds"))]),
         "Active vs expected workers": (
             "timeseries",
             [
                 ("active", f"sum by (run_id) ({gke_name('jaxrec_worker_up')}{r})"),
-                ("expected", f"max by (run_id) ({gke_name('jaxrec_expected_workers')}{r})"),
+                ("expected", top("jaxrec_expected_workers")),
             ],
         ),
         "Job status": (
             "state-timeline",
             [("{{status}}", f"max by (run_id, status) ({gke_name('jaxrec_run_status')}{r}) == 1")],
         ),
-        "Attempts (restart count + 1)": (
-            "stat",
-            [("attempts", f"max by (run_id) ({gke_name('jaxrec_attempts_total')}{r})")],
-        ),
+        "Attempts (restart count + 1)": ("stat", [("attempts", top("jaxrec_attempts_total"))]),
         "Last failure class and reason": (
             "table",
             [
@@ -62,15 +54,12 @@ def _panel_queries() -> dict[str, tuple[str, list[tuple[str, str]]]]:
                 )
             ],
         ),
-        "Recovery duration": (
-            "stat",
-            [("failure to pre-failure step", f"max by (run_id) ({gke_name('jaxrec_recovery_duration_seconds')}{r})")],
-        ),
+        "Recovery duration": ("stat", [("failure to pre-failure step", top("jaxrec_recovery_duration_seconds"))]),
         "Time since last successful step": (
             "stat",
-            [("since last step", f"time() - max by (run_id) ({gke_name('jaxrec_last_step_timestamp_seconds')}{r})")],
+            [("since last step", f"time() - {top('jaxrec_last_step_timestamp_seconds')}")],
         ),
-        "Steps lost": ("stat", [("steps lost", f"max by (run_id) ({gke_name('jaxrec_steps_lost_total')}{r})")]),
+        "Steps lost": ("stat", [("steps lost", top("jaxrec_steps_lost_total"))]),
     }
 
 
@@ -147,12 +136,7 @@ def _variables(cfg: JobConfig, ds: dict[str, str]) -> list[dict[str, object]]:
     """The dashboard's variables: the data source, and the runs (the config's run id selected)."""
     runs = f"label_values({gke_name('jaxrec_expected_workers')}, run_id)"
     return [
-        {
-            "name": "datasource",
-            "type": "datasource",
-            "query": "prometheus",
-            "label": "Data source",
-        },
+        {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"},
         {
             "name": "run_id",
             "label": "Run",
