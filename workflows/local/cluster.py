@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any
 from jaxrec.adapters.kube import IN_POD_ENV
 from jaxrec.model.names import ATTEMPT_LABEL, NODEPOOL_LABEL, TERMINATION_LOG_ENV
 from jaxrec.model.records import now
+from workflows.local.emulator import free_port
 from workflows.local.engine import FAILED, SUCCEEDED, NodePhase, WorkflowError
 from workflows.local.slices import FIRST_POOL, LocalSlice, WorkerProc
 
@@ -33,13 +33,6 @@ COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 TICK = 0.05
 # How long the whole run's deletion waits for the SIGKILLed workers of a slice to be reaped.
 KILL_WAIT_S = 10.0
-
-
-def free_port() -> int:
-    """A TCP port free on localhost right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rewrite_arg(arg: str, node_dir: Path) -> str:

@@ -18,7 +18,8 @@ def _binary() -> Path:
     return _get_binary_path()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on localhost right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -32,7 +33,7 @@ class GcsEmulator:
     """
 
     def __init__(self, port: int | None = None):
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen | None = None
 

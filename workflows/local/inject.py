@@ -79,9 +79,8 @@ def parse_injections(specs: list[str], interval: int) -> tuple[list[Injection], 
             out.append(Injection(name, interval + max(1, interval // 2), after_commit=True))
     names = [i.scenario for i in out]
     if "corrupt-latest" in names and not any(n in names for n in (*_WATCHED, "kill-during-save", "app-bug")):
-        step = next(i.step for i in out if i.scenario == "corrupt-latest")
-        after = next(i.after_commit for i in out if i.scenario == "corrupt-latest")
-        out.append(Injection("kill-worker", step, after_commit=after))
+        corrupt = next(i for i in out if i.scenario == "corrupt-latest")
+        out.append(Injection("kill-worker", corrupt.step, after_commit=corrupt.after_commit))
     # Each host fault is one failure: a kill at its step, then the fault on the hosts before the next attempt.
     out += [
         Injection("kill-worker", i.step, after_commit=i.after_commit, after_local=True)
@@ -174,10 +173,7 @@ class Injector(SliceHooks):
         return [f for i in self.injections for f in i.fired]
 
     def _pending(self, scenario: str) -> Injection | None:
-        for i in self.injections:
-            if i.scenario == scenario and not i.fired:
-                return i
-        return None
+        return next((i for i in self.injections if i.scenario == scenario and not i.fired), None)
 
     def extra_env(self, attempt: int) -> dict[str, str]:
         """``TRAINER_FAULT`` (and what else the row sets) for the faults the trainer injects into itself."""
@@ -281,28 +277,26 @@ class Injector(SliceHooks):
 
     def after_slice(self, sl: LocalSlice, phase: NodePhase) -> None:
         """Note the trainer-side faults; ``corrupt-latest``: damage the newest checkpoint after a failure."""
-        if phase != NodePhase.SUCCEEDED and sl.first_failure_index is not None:
+        if phase == NodePhase.SUCCEEDED:
+            return
+        failed = sl.first_failure_index is not None
+        if failed:
             at = sl.workers[sl.first_failure_index].ended_at or now()
             for i in self.injections:
                 # A silent hang is noted below, when the supervisor found it.
                 if self._in_trainer(i) and i.scenario != "silent-hang":
                     i.fired.append(Injected(i.scenario, sl.attempt, at))
-        if phase != NodePhase.SUCCEEDED and self._slices_seen == 1:
-            hang = self._pending("silent-hang")
-            if hang is not None:
-                # The hang began at the last heartbeat the supervisor saw; record when it was detected.
-                hang.fired.append(Injected("silent-hang", sl.attempt, sl.detected_at or now()))
-        if phase != NodePhase.SUCCEEDED and sl.first_failure_index is not None:
-            # One host fault per failed attempt, in the order given.
-            inj = next((i for i in self.injections if i.scenario in HOST_FAULTS and not i.fired), None)
-            if inj is not None:
-                inj.fired.append(Injected(inj.scenario, sl.attempt, now()))
-                self.say(f"inject: {inj.scenario}: {act(LocalScene(self, sl), FAULT_ROWS[inj.scenario])}")
-        inj = self._pending("corrupt-latest")
-        if inj is None or phase == NodePhase.SUCCEEDED:
-            return
-        inj.fired.append(Injected("corrupt-latest", sl.attempt, now()))
-        self.say(f"inject: {act(LocalScene(self, sl), FAULT_ROWS[inj.scenario])}")
+        if self._slices_seen == 1 and (hang := self._pending("silent-hang")) is not None:
+            # The hang began at the last heartbeat the supervisor saw; record when it was detected.
+            hang.fired.append(Injected("silent-hang", sl.attempt, sl.detected_at or now()))
+        # One host fault per failed attempt, in the order given.
+        inj = next((i for i in self.injections if i.scenario in HOST_FAULTS and not i.fired), None)
+        if failed and inj is not None:
+            inj.fired.append(Injected(inj.scenario, sl.attempt, now()))
+            self.say(f"inject: {inj.scenario}: {act(LocalScene(self, sl), FAULT_ROWS[inj.scenario])}")
+        if (inj := self._pending("corrupt-latest")) is not None:
+            inj.fired.append(Injected("corrupt-latest", sl.attempt, now()))
+            self.say(f"inject: {act(LocalScene(self, sl), FAULT_ROWS[inj.scenario])}")
 
 
 @dataclass

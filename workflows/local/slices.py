@@ -147,8 +147,7 @@ class LocalSlice:
     def mark_stopped(self, detected: float) -> None:
         """Stamp the slice stopped: its last worker's exit, never before the supervisor ``detected`` the end.
 
-        As train_segment's stop_attempt stamps it: a gang that exited within one poll must not read as
-        stopped before detected.
+        As train_segment's stop_attempt stamps it: a gang that exited within one poll must not read as stopped before.
         """
         self.ended_at = max([detected, *(w.ended_at or detected for w in self.workers)])
 
@@ -238,11 +237,7 @@ def pod_name(jobset: str, index: int) -> str:
 
 
 def stamp(t: float) -> str:
-    """Epoch seconds as an RFC 3339 timestamp, to the microsecond.
-
-    (The local world keeps the finer clock that
-    ``snapshot.first_failed`` breaks a tie of one second with).
-    """
+    """Epoch seconds as an RFC 3339 timestamp, to the microsecond (``snapshot.first_failed`` breaks ties with it)."""
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
@@ -294,11 +289,7 @@ def _phase(w: WorkerProc, held: str | None) -> PodPhase:
 
 
 def pod_object(sl: LocalSlice, w: WorkerProc) -> dict[str, Any] | None:
-    """Worker ``w`` as the API returns its pod.
-
-    None: the pod is gone, its worker exited after the JobSet was
-    deleted, or it never ran).
-    """
+    """Worker ``w`` as the API returns its pod (None: gone with its deleted JobSet, its worker exited or never ran)."""
     held = sl.withheld.get(w.index)
     ran = held is None and w.proc is not None
     if sl.deleted_at is not None and not (ran and w.returncode is None):
@@ -337,19 +328,12 @@ def pod_object(sl: LocalSlice, w: WorkerProc) -> dict[str, Any] | None:
 def node_object(sl: LocalSlice, index: int) -> dict[str, Any]:
     """The stand-in node of worker ``index`` as the API returns it."""
     meta = {"name": node_name(index, sl.pool), "labels": {NODEPOOL_LABEL: sl.pool}}
+    spec, ready = {}, _condition("Ready", None, reason="KubeletReady")
     if index in sl.lost:
         # As the node lifecycle controller leaves a node whose kubelet went silent: Ready Unknown, tainted.
         ready = _condition("Ready", sl.lost[index], status="Unknown", reason="NodeStatusUnknown")
-        taints = [{"key": UNREACHABLE_TAINT, "effect": "NoExecute"}]
-        return {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": meta,
-            "spec": {"taints": taints},
-            "status": {"conditions": [ready]},
-        }
-    ready = _condition("Ready", None, reason="KubeletReady")
-    return {"apiVersion": "v1", "kind": "Node", "metadata": meta, "spec": {}, "status": {"conditions": [ready]}}
+        spec = {"taints": [{"key": UNREACHABLE_TAINT, "effect": "NoExecute"}]}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": meta, "spec": spec, "status": {"conditions": [ready]}}
 
 
 def _matches(rule: Mapping[str, Any], pod: PodEvidence) -> bool:
