@@ -181,8 +181,7 @@ class Cluster:
         """Mark schedulable again every node the drill cordoned; the names."""
         done = []
         while self.cordoned:
-            node = self.cordoned[0]
-            self.core.patch_node(node, {"spec": {"unschedulable": False}})
+            self.core.patch_node(self.cordoned[0], {"spec": {"unschedulable": False}})
             done.append(self.cordoned.pop(0))
         return done
 

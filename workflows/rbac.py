@@ -9,6 +9,8 @@ from jaxrec.model.config import JobConfig
 from jaxrec.model.names import STEP_PRIORITY_CLASS, STEP_VERBS
 
 ROLE = "jaxrec-workflow"
+RBAC_GROUP = "rbac.authorization.k8s.io"
+RBAC_API = f"{RBAC_GROUP}/v1"
 NODE_READER = "jaxrec-node-reader"
 
 
@@ -35,6 +37,15 @@ def _accounts(cfgs: Iterable[JobConfig], field: str = "service_account") -> list
     return sorted({(c.namespace, getattr(c, field)) for c in cfgs if not c.slice.is_cpu})
 
 
+def _object(api_version: str, kind: str, metadata: dict[str, str], **fields: Any) -> dict[str, Any]:
+    """A Kubernetes object: its apiVersion, kind and metadata, then ``fields`` in the order given."""
+    return {"apiVersion": api_version, "kind": kind, "metadata": metadata, **fields}
+
+
+def _subject(ns: str, sa: str) -> dict[str, str]:
+    return {"kind": "ServiceAccount", "name": sa, "namespace": ns}
+
+
 def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:
     """ServiceAccount, Role and RoleBinding per namespace, and one ClusterRole + ClusterRoleBinding.
 
@@ -48,58 +59,22 @@ def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:
     """
     cfgs = list(cfgs)
     accounts = _accounts(cfgs)
-    objs: list[dict[str, Any]] = []
-    for ns, sa in accounts:
-        objs.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}})
+    objs = [_object("v1", "ServiceAccount", {"name": sa, "namespace": ns}) for ns, sa in accounts]
     # The workers' accounts get no Role and no API token: they only reach the bucket (Workload Identity).
     for ns, sa in _accounts(cfgs, "worker_service_account"):
         if (ns, sa) not in accounts:
-            objs.append(
-                {
-                    "apiVersion": "v1",
-                    "kind": "ServiceAccount",
-                    "metadata": {"name": sa, "namespace": ns},
-                    "automountServiceAccountToken": False,
-                }
-            )
+            meta = {"name": sa, "namespace": ns}
+            objs.append(_object("v1", "ServiceAccount", meta, automountServiceAccountToken=False))
     for ns in sorted({ns for ns, _ in accounts}):
-        objs.append(
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "Role",
-                "metadata": {"name": ROLE, "namespace": ns},
-                "rules": ROLE_RULES,
-            }
-        )
-        objs.append(
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "RoleBinding",
-                "metadata": {"name": ROLE, "namespace": ns},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROLE},
-                "subjects": [
-                    {"kind": "ServiceAccount", "name": sa, "namespace": ns} for ns2, sa in accounts if ns2 == ns
-                ],
-            }
-        )
+        objs.append(_object(RBAC_API, "Role", {"name": ROLE, "namespace": ns}, rules=ROLE_RULES))
+        role = {"apiGroup": RBAC_GROUP, "kind": "Role", "name": ROLE}
+        subjects = [_subject(ns, sa) for ns2, sa in accounts if ns2 == ns]
+        objs.append(_object(RBAC_API, "RoleBinding", {"name": ROLE, "namespace": ns}, roleRef=role, subjects=subjects))
     if accounts:
-        objs.append(
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRole",
-                "metadata": {"name": NODE_READER},
-                "rules": NODE_RULES,
-            }
-        )
-        objs.append(
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRoleBinding",
-                "metadata": {"name": NODE_READER},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NODE_READER},
-                "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns} for ns, sa in accounts],
-            }
-        )
+        objs.append(_object(RBAC_API, "ClusterRole", {"name": NODE_READER}, rules=NODE_RULES))
+        role = {"apiGroup": RBAC_GROUP, "kind": "ClusterRole", "name": NODE_READER}
+        subjects = [_subject(ns, sa) for ns, sa in accounts]
+        objs.append(_object(RBAC_API, "ClusterRoleBinding", {"name": NODE_READER}, roleRef=role, subjects=subjects))
         objs.append(
             {
                 "apiVersion": "scheduling.k8s.io/v1",

@@ -222,7 +222,6 @@ def validate_template(cfg: JobConfig) -> Container:
     """``validate-config``: validates and pins the config, checks permissions and cluster objects first."""
     args = ["--config", CONFIG_PATH, *RUN_ARGS]
     args += ["--accept-safe-changes", "{{workflow.parameters.accept-safe-changes}}"]
-    # Permissions and cluster objects are checked before any slice is provisioned.
     args += ["--preflight", "true", *HOLDER]
     return _step(
         cfg,
@@ -414,10 +413,7 @@ def segment_dag(t: StepTemplates) -> DAG:
 
 
 def attempt_dag(t: StepTemplates, segment: DAG) -> DAG:
-    """``attempt``: provision the slice, restore, run the segment.
-
-    A step before training that failed is classified like a failed gang.
-    """
+    """``attempt``: provision the slice, restore, run the segment."""
     attempts = _metric("jaxrec_attempts_total")
     with DAG(name="attempt", inputs=[Parameter(name="attempt")], metrics=[attempts]) as attempt:
         t_restore = Task(name="restore-latest", template=t.restore, arguments={"attempt": ATTEMPT_IN})

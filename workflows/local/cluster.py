@@ -327,7 +327,7 @@ class LocalCluster:
         """Delete the JobSet of ``sl`` at ``at``: SIGTERM every running worker whose host is not lost.
 
         Deleting the JobSet deletes its pods: the kubelet sends SIGTERM and starts the pod's termination grace
-        (Kubernetes docs "Pod Lifecycle", termination of pods); a lost host has no kubelet to do it.
+        (Kubernetes docs "Pod Lifecycle", termination of pods).
         """
         sl.deleted_at = at
         for w in sl.workers:

@@ -177,13 +177,7 @@ def evaluate_bool(text: str, names: Mapping[str, Any] | None = None) -> bool:
 
 
 # Argo task results a ``depends`` clause can name, as the task phases they stand for (Argo's "Depends" docs).
-_RESULTS: dict[str, frozenset[str]] = {
-    "Succeeded": frozenset({"Succeeded"}),
-    "Failed": frozenset({"Failed"}),
-    "Errored": frozenset({"Error"}),
-    "Skipped": frozenset({"Skipped"}),
-    "Omitted": frozenset({"Omitted"}),
-}
+_RESULTS = {r: r for r in ("Succeeded", "Failed", "Skipped", "Omitted")} | {"Errored": "Error"}
 _BARE = frozenset({"Succeeded", "Skipped"})
 
 
@@ -220,5 +214,5 @@ def evaluate_depends(text: str, phases: Mapping[str, str]) -> bool:
         task, result = _split_result(t.text)
         if task not in phases:
             raise ExprError(f"depends {text!r}: task {task!r} has not finished or does not exist")
-        names[t.text] = phases[task] in (_BARE if result is None else _RESULTS[result])
+        names[t.text] = phases[task] in (_BARE if result is None else {_RESULTS[result]})
     return _truthy(_Eval(text, names, dashed=True).run(), text)

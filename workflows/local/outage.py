@@ -1,10 +1,7 @@
 """A run-store outage for local rehearsals: an HTTP proxy in front of the GCS emulator that can go down.
 
-While down it answers every request (or a share of them) with HTTP 503 and the body GCS sends when it is
-unavailable (JSON API error format, reason ``backendError``), or with 429 and the body of GCS's rate limit
-(``rateLimitExceeded``); otherwise it forwards requests unchanged. The steps reach the emulator
-through it, so a step that runs during an outage meets what it would meet on GCS, and the emulator keeps its
-objects across the outage.
+While down it answers with the bodies GCS sends (JSON API errors ``backendError``, ``rateLimitExceeded``), so a step
+that runs during an outage meets what it would meet on GCS, and the emulator keeps its objects across the outage.
 """
 
 from __future__ import annotations
@@ -53,8 +50,6 @@ BODIES = {503: UNAVAILABLE, 429: THROTTLED}
 
 
 class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that drops its keep-alive connection is not an error of the proxy.
         pass

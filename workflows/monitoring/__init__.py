@@ -86,10 +86,7 @@ def run(config_paths: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for path in config_paths:
-        cfg = load_config(path)
-        stem = Path(path).stem
-        files = render_monitoring(cfg, stem)
-        for name, text in files.items():
+        for name, text in render_monitoring(load_config(path), Path(path).stem).items():
             (out / name).write_text(text)
             written.append(out / name)
     return written
