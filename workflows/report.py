@@ -56,11 +56,7 @@ def load_incidents(store: RunStore) -> list[Incident]:
     A local run stores its incident records (timed from the workers' events); a run on a cluster does not, and its
     incidents are built from what each attempt left in the store (``adapters.incidents``).
     """
-    out = []
-    for a in store.attempts():
-        inc = store.read_record(RunLayout.incident(a), Incident)
-        if inc is not None:
-            out.append(inc)
+    out = [i for a in store.attempts() if (i := store.read_record(RunLayout.incident(a), Incident)) is not None]
     if not out:
         out = [t.incident for t in incidents_from_facts(read_attempt_facts(store))]
     return sorted(out, key=lambda i: (i.detected_at or i.stopped_at or 0, i.attempt))
@@ -68,12 +64,10 @@ def load_incidents(store: RunStore) -> list[Incident]:
 
 def load_events(store: RunStore) -> list[WorkerEvent]:
     """The workers' events saved with the run, sorted by time."""
-    events = []
-    for o in store.list(RunLayout.LOCAL_EVENTS):
-        for line in (store.read_bytes(o.name) or b"").splitlines():
-            event = parse_event_line(line)
-            if event is not None:
-                events.append(event)
+    lines = [
+        line for o in store.list(RunLayout.LOCAL_EVENTS) for line in (store.read_bytes(o.name) or b"").splitlines()
+    ]
+    events = [e for line in lines if (e := parse_event_line(line)) is not None]
     return sorted(events, key=lambda e: e.t)
 
 

@@ -44,10 +44,7 @@ class EventTail:
             if end < 0:
                 continue
             self._offsets[f] = off + end + 1
-            for line in data[: end + 1].splitlines():
-                event = parse_event_line(line)
-                if event is not None:
-                    new.append(event)
+            new += [e for line in data[: end + 1].splitlines() if (e := parse_event_line(line)) is not None]
         self.events.extend(new)
         return new
 

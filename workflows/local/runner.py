@@ -515,25 +515,17 @@ class _LocalRun:
         return result
 
 
-class _Deletion:
-    """The delete-workflow fault's hook: aborts the Workflow running now and remembers that it was deleted."""
+class _Deletion(threading.Event):
+    """The delete-workflow fault's hook: aborts the Workflow running now and is set once it was deleted."""
 
     def __init__(self):
-        self._event = threading.Event()
+        super().__init__()
         self.run: WorkflowRun | None = None
 
     def __call__(self) -> None:
-        self._event.set()
+        self.set()
         if self.run is not None:
             threading.Thread(target=self.run.abort, daemon=True).start()
-
-    def is_set(self) -> bool:
-        """The running Workflow was deleted."""
-        return self._event.is_set()
-
-    def clear(self) -> None:
-        """Forget the deletion (the Workflow is submitted again)."""
-        self._event.clear()
 
 
 class _MetricsFeed:
