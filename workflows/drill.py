@@ -36,6 +36,7 @@ from jaxrec.model.names import (
 )
 from jaxrec.model.snapshot import PodPhase
 from workflows.faults import FAULTS, act, corrupt_newest_checkpoint
+from workflows.report import elapsed
 
 ARGO = ("argoproj.io", "v1alpha1", "workflows")
 WORKFLOW_LABEL = "workflows.argoproj.io/workflow"  # Argo puts it on every pod of a Workflow (workflow/common)
@@ -405,10 +406,6 @@ def _is_supervisor(pod: Any) -> bool:
     return "train-segment" in node or "-train-segment-" in pod.metadata.name
 
 
-def _s(a: float | None, b: float | None) -> str:
-    return f"{b - a:.1f}" if a is not None and b is not None else "-"
-
-
 def measures_table(incidents: Sequence[TimedIncident]) -> list[str]:
     """The design's measures per incident, in seconds from the failure (injected, else detected)."""
     head = (
@@ -419,12 +416,12 @@ def measures_table(incidents: Sequence[TimedIncident]) -> list[str]:
     for t in incidents:
         i = t.incident
         t0 = i.injected_at or i.detected_at
-        back = _s(t0, i.recovered_at) + ("~" if t.recovered_estimated else "")
+        back = elapsed(t0, i.recovered_at) + ("~" if t.recovered_estimated else "")
         compile_s = f"{i.compile_seconds:.1f}" if i.compile_seconds is not None else "-"
         lines.append(
             f"{i.attempt:<8} {(i.scenario or '-'):<19} {(i.failure_class or '-'):<15} "
-            f"{_s(t0, i.detected_at):>6} {_s(t0, i.stopped_at):>5} "
-            f"{_s(t0, i.slice_ready_at):>10} {_s(t0, i.workers_started_at):>6} {_s(t0, i.restored_at):>8} "
+            f"{elapsed(t0, i.detected_at):>6} {elapsed(t0, i.stopped_at):>5} {elapsed(t0, i.slice_ready_at):>10} "
+            f"{elapsed(t0, i.workers_started_at):>6} {elapsed(t0, i.restored_at):>8} "
             f"{compile_s:>8} {back:>5} {i.steps_lost if i.steps_lost is not None else '-':>5} "
             f"{i.restored_step if i.restored_step is not None else '-':>9}"
         )

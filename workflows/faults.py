@@ -1,10 +1,8 @@
 """The faults, one row and one name each, and the cluster verbs they act with.
 
-A row says when a local run fires it (``trigger``), the verb it acts with (``verb``), the fault the trainer injects
-into itself, how a local run ends, and whether the drill injects it on a cluster (``on_cluster``). The verbs are
-one set, ``Verbs``, that each world performs its own way: ``workflows/local/inject.py``'s ``LocalScene`` on the
-local cluster (its worker processes, hosts and API), ``workflows/drill.py``'s ``Scene`` on a real one (the
-Kubernetes API, an exec into a pod). The two dispatchers call ``act(scene, row)``; both damage a checkpoint with
+The verbs are one set, ``Verbs``, that each world performs its own way: ``workflows/local/inject.py``'s
+``LocalScene`` on the local cluster (its worker processes, hosts and API), ``workflows/drill.py``'s ``Scene`` on a
+real one (the Kubernetes API, an exec into a pod). Both call ``act(scene, row)`` and damage a checkpoint with
 ``corrupt_newest_checkpoint``, so both rehearse the same corruption.
 """
 

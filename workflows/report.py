@@ -71,7 +71,8 @@ def load_events(store: RunStore) -> list[WorkerEvent]:
     return sorted(events, key=lambda e: e.t)
 
 
-def _d(a: float | None, b: float | None) -> str:
+def elapsed(a: float | None, b: float | None) -> str:
+    """Seconds from ``a`` to ``b`` to a tenth, "-" when either is unknown."""
     return "-" if a is None or b is None else f"{b - a:.1f}"
 
 
@@ -101,13 +102,13 @@ def incident_table(incidents: Sequence[Incident]) -> str:
                 str(i.attempt),
                 i.scenario or "-",
                 i.failure_class.value if i.failure_class else "-",
-                _d(t0, i.detected_at),
-                _d(t0, i.stopped_at),
-                _d(t0, i.slice_ready_at),
-                _d(t0, i.workers_started_at),
-                _d(t0, i.restored_at),
-                _d(t0, i.first_step_at),
-                _d(t0, i.recovered_at),
+                elapsed(t0, i.detected_at),
+                elapsed(t0, i.stopped_at),
+                elapsed(t0, i.slice_ready_at),
+                elapsed(t0, i.workers_started_at),
+                elapsed(t0, i.restored_at),
+                elapsed(t0, i.first_step_at),
+                elapsed(t0, i.recovered_at),
                 "-" if i.pre_failure_step is None else str(i.pre_failure_step),
                 "-" if i.restored_step is None else str(i.restored_step),
                 i.restore_tier or "-",

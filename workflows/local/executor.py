@@ -161,14 +161,14 @@ class LocalExecutor:
                 return pod_deleted(started, now())
             _note(log_path, "supervisor lost (rehearsal) while its node is new: its pod is created again")
         outputs, missing = self._read_outputs(template, node_dir)
+        exit_code = 128 - rc if rc < 0 else rc
         if segment:
             rec, sl = self._settle(local)
-            return _segment_result(rec, sl, 128 - rc if rc < 0 else rc, outputs, log_path, started)
+            return _segment_result(rec, sl, exit_code, outputs, log_path, started)
         phase = SUCCEEDED if rc == 0 else FAILED
         message = "" if rc == 0 else f"exit code {rc}; log: {log_path}{_tail(log_path)}"
         if rc == 0 and missing:
             phase, message = ERROR, f"output parameter file(s) missing: {', '.join(missing)}; log: {log_path}"
-        exit_code = 128 - rc if rc < 0 else rc
         return NodeResult(phase, outputs, exit_code, message, started, now())
 
     def _run_process(
