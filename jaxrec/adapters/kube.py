@@ -192,52 +192,52 @@ class Kube:
 
         return json.loads(resp.data)
 
-    def _maybe(self, call: Callable[..., Any], *args: Any, **kw: Any) -> dict[str, Any] | None:
+    @staticmethod
+    def _send(call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        return call(*args, _preload_content=False, _request_timeout=API_TIMEOUT_S, **kw)
+
+    def _get(self, call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        return self._json(self._send(call, *args, **kw))
+
+    def _unless(self, status: int, call: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """The call's raw response, or None when the API answers ``status`` (404: not there, 409: exists)."""
         from kubernetes.client import ApiException
 
         try:
-            return self._json(call(*args, _preload_content=False, _request_timeout=API_TIMEOUT_S, **kw))
+            return self._send(call, *args, **kw)
         except ApiException as e:
-            if e.status == 404:
+            if e.status == status:
                 return None
             raise
+
+    def _maybe(self, call: Callable[..., Any], *args: Any, **kw: Any) -> dict[str, Any] | None:
+        resp = self._unless(404, call, *args, **kw)
+        return None if resp is None else self._json(resp)
+
+    @property
+    def _jobsets(self) -> tuple[str, str, str, str]:
+        return (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
+
+    @property
+    def _workflows(self) -> tuple[str, str, str, str]:
+        return (ARGO_GROUP, ARGO_VERSION, self.ns, WORKFLOW_PLURAL)
 
     def get_jobset(self, name: str) -> dict[str, Any] | None:
         """The JobSet ``name``, or None when it does not exist."""
-        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
-        return self._maybe(self.custom.get_namespaced_custom_object, *where, name)
+        return self._maybe(self.custom.get_namespaced_custom_object, *self._jobsets, name)
 
     def get_workflow(self, name: str) -> dict[str, Any] | None:
         """The Argo Workflow ``name``, or None when it does not exist."""
-        return self._maybe(
-            self.custom.get_namespaced_custom_object, ARGO_GROUP, ARGO_VERSION, self.ns, WORKFLOW_PLURAL, name
-        )
+        return self._maybe(self.custom.get_namespaced_custom_object, *self._workflows, name)
 
     def create_workflow(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """Create an Argo Workflow; the object as created, or None when one of its name exists (409 Conflict)."""
-        from kubernetes.client import ApiException
-
-        try:
-            resp = self.custom.create_namespaced_custom_object(
-                ARGO_GROUP,
-                ARGO_VERSION,
-                self.ns,
-                WORKFLOW_PLURAL,
-                body,
-                _preload_content=False,
-                _request_timeout=API_TIMEOUT_S,
-            )
-        except ApiException as e:
-            if e.status == 409:
-                return None
-            raise
-        return self._json(resp)
+        resp = self._unless(409, self.custom.create_namespaced_custom_object, *self._workflows, body)
+        return None if resp is None else self._json(resp)
 
     def patch_workflow(self, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
         """Merge-patch the Workflow ``name``; the Workflow as patched, or None when it does not exist."""
-        return self._maybe(
-            self.custom.patch_namespaced_custom_object, ARGO_GROUP, ARGO_VERSION, self.ns, WORKFLOW_PLURAL, name, patch
-        )
+        return self._maybe(self.custom.patch_namespaced_custom_object, *self._workflows, name, patch)
 
     def stop_workflow(self, name: str) -> dict[str, Any] | None:
         """Set the Workflow's ``spec.shutdown`` to ``Stop``; the Workflow as patched, or None when it does not exist.
@@ -261,8 +261,7 @@ class Kube:
 
     def jobsets_served(self) -> bool:
         """Whether the API serves JobSets in the namespace (a LIST of at most one answers 404 without the CRD)."""
-        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
-        return self._maybe(self.custom.list_namespaced_custom_object, *where, limit=1) is not None
+        return self._maybe(self.custom.list_namespaced_custom_object, *self._jobsets, limit=1) is not None
 
     def can(self, verb: str, resource: str, group: str = "", *, cluster_scoped: bool = False) -> bool:
         """Whether this client's identity may ``verb`` ``resource`` here.
@@ -279,16 +278,12 @@ class Kube:
             "kind": "SelfSubjectAccessReview",
             "spec": {"resourceAttributes": attributes},
         }
-        resp = client.AuthorizationV1Api(self.core.api_client).create_self_subject_access_review(
-            body, _preload_content=False, _request_timeout=API_TIMEOUT_S
-        )
-        return bool((self._json(resp).get("status") or {}).get("allowed"))
+        review = self._get(client.AuthorizationV1Api(self.core.api_client).create_self_subject_access_review, body)
+        return bool((review.get("status") or {}).get("allowed"))
 
     def dry_run_pod(self, body: dict[str, Any]) -> None:
         """Create the pod ``body`` with ``dryRun=All``: admitted and validated, never stored; a refusal raises."""
-        self.core.create_namespaced_pod(
-            self.ns, body, dry_run="All", _preload_content=False, _request_timeout=API_TIMEOUT_S
-        )
+        self._send(self.core.create_namespaced_pod, self.ns, body, dry_run="All")
 
     def list_jobs(self, jobset: str, **kw: Any) -> Any:
         """The JobSet's Jobs: the list's JSON, or with ``watch=True`` the client's watch response."""
@@ -300,26 +295,19 @@ class Kube:
 
     def list_jobsets(self, name: str, **kw: Any) -> Any:
         """The JobSet ``name`` as a list of at most one (a watch follows one object by its name)."""
-        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
-        return self.custom.list_namespaced_custom_object(*where, field_selector=f"metadata.name={name}", **kw)
+        return self.custom.list_namespaced_custom_object(*self._jobsets, field_selector=f"metadata.name={name}", **kw)
 
     def items(self, list_call: Callable[..., Any], name: str) -> list[dict[str, Any]]:
         """The items of one LIST (``list_jobs``, ``list_pods``) of the JobSet ``name``."""
-        return self._json(list_call(name, _preload_content=False, _request_timeout=API_TIMEOUT_S)).get("items") or []
+        return self._get(list_call, name).get("items") or []
 
     def list_pods_where(self, label_selector: str) -> list[dict[str, Any]]:
         """The namespace's pods that match ``label_selector``."""
-        resp = self.core.list_namespaced_pod(
-            self.ns, label_selector=label_selector, _preload_content=False, _request_timeout=API_TIMEOUT_S
-        )
-        return self._json(resp).get("items") or []
+        return self._get(self.core.list_namespaced_pod, self.ns, label_selector=label_selector).get("items") or []
 
     def list_nodes(self, label_selector: str) -> list[dict[str, Any]]:
         """The cluster's nodes that match ``label_selector``."""
-        resp = self.core.list_node(
-            label_selector=label_selector, _preload_content=False, _request_timeout=API_TIMEOUT_S
-        )
-        return self._json(resp).get("items") or []
+        return self._get(self.core.list_node, label_selector=label_selector).get("items") or []
 
     def pod_warnings(self, pod: str) -> list[str]:
         """The pod's Warning events, as 'Reason: message'."""
@@ -331,48 +319,19 @@ class Kube:
 
     def _warnings(self, kind: str, name: str) -> list[str]:
         sel = f"involvedObject.name={name},involvedObject.kind={kind}"
-        resp = self.core.list_namespaced_event(
-            self.ns, field_selector=sel, _preload_content=False, _request_timeout=API_TIMEOUT_S
-        )
-        items = self._json(resp).get("items") or []
+        items = self._get(self.core.list_namespaced_event, self.ns, field_selector=sel).get("items") or []
         return [f"{e.get('reason')}: {e.get('message')}" for e in items if e.get("type", "Warning") == "Warning"]
 
     def create_jobset(self, manifest: dict[str, Any]) -> bool:
         """Create a JobSet; False when one of its name already exists (409 Conflict)."""
-        from kubernetes.client import ApiException
-
-        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
-        try:
-            self.custom.create_namespaced_custom_object(
-                *where, manifest, _preload_content=False, _request_timeout=API_TIMEOUT_S
-            )
-        except ApiException as e:
-            if e.status == 409:
-                return False
-            raise
-        return True
+        return self._unless(409, self.custom.create_namespaced_custom_object, *self._jobsets, manifest) is not None
 
     def delete_jobset(self, name: str) -> None:
         """Delete a JobSet with foreground propagation (its Jobs and pods go first); one already gone is fine."""
-        from kubernetes.client import ApiException
-
-        where = (JOBSET_GROUP, JOBSET_VERSION, self.ns, JOBSET_PLURAL)
-        try:
-            self.custom.delete_namespaced_custom_object(
-                *where, name, propagation_policy="Foreground", _preload_content=False, _request_timeout=API_TIMEOUT_S
-            )
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        self._unless(
+            404, self.custom.delete_namespaced_custom_object, *self._jobsets, name, propagation_policy="Foreground"
+        )
 
     def force_delete_pod(self, name: str) -> None:
         """Delete a pod with grace period 0: the API removes it without its kubelet's confirmation."""
-        from kubernetes.client import ApiException
-
-        try:
-            self.core.delete_namespaced_pod(
-                name, self.ns, grace_period_seconds=0, _preload_content=False, _request_timeout=API_TIMEOUT_S
-            )
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        self._unless(404, self.core.delete_namespaced_pod, name, self.ns, grace_period_seconds=0)
