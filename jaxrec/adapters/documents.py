@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.adapters.store import DocumentError, R, RunLayout, RunStore
 from jaxrec.model.config import JobConfig, parse_config
 from jaxrec.model.records import Ledger, RunConfigDocument, WorkerExitReport
 
@@ -21,22 +21,28 @@ def read_run_config(store: RunStore) -> JobConfig:
     return parse_config(doc.config, url)
 
 
+def read_records(store: RunStore, folder: str, model: type[R]) -> tuple[list[R], list[str]]:
+    """Every ``.json`` record directly under ``folder``, and one line per unreadable one (which hides no other)."""
+    records, problems = [], []
+    for name in store.children(folder):
+        if not name.endswith(".json"):
+            continue
+        try:
+            rec = store.read_record(f"{folder}/{name}", model)
+        except DocumentError as e:
+            problems.append(str(e))
+            continue
+        if rec is not None:
+            records.append(rec)
+    return records, problems
+
+
 def read_worker_reports(store: RunStore, attempt: int) -> tuple[list[WorkerExitReport], list[str]]:
     """Every worker exit report of ``attempt``, by process index, and one line per unreadable one.
 
     A damaged report does not hide the others: the classifier and the totals use what can be read.
     """
-    reports, problems = [], []
-    for name in store.children(RunLayout.worker_reports(attempt)):
-        if not name.endswith(".json"):
-            continue
-        try:
-            rep = store.read_record(f"{RunLayout.worker_reports(attempt)}/{name}", WorkerExitReport)
-        except DocumentError as e:
-            problems.append(str(e))
-            continue
-        if rep is not None:
-            reports.append(rep)
+    reports, problems = read_records(store, RunLayout.worker_reports(attempt), WorkerExitReport)
     return sorted(reports, key=lambda r: r.process_index), problems
 
 

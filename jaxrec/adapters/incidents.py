@@ -1,13 +1,9 @@
 """Incident records of a run on any cluster, built in one place from what the run store keeps of each attempt.
 
-Every attempt leaves its supervision record, its provision record, its restore record, the workers' exit reports
-and heartbeats; a local run keeps the workers' event lines too, a finer clock for each phase. ``read_attempt_facts``
-is the adapter; ``incidents_from_facts`` is a pure function over those facts (one incident per failed attempt,
-timed from that attempt and the next one), called by finalize on any cluster and by the local runner.
-
-Where the facts cannot say when the run was back at its pre-failure step (the restored step is older than it and
-no event names the step), the time is estimated from the next attempt's first step and its steps per second, and
-the incident says so (``recovered_estimated``).
+``read_attempt_facts`` is the adapter; ``incidents_from_facts`` is a pure function over those facts (one incident per
+failed attempt, timed from that attempt and the next one), called by finalize and by the local runner. Where the
+facts cannot say when the run was back at its pre-failure step, the time is estimated from the next attempt's first
+step and its steps per second, and the incident says so (``recovered_estimated``).
 """
 
 from __future__ import annotations
@@ -15,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from jaxrec.adapters.documents import read_ledger, read_worker_reports
-from jaxrec.adapters.store import DocumentError, RunLayout, RunStore
+from jaxrec.adapters.documents import read_ledger, read_records, read_worker_reports
+from jaxrec.adapters.store import RunLayout, RunStore
 from jaxrec.model.contract import AttemptOutcome, FailureClass
 from jaxrec.model.records import (
     AttemptRecord,
@@ -219,20 +215,6 @@ def incidents_from_facts(
     return out
 
 
-def _heartbeats(store: RunStore, attempt: int) -> list[WorkerHeartbeat]:
-    out = []
-    for name in store.children(RunLayout.attempt(attempt) + "/heartbeats"):
-        if not name.endswith(".json"):
-            continue
-        try:
-            hb = store.read_record(f"{RunLayout.attempt(attempt)}/heartbeats/{name}", WorkerHeartbeat)
-        except DocumentError:
-            continue  # a torn heartbeat: the others and the reports still say how far the attempt got
-        if hb is not None:
-            out.append(hb)
-    return out
-
-
 def read_attempt_facts(
     store: RunStore, ledger: Ledger | None = None, events: Sequence[WorkerEvent] = ()
 ) -> list[AttemptFacts]:
@@ -255,7 +237,8 @@ def read_attempt_facts(
                 restore=store.read_record(RunLayout.restore_record(a), RestoreRecord),
                 tiers=store.read_record(RunLayout.tier_record(a), TierRecord),
                 reports=tuple(read_worker_reports(store, a)[0]),
-                heartbeats=tuple(_heartbeats(store, a)),
+                # A torn heartbeat is left out: the others and the reports still say how far the attempt got.
+                heartbeats=tuple(read_records(store, f"{RunLayout.attempt(a)}/heartbeats", WorkerHeartbeat)[0]),
                 failure_class=records[a].failure_class if a in records else None,
                 record=records.get(a),
                 events=tuple(by_attempt.get(a, ())),
