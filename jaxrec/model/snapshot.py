@@ -81,17 +81,12 @@ class PodEvidence(_Ev):
 
     def disruption(self) -> Condition | None:
         """The pod's DisruptionTarget condition, if Kubernetes set one."""
-        for c in self.conditions:
-            if c.type == "DisruptionTarget" and c.status == "True":
-                return c
-        return None
+        return next((c for c in self.conditions if c.type == "DisruptionTarget" and c.status == "True"), None)
 
     def trainer(self) -> ContainerState | None:
         """The trainer container (or the only/first container)."""
-        for c in self.containers:
-            if c.name == TRAINER_CONTAINER:
-                return c
-        return self.containers[0] if self.containers else None
+        named = next((c for c in self.containers if c.name == TRAINER_CONTAINER), None)
+        return named or (self.containers[0] if self.containers else None)
 
     # What follows is derived from the trainer container's state, as the supervisor and classify-failure read it.
 
@@ -173,11 +168,8 @@ class NodeEvidence(_Ev):
     @property
     def taint_effects(self) -> list[tuple[str, str]]:
         """Each taint's key and effect."""
-        out = []
-        for t in self.taints:
-            head, _, effect = t.rpartition(":")
-            out.append((head.split("=", 1)[0], effect))
-        return out
+        split = (t.rpartition(":") for t in self.taints)
+        return [(head.split("=", 1)[0], effect) for head, _, effect in split]
 
     @property
     def unreachable(self) -> bool:
@@ -332,28 +324,26 @@ def parse_time(value: str | None) -> float | None:
 
 
 def _conditions(obj: dict[str, Any]) -> list[Condition]:
-    out = []
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        out.append(
-            Condition(
-                type=str(c.get("type", "")),
-                status=str(c.get("status", "")),
-                reason=c.get("reason"),
-                message=c.get("message"),
-                at=parse_time(c.get("lastTransitionTime") or c.get("lastProbeTime")),
-            )
+    return [
+        Condition(
+            type=str(c.get("type", "")),
+            status=str(c.get("status", "")),
+            reason=c.get("reason"),
+            message=c.get("message"),
+            at=parse_time(c.get("lastTransitionTime") or c.get("lastProbeTime")),
         )
-    return out
+        for c in (obj.get("status") or {}).get("conditions") or []
+    ]
 
 
 def jobset_from_api(obj: dict[str, Any]) -> JobSetEvidence:
     """A JobSet object (jobset.x-k8s.io/v1alpha2) -> JobSetEvidence."""
-    status = obj.get("status") or {}
+    meta = obj.get("metadata") or {}
     return JobSetEvidence(
-        name=(obj.get("metadata") or {}).get("name", ""),
+        name=meta.get("name", ""),
         conditions=_conditions(obj),
-        terminal_state=status.get("terminalState"),
-        created_at=parse_time((obj.get("metadata") or {}).get("creationTimestamp")),
+        terminal_state=(obj.get("status") or {}).get("terminalState"),
+        created_at=parse_time(meta.get("creationTimestamp")),
     )
 
 
@@ -370,12 +360,8 @@ def job_from_api(obj: dict[str, Any]) -> JobEvidence:
     )
     failed = job.failure()
     if failed is not None:
-        job.failed, job.failure_reason, job.failure_message, job.failed_at = (
-            True,
-            failed.reason,
-            failed.message,
-            failed.at,
-        )
+        job.failed, job.failure_reason = True, failed.reason
+        job.failure_message, job.failed_at = failed.message, failed.at
     return job
 
 
