@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from yaml.constructor import ConstructorError
 
 from jaxrec.model.contract import FAILURE_CLASSES, FailureClass
 from jaxrec.model.names import POD_NAME_MAX, longest_pod_name
@@ -1137,20 +1138,16 @@ def _describe(err: dict[str, Any], data: Any) -> list[str]:
     kind = err["type"]
     msg = err["msg"]
     if msg.startswith("Value error, "):
-        out = []
-        for part in msg[len("Value error, ") :].splitlines():
-            # Model-level validators already name their field ("slice.topology: ...").
-            out.append(part if not loc or _NAMED.match(part) else f"{loc}: {part}")
-        return out
+        # Model-level validators already name their field ("slice.topology: ...").
+        parts = msg[len("Value error, ") :].splitlines()
+        return [part if not loc or _NAMED.match(part) else f"{loc}: {part}" for part in parts]
     if kind == "extra_forbidden":
-        parent = err["loc"][:-1]
-        allowed = _allowed_keys(parent)
+        allowed = _allowed_keys(err["loc"][:-1])
         hint = f"; valid keys here: {', '.join(allowed)}" if allowed else ""
         return [f"{loc}: unknown key{hint}"]
     if kind == "missing":
         return [f"{loc}: required field is missing"]
-    value = err.get("input")
-    return [f"{loc}: {msg} (got {_short(value)})"]
+    return [f"{loc}: {msg} (got {_short(err.get('input'))})"]
 
 
 def _allowed_keys(parent: tuple[Any, ...]) -> list[str]:
@@ -1203,17 +1200,13 @@ class _StrictLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             self._aliases += 1
             if self._aliases > MAX_ALIASES:
-                event = self.peek_event()
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"more than {MAX_ALIASES} aliases: refusing a possible alias bomb", event.start_mark
-                )
+                problem = f"more than {MAX_ALIASES} aliases: refusing a possible alias bomb"
+                raise ConstructorError(None, None, problem, self.peek_event().start_mark)
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                event = self.peek_event()
-                raise yaml.composer.ComposerError(
-                    None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark
-                )
+                problem = f"nested deeper than {MAX_DEPTH} levels"
+                raise yaml.composer.ComposerError(None, None, problem, self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -1222,27 +1215,19 @@ class _StrictLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
+                problem = (
                     "a YAML merge key ('<<') is not supported in a config: write the keys out in full "
-                    "(a merged key is silently overridden by the mapping's own)",
-                    key_node.start_mark,
+                    "(a merged key is silently overridden by the mapping's own)"
                 )
+                raise ConstructorError(None, None, problem, key_node.start_mark)
             key = self.construct_object(key_node, deep=True)
             try:
                 duplicate = key in seen
             except TypeError:
-                raise yaml.constructor.ConstructorError(
-                    None, None, "a mapping key must be a plain value", key_node.start_mark
-                ) from None
+                raise ConstructorError(None, None, "a mapping key must be a plain value", key_node.start_mark) from None
             if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"duplicate key {_short(key)} (the first value would be silently lost)",
-                    key_node.start_mark,
-                )
+                problem = f"duplicate key {_short(key)} (the first value would be silently lost)"
+                raise ConstructorError(None, None, problem, key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -1271,10 +1256,8 @@ def load_config(path: str | Path) -> JobConfig:
     try:
         with open(p, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise ConfigError(str(p)[:200], [f"cannot read the file: {e.strerror or e}"]) from None
-    except ValueError as e:  # an embedded NUL in the path
-        raise ConfigError(str(p)[:200], [f"cannot read the file: {e}"]) from None
+    except (OSError, ValueError) as e:  # ValueError: an embedded NUL in the path
+        raise ConfigError(str(p)[:200], [f"cannot read the file: {getattr(e, 'strerror', None) or e}"]) from None
     source = str(p)
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(source, [f"the file is larger than {MAX_CONFIG_BYTES} bytes; a job config is a few KB"])
