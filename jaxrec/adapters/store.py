@@ -1,18 +1,9 @@
-"""The run store: one interface over ``gs://bucket/prefix`` and a local directory.
+"""The run store: one interface over ``gs://bucket/prefix`` and a local directory (layout: ``RunLayout``).
 
-Layout under the configured root (see ``RunLayout``)::
-
-    runs/<run-id>/config.json                    validated config + its hash
-    runs/<run-id>/checkpoints/<step>/            orbax checkpoints with their manifest.json
-    runs/<run-id>/attempts/<n>/workers/<i>.json  each worker's exit report
-    runs/<run-id>/attempts/<n>/record.json       the attempt's classification, evidence, incident timings
-    runs/<run-id>/ledger.json                    attempts so far, by class (conditional writes)
-    runs/<run-id>/quarantine/<step>/             checkpoints that failed verification (moved, never deleted)
-
-JSON documents go through google-cloud-storage (or plain files); arrays go through orbax/tensorstore,
-which take ``RunStore.url(...)`` as their directory. Every write of a JSON document is atomic
-(a local temp file renamed into place; a single GCS object upload), and ``write_bytes`` accepts a
-generation precondition so that two writers cannot silently overwrite each other.
+JSON documents go through google-cloud-storage (or plain files); arrays go through orbax/tensorstore, which take
+``RunStore.url(...)`` as their directory. Every write of a JSON document is atomic (a local temp file renamed into
+place; a single GCS object upload), and ``write_bytes`` accepts a generation precondition so that two writers cannot
+silently overwrite each other.
 """
 
 from __future__ import annotations
@@ -532,14 +523,12 @@ class GcsBackend:
         key = self._key(prefix)
         if prefix and not key.endswith("/"):
             key += "/"
-        out = []
         strip = len(self.prefix) + 1 if self.prefix else 0
-        for blob in self.bucket.client.list_blobs(self.bucket_name, prefix=key, retry=self.retry):
-            out.append(
-                ObjectInfo(
-                    blob.name[strip:], int(blob.size or 0), int(blob.generation or 0), gcs_crc32c_hex(blob.crc32c)
-                )
-            )
+        blobs = self.bucket.client.list_blobs(self.bucket_name, prefix=key, retry=self.retry)
+        out = [
+            ObjectInfo(b.name[strip:], int(b.size or 0), int(b.generation or 0), gcs_crc32c_hex(b.crc32c))
+            for b in blobs
+        ]
         return sorted(out, key=lambda o: o.name)
 
     def crc32c(self, rel: str) -> tuple[str, int] | None:
@@ -587,11 +576,8 @@ class GcsBackend:
         if self.bucket.blob(self._key(rel)).exists():
             return "file"
         key = self._key(rel).rstrip("/") + "/"
-        return (
-            "dir"
-            if any(True for _ in self.bucket.client.list_blobs(self.bucket_name, prefix=key, max_results=1))
-            else "absent"
-        )
+        under = self.bucket.client.list_blobs(self.bucket_name, prefix=key, max_results=1)
+        return "dir" if any(True for _ in under) else "absent"
 
 
 def make_gcs_client():
@@ -891,13 +877,14 @@ class RunStore:
 
     def checkpoint_steps(self) -> list[int]:
         """Steps of the directories under ``checkpoints/``, ascending (complete or not: verification decides)."""
-        return sorted(
-            s for s in (RunLayout.parse_step(n) for n in self.children(RunLayout.CHECKPOINTS)) if s is not None
-        )
+        return self._numbered(RunLayout.CHECKPOINTS)
 
     def attempts(self) -> list[int]:
         """Numbers of the attempts that have a folder under ``attempts/``, ascending."""
-        return sorted(a for a in (RunLayout.parse_step(n) for n in self.children(RunLayout.ATTEMPTS)) if a is not None)
+        return self._numbered(RunLayout.ATTEMPTS)
+
+    def _numbered(self, prefix: str) -> list[int]:
+        return sorted(n for n in map(RunLayout.parse_step, self.children(prefix)) if n is not None)
 
     def exists(self, rel: str) -> bool:
         """True when ``rel`` is an object or a non-empty directory."""
@@ -1009,8 +996,6 @@ def store_errors() -> tuple[type[BaseException], ...]:
 
 def is_transient(e: BaseException) -> bool:
     """True when ``e`` says the store was unreachable or overloaded (retrying can help), not refused or absent."""
-    import errno
-
     import requests
     from google.api_core import exceptions as gexc
     from google.auth.exceptions import TransportError
