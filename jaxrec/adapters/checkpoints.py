@@ -1,26 +1,12 @@
 """Checkpoint manifests: the file list (size, CRC32C, generation or SHA-256) that completes a checkpoint transaction.
 
-The trainer's primary host calls ``write_manifest`` after orbax committed a step; ``restore-latest``
-verifies a step against the manifest before it trusts it.
-
-Integrity costs metadata, not bytes. On GCS no host reads back what it wrote: one listing gives every
-object's size, the CRC32C GCS computed over the bytes it received, and its generation, and the manifest
-pins each file by all three. How far that reaches: tensorstore's GCS driver (google/tensorstore,
-``tensorstore/kvstore/gcs_http/gcs_key_value_store.cc``, ``WriteTask::Retry``) uploads each object as one
-``uploadType=media`` POST with only ``Content-Type`` and ``Content-Length`` headers, sending no
-``crc32c``/``x-goog-hash``, and from the response it parses only the generation (``FinishResponse``). So the
-CRC32C GCS reports covers the bytes GCS received (transport integrity is HTTPS's), not a checksum orbax
-computed: bytes damaged in the writing host's memory before the upload pass unnoticed, here as with a
-read-back, which would read the same damaged object. Reads (``ReadTask::FinishResponse``) check no hash
-either; see docs/CHECKPOINTS.md.
-
-On a local directory there is no store checksum and no generation that survives a copy: each host streams
-the files it wrote itself (``writer_of``: orbax names them by process) through CRC32C and SHA-256 at once
-(``host_files``, ``CRC_CHUNK`` at a time, a few files at once), so the work is spread over the hosts and
-memory stays bounded; the primary host gathers the hosts' entries (``gather_files``) into the manifest.
-SHA-256 is what pins the file: every OCDBT file ends with the CRC32C of the bytes before it, so all of them
-have one and the same whole-file CRC32C, and a file of the same size from another step would pass a CRC32C
-check.
+The trainer's primary host calls ``write_manifest`` after orbax committed a step; ``restore-latest`` verifies a step
+against it. Integrity costs metadata, not bytes (docs/CHECKPOINTS.md, "Integrity from metadata"): on GCS one listing
+gives each object's size, GCS's CRC32C and generation, which the manifest pins (tensorstore's GCS driver sends no
+checksum of its own: ``tensorstore/kvstore/gcs_http/gcs_key_value_store.cc``, ``WriteTask::Retry``); on a local
+directory each host streams the files it wrote (``writer_of``) through CRC32C and SHA-256 (``host_files``) and the
+primary gathers the entries (``gather_files``). SHA-256 pins a local file: every OCDBT file ends with the CRC32C of
+the bytes before it, so all have one and the same whole-file CRC32C.
 """
 
 from __future__ import annotations

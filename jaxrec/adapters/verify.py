@@ -216,11 +216,9 @@ def _parse_name(name: str) -> tuple[int | None, bool]:
     if not m or not m.group(1).isascii() or len(m.group(1)) > 10:
         return None, False
     rest = m.group(2)
-    if rest == "":
-        return int(m.group(1)), False
-    if rest.startswith(TMP_MARK):
-        return int(m.group(1)), True
-    return None, False
+    if rest and not rest.startswith(TMP_MARK):
+        return None, False
+    return int(m.group(1)), bool(rest)
 
 
 def check_layout(store: RunStore, rel: str) -> None:
@@ -357,19 +355,10 @@ def check_step(
 ) -> tuple[list[str], str | None]:
     """The step's problems against its manifest, closed-world, one line each, and how its files were checked.
 
-    How they were checked is ``integrity_basis`` (None without a manifest).
-
-    Every file the manifest lists must be present with its size and CRC32C (and, where the manifest
-    records one, its GCS generation), and every file under the step must be listed: a file the manifest
-    does not know (an extra array chunk, say) could be read by orbax without ever having been checked.
-    Nothing is exempt besides the manifest itself: the manifest is written after orbax committed the step
-    (``commit_success.txt`` on GCS, the directory rename and ``_CHECKPOINT_METADATA`` locally are all in
-    place before it), so it lists orbax's metadata and marker files too. The run store's own lock file of
-    the manifest write (``.manifest.json.lock``) is not an object.
-
-    Cost: on GCS the listing in ``objects`` carries each object's size, CRC32C and generation, so no byte
-    is read whatever the checkpoint's size (O(files)). Locally each file is streamed through CRC32C in
-    ``CRC_CHUNK`` pieces on ``threads`` threads: memory stays at a few MiB.
+    How they were checked is ``integrity_basis`` (None without a manifest). Closed world: a file the manifest does
+    not know (an extra array chunk, say) could be read by orbax without ever having been checked, and nothing but
+    the manifest itself is exempt (docs/CHECKPOINTS.md). On GCS no byte is read (the listing in ``objects`` carries
+    size, CRC32C and generation); locally each file is streamed in ``CRC_CHUNK`` pieces on ``threads`` threads.
     """
     raw = store.read_bytes(f"{RunLayout.CHECKPOINTS}/{name}/{RunLayout.MANIFEST}")
     if raw is None:
@@ -580,11 +569,8 @@ def _ocdbt_locations(tree: Any) -> Iterable[str]:
     if isinstance(tree, str):
         if tree.startswith(("btreenode:", "versionnode:", "value:")):
             yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _ocdbt_locations(v)
-    elif isinstance(tree, list):
-        for v in tree:
+    elif isinstance(tree, dict | list):
+        for v in tree.values() if isinstance(tree, dict) else tree:
             yield from _ocdbt_locations(v)
 
 

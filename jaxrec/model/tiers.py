@@ -1,28 +1,12 @@
 """Which copy of each host's part a restore reads: own disk, a peer's disk, or GCS (a pure decision).
 
-A checkpoint step is written in parts, one per process. With the local tiers each part may have copies in
-several host-local directories (the host that wrote it, and the peers it was copied to) besides the GCS
-step. Directories belong to nodes, not to process indices: after a restart a process may land on another
-node, so "its own disk" is whatever directory the node it runs on now holds.
-
-The rule follows two published ones: GKE's checkpoint replicator takes the newest step for which every part has
-a copy somewhere in the cluster, each missing file from peers first, then from the backup
-(GoogleCloudPlatform/checkpoint-replicator@3a24fd1, src/replicator/coordinator.py ``restore``); orbax's p2p manager
-has a host whose directory holds another index's part fetch its own from the host that has it (google/orbax,
-checkpoint/orbax/checkpoint/experimental/emergency/p2p, commit 5d9f2276 "Fetch checkpoint when process index
-mismatched"). Here a copy counts only when it was verified against the step's manifest (the caller's
-adapter checks sizes and CRC32C the same way for every tier), so a local or peer copy is exactly as
-trustworthy as a GCS one:
-
-* the restore step is the newest step whose every part has a verified copy on a node of the new slice or in a
-  verified GCS step, and never newer than that;
-* each part is read from the node that will load it (``local``), else from another node of the slice
-  (``peer``, the lowest node name first), else from GCS;
-* when one part of the chosen step must come from GCS, every part does: orbax's restore from the bucket is one
-  collective read in which every process takes part, so a host holding a local copy would read its part from the
-  bucket anyway (orbax's p2p manager has the same rule: any host that cannot restore locally or from a peer sends
-  every host to persistent storage);
-* every newer step is skipped with one reason naming each part it lacked and why each copy did not count.
+The rules are in docs/CHECKPOINTS.md ("The decision"). They follow two published ones: GKE's checkpoint replicator
+takes the newest step for which every part has a copy somewhere in the cluster, each missing file from peers first,
+then from the backup (GoogleCloudPlatform/checkpoint-replicator@3a24fd1, src/replicator/coordinator.py ``restore``);
+orbax's p2p manager has a host whose directory holds another index's part fetch its own from the host that has it
+(google/orbax, checkpoint/orbax/checkpoint/experimental/emergency/p2p, commit 5d9f2276 "Fetch checkpoint when process
+index mismatched"). Directories belong to nodes, not to process indices; a copy counts only when it was verified
+against the step's manifest, so a local or peer copy is exactly as trustworthy as a GCS one.
 """
 
 from __future__ import annotations
