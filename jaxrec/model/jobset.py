@@ -34,16 +34,14 @@ def pod_failure_policy() -> dict[str, Any]:
     One rule per code (in the order of the exit-code table) makes the Job's failure message name
     the rule index, which ``classify-failure`` can read back as evidence.
     """
-    rules: list[dict[str, Any]] = []
-    for row in EXIT_CODES:
-        if row.pod_failure_action is None:
-            continue
-        rules.append(
-            {
-                "action": row.pod_failure_action,
-                "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [int(row.code)]},
-            }
-        )
+    rules: list[dict[str, Any]] = [
+        {
+            "action": row.pod_failure_action,
+            "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [int(row.code)]},
+        }
+        for row in EXIT_CODES
+        if row.pod_failure_action is not None
+    ]
     # A pod evicted or preempted (node drain, Spot reclaim, maintenance) ends the whole attempt too:
     # "Ignore" would let the Job recreate one worker into a gang that cannot take it back.
     rules.append({"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]})
@@ -227,9 +225,6 @@ class JobSetParams:
 
     Attributes:
         name: JobSet name (``<run-id>-a<attempt>``, from provision-slice).
-        run_id: Run id.
-        store_root: Run-store root.
-        attempt: Attempt number.
         restore_step: Step every worker restores (``-1``: fresh start).
         coordinator_port: Local backend: the JAX coordinator port.
         metrics_port: Port of worker 0's metrics endpoint (local workers add their index).
@@ -250,29 +245,18 @@ class JobSetParams:
 
 
 def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
-    """The JobSet of one attempt.
-
-    Args:
-        cfg: The job config (slice shape, image, service account, namespace).
-        params: The attempt's JobSet name, run, store root, attempt, restore step and ports.
-
-    Returns:
-        The manifest as a plain dict (stable key order).
-    """
-    name, run_id, store_root, attempt = params.name, params.run_id, params.store_root, params.attempt
-    restore_step, coordinator_port, metrics_port = params.restore_step, params.coordinator_port, params.metrics_port
-    sl = cfg.slice
-    hosts = sl.num_hosts
-    labels = {RUN_ID_LABEL: run_id, ATTEMPT_LABEL: attempt}
+    """The JobSet of one attempt, rendered from the job config and ``params``, as a plain dict (stable key order)."""
+    sl, hosts = cfg.slice, cfg.slice.num_hosts
+    labels = {RUN_ID_LABEL: params.run_id, ATTEMPT_LABEL: params.attempt}
     env: list[dict[str, Any]] = [
-        {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX_FIELD}}},
+        {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX_FIELD}}}
     ]
     flags = {
-        "--store-root": store_root,
-        "--run-id": run_id,
-        "--attempt": attempt,
-        "--restore-step": restore_step,
-        "--metrics-port": metrics_port,
+        "--store-root": params.store_root,
+        "--run-id": params.run_id,
+        "--attempt": params.attempt,
+        "--restore-step": params.restore_step,
+        "--metrics-port": params.metrics_port,
     }
     args = [arg for flag in flags.items() for arg in flag]
     command = ["python", "-m", "trainer"]
@@ -291,12 +275,12 @@ def jobset_manifest(cfg: JobConfig, params: JobSetParams) -> dict[str, Any]:
         "shareProcessNamespace": SHARED_PROCESS_NAMESPACE,
         "containers": [container],
     }
-    jobset_meta: dict[str, Any] = {"name": name, "namespace": cfg.namespace, "labels": labels}
+    jobset_meta: dict[str, Any] = {"name": params.name, "namespace": cfg.namespace, "labels": labels}
     if cfg.checkpoint.local.enabled:
         _local_tier(cfg, container, pod_spec)
     if sl.is_cpu:
         env += [
-            {"name": "TRAINER_COORDINATOR_ADDRESS", "value": f"127.0.0.1:{coordinator_port}"},
+            {"name": "TRAINER_COORDINATOR_ADDRESS", "value": f"127.0.0.1:{params.coordinator_port}"},
             {"name": "TRAINER_NUM_PROCESSES", "value": str(hosts)},
         ]
         if sl.local_devices == "cpu":  # else JAX finds this machine's own accelerator
