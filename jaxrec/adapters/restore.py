@@ -41,16 +41,19 @@ class RestoreResult:
     message: str = ""
 
 
+def _refused(message: str) -> RestoreResult:
+    """A decision not to go on: the run's config or store is not usable as it is (exit 2), nothing written."""
+    return RestoreResult(ExitCode.CONFIGURATION, None, "", [], message)
+
+
 def _quarantine_targets(store: RunStore, name: str, attempt: int):
     """Candidate quarantine names for ``name``: ``<name>``, then ``<name>.attempt<n>.<k>``, free when listed."""
     existing = set(store.children(RunLayout.QUARANTINE))
     if name not in existing:
         yield f"{RunLayout.QUARANTINE}/{name}"
-    k = 1
-    while k < 1000:
+    for k in range(1, 1000):
         if f"{name}.attempt{attempt}.{k}" not in existing:
             yield f"{RunLayout.QUARANTINE}/{name}.attempt{attempt}.{k}"
-        k += 1
 
 
 CONCURRENT_MOVE_WAIT_S = 5.0
@@ -119,11 +122,7 @@ def quarantine(store: RunStore, skip: Skip, attempt: int) -> str | None:
 
 
 def run(store: RunStore, attempt: int) -> RestoreResult:
-    """Verify the run's checkpoints, quarantine bad ones, and record which step attempt ``attempt`` restores.
-
-    Args:
-        store: The run store of the run.
-        attempt: The attempt about to start.
+    """Verify the run's checkpoints, quarantine bad ones, and record which step attempt ``attempt`` (next) restores.
 
     Returns:
         The decision; ``code`` is 0 (restore or fresh start), 2 (the run's config is missing or
@@ -133,9 +132,9 @@ def run(store: RunStore, attempt: int) -> RestoreResult:
         cfg = read_run_config(store)
         closed = closed_attempts(store)
     except ConfigError as e:
-        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], e.render())
+        return _refused(e.render())
     except DocumentError as e:
-        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], str(e))
+        return _refused(str(e))
 
     try:
         sel, inspected = verify_checkpoints(store, cfg.model_dump(mode="json"), cfg.slice.num_hosts, closed)
@@ -145,18 +144,14 @@ def run(store: RunStore, attempt: int) -> RestoreResult:
         if any(s.quarantine for s in sel.skipped) and not sel.incompatible:
             check_layout(store, RunLayout.QUARANTINE)
     except StoreLayoutError as e:
-        return RestoreResult(ExitCode.CONFIGURATION, None, "", [], f"{e} (nothing was moved)")
+        return _refused(f"{e} (nothing was moved)")
     if sel.renamed is not None:
         name, step = sel.renamed
         now_at = f"step {sel.step}" if sel.step >= 0 else "a fresh start"
-        return RestoreResult(
-            ExitCode.CONFIGURATION,
-            None,
-            "",
-            [],
+        return _refused(
             f"{store.url(RunLayout.CHECKPOINTS)}/{name} holds an intact checkpoint of step {step} under a name orbax "
             f"does not read (restoring would mean {now_at}); rename it to {store.url(RunLayout.checkpoint(step))} "
-            f"(moving aside what is there) and rerun (nothing was moved)",
+            f"(moving aside what is there) and rerun (nothing was moved)"
         )
     if sel.incompatible:
         lines = [f"checkpoints exist for run {store.run_id!r} but none is compatible with its config:"]
