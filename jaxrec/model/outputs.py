@@ -102,12 +102,8 @@ class StepOutputs(BaseModel):
     @classmethod
     def parse(cls, values: dict[str, str]) -> Self:
         """The outputs from their texts (as Argo passes them on); raises pydantic's ValidationError."""
-        data: dict[str, Any] = {}
-        for n, f in cls.model_fields.items():
-            name = f.alias or n
-            if name in values:
-                text = values[name]
-                data[name] = text if _is_text(f.annotation) else json.loads(text)
+        fields = ((f.alias or n, f) for n, f in cls.model_fields.items())
+        data = {k: values[k] if _is_text(f.annotation) else json.loads(values[k]) for k, f in fields if k in values}
         return cls.model_validate(data)
 
     @classmethod

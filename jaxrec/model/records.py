@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from typing import Annotated, Any
 
 from pydantic import (
@@ -313,11 +314,8 @@ class Ledger(_Record):
 
     def by_class(self) -> dict[str, int]:
         """Failed attempts so far, by class (every class present, zero included)."""
-        counts = {c.value: 0 for c in FailureClass}
-        for a in self.attempts:
-            if a.failure_class is not None:
-                counts[a.failure_class.value] += 1
-        return counts
+        counts = Counter(a.failure_class.value for a in self.attempts if a.failure_class is not None)
+        return {c.value: counts[c.value] for c in FailureClass}
 
     def closed_attempts(self) -> set[int]:
         """Numbers of the attempts already closed (a checkpoint they write later is not trusted)."""
