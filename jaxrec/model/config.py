@@ -1133,7 +1133,7 @@ def _bounded(line: str) -> str:
     return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
 
 
-def _describe(err: dict[str, Any], data: Any) -> list[str]:
+def _describe(err: dict[str, Any]) -> list[str]:
     loc = _loc(err["loc"])
     kind = err["type"]
     msg = err["msg"]
@@ -1178,7 +1178,7 @@ def parse_config(data: Any, source: str = "<config>") -> JobConfig:
             if len(shown) >= MAX_PROBLEMS:
                 shown[f"... and {len(errors) - i} more problem(s)"] = None
                 break
-            for line in _describe(err, data):
+            for line in _describe(err):
                 shown[_bounded(line)] = None
         raise ConfigError(source, list(shown)) from None
 
