@@ -118,14 +118,10 @@ process open a TCP socket, even on loopback)."""
 
 
 def make_api_client(host: str | None = None) -> Any:
-    """A kubernetes ``ApiClient``.
+    """A ``kubernetes.client.ApiClient`` for ``host`` (``http(s)://`` or ``unix:///path``).
 
-    Args:
-        host: API server URL, ``http(s)://`` or ``unix:///path``. When None: in a pod the in-cluster
-            service-account config, else ``$JAXREC_K8S_HOST`` when set, else the local kubeconfig.
-
-    Returns:
-        A ``kubernetes.client.ApiClient``.
+    When ``host`` is None: in a pod the in-cluster service-account config, else ``$JAXREC_K8S_HOST`` when set,
+    else the local kubeconfig.
     """
     from kubernetes import client, config
 

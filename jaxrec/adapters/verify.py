@@ -456,12 +456,7 @@ def verify_checkpoints(
 
     Files are checked only for the candidate about to be selected: on GCS from the listing already made
     (no bytes read), locally by streaming each file of that candidate once; older steps are never touched.
-
-    Args:
-        store: The run store.
-        config: The run's config (canonical dict).
-        num_hosts: Processes of the slice the restore is for.
-        closed_at: Attempt -> ledger close time.
+    ``config`` is the run's canonical dict, ``num_hosts`` the processes of the slice the restore is for.
 
     Returns:
         The selection and the candidates as inspected (newest first).

@@ -82,15 +82,9 @@ def spec(name: str) -> MetricSpec:
 
 
 def exposed_name(name: str, *, argo: bool) -> str:
-    """The name a scrape sees for ``name``.
+    """The name a scrape sees for ``name``: ``argo_workflows_<name>`` for a run-scope metric served by Argo.
 
-    Args:
-        name: A metric name from the table.
-        argo: True when run-scope metrics come from Argo template metrics (GKE); False when the
-            local runner serves them itself.
-
-    Returns:
-        ``argo_workflows_<name>`` for a run-scope metric served by Argo, else ``name``.
+    ``argo``: run-scope metrics come from Argo template metrics (GKE), not from the local runner.
     """
     m = spec(name)
     return ARGO_PREFIX + m.name if argo and m.scope == "run" else m.name

@@ -34,11 +34,7 @@ TPU_RESOURCE = "google.com/tpu"
 ACTIVE_MAINTENANCE_LABEL = "cloud.google.com/active-node-maintenance"
 SCHEDULED_MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"
 # Node labels and taints that say a node is (about to be) taken away for maintenance or reclaimed.
-MAINTENANCE_LABELS = (
-    ACTIVE_MAINTENANCE_LABEL,
-    SCHEDULED_MAINTENANCE_LABEL,
-    "cloud.google.com/gke-tpu-maintenance",
-)
+MAINTENANCE_LABELS = (ACTIVE_MAINTENANCE_LABEL, SCHEDULED_MAINTENANCE_LABEL, "cloud.google.com/gke-tpu-maintenance")
 # The taint the node lifecycle controller puts on a node whose kubelet stopped reporting.
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 RECLAIM_TAINTS = (
@@ -153,16 +149,10 @@ def longest_pod_name(run_id: str, attempt: int | str, hosts: int, replicated_job
 
 
 def gke_node_selector(slice_cfg: Any) -> dict[str, str]:
-    """Node labels a TPU slice's pods select (empty for the CPU slice).
+    """Node labels (name -> value, in a stable order) a ``SliceConfig``'s TPU pods select; empty for the CPU slice.
 
     The JobSet's ``nodeSelector`` and the node check of ``provision-slice`` both use this, so the
     slice that is checked is the slice the pods land on.
-
-    Args:
-        slice_cfg: A ``SliceConfig``.
-
-    Returns:
-        Label name -> value, in a stable order.
     """
     if slice_cfg.is_cpu:
         return {}
