@@ -367,24 +367,21 @@ def job_from_api(obj: dict[str, Any]) -> JobEvidence:
 
 def _container(cs: dict[str, Any]) -> ContainerState:
     state = cs.get("state") or {}
-    term = state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
+    term = state.get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
     wait = state.get("waiting") or {}
-    current = next((k for k in ("terminated", "running", "waiting") if state.get(k) is not None), None)
-    out = ContainerState(
+    return ContainerState(
         name=cs.get("name", ""),
+        exit_code=term.get("exitCode"),
+        signal=term.get("signal"),
+        reason=term.get("reason"),
+        message=term.get("message"),
+        started_at=parse_time(term.get("startedAt")),
+        finished_at=parse_time(term.get("finishedAt")),
         waiting_reason=wait.get("reason"),
         waiting_message=wait.get("message"),
-        state=current,
+        state=next((k for k in ("terminated", "running", "waiting") if state.get(k) is not None), None),
         running_since=parse_time((state.get("running") or {}).get("startedAt")),
     )
-    if term:
-        out.exit_code = term.get("exitCode")
-        out.signal = term.get("signal")
-        out.reason = term.get("reason")
-        out.message = term.get("message")
-        out.started_at = parse_time(term.get("startedAt"))
-        out.finished_at = parse_time(term.get("finishedAt"))
-    return out
 
 
 def _worker_index(meta: dict[str, Any]) -> int | None:
