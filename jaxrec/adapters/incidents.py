@@ -227,21 +227,19 @@ def read_attempt_facts(
     for e in events:
         by_attempt.setdefault(e.attempt, []).append(e)
     records = {r.attempt: r for r in (ledger.attempts if ledger else [])}
-    out = []
-    for a in sorted(set(store.attempts()) | set(records) | set(by_attempt)):
-        out.append(
-            AttemptFacts(
-                attempt=a,
-                supervision=store.read_record(RunLayout.supervision(a), SupervisionRecord),
-                provision=store.read_record(RunLayout.provision_record(a), ProvisionRecord),
-                restore=store.read_record(RunLayout.restore_record(a), RestoreRecord),
-                tiers=store.read_record(RunLayout.tier_record(a), TierRecord),
-                reports=tuple(read_worker_reports(store, a)[0]),
-                # A torn heartbeat is left out: the others and the reports still say how far the attempt got.
-                heartbeats=tuple(read_records(store, f"{RunLayout.attempt(a)}/heartbeats", WorkerHeartbeat)[0]),
-                failure_class=records[a].failure_class if a in records else None,
-                record=records.get(a),
-                events=tuple(by_attempt.get(a, ())),
-            )
+    return [
+        AttemptFacts(
+            attempt=a,
+            supervision=store.read_record(RunLayout.supervision(a), SupervisionRecord),
+            provision=store.read_record(RunLayout.provision_record(a), ProvisionRecord),
+            restore=store.read_record(RunLayout.restore_record(a), RestoreRecord),
+            tiers=store.read_record(RunLayout.tier_record(a), TierRecord),
+            reports=tuple(read_worker_reports(store, a)[0]),
+            # A torn heartbeat is left out: the others and the reports still say how far the attempt got.
+            heartbeats=tuple(read_records(store, f"{RunLayout.attempt(a)}/heartbeats", WorkerHeartbeat)[0]),
+            failure_class=records[a].failure_class if a in records else None,
+            record=records.get(a),
+            events=tuple(by_attempt.get(a, ())),
         )
-    return out
+        for a in sorted(set(store.attempts()) | set(records) | set(by_attempt))
+    ]

@@ -250,12 +250,8 @@ def check_compatible(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Pro
         One ``Problem`` per unsafe change; empty when the checkpoint can be restored under ``new``.
     """
     extra = task_rules(new)
-    out = []
-    for c in diff_configs(old, new):
-        rule = rule_for(c.path, extra)
-        if not rule.safe:
-            out.append(Problem(c, rule.reason))
-    return out
+    judged = ((c, rule_for(c.path, extra)) for c in diff_configs(old, new))
+    return [Problem(c, rule.reason) for c, rule in judged if not rule.safe]
 
 
 def table_markdown() -> str:
