@@ -805,11 +805,7 @@ class RunStore:
         return self.write_bytes(rel, _json_bytes(obj), if_generation_match=if_generation_match, idempotent=idempotent)
 
     def create_record(self, rel: str, record: BaseModel) -> int:
-        """Write ``record`` at ``rel`` only if nothing is there, retried on a transient answer.
-
-        A create-only write is safe to repeat, so a 429, a 503 or a reset is retried (``GcsBackend.write`` retries
-        conditional writes). A precondition failure on an object that holds these very bytes is an earlier try of
-        this write that succeeded unseen: done.
+        """Write ``record`` at ``rel`` only if nothing is there, idempotent (``write_bytes``): retried when transient.
 
         Raises:
             PreconditionFailed: ``rel`` holds another document.
@@ -906,11 +902,7 @@ class RunStore:
         return sorted(names)
 
     def crc32c(self, rel: str) -> tuple[str, int] | None:
-        """CRC32C (8 hex digits) and size of ``rel``, None when absent.
-
-        On GCS the checksum the store keeps (metadata, no bytes read); locally computed by reading the file
-        in ``CRC_CHUNK`` pieces, so memory stays bounded whatever the file's size.
-        """
+        """CRC32C (8 hex digits) and size of ``rel``, None when absent: GCS's metadata, or streamed locally."""
         return self._b.crc32c(rel)
 
     def odd(self, prefix: str) -> list[str]:

@@ -103,16 +103,9 @@ def _when(t: float) -> str:
 
 
 def judge(c: CandidateInfo, closed_at: Mapping[int, float]) -> Skip | None:
-    """Decide whether one candidate can be restored; None when it can.
+    """Whether candidate ``c`` can be restored: None, or the ``Skip`` saying why and whether to quarantine it.
 
-    Args:
-        c: Facts about the step directory.
-        closed_at: For each attempt the ledger closed, when it was closed (epoch seconds).
-
-    Returns:
-        None for a restorable checkpoint, else the ``Skip`` saying why and whether to quarantine it.
-        Checks run in this order: name, temporary, kind of entry, canonical name, odd entries, empty,
-        committed, manifest, ledger, compatibility, files.
+    ``closed_at``: for each attempt the ledger closed, when it was closed (epoch seconds).
     """
 
     def skip(kind: SkipKind, reason: str, quarantine: bool) -> Skip:
