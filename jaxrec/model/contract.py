@@ -313,7 +313,10 @@ EXIT_CODES: tuple[ExitCodeInfo, ...] = (
         None,
     ),
     ExitCodeInfo(
-        ExitCode.CAPACITY, "capacity not available yet (provision-slice; retry later)", FailureClass.CAPACITY, None
+        ExitCode.CAPACITY,
+        "capacity not available yet (provision-slice; retry later)",
+        FailureClass.CAPACITY,
+        None,
     ),
     ExitCodeInfo(
         ExitCode.PREEMPTED,
