@@ -1,11 +1,8 @@
 """``python -m trainer.agent [--hold-s S] [--no-standby] -- TRAINER-ARGS``: a worker pod's entrypoint for level 0.
 
-Level 0 of the recovery ladder (docs/FAILURES.md) restarts every worker's trainer in its running pod: no new
-JobSet, no scheduling, no image pull, the host's local checkpoint parts and compilation cache where they were. The
-agent is the container's process and runs the trainer as its child. It acts on the segment's supervisor's
-``RestartOrder`` (``attempts/<n>/restart.json``, n the gang's attempt) and says where it stands in its
-``AgentState`` (``attempts/<n>/agents/<i>.json``), both in the run store, which every worker and the supervisor
-reach whatever else fails:
+Level 0 of the recovery ladder (docs/FAILURES.md) restarts every worker's trainer in its running pod. The agent is the
+container's process and runs the trainer as its child. It acts on the supervisor's ``RestartOrder`` and says where it
+stands in its ``AgentState``, both in the run store, which every worker and the supervisor reach whatever else fails:
 
 - its trainer exited 0: the agent exits 0 (the worker is done);
 - its trainer failed: the agent says ``exited`` with the code and holds the pod for an order, ``--hold-s`` at most
@@ -19,12 +16,8 @@ reach whatever else fails:
 - SIGTERM (the pod is deleted, the node shuts down): passed to the trainer, which saves on the way out; the agent
   leaves with its code.
 
-Once its trainer has made its first step (its heartbeat says so), the agent keeps the next trainer ready as a
-standby (``STANDBY_ENV``): a process with the trainer's imports done (several seconds of every start) that opens no
-device and waits for its attempt's flags; a restart hands them to it. One is started too when the trainer fails or
-a stop is ordered before there is one. With ``--no-standby`` (``retry.in_place_standby`` off) none is: each restart
-starts a new process, as a container restart would.
-
+From its trainer's first step on (or once it fails, or a stop is ordered) the agent keeps the next trainer ready as a
+standby (``STANDBY_ENV``; none with ``--no-standby``): its imports done, no device opened, waiting for its flags.
 A store read that fails is no order: the agent keeps its course and reads again.
 """
 

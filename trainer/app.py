@@ -162,7 +162,6 @@ class Worker:
         self.args = args
         self.env = env
         self.store = RunStore(args.store_root, args.run_id)
-        self.cfg: JobConfig | None = None
         self.process_index = int(env.get("JOB_COMPLETION_INDEX", "0") or 0)
         self.process_count = int(env.get("TRAINER_NUM_PROCESSES", "0") or 0)
         self.events = Events(env.get("TRAINER_EVENTS_DIR"), args.attempt, self.process_index)
@@ -267,13 +266,7 @@ class Worker:
         node's other agents): that is waited out within the store's retry deadline, and a store still unreachable
         after it ends the worker as transient (69), never as an uncaught error; a refusal is configuration (2).
         """
-        from jaxrec.adapters.store import (
-            await_credentials,
-            first_line,
-            is_transient,
-            store_errors,
-            store_retry_deadline_s,
-        )
+        from jaxrec.adapters.store import await_credentials, first_line, is_transient, store_retry_deadline_s
 
         try:
             if self.store.is_gcs:
@@ -531,7 +524,6 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
     w.install_sigterm()
     try:
         cfg = w.load_config()
-        w.cfg = cfg
         faults = parse_faults(env.get("TRAINER_FAULT"))
         w.check_bucket(cfg)
     except TrainerExit as e:
@@ -563,30 +555,13 @@ def run(args: RunArgs, env: Mapping[str, str] | None = None) -> NoReturn:
 
 @dataclass(frozen=True)
 class Training:
-    """What one attempt trains with once opened: the config, the train state, the data, the checkpointer, the tiers.
-
-    ``tr``: the train state's functions and shardings; ``tier``: the local tiers (None when ``checkpoint.local`` is
-    off).
-    """
+    """What one attempt trains with once opened: the config, the train state, the data, the checkpointer, the tiers."""
 
     cfg: JobConfig
-    tr: Any
+    tr: Any  # the train state's functions and shardings
     source: Any
     ckpt: Any
-    tier: Any = None
-
-
-def _restore(cfg: JobConfig, tr: Any, ckpt: Any, restore_step: int, source: Any) -> tuple[Any, Any]:
-    """The training state and data iterator of checkpoint ``restore_step``, in the current sharding.
-
-    ``exact`` resumes the data iterator at its saved position (checked against the step);
-    ``reshuffle`` starts a new order seeded by the restored step.
-    """
-    exact = cfg.data.resume_mode == "exact"
-    state, saved_iter = ckpt.restore(restore_step, tr.abstract_state, with_data=exact)
-    state, it = _resume(cfg, tr, restore_step, source, state, saved_iter)
-    ckpt.last_committed = restore_step
-    return state, it
+    tier: Any = None  # the local tiers (None when ``checkpoint.local`` is off)
 
 
 def _resume(cfg: JobConfig, tr: Any, restore_step: int, source: Any, state: Any, saved_iter: Any) -> tuple[Any, Any]:
@@ -652,7 +627,10 @@ def _restore_checked(
             return state, it, manifest
         w.report.restore_tier = Tier.GCS if step >= 0 else None
     while manifest is not None:
-        state, it = _restore(cfg, tr, ckpt, step, source)
+        # In the current sharding; the data iterator's saved state is read only where ``exact`` resumes it.
+        state, saved_iter = ckpt.restore(step, tr.abstract_state, with_data=cfg.data.resume_mode == "exact")
+        state, it = _resume(cfg, tr, step, source, state, saved_iter)
+        ckpt.last_committed = step
         w.laps.lap("checkpoint read")
         fallback = ckpt.check_restored(step, manifest)
         w.laps.lap("bytes read checked")
@@ -919,7 +897,14 @@ def _add_local_saves(w: Worker, hooks: Hooks, tier: Any, stepper: Stepper, abstr
     """Save to the hosts' disks at the local tier's interval (the loop holds at those steps), watched."""
     from trainer.checkpointing import _snapshot_fn
 
-    _watch_local_tier(w, tier)
+    assert w.metrics is not None
+    metrics, events = w.metrics, w.events
+
+    def saved(step: int, kind: str) -> None:  # each local and peer part that lands: its gauge and an event
+        metrics.set(f"jaxrec_{kind}_checkpoint_step", step)
+        events.emit(EventKind.LOCAL_SAVED, step, reason=kind)
+
+    tier.on_saved = saved
     snapshot = _snapshot_fn(abstract_state).lower(abstract_state).compile()
     local = LocalSaveHook(tier, stepper, snapshot, total)
     hooks.add(local.on_step)
@@ -939,18 +924,6 @@ def _open_local_tier(w: Worker, cfg: JobConfig, mesh_shape: dict[str, int], data
         cfg.run_id, cfg.config_hash(), jax.process_count(), jax.local_device_count(), mesh_shape, dataset_version
     )
     return LocalTier(cfg, w.store, w.args.attempt, distributed_client(), w.env, layout)
-
-
-def _watch_local_tier(w: Worker, tier: Any) -> None:
-    """Each local and peer part that lands: its gauge and an event."""
-    assert w.metrics is not None
-    metrics, events = w.metrics, w.events
-
-    def saved(step: int, kind: str) -> None:
-        metrics.set(f"jaxrec_{kind}_checkpoint_step", step)
-        events.emit(EventKind.LOCAL_SAVED, step, reason=kind)
-
-    tier.on_saved = saved
 
 
 def _finish(w: Worker, stepper: Stepper, ckpt: Any, last: StepRecord, *, abandoned: bool = False) -> NoReturn:

@@ -98,23 +98,21 @@ def settle_tensorstores_credentials(bucket: str, key: str) -> None:
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorstore")
 
 
+def _version(package: str, absent: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return absent
+
+
 def library_versions() -> dict[str, str]:
     """Installed versions of the libraries that shape a checkpoint."""
-    out = {}
-    for name in _LIBRARIES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "absent"
-    return out
+    return {name: _version(name, "absent") for name in _LIBRARIES}
 
 
 def code_version() -> str:
     """Package version, plus the git commit of the source tree when it is a checkout."""
-    try:
-        version = importlib.metadata.version("jax-slice-recovery")
-    except importlib.metadata.PackageNotFoundError:
-        version = "0+unknown"
+    version = _version("jax-slice-recovery", "0+unknown")
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],
@@ -421,17 +419,11 @@ class _OrbaxTimings:
 
 
 class Checkpointer:
-    """An orbax CheckpointManager at ``checkpoints/`` plus the manifest step of the transaction.
+    """An orbax CheckpointManager at ``checkpoints/`` plus the manifest step of the transaction (docs/TRAINER.md).
 
-    The training thread only takes a snapshot of the state (a copy on the device, dispatched
-    asynchronously, so the next step may donate the live buffers) and of the data iterator's position,
-    and hands both to a single saver thread. That thread runs orbax's save (its cross-process
-    barriers, directory creation, the device-to-host copy, starting the background writes), waits for
-    orbax's commit and, on the primary host, writes the manifest; the step counts as committed only
-    when its manifest is written, on every process: process 0 says so through the coordination
-    service's key-value store, and the others count the step only once they heard it. Saves are taken
-    one at a time, in step order: ``save`` and ``finish_pending`` wait for the previous save's commit
-    and manifest first. With synchronous saves the training thread waits until orbax has written the step.
+    The training thread only takes a snapshot of the state and of the data position, and hands both to one saver
+    thread: orbax's save, its commit and (primary host) the manifest. Every process counts the step only once it
+    heard, through the coordination service's key-value store, that process 0 wrote the manifest.
     """
 
     def __init__(
@@ -817,8 +809,6 @@ class Checkpointer:
         if verdict is None:
             return None
         if verdict["code"] != 0:
-            from trainer.decisions import TrainerExit
-
             raise TrainerExit(verdict["code"], verdict["message"])
         log.warning("checkpoint %d is damaged (%s); restoring %d instead", step, verdict["why"], verdict["step"])
         self.last_committed = None

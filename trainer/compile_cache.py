@@ -1,21 +1,10 @@
 """JAX's persistent compilation cache: on unless turned off, under the run store, one key for the whole gang.
 
-Why the key differs per process on a local CPU gang, and what is done about it: JAX's cache key
-(``jax/_src/cache_key.py``, ``get``) hashes, among the program, the compile options and the flags, an
-"accelerator_config" entry: the fingerprint of ``xla_client.get_topology_for_devices(devices)``. On the
-CPU that topology is the PjRt CPU client's own (``xla/pjrt/plugin/xla_cpu/cpu_topology_description.cc``:
-``Fingerprint()`` is a hash of the ``CpuTopology`` proto, which lists this client's devices with their
-process id), so each process of a gang hashes a different topology and gets a different key, while every
-other entry of the key is identical (measured: 4 processes, one jitted step, every entry but
-``accelerator_config`` equal). Only process 0 writes cache entries (``compiler.py`` ``_cache_write``), so
-processes 1..N-1 never find their key. JAX has no option for this (the GPU path strips the device
-assignment from the key, nothing does the same for the CPU topology). On TPU the topology is the whole
-slice, the same on every host, and nothing here changes the key there.
-
-For a multi-process CPU gang the trainer therefore replaces that one entry of the key by the global
-device assignment the program is compiled for (platform, kind, id and process of every device), which
-every process of the gang computes alike and which still separates gangs of another shape. Every
-process then reads the entry process 0 wrote.
+JAX's cache key hashes the CPU client's own topology, which lists this process's devices: each process of a local
+CPU gang gets another key, and only process 0 writes entries, so processes 1..N-1 never hit (JAX has no option for
+it). For a multi-process CPU gang the trainer therefore keys that entry by the global device assignment, alike in
+every process; on TPU the key is left as JAX makes it. The sources and measurements: docs/TRAINER.md ("One key for
+every process of a local gang").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -287,11 +287,7 @@ def fsdp_axis(shape: tuple[int, ...], n: int) -> int | None:
     """The dimension of a parameter to shard over ``n`` devices: the largest one divisible by ``n``."""
     if n <= 1 or not shape or math.prod(shape) < n:
         return None
-    best = None
-    for i, d in enumerate(shape):
-        if d % n == 0 and d >= n and (best is None or d > shape[best]):
-            best = i
-    return best
+    return max((i for i, d in enumerate(shape) if d % n == 0 and d >= n), key=lambda i: shape[i], default=None)
 
 
 def task_problems(
@@ -373,14 +369,7 @@ class PreemptionPlan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan as a JSON object (what process 0 publishes to the others)."""
-        return {
-            "action": self.action.value,
-            "reason": self.reason,
-            "budget_s": self.budget_s,
-            "elapsed_s": self.elapsed_s,
-            "estimate_s": self.estimate_s,
-            "in_flight": self.in_flight,
-        }
+        return {**asdict(self), "action": self.action.value}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PreemptionPlan:

@@ -103,10 +103,8 @@ class ProgressHook:
             if self.report.compile_seconds is None:  # not compiled ahead: the first step compiled
                 self.report.compile_seconds = rec.seconds
             if self.cache is not None:
-                self.report.compile_cache_requests, self.report.compile_cache_hits = (
-                    self.cache.requests,
-                    self.cache.hits,
-                )
+                self.report.compile_cache_requests = self.cache.requests
+                self.report.compile_cache_hits = self.cache.hits
 
 
 RECENT_STEPS = 100
@@ -124,13 +122,8 @@ class HeartbeatHook:
     def __init__(
         self, store: RunStore, attempt: int, process_index: int, interval_s: float, ckpt: Any, report: WorkerExitReport
     ):
-        self.store, self.attempt, self.index, self.interval_s = (
-            store.bounded(interval_s),
-            attempt,
-            process_index,
-            interval_s,
-        )
-        self.ckpt, self.report = ckpt, report
+        self.store, self.attempt, self.index = store.bounded(interval_s), attempt, process_index
+        self.interval_s, self.ckpt, self.report = interval_s, ckpt, report
         self._last = float("-inf")
         self._step: int | None = None
         self._waiting = False  # a heartbeat saying the loop waits for a save is in the store
@@ -288,35 +281,26 @@ class MetricsHook:
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """When ``CheckpointHook`` saves and how.
-
-    ``interval_steps``, ``total_steps`` and ``async_save`` come from the config; ``restore_step``: the step this
-    attempt restored (-1: fresh); ``estimate_s``: seconds one save takes until this attempt commits one (the restored
-    checkpoint's own save time; None: unknown).
-    """
+    """When ``CheckpointHook`` saves and how (the first three from the config)."""
 
     interval_steps: int
     total_steps: int
     async_save: bool
-    restore_step: int = -1
-    estimate_s: float | None = None
+    restore_step: int = -1  # the step this attempt restored (-1: fresh)
+    estimate_s: float | None = None  # one save's seconds until this attempt commits one (the restored step's; None)
     steps_ahead: int = 1  # the loop's ``training.steps_ahead``: reads after a commit until a save's cost is known
 
 
 @dataclass(frozen=True)
 class SaveObservers:
-    """Who hears of ``CheckpointHook``'s saves: the event log, the gauges, the exit report, the watchdog, the heartbeat.
-
-    ``heartbeat``: None when no heartbeat is to say that a save blocks the loop; ``faults``: the rehearsal faults
-    that act during a save (None: none).
-    """
+    """Who hears of ``CheckpointHook``'s saves: the event log, the gauges, the exit report, watchdog and heartbeat."""
 
     events: Events
     metrics: WorkerMetrics
     report: WorkerExitReport
     watchdog: Watchdog
-    heartbeat: HeartbeatHook | None = None
-    faults: FaultHook | None = None
+    heartbeat: HeartbeatHook | None = None  # None: no heartbeat says that a save blocks the loop
+    faults: FaultHook | None = None  # the rehearsal faults that act during a save
 
 
 SLOWED_PART = "the steps slowed while it ran"

@@ -1,23 +1,10 @@
 """One host's part of a step on a host-local disk: written, checked, listed, served to peers and fetched from them.
 
-A part is what one process holds of the training state (its addressable shards, one copy per distinct index)
-plus its data-iterator position. It lives in ``<local dir>/<run-id>/steps/<step>/part-<i>/``:
-
-* ``state.bin``: the shards' bytes, one after another;
-* ``state.json``: for each shard, the leaf's path, its index in the global array, dtype, shape, offset, length;
-* ``data.json``: the process's data-iterator state (grain's ``get_state``);
-* ``manifest.json`` (``LocalPartManifest``), written last: every file's size, CRC32C and SHA-256, the step, the
-  process index, the node, the config hash and the device layout.
-
-A part is written in a temporary directory and renamed into place once its manifest is written: a part directory
-with its final name is complete. The checksums are computed over the bytes as they are written (no read back);
-a copy is checked against them when it is loaded (the bytes that are used are the bytes that were checked) and
-when a peer receives it. Nothing is fsynced: a copy torn by a host crash fails its check and is not used.
-
-Peers copy parts over HTTP from a small read-only server each host runs beside training (as orbax's p2p manager
-serves its local shards over TCP: google/orbax, checkpoint/orbax/checkpoint/experimental/emergency/p2p). It binds
-the pod's IP (``POD_IP``; loopback when unset), serves only complete part directories of this run, and answers
-only requests carrying the gang's token (a random value process 0 hands out through the coordination service).
+The part's files, its manifest and what counts as a copy: docs/CHECKPOINTS.md ("Local and peer tiers"). Nothing is
+fsynced: a copy torn by a host crash fails its check and is not used. Peers copy parts over HTTP from a small
+read-only server each host runs beside training (as orbax's p2p manager serves its local shards over TCP:
+google/orbax, checkpoint/orbax/checkpoint/experimental/emergency/p2p), on ``POD_IP`` (loopback when unset), only to
+requests carrying the gang's token (a random value process 0 hands out through the coordination service).
 """
 
 from __future__ import annotations
@@ -103,7 +90,6 @@ class LoadedPart:
     part: int
     shards: dict[tuple[str, tuple[tuple[int, int], ...]], Shard]
     data_state: dict[str, Any]
-    nbytes: int
 
 
 def index_key(index: list[list[int]] | tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
@@ -114,8 +100,9 @@ def index_key(index: list[list[int]] | tuple[tuple[int, int], ...]) -> tuple[tup
 class _Digest:
     """CRC32C, SHA-256 and size of bytes as they pass."""
 
-    def __init__(self) -> None:
+    def __init__(self, data: bytes = b"") -> None:
         self.crc, self.sha, self.size = google_crc32c.Checksum(), hashlib.sha256(), 0
+        self.update(data)
 
     def update(self, b: bytes | memoryview) -> None:
         if isinstance(b, memoryview):  # google_crc32c's C extension takes bytes only: a chunk at a time
@@ -170,23 +157,14 @@ class LocalParts:
                     f.write(buf)
                     d.update(buf)
                     index.append(
-                        {
-                            "leaf": s.leaf,
-                            "index": s.index,
-                            "dtype": s.dtype,
-                            "shape": s.shape,
-                            "offset": offset,
-                            "nbytes": len(buf),
-                        }
+                        dict(leaf=s.leaf, index=s.index, dtype=s.dtype, shape=s.shape, offset=offset, nbytes=len(buf))
                     )
                     offset += len(buf)
             files.append(d.entry(STATE_BIN))
             for name, obj in ((STATE_INDEX, index), (DATA_FILE, data_state)):
                 raw = json.dumps(obj).encode()
                 (tmp / name).write_bytes(raw)
-                d = _Digest()
-                d.update(raw)
-                files.append(d.entry(name))
+                files.append(_Digest(raw).entry(name))
             manifest = LocalPartManifest(
                 run_id=self.run_id, step=step, process_index=part, node=self.node, files=files, wall_time=now(), **meta
             )
@@ -239,9 +217,7 @@ class LocalParts:
         raw: dict[str, bytes] = {}
         for f in m.files:
             data = (self.part_dir(step, part) / f.path).read_bytes()
-            d = _Digest()
-            d.update(data)
-            got = d.entry(f.path)
+            got = _Digest(data).entry(f.path)
             if (got.size, got.crc32c, got.sha256) != (f.size, f.crc32c, f.sha256):
                 raise PartProblem(f"{f.path}: checksum mismatch (crc32c {got.crc32c} != {f.crc32c})")
             raw[f.path] = data
@@ -250,7 +226,7 @@ class LocalParts:
         for e in json.loads(raw[STATE_INDEX]):
             s = Shard(e["leaf"], e["index"], e["dtype"], e["shape"], view[e["offset"] : e["offset"] + e["nbytes"]])
             shards[(s.leaf, index_key(s.index))] = s
-        return LoadedPart(step, part, shards, json.loads(raw[DATA_FILE]), len(view))
+        return LoadedPart(step, part, shards, json.loads(raw[DATA_FILE]))
 
     def gc(self, keep: int) -> None:
         """Keep the ``keep`` newest complete steps of each part; drop older ones and leftover temporaries."""

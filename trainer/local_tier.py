@@ -1,20 +1,10 @@
 """The local and peer tiers in the gang: save each host's part often, copy it to peers, restore the closest copy.
 
-Saves. Every ``checkpoint.local.interval_steps`` each process takes an on-device copy of the state on the training
-thread (dispatched asynchronously, as the GCS save does) and hands it, with its data position, to one background
-thread, which copies its addressable shards to the host, writes the part (``trainer.local_parts``), announces it
-through the coordination service, and fetches the parts of the ``peers`` processes before it (ring order) from
-their hosts. A local save still running when the next one is due is skipped (counted), never waited for, and the
-skip is announced at once: whether a host skips depends on its own timing, and a peer that waited the whole
-``PEER_WAIT_S`` for a part never written would skip its own next saves in turn.
-
-Restores. Every process lists the parts on its own disk (a metadata check: manifest, identity, sizes) and
-publishes them with its node and its part server's address; process 0 decides with
-``jaxrec.model.tiers.choose_restore`` (restore-latest's GCS step as the bucket's candidate) and publishes
-the plan; each process reads its part from its own disk or copies it from the peer the plan names, checking every
-byte it will use, and says whether it could. If one could not, process 0 marks that copy bad and decides again
-(each round excludes at least one copy, so the rounds end); the GCS step, when there is one, is always a candidate.
-Process 0 writes the attempt's ``tiers.json`` (``TierRecord``) with the tier of each part.
+How the gang saves, chooses and checks the copies: docs/CHECKPOINTS.md ("Local and peer tiers"). Each process saves
+on one background thread (its part, its announcement, then its peers' parts, ring order). Process 0 decides the
+restore (``choose_restore``) over what every host lists on its own disk and publishes the plan; every host loads its
+part and says whether it could; a copy that failed is marked bad and the gang decides again (each round excludes at
+least one copy, so the rounds end). Process 0 writes the attempt's ``tiers.json`` (``TierRecord``).
 """
 
 from __future__ import annotations
@@ -28,7 +18,7 @@ import secrets
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import jax
@@ -270,15 +260,8 @@ class LocalTier:
         return True
 
     def _meta(self) -> dict[str, Any]:
-        lay = self.layout
-        return {
-            "process_count": lay.process_count,
-            "local_devices": lay.local_devices,
-            "mesh_shape": lay.mesh_shape,
-            "config_hash": lay.config_hash,
-            "dataset_version": lay.dataset_version,
-            "attempt": self.attempt,
-        }
+        """The part manifest's layout fields: the whole ``Layout`` but the run, which ``LocalParts`` names."""
+        return {k: v for k, v in asdict(self.layout).items() if k != "run_id"} | {"attempt": self.attempt}
 
     def _save(self, step: int, snapshot: Any, data_state: dict[str, Any]) -> None:
         try:

@@ -1,18 +1,9 @@
 """The training loop: run steps, yield one record per step; everything else subscribes as a hook.
 
-The loop knows nothing of checkpoints, metrics, events or faults. ``training_steps`` yields a
-``StepRecord`` after each step; ``Hooks`` runs the subscribers on it, each at its own frequency.
-
-The host never waits for the device between two steps: steps n+1 .. n+k (``training.steps_ahead``, k >= 1)
-are dispatched before step n's loss and stop flag are read, so the accelerator has work queued while the host
-runs step n's hooks (JAX dispatches asynchronously; reading a result is what waits), and a pause of the host
-shorter than k steps (an asynchronous save's own work on its thread holds the interpreter for up to a second)
-costs the accelerator nothing. A hook that reads the state step n produced takes it right after n is dispatched
-(``Hooks.after_dispatch``: an asynchronous save copies it on the device there, so the steps stay in flight through
-the save), or says so with ``Hooks.hold``: at such a step, and at the last one, the next step is dispatched only
-after the hooks ran (a synchronous save, the local tier's copy, a fault that acts before the next step). A
-stop is agreed inside a step; read up to k steps late, it takes effect after the steps already in flight, which
-carry the same agreement (a process's stop flag stays set once raised).
+The host never waits for the device between two steps: up to ``training.steps_ahead`` steps are dispatched before a
+step's loss and stop flag are read (JAX dispatches asynchronously; reading a result is what waits), so a pause of the
+host shorter than that (an asynchronous save's own thread holds the interpreter for up to a second) costs the
+accelerator nothing. Where hooks hold the loop and where an agreed stop takes effect: docs/TRAINER.md.
 """
 
 from __future__ import annotations

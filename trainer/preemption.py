@@ -62,6 +62,10 @@ class PreemptionAgreement:
         A follower waits at most the budget left (at least ``AGREEMENT_MIN_WAIT_S``); without a plan by
         then it leaves without saving, as does process 0 when it cannot publish its plan.
         """
+
+        def leave(why: str) -> PreemptionPlan:
+            return PreemptionPlan(PreemptionAction.EXIT, why, self.budget_s, elapsed_s, estimate_s, save_in_flight)
+
         if self.process_index == 0:
             plan = preemption_plan(
                 budget_s=self.budget_s, elapsed_s=elapsed_s, estimate_s=estimate_s, save_in_flight=save_in_flight
@@ -70,14 +74,7 @@ class PreemptionAgreement:
                 try:
                     self.client.key_value_set(self.key(step), json.dumps(plan.to_json()))
                 except Exception as e:  # noqa: BLE001 - the others cannot hear us: nobody may start a save
-                    plan = PreemptionPlan(
-                        PreemptionAction.EXIT,
-                        f"could not publish the plan ({_first_line(e)})",
-                        plan.budget_s,
-                        elapsed_s,
-                        estimate_s,
-                        save_in_flight,
-                    )
+                    plan = leave(f"could not publish the plan ({_first_line(e)})")
             log.info("preemption at step %d: %s (%s)", step, plan.action.value, plan.reason)
             return plan
         wait_s = max(self.budget_s - elapsed_s, AGREEMENT_MIN_WAIT_S)
@@ -85,14 +82,7 @@ class PreemptionAgreement:
             raw = self.client.blocking_key_value_get(self.key(step), int(wait_s * 1000))
             plan = PreemptionPlan.from_json(json.loads(raw))
         except Exception as e:  # noqa: BLE001 - no plan: leaving is the one choice that cannot hang the gang
-            plan = PreemptionPlan(
-                PreemptionAction.EXIT,
-                f"no plan from process 0 within {wait_s:.2f} s ({_first_line(e)})",
-                self.budget_s,
-                elapsed_s,
-                estimate_s,
-                save_in_flight,
-            )
+            plan = leave(f"no plan from process 0 within {wait_s:.2f} s ({_first_line(e)})")
         log.info("preemption at step %d: %s, as process 0 decided (%s)", step, plan.action.value, plan.reason)
         return plan
 

@@ -1,18 +1,9 @@
 """Training data from record files: ArrayRecord files listed by a glob on ``gs://`` or a local path.
 
-Each record is one example, a numpy array or a flat dict of numpy arrays, stored as an ``.npz``
-(``encode_example``). The files are read through ``grain.sources.ArrayRecordDataSource`` in sorted
-name order, so index ``i`` means the same record on every process and in every attempt; the harness
-shuffles and shards those indices by process (``trainer.data.build_dataset``), and each process
-reads only its own records.
-
-The files' **fingerprint** — sha256 over every file's name, size and checksum (CRC32C of the
-contents locally; the object generation and CRC32C on GCS) — is the dataset version recorded in
-every checkpoint, so a restore can tell when the files changed.
-
-ArrayRecord's reader opens local files only (its C++ file layer), so files on ``gs://`` are copied
-once into a local cache (``TRAINER_DATA_CACHE``, default the system temp directory), keyed by their
-generation, and read from there.
+Each record is one example stored as an ``.npz`` (``encode_example``). The files are read in sorted name order, so
+index ``i`` means the same record on every process and in every attempt. Their fingerprint (``fingerprint``) is the
+dataset version every checkpoint records. ArrayRecord's reader opens local files only (its C++ file layer), so files
+on ``gs://`` are copied once into a local cache (``TRAINER_DATA_CACHE``), keyed by their generation.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxrec.model.metrics import spec
+from jaxrec.model.metrics import METRICS
 from jaxrec.model.records import EventKind, WorkerEvent, now
 
 log = logging.getLogger(__name__)
@@ -38,24 +38,6 @@ class Events:
             self._f.flush()
 
 
-_WORKER_METRICS = (
-    "jaxrec_train_step",
-    "jaxrec_train_steps_per_second",
-    "jaxrec_train_loss",
-    "jaxrec_last_step_timestamp_seconds",
-    "jaxrec_checkpoint_step",
-    "jaxrec_local_checkpoint_step",
-    "jaxrec_peer_checkpoint_step",
-    "jaxrec_checkpoint_age_seconds",
-    "jaxrec_checkpoint_last_commit_timestamp_seconds",
-    "jaxrec_checkpoint_duration_seconds",
-    "jaxrec_compile_seconds",
-    "jaxrec_worker_up",
-    "jaxrec_expected_workers",
-    "jaxrec_run_lease_renewed_timestamp_seconds",
-)
-
-
 class WorkerMetrics:
     """The per-worker gauges of ``jaxrec.model.metrics`` in a dedicated registry, labelled for this worker."""
 
@@ -64,11 +46,11 @@ class WorkerMetrics:
 
         self.registry = CollectorRegistry()
         labels = {"run_id": run_id, "attempt": str(attempt), "process_index": str(process_index)}
-        self._g = {}
-        for name in _WORKER_METRICS:
-            s = spec(name)
-            self._g[name] = Gauge(name, s.help, list(s.labels), registry=self.registry).labels(**labels)
-        self._server = None
+        self._g = {
+            s.name: Gauge(s.name, s.help, list(s.labels), registry=self.registry).labels(**labels)
+            for s in METRICS
+            if s.scope == "worker"
+        }
 
     def set(self, name: str, value: float) -> None:
         """Set gauge ``name`` (a name from the metric table)."""
@@ -81,7 +63,7 @@ class WorkerMetrics:
         from prometheus_client import start_http_server
 
         try:
-            self._server = start_http_server(port, addr=addr, registry=self.registry)
+            start_http_server(port, addr=addr, registry=self.registry)
             log.info("metrics on %s:%d", addr, port)
         except OSError as e:
             log.warning("metrics server not started on %s:%d: %s", addr, port, e)
