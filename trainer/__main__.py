@@ -18,11 +18,8 @@ def trace_fatal_signals() -> str | None:
     """Have a fatal signal write the Python stacks of every thread to the container's termination message.
 
     SIGSEGV, SIGBUS, SIGILL, SIGFPE (and SIGABRT until the trainer installs its own handler) run faulthandler's C
-    handler, which needs no Python (none runs in a crashed process).
-
-    A worker that dies so in its start-up (the accelerator's runtime, the coordination service) writes no exit
-    report; its termination message says where it was, and classify-failure reads it. Returns the file used (None
-    where there is none: a process outside a pod, nothing set).
+    handler, which needs no Python (none runs in a crashed process); classify-failure reads the stacks
+    (docs/TRAINER.md). Returns the file used (None where there is none: a process outside a pod, nothing set).
     """
     global _fatal_trace
     path = termination_log()

@@ -62,14 +62,7 @@ from trainer.hooks import (
     SaveOptions,
     check_finite_loss,
 )
-from trainer.lifecycle import (
-    ExitPath,
-    Watchdog,
-    install_abort_handler,
-    native_crash,
-    wait_for_chips,
-    wait_for_listener,
-)
+from trainer.lifecycle import ExitPath, Watchdog, install_abort_handler, native_crash, wait_for_chips, wait_for_listener
 from trainer.loop import Hooks, Stepper, StepRecord, training_steps
 from trainer.preemption import PeerLossNotice, PreemptionAgreement, distributed_client
 from trainer.telemetry import Events, Laps, WorkerMetrics, cpu_seconds
@@ -285,10 +278,9 @@ class Worker:
     def check_bucket(self, cfg: JobConfig) -> None:
         """Wait for a token, then read the run bucket's metadata; raise TrainerExit(2) when either is refused.
 
-        The preflight checks the bucket as the workflow's ServiceAccount, not the workers'; orbax needs
-        ``storage.buckets.get``, which roles/storage.objectUser lacks, and without this check the first save
-        or restore would fail as an application error (42). Done before joining the gang: every worker has the
-        same identity and refuses alike, and none waits for a gang that could not checkpoint.
+        Without this check the first save or restore would fail as an application error (42) (docs/TRAINER.md,
+        "Start-up"). Done before joining the gang: every worker has the same identity and refuses alike, and none
+        waits for a gang that could not checkpoint.
         """
         if not self.store.is_gcs:
             return
@@ -459,14 +451,9 @@ class Worker:
                 f"--restore-step {step}: {self.store.url(rel)} does not exist; restore only a step "
                 "restore-latest verified",
             )
-        problems = []
-        if manifest.step != step:
-            problems.append(f"manifest step {manifest.step} != --restore-step {step}")
+        problems = [f"manifest step {manifest.step} != --restore-step {step}"] if manifest.step != step else []
         problems += compatibility_problems(manifest.config, manifest.process_count, cfg, self.process_count)
-        if problems:
-            raise TrainerExit(
-                ExitCode.INCOMPATIBLE_CHECKPOINT, f"checkpoint {step} is incompatible: " + "; ".join(problems)
-            )
+        _refuse_incompatible(step, problems)
         return manifest
 
     def set_aside_newer_steps(self, restore_step: int, timeout_s: float, barrier: str = "set-aside") -> None:
@@ -483,6 +470,14 @@ class Worker:
                     n = self.store.move(RunLayout.checkpoint(step), dst)
                     log.warning("checkpoint %d is newer than the restore step; moved %d objects to %s", step, n, dst)
         self.gang_barrier(barrier, timeout_s)
+
+
+def _refuse_incompatible(step: int, problems: list[str]) -> None:
+    """Exit 3 naming each of checkpoint ``step``'s problems, if it has any."""
+    if problems:
+        raise TrainerExit(
+            ExitCode.INCOMPATIBLE_CHECKPOINT, f"checkpoint {step} is incompatible: " + "; ".join(problems)
+        )
 
 
 def phase_beat(w: Worker, phase: WorkerPhase, interval_s: float) -> None:
@@ -781,11 +776,7 @@ def _open_task(
         manifest = w.read_manifest(cfg, restore_step) if restore_step >= 0 else None
         if manifest is not None:
             problems = task_problems(manifest, spec.name, spec.version, source.version, cfg.data.resume_mode)
-            if problems:
-                raise TrainerExit(
-                    ExitCode.INCOMPATIBLE_CHECKPOINT,
-                    f"checkpoint {restore_step} is incompatible: " + "; ".join(problems),
-                )
+            _refuse_incompatible(restore_step, problems)
     if manifest is not None and manifest.dataset_version != source.version:
         log.warning("dataset changed (%s -> %s): reshuffling", manifest.dataset_version, source.version)
     return spec, task, source, manifest

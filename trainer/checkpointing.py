@@ -19,22 +19,8 @@ import jax.monitoring
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxrec.adapters.checkpoints import (
-    StepGone,
-    TooManyFiles,
-    gather_files,
-    host_files,
-    step_files,
-    write_manifest,
-)
-from jaxrec.adapters.store import (
-    PreconditionFailed,
-    RunLayout,
-    RunStore,
-    first_line,
-    is_transient,
-    store_errors,
-)
+from jaxrec.adapters.checkpoints import StepGone, TooManyFiles, gather_files, host_files, step_files, write_manifest
+from jaxrec.adapters.store import PreconditionFailed, RunLayout, RunStore, first_line, is_transient, store_errors
 from jaxrec.model.config import JobConfig
 from jaxrec.model.contract import ExitCode
 from jaxrec.model.records import CheckpointManifest, ManifestFile, RestoreRecord, SkippedStep, now
@@ -571,11 +557,7 @@ class Checkpointer:
             self.pending.writing.wait(timeout)
 
     def poll(self) -> int | None:
-        """Record a save whose commit (and manifest) completed since the last call; never blocks.
-
-        Returns:
-            The step newly committed, or None.
-        """
+        """Record a save whose commit (and manifest) completed since the last call: its step, or None (never blocks)."""
         p = self.pending
         if p is None or p.done is None or not p.done.done():
             return None
@@ -583,10 +565,7 @@ class Checkpointer:
 
     def finish_pending(self) -> int | None:
         """Wait for the save in flight to commit and for process 0's manifest; its step, or None if not complete."""
-        p = self.pending
-        if p is None:
-            return None
-        return self._record(p)
+        return None if self.pending is None else self._record(self.pending)
 
     def _save_and_commit(self, p: PendingSave, state: Any, data: _IteratorSnapshot) -> None:
         """On the saver thread: orbax's save, its commit, then (primary host) the manifest."""
@@ -775,14 +754,10 @@ class Checkpointer:
     def check_restored(self, step: int, manifest: CheckpointManifest) -> int | None:
         """After orbax read ``step``: every process checks its part of the bytes; None when the step is intact.
 
-        orbax's read checks no checksum of an array chunk: tensorstore verifies the CRC32C that ends each
-        OCDBT manifest and B-tree node (``DecodeWithOptionalCompression``), but reads the values (the array
-        bytes) as raw byte ranges, zarr v2 chunks carry no checksum, and neither the file nor the GCS driver
-        checks a hash on read (docs/CHECKPOINTS.md). So each process checks its share (``verify.part_problems``:
-        locally its share of the files streamed, in parallel across hosts; on GCS one listing's generations)
-        and process 0 gathers the verdicts through the coordination service. A damaged step is then treated
-        exactly as restore-latest treats one: process 0 quarantines it and runs restore-latest's decision
-        again (recorded in the attempt's ``restore.json``), and every process is told the step to restore
+        orbax's read checks no checksum of the array bytes (docs/CHECKPOINTS.md, "Bytes are checked where they are
+        read"), so each process checks its share (``verify.part_problems``) and process 0 gathers the verdicts
+        through the coordination service. A damaged step is treated as restore-latest treats one: quarantined, the
+        decision taken again (recorded in the attempt's ``restore.json``), every process told the step to restore
         instead (-1: a fresh start).
 
         Raises:

@@ -1,10 +1,7 @@
 """The deterministic input pipeline: grain over a task's examples (generated or from record files), by process.
 
-Global batch ``k`` of an order is the slice ``[k*B, (k+1)*B)`` of the shuffled, repeated record
-indices; process ``p`` of ``P`` reads every ``P``-th element of it starting at ``p``, so the
-processes together read exactly the global batch and none reads another's rows. The order is
-fixed by ``order_seed``; the iterator's position is ``next_index`` (batches consumed since the
-order began at ``start_step``).
+How the processes share each global batch, and the resume modes: docs/TRAINER.md ("Data and resume modes"). The
+iterator's position is ``next_index``: batches consumed since the order (``order_seed``) began at ``start_step``.
 """
 
 from __future__ import annotations

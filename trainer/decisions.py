@@ -167,11 +167,7 @@ LIBTPU_HELD_MARKERS = ("libtpu multi-process lockfile", "tpu in use", "the tpu i
 
 
 def exit_code_for(exc: BaseException, *, during_init: bool = False) -> ExitCode:
-    """The contract code of an exception: decided exits keep theirs; at start-up 69 (chips held) or 22; 20; 42.
-
-    At start-up, chips another program holds are transient (69) and any other failure is the accelerator's (22);
-    later, a lost peer is 20 and anything else the application's (42).
-    """
+    """An exception's contract code: its own if decided; at start-up 69 (chips held) or 22; later 20 (peer) or 42."""
     if isinstance(exc, TrainerExit):
         return exc.code
     text = f"{type(exc).__name__}: {exc}".lower()
@@ -450,6 +446,4 @@ def stuck_after_sigterm_s(last_step_seconds: float | None) -> float:
     Args:
         last_step_seconds: Wall time of the newest step (None before the first one: nothing to save yet).
     """
-    if last_step_seconds is None:
-        return STUCK_AFTER_SIGTERM_MIN_S
-    return max(STUCK_AFTER_SIGTERM_MIN_S, STUCK_AFTER_SIGTERM_STEPS * last_step_seconds)
+    return max(STUCK_AFTER_SIGTERM_MIN_S, STUCK_AFTER_SIGTERM_STEPS * (last_step_seconds or 0.0))

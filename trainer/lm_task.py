@@ -17,9 +17,4 @@ def _build(options: ModelConfig) -> Any:
     return LanguageModelTask(options)
 
 
-TASK = TaskSpec(
-    name="lm",
-    version="1",
-    options=ModelConfig,
-    build=_build,
-)
+TASK = TaskSpec(name="lm", version="1", options=ModelConfig, build=_build)

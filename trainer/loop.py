@@ -155,12 +155,9 @@ def training_steps(
     before-step hooks run here, before each step is dispatched. Up to ``steps_ahead`` steps are dispatched beyond
     the one whose results are read, never one past a step ``n`` where ``hooks.holds(n)`` before n's hooks ran. A
     stop flag is 0 (no stop) or 1 + milliseconds since SIGTERM when the step was dispatched
-    (``decisions.stop_flag``); a bool counts as a flag of age 0.
-
-    The gang stops ``steps_ahead`` steps after the first step whose reduced flag is raised (or at the last step):
-    a step every process computes alike. How many steps a process had in flight when it read the flag is its own
-    (whether a save's device copy was taken as its step was dispatched depends on its own timing), and a stop at
-    "the last step in flight" left a process that had dispatched one step more alone in that step's collective.
+    (``decisions.stop_flag``); a bool counts as a flag of age 0. The gang stops ``steps_ahead`` steps after the
+    first step whose reduced flag is raised (or at the last step): a step every process computes alike, whatever
+    it had in flight (docs/TRAINER.md says why).
     """
     if steps_ahead < 1:
         raise ValueError(f"steps_ahead: {steps_ahead} is not a positive number of steps")
