@@ -125,10 +125,9 @@ _CHUNK_BYTES = 4 << 20
 def configure_orbax() -> None:
     """Make orbax's blocking part of a save cheap (idempotent; call before building a manager).
 
-    * Barriers go through the coordination service (a key-value barrier) instead of a compiled
-      all-gather over every device: no compilation on the first save, no collective on the
-      training thread.
-    * Replicated arrays are split across replicas only when each slice is large.
+    Barriers go through the coordination service instead of a compiled all-gather over every device (no compile on
+    the first save, no collective on the training thread); replicated arrays are split across replicas only when
+    each slice is large.
     """
     from absl import flags
 
@@ -162,12 +161,7 @@ MANIFEST_WAIT_S = 120.0
 
 
 def _snapshot_fn(target: Any) -> Any:
-    """A jitted copy of the state into new device buffers with the same shardings.
-
-    Taken on the training thread and dispatched asynchronously: the next step donates the live
-    buffers, so orbax must read a copy. It holds one more copy of the state in device memory until
-    orbax has copied it to the host.
-    """
+    """A jitted copy of the state into new device buffers, same shardings (the next step donates the live ones)."""
     shardings = jax.tree.map(lambda x: x.sharding, target)
     return jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
 
@@ -266,9 +260,8 @@ def _state_file(directory: Any) -> Any:
 class DataIteratorHandler(grain.checkpoint.CheckpointHandler, ocp.AsyncCheckpointHandler):
     """grain's iterator handler (same files, same restore) whose save writes in the background.
 
-    The iterator's state is captured on the calling thread (the iterator moves on right after);
-    the per-process JSON file is written by a commit future once orbax has created the item's
-    directory, so an asynchronous save does not wait for a store round trip on the training thread.
+    The state is captured on the calling thread; the file is written by a commit future once orbax has created the
+    item's directory, so an asynchronous save does not wait for a store round trip on the training thread.
     """
 
     async def async_save(self, directory: Any, item: Any = None, args: Any = None) -> list[Any]:

@@ -30,11 +30,6 @@ def cache_dir(cfg: JobConfig, store: RunStore) -> str | None:
     return t.compilation_cache_dir or store.url(RunLayout.COMPILATION_CACHE)
 
 
-def _hash_global_devices(hash_obj: Any, devices: Any) -> None:
-    for d in devices.flat:
-        hash_obj.update(f"{d.platform}/{d.device_kind}/{d.id}/{d.process_index};".encode())
-
-
 def _use_gang_wide_cpu_key() -> bool:
     """Key the CPU accelerator config by the global device assignment (see the module docstring)."""
     try:
@@ -49,7 +44,8 @@ def _use_gang_wide_cpu_key() -> bool:
 
     def hash_accelerator_config(hash_obj: Any, accelerators: Any) -> None:
         if all(d.platform == "cpu" for d in accelerators.flat):
-            _hash_global_devices(hash_obj, accelerators)
+            for d in accelerators.flat:  # the global device assignment: alike in every process of the gang
+                hash_obj.update(f"{d.platform}/{d.device_kind}/{d.id}/{d.process_index};".encode())
         else:
             original(hash_obj, accelerators)
 

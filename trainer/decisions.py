@@ -182,13 +182,10 @@ def exit_code_for(exc: BaseException, *, during_init: bool = False) -> ExitCode:
 
 
 def bucket_check_exit(exc: BaseException, cfg: JobConfig, bucket: str) -> TrainerExit | None:
-    """The exit a failed read of the run bucket's metadata calls for at start, or None to go on.
+    """The exit a failed read of the run bucket's metadata calls for at start, or None to go on (docs/TRAINER.md).
 
-    Refused or absent (403, 401, 404, no credentials) is configuration: orbax reads the bucket's metadata
-    (``storage.buckets.get``) when it opens a checkpoint directory and after deleting old steps, so the
-    attempt could never checkpoint; the line names the permission and the grant for the workers'
-    ServiceAccount. A transient failure (429, 5xx, timeout, no answer: ``store.is_transient``) is not:
-    the worker goes on and the store's own retries decide later. So does anything that is not a store
+    Refused or absent is configuration: the attempt could never checkpoint. A transient failure
+    (``store.is_transient``) is not: the store's own retries decide later. Neither is anything that is not a store
     error (the check must not turn a bug of its own into a verdict).
     """
     from google.api_core import exceptions

@@ -1,11 +1,9 @@
-"""The save on SIGTERM, decided once for the gang: process 0 plans, the others read its plan.
+"""The save on SIGTERM, decided once for the gang: process 0 plans, the others read its plan (docs/TRAINER.md).
 
-orbax's save is collective (barriers across every process): a process that saves while another exits
-waits in a barrier until the kill. So the plan (``decisions.preemption_plan``) is made by process 0
-alone and published in the JAX distributed runtime's key-value store, the coordination service every
-worker already talks to (orbax's own multihost utilities use it the same way:
-``orbax/checkpoint/_src/multihost/multihost.py``, ``key_value_set`` / ``key_value_dir_get``). Nothing is
-compiled and no collective runs on the devices.
+orbax's save is collective: a process that saves while another exits waits in a barrier until the kill. So process 0
+alone plans and publishes the plan in the coordination service's key-value store (orbax's own multihost utilities
+use it the same way: ``orbax/checkpoint/_src/multihost/multihost.py``, ``key_value_set`` / ``key_value_dir_get``):
+nothing is compiled and no collective runs on the devices.
 """
 
 from __future__ import annotations
