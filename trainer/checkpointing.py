@@ -356,7 +356,6 @@ class PendingSave:
 
     step: int
     started: float
-    attempt: int
     blocking: float = 0.0  # seconds the training thread spent in save()
     held: float = 0.0  # of them, the seconds inside save() (not the copy taken as the step was dispatched)
     parts: dict[str, float] = field(default_factory=dict)  # where those seconds (and the saver's) went
@@ -521,7 +520,7 @@ class Checkpointer:
         """
         self.finish_pending()
         t1 = now()
-        p = PendingSave(step, t1, self.attempt)
+        p = PendingSave(step, t1)
         copies = self.async_save and self.copy_fits(state)
         taken = 0.0  # the loop's time taking the copy before this call (as the step was dispatched)
         if copies and capture is not None and capture.step == step:

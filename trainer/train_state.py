@@ -30,7 +30,6 @@ class Trainer:
     """Everything the loop needs to run steps: mesh, shardings, the model and the compiled functions."""
 
     mesh: Mesh
-    state_shardings: Any
     batch_sharding: NamedSharding
     replicated: NamedSharding
     abstract_state: Any
@@ -117,7 +116,7 @@ def build(cfg: JobConfig, mesh: Mesh, task: Task) -> Trainer:
     abstract_with_shardings = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-    return Trainer(mesh, shardings, batch_sharding, replicated, abstract_with_shardings, init_fn, step_fn)
+    return Trainer(mesh, batch_sharding, replicated, abstract_with_shardings, init_fn, step_fn)
 
 
 def global_batch(tr: Trainer, local: Any, process_count: int) -> Any:
