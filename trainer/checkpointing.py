@@ -161,7 +161,10 @@ MANIFEST_WAIT_S = 120.0
 
 
 def _snapshot_fn(target: Any) -> Any:
-    """A jitted copy of the state into new device buffers, same shardings (the next step donates the live ones)."""
+    """A jitted copy of the state into new device buffers, same shardings (the next step donates the live ones).
+
+    It holds one more copy of the state in device memory until orbax has copied it to the host.
+    """
     shardings = jax.tree.map(lambda x: x.sharding, target)
     return jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=shardings)
 
