@@ -1,9 +1,9 @@
 """Preflight: before the slice is paid for, check that the run can use its store and its cluster objects.
 
-Run by ``validate-config --preflight true``. What it checks, and why orbax needs ``storage.buckets.get``:
-docs/DEPLOY.md, "Preflight". A missing permission or object is class ``configuration``: one line names it and the
-command that fixes it. An unreachable store or API server is ``transient`` (Argo retries the step). The decisions
-over the results are pure (``cluster_problems``, ``dry_run_problems``); the adapters do the I/O.
+Run by ``validate-config --preflight true``. What it checks: docs/DEPLOY.md, "Preflight"; why orbax needs
+``storage.buckets.get``: its "RBAC and Workload Identity". A missing permission or object is class ``configuration``:
+one line names it and the command that fixes it. An unreachable store or API server is ``transient`` (Argo retries the
+step). The decisions over the results are pure (``cluster_problems``, ``dry_run_problems``); the adapters do the I/O.
 
 Destructive acts: none. It writes and removes only a probe object of its own (a fresh random name) in the store,
 and its cluster checks are reads, access reviews and a dry-run create (which the API server never persists).

@@ -1,6 +1,6 @@
 """The local Argo interpreter: runs a compiled Workflow on this machine, over one local cluster per run.
 
-``python -m workflows.local argo/<job>.yaml [--inject ...]``; docs/LOCAL.md describes the parts and what they model.
+``python -m workflows.local argo/<job>.yaml [--inject ...]``; docs/LOCAL.md says what it models, each module its part.
 """
 
 from workflows.local.runner import (
