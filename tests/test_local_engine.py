@@ -479,6 +479,16 @@ def _jobset(name: str, hosts: int, command: list[str]) -> dict:
     }
 
 
+def _worker(tmp_path, on_term: str) -> list[str]:
+    """A worker that sets its SIGTERM handling, then says it is ready (its pod's file) and sleeps."""
+    ready = f"open('{tmp_path}/ready-' + __import__('os').environ.get('JOB_COMPLETION_INDEX', 'x'), 'w')"
+    return [
+        sys.executable,
+        "-c",
+        f"import signal, time; signal.signal(signal.SIGTERM, {on_term}); {ready}; time.sleep(60)",
+    ]
+
+
 def _until(what, timeout=30.0):
     import time
 
@@ -498,7 +508,8 @@ def test_a_jobset_created_through_the_local_api_runs_its_workers_and_a_delete_st
     ex = LocalExecutor(repo_root=tmp_path, work_dir=tmp_path / "work")
     try:
         kube = Kube(make_api_client(ex.controllers.url), "default")
-        assert kube.create_jobset(_jobset("js", 2, IDLE))
+        # Each worker says it is ready once its SIGTERM handler is set: a SIGTERM before that would end it -15.
+        assert kube.create_jobset(_jobset("js", 2, _worker(tmp_path, "lambda *a: exit(143)")))
         assert not kube.create_jobset(_jobset("js", 2, IDLE))  # 409: the name is taken
         # The Job controller's Job, the kubelets' Running pods on their nodes, as a cluster's API lists them.
         assert [j["metadata"]["name"] for j in kube.items(kube.list_jobs, "js")] == ["js-workers-0"]
@@ -507,6 +518,7 @@ def test_a_jobset_created_through_the_local_api_runs_its_workers_and_a_delete_st
         assert [p["metadata"]["name"] for p in pods] == ["js-workers-0-0", "js-workers-0-1"]
         assert all(p["metadata"]["labels"]["app"] == "x" for p in pods)  # the pod template's labels
         assert kube.get_node(pods[0]["spec"]["nodeName"])["status"]["conditions"][0]["status"] == "True"
+        _until(lambda: len(list(tmp_path.glob("ready-*"))) == 2)
         # Force-deleting a pod SIGKILLs its worker; it does not come back.
         kube.force_delete_pod("js-workers-0-1")
         sl = ex.cluster.find("js")
@@ -530,15 +542,6 @@ def test_a_pod_deleted_or_evicted_through_the_local_api_ends_as_the_kubelet_ends
     from jaxrec.adapters.kube import Kube, make_api_client
     from workflows import drill
 
-    def worker(on_term: str) -> list[str]:
-        """A worker that sets its SIGTERM handling, then says it is ready (its pod's file) and sleeps."""
-        ready = f"open('{tmp_path}/ready-' + __import__('os').environ.get('JOB_COMPLETION_INDEX', 'x'), 'w')"
-        return [
-            sys.executable,
-            "-c",
-            f"import signal, time; signal.signal(signal.SIGTERM, {on_term}); {ready}; time.sleep(60)",
-        ]
-
     ex = LocalExecutor(repo_root=tmp_path, work_dir=tmp_path / "work")
     try:
         api = make_api_client(ex.controllers.url)
@@ -550,7 +553,7 @@ def test_a_pod_deleted_or_evicted_through_the_local_api_ends_as_the_kubelet_ends
                 None,
             )
 
-        js = _jobset("js", 2, worker("lambda *a: exit(143)"))
+        js = _jobset("js", 2, _worker(tmp_path, "lambda *a: exit(143)"))
         js["spec"]["replicatedJobs"][0]["template"]["spec"]["backoffLimit"] = 0
         kube.create_jobset(js)
         sl = ex.cluster.find("js")
@@ -578,7 +581,7 @@ def test_a_pod_deleted_or_evicted_through_the_local_api_ends_as_the_kubelet_ends
         # A worker that ignores SIGTERM is SIGKILLed once the grace asked for is over.
         for f in tmp_path.glob("ready-*"):
             f.unlink()
-        kube.create_jobset(_jobset("stubborn", 1, worker("signal.SIG_IGN")))
+        kube.create_jobset(_jobset("stubborn", 1, _worker(tmp_path, "signal.SIG_IGN")))
         _until(lambda: cluster.pods("jobset.sigs.k8s.io/jobset-name=stubborn") and list(tmp_path.glob("ready-*")))
         cluster.delete_pod("stubborn-workers-0-0", grace_s=1)
         _until(lambda: ex.cluster.find("stubborn").workers[0].returncode == -9, timeout=10)
