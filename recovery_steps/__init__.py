@@ -1,1 +1,1 @@
-"""Step programs of the recovery workflow and what they share (config, run store, contracts)."""
+"""Step programs of the recovery workflow (what they share with the trainer is in ``jaxrec``)."""
