@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from recovery_steps.closing import ClosingAttempt, close_attempt, gather
 from recovery_steps.evidence import Evidence
 from recovery_steps.in_place import current_attempt
 from recovery_steps.retry import RetryDecision, argo_duration, ledger_errors
-from recovery_steps.step import Step, StepError, k8s_client, load_run_config
+from recovery_steps.step import Step, k8s_client, load_run_config
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ def run(
         StepError: the store could not be read or written, or the run has no usable config.
     """
     store = closing.ref.store()
-    with ledger_errors(store, functools.partial(StepError, 1)):  # a ledger it cannot read or write: exit 1
+    with ledger_errors(store, 1):  # a ledger it cannot read or write: exit 1
         # The gang's newest attempt: its trainers may have been restarted in place (level 0) since it was created.
         gang_attempt = closing.ref.attempt
         attempt = current_attempt(store, gang_attempt)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import logging
 import sys
@@ -218,7 +217,7 @@ def run(
     final = SUCCEEDED if status == SUCCEEDED else FAILED
     run_id = store.run_id
     failed_nodes = parse_failures(failures)
-    with ledger_errors(store, functools.partial(StepError, 1)):  # a run store it cannot read or write: exit 1
+    with ledger_errors(store, 1):  # a run store it cannot read or write: exit 1
         if store.read_bytes(RunLayout.CONFIG) is None:
             # A ledger here would be the first document of a run that does not exist (a mistyped root or id).
             why = f" ({final_reason(final, Ledger(run_id=run_id), failed_nodes)})" if failed_nodes else ""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -213,7 +212,7 @@ def run(
     store = ref.store()
     run_id, attempt, workflow, workflow_uid = ref.run_id, ref.attempt, own.name, own.uid
     with (
-        ledger_errors(store, functools.partial(StepError, ExitCode.CONFIGURATION)),
+        ledger_errors(store, ExitCode.CONFIGURATION),
         transient_as_unavailable(store.url()),
     ):
         try:

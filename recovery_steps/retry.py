@@ -27,6 +27,7 @@ from jaxrec.adapters.store import (
 from jaxrec.model.config import ARGO_MAX_DEPTH, RetryConfig, segment_pod_depth
 from jaxrec.model.contract import FAILURE_CLASSES, AttemptOutcome, Decision, FailureClass
 from jaxrec.model.records import AttemptRecord, Ledger
+from recovery_steps.step import StepError
 
 log = logging.getLogger(__name__)
 
@@ -216,12 +217,16 @@ def append_attempt(store: RunStore, record: AttemptRecord, **kw) -> Ledger:
 
 
 @contextlib.contextmanager
-def ledger_errors(store: RunStore, error: Callable[[str], Exception]) -> Iterator[None]:
-    """Turn a failure to read or update the ledger into ``error(one-line message)``.
+def ledger_errors(store: RunStore, code: int) -> Iterator[None]:
+    """Turn a failure to read or update the ledger into the step's ``StepError`` with exit ``code`` and one line.
 
     A transient one (unreachable, HTTP 429/5xx) becomes ``StoreUnavailable``: the step exits ``transient`` and
-    Argo retries it, outside every failure-class budget. ``error`` builds the step's own failure type.
+    Argo retries it, outside every failure-class budget.
     """
+
+    def error(line: str) -> StepError:
+        return StepError(code, line)
+
     try:
         yield
     except DocumentError as e:

@@ -32,9 +32,11 @@ ROLE_RULES: list[dict[str, Any]] = _rules(cluster_scoped=False)
 NODE_RULES: list[dict[str, Any]] = _rules(cluster_scoped=True)
 
 
-def _accounts(cfgs: Iterable[JobConfig], field: str = "service_account") -> list[tuple[str, str]]:
-    """Distinct (namespace, ``field`` account) pairs of the GKE configs: the steps' or the workers', sorted."""
-    return sorted({(c.namespace, getattr(c, field)) for c in cfgs if not c.slice.is_cpu})
+def _accounts(cfgs: Iterable[JobConfig], *, workers: bool = False) -> list[tuple[str, str]]:
+    """Distinct (namespace, service account) pairs of the GKE configs: the steps' (or the workers'), sorted."""
+    return sorted(
+        {(c.namespace, c.worker_service_account if workers else c.service_account) for c in cfgs if not c.slice.is_cpu}
+    )
 
 
 def _object(api_version: str, kind: str, metadata: dict[str, str], **fields: Any) -> dict[str, Any]:
@@ -61,7 +63,7 @@ def rbac_objects(cfgs: Iterable[JobConfig]) -> list[dict[str, Any]]:
     accounts = _accounts(cfgs)
     objs = [_object("v1", "ServiceAccount", {"name": sa, "namespace": ns}) for ns, sa in accounts]
     # The workers' accounts get no Role and no API token: they only reach the bucket (Workload Identity).
-    for ns, sa in _accounts(cfgs, "worker_service_account"):
+    for ns, sa in _accounts(cfgs, workers=True):
         if (ns, sa) not in accounts:
             meta = {"name": sa, "namespace": ns}
             objs.append(_object("v1", "ServiceAccount", meta, automountServiceAccountToken=False))

@@ -236,7 +236,7 @@ def read_attempt_facts(
             tiers=store.read_record(RunLayout.tier_record(a), TierRecord),
             reports=tuple(read_worker_reports(store, a)[0]),
             # A torn heartbeat is left out: the others and the reports still say how far the attempt got.
-            heartbeats=tuple(read_records(store, f"{RunLayout.attempt(a)}/heartbeats", WorkerHeartbeat)[0]),
+            heartbeats=tuple(read_records(store, RunLayout.heartbeats(a), WorkerHeartbeat)[0]),
             failure_class=records[a].failure_class if a in records else None,
             record=records.get(a),
             events=tuple(by_attempt.get(a, ())),

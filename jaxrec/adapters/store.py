@@ -189,9 +189,14 @@ class RunLayout:
         return f"attempts/{n}/incident.json"
 
     @staticmethod
+    def heartbeats(n: int) -> str:
+        """Folder of the workers' heartbeats in attempt ``n``."""
+        return f"attempts/{n}/heartbeats"
+
+    @staticmethod
     def heartbeat(n: int, process_index: int) -> str:
         """Worker ``process_index``'s newest progress in attempt ``n`` (step and time, throttled)."""
-        return f"attempts/{n}/heartbeats/{process_index}.json"
+        return f"{RunLayout.heartbeats(n)}/{process_index}.json"
 
     @staticmethod
     def restart_order(n: int) -> str:

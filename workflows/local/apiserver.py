@@ -67,8 +67,15 @@ def iso(t: float) -> str:
 
 def status(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
     """A ``metav1.Status`` body; ``details`` (name, group, kind, causes, retryAfterSeconds) when given."""
-    body: dict[str, Any] = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure"}
-    body |= {"message": message, "reason": reason, "code": code}
+    body: dict[str, Any] = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
     if details:
         body["details"] = details
     return body
